@@ -1,0 +1,174 @@
+"""A/B experiments on vitlab's model: each compares variants of one thing, interleaved.
+
+    python benchmarks/ab.py                    # every experiment
+    python benchmarks/ab.py patchify qkv       # some of them
+
+Made for a busy machine: the variants of an experiment alternate round after round in
+one process with one thread, and the figure is the *CPU time of the thread*
+(time.thread_time), which does not count time spent waiting for a core; the minimum
+over rounds is reported beside the median.  Memory-bandwidth contention from other
+processes still adds noise, so treat differences under ~5% as none.  The results are
+in benchmarks/NOTES.md.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import harness  # noqa: F401  (puts the checkout on sys.path)
+from vitlab.config import ViTConfig
+from vitlab.models.registry import build_model
+
+SMALL = ViTConfig(width=384, depth=4, mlp_dim=1536, num_heads=6, patch_size=16, img_size=224, gelu="exact")
+CIFAR = ViTConfig(width=192, depth=6, mlp_dim=768, num_heads=3, patch_size=4, img_size=32, num_classes=10,
+                  gelu="exact")
+
+
+def compare(name: str, variants: dict[str, Callable[[], object]], rounds: int = 7) -> None:
+    """Print thread-CPU ms per call of each variant: min and median over interleaved rounds."""
+    for fn in variants.values():  # warm up every variant first
+        fn()
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for key, fn in variants.items():
+            t = time.thread_time()
+            fn()
+            cpu[key].append(time.thread_time() - t)
+    base = min(cpu[next(iter(variants))])
+    print(f"\n{name}  (thread CPU ms per call, {rounds} interleaved rounds, 1 thread)")
+    for key, ts in cpu.items():
+        print(f"  {key:34s} min {1e3 * min(ts):8.1f}  median {1e3 * statistics.median(ts):8.1f}  "
+              f"min vs first {min(ts) / base:5.2f}x")
+
+
+def exp_patchify() -> None:
+    """Patch embedding: strided conv (oneDNN) against reshape + matmul."""
+    conv = torch.nn.Conv2d(3, 768, 16, 16)
+    x = torch.randn(32, 3, 224, 224)
+
+    def as_matmul():
+        B, C, H, W = x.shape
+        p = x.view(B, C, H // 16, 16, W // 16, 16).permute(0, 2, 4, 1, 3, 5).reshape(B, -1, C * 256)
+        return F.linear(p, conv.weight.view(768, -1), conv.bias)  # (B, N, D), no transpose after
+
+    def as_conv():
+        return conv(x).flatten(2).transpose(1, 2)
+
+    def as_conv_channels_last():
+        return conv(x.contiguous(memory_format=torch.channels_last)).flatten(2).transpose(1, 2)
+
+    with torch.no_grad():
+        assert torch.allclose(as_matmul(), as_conv(), atol=1e-4)
+        compare("patchify ViT-B/16, batch 32, forward",
+                {"conv2d (current)": as_conv, "reshape + linear": as_matmul,
+                 "conv2d, channels_last input": as_conv_channels_last})
+
+
+def exp_qkv() -> None:
+    """Attention layouts: fused qkv viewed as strided q/k/v (current), made contiguous, or unbound."""
+    B, L, D, H = 16, 197, 384, 6
+    qkv = torch.nn.Linear(D, 3 * D)
+    x = torch.randn(B, L, D, requires_grad=True)
+
+    def strided():
+        q, k, v = qkv(x).view(B, L, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, D)
+
+    def contiguous():
+        q, k, v = qkv(x).view(B, L, 3, H, D // H).permute(2, 0, 3, 1, 4).contiguous()
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, D)
+
+    def chunked():
+        q, k, v = (t.view(B, L, H, D // H).transpose(1, 2) for t in qkv(x).chunk(3, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, D)
+
+    for label, grad in (("forward", False), ("forward + backward", True)):
+        def run(f):
+            def go():
+                out = f()
+                if grad:
+                    out.sum().backward()
+            return go
+        with torch.set_grad_enabled(grad):
+            compare(f"attention core, ViT-S width, batch 16, {label}",
+                    {"strided views (current)": run(strided), "contiguous q/k/v": run(contiguous),
+                     "chunk + transpose": run(chunked)})
+
+
+def _train_step(model, x, y, opt):
+    def go():
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return go
+
+
+def exp_compile() -> None:
+    """torch.compile (inductor, CPU) against eager: inference and a training step."""
+    torch.manual_seed(0)
+    eager = build_model(SMALL).eval()
+    compiled = torch.compile(build_model(SMALL).eval())
+    x = torch.randn(4, 3, 224, 224)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        compiled(x)
+    print(f"\ncompile: first call of the compiled ViT (4 blocks) took {time.perf_counter() - t:.0f} s wall")
+    with torch.inference_mode():
+        compare("torch.compile, ViT-S width x 4 blocks, batch 4, inference",
+                {"eager": lambda: eager(x), "torch.compile": lambda: compiled(x)}, rounds=5)
+    model_e, model_c = build_model(CIFAR), build_model(CIFAR)
+    model_c = torch.compile(model_c)
+    xs, ys = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
+    compare("torch.compile, CIFAR ViT, batch 64, training step (AdamW)",
+            {"eager": _train_step(model_e, xs, ys, torch.optim.AdamW(model_e.parameters())),
+             "torch.compile": _train_step(model_c, xs, ys, torch.optim.AdamW(model_c.parameters()))},
+            rounds=5)
+
+
+def exp_bf16() -> None:
+    """bf16 inference: autocast against casting the weights, against fp32."""
+    model = build_model(SMALL).eval()
+    half = build_model(SMALL).eval().to(torch.bfloat16)
+    x = torch.randn(2, 3, 224, 224)
+    print(f"\noneDNN bf16 support on this CPU: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
+
+    def autocast():
+        with torch.autocast("cpu", torch.bfloat16):
+            return model(x)
+
+    with torch.inference_mode():
+        compare("bf16, ViT-S width x 4 blocks, batch 2, inference",
+                {"fp32": lambda: model(x), "bf16 autocast": autocast,
+                 "bf16 weights (model.to)": lambda: half(x.bfloat16())}, rounds=3)
+
+
+def exp_denormal() -> None:
+    """Flush-to-zero of denormals in a training step (zero-initialised head: tiny gradients)."""
+    torch.manual_seed(0)
+    model = build_model(CIFAR)
+    x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
+    step = _train_step(model, x, y, torch.optim.AdamW(model.parameters()))
+    for _ in range(3):
+        step()
+
+    def flushed():
+        torch.set_flush_denormal(True)
+        step()
+        torch.set_flush_denormal(False)
+
+    compare("flush denormals, CIFAR ViT, batch 64, training step", {"default": step, "flush denormal": flushed})
+
+
+EXPERIMENTS = {"patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16, "denormal": exp_denormal,
+               "compile": exp_compile}
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    names = sys.argv[1:] or list(EXPERIMENTS)
+    for name in names:
+        EXPERIMENTS[name]()

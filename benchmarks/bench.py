@@ -1,0 +1,226 @@
+"""vitlab against its peers, measured in the same run: throughput, memory, share of peak.
+
+    python benchmarks/bench.py                 # everything, CPU (about an hour on 2 cores)
+    python benchmarks/bench.py --quick         # few repeats: checks the machinery
+    python benchmarks/bench.py --only infer/ViT-B/16/b8 --device cuda --compile
+
+Rows (paper architectures, random weights, same for every implementation):
+  infer  ViT-B/16 at 224, batch 1, 8, 32: images/s of a forward pass (inference mode)
+  train  ViT-S/16 at 224, batch 32; the CIFAR-size ViT (32 px, patch 4, width 192, depth 6,
+         3 heads, MLP 768, 10 classes) at batch 128: images/s of forward + backward + AdamW
+each in fp32 and in bf16 autocast.  Peers: Hugging Face ViTForImageClassification with
+attn_implementation "sdpa" and "eager", timm when importable, and ONNX Runtime (CPU, fp32
+inference) running vitlab's exported model.
+
+Every (row, implementation) runs in a fresh subprocess (harness.py); warm-up calls are
+excluded; figures are the median over repeats with the min-max range.  Peak memory is
+the rise of the process's resident set above its level after the model was built
+(CPU; VmHWM), or torch.cuda.max_memory_allocated above the allocation then (CUDA).
+The run first measures the machine's practical peak (the best large square matmul, fp32
+and bf16) and reports each result's achieved FLOP/s (analytic model FLOPs, multiply-add
+= 2, training = 3x forward) as a share of the peak of its dtype.
+
+Writes benchmarks/results/<host or device>-<date>.json and benchmarks/results/latest.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+
+from harness import peers_available, run_case
+
+HERE = Path(__file__).resolve().parent
+INFER = [("ViT-B/16", b) for b in (1, 8, 32)]
+TRAIN = [("ViT-S/16", 32), ("ViT-CIFAR", 128)]
+DTYPES = ("fp32", "bf16")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="1 warm-up, 3 short repeats, small peak matmul")
+    p.add_argument("--only", default=None, metavar="PATTERN",
+                   help="regular expression on row ids such as 'infer/ViT-B/16/b8/bf16/hf-sdpa'")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--compile", action="store_true", help="torch.compile every PyTorch model")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 7, quick 3)")
+    p.add_argument("--bf16", choices=("auto", "yes", "no"), default="auto",
+                   help="bf16 rows: 'auto' runs them where the hardware has bf16 (CUDA, or a CPU "
+                        "with AVX512-BF16/AMX); elsewhere bf16 is emulated and 10-100x slower")
+    p.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON and latest.md")
+    return p.parse_args(argv)
+
+
+def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """(peak matmul cases, model cases), each a JSON-able dict with an 'id'."""
+    common = dict(
+        device=args.device,
+        threads=args.threads or (os.cpu_count() if args.device == "cpu" else None),
+        warmup=1 if args.quick else 3,
+        repeats=args.repeats or (3 if args.quick else 7),
+        min_seconds=0.0 if args.quick else 1.0,
+    )
+    size = 2048 if args.quick else (8192 if args.device == "cuda" else 4096)
+    peaks = [dict(common, kind="matmul", dtype=dt, size=size, id=f"peak/{dt}")
+             for dt in ("float32", "bfloat16")[: 2 if bf16_wanted(args) else 1]]
+    peers = peers_available(args.device)
+    dtypes = DTYPES if bf16_wanted(args) else ("fp32",)
+    cases = []
+    for kind, rows in (("infer", INFER), ("train", TRAIN)):
+        for model, batch in rows:
+            for dtype in dtypes:
+                for impl in ["vitlab"] + peers:
+                    if impl == "onnxruntime" and (kind == "train" or dtype != "fp32"):
+                        continue
+                    cases.append(dict(
+                        common, kind="inference" if kind == "infer" else "train", model=model,
+                        batch=batch, dtype=dtype, impl=impl,
+                        compile=args.compile and impl != "onnxruntime",
+                        cache_dir=str(HERE / "results" / ".cache"),
+                        id=f"{kind}/{model}/b{batch}/{dtype}/{impl}",
+                    ))
+    if args.only:
+        cases = [c for c in cases if re.search(args.only, c["id"])]
+    return peaks, cases
+
+
+def bf16_wanted(args: argparse.Namespace) -> bool:
+    if args.bf16 != "auto":
+        return args.bf16 == "yes"
+    if args.device == "cuda":
+        return True
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def machine(args: argparse.Namespace) -> dict:
+    info = {"host": socket.gethostname(), "python": platform.python_version(), "device": args.device,
+            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+    try:
+        info["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                           if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import torch
+
+    info["torch"] = torch.__version__
+    if args.device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    for mod in ("transformers", "timm", "onnxruntime"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
+    return info
+
+
+def _loadavg() -> str:
+    try:
+        return open("/proc/loadavg").read().split(" ")[0]
+    except OSError:
+        return "?"
+
+
+def fmt_rate(r: dict) -> str:
+    if "error" in r:
+        return "error"
+    return f"{r['median']:.1f} ({r['min']:.1f}-{r['max']:.1f})"
+
+
+def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> list[list[str]]:
+    """One line per (row, dtype): img/s of each implementation, vitlab / best peer, % of peak, memory."""
+    rows: dict[str, dict[str, dict]] = {}
+    for r in results:
+        key = r["id"].rsplit("/", 1)[0]
+        rows.setdefault(key, {})[r["impl"]] = r
+    header = ["row"] + [f"{i} img/s" for i in impls] + ["vitlab/best peer", "vitlab % peak",
+                                                          "vitlab MiB", "best peer MiB"]
+    lines = [header]
+    for key, by_impl in rows.items():
+        ours = by_impl.get("vitlab", {})
+        peer_ok = [r for i, r in by_impl.items() if i != "vitlab" and "error" not in r]
+        best = max(peer_ok, key=lambda r: r["median"], default=None)
+        ratio = f"{ours['median'] / best['median']:.2f}x" if best and "median" in ours else "-"
+        peak = peaks.get("bfloat16" if key.endswith("bf16") else "float32")
+        share = f"{100 * ours['achieved_flops_per_s'] / peak:.0f}%" if peak and "median" in ours else "-"
+        mem = lambda r: f"{r['peak_bytes'] / 2**20:.0f}" if r and "peak_bytes" in r else "-"  # noqa: E731
+        lines.append([key] + [fmt_rate(by_impl[i]) if i in by_impl else "" for i in impls]
+                     + [ratio + (f" ({best['impl']})" if best else ""), share, mem(ours), mem(best)])
+    return lines
+
+
+def print_table(lines: list[list[str]]) -> None:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    for line in lines:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
+
+
+def markdown(lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(lines[0]) + " |", "|" + "---|" * len(lines[0])]
+    out += ["| " + " | ".join(line) + " |" for line in lines[1:]]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    peak_cases, cases = build_cases(args)
+    info = machine(args)
+    timeout = 600 if args.quick else 1800
+    print(f"{info.get('gpu') or info['cpu']}, {info['cpu_count']} cores, torch {info['torch']}; "
+          f"{len(cases)} configurations, each in a fresh process; load average {_loadavg()}")
+    if not bf16_wanted(args):
+        print("bf16 rows skipped: no bf16 hardware here (oneDNN reports none); --bf16 yes forces them")
+
+    peaks: dict[str, float] = {}
+    for case in peak_cases:
+        r = run_case(case, timeout)
+        if "error" in r:
+            print(f"{case['id']}: {r['error']}")
+            continue
+        peaks[case["dtype"]] = r["flops_per_s"]
+        print(f"{case['id']:28s} {r['flops_per_s'] / 1e9:8.1f} GFLOP/s (best of {case['repeats']}, "
+              f"{case['size']}^3 matmul)")
+
+    results = []
+    started = time.time()
+    for case in cases:
+        r = run_case(case, timeout)
+        r.update(id=case["id"], impl=case["impl"], case=case, loadavg=_loadavg())
+        results.append(r)
+        status = r.get("error") or (f"{fmt_rate(r)} img/s, {r['peak_bytes'] / 2**20:.0f} MiB, "
+                                    f"{r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s")
+        print(f"{case['id']:44s} {status}", flush=True)
+
+    impls = list(dict.fromkeys(c["impl"] for c in cases))
+    lines = table(results, peaks, impls)
+    print()
+    print_table(lines)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
+    name = (info.get("gpu") or info["host"]).replace(" ", "_").replace("/", "_")
+    record = {"machine": info, "args": vars(args), "peaks_flops_per_s": peaks, "results": results,
+              "seconds": time.time() - started}
+    path = out / f"{name}-{stamp}.json"
+    path.write_text(json.dumps(record, indent=1))
+    note = (f"{info.get('gpu') or info['cpu']}, {info['cpu_count']} cores, torch {info['torch']}, "
+            f"{'quick' if args.quick else 'full'} run {stamp} UTC; img/s median (min-max); "
+            f"peak matmul GFLOP/s: " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peaks.items()))
+    command = "python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    (out / "latest.md").write_text(f"{note}\n\n`{command.strip()}`\n\n" + markdown(lines))
+    print(f"\nwrote {path} and {out / 'latest.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

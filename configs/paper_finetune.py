@@ -1,0 +1,51 @@
+"""Fine-tuning as in the paper, Table 4 and Sec. 3.2 / Appendix B.1.1.
+
+SGD with momentum 0.9, batch 512, cosine decay, no weight decay, clipping at global
+norm 1, resolution 384 (higher than pre-training; position embeddings are interpolated
+in 2D, Sec. 3.2), the pre-trained head replaced by a zero-initialised linear layer.
+Warm-up: 500 steps, as the official fine-tuning code (vit_jax) does.
+Pre-processing: inception crop + flip for training, a plain resize for evaluation.
+
+Table 4 (steps, learning-rate grid):
+
+    ImageNet        20,000   {0.003, 0.01, 0.03, 0.06}
+    CIFAR-10        10,000   {0.001, 0.003, 0.01, 0.03}
+    CIFAR-100       10,000   {0.001, 0.003, 0.01, 0.03}
+    Oxford-IIIT Pets   500   {0.001, 0.003, 0.01, 0.03}
+    Oxford Flowers     500   {0.001, 0.003, 0.01, 0.03}
+    VTAB (19 tasks)  2,500   0.01          (see vtab1k.py)
+
+The learning rate is picked on a held-out 10% of the training set (2% for ImageNet),
+then the model is trained on the whole training set (Appendix B.1.1): `vitlab sweep`.
+Polyak averaging (factor 0.9999, used for the ImageNet fine-tuning of the largest models,
+Appendix B.1.1) is ``--set ema_decay=0.9999``.
+"""
+from vitlab.train.config import TrainConfig
+
+DATASETS = {
+    # name: (steps, lr grid)
+    "imagenet": (20_000, (0.003, 0.01, 0.03, 0.06)),
+    "cifar10": (10_000, (0.001, 0.003, 0.01, 0.03)),
+    "cifar100": (10_000, (0.001, 0.003, 0.01, 0.03)),
+    "pets": (500, (0.001, 0.003, 0.01, 0.03)),
+    "flowers": (500, (0.001, 0.003, 0.01, 0.03)),
+}
+
+
+def get_config(dataset: str = "cifar10") -> TrainConfig:
+    if dataset not in DATASETS:
+        raise ValueError(f"dataset={dataset!r}: allowed values are {', '.join(DATASETS)}")
+    steps, grid = DATASETS[dataset]
+    return TrainConfig(
+        recipe=f"paper_finetune:dataset={dataset}",
+        model="ViT-B/16",
+        img_size=384,
+        crop="inception", crop_scale=(0.05, 1.0), flip=True,
+        optimizer="sgd", momentum=0.9, lr=grid[2], lr_grid=grid, weight_decay=0.0,
+        batch_size=512, steps=steps, warmup=min(500, steps // 10), decay="cosine", clip_norm=1.0,
+        ema_decay=0.0,
+        precision="bf16",
+        val_split=0.02 if dataset == "imagenet" else 0.1,
+        eval_every=max(steps // 10, 1), log_every=20, ckpt_every=1000, keep_ckpts=2,
+        out=f"runs/finetune_{dataset}",
+    )

@@ -1,0 +1,103 @@
+"""Attention analysis: known answers on hand-built matrices, then smoke runs on tiny models."""
+import numpy as np
+import pytest
+import torch
+
+from vitlab.analysis.attention import (
+    attention_rollout,
+    collect_attention,
+    effective_patch_size,
+    mean_attention_distance,
+    model_attention_distance,
+    model_raw_attention,
+    model_rollout,
+    patch_distances,
+    token_to_grid,
+    upsample_maps,
+)
+from vitlab.config import ResNetConfig, ViTConfig
+from vitlab.models import create_model
+
+TINY = ViTConfig(img_size=(16, 24), patch_size=8, width=32, depth=3, mlp_dim=64, num_heads=2, num_classes=4)
+
+
+def test_identity_attention_rolls_out_to_identity():
+    L = 5
+    attn = np.broadcast_to(np.eye(L), (4, 2, 3, L, L))  # 4 layers, 2 images, 3 heads
+    np.testing.assert_allclose(attention_rollout(attn), np.broadcast_to(np.eye(L), (2, L, L)))
+
+
+def test_rollout_of_one_layer_and_two_layers_by_hand():
+    a = np.array([[0.5, 0.5], [0.0, 1.0]])
+    # one layer: (a + I) / 2 (rows of a sum to 1, so rows of a + I sum to 2)
+    one = (a + np.eye(2)) / 2
+    np.testing.assert_allclose(attention_rollout(a[None, None, None]), one[None])
+    # two layers, two heads averaging to a: product of the per-layer matrices
+    heads = np.stack([[[1.0, 0.0], [0.0, 1.0]], [[0.0, 1.0], [0.0, 1.0]]])  # mean = a
+    attn = np.stack([heads, heads])[:, None]  # (2, 1, 2, 2, 2)
+    np.testing.assert_allclose(attention_rollout(attn)[0], one @ one)
+    assert np.allclose(attention_rollout(attn).sum(-1), 1.0)
+
+
+def test_mean_distance_by_hand():
+    # grid 1 x 3, patch 4 px: centres at x = 2, 6, 10 -> distances 0, 4, 8 between patches
+    np.testing.assert_allclose(patch_distances((1, 3), (4, 4)), [[0, 4, 8], [4, 0, 4], [8, 4, 0]])
+    # prefix token 0 excluded; patch queries (rows 1..3) over patch keys (cols 1..3):
+    #   q1: all on itself                      -> 0
+    #   q2: 0.5 on p1, 0.5 on p3               -> 4
+    #   q3: 0.2 on cls, 0.4 on p1, 0.4 on p3   -> renormalised 0.5/0.5 on p1 (8 px), p3 (0) -> 4
+    a = np.array([
+        [1.0, 0.0, 0.0, 0.0],
+        [0.0, 1.0, 0.0, 0.0],
+        [0.0, 0.5, 0.0, 0.5],
+        [0.2, 0.4, 0.0, 0.4],
+    ])
+    head_b = np.eye(4)  # every patch attends to itself -> 0
+    attn = np.stack([a, head_b])[None, None]  # (1 layer, 1 image, 2 heads, 4, 4)
+    d = mean_attention_distance(attn, (1, 3), (4, 4), num_prefix=1)
+    np.testing.assert_allclose(d, [[(0 + 4 + 4) / 3, 0.0]])
+
+
+def test_token_to_grid_cls_and_gap():
+    m = np.arange(25, dtype=float).reshape(1, 5, 5)
+    np.testing.assert_array_equal(token_to_grid(m, (2, 2), 1), [[[1, 2], [3, 4]]])
+    m4 = np.arange(16, dtype=float).reshape(1, 4, 4)
+    np.testing.assert_allclose(token_to_grid(m4, (2, 2), 0), m4.mean(axis=1).reshape(1, 2, 2))
+    assert upsample_maps(np.ones((2, 2, 3)), (8, 12)).shape == (2, 8, 12)
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_smoke_on_tiny_vit(classifier):
+    torch.manual_seed(0)
+    model = create_model(TINY, classifier=classifier)
+    x = torch.randn(3, 3, 16, 24)
+    attn = collect_attention(model, x)
+    L = model.cfg.num_prefix_tokens + 6
+    assert attn.shape == (3, 3, 2, L, L)
+    np.testing.assert_allclose(attn.sum(-1), 1.0, atol=1e-5)
+    d = model_attention_distance(model, x, batch_size=2)
+    assert d.shape == (3, 2) and (d > 0).all() and (d < np.hypot(16, 24)).all()
+    np.testing.assert_allclose(d, mean_attention_distance(attn, (2, 3), (8, 8), model.cfg.num_prefix_tokens),
+                               rtol=1e-6)
+    r = model_rollout(model, x)
+    assert r.shape == (3, 2, 3) and (r >= 0).all() and (r.sum(axis=(1, 2)) <= 1 + 1e-6).all()
+    raw = model_raw_attention(model, x, layer=-1, head=1)
+    assert raw.shape == (3, 2, 3)
+    with pytest.raises(ValueError, match="layers"):
+        model_raw_attention(model, x, layer=5)
+
+
+def test_hybrid_patch_size_in_pixels():
+    cfg = ViTConfig(img_size=32, patch_size=1, width=32, depth=1, mlp_dim=64, num_heads=2, num_classes=2,
+                    resnet=ResNetConfig(layers=(1, 1), width_factor=1))
+    model = create_model(cfg)
+    assert effective_patch_size(model) == (8, 8)  # reduction 8 x 1x1 patches
+    d = model_attention_distance(model, torch.randn(1, 3, 32, 32))
+    assert d.shape == (1, 2) and (d < 32 * np.sqrt(2)).all()
+
+
+def test_axial_is_refused_clearly():
+    cfg = ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2, num_classes=2,
+                    classifier="gap", axial=True)
+    with pytest.raises(ValueError, match="Axial"):
+        model_rollout(create_model(cfg), torch.randn(1, 3, 16, 16))

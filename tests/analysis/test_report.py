@@ -1,0 +1,112 @@
+"""The HTML report: self-contained, every section present, every figure renders in Chromium."""
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("matplotlib")
+
+from vitlab.analysis.report import read_run_meta, write_report  # noqa: E402
+from vitlab.config import ViTConfig  # noqa: E402
+from vitlab.models import create_model  # noqa: E402
+
+TINY = ViTConfig(img_size=16, patch_size=4, width=32, depth=2, mlp_dim=64, num_heads=2, num_classes=3,
+                 name="ViT-tiny/4")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHECK_SCRIPT = """<script>
+window.addEventListener('load', () => {
+  const imgs = Array.from(document.images);
+  const out = document.createElement('pre');
+  out.id = 'imgcheck';
+  out.textContent = JSON.stringify(imgs.map(i => [i.alt, i.complete ? i.naturalWidth : 0]));
+  document.body.appendChild(out);
+});
+</script></body>"""
+
+
+def images(n=2):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (n, 3, 24, 24), dtype=torch.uint8, generator=g)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    torch.manual_seed(0)
+    run = tmp_path_factory.mktemp("run")
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss": 1.0 / (s + 1), "lr": 1e-3, **({"val_top1": 0.1 * s} if s % 2 else {})}) + "\n"
+        for s in range(6)) + '{"step": 7, "loss"')  # a half-written last line is skipped
+    (run / "config.json").write_text(json.dumps({"recipe": "tiny", "lr": 0.001, "steps": 6}))
+    (run / "summary.json").write_text(json.dumps({"val_top1": 0.5, "steps": 6}))
+    (run / "classes.json").write_text(json.dumps(["cat", "dog", "emu"]))
+    meta = read_run_meta(run / "model.safetensors")
+    assert meta["recipe"]["recipe"] == "tiny" and meta["classes"] == ["cat", "dog", "emu"]
+    out = write_report(create_model(TINY), images(), run / "report.html", run_dir=run, meta=meta)
+    return out
+
+
+def test_report_is_self_contained_and_complete(report):
+    page = report.read_text()
+    for anchor in ("card", "curves", "predictions", "rollout", "distance", "heads", "embeddings"):
+        assert f'id="{anchor}"' in page
+    for fig in ("Figures 6 and 14", "Figure 7 (right) and Figure 11", "Figure 7 (left, centre) and Figure 10"):
+        assert fig in page.replace("FIGURE", "Figure")
+    assert not re.search(r'(src|href)="(https?:)?//', page)  # no network requests
+    assert "<script" not in page and "<link" not in page
+    assert len(re.findall(r'src="data:image/png;base64,', page)) >= 7
+    assert "emu" in page and "ViT-tiny/4" in page
+
+
+def test_models_without_the_figures_say_why():
+    from vitlab.analysis.report import _attention_arrays, _section_embeddings
+
+    page = _section_embeddings(create_model(TINY, posemb="relative", classifier="gap"))
+    assert "no absolute position embeddings" in page
+    axial = ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2, num_classes=3,
+                      classifier="gap", axial=True)
+    with pytest.raises(ValueError, match="Axial-ViT attends along rows and columns"):
+        _attention_arrays(create_model(axial), torch.zeros(1, 3, 16, 16))
+
+
+def test_attention_arrays_match_the_model_functions():
+    from vitlab.analysis.attention import model_attention_distance, model_raw_attention, model_rollout
+    from vitlab.analysis.report import _attention_arrays
+
+    model = create_model(TINY)
+    x = torch.randn(2, 3, 16, 16)
+    rollout, distance, heads = _attention_arrays(model, x)
+    np.testing.assert_allclose(rollout, model_rollout(model, x), atol=1e-6)
+    np.testing.assert_allclose(distance, model_attention_distance(model, x), atol=1e-5)
+    np.testing.assert_allclose(heads[1, 0], model_raw_attention(model, x[:1], layer=1, head=0)[0], atol=1e-6)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get install chromium)")
+def test_every_figure_renders_in_chromium(report):
+    checked = report.with_name("checked.html")
+    checked.write_text(report.read_text().replace("</body>", CHECK_SCRIPT))
+    profile = tempfile.mkdtemp()
+    try:
+        dom = subprocess.run(
+            [CHROMIUM, *CHROME_FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=10000", "--dump-dom",
+             checked.as_uri()], capture_output=True, text=True, timeout=60).stdout
+        shot = report.with_name("shot.png")
+        subprocess.run([CHROMIUM, *CHROME_FLAGS, f"--user-data-dir={profile}", f"--screenshot={shot}",
+                        "--window-size=1200,3000", report.as_uri()], capture_output=True, timeout=60)
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+    found = re.search(r'<pre id="imgcheck">(.*?)</pre>', dom, re.S)
+    assert found, "the check script did not run: " + dom[-500:]
+    widths = json.loads(found.group(1).replace("&quot;", '"'))
+    assert len(widths) >= 7
+    assert all(w > 0 for _, w in widths), widths
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(shot).convert("L"), dtype=float)
+    assert pixels.shape == (3000, 1200) and pixels.std() > 10  # a rendered page, not a blank one

@@ -1,0 +1,97 @@
+"""Tests for vitlab.data.memory: decoding into RAM, caching, corrupt images."""
+import logging
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitlab.data import memory
+from vitlab.data.memory import load_in_memory
+from vitlab.data.sources import DataError
+
+
+def test_decodes_folder_exactly(make_folder, fakes, tmp_path):
+    root = make_folder(classes=2, per_class=3, size=(6, 5))
+    data = load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)
+    assert data.images.dtype == torch.uint8 and data.images.shape == (6, 3, 6, 5)
+    assert data.labels.dtype == torch.int64 and data.labels.tolist() == [0, 0, 0, 1, 1, 1]
+    assert data.classes == ["class_0", "class_1"] and data.skipped == []
+    for i in range(6):  # PNG is lossless: every pixel is known
+        expected = torch.from_numpy(fakes.image_with_id(i, (6, 5))).permute(2, 0, 1)
+        assert torch.equal(data.images[i], expected)
+
+
+def test_second_call_reads_the_cache(make_folder, tmp_path, monkeypatch):
+    root = make_folder()
+    first = load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("decoded again instead of reading the cache")
+
+    monkeypatch.setattr(memory, "_decode_all", no_decoding)
+    second = load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)
+    assert torch.equal(first.images, second.images) and torch.equal(first.labels, second.labels)
+    assert second.classes == first.classes
+    # A different image size is a different cache entry.
+    with pytest.raises(AssertionError, match="decoded again"):
+        load_in_memory(root, image_size=4, cache_dir=tmp_path / "cache", workers=1)
+
+
+def test_cache_invalidated_when_folder_changes(make_folder, fakes, tmp_path):
+    root = make_folder(classes=2, per_class=2)
+    assert len(load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)) == 4
+    Image.fromarray(fakes.image_with_id(99)).save(root / "class_1" / "extra.png")
+    assert len(load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)) == 5
+
+
+def test_archive_gives_the_same_arrays_as_the_folder(make_folder, fakes, tmp_path):
+    root = make_folder(classes=3, per_class=2, subdir="train")
+    archive = fakes.make_tar(root, tmp_path / "set.tar.gz")
+    from_folder = load_in_memory(root, cache_dir=tmp_path / "c1", workers=1)
+    from_archive = load_in_memory(archive, cache_dir=tmp_path / "c2", workers=1)
+    assert torch.equal(from_folder.images, from_archive.images)
+    assert torch.equal(from_folder.labels, from_archive.labels)
+    assert not (tmp_path / "c2" / "extracted").exists()  # read in one pass, not extracted
+
+
+def test_process_pool_matches_single_process(make_folder, tmp_path):
+    root = make_folder(classes=2, per_class=80, size=(4, 4))  # > 64 per chunk: several jobs
+    one = load_in_memory(root, cache_dir=tmp_path / "c1", workers=1)
+    two = load_in_memory(root, cache_dir=tmp_path / "c2", workers=2)
+    assert torch.equal(one.images, two.images) and torch.equal(one.labels, two.labels)
+
+
+def test_different_sizes_need_image_size(make_folder, fakes, tmp_path):
+    root = make_folder(classes=2, per_class=2, size=(8, 8))
+    Image.fromarray(fakes.image_with_id(7, (10, 6))).save(root / "class_0" / "odd.png")
+    with pytest.raises(DataError, match="image_size"):
+        load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)
+    data = load_in_memory(root, image_size=(5, 7), cache_dir=tmp_path / "cache", workers=1)
+    assert data.images.shape == (5, 3, 5, 7)
+
+
+def test_grayscale_and_rgba_become_rgb(make_folder, tmp_path):
+    root = make_folder(classes=1, per_class=1)
+    Image.fromarray(np.full((8, 8), 77, np.uint8), "L").save(root / "class_0" / "gray.png")
+    Image.fromarray(np.full((8, 8, 4), 200, np.uint8), "RGBA").save(root / "class_0" / "rgba.png")
+    data = load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)
+    assert data.images.shape == (3, 3, 8, 8)
+    assert (data.images[1] == 77).all() and (data.images[2] == 200).all()
+
+
+def test_corrupt_images_skipped_counted_and_logged(make_folder, tmp_path, caplog):
+    root = make_folder(classes=2, per_class=3, fmt="jpg")
+    good = (root / "class_0" / "0000.jpg").read_bytes()
+    (root / "class_0" / "truncated.jpg").write_bytes(good[: len(good) // 2])
+    (root / "class_1" / "garbage.jpg").write_bytes(b"definitely not a jpeg")
+    with caplog.at_level(logging.WARNING, logger="vitlab.data.memory"):
+        data = load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)
+    assert len(data) == 6 and data.labels.tolist() == [0, 0, 0, 1, 1, 1]
+    assert sorted(p.rsplit("/", 1)[-1] for p, _ in data.skipped) == ["garbage.jpg", "truncated.jpg"]
+    assert all(reason for _, reason in data.skipped)
+    assert "skipped 2 unreadable image(s) of 8" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitlab.data.memory"):
+        cached = load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)
+    assert len(cached.skipped) == 2 and "skipped 2" in caplog.text  # never silent, cached or not

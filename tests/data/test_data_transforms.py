@@ -1,0 +1,259 @@
+"""Tests for vitlab.data.transforms and vitlab.data.randaugment: batch augmentation ops."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageEnhance, ImageOps
+
+from vitlab.config import ConfigError
+from vitlab.data import randaugment
+from vitlab.data.transforms import (
+    EvalTransform,
+    TrainTransform,
+    build_transform,
+    mixup_cutmix,
+    one_hot_smooth,
+    rand_augment,
+    random_crop_with_padding,
+    random_erasing,
+    random_flip,
+    random_resized_crop,
+    resize,
+    to_float,
+)
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def batch(b: int = 8, h: int = 16, w: int = 16, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (b, 3, h, w), generator=gen(seed), dtype=torch.uint8)
+
+
+def to_pil(image_chw: torch.Tensor) -> Image.Image:
+    return Image.fromarray(image_chw.permute(1, 2, 0).numpy())
+
+
+def from_pil(image: Image.Image) -> torch.Tensor:
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1)
+
+
+def test_to_float_range_is_exactly_minus_one_to_one():
+    x = torch.tensor([0, 1, 127, 128, 254, 255], dtype=torch.uint8).view(1, 1, 1, 6)
+    y = to_float(x)
+    assert y.dtype == torch.float32
+    assert y.flatten()[0].item() == -1.0 and y.flatten()[-1].item() == 1.0
+    assert torch.all(y.flatten()[1:] > y.flatten()[:-1])
+
+
+def test_flip_twice_is_identity_and_flips_some():
+    x = batch(32)
+    once = random_flip(x, gen(5))
+    assert once.shape == x.shape and once.dtype == x.dtype
+    assert torch.equal(random_flip(once, gen(5)), x)
+    flipped = [(not torch.equal(once[i], x[i])) for i in range(32)]
+    assert 0 < sum(flipped) < 32
+    for i in range(32):
+        assert torch.equal(once[i], x[i].flip(-1) if flipped[i] else x[i])
+
+
+@pytest.mark.parametrize("out_size", [24, 10, (12, 20)])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_full_square_crop_equals_plain_resize(out_size, dtype):
+    x = batch(4, 16, 16).to(dtype)
+    crop = random_resized_crop(x, out_size, scale=(1.0, 1.0), ratio=(1.0, 1.0), generator=gen())
+    plain = resize(x, out_size)
+    assert crop.dtype == dtype and crop.shape == plain.shape
+    if dtype == torch.uint8:  # exact halves (frequent at 2/3 scale) may round either way
+        assert (crop.int() - plain.int()).abs().max() <= 1
+    else:
+        torch.testing.assert_close(crop, plain, atol=1e-3, rtol=0)
+
+
+def test_crop_at_native_scale_is_an_exact_sub_block():
+    x = torch.randn(6, 3, 8, 8, generator=gen())
+    crop = random_resized_crop(x, 4, scale=(0.25, 0.25), ratio=(1.0, 1.0), generator=gen(1))
+    assert crop.shape == (6, 3, 4, 4)
+    for i in range(6):
+        blocks = [x[i, :, y : y + 4, z : z + 4] for y in range(5) for z in range(5)]
+        assert min((crop[i] - b).abs().max().item() for b in blocks) < 1e-5
+
+
+def test_inception_crop_is_reproducible_and_varies_per_image():
+    x = batch(16, 32, 32)
+    a = random_resized_crop(x, 16, generator=gen(3))
+    assert torch.equal(a, random_resized_crop(x, 16, generator=gen(3)))
+    assert not torch.equal(a, random_resized_crop(x, 16, generator=gen(4)))
+    assert a.shape == (16, 3, 16, 16) and a.dtype == torch.uint8
+
+
+def test_crop_with_padding_is_a_crop_of_the_reflect_padded_image():
+    x = batch(16, 8, 8)
+    out = random_crop_with_padding(x, 2, generator=gen(2))
+    assert out.shape == x.shape and out.dtype == x.dtype
+    padded = F.pad(x.float(), (2, 2, 2, 2), mode="reflect")
+    shifts = set()
+    for i in range(16):
+        match = [(dy, dx) for dy in range(5) for dx in range(5)
+                 if torch.equal(padded[i, :, dy : dy + 8, dx : dx + 8], out[i].float())]
+        assert match, f"image {i} is not a crop of the padded image"
+        shifts.add(match[0])
+    assert len(shifts) > 1
+    assert torch.equal(random_crop_with_padding(x, 0, generator=gen()), x)
+
+
+def test_resize_keeps_dtype_and_skips_same_size():
+    x = batch(2, 16, 16)
+    assert resize(x, 16) is x
+    assert resize(x, (8, 12)).shape == (2, 3, 8, 12) and resize(x, 8).dtype == torch.uint8
+
+
+def test_one_hot_smooth():
+    t = one_hot_smooth(torch.tensor([3, 0]), 10, 0.1)
+    assert t.shape == (2, 10) and t.dtype == torch.float32
+    torch.testing.assert_close(t.sum(1), torch.ones(2))
+    assert t[0, 3].item() == pytest.approx(0.91) and t[0, 0].item() == pytest.approx(0.01)
+    assert torch.equal(one_hot_smooth(torch.tensor([1]), 3), torch.tensor([[0.0, 1.0, 0.0]]))
+
+
+def test_mixup_mixes_images_and_targets_with_one_lambda():
+    x = torch.randn(6, 3, 4, 4, generator=gen())
+    t = one_hot_smooth(torch.arange(6), 6)
+    mixed, soft = mixup_cutmix(x, t, 0.8, 0.0, 0.5, gen(1))
+    torch.testing.assert_close(soft.sum(1), torch.ones(6))
+    lam = soft[0, 0].item()
+    assert 0 < lam < 1 and soft[0, 5].item() == pytest.approx(1 - lam)
+    torch.testing.assert_close(mixed, lam * x + (1 - lam) * x.flip(0))
+
+
+def test_cutmix_targets_match_pasted_area():
+    x = torch.arange(6, dtype=torch.float32).view(6, 1, 1, 1).expand(6, 3, 16, 16).contiguous()
+    t = one_hot_smooth(torch.arange(6), 6)
+    for seed in range(5):
+        mixed, soft = mixup_cutmix(x, t, 0.0, 1.0, 0.5, gen(seed))
+        torch.testing.assert_close(soft.sum(1), torch.ones(6))
+        own = (mixed[0] == 0).float().mean().item()  # image 0 is all zeros, its partner all fives
+        assert soft[0, 0].item() == pytest.approx(own) and soft[0, 5].item() == pytest.approx(1 - own)
+
+
+def test_mix_off_is_identity_and_mixup_needs_float():
+    x, t = batch(4), one_hot_smooth(torch.arange(4), 4)
+    assert mixup_cutmix(x, t, 0.0, 0.0, 0.5, gen())[0] is x
+    with pytest.raises(TypeError, match="to_float"):
+        mixup_cutmix(x, t, 0.8, 0.0, 0.5, gen())
+
+
+def test_random_erasing():
+    x = to_float(batch(16))
+    assert torch.equal(random_erasing(x, 0.0, gen()), x)
+    erased = random_erasing(x, 1.0, gen(1), value=0.0)
+    assert erased.shape == x.shape
+    for i in range(16):
+        changed = (erased[i] != x[i]).any(0)
+        rows, cols = changed.any(1).nonzero(), changed.any(0).nonzero()
+        assert changed.any()
+        box = (rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1)
+        # at most a third of the area, up to the rounding of the box sides
+        assert box <= 16 * 16 / 3 * 1.25 and (erased[i][:, changed] == 0).all()
+
+
+def test_rand_augment_shapes_determinism_and_identity():
+    x = batch(32, 12, 20)
+    a = rand_augment(x, 2, 9, generator=gen(7))
+    assert a.shape == x.shape and a.dtype == torch.uint8
+    assert torch.equal(a, rand_augment(x, 2, 9, generator=gen(7)))
+    assert not torch.equal(a, x)
+    assert torch.equal(rand_augment(x, 3, 9, generator=gen(7), ops=("identity",)), x)
+    with pytest.raises(ValueError):
+        rand_augment(x.float(), generator=gen())
+
+
+def _op(name, x, m, sign=1.0):
+    return randaugment._OPS[name](x, m, torch.full((len(x),), sign))
+
+
+def test_pointwise_ops_known_answers():
+    x = torch.tensor([0, 100, 200, 255], dtype=torch.uint8).view(1, 1, 1, 4).expand(1, 3, 1, 4)
+    assert _op("solarize", x, 0.5)[0, 0, 0].tolist() == [0, 100, 55, 0]  # threshold 128
+    assert _op("posterize", x, 0.5)[0, 0, 0].tolist() == [0, 100, 200, 252]  # keep 6 bits
+    assert _op("posterize", x, 1.0)[0, 0, 0].tolist() == [0, 96, 192, 240]  # keep 4 bits
+    assert _op("brightness", x, 0.5, -1.0)[0, 0, 0].tolist() == [0, 55, 110, 140]  # factor 0.55
+
+
+@pytest.mark.parametrize("name, pil", [
+    ("autocontrast", ImageOps.autocontrast),
+    ("equalize", ImageOps.equalize),
+])
+def test_histogram_ops_match_pil(name, pil):
+    x = (batch(4, 16, 16) // 3 + 40).to(torch.uint8)  # narrow range so both ops do something
+    ours = _op(name, x, 0.9)
+    for i in range(4):
+        assert (ours[i].int() - from_pil(pil(to_pil(x[i]))).int()).abs().max() <= 1
+
+
+@pytest.mark.parametrize("name, enhancer", [
+    ("color", ImageEnhance.Color),
+    ("contrast", ImageEnhance.Contrast),
+    ("brightness", ImageEnhance.Brightness),
+    ("sharpness", ImageEnhance.Sharpness),
+])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_enhance_ops_match_pil(name, enhancer, sign):
+    x = batch(3, 10, 10)
+    factor = 1 + 0.9 * 0.5 * sign
+    ours = _op(name, x, 0.5, sign)
+    for i in range(3):
+        theirs = from_pil(enhancer(to_pil(x[i])).enhance(factor))
+        assert (ours[i].int() - theirs.int()).abs().max() <= 2  # PIL rounds its grey levels
+
+
+def test_geometric_ops_known_answers():
+    x = batch(2, 8, 8)
+    for name in ("rotate", "shear_x", "shear_y", "translate_x", "translate_y"):
+        assert torch.equal(_op(name, x, 0.0), x)  # magnitude 0 is the identity
+    m = 2 / (0.45 * 8)  # a shift of exactly 2 pixels
+    moved = _op("translate_x", x, m)
+    assert (moved[..., :6].int() - x[..., 2:].int()).abs().max() <= 1
+    assert (moved[..., 6:] == 128).all()
+    moved = _op("translate_y", x, m, -1.0)
+    assert (moved[:, :, 2:].int() - x[:, :, :6].int()).abs().max() <= 1
+    rotated = _op("rotate", x, 3.0)  # 90 degrees: a square image maps onto itself
+    assert (rotated.int() - x.rot90(1, (2, 3)).int()).abs().max() <= 1 or \
+           (rotated.int() - x.rot90(-1, (2, 3)).int()).abs().max() <= 1
+
+
+def test_build_train_transform_pipeline():
+    x, y = batch(8, 32, 32), torch.arange(8) % 10
+    cfg = TrainTransform(num_classes=10, crop="pad", randaug_ops=2, mixup_alpha=0.8, cutmix_alpha=1.0,
+                         label_smoothing=0.1, erase_prob=0.25)
+    fn = build_transform(cfg)
+    images, targets = fn(x, y, gen(1))
+    assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32
+    assert targets.shape == (8, 10)
+    torch.testing.assert_close(targets.sum(1), torch.ones(8))
+    again = fn(x, y, gen(1))
+    assert torch.equal(images, again[0]) and torch.equal(targets, again[1])
+    images, targets = build_transform(TrainTransform(num_classes=10, image_size=16))(x, y, gen())
+    assert images.shape == (8, 3, 16, 16) and images.min() >= -1 and images.max() <= 1
+
+
+def test_build_eval_transform():
+    x, y = batch(4, 32, 32), torch.tensor([0, 1, 2, 3])
+    images, targets = build_transform(EvalTransform(num_classes=4, image_size=48))(x, y, gen())
+    assert images.shape == (4, 3, 48, 48)
+    assert torch.equal(targets, torch.eye(4))
+    images, _ = build_transform(EvalTransform(num_classes=4))(x, y, gen())
+    assert torch.equal(images, to_float(x))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(crop="center"), "crop"),
+    (dict(crop="inception"), "image_size"),
+    (dict(crop="pad", mixup_alpha=-1.0), "mixup_alpha"),
+    (dict(crop="pad", label_smoothing=1.0), "label_smoothing"),
+    (dict(crop="pad", crop_scale=(0.5, 0.1)), "crop_scale"),
+])
+def test_train_transform_validation_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        TrainTransform(num_classes=10, **kwargs)

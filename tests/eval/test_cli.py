@@ -1,0 +1,66 @@
+"""`vitlab eval` and `vitlab fewshot` end to end on a tiny saved model and the digits data."""
+import json
+
+import pytest
+import torch
+
+from vitlab.cli import main
+from vitlab.config import ViTConfig
+from vitlab.models import create_model
+
+weights = pytest.importorskip("vitlab.weights")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2, num_classes=10,
+                    representation_size=32, name="ViT-tiny")
+    model = create_model(cfg)
+    with torch.no_grad():
+        model.head.weight.normal_(0, 0.3)
+    run = tmp_path_factory.mktemp("run")
+    weights.save_model(model, run / "model.safetensors")
+    (run / "config.json").write_text(json.dumps({"recipe": "test", "data": "digits", "val_split": 300,
+                                                 "split_seed": 1, "steps": 3}))
+    (run / "classes.json").write_text(json.dumps([str(i) for i in range(10)]))
+    (run / "summary.json").write_text(json.dumps({"val_top1": 0.1, "steps": 3}))
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss": 2.3 - 0.1 * s, "lr": 0.001 * s}) + "\n" for s in range(5)))
+    return run
+
+
+def last_json(capsys):
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_eval_uses_the_run_split(run_dir, capsys):
+    assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--json"]) == 0
+    out = last_json(capsys)
+    assert out["n"] == 300 and out["split"] == 300 and out["split_seed"] == 1
+    assert 0 <= out["top1"] <= out["top5"] <= 1
+    assert len(out["confusion_matrix"]) == 10 and sum(map(sum, out["confusion_matrix"])) == 300
+    assert set(out["per_class_accuracy"]) == {str(i) for i in range(10)}
+
+
+def test_eval_whole_set_short_json(run_dir, capsys):
+    assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", "digits",
+                 "--val-split", "0"]) == 0
+    out = last_json(capsys)
+    assert set(out) == {"top1", "top5", "n"} and out["n"] == 1797
+
+
+def test_fewshot_caches_features(run_dir, tmp_path, capsys):
+    args = ["fewshot", str(run_dir / "model.safetensors"), "--shots", "1", "5", "--seeds", "2",
+            "--feature-cache", str(tmp_path / "feats"), "--json"]
+    assert main(args) == 0
+    out = last_json(capsys)
+    assert set(out["fewshot"]) == {"1", "5"} and len(out["fewshot"]["5"]["per_seed"]) == 2
+    assert out["feature_dim"] == 32
+    assert len(list((tmp_path / "feats").glob("*.npz"))) == 1
+    assert main(args) == 0  # second run reads the cached features
+    assert last_json(capsys) == out
+
+
+def test_wrong_classes_are_refused(run_dir, capsys):
+    assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", str(run_dir)]) == 2

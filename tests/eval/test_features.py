@@ -1,0 +1,49 @@
+import numpy as np
+import torch
+
+from vitlab.config import ViTConfig
+from vitlab.eval.features import FeatureCache, extract_features, predict_logits
+from vitlab.models import create_model
+
+TINY = ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2, num_classes=5)
+
+
+def images(n, size=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=g)
+
+
+def test_features_are_the_representation_in_batches():
+    torch.manual_seed(0)
+    model = create_model(TINY, representation_size=24)
+    x = images(5, size=20)  # resized to the model's 16 px
+    f = extract_features(model, x, batch_size=2)
+    assert f.shape == (5, 24) and f.dtype == np.float32
+    with torch.no_grad():
+        ref = model.forward_head(model.forward_features(torch.nn.functional.interpolate(
+            x.float(), size=(16, 16), mode="bilinear", align_corners=False).round().clamp(0, 255) / 127.5 - 1),
+            pre_logits=True)
+    np.testing.assert_allclose(f, ref.numpy(), atol=1e-5)
+    assert np.abs(f).max() <= 1.0  # pre-logits end in tanh
+    assert predict_logits(model, x).shape == (5, 5)
+
+
+def test_gap_model_without_pre_logits_gives_width():
+    model = create_model(TINY, classifier="gap")
+    assert extract_features(model, images(3)).shape == (3, 32)
+
+
+def test_cache_computes_once(tmp_path):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return np.arange(6.0).reshape(2, 3)
+
+    cache = FeatureCache(tmp_path)
+    a = cache.get(("ckpt", "data", 16), compute)
+    b = cache.get(("ckpt", "data", 16), compute)
+    fresh = FeatureCache(tmp_path).get(("ckpt", "data", 16), compute)  # from the .npz
+    assert len(calls) == 1 and (a == b).all() and (a == fresh).all()
+    FeatureCache().get("other", compute)
+    assert len(calls) == 2

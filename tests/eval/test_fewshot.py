@@ -1,0 +1,75 @@
+"""The closed-form few-shot solver against scikit-learn's Ridge as an independent oracle."""
+import numpy as np
+import pytest
+from sklearn.linear_model import Ridge
+
+from vitlab.eval.fewshot import (
+    RidgeSolver,
+    fewshot_evaluate,
+    fit_ridge,
+    select_l2,
+    signed_targets,
+)
+
+
+def blobs(n_per_class, num_classes, dim, seed, spread=1.0):
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(num_classes, dim)) * 3
+    y = np.repeat(np.arange(num_classes), n_per_class)
+    x = centres[y] + spread * rng.normal(size=(len(y), dim))
+    return x, y
+
+
+@pytest.mark.parametrize("form,n,d", [("primal", 60, 8), ("dual", 12, 40), ("auto", 12, 40), ("auto", 60, 8)])
+@pytest.mark.parametrize("l2", [1e-3, 0.5, 30.0])
+def test_matches_sklearn_ridge(form, n, d, l2):
+    rng = np.random.default_rng(n + d)
+    x = rng.normal(size=(n, d)) + 2.0  # an offset, so the bias matters
+    y = np.arange(n) % 4
+    fit = fit_ridge(x, y, 4, l2, form=form)
+    oracle = Ridge(alpha=l2, fit_intercept=True, solver="cholesky").fit(x, signed_targets(y, 4))
+    np.testing.assert_allclose(fit.weights, oracle.coef_.T, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(fit.bias, oracle.intercept_, rtol=1e-6, atol=1e-8)
+    x_new = rng.normal(size=(7, d))
+    np.testing.assert_allclose(fit.decision(x_new), oracle.predict(x_new), rtol=1e-6, atol=1e-8)
+    np.testing.assert_array_equal(fit.predict(x_new), oracle.predict(x_new).argmax(axis=1))
+
+
+def test_primal_and_dual_agree():
+    x, y = blobs(3, 5, 30, seed=1)  # n = 15 < d = 30
+    a = RidgeSolver(x, signed_targets(y, 5), "primal").fit(0.1)
+    b = RidgeSolver(x, signed_targets(y, 5), "dual").fit(0.1)
+    np.testing.assert_allclose(a.weights, b.weights, atol=1e-8)
+    np.testing.assert_allclose(a.bias, b.bias, atol=1e-8)
+
+
+def test_l2_chosen_on_holdout_only():
+    x, y = blobs(8, 3, 6, seed=2)
+    solver = RidgeSolver(x, signed_targets(y, 3))
+    hx, hy = blobs(5, 3, 6, seed=2)
+    grid = [1e-2, 1.0, 1e2]
+    l2, accs = select_l2(solver, hx, hy, grid)
+    assert accs.shape == (3,) and l2 in grid and accs[grid.index(l2)] == accs.max()
+    # ties go to the largest regulariser
+    l2_tie, _ = select_l2(solver, hx[:1], hy[:1] * 0 + solver.fit(1e2).predict(hx[:1]), grid)
+    assert l2_tie == 1e2
+
+
+def test_fewshot_evaluate_on_separable_blobs():
+    pool_x, pool_y = blobs(40, 4, 16, seed=3, spread=0.5)
+    eval_x, eval_y = blobs(20, 4, 16, seed=3, spread=0.5)
+    res = fewshot_evaluate(pool_x, pool_y, eval_x, eval_y, shots=(1, 5), seeds=(0, 1, 2), holdout_per_class=5)
+    assert set(res.accuracy) == {1, 5} and all(len(v) == 3 for v in res.accuracy.values())
+    assert res.mean(5) > 0.95
+    d = res.to_dict()
+    assert set(d["5"]) == {"mean", "std", "per_seed", "l2"}
+    # the evaluation split never influences the regulariser: shuffled eval labels, same choice
+    res2 = fewshot_evaluate(pool_x, pool_y, eval_x, np.random.default_rng(0).permutation(eval_y),
+                            shots=(1, 5), seeds=(0, 1, 2), holdout_per_class=5)
+    assert res2.l2 == res.l2
+
+
+def test_too_few_examples_is_a_clear_error():
+    x, y = blobs(3, 2, 4, seed=0)
+    with pytest.raises(ValueError, match="fewer than k"):
+        fewshot_evaluate(x, y, x, y, shots=(5,), seeds=(0,))

@@ -1,0 +1,84 @@
+"""Metrics against cases computed by hand."""
+import numpy as np
+import pytest
+
+from vitlab.eval.metrics import (
+    classification_report,
+    confusion_matrix,
+    expected_calibration_error,
+    per_class_accuracy,
+    softmax,
+    topk_accuracy,
+)
+
+# 4 examples, 6 classes.  Rankings (best first):
+#   ex0: 0 > 1 > ...          label 0 -> rank 0
+#   ex1: 2 > 1 > 0 ...        label 1 -> rank 1
+#   ex2: 5 > 4 > 3 > 2 > 1 > 0, label 0 -> rank 5
+#   ex3: 3 > 4 > 5 > 0 > 1 > 2, label 2 -> rank 5
+SCORES = np.array([
+    [9, 8, 1, 1, 1, 1],
+    [1, 5, 6, 0, 0, 0],
+    [0, 1, 2, 3, 4, 5],
+    [3, 2, 1, 6, 5, 4],
+], dtype=float)
+LABELS = np.array([0, 1, 0, 2])
+
+
+def test_topk_hand_computed():
+    acc = topk_accuracy(SCORES, LABELS, ks=(1, 2, 5, 6))
+    assert acc == {1: 0.25, 2: 0.5, 5: 0.5, 6: 1.0}
+
+
+def test_topk_ties_break_towards_lower_index():
+    assert topk_accuracy(np.zeros((2, 3)), np.array([0, 1]), ks=(1,)) == {1: 0.5}
+
+
+def test_confusion_and_per_class():
+    preds = SCORES.argmax(axis=1)  # [0, 2, 5, 3]
+    cm = confusion_matrix(LABELS, preds, 6)
+    expected = np.zeros((6, 6), int)
+    expected[0, 0] = expected[1, 2] = expected[0, 5] = expected[2, 3] = 1
+    np.testing.assert_array_equal(cm, expected)
+    pc = per_class_accuracy(cm)
+    np.testing.assert_allclose(pc[:3], [0.5, 0.0, 0.0])
+    assert np.isnan(pc[3:]).all()  # classes without examples
+
+
+def test_ece_hand_computed():
+    # confidences and correctness, 15 bins of width 1/15 (right-closed):
+    #   0.9 right, 0.9 wrong -> bin (0.8667, 0.9333]: acc 0.5, conf 0.9  -> 2/4 * 0.4  = 0.2
+    #   0.6 right            -> bin (0.5333, 0.6]:    acc 1,   conf 0.6  -> 1/4 * 0.4  = 0.1
+    #   0.34 right           -> bin (0.3333, 0.4]:    acc 1,   conf 0.34 -> 1/4 * 0.66 = 0.165
+    probs = np.array([
+        [0.9, 0.1, 0.0],
+        [0.9, 0.1, 0.0],
+        [0.2, 0.6, 0.2],
+        [0.34, 0.33, 0.33],
+    ])
+    labels = np.array([0, 1, 1, 0])
+    assert expected_calibration_error(probs, labels, num_bins=15) == pytest.approx(0.2 + 0.1 + 0.165)
+
+
+def test_ece_perfectly_calibrated_and_one_bin():
+    probs = np.array([[1.0, 0.0], [0.0, 1.0]])
+    assert expected_calibration_error(probs, np.array([0, 1])) == 0.0
+    # one bin: |mean acc - mean conf| = |0.5 - 0.75|
+    probs = np.array([[0.75, 0.25], [0.75, 0.25]])
+    assert expected_calibration_error(probs, np.array([0, 1]), num_bins=1) == pytest.approx(0.25)
+
+
+def test_softmax_and_report():
+    logits = np.log(np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]))
+    np.testing.assert_allclose(softmax(logits), [[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]])
+    rep = classification_report(logits, np.array([0, 1]))
+    assert rep["top1"] == 0.5 and rep["top5"] == 1.0 and rep["n"] == 2
+    # ECE: bin (0.6667, 0.7333]: acc 1, conf 0.7 -> 0.5*0.3; bin (0.7333, 0.8]: acc 0, conf 0.8 -> 0.5*0.8
+    assert rep["ece"] == pytest.approx(0.15 + 0.4)
+    assert rep["confusion_matrix"] == [[1, 0, 0], [0, 0, 1], [0, 0, 0]]
+    assert rep["per_class_accuracy"] == [1.0, 0.0, None]
+
+
+def test_shape_errors_are_clear():
+    with pytest.raises(ValueError, match="labels"):
+        topk_accuracy(np.zeros((2, 3)), np.array([0, 3]))

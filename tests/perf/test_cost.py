@@ -1,0 +1,116 @@
+"""The analytic FLOP counter against torch's FlopCounterMode, and the paper's figures."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from vitlab.analysis.cost import core_days, count_flops, flops_breakdown, model_flops, training_flops
+from vitlab.config import ResNetConfig, ViTConfig
+from vitlab.models.registry import build_model, get_config, list_models
+
+TINY = dict(width=32, depth=2, mlp_dim=64, num_heads=4, num_classes=7, img_size=32, patch_size=8)
+STEM = ResNetConfig(layers=(1, 1), width_factor=1)  # 64/128-wide stages, /8
+
+CASES = {
+    "token": ViTConfig(**TINY),
+    "gap": ViTConfig(**TINY, classifier="gap"),
+    "pre_logits": ViTConfig(**TINY, representation_size=24),
+    "no_head": ViTConfig(**{**TINY, "num_classes": 0}),
+    "posemb_none": ViTConfig(**TINY, posemb="none"),
+    "posemb_2d_every_layer": ViTConfig(**TINY, posemb="learned_2d", posemb_place="every_layer"),
+    "posemb_relative": ViTConfig(**TINY, posemb="relative"),
+    "rect_patches": ViTConfig(**{**TINY, "img_size": (32, 48), "patch_size": (8, 4)}),
+    "hybrid": ViTConfig(**{**TINY, "patch_size": 1}, resnet=STEM),
+    "hybrid_odd_size": ViTConfig(**{**TINY, "patch_size": 1, "img_size": 36}, resnet=STEM),
+    "axial": ViTConfig(**TINY, axial=True, classifier="gap", posemb="learned_2d"),
+    "bit": ResNetConfig(layers=(1, 1, 1, 1), num_classes=5, img_size=40),
+    "bit_symmetric": ResNetConfig(layers=(2, 1), num_classes=5, img_size=33, padding="symmetric"),
+}
+
+
+def _images(cfg, size=None):
+    h, w = size or cfg.img_size
+    return torch.randn(2, cfg.in_chans, h, w)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_flop_counter(name):
+    """Equal to the FLOP: FlopCounterMode counts the same ops (matmuls and convs)."""
+    cfg = CASES[name]
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        measured = count_flops(model, _images(cfg))
+    assert measured == 2 * model_flops(cfg)  # batch of 2
+
+
+def test_math_attention_is_counted_alike():
+    """The unfused attention (bmm, softmax, bmm), which FlopCounterMode knows, agrees."""
+    cfg = CASES["posemb_relative"]
+    model = build_model(cfg).eval()
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(_images(cfg))
+    assert counter.get_total_flops() == 2 * model_flops(cfg)
+
+
+def test_cpu_sdpa_is_invisible_to_plain_flop_counter():
+    """Why count_flops exists: torch's counter has no formula for the CPU SDPA kernel.
+
+    If this starts failing, torch has learned to count it and the mapping can go.
+    """
+    cfg = CASES["token"]
+    model = build_model(cfg).eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(_images(cfg))
+    attention = 2 * flops_breakdown(cfg)["attention"]
+    assert counter.get_total_flops() == 2 * model_flops(cfg) - attention
+
+
+@pytest.mark.parametrize("name", ["token", "posemb_relative", "hybrid", "axial"])
+def test_other_resolution(name):
+    from vitlab.config import replace
+
+    cfg = replace(CASES[name], dynamic_img_size=True)
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        measured = count_flops(model, _images(cfg, (48, 64)))
+    assert measured == 2 * model_flops(cfg, (48, 64))
+
+
+def test_backward_is_about_twice_forward():
+    cfg = CASES["token"]
+    model = build_model(cfg)
+    total = count_flops(model, _images(cfg), backward=True)
+    # 3x, except: the patch embedding's input needs no gradient (one conv fewer), and
+    # the fused attention's backward recomputes Q K^T (5 products instead of 4)
+    parts = {k: 2 * v for k, v in flops_breakdown(cfg).items()}  # batch of 2
+    assert total == 3 * sum(parts.values()) - parts["patch_embed"] + parts["attention"] // 2
+
+
+def test_vit_b16_reference_figures():
+    cfg = get_config("ViT-B/16")
+    assert model_flops(cfg) == 35_127_656_448  # 17.56 GMACs, as timm reports
+    assert model_flops(cfg, 384) == pytest.approx(2 * 55.5e9, rel=0.01)  # timm: 55.5 GMACs at 384
+
+
+@pytest.mark.parametrize(
+    "name,epochs,exaflops",
+    [("ViT-B/16", 7, 224), ("ViT-L/16", 7, 783), ("ViT-L/16", 14, 1567), ("ViT-H/14", 14, 4262),
+     ("R50x1+ViT-B/16", 7, 274)],
+)
+def test_paper_table6_exaflops(name, epochs, exaflops):
+    """Paper Table 6: pre-training compute on JFT-300M (303M images) at 224 px."""
+    got = training_flops(get_config(name), steps=epochs, batch=303_000_000)
+    assert got == pytest.approx(exaflops, rel=0.01)
+
+
+def test_core_days_reproduces_table2_utilisation():
+    days = core_days(training_flops(get_config("ViT-H/14"), 14, 303_000_000), utilization=0.32)
+    assert days == pytest.approx(2500, rel=0.02)  # paper Table 2: 2.5k TPUv3-core-days
+
+
+def test_every_registered_model_has_a_count():
+    for name in list_models():
+        assert model_flops(get_config(name)) > 0
+        assert model_flops(get_config(name), 320) > model_flops(get_config(name))

@@ -1,0 +1,62 @@
+"""Exported models compute what the PyTorch model computes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vitlab.config import ResNetConfig, ViTConfig
+from vitlab.export import export_onnx, export_program, load_program
+from vitlab.models.registry import build_model
+
+TINY = ViTConfig(width=32, depth=2, mlp_dim=64, num_heads=4, num_classes=7, img_size=32, patch_size=8)
+
+
+def _random_model(cfg):
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    with torch.no_grad():  # the zero-initialised head would make every comparison trivial
+        for p in model.parameters():
+            p.normal_(std=0.1)
+    return model
+
+
+def test_onnx_runtime_matches_pytorch(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    model = _random_model(TINY)
+    path = export_onnx(model, tmp_path / "vit.onnx")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch in (1, 3):  # the batch is dynamic
+        x = torch.randn(batch, 3, 32, 32)
+        got = session.run(None, {"images": x.numpy()})[0]
+        with torch.no_grad():
+            ref = model(x).numpy()
+        assert got.shape == (batch, 7)
+        assert abs(got - ref).max() < 1e-4
+
+
+@pytest.mark.parametrize("cfg", [
+    TINY,
+    ViTConfig(width=32, depth=1, mlp_dim=64, num_heads=4, num_classes=5, img_size=32, patch_size=1,
+              resnet=ResNetConfig(layers=(1, 1))),
+    ResNetConfig(layers=(1, 1), num_classes=5, img_size=32),
+], ids=["vit", "hybrid", "bit"])
+def test_torch_export_reloads_and_matches(tmp_path, cfg):
+    model = _random_model(cfg)
+    export_program(model, tmp_path / "model.pt2")
+    loaded = load_program(tmp_path / "model.pt2")
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(loaded(x), model(x), atol=1e-5)
+
+
+def test_cli_export(tmp_path, capsys):
+    from vitlab.cli import export as command
+
+    parser = __import__("argparse").ArgumentParser()
+    command.add_arguments(parser)
+    out = tmp_path / "ti.pt2"
+    args = parser.parse_args(["ViT-Ti/16", "--format", "torch-export", "--out", str(out), "--img-size", "64",
+                              "--check"])
+    assert command.run(args) == 0
+    assert out.is_file()
+    assert "max |exported - pytorch|" in capsys.readouterr().out

@@ -1,0 +1,243 @@
+"""The model package: registry, parameter counts, position embeddings, attention capture."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import vitlab
+from vitlab.config import ConfigError, ViTConfig
+from vitlab.models.layers import Attention
+from vitlab.models.posemb import resample_grid
+from vitlab.models.registry import count_parameters, get_config, list_models
+
+torch.set_num_threads(2)
+
+
+def tiny(**fields) -> ViTConfig:
+    base = dict(img_size=16, patch_size=4, width=32, depth=2, mlp_dim=64, num_heads=4, num_classes=5)
+    base.update(fields)
+    return ViTConfig(**base)
+
+
+# Counts of the official code at 224 px, 1000 classes, token head, no pre-logits.
+OFFICIAL_COUNTS = {
+    "ViT-Ti/16": 5_717_416,
+    "ViT-S/16": 22_050_664,
+    "ViT-B/16": 86_567_656,
+    "ViT-B/32": 88_224_232,
+    "ViT-L/16": 304_326_632,
+    "ViT-H/14": 632_045_800,
+    "R50x1+ViT-B/16": 98_659_112,
+}
+
+
+@pytest.mark.parametrize("name,count", OFFICIAL_COUNTS.items())
+def test_parameter_count_matches_official_code(name, count):
+    assert count_parameters(get_config(name)) == count
+
+
+def test_official_spellings_are_aliases():
+    assert get_config("ViT-B_16") == get_config("ViT-B/16")
+    assert get_config("R50+ViT-B_16") == get_config("R50x1+ViT-B/16")
+    assert get_config("R152x4").name == "BiT-R152x4"
+
+
+def test_hybrid_names_follow_the_paper():
+    # /16 removes stage 4 and moves its blocks to stage 3; /32 keeps the stage-4 output
+    b16, b32 = get_config("R50x1+ViT-B/16"), get_config("R50x1+ViT-B/32")
+    assert b16.resnet.layers == (3, 4, 9) and b16.grid_size == (14, 14)
+    assert b32.resnet.layers == (3, 4, 6, 3) and b32.grid_size == (7, 7)
+    assert b16.patch_size == b32.patch_size == (1, 1)
+
+
+def test_registry_covers_the_paper():
+    names = set(list_models())
+    for size in "Ti S B L H".split():
+        for patch in (8, 14, 16, 32):
+            assert f"ViT-{size}/{patch}" in names
+    for bit in ("R50x1", "R50x2", "R101x1", "R152x1", "R152x2", "R152x4", "R200x3"):
+        assert f"BiT-{bit}" in names
+    assert {"Axial-ViT-B/16", "Axial-ViT-B/32", "R50x1+ViT-L/16", "R50x1+ViT-L/32"} <= names
+
+
+def small_version(name: str):
+    """The registered architecture at a small input; the largest ones with fewer layers.
+
+    Their full size is pinned by the parameter-count tests on the meta device; building
+    hundreds of millions of parameters here would take minutes on two cores for no
+    extra coverage of the code.
+    """
+    cfg = get_config(name)
+    if isinstance(cfg, vitlab.ResNetConfig):
+        big = cfg.layers != (3, 4, 6, 3) or cfg.width_factor > 1  # all but R50x1: one unit per stage
+        return vitlab.config.replace(cfg, img_size=32, num_classes=3,
+                                     layers=(1,) * len(cfg.layers) if big else cfg.layers), 32
+    big = count_parameters(cfg) > 150_000_000
+    reduction = cfg.resnet.reduction if cfg.resnet else 1
+    side = 2 * cfg.patch_size[0] * reduction
+    return vitlab.config.replace(cfg, img_size=side, num_classes=3, depth=2 if big else cfg.depth), side
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_every_registered_model_runs_forward_and_backward(name):
+    cfg, side = small_version(name)
+    torch.manual_seed(0)
+    model = vitlab.create_model(cfg)
+    # zero-initialised heads (and BiT's zero GroupNorm scales) would hide gradients upstream
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Conv2d)) and module.weight.abs().sum() == 0:
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.GroupNorm) and module.weight.abs().sum() == 0:
+            nn.init.ones_(module.weight)
+    logits = model(torch.randn(2, 3, side, side))
+    assert logits.shape == (2, 3)
+    logits.square().sum().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, f"parameters without gradient: {missing}"
+
+
+def test_create_model_overrides_and_errors():
+    m = vitlab.create_model("ViT-B/16", num_classes=10, img_size=384, depth=1)
+    assert m.cfg.grid_size == (24, 24) and m.head.out_features == 10
+    assert m.pos_embed.weight.shape == (1, 1 + 24 * 24, 768)
+    with pytest.raises(ConfigError, match="unknown field"):
+        vitlab.create_model("ViT-B/16", widht=3)
+    with pytest.raises(ConfigError, match="unknown model"):
+        vitlab.create_model("ViT-Q/16")
+    with pytest.raises(ConfigError, match="num_heads"):
+        tiny(num_heads=5)
+    with pytest.raises(ConfigError, match="patch_size"):
+        tiny(img_size=18)
+    with pytest.raises(ConfigError, match="posemb"):
+        tiny(posemb="sinusoidal")
+
+
+def test_wrong_input_is_a_clear_error():
+    model = vitlab.create_model(tiny())
+    with pytest.raises(ValueError, match="img_size"):
+        model(torch.randn(1, 3, 20, 20))
+    with pytest.raises(ValueError, match=r"\(B, 3, H, W\)"):
+        model(torch.randn(1, 1, 16, 16))
+
+
+def test_non_square_images_and_patches():
+    model = vitlab.create_model(tiny(img_size=(16, 24), patch_size=(4, 8)))
+    assert model.cfg.grid_size == (4, 3)
+    assert model(torch.randn(2, 3, 16, 24)).shape == (2, 5)
+
+
+def test_head_is_zero_initialised_and_init_follows_official_code():
+    torch.manual_seed(0)
+    model = vitlab.create_model(tiny(width=64, mlp_dim=256, representation_size=16))
+    assert model.head.weight.abs().sum() == 0 and model.head.bias.abs().sum() == 0
+    assert model.cls_token.abs().sum() == 0
+    assert model.pre_logits.fc.weight.shape == (16, 64)
+    std = model.pos_embed.weight.std().item()
+    assert 0.015 < std < 0.025
+    block = model.blocks[0]
+    bound = (6 / (64 + 64)) ** 0.5  # Xavier for each (D, D) part of the fused qkv
+    for part in block.attn.qkv.weight.chunk(3):
+        assert part.abs().max() <= bound and part.abs().max() > 0.9 * bound
+    assert block.mlp.fc1.bias.abs().max() < 1e-5 and block.mlp.fc1.bias.abs().max() > 0
+
+
+def test_dropout_sits_where_the_paper_puts_it():
+    model = vitlab.create_model(tiny(dropout=0.5, depth=1))
+    calls: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout):
+            module.register_forward_hook(lambda m, i, o, n=name: calls.append(n))
+    model.train()
+    model(torch.randn(2, 3, 16, 16))
+    # after the position embeddings, after the attention output dense, after both MLP denses
+    assert calls == ["pos_drop", "blocks.0.attn.proj_drop", "blocks.0.mlp.drop", "blocks.0.mlp.drop"]
+
+
+def test_capture_attention_matches_the_fused_path():
+    torch.manual_seed(0)
+    model = vitlab.create_model(tiny(posemb="relative")).eval()
+    x = torch.randn(3, 3, 16, 16)
+    fused = model(x)
+    with vitlab.capture_attention(model) as maps:
+        explicit = model(x)
+    torch.testing.assert_close(explicit, fused, atol=1e-5, rtol=1e-5)
+    assert len(maps) == 2 and maps[0].shape == (3, 4, 17, 17)
+    torch.testing.assert_close(maps[1].sum(-1), torch.ones(3, 4, 17))
+    assert all(m.recorded is None for m in model.modules() if isinstance(m, Attention))
+
+
+def test_relative_bias_is_query_times_offset_embedding():
+    torch.manual_seed(0)
+    attn = Attention(tiny(posemb="relative"), seq_len=5)
+    q = torch.randn(2, 4, 5, 8)
+    bias = attn.rel_pos(q)
+    table = attn.rel_pos.weight  # (2L-1, H, hd), index of offset q - k is (i - j) + L - 1
+    for i in range(5):
+        for j in range(5):
+            expected = torch.einsum("bhd,hd->bh", q[:, :, i], table[i - j + 4])
+            torch.testing.assert_close(bias[:, :, i, j], expected)
+
+
+@pytest.mark.parametrize("posemb", ["none", "learned_1d", "learned_2d", "relative"])
+@pytest.mark.parametrize("place", ["stem", "every_layer", "every_layer_shared"])
+def test_position_embedding_variants(posemb, place):
+    if posemb == "relative" and place != "stem":
+        with pytest.raises(ConfigError, match="relative"):
+            tiny(posemb=posemb, posemb_place=place)
+        return
+    cfg = tiny(posemb=posemb, posemb_place=place, depth=3)
+    model = vitlab.create_model(cfg)
+    tables = sum(p.numel() for n, p in model.named_parameters() if "pos_embed" in n)
+    one = {"none": 0, "learned_1d": 17 * 32, "learned_2d": 4 * 16 + 4 * 16 + 32, "relative": 0}[posemb]
+    assert tables == one * (3 if place == "every_layer" else 1)
+    assert model(torch.randn(2, 3, 16, 16)).shape == (2, 5)
+
+
+def test_without_position_embeddings_patches_are_a_set():
+    """With no position embeddings and average pooling, the model cannot see patch order."""
+    torch.manual_seed(0)
+    model = vitlab.create_model(tiny(posemb="none", classifier="gap", num_classes=0)).eval()
+    x = torch.randn(1, 3, 16, 16)
+    swapped = x.clone()
+    swapped[..., 0:4, 0:4], swapped[..., 8:12, 4:8] = x[..., 8:12, 4:8], x[..., 0:4, 0:4]
+    torch.testing.assert_close(model(swapped), model(x), atol=1e-5, rtol=1e-5)
+    model1d = vitlab.create_model(tiny(classifier="gap", num_classes=0)).eval()
+    assert not torch.allclose(model1d(swapped), model1d(x), atol=1e-4)
+
+
+def test_two_d_embedding_concatenates_x_and_y():
+    model = vitlab.create_model(tiny(posemb="learned_2d", classifier="gap"))
+    table = model.pos_embed((4, 4))[0].reshape(4, 4, 32)
+    torch.testing.assert_close(table[2, 3, :16], model.pos_embed.x[3])
+    torch.testing.assert_close(table[2, 3, 16:], model.pos_embed.y[2])
+
+
+def test_bilinear_resampling_equals_scipy_zoom_order_1():
+    scipy_ndimage = pytest.importorskip("scipy.ndimage")
+    grid = torch.randn(7, 7, 5, dtype=torch.float64)
+    ours = resample_grid(grid, (12, 12), "bilinear").numpy()
+    reference = scipy_ndimage.zoom(grid.numpy(), (12 / 7, 12 / 7, 1), order=1)
+    np.testing.assert_allclose(ours, reference, atol=1e-12)
+
+
+def test_dynamic_size_equals_a_model_built_at_that_size():
+    torch.manual_seed(0)
+    dynamic = vitlab.create_model(tiny(dynamic_img_size=True)).eval()
+    big = vitlab.create_model(tiny(img_size=24)).eval()
+    state = dynamic.state_dict()
+    state["pos_embed.weight"] = dynamic.pos_embed((6, 6)).detach()
+    big.load_state_dict(state)
+    x = torch.randn(2, 3, 24, 24)
+    torch.testing.assert_close(dynamic(x), big(x))
+
+
+def test_reset_classifier_and_pre_logits():
+    model = vitlab.create_model(tiny(representation_size=8))
+    model.reset_classifier(7)
+    assert model.cfg.num_classes == 7 and model.head.weight.shape == (7, 8)
+    tokens = model.forward_features(torch.randn(2, 3, 16, 16))
+    rep = model.forward_head(tokens, pre_logits=True)
+    assert rep.shape == (2, 8) and rep.abs().max() <= 1  # tanh
+    assert len(model.forward_intermediates(torch.randn(1, 3, 16, 16))) == 2

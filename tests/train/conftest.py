@@ -1,0 +1,22 @@
+import pytest
+
+from vitlab.train.config import TrainConfig
+
+TINY_MODEL = dict(img_size=8, patch_size=4, width=16, depth=1, num_heads=2, mlp_dim=32, name="ViT-tiny/4")
+
+
+def tiny_config(out, **changes) -> TrainConfig:
+    """A ViT of ~5k parameters on the 8x8 digits: a step takes milliseconds."""
+    fields = dict(
+        recipe="test", model="ViT-Ti/16", model_overrides=dict(TINY_MODEL), data="digits", val_split=100,
+        crop="none", flip=False, optimizer="adam", lr=3e-3, weight_decay=0.1, batch_size=32, steps=6,
+        warmup=2, decay="cosine", clip_norm=1.0, precision="fp32", eval_every=0, log_every=2,
+        ckpt_every=0, keep_ckpts=2, threads=1, out=str(out),
+    )
+    fields.update(changes)
+    return TrainConfig(**fields)
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    return lambda name="run", **changes: tiny_config(tmp_path / name, **changes)

@@ -1,0 +1,118 @@
+"""`vitlab train` end to end: a synthetic ImageFolder, one process and two (torchrun, gloo)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitlab.cli import main
+from vitlab.weights import load_model
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--set", "model.img_size=16", "--set", "model.patch_size=8", "--set", "model.width=16",
+        "--set", "model.depth=1", "--set", "model.num_heads=2", "--set", "model.mlp_dim=32", "--set", "threads=1",
+        "--set", "eval_every=0", "--set", "tensorboard=false", "--set", "decode_workers=0", "--quiet"]
+
+
+def make_image_folder(root: Path, classes=("cat", "dog", "fish"), per_class=12) -> Path:
+    rng = np.random.default_rng(0)
+    for c, name in enumerate(classes):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 80, (16, 16, 3), dtype=np.uint8)
+            pixels[:, :, c] += 150  # each class has its own dominant colour
+            Image.fromarray(pixels).save(root / name / f"{i}.png")
+    (root / "dog" / "broken.png").write_bytes(b"not a png")  # must be skipped and counted, not fatal
+    return root
+
+
+def last_json_line(text: str) -> dict:
+    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+
+
+def test_train_cli_end_to_end(tmp_path, capsys):
+    data = make_image_folder(tmp_path / "images")
+    out = tmp_path / "run"
+    code = main(["train", "--recipe", "demo", "--data", str(data), "--val-split", "6", "--steps", "6",
+                 "--batch-size", "8", "--out", str(out), "--set", f"cache_dir={tmp_path / 'cache'}", *TINY])
+    assert code == 0
+    summary = last_json_line(capsys.readouterr().out)
+    assert summary["steps"] == 6 and summary["val_examples"] == 6 and summary["skipped_images"] == 1
+    assert 0 <= summary["val_top1"] <= 1 and summary["val_top5"] == 1.0  # 3 classes: top-5 always hits
+    model = load_model(summary["weights"])
+    assert model.cfg.num_classes == 3
+    assert json.loads((out / "classes.json").read_text()) == ["cat", "dog", "fish"]
+    for name in ("metrics.jsonl", "metrics.csv", "summary.json", "config.json", "curves.png"):
+        assert (out / name).is_file(), name
+    # predict reads the weights and the class names beside them
+    assert main(["predict", "--checkpoint", summary["weights"], "--json", str(data / "cat" / "0.png")]) == 0
+    top = json.loads(capsys.readouterr().out.splitlines()[-1])["top"]
+    assert len(top) == 3 and {t["class"] for t in top} == {"cat", "dog", "fish"}
+
+
+def test_train_cli_refuses_bad_config_before_work(tmp_path, capsys):
+    code = main(["train", "--recipe", "demo", "--data", str(tmp_path / "nothing"), "--out", str(tmp_path / "r")])
+    assert code == 2
+    assert "data=" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    assert main(["train", "--recipe", "demo", "--set", "batch_size=10", "--set", "accum_steps=3"]) == 2
+    assert "batch_size=10" in capsys.readouterr().err
+
+
+def test_demo_smoke(tmp_path, capsys):
+    assert main(["demo", "--steps", "5", "--out", str(tmp_path / "demo"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "validation accuracy" in out
+    assert load_model(last_json_line(out)["weights"]).cfg.num_classes == 10
+
+
+def _run_cli(args, env_extra=None, torchrun=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    launcher = [sys.executable, "-m", "vitlab"]
+    if torchrun:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
+                    "-m", "vitlab"]
+    done = subprocess.run(launcher + args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return last_json_line(done.stdout)
+
+
+def test_two_processes_equal_one(tmp_path, capsys):
+    # SGD, no dropout, no augmentation: DDP's averaged gradients of two halves of the batch
+    # equal the gradient of the whole batch, so the weights agree to float rounding.
+    data = make_image_folder(tmp_path / "images", per_class=16)
+    common = ["train", "--recipe", "demo", "--data", str(data), "--steps", "3", "--batch-size", "16",
+              "--val-split", "9", "--set", "optimizer=sgd", "--set", "lr=0.1", "--set", "weight_decay=0",
+              "--set", "crop=none", "--set", f"cache_dir={tmp_path / 'cache'}", *TINY]
+    assert main(common + ["--out", str(tmp_path / "one")]) == 0  # also fills the decoded-image cache
+    one = last_json_line(capsys.readouterr().out)
+    two = _run_cli(common + ["--out", str(tmp_path / "two")], torchrun=2)
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    a, b = load_model(one["weights"]).state_dict(), load_model(two["weights"]).state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert one["val_top1"] == pytest.approx(two["val_top1"])
+
+
+def test_finetune_and_sweep(tmp_path, capsys):
+    base = ["--recipe", "demo", "--data", "digits", "--batch-size", "16", "--val-split", "100", *TINY]
+    assert main(["train", *base, "--steps", "3", "--out", str(tmp_path / "pre")]) == 0
+    pre = last_json_line(capsys.readouterr().out)
+    # fine-tune at twice the resolution: the 2x2 grid of position embeddings becomes 4x4
+    ft_args = ["finetune", "--init", pre["weights"], "--recipe", "demo", "--data", "digits", "--img-size", "32",
+               "--steps", "3", "--batch-size", "16", "--val-split", "100", "--set", "optimizer=sgd",
+               "--set", "threads=1", "--set", "tensorboard=false", "--quiet", "--out", str(tmp_path / "ft")]
+    assert main(ft_args) == 0
+    ft = last_json_line(capsys.readouterr().out)
+    model = load_model(ft["weights"])
+    assert model.cfg.img_size == (32, 32) and model.cfg.num_classes == 10 and ft["steps"] == 3
+    assert main(["sweep", *base, "--steps", "2", "--grid", "0.01,0.1", "--out", str(tmp_path / "sweep")]) == 0
+    report = last_json_line(capsys.readouterr().out)
+    assert set(report["holdout_top1"]) == {"0.01", "0.1"} and report["best_lr"] in (0.01, 0.1)
+    assert load_model(report["final"]["weights"]).cfg.num_classes == 10

@@ -1,0 +1,41 @@
+import math
+
+import pytest
+
+from vitlab.train.schedules import fit_steps_to_time, lr_at
+
+
+def test_warmup_endpoints():
+    kw = dict(base_lr=1.0, total_steps=100, warmup_steps=10, decay="linear")
+    assert lr_at(0, **kw) == pytest.approx(0.1)
+    assert lr_at(9, **kw) == pytest.approx(1.0)  # warm-up reaches the base lr at its last step
+    assert lr_at(10, **kw) == pytest.approx(1.0)  # decay starts from the base lr
+    assert lr_at(100, **kw) == pytest.approx(0.0)
+
+
+def test_linear_and_cosine_midpoint():
+    assert lr_at(55, base_lr=2.0, total_steps=100, warmup_steps=10, decay="linear") == pytest.approx(1.0)
+    assert lr_at(55, base_lr=2.0, total_steps=100, warmup_steps=10, decay="cosine") == pytest.approx(1.0)
+    # a quarter of the way: cosine is above linear
+    assert lr_at(32.5, base_lr=1.0, total_steps=100, warmup_steps=10, decay="cosine") == pytest.approx(
+        0.5 * (1 + math.cos(math.pi / 4)))
+    assert lr_at(99, base_lr=1.0, total_steps=100, warmup_steps=0, decay="cosine", min_lr=0.1) > 0.1
+    assert lr_at(100, base_lr=1.0, total_steps=100, warmup_steps=0, decay="cosine", min_lr=0.1) == pytest.approx(0.1)
+    assert lr_at(50, base_lr=1.0, total_steps=100, warmup_steps=5, decay="constant") == 1.0
+
+
+def test_lr_is_a_pure_function_of_the_step():
+    kw = dict(base_lr=3e-3, total_steps=1000, warmup_steps=100, decay="cosine")
+    assert [lr_at(s, **kw) for s in range(0, 1000, 37)] == [lr_at(s, **kw) for s in range(0, 1000, 37)]
+
+
+def test_time_fitted_total():
+    # 600 s budget, 60 s gone at step 12, 0.5 s/step, final eval 10 s, 5 s reserve:
+    # (600 - 60 - 10 - 5) / 0.5 = 1050 more steps
+    assert fit_steps_to_time(budget_s=600, elapsed_s=60, step=12, sec_per_step=0.5, eval_s=10,
+                             reserve_s=5) == 12 + 1050
+    # periodic evaluation every 100 steps adds 0.1 s per step
+    assert fit_steps_to_time(budget_s=600, elapsed_s=60, step=12, sec_per_step=0.5, eval_s=10, eval_every=100,
+                             reserve_s=5) == 12 + int(525 // 0.6)
+    assert fit_steps_to_time(budget_s=10, elapsed_s=60, step=12, sec_per_step=0.5) == 13  # over budget: one more
+    assert fit_steps_to_time(budget_s=600, elapsed_s=0, step=0, sec_per_step=0.1, max_steps=50) == 50

@@ -1,0 +1,188 @@
+"""vitlab's own format, timm state dicts, and the errors every loader shares."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from vitlab.config import ResNetConfig, ViTConfig
+from vitlab.models.posemb import resample_table_1d
+from vitlab.models.registry import build_model
+from vitlab.weights import WeightsError, load_checked, load_model, save_model, save_official_npz
+from vitlab.weights import core
+
+TINY = ViTConfig(img_size=16, patch_size=4, width=32, depth=2, mlp_dim=48, num_heads=2, num_classes=5)
+
+
+def random_model(cfg):
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model
+
+
+def logits(model, size=16, seed=1):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return model(torch.randn(2, 3, *((size, size) if isinstance(size, int) else size)))
+
+
+# ------------------------------------------------------------------------------ native
+
+
+ALL_KINDS = [
+    TINY,
+    ViTConfig(**{**TINY.__dict__, "classifier": "gap", "representation_size": 7, "gelu": "exact"}),
+    ViTConfig(**{**TINY.__dict__, "posemb": "learned_2d", "posemb_place": "every_layer", "img_size": (16, 24)}),
+    ViTConfig(**{**TINY.__dict__, "posemb": "relative"}),
+    ViTConfig(**{**TINY.__dict__, "axial": True, "classifier": "gap", "posemb": "learned_2d"}),
+    ResNetConfig(layers=(1, 1), num_classes=4, img_size=32),
+]
+
+
+@pytest.mark.parametrize("cfg, as_dir", [(cfg, True) for cfg in ALL_KINDS] + [(TINY, False)],
+                         ids=["vit", "gap-prelogits", "2d-every-layer", "relative", "axial", "bit", "vit-file"])
+def test_save_model_round_trip(tmp_path, cfg, as_dir):
+    model = random_model(cfg)
+    target = tmp_path / ("run" if as_dir else "model.safetensors")
+    written = save_model(model, target)
+    assert written.exists() and (not as_dir or (target / "config.json").exists())
+    again = load_model(target)
+    assert again.cfg == model.cfg and not again.training
+    size = cfg.img_size
+    assert torch.equal(logits(again, size), logits(model, size))
+
+
+def test_native_resize_and_new_head(tmp_path):
+    model = random_model(TINY)
+    save_model(model, tmp_path / "m.safetensors")
+    big = load_model(tmp_path / "m.safetensors", img_size=24, num_classes=3, dropout=0.1)
+    assert big.cfg.img_size == (24, 24) and big.cfg.num_classes == 3 and big.cfg.dropout == 0.1
+    expected = resample_table_1d(model.pos_embed.weight, 1, (4, 4), (6, 6), "bilinear")
+    assert torch.equal(big.pos_embed.weight, expected)
+    assert not big.head.weight.any() and big.head.weight.shape == (3, 32)
+
+
+def test_official_round_trip_of_a_vitlab_model(tmp_path):
+    model = random_model(TINY)  # tanh GELU, eps 1e-6: vitlab's defaults are the official conventions
+    save_official_npz(model, tmp_path / "m.npz")
+    again = load_model(tmp_path / "m.npz")
+    assert torch.equal(logits(again), logits(model))
+    with pytest.raises(WeightsError, match="official layout"):
+        save_official_npz(random_model(ViTConfig(**{**TINY.__dict__, "posemb": "relative"})), tmp_path / "r.npz")
+
+
+# -------------------------------------------------------------------------------- timm
+
+
+def to_timm(sd):
+    """vitlab -> timm names: the inverse of vitlab.weights.timm.RENAMES, written out."""
+    renames = {"patch_embed.weight": "patch_embed.proj.weight", "patch_embed.bias": "patch_embed.proj.bias",
+               "pos_embed.weight": "pos_embed"}
+    return {renames.get(k, k): v.clone() for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_timm_state_dict_loads(classifier):
+    model = random_model(ViTConfig(**{**TINY.__dict__, "gelu": "exact", "classifier": classifier}))
+    sd = to_timm(model.state_dict())
+    assert "patch_embed.proj.weight" in sd and "pos_embed" in sd
+    again = load_model(sd, num_heads=2)
+    assert (again.cfg.gelu, again.cfg.ln_eps, again.cfg.classifier) == ("exact", 1e-6, classifier)
+    assert torch.equal(logits(again), logits(model))
+
+
+def test_timm_fc_norm_is_refused_with_the_reason():
+    sd = to_timm(random_model(ViTConfig(**{**TINY.__dict__, "classifier": "gap"})).state_dict())
+    sd["fc_norm.weight"], sd["fc_norm.bias"] = sd.pop("norm.weight"), sd.pop("norm.bias")
+    with pytest.raises(WeightsError, match="after average pooling"):
+        load_model(sd, num_heads=2)
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def test_mismatch_lists_every_bad_key():
+    model = build_model(TINY)
+    sd = dict(random_model(TINY).state_dict())
+    del sd["blocks.0.norm1.bias"], sd["blocks.1.mlp.fc2.weight"]
+    sd["blocks.0.attn.extra"] = torch.zeros(1)
+    sd["head.weight"] = torch.zeros(6, 32)
+    sd["norm.bias"] = torch.zeros(31)
+    with pytest.raises(WeightsError) as err:
+        load_checked(model, sd)
+    msg = str(err.value)
+    assert "2 missing key(s): blocks.0.norm1.bias, blocks.1.mlp.fc2.weight" in msg
+    assert "1 unexpected key(s): blocks.0.attn.extra" in msg
+    assert "head.weight: weights (6, 32), model (5, 32)" in msg
+    assert "norm.bias: weights (31,), model (32,)" in msg
+
+
+def test_timm_mismatch_goes_through_the_same_check():
+    sd = to_timm(random_model(TINY).state_dict())
+    sd["blocks.1.ls1.gamma"] = torch.ones(32)  # timm layer scale: not in the paper
+    sd["blocks.0.mlp.fc2.bias"] = torch.zeros(33)
+    with pytest.raises(WeightsError) as err:
+        load_model(sd, num_heads=2)
+    assert "blocks.1.ls1.gamma" in str(err.value) and "blocks.0.mlp.fc2.bias: weights (33,)" in str(err.value)
+
+
+def test_unknown_keys_are_named():
+    with pytest.raises(WeightsError, match="unrecognised weights.*conv.weight"):
+        load_model({"conv.weight": torch.zeros(1)})
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.npz", "m.pt"])
+def test_corrupt_file_gives_a_clear_error(tmp_path, name):
+    model = random_model(TINY)
+    path = tmp_path / name
+    if name.endswith(".safetensors"):
+        save_model(model, path)
+    elif name.endswith(".npz"):
+        save_official_npz(model, path)
+    else:
+        torch.save(model.state_dict(), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(WeightsError, match="truncated or corrupt"):
+        load_model(path, name="ViT-Ti/16")
+
+
+def test_pickled_objects_are_not_loaded(tmp_path):
+    torch.save({"weights": torch.zeros(1), "fn": os.getcwd}, tmp_path / "evil.pt")
+    with pytest.raises(WeightsError, match="weights_only"):
+        load_model(tmp_path / "evil.pt")
+
+
+def test_failing_save_keeps_the_existing_file(tmp_path, monkeypatch):
+    old = random_model(TINY)
+    path = save_model(old, tmp_path / "m.safetensors")
+    before = path.read_bytes()
+
+    def broken_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(core.os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        save_model(random_model(ViTConfig(**{**TINY.__dict__, "num_classes": 7})), path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]  # no temporary file left behind
+    assert torch.equal(logits(load_model(path)), logits(old))
+
+
+def test_bare_vitlab_state_dict_needs_heads():
+    sd = random_model(TINY).state_dict()
+    with pytest.raises(WeightsError, match="name="):
+        load_model(sd)
+    assert load_model(sd, num_heads=2).cfg.num_heads == 2
+    assert np.isclose(load_model(sd, num_heads=2).cfg.ln_eps, 1e-6)
+
+
+def test_run_directory_with_its_own_config_json(tmp_path):
+    model = random_model(TINY)
+    save_model(model, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text('{"model": "ViT-Ti/16", "lr": 0.01}')  # a training config
+    assert torch.equal(logits(load_model(tmp_path)), logits(model))

@@ -1,0 +1,5 @@
+import sys
+
+from vitlab.cli import main
+
+sys.exit(main())

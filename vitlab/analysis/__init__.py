@@ -1,0 +1,1 @@
+"""Analysis of trained models: cost, attention, embeddings."""

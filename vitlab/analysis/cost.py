@@ -1,0 +1,195 @@
+"""What a model costs: forward FLOPs from the config, and whole training runs.
+
+Convention: one multiply-add is 2 FLOPs, as in ``torch.utils.flop_counter`` and in the
+paper's "exaFLOPs" (Table 6).  timm and many papers print *MACs* (multiply-adds) and
+call them FLOPs; ViT-B/16 at 224 px is 17.6 GMACs = 35.1 GFLOPs here.
+
+What is counted: every matrix multiplication and convolution (dense layers, the patch
+embedding, ResNet convolutions, the two attention products Q K^T and A V, the relative
+position einsum), exactly as ``FlopCounterMode`` counts them, so the two agree to the
+FLOP (``tests/perf/test_cost.py``).  What is not: element-wise work (biases, residual
+adds, softmax, LayerNorm/GroupNorm, GELU, weight standardisation, pooling,
+interpolation of position embeddings).  For ViT-B/16 these add under 1%.
+
+Training cost (paper Table 6 "exaFLOPs"): forward + backward is taken as 3x the
+forward, times the images seen.  This reproduces the paper's figures: ViT-B/16 for 7
+epochs of JFT-300M (303M images) at 224 px is 3 * 35.1e9 * 7 * 303e6 = 224 exaFLOPs,
+as printed in Table 6.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig, Pair, ResNetConfig, ViTConfig, to_pair
+
+__all__ = [
+    "model_flops", "flops_breakdown", "training_flops", "core_days", "count_flops",
+    "TPU_V3_CORE_BF16_FLOPS", "JFT_IMAGES",
+]
+
+# One TPUv3 core: 123 TFLOP/s per chip in bf16, two cores per chip.  The paper's
+# compute figures (Table 2, "TPUv3-core-days") are in this unit.
+TPU_V3_CORE_BF16_FLOPS = 61.5e12
+# JFT-300M: "18k classes and 303M high-resolution images" (paper Sec. 4.1).
+JFT_IMAGES = 303_000_000
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _conv(h: int, w: int, cin: int, cout: int, k: int, stride: int = 1) -> tuple[int, int, int]:
+    """FLOPs of a k x k convolution; returns (flops, out_h, out_w).
+
+    Every convolution in vitlab's ResNets keeps ceil(size / stride) positions (SAME
+    padding, or PyTorch's k//2 padding, which gives the same size for odd k).
+    """
+    oh, ow = _ceil_div(h, stride), _ceil_div(w, stride)
+    return 2 * oh * ow * cin * cout * k * k, oh, ow
+
+
+def _resnet_flops(cfg: ResNetConfig, h: int, w: int, head: bool) -> dict[str, int]:
+    """Root conv, each stage, and (for BiT) the 1x1-conv head on pooled features."""
+    root = 64 * cfg.width_factor
+    out: dict[str, int] = {}
+    out["root"], h, w = _conv(h, w, cfg.in_chans, root, 7, 2)
+    h, w = _ceil_div(h, 2), _ceil_div(w, 2)  # 3x3/2 max-pool
+    cin = root
+    for i, units in enumerate(cfg.layers):
+        mid, total = root * 2**i, 0
+        for u in range(units):
+            stride = 2 if i > 0 and u == 0 else 1
+            f1, _, _ = _conv(h, w, cin, mid, 1)
+            f2, oh, ow = _conv(h, w, mid, mid, 3, stride)
+            f3, _, _ = _conv(oh, ow, mid, 4 * mid, 1)
+            total += f1 + f2 + f3
+            if stride != 1 or cin != 4 * mid:  # projection shortcut
+                total += _conv(h, w, cin, 4 * mid, 1, stride)[0]
+            h, w, cin = oh, ow, 4 * mid
+        out[f"stage{i + 1}"] = total
+    if head and cfg.num_classes:
+        out["head"] = 2 * cin * cfg.num_classes
+    return out
+
+
+def _block_flops(n_seq: int, seq_len: int, cfg: ViTConfig, relative: bool) -> dict[str, int]:
+    """One pre-LN block applied to ``n_seq`` sequences of ``seq_len`` tokens."""
+    L, D, M = seq_len, cfg.width, cfg.mlp_dim
+    out = {
+        "qkv": 2 * L * D * 3 * D,
+        "attention": 2 * 2 * L * L * D,  # Q K^T and A V, all heads together
+        "proj": 2 * L * D * D,
+        "mlp": 2 * 2 * L * D * M,
+    }
+    if relative:  # einsum("bhqd,rhd->bhqr"): every query against 2L-1 offset embeddings
+        out["relative_posemb"] = 2 * L * (2 * L - 1) * D
+    return {k: n_seq * v for k, v in out.items()}
+
+
+def _add(total: dict[str, int], part: dict[str, int], times: int = 1) -> None:
+    for k, v in part.items():
+        total[k] = total.get(k, 0) + times * v
+
+
+def flops_breakdown(cfg: ModelConfig, img_size: int | Pair | None = None) -> dict[str, int]:
+    """Forward FLOPs of one image by component (multiply-add = 2), at ``img_size`` or cfg's.
+
+    Keys: BiT: root, stage1.., head.  ViT: [stem_root, stem_stage1..], patch_embed, qkv,
+    attention, proj, mlp, [relative_posemb], [pre_logits], [head].
+    """
+    h, w = to_pair(img_size, "img_size") if img_size is not None else cfg.img_size
+    if isinstance(cfg, ResNetConfig):
+        return _resnet_flops(cfg, h, w, head=True)
+    out: dict[str, int] = {}
+    cin = cfg.in_chans
+    if cfg.resnet is not None:
+        out.update({f"stem_{k}": v for k, v in _resnet_flops(cfg.resnet, h, w, head=False).items()})
+        r = cfg.resnet.reduction
+        h, w, cin = _ceil_div(h, r), _ceil_div(w, r), cfg.resnet.out_channels
+    (ph, pw), D = cfg.patch_size, cfg.width
+    gh, gw = h // ph, w // pw
+    if gh == 0 or gw == 0:
+        raise ValueError(f"img_size={img_size}: smaller than one patch of {cfg.patch_size}")
+    out["patch_embed"] = 2 * gh * gw * cin * ph * pw * D
+    relative = cfg.posemb == "relative"
+    if cfg.axial:  # each layer: a block over the gh rows, then one over the gw columns
+        _add(out, _block_flops(gh, gw, cfg, relative), cfg.depth)
+        _add(out, _block_flops(gw, gh, cfg, relative), cfg.depth)
+    else:
+        _add(out, _block_flops(1, cfg.num_prefix_tokens + gh * gw, cfg, relative), cfg.depth)
+    features = D
+    if cfg.representation_size:
+        out["pre_logits"] = 2 * D * cfg.representation_size
+        features = cfg.representation_size
+    if cfg.num_classes:
+        out["head"] = 2 * features * cfg.num_classes
+    return out
+
+
+def model_flops(cfg: ModelConfig, img_size: int | Pair | None = None) -> int:
+    """Forward FLOPs of one image (multiply-add = 2): matmuls and convolutions only.
+
+    ``img_size`` defaults to the config's; any size works (the patch grid is floor(H/P)).
+    """
+    return sum(flops_breakdown(cfg, img_size).values())
+
+
+def training_flops(cfg: ModelConfig, steps: int, batch: int, img_size: int | Pair | None = None) -> float:
+    """Compute of a training run in exaFLOPs (1e18): 3 x forward x steps x batch.
+
+    The backward pass costs about twice the forward (a gradient for the activations and
+    one for the weights), hence the paper's factor 3 (Table 6).
+    """
+    if steps < 0 or batch < 0:
+        raise ValueError(f"steps={steps}, batch={batch}: must be >= 0")
+    return 3 * model_flops(cfg, img_size) * steps * batch / 1e18
+
+
+def core_days(exaflops: float, flops_per_core: float = TPU_V3_CORE_BF16_FLOPS,
+              utilization: float = 0.3) -> float:
+    """Accelerator core-days for ``exaflops`` at a fraction ``utilization`` of the peak.
+
+    The paper reports TPUv3-core-days (Table 2); dividing its Table 6 exaFLOPs by them
+    gives the utilisation it achieved: ViT-H/14 (14 epochs, 4262 exaFLOPs, 2.5k
+    core-days) ran at 4262e18 / (2500 * 86400 * 61.5e12) = 32% of the bf16 peak.
+    """
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization={utilization}: must be in (0, 1]")
+    return exaflops * 1e18 / (flops_per_core * utilization) / 86400
+
+
+def _sdpa_cpu_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query, key, value)
+
+
+def _sdpa_cpu_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def count_flops(model: nn.Module, *inputs: Any, backward: bool = False) -> int:
+    """FLOPs that ``torch.utils.flop_counter.FlopCounterMode`` measures for ``model(*inputs)``.
+
+    ``FlopCounterMode`` has no formula for the CPU kernel of
+    ``scaled_dot_product_attention`` (``_scaled_dot_product_flash_attention_for_cpu``)
+    and silently counts it as 0; the formulas it uses for the GPU kernels are added
+    for it here.  With ``backward`` the sum of the output is back-propagated too.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    aten = torch.ops.aten
+    mapping = {}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _sdpa_cpu_flops
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _sdpa_cpu_backward_flops
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        out = model(*inputs)
+        if backward:
+            out.float().sum().backward()
+    return counter.get_total_flops()

@@ -1,0 +1,58 @@
+"""The `vitlab` command: the only place that parses argv.
+
+Each subcommand lives in its own module of this package with two functions,
+``add_arguments(parser)`` and ``run(args) -> int``.  Modules import heavy things
+inside ``run`` so that ``vitlab --help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (command, module, one-line help)
+COMMANDS: list[tuple[str, str, str]] = [
+    ("models", "models", "list the registered models with parameters and GFLOPs"),
+    ("demo", "demo", "train a small ViT on a bundled dataset in about a minute"),
+    ("train", "train", "train a model with a recipe from configs/ (one process or many under torchrun)"),
+    ("finetune", "finetune", "fine-tune pre-trained weights at a new resolution with a new head"),
+    ("predict", "predict", "top-5 classes of images with a trained model"),
+    ("sweep", "sweep", "pick the learning rate on a held-out 10%, then retrain on the full training set"),
+    ("pack-shards", "pack", "pack an ImageFolder into tar shards for streaming"),
+    ("flops", "flops", "forward FLOPs of a model and the compute of a training run"),
+    ("export", "export", "export a model to ONNX or a torch.export program"),
+    ("eval", "eval", "top-1/top-5, per-class accuracy, confusion and calibration of a checkpoint"),
+    ("fewshot", "fewshot", "linear few-shot accuracy of frozen features (closed-form least squares)"),
+    ("inspect", "inspect", "an HTML report: attention rollout and distance, embedding figures, training curves"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vitlab", description="Vision Transformers, as in the paper.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module, help_text in COMMANDS:
+        mod = importlib.import_module(f"vitlab.cli.{module}")
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as err:  # configuration and input errors: no traceback
+        print(f"vitlab {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

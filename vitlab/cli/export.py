@@ -1,0 +1,63 @@
+"""`vitlab export`: write a model as ONNX or as a torch.export program."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", metavar="CHECKPOINT_OR_MODEL_NAME",
+                   help="weights (file or directory, any format `vitlab` reads) or a registry name "
+                        "(random weights, e.g. to measure speed)")
+    p.add_argument("--format", choices=("onnx", "torch-export"), default="onnx")
+    p.add_argument("--out", required=True, help="output file (.onnx or .pt2)")
+    p.add_argument("--img-size", type=int, default=None, help="input resolution (default: the model's)")
+    p.add_argument("--batch", default="dynamic",
+                   help="'dynamic' (any batch, the default) or a fixed batch size")
+    p.add_argument("--name", default=None,
+                   help="registry name for weights whose shapes do not determine the model (timm, HF)")
+    p.add_argument("--check", action="store_true",
+                   help="run the exported model on random images and compare with PyTorch")
+
+
+def _load(source: str, name: str | None, img_size: int | None):
+    from vitlab.models.registry import create_model
+
+    if Path(source).exists():
+        from vitlab.weights.load import load_model
+
+        return load_model(source, name=name, img_size=img_size)
+    return create_model(source, **({"img_size": img_size} if img_size else {}))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from vitlab.export import export_onnx, export_program, load_program, model_img_size
+
+    if args.batch != "dynamic" and not args.batch.isdigit():
+        raise ValueError(f"--batch={args.batch!r}: expected 'dynamic' or a positive integer")
+    dynamic = args.batch == "dynamic"
+    model = _load(args.source, args.name, args.img_size).eval()
+    size = model_img_size(model, args.img_size)
+    if args.format == "onnx":
+        export_onnx(model, args.out, size, dynamic_batch=dynamic)
+    else:
+        export_program(model, args.out, size, dynamic_batch=dynamic)
+    mb = Path(args.out).stat().st_size / 2**20
+    print(f"wrote {args.out} ({args.format}, {mb:.1f} MiB, input (B, C, {size[0]}, {size[1]}), "
+          f"batch {'dynamic' if dynamic else args.batch})")
+    if args.check:
+        batch = 2 if dynamic else int(args.batch)
+        x = torch.randn(batch, 3, *size)
+        with torch.no_grad():
+            ref = model(x)
+            if args.format == "onnx":
+                import onnxruntime as ort
+
+                session = ort.InferenceSession(args.out, providers=["CPUExecutionProvider"])
+                got = torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
+            else:
+                got = load_program(args.out)(x)
+        print(f"max |exported - pytorch| = {(got - ref).abs().max().item():.2e}")
+    return 0

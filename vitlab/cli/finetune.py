@@ -1,0 +1,38 @@
+"""`vitlab finetune`: adapt pre-trained weights to a new data set (paper Sec. 3.2).
+
+    vitlab finetune --recipe paper_finetune:dataset=cifar10 --init ViT-B_16.npz \\
+        --data cifar10-train.tar.gz --img-size 384 --val-split 0.02
+
+The weights (official .npz, Hugging Face, timm or vitlab's own) are loaded with
+``vitlab.weights.load_model``: position embeddings are interpolated to ``--img-size``
+and the head is replaced by a zero-initialised one for the new classes (the
+pre-logits layer is dropped unless ``--set keep_pre_logits=true``).  Like `train`, it
+ends by printing one JSON line with the final metrics and the weights' path.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from .train import add_common_arguments, resolve_config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--init", required=True, help="pre-trained weights: .npz, .safetensors, a vitlab run folder")
+    add_common_arguments(p, default_recipe="paper_finetune")
+
+
+def run(args: argparse.Namespace) -> int:
+    from vitlab.train import train
+    from vitlab.train.config import to_dict, validate
+    from vitlab.train.distributed import env_world_size
+
+    cfg = resolve_config(args, extra={"init": args.init})
+    validate(cfg, env_world_size())
+    if args.show_config:
+        print(json.dumps(to_dict(cfg), indent=2))
+        return 0
+    summary = train(cfg, resume=args.resume, verbose=not args.quiet)
+    if summary.get("weights") is not None:
+        print(json.dumps(summary), flush=True)
+    return 0

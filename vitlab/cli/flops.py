@@ -1,0 +1,39 @@
+"""`vitlab flops`: forward FLOPs of a model, and the compute of a training run."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="registry name, e.g. ViT-B/16 (see `vitlab models`)")
+    p.add_argument("--img-size", type=int, default=None, help="input resolution (default: the model's)")
+    p.add_argument("--batch", type=int, default=None, help="images per step, for a training run's cost")
+    p.add_argument("--steps", type=int, default=None, help="training steps, for a training run's cost")
+    p.add_argument("--utilization", type=float, default=0.3,
+                   help="fraction of the TPUv3 bf16 peak assumed for core-days (default 0.3)")
+    p.add_argument("--breakdown", action="store_true", help="FLOPs of every component")
+
+
+def run(args: argparse.Namespace) -> int:
+    from vitlab.analysis.cost import core_days, flops_breakdown, training_flops
+    from vitlab.models.registry import get_config
+
+    cfg = get_config(args.model)
+    size = args.img_size or cfg.img_size[0]
+    parts = flops_breakdown(cfg, size)
+    flops = sum(parts.values())
+    print(f"{args.model} at {size}x{size}, forward, one image (matmuls and convolutions):")
+    print(f"  {flops / 2e9:10.2f} GMACs   (multiply-adds; what timm and most tables call 'FLOPs')")
+    print(f"  {flops / 1e9:10.2f} GFLOPs  (multiply-add = 2 FLOPs; torch.utils.flop_counter, paper Table 6)")
+    if args.breakdown:
+        for name, value in parts.items():
+            print(f"    {name:18s} {value / 1e9:10.3f} GFLOPs  {100 * value / flops:5.1f}%")
+    if (args.batch is None) != (args.steps is None):
+        raise ValueError("--batch and --steps go together: the cost of a run is steps x batch images")
+    if args.batch is not None:
+        exa = training_flops(cfg, args.steps, args.batch, size)
+        print(f"training, {args.steps:,} steps x {args.batch:,} images (forward + backward = 3x forward):")
+        print(f"  {exa:10.2f} exaFLOPs")
+        print(f"  {core_days(exa, utilization=args.utilization):10.1f} TPUv3-core-days "
+              f"at {args.utilization:.0%} of the 61.5 TFLOP/s bf16 peak per core")
+    return 0

@@ -1,0 +1,27 @@
+"""`vitlab inspect`: one self-contained HTML report on a checkpoint (paper Fig. 6, 7, 10, 11, 14).
+
+    vitlab inspect runs/b16/model.safetensors --images cat.jpg dog.jpg --out report.html
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="weights: vitlab .safetensors/dir, official .npz, timm, HF")
+    p.add_argument("--images", nargs="+", required=True, help="image files to analyse (a few)")
+    p.add_argument("--run-dir", default=None,
+                   help="training run folder with metrics.jsonl (default: the checkpoint's folder, if it has one)")
+    p.add_argument("--out", default="report.html", help="the HTML file to write")
+    p.add_argument("--img-size", type=int, default=None, help="input resolution (default: the model's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from vitlab.analysis.report import write_report
+    from vitlab.cli.eval import load_checkpoint
+
+    model, meta = load_checkpoint(args.checkpoint, args.img_size, "cpu")
+    meta.setdefault("checkpoint", args.checkpoint)
+    out = write_report(model, args.images, args.out, run_dir=args.run_dir, meta=meta)
+    print(f"wrote {out}")
+    return 0

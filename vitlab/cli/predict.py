@@ -1,0 +1,61 @@
+"""`vitlab predict`: the top-5 classes of images, with probabilities.
+
+    vitlab predict --checkpoint runs/demo/model.safetensors cat.png dog.jpg
+
+Class names come from ``classes.json`` beside the weights (written by `train`); without
+it the classes are printed as numbers.  Images are resized to the model's resolution
+and scaled to [-1, 1] as in training.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="weights: a .safetensors file or run folder written by train")
+    p.add_argument("--classes", help="JSON list of class names (default: classes.json beside the weights)")
+    p.add_argument("--top", type=int, default=5, help="how many classes to show")
+    p.add_argument("--json", action="store_true", help="one JSON line per image")
+    p.add_argument("images", nargs="+", help="image files")
+
+
+def find_classes(checkpoint: Path, explicit: str | None) -> list[str] | None:
+    candidates = [Path(explicit)] if explicit else [
+        (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "classes.json"]
+    for path in candidates:
+        if path.is_file():
+            return list(json.loads(path.read_text()))
+    if explicit:
+        raise FileNotFoundError(f"{explicit}: no such file")
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from vitlab.data.memory import decode_image
+    from vitlab.data.transforms import to_float
+    from vitlab.weights import load_model
+
+    checkpoint = Path(args.checkpoint)
+    model = load_model(checkpoint).eval()
+    classes = find_classes(checkpoint, args.classes)
+    size = model.cfg.img_size
+    for path in args.images:
+        array = decode_image(path, size)  # (H, W, 3) uint8
+        x = to_float(torch.from_numpy(array.copy()).permute(2, 0, 1).unsqueeze(0).contiguous())
+        with torch.no_grad():
+            probs = model(x).float().softmax(-1)[0]
+        k = min(args.top, probs.numel())
+        top = probs.topk(k)
+        names = [classes[i] if classes else str(i) for i in top.indices.tolist()]
+        if args.json:
+            print(json.dumps({"image": path, "top": [{"class": n, "prob": round(p, 6)}
+                                                      for n, p in zip(names, top.values.tolist())]}))
+        else:
+            print(path)
+            for name, prob in zip(names, top.values.tolist()):
+                print(f"  {prob:7.2%}  {name}")
+    return 0

@@ -1,0 +1,82 @@
+"""`vitlab train`: train a model with a recipe from ``configs/``.
+
+    vitlab train --recipe cifar10_scratch --data ../shared/data/cifar10/cifar10-train.tar.gz \\
+        --val-split 5000 --time-limit 30
+    torchrun --nproc_per_node=8 -m vitlab train --recipe paper_pretrain --model ViT-B/16 --data ...
+
+Every ``TrainConfig`` field can be changed with ``--set field=value`` (``--set
+model.width=256`` for a model field); the dedicated flags below are shortcuts.  The
+command ends by printing one JSON line: the final metrics and the weights' path.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+# flag -> TrainConfig field
+SHORTCUTS = {
+    "model": "model", "data": "data", "val_split": "val_split", "time_limit": "time_limit", "steps": "steps",
+    "batch_size": "batch_size", "lr": "lr", "out": "out", "precision": "precision", "accum_steps": "accum_steps",
+    "seed": "seed", "img_size": "img_size", "fsdp": "fsdp", "compile": "compile",
+}
+
+
+def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None) -> None:
+    """Flags shared by train, finetune and sweep."""
+    p.add_argument("--recipe", default=default_recipe, required=default_recipe is None,
+                   help="a recipe of configs/ (NAME or NAME:key=value or path/to/recipe.py)")
+    p.add_argument("--model", help="registry name, e.g. ViT-B/16 (see `vitlab models`)")
+    p.add_argument("--data", help="ImageFolder folder, .tar/.tar.gz archive of one, or 'digits'")
+    p.add_argument("--val-split", type=float,
+                   help="held-out validation examples: a count (5000) or a fraction (0.1); 0: none")
+    p.add_argument("--time-limit", type=float, metavar="MINUTES",
+                   help="fit warm-up, decay and the final evaluation into this wall-clock budget")
+    p.add_argument("--steps", type=int, help="optimiser steps (the ceiling under --time-limit)")
+    p.add_argument("--batch-size", type=int, help="global batch size")
+    p.add_argument("--accum-steps", type=int, help="gradient accumulation: micro-batches per step")
+    p.add_argument("--lr", type=float, help="base learning rate")
+    p.add_argument("--img-size", type=int, help="training resolution")
+    p.add_argument("--precision", choices=("bf16", "fp32"))
+    p.add_argument("--seed", type=int)
+    p.add_argument("--out", help="output folder (metrics, checkpoints, weights)")
+    p.add_argument("--fsdp", action="store_true", default=None, help="shard the model with FSDP (multi-process)")
+    p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoints")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override any TrainConfig field (repeatable); model.FIELD=VALUE for a ViTConfig field")
+    p.add_argument("--show-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def resolve_config(args: argparse.Namespace, extra: dict | None = None):
+    """Recipe -> --set overrides -> dedicated flags (the most specific wins)."""
+    from vitlab.train.config import apply_overrides, load_recipe, replace
+
+    cfg = load_recipe(args.recipe)
+    cfg = apply_overrides(cfg, args.overrides)
+    changes = {field: getattr(args, flag) for flag, field in SHORTCUTS.items()
+               if getattr(args, flag, None) is not None}
+    if "val_split" in changes and float(changes["val_split"]).is_integer() and changes["val_split"] >= 1:
+        changes["val_split"] = int(changes["val_split"])
+    changes.update(extra or {})
+    return replace(cfg, **changes)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common_arguments(p, default_recipe=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vitlab.train import train
+    from vitlab.train.config import to_dict, validate
+    from vitlab.train.distributed import env_world_size
+
+    cfg = resolve_config(args)
+    validate(cfg, env_world_size())  # before any data is read
+    if args.show_config:
+        print(json.dumps(to_dict(cfg), indent=2))
+        return 0
+    summary = train(cfg, resume=args.resume, verbose=not args.quiet)
+    if summary.get("weights") is not None:  # rank 0 of a distributed run
+        print(json.dumps(summary), flush=True)
+    return 0

@@ -1,0 +1,292 @@
+"""Model configurations as frozen dataclasses.
+
+Every model vitlab builds is described completely by one of these objects, so a
+config can be saved as JSON next to the weights and the model rebuilt from it
+without pickle.  Field names are the paper's words (`width`, `depth`, `mlp_dim`,
+`num_heads`, `patch_size`, `classifier`, `posemb`).
+
+Validation happens in ``__post_init__`` so that an impossible configuration is
+refused before any work starts, with a message naming the field, the value and
+what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+Pair = tuple[int, int]
+
+
+class ConfigError(ValueError):
+    """A configuration field holds a value that cannot work."""
+
+
+def to_pair(value: Any, name: str) -> Pair:
+    """Accept ``16`` or ``(16, 16)`` (or a list) and return a pair of positive ints."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        pair = (value, value)
+    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        pair = (int(value[0]), int(value[1]))
+    else:
+        raise ConfigError(f"{name}={value!r}: expected an int or a pair of ints (height, width)")
+    if pair[0] <= 0 or pair[1] <= 0:
+        raise ConfigError(f"{name}={value!r}: sizes must be positive")
+    return pair
+
+
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r}: allowed values are {', '.join(map(repr, allowed))}")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name}={value!r}: must be a positive integer")
+
+
+def _check_rate(name: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ConfigError(f"{name}={value!r}: must be a probability in [0, 1)")
+
+
+@dataclass(frozen=True)
+class ResNetConfig:
+    """A BiT ResNet (GroupNorm + weight-standardised convolutions), Kolesnikov et al. 2020.
+
+    Used on its own as the paper's baseline classifier, and as the stem of the hybrid
+    models, where ``num_classes`` is ignored and only the feature map is used.
+
+    layers:       bottleneck units per stage, e.g. (3, 4, 6, 3) for R50; (3, 4, 9) is the
+                  hybrid's "stage 4 removed, its blocks moved to stage 3" (paper Sec. 4.1).
+    width_factor: channel multiplier ("x1", "x2", ...); root width is 64 * width_factor.
+    padding:      "same" reproduces TensorFlow/Flax SAME padding (asymmetric for even sizes)
+                  as the official checkpoints were trained with; "symmetric" is PyTorch's.
+    ws_eps:       epsilon of weight standardisation; vit_jax adds it to the std: (w - mean) / (std + eps).
+    ws_eps_inside_sqrt: True standardises as (w - mean) / sqrt(var + ws_eps), BiT's own form
+                  (big_transfer bit_pytorch, eps 1e-10); False is vit_jax's form (hybrid stem).
+    gn_eps:       epsilon of GroupNorm (32 groups); 1e-6 is flax.linen.GroupNorm's default,
+                  used by vit_jax; BiT's PyTorch code uses torch's 1e-5.
+    """
+
+    layers: tuple[int, ...] = (3, 4, 6, 3)
+    width_factor: int = 1
+    in_chans: int = 3
+    num_classes: int = 1000
+    img_size: Pair = (224, 224)
+    padding: str = "same"
+    ws_eps: float = 1e-5
+    ws_eps_inside_sqrt: bool = False
+    gn_eps: float = 1e-6
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        layers = tuple(self.layers)
+        if not 1 <= len(layers) <= 4 or not all(isinstance(n, int) and n > 0 for n in layers):
+            raise ConfigError(f"layers={self.layers!r}: expected 1 to 4 positive unit counts per stage")
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "img_size", to_pair(self.img_size, "img_size"))
+        _check_positive("width_factor", self.width_factor)
+        _check_positive("in_chans", self.in_chans)
+        if not isinstance(self.num_classes, int) or self.num_classes < 0:
+            raise ConfigError(f"num_classes={self.num_classes!r}: must be an integer >= 0")
+        _check_choice("padding", self.padding, ("same", "symmetric"))
+
+    @property
+    def out_channels(self) -> int:
+        """Channels of the last stage's output (bottleneck expansion 4)."""
+        return 64 * self.width_factor * 4 * 2 ** (len(self.layers) - 1)
+
+    @property
+    def reduction(self) -> int:
+        """Total downsampling: stride-2 root conv, stride-2 max-pool, then /2 per later stage."""
+        return 4 * 2 ** (len(self.layers) - 1)
+
+
+POSEMB_KINDS = ("none", "learned_1d", "learned_2d", "relative")
+POSEMB_PLACES = ("stem", "every_layer", "every_layer_shared")
+CLASSIFIERS = ("token", "gap")
+GELU_KINDS = ("tanh", "exact")
+RESAMPLE_MODES = ("bilinear", "bicubic")
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """A Vision Transformer, optionally with a ResNet stem (hybrid) or axial blocks.
+
+    img_size, patch_size: (height, width); an int means square.  For a hybrid the patch
+        size applies to the ResNet feature map (the paper uses 1x1).
+    classifier: "token" reads the [class] token, "gap" averages the patch tokens
+        (paper Appendix D.3).
+    representation_size: width of the pre-logits layer (dense + tanh) used in
+        pre-training; None means the head reads the encoder output directly (fine-tuning).
+    posemb: "none", "learned_1d" (default), "learned_2d" (X and Y tables of width D/2,
+        concatenated) or "relative" (1D relative attention bias); paper Appendix D.4.
+    posemb_place: "stem" adds the embedding once after the patch embedding;
+        "every_layer" adds a separate embedding before each block; "every_layer_shared"
+        adds one embedding before each block.  Relative embeddings live inside every
+        attention layer and only accept "stem" (the paper's "default" column).
+    posemb_resample: how the patch grid of position embeddings is resized to a new
+        grid: "bilinear" with aligned corners is what the official code does
+        (scipy.ndimage.zoom, order 1); "bicubic" is what Hugging Face does on the fly.
+    dynamic_img_size: if True, inputs of any size divisible by the patch size are accepted
+        and the position embeddings are resampled on the fly in forward.
+    gelu, ln_eps: numerical conventions of the source of the weights: the official Flax
+        code uses the tanh approximation of GELU and eps 1e-6; timm uses exact GELU and
+        eps 1e-6; Hugging Face exact GELU and eps 1e-12.
+    dropout: after every dense layer except qkv, and after adding position embeddings.
+    attention_dropout: on the attention probabilities.
+    drop_path: stochastic depth rate, increasing linearly over depth to this value
+        (not in the paper; off by default).
+    axial: Axial-ViT (paper Appendix D.6): each block is row attention + MLP, then
+        column attention + MLP.  Uses the "gap" classifier and a learned 2D grid of
+        position embeddings.
+    """
+
+    img_size: Pair = (224, 224)
+    patch_size: Pair = (16, 16)
+    in_chans: int = 3
+    width: int = 768
+    depth: int = 12
+    mlp_dim: int = 3072
+    num_heads: int = 12
+    num_classes: int = 1000
+    classifier: str = "token"
+    representation_size: int | None = None
+    posemb: str = "learned_1d"
+    posemb_place: str = "stem"
+    posemb_resample: str = "bilinear"
+    dynamic_img_size: bool = False
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    drop_path: float = 0.0
+    gelu: str = "tanh"
+    ln_eps: float = 1e-6
+    qkv_bias: bool = True
+    resnet: ResNetConfig | None = None
+    axial: bool = False
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "img_size", to_pair(self.img_size, "img_size"))
+        object.__setattr__(self, "patch_size", to_pair(self.patch_size, "patch_size"))
+        if isinstance(self.resnet, dict):
+            object.__setattr__(self, "resnet", ResNetConfig(**_tuples(self.resnet)))
+        for name in ("in_chans", "width", "depth", "mlp_dim", "num_heads"):
+            _check_positive(name, getattr(self, name))
+        if not isinstance(self.num_classes, int) or self.num_classes < 0:
+            raise ConfigError(f"num_classes={self.num_classes!r}: must be an integer >= 0 (0 means no head)")
+        if self.width % self.num_heads:
+            raise ConfigError(
+                f"width={self.width} is not divisible by num_heads={self.num_heads}: each head needs width/num_heads channels"
+            )
+        _check_choice("classifier", self.classifier, CLASSIFIERS)
+        _check_choice("posemb", self.posemb, POSEMB_KINDS)
+        _check_choice("posemb_place", self.posemb_place, POSEMB_PLACES)
+        _check_choice("posemb_resample", self.posemb_resample, RESAMPLE_MODES)
+        _check_choice("gelu", self.gelu, GELU_KINDS)
+        for name in ("dropout", "attention_dropout", "drop_path"):
+            _check_rate(name, getattr(self, name))
+        if self.representation_size is not None:
+            _check_positive("representation_size", self.representation_size)
+        if self.posemb == "relative" and self.posemb_place != "stem":
+            raise ConfigError(
+                f"posemb_place={self.posemb_place!r} with posemb='relative': relative embeddings are a bias "
+                "inside every attention layer; only the default 'stem' setting exists (paper Table 8)"
+            )
+        if self.posemb == "learned_2d" and self.width % 2:
+            raise ConfigError(f"width={self.width} must be even for posemb='learned_2d' (two tables of width/2)")
+        if self.axial:
+            if self.classifier != "gap":
+                raise ConfigError("axial=True needs classifier='gap': a [class] token has no row or column")
+            if self.posemb not in ("none", "learned_2d", "learned_1d") or self.posemb_place != "stem":
+                raise ConfigError("axial=True supports posemb 'none', 'learned_1d' or 'learned_2d' at the stem only")
+        grid = self.feature_size
+        for axis, (size, patch) in enumerate(zip(grid, self.patch_size)):
+            if size % patch:
+                what = "ResNet feature map" if self.resnet else "image"
+                raise ConfigError(
+                    f"img_size={self.img_size}: the {what} ({grid[0]}x{grid[1]}) is not divisible by "
+                    f"patch_size={self.patch_size} along {'height' if axis == 0 else 'width'}"
+                )
+
+    @property
+    def feature_size(self) -> Pair:
+        """Spatial size of what the patch embedding sees: the image, or the ResNet feature map."""
+        if self.resnet is None:
+            return self.img_size
+        r = self.resnet.reduction
+        h, w = self.img_size
+        return (-(-h // r), -(-w // r))  # SAME padding rounds up
+
+    @property
+    def grid_size(self) -> Pair:
+        """Number of patches along height and width."""
+        (h, w), (ph, pw) = self.feature_size, self.patch_size
+        return (h // ph, w // pw)
+
+    @property
+    def num_patches(self) -> int:
+        gh, gw = self.grid_size
+        return gh * gw
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.num_heads
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return 1 if self.classifier == "token" else 0
+
+
+ModelConfig = Union[ViTConfig, ResNetConfig]
+
+
+def replace(config: ModelConfig, **overrides: Any) -> ModelConfig:
+    """Return a copy of ``config`` with fields overridden; unknown fields are an error."""
+    names = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown field(s) {', '.join(unknown)} for {type(config).__name__}; "
+            f"known fields: {', '.join(sorted(names))}"
+        )
+    return dataclasses.replace(config, **overrides)
+
+
+def _tuples(d: dict) -> dict:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+
+def config_to_dict(config: ModelConfig) -> dict:
+    """A JSON-serialisable dict that records the config's type."""
+    d = dataclasses.asdict(config)
+    d["type"] = type(config).__name__
+    return d
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+    d = dict(d)
+    kind = d.pop("type", "ViTConfig")
+    classes = {"ViTConfig": ViTConfig, "ResNetConfig": ResNetConfig}
+    if kind not in classes:
+        raise ConfigError(f"type={kind!r}: allowed values are {', '.join(classes)}")
+    cls = classes[kind]
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ConfigError(f"unknown field(s) {', '.join(unknown)} in a saved {kind}")
+    if kind == "ViTConfig" and isinstance(d.get("resnet"), dict):
+        d["resnet"] = ResNetConfig(**_tuples(d["resnet"]))
+    return cls(**_tuples(d))
+
+
+def config_to_json(config: ModelConfig) -> str:
+    return json.dumps(config_to_dict(config), indent=2, sort_keys=True)
+
+
+def config_from_json(text: str) -> ModelConfig:
+    return config_from_dict(json.loads(text))

@@ -1,0 +1,37 @@
+"""scikit-learn's handwritten digits as an ``InMemoryDataset``: a data set that needs no
+download (1,797 grey 8x8 images of the digits 0-9, 17 grey levels; Alpaydin & Kaynak,
+UCI), used by ``vitlab demo`` and by the tests.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from vitlab.data.memory import InMemoryDataset
+
+
+def load_digits_dataset(image_size: int = 24) -> InMemoryDataset:
+    """The 1,797 digits upsampled to ``image_size`` (bilinear) as 3-channel uint8 images.
+
+    Returns images (1797, 3, image_size, image_size) uint8 in [0, 255] (ink is bright,
+    as in the source) and labels 0-9 with classes "0".."9".
+    """
+    images, labels = _digits(image_size)
+    return InMemoryDataset(images=images.clone(), labels=labels.clone(), classes=[str(i) for i in range(10)])
+
+
+@functools.lru_cache(maxsize=4)
+def _digits(image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoded once per process and size (scikit-learn's loader takes seconds)."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as err:  # scikit-learn is the `demo` extra
+        raise ImportError("the digits data set needs scikit-learn: pip install 'vitlab[demo]'") from err
+    digits = load_digits()
+    x = torch.from_numpy(digits.images).float().unsqueeze(1) * (255.0 / 16.0)  # (N, 1, 8, 8) in [0, 255]
+    if image_size != 8:
+        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    images = x.round().clamp(0, 255).to(torch.uint8).expand(-1, 3, -1, -1).contiguous()
+    return images, torch.from_numpy(digits.target).long()

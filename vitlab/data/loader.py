@@ -1,0 +1,207 @@
+"""Batches from in-memory tensors, reproducible to the bit and resumable mid-epoch.
+
+The order of epoch ``e`` is a permutation seeded by (seed, e), and the augmentation of
+batch ``p`` uses a generator seeded by (seed, e, p, rank), so every batch is a pure
+function of (seed, epoch, position).  Resuming is then only a matter of restoring
+those three numbers: no RNG state has to be saved, and prefetching ahead cannot shift
+what later batches see.
+
+Distributed training: every rank builds the same permutation and takes a strided slice
+(``rank::world_size``) of each global batch of ``batch_size * world_size`` indices, so
+ranks see disjoint examples and together exactly the global batch.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterator, Optional, Union
+
+import numpy as np
+import torch
+
+from vitlab.data.transforms import BatchTransform
+
+__all__ = ["BatchStream", "derive_seed"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+_DONE = object()
+
+
+def derive_seed(*numbers: int) -> int:
+    """A 63-bit seed mixing non-negative ints well (numpy's SeedSequence hashing).
+
+    Plain sums such as ``seed + epoch`` would make (seed=1, epoch=0) and (seed=0,
+    epoch=1) share a stream.
+    """
+    return int(np.random.SeedSequence(list(numbers)).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+class BatchStream:
+    """Iterate (images, targets) batches of an in-memory data set.
+
+    images:     (N, C, H, W) tensor (uint8 for the transforms in ``transforms``); it may
+                already live on the GPU, airbench-style.
+    labels:     (N,) int64.
+    batch_size: per-rank batch size.
+    shuffle:    a fresh permutation per epoch; False walks 0..N-1 in order.
+    seed:       with the epoch and position, fixes every batch and its augmentation.
+    drop_last:  drop the final incomplete global batch (keep True for training, so every
+                step has the same size and every rank the same number of steps).
+    transform:  ``(uint8 batch, labels, generator) -> (batch, targets)``, e.g. from
+                ``build_transform``; None yields the raw (images, labels).
+    device:     where batches are moved before the transform runs; None keeps the
+                images' device.
+    rank, world_size: this process's share of each global batch.
+    prefetch:   batches prepared ahead in a background thread (0 = none).  On a 2-core
+                CPU this did not pay (see benchmarks/data_throughput.py); with a GPU
+                it overlaps CPU-side work with the device's.
+
+    Iterating yields the rest of the current epoch and then advances to the next
+    epoch, so ``for epoch ...: for x, y in stream: ...`` walks the epochs in turn.
+    """
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        transform: Optional[BatchTransform] = None,
+        device: Union[str, torch.device, None] = None,
+        rank: int = 0,
+        world_size: int = 1,
+        prefetch: int = 0,
+    ) -> None:
+        if images.shape[0] != labels.shape[0]:
+            raise ValueError(f"images ({images.shape[0]}) and labels ({labels.shape[0]}) differ in length")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}: must be >= 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
+        if seed < 0:
+            raise ValueError(f"seed={seed}: must be >= 0")
+        global_batch = batch_size * world_size
+        if drop_last and images.shape[0] < global_batch:
+            raise ValueError(
+                f"{images.shape[0]} examples make no full global batch of {global_batch} "
+                f"(batch_size={batch_size} x world_size={world_size}) with drop_last=True"
+            )
+        self.images = images
+        self.labels = labels
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.transform = transform
+        self.device = torch.device(device) if device is not None else images.device
+        self.rank = rank
+        self.world_size = world_size
+        self.prefetch = prefetch
+        self.epoch = 0
+        self.position = 0  # batches of ``epoch`` already handed out
+
+    def __len__(self) -> int:
+        """Batches per epoch (the same on every rank)."""
+        n, g = self.images.shape[0], self.batch_size * self.world_size
+        return n // g if self.drop_last else -(-n // g)
+
+    def state_dict(self) -> dict:
+        """Where the stream stands: the next batch is ``position`` of ``epoch``."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where ``state_dict()`` was taken (same batch_size, world_size)."""
+        self.epoch, self.position, self.seed = int(state["epoch"]), int(state["position"]), int(state["seed"])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Jump to the start of ``epoch``."""
+        self.epoch, self.position = int(epoch), 0
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        n = self.images.shape[0]
+        if not self.shuffle:
+            return torch.arange(n)
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, 0))
+        return torch.randperm(n, generator=generator)
+
+    def batch_indices(self, epoch: int, position: int) -> torch.Tensor:
+        """(b,) int64 example indices of this rank's batch ``position`` of ``epoch``."""
+        return self._slice(self._order(epoch), position)
+
+    def _slice(self, order: torch.Tensor, position: int) -> torch.Tensor:
+        g = self.batch_size * self.world_size
+        return order[position * g : (position + 1) * g][self.rank :: self.world_size]
+
+    def _make(self, order: torch.Tensor, epoch: int, position: int) -> Batch:
+        idx = self._slice(order, position).to(self.images.device)
+        x = self.images[idx].to(self.device, non_blocking=True)
+        y = self.labels[idx].to(self.device, non_blocking=True)
+        if self.transform is None:
+            return x, y
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(derive_seed(self.seed, epoch, position + 1, self.rank))
+        return self.transform(x, y, generator)
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self.position >= len(self):  # state taken after the last batch of an epoch
+            self.epoch, self.position = self.epoch + 1, 0
+        epoch, order = self.epoch, self._order(self.epoch)
+        positions = range(self.position, len(self))
+        batches = (self._make(order, epoch, p) for p in positions)
+        if self.prefetch > 0:
+            batches = _prefetched(batches, self.prefetch)
+        try:
+            for position, batch in zip(positions, batches):
+                self.position = position + 1  # before the yield: a checkpoint taken now resumes after it
+                yield batch
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+        if self.epoch == epoch and self.position >= len(self):
+            self.epoch, self.position = epoch + 1, 0
+
+
+def _prefetched(items: Iterator, depth: int) -> Iterator:
+    """Run ``items`` in a background thread, ``depth`` items ahead of the consumer.
+
+    torch releases the GIL inside its kernels, so the thread's augmentation runs while
+    the main thread computes.  Closing the returned generator stops the thread.
+    """
+    buffer: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item: object) -> bool:
+        while not stop.is_set():
+            try:
+                buffer.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def work() -> None:
+        try:
+            for item in items:
+                if not put(item):
+                    return
+            put(_DONE)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the consumer
+            put(error)
+
+    thread = threading.Thread(target=work, name="BatchStream-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = buffer.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()

@@ -1,0 +1,206 @@
+"""Small data sets (CIFAR-size) decoded once into one uint8 tensor in RAM.
+
+Decoding 50,000 JPEGs takes seconds even on a few cores; the training loop then reads
+batches by indexing a tensor, and augments them as tensor ops (see ``transforms``), the
+way airbench keeps all of CIFAR-10 on the device.  An archive is read in one
+sequential pass rather than extracted (writing 50k tiny files costs more than decoding
+them).  The decoded arrays are cached as ``.npy`` files in the cache folder, keyed by
+the source's key and the image size, so a second run costs one file read.
+
+Unreadable images never stop a run and are never dropped silently: each is left out,
+kept in ``InMemoryDataset.skipped`` with the reason, and counted in a warning.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vitlab.config import to_pair
+from vitlab.data.sources import (
+    DataError,
+    PathLike,
+    default_cache_dir,
+    is_archive,
+    read_image_archive,
+    resolve_data_path,
+    scan_image_folder,
+    source_key,
+)
+
+__all__ = ["InMemoryDataset", "load_in_memory", "decode_image"]
+
+log = logging.getLogger(__name__)
+
+Size = Union[int, tuple[int, int], None]
+CACHE_VERSION = 1  # bump when the layout of the cached arrays changes
+
+
+@dataclass
+class InMemoryDataset:
+    """A decoded data set.
+
+    images:  (N, 3, H, W) uint8, RGB.
+    labels:  (N,) int64 class ids, indices into ``classes``.
+    classes: class names, sorted as the folders were.
+    skipped: (path, reason) of every image that could not be decoded and was left out.
+    """
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    classes: list[str]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+def decode_image(source, size: Optional[tuple[int, int]] = None) -> np.ndarray:
+    """Decode an image file (path or file object) to an (H, W, 3) uint8 RGB array.
+
+    size: (height, width) to resize to, bilinear (PIL); None keeps the stored size.
+    Raises whatever PIL raises for unreadable data (OSError, SyntaxError, ...).
+    """
+    with Image.open(source) as img:
+        img = img.convert("RGB")  # also forces the full decode, so truncated files fail here
+        if size is not None and (img.height, img.width) != tuple(size):
+            img = img.resize((size[1], size[0]), Image.BILINEAR)
+        return np.array(img, dtype=np.uint8)  # a writable copy: torch.from_numpy wants one
+
+
+def _decode_chunk(
+    job: tuple[Sequence[Union[str, bytes]], Optional[tuple[int, int]]]
+) -> list[tuple[Optional[np.ndarray], str]]:
+    """Worker: decode a chunk of paths or encoded bytes; a bad image gives (None, reason)."""
+    sources, size = job
+    out: list[tuple[Optional[np.ndarray], str]] = []
+    for source in sources:
+        try:
+            out.append((decode_image(io.BytesIO(source) if isinstance(source, bytes) else source, size), ""))
+        except Exception as e:  # noqa: BLE001 - PIL raises many types for bad files
+            out.append((None, f"{type(e).__name__}: {e}"))
+    return out
+
+
+def _decode_all(
+    sources: Sequence[Union[str, bytes]], size: Optional[tuple[int, int]], workers: int
+) -> list[tuple[Optional[np.ndarray], str]]:
+    """Decode in ``workers`` processes, results in input order."""
+    # ~8 chunks per worker balance the load without much pickling overhead per chunk.
+    chunk = max(64, min(2048, -(-len(sources) // max(1, workers * 8))))
+    jobs = [(sources[i : i + chunk], size) for i in range(0, len(sources), chunk)]
+    if workers <= 1 or len(jobs) == 1:
+        results = [_decode_chunk(job) for job in jobs]
+    else:
+        # fork: workers start in milliseconds and need only PIL and numpy, no torch state.
+        methods = multiprocessing.get_all_start_methods()
+        ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
+        with ctx.Pool(workers) as pool:
+            results = pool.map(_decode_chunk, jobs)
+    return [item for chunk_result in results for item in chunk_result]
+
+
+def _stack(
+    decoded: list[tuple[Optional[np.ndarray], str]], paths: list[str], labels: np.ndarray, root: Path
+) -> tuple[np.ndarray, np.ndarray, list[tuple[str, str]]]:
+    """(N, 3, H, W) images, (N,) labels and the skipped list from per-image results."""
+    keep = [i for i, (arr, _) in enumerate(decoded) if arr is not None]
+    skipped = [(paths[i], reason) for i, (arr, reason) in enumerate(decoded) if arr is None]
+    if not keep:
+        raise DataError(f"{root}: none of the {len(paths)} images could be decoded (first: {skipped[0][1]})")
+    shape = decoded[keep[0]][0].shape
+    for i in keep:
+        if decoded[i][0].shape != shape:
+            raise DataError(
+                f"{root}: images differ in size ({paths[keep[0]]} is {shape[0]}x{shape[1]}, "
+                f"{paths[i]} is {decoded[i][0].shape[0]}x{decoded[i][0].shape[1]}); pass image_size=... to resize"
+            )
+    images = np.empty((len(keep), 3, shape[0], shape[1]), dtype=np.uint8)
+    for row, i in enumerate(keep):
+        images[row] = decoded[i][0].transpose(2, 0, 1)
+    return images, labels[keep], skipped
+
+
+def _cache_folder(path: PathLike, size: Optional[tuple[int, int]], cache_dir: Optional[PathLike]) -> Path:
+    base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    tag = "native" if size is None else f"{size[0]}x{size[1]}"
+    key = source_key(path)
+    return base / "arrays" / f"{key}-{tag}-v{CACHE_VERSION}"
+
+
+def _read_cache(folder: Path) -> InMemoryDataset:
+    meta = json.loads((folder / "meta.json").read_text())
+    return InMemoryDataset(
+        images=torch.from_numpy(np.load(folder / "images.npy")),
+        labels=torch.from_numpy(np.load(folder / "labels.npy")),
+        classes=list(meta["classes"]),
+        skipped=[tuple(s) for s in meta["skipped"]],
+    )
+
+
+def _write_cache(folder: Path, images: np.ndarray, labels: np.ndarray, classes: list[str], skipped: list) -> None:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=folder.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
+    try:
+        np.save(tmp / "images.npy", images)
+        np.save(tmp / "labels.npy", labels)
+        (tmp / "meta.json").write_text(json.dumps({"classes": classes, "skipped": skipped, "shape": images.shape}))
+        try:
+            os.rename(tmp, folder)  # all three files appear together or not at all
+        except OSError:
+            if not folder.is_dir():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_in_memory(
+    path: PathLike, image_size: Size = None, cache_dir: Optional[PathLike] = None, workers: int = 2
+) -> InMemoryDataset:
+    """Decode every image of an ImageFolder tree or archive into RAM, caching the result.
+
+    path:       a folder or a .tar/.tar.gz/.tgz archive of one; archives are read in
+                one pass without extracting them.
+    image_size: int or (height, width); every image is resized to it (bilinear, PIL).
+                Required when the images differ in size; None keeps their common size.
+    cache_dir:  where decoded arrays (and extracted archives) live (default
+                ``$VITLAB_CACHE`` or ``~/.cache/vitlab``).
+    workers:    decoding processes; 1 or 0 decodes in this process.
+
+    Raises:
+        DataError: no images, no class folders, sizes differ without ``image_size``.
+    """
+    size = None if image_size is None else to_pair(image_size, "image_size")
+    folder = _cache_folder(path, size, cache_dir)
+    if folder.is_dir():
+        data = _read_cache(folder)
+    else:
+        if is_archive(path) and Path(path).is_file():
+            index, sources = read_image_archive(path)  # no extraction: one pass over the archive
+        else:
+            index = scan_image_folder(resolve_data_path(path, cache_dir))
+            sources = index.paths
+        decoded = _decode_all(sources, size, workers)
+        images, labels, skipped = _stack(decoded, index.paths, index.labels, index.root)
+        _write_cache(folder, images, labels, index.classes, skipped)
+        data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), index.classes, skipped)
+    if data.skipped:
+        first_path, first_reason = data.skipped[0]
+        log.warning(
+            "%s: skipped %d unreadable image(s) of %d (first: %s: %s)",
+            path, len(data.skipped), len(data) + len(data.skipped), first_path, first_reason,
+        )
+    return data

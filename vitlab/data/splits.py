@@ -1,0 +1,108 @@
+"""Deterministic, class-balanced subsets of a labelled data set.
+
+``stratified_split`` holds out a validation set whose class proportions match the whole
+set (the paper picks fine-tuning hyper-parameters on a small held-out part of each
+training set, Appendix B.1.1).  ``few_per_class`` draws k examples per class, the training sets of the
+few-shot evaluation and of VTAB-1k.
+
+Both use numpy's PCG64 generator seeded with ``seed``, whose streams are fixed across
+platforms and versions, so a split can be named by its seed in a paper.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import numpy as np
+import torch
+
+from vitlab.data.sources import DataError
+
+__all__ = ["stratified_split", "few_per_class"]
+
+Labels = Union[torch.Tensor, np.ndarray, list]
+
+
+def _as_labels(labels: Labels) -> np.ndarray:
+    array = labels.cpu().numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
+    if array.ndim != 1 or array.size == 0:
+        raise DataError(f"labels: expected a non-empty 1-D array, got shape {array.shape}")
+    if not np.issubdtype(array.dtype, np.integer) or array.min() < 0:
+        raise DataError("labels: expected non-negative integer class ids")
+    return array.astype(np.int64)
+
+
+def _proportional_counts(counts: np.ndarray, total: int) -> np.ndarray:
+    """Split ``total`` over classes in proportion to ``counts`` (largest-remainder rounding).
+
+    Exact shares give floor values first; the leftover units go to the largest
+    fractional parts, ties broken by class id, so the result is deterministic and sums
+    to ``total`` exactly.
+    """
+    exact = counts * total / counts.sum()
+    alloc = np.floor(exact).astype(np.int64)
+    leftover = total - int(alloc.sum())
+    order = np.lexsort((np.arange(len(counts)), -(exact - alloc)))  # largest remainder first
+    alloc[order[:leftover]] += 1
+    return alloc
+
+
+def stratified_split(labels: Labels, val_size: Union[int, float], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split indices into train and validation sets with matching class proportions.
+
+    labels:   (N,) integer class ids.
+    val_size: number of validation examples (int) or a fraction of N in (0, 1).
+    seed:     the split is a pure function of (labels, val_size, seed).
+
+    Returns (train_idx, val_idx): sorted int64 tensors that partition range(N).  Each
+    class gives round(val_size * count / N) examples (largest-remainder rounding), e.g.
+    exactly 500 per class for CIFAR-10 with val_size=5000.
+
+    Raises:
+        DataError: val_size out of range, or a class would have no training example left.
+    """
+    y = _as_labels(labels)
+    n = len(y)
+    if isinstance(val_size, float) and not isinstance(val_size, bool):
+        if not 0.0 < val_size < 1.0:
+            raise DataError(f"val_size={val_size}: a fraction must lie in (0, 1)")
+        n_val = int(round(val_size * n))
+    elif isinstance(val_size, (int, np.integer)) and not isinstance(val_size, bool):
+        n_val = int(val_size)
+    else:
+        raise DataError(f"val_size={val_size!r}: expected a count (int) or a fraction (float)")
+    if not 0 < n_val < n:
+        raise DataError(f"val_size={val_size}: gives {n_val} validation examples; need 1..{n - 1} of {n}")
+
+    classes, counts = np.unique(y, return_counts=True)
+    n_val_per_class = _proportional_counts(counts, n_val)
+    rng = np.random.Generator(np.random.PCG64(seed))
+    val_parts = []
+    for c, count, k in zip(classes, counts, n_val_per_class):
+        if k >= count:
+            raise DataError(
+                f"class {c} has {count} example(s); val_size={val_size} would take {k} of them, leaving none to train on"
+            )
+        members = np.flatnonzero(y == c)
+        val_parts.append(members[rng.permutation(count)[:k]])
+    val = np.sort(np.concatenate(val_parts))
+    train = np.setdiff1d(np.arange(n), val, assume_unique=True)
+    return torch.from_numpy(train), torch.from_numpy(val)
+
+
+def few_per_class(labels: Labels, k: int, seed: int) -> torch.Tensor:
+    """Sorted int64 indices of ``k`` examples of every class present in ``labels``.
+
+    Raises:
+        DataError: k < 1, or some class has fewer than k examples.
+    """
+    if not isinstance(k, (int, np.integer)) or k < 1:
+        raise DataError(f"k={k!r}: must be a positive integer")
+    y = _as_labels(labels)
+    classes, counts = np.unique(y, return_counts=True)
+    short = [(int(c), int(n)) for c, n in zip(classes, counts) if n < k]
+    if short:
+        listed = ", ".join(f"class {c}: {n}" for c, n in short[:5])
+        raise DataError(f"k={k}: {len(short)} class(es) have fewer than k examples ({listed})")
+    rng = np.random.Generator(np.random.PCG64(seed))
+    picked = [np.flatnonzero(y == c)[rng.permutation(n)[:k]] for c, n in zip(classes, counts)]
+    return torch.from_numpy(np.sort(np.concatenate(picked)))

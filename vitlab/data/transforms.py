@@ -1,0 +1,391 @@
+"""Batch augmentations as tensor ops, and the per-batch transform the training loop calls.
+
+Every function takes a whole (B, C, H, W) batch, draws per-image parameters from an
+explicit ``torch.Generator`` and runs on the batch's device, so a batch's augmentation
+is a pure function of (images, generator state) and costs a handful of kernel calls
+instead of B Python-level PIL calls.  Random parameters are drawn on the generator's
+device and then moved, so a CPU generator also drives a GPU batch.
+
+Geometric ops accept uint8 or float batches and return the input dtype (uint8 results
+are rounded).  The pipeline order of ``build_transform`` is:
+
+    crop (inception or pad-and-crop) -> flip -> RandAugment (uint8) -> to_float
+    -> random erasing -> mixup/cutmix,   labels -> smoothed one-hot targets
+
+``to_float`` scales to [-1, 1] as the official code does (x / 127.5 - 1), not with
+ImageNet mean/std.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vitlab.config import ConfigError, to_pair
+from vitlab.data.randaugment import rand_augment
+
+__all__ = [
+    "to_float",
+    "resize",
+    "random_resized_crop",
+    "random_flip",
+    "random_crop_with_padding",
+    "rand_augment",
+    "mixup_cutmix",
+    "one_hot_smooth",
+    "random_erasing",
+    "TrainTransform",
+    "EvalTransform",
+    "build_transform",
+    "BatchTransform",
+]
+
+Size = Union[int, tuple[int, int]]
+BatchTransform = Callable[[torch.Tensor, torch.Tensor, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _uniform(shape: tuple[int, ...], generator: torch.Generator, device: torch.device,
+             low: float = 0.0, high: float = 1.0) -> torch.Tensor:
+    """U(low, high) samples drawn on the generator's device, returned on ``device``."""
+    u = torch.rand(shape, generator=generator, device=generator.device)
+    return (low + (high - low) * u).to(device)
+
+
+def _as_float(images: torch.Tensor) -> torch.Tensor:
+    return images if images.is_floating_point() else images.float()
+
+
+def _like(result: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+    """Cast an interpolated float result back to the input's dtype."""
+    if images.is_floating_point():
+        return result.to(images.dtype)
+    return result.round_().clamp_(0, 255).to(images.dtype)
+
+
+def to_float(images: torch.Tensor) -> torch.Tensor:
+    """uint8 (B, C, H, W) in [0, 255] -> float32 in [-1, 1] as x / 127.5 - 1 (vit_jax)."""
+    return images.to(torch.float32) / 127.5 - 1.0  # out of place: a float input stays untouched
+
+
+def resize(images: torch.Tensor, size: Size, antialias: bool = False) -> torch.Tensor:
+    """Bilinear resize of a batch to ``size`` (int or (H, W)); the fine-tuning preprocessing.
+
+    antialias: False matches ``tf.image.resize``'s default, which the official input
+        pipeline uses; True low-pass filters first when shrinking.
+    """
+    h, w = to_pair(size, "size")
+    if tuple(images.shape[-2:]) == (h, w):
+        return images
+    out = F.interpolate(_as_float(images), size=(h, w), mode="bilinear", align_corners=False, antialias=antialias)
+    return _like(out, images)
+
+
+def _sample_boxes(
+    batch: int, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float],
+    generator: torch.Generator, attempts: int = 10,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-image boxes covering ``scale`` of the area with aspect ``ratio`` (w / h).
+
+    Like torchvision's RandomResizedCrop sampling, all attempts drawn at once: area and
+    log-aspect uniform, the first attempt that fits inside the image wins.
+
+    Returns (x0, y0, w, h, found), each (B,) on the generator's device; ``found`` is
+    False where no attempt fitted (those boxes are the whole image).
+    """
+    dev = generator.device
+    area = _uniform((batch, attempts), generator, dev, scale[0], scale[1]) * (height * width)
+    aspect = torch.exp(_uniform((batch, attempts), generator, dev, math.log(ratio[0]), math.log(ratio[1])))
+    w = torch.sqrt(area * aspect).round()
+    h = torch.sqrt(area / aspect).round()
+    fits = (w >= 1) & (h >= 1) & (w <= width) & (h <= height)
+    first = fits.int().argmax(dim=1, keepdim=True)  # index of the first attempt that fits
+    found = fits.any(dim=1)
+    w = torch.where(found, w.gather(1, first).squeeze(1), torch.tensor(float(width), device=dev))
+    h = torch.where(found, h.gather(1, first).squeeze(1), torch.tensor(float(height), device=dev))
+    x0 = torch.floor(_uniform((batch,), generator, dev) * (width - w + 1))
+    y0 = torch.floor(_uniform((batch,), generator, dev) * (height - h + 1))
+    return x0, y0, w, h, found
+
+
+def random_resized_crop(
+    images: torch.Tensor,
+    out_size: Size,
+    scale: tuple[float, float] = (0.05, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    *,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """The "inception crop" of the official input pipeline, batched.
+
+    Each image gets a box of ``scale`` of its area and aspect ratio in ``ratio``; the box
+    is resampled bilinearly to ``out_size`` with one ``grid_sample`` call.  When no box
+    fits in 10 attempts the whole image is used, as ``tf.image.sample_distorted_bounding_box``
+    does.  Like ``tf.image.resize`` (no antialiasing) small boxes of large images alias.
+
+    images: (B, C, H, W) uint8 or float.  Returns (B, C, *out_size), same dtype.
+    """
+    out_h, out_w = to_pair(out_size, "out_size")
+    b, c, height, width = images.shape
+    x0, y0, w, h, _ = _sample_boxes(b, height, width, scale, ratio, generator)
+    # Normalised coordinates (align_corners=False) run from -1 at the left edge of pixel 0
+    # to +1 at the right edge of pixel W-1; the box [x0, x0 + w) maps onto [-1, 1].
+    theta = torch.zeros(b, 2, 3, device=generator.device)
+    theta[:, 0, 0] = w / width
+    theta[:, 0, 2] = (2 * x0 + w) / width - 1
+    theta[:, 1, 1] = h / height
+    theta[:, 1, 2] = (2 * y0 + h) / height - 1
+    grid = F.affine_grid(theta.to(images.device), [b, c, out_h, out_w], align_corners=False)
+    # "border" clamps sample points to the edge pixels, as F.interpolate does, so a
+    # full-image box equals a plain resize.
+    out = F.grid_sample(_as_float(images), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    return _like(out, images)
+
+
+def random_flip(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Flip each image left-right with probability 1/2.  (B, C, H, W) -> same."""
+    flip = _uniform((images.shape[0],), generator, images.device) < 0.5
+    return torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
+
+
+def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:
+    """Map indices in [-size+1, 2*size-2] into [0, size) by mirroring at the edges (no edge repeat)."""
+    index = index.abs()
+    return torch.where(index >= size, 2 * (size - 1) - index, index)
+
+
+def random_crop_with_padding(images: torch.Tensor, pad: int = 4, *, generator: torch.Generator) -> torch.Tensor:
+    """The CIFAR standard: reflect-pad by ``pad`` pixels, then crop back to H x W at random.
+
+    Implemented as a per-image shift of the sampling indices with reflection at the
+    edges, which equals padding then cropping without building the padded batch.
+
+    images: (B, C, H, W), any dtype; needs pad < H and pad < W.  Returns the same shape.
+    """
+    b, c, h, w = images.shape
+    if not 0 <= pad < min(h, w):
+        raise ValueError(f"pad={pad}: reflect padding needs 0 <= pad < min(H, W) = {min(h, w)}")
+    dev = generator.device
+    dy = torch.randint(-pad, pad + 1, (b, 1), generator=generator, device=dev).to(images.device)
+    dx = torch.randint(-pad, pad + 1, (b, 1), generator=generator, device=dev).to(images.device)
+    rows = _reflect(torch.arange(h, device=images.device) + dy, h)  # (B, H)
+    cols = _reflect(torch.arange(w, device=images.device) + dx, w)  # (B, W)
+    out = images.gather(2, rows.view(b, 1, h, 1).expand(b, c, h, w))
+    return out.gather(3, cols.view(b, 1, 1, w).expand(b, c, h, w))
+
+
+def one_hot_smooth(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
+    """(B,) int64 labels -> (B, num_classes) float32 targets that sum to 1.
+
+    Label smoothing spreads ``smoothing`` uniformly over all classes (the true class
+    keeps 1 - smoothing + smoothing / num_classes), as timm and big_vision do.
+    """
+    off = smoothing / num_classes
+    targets = torch.full((labels.shape[0], num_classes), off, device=labels.device)
+    return targets.scatter_(1, labels.view(-1, 1).long(), 1.0 - smoothing + off)
+
+
+def _beta(alpha: float, generator: torch.Generator) -> float:
+    # torch's Beta sampler takes no generator; seed numpy's from the generator instead so
+    # the draw stays a function of the generator state.
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+    return float(np.random.default_rng(seed).beta(alpha, alpha))
+
+
+def mixup_cutmix(
+    images: torch.Tensor,
+    targets_onehot: torch.Tensor,
+    mixup_alpha: float,
+    cutmix_alpha: float,
+    switch_prob: float,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixup (Zhang et al. 2018) or CutMix (Yun et al. 2019), one of them per batch.
+
+    Every image is mixed with the image at the mirrored batch position (``flip(0)``), with
+    one weight lam ~ Beta(alpha, alpha) for the batch, as timm's batch mode does.  With
+    both alphas > 0, CutMix is chosen with probability ``switch_prob``.  For CutMix lam is
+    corrected to the pasted box's actual area.  An alpha of 0 disables that method.
+
+    images:  (B, C, H, W) float (mixup) or any dtype (cutmix only).
+    targets_onehot: (B, K) soft targets summing to 1; the result still sums to 1.
+    Returns (mixed images, mixed targets).
+    """
+    if mixup_alpha <= 0 and cutmix_alpha <= 0:
+        return images, targets_onehot
+    use_cutmix = _uniform((1,), generator, generator.device).item() < switch_prob
+    if cutmix_alpha > 0 and (use_cutmix or mixup_alpha <= 0):
+        lam = _beta(cutmix_alpha, generator)
+        _, _, h, w = images.shape
+        cut = math.sqrt(1.0 - lam)
+        cut_h, cut_w = int(h * cut), int(w * cut)
+        cy = int(torch.randint(0, h, (1,), generator=generator, device=generator.device))
+        cx = int(torch.randint(0, w, (1,), generator=generator, device=generator.device))
+        y0, y1 = max(cy - cut_h // 2, 0), min(cy + cut_h // 2, h)
+        x0, x1 = max(cx - cut_w // 2, 0), min(cx + cut_w // 2, w)
+        mixed = images.clone()
+        mixed[:, :, y0:y1, x0:x1] = images.flip(0)[:, :, y0:y1, x0:x1]
+        lam = 1.0 - (y1 - y0) * (x1 - x0) / (h * w)
+    else:
+        if not images.is_floating_point():
+            raise TypeError("mixup needs float images; apply to_float first")
+        lam = _beta(mixup_alpha, generator)
+        mixed = images * lam + images.flip(0) * (1.0 - lam)
+    return mixed, targets_onehot * lam + targets_onehot.flip(0) * (1.0 - lam)
+
+
+def random_erasing(
+    images: torch.Tensor,
+    prob: float,
+    generator: torch.Generator,
+    *,
+    scale: tuple[float, float] = (0.02, 1 / 3),
+    ratio: tuple[float, float] = (0.3, 3.3),
+    value: Optional[float] = None,
+) -> torch.Tensor:
+    """Random Erasing (Zhong et al. 2020): with probability ``prob`` per image, replace a
+    random box (``scale`` of the area, aspect in ``ratio``) with noise or a constant.
+
+    images: (B, C, H, W) float, normally after ``to_float``.
+    value:  None fills with N(0, 1) noise per pixel (timm's "pixel" mode); a number fills
+            with that constant.
+    """
+    b, c, h, w = images.shape
+    x0, y0, bw, bh, found = (t.to(images.device) for t in _sample_boxes(b, h, w, scale, ratio, generator))
+    erase = found & (_uniform((b,), generator, images.device) < prob)
+    ys = torch.arange(h, device=images.device).view(1, h, 1)
+    xs = torch.arange(w, device=images.device).view(1, 1, w)
+    inside = (ys >= y0.view(-1, 1, 1)) & (ys < (y0 + bh).view(-1, 1, 1))
+    inside = inside & (xs >= x0.view(-1, 1, 1)) & (xs < (x0 + bw).view(-1, 1, 1))
+    mask = (inside & erase.view(-1, 1, 1)).unsqueeze(1)  # (B, 1, H, W)
+    if value is None:
+        fill = torch.randn(images.shape, generator=generator, device=generator.device).to(images.device, images.dtype)
+    else:
+        fill = torch.full((), value, dtype=images.dtype, device=images.device)
+    return torch.where(mask, fill, images)
+
+
+def _check_range(name: str, pair: tuple[float, float], low: float, high: float) -> None:
+    if len(pair) != 2 or not low <= pair[0] <= pair[1] <= high:
+        raise ConfigError(f"{name}={pair!r}: expected (min, max) with {low} <= min <= max <= {high}")
+
+
+CROPS = ("inception", "pad", "none")
+
+
+@dataclass(frozen=True)
+class TrainTransform:
+    """Training augmentation, applied per batch by ``build_transform``.
+
+    num_classes:  size of the soft targets.
+    image_size:   output (H, W); required for crop="inception"; for "pad"/"none" the batch
+                  is first resized to it if given.
+    crop:         "inception" (random_resized_crop, the official pipeline), "pad" (CIFAR
+                  reflect-pad-and-crop by ``crop_pad`` pixels) or "none".
+    randaug_ops:  RandAugment N (0 = off); ``randaug_magnitude`` is M on the 0-10 scale.
+                  Not in the paper; used by the DeiT/AugReg recipes for ViT without
+                  large-scale pre-training.
+    mixup_alpha, cutmix_alpha, mix_switch_prob: see ``mixup_cutmix`` (0 = off).
+    label_smoothing: mass spread uniformly over classes (0 = plain one-hot).
+    erase_prob:   random erasing probability per image (0 = off).
+    """
+
+    num_classes: int
+    image_size: Optional[Size] = None
+    crop: str = "inception"
+    crop_scale: tuple[float, float] = (0.05, 1.0)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    crop_pad: int = 4
+    flip: bool = True
+    randaug_ops: int = 0
+    randaug_magnitude: float = 9.0
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    mix_switch_prob: float = 0.5
+    label_smoothing: float = 0.0
+    erase_prob: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_classes, int) or self.num_classes < 1:
+            raise ConfigError(f"num_classes={self.num_classes!r}: must be a positive integer")
+        if self.image_size is not None:
+            object.__setattr__(self, "image_size", to_pair(self.image_size, "image_size"))
+        if self.crop not in CROPS:
+            raise ConfigError(f"crop={self.crop!r}: allowed values are {', '.join(map(repr, CROPS))}")
+        if self.crop == "inception" and self.image_size is None:
+            raise ConfigError("crop='inception' needs image_size (the output size of the crop)")
+        _check_range("crop_scale", self.crop_scale, 0.0, 1.0)
+        _check_range("crop_ratio", self.crop_ratio, 1e-6, math.inf)
+        if self.crop_scale[1] <= 0:
+            raise ConfigError(f"crop_scale={self.crop_scale!r}: the largest area must be > 0")
+        if not isinstance(self.crop_pad, int) or self.crop_pad < 0:
+            raise ConfigError(f"crop_pad={self.crop_pad!r}: must be an integer >= 0")
+        if not isinstance(self.randaug_ops, int) or self.randaug_ops < 0:
+            raise ConfigError(f"randaug_ops={self.randaug_ops!r}: must be an integer >= 0 (0 = off)")
+        if self.randaug_magnitude < 0:
+            raise ConfigError(f"randaug_magnitude={self.randaug_magnitude!r}: must be >= 0 (0-10 scale)")
+        for name in ("mixup_alpha", "cutmix_alpha"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: must be >= 0 (0 = off)")
+        for name in ("mix_switch_prob", "erase_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: must be a probability in [0, 1]")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"label_smoothing={self.label_smoothing!r}: must lie in [0, 1)")
+
+
+@dataclass(frozen=True)
+class EvalTransform:
+    """Evaluation preprocessing: plain resize to ``image_size`` (None keeps the size),
+    scaling to [-1, 1] and one-hot targets."""
+
+    num_classes: int
+    image_size: Optional[Size] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_classes, int) or self.num_classes < 1:
+            raise ConfigError(f"num_classes={self.num_classes!r}: must be a positive integer")
+        if self.image_size is not None:
+            object.__setattr__(self, "image_size", to_pair(self.image_size, "image_size"))
+
+
+def _train(cfg: TrainTransform, images: torch.Tensor, labels: torch.Tensor,
+           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    if cfg.crop == "inception":
+        images = random_resized_crop(images, cfg.image_size, cfg.crop_scale, cfg.crop_ratio, generator=generator)
+    else:
+        if cfg.image_size is not None:
+            images = resize(images, cfg.image_size)
+        if cfg.crop == "pad" and cfg.crop_pad > 0:
+            images = random_crop_with_padding(images, cfg.crop_pad, generator=generator)
+    if cfg.flip:
+        images = random_flip(images, generator)
+    if cfg.randaug_ops:
+        images = rand_augment(images, cfg.randaug_ops, cfg.randaug_magnitude, generator=generator)
+    x = to_float(images)
+    if cfg.erase_prob > 0:
+        x = random_erasing(x, cfg.erase_prob, generator)
+    targets = one_hot_smooth(labels.to(x.device), cfg.num_classes, cfg.label_smoothing)
+    return mixup_cutmix(x, targets, cfg.mixup_alpha, cfg.cutmix_alpha, cfg.mix_switch_prob, generator)
+
+
+def _eval(cfg: EvalTransform, images: torch.Tensor, labels: torch.Tensor,
+          generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if cfg.image_size is not None:
+        images = resize(images, cfg.image_size)
+    x = to_float(images)
+    return x, one_hot_smooth(labels.to(x.device), cfg.num_classes)
+
+
+def build_transform(cfg: Union[TrainTransform, EvalTransform]) -> BatchTransform:
+    """The per-batch function ``(uint8 (B, 3, H, W), labels (B,), generator) ->
+    (float32 (B, 3, h, w) in [-1, 1] (before erasing/mixing), (B, K) soft targets)``."""
+    if isinstance(cfg, TrainTransform):
+        return functools.partial(_train, cfg)
+    if isinstance(cfg, EvalTransform):
+        return functools.partial(_eval, cfg)
+    raise ConfigError(f"build_transform: expected TrainTransform or EvalTransform, got {type(cfg).__name__}")

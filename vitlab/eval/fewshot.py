@@ -1,0 +1,176 @@
+"""Few-shot linear evaluation (paper Sec. 4.1, "Metrics"): closed-form regularised least
+squares from frozen representations to {-1, 1}^K targets, as big_vision's evaluator does.
+
+Derivation.  Features X (n, d), labels y, targets T (n, K) with T_ic = +1 if y_i = c else
+-1.  We fit an affine map x -> W^T x + b, W (d, K), b (K,), penalising W but not b:
+
+    L(W, b) = || X W + 1 b^T - T ||^2 + lam || W ||^2.
+
+dL/db = 0 gives b = t_mean - W^T x_mean.  Substituting, with centred Xc = X - 1 x_mean^T and
+Tc = T - 1 t_mean^T, the problem is an ordinary ridge problem without bias,
+
+    L(W) = || Xc W - Tc ||^2 + lam || W ||^2,   dL/dW = 0:  (Xc^T Xc + lam I) W = Xc^T Tc,
+
+    primal (d x d solve):  W = (Xc^T Xc + lam I)^-1 Xc^T Tc.
+
+With the push-through identity (Xc^T Xc + lam I)^-1 Xc^T = Xc^T (Xc Xc^T + lam I)^-1,
+
+    dual   (n x n solve):  W = Xc^T A,   A = (Xc Xc^T + lam I)^-1 Tc,
+
+which is cheaper when n < d (5 shots x 10 classes = 50 examples against d = 768).
+Sweeping lam costs one eigendecomposition: if M = Xc^T Xc (or Xc Xc^T) = V diag(s) V^T,
+then (M + lam I)^-1 = V diag(1 / (s + lam)) V^T for every lam.  This is exactly what
+scikit-learn's Ridge(alpha=lam, fit_intercept=True) computes, which the tests use as an
+independent oracle.  A test example is classified as argmax_c (x^T W + b)_c.
+
+The regulariser is chosen on held-out *training* examples (disjoint from the k shots),
+never on the evaluation split; ties go to the largest lam, the most regularised model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from vitlab.data.splits import few_per_class
+
+__all__ = [
+    "DEFAULT_L2_GRID",
+    "RidgeFit",
+    "RidgeSolver",
+    "fit_ridge",
+    "signed_targets",
+    "select_l2",
+    "FewShotResult",
+    "fewshot_evaluate",
+]
+
+DEFAULT_L2_GRID: tuple[float, ...] = tuple(2.0**p for p in range(-10, 11))
+
+
+def signed_targets(labels: np.ndarray, num_classes: int) -> np.ndarray:
+    """(n,) class ids -> (n, K) float64 targets in {-1, +1}."""
+    labels = np.asarray(labels, dtype=np.int64)
+    t = -np.ones((len(labels), num_classes))
+    t[np.arange(len(labels)), labels] = 1.0
+    return t
+
+
+@dataclass(frozen=True)
+class RidgeFit:
+    """An affine classifier: scores = x @ weights + bias; weights (d, K), bias (K,)."""
+
+    weights: np.ndarray
+    bias: np.ndarray
+    l2: float
+
+    def decision(self, x: np.ndarray) -> np.ndarray:
+        """(m, d) -> (m, K) scores."""
+        return np.asarray(x, dtype=np.float64) @ self.weights + self.bias
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """(m, d) -> (m,) class ids."""
+        return self.decision(x).argmax(axis=1)
+
+
+class RidgeSolver:
+    """One eigendecomposition of X, then a closed-form fit for any regulariser.
+
+    features (n, d), targets (n, K).  form: "primal" decomposes Xc^T Xc (d x d), "dual"
+    decomposes Xc Xc^T (n x n); "auto" picks the smaller.
+    """
+
+    def __init__(self, features: np.ndarray, targets: np.ndarray, form: str = "auto") -> None:
+        x = np.asarray(features, dtype=np.float64)
+        t = np.asarray(targets, dtype=np.float64)
+        if x.ndim != 2 or t.ndim != 2 or len(x) != len(t) or len(x) == 0:
+            raise ValueError(f"expected features (n, d) and targets (n, K), got {x.shape} and {t.shape}")
+        if form not in ("auto", "primal", "dual"):
+            raise ValueError(f"form={form!r}: allowed values are 'auto', 'primal', 'dual'")
+        n, d = x.shape
+        self.form = ("dual" if n < d else "primal") if form == "auto" else form
+        self.x_mean, self.t_mean = x.mean(axis=0), t.mean(axis=0)
+        self.xc, tc = x - self.x_mean, t - self.t_mean
+        gram = self.xc.T @ self.xc if self.form == "primal" else self.xc @ self.xc.T
+        s, v = np.linalg.eigh(gram)
+        self.s = np.clip(s, 0.0, None)  # a Gram matrix is PSD; clip rounding noise
+        self.v = v
+        # project once: V^T Xc^T Tc (primal) or V^T Tc (dual)
+        self.vt_rhs = v.T @ (self.xc.T @ tc if self.form == "primal" else tc)
+
+    def fit(self, l2: float) -> RidgeFit:
+        if not l2 > 0:
+            raise ValueError(f"l2={l2}: the regulariser must be positive")
+        solved = self.v @ (self.vt_rhs / (self.s + l2)[:, None])  # (M + lam I)^-1 rhs
+        weights = solved if self.form == "primal" else self.xc.T @ solved
+        return RidgeFit(weights=weights, bias=self.t_mean - self.x_mean @ weights, l2=float(l2))
+
+
+def fit_ridge(features: np.ndarray, labels: np.ndarray, num_classes: int, l2: float,
+              form: str = "auto") -> RidgeFit:
+    """Least squares from features (n, d) to {-1, 1}^K targets of ``labels``, with an unpenalised bias."""
+    return RidgeSolver(features, signed_targets(labels, num_classes), form).fit(l2)
+
+
+def select_l2(solver: RidgeSolver, holdout_x: np.ndarray, holdout_y: np.ndarray,
+              grid: Sequence[float] = DEFAULT_L2_GRID) -> tuple[float, np.ndarray]:
+    """The regulariser of ``grid`` with the best held-out accuracy (ties: the largest),
+    and the accuracy of every grid value (len(grid),)."""
+    accs = np.array([np.mean(solver.fit(l2).predict(holdout_x) == holdout_y) for l2 in grid])
+    best = max(i for i in range(len(grid)) if accs[i] == accs.max())  # ties: most regularised
+    return float(grid[best]), accs
+
+
+@dataclass
+class FewShotResult:
+    """Accuracies on the evaluation split, per shot count and seed."""
+
+    shots: list[int]
+    seeds: list[int]
+    accuracy: dict[int, list[float]] = field(default_factory=dict)  # shot -> per seed
+    l2: dict[int, list[float]] = field(default_factory=dict)  # shot -> chosen regulariser per seed
+
+    def mean(self, shot: int) -> float:
+        return float(np.mean(self.accuracy[shot]))
+
+    def std(self, shot: int) -> float:
+        """Sample standard deviation over seeds (0 for one seed)."""
+        a = self.accuracy[shot]
+        return float(np.std(a, ddof=1)) if len(a) > 1 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            str(k): {"mean": self.mean(k), "std": self.std(k), "per_seed": self.accuracy[k], "l2": self.l2[k]}
+            for k in self.shots
+        }
+
+
+def fewshot_evaluate(
+    pool_x: np.ndarray, pool_y: np.ndarray, eval_x: np.ndarray, eval_y: np.ndarray,
+    shots: Sequence[int] = (1, 5, 10, 25), seeds: Sequence[int] = (0, 1, 2),
+    l2_grid: Sequence[float] = DEFAULT_L2_GRID, holdout_per_class: int = 10, form: str = "auto",
+) -> FewShotResult:
+    """k-shot linear accuracy on the evaluation split for every k in ``shots`` and seed.
+
+    pool_x (P, d), pool_y (P,): the training pool; for each (k, seed) k examples per class
+        are drawn as the training set and ``holdout_per_class`` others per class to choose
+        the regulariser from ``l2_grid``.
+    eval_x (E, d), eval_y (E,): the evaluation split, used only for the final accuracy.
+    """
+    pool_x, eval_x = np.asarray(pool_x, np.float64), np.asarray(eval_x, np.float64)
+    pool_y, eval_y = np.asarray(pool_y, np.int64), np.asarray(eval_y, np.int64)
+    num_classes = int(max(pool_y.max(), eval_y.max())) + 1
+    result = FewShotResult(shots=[int(k) for k in shots], seeds=[int(s) for s in seeds])
+    for k in result.shots:
+        result.accuracy[k], result.l2[k] = [], []
+        for seed in result.seeds:
+            train = few_per_class(pool_y, k, seed).numpy()
+            rest = np.setdiff1d(np.arange(len(pool_y)), train)
+            holdout = rest[few_per_class(pool_y[rest], holdout_per_class, seed).numpy()]
+            solver = RidgeSolver(pool_x[train], signed_targets(pool_y[train], num_classes), form)
+            l2, _ = select_l2(solver, pool_x[holdout], pool_y[holdout], l2_grid)
+            acc = float(np.mean(solver.fit(l2).predict(eval_x) == eval_y))
+            result.accuracy[k].append(acc)
+            result.l2[k].append(l2)
+    return result

@@ -1,0 +1,108 @@
+"""Classification metrics as pure functions of arrays: scores (N, K) and labels (N,).
+
+``scores`` may be logits or probabilities wherever only their ranking matters (top-k,
+confusion); calibration needs probabilities, which ``softmax`` gives.  Everything is
+numpy so that the functions are easy to check by hand and run anywhere.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+__all__ = [
+    "softmax",
+    "topk_accuracy",
+    "confusion_matrix",
+    "per_class_accuracy",
+    "expected_calibration_error",
+    "classification_report",
+]
+
+
+def _check(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    scores, labels = np.asarray(scores), np.asarray(labels)
+    if scores.ndim != 2 or labels.ndim != 1 or scores.shape[0] != labels.shape[0]:
+        raise ValueError(f"expected scores (N, K) and labels (N,), got {scores.shape} and {labels.shape}")
+    if scores.shape[0] == 0:
+        raise ValueError("no examples to score")
+    if labels.min() < 0 or labels.max() >= scores.shape[1]:
+        raise ValueError(f"labels must lie in [0, {scores.shape[1]}), got [{labels.min()}, {labels.max()}]")
+    return scores, labels.astype(np.int64)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """(N, K) logits -> (N, K) probabilities, computed stably in float64."""
+    z = np.asarray(logits, dtype=np.float64)
+    z = z - z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def topk_accuracy(scores: np.ndarray, labels: np.ndarray, ks: Sequence[int] = (1, 5)) -> dict[int, float]:
+    """Fraction of examples whose label is among the k highest scores, for each k.
+
+    Ties are broken by the lower class index (a stable sort), so the answer is
+    deterministic.  k larger than the number of classes counts every example as correct.
+    """
+    scores, labels = _check(scores, labels)
+    order = np.argsort(-scores, axis=1, kind="stable")  # (N, K), best first
+    rank = np.argmax(order == labels[:, None], axis=1)  # (N,) position of the true class
+    return {int(k): float(np.mean(rank < k)) for k in ks}
+
+
+def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> np.ndarray:
+    """(K, K) int64 counts; row = true class, column = predicted class."""
+    labels, predictions = np.asarray(labels, dtype=np.int64), np.asarray(predictions, dtype=np.int64)
+    if labels.shape != predictions.shape:
+        raise ValueError(f"labels {labels.shape} and predictions {predictions.shape} differ in shape")
+    flat = labels * num_classes + predictions
+    return np.bincount(flat, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+
+
+def per_class_accuracy(confusion: np.ndarray) -> np.ndarray:
+    """(K,) recall of each class from a confusion matrix; NaN for a class with no examples."""
+    confusion = np.asarray(confusion)
+    support = confusion.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(support > 0, np.diag(confusion) / np.maximum(support, 1), np.nan)
+
+
+def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> float:
+    """ECE with ``num_bins`` equal-width confidence bins (Guo et al. 2017; Naeini et al. 2015).
+
+    confidence_i = max_k p_ik, correct_i = [argmax_k p_ik == y_i].  Bin b holds the examples
+    with confidence in ((b-1)/M, b/M] (the first bin also takes 0), and
+
+        ECE = sum_b |B_b| / N * | mean(correct in B_b) - mean(confidence in B_b) |.
+    """
+    probs, labels = _check(probs, labels)
+    confidence = probs.max(axis=1)
+    correct = (probs.argmax(axis=1) == labels).astype(np.float64)
+    # right-closed bins: ceil(c * M) - 1, with c = 0 placed in the first bin
+    bins = np.clip(np.ceil(confidence * num_bins).astype(np.int64) - 1, 0, num_bins - 1)
+    count = np.bincount(bins, minlength=num_bins)
+    acc_sum = np.bincount(bins, weights=correct, minlength=num_bins)
+    conf_sum = np.bincount(bins, weights=confidence, minlength=num_bins)
+    return float(np.sum(np.abs(acc_sum - conf_sum)) / len(labels))  # |B|*|acc-conf| = |sum acc - sum conf|
+
+
+def classification_report(logits: np.ndarray, labels: np.ndarray, num_classes: int | None = None,
+                          num_bins: int = 15) -> dict:
+    """All metrics of ``vitlab eval`` from logits (N, K) and labels (N,).
+
+    Returns a JSON-ready dict: ``top1``, ``top5`` (fractions), ``per_class_accuracy`` (K,),
+    ``confusion_matrix`` (K, K), ``ece`` (softmax probabilities, ``num_bins`` bins), ``n``.
+    """
+    logits, labels = _check(logits, labels)
+    k = num_classes or logits.shape[1]
+    top = topk_accuracy(logits, labels, (1, 5))
+    confusion = confusion_matrix(labels, logits.argmax(axis=1), k)
+    return {
+        "n": int(len(labels)),
+        "top1": top[1],
+        "top5": top[5],
+        "ece": expected_calibration_error(softmax(logits), labels, num_bins),
+        "per_class_accuracy": [None if np.isnan(a) else float(a) for a in per_class_accuracy(confusion)],
+        "confusion_matrix": confusion.tolist(),
+    }

@@ -1,0 +1,86 @@
+"""Export a model for serving: ONNX (for ONNX Runtime and others) or a torch.export program.
+
+Both take a model in eval mode and an image size, trace one forward pass, and write one
+file.  The batch dimension is left symbolic unless ``dynamic_batch=False``; the image
+size is fixed, because the position embeddings are laid out for one patch grid.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import Pair, to_pair
+
+__all__ = ["export_onnx", "export_program", "load_program", "model_img_size"]
+
+
+def model_img_size(model: nn.Module, img_size: int | Pair | None = None) -> Pair:
+    """``img_size`` if given, else the size in the model's config."""
+    if img_size is not None:
+        return to_pair(img_size, "img_size")
+    cfg = getattr(model, "cfg", None)
+    if cfg is None:
+        raise ValueError(f"{type(model).__name__} has no cfg; pass img_size")
+    return cfg.img_size
+
+
+def _example(model: nn.Module, img_size: Pair, batch: int) -> torch.Tensor:
+    param = next(model.parameters())
+    in_chans = getattr(model.cfg, "in_chans", 3) if hasattr(model, "cfg") else 3
+    return torch.randn(batch, in_chans, *img_size, device=param.device, dtype=param.dtype)
+
+
+def export_program(model: nn.Module, path: str | os.PathLike, img_size: int | Pair | None = None,
+                   dynamic_batch: bool = True) -> torch.export.ExportedProgram:
+    """Trace ``model`` with ``torch.export`` and save it with ``torch.export.save`` (a .pt2 file).
+
+    Reload with ``load_program(path)``, which gives a callable module: images (B, C, H, W)
+    -> logits (B, K).
+    """
+    model = model.eval()
+    size = model_img_size(model, img_size)
+    x = _example(model, size, 2)
+    shapes = ({0: torch.export.Dim("batch", min=1, max=4096)},) if dynamic_batch else None
+    with torch.no_grad():
+        program = torch.export.export(model, (x,), dynamic_shapes=shapes)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    torch.export.save(program, path)
+    return program
+
+
+def load_program(path: str | os.PathLike) -> nn.Module:
+    """The module of a program saved by ``export_program``."""
+    return torch.export.load(path).module()
+
+
+def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair | None = None,
+                dynamic_batch: bool = True, opset: int = 18) -> Path:
+    """Write ``model`` as ONNX with input "images" (B, C, H, W) and output "logits" (B, K).
+
+    Uses the torch.export-based exporter (``dynamo=True``), which keeps
+    ``scaled_dot_product_attention`` as a few matmuls and a softmax.  Weights are stored
+    inside the one file (no external data) when they fit under ONNX's 2 GB limit.
+    """
+    model = model.eval()
+    size = model_img_size(model, img_size)
+    x = _example(model, size, 2)
+    shapes = ({0: torch.export.Dim("batch", min=1, max=4096)},) if dynamic_batch else None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            model, (x,), dynamo=True, input_names=["images"], output_names=["logits"],
+            dynamic_shapes=shapes, opset_version=opset, verbose=False,
+        )
+    program.save(str(path), external_data=_too_big_for_one_file(model))
+    return path
+
+
+def _too_big_for_one_file(model: nn.Module) -> bool:
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    return size > 1.8e9

@@ -1,0 +1,136 @@
+"""Position embeddings (paper Sec. 3.1 and Appendix D.4) and their resampling.
+
+Three learned kinds live here: a 1D table over the token sequence, a 2D pair of row
+and column tables, and the relative-attention bias.  ``resample_grid`` is the pure
+function that adapts a learned grid to another resolution (paper Sec. 3.2).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import Pair
+
+
+def resample_grid(grid: torch.Tensor, new_size: Pair, mode: str = "bilinear") -> torch.Tensor:
+    """Resize a grid of embeddings (h, w, D) to (H, W, D) by 2D interpolation.
+
+    mode="bilinear" uses aligned corners, which is exactly what the official code's
+    ``scipy.ndimage.zoom(order=1)`` computes; mode="bicubic" (corners not aligned)
+    matches Hugging Face's on-the-fly interpolation.
+    """
+    if tuple(grid.shape[:2]) == tuple(new_size):
+        return grid
+    x = grid.permute(2, 0, 1).unsqueeze(0)  # (1, D, h, w)
+    if not x.is_floating_point():
+        x = x.float()
+    align = mode == "bilinear"
+    x = F.interpolate(x, size=tuple(new_size), mode=mode, align_corners=align)
+    return x.squeeze(0).permute(1, 2, 0).to(grid.dtype)
+
+
+def resample_table_1d(table: torch.Tensor, num_prefix: int, old_grid: Pair, new_grid: Pair,
+                      mode: str = "bilinear") -> torch.Tensor:
+    """Resample a learned 1D table (1, prefix + h*w, D) to a new patch grid.
+
+    The prefix ([class]) embeddings are kept as they are; only the patch grid moves.
+    """
+    prefix, patches = table[:, :num_prefix], table[0, num_prefix:]
+    if patches.shape[0] != old_grid[0] * old_grid[1]:
+        raise ValueError(
+            f"position embedding holds {patches.shape[0]} patch positions, "
+            f"which is not the grid {old_grid[0]}x{old_grid[1]}"
+        )
+    grid = resample_grid(patches.reshape(*old_grid, -1), new_grid, mode)
+    return torch.cat([prefix, grid.reshape(1, -1, grid.shape[-1])], dim=1)
+
+
+def square_grid(num_positions: int) -> Pair:
+    """The side of a square grid of ``num_positions`` cells, or an error."""
+    side = math.isqrt(num_positions)
+    if side * side != num_positions:
+        raise ValueError(f"{num_positions} patch positions do not form a square grid; pass the grid size")
+    return (side, side)
+
+
+class LearnedPosEmb1D(nn.Module):
+    """One learned vector per token position: [class] (if any) then patches in raster order."""
+
+    def __init__(self, num_prefix: int, grid: Pair, width: int, resample: str) -> None:
+        super().__init__()
+        self.num_prefix, self.grid, self.resample = num_prefix, grid, resample
+        self.weight = nn.Parameter(torch.empty(1, num_prefix + grid[0] * grid[1], width))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, grid: Pair) -> torch.Tensor:
+        """(1, prefix + gh*gw, D) for the requested patch grid."""
+        if tuple(grid) == self.grid:
+            return self.weight
+        return resample_table_1d(self.weight, self.num_prefix, self.grid, grid, self.resample)
+
+
+class LearnedPosEmb2D(nn.Module):
+    """Separate row (Y) and column (X) tables of width D/2, concatenated per patch.
+
+    Paper Appendix D.4: "we concatenate the X and Y embedding".  The [class] token,
+    which has no row or column, gets its own learned vector of width D.
+    """
+
+    def __init__(self, num_prefix: int, grid: Pair, width: int, resample: str) -> None:
+        super().__init__()
+        self.num_prefix, self.grid, self.resample = num_prefix, grid, resample
+        self.x = nn.Parameter(torch.empty(grid[1], width // 2))
+        self.y = nn.Parameter(torch.empty(grid[0], width // 2))
+        self.prefix = nn.Parameter(torch.empty(1, num_prefix, width)) if num_prefix else None
+        for p in self.parameters():
+            nn.init.normal_(p, std=0.02)
+
+    def _axis(self, table: torch.Tensor, length: int) -> torch.Tensor:
+        if table.shape[0] == length:
+            return table
+        # a 1D table is a (n, 1) grid; resample it along its one axis
+        return resample_grid(table.unsqueeze(1), (length, 1), self.resample).squeeze(1)
+
+    def forward(self, grid: Pair) -> torch.Tensor:
+        gh, gw = grid
+        x = self._axis(self.x, gw).unsqueeze(0).expand(gh, gw, -1)
+        y = self._axis(self.y, gh).unsqueeze(1).expand(gh, gw, -1)
+        table = torch.cat([x, y], dim=-1).reshape(1, gh * gw, -1)
+        if self.prefix is not None:
+            table = torch.cat([self.prefix, table], dim=1)
+        return table
+
+
+class RelativePosBias(nn.Module):
+    """1D relative attention (paper Appendix D.4).
+
+    Every offset between a query position and a key position, q - k, has a learned
+    embedding.  An extra attention is computed with the original queries against these
+    embeddings as keys; its logits are added as a bias to the content logits before the
+    softmax.  Positions are the token indices ([class] first, then patches in raster
+    order), so offsets range over -(L-1) .. L-1 for L tokens.
+    """
+
+    def __init__(self, seq_len: int, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.weight = nn.Parameter(torch.empty(2 * seq_len - 1, num_heads, head_dim))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def table(self, seq_len: int) -> torch.Tensor:
+        if seq_len == self.seq_len:
+            return self.weight
+        flat = self.weight.flatten(1).unsqueeze(1)  # (2L-1, 1, H*hd) as a grid
+        flat = resample_grid(flat, (2 * seq_len - 1, 1), "bilinear").squeeze(1)
+        return flat.view(2 * seq_len - 1, *self.weight.shape[1:])
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        """q: (B, H, L, hd), already scaled -> additive bias (B, H, L, L)."""
+        L = q.shape[2]
+        logits = torch.einsum("bhqd,rhd->bhqr", q, self.table(L))  # (B, H, L, 2L-1)
+        pos = torch.arange(L, device=q.device)
+        offset = pos[:, None] - pos[None, :] + (L - 1)  # (L, L) index of q - k
+        return logits.gather(-1, offset.expand(*logits.shape[:2], L, L))

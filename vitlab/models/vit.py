@@ -1,0 +1,176 @@
+"""The Vision Transformer (paper Sec. 3.1, Eq. 1-4).
+
+    image (B, C, H, W)
+      -> [optional BiT ResNet stem: feature map (B, C', H/r, W/r)]       hybrid, Sec. 3.1
+      -> patches projected to width D: (B, N, D), N = (H/P) * (W/P)        Eq. 1
+      -> prepend the learned [class] token (classifier="token")
+      -> add position embeddings, dropout                                 Eq. 1
+      -> depth x pre-LN blocks: x + MSA(LN(x)), x + MLP(LN(x))            Eq. 2-3
+      -> LayerNorm; take the [class] token or average the patches          Eq. 4
+      -> [optional pre-logits: dense + tanh]  -> zero-initialised linear head
+
+Read top to bottom; the parts live in layers.py and posemb.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from ..config import Pair, ViTConfig
+from .init import lecun_normal_
+from .layers import Block
+from .posemb import LearnedPosEmb1D, LearnedPosEmb2D
+
+
+def make_posemb(cfg: ViTConfig) -> nn.Module | None:
+    """The learned absolute embedding of ``cfg.posemb`` for the training grid (or None)."""
+    if cfg.posemb == "learned_1d":
+        return LearnedPosEmb1D(cfg.num_prefix_tokens, cfg.grid_size, cfg.width, cfg.posemb_resample)
+    if cfg.posemb == "learned_2d":
+        return LearnedPosEmb2D(cfg.num_prefix_tokens, cfg.grid_size, cfg.width, cfg.posemb_resample)
+    return None  # "none", or "relative", which lives inside the attention layers
+
+
+class PreLogits(nn.Module):
+    """Dense + tanh: the hidden layer of the pre-training head (paper Sec. 3.1)."""
+
+    def __init__(self, width: int, size: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, size)
+        lecun_normal_(self.fc.weight)
+        nn.init.zeros_(self.fc.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, cfg: ViTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.width
+
+        self.stem: nn.Module | None = None
+        in_chans = cfg.in_chans
+        if cfg.resnet is not None:
+            from .resnet import ResNetFeatures  # only hybrids need the ResNet code
+
+            self.stem = ResNetFeatures(cfg.resnet)
+            in_chans = self.stem.out_channels
+        self.patch_embed = nn.Conv2d(in_chans, D, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        lecun_normal_(self.patch_embed.weight)
+        nn.init.zeros_(self.patch_embed.bias)
+
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.classifier == "token" else None
+
+        # Where the position embeddings go (paper Table 8): once at the stem, before
+        # every block with one table per block, or before every block with one table.
+        self.pos_embed = make_posemb(cfg) if cfg.posemb_place != "every_layer" else None
+        self.layer_pos_embeds = None
+        if cfg.posemb_place == "every_layer" and cfg.posemb != "none":
+            self.layer_pos_embeds = nn.ModuleList(make_posemb(cfg) for _ in range(cfg.depth))
+        self.pos_drop = nn.Dropout(cfg.dropout)
+
+        rates = [cfg.drop_path * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]
+        self.blocks = nn.ModuleList(self.make_block(cfg, rate) for rate in rates)
+        self.norm = nn.LayerNorm(D, eps=cfg.ln_eps)
+
+        self.pre_logits = PreLogits(D, cfg.representation_size) if cfg.representation_size else None
+        self.num_features = cfg.representation_size or D
+        self.head = self._new_head(cfg.num_classes)
+
+    def make_block(self, cfg: ViTConfig, drop_path: float) -> nn.Module:
+        """One encoder layer; subclasses (Axial-ViT) build theirs here."""
+        return Block(cfg, drop_path, seq_len=cfg.num_prefix_tokens + cfg.num_patches)
+
+    def _new_head(self, num_classes: int) -> nn.Module:
+        if num_classes == 0:
+            return nn.Identity()
+        head = nn.Linear(self.num_features, num_classes)
+        nn.init.zeros_(head.weight)  # paper Sec. 3.2: a zero-initialised D x K layer
+        nn.init.zeros_(head.bias)
+        return head
+
+    def reset_classifier(self, num_classes: int) -> None:
+        """Replace the head by a zero-initialised one for ``num_classes`` (0: no head)."""
+        self.head = self._new_head(num_classes)
+        self.cfg = dataclasses.replace(self.cfg, num_classes=num_classes)
+
+    def patch_grid(self, img_size: Pair) -> Pair:
+        """The patch grid an input of ``img_size`` produces."""
+        h, w = img_size
+        if self.stem is not None:
+            r = self.stem.reduction
+            h, w = -(-h // r), -(-w // r)
+        ph, pw = self.cfg.patch_size
+        return (h // ph, w // pw)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.ndim != 4 or x.shape[1] != self.cfg.in_chans:
+            raise ValueError(
+                f"expected images of shape (B, {self.cfg.in_chans}, H, W), got {tuple(x.shape)}"
+            )
+        size = tuple(x.shape[-2:])
+        if not self.cfg.dynamic_img_size and size != self.cfg.img_size:
+            raise ValueError(
+                f"input size {size} differs from img_size={self.cfg.img_size}; build the model for this "
+                "size (position embeddings are resampled when loading weights) or set dynamic_img_size=True"
+            )
+        feat = size if self.stem is None else tuple(-(-s // self.stem.reduction) for s in size)
+        if feat[0] % self.cfg.patch_size[0] or feat[1] % self.cfg.patch_size[1]:
+            raise ValueError(f"input size {size} is not divisible into patches of {self.cfg.patch_size}")
+
+    def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, Pair]:
+        """Images (B, C, H, W) -> tokens (B, prefix + N, D) with position embeddings, and the patch grid."""
+        self._check_input(x)
+        if self.stem is not None:
+            x = self.stem(x)
+        x = self.patch_embed(x)  # (B, D, gh, gw)
+        grid = (x.shape[-2], x.shape[-1])
+        x = x.flatten(2).transpose(1, 2)  # (B, N, D)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(grid)
+        return self.pos_drop(x), grid
+
+    def run_blocks(self, x: torch.Tensor, grid: Pair, keep: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The encoder blocks; appends each block's output to ``keep`` when given."""
+        shared = self.pos_embed if self.cfg.posemb_place == "every_layer_shared" else None
+        for i, block in enumerate(self.blocks):
+            if self.layer_pos_embeds is not None:
+                x = x + self.layer_pos_embeds[i](grid)
+            elif shared is not None and i > 0:  # block 0 received it in embed()
+                x = x + shared(grid)
+            x = block(x)
+            if keep is not None:
+                keep.append(x)
+        return x
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (B, C, H, W) -> encoder output after the final LayerNorm, (B, prefix + N, D)."""
+        return self.norm(self.run_blocks(*self.embed(x)))
+
+    def forward_intermediates(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The token sequence (B, prefix + N, D) after every block, before the final LayerNorm."""
+        keep: list[torch.Tensor] = []
+        self.run_blocks(*self.embed(x), keep=keep)
+        return keep
+
+    def pool(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, prefix + N, D) -> (B, D): the [class] token, or the mean of the patch tokens."""
+        if self.cfg.classifier == "token":
+            return tokens[:, 0]
+        return tokens[:, self.cfg.num_prefix_tokens:].mean(dim=1)
+
+    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Encoder output -> logits (B, K), or the representation (B, F) when ``pre_logits``."""
+        x = self.pool(tokens)
+        if self.pre_logits is not None:
+            x = self.pre_logits(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))

@@ -1,0 +1,94 @@
+"""One command from one process to many: ``torch.distributed`` when launched by torchrun.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK (and MASTER_ADDR/PORT); without them the run
+is a single process and nothing here does anything.  Backend: NCCL on GPUs, gloo on CPU.
+The model is wrapped in DDP (gradients all-reduced, averaged) or, with ``--fsdp``, in
+FullyShardedDataParallel (parameters, gradients and optimiser state sharded).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device(f"cuda:{local_rank}")
+    return device
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_world(device_name: str = "auto") -> World:
+    """Join the process group if torchrun (or a test) set the environment; else 1 process."""
+    size = env_world_size()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    device = pick_device(device_name, local_rank)
+    if size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=size)
+    return World(rank=rank, size=size, local_rank=local_rank, device=device)
+
+
+def wrap_model(model: nn.Module, world: World, fsdp: bool) -> nn.Module:
+    """DDP or FSDP around ``model`` for a multi-process run; the model itself otherwise."""
+    if world.size == 1:
+        return model
+    if fsdp:
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        from vitlab.models.layers import Block
+
+        return FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),  # one shard unit per Transformer block
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            device_id=world.device if world.device.type == "cuda" else None,
+            use_orig_params=True,  # keeps parameter names, so the no-decay groups still apply
+        )
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[world.device] if world.device.type == "cuda" else None)
+
+
+def all_reduce_sum(values: list[float], world: World) -> list[float]:
+    """Sum numbers over processes (evaluation counts)."""
+    if world.size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=world.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        dist.barrier()
+
+
+def shutdown(world: World) -> None:
+    if world.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()

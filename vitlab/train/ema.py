@@ -1,0 +1,40 @@
+"""An exponential moving average of the weights (Polyak averaging).
+
+The paper fine-tunes its largest models with "Polyak & Juditsky (1992) averaging with a
+factor of 0.9999" (Appendix B.1.1): after every optimiser step
+
+    avg <- decay * avg + (1 - decay) * w
+
+for every parameter; buffers are copied.  The average starts equal to the weights.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+class EMA:
+    """Holds ``module``: a copy of the model whose weights are the running average."""
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        self.decay = decay
+        self.module = copy.deepcopy(model).eval()
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        avg = list(self.module.parameters())
+        cur = [p.detach() for p in model.parameters()]
+        torch._foreach_lerp_(avg, cur, 1.0 - self.decay)  # avg += (1 - decay) * (cur - avg)
+        for b_avg, b in zip(self.module.buffers(), model.buffers()):
+            b_avg.copy_(b)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "module": self.module.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decay = state["decay"]
+        self.module.load_state_dict(state["module"])

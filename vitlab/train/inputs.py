@@ -1,0 +1,73 @@
+"""The training run's data: decoded into RAM, class-subset, split, subsampled.
+
+Training reads batches from an in-memory uint8 tensor (``vitlab.data.BatchStream``),
+which suits the paper's transfer data sets (CIFAR, Pets, Flowers, VTAB-1k) and the
+small experiments here; ImageNet-scale data needs the shard streams of
+``vitlab.data.shards`` (not wired into this engine yet).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vitlab.config import ConfigError, Pair
+from vitlab.data.splits import stratified_split
+
+from .config import TrainConfig
+
+
+@dataclass
+class Splits:
+    """Training and validation images (N, 3, H, W) uint8 with int64 labels."""
+
+    train_images: torch.Tensor
+    train_labels: torch.Tensor
+    val_images: torch.Tensor | None
+    val_labels: torch.Tensor | None
+    classes: list[str]
+    skipped: int  # unreadable images left out while decoding
+
+
+def load_dataset(cfg: TrainConfig, image_size: Pair):
+    """The whole labelled set as an ``InMemoryDataset``, resized to ``image_size``."""
+    if cfg.data == "digits":
+        from vitlab.data.digits import load_digits_dataset
+
+        if image_size[0] != image_size[1]:
+            raise ConfigError(f"img_size={image_size}: the digits source makes square images only")
+        return load_digits_dataset(image_size[0])
+    from vitlab.data.memory import load_in_memory
+
+    return load_in_memory(cfg.data, image_size=image_size, cache_dir=cfg.cache_dir, workers=cfg.decode_workers)
+
+
+def select_classes(images: torch.Tensor, labels: torch.Tensor, classes: list[str], keep: tuple[str, ...]):
+    """Only the classes named in ``keep``, relabelled 0..len(keep)-1 in that order."""
+    missing = [c for c in keep if c not in classes]
+    if missing:
+        raise ConfigError(f"class_subset={keep!r}: no class(es) {', '.join(map(repr, missing))}; "
+                          f"the data has {', '.join(classes)}")
+    old_ids = torch.tensor([classes.index(c) for c in keep])
+    mask = torch.isin(labels, old_ids)
+    remap = torch.full((len(classes),), -1, dtype=torch.long)
+    remap[old_ids] = torch.arange(len(keep))
+    return images[mask], remap[labels[mask]], list(keep)
+
+
+def build_splits(cfg: TrainConfig, image_size: Pair) -> Splits:
+    data = load_dataset(cfg, image_size)
+    images, labels, classes = data.images, data.labels, list(data.classes)
+    if cfg.class_subset:
+        images, labels, classes = select_classes(images, labels, classes, tuple(cfg.class_subset))
+    val_images = val_labels = None
+    if cfg.val_split:
+        val_size = int(cfg.val_split) if cfg.val_split >= 1 else float(cfg.val_split)
+        train_idx, val_idx = stratified_split(labels, val_size, cfg.split_seed)
+        val_images, val_labels = images[val_idx], labels[val_idx]
+        images, labels = images[train_idx], labels[train_idx]
+    if cfg.train_examples and cfg.train_examples < len(labels):
+        # the held-out part of a stratified split is a stratified sample of the wanted size
+        _, keep = stratified_split(labels, int(cfg.train_examples), cfg.split_seed + 1)
+        images, labels = images[keep], labels[keep]
+    return Splits(images, labels, val_images, val_labels, classes, len(data.skipped))

@@ -1,0 +1,454 @@
+"""The training loop.  ``train(cfg)`` = ``setup`` (everything built once) + the step loop.
+
+One optimiser step, in order (nothing else happens):
+
+    lr = lr_at(step)                                   a pure function of the step
+    K times: next micro-batch -> forward (autocast) -> loss / K -> backward
+             (DDP all-reduces the gradients on the K-th only)
+    clip the global gradient norm -> optimiser step -> zero grads -> EMA update
+
+Every ``eval_every`` steps and at the end: top-1/top-5 on the held-out split.  Every
+``ckpt_every`` steps and at the end: an atomic checkpoint from which ``resume`` continues
+bit-exactly (model, optimiser, EMA, step, RNG states, data-stream position).
+
+With ``time_limit`` the number of steps is not known up front: the first
+``time_measure_steps`` steps (inside the warm-up) are timed, one evaluation is timed,
+and the total is then fixed so that the decay ends, and the final evaluation is done,
+by the deadline (``schedules.fit_steps_to_time``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitlab.config import ConfigError
+
+from . import checkpoint as ckpt
+from .config import TrainConfig, model_config, to_dict, validate, warmup_steps
+from .distributed import World, all_reduce_sum, barrier, init_world, shutdown, wrap_model
+from .ema import EMA
+from .inputs import Splits, build_splits
+from .metrics import MetricsWriter, Progress, format_duration, plot_curves
+from .optim import build_optimizer
+from .schedules import fit_steps_to_time, lr_at
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor, kind: str) -> torch.Tensor:
+    """Mean loss of (B, K) logits against (B, K) soft targets, computed in float32.
+
+    softmax_xent: cross-entropy with soft targets (label smoothing, mixup);
+    sigmoid_xent: per-class binary cross-entropy summed over classes (big_vision's
+    choice for multi-label ImageNet-21k/JFT pre-training).
+    """
+    logits = logits.float()
+    if kind == "sigmoid_xent":
+        return F.binary_cross_entropy_with_logits(logits, targets, reduction="none").sum(-1).mean()
+    return -(targets * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast on CPU and GPU; fp32 runs plain."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, transform, *, batch_size: int,
+             device: torch.device, precision: str = "fp32", world: World | None = None) -> dict:
+    """Loss, top-1 and top-5 accuracy of ``model`` on uint8 ``images`` (N, 3, H, W).
+
+    Distributed: rank r takes examples r, r + W, ...; all ranks run the same number of
+    batches (the short ones padded and masked), so a sharded (FSDP) model works too.
+    """
+    world = world or World(0, 1, 0, device)
+    was_training = model.training
+    model.eval()
+    n = labels.shape[0]
+    mine = torch.arange(world.rank, n, world.size)
+    per_rank = -(-n // world.size)
+    valid = torch.ones(per_rank, dtype=torch.bool)
+    if len(mine) < per_rank:  # pad with example 0, masked out below
+        valid[len(mine):] = False
+        mine = torch.cat([mine, mine.new_zeros(per_rank - len(mine))])
+    loss_sum = top1 = top5 = 0.0
+    for start in range(0, per_rank, batch_size):
+        idx, ok = mine[start:start + batch_size], valid[start:start + batch_size].to(device)
+        x, targets = transform(images[idx].to(device), labels[idx].to(device), None)
+        with autocast(device, precision):
+            logits = model(x)
+        logits = logits.float()
+        y = labels[idx].to(device)
+        loss = F.cross_entropy(logits, y, reduction="none")
+        k = min(5, logits.shape[-1])
+        topk = logits.topk(k, dim=-1).indices  # (b, k)
+        hit = topk == y[:, None]
+        loss_sum += float((loss * ok).sum())
+        top1 += float((hit[:, 0] & ok).sum())
+        top5 += float((hit.any(-1) & ok).sum())
+    loss_sum, top1, top5 = all_reduce_sum([loss_sum, top1, top5], world)
+    model.train(was_training)
+    return {"val_loss": loss_sum / n, "val_top1": top1 / n, "val_top5": top5 / n}
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+@dataclass
+class Setup:
+    """Everything the loop needs, built once."""
+
+    cfg: TrainConfig
+    world: World
+    splits: Splits
+    model: nn.Module          # the bare model (what is saved)
+    trained: nn.Module        # what the loop calls: DDP/FSDP/compiled around ``model``
+    optimizer: torch.optim.Optimizer
+    ema: EMA | None
+    stream: object            # vitlab.data.BatchStream of micro-batches
+    eval_transform: object
+    micro_batch: int
+
+
+FINETUNE_MODEL_FIELDS = ("dropout", "attention_dropout", "drop_path")
+
+
+def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
+    """A fresh model, or ``cfg.init`` adapted for fine-tuning (paper Sec. 3.2): position
+    embeddings interpolated to ``img_size`` and a new zero-initialised head."""
+    from vitlab.models.registry import build_model as build
+
+    if cfg.init is None:
+        return build(model_config(cfg, num_classes))
+    from vitlab.weights import load_model
+
+    # the architecture is the checkpoint's; only the regularisation of model_overrides applies
+    regularisation = {k: v for k, v in cfg.model_overrides.items() if k in FINETUNE_MODEL_FIELDS}
+    model = load_model(cfg.init, name=cfg.model, img_size=cfg.img_size, num_classes=num_classes,
+                       keep_pre_logits=cfg.keep_pre_logits, **regularisation)
+    model.reset_classifier(num_classes)  # always a fresh zero-initialised head (Sec. 3.2)
+    return model.train()
+
+
+def setup(cfg: TrainConfig) -> Setup:
+    from vitlab.data.loader import BatchStream
+    from vitlab.data.transforms import EvalTransform, TrainTransform, build_transform
+
+    world = init_world(cfg.device)
+    validate(cfg, world.size)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)  # model initialisation and dropout; identical on every rank
+    np.random.seed(cfg.seed)
+    random.seed(cfg.seed)
+
+    img_size = model_config(cfg).img_size if cfg.init is None or cfg.img_size is None else (cfg.img_size,) * 2
+    if cfg.init is not None and cfg.img_size is None:
+        from vitlab.weights import load_model
+
+        img_size = load_model(cfg.init, name=cfg.model).cfg.img_size
+    splits = build_splits(cfg, img_size)
+    num_classes = len(splits.classes)
+
+    model = build_model(cfg, num_classes).to(world.device)
+    model.train()
+    ema = EMA(model, cfg.ema_decay) if cfg.ema_decay > 0 else None
+    trained = wrap_model(model, world, cfg.fsdp)
+    optimizer = build_optimizer(trained if cfg.fsdp else model, cfg)
+    if cfg.compile:
+        trained = torch.compile(trained)
+
+    micro_batch = cfg.batch_size // (cfg.accum_steps * world.size)
+    if len(splits.train_labels) < cfg.batch_size // cfg.accum_steps:
+        raise ConfigError(f"batch_size={cfg.batch_size}: the training split has only {len(splits.train_labels)} "
+                          f"examples, fewer than one micro-batch step of {cfg.batch_size // cfg.accum_steps}")
+    train_tf = TrainTransform(
+        num_classes=num_classes, image_size=img_size, crop=cfg.crop, crop_scale=tuple(cfg.crop_scale),
+        crop_pad=cfg.crop_pad, flip=cfg.flip, randaug_ops=cfg.randaug_ops, randaug_magnitude=cfg.randaug_magnitude,
+        mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha, label_smoothing=cfg.label_smoothing,
+        erase_prob=cfg.erase_prob,
+    )
+    stream = BatchStream(
+        splits.train_images, splits.train_labels, micro_batch, shuffle=True, seed=cfg.seed, drop_last=True,
+        transform=build_transform(train_tf), device=world.device, rank=world.rank, world_size=world.size,
+    )
+    eval_tf = build_transform(EvalTransform(num_classes=num_classes, image_size=img_size))
+    return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, eval_tf, micro_batch)
+
+
+def model_state(s: Setup) -> dict:
+    """The full (unsharded) state dict of the model."""
+    if s.cfg.fsdp and s.world.size > 1:
+        from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+
+        wrapped = s.trained._orig_mod if hasattr(s.trained, "_orig_mod") else s.trained
+        with FullyShardedDataParallel.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT,
+                                                      FullStateDictConfig(offload_to_cpu=True, rank0_only=False)):
+            return wrapped.state_dict()
+    return s.model.state_dict()
+
+
+def training_state(s: Setup, step: int, total_steps: int, records: list[dict]) -> dict:
+    """Everything ``resume`` needs to continue bit-exactly."""
+    optim_state = s.optimizer.state_dict()
+    if s.cfg.fsdp and s.world.size > 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrapped = s.trained._orig_mod if hasattr(s.trained, "_orig_mod") else s.trained
+        optim_state = FullyShardedDataParallel.optim_state_dict(wrapped, s.optimizer)
+    return {
+        "step": step,
+        "total_steps": total_steps,
+        "config": to_dict(s.cfg),
+        "model": model_state(s),
+        "optimizer": optim_state,
+        "ema": s.ema.state_dict() if s.ema else None,
+        "stream": s.stream.state_dict(),
+        "rng": rng_state(),
+        "records": records,
+        "classes": s.splits.classes,
+    }
+
+
+def restore(s: Setup, state: dict) -> tuple[int, int, list[dict]]:
+    """Load a checkpoint into ``s``; returns (step, total_steps, metric records)."""
+    if s.cfg.fsdp and s.world.size > 1:
+        from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+
+        wrapped = s.trained._orig_mod if hasattr(s.trained, "_orig_mod") else s.trained
+        with FullyShardedDataParallel.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT,
+                                                      FullStateDictConfig(offload_to_cpu=True, rank0_only=False)):
+            wrapped.load_state_dict(state["model"])
+        s.optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(
+            wrapped, s.optimizer, state["optimizer"]))
+    else:
+        s.model.load_state_dict(state["model"])
+        s.optimizer.load_state_dict(state["optimizer"])
+    if s.ema is not None and state.get("ema"):
+        s.ema.load_state_dict(state["ema"])
+    s.stream.load_state_dict(state["stream"])
+    set_rng_state(state["rng"])
+    return int(state["step"]), int(state["total_steps"]), list(state.get("records", []))
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
+    """Train as ``cfg`` says; returns the summary (also written to ``out/summary.json``).
+
+    The summary holds the final validation metrics, the path of the final weights
+    (``vitlab.weights.load_model`` reads them; class names in ``classes.json`` beside
+    them), the number of steps, wall time and throughput.
+    """
+    t_start = time.monotonic()
+    deadline_s = cfg.time_limit * 60.0
+    s = setup(cfg)
+    world, out = s.world, Path(cfg.out)
+    main = world.is_main
+    ckpt_dir = out / "checkpoints"
+    progress = Progress(enabled=verbose and main)
+    writer = MetricsWriter(out, tensorboard=cfg.tensorboard) if main else None
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        (out / "classes.json").write_text(json.dumps(s.splits.classes))
+
+    step, total_steps, records = 0, cfg.steps, []
+    fitted = cfg.time_limit <= 0  # whether total_steps is final
+    latest = ckpt.latest_checkpoint(ckpt_dir) if resume else None
+    if latest is not None:
+        step, total_steps, records = restore(s, ckpt.load_checkpoint(latest))
+        fitted = True
+        progress.message(f"resumed from {latest} at step {step}/{total_steps}")
+    elif resume:
+        progress.message(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
+    if writer is not None:
+        writer.records = list(records)
+    val_available = s.splits.val_labels is not None
+    evaluated = s.ema.module if s.ema else s.model
+    if cfg.fsdp and world.size > 1:
+        evaluated = s.trained
+
+    def run_eval() -> dict:
+        if not val_available:
+            return {}
+        return evaluate(evaluated, s.splits.val_images, s.splits.val_labels, s.eval_transform,
+                        batch_size=cfg.eval_batch_size, device=world.device, precision=cfg.precision, world=world)
+
+    K = cfg.accum_steps
+    params = [p for p in s.trained.parameters() if p.requires_grad]
+    batches = iter(s.stream)
+    window = {"loss": 0.0, "correct": 0.0, "seen": 0, "t": time.monotonic(), "steps": 0}
+    t_measure = None
+    sec_per_step = None
+    last_val: dict = {}
+    rate, shown_loss = 0.0, float("nan")  # for the progress line
+    s.trained.train()
+    while step < total_steps:
+        warm = warmup_steps(cfg, total_steps)
+        lr = lr_at(step, base_lr=cfg.lr, total_steps=total_steps, warmup_steps=warm, decay=cfg.decay, min_lr=cfg.min_lr)
+        for group in s.optimizer.param_groups:
+            group["lr"] = lr
+
+        for micro in range(K):
+            try:
+                x, targets = next(batches)
+            except StopIteration:  # end of an epoch: the stream moves on to the next
+                batches = iter(s.stream)
+                x, targets = next(batches)
+            sync = micro == K - 1 or world.size == 1
+            with (nullcontext() if sync or not hasattr(s.trained, "no_sync") else s.trained.no_sync()):
+                with autocast(world.device, cfg.precision):
+                    logits = s.trained(x)
+                loss = loss_fn(logits, targets, cfg.loss)
+                (loss / K).backward()
+            window["loss"] += float(loss.detach()) / K
+            window["correct"] += float((logits.detach().argmax(-1) == targets.argmax(-1)).sum())
+            window["seen"] += x.shape[0]
+
+        if cfg.clip_norm > 0:
+            if cfg.fsdp and world.size > 1:
+                grad_norm = float(s.trained.clip_grad_norm_(cfg.clip_norm))
+            else:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm))
+        else:
+            grad_norm = float("nan")
+        s.optimizer.step()
+        s.optimizer.zero_grad(set_to_none=True)
+        if s.ema is not None:
+            s.ema.update(s.model)
+        step += 1
+        window["steps"] += 1
+
+        # --- time budget: measure, then fix the total number of steps once
+        if not fitted:
+            if step == 2:  # the first steps pay for allocation and compilation
+                t_measure = time.monotonic()
+            elif t_measure is not None and step == 2 + cfg.time_measure_steps:
+                sec_per_step = (time.monotonic() - t_measure) / cfg.time_measure_steps
+                t_eval = time.monotonic()
+                last_val = run_eval()
+                eval_s = time.monotonic() - t_eval
+                total_steps = fit_steps_to_time(
+                    budget_s=deadline_s, elapsed_s=time.monotonic() - t_start, step=step, sec_per_step=sec_per_step,
+                    eval_s=eval_s, eval_every=cfg.eval_every, reserve_s=5.0 + 0.01 * deadline_s,
+                    max_steps=None)
+                total_steps = int(all_reduce_sum([float(total_steps)], world)[0] / world.size)  # ranks agree
+                fitted = True
+                progress.message(f"time limit {cfg.time_limit:g} min: {sec_per_step * 1000:.0f} ms/step, "
+                                 f"eval {eval_s:.1f} s -> {total_steps} steps "
+                                 f"(warm-up {warmup_steps(cfg, total_steps)})")
+                if total_steps <= step:
+                    total_steps = step
+
+        # --- logging, evaluation, checkpoints
+        is_last = step >= total_steps
+        do_eval = val_available and (is_last or (cfg.eval_every and step % cfg.eval_every == 0))
+        do_log = is_last or do_eval or step % cfg.log_every == 0
+        if do_eval:
+            last_val = run_eval()
+        if do_log:
+            now = time.monotonic()
+            dt = now - window["t"]
+            loss_avg, correct, seen = all_reduce_sum([window["loss"], window["correct"], float(window["seen"])], world)
+            record = {
+                "step": step, "epoch": round(step * cfg.batch_size / len(s.splits.train_labels), 3),
+                "lr": lr, "loss": loss_avg / world.size / max(window["steps"], 1),
+                "train_top1": correct / max(seen, 1), "grad_norm": grad_norm,
+                "img_per_s": seen / max(dt, 1e-9), "elapsed_s": now - t_start,
+            }
+            if do_eval:
+                record.update(last_val)
+            if writer is not None:
+                writer.log(record)
+            if do_eval:
+                progress.message(f"step {step}: val top-1 {last_val['val_top1']:.4f} top-5 {last_val['val_top5']:.4f} "
+                                 f"loss {last_val['val_loss']:.4f}")
+            window = {"loss": 0.0, "correct": 0.0, "seen": 0, "t": time.monotonic(), "steps": 0}
+        if do_log:
+            rate, shown_loss = record["img_per_s"], record["loss"]
+        eta = (total_steps - step) * cfg.batch_size / rate if rate else 0.0
+        progress.update(step, total_steps, shown_loss, rate, eta)
+        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or is_last:
+            state = training_state(s, step, total_steps, writer.records if writer else [])
+            if main:
+                ckpt.save_checkpoint(state, ckpt_dir, step, cfg.keep_ckpts)
+            barrier(world)
+        if deadline_s > 0 and fitted and not is_last and time.monotonic() - t_start > deadline_s:
+            progress.message(f"time limit reached at step {step}/{total_steps}: stopping before the schedule's end")
+            break
+
+    progress.close()
+    summary = finish(s, step, total_steps, last_val, t_start, writer)
+    shutdown(world)
+    return summary
+
+
+def finish(s: Setup, step: int, total_steps: int, last_val: dict, t_start: float, writer) -> dict:
+    """Save the final weights and the summary (rank 0); every rank returns the summary."""
+    from vitlab.weights import save_model
+
+    cfg, out = s.cfg, Path(s.cfg.out)
+    final_model = s.ema.module if s.ema else s.model
+    if cfg.fsdp and s.world.size > 1:
+        final_model.load_state_dict(model_state(s))
+    wall = time.monotonic() - t_start
+    records = writer.records if writer else []
+    train_rows = [r for r in records if "img_per_s" in r]
+    summary = {
+        "recipe": cfg.recipe,
+        "model": getattr(final_model.cfg, "name", None) or cfg.model,
+        "steps": step,
+        "planned_steps": total_steps,
+        "val_top1": last_val.get("val_top1"),
+        "val_top5": last_val.get("val_top5"),
+        "val_loss": last_val.get("val_loss"),
+        "train_loss": train_rows[-1]["loss"] if train_rows else None,
+        "train_examples": int(len(s.splits.train_labels)),
+        "val_examples": int(len(s.splits.val_labels)) if s.splits.val_labels is not None else 0,
+        "skipped_images": s.splits.skipped,
+        "wall_s": round(wall, 2),
+        "images_per_s": round(step * cfg.batch_size / wall, 1),
+        "world_size": s.world.size,
+        "weights": None,
+    }
+    if s.world.is_main:
+        weights = save_model(final_model, out / "model.safetensors")
+        summary["weights"] = str(weights)
+        summary["classes"] = str(out / "classes.json")
+        if writer is not None:
+            writer.close()
+            plot = plot_curves(records, out / "curves.png")
+            summary["curves"] = str(plot) if plot else None
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

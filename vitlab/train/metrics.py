@@ -1,0 +1,150 @@
+"""Where a run's numbers go: JSONL and CSV per logged step, TensorBoard when installed,
+PNG curves at the end, and a progress line on stderr.
+
+Only rank 0 writes.  Every record is a flat dict; the CSV's columns are fixed up front
+(``COLUMNS``) so that rows logged with and without validation numbers line up.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+COLUMNS = ("step", "epoch", "lr", "loss", "train_top1", "grad_norm", "val_loss", "val_top1", "val_top5",
+           "img_per_s", "elapsed_s")
+
+
+class MetricsWriter:
+    """Appends records to ``out/metrics.jsonl`` and ``out/metrics.csv`` (and TensorBoard)."""
+
+    def __init__(self, out: str | Path, tensorboard: bool = True) -> None:
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.records: list[dict] = []
+        self._jsonl = open(self.out / "metrics.jsonl", "a")
+        csv_path = self.out / "metrics.csv"
+        new = not csv_path.exists() or csv_path.stat().st_size == 0
+        self._csv_file = open(csv_path, "a", newline="")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=COLUMNS, extrasaction="ignore")
+        if new:
+            self._csv.writeheader()
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.out / "tensorboard"))
+            except ImportError:  # tensorboard is optional
+                self._tb = None
+
+    def log(self, record: dict) -> None:
+        self.records.append(record)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        self._csv.writerow(record)
+        self._csv_file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self._jsonl.close()
+        self._csv_file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_curves(records: list[dict], path: str | Path) -> Path | None:
+    """Loss (train, val) and accuracy (train, val top-1/top-5) against step, as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+
+    def series(key: str) -> tuple[list, list]:
+        rows = [r for r in records if isinstance(r.get(key), (int, float))]
+        return [r["step"] for r in rows], [r[key] for r in rows]
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, label in (("loss", "train"), ("val_loss", "validation")):
+        xs, ys = series(key)
+        if xs:
+            ax_loss.plot(xs, ys, label=label, marker="o" if key.startswith("val") else None)
+    ax_loss.set(xlabel="step", ylabel="cross-entropy", title="loss")
+    for key, label in (("train_top1", "train top-1"), ("val_top1", "val top-1"), ("val_top5", "val top-5")):
+        xs, ys = series(key)
+        if xs:
+            ax_acc.plot(xs, ys, label=label, marker="o" if key.startswith("val") else None)
+    ax_acc.set(xlabel="step", ylabel="accuracy", title="accuracy", ylim=(0, 1))
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+class Progress:
+    """A one-line progress bar on stderr: step, loss, images/s, ETA.
+
+    On a terminal the line is redrawn with a carriage return; otherwise (a log file) a
+    full line is printed at most every ``interval_s`` seconds.
+    """
+
+    def __init__(self, enabled: bool = True, interval_s: float = 10.0, stream=None) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = self.enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.interval_s = interval_s
+        self._last = 0.0
+
+    def update(self, step: int, total: int, loss: float, img_per_s: float, eta_s: float, extra: str = "") -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not self.tty and now - self._last < self.interval_s and step < total:
+            return
+        self._last = now
+        width = 24
+        filled = int(width * step / max(total, 1))
+        bar = "#" * filled + "." * (width - filled)
+        line = (f"[{bar}] {step}/{total} loss {loss:.4f} {img_per_s:,.0f} img/s "
+                f"ETA {format_duration(eta_s)}{'  ' + extra if extra else ''}")
+        if self.tty:
+            self.stream.write("\r" + line + "\x1b[K")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        """A line that stays (validation results, notes), without breaking the bar."""
+        if not self.enabled:
+            return
+        self.stream.write(("\r\x1b[K" if self.tty else "") + text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -1,0 +1,56 @@
+"""Learning rate as a pure function of the step, and fitting a run into a time budget.
+
+The paper (Table 3, Table 4): linear warm-up over 10k steps (pre-training) or 500
+(fine-tuning), then linear or cosine decay to zero at the last step.
+"""
+from __future__ import annotations
+
+import math
+
+
+def lr_at(step: int, *, base_lr: float, total_steps: int, warmup_steps: int,
+          decay: str = "cosine", min_lr: float = 0.0) -> float:
+    """The learning rate of optimiser step ``step`` (0-based).
+
+    Warm-up rises linearly to ``base_lr``, reaching it at step ``warmup_steps`` (step 0
+    already gets base_lr / warmup_steps, so no step is wasted at lr 0, as in big_vision).
+    Then "linear" or "cosine" decay takes it to ``min_lr`` at step ``total_steps``, or
+    "constant" keeps it.  The last step, total_steps - 1, is just above ``min_lr``.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    if decay == "constant":
+        return base_lr
+    span = max(total_steps - warmup_steps, 1)
+    progress = min(max((step - warmup_steps) / span, 0.0), 1.0)  # 0 after warm-up, 1 at the end
+    if decay == "linear":
+        shape = 1.0 - progress
+    elif decay == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"decay={decay!r}: allowed values are 'cosine', 'linear', 'constant'")
+    return min_lr + (base_lr - min_lr) * shape
+
+
+def fit_steps_to_time(*, budget_s: float, elapsed_s: float, step: int, sec_per_step: float,
+                      eval_s: float = 0.0, eval_every: int = 0, reserve_s: float = 0.0,
+                      max_steps: int | None = None) -> int:
+    """Total number of optimiser steps that ends the run, final evaluation included, by
+    the deadline.
+
+    budget_s:     the whole run's wall-clock budget, counted from its start.
+    elapsed_s:    wall time spent so far (set-up, data loading, ``step`` steps done).
+    sec_per_step: measured seconds per optimiser step.
+    eval_s:       measured seconds of one evaluation pass; one runs at the end, and one
+                  every ``eval_every`` steps (0: only at the end).
+    reserve_s:    kept free for saving weights, plots and slack.
+
+    Each further step costs sec_per_step + eval_s / eval_every, so
+        total = step + floor((budget - elapsed - eval_s - reserve) / that cost),
+    at least ``step + 1`` (and at most ``max_steps``).
+    """
+    left = budget_s - elapsed_s - eval_s - reserve_s
+    cost = sec_per_step + (eval_s / eval_every if eval_every > 0 else 0.0)
+    more = max(int(left // cost), 1) if cost > 0 else 1
+    total = step + more
+    return min(total, max_steps) if max_steps is not None else total

@@ -1,0 +1,335 @@
+"""What every weight format shares once its keys are renamed to vitlab's.
+
+Each format module (official, huggingface, timm, native) only renames and reshapes
+arrays into a vitlab state dict.  From there the path is the same for all of them:
+
+    infer_config(state_dict, ...)    the architecture, read off the array shapes
+    check_state_dict(...)            every missing, unexpected and mis-shaped key at once
+    adapt_state_dict(...)            new resolution (position embeddings), new head
+    load_checked(model, state_dict)  the one place weights enter a model
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import ConfigError, ModelConfig, Pair, ResNetConfig, ViTConfig, replace, to_pair
+from ..models.posemb import LearnedPosEmb1D, LearnedPosEmb2D, RelativePosBias, resample_grid, resample_table_1d
+from ..models.registry import PATCH_SIZES, VIT_SIZES, build_model, get_config
+
+StateDict = dict[str, torch.Tensor]
+
+
+class WeightsError(ValueError):
+    """Weights that do not fit the model they are loaded into, or cannot be read."""
+
+
+def to_tensor(array: Any) -> torch.Tensor:
+    """A numpy array or tensor as a CPU tensor (numpy arrays are copied, never shared)."""
+    if isinstance(array, torch.Tensor):
+        return array.detach().cpu()
+    return torch.from_numpy(np.array(array, copy=True))
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
+    """Write a file through ``write(f)`` so that ``path`` is either the old file or the new one.
+
+    The bytes go to a temporary file in the same directory, are fsynced, and the file is
+    renamed over ``path`` (atomic on POSIX and Windows).  If anything fails, including
+    ``write`` itself, the temporary file is removed and an existing ``path`` is untouched.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    try:  # make the rename itself durable; not possible on every platform
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return path
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+# ---------------------------------------------------------------------------- checking
+
+
+def check_state_dict(expected: Mapping[str, torch.Size], state_dict: Mapping[str, torch.Tensor],
+                     source: str = "the weights") -> None:
+    """Raise one ``WeightsError`` naming every missing, unexpected and mis-shaped key.
+
+    ``expected`` maps each key of the model's state dict to its shape.  Reporting all
+    problems at once matters: a wrong guess about the architecture usually shows up in
+    dozens of keys, and the pattern (all blocks, only the head, ...) tells what is wrong.
+    """
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    misshaped = [
+        (k, tuple(state_dict[k].shape), tuple(expected[k]))
+        for k in sorted(set(expected) & set(state_dict))
+        if tuple(state_dict[k].shape) != tuple(expected[k])
+    ]
+    if not (missing or unexpected or misshaped):
+        return
+    lines = [f"{source} do not match the model:"]
+    if missing:
+        lines.append(f"  {len(missing)} missing key(s): " + ", ".join(missing))
+    if unexpected:
+        lines.append(f"  {len(unexpected)} unexpected key(s): " + ", ".join(unexpected))
+    for key, got, want in misshaped:
+        lines.append(f"  shape mismatch for {key}: weights {got}, model {want}")
+    raise WeightsError("\n".join(lines))
+
+
+def load_checked(model: nn.Module, state_dict: Mapping[str, torch.Tensor], source: str = "the weights") -> nn.Module:
+    """Check ``state_dict`` against ``model`` (see ``check_state_dict``), then load it.
+
+    Arrays are cast to the dtype of the parameter they replace.
+    """
+    own = model.state_dict()
+    check_state_dict({k: v.shape for k, v in own.items()}, state_dict, source)
+    model.load_state_dict({k: state_dict[k].to(own[k].dtype) for k in own}, strict=True)
+    return model
+
+
+def meta_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    """The state-dict shapes of the model ``cfg`` describes, without allocating it."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    return {k: v.shape for k, v in model.state_dict().items()}
+
+
+# --------------------------------------------------------------------------- inference
+
+
+def _count(state_dict: Mapping[str, Any], prefix: str, suffix: str) -> int:
+    """How many consecutive i have ``f"{prefix}{i}{suffix}"`` in the state dict."""
+    n = 0
+    while f"{prefix}{n}{suffix}" in state_dict:
+        n += 1
+    return n
+
+
+def _require(state_dict: Mapping[str, torch.Tensor], key: str, what: str) -> torch.Tensor:
+    if key not in state_dict:
+        raise WeightsError(f"cannot tell the {what}: the weights have no {key!r} (after renaming to vitlab keys)")
+    return state_dict[key]
+
+
+def infer_resnet(state_dict: Mapping[str, torch.Tensor], **fields: Any) -> ResNetConfig | None:
+    """The hybrid stem's ResNetConfig from ``stem.*`` shapes, or None for a plain ViT."""
+    if "stem.conv_root.weight" not in state_dict:
+        return None
+    root = state_dict["stem.conv_root.weight"]  # (64 * width_factor, in_chans, 7, 7)
+    layers = []
+    while True:
+        units = _count(state_dict, f"stem.stages.{len(layers)}.units.", ".conv1.weight")
+        if units == 0:
+            break
+        layers.append(units)
+    if not layers:
+        raise WeightsError(
+            "the hybrid stem has a root block but no ResNet stages (e.g. the official 'R+ViT-Ti_16'); "
+            "vitlab's ResNetConfig needs 1 to 4 stages"
+        )
+    if root.shape[0] % 64:
+        raise WeightsError(f"stem.conv_root.weight has {root.shape[0]} output channels, not a multiple of 64")
+    # num_classes keeps its default: a stem ignores it, and so the config equals the registry's
+    return ResNetConfig(layers=tuple(layers), width_factor=root.shape[0] // 64, in_chans=root.shape[1], **fields)
+
+
+def infer_config(state_dict: Mapping[str, torch.Tensor], *, name: str | None = None,
+                 heads_from_weights: int | None = None, resnet_fields: Mapping[str, Any] | None = None,
+                 **fields: Any) -> ViTConfig:
+    """The ViTConfig whose model has exactly the shapes of ``state_dict`` (vitlab keys).
+
+    Read off the arrays: width, depth, mlp_dim, patch size, input channels, [class] token
+    (-> classifier "token", else "gap"), representation_size, num_classes, qkv bias, the
+    hybrid ResNet, and img_size = side of the (square) position grid x patch x reduction.
+    The number of heads is not in the shapes of fused or per-head-flattened kernels: it
+    comes from ``heads_from_weights`` (Flax's (D, H, hd) kernels show it),
+    ``fields["num_heads"]`` (asked for) or the registry ``name``.  ``fields`` (conventions such as
+    gelu and ln_eps, or user overrides) are applied last.
+    """
+    patch = _require(state_dict, "patch_embed.weight", "width and patch size")  # (D, C, ph, pw)
+    width = patch.shape[0]
+    depth = _count(state_dict, "blocks.", ".norm1.weight")
+    if depth == 0:
+        raise WeightsError("cannot tell the depth: the weights have no 'blocks.0.norm1.weight'")
+    mlp_dim = _require(state_dict, "blocks.0.mlp.fc1.weight", "mlp_dim").shape[0]
+    resnet = infer_resnet(state_dict, **(resnet_fields or {}))
+    classifier = "token" if "cls_token" in state_dict else "gap"
+    prefix = 1 if classifier == "token" else 0
+    patch_size = (patch.shape[2], patch.shape[3])
+    reduction = resnet.reduction if resnet else 1
+
+    if "pos_embed.weight" in state_dict:
+        posemb, positions = "learned_1d", state_dict["pos_embed.weight"].shape[1] - prefix
+        side = int(round(positions ** 0.5))
+        if side * side != positions:
+            raise WeightsError(
+                f"pos_embed holds {positions} patch positions (after {prefix} [class] position), which is not a "
+                "square grid; this happens when the [class] token has no position embedding (timm's "
+                "no_embed_class), which vitlab does not implement"
+            )
+        grid = (side, side)
+    elif "pos_embed.x" in state_dict:
+        posemb, grid = "learned_2d", (state_dict["pos_embed.y"].shape[0], state_dict["pos_embed.x"].shape[0])
+    else:
+        raise WeightsError("cannot tell the image size: the weights have no position embedding 'pos_embed.weight'")
+    img_size = (grid[0] * patch_size[0] * reduction, grid[1] * patch_size[1] * reduction)
+
+    asked = fields.pop("num_heads", None)
+    if heads_from_weights is not None and asked is not None and asked != heads_from_weights:
+        raise WeightsError(
+            f"num_heads={asked} contradicts the weights, whose attention kernels have {heads_from_weights} heads"
+        )
+    heads = heads_from_weights or asked
+    if name is not None:
+        named = get_config(name)
+        heads = heads or named.num_heads
+        _check_against_registry(named, width=width, depth=depth, mlp_dim=mlp_dim, patch_size=patch_size,
+                                num_heads=heads)
+        fields.setdefault("name", named.name)
+    if heads is None:
+        raise WeightsError(
+            "the number of attention heads cannot be read from these weights: pass name= (a registry name "
+            "such as 'ViT-B/16') or num_heads="
+        )
+    if resnet is not None:
+        resnet = dataclasses.replace(resnet, img_size=img_size)
+    pre_logits = state_dict.get("pre_logits.fc.weight")
+    head = state_dict.get("head.weight")
+    try:
+        cfg = ViTConfig(
+            img_size=img_size, patch_size=patch_size, in_chans=resnet.in_chans if resnet else patch.shape[1],
+            width=width, depth=depth, mlp_dim=mlp_dim, num_heads=heads,
+            num_classes=head.shape[0] if head is not None else 0, classifier=classifier,
+            representation_size=pre_logits.shape[0] if pre_logits is not None else None,
+            posemb=posemb, qkv_bias="blocks.0.attn.qkv.bias" in state_dict, resnet=resnet,
+        )
+        cfg = replace(cfg, **fields) if fields else cfg
+    except ConfigError as e:
+        raise WeightsError(f"the architecture read from the weights, with the fields given, is not valid: {e}") from e
+    return cfg if cfg.name else dataclasses.replace(cfg, name=guess_name(cfg))
+
+
+def _check_against_registry(named: ViTConfig, **found: Any) -> None:
+    """Refuse weights whose shapes contradict the registry config they are said to be."""
+    wrong = [f"{k}={v} (weights) vs {getattr(named, k)} ({named.name})"
+             for k, v in found.items() if v != getattr(named, k)]
+    if wrong:
+        raise WeightsError(f"the weights are not a {named.name}: " + "; ".join(wrong))
+
+
+def guess_name(cfg: ViTConfig) -> str | None:
+    """The registry name of a plain ViT or R50 hybrid with these sizes, if there is one."""
+    for size, dims in VIT_SIZES.items():
+        if dims != (cfg.width, cfg.depth, cfg.mlp_dim, cfg.num_heads) or cfg.axial:
+            continue
+        square = cfg.patch_size[0] == cfg.patch_size[1]
+        if cfg.resnet is None and square and cfg.patch_size[0] in PATCH_SIZES:
+            return f"ViT-{size}/{cfg.patch_size[0]}"
+        hybrid = {(3, 4, 9): 16, (3, 4, 6, 3): 32}
+        if cfg.resnet is not None and cfg.resnet.width_factor == 1 and cfg.patch_size == (1, 1) \
+                and cfg.resnet.layers in hybrid and size in ("B", "L"):
+            return f"R50x1+ViT-{size}/{hybrid[cfg.resnet.layers]}"
+    return None
+
+
+# ---------------------------------------------------------------------------- adapting
+
+
+def _resized_posembs(cfg: ViTConfig, new_cfg: ViTConfig, state_dict: StateDict) -> StateDict:
+    """Every position-embedding table of ``state_dict`` resampled to ``new_cfg``'s grid.
+
+    Walks the model's modules (built on the meta device, so free) to find the tables
+    and their kind; the values go through the pure functions of ``models.posemb``.
+    """
+    with torch.device("meta"):
+        model = build_model(cfg)
+    grid, seq_len = new_cfg.grid_size, new_cfg.num_prefix_tokens + new_cfg.num_patches
+    out: StateDict = {}
+    for name, m in model.named_modules():
+        key = f"{name}." if name else ""
+        if isinstance(m, LearnedPosEmb1D):
+            out[key + "weight"] = resample_table_1d(state_dict[key + "weight"], m.num_prefix, m.grid, grid, m.resample)
+        elif isinstance(m, LearnedPosEmb2D):
+            # one table per axis, each a (n, 1) grid resampled along its length
+            for axis, length in (("y", grid[0]), ("x", grid[1])):
+                table = state_dict[key + axis].unsqueeze(1)
+                out[key + axis] = resample_grid(table, (length, 1), m.resample).squeeze(1)
+        elif isinstance(m, RelativePosBias):
+            rel = RelativePosBias(m.seq_len, *m.weight.shape[1:])
+            rel.weight.data = state_dict[key + "weight"]
+            out[key + "weight"] = rel.table(seq_len).detach()
+    return out
+
+
+@torch.no_grad()
+def adapt_state_dict(state_dict: StateDict, cfg: ModelConfig, *, img_size: Pair | int | None = None,
+                     num_classes: int | None = None, keep_pre_logits: bool = False) -> tuple[StateDict, ModelConfig]:
+    """Weights of a ``cfg`` model adapted to a new resolution and/or a new classifier.
+
+    img_size: position embeddings are resampled to the new patch grid ([class] kept),
+        with ``cfg.posemb_resample`` (the convention of the weights' source).
+    num_classes: when it differs from ``cfg.num_classes`` the head is dropped (the model
+        gets a zero-initialised one, paper Sec. 3.2), and so is the pre-logits layer unless
+        ``keep_pre_logits``: vit_jax's ``checkpoint.load_pretrained`` drops ``pre_logits``
+        when fine-tuning with ``representation_size=None`` (its default) and keeps it only
+        when the fine-tuning config repeats the pre-training representation size.
+    Returns the new state dict (without head keys if the head is new) and config.
+    """
+    is_vit = isinstance(cfg, ViTConfig)
+    new_cfg = cfg
+    if img_size is not None and to_pair(img_size, "img_size") != cfg.img_size:
+        size = to_pair(img_size, "img_size")
+        fields: dict[str, Any] = {"img_size": size}
+        if is_vit and cfg.resnet is not None:
+            fields["resnet"] = dataclasses.replace(cfg.resnet, img_size=size)
+        try:
+            new_cfg = replace(cfg, **fields)
+        except ConfigError as e:
+            raise WeightsError(f"cannot resize the weights to img_size={img_size}: {e}") from e
+    out = dict(state_dict)
+    if is_vit and new_cfg.grid_size != cfg.grid_size:
+        out.update(_resized_posembs(cfg, new_cfg, state_dict))
+    if num_classes is not None and num_classes != cfg.num_classes:
+        fields = {"num_classes": num_classes}
+        drop: tuple[str, ...] = ("head.",)
+        if is_vit and not keep_pre_logits:
+            fields["representation_size"] = None
+            drop += ("pre_logits.",)
+        new_cfg = replace(new_cfg, **fields)
+        out = {k: v for k, v in out.items() if not k.startswith(drop)}
+    return out, new_cfg
+
+
+def build_loaded(state_dict: StateDict, cfg: ModelConfig, *, img_size: Pair | int | None = None,
+                 num_classes: int | None = None, keep_pre_logits: bool = False,
+                 source: str = "the weights") -> nn.Module:
+    """Check ``state_dict`` against ``cfg``, adapt it, and return the loaded model in eval mode."""
+    check_state_dict(meta_shapes(cfg), state_dict, source)
+    state_dict, cfg = adapt_state_dict(state_dict, cfg, img_size=img_size, num_classes=num_classes,
+                                       keep_pre_logits=keep_pre_logits)
+    model = build_model(cfg)
+    fresh = {k: v for k, v in model.state_dict().items() if k.startswith("head.") and k not in state_dict}
+    return load_checked(model, {**state_dict, **fresh}, source).eval()

@@ -1,0 +1,150 @@
+"""``load_model``: one entry point for every weight format vitlab reads.
+
+The format is recognised from what the source holds, never from a flag:
+
+    source                                           format
+    directory with model.safetensors                 vitlab if the file or config.json holds a vitlab config,
+                                                     else by keys (an HF config.json gives heads, eps, GELU)
+    directory with pytorch_model.bin                 Hugging Face, as above
+    *.safetensors                                    vitlab if its metadata has a config, else by keys
+    *.npz                                            official vit_jax
+    *.pt, *.pth, *.bin                               by keys; read with torch.load(weights_only=True)
+    a dict in memory                                 by keys
+
+    keys                                             format
+    'embedding/kernel' (Flax tree, '/' separators)   official vit_jax
+    '[vit.]embeddings.patch_embeddings.projection.weight'   Hugging Face
+    'patch_embed.proj.weight'                        timm
+    'patch_embed.weight'                             a bare vitlab state dict (vitlab's default conventions)
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import Pair
+from .core import WeightsError, build_loaded, infer_config, to_tensor
+from .huggingface import is_huggingface, load_huggingface
+from .native import CONFIG_KEY, CONFIG_NAME, is_native, load_native, read_safetensors
+from .official import KNOWN_PREFIXES, load_official_npz, read_npz
+from .timm import is_timm, load_timm
+
+HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+# Checkpoints saved by training scripts often wrap the state dict under one of these.
+WRAPPERS = ("state_dict", "model")
+
+
+def _torch_load(path: Path) -> dict[str, Any]:
+    """A state dict from a torch pickle, allowing tensors and containers only (no code)."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (FileNotFoundError, PermissionError):
+        raise
+    except Exception as e:  # UnpicklingError (forbidden objects), OSError/RuntimeError (damaged zip), EOFError
+        raise WeightsError(
+            f"{path} could not be read by torch.load(weights_only=True): the file is truncated or corrupt, "
+            f"or it pickles objects other than tensors, which vitlab never unpickles: {e}"
+        ) from e
+    for key in WRAPPERS:
+        if isinstance(obj, Mapping) and isinstance(obj.get(key), Mapping):
+            obj = obj[key]
+    if not isinstance(obj, Mapping):
+        raise WeightsError(f"{path} holds a {type(obj).__name__}, not a state dict")
+    return dict(obj)
+
+
+def detect_format(keys: Any) -> str:
+    """'official', 'huggingface', 'timm' or 'vitlab', from a state dict's keys."""
+    keys = set(keys)
+    if any(p + "embedding/kernel" in keys for p in ("",) + KNOWN_PREFIXES):
+        return "official"
+    if is_huggingface(keys):
+        return "huggingface"
+    if is_timm(keys):
+        return "timm"
+    if "patch_embed.weight" in keys:
+        return "vitlab"
+    some = ", ".join(sorted(keys)[:6])
+    raise WeightsError(
+        f"unrecognised weights (first keys: {some}); vitlab reads official vit_jax .npz, Hugging Face ViT, "
+        "timm vision_transformer and its own state dicts"
+    )
+
+
+def _load_state_dict(sd: Mapping[str, Any], hf_config: Mapping[str, Any] | None, **kw: Any) -> nn.Module:
+    fmt = detect_format(sd.keys())
+    if fmt == "official":  # the arrays define the architecture; a name is only checked against them
+        return load_official_npz(sd, **kw)
+    if fmt == "huggingface":
+        return load_huggingface(sd, hf_config, **kw)
+    if fmt == "timm":
+        return load_timm(sd, **kw)
+    # a bare vitlab state dict: no config, so vitlab's defaults (the official conventions) apply
+    img_size, num_classes, keep = kw.pop("img_size"), kw.pop("num_classes"), kw.pop("keep_pre_logits")
+    sd = {k: to_tensor(v) for k, v in sd.items()}
+    cfg = infer_config(sd, **kw)
+    return build_loaded(sd, cfg, img_size=img_size, num_classes=num_classes, keep_pre_logits=keep)
+
+
+def _load_dir(path: Path, **kw: Any) -> nn.Module:
+    if is_native(path):
+        kw.pop("name", None)  # the saved config is authoritative
+        return load_native(path, **kw)
+    config = path / CONFIG_NAME
+    # a config.json is Hugging Face's only if it says so (a training run keeps its own there)
+    hf_config = json.loads(config.read_text()) if config.is_file() else {}
+    if "model_type" not in hf_config:
+        hf_config = None
+    elif hf_config["model_type"] != "vit":
+        raise WeightsError(f"{config} describes a {hf_config['model_type']!r} model; vitlab reads 'vit' models")
+    for weights in HF_WEIGHTS:
+        if (path / weights).is_file():
+            return _load_file(path / weights, hf_config=hf_config, **kw)
+    raise WeightsError(f"{path} holds no weights: expected {', '.join(HF_WEIGHTS)}")
+
+
+def _load_file(path: Path, hf_config: Mapping[str, Any] | None = None, **kw: Any) -> nn.Module:
+    suffix = path.suffix.lower()
+    if suffix == ".npz":
+        return load_official_npz(read_npz(path), **kw)
+    if suffix == ".safetensors":
+        tensors, metadata = read_safetensors(path)
+        if CONFIG_KEY in metadata:
+            kw.pop("name", None)  # the saved config is authoritative
+            return load_native(path, **kw)
+        return _load_state_dict(tensors, hf_config, **kw)
+    if suffix in (".pt", ".pth", ".bin"):
+        return _load_state_dict(_torch_load(path), hf_config, **kw)
+    raise WeightsError(f"{path}: unknown file type {suffix!r}; expected .safetensors, .npz, .pt, .pth or .bin")
+
+
+def load_model(source: str | os.PathLike | Mapping[str, Any], name: str | None = None,
+               img_size: Pair | int | None = None, num_classes: int | None = None,
+               keep_pre_logits: bool = False, **overrides: Any) -> nn.Module:
+    """Load weights of any supported format into a vitlab model, returned in eval mode.
+
+    source: a path (see the module docstring) or an in-memory state dict / dict of arrays.
+    name: a registry name (e.g. "ViT-B/16"); needed only for Hugging Face, timm and bare
+        vitlab state dicts without a config, whose shapes do not show the number of heads
+        (``num_heads=`` works too).  Ignored where the format defines the architecture.
+    img_size: resample the position embeddings to this resolution, by the convention of
+        the weights' source (official: bilinear zoom; Hugging Face and timm: bicubic).
+    num_classes: a different value gives a zero-initialised head; the pre-logits layer is
+        dropped too unless ``keep_pre_logits`` (vit_jax's fine-tuning default).
+    overrides: ViTConfig fields, e.g. dropout=0.1, dynamic_img_size=True, ln_eps=1e-12.
+    """
+    kw = dict(name=name, img_size=img_size, num_classes=num_classes, keep_pre_logits=keep_pre_logits, **overrides)
+    if isinstance(source, np.lib.npyio.NpzFile):
+        source = {k: source[k] for k in source.files}
+    if isinstance(source, Mapping):
+        return _load_state_dict(source, None, **kw)
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"no such file or directory: {path}")
+    return _load_dir(path, **kw) if path.is_dir() else _load_file(path, **kw)

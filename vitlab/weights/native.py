@@ -1,0 +1,114 @@
+"""vitlab's own format: a safetensors file that carries its config.
+
+A model is saved as its state dict in safetensors (no pickle, so loading runs no code)
+with the config JSON in the file's metadata under ``"vitlab_config"``.  Saving to a
+directory writes ``model.safetensors`` and also ``config.json`` beside it, the layout
+the Hugging Face hub uses, so a directory can be inspected without reading the weights.
+Every file is written atomically: a failed save never destroys an existing file.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import safetensors.torch
+import torch
+from torch import nn
+
+from ..config import ConfigError, ModelConfig, Pair, config_from_json, config_to_json, replace
+from .core import WeightsError, atomic_write, build_loaded
+
+CONFIG_KEY = "vitlab_config"
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Save ``model`` (any vitlab model, which carries ``.cfg``) and return the weights file.
+
+    ``path`` ending in ``.safetensors`` is the file; any other path is a directory
+    (created if needed) that receives ``model.safetensors`` and ``config.json``.
+    """
+    cfg = getattr(model, "cfg", None)
+    if cfg is None:
+        raise TypeError(f"{type(model).__name__} has no .cfg: only vitlab models can be saved with their config")
+    text = config_to_json(cfg)
+    # clone: safetensors refuses tensors that share memory, and must not see views
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    data = safetensors.torch.save(tensors, metadata={CONFIG_KEY: text})
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        return atomic_write(path, lambda f: f.write(data))
+    path.mkdir(parents=True, exist_ok=True)
+    weights = atomic_write(path / WEIGHTS_NAME, lambda f: f.write(data))
+    atomic_write(path / CONFIG_NAME, lambda f: f.write(text.encode()))
+    return weights
+
+
+def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file, with a clear error if it is damaged."""
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # SafetensorError for truncated headers, bad offsets, ...
+        raise WeightsError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from e
+    return tensors, metadata
+
+
+def _parse_config(text: str, where: str) -> ModelConfig:
+    try:
+        return config_from_json(text)
+    except (ValueError, TypeError) as e:  # json.JSONDecodeError and ConfigError are ValueErrors
+        raise WeightsError(f"the vitlab config in {where} cannot be read: {e}") from e
+
+
+def read_native(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """(state dict, config) of a file or directory written by ``save_model``.
+
+    The config inside the weights file wins over ``config.json``: it cannot go stale, and
+    a training run directory may hold a ``config.json`` of its own.
+    """
+    path = Path(path)
+    weights = path / WEIGHTS_NAME if path.is_dir() else path
+    tensors, metadata = read_safetensors(weights)
+    if CONFIG_KEY in metadata:
+        return tensors, _parse_config(metadata[CONFIG_KEY], f"the metadata of {weights}")
+    if path.is_dir() and (path / CONFIG_NAME).is_file():
+        return tensors, _parse_config((path / CONFIG_NAME).read_text(), str(path / CONFIG_NAME))
+    raise WeightsError(f"{weights} has no '{CONFIG_KEY}' metadata: it was not written by vitlab's save_model")
+
+
+def is_native(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory or safetensors file written by ``save_model``."""
+    path = Path(path)
+    if path.is_dir():
+        try:
+            config = json.loads((path / CONFIG_NAME).read_text())
+        except (OSError, ValueError):
+            return False
+        # Hugging Face's config.json has "model_type"; vitlab's records its dataclass in "type"
+        return config.get("type") in ("ViTConfig", "ResNetConfig")
+    return CONFIG_KEY in read_safetensors(path)[1]
+
+
+def load_native(path: str | os.PathLike, img_size: Pair | int | None = None, num_classes: int | None = None,
+                keep_pre_logits: bool = False, **overrides: Any) -> nn.Module:
+    """The model saved at ``path`` by ``save_model``, in eval mode.
+
+    ``img_size`` and ``num_classes`` adapt it as ``core.adapt_state_dict`` describes;
+    ``overrides`` are config fields (e.g. dropout, dynamic_img_size).
+    """
+    state_dict, cfg = read_native(path)
+    if overrides:
+        try:
+            cfg = replace(cfg, **overrides)
+        except ConfigError as e:
+            raise WeightsError(str(e)) from e
+    return build_loaded(state_dict, cfg, img_size=img_size, num_classes=num_classes,
+                        keep_pre_logits=keep_pre_logits, source=f"the weights in {path}")

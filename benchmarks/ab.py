@@ -164,7 +164,46 @@ def exp_denormal() -> None:
     compare("flush denormals, CIFAR ViT, batch 64, training step", {"default": step, "flush denormal": flushed})
 
 
-EXPERIMENTS = {"patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16, "denormal": exp_denormal,
+def exp_adamw() -> None:
+    """The optimizer step alone: AdamW's default (foreach) against fused=True, CIFAR ViT."""
+    torch.manual_seed(0)
+    model = build_model(CIFAR)
+    F.cross_entropy(model(torch.randn(8, 3, 32, 32)), torch.randint(0, 10, (8,))).backward()
+    params = list(model.parameters())
+    for p in params:  # gradients everywhere (the zero head leaves the body's at 0 on step 1)
+        p.grad = torch.randn_like(p) * 1e-3
+    foreach = torch.optim.AdamW(params, foreach=True)
+    fused = torch.optim.AdamW(params, fused=True)
+    compare(f"AdamW step, CIFAR ViT ({sum(p.numel() for p in params) / 1e6:.1f}M parameters)",
+            {"foreach (default)": foreach.step, "fused=True": fused.step}, rounds=15)
+
+
+def exp_peers() -> None:
+    """vitlab against Hugging Face (sdpa, eager) in one process: a training step and inference."""
+    from harness import make_model
+
+    torch.manual_seed(0)
+    steps, infers = {}, {}
+    x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
+    xi = torch.randn(8, 3, 224, 224)
+    for impl in ("vitlab", "hf-sdpa", "hf-eager"):
+        model, forward = make_model(impl, "ViT-CIFAR")
+        opt = torch.optim.AdamW(model.parameters())
+
+        def step(forward=forward, opt=opt):
+            F.cross_entropy(forward(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        steps[impl] = step
+        model_i, forward_i = make_model(impl, "ViT-S/16")
+        model_i.eval()
+        infers[impl] = lambda f=forward_i: f(xi)
+    compare("training step, CIFAR ViT, batch 64 (forward, backward, AdamW)", steps)
+    with torch.inference_mode():
+        compare("inference, ViT-S/16, batch 8", infers, rounds=5)
+
+
+EXPERIMENTS = {"peers": exp_peers, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16, "denormal": exp_denormal,
                "compile": exp_compile}
 
 if __name__ == "__main__":

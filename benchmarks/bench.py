@@ -13,11 +13,12 @@ attn_implementation "sdpa" and "eager", timm when importable, and ONNX Runtime (
 inference) running vitlab's exported model.
 
 Every (row, implementation) runs in a fresh subprocess (harness.py); warm-up calls are
-excluded; figures are the median over repeats with the min-max range.  Peak memory is
+excluded; figures are the median over repeats with the min-max range (with --rounds R,
+the median of R rounds' medians, the list run R times through).  Peak memory is
 the rise of the process's resident set above its level after the model was built
 (CPU; VmHWM), or torch.cuda.max_memory_allocated above the allocation then (CUDA).
-The run first measures the machine's practical peak (the best large square matmul, fp32
-and bf16) and reports each result's achieved FLOP/s (analytic model FLOPs, multiply-add
+The run measures the machine's practical peak (the best large square matmul, fp32 and
+bf16; before and after the model rows, the better kept) and reports each result's achieved FLOP/s (analytic model FLOPs, multiply-add
 = 2, training = 3x forward) as a share of the peak of its dtype.
 
 Writes benchmarks/results/<host or device>-<date>.json and benchmarks/results/latest.md.
@@ -31,6 +32,7 @@ import os
 import platform
 import re
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -52,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile every PyTorch model")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 7, quick 3)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole list this many times, each time in fresh processes, and take "
+                        "the median of the rounds: on a shared machine, drift hits every row alike")
     p.add_argument("--bf16", choices=("auto", "yes", "no"), default="auto",
                    help="bf16 rows: 'auto' runs them where the hardware has bf16 (CUDA, or a CPU "
                         "with AVX512-BF16/AMX); elsewhere bf16 is emulated and 10-100x slower")
@@ -170,6 +175,32 @@ def markdown(lines: list[list[str]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One result from several rounds: median of the round medians, overall min and max."""
+    ok = [r for r in rounds if "error" not in r]
+    if not ok:
+        return rounds[0]
+    median = statistics.median(r["median"] for r in ok)
+    merged = dict(ok[0], median=median, min=min(r["min"] for r in ok), max=max(r["max"] for r in ok),
+                  peak_bytes=max(r["peak_bytes"] for r in ok), rounds=len(ok),
+                  achieved_flops_per_s=ok[0]["flops_per_image"] * median)
+    if len(ok) > 1:
+        merged["round_medians"] = [r["median"] for r in ok]
+    return merged
+
+
+def measure_peaks(peak_cases: list[dict], peaks: dict[str, float], timeout: float, when: str) -> None:
+    """Update ``peaks`` (dtype -> FLOP/s) with the best matmul rate measured now."""
+    for case in peak_cases:
+        r = run_case(case, timeout)
+        if "error" in r:
+            print(f"{case['id']} ({when}): {r['error']}")
+            continue
+        peaks[case["dtype"]] = max(peaks.get(case["dtype"], 0.0), r["flops_per_s"])
+        print(f"{case['id'] + ' (' + when + ')':28s} {r['flops_per_s'] / 1e9:8.1f} GFLOP/s "
+              f"(best of {case['repeats']}, {case['size']}^3 matmul)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     peak_cases, cases = build_cases(args)
@@ -181,25 +212,21 @@ def main(argv: list[str] | None = None) -> int:
         print("bf16 rows skipped: no bf16 hardware here (oneDNN reports none); --bf16 yes forces them")
 
     peaks: dict[str, float] = {}
-    for case in peak_cases:
-        r = run_case(case, timeout)
-        if "error" in r:
-            print(f"{case['id']}: {r['error']}")
-            continue
-        peaks[case["dtype"]] = r["flops_per_s"]
-        print(f"{case['id']:28s} {r['flops_per_s'] / 1e9:8.1f} GFLOP/s (best of {case['repeats']}, "
-              f"{case['size']}^3 matmul)")
-
-    results = []
+    measure_peaks(peak_cases, peaks, timeout, "before")
+    runs: dict[str, list[dict]] = {c["id"]: [] for c in cases}
     started = time.time()
-    for case in cases:
-        r = run_case(case, timeout)
-        r.update(id=case["id"], impl=case["impl"], case=case, loadavg=_loadavg())
-        results.append(r)
-        status = r.get("error") or (f"{fmt_rate(r)} img/s, {r['peak_bytes'] / 2**20:.0f} MiB, "
-                                    f"{r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s")
-        print(f"{case['id']:44s} {status}", flush=True)
+    for round_ in range(args.rounds):
+        for case in cases:
+            r = run_case(case, timeout)
+            r.update(loadavg=_loadavg())
+            runs[case["id"]].append(r)
+            status = r.get("error") or (f"{fmt_rate(r)} img/s, {r['peak_bytes'] / 2**20:.0f} MiB, "
+                                        f"{r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s")
+            tag = f" [round {round_ + 1}]" if args.rounds > 1 else ""
+            print(f"{case['id']:44s} {status}{tag}", flush=True)
+    results = [dict(merge_rounds(runs[c["id"]]), id=c["id"], impl=c["impl"], case=c) for c in cases]
 
+    measure_peaks(peak_cases, peaks, timeout, "after")  # the better of before and after is kept
     impls = list(dict.fromkeys(c["impl"] for c in cases))
     lines = table(results, peaks, impls)
     print()

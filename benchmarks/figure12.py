@@ -43,22 +43,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-gib", type=float, default=None,
                    help="memory budget (CPU: resident set, default 8 GiB; CUDA: default the device's)")
     p.add_argument("--search", action="store_true", help="on CPU, binary search over real runs")
+    p.add_argument("--tolerance", type=float, default=0.05,
+                   help="binary search stops when the bracket is within this fraction (default 0.05)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=str(HERE / "results"))
     return p.parse_args(argv)
 
 
-def largest_batch(fits: Callable[[int], bool], limit: int = 1 << 14) -> int:
+def largest_batch(fits: Callable[[int], bool], limit: int = 1 << 14, start: int = 1,
+                  rel_tol: float = 0.0) -> int:
     """The largest b in [0, limit] with fits(b), assuming fits is monotone (b=0 always fits).
 
-    Doubles until the first failure, then bisects: about 2 log2(b) probes.
+    Doubles from ``start`` until the first failure, then bisects until the bracket is
+    within ``rel_tol`` of its lower end (0: exact).  Returns the largest batch seen to fit.
     """
-    lo, hi = 0, 1
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
+    lo, hi = 0, max(1, start)
+    if not fits(hi):  # the start was too big: search below it
+        hi, lo = hi, 0
+    else:
+        while True:
+            lo, hi = hi, min(hi * 2, limit + 1)
+            if hi > limit or not fits(hi):
+                break
+            if hi == limit:
+                return limit
+    while hi - lo > max(1, int(lo * rel_tol)):
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
@@ -120,8 +130,8 @@ def collect(args: argparse.Namespace) -> dict:
                 def fits(b: int) -> bool:
                     r = measure(args, model, size, b, 1)
                     return "error" not in r and r["total_peak_bytes"] <= budget
-                row["largest_batch"] = largest_batch(fits)
-                row["largest_batch_method"] = "binary search over runs"
+                row["largest_batch"] = largest_batch(fits, start=batch, rel_tol=args.tolerance)
+                row["largest_batch_method"] = f"binary search over runs, to {args.tolerance:.0%}"
             rows.append(row)
             print(f"{model:12s} {size:4d}px  " + (row.get("error") or
                   f"{row['img_per_s']:8.2f} img/s  largest batch {row.get('largest_batch', '-')}"), flush=True)

@@ -85,19 +85,22 @@ def _run_cli(args, env_extra=None, torchrun=None):
 
 def test_two_processes_equal_one(tmp_path, capsys):
     # SGD, no dropout, no augmentation: DDP's averaged gradients of two halves of the batch
-    # equal the gradient of the whole batch, so the weights agree to float rounding.
+    # equal the gradient of the whole batch, so the weights agree to float rounding; FSDP's
+    # sharded update (reduce-scatter) must agree too.
     data = make_image_folder(tmp_path / "images", per_class=16)
     common = ["train", "--recipe", "demo", "--data", str(data), "--steps", "3", "--batch-size", "16",
               "--val-split", "9", "--set", "optimizer=sgd", "--set", "lr=0.1", "--set", "weight_decay=0",
               "--set", "crop=none", "--set", f"cache_dir={tmp_path / 'cache'}", *TINY]
     assert main(common + ["--out", str(tmp_path / "one")]) == 0  # also fills the decoded-image cache
     one = last_json_line(capsys.readouterr().out)
-    two = _run_cli(common + ["--out", str(tmp_path / "two")], torchrun=2)
-    assert two["world_size"] == 2 and one["world_size"] == 1
-    a, b = load_model(one["weights"]).state_dict(), load_model(two["weights"]).state_dict()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
-    assert one["val_top1"] == pytest.approx(two["val_top1"])
+    a = load_model(one["weights"]).state_dict()
+    for mode in ("ddp", "fsdp"):
+        two = _run_cli(common + ["--out", str(tmp_path / mode)] + (["--fsdp"] if mode == "fsdp" else []), torchrun=2)
+        assert two["world_size"] == 2 and one["world_size"] == 1
+        b = load_model(two["weights"]).state_dict()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=f"{mode}: {k}")
+        assert one["val_top1"] == pytest.approx(two["val_top1"])
 
 
 def test_finetune_and_sweep(tmp_path, capsys):

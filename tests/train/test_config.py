@@ -59,7 +59,8 @@ def test_every_recipe_loads_and_is_consistent():
             steps, "sgd", 0.9, 512, 0.0, "cosine")
     assert load_recipe("paper_finetune").lr_grid == (0.001, 0.003, 0.01, 0.03)
     vtab = load_recipe("vtab1k")
-    assert (vtab.lr, vtab.steps, vtab.train_examples + vtab.val_split) == (0.01, 2500, 1000)
+    assert (vtab.lr, vtab.steps, vtab.train_examples, vtab.val_split) == (0.01, 2500, 1000, 200)
+    assert load_recipe("vtab1k:final=true").val_split == 0
     with pytest.raises(ConfigError, match="no such recipe"):
         load_recipe("paper_pretrian")
 

@@ -51,3 +51,21 @@ def test_resume_is_bit_exact(tiny):
     assert uninterrupted["stream"] == again["stream"]
     a, b = weights(full), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_a_changed_data_order(tiny):
+    import pytest
+
+    from vitlab.config import ConfigError
+
+    train(tiny("run", steps=2), verbose=False)
+    with pytest.raises(ConfigError, match="batch_size=16"):
+        train(tiny("run", steps=4, batch_size=16), resume=True, verbose=False)
+
+
+def test_time_limit_fits_the_schedule(tiny):
+    # 0.1 min budget: after 2 + 3 timed steps the total is fixed and the run decays to its end
+    summary = train(tiny("timed", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1,
+                         tensorboard=False), verbose=False)
+    assert summary["steps"] == summary["planned_steps"] < 1_000_000
+    assert summary["wall_s"] < 0.1 * 60 + 3  # the budget, with slack for a busy test machine

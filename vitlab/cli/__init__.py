@@ -14,7 +14,7 @@ import sys
 COMMANDS: list[tuple[str, str, str]] = [
     ("models", "models", "list the registered models with parameters and GFLOPs"),
     ("demo", "demo", "train a small ViT on a bundled dataset in about a minute"),
-    ("train", "train", "train a model with a recipe from configs/ (one process or many under torchrun)"),
+    ("train", "train", "train a model with a recipe from vitlab/configs/ (one process or many under torchrun)"),
     ("finetune", "finetune", "fine-tune pre-trained weights at a new resolution with a new head"),
     ("predict", "predict", "top-5 classes of images with a trained model"),
     ("sweep", "sweep", "pick the learning rate on a held-out 10%, then retrain on the full training set"),

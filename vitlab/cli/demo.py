@@ -1,6 +1,6 @@
 """`vitlab demo`: train a small ViT on scikit-learn's handwritten digits, no download.
 
-About a minute on 2 CPU cores (recipe: configs/demo.py).  Prints the validation
+About a minute on 2 CPU cores (recipe: vitlab/configs/demo.py).  Prints the validation
 accuracy and the path of the saved weights, which `vitlab predict` and
 ``vitlab.weights.load_model`` read.
 """
@@ -17,6 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a field of the demo recipe (repeatable)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--no-report", action="store_true", help="skip the HTML inspection report")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,5 +36,25 @@ def run(args: argparse.Namespace) -> int:
     print(f"validation accuracy: {summary['val_top1']:.2%} (top-5 {summary['val_top5']:.2%}) on "
           f"{summary['val_examples']} held-out digits after {summary['steps']} steps in {summary['wall_s']:.0f} s")
     print(f"weights: {summary['weights']}")
+    if not args.no_report:
+        summary["report"] = str(write_demo_report(cfg, summary))
+        print(f"report: {summary['report']} (attention maps, embeddings, curves; open it in a browser)")
     print(json.dumps(summary), flush=True)
     return 0
+
+
+def write_demo_report(cfg, summary: dict):
+    """The inspection report of the trained model on eight held-out digits."""
+    from pathlib import Path
+
+    from vitlab.analysis.report import read_run_meta, write_report
+    from vitlab.train.inputs import build_splits
+    from vitlab.weights import load_model
+
+    model = load_model(summary["weights"])
+    splits = build_splits(cfg, model.cfg.img_size)
+    # one example of each of the first eight classes, so the maps show different digits
+    picks = [int((splits.val_labels == c).nonzero()[0]) for c in range(8)]
+    meta = read_run_meta(summary["weights"])
+    return write_report(model, splits.val_images[picks], Path(cfg.out) / "report.html",
+                        run_dir=cfg.out, meta=meta)

@@ -1,4 +1,4 @@
-"""`vitlab train`: train a model with a recipe from ``configs/``.
+"""`vitlab train`: train a model with a recipe from ``vitlab/configs/``.
 
     vitlab train --recipe cifar10_scratch --data ../shared/data/cifar10/cifar10-train.tar.gz \\
         --val-split 5000 --time-limit 30
@@ -24,7 +24,7 @@ SHORTCUTS = {
 def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None) -> None:
     """Flags shared by train, finetune and sweep."""
     p.add_argument("--recipe", default=default_recipe, required=default_recipe is None,
-                   help="a recipe of configs/ (NAME or NAME:key=value or path/to/recipe.py)")
+                   help="a recipe of vitlab/configs/ (NAME or NAME:key=value or path/to/recipe.py)")
     p.add_argument("--model", help="registry name, e.g. ViT-B/16 (see `vitlab models`)")
     p.add_argument("--data", help="ImageFolder folder, .tar/.tar.gz archive of one, or 'digits'")
     p.add_argument("--val-split", type=float,

@@ -1,4 +1,4 @@
-"""The training configuration: one frozen dataclass, recipes in ``configs/*.py``.
+"""The training configuration: one frozen dataclass, recipes in ``vitlab/configs/*.py``.
 
 A recipe is a plain Python function returning a ``TrainConfig`` (big_vision style);
 the command line then overrides fields with ``--set field=value`` (or a dedicated flag)
@@ -43,10 +43,10 @@ class TrainConfig:
     img_size:    training resolution (None: the model's).  Position embeddings of
                  ``init`` are interpolated to it (Sec. 3.2).
     data:        ImageFolder folder or .tar/.tar.gz, or a built-in source ("digits").
+    train_examples: use only this many examples of the data (class-stratified; 0 = all),
+                 the VTAB-1k protocol's 1000; ``val_split`` is then taken out of them.
     val_split:   held-out validation examples: a count (>= 1) or a fraction (< 1) of
                  the training set, class-stratified and fixed by ``split_seed``; 0: none.
-    train_examples: keep only this many training examples (stratified; 0 = all), the
-                 VTAB-1k protocol's 1000.
     class_subset: train on these class names only (labels renumbered in this order).
     steps:       optimiser steps; with ``time_limit`` a ceiling, the real number is
                  fitted to the budget after measuring throughput.
@@ -346,8 +346,8 @@ def validate(cfg: TrainConfig, world_size: int = 1, need_data: bool = True) -> N
 
 
 def recipes_dir() -> Path:
-    """``configs/`` of the source tree (beside the ``vitlab`` package)."""
-    return Path(__file__).resolve().parents[2] / "configs"
+    """``vitlab/configs/``: the recipes ship inside the package, so any install has them."""
+    return Path(__file__).resolve().parents[1] / "configs"
 
 
 def list_recipes() -> list[str]:

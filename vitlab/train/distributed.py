@@ -2,8 +2,9 @@
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK (and MASTER_ADDR/PORT); without them the run
 is a single process and nothing here does anything.  Backend: NCCL on GPUs, gloo on CPU.
-The model is wrapped in DDP (gradients all-reduced, averaged) or, with ``--fsdp``, in
-FullyShardedDataParallel (parameters, gradients and optimiser state sharded).
+The model is wrapped in DDP (gradients all-reduced, averaged) or, with ``--fsdp``,
+sharded with FSDP2's ``fully_shard`` (parameters, gradients and optimiser state split
+over the processes; full state dicts gathered for checkpoints and the saved weights).
 """
 from __future__ import annotations
 
@@ -58,18 +59,19 @@ def wrap_model(model: nn.Module, world: World, fsdp: bool) -> nn.Module:
     if world.size == 1:
         return model
     if fsdp:
-        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        # FSDP2 (fully_shard): every Transformer block is one unit whose parameters are
+        # gathered for its forward and backward and sharded again after; it runs on
+        # CPU (gloo) as well as on GPUs, unlike the older FullyShardedDataParallel.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
 
         from vitlab.models.layers import Block
 
-        return FullyShardedDataParallel(
-            model,
-            auto_wrap_policy=ModuleWrapPolicy({Block}),  # one shard unit per Transformer block
-            sharding_strategy=ShardingStrategy.FULL_SHARD,
-            device_id=world.device if world.device.type == "cuda" else None,
-            use_orig_params=True,  # keeps parameter names, so the no-decay groups still apply
-        )
+        mesh = init_device_mesh(world.device.type, (world.size,))
+        for module in model.modules():
+            if isinstance(module, Block):
+                fully_shard(module, mesh=mesh)
+        return fully_shard(model, mesh=mesh)  # the same object, its parameters now DTensor shards
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_ids=[world.device] if world.device.type == "cuda" else None)

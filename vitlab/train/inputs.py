@@ -1,4 +1,4 @@
-"""The training run's data: decoded into RAM, class-subset, split, subsampled.
+"""The training run's data: decoded into RAM, class-subset, subsampled, split.
 
 Training reads batches from an in-memory uint8 tensor (``vitlab.data.BatchStream``),
 which suits the paper's transfer data sets (CIFAR, Pets, Flowers, VTAB-1k) and the
@@ -60,14 +60,14 @@ def build_splits(cfg: TrainConfig, image_size: Pair) -> Splits:
     images, labels, classes = data.images, data.labels, list(data.classes)
     if cfg.class_subset:
         images, labels, classes = select_classes(images, labels, classes, tuple(cfg.class_subset))
+    if cfg.train_examples and cfg.train_examples < len(labels):
+        # the training pool: a class-stratified sample (the held-out part of a stratified split)
+        _, keep = stratified_split(labels, int(cfg.train_examples), cfg.split_seed + 1)
+        images, labels = images[keep], labels[keep]
     val_images = val_labels = None
-    if cfg.val_split:
+    if cfg.val_split:  # held out of the pool: VTAB-1k's 800 + 200 of 1000
         val_size = int(cfg.val_split) if cfg.val_split >= 1 else float(cfg.val_split)
         train_idx, val_idx = stratified_split(labels, val_size, cfg.split_seed)
         val_images, val_labels = images[val_idx], labels[val_idx]
         images, labels = images[train_idx], labels[train_idx]
-    if cfg.train_examples and cfg.train_examples < len(labels):
-        # the held-out part of a stratified split is a stratified sample of the wanted size
-        _, keep = stratified_split(labels, int(cfg.train_examples), cfg.split_seed + 1)
-        images, labels = images[keep], labels[keep]
     return Splits(images, labels, val_images, val_labels, classes, len(data.skipped))

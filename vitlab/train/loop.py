@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from contextlib import nullcontext
@@ -39,7 +38,7 @@ from .config import TrainConfig, model_config, to_dict, validate, warmup_steps
 from .distributed import World, all_reduce_sum, barrier, init_world, shutdown, wrap_model
 from .ema import EMA
 from .inputs import Splits, build_splits
-from .metrics import MetricsWriter, Progress, format_duration, plot_curves
+from .metrics import MetricsWriter, Progress, plot_curves
 from .optim import build_optimizer
 from .schedules import fit_steps_to_time, lr_at
 
@@ -182,8 +181,8 @@ def setup(cfg: TrainConfig) -> Setup:
     model = build_model(cfg, num_classes).to(world.device)
     model.train()
     ema = EMA(model, cfg.ema_decay) if cfg.ema_decay > 0 else None
-    trained = wrap_model(model, world, cfg.fsdp)
-    optimizer = build_optimizer(trained if cfg.fsdp else model, cfg)
+    trained = wrap_model(model, world, cfg.fsdp)  # FSDP shards ``model`` in place
+    optimizer = build_optimizer(model, cfg)
     if cfg.compile:
         trained = torch.compile(trained)
 
@@ -205,26 +204,34 @@ def setup(cfg: TrainConfig) -> Setup:
     return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, eval_tf, micro_batch)
 
 
-def model_state(s: Setup) -> dict:
-    """The full (unsharded) state dict of the model."""
-    if s.cfg.fsdp and s.world.size > 1:
-        from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+def sharded(s: Setup) -> bool:
+    return s.cfg.fsdp and s.world.size > 1
 
-        wrapped = s.trained._orig_mod if hasattr(s.trained, "_orig_mod") else s.trained
-        with FullyShardedDataParallel.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT,
-                                                      FullStateDictConfig(offload_to_cpu=True, rank0_only=False)):
-            return wrapped.state_dict()
+
+def _full(options_only: bool = False):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=not options_only)
+
+
+def model_state(s: Setup) -> dict:
+    """The full (unsharded) state dict of the model; with FSDP a collective call whose
+    result is complete on rank 0 only."""
+    if sharded(s):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(s.model, options=_full())
     return s.model.state_dict()
 
 
 def training_state(s: Setup, step: int, total_steps: int, records: list[dict]) -> dict:
-    """Everything ``resume`` needs to continue bit-exactly."""
-    optim_state = s.optimizer.state_dict()
-    if s.cfg.fsdp and s.world.size > 1:
-        from torch.distributed.fsdp import FullyShardedDataParallel
+    """Everything ``resume`` needs to continue bit-exactly (collective under FSDP)."""
+    if sharded(s):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        wrapped = s.trained._orig_mod if hasattr(s.trained, "_orig_mod") else s.trained
-        optim_state = FullyShardedDataParallel.optim_state_dict(wrapped, s.optimizer)
+        optim_state = get_optimizer_state_dict(s.model, s.optimizer, options=_full())
+    else:
+        optim_state = s.optimizer.state_dict()
     return {
         "step": step,
         "total_steps": total_steps,
@@ -241,15 +248,11 @@ def training_state(s: Setup, step: int, total_steps: int, records: list[dict]) -
 
 def restore(s: Setup, state: dict) -> tuple[int, int, list[dict]]:
     """Load a checkpoint into ``s``; returns (step, total_steps, metric records)."""
-    if s.cfg.fsdp and s.world.size > 1:
-        from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+    if sharded(s):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        wrapped = s.trained._orig_mod if hasattr(s.trained, "_orig_mod") else s.trained
-        with FullyShardedDataParallel.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT,
-                                                      FullStateDictConfig(offload_to_cpu=True, rank0_only=False)):
-            wrapped.load_state_dict(state["model"])
-        s.optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(
-            wrapped, s.optimizer, state["optimizer"]))
+        set_model_state_dict(s.model, state["model"], options=_full(options_only=True))
+        set_optimizer_state_dict(s.model, s.optimizer, state["optimizer"], options=_full(options_only=True))
     else:
         s.model.load_state_dict(state["model"])
         s.optimizer.load_state_dict(state["optimizer"])
@@ -260,7 +263,25 @@ def restore(s: Setup, state: dict) -> tuple[int, int, list[dict]]:
     return int(state["step"]), int(state["total_steps"]), list(state.get("records", []))
 
 
+def final_model(s: Setup) -> nn.Module | None:
+    """The model to save: the EMA if on; under FSDP a fresh unsharded copy (rank 0 only)."""
+    if not sharded(s):
+        return s.ema.module if s.ema else s.model
+    from vitlab.models.registry import build_model as build
+
+    state = model_state(s)  # collective: every rank takes part
+    if not s.world.is_main:
+        return None
+    model = build(s.model.cfg)
+    model.load_state_dict(state)
+    return model
+
+
 # ----------------------------------------------------------------------------- the loop
+
+# fields that fix the data order, the model or the optimiser state: a resumed run must keep them
+RESUME_INVARIANTS = ("model", "model_overrides", "data", "val_split", "split_seed", "train_examples", "class_subset",
+                     "batch_size", "accum_steps", "seed", "optimizer", "img_size", "init")
 
 
 def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
@@ -287,7 +308,13 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
     fitted = cfg.time_limit <= 0  # whether total_steps is final
     latest = ckpt.latest_checkpoint(ckpt_dir) if resume else None
     if latest is not None:
-        step, total_steps, records = restore(s, ckpt.load_checkpoint(latest))
+        state = ckpt.load_checkpoint(latest)
+        saved = state.get("config", {})
+        changed = [k for k in RESUME_INVARIANTS if k in saved and saved[k] != to_dict(cfg)[k]]
+        if changed:
+            raise ConfigError(f"--resume: {', '.join(f'{k}={getattr(cfg, k)!r} (checkpoint: {saved[k]!r})' for k in changed)}"
+                              " differ from the checkpoint's run; an exact continuation needs the same values")
+        step, total_steps, records = restore(s, state)
         fitted = True
         progress.message(f"resumed from {latest} at step {step}/{total_steps}")
     elif resume:
@@ -295,15 +322,16 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
     if writer is not None:
         writer.records = list(records)
     val_available = s.splits.val_labels is not None
-    evaluated = s.ema.module if s.ema else s.model
-    if cfg.fsdp and world.size > 1:
-        evaluated = s.trained
+    evaluated = s.ema.module if s.ema else s.model  # under FSDP: the sharded model, on every rank
 
     def run_eval() -> dict:
         if not val_available:
             return {}
-        return evaluate(evaluated, s.splits.val_images, s.splits.val_labels, s.eval_transform,
-                        batch_size=cfg.eval_batch_size, device=world.device, precision=cfg.precision, world=world)
+        result = evaluate(evaluated, s.splits.val_images, s.splits.val_labels, s.eval_transform,
+                          batch_size=cfg.eval_batch_size, device=world.device, precision=cfg.precision, world=world)
+        if sharded(s):  # a forward without backward leaves FSDP's root parameters gathered
+            s.model.reshard()
+        return result
 
     K = cfg.accum_steps
     params = [p for p in s.trained.parameters() if p.requires_grad]
@@ -311,8 +339,9 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
     window = {"loss": 0.0, "correct": 0.0, "seen": 0, "t": time.monotonic(), "steps": 0}
     t_measure = None
     sec_per_step = None
+    eval_s = 0.0  # measured duration of one evaluation (time-limited runs)
     last_val: dict = {}
-    rate, shown_loss = 0.0, float("nan")  # for the progress line
+    rate, shown_loss, logged = 0.0, float("nan"), False  # for the progress line
     s.trained.train()
     while step < total_steps:
         warm = warmup_steps(cfg, total_steps)
@@ -337,10 +366,8 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
             window["seen"] += x.shape[0]
 
         if cfg.clip_norm > 0:
-            if cfg.fsdp and world.size > 1:
-                grad_norm = float(s.trained.clip_grad_norm_(cfg.clip_norm))
-            else:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm))
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm)  # FSDP: a DTensor over all shards
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         else:
             grad_norm = float("nan")
         s.optimizer.step()
@@ -362,7 +389,7 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
                 total_steps = fit_steps_to_time(
                     budget_s=deadline_s, elapsed_s=time.monotonic() - t_start, step=step, sec_per_step=sec_per_step,
                     eval_s=eval_s, eval_every=cfg.eval_every, reserve_s=5.0 + 0.01 * deadline_s,
-                    max_steps=None)
+                    max_steps=cfg.steps)
                 total_steps = int(all_reduce_sum([float(total_steps)], world)[0] / world.size)  # ranks agree
                 fitted = True
                 progress.message(f"time limit {cfg.time_limit:g} min: {sec_per_step * 1000:.0f} ms/step, "
@@ -370,6 +397,12 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
                                  f"(warm-up {warmup_steps(cfg, total_steps)})")
                 if total_steps <= step:
                     total_steps = step
+
+        # slower than measured (a busy machine): end here, still with a final evaluation and checkpoint
+        if deadline_s > 0 and fitted and step < total_steps and all_reduce_sum(  # all ranks stop together
+                [float(time.monotonic() - t_start > deadline_s - eval_s)], world)[0] > 0:
+            progress.message(f"time limit reached at step {step}/{total_steps}: stopping before the schedule's end")
+            total_steps = step
 
         # --- logging, evaluation, checkpoints
         is_last = step >= total_steps
@@ -389,6 +422,9 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
             }
             if do_eval:
                 record.update(last_val)
+            if not math.isfinite(record["loss"]):
+                raise FloatingPointError(f"step {step}: the training loss is {record['loss']}; lower the lr "
+                                         "or check the data (the last checkpoint is still intact)")
             if writer is not None:
                 writer.log(record)
             if do_eval:
@@ -396,7 +432,10 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
                                  f"loss {last_val['val_loss']:.4f}")
             window = {"loss": 0.0, "correct": 0.0, "seen": 0, "t": time.monotonic(), "steps": 0}
         if do_log:
-            rate, shown_loss = record["img_per_s"], record["loss"]
+            rate, shown_loss, logged = record["img_per_s"], record["loss"], True
+        elif not logged and window["steps"]:  # before the first log: this process's own numbers
+            rate = window["seen"] * world.size / max(time.monotonic() - window["t"], 1e-9)
+            shown_loss = window["loss"] / window["steps"]
         eta = (total_steps - step) * cfg.batch_size / rate if rate else 0.0
         progress.update(step, total_steps, shown_loss, rate, eta)
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or is_last:
@@ -404,9 +443,6 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
             if main:
                 ckpt.save_checkpoint(state, ckpt_dir, step, cfg.keep_ckpts)
             barrier(world)
-        if deadline_s > 0 and fitted and not is_last and time.monotonic() - t_start > deadline_s:
-            progress.message(f"time limit reached at step {step}/{total_steps}: stopping before the schedule's end")
-            break
 
     progress.close()
     summary = finish(s, step, total_steps, last_val, t_start, writer)
@@ -419,15 +455,13 @@ def finish(s: Setup, step: int, total_steps: int, last_val: dict, t_start: float
     from vitlab.weights import save_model
 
     cfg, out = s.cfg, Path(s.cfg.out)
-    final_model = s.ema.module if s.ema else s.model
-    if cfg.fsdp and s.world.size > 1:
-        final_model.load_state_dict(model_state(s))
+    model = final_model(s)
     wall = time.monotonic() - t_start
     records = writer.records if writer else []
     train_rows = [r for r in records if "img_per_s" in r]
     summary = {
         "recipe": cfg.recipe,
-        "model": getattr(final_model.cfg, "name", None) or cfg.model,
+        "model": getattr(s.model.cfg, "name", None) or cfg.model,
         "steps": step,
         "planned_steps": total_steps,
         "val_top1": last_val.get("val_top1"),
@@ -443,7 +477,7 @@ def finish(s: Setup, step: int, total_steps: int, last_val: dict, t_start: float
         "weights": None,
     }
     if s.world.is_main:
-        weights = save_model(final_model, out / "model.safetensors")
+        weights = save_model(model, out / "model.safetensors")
         summary["weights"] = str(weights)
         summary["classes"] = str(out / "classes.json")
         if writer is not None:

@@ -1,0 +1,80 @@
+"""The benchmark machinery: subprocess protocol, timing, memory, batch search, tables."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench  # noqa: E402
+import figure12  # noqa: E402
+import harness  # noqa: E402
+
+
+def test_largest_batch_binary_search():
+    for true in (0, 1, 5, 64, 100, 1000):
+        probes = []
+
+        def fits(b, true=true):
+            probes.append(b)
+            return b <= true
+        assert figure12.largest_batch(fits) == true
+        assert len(probes) <= 2 * max(true, 1).bit_length() + 2
+    assert figure12.largest_batch(lambda b: True, limit=300) == 300
+    assert figure12.largest_batch(lambda b: b <= 1000, start=32) == 1000
+    assert figure12.largest_batch(lambda b: b <= 10, start=32) == 10
+    approx = figure12.largest_batch(lambda b: b <= 1000, start=32, rel_tol=0.05)
+    assert 950 <= approx <= 1000
+
+
+def test_extrapolated_largest_batch():
+    gib = 2**30
+    # 1 GiB after building the model, 0.25 GiB more at batch 2: 8 GiB holds (8 - 1) / 0.125 = 56
+    assert figure12.extrapolated_largest_batch(1.25 * gib, 0.25 * gib, 2, 8 * gib) == 56
+    assert figure12.extrapolated_largest_batch(9 * gib, 0.25 * gib, 2, 8 * gib) == 0
+
+
+def test_peak_memory_sees_a_numpy_allocation():
+    np = pytest.importorskip("numpy")
+    mem = harness.PeakMemory("cpu")
+    mem.reset()
+    a = np.ones(50_000_000 // 8)  # 50 MB, touched
+    del a
+    assert 45e6 < mem.peak() < 80e6
+
+
+def test_time_loop_and_summary():
+    calls = []
+    times, per_repeat = harness.time_loop(lambda: calls.append(1), lambda: None, warmup=2, repeats=3,
+                                          min_seconds=0.0)
+    assert len(times) == 3 and per_repeat == 1 and len(calls) == 5
+    s = harness.summarize([0.5, 0.25, 1.0], per_call=8)
+    assert (s["min"], s["median"], s["max"]) == (8.0, 16.0, 32.0)
+
+
+def test_subprocess_protocol():
+    case = dict(kind="matmul", device="cpu", dtype="float32", size=64, warmup=1, repeats=2, min_seconds=0.0,
+                threads=1)
+    assert harness.run_case(case, timeout=120)["flops_per_s"] > 0
+    assert "error" in harness.run_case(dict(case, kind="nonsense"), timeout=120)
+
+
+def test_cases_and_table():
+    args = bench.parse_args(["--quick", "--only", "infer/ViT-B/16/b8/fp32", "--bf16", "no"])
+    peaks, cases = bench.build_cases(args)
+    assert [p["dtype"] for p in peaks] == ["float32"]
+    assert cases and all(c["id"].startswith("infer/ViT-B/16/b8/fp32/") for c in cases)
+    assert cases[0]["impl"] == "vitlab"
+    fake = [
+        {"id": "infer/x/b8/fp32/vitlab", "impl": "vitlab", "median": 30.0, "min": 29.0, "max": 31.0,
+         "achieved_flops_per_s": 50e9, "peak_bytes": 2**20},
+        {"id": "infer/x/b8/fp32/hf-sdpa", "impl": "hf-sdpa", "median": 20.0, "min": 19.0, "max": 21.0,
+         "achieved_flops_per_s": 30e9, "peak_bytes": 2**21},
+        {"id": "infer/x/b8/fp32/hf-eager", "impl": "hf-eager", "error": "boom"},
+    ]
+    lines = bench.table(fake, {"float32": 100e9}, ["vitlab", "hf-sdpa", "hf-eager"])
+    assert lines[1][4].startswith("1.50x (hf-sdpa)")
+    assert lines[1][5] == "50%"
+    assert "| infer/x/b8/fp32 |" in bench.markdown(lines)

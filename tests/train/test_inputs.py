@@ -1,0 +1,18 @@
+import torch
+
+from vitlab.train.config import TrainConfig
+from vitlab.train.inputs import build_splits
+
+
+def test_vtab_style_pool_then_split():
+    s = build_splits(TrainConfig(data="digits", train_examples=1000, val_split=200), (8, 8))
+    assert len(s.train_labels) == 800 and len(s.val_labels) == 200
+    counts = torch.bincount(s.val_labels)
+    assert len(counts) == 10 and counts.max() - counts.min() <= 2  # stratified (digits: 174-183 per class)
+    assert s.skipped == 0 and s.classes == [str(i) for i in range(10)]
+
+
+def test_class_subset_relabels_in_the_given_order():
+    s = build_splits(TrainConfig(data="digits", class_subset=("7", "3")), (8, 8))
+    assert s.classes == ["7", "3"] and set(s.train_labels.tolist()) == {0, 1}
+    assert s.val_labels is None

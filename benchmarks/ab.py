@@ -183,22 +183,19 @@ def exp_peers() -> None:
     from harness import make_model
 
     torch.manual_seed(0)
-    steps, infers = {}, {}
+    steps, steps_s16, infers = {}, {}, {}
     x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
-    xi = torch.randn(8, 3, 224, 224)
+    xi, yi = torch.randn(8, 3, 224, 224), torch.randint(0, 1000, (8,))
     for impl in ("vitlab", "hf-sdpa", "hf-eager"):
         model, forward = make_model(impl, "ViT-CIFAR")
-        opt = torch.optim.AdamW(model.parameters())
-
-        def step(forward=forward, opt=opt):
-            F.cross_entropy(forward(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        steps[impl] = step
+        steps[impl] = _train_step(forward, x, y, torch.optim.AdamW(model.parameters()))
+        model_s, forward_s = make_model(impl, "ViT-S/16")
+        steps_s16[impl] = _train_step(forward_s, xi, yi, torch.optim.AdamW(model_s.parameters()))
         model_i, forward_i = make_model(impl, "ViT-S/16")
         model_i.eval()
         infers[impl] = lambda f=forward_i: f(xi)
     compare("training step, CIFAR ViT, batch 64 (forward, backward, AdamW)", steps)
+    compare("training step, ViT-S/16 at 224, batch 8", steps_s16, rounds=4)
     with torch.inference_mode():
         compare("inference, ViT-S/16, batch 8", infers, rounds=5)
 

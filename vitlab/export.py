@@ -35,15 +35,16 @@ def _example(model: nn.Module, img_size: Pair, batch: int) -> torch.Tensor:
 
 
 def export_program(model: nn.Module, path: str | os.PathLike, img_size: int | Pair | None = None,
-                   dynamic_batch: bool = True) -> torch.export.ExportedProgram:
+                   dynamic_batch: bool = True, batch: int = 2) -> torch.export.ExportedProgram:
     """Trace ``model`` with ``torch.export`` and save it with ``torch.export.save`` (a .pt2 file).
 
     Reload with ``load_program(path)``, which gives a callable module: images (B, C, H, W)
-    -> logits (B, K).
+    -> logits (B, K).  ``batch`` is the batch of the traced example, and the only one
+    accepted when ``dynamic_batch`` is False.
     """
     model = model.eval()
     size = model_img_size(model, img_size)
-    x = _example(model, size, 2)
+    x = _example(model, size, batch)
     shapes = ({0: torch.export.Dim("batch", min=1, max=4096)},) if dynamic_batch else None
     with torch.no_grad():
         program = torch.export.export(model, (x,), dynamic_shapes=shapes)
@@ -58,16 +59,17 @@ def load_program(path: str | os.PathLike) -> nn.Module:
 
 
 def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair | None = None,
-                dynamic_batch: bool = True, opset: int = 18) -> Path:
+                dynamic_batch: bool = True, opset: int = 18, batch: int = 2) -> Path:
     """Write ``model`` as ONNX with input "images" (B, C, H, W) and output "logits" (B, K).
 
     Uses the torch.export-based exporter (``dynamo=True``), which keeps
     ``scaled_dot_product_attention`` as a few matmuls and a softmax.  Weights are stored
-    inside the one file (no external data) when they fit under ONNX's 2 GB limit.
+    inside the one file (no external data) when they fit under ONNX's 2 GB limit.  ``batch``
+    is the batch of the traced example, fixed in the graph when ``dynamic_batch`` is False.
     """
     model = model.eval()
     size = model_img_size(model, img_size)
-    x = _example(model, size, 2)
+    x = _example(model, size, batch)
     shapes = ({0: torch.export.Dim("batch", min=1, max=4096)},) if dynamic_batch else None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

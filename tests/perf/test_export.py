@@ -58,3 +58,19 @@ def test_cli_export(tmp_path, capsys):
     assert command.run(args) == 0
     assert out.is_file()
     assert "max |exported - pytorch|" in capsys.readouterr().out
+
+
+def test_cli_export_checkpoint_fixed_batch(tmp_path, capsys):
+    """A saved checkpoint goes through vitlab's loader; a fixed batch is baked into the program."""
+    from vitlab.cli import main
+    from vitlab.weights.native import save_model
+
+    model = _random_model(TINY)
+    save_model(model, tmp_path / "tiny.safetensors")
+    out = tmp_path / "tiny.pt2"
+    assert main(["export", str(tmp_path / "tiny.safetensors"), "--format", "torch-export", "--out", str(out),
+                 "--batch", "3", "--check"]) == 0
+    assert "batch 3" in capsys.readouterr().out
+    with torch.no_grad():
+        x = torch.randn(3, 3, 32, 32)
+        assert torch.allclose(load_program(out)(x), model(x), atol=1e-5)

@@ -35,21 +35,21 @@ def run(args: argparse.Namespace) -> int:
 
     from vitlab.export import export_onnx, export_program, load_program, model_img_size
 
-    if args.batch != "dynamic" and not args.batch.isdigit():
+    if args.batch != "dynamic" and not (args.batch.isdigit() and int(args.batch) > 0):
         raise ValueError(f"--batch={args.batch!r}: expected 'dynamic' or a positive integer")
     dynamic = args.batch == "dynamic"
     model = _load(args.source, args.name, args.img_size).eval()
     size = model_img_size(model, args.img_size)
+    batch = 2 if dynamic else int(args.batch)
     if args.format == "onnx":
-        export_onnx(model, args.out, size, dynamic_batch=dynamic)
+        export_onnx(model, args.out, size, dynamic_batch=dynamic, batch=batch)
     else:
-        export_program(model, args.out, size, dynamic_batch=dynamic)
+        export_program(model, args.out, size, dynamic_batch=dynamic, batch=batch)
     mb = Path(args.out).stat().st_size / 2**20
     print(f"wrote {args.out} ({args.format}, {mb:.1f} MiB, input (B, C, {size[0]}, {size[1]}), "
           f"batch {'dynamic' if dynamic else args.batch})")
     if args.check:
-        batch = 2 if dynamic else int(args.batch)
-        x = torch.randn(batch, 3, *size)
+        x = torch.randn(batch, model.cfg.in_chans, *size)
         with torch.no_grad():
             ref = model(x)
             if args.format == "onnx":

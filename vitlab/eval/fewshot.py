@@ -46,7 +46,8 @@ __all__ = [
     "fewshot_evaluate",
 ]
 
-DEFAULT_L2_GRID: tuple[float, ...] = tuple(2.0**p for p in range(-10, 11))
+# big_vision sweeps 2^-10 .. 2^19; with few shots and wide features the best value is often large
+DEFAULT_L2_GRID: tuple[float, ...] = tuple(2.0**p for p in range(-10, 20))
 
 
 def signed_targets(labels: np.ndarray, num_classes: int) -> np.ndarray:

@@ -17,7 +17,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("train", "train", "train a model with a recipe from vitlab/configs/ (one process or many under torchrun)"),
     ("finetune", "finetune", "fine-tune pre-trained weights at a new resolution with a new head"),
     ("predict", "predict", "top-5 classes of images with a trained model"),
-    ("sweep", "sweep", "pick the learning rate on a held-out 10%, then retrain on the full training set"),
+    ("sweep", "sweep", "pick the learning rate on a held-out 10%%, then retrain on the full training set"),
     ("pack-shards", "pack", "pack an ImageFolder into tar shards for streaming"),
     ("flops", "flops", "forward FLOPs of a model and the compute of a training run"),
     ("export", "export", "export a model to ONNX or a torch.export program"),
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module, help_text in COMMANDS:
         mod = importlib.import_module(f"vitlab.cli.{module}")
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text.replace("%%", "%"))
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser

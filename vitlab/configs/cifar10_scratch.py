@@ -24,10 +24,9 @@ def get_config() -> TrainConfig:
         crop="pad", crop_pad=4, flip=True, label_smoothing=0.1,
         optimizer="adam", betas=(0.9, 0.999), lr=2e-3, weight_decay=0.05, wd_scope="kernels",
         batch_size=256, steps=100_000, warmup=0.05, decay="cosine", clip_norm=1.0,
-        # fp32: on the 2-core development VM torch reports CPU capability AVX2 (no AVX-512
-        # BF16 exposed), and a bf16 matmul ran ~20x slower than fp32; use bf16 where the CPU
-        # has AVX-512 BF16/AMX or on a GPU (--precision bf16).
-        precision="fp32",
+        # bf16 where the hardware has it (AVX-512 BF16/AMX, GPUs); the 2-core development VM
+        # exposes AVX2 only, where bf16 is emulated and ~8x slower, so "auto" means fp32 there.
+        precision="auto",
         time_limit=30.0,
         eval_every=1000, eval_batch_size=500, log_every=50, ckpt_every=1000, keep_ckpts=1,
         out="runs/cifar10_scratch",

@@ -23,7 +23,7 @@ from vitlab.config import ConfigError, ViTConfig
 
 OPTIMIZERS = ("adam", "sgd")
 DECAYS = ("cosine", "linear", "constant")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16")
 LOSSES = ("softmax_xent", "sigmoid_xent")
 WD_SCOPES = ("kernels", "all")
 CROPS = ("inception", "pad", "none")

@@ -59,8 +59,18 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor, kind: str) -> torch.Ten
     return -(targets * F.log_softmax(logits, dim=-1)).sum(-1).mean()
 
 
+def bf16_is_fast(device: torch.device) -> bool:
+    """Whether the hardware computes in bf16 natively (on CPUs without AVX-512 BF16 or AMX,
+    oneDNN emulates it and bf16 is several times slower than fp32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def autocast(device: torch.device, precision: str):
-    """bf16 autocast on CPU and GPU; fp32 runs plain."""
+    """bf16 autocast on CPU and GPU; fp32 runs plain; "auto" is bf16 where the hardware has it."""
+    if precision == "auto":
+        precision = "bf16" if bf16_is_fast(device) else "fp32"
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return nullcontext()

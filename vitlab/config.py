@@ -216,11 +216,14 @@ class ViTConfig:
     @property
     def feature_size(self) -> Pair:
         """Spatial size of what the patch embedding sees: the image, or the ResNet feature map."""
+        return self.feature_size_of(self.img_size)
+
+    def feature_size_of(self, img_size: Pair) -> Pair:
+        """``feature_size`` for an input of ``img_size`` (models with dynamic_img_size see many)."""
         if self.resnet is None:
-            return self.img_size
+            return tuple(img_size)
         r = self.resnet.reduction
-        h, w = self.img_size
-        return (-(-h // r), -(-w // r))  # SAME padding rounds up
+        return (-(-img_size[0] // r), -(-img_size[1] // r))  # SAME padding rounds up
 
     @property
     def grid_size(self) -> Pair:

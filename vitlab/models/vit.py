@@ -100,10 +100,7 @@ class VisionTransformer(nn.Module):
 
     def patch_grid(self, img_size: Pair) -> Pair:
         """The patch grid an input of ``img_size`` produces."""
-        h, w = img_size
-        if self.stem is not None:
-            r = self.stem.reduction
-            h, w = -(-h // r), -(-w // r)
+        h, w = self.cfg.feature_size_of(img_size)
         ph, pw = self.cfg.patch_size
         return (h // ph, w // pw)
 
@@ -118,7 +115,7 @@ class VisionTransformer(nn.Module):
                 f"input size {size} differs from img_size={self.cfg.img_size}; build the model for this "
                 "size (position embeddings are resampled when loading weights) or set dynamic_img_size=True"
             )
-        feat = size if self.stem is None else tuple(-(-s // self.stem.reduction) for s in size)
+        feat = self.cfg.feature_size_of(size)
         if feat[0] % self.cfg.patch_size[0] or feat[1] % self.cfg.patch_size[1]:
             raise ValueError(f"input size {size} is not divisible into patches of {self.cfg.patch_size}")
 

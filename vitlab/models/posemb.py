@@ -6,8 +6,6 @@ function that adapts a learned grid to another resolution (paper Sec. 3.2).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,14 +44,6 @@ def resample_table_1d(table: torch.Tensor, num_prefix: int, old_grid: Pair, new_
         )
     grid = resample_grid(patches.reshape(*old_grid, -1), new_grid, mode)
     return torch.cat([prefix, grid.reshape(1, -1, grid.shape[-1])], dim=1)
-
-
-def square_grid(num_positions: int) -> Pair:
-    """The side of a square grid of ``num_positions`` cells, or an error."""
-    side = math.isqrt(num_positions)
-    if side * side != num_positions:
-        raise ValueError(f"{num_positions} patch positions do not form a square grid; pass the grid size")
-    return (side, side)
 
 
 class LearnedPosEmb1D(nn.Module):

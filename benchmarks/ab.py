@@ -12,6 +12,7 @@ in benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -29,18 +30,24 @@ CIFAR = ViTConfig(width=192, depth=6, mlp_dim=768, num_heads=3, patch_size=4, im
                   gelu="exact")
 
 
-def compare(name: str, variants: dict[str, Callable[[], object]], rounds: int = 7) -> None:
-    """Print thread-CPU ms per call of each variant: min and median over interleaved rounds."""
+def compare(name: str, variants: dict[str, Callable[[], object]], rounds: int = 7,
+            clock: Callable[[], float] = time.thread_time) -> None:
+    """Print ms per call of each variant: min and median over interleaved rounds.
+
+    The default clock is the thread's CPU time (one thread, a busy machine); multi-threaded
+    experiments pass ``time.perf_counter`` and need a quiet machine.
+    """
     for fn in variants.values():  # warm up every variant first
         fn()
     cpu: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(rounds):
         for key, fn in variants.items():
-            t = time.thread_time()
+            t = clock()
             fn()
-            cpu[key].append(time.thread_time() - t)
+            cpu[key].append(clock() - t)
     base = min(cpu[next(iter(variants))])
-    print(f"\n{name}  (thread CPU ms per call, {rounds} interleaved rounds, 1 thread)")
+    what = "thread CPU" if clock is time.thread_time else "wall"
+    print(f"\n{name}  ({what} ms per call, {rounds} interleaved rounds, {torch.get_num_threads()} thread(s))")
     for key, ts in cpu.items():
         print(f"  {key:34s} min {1e3 * min(ts):8.1f}  median {1e3 * statistics.median(ts):8.1f}  "
               f"min vs first {min(ts) / base:5.2f}x")
@@ -200,7 +207,23 @@ def exp_peers() -> None:
         compare("inference, ViT-S/16, batch 8", infers, rounds=5)
 
 
-EXPERIMENTS = {"peers": exp_peers, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16, "denormal": exp_denormal,
+def exp_b16_inference() -> None:
+    """ViT-B/16 inference at batch 32 on every core, wall time: the row where bench.py saw vitlab behind."""
+    from harness import make_model
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    x = torch.randn(32, 3, 224, 224)
+    infers = {}
+    for impl in ("vitlab", "hf-sdpa"):
+        model, forward = make_model(impl, "ViT-B/16")
+        model.eval()
+        infers[impl] = lambda f=forward: f(x)
+    with torch.inference_mode():
+        compare("inference, ViT-B/16, batch 32", infers, rounds=5, clock=time.perf_counter)
+
+
+EXPERIMENTS = {"peers": exp_peers, "b16_inference": exp_b16_inference, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16, "denormal": exp_denormal,
                "compile": exp_compile}
 
 if __name__ == "__main__":

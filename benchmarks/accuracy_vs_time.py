@@ -45,7 +45,7 @@ def main() -> int:
     run_dir = Path(args.run_dir)
     if not args.no_train:
         cmd = [sys.executable, "-m", "vitlab", "train", "--recipe", args.recipe, "--data", args.data,
-               "--time-limit", str(args.minutes), "--out", str(run_dir), "--quiet",
+               "--time-limit", str(args.minutes), "--out", str(run_dir), "--quiet", "--overwrite",
                "--set", f"eval_every={args.eval_every}"]
         for item in args.overrides:
             cmd += ["--set", item]

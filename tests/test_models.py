@@ -241,3 +241,37 @@ def test_reset_classifier_and_pre_logits():
     rep = model.forward_head(tokens, pre_logits=True)
     assert rep.shape == (2, 8) and rep.abs().max() <= 1  # tanh
     assert len(model.forward_intermediates(torch.randn(1, 3, 16, 16))) == 2
+
+
+def test_patch_dropout_trains_on_a_subset_of_the_same_tokens():
+    """In training the encoder sees prefix + round(N * (1 - rate)) tokens, each an unchanged
+    embedded patch; in evaluation the model equals one without patch dropout."""
+    torch.manual_seed(0)
+    cfg = ViTConfig(img_size=32, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2, num_classes=3,
+                    patch_dropout=0.25)
+    model = vitlab.create_model(cfg)
+    x = torch.randn(3, 3, 32, 32)
+    model.eval()
+    full, _ = model.embed(x)
+    model.train()
+    kept, _ = model.embed(x)
+    assert kept.shape == (3, 1 + 48, 32)
+    assert torch.equal(kept[:, 0], full[:, 0])  # the [class] token always stays
+    for b in range(3):  # every kept token is one of this image's own patch tokens, none twice
+        match = (kept[b, 1:, None, :] == full[b, None, 1:, :]).all(-1)
+        assert match.sum(1).eq(1).all() and match.sum(0).le(1).all()
+    twin = vitlab.create_model(vitlab.config.replace(cfg, patch_dropout=0.0))
+    twin.load_state_dict(model.state_dict())
+    model.eval(), twin.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), twin(x))
+    model.train()
+    model.forward_features(x).square().sum().backward()  # gradients reach the embedding through the gather
+    assert model.patch_embed.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("fields", [dict(posemb="relative"), dict(posemb_place="every_layer"),
+                                    dict(axial=True, classifier="gap", posemb="learned_2d"), dict(patch_dropout=1.0)])
+def test_patch_dropout_refuses_what_needs_every_patch(fields):
+    with pytest.raises(ConfigError, match="patch_dropout"):
+        ViTConfig(patch_dropout=fields.pop("patch_dropout", 0.5), **fields)

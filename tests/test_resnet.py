@@ -177,3 +177,22 @@ def test_bit_names_and_classifier_reset():
     assert model(x).shape == (1, 512)
     headless = BiTResNet(ResNetConfig(layers=(1, 1), num_classes=0))
     assert headless(x).shape == (1, 512)
+
+
+@pytest.mark.parametrize("kernel, stride, pool, reduction", [(7, 2, True, 8), (3, 1, True, 4), (3, 1, False, 2), (5, 2, False, 4)])
+def test_root_options_set_the_reduction(kernel, stride, pool, reduction):
+    cfg = ResNetConfig(layers=(1, 1), root_kernel=kernel, root_stride=stride, root_pool=pool)
+    assert cfg.reduction == reduction
+    stem = ResNetFeatures(cfg).eval()
+    assert stem.conv_root.kernel_size == (kernel, kernel) and stem.conv_root.stride == (stride, stride)
+    with torch.no_grad():
+        out = stem(torch.randn(1, 3, 33, 30))
+    assert out.shape[-2:] == (-(-33 // reduction), -(-30 // reduction))
+    bit = BiTResNet(ResNetConfig(layers=(1, 1), num_classes=5, root_kernel=kernel, root_stride=stride, root_pool=pool))
+    assert ("pool" in dict(bit.root.named_children())) == pool
+
+
+@pytest.mark.parametrize("field, value", [("root_kernel", 4), ("root_kernel", 0), ("root_stride", 3), ("root_pool", 1)])
+def test_root_options_refuse_bad_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        ResNetConfig(**{field: value})

@@ -70,6 +70,9 @@ class ResNetConfig:
                   (big_transfer bit_pytorch, eps 1e-10); False is vit_jax's form (hybrid stem).
     gn_eps:       epsilon of GroupNorm (32 groups); 1e-6 is flax.linen.GroupNorm's default,
                   used by vit_jax; BiT's PyTorch code uses torch's 1e-5.
+    root_kernel, root_stride, root_pool: the root, BiT's 7x7/2 conv + 3x3/2 max-pool by
+                  default (every official checkpoint).  Small images want a gentler root:
+                  3, 1 and True keep 32x32 CIFAR images at 16x16 after the root instead of 8x8.
     """
 
     layers: tuple[int, ...] = (3, 4, 6, 3)
@@ -81,6 +84,9 @@ class ResNetConfig:
     ws_eps: float = 1e-5
     ws_eps_inside_sqrt: bool = False
     gn_eps: float = 1e-6
+    root_kernel: int = 7
+    root_stride: int = 2
+    root_pool: bool = True
     name: str | None = None
 
     def __post_init__(self) -> None:
@@ -94,6 +100,12 @@ class ResNetConfig:
         if not isinstance(self.num_classes, int) or self.num_classes < 0:
             raise ConfigError(f"num_classes={self.num_classes!r}: must be an integer >= 0")
         _check_choice("padding", self.padding, ("same", "symmetric"))
+        _check_positive("root_kernel", self.root_kernel)
+        if self.root_kernel % 2 == 0:
+            raise ConfigError(f"root_kernel={self.root_kernel}: must be odd (the root keeps ceil(size / stride) positions)")
+        _check_choice("root_stride", self.root_stride, (1, 2))
+        if not isinstance(self.root_pool, bool):
+            raise ConfigError(f"root_pool={self.root_pool!r}: must be True or False")
 
     @property
     def out_channels(self) -> int:
@@ -102,8 +114,8 @@ class ResNetConfig:
 
     @property
     def reduction(self) -> int:
-        """Total downsampling: stride-2 root conv, stride-2 max-pool, then /2 per later stage."""
-        return 4 * 2 ** (len(self.layers) - 1)
+        """Total downsampling: the root conv's stride, the max-pool's 2, then /2 per later stage."""
+        return self.root_stride * (2 if self.root_pool else 1) * 2 ** (len(self.layers) - 1)
 
 
 POSEMB_KINDS = ("none", "learned_1d", "learned_2d", "relative")
@@ -141,6 +153,10 @@ class ViTConfig:
     attention_dropout: on the attention probabilities.
     drop_path: stochastic depth rate, increasing linearly over depth to this value
         (not in the paper; off by default).
+    patch_dropout: fraction of patch tokens removed at random from each training image
+        after the position embeddings are added (PatchDropout, Liu et al. 2022; FLIP):
+        the encoder then runs on fewer tokens, so training is faster by about that
+        fraction; evaluation always sees every patch.  Not in the paper; off by default.
     axial: Axial-ViT (paper Appendix D.6): each block is row attention + MLP, then
         column attention + MLP.  Uses the "gap" classifier and a learned 2D grid of
         position embeddings.
@@ -163,6 +179,7 @@ class ViTConfig:
     dropout: float = 0.0
     attention_dropout: float = 0.0
     drop_path: float = 0.0
+    patch_dropout: float = 0.0
     gelu: str = "tanh"
     ln_eps: float = 1e-6
     qkv_bias: bool = True
@@ -188,7 +205,7 @@ class ViTConfig:
         _check_choice("posemb_place", self.posemb_place, POSEMB_PLACES)
         _check_choice("posemb_resample", self.posemb_resample, RESAMPLE_MODES)
         _check_choice("gelu", self.gelu, GELU_KINDS)
-        for name in ("dropout", "attention_dropout", "drop_path"):
+        for name in ("dropout", "attention_dropout", "drop_path", "patch_dropout"):
             _check_rate(name, getattr(self, name))
         if self.representation_size is not None:
             _check_positive("representation_size", self.representation_size)
@@ -199,6 +216,12 @@ class ViTConfig:
             )
         if self.posemb == "learned_2d" and self.width % 2:
             raise ConfigError(f"width={self.width} must be even for posemb='learned_2d' (two tables of width/2)")
+        if self.patch_dropout and (self.axial or self.posemb == "relative" or self.posemb_place != "stem"):
+            raise ConfigError(
+                f"patch_dropout={self.patch_dropout}: needs absolute position embeddings added once at the stem "
+                "(posemb 'none', 'learned_1d' or 'learned_2d', posemb_place='stem') and no axial blocks, which "
+                "need the whole patch grid in every block"
+            )
         if self.axial:
             if self.classifier != "gap":
                 raise ConfigError("axial=True needs classifier='gap': a [class] token has no row or column")

@@ -27,6 +27,9 @@ CASES = {
     "axial": ViTConfig(**TINY, axial=True, classifier="gap", posemb="learned_2d"),
     "bit": ResNetConfig(layers=(1, 1, 1, 1), num_classes=5, img_size=40),
     "bit_symmetric": ResNetConfig(layers=(2, 1), num_classes=5, img_size=33, padding="symmetric"),
+    "hybrid_small_root": ViTConfig(**{**TINY, "patch_size": 2},
+                                   resnet=ResNetConfig(layers=(1,), root_kernel=3, root_stride=1)),
+    "bit_no_pool": ResNetConfig(layers=(1, 1), num_classes=5, img_size=33, root_kernel=3, root_pool=False),
 }
 
 

@@ -61,6 +61,14 @@ def test_every_recipe_loads_and_is_consistent():
     vtab = load_recipe("vtab1k")
     assert (vtab.lr, vtab.steps, vtab.train_examples, vtab.val_split) == (0.01, 2500, 1000, 200)
     assert load_recipe("vtab1k:final=true").val_split == 0
+    from vitlab.train.config import model_config
+
+    for variant, tokens in (("hybrid", 16), ("vit", 64)):  # both CIFAR models build, at 32 px
+        cifar = load_recipe(f"cifar10_scratch:model={variant}")
+        validate(cifar, need_data=False)
+        assert model_config(cifar, num_classes=10).num_patches == tokens
+    with pytest.raises(ConfigError, match="model='resnet'"):
+        load_recipe("cifar10_scratch:model=resnet")
     with pytest.raises(ConfigError, match="no such recipe"):
         load_recipe("paper_pretrian")
 

@@ -5,6 +5,7 @@ import torch
 
 from vitlab.train import train
 from vitlab.train.checkpoint import list_checkpoints, load_checkpoint
+from vitlab.train.metrics import read_jsonl
 from vitlab.weights import load_model
 
 
@@ -32,6 +33,7 @@ def test_resume_is_bit_exact(tiny):
                model_overrides={"img_size": 8, "patch_size": 4, "width": 16, "depth": 1, "num_heads": 2,
                                 "mlp_dim": 32, "dropout": 0.1})
     full = train(cfg, verbose=False)
+    logged = read_jsonl(f"{cfg.out}/metrics.jsonl")
     ckpts = list_checkpoints(f"{cfg.out}/checkpoints")
     assert [p.name for p in ckpts] == ["ckpt-00000004.pt", "ckpt-00000008.pt"]
     uninterrupted = load_checkpoint(ckpts[-1])
@@ -51,6 +53,29 @@ def test_resume_is_bit_exact(tiny):
     assert uninterrupted["stream"] == again["stream"]
     a, b = weights(full), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the metrics files list each step once (the killed run had logged steps 6 and 8 too)
+    relogged = read_jsonl(f"{cfg.out}/metrics.jsonl")
+    assert [r["step"] for r in relogged] == [r["step"] for r in logged] == [2, 4, 6, 8]
+    assert [r["loss"] for r in relogged] == [r["loss"] for r in logged]
+
+
+def test_a_finished_run_is_kept_unless_resumed_or_overwritten(tiny):
+    import pytest
+
+    from vitlab.config import ConfigError
+
+    cfg = tiny("run", steps=3)
+    first = train(cfg, verbose=False)
+    saved = weights(first)
+    with pytest.raises(ConfigError, match="--resume.*--overwrite"):
+        train(cfg, verbose=False)
+    assert all(torch.equal(v, weights(first)[k]) for k, v in saved.items())  # nothing was touched
+    again = train(cfg, resume=True, verbose=False)  # resuming a finished run re-reports it
+    assert again["steps"] == 3 and again["val_top1"] == first["val_top1"]
+    fresh = train(tiny("run", steps=2), overwrite=True, verbose=False)
+    assert fresh["steps"] == 2
+    assert [p.name for p in list_checkpoints(f"{cfg.out}/checkpoints")] == ["ckpt-00000002.pt"]
+    assert [r["step"] for r in read_jsonl(f"{cfg.out}/metrics.jsonl")] == [2]
 
 
 def test_resume_refuses_a_changed_data_order(tiny):

@@ -55,8 +55,9 @@ def _resnet_flops(cfg: ResNetConfig, h: int, w: int, head: bool) -> dict[str, in
     """Root conv, each stage, and (for BiT) the 1x1-conv head on pooled features."""
     root = 64 * cfg.width_factor
     out: dict[str, int] = {}
-    out["root"], h, w = _conv(h, w, cfg.in_chans, root, 7, 2)
-    h, w = _ceil_div(h, 2), _ceil_div(w, 2)  # 3x3/2 max-pool
+    out["root"], h, w = _conv(h, w, cfg.in_chans, root, cfg.root_kernel, cfg.root_stride)
+    if cfg.root_pool:
+        h, w = _ceil_div(h, 2), _ceil_div(w, 2)  # 3x3/2 max-pool
     cin = root
     for i, units in enumerate(cfg.layers):
         mid, total = root * 2**i, 0

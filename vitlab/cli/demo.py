@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         changes["seed"] = args.seed
     cfg = replace(cfg, **changes)
     validate(cfg)
-    summary = train(cfg, verbose=not args.quiet)
+    summary = train(cfg, overwrite=True, verbose=not args.quiet)  # the demo's folder is its own: rerunning replaces it
     print(f"validation accuracy: {summary['val_top1']:.2%} (top-5 {summary['val_top5']:.2%}) on "
           f"{summary['val_examples']} held-out digits after {summary['steps']} steps in {summary['wall_s']:.0f} s")
     print(f"weights: {summary['weights']}")

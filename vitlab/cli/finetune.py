@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     if args.show_config:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
-    summary = train(cfg, resume=args.resume, verbose=not args.quiet)
+    summary = train(cfg, resume=args.resume, overwrite=args.overwrite, verbose=not args.quiet)
     if summary.get("weights") is not None:
         print(json.dumps(summary), flush=True)
     return 0

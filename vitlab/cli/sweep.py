@@ -48,11 +48,12 @@ def run(args: argparse.Namespace) -> int:
 
     scores = {}
     for r in runs:
-        summary = train(r, verbose=not args.quiet)
+        summary = train(r, resume=args.resume, overwrite=args.overwrite, verbose=not args.quiet)
         scores[f"{r.lr:g}"] = summary["val_top1"]
         print(f"lr {r.lr:g}: held-out top-1 {summary['val_top1']:.4f}", flush=True)
     best = max(grid, key=lambda lr: scores[f"{lr:g}"])
-    final = train(replace(cfg, lr=best, out=str(base_out / "final")), resume=args.resume, verbose=not args.quiet)
+    final = train(replace(cfg, lr=best, out=str(base_out / "final")), resume=args.resume, overwrite=args.overwrite,
+                  verbose=not args.quiet)
     report = {"holdout": holdout, "holdout_top1": scores, "best_lr": best, "final": final}
     if final.get("weights") is not None:
         (base_out / "sweep.json").write_text(json.dumps(report, indent=2))

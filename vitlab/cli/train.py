@@ -43,6 +43,8 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
     p.add_argument("--fsdp", action="store_true", default=None, help="shard the model with FSDP (multi-process)")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoints")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an OUT that holds an earlier run's checkpoints (they are deleted)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override any TrainConfig field (repeatable); model.FIELD=VALUE for a ViTConfig field")
     p.add_argument("--show-config", action="store_true", help="print the resolved config as JSON and exit")
@@ -77,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.show_config:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
-    summary = train(cfg, resume=args.resume, verbose=not args.quiet)
+    summary = train(cfg, resume=args.resume, overwrite=args.overwrite, verbose=not args.quiet)
     if summary.get("weights") is not None:  # rank 0 of a distributed run
         print(json.dumps(summary), flush=True)
     return 0

@@ -171,8 +171,8 @@ class ResNetStage(nn.Module):
 class ResNetFeatures(nn.Module):
     """The hybrid's ResNet stem: (B, in_chans, H, W) -> (B, out_channels, ceil(H/r), ceil(W/r)).
 
-    Root: 7x7/2 StdConv, GroupNorm, ReLU, 3x3/2 max-pool; then one ``ResNetStage`` per entry
-    of ``cfg.layers``.  ``r = reduction``.  ``cfg.num_classes`` is ignored.
+    Root: 7x7/2 StdConv, GroupNorm, ReLU, 3x3/2 max-pool (kernel, stride and pool set by
+    ``cfg.root_*``); then one ``ResNetStage`` per entry of ``cfg.layers``.  ``r = reduction``.  ``cfg.num_classes`` is ignored.
     """
 
     def __init__(self, cfg: ResNetConfig) -> None:
@@ -181,16 +181,16 @@ class ResNetFeatures(nn.Module):
         self.out_channels = cfg.out_channels
         self.reduction = cfg.reduction
         width = 64 * cfg.width_factor
-        self.conv_root = _conv(cfg, cfg.in_chans, width, 7, 2)
+        self.conv_root = _conv(cfg, cfg.in_chans, width, cfg.root_kernel, cfg.root_stride)
         self.gn_root = _gn(cfg, width)
         self.stages = nn.ModuleList(ResNetStage(cfg, plan) for plan in _unit_plan(cfg))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.gn_root(self.conv_root(x)))
-        if self.cfg.padding == "same":
+        if self.cfg.root_pool and self.cfg.padding == "same":
             # flax nn.max_pool pads SAME with -inf, so padding never wins the max
             x = F.max_pool2d(pad_same(x, (3, 3), (2, 2), value=-math.inf), 3, 2)
-        else:
+        elif self.cfg.root_pool:
             x = F.max_pool2d(x, 3, 2, padding=1)
         for stage in self.stages:
             x = stage(x)
@@ -237,13 +237,10 @@ class BiTResNet(nn.Module):
         self.cfg = cfg
         self.num_features = cfg.out_channels
         self.num_classes = cfg.num_classes
-        self.root = nn.Sequential(
-            OrderedDict(
-                conv=_conv(cfg, cfg.in_chans, 64 * cfg.width_factor, 7, 2),
-                pad=nn.ConstantPad2d(1, 0.0),
-                pool=nn.MaxPool2d(3, 2),
-            )
-        )
+        root = OrderedDict(conv=_conv(cfg, cfg.in_chans, 64 * cfg.width_factor, cfg.root_kernel, cfg.root_stride))
+        if cfg.root_pool:
+            root.update(pad=nn.ConstantPad2d(1, 0.0), pool=nn.MaxPool2d(3, 2))
+        self.root = nn.Sequential(root)
         blocks = OrderedDict()
         for s, plan in enumerate(_unit_plan(cfg), start=1):
             units = OrderedDict((f"unit{u:02d}", BottleneckV2(cfg, *unit)) for u, unit in enumerate(plan, start=1))

@@ -5,6 +5,7 @@
       -> patches projected to width D: (B, N, D), N = (H/P) * (W/P)        Eq. 1
       -> prepend the learned [class] token (classifier="token")
       -> add position embeddings, dropout                                 Eq. 1
+      -> [training only, optional: keep a random subset of the patch tokens]
       -> depth x pre-LN blocks: x + MSA(LN(x)), x + MLP(LN(x))            Eq. 2-3
       -> LayerNorm; take the [class] token or average the patches          Eq. 4
       -> [optional pre-logits: dense + tanh]  -> zero-initialised linear head
@@ -131,7 +132,22 @@ class VisionTransformer(nn.Module):
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         if self.pos_embed is not None:
             x = x + self.pos_embed(grid)
+        if self.training and self.cfg.patch_dropout > 0:
+            x = self.drop_patches(x)
         return self.pos_drop(x), grid
+
+    def drop_patches(self, x: torch.Tensor) -> torch.Tensor:
+        """Keep a random ``1 - patch_dropout`` of each sequence's patch tokens (prefix tokens stay).
+
+        The kept tokens carry their position embeddings, so order does not matter; the
+        encoder then costs less in proportion.
+        """
+        prefix, patches = x[:, :self.cfg.num_prefix_tokens], x[:, self.cfg.num_prefix_tokens:]
+        B, N, D = patches.shape
+        keep = max(1, round(N * (1.0 - self.cfg.patch_dropout)))
+        idx = torch.rand(B, N, device=x.device).argsort(dim=1)[:, :keep]
+        patches = torch.gather(patches, 1, idx.unsqueeze(-1).expand(B, keep, D))
+        return torch.cat([prefix, patches], dim=1)
 
     def run_blocks(self, x: torch.Tensor, grid: Pair, keep: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The encoder blocks; appends each block's output to ``keep`` when given."""

@@ -370,7 +370,7 @@ def load_recipe(spec: str) -> TrainConfig:
         kwargs[key.strip()] = value.strip()
     try:
         cfg = module.get_config(**kwargs)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:  # an unknown or bad recipe argument
         raise ConfigError(f"recipe {spec!r}: {err}") from None
     if not isinstance(cfg, TrainConfig):
         raise ConfigError(f"recipe {spec!r}: get_config() returned {type(cfg).__name__}, not TrainConfig")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -148,7 +149,7 @@ class Setup:
     micro_batch: int
 
 
-FINETUNE_MODEL_FIELDS = ("dropout", "attention_dropout", "drop_path")
+FINETUNE_MODEL_FIELDS = ("dropout", "attention_dropout", "drop_path", "patch_dropout")
 
 
 def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
@@ -294,21 +295,33 @@ RESUME_INVARIANTS = ("model", "model_overrides", "data", "val_split", "split_see
                      "batch_size", "accum_steps", "seed", "optimizer", "img_size", "init")
 
 
-def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
+def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrite: bool = False) -> dict:
     """Train as ``cfg`` says; returns the summary (also written to ``out/summary.json``).
 
     The summary holds the final validation metrics, the path of the final weights
     (``vitlab.weights.load_model`` reads them; class names in ``classes.json`` beside
     them), the number of steps, wall time and throughput.
+
+    ``resume`` continues from the newest checkpoint in ``out/checkpoints``.  Without it, a
+    folder holding an earlier run's checkpoints is refused, unless ``overwrite`` (then
+    those checkpoints are deleted first).
     """
     t_start = time.monotonic()
     deadline_s = cfg.time_limit * 60.0
-    s = setup(cfg)
-    world, out = s.world, Path(cfg.out)
-    main = world.is_main
+    out = Path(cfg.out)
     ckpt_dir = out / "checkpoints"
+    stale = not resume and ckpt.latest_checkpoint(ckpt_dir) is not None
+    if stale and not overwrite:
+        # a fresh run would rotate that run's checkpoints away and overwrite its weights
+        raise ConfigError(f"out={str(out)!r} holds the checkpoints of an earlier run; continue it with --resume, "
+                          "start afresh there with --overwrite, or choose another --out")
+    s = setup(cfg)
+    world = s.world
+    main = world.is_main
     progress = Progress(enabled=verbose and main)
-    writer = MetricsWriter(out, tensorboard=cfg.tensorboard) if main else None
+    if main and stale:
+        shutil.rmtree(ckpt_dir)
+    barrier(world)
     if main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
@@ -329,8 +342,7 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
         progress.message(f"resumed from {latest} at step {step}/{total_steps}")
     elif resume:
         progress.message(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
-    if writer is not None:
-        writer.records = list(records)
+    writer = MetricsWriter(out, tensorboard=cfg.tensorboard, records=records) if main else None
     val_available = s.splits.val_labels is not None
     evaluated = s.ema.module if s.ema else s.model  # under FSDP: the sharded model, on every rank
 
@@ -350,6 +362,14 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
     t_measure = None
     sec_per_step = None
     eval_s = 0.0  # measured duration of one evaluation (time-limited runs)
+    paused_s = 0.0  # time spent outside training steps so far
+    refit_from, refit_at = None, 0  # (step, time, paused_s) where the second measurement starts
+
+    def fit_to_time(sec_per_step: float) -> int:
+        total = fit_steps_to_time(
+            budget_s=deadline_s, elapsed_s=time.monotonic() - t_start, step=step, sec_per_step=sec_per_step,
+            eval_s=eval_s, eval_every=cfg.eval_every, reserve_s=5.0 + 0.01 * deadline_s, max_steps=cfg.steps)
+        return int(all_reduce_sum([float(total)], world)[0] / world.size)  # ranks agree
     last_val: dict = {}
     rate, shown_loss, logged = 0.0, float("nan"), False  # for the progress line
     s.trained.train()
@@ -387,7 +407,8 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
         step += 1
         window["steps"] += 1
 
-        # --- time budget: measure, then fix the total number of steps once
+        # --- time budget: measure over the first steps and fit the schedule; measure again over
+        # the rest of the warm-up (a steadier figure) and refit once, while the lr is still rising
         if not fitted:
             if step == 2:  # the first steps pay for allocation and compilation
                 t_measure = time.monotonic()
@@ -396,20 +417,24 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
                 t_eval = time.monotonic()
                 last_val = run_eval()
                 eval_s = time.monotonic() - t_eval
-                total_steps = fit_steps_to_time(
-                    budget_s=deadline_s, elapsed_s=time.monotonic() - t_start, step=step, sec_per_step=sec_per_step,
-                    eval_s=eval_s, eval_every=cfg.eval_every, reserve_s=5.0 + 0.01 * deadline_s,
-                    max_steps=cfg.steps)
-                total_steps = int(all_reduce_sum([float(total_steps)], world)[0] / world.size)  # ranks agree
-                fitted = True
+                total_steps = fit_to_time(sec_per_step)
+                refit_from = (step, time.monotonic(), paused_s)
+                refit_at = max(warmup_steps(cfg, total_steps), step + 2 * cfg.time_measure_steps)
                 progress.message(f"time limit {cfg.time_limit:g} min: {sec_per_step * 1000:.0f} ms/step, "
                                  f"eval {eval_s:.1f} s -> {total_steps} steps "
                                  f"(warm-up {warmup_steps(cfg, total_steps)})")
-                if total_steps <= step:
-                    total_steps = step
+            elif refit_from is not None and step == refit_at:
+                step0, t0, paused0 = refit_from
+                sec_per_step = (time.monotonic() - t0 - (paused_s - paused0)) / (step - step0)
+                total_steps = fit_to_time(sec_per_step)
+                fitted = True
+                progress.message(f"time limit: {sec_per_step * 1000:.0f} ms/step over steps {step0}-{step} "
+                                 f"-> {total_steps} steps")
+            if total_steps <= step:
+                total_steps, fitted = step, True
 
         # slower than measured (a busy machine): end here, still with a final evaluation and checkpoint
-        if deadline_s > 0 and fitted and step < total_steps and all_reduce_sum(  # all ranks stop together
+        if deadline_s > 0 and (fitted or refit_from is not None) and step < total_steps and all_reduce_sum(  # all ranks stop together
                 [float(time.monotonic() - t_start > deadline_s - eval_s)], world)[0] > 0:
             progress.message(f"time limit reached at step {step}/{total_steps}: stopping before the schedule's end")
             total_steps = step
@@ -418,6 +443,7 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
         is_last = step >= total_steps
         do_eval = val_available and (is_last or (cfg.eval_every and step % cfg.eval_every == 0))
         do_log = is_last or do_eval or step % cfg.log_every == 0
+        t_pause = time.monotonic()
         if do_eval:
             last_val = run_eval()
         if do_log:
@@ -453,7 +479,10 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True) -> dict:
             if main:
                 ckpt.save_checkpoint(state, ckpt_dir, step, cfg.keep_ckpts)
             barrier(world)
+        paused_s += time.monotonic() - t_pause  # evaluations, logging, checkpoints: not training time
 
+    if not last_val and val_available:  # resumed a finished run: its summary still reports the metrics
+        last_val = run_eval()
     progress.close()
     summary = finish(s, step, total_steps, last_val, t_start, writer)
     shutdown(world)

@@ -18,19 +18,26 @@ COLUMNS = ("step", "epoch", "lr", "loss", "train_top1", "grad_norm", "val_loss",
 
 
 class MetricsWriter:
-    """Appends records to ``out/metrics.jsonl`` and ``out/metrics.csv`` (and TensorBoard)."""
+    """Writes records to ``out/metrics.jsonl`` and ``out/metrics.csv`` (and TensorBoard).
 
-    def __init__(self, out: str | Path, tensorboard: bool = True) -> None:
+    The files are rewritten at the start with ``records``: a fresh run's (none) or those
+    a resumed run's checkpoint holds, so steps logged after that checkpoint by a killed
+    run are not listed twice, and an earlier run in the same folder does not leak in.
+    """
+
+    def __init__(self, out: str | Path, tensorboard: bool = True, records: list[dict] | None = None) -> None:
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.records: list[dict] = []
-        self._jsonl = open(self.out / "metrics.jsonl", "a")
-        csv_path = self.out / "metrics.csv"
-        new = not csv_path.exists() or csv_path.stat().st_size == 0
-        self._csv_file = open(csv_path, "a", newline="")
+        self.records: list[dict] = list(records or [])
+        self._jsonl = open(self.out / "metrics.jsonl", "w")
+        self._csv_file = open(self.out / "metrics.csv", "w", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=COLUMNS, extrasaction="ignore")
-        if new:
-            self._csv.writeheader()
+        self._csv.writeheader()
+        for record in self.records:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._csv.writerow(record)
+        self._jsonl.flush()
+        self._csv_file.flush()
         self._tb = None
         if tensorboard:
             try:

@@ -274,7 +274,7 @@ def test_patch_dropout_trains_on_a_subset_of_the_same_tokens():
                                     dict(axial=True, classifier="gap", posemb="learned_2d"), dict(patch_dropout=1.0)])
 def test_patch_dropout_refuses_what_needs_every_patch(fields):
     with pytest.raises(ConfigError, match="patch_dropout"):
-        ViTConfig(patch_dropout=fields.pop("patch_dropout", 0.5), **fields)
+        ViTConfig(**{"patch_dropout": 0.5, **fields})
 
 
 @pytest.mark.parametrize("posemb", ["learned_1d", "relative"])

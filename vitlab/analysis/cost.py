@@ -108,8 +108,7 @@ def flops_breakdown(cfg: ModelConfig, img_size: int | Pair | None = None) -> dic
     cin = cfg.in_chans
     if cfg.resnet is not None:
         out.update({f"stem_{k}": v for k, v in _resnet_flops(cfg.resnet, h, w, head=False).items()})
-        r = cfg.resnet.reduction
-        h, w, cin = _ceil_div(h, r), _ceil_div(w, r), cfg.resnet.out_channels
+        (h, w), cin = cfg.feature_size_of((h, w)), cfg.resnet.out_channels
     (ph, pw), D = cfg.patch_size, cfg.width
     gh, gw = h // ph, w // pw
     if gh == 0 or gw == 0:

@@ -172,7 +172,8 @@ class ResNetFeatures(nn.Module):
     """The hybrid's ResNet stem: (B, in_chans, H, W) -> (B, out_channels, ceil(H/r), ceil(W/r)).
 
     Root: 7x7/2 StdConv, GroupNorm, ReLU, 3x3/2 max-pool (kernel, stride and pool set by
-    ``cfg.root_*``); then one ``ResNetStage`` per entry of ``cfg.layers``.  ``r = reduction``.  ``cfg.num_classes`` is ignored.
+    ``cfg.root_*``); then one ``ResNetStage`` per entry of ``cfg.layers``.
+    ``r = reduction``.  ``cfg.num_classes`` is ignored.
     """
 
     def __init__(self, cfg: ResNetConfig) -> None:
@@ -187,11 +188,12 @@ class ResNetFeatures(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.gn_root(self.conv_root(x)))
-        if self.cfg.root_pool and self.cfg.padding == "same":
-            # flax nn.max_pool pads SAME with -inf, so padding never wins the max
-            x = F.max_pool2d(pad_same(x, (3, 3), (2, 2), value=-math.inf), 3, 2)
-        elif self.cfg.root_pool:
-            x = F.max_pool2d(x, 3, 2, padding=1)
+        if self.cfg.root_pool:
+            if self.cfg.padding == "same":
+                # flax nn.max_pool pads SAME with -inf, so padding never wins the max
+                x = F.max_pool2d(pad_same(x, (3, 3), (2, 2), value=-math.inf), 3, 2)
+            else:
+                x = F.max_pool2d(x, 3, 2, padding=1)
         for stage in self.stages:
             x = stage(x)
         return x

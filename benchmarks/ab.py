@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 import harness  # noqa: F401  (puts the checkout on sys.path)
-from vitlab.config import ViTConfig
+from harness import vitlab_config
+from vitlab.analysis.cost import model_flops
+from vitlab.config import ViTConfig, replace
 from vitlab.models.registry import build_model
 
 SMALL = ViTConfig(width=384, depth=4, mlp_dim=1536, num_heads=6, patch_size=16, img_size=224, gelu="exact")
@@ -221,9 +223,59 @@ def exp_b16_inference() -> None:
         infers[impl] = lambda f=forward: f(x)
     with torch.inference_mode():
         compare("inference, ViT-B/16, batch 32", infers, rounds=5, clock=time.perf_counter)
+    a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
+    a @ b
+    best = min(_wall(lambda: a @ b) for _ in range(3))
+    print(f"  fp32 matmul peak (4096^3) now: {2 * 4096**3 / best / 1e9:.0f} GFLOP/s; ViT-B/16 is "
+          f"{model_flops(vitlab_config('ViT-B/16')) / 1e9:.1f} GFLOPs per image")
 
 
-EXPERIMENTS = {"peers": exp_peers, "b16_inference": exp_b16_inference, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16, "denormal": exp_denormal,
+def _wall(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def exp_cifar_training() -> None:
+    """CIFAR-size ViT training step, batch 128, every core, wall time: vitlab against HF (sdpa, eager)."""
+    from harness import make_model
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    x, y = torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,))
+    steps = {}
+    for impl in ("vitlab", "hf-sdpa", "hf-eager"):
+        model, forward = make_model(impl, "ViT-CIFAR")
+        steps[impl] = _train_step(forward, x, y, torch.optim.AdamW(model.parameters()))
+    compare("training step, CIFAR ViT, batch 128 (forward, backward, AdamW)", steps, rounds=5, clock=time.perf_counter)
+
+
+def exp_patch_dropout() -> None:
+    """patch_dropout 0.5 against none: a plain CIFAR-size ViT training step, batch 256, every core, wall time."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    x, y = torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,))
+    steps = {}
+    for rate in (0.0, 0.5):
+        model = build_model(replace(CIFAR, mlp_dim=384, patch_dropout=rate))
+        steps[f"patch_dropout={rate}"] = _train_step(model, x, y, torch.optim.AdamW(model.parameters()))
+    compare("training step, CIFAR ViT (MLP 384), batch 256", steps, rounds=5, clock=time.perf_counter)
+
+
+def exp_gelu() -> None:
+    """Exact against tanh GELU: a CIFAR-size ViT training step, batch 256, every core, wall time."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    x, y = torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,))
+    steps = {}
+    for gelu in ("exact", "tanh"):
+        model = build_model(replace(CIFAR, gelu=gelu, mlp_dim=384))
+        steps[f"{gelu} GELU"] = _train_step(model, x, y, torch.optim.AdamW(model.parameters()))
+    compare("training step, CIFAR ViT (MLP 384), batch 256", steps, rounds=5, clock=time.perf_counter)
+
+
+EXPERIMENTS = {"peers": exp_peers, "b16_inference": exp_b16_inference, "cifar_training": exp_cifar_training,
+               "gelu": exp_gelu, "patch_dropout": exp_patch_dropout, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16, "denormal": exp_denormal,
                "compile": exp_compile}
 
 if __name__ == "__main__":

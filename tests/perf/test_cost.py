@@ -81,20 +81,14 @@ def test_other_resolution(name):
     assert measured == 2 * model_flops(cfg, (48, 64))
 
 
-@pytest.mark.parametrize("path", ["explicit", "fused"])
-def test_backward_is_about_twice_forward(path, monkeypatch):
-    import vitlab.models.layers as layers
-
-    if path == "fused":  # short CPU training sequences take the explicit path by default
-        monkeypatch.setattr(layers, "EXPLICIT_CPU_TRAINING_MAX_LEN", 0)
+def test_backward_is_about_twice_forward():
     cfg = CASES["token"]
     model = build_model(cfg)
     total = count_flops(model, _images(cfg), backward=True)
     # 3x, except: the patch embedding's input needs no gradient (one conv fewer), and
     # the fused attention's backward recomputes Q K^T (5 products instead of 4)
     parts = {k: 2 * v for k, v in flops_breakdown(cfg).items()}  # batch of 2
-    recompute = parts["attention"] // 2 if path == "fused" else 0
-    assert total == 3 * sum(parts.values()) - parts["patch_embed"] + recompute
+    assert total == 3 * sum(parts.values()) - parts["patch_embed"] + parts["attention"] // 2
 
 
 def test_vit_b16_reference_figures():

@@ -12,10 +12,10 @@ Transformer reads it as 1x1 patches.
 ``model=vit``: the plain ViT, 4x4 patches (64 tokens + [class]), same encoder; half of
     each image's patches dropped in training (patch_dropout=0.5), which doubles its speed.
 
-Both use exact GELU (the tanh form is ~20% slower on this CPU), and, for a short budget on
-little data: AdamW with weight decay 0.05 (the paper: 0.1 with 10k warm-up steps for 300M
-images), label smoothing 0.1, pad-and-crop + flip (the CIFAR standard instead of the
-inception crop), warm-up over 5% of the steps, cosine decay.  ``--time-limit`` fits the
+Both use exact GELU (a training step with the tanh form is ~8% slower on this CPU), and,
+for a short budget on little data: AdamW with weight decay 0.05 (the paper: 0.1 with 10k
+warm-up steps for 300M images), label smoothing 0.1, pad-and-crop + flip (the CIFAR
+standard instead of the inception crop), warm-up over 5% of the steps, cosine decay.  ``--time-limit`` fits the
 schedule into the budget; ``steps`` is only a ceiling.
 Goal: >= 80% top-1 on 5,000 held-out training images (500 per class) in 30 minutes.
 """

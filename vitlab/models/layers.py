@@ -34,13 +34,6 @@ class DropPath(nn.Module):
         return x * mask / keep
 
 
-# Longest sequence for which a CPU training step computes attention explicitly (two matmuls
-# and a softmax): there the fused kernel's backward is the slower one (CIFAR-size ViT, 65
-# tokens, 2 threads: 4% per training step; benchmarks/NOTES.md).  Longer sequences, inference
-# and GPUs keep scaled_dot_product_attention.
-EXPLICIT_CPU_TRAINING_MAX_LEN = 128
-
-
 class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection.
 
@@ -70,9 +63,7 @@ class Attention(nn.Module):
         B, L, D = x.shape
         q, k, v = self.qkv(x).view(B, L, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         bias = self.rel_pos(q * self.head_dim**-0.5) if self.rel_pos is not None else None
-        explicit = self.recorded is not None or (
-            x.device.type == "cpu" and L <= EXPLICIT_CPU_TRAINING_MAX_LEN and torch.is_grad_enabled() and x.requires_grad)
-        if not explicit:
+        if self.recorded is None:
             drop = self.attn_drop if self.training else 0.0
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)
         else:
@@ -80,8 +71,7 @@ class Attention(nn.Module):
             if bias is not None:
                 logits = logits + bias
             probs = logits.softmax(dim=-1)
-            if self.recorded is not None:
-                self.recorded.append(probs.detach())
+            self.recorded.append(probs.detach())
             out = F.dropout(probs, self.attn_drop, self.training) @ v
         out = out.transpose(1, 2).reshape(B, L, D)  # (B, L, H*hd)
         return self.proj_drop(self.proj(out))

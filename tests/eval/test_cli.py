@@ -47,7 +47,23 @@ def test_eval_whole_set_short_json(run_dir, capsys):
     assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", "digits",
                  "--val-split", "0"]) == 0
     out = last_json(capsys)
-    assert set(out) == {"top1", "top5", "n"} and out["n"] == 1797
+    assert set(out) == {"top1", "top5", "n", "flip"} and out["n"] == 1797 and out["flip"] is False
+
+
+def test_eval_flip_scores_the_mirrored_pair(run_dir, capsys):
+    import numpy as np
+
+    from vitlab.data.digits import load_digits_dataset
+    from vitlab.eval.features import predict_logits
+
+    assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", "digits",
+                 "--val-split", "0", "--flip"]) == 0
+    out = last_json(capsys)
+    model = weights.load_model(run_dir / "model.safetensors")
+    data = load_digits_dataset(16)
+    expected = (predict_logits(model, data.images, flip=True).argmax(-1) == data.labels.numpy()).mean()
+    single = (predict_logits(model, data.images).argmax(-1) == data.labels.numpy()).mean()
+    assert out["flip"] is True and out["top1"] == pytest.approx(expected) and expected != single
 
 
 def test_fewshot_caches_features(run_dir, tmp_path, capsys):

@@ -47,3 +47,20 @@ def test_cache_computes_once(tmp_path):
     assert len(calls) == 1 and (a == b).all() and (a == fresh).all()
     FeatureCache().get("other", compute)
     assert len(calls) == 2
+
+
+def test_flip_averaging_is_the_mean_of_the_two_views_probabilities():
+    torch.manual_seed(0)
+    model = create_model(TINY).eval()
+    torch.nn.init.normal_(model.head.weight, std=0.5)  # a zero head would predict uniformly
+    x = images(6)
+    averaged = predict_logits(model, x, flip=True)
+    plain = predict_logits(model, x)
+    mirrored = predict_logits(model, x.flip(-1))
+    softmax = lambda z: np.exp(z - z.max(-1, keepdims=True)) / np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.exp(averaged), (softmax(plain) + softmax(mirrored)) / 2, atol=1e-6)
+    assert not np.allclose(softmax(plain), softmax(mirrored), atol=1e-3)  # the two views do differ
+    # an image equal to its mirror image gets its own single-view probabilities
+    symmetric = torch.cat([x[..., :8], x[..., :8].flip(-1)], dim=-1)
+    np.testing.assert_allclose(np.exp(predict_logits(model, symmetric, flip=True)),
+                               softmax(predict_logits(model, symmetric)), atol=1e-6)

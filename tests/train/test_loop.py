@@ -94,3 +94,21 @@ def test_time_limit_fits_the_schedule(tiny):
                          tensorboard=False), verbose=False)
     assert summary["steps"] == summary["planned_steps"] < 1_000_000
     assert summary["wall_s"] < 0.1 * 60 + 3  # the budget, with slack for a busy test machine
+
+
+def test_flip_evaluation_scores_the_two_view_ensemble(tiny):
+    from vitlab.data.transforms import EvalTransform, build_transform
+    from vitlab.eval.features import predict_logits
+    from vitlab.train.inputs import build_splits
+    from vitlab.train.loop import evaluate
+
+    summary = train(tiny("flip", eval_flip=True, steps=20, tensorboard=False), verbose=False)
+    model = load_model(summary["weights"]).eval()
+    splits = build_splits(tiny("flip"), (8, 8))
+    labels = splits.val_labels.numpy()
+    single = (predict_logits(model, splits.val_images).argmax(-1) == labels).mean()
+    averaged = (predict_logits(model, splits.val_images, flip=True).argmax(-1) == labels).mean()
+    assert summary["val_top1"] == averaged and summary["val_top1_single"] == single
+    transform = build_transform(EvalTransform(num_classes=10, image_size=(8, 8)))
+    plain = evaluate(model, splits.val_images, splits.val_labels, transform, batch_size=32, device=torch.device("cpu"))
+    assert plain["val_top1"] == single and "val_top1_single" not in plain

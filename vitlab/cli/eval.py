@@ -21,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_data_arguments(p, default_split="the training run's, else 0 (the whole set)")
     p.add_argument("--json", action="store_true", help="put every metric (per class, confusion, ECE) in the JSON line")
     p.add_argument("--bins", type=int, default=15, help="confidence bins of the expected calibration error")
+    p.add_argument("--flip", action="store_true",
+                   help="test-time flip: average each image's predicted probabilities with its mirror image's")
 
 
 def add_data_arguments(p: argparse.ArgumentParser, default_split: str) -> None:
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                          f"was trained on ({', '.join(map(str, run_classes[:5]))}, ...)")
     if model.cfg.num_classes != len(classes):
         raise ValueError(f"the model has {model.cfg.num_classes} outputs but the data has {len(classes)} classes")
-    logits = predict_logits(model, images[held], batch_size=args.batch_size, device=device)
+    logits = predict_logits(model, images[held], batch_size=args.batch_size, device=device, flip=args.flip)
     report = classification_report(logits, labels[held].numpy(), len(classes), num_bins=args.bins)
     where = "all examples" if split == 0 else f"held-out split ({split} examples, seed {seed})"
     print(f"{args.checkpoint}: {report['n']} images, {where}", file=sys.stderr)
@@ -141,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     print("weakest classes: " + ", ".join(
         f"{classes[i]} {100 * report['per_class_accuracy'][i]:.1f}%" for i in worst
         if report["per_class_accuracy"][i] is not None))
-    out: dict[str, Any] = {"top1": report["top1"], "top5": report["top5"], "n": report["n"]}
+    out: dict[str, Any] = {"top1": report["top1"], "top5": report["top5"], "n": report["n"], "flip": args.flip}
     if args.json:
         out.update(ece=report["ece"], classes=classes,
                    per_class_accuracy=dict(zip(classes, report["per_class_accuracy"])),

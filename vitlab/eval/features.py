@@ -12,6 +12,7 @@ caller builds from what the features depend on (see ``file_key``).
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from pathlib import Path
 from typing import Callable
@@ -23,7 +24,7 @@ from torch import nn
 from vitlab.config import Pair, to_pair
 from vitlab.data.transforms import resize, to_float
 
-__all__ = ["extract_features", "predict_logits", "FeatureCache", "file_key"]
+__all__ = ["extract_features", "predict_logits", "flip_averaged", "mean_probability", "FeatureCache", "file_key"]
 
 
 def _input_size(model: nn.Module, image_size: int | Pair | None) -> Pair:
@@ -65,10 +66,34 @@ def extract_features(model: nn.Module, images: torch.Tensor, batch_size: int = 1
                     batch_size, image_size, device)
 
 
+def flip_averaged(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Test-time flip augmentation: x -> log of the mean of softmax(fn(x)) and softmax(fn(x
+    mirrored left-right)).
+
+    The result is a log-probability, so its argmax, top-k and cross-entropy are those of
+    the two-view ensemble.  Costs a second forward pass.
+    """
+    def averaged(x: torch.Tensor) -> torch.Tensor:
+        return mean_probability(fn(x), fn(x.flip(-1)))
+
+    return averaged
+
+
+def mean_probability(*logits: torch.Tensor) -> torch.Tensor:
+    """log(mean_i softmax(logits_i)): the log-probabilities of an ensemble of views."""
+    views = torch.stack([z.float().log_softmax(-1) for z in logits])
+    return torch.logsumexp(views, dim=0) - math.log(len(logits))
+
+
 def predict_logits(model: nn.Module, images: torch.Tensor, batch_size: int = 128,
-                   image_size: int | Pair | None = None, device: str | torch.device | None = None) -> np.ndarray:
-    """uint8 images (N, C, H, W) -> float32 logits (N, K), preprocessed as ``extract_features``."""
-    return _batched(model, images, model, batch_size, image_size, device)
+                   image_size: int | Pair | None = None, device: str | torch.device | None = None,
+                   flip: bool = False) -> np.ndarray:
+    """uint8 images (N, C, H, W) -> float32 logits (N, K), preprocessed as ``extract_features``.
+
+    flip: average each image's prediction with its mirror image's (``flip_averaged``); the
+          result is then log-probabilities rather than raw logits.
+    """
+    return _batched(model, images, flip_averaged(model) if flip else model, batch_size, image_size, device)
 
 
 def file_key(path: str | os.PathLike) -> str:

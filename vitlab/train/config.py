@@ -63,6 +63,10 @@ class TrainConfig:
                  and saved when on.
     lr_grid:     learning rates `vitlab sweep` tries (paper Table 4).
     time_limit:  minutes of wall time for the whole run (0 = no limit).
+    eval_flip:   validation scores the mean of each image's and its mirror image's
+                 predicted probabilities (test-time flip augmentation; twice the
+                 evaluation cost); the single-view top-1 is logged beside it as
+                 ``val_top1_single``.
     """
 
     recipe: str = "custom"
@@ -121,6 +125,7 @@ class TrainConfig:
     time_measure_steps: int = 10
     eval_every: int = 0
     eval_batch_size: int = 256
+    eval_flip: bool = False
     log_every: int = 10
     tensorboard: bool = True
     ckpt_every: int = 0

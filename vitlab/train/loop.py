@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitlab.config import ConfigError
+from vitlab.eval.features import mean_probability
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, model_config, to_dict, validate, warmup_steps
@@ -79,8 +80,12 @@ def autocast(device: torch.device, precision: str):
 
 @torch.no_grad()
 def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, transform, *, batch_size: int,
-             device: torch.device, precision: str = "fp32", world: World | None = None) -> dict:
+             device: torch.device, precision: str = "fp32", world: World | None = None, flip: bool = False) -> dict:
     """Loss, top-1 and top-5 accuracy of ``model`` on uint8 ``images`` (N, 3, H, W).
+
+    flip: score the average of each image's and its mirror image's predicted probabilities
+    (``vitlab.eval.features.flip_averaged``); ``val_top1_single`` then keeps the top-1 of
+    the unflipped view alone.
 
     Distributed: rank r takes examples r, r + W, ...; all ranks run the same number of
     batches (the short ones padded and masked), so a sharded (FSDP) model works too.
@@ -95,14 +100,16 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, trans
     if len(mine) < per_rank:  # pad with example 0, masked out below
         valid[len(mine):] = False
         mine = torch.cat([mine, mine.new_zeros(per_rank - len(mine))])
-    loss_sum = top1 = top5 = 0.0
+    loss_sum = top1 = top5 = top1_single = 0.0
     for start in range(0, per_rank, batch_size):
         idx, ok = mine[start:start + batch_size], valid[start:start + batch_size].to(device)
         x, targets = transform(images[idx].to(device), labels[idx].to(device), None)
-        with autocast(device, precision):
-            logits = model(x)
-        logits = logits.float()
         y = labels[idx].to(device)
+        with autocast(device, precision):
+            logits = model(x).float()
+            if flip:
+                top1_single += float(((logits.argmax(-1) == y) & ok).sum())
+                logits = mean_probability(logits, model(x.flip(-1)))
         loss = F.cross_entropy(logits, y, reduction="none")
         k = min(5, logits.shape[-1])
         topk = logits.topk(k, dim=-1).indices  # (b, k)
@@ -110,9 +117,12 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, trans
         loss_sum += float((loss * ok).sum())
         top1 += float((hit[:, 0] & ok).sum())
         top5 += float((hit.any(-1) & ok).sum())
-    loss_sum, top1, top5 = all_reduce_sum([loss_sum, top1, top5], world)
+    loss_sum, top1, top5, top1_single = all_reduce_sum([loss_sum, top1, top5, top1_single], world)
     model.train(was_training)
-    return {"val_loss": loss_sum / n, "val_top1": top1 / n, "val_top5": top5 / n}
+    result = {"val_loss": loss_sum / n, "val_top1": top1 / n, "val_top5": top5 / n}
+    if flip:
+        result["val_top1_single"] = top1_single / n
+    return result
 
 
 def rng_state() -> dict:
@@ -350,7 +360,8 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
         if not val_available:
             return {}
         result = evaluate(evaluated, s.splits.val_images, s.splits.val_labels, s.eval_transform,
-                          batch_size=cfg.eval_batch_size, device=world.device, precision=cfg.precision, world=world)
+                          batch_size=cfg.eval_batch_size, device=world.device, precision=cfg.precision, world=world,
+                          flip=cfg.eval_flip)
         if sharded(s):  # a forward without backward leaves FSDP's root parameters gathered
             s.model.reshard()
         return result
@@ -362,13 +373,15 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     t_measure = None
     sec_per_step = None
     eval_s = 0.0  # measured duration of one evaluation (time-limited runs)
+    reserve_s = 5.0 + 0.01 * deadline_s  # kept free for saving, plots and a slower last evaluation
     paused_s = 0.0  # time spent outside training steps so far
     refit_from, refit_at = None, 0  # (step, time, paused_s) where the second measurement starts
+    midway_from, midway_at = None, 0  # the same for the third, over the first half of the decay
 
     def fit_to_time(sec_per_step: float) -> int:
         total = fit_steps_to_time(
             budget_s=deadline_s, elapsed_s=time.monotonic() - t_start, step=step, sec_per_step=sec_per_step,
-            eval_s=eval_s, eval_every=cfg.eval_every, reserve_s=5.0 + 0.01 * deadline_s, max_steps=cfg.steps)
+            eval_s=eval_s, eval_every=cfg.eval_every, reserve_s=reserve_s, max_steps=cfg.steps)
         return int(all_reduce_sum([float(total)], world)[0] / world.size)  # ranks agree
     last_val: dict = {}
     rate, shown_loss, logged = 0.0, float("nan"), False  # for the progress line
@@ -408,7 +421,15 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
         window["steps"] += 1
 
         # --- time budget: measure over the first steps and fit the schedule; measure again over
-        # the rest of the warm-up (a steadier figure) and refit once, while the lr is still rising
+        # the rest of the warm-up (a steadier figure) and refit while the lr is still rising; a
+        # last refit halfway through the decay (the warm-up's rate can be off by several
+        # percent on a machine still settling), early enough for the decay to absorb it
+        if midway_from is not None and step == midway_at:
+            step0, t0, paused0 = midway_from
+            sec_per_step = (time.monotonic() - t0 - (paused_s - paused0)) / (step - step0)
+            total_steps, midway_from = fit_to_time(sec_per_step), None
+            progress.message(f"time limit: {sec_per_step * 1000:.0f} ms/step over steps {step0}-{step} "
+                             f"-> {total_steps} steps")
         if not fitted:
             if step == 2:  # the first steps pay for allocation and compilation
                 t_measure = time.monotonic()
@@ -428,14 +449,16 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
                 sec_per_step = (time.monotonic() - t0 - (paused_s - paused0)) / (step - step0)
                 total_steps = fit_to_time(sec_per_step)
                 fitted = True
+                midway_from, midway_at = (step, time.monotonic(), paused_s), step + (total_steps - step) // 2
                 progress.message(f"time limit: {sec_per_step * 1000:.0f} ms/step over steps {step0}-{step} "
                                  f"-> {total_steps} steps")
             if total_steps <= step:
                 total_steps, fitted = step, True
 
-        # slower than measured (a busy machine): end here, still with a final evaluation and checkpoint
+        # slower than measured (a busy machine): end here, still with a final evaluation and checkpoint,
+        # keeping half the reserve for them (a run that kept none ended 4 s past its 30 minutes)
         if deadline_s > 0 and (fitted or refit_from is not None) and step < total_steps and all_reduce_sum(  # all ranks stop together
-                [float(time.monotonic() - t_start > deadline_s - eval_s)], world)[0] > 0:
+                [float(time.monotonic() - t_start > deadline_s - eval_s - reserve_s / 2)], world)[0] > 0:
             progress.message(f"time limit reached at step {step}/{total_steps}: stopping before the schedule's end")
             total_steps = step
 
@@ -506,6 +529,7 @@ def finish(s: Setup, step: int, total_steps: int, last_val: dict, t_start: float
         "val_top1": last_val.get("val_top1"),
         "val_top5": last_val.get("val_top5"),
         "val_loss": last_val.get("val_loss"),
+        **({"val_top1_single": last_val["val_top1_single"]} if "val_top1_single" in last_val else {}),
         "train_loss": train_rows[-1]["loss"] if train_rows else None,
         "train_examples": int(len(s.splits.train_labels)),
         "val_examples": int(len(s.splits.val_labels)) if s.splits.val_labels is not None else 0,

@@ -250,28 +250,27 @@ def exp_cifar_training() -> None:
     compare("training step, CIFAR ViT, batch 128 (forward, backward, AdamW)", steps, rounds=5, clock=time.perf_counter)
 
 
-def exp_patch_dropout() -> None:
-    """patch_dropout 0.5 against none: a plain CIFAR-size ViT training step, batch 256, every core, wall time."""
+def _cifar_step_variants(variants: dict[str, ViTConfig]) -> None:
+    """A CIFAR-size ViT training step, batch 256, every core, wall time, per model config."""
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
     x, y = torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,))
     steps = {}
-    for rate in (0.0, 0.5):
-        model = build_model(replace(CIFAR, mlp_dim=384, patch_dropout=rate))
-        steps[f"patch_dropout={rate}"] = _train_step(model, x, y, torch.optim.AdamW(model.parameters()))
+    for name, cfg in variants.items():
+        model = build_model(cfg)
+        steps[name] = _train_step(model, x, y, torch.optim.AdamW(model.parameters()))
     compare("training step, CIFAR ViT (MLP 384), batch 256", steps, rounds=5, clock=time.perf_counter)
+
+
+def exp_patch_dropout() -> None:
+    """patch_dropout 0.5 against none: a plain CIFAR-size ViT training step."""
+    _cifar_step_variants({f"patch_dropout={rate}": replace(CIFAR, mlp_dim=384, patch_dropout=rate)
+                          for rate in (0.0, 0.5)})
 
 
 def exp_gelu() -> None:
-    """Exact against tanh GELU: a CIFAR-size ViT training step, batch 256, every core, wall time."""
-    torch.set_num_threads(os.cpu_count() or 1)
-    torch.manual_seed(0)
-    x, y = torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,))
-    steps = {}
-    for gelu in ("exact", "tanh"):
-        model = build_model(replace(CIFAR, gelu=gelu, mlp_dim=384))
-        steps[f"{gelu} GELU"] = _train_step(model, x, y, torch.optim.AdamW(model.parameters()))
-    compare("training step, CIFAR ViT (MLP 384), batch 256", steps, rounds=5, clock=time.perf_counter)
+    """Exact against tanh GELU: a CIFAR-size ViT training step."""
+    _cifar_step_variants({f"{gelu} GELU": replace(CIFAR, gelu=gelu, mlp_dim=384) for gelu in ("exact", "tanh")})
 
 
 EXPERIMENTS = {"peers": exp_peers, "b16_inference": exp_b16_inference, "cifar_training": exp_cifar_training,

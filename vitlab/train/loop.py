@@ -383,6 +383,14 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
             budget_s=deadline_s, elapsed_s=time.monotonic() - t_start, step=step, sec_per_step=sec_per_step,
             eval_s=eval_s, eval_every=cfg.eval_every, reserve_s=reserve_s, max_steps=cfg.steps)
         return int(all_reduce_sum([float(total)], world)[0] / world.size)  # ranks agree
+
+    def refit_since(mark: tuple[int, float, float]) -> int:
+        """Refit from the step time since ``mark`` = (step, time, paused_s), pauses excluded."""
+        step0, t0, paused0 = mark
+        sec_per_step = (time.monotonic() - t0 - (paused_s - paused0)) / (step - step0)
+        total = fit_to_time(sec_per_step)
+        progress.message(f"time limit: {sec_per_step * 1000:.0f} ms/step over steps {step0}-{step} -> {total} steps")
+        return total
     last_val: dict = {}
     rate, shown_loss, logged = 0.0, float("nan"), False  # for the progress line
     s.trained.train()
@@ -425,11 +433,7 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
         # last refit halfway through the decay (the warm-up's rate can be off by several
         # percent on a machine still settling), early enough for the decay to absorb it
         if midway_from is not None and step == midway_at:
-            step0, t0, paused0 = midway_from
-            sec_per_step = (time.monotonic() - t0 - (paused_s - paused0)) / (step - step0)
-            total_steps, midway_from = fit_to_time(sec_per_step), None
-            progress.message(f"time limit: {sec_per_step * 1000:.0f} ms/step over steps {step0}-{step} "
-                             f"-> {total_steps} steps")
+            total_steps, midway_from = refit_since(midway_from), None
         if not fitted:
             if step == 2:  # the first steps pay for allocation and compilation
                 t_measure = time.monotonic()
@@ -445,13 +449,8 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
                                  f"eval {eval_s:.1f} s -> {total_steps} steps "
                                  f"(warm-up {warmup_steps(cfg, total_steps)})")
             elif refit_from is not None and step == refit_at:
-                step0, t0, paused0 = refit_from
-                sec_per_step = (time.monotonic() - t0 - (paused_s - paused0)) / (step - step0)
-                total_steps = fit_to_time(sec_per_step)
-                fitted = True
+                total_steps, fitted = refit_since(refit_from), True
                 midway_from, midway_at = (step, time.monotonic(), paused_s), step + (total_steps - step) // 2
-                progress.message(f"time limit: {sec_per_step * 1000:.0f} ms/step over steps {step0}-{step} "
-                                 f"-> {total_steps} steps")
             if total_steps <= step:
                 total_steps, fitted = step, True
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from vitlab.config import ResNetConfig
-from vitlab.models.resnet import BiTResNet, ResNetFeatures, StdConv2d, same_padding
+from vitlab.models.resnet import BiTResNet, Conv2dSame, ResNetFeatures, StdConv2d, conv2d_same, same_padding
 
 TINY = ResNetConfig(layers=(1, 1), num_classes=5, img_size=32)
 
@@ -43,6 +43,43 @@ def test_same_conv_equals_explicit_pad_then_valid_conv(stride, pads):
     out = conv(x)
     assert out.shape == (1, 3, -(-5 // stride), -(-6 // stride))
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("kernel", [1, 3, 7])
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("size", [(4, 4), (5, 8), (9, 7)])
+def test_conv2d_same_shortcuts_equal_pad_then_valid_conv(kernel, stride, size):
+    # conv2d_same slices before 1x1 convs and hands symmetric pads to the conv; the result
+    # must equal the plain definition: pad by TensorFlow's rule, then a VALID convolution
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, *size, dtype=torch.double, requires_grad=True)
+    w = torch.randn(4, 3, kernel, kernel, dtype=torch.double, requires_grad=True)
+    top, bottom = same_padding(size[0], kernel, stride)
+    left, right = same_padding(size[1], kernel, stride)
+    expected = F.conv2d(F.pad(x, (left, right, top, bottom)), w, stride=stride)
+    out = conv2d_same(x, w, None, (stride, stride))
+    torch.testing.assert_close(out, expected)
+    g = torch.randn_like(out)  # the gradients too: the slicing route must scatter them back
+    grads = torch.autograd.grad(out, (x, w), g)
+    torch.testing.assert_close(grads, torch.autograd.grad(expected, (x, w), g))
+
+
+def test_batch_norm_variant_swaps_norm_and_drops_standardisation():
+    cfg = ResNetConfig(layers=(1, 1), img_size=32, norm="batch")
+    stem = ResNetFeatures(cfg)
+    convs = [m for m in stem.modules() if isinstance(m, torch.nn.Conv2d)]
+    norms = [m for m in stem.modules() if isinstance(m, (torch.nn.GroupNorm, torch.nn.BatchNorm2d))]
+    assert convs and all(type(m) is Conv2dSame for m in convs)
+    assert norms and all(isinstance(m, torch.nn.BatchNorm2d) for m in norms)
+    # same parameter count and names as the GroupNorm stem (norms have weight and bias either way)
+    group = ResNetFeatures(ResNetConfig(layers=(1, 1), img_size=32))
+    assert [k for k, _ in stem.named_parameters()] == [k for k, _ in group.named_parameters()]
+    stem.train()
+    y = stem(torch.randn(4, 3, 32, 32))
+    assert y.shape == (4, cfg.out_channels, 32 // cfg.reduction, 32 // cfg.reduction)
+    assert stem.gn_root.num_batches_tracked.item() == 1  # batch statistics were used and tracked
+    with pytest.raises(Exception, match="norm"):
+        ResNetConfig(norm="layer")
 
 
 def test_symmetric_padding_is_pytorch_k_over_2():

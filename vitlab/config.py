@@ -70,6 +70,9 @@ class ResNetConfig:
                   (big_transfer bit_pytorch, eps 1e-10); False is vit_jax's form (hybrid stem).
     gn_eps:       epsilon of GroupNorm (32 groups); 1e-6 is flax.linen.GroupNorm's default,
                   used by vit_jax; BiT's PyTorch code uses torch's 1e-5.
+    norm:         "group": GroupNorm(32) after weight-standardised convolutions, BiT's and
+                  the paper's.  "batch": BatchNorm after plain convolutions, an ablation
+                  (not in the paper) that trains a small stem faster on a short budget.
     root_kernel, root_stride, root_pool: the root, BiT's 7x7/2 conv + 3x3/2 max-pool by
                   default (every official checkpoint).  Small images want a gentler root:
                   3, 1 and True keep 32x32 CIFAR images at 16x16 after the root instead of 8x8.
@@ -84,6 +87,7 @@ class ResNetConfig:
     ws_eps: float = 1e-5
     ws_eps_inside_sqrt: bool = False
     gn_eps: float = 1e-6
+    norm: str = "group"
     root_kernel: int = 7
     root_stride: int = 2
     root_pool: bool = True
@@ -100,6 +104,7 @@ class ResNetConfig:
         if not isinstance(self.num_classes, int) or self.num_classes < 0:
             raise ConfigError(f"num_classes={self.num_classes!r}: must be an integer >= 0")
         _check_choice("padding", self.padding, ("same", "symmetric"))
+        _check_choice("norm", self.norm, ("group", "batch"))
         _check_positive("root_kernel", self.root_kernel)
         if self.root_kernel % 2 == 0:
             raise ConfigError(f"root_kernel={self.root_kernel}: must be odd (the root keeps ceil(size / stride) positions)")

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..config import ResNetConfig
 from .init import lecun_normal_
 
-__all__ = ["StdConv2d", "ResNetFeatures", "BiTResNet", "same_padding", "pad_same"]
+__all__ = ["Conv2dSame", "StdConv2d", "conv2d_same", "ResNetFeatures", "BiTResNet", "same_padding", "pad_same"]
 
 
 def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
@@ -54,15 +54,63 @@ def pad_same(x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int], 
     return F.pad(x, (left, right, top, bottom), value=value)
 
 
-class StdConv2d(nn.Conv2d):
+def conv2d_same(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                stride: tuple[int, int]) -> torch.Tensor:
+    """``F.conv2d`` with TensorFlow SAME padding, by the cheapest route that gives the same sums.
+
+    A 1x1 kernel never pads and, strided, reads every stride-th pixel only: slicing first
+    is ~1.6x faster on CPU (oneDNN's strided 1x1 path is slow, forward and backward).
+    Symmetric padding goes to the convolution itself (no padded copy, ~1.4x faster for
+    the 3x3 convs at 4x4); only the asymmetric stride-2 case pads explicitly.
+    """
+    kh, kw = weight.shape[-2:]
+    if kh == kw == 1:
+        if stride != (1, 1):
+            x = x[:, :, :: stride[0], :: stride[1]]
+        return F.conv2d(x, weight, bias)
+    top, bottom = same_padding(x.shape[-2], kh, stride[0])
+    left, right = same_padding(x.shape[-1], kw, stride[1])
+    if top == bottom and left == right:
+        return F.conv2d(x, weight, bias, stride, (top, left))
+    return F.conv2d(F.pad(x, (left, right, top, bottom)), weight, bias, stride)
+
+
+class Conv2dSame(nn.Conv2d):
+    """Conv2d with a padding mode: "same" pads by TensorFlow's rule, computed from the
+    input size at call time; "symmetric" is PyTorch's fixed ``kernel_size // 2``.
+
+    LeCun-normal kernel init, as Flax's conv.  Subclasses change the kernel convolved
+    through ``kernel()``.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, *,
+                 padding: str = "same", bias: bool = False) -> None:
+        if padding not in ("same", "symmetric"):
+            raise ValueError(f"padding={padding!r}: allowed values are 'same', 'symmetric'")
+        fixed = 0 if padding == "same" else kernel_size // 2
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding=fixed, bias=bias)
+        self.same = padding == "same"
+        lecun_normal_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def kernel(self) -> torch.Tensor:
+        """The kernel actually convolved, (out, in, kh, kw)."""
+        return self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in, H, W) -> (B, out, ceil(H/stride), ceil(W/stride)) for odd kernels."""
+        if self.same:
+            return conv2d_same(x, self.kernel(), self.bias, self.stride)
+        return F.conv2d(x, self.kernel(), self.bias, self.stride, self.padding)
+
+
+class StdConv2d(Conv2dSame):
     """Conv2d whose kernel is standardised per output channel on every call.
 
     Two published forms, both population statistics over (in, kh, kw):
     vit_jax (models_resnet.weight_standardize): ``(w - mean) / (std + eps)``, eps 1e-5;
     BiT (bit_pytorch StdConv2d): ``(w - mean) / sqrt(var + eps)``, eps 1e-10.
-
-    padding: "same" pads by TensorFlow's rule, computed from the input size at call time;
-    "symmetric" is PyTorch's fixed ``kernel_size // 2``.
     """
 
     def __init__(
@@ -77,16 +125,9 @@ class StdConv2d(nn.Conv2d):
         eps_inside_sqrt: bool = False,
         bias: bool = False,
     ) -> None:
-        if padding not in ("same", "symmetric"):
-            raise ValueError(f"padding={padding!r}: allowed values are 'same', 'symmetric'")
-        fixed = 0 if padding == "same" else kernel_size // 2
-        super().__init__(in_channels, out_channels, kernel_size, stride, padding=fixed, bias=bias)
-        self.same = padding == "same"
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding=padding, bias=bias)
         self.eps = eps
         self.eps_inside_sqrt = eps_inside_sqrt
-        lecun_normal_(self.weight)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
 
     def standardized_weight(self) -> torch.Tensor:
         """The kernel actually convolved: (out, in, kh, kw), zero mean per output channel."""
@@ -97,20 +138,21 @@ class StdConv2d(nn.Conv2d):
         std, mean = torch.std_mean(self.weight, dim=dims, keepdim=True, correction=0)
         return (self.weight - mean) / (std + self.eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, in, H, W) -> (B, out, ceil(H/stride), ceil(W/stride)) for odd kernels."""
-        if self.same:
-            x = pad_same(x, self.kernel_size, self.stride)
-        return F.conv2d(x, self.standardized_weight(), self.bias, self.stride, self.padding)
+    kernel = standardized_weight
 
 
-def _conv(cfg: ResNetConfig, cin: int, cout: int, kernel: int, stride: int = 1) -> StdConv2d:
+def _conv(cfg: ResNetConfig, cin: int, cout: int, kernel: int, stride: int = 1) -> Conv2dSame:
+    if cfg.norm == "batch":  # batch statistics already remove the kernel's scale and mean
+        return Conv2dSame(cin, cout, kernel, stride, padding=cfg.padding)
     return StdConv2d(
         cin, cout, kernel, stride, padding=cfg.padding, eps=cfg.ws_eps, eps_inside_sqrt=cfg.ws_eps_inside_sqrt
     )
 
 
-def _gn(cfg: ResNetConfig, channels: int) -> nn.GroupNorm:
+def _gn(cfg: ResNetConfig, channels: int) -> nn.GroupNorm | nn.BatchNorm2d:
+    """The normalisation layer; named ``gn*`` after the official keys even when it is a BatchNorm."""
+    if cfg.norm == "batch":
+        return nn.BatchNorm2d(channels)
     return nn.GroupNorm(32, channels, eps=cfg.gn_eps)
 
 
@@ -190,8 +232,10 @@ class ResNetFeatures(nn.Module):
         x = F.relu(self.gn_root(self.conv_root(x)))
         if self.cfg.root_pool:
             if self.cfg.padding == "same":
-                # flax nn.max_pool pads SAME with -inf, so padding never wins the max
-                x = F.max_pool2d(pad_same(x, (3, 3), (2, 2), value=-math.inf), 3, 2)
+                # flax nn.max_pool pads SAME with -inf, so padding never wins the max;
+                # the pool runs channels-last, ~1.5x faster on CPU than NCHW (with indices)
+                x = pad_same(x, (3, 3), (2, 2), value=-math.inf)
+                x = F.max_pool2d(x.contiguous(memory_format=torch.channels_last), 3, 2).contiguous()
             else:
                 x = F.max_pool2d(x, 3, 2, padding=1)
         for stage in self.stages:

@@ -47,7 +47,7 @@ def test_eval_whole_set_short_json(run_dir, capsys):
     assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", "digits",
                  "--val-split", "0"]) == 0
     out = last_json(capsys)
-    assert set(out) == {"top1", "top5", "n", "flip"} and out["n"] == 1797 and out["flip"] is False
+    assert set(out) == {"top1", "top5", "n", "flip", "shift"} and out["n"] == 1797 and out["flip"] is False
 
 
 def test_eval_flip_scores_the_mirrored_pair(run_dir, capsys):
@@ -64,6 +64,22 @@ def test_eval_flip_scores_the_mirrored_pair(run_dir, capsys):
     expected = (predict_logits(model, data.images, flip=True).argmax(-1) == data.labels.numpy()).mean()
     single = (predict_logits(model, data.images).argmax(-1) == data.labels.numpy()).mean()
     assert out["flip"] is True and out["top1"] == pytest.approx(expected) and expected != single
+
+
+def test_eval_shift_adds_translated_views_and_refuses_impossible_shifts(run_dir, capsys):
+    from vitlab.data.digits import load_digits_dataset
+    from vitlab.eval.features import predict_logits
+
+    ckpt = str(run_dir / "model.safetensors")
+    assert main(["eval", "--checkpoint", ckpt, "--data", "digits", "--val-split", "0", "--flip", "--shift", "2"]) == 0
+    out = last_json(capsys)
+    model = weights.load_model(run_dir / "model.safetensors")
+    data = load_digits_dataset(16)
+    expected = (predict_logits(model, data.images, flip=True, shift=2).argmax(-1) == data.labels.numpy()).mean()
+    assert out["shift"] == 2 and out["top1"] == pytest.approx(expected)
+    for bad in ("-1", "16"):  # the model reads 16x16 inputs
+        assert main(["eval", "--checkpoint", ckpt, "--data", "digits", "--shift", bad]) != 0
+        assert f"--shift={bad}" in capsys.readouterr().err
 
 
 def test_fewshot_caches_features(run_dir, tmp_path, capsys):

@@ -2,7 +2,9 @@ import numpy as np
 import torch
 
 from vitlab.config import ViTConfig
-from vitlab.eval.features import FeatureCache, extract_features, predict_logits
+import pytest
+
+from vitlab.eval.features import FeatureCache, extract_features, predict_logits, tta_views
 from vitlab.models import create_model
 
 TINY = ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2, num_classes=5)
@@ -64,3 +66,35 @@ def test_flip_averaging_is_the_mean_of_the_two_views_probabilities():
     symmetric = torch.cat([x[..., :8], x[..., :8].flip(-1)], dim=-1)
     np.testing.assert_allclose(np.exp(predict_logits(model, symmetric, flip=True)),
                                softmax(predict_logits(model, symmetric)), atol=1e-6)
+
+
+def test_tta_views_are_reflect_filled_translations_and_mirrors():
+    x = torch.randn(2, 3, 7, 9)
+    views = tta_views(x, flip=True, shift=2)
+    assert len(views) == 10 and all(v.shape == x.shape for v in views)
+    # reference: NumPy's reflect padding (no edge repeat, as torch's), then every crop at offset +-2
+    padded = np.pad(x.numpy(), ((0, 0), (0, 0), (2, 2), (2, 2)), mode="reflect")
+    crops = {(dy, dx): padded[..., 2 + dy:9 + dy, 2 + dx:11 + dx] for dy, dx in
+             [(0, 0), (0, -2), (0, 2), (-2, 0), (2, 0)]}
+    got = [v.numpy() for v in views[::2]]
+    for want in crops.values():  # each translation appears once
+        assert sum(np.array_equal(g, want) for g in got) == 1
+    np.testing.assert_array_equal(views[0].numpy(), x.numpy())  # the image itself comes first
+    for plain, mirrored in zip(views[::2], views[1::2]):
+        np.testing.assert_array_equal(mirrored.numpy(), plain.flip(-1).numpy())
+    assert len(tta_views(x, shift=1)) == 5 and len(tta_views(x, flip=True)) == 2
+    with pytest.raises(ValueError, match="shift=7"):
+        tta_views(x, shift=7)  # 7x9 images: reflection fills at most 6 pixels
+
+
+def test_shifted_prediction_is_the_mean_over_the_ten_views():
+    torch.manual_seed(0)
+    model = create_model(TINY).eval()
+    torch.nn.init.normal_(model.head.weight, std=0.5)
+    x = images(4)
+    averaged = np.exp(predict_logits(model, x, flip=True, shift=2))
+    floats = x.float() / 127.5 - 1  # the [-1, 1] scaling predict_logits applies
+    with torch.no_grad():
+        probs = torch.stack([model(v).softmax(-1) for v in tta_views(floats, flip=True, shift=2)])
+    np.testing.assert_allclose(averaged, probs.mean(0).numpy(), atol=1e-6)
+    assert not np.allclose(averaged, np.exp(predict_logits(model, x, flip=True)), atol=1e-3)

@@ -1,6 +1,7 @@
 """The loop's guarantees: accumulation equals a big batch, resume is bit-exact."""
 import shutil
 
+import pytest
 import torch
 
 from vitlab.train import train
@@ -112,3 +113,24 @@ def test_flip_evaluation_scores_the_two_view_ensemble(tiny):
     transform = build_transform(EvalTransform(num_classes=10, image_size=(8, 8)))
     plain = evaluate(model, splits.val_images, splits.val_labels, transform, batch_size=32, device=torch.device("cpu"))
     assert plain["val_top1"] == single and "val_top1_single" not in plain
+
+
+def test_final_evaluation_adds_shifted_views_and_the_periodic_ones_do_not(tiny):
+    from vitlab.config import ConfigError
+    from vitlab.eval.features import predict_logits
+    from vitlab.train.inputs import build_splits
+
+    summary = train(tiny("shift", eval_flip=True, final_eval_shift=2, steps=20, eval_every=10,
+                         tensorboard=False), verbose=False)
+    model = load_model(summary["weights"]).eval()
+    splits = build_splits(tiny("shift"), (8, 8))
+    labels = splits.val_labels.numpy()
+    top1 = {name: (predict_logits(model, splits.val_images, **views).argmax(-1) == labels).mean()
+            for name, views in {"single": {}, "flip": dict(flip=True), "all": dict(flip=True, shift=2)}.items()}
+    assert summary["val_top1"] == top1["all"]
+    assert summary["val_top1_flip"] == top1["flip"] and summary["val_top1_single"] == top1["single"]
+    evaluated = [r for r in read_jsonl(f"{tiny('shift').out}/metrics.jsonl") if "val_top1" in r]
+    assert [r["step"] for r in evaluated] == [10, 20]
+    assert "val_top1_flip" not in evaluated[0] and "val_top1_flip" in evaluated[1]  # only the final one
+    with pytest.raises(ConfigError, match="final_eval_shift=8"):  # the 8x8 input cannot shift by 8
+        train(tiny("shift8", final_eval_shift=8), verbose=False)

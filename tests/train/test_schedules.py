@@ -37,5 +37,8 @@ def test_time_fitted_total():
     # periodic evaluation every 100 steps adds 0.1 s per step
     assert fit_steps_to_time(budget_s=600, elapsed_s=60, step=12, sec_per_step=0.5, eval_s=10, eval_every=100,
                              reserve_s=5) == 12 + int(525 // 0.6)
+    # a final evaluation with 5x the views costs 50 s: (600 - 60 - 50 - 5) / 0.6
+    assert fit_steps_to_time(budget_s=600, elapsed_s=60, step=12, sec_per_step=0.5, eval_s=10, eval_every=100,
+                             final_eval_s=50, reserve_s=5) == 12 + int(485 // 0.6)
     assert fit_steps_to_time(budget_s=10, elapsed_s=60, step=12, sec_per_step=0.5) == 13  # over budget: one more
     assert fit_steps_to_time(budget_s=600, elapsed_s=0, step=0, sec_per_step=0.1, max_steps=50) == 50

@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bins", type=int, default=15, help="confidence bins of the expected calibration error")
     p.add_argument("--flip", action="store_true",
                    help="test-time flip: average each image's predicted probabilities with its mirror image's")
+    p.add_argument("--shift", type=int, default=0, metavar="PIXELS",
+                   help="test-time translations: also average over each view shifted by PIXELS along each axis, "
+                        "both ways (reflection fills the border, as the training pad-and-crop); 0: none")
 
 
 def add_data_arguments(p: argparse.ArgumentParser, default_split: str) -> None:
@@ -123,9 +126,14 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.eval.features import predict_logits
     from vitlab.eval.metrics import classification_report
 
+    if args.shift < 0:
+        raise ValueError(f"--shift={args.shift}: must be >= 0 (pixels; 0 for no translated views)")
     device = pick_device(args.device)
     model, meta = load_checkpoint(args.checkpoint, args.img_size, device)
-    images, labels, classes, _, same = load_data(args, meta, model_input_size(model))
+    size = model_input_size(model)
+    if args.shift >= min(size):
+        raise ValueError(f"--shift={args.shift}: must be below the input size {size[0]}x{size[1]}")
+    images, labels, classes, _, same = load_data(args, meta, size)
     _, held, (split, seed) = split_indices(labels, args, meta, same, default=0.0)
     run_classes = meta.get("classes")
     if isinstance(run_classes, list) and run_classes != classes:
@@ -133,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
                          f"was trained on ({', '.join(map(str, run_classes[:5]))}, ...)")
     if model.cfg.num_classes != len(classes):
         raise ValueError(f"the model has {model.cfg.num_classes} outputs but the data has {len(classes)} classes")
-    logits = predict_logits(model, images[held], batch_size=args.batch_size, device=device, flip=args.flip)
+    logits = predict_logits(model, images[held], batch_size=args.batch_size, device=device, flip=args.flip,
+                            shift=args.shift)
     report = classification_report(logits, labels[held].numpy(), len(classes), num_bins=args.bins)
     where = "all examples" if split == 0 else f"held-out split ({split} examples, seed {seed})"
     print(f"{args.checkpoint}: {report['n']} images, {where}", file=sys.stderr)
@@ -143,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     print("weakest classes: " + ", ".join(
         f"{classes[i]} {100 * report['per_class_accuracy'][i]:.1f}%" for i in worst
         if report["per_class_accuracy"][i] is not None))
-    out: dict[str, Any] = {"top1": report["top1"], "top5": report["top5"], "n": report["n"], "flip": args.flip}
+    out: dict[str, Any] = {"top1": report["top1"], "top5": report["top5"], "n": report["n"], "flip": args.flip,
+                           "shift": args.shift}
     if args.json:
         out.update(ece=report["ece"], classes=classes,
                    per_class_accuracy=dict(zip(classes, report["per_class_accuracy"])),

@@ -19,12 +19,14 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vitlab.config import Pair, to_pair
 from vitlab.data.transforms import resize, to_float
 
-__all__ = ["extract_features", "predict_logits", "flip_averaged", "mean_probability", "FeatureCache", "file_key"]
+__all__ = ["extract_features", "predict_logits", "flip_averaged", "tta_views", "tta_averaged", "mean_probability",
+           "FeatureCache", "file_key"]
 
 
 def _input_size(model: nn.Module, image_size: int | Pair | None) -> Pair:
@@ -66,17 +68,49 @@ def extract_features(model: nn.Module, images: torch.Tensor, batch_size: int = 1
                     batch_size, image_size, device)
 
 
-def flip_averaged(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Test-time flip augmentation: x -> log of the mean of softmax(fn(x)) and softmax(fn(x
-    mirrored left-right)).
+def tta_views(x: torch.Tensor, flip: bool = False, shift: int = 0) -> list[torch.Tensor]:
+    """The views of a test-time augmentation ensemble of a float batch (B, C, H, W).
+
+    The batch itself comes first.  shift > 0 adds its four translations by ``shift``
+    pixels (along each axis, both ways), the uncovered border filled by reflection as the
+    training pad-and-crop fills it.  flip puts each view's mirror image (left-right)
+    right after it: 1, 2, 5 or 10 views.
+    """
+    views = [x]
+    if shift:
+        h, w = x.shape[-2:]
+        if not (isinstance(shift, int) and 0 < shift < min(h, w)):
+            raise ValueError(f"shift={shift!r}: must be an integer in [0, {min(h, w)}) for {h}x{w} images "
+                             "(reflection fills at most size - 1 pixels)")
+        s = shift
+        padded = F.pad(x, (s, s, s, s), mode="reflect")
+        views += [padded[..., s:s + h, :w], padded[..., s:s + h, 2 * s:],
+                  padded[..., :h, s:s + w], padded[..., 2 * s:, s:s + w]]
+    if flip:
+        views = [v for view in views for v in (view, view.flip(-1))]
+    return views
+
+
+def tta_averaged(fn: Callable[[torch.Tensor], torch.Tensor], flip: bool = False,
+                 shift: int = 0) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> log of the mean of softmax(fn(view)) over ``tta_views(x, flip, shift)``.
 
     The result is a log-probability, so its argmax, top-k and cross-entropy are those of
-    the two-view ensemble.  Costs a second forward pass.
+    the ensemble.  One forward pass per view; with a single view, ``fn`` itself.
     """
+    if not flip and not shift:
+        return fn
+
     def averaged(x: torch.Tensor) -> torch.Tensor:
-        return mean_probability(fn(x), fn(x.flip(-1)))
+        return mean_probability(*(fn(view) for view in tta_views(x, flip, shift)))
 
     return averaged
+
+
+def flip_averaged(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Test-time flip augmentation: ``tta_averaged(fn, flip=True)``, the mean of the
+    probabilities of x and of x mirrored left-right, as a log-probability."""
+    return tta_averaged(fn, flip=True)
 
 
 def mean_probability(*logits: torch.Tensor) -> torch.Tensor:
@@ -87,13 +121,14 @@ def mean_probability(*logits: torch.Tensor) -> torch.Tensor:
 
 def predict_logits(model: nn.Module, images: torch.Tensor, batch_size: int = 128,
                    image_size: int | Pair | None = None, device: str | torch.device | None = None,
-                   flip: bool = False) -> np.ndarray:
+                   flip: bool = False, shift: int = 0) -> np.ndarray:
     """uint8 images (N, C, H, W) -> float32 logits (N, K), preprocessed as ``extract_features``.
 
-    flip: average each image's prediction with its mirror image's (``flip_averaged``); the
-          result is then log-probabilities rather than raw logits.
+    flip, shift: average the predictions of each image's test-time views (``tta_averaged``:
+          its mirror image; its four translations by ``shift`` pixels); the result is then
+          log-probabilities rather than raw logits.
     """
-    return _batched(model, images, flip_averaged(model) if flip else model, batch_size, image_size, device)
+    return _batched(model, images, tta_averaged(model, flip, shift), batch_size, image_size, device)
 
 
 def file_key(path: str | os.PathLike) -> str:

@@ -67,6 +67,11 @@ class TrainConfig:
                  predicted probabilities (test-time flip augmentation; twice the
                  evaluation cost); the single-view top-1 is logged beside it as
                  ``val_top1_single``.
+    final_eval_shift: the final evaluation also averages each view's four translations
+                 by this many pixels (``vitlab.eval.features.tta_views``; 5x that
+                 evaluation's cost, which a time limit budgets for); the periodic ones do
+                 not.  Its record then holds the centre view's ``val_top1_single`` and, with
+                 eval_flip, the flip pair's ``val_top1_flip`` beside the ensemble's top-1.
     """
 
     recipe: str = "custom"
@@ -126,6 +131,7 @@ class TrainConfig:
     eval_every: int = 0
     eval_batch_size: int = 256
     eval_flip: bool = False
+    final_eval_shift: int = 0
     log_every: int = 10
     tensorboard: bool = True
     ckpt_every: int = 0
@@ -297,7 +303,7 @@ def validate(cfg: TrainConfig, world_size: int = 1, need_data: bool = True) -> N
         value = getattr(cfg, name)
         _need(_is_int(value) and value > 0, name, value, "must be a positive integer")
     for name in ("eval_every", "ckpt_every", "train_examples", "decode_workers", "threads", "seed",
-                 "split_seed", "randaug_ops", "crop_pad"):
+                 "split_seed", "randaug_ops", "crop_pad", "final_eval_shift"):
         value = getattr(cfg, name)
         _need(_is_int(value) and value >= 0, name, value, "must be an integer >= 0")
     for name in ("lr", "min_lr", "weight_decay", "clip_norm", "time_limit", "randaug_magnitude",

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitlab.config import ConfigError
-from vitlab.eval.features import mean_probability
+from vitlab.eval.features import mean_probability, tta_views
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, model_config, to_dict, validate, warmup_steps
@@ -80,12 +80,14 @@ def autocast(device: torch.device, precision: str):
 
 @torch.no_grad()
 def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, transform, *, batch_size: int,
-             device: torch.device, precision: str = "fp32", world: World | None = None, flip: bool = False) -> dict:
+             device: torch.device, precision: str = "fp32", world: World | None = None, flip: bool = False,
+             shift: int = 0) -> dict:
     """Loss, top-1 and top-5 accuracy of ``model`` on uint8 ``images`` (N, 3, H, W).
 
-    flip: score the average of each image's and its mirror image's predicted probabilities
-    (``vitlab.eval.features.flip_averaged``); ``val_top1_single`` then keeps the top-1 of
-    the unflipped view alone.
+    flip, shift: score the mean of the predicted probabilities of each image's test-time
+    views (``vitlab.eval.features.tta_views``: its mirror image; its four
+    translations by ``shift`` pixels).  With more than one view ``val_top1_single`` keeps
+    the top-1 of the image alone, and with both ``val_top1_flip`` that of image + mirror.
 
     Distributed: rank r takes examples r, r + W, ...; all ranks run the same number of
     batches (the short ones padded and masked), so a sharded (FSDP) model works too.
@@ -100,16 +102,19 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, trans
     if len(mine) < per_rank:  # pad with example 0, masked out below
         valid[len(mine):] = False
         mine = torch.cat([mine, mine.new_zeros(per_rank - len(mine))])
-    loss_sum = top1 = top5 = top1_single = 0.0
+    loss_sum = top1 = top5 = top1_single = top1_flip = 0.0
     for start in range(0, per_rank, batch_size):
         idx, ok = mine[start:start + batch_size], valid[start:start + batch_size].to(device)
         x, targets = transform(images[idx].to(device), labels[idx].to(device), None)
         y = labels[idx].to(device)
         with autocast(device, precision):
-            logits = model(x).float()
-            if flip:
-                top1_single += float(((logits.argmax(-1) == y) & ok).sum())
-                logits = mean_probability(logits, model(x.flip(-1)))
+            views = [model(view).float() for view in tta_views(x, flip, shift)]
+        logits = views[0]
+        if len(views) > 1:
+            top1_single += float(((views[0].argmax(-1) == y) & ok).sum())
+            if flip and shift:  # views[1] is the mirror image
+                top1_flip += float(((mean_probability(*views[:2]).argmax(-1) == y) & ok).sum())
+            logits = mean_probability(*views)
         loss = F.cross_entropy(logits, y, reduction="none")
         k = min(5, logits.shape[-1])
         topk = logits.topk(k, dim=-1).indices  # (b, k)
@@ -117,11 +122,14 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, trans
         loss_sum += float((loss * ok).sum())
         top1 += float((hit[:, 0] & ok).sum())
         top5 += float((hit.any(-1) & ok).sum())
-    loss_sum, top1, top5, top1_single = all_reduce_sum([loss_sum, top1, top5, top1_single], world)
+    loss_sum, top1, top5, top1_single, top1_flip = all_reduce_sum([loss_sum, top1, top5, top1_single, top1_flip],
+                                                                  world)
     model.train(was_training)
     result = {"val_loss": loss_sum / n, "val_top1": top1 / n, "val_top5": top5 / n}
-    if flip:
+    if flip or shift:
         result["val_top1_single"] = top1_single / n
+    if flip and shift:
+        result["val_top1_flip"] = top1_flip / n
     return result
 
 
@@ -196,6 +204,9 @@ def setup(cfg: TrainConfig) -> Setup:
         from vitlab.weights import load_model
 
         img_size = load_model(cfg.init, name=cfg.model).cfg.img_size
+    if cfg.final_eval_shift >= min(img_size):
+        raise ConfigError(f"final_eval_shift={cfg.final_eval_shift}: must be below the input size "
+                          f"{img_size[0]}x{img_size[1]} (reflection fills at most size - 1 pixels)")
     splits = build_splits(cfg, img_size)
     num_classes = len(splits.classes)
 
@@ -356,12 +367,12 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     val_available = s.splits.val_labels is not None
     evaluated = s.ema.module if s.ema else s.model  # under FSDP: the sharded model, on every rank
 
-    def run_eval() -> dict:
+    def run_eval(final: bool = False) -> dict:
         if not val_available:
             return {}
         result = evaluate(evaluated, s.splits.val_images, s.splits.val_labels, s.eval_transform,
                           batch_size=cfg.eval_batch_size, device=world.device, precision=cfg.precision, world=world,
-                          flip=cfg.eval_flip)
+                          flip=cfg.eval_flip, shift=cfg.final_eval_shift if final else 0)
         if sharded(s):  # a forward without backward leaves FSDP's root parameters gathered
             s.model.reshard()
         return result
@@ -373,6 +384,7 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     t_measure = None
     sec_per_step = None
     eval_s = 0.0  # measured duration of one evaluation (time-limited runs)
+    final_views = 5 if cfg.final_eval_shift else 1  # the final evaluation's cost, in periodic evaluations
     reserve_s = 5.0 + 0.01 * deadline_s  # kept free for saving, plots and a slower last evaluation
     paused_s = 0.0  # time spent outside training steps so far
     refit_from, refit_at = None, 0  # (step, time, paused_s) where the second measurement starts
@@ -381,7 +393,8 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     def fit_to_time(sec_per_step: float) -> int:
         total = fit_steps_to_time(
             budget_s=deadline_s, elapsed_s=time.monotonic() - t_start, step=step, sec_per_step=sec_per_step,
-            eval_s=eval_s, eval_every=cfg.eval_every, reserve_s=reserve_s, max_steps=cfg.steps)
+            eval_s=eval_s, final_eval_s=final_views * eval_s, eval_every=cfg.eval_every, reserve_s=reserve_s,
+            max_steps=cfg.steps)
         return int(all_reduce_sum([float(total)], world)[0] / world.size)  # ranks agree
 
     def refit_since(mark: tuple[int, float, float]) -> int:
@@ -457,7 +470,7 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
         # slower than measured (a busy machine): end here, still with a final evaluation and checkpoint,
         # keeping half the reserve for them (a run that kept none ended 4 s past its 30 minutes)
         if deadline_s > 0 and (fitted or refit_from is not None) and step < total_steps and all_reduce_sum(  # all ranks stop together
-                [float(time.monotonic() - t_start > deadline_s - eval_s - reserve_s / 2)], world)[0] > 0:
+                [float(time.monotonic() - t_start > deadline_s - final_views * eval_s - reserve_s / 2)], world)[0] > 0:
             progress.message(f"time limit reached at step {step}/{total_steps}: stopping before the schedule's end")
             total_steps = step
 
@@ -467,7 +480,7 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
         do_log = is_last or do_eval or step % cfg.log_every == 0
         t_pause = time.monotonic()
         if do_eval:
-            last_val = run_eval()
+            last_val = run_eval(final=is_last)
         if do_log:
             now = time.monotonic()
             dt = now - window["t"]
@@ -504,7 +517,7 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
         paused_s += time.monotonic() - t_pause  # evaluations, logging, checkpoints: not training time
 
     if not last_val and val_available:  # resumed a finished run: its summary still reports the metrics
-        last_val = run_eval()
+        last_val = run_eval(final=True)
     progress.close()
     summary = finish(s, step, total_steps, last_val, t_start, writer)
     shutdown(world)
@@ -528,7 +541,7 @@ def finish(s: Setup, step: int, total_steps: int, last_val: dict, t_start: float
         "val_top1": last_val.get("val_top1"),
         "val_top5": last_val.get("val_top5"),
         "val_loss": last_val.get("val_loss"),
-        **({"val_top1_single": last_val["val_top1_single"]} if "val_top1_single" in last_val else {}),
+        **{k: last_val[k] for k in ("val_top1_flip", "val_top1_single") if k in last_val},
         "train_loss": train_rows[-1]["loss"] if train_rows else None,
         "train_examples": int(len(s.splits.train_labels)),
         "val_examples": int(len(s.splits.val_labels)) if s.splits.val_labels is not None else 0,

@@ -34,7 +34,7 @@ def lr_at(step: int, *, base_lr: float, total_steps: int, warmup_steps: int,
 
 def fit_steps_to_time(*, budget_s: float, elapsed_s: float, step: int, sec_per_step: float,
                       eval_s: float = 0.0, eval_every: int = 0, reserve_s: float = 0.0,
-                      max_steps: int | None = None) -> int:
+                      final_eval_s: float | None = None, max_steps: int | None = None) -> int:
     """Total number of optimiser steps that ends the run, final evaluation included, by
     the deadline.
 
@@ -44,12 +44,14 @@ def fit_steps_to_time(*, budget_s: float, elapsed_s: float, step: int, sec_per_s
     eval_s:       measured seconds of one evaluation pass; one runs at the end, and one
                   every ``eval_every`` steps (0: only at the end).
     reserve_s:    kept free for saving weights, plots and slack.
+    final_eval_s: seconds of the final evaluation, if it costs more than the periodic
+                  ones (more test-time views); default ``eval_s``.
 
     Each further step costs sec_per_step + eval_s / eval_every, so
-        total = step + floor((budget - elapsed - eval_s - reserve) / that cost),
+        total = step + floor((budget - elapsed - final_eval_s - reserve) / that cost),
     at least ``step + 1`` (and at most ``max_steps``).
     """
-    left = budget_s - elapsed_s - eval_s - reserve_s
+    left = budget_s - elapsed_s - (eval_s if final_eval_s is None else final_eval_s) - reserve_s
     cost = sec_per_step + (eval_s / eval_every if eval_every > 0 else 0.0)
     more = max(int(left // cost), 1) if cost > 0 else 1
     total = step + more

@@ -5,7 +5,8 @@
 
 Trains ``--recipe`` (default cifar10_scratch on ../shared/data/cifar10) under a time limit,
 evaluating on the held-out split every ``--eval-every`` steps, then prints one row per
-evaluation: elapsed minutes, epoch, validation top-1 — and the first time each accuracy
+evaluation: elapsed minutes, epoch, validation top-1 by the recipe's protocol (and, where
+logged, the mirror pair's and the single view's) — and the first time each accuracy
 threshold was reached.  The evaluations themselves are inside the time budget.
 """
 from __future__ import annotations
@@ -54,9 +55,13 @@ def main() -> int:
     if not rows:
         print(f"no evaluations in {run_dir / 'metrics.jsonl'}", file=sys.stderr)
         return 1
-    print(f"{'minutes':>8} {'epoch':>6} {'step':>6} {'val top-1':>10}")
+    # the recipe's protocol, then the cheaper views it also logged (the final evaluation may add views)
+    views = [k for k in ("val_top1_flip", "val_top1_single") if any(k in r for r in rows)]
+    heads = {"val_top1_flip": "flip pair", "val_top1_single": "single"}
+    print(f"{'minutes':>8} {'epoch':>6} {'step':>6} {'val top-1':>10}" + "".join(f" {heads[k]:>10}" for k in views))
     for r in rows:
-        print(f"{r['elapsed_s'] / 60:8.1f} {r.get('epoch', float('nan')):6.2f} {r['step']:6d} {r['val_top1']:10.2%}")
+        extra = "".join(f" {r[k]:10.2%}" if k in r else f" {'':>10}" for k in views)
+        print(f"{r['elapsed_s'] / 60:8.1f} {r.get('epoch', float('nan')):6.2f} {r['step']:6d} {r['val_top1']:10.2%}{extra}")
     for t in args.thresholds:
         first = next((r for r in rows if r["val_top1"] >= t), None)
         when = f"{first['elapsed_s'] / 60:.1f} min (step {first['step']})" if first else "not reached"

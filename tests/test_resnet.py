@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vitlab.config import ResNetConfig
+from vitlab.config import ConfigError, ResNetConfig
 from vitlab.models.resnet import BiTResNet, Conv2dSame, ResNetFeatures, StdConv2d, conv2d_same, same_padding
 
 TINY = ResNetConfig(layers=(1, 1), num_classes=5, img_size=32)
@@ -78,7 +78,7 @@ def test_batch_norm_variant_swaps_norm_and_drops_standardisation():
     y = stem(torch.randn(4, 3, 32, 32))
     assert y.shape == (4, cfg.out_channels, 32 // cfg.reduction, 32 // cfg.reduction)
     assert stem.gn_root.num_batches_tracked.item() == 1  # batch statistics were used and tracked
-    with pytest.raises(Exception, match="norm"):
+    with pytest.raises(ConfigError, match="norm"):
         ResNetConfig(norm="layer")
 
 

@@ -4,7 +4,7 @@ import torch
 from vitlab.config import ViTConfig
 import pytest
 
-from vitlab.eval.features import FeatureCache, extract_features, predict_logits, tta_views
+from vitlab.eval.features import FeatureCache, extract_features, predict_logits, tta_view_count, tta_views
 from vitlab.models import create_model
 
 TINY = ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2, num_classes=5)
@@ -82,7 +82,9 @@ def test_tta_views_are_reflect_filled_translations_and_mirrors():
     np.testing.assert_array_equal(views[0].numpy(), x.numpy())  # the image itself comes first
     for plain, mirrored in zip(views[::2], views[1::2]):
         np.testing.assert_array_equal(mirrored.numpy(), plain.flip(-1).numpy())
-    assert len(tta_views(x, shift=1)) == 5 and len(tta_views(x, flip=True)) == 2
+    for flip in (False, True):  # the count the time limit budgets with is the count made
+        for shift, expected in ((0, 1), (1, 5)):
+            assert len(tta_views(x, flip, shift)) == tta_view_count(flip, shift) == expected * (1 + flip)
     with pytest.raises(ValueError, match="shift=7"):
         tta_views(x, shift=7)  # 7x9 images: reflection fills at most 6 pixels
 

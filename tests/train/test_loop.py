@@ -127,6 +127,7 @@ def test_final_evaluation_adds_shifted_views_and_the_periodic_ones_do_not(tiny):
     labels = splits.val_labels.numpy()
     top1 = {name: (predict_logits(model, splits.val_images, **views).argmax(-1) == labels).mean()
             for name, views in {"single": {}, "flip": dict(flip=True), "all": dict(flip=True, shift=2)}.items()}
+    assert len(set(top1.values())) == 3  # the three protocols score differently here, so a mix-up shows
     assert summary["val_top1"] == top1["all"]
     assert summary["val_top1_flip"] == top1["flip"] and summary["val_top1_single"] == top1["single"]
     evaluated = [r for r in read_jsonl(f"{tiny('shift').out}/metrics.jsonl") if "val_top1" in r]

@@ -123,7 +123,7 @@ def model_input_size(model) -> tuple[int, int]:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from vitlab.eval.features import predict_logits
+    from vitlab.eval.features import check_tta_shift, predict_logits
     from vitlab.eval.metrics import classification_report
 
     if args.shift < 0:
@@ -131,8 +131,7 @@ def run(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     model, meta = load_checkpoint(args.checkpoint, args.img_size, device)
     size = model_input_size(model)
-    if args.shift >= min(size):
-        raise ValueError(f"--shift={args.shift}: must be below the input size {size[0]}x{size[1]}")
+    check_tta_shift(args.shift, size, "--shift")
     images, labels, classes, _, same = load_data(args, meta, size)
     _, held, (split, seed) = split_indices(labels, args, meta, same, default=0.0)
     run_classes = meta.get("classes")

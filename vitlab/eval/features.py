@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitlab.config import Pair, to_pair
+from vitlab.config import ConfigError, Pair, to_pair
 from vitlab.data.transforms import resize, to_float
 
-__all__ = ["extract_features", "predict_logits", "flip_averaged", "tta_views", "tta_averaged", "mean_probability",
-           "FeatureCache", "file_key"]
+__all__ = ["extract_features", "predict_logits", "tta_views", "tta_view_count", "check_tta_shift", "tta_averaged",
+           "mean_probability", "FeatureCache", "file_key"]
 
 
 def _input_size(model: nn.Module, image_size: int | Pair | None) -> Pair:
@@ -68,20 +68,33 @@ def extract_features(model: nn.Module, images: torch.Tensor, batch_size: int = 1
                     batch_size, image_size, device)
 
 
+def check_tta_shift(shift: int, size: Pair, name: str = "shift") -> None:
+    """Refuse a translation that reflection cannot fill: an integer in [0, min(size)).
+
+    ``name`` is the option as the caller's user spells it (``--shift``, ``final_eval_shift``).
+    """
+    if not (isinstance(shift, int) and 0 <= shift < min(size)):
+        raise ConfigError(f"{name}={shift!r}: must be an integer in [0, {min(size)}) for {size[0]}x{size[1]} "
+                          "images (reflection fills at most size - 1 pixels)")
+
+
+def tta_view_count(flip: bool = False, shift: int = 0) -> int:
+    """How many views ``tta_views`` makes: 1, 2, 5 or 10 (the cost of an evaluation, in passes)."""
+    return (5 if shift else 1) * (2 if flip else 1)
+
+
 def tta_views(x: torch.Tensor, flip: bool = False, shift: int = 0) -> list[torch.Tensor]:
     """The views of a test-time augmentation ensemble of a float batch (B, C, H, W).
 
     The batch itself comes first.  shift > 0 adds its four translations by ``shift``
     pixels (along each axis, both ways), the uncovered border filled by reflection as the
     training pad-and-crop fills it.  flip puts each view's mirror image (left-right)
-    right after it: 1, 2, 5 or 10 views.
+    right after it: ``tta_view_count(flip, shift)`` views.
     """
     views = [x]
     if shift:
         h, w = x.shape[-2:]
-        if not (isinstance(shift, int) and 0 < shift < min(h, w)):
-            raise ValueError(f"shift={shift!r}: must be an integer in [0, {min(h, w)}) for {h}x{w} images "
-                             "(reflection fills at most size - 1 pixels)")
+        check_tta_shift(shift, (h, w))
         s = shift
         padded = F.pad(x, (s, s, s, s), mode="reflect")
         views += [padded[..., s:s + h, :w], padded[..., s:s + h, 2 * s:],
@@ -105,12 +118,6 @@ def tta_averaged(fn: Callable[[torch.Tensor], torch.Tensor], flip: bool = False,
         return mean_probability(*(fn(view) for view in tta_views(x, flip, shift)))
 
     return averaged
-
-
-def flip_averaged(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Test-time flip augmentation: ``tta_averaged(fn, flip=True)``, the mean of the
-    probabilities of x and of x mirrored left-right, as a log-probability."""
-    return tta_averaged(fn, flip=True)
 
 
 def mean_probability(*logits: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitlab.config import ConfigError
-from vitlab.eval.features import mean_probability, tta_views
+from vitlab.eval.features import check_tta_shift, mean_probability, tta_view_count, tta_views
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, model_config, to_dict, validate, warmup_steps
@@ -204,9 +204,7 @@ def setup(cfg: TrainConfig) -> Setup:
         from vitlab.weights import load_model
 
         img_size = load_model(cfg.init, name=cfg.model).cfg.img_size
-    if cfg.final_eval_shift >= min(img_size):
-        raise ConfigError(f"final_eval_shift={cfg.final_eval_shift}: must be below the input size "
-                          f"{img_size[0]}x{img_size[1]} (reflection fills at most size - 1 pixels)")
+    check_tta_shift(cfg.final_eval_shift, img_size, "final_eval_shift")
     splits = build_splits(cfg, img_size)
     num_classes = len(splits.classes)
 
@@ -384,7 +382,8 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     t_measure = None
     sec_per_step = None
     eval_s = 0.0  # measured duration of one evaluation (time-limited runs)
-    final_views = 5 if cfg.final_eval_shift else 1  # the final evaluation's cost, in periodic evaluations
+    # the final evaluation's cost, in periodic evaluations (it may add shifted views)
+    final_views = tta_view_count(cfg.eval_flip, cfg.final_eval_shift) / tta_view_count(cfg.eval_flip)
     reserve_s = 5.0 + 0.01 * deadline_s  # kept free for saving, plots and a slower last evaluation
     paused_s = 0.0  # time spent outside training steps so far
     refit_from, refit_at = None, 0  # (step, time, paused_s) where the second measurement starts

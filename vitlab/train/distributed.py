@@ -8,6 +8,7 @@ over the processes; full state dicts gathered for checkpoints and the saved weig
 """
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -91,6 +92,19 @@ def barrier(world: World) -> None:
         dist.barrier()
 
 
-def shutdown(world: World) -> None:
-    if world.size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(wait_for_others: bool = True) -> None:
+    """Leave the process group, and free it, while the interpreter is still whole.
+
+    DDP's reducer and FSDP's device mesh keep the group alive inside reference cycles; if
+    those are only collected as the interpreter exits, gloo's worker threads die holding
+    tensors and the process aborts ("terminate called without an active exception").
+    Call this after the wrapped model is out of scope.  ``wait_for_others`` (a barrier)
+    only on success: a rank that failed must not wait for ranks that will not come.
+    """
+    if not dist.is_initialized():
+        return
+    gc.collect()  # the model's cycles first: their last references to the group go
+    if wait_for_others:
+        dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()

@@ -325,6 +325,17 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     folder holding an earlier run's checkpoints is refused, unless ``overwrite`` (then
     those checkpoints are deleted first).
     """
+    succeeded = False
+    try:
+        summary = _train(cfg, resume, verbose, overwrite)
+        succeeded = True
+    finally:
+        shutdown(wait_for_others=succeeded)
+    return summary
+
+
+def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrite: bool = False) -> dict:
+    """The body of ``train``; returns with the model out of scope, so the process group can go."""
     t_start = time.monotonic()
     deadline_s = cfg.time_limit * 60.0
     out = Path(cfg.out)
@@ -518,9 +529,7 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     if not last_val and val_available:  # resumed a finished run: its summary still reports the metrics
         last_val = run_eval(final=True)
     progress.close()
-    summary = finish(s, step, total_steps, last_val, t_start, writer)
-    shutdown(world)
-    return summary
+    return finish(s, step, total_steps, last_val, t_start, writer)
 
 
 def finish(s: Setup, step: int, total_steps: int, last_val: dict, t_start: float, writer) -> dict:

@@ -97,6 +97,31 @@ def test_time_limit_fits_the_schedule(tiny):
     assert summary["wall_s"] < 0.1 * 60 + 3  # the budget, with slack for a busy test machine
 
 
+def test_a_resumed_time_limited_run_counts_the_time_already_spent(tiny):
+    # the checkpoint carries the run's clock; a run whose checkpoint says the budget is
+    # spent stops at once (final evaluation only) instead of starting a fresh budget
+    cfg = tiny("timed_resume", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1, ckpt_every=2,
+               keep_ckpts=100_000, tensorboard=False)
+    full = train(cfg, verbose=False)
+    ckpts = list_checkpoints(f"{cfg.out}/checkpoints")
+    first = load_checkpoint(ckpts[0])
+    assert 0 < first["clock"]["elapsed_s"] < full["wall_s"]
+    assert first["step"] == 2 and first["clock"]["eval_s"] == 0.0  # measured with the fit, at step 5
+    last = load_checkpoint(ckpts[-1])
+    assert last["clock"]["eval_s"] > 0
+    for p in ckpts[2:]:  # stopped after its second checkpoint (step 4)...
+        p.unlink()
+    middle = ckpts[1]
+    state = load_checkpoint(middle)
+    state["clock"]["elapsed_s"] = 0.1 * 60  # ...when the whole budget had gone
+    torch.save(state, middle)
+    resumed = train(cfg, resume=True, verbose=False)
+    assert resumed["steps"] == state["step"] + 1 < full["steps"]  # one step, then the guard ends the run
+    assert resumed["wall_s"] >= 0.1 * 60
+    logged = read_jsonl(f"{cfg.out}/metrics.jsonl")
+    assert logged[-1]["elapsed_s"] >= 0.1 * 60
+
+
 def test_flip_evaluation_scores_the_two_view_ensemble(tiny):
     from vitlab.data.transforms import EvalTransform, build_transform
     from vitlab.eval.features import predict_logits

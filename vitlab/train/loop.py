@@ -254,8 +254,12 @@ def model_state(s: Setup) -> dict:
     return s.model.state_dict()
 
 
-def training_state(s: Setup, step: int, total_steps: int, records: list[dict]) -> dict:
-    """Everything ``resume`` needs to continue bit-exactly (collective under FSDP)."""
+def training_state(s: Setup, step: int, total_steps: int, records: list[dict], clock: dict | None = None) -> dict:
+    """Everything ``resume`` needs to continue bit-exactly (collective under FSDP).
+
+    ``clock``: the run's wall time so far and its measured evaluation time, so that a
+    resumed ``--time-limit`` run keeps counting from where it stopped.
+    """
     if sharded(s):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -273,6 +277,7 @@ def training_state(s: Setup, step: int, total_steps: int, records: list[dict]) -
         "rng": rng_state(),
         "records": records,
         "classes": s.splits.classes,
+        "clock": clock or {},
     }
 
 
@@ -359,6 +364,7 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
 
     step, total_steps, records = 0, cfg.steps, []
     fitted = cfg.time_limit <= 0  # whether total_steps is final
+    eval_s = 0.0  # measured duration of one evaluation (time-limited runs)
     latest = ckpt.latest_checkpoint(ckpt_dir) if resume else None
     if latest is not None:
         state = ckpt.load_checkpoint(latest)
@@ -369,7 +375,13 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
                               " differ from the checkpoint's run; an exact continuation needs the same values")
         step, total_steps, records = restore(s, state)
         fitted = True
-        progress.message(f"resumed from {latest} at step {step}/{total_steps}")
+        # the clock goes on from the checkpoint: the time between the stop and this restart,
+        # and any steps made after the checkpoint, are not counted (they left no trace)
+        clock = state.get("clock", {})
+        t_start -= float(clock.get("elapsed_s", 0.0))
+        eval_s = float(clock.get("eval_s", 0.0))
+        progress.message(f"resumed from {latest} at step {step}/{total_steps}, "
+                         f"{(time.monotonic() - t_start) / 60:.1f} min into the run")
     elif resume:
         progress.message(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
     writer = MetricsWriter(out, tensorboard=cfg.tensorboard, records=records) if main else None
@@ -392,7 +404,6 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
     window = {"loss": 0.0, "correct": 0.0, "seen": 0, "t": time.monotonic(), "steps": 0}
     t_measure = None
     sec_per_step = None
-    eval_s = 0.0  # measured duration of one evaluation (time-limited runs)
     # the final evaluation's cost, in periodic evaluations (it may add shifted views)
     final_views = tta_view_count(cfg.eval_flip, cfg.final_eval_shift) / tta_view_count(cfg.eval_flip)
     reserve_s = 5.0 + 0.01 * deadline_s  # kept free for saving, plots and a slower last evaluation
@@ -520,7 +531,8 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
         eta = (total_steps - step) * cfg.batch_size / rate if rate else 0.0
         progress.update(step, total_steps, shown_loss, rate, eta)
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or is_last:
-            state = training_state(s, step, total_steps, writer.records if writer else [])
+            clock = {"elapsed_s": time.monotonic() - t_start, "eval_s": eval_s}
+            state = training_state(s, step, total_steps, writer.records if writer else [], clock)
             if main:
                 ckpt.save_checkpoint(state, ckpt_dir, step, cfg.keep_ckpts)
             barrier(world)

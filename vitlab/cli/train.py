@@ -42,7 +42,7 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
     p.add_argument("--out", help="output folder (metrics, checkpoints, weights)")
     p.add_argument("--fsdp", action="store_true", default=None, help="shard the model with FSDP (multi-process)")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoints (a --time-limit run keeps its clock)")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in an OUT that holds an earlier run's checkpoints (they are deleted)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",

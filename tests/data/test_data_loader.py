@@ -115,3 +115,20 @@ def test_argument_errors():
         BatchStream(IMAGES, LABELS, 64)
     with pytest.raises(ValueError, match="differ"):
         BatchStream(IMAGES, LABELS[:3], 8)
+
+
+def test_alternate_flip_shows_every_example_both_ways_in_consecutive_epochs():
+    tf = build_transform(TrainTransform(num_classes=N, crop="none", flip=True, alternate_flip=True))
+    stream = BatchStream(IMAGES, torch.arange(N), 8, seed=2, transform=tf, drop_last=False)
+    seen = []
+    for _ in range(3):
+        mirrored = {}
+        for x, targets in stream:
+            for image, example in zip(x, targets.argmax(-1).tolist()):
+                plain = (image + 1) * 127.5
+                mirrored[example] = bool(torch.allclose(plain, IMAGES[example].flip(-1).float(), atol=1e-3))
+                assert mirrored[example] or torch.allclose(plain, IMAGES[example].float(), atol=1e-3)
+        assert len(mirrored) == N
+        seen.append(mirrored)
+    assert all(seen[0][i] != seen[1][i] and seen[0][i] == seen[2][i] for i in range(N))
+    assert 0 < sum(seen[0].values()) < N

@@ -10,6 +10,7 @@ from vitlab.data import randaugment
 from vitlab.data.transforms import (
     EvalTransform,
     TrainTransform,
+    alternating_flip,
     build_transform,
     mixup_cutmix,
     one_hot_smooth,
@@ -257,3 +258,30 @@ def test_build_eval_transform():
 def test_train_transform_validation_names_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         TrainTransform(num_classes=10, **kwargs)
+
+
+def flipped_mask(out: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: which outputs are the mirror images (asserting each is one or the other)."""
+    mirrored = (out == images.flip(-1)).flatten(1).all(1)
+    assert torch.all(mirrored | (out == images).flatten(1).all(1))
+    return mirrored
+
+
+def test_alternating_flip_mirrors_each_example_in_every_other_epoch():
+    images = batch(1000, 4, 4)
+    ids = torch.arange(1000) * 7 + 3
+    first = flipped_mask(alternating_flip(images, ids, epoch=0), images)
+    assert 400 < int(first.sum()) < 600  # a fair coin per example in the first epoch
+    for epoch in range(1, 5):
+        assert torch.equal(flipped_mask(alternating_flip(images, ids, epoch), images), first ^ bool(epoch % 2))
+    other_seed = flipped_mask(alternating_flip(images, ids, epoch=0, seed=1), images)
+    assert 0.3 < float((other_seed != first).float().mean()) < 0.7  # another seed, another pattern
+
+
+def test_train_transform_alternate_flip_needs_example_ids():
+    tf = build_transform(TrainTransform(num_classes=2, crop="none", flip=True, alternate_flip=True))
+    x = batch(4, 8, 8)
+    with pytest.raises(ValueError, match="example ids"):
+        tf(x, torch.zeros(4, dtype=torch.long), gen())
+    out, _ = tf(x, torch.zeros(4, dtype=torch.long), gen(), example_ids=torch.arange(4), epoch=1)
+    assert torch.equal(out, to_float(alternating_flip(x, torch.arange(4), 1)))

@@ -47,8 +47,9 @@ class BatchStream:
     seed:       with the epoch and position, fixes every batch and its augmentation.
     drop_last:  drop the final incomplete global batch (keep True for training, so every
                 step has the same size and every rank the same number of steps).
-    transform:  ``(uint8 batch, labels, generator) -> (batch, targets)``, e.g. from
-                ``build_transform``; None yields the raw (images, labels).
+    transform:  ``(uint8 batch, labels, generator, *, example_ids, epoch, seed) ->
+                (batch, targets)``, e.g. from ``build_transform``; None yields the raw
+                (images, labels).
     device:     where batches are moved before the transform runs; None keeps the
                 images' device.
     rank, world_size: this process's share of each global batch.
@@ -143,7 +144,7 @@ class BatchStream:
             return x, y
         generator = torch.Generator(device=self.device)
         generator.manual_seed(derive_seed(self.seed, epoch, position + 1, self.rank))
-        return self.transform(x, y, generator)
+        return self.transform(x, y, generator, example_ids=idx, epoch=epoch, seed=self.seed)
 
     def __iter__(self) -> Iterator[Batch]:
         if self.position >= len(self):  # state taken after the last batch of an epoch

@@ -46,7 +46,10 @@ __all__ = [
 ]
 
 Size = Union[int, tuple[int, int]]
-BatchTransform = Callable[[torch.Tensor, torch.Tensor, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+# (uint8 images, labels, generator, *, example_ids=None, epoch=0, seed=0) -> (inputs, targets);
+# the keywords locate the batch in the data set and the stream's seed, for augmentations
+# that follow an example across epochs (alternating flip)
+BatchTransform = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def _uniform(shape: tuple[int, ...], generator: torch.Generator, device: torch.device,
@@ -150,6 +153,29 @@ def random_flip(images: torch.Tensor, generator: torch.Generator) -> torch.Tenso
     """Flip each image left-right with probability 1/2.  (B, C, H, W) -> same."""
     flip = _uniform((images.shape[0],), generator, images.device) < 0.5
     return torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
+
+
+def alternating_flip(images: torch.Tensor, example_ids: torch.Tensor, epoch: int, seed: int = 0) -> torch.Tensor:
+    """Flip each example in every other epoch: at random in epoch 0, the opposite in epoch 1.
+
+    A derandomised flip (Jordan 2024, "94% on CIFAR-10 in 3.29 seconds"): with random flips
+    an example is seen twice in the same orientation in half of consecutive epoch pairs;
+    alternating shows both in every pair.  The epoch-0 choice is a hash of the example's
+    index and ``seed``, so it is reproducible without saved state.
+    images: (B, C, H, W); example_ids: (B,) int64 indices into the data set.
+    """
+    flip = (_mix32(example_ids.to(images.device, torch.int64) + seed * 0x9E3779B9) >> 31).bool()
+    flip ^= bool(epoch % 2)
+    return torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser: every input bit moves every output bit (int64 holds it;
+    products that overflow wrap modulo 2**64, which the mask reduces modulo 2**32 exactly)."""
+    x = x & 0xFFFFFFFF
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
 
 
 def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:
@@ -286,6 +312,8 @@ class TrainTransform:
                   is first resized to it if given.
     crop:         "inception" (random_resized_crop, the official pipeline), "pad" (CIFAR
                   reflect-pad-and-crop by ``crop_pad`` pixels) or "none".
+    alternate_flip: with ``flip``, mirror each example in every other epoch instead of
+                  at random (``alternating_flip``); needs the stream's example ids.
     randaug_ops:  RandAugment N (0 = off); ``randaug_magnitude`` is M on the 0-10 scale.
                   Not in the paper; used by the DeiT/AugReg recipes for ViT without
                   large-scale pre-training.
@@ -301,6 +329,7 @@ class TrainTransform:
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     crop_pad: int = 4
     flip: bool = True
+    alternate_flip: bool = False
     randaug_ops: int = 0
     randaug_magnitude: float = 9.0
     mixup_alpha: float = 0.0
@@ -353,8 +382,8 @@ class EvalTransform:
             object.__setattr__(self, "image_size", to_pair(self.image_size, "image_size"))
 
 
-def _train(cfg: TrainTransform, images: torch.Tensor, labels: torch.Tensor,
-           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _train(cfg: TrainTransform, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator, *,
+           example_ids: Optional[torch.Tensor] = None, epoch: int = 0, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     if cfg.crop == "inception":
         images = random_resized_crop(images, cfg.image_size, cfg.crop_scale, cfg.crop_ratio, generator=generator)
     else:
@@ -362,7 +391,11 @@ def _train(cfg: TrainTransform, images: torch.Tensor, labels: torch.Tensor,
             images = resize(images, cfg.image_size)
         if cfg.crop == "pad" and cfg.crop_pad > 0:
             images = random_crop_with_padding(images, cfg.crop_pad, generator=generator)
-    if cfg.flip:
+    if cfg.flip and cfg.alternate_flip:
+        if example_ids is None:
+            raise ValueError("alternate_flip needs the batch's example ids (BatchStream passes them)")
+        images = alternating_flip(images, example_ids, epoch, seed)
+    elif cfg.flip:
         images = random_flip(images, generator)
     if cfg.randaug_ops:
         images = rand_augment(images, cfg.randaug_ops, cfg.randaug_magnitude, generator=generator)
@@ -374,7 +407,7 @@ def _train(cfg: TrainTransform, images: torch.Tensor, labels: torch.Tensor,
 
 
 def _eval(cfg: EvalTransform, images: torch.Tensor, labels: torch.Tensor,
-          generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+          generator: Optional[torch.Generator] = None, **_location) -> tuple[torch.Tensor, torch.Tensor]:
     if cfg.image_size is not None:
         images = resize(images, cfg.image_size)
     x = to_float(images)

@@ -95,6 +95,7 @@ class TrainConfig:
     crop_scale: tuple = (0.05, 1.0)
     crop_pad: int = 4
     flip: bool = True
+    alternate_flip: bool = False
     randaug_ops: int = 0
     randaug_magnitude: float = 9.0
     mixup_alpha: float = 0.0

@@ -1,4 +1,5 @@
 """Tests for vitlab.models.resnet: SAME padding, weight standardisation, both ResNets."""
+import math
 import re
 
 import pytest
@@ -6,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from vitlab.config import ConfigError, ResNetConfig
-from vitlab.models.resnet import BiTResNet, Conv2dSame, ResNetFeatures, StdConv2d, conv2d_same, same_padding
+from vitlab.models.resnet import (BiTResNet, Conv2dSame, ResNetFeatures, StdConv2d, conv2d_same, max_pool_same,
+                                  pad_same, same_padding)
 
 TINY = ResNetConfig(layers=(1, 1), num_classes=5, img_size=32)
 
@@ -233,3 +235,19 @@ def test_root_options_set_the_reduction(kernel, stride, pool, reduction):
 def test_root_options_refuse_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         ResNetConfig(**{field: value})
+
+
+@pytest.mark.parametrize("size", [(16, 16), (17, 17), (8, 9), (5, 4), (2, 3), (1, 1)])
+@pytest.mark.parametrize("kernel, stride", [(3, 2), (3, 1), (2, 2), (5, 3)])
+def test_max_pool_same_equals_minus_inf_pad_then_valid_pool(size, kernel, stride):
+    # negative inputs (a zero pad would win the max where -inf must not), and ties (after a
+    # ReLU: the gradient must go to the same element of each window)
+    x = torch.randn(2, 4, *size, dtype=torch.float64)
+    x[:, 2:] = x[:, 2:].clamp(min=0)
+    x.requires_grad_(True)
+    reference = F.max_pool2d(pad_same(x, (kernel, kernel), (stride, stride), value=-math.inf), kernel, stride)
+    out = max_pool_same(x, kernel, stride)
+    assert out.shape == reference.shape == (2, 4, -(-size[0] // stride), -(-size[1] // stride))
+    assert torch.equal(out, reference)
+    g = torch.randn_like(out)
+    assert torch.equal(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(reference, x, g)[0])

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from ..config import ResNetConfig
 from .init import lecun_normal_
 
-__all__ = ["Conv2dSame", "StdConv2d", "conv2d_same", "ResNetFeatures", "BiTResNet", "same_padding", "pad_same"]
+__all__ = ["Conv2dSame", "StdConv2d", "conv2d_same", "max_pool_same", "ResNetFeatures", "BiTResNet", "same_padding",
+           "pad_same"]
 
 
 def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
@@ -52,6 +53,21 @@ def pad_same(x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int], 
     if top == bottom == left == right == 0:
         return x
     return F.pad(x, (left, right, top, bottom), value=value)
+
+
+def max_pool_same(x: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
+    """flax's ``nn.max_pool(padding="SAME")``: padding is -inf, so it never wins the max.
+
+    Without building the padded tensor: the symmetric part of the SAME padding is
+    PyTorch's own (implicit -inf) ``padding``, and a one-pixel excess at the end is
+    ``ceil_mode``'s clipped last window.  Runs channels-last, ~1.5x faster on CPU.
+    """
+    (top, bottom), (left, right) = (same_padding(n, kernel, stride) for n in x.shape[-2:])
+    if bottom - top > 1 or right - left > 1 or max(top, left) > kernel // 2:  # not for the usual 3x3/2
+        return F.max_pool2d(pad_same(x, (kernel, kernel), (stride, stride), value=-math.inf), kernel, stride)
+    x = x.contiguous(memory_format=torch.channels_last)
+    out = F.max_pool2d(x, kernel, stride, padding=(top, left), ceil_mode=bottom > top or right > left)
+    return out.contiguous()
 
 
 def conv2d_same(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -232,10 +248,7 @@ class ResNetFeatures(nn.Module):
         x = F.relu(self.gn_root(self.conv_root(x)))
         if self.cfg.root_pool:
             if self.cfg.padding == "same":
-                # flax nn.max_pool pads SAME with -inf, so padding never wins the max;
-                # the pool runs channels-last, ~1.5x faster on CPU than NCHW (with indices)
-                x = pad_same(x, (3, 3), (2, 2), value=-math.inf)
-                x = F.max_pool2d(x.contiguous(memory_format=torch.channels_last), 3, 2).contiguous()
+                x = max_pool_same(x, 3, 2)
             else:
                 x = F.max_pool2d(x, 3, 2, padding=1)
         for stage in self.stages:

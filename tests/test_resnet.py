@@ -251,3 +251,26 @@ def test_max_pool_same_equals_minus_inf_pad_then_valid_pool(size, kernel, stride
     assert torch.equal(out, reference)
     g = torch.randn_like(out)
     assert torch.equal(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(reference, x, g)[0])
+
+
+@pytest.mark.parametrize("padding", ["same", "symmetric"])
+def test_hybrid_root_pools_before_the_relu_with_the_same_result(padding):
+    # ResNetFeatures applies the root ReLU after the max-pool; the official order is ReLU
+    # then pool: values and gradients must agree exactly
+    torch.manual_seed(0)
+    model = ResNetFeatures(ResNetConfig(layers=(1,), img_size=16, padding=padding)).double()
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64, requires_grad=True)
+
+    def official_order(x):
+        y = F.relu(model.gn_root(model.conv_root(x)))
+        y = max_pool_same(y, 3, 2) if padding == "same" else F.max_pool2d(y, 3, 2, padding=1)
+        for stage in model.stages:
+            y = stage(y)
+        return y
+
+    out, reference = model(x), official_order(x)
+    torch.testing.assert_close(out, reference, rtol=0, atol=0)
+    g = torch.randn_like(out)
+    params = [x, model.conv_root.weight, model.gn_root.weight]
+    for a, b in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(reference, params, g)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -245,12 +245,14 @@ class ResNetFeatures(nn.Module):
         self.stages = nn.ModuleList(ResNetStage(cfg, plan) for plan in _unit_plan(cfg))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.gn_root(self.conv_root(x)))
-        if self.cfg.root_pool:
-            if self.cfg.padding == "same":
-                x = max_pool_same(x, 3, 2)
-            else:
-                x = F.max_pool2d(x, 3, 2, padding=1)
+        x = self.gn_root(self.conv_root(x))
+        # ReLU commutes with a max-pool padded with -inf (values and gradients), so pooling
+        # first runs the ReLU on a quarter of the map
+        if self.cfg.root_pool and self.cfg.padding == "same":
+            x = max_pool_same(x, 3, 2)
+        elif self.cfg.root_pool:
+            x = F.max_pool2d(x, 3, 2, padding=1)
+        x = F.relu(x)
         for stage in self.stages:
             x = stage(x)
         return x

@@ -160,3 +160,14 @@ def test_final_evaluation_adds_shifted_views_and_the_periodic_ones_do_not(tiny):
     assert "val_top1_flip" not in evaluated[0] and "val_top1_flip" in evaluated[1]  # only the final one
     with pytest.raises(ConfigError, match="final_eval_shift=8"):  # the 8x8 input cannot shift by 8
         train(tiny("shift8", final_eval_shift=8), verbose=False)
+
+
+def test_train_leaves_alone_a_process_group_it_did_not_create(tiny, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        train(tiny("own_group", steps=2, tensorboard=False), verbose=False)
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()

@@ -42,6 +42,9 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+_joined_here = False  # whether init_world created the process group (and so shutdown may end it)
+
+
 def init_world(device_name: str = "auto") -> World:
     """Join the process group if torchrun (or a test) set the environment; else 1 process."""
     size = env_world_size()
@@ -49,9 +52,11 @@ def init_world(device_name: str = "auto") -> World:
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     device = pick_device(device_name, local_rank)
     if size > 1 and not dist.is_initialized():
+        global _joined_here
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=size)
+        _joined_here = True
     return World(rank=rank, size=size, local_rank=local_rank, device=device)
 
 
@@ -100,9 +105,12 @@ def shutdown(wait_for_others: bool = True) -> None:
     tensors and the process aborts ("terminate called without an active exception").
     Call this after the wrapped model is out of scope.  ``wait_for_others`` (a barrier)
     only on success: a rank that failed must not wait for ranks that will not come.
+    A group that the caller created (not ``init_world``) is left alone.
     """
-    if not dist.is_initialized():
+    global _joined_here
+    if not (_joined_here and dist.is_initialized()):
         return
+    _joined_here = False
     gc.collect()  # the model's cycles first: their last references to the group go
     if wait_for_others:
         dist.barrier()

@@ -273,7 +273,66 @@ def exp_gelu() -> None:
     _cifar_step_variants({f"{gelu} GELU": replace(CIFAR, gelu=gelu, mlp_dim=384) for gelu in ("exact", "tanh")})
 
 
-EXPERIMENTS = {"peers": exp_peers, "b16_inference": exp_b16_inference, "cifar_training": exp_cifar_training,
+def _hybrid_recipe_model():
+    """The CIFAR recipe's hybrid (R14x1 stem + 3 blocks), as ``vitlab train`` builds it."""
+    from vitlab.configs.cifar10_scratch import get_config
+    from vitlab.train.config import model_config
+
+    return build_model(model_config(get_config("hybrid"), num_classes=10))
+
+
+def exp_hybrid_root() -> None:
+    """The hybrid's root: ReLU, -inf pad, pool (the official order, built as before) against
+    pool then ReLU without the pad (vitlab's): the recipe's training step, batch 256."""
+    import math
+
+    from vitlab.models.resnet import ResNetFeatures, pad_same
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    model = _hybrid_recipe_model()
+    stem = next(m for m in model.modules() if isinstance(m, ResNetFeatures))
+    current = stem.forward
+
+    def official_order(x):
+        x = F.relu(stem.gn_root(stem.conv_root(x)))
+        x = pad_same(x, (3, 3), (2, 2), value=-math.inf)
+        x = F.max_pool2d(x.contiguous(memory_format=torch.channels_last), 3, 2).contiguous()
+        for stage in stem.stages:
+            x = stage(x)
+        return x
+
+    x, y = torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,))
+    step = _train_step(model, x, y, torch.optim.AdamW(model.parameters()))
+
+    def with_root(forward):
+        def go():
+            stem.forward = forward
+            step()
+        return go
+
+    compare("hybrid R14x1+ViT-CIFAR/1 training step, batch 256",
+            {"ReLU, pad, pool": with_root(official_order), "pool, ReLU (current)": with_root(current)},
+            rounds=7, clock=time.perf_counter)
+
+
+def exp_hybrid_compile() -> None:
+    """torch.compile of the CIFAR recipe's hybrid: a training step, batch 256, every core."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    eager, compiled = _hybrid_recipe_model(), _hybrid_recipe_model()
+    forward = torch.compile(compiled)
+    x, y = torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,))
+    t = time.perf_counter()
+    _train_step(forward, x, y, torch.optim.AdamW(compiled.parameters()))()
+    print(f"\ncompile: first training step of the compiled hybrid took {time.perf_counter() - t:.0f} s wall")
+    compare("torch.compile, hybrid R14x1+ViT-CIFAR/1, batch 256, training step (AdamW)",
+            {"eager": _train_step(eager, x, y, torch.optim.AdamW(eager.parameters())),
+             "torch.compile": _train_step(forward, x, y, torch.optim.AdamW(compiled.parameters()))},
+            rounds=5, clock=time.perf_counter)
+
+
+EXPERIMENTS = {"peers": exp_peers, "hybrid_root": exp_hybrid_root, "hybrid_compile": exp_hybrid_compile, "b16_inference": exp_b16_inference, "cifar_training": exp_cifar_training,
                "gelu": exp_gelu, "patch_dropout": exp_patch_dropout, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16, "denormal": exp_denormal,
                "compile": exp_compile}
 

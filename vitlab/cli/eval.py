@@ -126,8 +126,6 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.eval.features import check_tta_shift, predict_logits
     from vitlab.eval.metrics import classification_report
 
-    if args.shift < 0:
-        raise ValueError(f"--shift={args.shift}: must be >= 0 (pixels; 0 for no translated views)")
     device = pick_device(args.device)
     model, meta = load_checkpoint(args.checkpoint, args.img_size, device)
     size = model_input_size(model)

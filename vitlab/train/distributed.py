@@ -47,12 +47,12 @@ _joined_here = False  # whether init_world created the process group (and so shu
 
 def init_world(device_name: str = "auto") -> World:
     """Join the process group if torchrun (or a test) set the environment; else 1 process."""
+    global _joined_here
     size = env_world_size()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     device = pick_device(device_name, local_rank)
     if size > 1 and not dist.is_initialized():
-        global _joined_here
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=size)

@@ -222,8 +222,8 @@ def setup(cfg: TrainConfig) -> Setup:
                           f"examples, fewer than one micro-batch step of {cfg.batch_size // cfg.accum_steps}")
     train_tf = TrainTransform(
         num_classes=num_classes, image_size=img_size, crop=cfg.crop, crop_scale=tuple(cfg.crop_scale),
-        crop_pad=cfg.crop_pad, flip=cfg.flip, alternate_flip=cfg.alternate_flip, randaug_ops=cfg.randaug_ops, randaug_magnitude=cfg.randaug_magnitude,
-        mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha, label_smoothing=cfg.label_smoothing,
+        crop_pad=cfg.crop_pad, flip=cfg.flip, alternate_flip=cfg.alternate_flip, randaug_ops=cfg.randaug_ops,
+        randaug_magnitude=cfg.randaug_magnitude, mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha, label_smoothing=cfg.label_smoothing,
         erase_prob=cfg.erase_prob,
     )
     stream = BatchStream(

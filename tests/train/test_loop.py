@@ -97,6 +97,19 @@ def test_time_limit_fits_the_schedule(tiny):
     assert summary["wall_s"] < 0.1 * 60 + 3  # the budget, with slack for a busy test machine
 
 
+def test_time_limit_times_every_periodic_evaluation(tiny):
+    # the evaluation cost the refits and the guard plan with is a mean over all periodic
+    # evaluations so far: the one timed for the first fit (step 5) and each one after it
+    cfg = tiny("timed_evals", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1, eval_every=7,
+               tensorboard=False)
+    summary = train(cfg, verbose=False)
+    periodic = [r for r in read_jsonl(f"{cfg.out}/metrics.jsonl") if "val_top1" in r and r["step"] < summary["steps"]]
+    assert len(periodic) >= 2
+    clock = load_checkpoint(list_checkpoints(f"{cfg.out}/checkpoints")[-1])["clock"]
+    assert clock["evals_timed"] == 1 + len(periodic)
+    assert clock["eval_s"] > 0
+
+
 def test_a_resumed_time_limited_run_counts_the_time_already_spent(tiny):
     # the checkpoint carries the run's clock; a run whose checkpoint says the budget is
     # spent stops at once (final evaluation only) instead of starting a fresh budget

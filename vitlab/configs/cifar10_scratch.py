@@ -33,8 +33,8 @@ The hybrid trains under ``torch.compile`` (inductor): a step 0.93x the eager tim
 ~35 s first step (``benchmarks/ab.py hybrid_compile``), 2,794 steps in 30 minutes against
 2,358-2,533 eager.  It needs a C++ compiler; ``--set compile=false`` runs eager.
 Goal: >= 80% top-1 on 5,000 held-out training images (500 per class) in 30 minutes;
-measured 79.86% (10 views; 79.38% flip pair, 78.26% single view):
-benchmarks/results/cifar10-30min.md.
+measured 80.00% (10 views; 78.54% flip pair, 77.34% single view; the run before 79.86%):
+benchmarks/results/cifar10-30min.md.  Within 3 hours: 85.38% (benchmarks/results/cifar10-3h.md).
 """
 from vitlab.train.config import TrainConfig
 

@@ -364,8 +364,7 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
 
     step, total_steps, records = 0, cfg.steps, []
     fitted = cfg.time_limit <= 0  # whether total_steps is final
-    eval_s = 0.0  # measured duration of one periodic evaluation, a mean over those run (time-limited runs)
-    evals_timed = 0
+    eval_s, evals_timed = 0.0, 0  # mean duration of the periodic evaluations run so far, and their count
     latest = ckpt.latest_checkpoint(ckpt_dir) if resume else None
     if latest is not None:
         state = ckpt.load_checkpoint(latest)
@@ -391,13 +390,20 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
     evaluated = s.ema.module if s.ema else s.model  # under FSDP: the sharded model, on every rank
 
     def run_eval(final: bool = False) -> dict:
+        nonlocal eval_s, evals_timed
         if not val_available:
             return {}
+        t_eval = time.monotonic()
         result = evaluate(evaluated, s.splits.val_images, s.splits.val_labels, s.eval_transform,
                           batch_size=cfg.eval_batch_size, device=world.device, precision=cfg.precision, world=world,
                           flip=cfg.eval_flip, shift=cfg.final_eval_shift if final else 0)
         if sharded(s):  # a forward without backward leaves FSDP's root parameters gathered
             s.model.reshard()
+        if not final:
+            # the time limit plans with the mean of all periodic evaluations so far: one alone,
+            # timed for the first fit, is a noisy figure on a shared machine
+            evals_timed += 1
+            eval_s += (time.monotonic() - t_eval - eval_s) / evals_timed
         return result
 
     K = cfg.accum_steps
@@ -477,9 +483,7 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
                 t_measure = time.monotonic()
             elif t_measure is not None and step == 2 + cfg.time_measure_steps:
                 sec_per_step = (time.monotonic() - t_measure) / cfg.time_measure_steps
-                t_eval = time.monotonic()
                 last_val = run_eval()
-                eval_s, evals_timed = time.monotonic() - t_eval, 1
                 total_steps = fit_to_time(sec_per_step)
                 refit_from = (step, time.monotonic(), paused_s)
                 refit_at = max(warmup_steps(cfg, total_steps), step + 2 * cfg.time_measure_steps)
@@ -506,11 +510,6 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
         t_pause = time.monotonic()
         if do_eval:
             last_val = run_eval(final=is_last)
-            if not is_last and deadline_s > 0:
-                # one evaluation, timed for the first fit, is a noisy figure on a shared machine;
-                # the later refits and the guard use the mean of all so far
-                evals_timed += 1
-                eval_s += (time.monotonic() - t_pause - eval_s) / evals_timed
         if do_log:
             now = time.monotonic()
             dt = now - window["t"]

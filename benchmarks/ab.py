@@ -273,12 +273,13 @@ def exp_gelu() -> None:
     _cifar_step_variants({f"{gelu} GELU": replace(CIFAR, gelu=gelu, mlp_dim=384) for gelu in ("exact", "tanh")})
 
 
-def _hybrid_recipe_model():
-    """The CIFAR recipe's hybrid (R14x1 stem + 3 blocks), as ``vitlab train`` builds it."""
+def _hybrid_recipe_model(variant: str = "hybrid_bit"):
+    """A CIFAR recipe hybrid (R14x1 stem + 3 blocks), as ``vitlab train`` builds it: by
+    default with the BiT stem (GroupNorm), the one the NOTES' hybrid figures were taken on."""
     from vitlab.configs.cifar10_scratch import get_config
     from vitlab.train.config import model_config
 
-    return build_model(model_config(get_config("hybrid"), num_classes=10))
+    return build_model(model_config(get_config(variant), num_classes=10))
 
 
 def exp_hybrid_root() -> None:
@@ -332,7 +333,21 @@ def exp_hybrid_compile() -> None:
             rounds=5, clock=time.perf_counter)
 
 
-EXPERIMENTS = {"peers": exp_peers, "hybrid_root": exp_hybrid_root, "hybrid_compile": exp_hybrid_compile, "b16_inference": exp_b16_inference, "cifar_training": exp_cifar_training,
+def exp_hybrid_norm() -> None:
+    """The CIFAR hybrid's stem normalisation, both under torch.compile: BiT's GroupNorm over
+    weight-standardised convolutions against BatchNorm over plain ones (the recipe's)."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    x, y = torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,))
+    steps = {}
+    for label, variant in (("GroupNorm + WS (hybrid_bit)", "hybrid_bit"), ("BatchNorm (hybrid)", "hybrid")):
+        torch.manual_seed(0)
+        model = _hybrid_recipe_model(variant)
+        steps[label] = _train_step(torch.compile(model), x, y, torch.optim.AdamW(model.parameters()))
+    compare("hybrid R14x1 stem norms, torch.compile, batch 256, training step (AdamW)", steps, rounds=7,
+            clock=time.perf_counter)
+
+
+EXPERIMENTS = {"peers": exp_peers, "hybrid_norm": exp_hybrid_norm, "hybrid_root": exp_hybrid_root, "hybrid_compile": exp_hybrid_compile, "b16_inference": exp_b16_inference, "cifar_training": exp_cifar_training,
                "gelu": exp_gelu, "patch_dropout": exp_patch_dropout, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16, "denormal": exp_denormal,
                "compile": exp_compile}
 

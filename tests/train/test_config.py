@@ -63,10 +63,12 @@ def test_every_recipe_loads_and_is_consistent():
     assert load_recipe("vtab1k:final=true").val_split == 0
     from vitlab.train.config import model_config
 
-    for variant, tokens in (("hybrid", 16), ("vit", 64)):  # both CIFAR models build, at 32 px
-        cifar = load_recipe(f"cifar10_scratch:model={variant}")
+    for variant, tokens, norm in (("hybrid", 16, "batch"), ("hybrid_bit", 16, "group"), ("vit", 64, None)):
+        cifar = load_recipe(f"cifar10_scratch:model={variant}")  # every CIFAR model builds, at 32 px
         validate(cifar, need_data=False)
-        assert model_config(cifar, num_classes=10).num_patches == tokens
+        built = model_config(cifar, num_classes=10)
+        assert built.num_patches == tokens
+        assert (built.resnet.norm if built.resnet else None) == norm
     with pytest.raises(ConfigError, match="model='resnet'"):
         load_recipe("cifar10_scratch:model=resnet")
     with pytest.raises(ConfigError, match="no such recipe"):

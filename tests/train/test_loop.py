@@ -1,5 +1,9 @@
 """The loop's guarantees: accumulation equals a big batch, resume is bit-exact."""
+import os
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -95,6 +99,44 @@ def test_time_limit_fits_the_schedule(tiny):
                          tensorboard=False), verbose=False)
     assert summary["steps"] == summary["planned_steps"] < 1_000_000
     assert summary["wall_s"] < 0.1 * 60 + 3  # the budget, with slack for a busy test machine
+
+
+def test_time_limit_counts_from_started_at(tiny):
+    # the CLI passes its process's start: a budget already spent by then (here all of it)
+    # leaves only the measuring steps, one more and the final evaluation
+    started = time.monotonic() - 0.1 * 60
+    summary = train(tiny("timed_started", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1,
+                         tensorboard=False), verbose=False, started_at=started)
+    assert summary["steps"] == summary["planned_steps"] <= 2 + 3 + 1
+    assert summary["wall_s"] >= 0.1 * 60  # counted from started_at, not from the call
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads the process start from Linux's /proc")
+def test_process_started_at_counts_the_time_before_train_is_called():
+    # a process that idles for a second before asking: its start lies that second back
+    code = ("import time; time.sleep(1.0); from vitlab.cli.train import process_started_at; "
+            "print(time.monotonic() - process_started_at())")
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 1.0 <= age < 60.0
+
+
+def test_time_limit_refits_over_consecutive_stretches(tiny, monkeypatch):
+    # after the warm-up's refit, one halfway through the decay and one at three quarters,
+    # each timed over the steps since the one before (the latest speed of the machine)
+    import re
+
+    from vitlab.train.metrics import Progress
+
+    messages = []
+    monkeypatch.setattr(Progress, "message", lambda self, text: messages.append(text))
+    summary = train(tiny("timed_refits", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1,
+                         tensorboard=False), verbose=False)
+    stretches = [tuple(map(int, m)) for m in re.findall(r"ms/step over steps (\d+)-(\d+) ->", "\n".join(messages))]
+    assert len(stretches) == 3, messages
+    (_, warm_end), (mid_start, mid_end), (late_start, late_end) = stretches
+    assert warm_end == mid_start < mid_end == late_start < late_end < summary["steps"]
+    # each decay refit sits halfway between the previous one and the end then planned
+    assert summary["steps"] - late_end < late_end - mid_start
 
 
 def test_time_limit_times_every_periodic_evaluation(tiny):

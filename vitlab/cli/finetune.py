@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .train import add_common_arguments, resolve_config
+from .train import add_common_arguments, process_started_at, resolve_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
     if args.show_config:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
-    summary = train(cfg, resume=args.resume, overwrite=args.overwrite, verbose=not args.quiet)
+    summary = train(cfg, resume=args.resume, overwrite=args.overwrite, verbose=not args.quiet,
+                    started_at=process_started_at())
     if summary.get("weights") is not None:
         print(json.dumps(summary), flush=True)
     return 0

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
+from pathlib import Path
 
 # flag -> TrainConfig field
 SHORTCUTS = {
@@ -51,6 +54,23 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
     p.add_argument("--quiet", action="store_true", help="no progress line")
 
 
+def process_started_at() -> float:
+    """When this process started, on the ``time.monotonic()`` clock (Linux; elsewhere: now).
+
+    A ``--time-limit`` budget is the command's wall time, so it counts the seconds spent
+    importing PyTorch before ``train`` is reached (~3 s here) as well.
+    """
+    now = time.monotonic()
+    try:
+        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()  # fields 3.. of proc(5)
+        start_ticks = int(after_name[19])  # field 22, starttime: clock ticks after boot
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return now
+    return now - age if 0.0 <= age < 3600.0 else now  # a nonsensical age (odd /proc): no correction
+
+
 def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     """Recipe -> --set overrides -> dedicated flags (the most specific wins)."""
     from vitlab.train.config import apply_overrides, load_recipe, replace
@@ -79,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if args.show_config:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
-    summary = train(cfg, resume=args.resume, overwrite=args.overwrite, verbose=not args.quiet)
+    summary = train(cfg, resume=args.resume, overwrite=args.overwrite, verbose=not args.quiet,
+                    started_at=process_started_at())
     if summary.get("weights") is not None:  # rank 0 of a distributed run
         print(json.dumps(summary), flush=True)
     return 0

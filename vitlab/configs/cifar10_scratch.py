@@ -3,17 +3,25 @@
 Not a paper recipe: the paper never trains on CIFAR from scratch, and Sec. 4 shows that
 ViT needs large pre-training data, because it lacks a CNN's inductive biases.  With a
 30-minute CPU budget (about 12 epochs here) that is what decides, so the default model is
-the paper's *hybrid* (Sec. 3.1): a small BiT ResNet computes a feature map and the
+the paper's *hybrid* (Sec. 3.1): a small ResNet in BiT's layout computes a feature map and the
 Transformer reads it as 1x1 patches.
 
-``model=hybrid`` (default): BiT root (7x7/2 conv, 3x3/2 max-pool), one bottleneck unit at
-    8x8 and three at 4x4, 32x32 -> 4x4x512; then 1x1 patches (16 tokens + [class]) into a
-    ViT of width 192, 3 blocks of 3 heads, MLP 384.  2.02M parameters.  At this budget
-    convolution at 4x4 learns faster than attention: a unit there costs about what a
-    block on 17 tokens costs, and in 6-minute probes (single-view top-1) moving from
-    2 units + 6 blocks (~49%) to 3 + 4 (56.4%) to 4 + 3 (58.7% at lr 1e-3; 3 + 4 at
-    lr 1e-3: 56.8%) kept paying, while a second unit at 8x8 was slow (51.8%).  lr 3e-3:
-    43.6%; batch 128: level with 256 at lr 1e-3, worse at 2e-3.
+``model=hybrid`` (default): BiT-style ResNet root (7x7/2 conv, 3x3/2 max-pool), one
+    bottleneck unit at 8x8 and three at 4x4, 32x32 -> 4x4x512; then 1x1 patches (16 tokens
+    + [class]) into a ViT of width 192, 3 blocks of 3 heads, MLP 384.  2.02M parameters.
+    At this budget convolution at 4x4 learns faster than attention: a unit there costs
+    about what a block on 17 tokens costs, and in 6-minute probes (single-view top-1)
+    moving from 2 units + 6 blocks (~49%) to 3 + 4 (56.4%) to 4 + 3 (58.7% at lr 1e-3;
+    3 + 4 at lr 1e-3: 56.8%) kept paying, while a second unit at 8x8 was slow (51.8%).
+    lr 3e-3: 43.6%; batch 128: level with 256 at lr 1e-3, worse at 2e-3.
+    The stem normalises with BatchNorm (``norm="batch"``, plain convolutions), not the
+    paper's BiT GroupNorm over weight-standardised convolutions: BiT chose GroupNorm for
+    transfer with small per-device batches, while this recipe trains from scratch at
+    batch 256 in one process, where batch statistics learn faster.  30-minute runs: 80.40%
+    (10 views; single view 78.84%) against 80.00% and 79.94% (single 77.34%, 77.36%) with
+    GroupNorm, and under ``torch.compile`` the step is no slower (eager: ~10% slower).
+``model=hybrid_bit``: the same with the paper's BiT stem (GroupNorm, weight-standardised
+    convolutions), the recipe's default until BatchNorm replaced it; its 3-hour run below.
 ``model=vit``: the plain ViT, 4x4 patches (64 tokens + [class]), 6 blocks, lr 2e-3; half of
     each image's patches dropped in training (patch_dropout=0.5), which doubles its speed.
 
@@ -39,11 +47,13 @@ benchmarks/results/cifar10-30min.md.  Within 3 hours: 85.38% (benchmarks/results
 from vitlab.train.config import TrainConfig
 
 ENCODER = dict(img_size=32, width=192, num_heads=3, mlp_dim=384, gelu="exact")
+HYBRID = dict(ENCODER, depth=3, patch_size=1)
 MODELS = {
-    "hybrid": dict(ENCODER, depth=3, patch_size=1, resnet=dict(layers=(1, 3), img_size=32), name="R14x1+ViT-CIFAR/1"),
+    "hybrid": dict(HYBRID, resnet=dict(layers=(1, 3), img_size=32, norm="batch"), name="R14x1-BN+ViT-CIFAR/1"),
+    "hybrid_bit": dict(HYBRID, resnet=dict(layers=(1, 3), img_size=32, norm="group"), name="R14x1+ViT-CIFAR/1"),
     "vit": dict(ENCODER, depth=6, patch_size=4, patch_dropout=0.5, name="ViT-CIFAR/4"),
 }
-LEARNING_RATES = {"hybrid": 1e-3, "vit": 2e-3}
+LEARNING_RATES = {"hybrid": 1e-3, "hybrid_bit": 1e-3, "vit": 2e-3}
 
 
 def get_config(model: str = "hybrid") -> TrainConfig:
@@ -64,6 +74,6 @@ def get_config(model: str = "hybrid") -> TrainConfig:
         time_limit=30.0,
         eval_every=500, eval_batch_size=500, eval_flip=True, final_eval_shift=2,
         log_every=50, ckpt_every=1000, keep_ckpts=1,
-        compile=model == "hybrid",  # measured for the hybrid only
+        compile=model.startswith("hybrid"),  # measured for the hybrids only
         out="runs/cifar10_scratch",
     )

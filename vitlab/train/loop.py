@@ -319,7 +319,8 @@ RESUME_INVARIANTS = ("model", "model_overrides", "data", "val_split", "split_see
                      "batch_size", "accum_steps", "seed", "optimizer", "img_size", "init")
 
 
-def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrite: bool = False) -> dict:
+def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrite: bool = False,
+          started_at: float | None = None) -> dict:
     """Train as ``cfg`` says; returns the summary (also written to ``out/summary.json``).
 
     The summary holds the final validation metrics, the path of the final weights
@@ -329,19 +330,24 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     ``resume`` continues from the newest checkpoint in ``out/checkpoints``.  Without it, a
     folder holding an earlier run's checkpoints is refused, unless ``overwrite`` (then
     those checkpoints are deleted first).
+
+    ``started_at``: the ``time.monotonic()`` at which a ``time_limit`` budget starts
+    counting (default: now); the CLI passes its process's start, so that the budget is the
+    command's whole wall time.
     """
     succeeded = False
     try:
-        summary = _train(cfg, resume, verbose, overwrite)
+        summary = _train(cfg, resume, verbose, overwrite, started_at)
         succeeded = True
     finally:
         shutdown(wait_for_others=succeeded)
     return summary
 
 
-def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrite: bool = False) -> dict:
+def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrite: bool = False,
+           started_at: float | None = None) -> dict:
     """The body of ``train``; returns with the model out of scope, so the process group can go."""
-    t_start = time.monotonic()
+    t_start = time.monotonic() if started_at is None else min(started_at, time.monotonic())
     deadline_s = cfg.time_limit * 60.0
     out = Path(cfg.out)
     ckpt_dir = out / "checkpoints"
@@ -412,19 +418,23 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
     window = {"loss": 0.0, "correct": 0.0, "seen": 0, "t": time.monotonic(), "steps": 0}
     t_measure = None
     sec_per_step = None
-    # the final evaluation's cost, in periodic evaluations (it may add shifted views)
-    final_views = tta_view_count(cfg.eval_flip, cfg.final_eval_shift) / tta_view_count(cfg.eval_flip)
+    # the final evaluation's cost, in periodic evaluations: it may add shifted views, and it
+    # gets a quarter more as margin, because it is the longest single task and nothing after
+    # it can absorb an overrun (CIFAR runs: 4.8-6.3x the periodic evaluation for 5x the
+    # views, the highest on a host slowing down; one such run ended 6 s past its 30 minutes)
+    final_eval_ratio = 1.25 * tta_view_count(cfg.eval_flip, cfg.final_eval_shift) / tta_view_count(cfg.eval_flip)
     # kept free for saving, plots and a slower last evaluation (saving and plots took ~1 s
     # of a 30-minute CIFAR run; 1% of the budget left 23 s unused there)
     reserve_s = 5.0 + 0.005 * deadline_s
     paused_s = 0.0  # time spent outside training steps so far
     refit_from, refit_at = None, 0  # (step, time, paused_s) where the second measurement starts
-    midway_from, midway_at = None, 0  # the same for the third, over the first half of the decay
+    # the same for the refits in the decay: over its first half, then over its third quarter
+    decay_from, decay_at, decay_refits = None, 0, 0
 
     def fit_to_time(sec_per_step: float) -> int:
         total = fit_steps_to_time(
             budget_s=deadline_s, elapsed_s=time.monotonic() - t_start, step=step, sec_per_step=sec_per_step,
-            eval_s=eval_s, final_eval_s=final_views * eval_s, eval_every=cfg.eval_every, reserve_s=reserve_s,
+            eval_s=eval_s, final_eval_s=final_eval_ratio * eval_s, eval_every=cfg.eval_every, reserve_s=reserve_s,
             max_steps=cfg.steps)
         return int(all_reduce_sum([float(total)], world)[0] / world.size)  # ranks agree
 
@@ -473,11 +483,15 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
         window["steps"] += 1
 
         # --- time budget: measure over the first steps and fit the schedule; measure again over
-        # the rest of the warm-up (a steadier figure) and refit while the lr is still rising; a
-        # last refit halfway through the decay (the warm-up's rate can be off by several
-        # percent on a machine still settling), early enough for the decay to absorb it
-        if midway_from is not None and step == midway_at:
-            total_steps, midway_from = refit_since(midway_from), None
+        # the rest of the warm-up (a steadier figure) and refit while the lr is still rising;
+        # refit halfway through the decay (the warm-up's rate can be off by several percent on
+        # a machine still settling) and at three quarters (a shared machine that sped up
+        # after the halfway refit left a 30-minute run 95 s unused), early enough for the
+        # rest of the decay to absorb the change; a slowdown after that is the guard's below
+        if decay_from is not None and step == decay_at:
+            total_steps, decay_refits = refit_since(decay_from), decay_refits + 1
+            decay_from = (step, time.monotonic(), paused_s) if decay_refits < 2 else None
+            decay_at = step + (total_steps - step) // 2
         if not fitted:
             if step == 2:  # the first steps pay for allocation and compilation
                 t_measure = time.monotonic()
@@ -492,14 +506,14 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
                                  f"(warm-up {warmup_steps(cfg, total_steps)})")
             elif refit_from is not None and step == refit_at:
                 total_steps, fitted = refit_since(refit_from), True
-                midway_from, midway_at = (step, time.monotonic(), paused_s), step + (total_steps - step) // 2
+                decay_from, decay_at = (step, time.monotonic(), paused_s), step + (total_steps - step) // 2
             if total_steps <= step:
                 total_steps, fitted = step, True
 
         # slower than measured (a busy machine): end here, still with a final evaluation and checkpoint,
         # keeping half the reserve for them (a run that kept none ended 4 s past its 30 minutes)
         if deadline_s > 0 and (fitted or refit_from is not None) and step < total_steps and all_reduce_sum(  # all ranks stop together
-                [float(time.monotonic() - t_start > deadline_s - final_views * eval_s - reserve_s / 2)], world)[0] > 0:
+                [float(time.monotonic() - t_start > deadline_s - final_eval_ratio * eval_s - reserve_s / 2)], world)[0] > 0:
             progress.message(f"time limit reached at step {step}/{total_steps}: stopping before the schedule's end")
             total_steps = step
 

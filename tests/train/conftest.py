@@ -17,6 +17,16 @@ def tiny_config(out, **changes) -> TrainConfig:
     return TrainConfig(**fields)
 
 
+@pytest.fixture(scope="session")
+def warm_process(tmp_path_factory):
+    """One short training run per test process: the first ``train`` in a process pays seconds
+    of one-time imports and data loading (torch._dynamo, scikit-learn's digits), which must
+    not eat the few seconds a time-limited test runs for, whichever test comes first."""
+    from vitlab.train import train
+
+    train(tiny_config(tmp_path_factory.mktemp("warm") / "run", steps=2, warmup=1, tensorboard=False), verbose=False)
+
+
 @pytest.fixture
-def tiny(tmp_path):
+def tiny(tmp_path, warm_process):
     return lambda name="run", **changes: tiny_config(tmp_path / name, **changes)

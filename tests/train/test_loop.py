@@ -177,6 +177,28 @@ def test_a_resumed_time_limited_run_counts_the_time_already_spent(tiny):
     assert logged[-1]["elapsed_s"] >= 0.1 * 60
 
 
+def test_a_resumed_time_limited_run_times_its_steps_again(tiny, monkeypatch):
+    # the restarted process may run on another machine: from two steps after the restart
+    # (the first ones compile) the decay's refits time the steps anew
+    import re
+
+    from vitlab.train.metrics import Progress
+
+    cfg = tiny("timed_remeasure", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1, ckpt_every=2,
+               keep_ckpts=100_000, tensorboard=False)
+    train(cfg, verbose=False)
+    ckpts = list_checkpoints(f"{cfg.out}/checkpoints")
+    for p in ckpts[3:]:  # stopped after its third checkpoint, step 6, a second or so into its budget
+        p.unlink()
+    messages = []
+    monkeypatch.setattr(Progress, "message", lambda self, text: messages.append(text))
+    resumed = train(cfg, resume=True, verbose=False)
+    stretches = [tuple(map(int, m)) for m in re.findall(r"ms/step over steps (\d+)-(\d+) ->", "\n".join(messages))]
+    assert len(stretches) == 2, messages
+    (first_start, first_end), (second_start, second_end) = stretches
+    assert first_start == 6 + 2 and first_end == second_start < second_end < resumed["steps"]
+
+
 def test_flip_evaluation_scores_the_two_view_ensemble(tiny):
     from vitlab.data.transforms import EvalTransform, build_transform
     from vitlab.eval.features import predict_logits

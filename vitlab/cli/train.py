@@ -58,7 +58,7 @@ def process_started_at() -> float:
     """When this process started, on the ``time.monotonic()`` clock (Linux; elsewhere: now).
 
     A ``--time-limit`` budget is the command's wall time, so it counts the seconds spent
-    importing PyTorch before ``train`` is reached (~3 s here) as well.
+    importing PyTorch before ``train`` is reached (~2 s here) as well.
     """
     now = time.monotonic()
     try:

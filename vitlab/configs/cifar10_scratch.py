@@ -17,9 +17,9 @@ Transformer reads it as 1x1 patches.
     The stem normalises with BatchNorm (``norm="batch"``, plain convolutions), not the
     paper's BiT GroupNorm over weight-standardised convolutions: BiT chose GroupNorm for
     transfer with small per-device batches, while this recipe trains from scratch at
-    batch 256 in one process, where batch statistics learn faster.  30-minute runs: 80.40%
-    (10 views; single view 78.84%) against 80.00% and 79.94% (single 77.34%, 77.36%) with
-    GroupNorm, and under ``torch.compile`` the step is no slower (eager: ~10% slower).
+    batch 256 in one process, where batch statistics learn faster: about a point ahead at
+    equal steps in 30-minute runs, and under ``torch.compile`` the step costs the same
+    (eager: ~10% more).
 ``model=hybrid_bit``: the same with the paper's BiT stem (GroupNorm, weight-standardised
     convolutions), the recipe's default until BatchNorm replaced it; its 3-hour run below.
 ``model=vit``: the plain ViT, 4x4 patches (64 tokens + [class]), 6 blocks, lr 2e-3; half of
@@ -41,8 +41,10 @@ The hybrid trains under ``torch.compile`` (inductor): a step 0.93x the eager tim
 ~35 s first step (``benchmarks/ab.py hybrid_compile``), 2,794 steps in 30 minutes against
 2,358-2,533 eager.  It needs a C++ compiler; ``--set compile=false`` runs eager.
 Goal: >= 80% top-1 on 5,000 held-out training images (500 per class) in 30 minutes;
-measured 80.00% (10 views; 78.54% flip pair, 77.34% single view; the run before 79.86%):
-benchmarks/results/cifar10-30min.md.  Within 3 hours: 85.38% (benchmarks/results/cifar10-3h.md).
+measured 80.78% at the host's usual speed, 79.86% and 78.48% on slower hours (10 views; the
+BiT stem: 80.00%, 79.94%):
+benchmarks/results/cifar10-30min.md.  Within 3 hours (BiT stem): 85.38%
+(benchmarks/results/cifar10-3h.md).
 """
 from vitlab.train.config import TrainConfig
 

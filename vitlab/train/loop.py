@@ -372,6 +372,7 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
     fitted = cfg.time_limit <= 0  # whether total_steps is final
     eval_s, evals_timed = 0.0, 0  # mean duration of the periodic evaluations run so far, and their count
     latest = ckpt.latest_checkpoint(ckpt_dir) if resume else None
+    remeasure_at = None  # a resumed time-limited run: the step from which the decay refits time again
     if latest is not None:
         state = ckpt.load_checkpoint(latest)
         saved = state.get("config", {})
@@ -381,6 +382,8 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
                               " differ from the checkpoint's run; an exact continuation needs the same values")
         step, total_steps, records = restore(s, state)
         fitted = True
+        if cfg.time_limit > 0:  # time the steps again: the machine may differ (its first steps compile)
+            remeasure_at = step + 2
         # the clock goes on from the checkpoint: the time between the stop and this restart,
         # and any steps made after the checkpoint, are not counted (they left no trace)
         clock = state.get("clock", {})
@@ -488,6 +491,9 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
         # a machine still settling) and at three quarters (a shared machine that sped up
         # after the halfway refit left a 30-minute run 95 s unused), early enough for the
         # rest of the decay to absorb the change; a slowdown after that is the guard's below
+        if step == remeasure_at:  # a resumed run: both decay refits again, over the steps left
+            decay_from, decay_refits, remeasure_at = (step, time.monotonic(), paused_s), 0, None
+            decay_at = step + max((total_steps - step) // 2, cfg.time_measure_steps)
         if decay_from is not None and step == decay_at:
             total_steps, decay_refits = refit_since(decay_from), decay_refits + 1
             decay_from = (step, time.monotonic(), paused_s) if decay_refits < 2 else None

@@ -41,7 +41,7 @@ The hybrid trains under ``torch.compile`` (inductor): a step 0.93x the eager tim
 ~35 s first step (``benchmarks/ab.py hybrid_compile``), 2,794 steps in 30 minutes against
 2,358-2,533 eager.  It needs a C++ compiler; ``--set compile=false`` runs eager.
 Goal: >= 80% top-1 on 5,000 held-out training images (500 per class) in 30 minutes;
-measured 80.78% at the host's usual speed, 79.86% and 78.48% on slower hours (10 views; the
+measured 80.78% at ~400 img/s, 79.86% and 78.48% on slower hours of the host (10 views; the
 BiT stem: 80.00%, 79.94%):
 benchmarks/results/cifar10-30min.md.  Within 3 hours (BiT stem): 85.38%
 (benchmarks/results/cifar10-3h.md).

@@ -349,31 +349,18 @@ def exp_hybrid_norm() -> None:
 
 def exp_hybrid_layout() -> None:
     """The recipe's hybrid (BatchNorm stem) under torch.compile: the stem in PyTorch's
-    default NCHW layout against channels-last throughout (the root max-pool keeps it)."""
-    import vitlab.models.resnet as resnet
-
+    default NCHW layout against channels-last throughout (``max_pool_same`` keeps it)."""
     torch.set_num_threads(os.cpu_count() or 1)
     x, y = torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,))
-    pool = resnet.max_pool_same
-
-    def layout_keeping_pool(t, kernel, stride):
-        out = pool(t, kernel, stride)  # returns NCHW
-        keep = t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
-        return out.contiguous(memory_format=torch.channels_last) if keep else out
-
-    resnet.max_pool_same = layout_keeping_pool
-    try:
-        steps = {}
-        for label, layout in (("NCHW (current)", torch.contiguous_format), ("channels-last stem", torch.channels_last)):
-            torch.manual_seed(0)
-            model = _hybrid_recipe_model("hybrid")
-            stem_forward = model.stem.forward
-            model.stem.forward = lambda t, f=stem_forward, m=layout: f(t.contiguous(memory_format=m))
-            steps[label] = _train_step(torch.compile(model), x, y, torch.optim.AdamW(model.parameters()))
-        compare("hybrid R14x1-BN stem layout, torch.compile, batch 256, training step (AdamW)", steps, rounds=7,
-                clock=time.perf_counter)
-    finally:
-        resnet.max_pool_same = pool
+    steps = {}
+    for label, layout in (("NCHW (current)", torch.contiguous_format), ("channels-last stem", torch.channels_last)):
+        torch.manual_seed(0)
+        model = _hybrid_recipe_model("hybrid")
+        stem_forward = model.stem.forward
+        model.stem.forward = lambda t, f=stem_forward, m=layout: f(t.contiguous(memory_format=m))
+        steps[label] = _train_step(torch.compile(model), x, y, torch.optim.AdamW(model.parameters()))
+    compare("hybrid R14x1-BN stem layout, torch.compile, batch 256, training step (AdamW)", steps, rounds=7,
+            clock=time.perf_counter)
 
 
 EXPERIMENTS = {"peers": exp_peers, "hybrid_norm": exp_hybrid_norm, "hybrid_layout": exp_hybrid_layout, "hybrid_root": exp_hybrid_root, "hybrid_compile": exp_hybrid_compile, "b16_inference": exp_b16_inference, "cifar_training": exp_cifar_training,

@@ -253,6 +253,15 @@ def test_max_pool_same_equals_minus_inf_pad_then_valid_pool(size, kernel, stride
     assert torch.equal(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(reference, x, g)[0])
 
 
+def test_max_pool_same_returns_its_inputs_layout():
+    x = torch.randn(2, 8, 16, 16)
+    nchw = max_pool_same(x, 3, 2)
+    channels_last = max_pool_same(x.contiguous(memory_format=torch.channels_last), 3, 2)
+    assert nchw.is_contiguous()
+    assert channels_last.is_contiguous(memory_format=torch.channels_last) and not channels_last.is_contiguous()
+    assert torch.equal(nchw, channels_last)
+
+
 @pytest.mark.parametrize("padding", ["same", "symmetric"])
 def test_hybrid_root_pools_before_the_relu_with_the_same_result(padding):
     # ResNetFeatures applies the root ReLU after the max-pool; the official order is ReLU

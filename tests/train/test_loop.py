@@ -1,9 +1,11 @@
 """The loop's guarantees: accumulation equals a big batch, resume is bit-exact."""
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -120,19 +122,25 @@ def test_process_started_at_counts_the_time_before_train_is_called():
     assert 1.0 <= age < 60.0
 
 
-def test_time_limit_refits_over_consecutive_stretches(tiny, monkeypatch):
-    # after the warm-up's refit, one halfway through the decay and one at three quarters,
-    # each timed over the steps since the one before (the latest speed of the machine)
-    import re
-
+def capture_refits(monkeypatch) -> Callable[[], list[tuple[int, int]]]:
+    """Record the time limit's progress messages; the returned function lists the
+    (first, last) step of each stretch a refit timed, in order."""
     from vitlab.train.metrics import Progress
 
     messages = []
     monkeypatch.setattr(Progress, "message", lambda self, text: messages.append(text))
+    pattern = re.compile(r"ms/step over steps (\d+)-(\d+) ->")
+    return lambda: [(int(a), int(b)) for a, b in pattern.findall("\n".join(messages))]
+
+
+def test_time_limit_refits_over_consecutive_stretches(tiny, monkeypatch):
+    # after the warm-up's refit, one halfway through the decay and one at three quarters,
+    # each timed over the steps since the one before (the latest speed of the machine)
+    refits = capture_refits(monkeypatch)
     summary = train(tiny("timed_refits", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1,
                          tensorboard=False), verbose=False)
-    stretches = [tuple(map(int, m)) for m in re.findall(r"ms/step over steps (\d+)-(\d+) ->", "\n".join(messages))]
-    assert len(stretches) == 3, messages
+    stretches = refits()
+    assert len(stretches) == 3, stretches
     (_, warm_end), (mid_start, mid_end), (late_start, late_end) = stretches
     assert warm_end == mid_start < mid_end == late_start < late_end < summary["steps"]
     # each decay refit sits halfway between the previous one and the end then planned
@@ -180,21 +188,16 @@ def test_a_resumed_time_limited_run_counts_the_time_already_spent(tiny):
 def test_a_resumed_time_limited_run_times_its_steps_again(tiny, monkeypatch):
     # the restarted process may run on another machine: from two steps after the restart
     # (the first ones compile) the decay's refits time the steps anew
-    import re
-
-    from vitlab.train.metrics import Progress
-
     cfg = tiny("timed_remeasure", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1, ckpt_every=2,
                keep_ckpts=100_000, tensorboard=False)
     train(cfg, verbose=False)
     ckpts = list_checkpoints(f"{cfg.out}/checkpoints")
     for p in ckpts[3:]:  # stopped after its third checkpoint, step 6, a second or so into its budget
         p.unlink()
-    messages = []
-    monkeypatch.setattr(Progress, "message", lambda self, text: messages.append(text))
+    refits = capture_refits(monkeypatch)
     resumed = train(cfg, resume=True, verbose=False)
-    stretches = [tuple(map(int, m)) for m in re.findall(r"ms/step over steps (\d+)-(\d+) ->", "\n".join(messages))]
-    assert len(stretches) == 2, messages
+    stretches = refits()
+    assert len(stretches) == 2, stretches
     (first_start, first_end), (second_start, second_end) = stretches
     assert first_start == 6 + 2 and first_end == second_start < second_end < resumed["steps"]
 

@@ -60,14 +60,16 @@ def max_pool_same(x: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
 
     Without building the padded tensor: the symmetric part of the SAME padding is
     PyTorch's own (implicit -inf) ``padding``, and a one-pixel excess at the end is
-    ``ceil_mode``'s clipped last window.  Runs channels-last, ~1.5x faster on CPU.
+    ``ceil_mode``'s clipped last window.  Runs channels-last, ~1.5x faster on CPU, and
+    returns the input's layout (NCHW, or channels-last for a channels-last input).
     """
     (top, bottom), (left, right) = (same_padding(n, kernel, stride) for n in x.shape[-2:])
     if bottom - top > 1 or right - left > 1 or max(top, left) > kernel // 2:  # not for the usual 3x3/2
         return F.max_pool2d(pad_same(x, (kernel, kernel), (stride, stride), value=-math.inf), kernel, stride)
-    x = x.contiguous(memory_format=torch.channels_last)
-    out = F.max_pool2d(x, kernel, stride, padding=(top, left), ceil_mode=bottom > top or right > left)
-    return out.contiguous()
+    nchw = x.is_contiguous()
+    out = F.max_pool2d(x.contiguous(memory_format=torch.channels_last), kernel, stride, padding=(top, left),
+                       ceil_mode=bottom > top or right > left)
+    return out.contiguous() if nchw else out
 
 
 def conv2d_same(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

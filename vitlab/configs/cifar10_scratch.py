@@ -22,8 +22,8 @@ Transformer reads it as 1x1 patches.
     equal steps in 30-minute runs, and under ``torch.compile`` the step costs the same
     (eager: ~10% more).  With BatchNorm the stem takes a higher learning rate, 2e-3: in
     1,000-step probes (flip pair / single view) 1e-3 gave 69.8/68.3%, 2e-3 70.2/69.4%,
-    3e-3 69.8/69.3%; in 30 minutes, 2e-3 reached 79.52% in 2,160 steps, 0.4 points above
-    the line through the 1e-3 runs (78.48% at 1,973 steps, 79.86% at 2,377).
+    3e-3 69.8/69.3%; three 30-minute runs at 2e-3 were +0.74, -0.28 and +0.40 points off
+    the line through the 1e-3 runs at equal steps (78.48% at 1,973 steps, 79.86% at 2,377).
 ``model=hybrid_bit``: the same with the paper's BiT stem (GroupNorm, weight-standardised
     convolutions), the recipe's default until BatchNorm replaced it; its 3-hour run below.
 ``model=vit``: the plain ViT, 4x4 patches (64 tokens + [class]), 6 blocks, lr 2e-3; half of
@@ -45,8 +45,9 @@ The hybrid trains under ``torch.compile`` (inductor): a step 0.93x the eager tim
 ~35 s first step (``benchmarks/ab.py hybrid_compile``), 2,794 steps in 30 minutes against
 2,358-2,533 eager.  It needs a C++ compiler; ``--set compile=false`` runs eager.
 Goal: >= 80% top-1 on 5,000 held-out training images (500 per class) in 30 minutes;
-measured 80.78% at ~400 img/s, 79.86% and 78.48% on slower hours of the host (10 views; the
-BiT stem: 80.00%, 79.94%):
+measured 80.78% at ~400 img/s, 79.86% and 78.48% on slower hours of the host (lr 1e-3, 10
+views; the BiT stem: 80.00%, 79.94%); at lr 2e-3 on a slow host (285-308 img/s)
+79.52%, 79.02%, 78.30%:
 benchmarks/results/cifar10-30min.md.  Within 3 hours (BiT stem): 85.38%
 (benchmarks/results/cifar10-3h.md).
 """

@@ -251,3 +251,52 @@ def test_train_leaves_alone_a_process_group_it_did_not_create(tiny, tmp_path):
         assert dist.is_initialized()
     finally:
         dist.destroy_process_group()
+
+
+def record_input_sizes(monkeypatch) -> list[tuple[bool, int]]:
+    """(training?, side) of every batch the model built by the loop is called on."""
+    import vitlab.train.loop as loop
+
+    seen, build = [], loop.build_model
+
+    def recording(cfg, num_classes):
+        model = build(cfg, num_classes)
+        model.register_forward_pre_hook(lambda module, args: seen.append((module.training, args[0].shape[-1])))
+        return model
+
+    monkeypatch.setattr(loop, "build_model", recording)
+    return seen
+
+
+def test_progressive_sizes_shrink_the_early_training_batches(tiny, monkeypatch):
+    seen = record_input_sizes(monkeypatch)
+    summary = train(tiny("progressive", steps=8, progressive_sizes=((4, 0.5),)), verbose=False)
+    assert [side for training, side in seen if training] == [4] * 4 + [8] * 4
+    assert {side for training, side in seen if not training} == {8}  # evaluation at the model's size
+    assert load_model(summary["weights"]).cfg.img_size == (8, 8)
+
+
+def test_progressive_sizes_the_model_cannot_take_are_refused(tiny):
+    from vitlab.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"progressive_sizes=.*patches"):
+        train(tiny("odd", progressive_sizes=((6, 0.5),)), verbose=False)
+    with pytest.raises(ConfigError, match=r"progressive_sizes=.*not below"):
+        train(tiny("big", progressive_sizes=((8, 0.5),)), verbose=False)
+    with pytest.raises(ConfigError, match=r"progressive_sizes=\(24, 0.5\)"):
+        train(tiny("flat", progressive_sizes=(24, 0.5)), verbose=False)
+
+
+def test_time_limit_plans_the_cheaper_early_steps(tiny, monkeypatch):
+    # the planner times steps in full-size steps, and its plan, early small steps included,
+    # still ends within the budget
+    refits = []
+    from vitlab.train.metrics import Progress
+
+    monkeypatch.setattr(Progress, "message", lambda self, text: refits.append(text))
+    cfg = tiny("timed_progressive", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1,
+               progressive_sizes=((4, 0.5),), tensorboard=False)
+    summary = train(cfg, verbose=False)
+    assert summary["steps"] == summary["planned_steps"] > 10
+    assert summary["wall_s"] <= 0.1 * 60 + 1.0
+    assert any("ms per 8-pixel step" in text for text in refits), refits

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from vitlab.train.schedules import fit_steps_to_time, lr_at
+from vitlab.train.schedules import fit_steps_to_time, input_size_at, lr_at, schedule_cost, step_cost
 
 
 def test_warmup_endpoints():
@@ -42,3 +42,40 @@ def test_time_fitted_total():
                              final_eval_s=50, reserve_s=5) == 12 + int(485 // 0.6)
     assert fit_steps_to_time(budget_s=10, elapsed_s=60, step=12, sec_per_step=0.5) == 13  # over budget: one more
     assert fit_steps_to_time(budget_s=600, elapsed_s=0, step=0, sec_per_step=0.1, max_steps=50) == 50
+
+
+def test_progressive_sizes_follow_the_phases():
+    phases, full = ((16, 0.25), (24, 0.5)), (32, 32)
+    sizes = [input_size_at(s, 100, phases, full) for s in range(100)]
+    assert sizes == [16] * 25 + [24] * 25 + [32] * 50
+    # the boundaries move with the schedule's length
+    assert [input_size_at(s, 10, phases, full) for s in (2, 3, 4, 5)] == [16, 24, 24, 32]
+    assert input_size_at(0, 100, (), full) == 32
+
+
+@pytest.mark.parametrize("phases", [((24, 0.75),), ((16, 0.25), (24, 0.5)), ((8, 0.1), (16, 1.0))])
+@pytest.mark.parametrize("total", [1, 7, 100, 1001])
+def test_schedule_cost_sums_the_steps(phases, total):
+    full = (32, 32)
+    for start in {0, 1, total // 3, total - 1}:
+        by_step = sum(step_cost(input_size_at(s, total, phases, full), full) for s in range(start, total))
+        assert schedule_cost(start, total, phases, full) == pytest.approx(by_step)
+    assert step_cost(24, full) == pytest.approx(0.5625)
+
+
+def test_time_fitted_total_with_cheaper_steps():
+    kw = dict(budget_s=600, elapsed_s=60, step=12, sec_per_step=0.5, eval_s=10, eval_every=100, reserve_s=5)
+    # unit cost per step: the uniform answer
+    assert fit_steps_to_time(**kw, steps_cost=lambda a, n: n - a) == fit_steps_to_time(**kw)
+    # three quarters of the steps at 24 of 32 pixels: the largest total that fits, and no larger
+    phases, full = ((24, 0.75),), (32, 32)
+    cost = lambda a, n: schedule_cost(a, n, phases, full)
+    total = fit_steps_to_time(**kw, steps_cost=cost)
+    left = 600 - 60 - 10 - 5
+
+    def needs(n):
+        return 0.5 * cost(12, n) + 0.1 * (n - 12)
+
+    assert needs(total) <= left < needs(total + 1)
+    assert total > 1.3 * fit_steps_to_time(**kw)
+    assert fit_steps_to_time(**kw, steps_cost=cost, max_steps=1000) == 1000

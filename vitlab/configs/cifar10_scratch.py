@@ -61,6 +61,7 @@ MODELS = {
     "vit": dict(ENCODER, depth=6, patch_size=4, patch_dropout=0.5, name="ViT-CIFAR/4"),
 }
 LEARNING_RATES = {"hybrid": 2e-3, "hybrid_bit": 1e-3, "vit": 2e-3}
+PROGRESSIVE_SIZES = {"hybrid": ((24, 0.5),), "hybrid_bit": (), "vit": ()}
 
 
 def get_config(model: str = "hybrid") -> TrainConfig:
@@ -73,6 +74,7 @@ def get_config(model: str = "hybrid") -> TrainConfig:
         data="../shared/data/cifar10/cifar10-train.tar.gz",
         val_split=5000, split_seed=0,
         crop="pad", crop_pad=4, flip=True, label_smoothing=0.1,
+        progressive_sizes=PROGRESSIVE_SIZES[model],
         optimizer="adam", betas=(0.9, 0.999), lr=LEARNING_RATES[model], weight_decay=0.05, wd_scope="kernels",
         batch_size=256, steps=100_000, warmup=0.05, decay="cosine", clip_norm=1.0,
         # bf16 where the hardware has it (AVX-512 BF16/AMX, GPUs); the 2-core development VM

@@ -48,6 +48,12 @@ class TrainConfig:
     val_split:   held-out validation examples: a count (>= 1) or a fraction (< 1) of
                  the training set, class-stratified and fixed by ``split_seed``; 0: none.
     class_subset: train on these class names only (labels renumbered in this order).
+    progressive_sizes: progressive resizing: ``((size, until), ...)`` trains on images
+                 resized (antialiased) to ``size`` pixels until the fraction ``until`` of
+                 the steps, then on the next phase's size, and after the last phase at
+                 ``img_size``; e.g. ``((24, 0.5),)`` for 32-pixel CIFAR.  A smaller image
+                 makes a cheaper step (a hybrid's cost goes with the pixel count); evaluation
+                 stays at ``img_size``.  The model gets ``dynamic_img_size``.
     steps:       optimiser steps; with ``time_limit`` a ceiling, the real number is
                  fitted to the budget after measuring throughput.
     warmup:      linear warm-up: a number of steps (>= 1) or a fraction of ``steps`` (< 1).
@@ -102,6 +108,7 @@ class TrainConfig:
     cutmix_alpha: float = 0.0
     label_smoothing: float = 0.0
     erase_prob: float = 0.0
+    progressive_sizes: tuple = ()
     # optimisation
     optimizer: str = "adam"
     lr: float = 1e-3
@@ -273,6 +280,8 @@ def model_config(cfg: TrainConfig, num_classes: int | None = None) -> ViTConfig:
         overrides["img_size"] = cfg.img_size
     if num_classes is not None:
         overrides["num_classes"] = num_classes
+    if cfg.progressive_sizes:
+        overrides["dynamic_img_size"] = True
     model_cfg = get_config(cfg.model, **overrides)
     if new_name is not None:
         model_cfg = replace_model(model_cfg, name=new_name)
@@ -323,6 +332,12 @@ def validate(cfg: TrainConfig, world_size: int = 1, need_data: bool = True) -> N
     _need(isinstance(cfg.crop_scale, tuple) and len(cfg.crop_scale) == 2
           and all(_is_num(s) for s in cfg.crop_scale) and 0 < cfg.crop_scale[1] <= 1
           and 0 <= cfg.crop_scale[0] <= cfg.crop_scale[1], "crop_scale", cfg.crop_scale, "expected (min, max) in (0, 1]")
+    phases = cfg.progressive_sizes
+    _need(isinstance(phases, (tuple, list)) and all(
+        isinstance(p, (tuple, list)) and len(p) == 2 and _is_int(p[0]) and p[0] > 0 and _is_num(p[1]) and 0 < p[1] <= 1
+        for p in phases) and all(a[1] < b[1] for a, b in zip(phases, phases[1:])),
+        "progressive_sizes", phases, "expected ((size, until), ...): sizes in pixels, the fractions until in "
+        "(0, 1] rising, e.g. [[24, 0.5]]")
     _need(_is_num(cfg.warmup) and cfg.warmup >= 0 and (cfg.warmup < 1 or float(cfg.warmup).is_integer()),
           "warmup", cfg.warmup, "a step count (integer >= 1) or a fraction of the steps in [0, 1)")
     _need(warmup_steps(cfg, cfg.steps) <= cfg.steps, "warmup", cfg.warmup, f"exceeds steps={cfg.steps}")

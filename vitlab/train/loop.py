@@ -42,7 +42,7 @@ from .ema import EMA
 from .inputs import Splits, build_splits
 from .metrics import MetricsWriter, Progress, plot_curves
 from .optim import build_optimizer
-from .schedules import fit_steps_to_time, lr_at
+from .schedules import fit_steps_to_time, input_size_at, lr_at, schedule_cost, step_cost
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -165,6 +165,7 @@ class Setup:
     stream: object            # vitlab.data.BatchStream of micro-batches
     eval_transform: object
     micro_batch: int
+    img_size: tuple           # (H, W) of the training images (progressive resizing shrinks them)
 
 
 FINETUNE_MODEL_FIELDS = ("dropout", "attention_dropout", "drop_path", "patch_dropout")
@@ -181,10 +182,28 @@ def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
 
     # the architecture is the checkpoint's; only the regularisation of model_overrides applies
     regularisation = {k: v for k, v in cfg.model_overrides.items() if k in FINETUNE_MODEL_FIELDS}
+    if cfg.progressive_sizes:
+        regularisation["dynamic_img_size"] = True
     model = load_model(cfg.init, name=cfg.model, img_size=cfg.img_size, num_classes=num_classes,
                        keep_pre_logits=cfg.keep_pre_logits, **regularisation)
     model.reset_classifier(num_classes)  # always a fresh zero-initialised head (Sec. 3.2)
     return model.train()
+
+
+def check_progressive_sizes(cfg: TrainConfig, img_size: tuple, model_cfg) -> None:
+    """Refuse progressive-resizing phases the model cannot train at (ConfigError)."""
+    for size, _ in cfg.progressive_sizes:
+        problem = None
+        if img_size[0] != img_size[1]:
+            problem = f"needs square training images, not {tuple(img_size)}"
+        elif size >= img_size[0]:
+            problem = f"size {size} is not below the training size {img_size[0]}"
+        else:
+            feat, patch = model_cfg.feature_size_of((size, size)), model_cfg.patch_size
+            if feat[0] % patch[0] or feat[1] % patch[1]:
+                problem = f"size {size} does not divide into the model's {patch[0]}x{patch[1]} patches"
+        if problem:
+            raise ConfigError(f"progressive_sizes={cfg.progressive_sizes!r}: {problem}")
 
 
 def setup(cfg: TrainConfig) -> Setup:
@@ -209,6 +228,7 @@ def setup(cfg: TrainConfig) -> Setup:
     num_classes = len(splits.classes)
 
     model = build_model(cfg, num_classes).to(world.device)
+    check_progressive_sizes(cfg, img_size, model.cfg)
     model.train()
     ema = EMA(model, cfg.ema_decay) if cfg.ema_decay > 0 else None
     trained = wrap_model(model, world, cfg.fsdp)  # FSDP shards ``model`` in place
@@ -231,7 +251,7 @@ def setup(cfg: TrainConfig) -> Setup:
         transform=build_transform(train_tf), device=world.device, rank=world.rank, world_size=world.size,
     )
     eval_tf = build_transform(EvalTransform(num_classes=num_classes, image_size=img_size))
-    return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, eval_tf, micro_batch)
+    return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, eval_tf, micro_batch, tuple(img_size))
 
 
 def sharded(s: Setup) -> bool:
@@ -419,7 +439,7 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
     params = [p for p in s.trained.parameters() if p.requires_grad]
     batches = iter(s.stream)
     window = {"loss": 0.0, "correct": 0.0, "seen": 0, "t": time.monotonic(), "steps": 0}
-    t_measure = None
+    t_measure, units_measure = None, 0.0
     sec_per_step = None
     # the final evaluation's cost, in periodic evaluations: it may add shifted views, and it
     # gets a quarter more as margin, because it is the longest single task and nothing after
@@ -430,7 +450,14 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
     # of a 30-minute CIFAR run; 1% of the budget left 23 s unused there)
     reserve_s = 5.0 + 0.005 * deadline_s
     paused_s = 0.0  # time spent outside training steps so far
-    refit_from, refit_at = None, 0  # (step, time, paused_s) where the second measurement starts
+    # steps done in full-size steps (progressive resizing makes early steps cheaper): the
+    # planner measures seconds per full-size step; a step that recompiles for a new size is
+    # counted as a pause instead
+    units, size_before = 0.0, None
+    phases = tuple(tuple(p) for p in cfg.progressive_sizes)
+    steps_cost = (lambda start, total: schedule_cost(start, total, phases, s.img_size)) if phases else None
+    per_step = f"ms per {s.img_size[0]}-pixel step" if phases else "ms/step"
+    refit_from, refit_at = None, 0  # (step, units, time, paused_s) where the second measurement starts
     # the same for the refits in the decay: over its first half, then over its third quarter
     decay_from, decay_at, decay_refits = None, 0, 0
 
@@ -438,15 +465,15 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
         total = fit_steps_to_time(
             budget_s=deadline_s, elapsed_s=time.monotonic() - t_start, step=step, sec_per_step=sec_per_step,
             eval_s=eval_s, final_eval_s=final_eval_ratio * eval_s, eval_every=cfg.eval_every, reserve_s=reserve_s,
-            max_steps=cfg.steps)
+            max_steps=cfg.steps, steps_cost=steps_cost)
         return int(all_reduce_sum([float(total)], world)[0] / world.size)  # ranks agree
 
-    def refit_since(mark: tuple[int, float, float]) -> int:
-        """Refit from the step time since ``mark`` = (step, time, paused_s), pauses excluded."""
-        step0, t0, paused0 = mark
-        sec_per_step = (time.monotonic() - t0 - (paused_s - paused0)) / (step - step0)
+    def refit_since(mark: tuple[int, float, float, float]) -> int:
+        """Refit from the step time since ``mark`` = (step, units, time, paused_s), pauses excluded."""
+        step0, units0, t0, paused0 = mark
+        sec_per_step = (time.monotonic() - t0 - (paused_s - paused0)) / max(units - units0, 1e-9)
         total = fit_to_time(sec_per_step)
-        progress.message(f"time limit: {sec_per_step * 1000:.0f} ms/step over steps {step0}-{step} -> {total} steps")
+        progress.message(f"time limit: {sec_per_step * 1000:.0f} {per_step} over steps {step0}-{step} -> {total} steps")
         return total
     last_val: dict = {}
     rate, shown_loss, logged = 0.0, float("nan"), False  # for the progress line
@@ -456,6 +483,8 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
         lr = lr_at(step, base_lr=cfg.lr, total_steps=total_steps, warmup_steps=warm, decay=cfg.decay, min_lr=cfg.min_lr)
         for group in s.optimizer.param_groups:
             group["lr"] = lr
+        size = input_size_at(step, total_steps, phases, s.img_size)
+        t_step = time.monotonic()
 
         for micro in range(K):
             try:
@@ -463,6 +492,8 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
             except StopIteration:  # end of an epoch: the stream moves on to the next
                 batches = iter(s.stream)
                 x, targets = next(batches)
+            if size != x.shape[-1]:
+                x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
             sync = micro == K - 1 or world.size == 1
             with (nullcontext() if sync or not hasattr(s.trained, "no_sync") else s.trained.no_sync()):
                 with autocast(world.device, cfg.precision):
@@ -482,6 +513,11 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
         s.optimizer.zero_grad(set_to_none=True)
         if s.ema is not None:
             s.ema.update(s.model)
+        if size_before is not None and size != size_before:
+            paused_s += time.monotonic() - t_step  # a compiled model compiles again (~1 min uncached)
+        else:
+            units += step_cost(size, s.img_size)
+        size_before = size
         step += 1
         window["steps"] += 1
 
@@ -492,27 +528,27 @@ def _train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwri
         # after the halfway refit left a 30-minute run 95 s unused), early enough for the
         # rest of the decay to absorb the change; a slowdown after that is the guard's below
         if step == remeasure_at:  # a resumed run: both decay refits again, over the steps left
-            decay_from, decay_refits, remeasure_at = (step, time.monotonic(), paused_s), 0, None
+            decay_from, decay_refits, remeasure_at = (step, units, time.monotonic(), paused_s), 0, None
             decay_at = step + max((total_steps - step) // 2, cfg.time_measure_steps)
         if decay_from is not None and step == decay_at:
             total_steps, decay_refits = refit_since(decay_from), decay_refits + 1
-            decay_from = (step, time.monotonic(), paused_s) if decay_refits < 2 else None
+            decay_from = (step, units, time.monotonic(), paused_s) if decay_refits < 2 else None
             decay_at = step + (total_steps - step) // 2
         if not fitted:
             if step == 2:  # the first steps pay for allocation and compilation
-                t_measure = time.monotonic()
+                t_measure, units_measure = time.monotonic(), units
             elif t_measure is not None and step == 2 + cfg.time_measure_steps:
-                sec_per_step = (time.monotonic() - t_measure) / cfg.time_measure_steps
+                sec_per_step = (time.monotonic() - t_measure) / max(units - units_measure, 1e-9)
                 last_val = run_eval()
                 total_steps = fit_to_time(sec_per_step)
-                refit_from = (step, time.monotonic(), paused_s)
+                refit_from = (step, units, time.monotonic(), paused_s)
                 refit_at = max(warmup_steps(cfg, total_steps), step + 2 * cfg.time_measure_steps)
-                progress.message(f"time limit {cfg.time_limit:g} min: {sec_per_step * 1000:.0f} ms/step, "
+                progress.message(f"time limit {cfg.time_limit:g} min: {sec_per_step * 1000:.0f} {per_step}, "
                                  f"eval {eval_s:.1f} s -> {total_steps} steps "
                                  f"(warm-up {warmup_steps(cfg, total_steps)})")
             elif refit_from is not None and step == refit_at:
                 total_steps, fitted = refit_since(refit_from), True
-                decay_from, decay_at = (step, time.monotonic(), paused_s), step + (total_steps - step) // 2
+                decay_from, decay_at = (step, units, time.monotonic(), paused_s), step + (total_steps - step) // 2
             if total_steps <= step:
                 total_steps, fitted = step, True
 

@@ -363,7 +363,30 @@ def exp_hybrid_layout() -> None:
             clock=time.perf_counter)
 
 
-EXPERIMENTS = {"peers": exp_peers, "hybrid_norm": exp_hybrid_norm, "hybrid_layout": exp_hybrid_layout, "hybrid_root": exp_hybrid_root, "hybrid_compile": exp_hybrid_compile, "b16_inference": exp_b16_inference, "cifar_training": exp_cifar_training,
+def exp_hybrid_sizes() -> None:
+    """Progressive resizing's premise: the recipe's hybrid (BatchNorm stem) under
+    torch.compile, a training step on 32-pixel images against one on 24-pixel images, one
+    static graph each (as the loop compiles it with ``progressive_sizes``), and a 32-pixel
+    step of a model that dynamo recompiled with a symbolic size after seeing 24 (what
+    ``torch.compile``'s default does on a size change)."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    y = torch.randint(0, 10, (256,))
+    steps = {}
+    for label, size, dynamic in (("32 pixels (static)", 32, False), ("24 pixels (static)", 24, False),
+                                 ("32 pixels after 24 (automatic dynamic)", 32, None)):
+        torch.manual_seed(0)
+        model = _hybrid_recipe_model("hybrid")
+        model.cfg = replace(model.cfg, dynamic_img_size=True)
+        forward = torch.compile(model, dynamic=dynamic)
+        opt = torch.optim.AdamW(model.parameters())
+        if dynamic is None:  # the first size it saw, so that 32 triggers the recompile
+            _train_step(forward, torch.randn(256, 3, 24, 24), y, opt)()
+        steps[label] = _train_step(forward, torch.randn(256, 3, size, size), y, opt)
+    compare("hybrid R14x1-BN+ViT-CIFAR/1 training step by input size, torch.compile, batch 256 (AdamW)", steps,
+            rounds=7, clock=time.perf_counter)
+
+
+EXPERIMENTS = {"peers": exp_peers, "hybrid_sizes": exp_hybrid_sizes, "hybrid_norm": exp_hybrid_norm, "hybrid_layout": exp_hybrid_layout, "hybrid_root": exp_hybrid_root, "hybrid_compile": exp_hybrid_compile, "b16_inference": exp_b16_inference, "cifar_training": exp_cifar_training,
                "gelu": exp_gelu, "patch_dropout": exp_patch_dropout, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16, "denormal": exp_denormal,
                "compile": exp_compile}
 

@@ -366,9 +366,9 @@ def exp_hybrid_layout() -> None:
 def exp_hybrid_sizes() -> None:
     """Progressive resizing's premise: the recipe's hybrid (BatchNorm stem) under
     torch.compile, a training step on 32-pixel images against one on 24-pixel images, one
-    static graph each (as the loop compiles it with ``progressive_sizes``), and a 32-pixel
-    step of a model that dynamo recompiled with a symbolic size after seeing 24 (what
-    ``torch.compile``'s default does on a size change)."""
+    static graph each, and a 32-pixel step of a model that dynamo recompiled with a symbolic
+    size after seeing 24 (what ``torch.compile``'s default, and so the loop, does on a size
+    change)."""
     torch.set_num_threads(os.cpu_count() or 1)
     y = torch.randint(0, 10, (256,))
     steps = {}

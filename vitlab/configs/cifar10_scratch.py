@@ -24,6 +24,12 @@ Transformer reads it as 1x1 patches.
     1,000-step probes (flip pair / single view) 1e-3 gave 69.8/68.3%, 2e-3 70.2/69.4%,
     3e-3 69.8/69.3%; three 30-minute runs at 2e-3 were +0.74, -0.28 and +0.40 points off
     the line through the 1e-3 runs at equal steps (78.48% at 1,973 steps, 79.86% at 2,377).
+    It trains the first half of its steps on images resized to 24x24 (progressive
+    resizing, ``progressive_sizes``, as FFCV's ImageNet recipes grow the resolution): the
+    feature map is then 3x3 and a step costs 0.55-0.60x a 32-pixel one (``benchmarks/ab.py
+    hybrid_sizes``), so the time limit fits 20-28% more steps.  Probes of equal compute
+    (the cost of 1,000 32-pixel steps; flip pair / single view): 32 throughout 70.2/69.4%,
+    24 for the first half (1,290 steps) 72.5/71.4%, for three quarters (1,490) 70.2/70.0%.
 ``model=hybrid_bit``: the same with the paper's BiT stem (GroupNorm, weight-standardised
     convolutions), the recipe's default until BatchNorm replaced it; its 3-hour run below.
 ``model=vit``: the plain ViT, 4x4 patches (64 tokens + [class]), 6 blocks, lr 2e-3; half of
@@ -45,9 +51,10 @@ The hybrid trains under ``torch.compile`` (inductor): a step 0.93x the eager tim
 ~35 s first step (``benchmarks/ab.py hybrid_compile``), 2,794 steps in 30 minutes against
 2,358-2,533 eager.  It needs a C++ compiler; ``--set compile=false`` runs eager.
 Goal: >= 80% top-1 on 5,000 held-out training images (500 per class) in 30 minutes;
-measured 80.78% at ~400 img/s, 79.86% and 78.48% on slower hours of the host (lr 1e-3, 10
-views; the BiT stem: 80.00%, 79.94%); at lr 2e-3 on a slow host (285-308 img/s)
-79.52%, 79.02%, 78.30%:
+measured 80.78% at ~400 img/s, 79.86% and 78.48% on slower hours of the host (lr 1e-3, 32
+pixels throughout, 10 views; the BiT stem: 80.00%, 79.94%); at lr 2e-3 on a slow host (285-308 img/s)
+79.52%, 79.02%, 78.30%; with progressive resizing on as slow a host (765-879 ms per
+32-pixel step against 576 in quiet hours) 79.98%, 79.18%, 78.98% (2,369-2,554 steps):
 benchmarks/results/cifar10-30min.md.  Within 3 hours (BiT stem): 85.38%
 (benchmarks/results/cifar10-3h.md).
 """

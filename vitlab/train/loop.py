@@ -234,9 +234,9 @@ def setup(cfg: TrainConfig) -> Setup:
     trained = wrap_model(model, world, cfg.fsdp)  # FSDP shards ``model`` in place
     optimizer = build_optimizer(model, cfg)
     if cfg.compile:
-        # with progressive resizing, one static graph per size: after a size change dynamo
-        # would otherwise recompile with a symbolic size, and general kernels
-        trained = torch.compile(trained, dynamic=False if cfg.progressive_sizes else None)
+        # a size change (progressive resizing) recompiles with a symbolic size: measured no
+        # slower than a static graph per size (benchmarks/ab.py hybrid_sizes)
+        trained = torch.compile(trained)
 
     micro_batch = cfg.batch_size // (cfg.accum_steps * world.size)
     if len(splits.train_labels) < cfg.batch_size // cfg.accum_steps:

@@ -165,7 +165,7 @@ class Setup:
     stream: object            # vitlab.data.BatchStream of micro-batches
     eval_transform: object
     micro_batch: int
-    img_size: tuple           # (H, W) of the training images (progressive resizing shrinks them)
+    img_size: tuple           # (H, W) the run evaluates at and, after any progressive_sizes, trains at
 
 
 FINETUNE_MODEL_FIELDS = ("dropout", "attention_dropout", "drop_path", "patch_dropout")

@@ -375,8 +375,8 @@ def exp_hybrid_sizes() -> None:
     for label, size, dynamic in (("32 pixels (static)", 32, False), ("24 pixels (static)", 24, False),
                                  ("32 pixels after 24 (automatic dynamic)", 32, None)):
         torch.manual_seed(0)
-        model = _hybrid_recipe_model("hybrid")
-        model.cfg = replace(model.cfg, dynamic_img_size=True)
+        model = _hybrid_recipe_model("hybrid")  # dynamic_img_size: the recipe has progressive_sizes
+        assert model.cfg.dynamic_img_size
         forward = torch.compile(model, dynamic=dynamic)
         opt = torch.optim.AdamW(model.parameters())
         if dynamic is None:  # the first size it saw, so that 32 triggers the recompile

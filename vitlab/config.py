@@ -253,6 +253,11 @@ class ViTConfig:
         r = self.resnet.reduction
         return (-(-img_size[0] // r), -(-img_size[1] // r))  # SAME padding rounds up
 
+    def divides_into_patches(self, img_size: Pair) -> bool:
+        """Whether an input of ``img_size`` (its feature map, for a hybrid) cuts into whole patches."""
+        (h, w), (ph, pw) = self.feature_size_of(img_size), self.patch_size
+        return h % ph == 0 and w % pw == 0
+
     @property
     def grid_size(self) -> Pair:
         """Number of patches along height and width."""

@@ -116,8 +116,7 @@ class VisionTransformer(nn.Module):
                 f"input size {size} differs from img_size={self.cfg.img_size}; build the model for this "
                 "size (position embeddings are resampled when loading weights) or set dynamic_img_size=True"
             )
-        feat = self.cfg.feature_size_of(size)
-        if feat[0] % self.cfg.patch_size[0] or feat[1] % self.cfg.patch_size[1]:
+        if not self.cfg.divides_into_patches(size):
             raise ValueError(f"input size {size} is not divisible into patches of {self.cfg.patch_size}")
 
     def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, Pair]:

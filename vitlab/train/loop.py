@@ -192,18 +192,17 @@ def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
 
 def check_progressive_sizes(cfg: TrainConfig, img_size: tuple, model_cfg) -> None:
     """Refuse progressive-resizing phases the model cannot train at (ConfigError)."""
+    def refuse(problem: str) -> None:
+        raise ConfigError(f"progressive_sizes={cfg.progressive_sizes!r}: {problem}")
+
+    if cfg.progressive_sizes and img_size[0] != img_size[1]:
+        refuse(f"needs square training images, not {tuple(img_size)}")
     for size, _ in cfg.progressive_sizes:
-        problem = None
-        if img_size[0] != img_size[1]:
-            problem = f"needs square training images, not {tuple(img_size)}"
-        elif size >= img_size[0]:
-            problem = f"size {size} is not below the training size {img_size[0]}"
-        else:
-            feat, patch = model_cfg.feature_size_of((size, size)), model_cfg.patch_size
-            if feat[0] % patch[0] or feat[1] % patch[1]:
-                problem = f"size {size} does not divide into the model's {patch[0]}x{patch[1]} patches"
-        if problem:
-            raise ConfigError(f"progressive_sizes={cfg.progressive_sizes!r}: {problem}")
+        if size >= img_size[0]:
+            refuse(f"size {size} is not below the training size {img_size[0]}")
+        if not model_cfg.divides_into_patches((size, size)):
+            patch = model_cfg.patch_size
+            refuse(f"size {size} does not divide into the model's {patch[0]}x{patch[1]} patches")
 
 
 def setup(cfg: TrainConfig) -> Setup:

@@ -67,6 +67,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair 
     inside the one file (no external data) when they fit under ONNX's 2 GB limit.  ``batch``
     is the batch of the traced example, fixed in the graph when ``dynamic_batch`` is False.
     """
+    _require_onnx_packages()
     model = model.eval()
     size = model_img_size(model, img_size)
     x = _example(model, size, batch)
@@ -81,6 +82,16 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair 
         )
     program.save(str(path), external_data=_too_big_for_one_file(model))
     return path
+
+
+def _require_onnx_packages() -> None:
+    # torch.onnx imports these lazily and fails deep inside the exporter; say it up front
+    import importlib.util
+
+    missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"ONNX export needs the packages {', '.join(missing)}: "
+                          "pip install 'vitlab[export]' (or onnx onnxscript)")
 
 
 def _too_big_for_one_file(model: nn.Module) -> bool:

@@ -156,6 +156,46 @@ def exp_bf16() -> None:
                  "bf16 weights (model.to)": lambda: half(x.bfloat16())}, rounds=3)
 
 
+def exp_attention_bf16() -> None:
+    """bf16 autocast training on CPU: vitlab's explicit attention (its bf16 CPU path) against
+    the flash kernel it replaced, beside Hugging Face (sdpa, eager); every core, wall time."""
+    import contextlib
+
+    import vitlab.models.layers as layers
+    from harness import make_model
+
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    @contextlib.contextmanager
+    def flash_kernel():
+        saved = layers.explicit_attention_is_faster
+        layers.explicit_attention_is_faster = lambda q: False
+        try:
+            yield
+        finally:
+            layers.explicit_attention_is_faster = saved
+
+    for spec, batch, rounds in (("ViT-CIFAR", 128, 5), ("ViT-S/16", 32, 3)):
+        torch.manual_seed(0)
+        img = vitlab_config(spec).img_size[0]
+        x, y = torch.randn(batch, 3, img, img), torch.randint(0, 10, (batch,))
+        steps = {}
+        for impl in ("vitlab", "vitlab (flash kernel)", "hf-sdpa", "hf-eager"):
+            model, forward = make_model(impl.split()[0], spec)
+            opt = torch.optim.AdamW(model.parameters())
+
+            def step(forward=forward, opt=opt, flash=impl.endswith("(flash kernel)")):
+                with flash_kernel() if flash else contextlib.nullcontext():
+                    with torch.autocast("cpu", torch.bfloat16):
+                        loss = F.cross_entropy(forward(x).float(), y)
+                    loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            steps[impl] = step
+        compare(f"bf16 autocast training step, {spec}, batch {batch}", steps, rounds=rounds,
+                clock=time.perf_counter)
+
+
 def exp_denormal() -> None:
     """Flush-to-zero of denormals in a training step (zero-initialised head: tiny gradients)."""
     torch.manual_seed(0)
@@ -387,7 +427,8 @@ def exp_hybrid_sizes() -> None:
 
 
 EXPERIMENTS = {"peers": exp_peers, "hybrid_sizes": exp_hybrid_sizes, "hybrid_norm": exp_hybrid_norm, "hybrid_layout": exp_hybrid_layout, "hybrid_root": exp_hybrid_root, "hybrid_compile": exp_hybrid_compile, "b16_inference": exp_b16_inference, "cifar_training": exp_cifar_training,
-               "gelu": exp_gelu, "patch_dropout": exp_patch_dropout, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16, "denormal": exp_denormal,
+               "gelu": exp_gelu, "patch_dropout": exp_patch_dropout, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16,
+               "attention_bf16": exp_attention_bf16, "denormal": exp_denormal,
                "compile": exp_compile}
 
 if __name__ == "__main__":

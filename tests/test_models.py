@@ -168,6 +168,39 @@ def test_capture_attention_matches_the_fused_path():
     assert all(m.recorded is None for m in model.modules() if isinstance(m, Attention))
 
 
+def test_bf16_cpu_attention_takes_the_explicit_path_and_agrees_with_the_kernel(monkeypatch):
+    import vitlab.models.layers as layers
+
+    torch.manual_seed(0)
+    model = vitlab.create_model(tiny(posemb="relative")).train()
+    with torch.no_grad():  # the zero-initialised head would leave the gradients trivial
+        model.head.weight.normal_()
+    x = torch.randn(3, 3, 16, 16)
+    seen = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(layers.F, "scaled_dot_product_attention",
+                        lambda *a, **k: seen.append(a[0].dtype) or real_sdpa(*a, **k))
+
+    def loss_and_grads():
+        model.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = model(x).float().square().sum()
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    explicit_loss, explicit_grads = loss_and_grads()
+    assert seen == []  # bf16 on CPU never reached the flash kernel
+    model(x)
+    assert seen and set(seen) == {torch.float32}  # fp32 still does
+    seen.clear()
+    monkeypatch.setattr(layers, "explicit_attention_is_faster", lambda q: False)
+    kernel_loss, kernel_grads = loss_and_grads()
+    assert seen and set(seen) == {torch.bfloat16}
+    torch.testing.assert_close(explicit_loss, kernel_loss, rtol=2e-2, atol=0.0)
+    # bf16 rounding differs between the paths; the gradients agree to bf16's precision
+    assert (explicit_grads - kernel_grads).norm() < 2e-2 * kernel_grads.norm()
+
+
 def test_relative_bias_is_query_times_offset_embedding():
     torch.manual_seed(0)
     attn = Attention(tiny(posemb="relative"), seq_len=5)

@@ -1,9 +1,10 @@
 """The Transformer encoder's parts: attention, MLP, pre-LayerNorm block (paper Eq. 2-3).
 
 Dropout follows the paper: after every dense layer except the qkv projection.  The
-attention uses ``scaled_dot_product_attention``; to inspect the model, the context
-manager ``capture_attention`` switches every layer to an explicit softmax that records
-the attention probabilities, and switches back on exit.
+attention uses ``scaled_dot_product_attention`` (in bf16 on a CPU, two matmuls and a
+softmax, which are faster there: see ``explicit_attention_is_faster``); to inspect the
+model, the context manager ``capture_attention`` switches every layer to an explicit
+softmax that records the attention probabilities, and switches back on exit.
 """
 from __future__ import annotations
 
@@ -32,6 +33,17 @@ class DropPath(nn.Module):
         keep = 1.0 - self.rate
         mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
         return x * mask / keep
+
+
+def explicit_attention_is_faster(q: torch.Tensor) -> bool:
+    """Whether two matmuls and a softmax beat ``scaled_dot_product_attention`` for ``q``.
+
+    PyTorch's CPU flash-attention kernel is slow in bf16, above all its backward: a
+    CIFAR-size ViT's bf16 training step is 1.3x faster without it and ViT-S/16's 1.07x
+    (``python benchmarks/ab.py attention_bf16``), inference is level.  In fp32, and on
+    GPUs, the fused kernel wins.
+    """
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16
 
 
 class Attention(nn.Module):
@@ -63,7 +75,7 @@ class Attention(nn.Module):
         B, L, D = x.shape
         q, k, v = self.qkv(x).view(B, L, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         bias = self.rel_pos(q * self.head_dim**-0.5) if self.rel_pos is not None else None
-        if self.recorded is None:
+        if self.recorded is None and not explicit_attention_is_faster(q):
             drop = self.attn_drop if self.training else 0.0
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)
         else:
@@ -71,7 +83,8 @@ class Attention(nn.Module):
             if bias is not None:
                 logits = logits + bias
             probs = logits.softmax(dim=-1)
-            self.recorded.append(probs.detach())
+            if self.recorded is not None:
+                self.recorded.append(probs.detach())
             out = F.dropout(probs, self.attn_drop, self.training) @ v
         out = out.transpose(1, 2).reshape(B, L, D)  # (B, L, H*hd)
         return self.proj_drop(self.proj(out))

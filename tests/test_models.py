@@ -189,9 +189,13 @@ def test_bf16_cpu_attention_takes_the_explicit_path_and_agrees_with_the_kernel(m
         return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
     explicit_loss, explicit_grads = loss_and_grads()
-    assert seen == []  # bf16 on CPU never reached the flash kernel
+    assert seen == []  # training in bf16 on a CPU never reached the flash kernel
     model(x)
     assert seen and set(seen) == {torch.float32}  # fp32 still does
+    seen.clear()
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        model(x)
+    assert seen and set(seen) == {torch.bfloat16}  # and so does bf16 without a backward
     seen.clear()
     monkeypatch.setattr(layers, "explicit_attention_is_faster", lambda q: False)
     kernel_loss, kernel_grads = loss_and_grads()

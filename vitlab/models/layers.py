@@ -1,10 +1,10 @@
 """The Transformer encoder's parts: attention, MLP, pre-LayerNorm block (paper Eq. 2-3).
 
 Dropout follows the paper: after every dense layer except the qkv projection.  The
-attention uses ``scaled_dot_product_attention`` (in bf16 on a CPU, two matmuls and a
-softmax, which are faster there: see ``explicit_attention_is_faster``); to inspect the
-model, the context manager ``capture_attention`` switches every layer to an explicit
-softmax that records the attention probabilities, and switches back on exit.
+attention uses ``scaled_dot_product_attention`` (when training in bf16 on a CPU, two
+matmuls and a softmax, which are faster there: see ``explicit_attention_is_faster``); to
+inspect the model, the context manager ``capture_attention`` switches every layer to an
+explicit softmax that records the attention probabilities, and switches back on exit.
 """
 from __future__ import annotations
 
@@ -38,12 +38,13 @@ class DropPath(nn.Module):
 def explicit_attention_is_faster(q: torch.Tensor) -> bool:
     """Whether two matmuls and a softmax beat ``scaled_dot_product_attention`` for ``q``.
 
-    PyTorch's CPU flash-attention kernel is slow in bf16, above all its backward: a
-    CIFAR-size ViT's bf16 training step is 1.3x faster without it and ViT-S/16's 1.07x
-    (``python benchmarks/ab.py attention_bf16``), inference is level.  In fp32, and on
-    GPUs, the fused kernel wins.
+    Only when training in bf16 on a CPU: PyTorch's CPU flash-attention kernel has a slow
+    bf16 backward, so a CIFAR-size ViT's bf16 training step is 1.3x faster without it and
+    ViT-S/16's 1.07x (``python benchmarks/ab.py attention_bf16``).  Its forward is fine
+    (ViT-B/16 bf16 inference, batch 8: 2.6% faster with the kernel), and in fp32 and on
+    GPUs the kernel wins both ways.
     """
-    return q.device.type == "cpu" and q.dtype == torch.bfloat16
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad
 
 
 class Attention(nn.Module):

@@ -290,6 +290,21 @@ def exp_cifar_training() -> None:
     compare("training step, CIFAR ViT, batch 128 (forward, backward, AdamW)", steps, rounds=5, clock=time.perf_counter)
 
 
+def exp_s16_training() -> None:
+    """ViT-S/16 training step at 224, batch 32 (bench.py's row), every core, wall time:
+    vitlab against HF (sdpa, eager), fp32."""
+    from harness import make_model
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 3, 224, 224), torch.randint(0, 1000, (32,))
+    steps = {}
+    for impl in ("vitlab", "hf-sdpa", "hf-eager"):
+        model, forward = make_model(impl, "ViT-S/16")
+        steps[impl] = _train_step(forward, x, y, torch.optim.AdamW(model.parameters()))
+    compare("training step, ViT-S/16, batch 32 (forward, backward, AdamW)", steps, rounds=6, clock=time.perf_counter)
+
+
 def _cifar_step_variants(variants: dict[str, ViTConfig]) -> None:
     """A CIFAR-size ViT training step, batch 256, every core, wall time, per model config."""
     torch.set_num_threads(os.cpu_count() or 1)
@@ -427,6 +442,7 @@ def exp_hybrid_sizes() -> None:
 
 
 EXPERIMENTS = {"peers": exp_peers, "hybrid_sizes": exp_hybrid_sizes, "hybrid_norm": exp_hybrid_norm, "hybrid_layout": exp_hybrid_layout, "hybrid_root": exp_hybrid_root, "hybrid_compile": exp_hybrid_compile, "b16_inference": exp_b16_inference, "cifar_training": exp_cifar_training,
+               "s16_training": exp_s16_training,
                "gelu": exp_gelu, "patch_dropout": exp_patch_dropout, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16,
                "attention_bf16": exp_attention_bf16, "denormal": exp_denormal,
                "compile": exp_compile}

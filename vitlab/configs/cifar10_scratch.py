@@ -55,8 +55,8 @@ measured 80.78% at ~400 img/s, 79.86% and 78.48% on slower hours of the host (lr
 pixels throughout, 10 views; the BiT stem: 80.00%, 79.94%); at lr 2e-3 on a slow host (285-308 img/s)
 79.52%, 79.02%, 78.30%; with progressive resizing on as slow a host (765-879 ms per
 32-pixel step against 576 in quiet hours) 79.98%, 79.18%, 78.98%, 79.16% (2,369-2,554 steps);
-as committed, on the Intel VM: 82.10% on a quiet hour (3,713 steps), 79.88% on a busy one
-(2,553): benchmarks/results/cifar10-30min.md.  Within 3 hours (BiT stem): 85.38%
+as committed, on the Intel VM: 82.10% and 81.38% on quiet hours (3,713 and 3,331 steps),
+79.88% on a busy one (2,553): benchmarks/results/cifar10-30min.md.  Within 3 hours (BiT stem): 85.38%
 (benchmarks/results/cifar10-3h.md).
 """
 from vitlab.train.config import TrainConfig

@@ -12,11 +12,12 @@ in benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -156,36 +157,35 @@ def exp_bf16() -> None:
                  "bf16 weights (model.to)": lambda: half(x.bfloat16())}, rounds=3)
 
 
+@contextlib.contextmanager
+def _attention_path(explicit: bool) -> Iterator[None]:
+    """Force vitlab's attention to the explicit path (True) or the fused kernel (False)."""
+    import vitlab.models.layers as layers
+
+    saved = layers.explicit_attention_is_faster
+    layers.explicit_attention_is_faster = lambda q: explicit
+    try:
+        yield
+    finally:
+        layers.explicit_attention_is_faster = saved
+
+
 def exp_attention_bf16() -> None:
     """bf16 autocast training on CPU: vitlab's explicit attention (its bf16 CPU path) against
     the flash kernel it replaced, beside Hugging Face (sdpa, eager); every core, wall time."""
-    import contextlib
-
-    import vitlab.models.layers as layers
     from harness import make_model
 
     torch.set_num_threads(os.cpu_count() or 1)
-
-    @contextlib.contextmanager
-    def flash_kernel():
-        saved = layers.explicit_attention_is_faster
-        layers.explicit_attention_is_faster = lambda q: False
-        try:
-            yield
-        finally:
-            layers.explicit_attention_is_faster = saved
-
     for spec, batch, rounds in (("ViT-CIFAR", 128, 5), ("ViT-S/16", 32, 3)):
         torch.manual_seed(0)
-        img = vitlab_config(spec).img_size[0]
-        x, y = torch.randn(batch, 3, img, img), torch.randint(0, 10, (batch,))
+        x, y = _inputs(spec, batch)
         steps = {}
         for impl in ("vitlab", "vitlab (flash kernel)", "hf-sdpa", "hf-eager"):
             model, forward = make_model(impl.split()[0], spec)
             opt = torch.optim.AdamW(model.parameters())
 
             def step(forward=forward, opt=opt, flash=impl.endswith("(flash kernel)")):
-                with flash_kernel() if flash else contextlib.nullcontext():
+                with _attention_path(False) if flash else contextlib.nullcontext():
                     with torch.autocast("cpu", torch.bfloat16):
                         loss = F.cross_entropy(forward(x).float(), y)
                     loss.backward()
@@ -194,6 +194,42 @@ def exp_attention_bf16() -> None:
             steps[impl] = step
         compare(f"bf16 autocast training step, {spec}, batch {batch}", steps, rounds=rounds,
                 clock=time.perf_counter)
+
+
+def exp_attention_paths() -> None:
+    """Where vitlab keeps the fused kernel: bf16 inference (ViT-B/16, batch 8, beside HF sdpa)
+    and fp32 training (CIFAR-size ViT, batch 128), each against the explicit path; every
+    core, wall time."""
+    from harness import make_model
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    x, _ = _inputs("ViT-B/16", 8)
+    model, forward = make_model("vitlab", "ViT-B/16")
+    peer, peer_forward = make_model("hf-sdpa", "ViT-B/16")
+    model.eval(), peer.eval()
+
+    def infer(forward, explicit=None):
+        def go():
+            with _attention_path(explicit) if explicit is not None else contextlib.nullcontext():
+                with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16):
+                    forward(x)
+        return go
+    compare("bf16 autocast inference, ViT-B/16, batch 8",
+            {"vitlab (fused kernel, as is)": infer(forward), "vitlab (explicit)": infer(forward, True),
+             "hf-sdpa": infer(peer_forward)}, rounds=5, clock=time.perf_counter)
+
+    x, y = _inputs("ViT-CIFAR", 128)
+    steps = {}
+    for label, explicit in (("vitlab (fused kernel, as is)", False), ("vitlab (explicit)", True)):
+        model, forward = make_model("vitlab", "ViT-CIFAR")
+        step = _train_step(forward, x, y, torch.optim.AdamW(model.parameters()))
+
+        def forced(step=step, explicit=explicit):
+            with _attention_path(explicit):
+                step()
+        steps[label] = forced
+    compare("fp32 training step, CIFAR ViT, batch 128", steps, rounds=5, clock=time.perf_counter)
 
 
 def exp_denormal() -> None:
@@ -276,33 +312,36 @@ def _wall(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
-def exp_cifar_training() -> None:
-    """CIFAR-size ViT training step, batch 128, every core, wall time: vitlab against HF (sdpa, eager)."""
+def _inputs(spec: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images at ``spec``'s size and labels among its classes."""
+    cfg = vitlab_config(spec)
+    return torch.randn(batch, 3, *cfg.img_size), torch.randint(0, cfg.num_classes, (batch,))
+
+
+def _peer_training(spec: str, batch: int, rounds: int) -> None:
+    """A training step (forward, backward, AdamW), every core, wall time: vitlab against HF
+    (sdpa, eager), fp32."""
     from harness import make_model
 
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
-    x, y = torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,))
+    x, y = _inputs(spec, batch)
     steps = {}
     for impl in ("vitlab", "hf-sdpa", "hf-eager"):
-        model, forward = make_model(impl, "ViT-CIFAR")
+        model, forward = make_model(impl, spec)
         steps[impl] = _train_step(forward, x, y, torch.optim.AdamW(model.parameters()))
-    compare("training step, CIFAR ViT, batch 128 (forward, backward, AdamW)", steps, rounds=5, clock=time.perf_counter)
+    compare(f"training step, {spec}, batch {batch} (forward, backward, AdamW)", steps, rounds=rounds,
+            clock=time.perf_counter)
+
+
+def exp_cifar_training() -> None:
+    """CIFAR-size ViT training step, batch 128: vitlab against HF (sdpa, eager)."""
+    _peer_training("ViT-CIFAR", 128, rounds=5)
 
 
 def exp_s16_training() -> None:
-    """ViT-S/16 training step at 224, batch 32 (bench.py's row), every core, wall time:
-    vitlab against HF (sdpa, eager), fp32."""
-    from harness import make_model
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    torch.manual_seed(0)
-    x, y = torch.randn(32, 3, 224, 224), torch.randint(0, 1000, (32,))
-    steps = {}
-    for impl in ("vitlab", "hf-sdpa", "hf-eager"):
-        model, forward = make_model(impl, "ViT-S/16")
-        steps[impl] = _train_step(forward, x, y, torch.optim.AdamW(model.parameters()))
-    compare("training step, ViT-S/16, batch 32 (forward, backward, AdamW)", steps, rounds=6, clock=time.perf_counter)
+    """ViT-S/16 training step at 224, batch 32 (bench.py's row): vitlab against HF (sdpa, eager)."""
+    _peer_training("ViT-S/16", 32, rounds=6)
 
 
 def _cifar_step_variants(variants: dict[str, ViTConfig]) -> None:
@@ -444,7 +483,8 @@ def exp_hybrid_sizes() -> None:
 EXPERIMENTS = {"peers": exp_peers, "hybrid_sizes": exp_hybrid_sizes, "hybrid_norm": exp_hybrid_norm, "hybrid_layout": exp_hybrid_layout, "hybrid_root": exp_hybrid_root, "hybrid_compile": exp_hybrid_compile, "b16_inference": exp_b16_inference, "cifar_training": exp_cifar_training,
                "s16_training": exp_s16_training,
                "gelu": exp_gelu, "patch_dropout": exp_patch_dropout, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16,
-               "attention_bf16": exp_attention_bf16, "denormal": exp_denormal,
+               "attention_bf16": exp_attention_bf16,
+               "attention_paths": exp_attention_paths, "denormal": exp_denormal,
                "compile": exp_compile}
 
 if __name__ == "__main__":

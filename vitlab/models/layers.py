@@ -41,8 +41,9 @@ def explicit_attention_is_faster(q: torch.Tensor) -> bool:
     Only when training in bf16 on a CPU: PyTorch's CPU flash-attention kernel has a slow
     bf16 backward, so a CIFAR-size ViT's bf16 training step is 1.3x faster without it and
     ViT-S/16's 1.07x (``python benchmarks/ab.py attention_bf16``).  Its forward is fine
-    (ViT-B/16 bf16 inference, batch 8: 2.6% faster with the kernel), and in fp32 the
-    kernel wins both ways.  GPUs keep their fused kernels.
+    (ViT-B/16 bf16 inference, batch 8: level or up to 2.6% faster with the kernel), and in
+    fp32 the kernel wins (CIFAR-size training step 1.10x faster with it; ``python
+    benchmarks/ab.py attention_paths``).  GPUs keep their fused kernels.
     """
     return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad
 

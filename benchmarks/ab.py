@@ -196,6 +196,59 @@ def exp_attention_bf16() -> None:
                 clock=time.perf_counter)
 
 
+def exp_recompute() -> None:
+    """Training steps with LayerNorm and GELU outputs recomputed in the backward (vitlab's
+    default) against stored (``store_activations``), fp32 and bf16 autocast, every core,
+    wall time; and the activations each keeps for the backward, counted by storage."""
+    from vitlab.models.fused import store_activations
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    for spec, batch, rounds in (("ViT-CIFAR", 128, 5), ("ViT-S/16", 32, 3)):
+        for amp in (False, True):
+            torch.manual_seed(0)
+            x, y = _inputs(spec, batch)
+            model = build_model(vitlab_config(spec))
+            opt = torch.optim.AdamW(model.parameters())
+
+            def step(stored: bool) -> None:
+                with store_activations() if stored else contextlib.nullcontext():
+                    with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+                        loss = F.cross_entropy(model(x).float(), y)
+                    loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            saved = {}
+            for label, stored in (("recomputed", False), ("stored", True)):
+                with store_activations() if stored else contextlib.nullcontext():
+                    saved[label] = _saved_for_backward(model, x, y, amp)
+            dtype = "bf16 autocast" if amp else "fp32"
+            print(f"\n{spec}, batch {batch}, {dtype}: activations kept for the backward "
+                  + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in saved.items()))
+            compare(f"training step, {spec}, batch {batch}, {dtype} (AdamW)",
+                    {"recomputed": lambda: step(False), "stored": lambda: step(True)},
+                    rounds=rounds, clock=time.perf_counter)
+
+
+def _saved_for_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, amp: bool) -> int:
+    """Bytes of the tensors autograd keeps for the backward of one step, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+            loss = F.cross_entropy(model(x).float(), y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values())
+
+
 def exp_attention_paths() -> None:
     """Where vitlab keeps the fused kernel: bf16 inference (ViT-B/16, batch 8, beside HF sdpa)
     and fp32 training (CIFAR-size ViT, batch 128), each against the explicit path; every
@@ -483,7 +536,7 @@ def exp_hybrid_sizes() -> None:
 EXPERIMENTS = {"peers": exp_peers, "hybrid_sizes": exp_hybrid_sizes, "hybrid_norm": exp_hybrid_norm, "hybrid_layout": exp_hybrid_layout, "hybrid_root": exp_hybrid_root, "hybrid_compile": exp_hybrid_compile, "b16_inference": exp_b16_inference, "cifar_training": exp_cifar_training,
                "s16_training": exp_s16_training,
                "gelu": exp_gelu, "patch_dropout": exp_patch_dropout, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16,
-               "attention_bf16": exp_attention_bf16,
+               "attention_bf16": exp_attention_bf16, "recompute": exp_recompute,
                "attention_paths": exp_attention_paths, "denormal": exp_denormal,
                "compile": exp_compile}
 

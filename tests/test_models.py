@@ -150,9 +150,88 @@ def test_dropout_sits_where_the_paper_puts_it():
         if isinstance(module, nn.Dropout):
             module.register_forward_hook(lambda m, i, o, n=name: calls.append(n))
     model.train()
-    model(torch.randn(2, 3, 16, 16))
+    with torch.no_grad():  # with a backward ahead the GELU's dropout runs inside gelu_dense (tested below)
+        model(torch.randn(2, 3, 16, 16))
     # after the position embeddings, after the attention output dense, after both MLP denses
     assert calls == ["pos_drop", "blocks.0.attn.proj_drop", "blocks.0.mlp.drop", "blocks.0.mlp.drop"]
+
+
+def _loss_grads_and_saved_bytes(model, x, amp=False):
+    """One backward: the loss, every gradient (parameters and input), and the bytes of the
+    non-parameter tensors autograd kept for it."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    model.zero_grad()
+    x = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+            loss = model(x).float().square().sum()
+    loss.backward()
+    grads = [x.grad] + [p.grad for p in model.parameters()]
+    return loss.detach(), grads, sum(saved.values())
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+def test_recomputing_norms_and_gelu_gives_the_same_gradients_and_keeps_less(amp):
+    from vitlab.models.fused import store_activations
+
+    torch.manual_seed(0)
+    model = vitlab.create_model(tiny(gelu="exact", depth=3, width=48, mlp_dim=192, num_heads=3))
+    with torch.no_grad():  # the zero-initialised head would leave the gradients trivial
+        model.head.weight.normal_()
+    x = torch.randn(4, 3, 16, 16)
+    loss, grads, kept = _loss_grads_and_saved_bytes(model, x, amp)
+    with store_activations():
+        stored_loss, stored_grads, stored_kept = _loss_grads_and_saved_bytes(model, x, amp)
+    assert torch.equal(loss, stored_loss)
+    for grad, stored in zip(grads, stored_grads):
+        torch.testing.assert_close(grad, stored, rtol=0, atol=0)  # the same ops on the same values
+    # per block: 16 (tokens x width) activations stored, 10 when recomputing (fp32)
+    assert kept < (0.72 if not amp else 0.8) * stored_kept
+
+
+def test_recompute_functions_pass_gradcheck():
+    from vitlab.models.fused import gelu_dense, layer_norm_dense
+
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(6, eps=1e-6).double()
+    dense, dense2 = nn.Linear(6, 5).double(), nn.Linear(5, 4).double()
+    with torch.no_grad():
+        norm.weight.normal_(), norm.bias.normal_()
+    x = torch.randn(2, 3, 6, dtype=torch.double, requires_grad=True)
+    params = (*norm.parameters(), *dense.parameters(), *dense2.parameters())
+
+    def both(x, *_):
+        return gelu_dense(layer_norm_dense(x, norm, dense), "tanh", nn.Dropout(0.0), dense2)
+
+    assert torch.autograd.gradcheck(both, (x, *params))
+
+
+def test_gelu_dense_drops_out_with_the_mask_it_keeps():
+    from vitlab.models.fused import gelu_dense
+
+    torch.manual_seed(0)
+    dense = nn.Linear(8, 3)
+    h = torch.randn(5, 8, requires_grad=True)
+    torch.manual_seed(7)
+    out = gelu_dense(h, "none", nn.Dropout(0.25).train(), dense)
+    out.square().sum().backward()
+    grads = h.grad.clone(), dense.weight.grad.clone()
+    torch.manual_seed(7)  # the forward's only random draw is the mask
+    keep = torch.empty(5, 8, dtype=torch.bool).bernoulli_(0.75)
+    assert 0 < keep.sum() < keep.numel()
+    h.grad, dense.weight.grad = None, None
+    expected = dense(torch.nn.functional.gelu(h) * keep / 0.75)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grads[0], h.grad)
+    torch.testing.assert_close(grads[1], dense.weight.grad)
 
 
 def test_capture_attention_matches_the_fused_path():

@@ -5,6 +5,8 @@ attention uses ``scaled_dot_product_attention`` (when training in bf16 on a CPU,
 matmuls and a softmax, which are faster there: see ``explicit_attention_is_faster``); to
 inspect the model, the context manager ``capture_attention`` switches every layer to an
 explicit softmax that records the attention probabilities, and switches back on exit.
+In training, each LayerNorm and the GELU hand their dense layer the input they came
+from rather than their output, which is recomputed in the backward (``fused.py``).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ViTConfig
+from .fused import gelu_dense, layer_norm_dense
 from .init import xavier_uniform_chunks_
 from .posemb import RelativePosBias
 
@@ -73,9 +76,11 @@ class Attention(nn.Module):
         if self.qkv.bias is not None:
             nn.init.zeros_(self.qkv.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: nn.LayerNorm | None = None) -> torch.Tensor:
+        """Attention over ``x``, or over ``norm(x)`` when a norm is given."""
         B, L, D = x.shape
-        q, k, v = self.qkv(x).view(B, L, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = layer_norm_dense(x, norm, self.qkv) if norm is not None else self.qkv(x)
+        q, k, v = qkv.view(B, L, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         bias = self.rel_pos(q * self.head_dim**-0.5) if self.rel_pos is not None else None
         if self.recorded is None and not explicit_attention_is_faster(q):
             drop = self.attn_drop if self.training else 0.0
@@ -98,15 +103,17 @@ class Mlp(nn.Module):
     def __init__(self, cfg: ViTConfig) -> None:
         super().__init__()
         self.fc1 = nn.Linear(cfg.width, cfg.mlp_dim)
-        self.act = nn.GELU(approximate="tanh" if cfg.gelu == "tanh" else "none")
+        self.approximate = "tanh" if cfg.gelu == "tanh" else "none"  # F.gelu's argument
         self.fc2 = nn.Linear(cfg.mlp_dim, cfg.width)
         self.drop = nn.Dropout(cfg.dropout)
         for fc in (self.fc1, self.fc2):
             nn.init.xavier_uniform_(fc.weight)
             nn.init.normal_(fc.bias, std=1e-6)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+    def forward(self, x: torch.Tensor, norm: nn.LayerNorm | None = None) -> torch.Tensor:
+        """The MLP of ``x``, or of ``norm(x)`` when a norm is given."""
+        h = layer_norm_dense(x, norm, self.fc1) if norm is not None else self.fc1(x)
+        return self.drop(gelu_dense(h, self.approximate, self.drop, self.fc2))
 
 
 class Block(nn.Module):
@@ -125,8 +132,8 @@ class Block(nn.Module):
         self.drop_path = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x)))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+        x = x + self.drop_path(self.attn(x, self.norm1))
+        return x + self.drop_path(self.mlp(x, self.norm2))
 
 
 @contextlib.contextmanager

@@ -249,6 +249,49 @@ def _saved_for_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
     return sum(storages.values())
 
 
+def exp_inference_buffers() -> None:
+    """ViT-B/16 fp32 inference, batch 32 and 8: vitlab writing its qkv and MLP activations into
+    one reused buffer each (the default) against fresh allocations, beside HF sdpa; every
+    core, wall time; page faults per forward."""
+    import resource
+
+    import vitlab.models.buffers as buffers
+    from harness import make_model
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    for batch, rounds in ((32, 5), (8, 9)):
+        torch.manual_seed(0)
+        x = torch.randn(batch, 3, 224, 224)
+        vitlab_model, _ = make_model("vitlab", "ViT-B/16")
+        hf_model, hf_forward = make_model("hf-sdpa", "ViT-B/16")
+        vitlab_model.eval(), hf_model.eval()
+        faults: dict[str, list[int]] = {}
+
+        def forward(name: str, fn: Callable[[], object], reuse: bool = True) -> Callable[[], None]:
+            def go() -> None:
+                saved = buffers.reuse_wanted
+                if not reuse:
+                    buffers.reuse_wanted = lambda x: False
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                try:
+                    with torch.inference_mode():
+                        fn()
+                finally:
+                    buffers.reuse_wanted = saved
+                faults.setdefault(name, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+            return go
+
+        with torch.inference_mode():
+            torch.testing.assert_close(vitlab_model(x), vitlab_model(x.clone()))
+        compare(f"ViT-B/16 fp32 inference, batch {batch}", {
+            "vitlab (reused buffers)": forward("vitlab (reused buffers)", lambda: vitlab_model(x)),
+            "vitlab (fresh allocations)": forward("vitlab (fresh allocations)", lambda: vitlab_model(x), False),
+            "hf-sdpa": forward("hf-sdpa", lambda: hf_forward(x)),
+        }, rounds=rounds, clock=time.perf_counter)
+        print("  page faults per forward (median): "
+              + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in faults.items()))
+
+
 def exp_attention_paths() -> None:
     """Where vitlab keeps the fused kernel: bf16 inference (ViT-B/16, batch 8, beside HF sdpa)
     and fp32 training (CIFAR-size ViT, batch 128), each against the explicit path; every
@@ -537,6 +580,7 @@ EXPERIMENTS = {"peers": exp_peers, "hybrid_sizes": exp_hybrid_sizes, "hybrid_nor
                "s16_training": exp_s16_training,
                "gelu": exp_gelu, "patch_dropout": exp_patch_dropout, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16,
                "attention_bf16": exp_attention_bf16, "recompute": exp_recompute,
+               "inference_buffers": exp_inference_buffers,
                "attention_paths": exp_attention_paths, "denormal": exp_denormal,
                "compile": exp_compile}
 

@@ -391,3 +391,47 @@ def test_patch_dropout_trains_on_a_subset_of_the_same_tokens():
 def test_patch_dropout_refuses_what_needs_every_patch(fields):
     with pytest.raises(ConfigError, match="patch_dropout"):
         ViTConfig(**{"patch_dropout": 0.5, **fields})
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(axial=True, classifier="gap", posemb="learned_2d"),
+                                    dict(posemb="relative", qkv_bias=False)])
+def test_inference_reuses_one_buffer_per_wide_activation_and_changes_nothing(monkeypatch, fields):
+    import vitlab.models.buffers as buffers
+    import vitlab.models.fused as fused
+
+    torch.manual_seed(0)
+    model = vitlab.create_model(tiny(depth=3, **fields)).eval()
+    with torch.no_grad():
+        model.head.weight.normal_()
+    x = torch.randn(2, 3, 16, 16)
+    outputs: list[torch.Tensor] = []
+    real = fused.dense_into_buffer
+    monkeypatch.setattr(fused, "dense_into_buffer", lambda *a: outputs.append(real(*a)) or outputs[-1])
+    with torch.inference_mode():
+        logits = model(x)
+        intermediates = model.forward_intermediates(x)
+    qkv = [t for t in outputs if t.shape[-1] == 3 * 32]
+    hidden = [t for t in outputs if t.shape[-1] == 64]
+    assert len(qkv) == len(hidden) == len(outputs) // 2 > 0
+    assert len({t.data_ptr() for t in qkv[: len(qkv) // 2]}) == 1  # one buffer for every block's qkv
+    assert len({t.data_ptr() for t in hidden[: len(hidden) // 2]}) == 1
+    assert buffers._local.buffers is None  # freed when the forward ends
+    # the same numbers as fresh allocations, and no block output aliases a buffer
+    monkeypatch.setattr(buffers, "reuse_wanted", lambda x: False)
+    with torch.inference_mode():
+        assert torch.equal(model(x), logits)
+        fresh = model.forward_intermediates(x)
+    assert len({t.data_ptr() for t in intermediates}) == len(intermediates)
+    for kept, expected in zip(intermediates, fresh):
+        assert torch.equal(kept, expected)
+
+
+def test_a_forward_with_autograd_or_autocast_allocates_as_usual():
+    from vitlab.models.buffers import reuse_wanted
+
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        assert reuse_wanted(x)
+        with torch.autocast("cpu", torch.bfloat16):
+            assert not reuse_wanted(x)
+    assert not reuse_wanted(x)  # a backward may follow

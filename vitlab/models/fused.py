@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from .buffers import dense_into_buffer, gelu_of_own
+
 
 _RECOMPUTE = True
 
@@ -118,15 +120,16 @@ class _GeluDense(torch.autograd.Function):
 
 
 def layer_norm_dense(x: torch.Tensor, norm: nn.LayerNorm, dense: nn.Linear) -> torch.Tensor:
-    """``dense(norm(x))``, storing x rather than norm(x) for the backward."""
+    """``dense(norm(x))``, storing x rather than norm(x) for the backward (in inference, written
+    into a reused buffer when the model opened them: ``buffers.py``)."""
     if not recompute_wanted():
-        return dense(norm(x))
+        return dense_into_buffer(norm(x), dense)
     return _LayerNormDense.apply(x, norm.weight, norm.bias, norm.eps, dense.weight, dense.bias)
 
 
 def gelu_dense(h: torch.Tensor, approximate: str, dropout: nn.Dropout, dense: nn.Linear) -> torch.Tensor:
     """``dense(dropout(gelu(h)))``, storing h (and the dropout mask) rather than the GELU output."""
     if not recompute_wanted():
-        return dense(dropout(F.gelu(h, approximate=approximate)))
+        return dense(dropout(gelu_of_own(h, approximate)))
     drop = dropout.p if dropout.training else 0.0
     return _GeluDense.apply(h, approximate, drop, dense.weight, dense.bias)

@@ -1,0 +1,81 @@
+"""One buffer, reused by every block, for each of the two widest activations of a CPU
+inference pass: the qkv projection (tokens x 3D) and the MLP hidden layer (tokens x
+mlp_dim).
+
+Why: glibc serves allocations above 32 MiB with fresh pages from the kernel, and the
+first write to each page is a page fault.  ViT-B/16 at batch 32 allocates 12 qkv
+outputs of 58 MiB and 12 MLP activations of 77 MiB per forward: about 460,000 faults,
+a tenth of the forward's time.  The blocks run one after another and each consumes
+both activations before the next block starts, so one buffer of each shape serves
+them all; the projection is written into it (``torch.addmm(..., out=)``, the kernel
+``F.linear`` calls) and the GELU runs in place.  The buffers live for one forward
+(``reuse_buffers``, opened by the model around its blocks) and are freed after it.
+
+Only where no autograd graph, autocast or compiler is involved: the training path keeps
+its activations for the backward, autocast has no ``out=`` kernels, and
+``torch.compile`` plans its own memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_local = threading.local()  # .buffers: dict (shape, dtype) -> tensor while a forward is open
+
+
+def reuse_wanted(x: torch.Tensor) -> bool:
+    """Whether a forward over ``x`` may write its wide activations into reused buffers."""
+    return (x.device.type == "cpu" and not torch.is_grad_enabled()
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
+
+
+@contextlib.contextmanager
+def reuse_buffers(x: torch.Tensor) -> Iterator[None]:
+    """Open one forward's buffers for ``x`` (a no-op where ``reuse_wanted`` is False, or nested)."""
+    if getattr(_local, "buffers", None) is not None or not reuse_wanted(x):
+        yield
+        return
+    _local.buffers = {}
+    try:
+        yield
+    finally:
+        _local.buffers = None
+
+
+def _open_buffers() -> dict | None:
+    buffers = getattr(_local, "buffers", None)
+    return buffers if buffers is not None and not torch.is_grad_enabled() else None
+
+
+def dense_into_buffer(x: torch.Tensor, dense: nn.Linear) -> torch.Tensor:
+    """``dense(x)``; inside ``reuse_buffers``, written into the open buffer of its shape.
+
+    The result is overwritten by the next call of the same shape: the caller consumes
+    it before then.
+    """
+    buffers = _open_buffers()
+    if buffers is None or x.dtype != dense.weight.dtype:
+        return dense(x)
+    shape = (*x.shape[:-1], dense.out_features)
+    key = (shape, x.dtype)
+    if key not in buffers:
+        buffers[key] = torch.empty(shape, dtype=x.dtype)
+    out = buffers[key]
+    rows = x.reshape(-1, x.shape[-1])
+    if dense.bias is None:
+        torch.mm(rows, dense.weight.t(), out=out.view(-1, shape[-1]))
+    else:
+        torch.addmm(dense.bias, rows, dense.weight.t(), out=out.view(-1, shape[-1]))
+    return out
+
+
+def gelu_of_own(h: torch.Tensor, approximate: str) -> torch.Tensor:
+    """GELU of ``h``, an activation the caller owns: in place when no backward can follow."""
+    if torch.is_grad_enabled():
+        return F.gelu(h, approximate=approximate)
+    return torch.ops.aten.gelu_(h, approximate=approximate)

@@ -259,7 +259,7 @@ def exp_inference_buffers() -> None:
     from harness import make_model
 
     torch.set_num_threads(os.cpu_count() or 1)
-    for batch, rounds in ((32, 5), (8, 9)):
+    for batch, rounds in ((32, 5), (8, 9), (1, 15)):
         torch.manual_seed(0)
         x = torch.randn(batch, 3, 224, 224)
         vitlab_model, _ = make_model("vitlab", "ViT-B/16")
@@ -382,24 +382,34 @@ def exp_peers() -> None:
 
 
 def exp_b16_inference() -> None:
-    """ViT-B/16 inference at batch 32 on every core, wall time: the row where bench.py saw vitlab behind."""
+    """ViT-B/16 inference at batch 1, 8 and 32, fp32 and bf16 autocast, every core, wall time:
+    vitlab against HF (sdpa, eager) in one process, with the matmul peak of each dtype."""
     from harness import make_model
 
     torch.set_num_threads(os.cpu_count() or 1)
-    torch.manual_seed(0)
-    x = torch.randn(32, 3, 224, 224)
-    infers = {}
-    for impl in ("vitlab", "hf-sdpa"):
-        model, forward = make_model(impl, "ViT-B/16")
+    models = {impl: make_model(impl, "ViT-B/16") for impl in ("vitlab", "hf-sdpa", "hf-eager")}
+    for model, _ in models.values():
         model.eval()
-        infers[impl] = lambda f=forward: f(x)
-    with torch.inference_mode():
-        compare("inference, ViT-B/16, batch 32", infers, rounds=5, clock=time.perf_counter)
-    a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
-    a @ b
-    best = min(_wall(lambda: a @ b) for _ in range(3))
-    print(f"  fp32 matmul peak (4096^3) now: {2 * 4096**3 / best / 1e9:.0f} GFLOP/s; ViT-B/16 is "
-          f"{model_flops(vitlab_config('ViT-B/16')) / 1e9:.1f} GFLOPs per image")
+    for batch, rounds in ((1, 15), (8, 7), (32, 5)):
+        for amp in (False, True):
+            torch.manual_seed(0)
+            x = torch.randn(batch, 3, 224, 224)
+
+            def infer(forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], object]:
+                def go() -> object:
+                    with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=amp):
+                        return forward(x)
+                return go
+
+            compare(f"inference, ViT-B/16, batch {batch}, {'bf16 autocast' if amp else 'fp32'}",
+                    {impl: infer(forward) for impl, (_, forward) in models.items()}, rounds=rounds,
+                    clock=time.perf_counter)
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(4096, 4096, dtype=dtype), torch.randn(4096, 4096, dtype=dtype)
+        a @ b
+        best = min(_wall(lambda: a @ b) for _ in range(3))
+        print(f"  {dtype} matmul peak (4096^3) now: {2 * 4096**3 / best / 1e9:.0f} GFLOP/s")
+    print(f"  ViT-B/16 is {model_flops(vitlab_config('ViT-B/16')) / 1e9:.1f} GFLOPs per image")
 
 
 def _wall(fn: Callable[[], object]) -> float:

@@ -292,6 +292,33 @@ def exp_inference_buffers() -> None:
               + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in faults.items()))
 
 
+def exp_autocast_weights() -> None:
+    """ViT-B/16 bf16 autocast inference, batch 1 and 8: vitlab's dense layers keeping their
+    bf16 weights between calls (the default) against casting them in every call, as
+    autocast does; every core, wall time."""
+    from vitlab.models.buffers import Dense
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = build_model(vitlab_config("ViT-B/16")).eval()
+
+    def infer(x: torch.Tensor, keep: bool) -> Callable[[], torch.Tensor]:
+        def go() -> torch.Tensor:
+            if not keep:
+                for layer in model.modules():
+                    if isinstance(layer, Dense):
+                        layer._cast = None
+            with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16):
+                return model(x)
+        return go
+
+    for batch, rounds in ((1, 15), (8, 5)):
+        x = torch.randn(batch, 3, 224, 224)
+        assert torch.equal(infer(x, True)(), infer(x, False)())
+        compare(f"ViT-B/16 bf16 autocast inference, batch {batch}",
+                {"weights cast once": infer(x, True), "weights cast per call": infer(x, False)},
+                rounds=rounds, clock=time.perf_counter)
+
+
 def exp_attention_paths() -> None:
     """Where vitlab keeps the fused kernel: bf16 inference (ViT-B/16, batch 8, beside HF sdpa)
     and fp32 training (CIFAR-size ViT, batch 128), each against the explicit path; every
@@ -590,7 +617,7 @@ EXPERIMENTS = {"peers": exp_peers, "hybrid_sizes": exp_hybrid_sizes, "hybrid_nor
                "s16_training": exp_s16_training,
                "gelu": exp_gelu, "patch_dropout": exp_patch_dropout, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16,
                "attention_bf16": exp_attention_bf16, "recompute": exp_recompute,
-               "inference_buffers": exp_inference_buffers,
+               "inference_buffers": exp_inference_buffers, "autocast_weights": exp_autocast_weights,
                "attention_paths": exp_attention_paths, "denormal": exp_denormal,
                "compile": exp_compile}
 

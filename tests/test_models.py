@@ -435,3 +435,31 @@ def test_a_forward_with_autograd_or_autocast_allocates_as_usual():
         with torch.autocast("cpu", torch.bfloat16):
             assert not reuse_wanted(x)
     assert not reuse_wanted(x)  # a backward may follow
+
+
+def test_dense_keeps_its_autocast_weights_between_inference_calls_until_they_change():
+    from vitlab.models.buffers import Dense
+
+    torch.manual_seed(0)
+    dense = Dense(6, 4)
+    x = torch.randn(3, 6)
+
+    def autocast_linear():
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+            return dense(x), torch.nn.functional.linear(x, dense.weight, dense.bias)
+
+    out, expected = autocast_linear()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    kept = dense._cast[1]
+    assert kept.dtype == torch.bfloat16
+    autocast_linear()
+    assert dense._cast[1] is kept  # cast once, not per call
+    with torch.no_grad():
+        dense.weight.add_(1.0)  # an optimiser step changes the weights in place
+    out, expected = autocast_linear()
+    assert dense._cast[1] is not kept and torch.equal(out, expected)
+    dense(x).sum().backward()  # a training forward drops the copy
+    assert dense._cast is None
+    with torch.no_grad():  # and without autocast there is nothing to keep
+        assert torch.equal(dense(x), torch.nn.functional.linear(x, dense.weight, dense.bias))
+    assert dense._cast is None

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ViTConfig
+from .buffers import Dense
 from .fused import gelu_dense, layer_norm_dense
 from .init import xavier_uniform_chunks_
 from .posemb import RelativePosBias
@@ -61,8 +62,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ViTConfig, seq_len: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=cfg.qkv_bias)
-        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.qkv = Dense(cfg.width, 3 * cfg.width, bias=cfg.qkv_bias)
+        self.proj = Dense(cfg.width, cfg.width)
         self.attn_drop = cfg.attention_dropout
         self.proj_drop = nn.Dropout(cfg.dropout)
         self.rel_pos = (
@@ -102,9 +103,9 @@ class Mlp(nn.Module):
 
     def __init__(self, cfg: ViTConfig) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(cfg.width, cfg.mlp_dim)
+        self.fc1 = Dense(cfg.width, cfg.mlp_dim)
         self.approximate = "tanh" if cfg.gelu == "tanh" else "none"  # F.gelu's argument
-        self.fc2 = nn.Linear(cfg.mlp_dim, cfg.width)
+        self.fc2 = Dense(cfg.mlp_dim, cfg.width)
         self.drop = nn.Dropout(cfg.dropout)
         for fc in (self.fc1, self.fc2):
             nn.init.xavier_uniform_(fc.weight)

@@ -96,8 +96,11 @@ class Dense(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not torch.is_autocast_enabled(device):
-            self._cast = None
+        if torch.compiler.is_compiling():  # traced as the plain layer: the casts go into the graph
+            return F.linear(x, self.weight, self.bias)
+        if torch.is_grad_enabled() or not torch.is_autocast_enabled(device):
+            if self._cast is not None:
+                self._cast = None
             return F.linear(x, self.weight, self.bias)
         weight, bias = self.autocast_weights(torch.get_autocast_dtype(device))
         return F.linear(x, weight, bias)  # autocast casts x; weight and bias already have its dtype

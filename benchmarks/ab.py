@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import harness  # noqa: F401  (puts the checkout on sys.path)
 from harness import vitlab_config
-from vitlab.analysis.cost import model_flops
+from vitlab.analysis.cost import SavedForBackward, model_flops
 from vitlab.config import ViTConfig, replace
 from vitlab.models.registry import build_model
 
@@ -232,25 +232,16 @@ def exp_recompute() -> None:
 
 def _saved_for_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, amp: bool) -> int:
     """Bytes of the tensors autograd keeps for the backward of one step, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedForBackward(model) as kept:
         with torch.autocast("cpu", torch.bfloat16, enabled=amp):
             loss = F.cross_entropy(model(x).float(), y)
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return sum(storages.values())
+    return kept.bytes
 
 
 def exp_inference_buffers() -> None:
-    """ViT-B/16 fp32 inference, batch 32 and 8: vitlab writing its qkv and MLP activations into
+    """ViT-B/16 fp32 inference, batch 32, 8 and 1: vitlab writing its qkv and MLP activations into
     one reused buffer each (the default) against fresh allocations, beside HF sdpa; every
     core, wall time; page faults per forward."""
     import resource

@@ -159,22 +159,16 @@ def test_dropout_sits_where_the_paper_puts_it():
 def _loss_grads_and_saved_bytes(model, x, amp=False):
     """One backward: the loss, every gradient (parameters and input), and the bytes of the
     non-parameter tensors autograd kept for it."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+    from vitlab.analysis.cost import SavedForBackward
 
     model.zero_grad()
     x = x.clone().requires_grad_()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedForBackward(model) as kept:
         with torch.autocast("cpu", torch.bfloat16, enabled=amp):
             loss = model(x).float().square().sum()
     loss.backward()
     grads = [x.grad] + [p.grad for p in model.parameters()]
-    return loss.detach(), grads, sum(saved.values())
+    return loss.detach(), grads, kept.bytes
 
 
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])

@@ -117,3 +117,16 @@ def test_every_registered_model_has_a_count():
     for name in list_models():
         assert model_flops(get_config(name)) > 0
         assert model_flops(get_config(name), 320) > model_flops(get_config(name))
+
+
+def test_saved_for_backward_counts_activation_storages_once_and_no_parameters():
+    from vitlab.analysis.cost import SavedForBackward
+
+    dense = torch.nn.Linear(8, 16)
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedForBackward(dense) as kept:
+        h = dense(x)           # keeps x (its weight is a parameter: not counted)
+        out = torch.tanh(h)    # keeps its output
+        loss = (out * out[:, :1]).sum()  # keeps out and a view of it: one storage
+    assert kept.bytes == (4 * 8 + 4 * 16) * 4
+    loss.backward()

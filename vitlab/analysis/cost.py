@@ -1,4 +1,5 @@
-"""What a model costs: forward FLOPs from the config, and whole training runs.
+"""What a model costs: forward FLOPs from the config, whole training runs, and the
+activation memory a backward pass keeps (``SavedForBackward``).
 
 Convention: one multiply-add is 2 FLOPs, as in ``torch.utils.flop_counter`` and in the
 paper's "exaFLOPs" (Table 6).  timm and many papers print *MACs* (multiply-adds) and
@@ -27,7 +28,7 @@ from ..config import ModelConfig, Pair, ResNetConfig, ViTConfig, to_pair
 
 __all__ = [
     "model_flops", "flops_breakdown", "training_flops", "core_days", "count_flops",
-    "TPU_V3_CORE_BF16_FLOPS", "JFT_IMAGES",
+    "SavedForBackward", "TPU_V3_CORE_BF16_FLOPS", "JFT_IMAGES",
 ]
 
 # One TPUv3 core: 123 TFLOP/s per chip in bf16, two cores per chip.  The paper's
@@ -193,3 +194,37 @@ def count_flops(model: nn.Module, *inputs: Any, backward: bool = False) -> int:
         if backward:
             out.float().sum().backward()
     return counter.get_total_flops()
+
+
+class SavedForBackward:
+    """Bytes of the tensors autograd keeps for the backward of what runs inside the block.
+
+    Each storage counts once (views of one tensor share it) and the model's parameters are
+    left out, so the figure is the activation memory the backward will read::
+
+        with SavedForBackward(model) as kept:
+            loss = model(images).logsumexp(-1).sum()
+        kept.bytes
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._storages: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._storages.values())
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._params:
+            self._storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self) -> "SavedForBackward":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)

@@ -20,8 +20,8 @@ Autocast casts every weight to bf16 in every forward (its cache of casts lives f
 ``autocast`` block): for ViT-B/16 that is reading 344 MB and writing 172 MB per call,
 whatever the batch.  ``Dense`` keeps the cast weights between calls when no backward can
 follow, recasts when the parameters change (their version counters), and drops the
-copy at its next forward with autograd on, so a training loop's evaluation does not hold
-stale copies while it trains.
+copy at its next forward outside autocast inference (a training step, an fp32 forward),
+so a training loop's evaluation does not hold stale copies while it trains.
 """
 from __future__ import annotations
 

@@ -246,8 +246,8 @@ def exp_inference_buffers() -> None:
     core, wall time; page faults per forward."""
     import resource
 
-    import vitlab.models.buffers as buffers
     from harness import make_model
+    from vitlab.models.buffers import plain_inference
 
     torch.set_num_threads(os.cpu_count() or 1)
     for batch, rounds in ((32, 5), (8, 9), (1, 15)):
@@ -260,15 +260,9 @@ def exp_inference_buffers() -> None:
 
         def forward(name: str, fn: Callable[[], object], reuse: bool = True) -> Callable[[], None]:
             def go() -> None:
-                saved = buffers.reuse_wanted
-                if not reuse:
-                    buffers.reuse_wanted = lambda x: False
                 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                try:
-                    with torch.inference_mode():
-                        fn()
-                finally:
-                    buffers.reuse_wanted = saved
+                with torch.inference_mode(), contextlib.nullcontext() if reuse else plain_inference():
+                    fn()
                 faults.setdefault(name, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
             return go
 
@@ -287,19 +281,22 @@ def exp_autocast_weights() -> None:
     """ViT-B/16 bf16 autocast inference, batch 1 and 8: vitlab's dense layers keeping their
     bf16 weights between calls (the default) against casting them in every call, as
     autocast does; every core, wall time."""
-    from vitlab.models.buffers import Dense
+    from vitlab.models.buffers import plain_inference
 
     torch.set_num_threads(os.cpu_count() or 1)
-    model = build_model(vitlab_config("ViT-B/16")).eval()
+    # two copies of one model: plain_inference drops the kept weights, so one model switched
+    # back and forth would recast in every round
+    kept = build_model(vitlab_config("ViT-B/16")).eval()
+    plain = build_model(vitlab_config("ViT-B/16")).eval()
+    plain.load_state_dict(kept.state_dict())
 
     def infer(x: torch.Tensor, keep: bool) -> Callable[[], torch.Tensor]:
         def go() -> torch.Tensor:
-            if not keep:
-                for layer in model.modules():
-                    if isinstance(layer, Dense):
-                        layer._cast = None
             with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16):
-                return model(x)
+                if keep:
+                    return kept(x)
+                with plain_inference():
+                    return plain(x)
         return go
 
     for batch, rounds in ((1, 15), (8, 5)):

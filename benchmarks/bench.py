@@ -1,7 +1,7 @@
 """vitlab against its peers, measured in the same run: throughput, memory, share of peak.
 
-    python benchmarks/bench.py                 # everything, CPU (about an hour on 2 cores)
-    python benchmarks/bench.py --quick         # few repeats: checks the machinery
+    python benchmarks/bench.py                 # everything, CPU (about 40 minutes on 2 cores)
+    python benchmarks/bench.py --quick         # one round, few repeats: checks the machinery
     python benchmarks/bench.py --only infer/ViT-B/16/b8 --device cuda --compile
 
 Rows (paper architectures, random weights, same for every implementation):
@@ -14,8 +14,12 @@ inference) running vitlab's exported model has its own column: it is a way to se
 vitlab, not a peer, so the ratio column leaves it out.
 
 Every (row, implementation) runs in a fresh subprocess (harness.py); warm-up calls are
-excluded; figures are the median over repeats with the min-max range (with --rounds R,
-the median of R rounds' medians, the list run R times through).  Peak memory is
+excluded.  The list runs R times (--rounds, default 3), a row's implementations back to
+back and in a rotated order each round, so that a slow minute on this shared machine
+falls on all of them or on each in turn; a figure is the median of the R rounds' medians
+with the min-max over all repeats, and the ratio vitlab / best peer is the median of the
+rounds' ratios (each round's vitlab against its best peer of that round), with their
+range.  Peak memory is
 the rise of the process's resident set above its level after the model was built
 (CPU; VmHWM), or torch.cuda.max_memory_allocated above the allocation then (CUDA).
 The run measures the machine's practical peak (the best large square matmul, fp32 and
@@ -49,16 +53,16 @@ OWN = ("vitlab", "onnxruntime")  # implementations of vitlab's model; the rest a
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 warm-up, 3 short repeats")
+    p.add_argument("--quick", action="store_true", help="1 round, 1 warm-up, short repeats")
     p.add_argument("--only", default=None, metavar="PATTERN",
                    help="regular expression on row ids such as 'infer/ViT-B/16/b8/bf16/hf-sdpa'")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile every PyTorch model")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 7, quick 3)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run the whole list this many times, each time in fresh processes, and take "
-                        "the median of the rounds: on a shared machine, drift hits every row alike")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per round (default 3)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="run the whole list this many times (default 3, quick 1), each time in fresh "
+                        "processes, and take the median of the rounds")
     p.add_argument("--bf16", choices=("auto", "yes", "no"), default="auto",
                    help="bf16 rows: 'auto' runs them where the hardware has bf16 (CUDA, or a CPU "
                         "with AVX512-BF16/AMX); elsewhere bf16 is emulated and 10-100x slower")
@@ -72,7 +76,7 @@ def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
         device=args.device,
         threads=args.threads or (os.cpu_count() if args.device == "cpu" else None),
         warmup=1 if args.quick else 3,
-        repeats=args.repeats or (3 if args.quick else 7),
+        repeats=args.repeats,
         min_seconds=0.0 if args.quick else 1.0,
     )
     # 2048^3 under-read the CPU peak (models then showed > 100% of it): --quick keeps 4096
@@ -144,12 +148,30 @@ def fmt_rate(r: dict) -> str:
     return f"{r['median']:.1f} ({r['min']:.1f}-{r['max']:.1f})"
 
 
+def _row(case_id: str) -> str:
+    return case_id.rsplit("/", 1)[0]
+
+
+def round_ratios(by_impl: dict[str, dict]) -> list[float]:
+    """Each round's vitlab / best peer of that round, for rounds where both have a figure."""
+    ours = by_impl.get("vitlab", {}).get("round_medians", [])
+    peers = [r["round_medians"] for i, r in by_impl.items() if i not in OWN and "round_medians" in r]
+    ratios = []
+    for k, mine in enumerate(ours):
+        theirs = [m[k] for m in peers if k < len(m) and m[k] is not None]
+        if mine is not None and theirs:
+            ratios.append(mine / max(theirs))
+    return ratios
+
+
 def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> list[list[str]]:
-    """One line per (row, dtype): img/s of each implementation, vitlab / best peer, % of peak, memory."""
+    """One line per (row, dtype): img/s of each implementation, vitlab / best peer, % of peak, memory.
+
+    The ratio is the median of the rounds' paired ratios, with their range when there are several.
+    """
     rows: dict[str, dict[str, dict]] = {}
     for r in results:
-        key = r["id"].rsplit("/", 1)[0]
-        rows.setdefault(key, {})[r["impl"]] = r
+        rows.setdefault(_row(r["id"]), {})[r["impl"]] = r
     header = ["row"] + [f"{i} img/s" for i in impls] + ["vitlab/best peer", "vitlab % peak",
                                                           "vitlab MiB", "best peer MiB"]
     lines = [header]
@@ -158,12 +180,20 @@ def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> lis
         # ONNX Runtime runs vitlab's own export: a serving option beside vitlab, not a peer
         peer_ok = [r for i, r in by_impl.items() if i not in OWN and "error" not in r]
         best = max(peer_ok, key=lambda r: r["median"], default=None)
-        ratio = f"{ours['median'] / best['median']:.2f}x" if best and "median" in ours else "-"
+        ratios = round_ratios(by_impl)
+        if ratios:
+            ratio = f"{statistics.median(ratios):.2f}x"
+            if len(ratios) > 1:
+                ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})"
+        elif best and "median" in ours:
+            ratio = f"{ours['median'] / best['median']:.2f}x"
+        else:
+            ratio = "-"
         peak = peaks.get("bfloat16" if key.endswith("bf16") else "float32")
         share = f"{100 * ours['achieved_flops_per_s'] / peak:.0f}%" if peak and "median" in ours else "-"
         mem = lambda r: f"{r['peak_bytes'] / 2**20:.0f}" if r and "peak_bytes" in r else "-"  # noqa: E731
         lines.append([key] + [fmt_rate(by_impl[i]) if i in by_impl else "" for i in impls]
-                     + [ratio + (f" ({best['impl']})" if best else ""), share, mem(ours), mem(best)])
+                     + [ratio + (f" vs {best['impl']}" if best else ""), share, mem(ours), mem(best)])
     return lines
 
 
@@ -180,17 +210,29 @@ def markdown(lines: list[list[str]]) -> str:
 
 
 def merge_rounds(rounds: list[dict]) -> dict:
-    """One result from several rounds: median of the round medians, overall min and max."""
+    """One result from several rounds: median of the round medians, overall min and max;
+    ``round_medians`` keeps each round's median (None where that round failed)."""
     ok = [r for r in rounds if "error" not in r]
     if not ok:
         return rounds[0]
     median = statistics.median(r["median"] for r in ok)
-    merged = dict(ok[0], median=median, min=min(r["min"] for r in ok), max=max(r["max"] for r in ok),
-                  peak_bytes=max(r["peak_bytes"] for r in ok), rounds=len(ok),
-                  achieved_flops_per_s=ok[0]["flops_per_image"] * median)
-    if len(ok) > 1:
-        merged["round_medians"] = [r["median"] for r in ok]
-    return merged
+    return dict(ok[0], median=median, min=min(r["min"] for r in ok), max=max(r["max"] for r in ok),
+                peak_bytes=max(r["peak_bytes"] for r in ok), rounds=len(ok),
+                achieved_flops_per_s=ok[0]["flops_per_image"] * median,
+                round_medians=[r.get("median") for r in rounds])
+
+
+def round_order(cases: list[dict], round_: int) -> list[dict]:
+    """The cases of one round: rows in their order, each row's implementations rotated by
+    ``round_`` so that none always runs first after the previous row."""
+    rows: dict[str, list[dict]] = {}
+    for case in cases:
+        rows.setdefault(_row(case["id"]), []).append(case)
+    order = []
+    for group in rows.values():
+        shift = round_ % len(group)
+        order += group[shift:] + group[:shift]
+    return order
 
 
 def measure_peaks(peak_cases: list[dict], peaks: dict[str, float], timeout: float, when: str) -> None:
@@ -207,6 +249,8 @@ def measure_peaks(peak_cases: list[dict], peaks: dict[str, float], timeout: floa
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
     peak_cases, cases = build_cases(args)
     info = machine(args)
     timeout = 600 if args.quick else 1800
@@ -220,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {c["id"]: [] for c in cases}
     started = time.time()
     for round_ in range(args.rounds):
-        for case in cases:
+        for case in round_order(cases, round_):
             r = run_case(case, timeout)
             r.update(loadavg=_loadavg())
             runs[case["id"]].append(r)

@@ -411,28 +411,31 @@ def test_inference_reuses_one_buffer_per_wide_activation_and_changes_nothing(mon
     assert len({t.data_ptr() for t in hidden[: len(hidden) // 2]}) == 1
     assert buffers._local.buffers is None  # freed when the forward ends
     # the same numbers as fresh allocations, and no block output aliases a buffer
-    monkeypatch.setattr(buffers, "reuse_wanted", lambda x: False)
-    with torch.inference_mode():
+    outputs.clear()
+    with torch.inference_mode(), buffers.plain_inference():
         assert torch.equal(model(x), logits)
         fresh = model.forward_intermediates(x)
+    assert len({t.data_ptr() for t in outputs}) == len(outputs)  # every activation its own
     assert len({t.data_ptr() for t in intermediates}) == len(intermediates)
     for kept, expected in zip(intermediates, fresh):
         assert torch.equal(kept, expected)
 
 
 def test_a_forward_with_autograd_or_autocast_allocates_as_usual():
-    from vitlab.models.buffers import reuse_wanted
+    from vitlab.models.buffers import plain_inference, reuse_wanted
 
     x = torch.randn(2, 3)
     with torch.no_grad():
         assert reuse_wanted(x)
+        with plain_inference():
+            assert not reuse_wanted(x)
         with torch.autocast("cpu", torch.bfloat16):
             assert not reuse_wanted(x)
     assert not reuse_wanted(x)  # a backward may follow
 
 
 def test_dense_keeps_its_autocast_weights_between_inference_calls_until_they_change():
-    from vitlab.models.buffers import Dense
+    from vitlab.models.buffers import Dense, plain_inference
 
     torch.manual_seed(0)
     dense = Dense(6, 4)
@@ -457,3 +460,7 @@ def test_dense_keeps_its_autocast_weights_between_inference_calls_until_they_cha
     with torch.no_grad():  # and without autocast there is nothing to keep
         assert torch.equal(dense(x), torch.nn.functional.linear(x, dense.weight, dense.bias))
     assert dense._cast is None
+    autocast_linear()
+    with plain_inference():  # casts per call, keeps nothing, and drops what it had
+        out, expected = autocast_linear()
+        assert dense._cast is None and torch.equal(out, expected)

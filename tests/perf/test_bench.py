@@ -75,6 +75,28 @@ def test_cases_and_table():
         {"id": "infer/x/b8/fp32/hf-eager", "impl": "hf-eager", "error": "boom"},
     ]
     lines = bench.table(fake, {"float32": 100e9}, ["vitlab", "hf-sdpa", "hf-eager"])
-    assert lines[1][4].startswith("1.50x (hf-sdpa)")
+    assert lines[1][4] == "1.50x vs hf-sdpa"
     assert lines[1][5] == "50%"
     assert "| infer/x/b8/fp32 |" in bench.markdown(lines)
+
+
+def test_rounds_pair_each_round_and_rotate_the_order():
+    args = bench.parse_args(["--only", "infer/ViT-B/16/b8/fp32/(vitlab|hf-)", "--bf16", "no"])
+    _, cases = bench.build_cases(args)
+    impls = [c["impl"] for c in cases]
+    assert impls == ["vitlab", "hf-sdpa", "hf-eager"]
+    assert [c["impl"] for c in bench.round_order(cases, 1)] == ["hf-sdpa", "hf-eager", "vitlab"]
+    assert [c["impl"] for c in bench.round_order(cases, 3)] == impls
+
+    def rounds(impl, medians):
+        return dict(bench.merge_rounds([{"median": m, "min": m, "max": m, "peak_bytes": 1,
+                                         "flops_per_image": 1.0} if m else {"error": "x"}
+                                        for m in medians]), id=f"r/b1/fp32/{impl}", impl=impl)
+    # vitlab is slower than sdpa in the slow second round only; the rounds' ratios are
+    # 10/8, 5/8 (sdpa best of round 2) and 12/10 (round 3: sdpa failed, eager is the peer)
+    results = [rounds("vitlab", [10, 5, 12]), rounds("hf-sdpa", [8, 8, None]),
+               rounds("hf-eager", [7, 4, 10])]
+    assert results[0]["median"] == 10 and results[1]["round_medians"] == [8, 8, None]
+    assert bench.round_ratios({r["impl"]: r for r in results}) == [1.25, 0.625, 1.2]
+    line = bench.table(results, {}, ["vitlab", "hf-sdpa", "hf-eager"])[1]
+    assert line[4] == "1.20x (0.62-1.25) vs hf-sdpa"

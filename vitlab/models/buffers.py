@@ -22,6 +22,10 @@ whatever the batch.  ``Dense`` keeps the cast weights between calls when no back
 follow, recasts when the parameters change (their version counters), and drops the
 copy at its next forward outside autocast inference (a training step, an fp32 forward),
 so a training loop's evaluation does not hold stale copies while it trains.
+
+``with plain_inference():`` switches both off (fresh allocations, weights cast per call)
+for measurements such as ``benchmarks/ab.py inference_buffers``, or where the memory of
+the bf16 copies matters more than their time.
 """
 from __future__ import annotations
 
@@ -34,11 +38,24 @@ import torch.nn.functional as F
 from torch import nn
 
 _local = threading.local()  # .buffers: dict (shape, dtype) -> tensor while a forward is open
+_PLAIN = False
+
+
+@contextlib.contextmanager
+def plain_inference() -> Iterator[None]:
+    """Inside the block, inference allocates every activation afresh and autocast casts
+    the weights in every call, as plain PyTorch does; cast weights already kept are dropped."""
+    global _PLAIN
+    before, _PLAIN = _PLAIN, True
+    try:
+        yield
+    finally:
+        _PLAIN = before
 
 
 def reuse_wanted(x: torch.Tensor) -> bool:
     """Whether a forward over ``x`` may write its wide activations into reused buffers."""
-    return (x.device.type == "cpu" and not torch.is_grad_enabled()
+    return (not _PLAIN and x.device.type == "cpu" and not torch.is_grad_enabled()
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
 
 
@@ -98,7 +115,7 @@ class Dense(nn.Linear):
         device = x.device.type
         if torch.compiler.is_compiling():  # traced as the plain layer: the casts go into the graph
             return F.linear(x, self.weight, self.bias)
-        if torch.is_grad_enabled() or not torch.is_autocast_enabled(device):
+        if _PLAIN or torch.is_grad_enabled() or not torch.is_autocast_enabled(device):
             if self._cast is not None:
                 self._cast = None
             return F.linear(x, self.weight, self.bias)

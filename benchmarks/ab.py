@@ -307,6 +307,39 @@ def exp_autocast_weights() -> None:
                 rounds=rounds, clock=time.perf_counter)
 
 
+def exp_packed_weights() -> None:
+    """ViT-B/16 fp32 inference at batch 1, 2 and 8: vitlab as it is against vitlab inside
+    ``packed_weights`` (dense weights packed once for oneDNN), beside HF sdpa; every core,
+    wall time; the packed copies' bytes."""
+    from harness import make_model
+    from vitlab.models import packed_weights
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    plain, _ = make_model("vitlab", "ViT-B/16")
+    packed, _ = make_model("vitlab", "ViT-B/16")  # its own copy: the packs stay with it
+    packed.load_state_dict(plain.state_dict())
+    peer, peer_forward = make_model("hf-sdpa", "ViT-B/16")
+    for model in (plain, packed, peer):
+        model.eval()
+    with packed_weights(packed):
+        for batch, rounds in ((1, 15), (2, 9), (8, 5)):
+            x = torch.randn(batch, 3, 224, 224)
+
+            def infer(forward):
+                def go():
+                    with torch.inference_mode():
+                        return forward(x)
+                return go
+            torch.testing.assert_close(infer(packed)(), infer(plain)(), rtol=1e-5, atol=1e-5)
+            compare(f"ViT-B/16 fp32 inference, batch {batch}",
+                    {"vitlab": infer(plain), "vitlab, packed_weights": infer(packed),
+                     "hf-sdpa": infer(peer_forward)}, rounds=rounds, clock=time.perf_counter)
+        packs = [m._packed[1] for m in packed.modules() if getattr(m, "_packed", None) is not None]
+        size = sum(t.to_dense().numel() * t.element_size() for t in packs)
+        print(f"  packed copies: {len(packs)} weights, {size / 2**20:.0f} MiB")
+
+
 def exp_attention_paths() -> None:
     """Where vitlab keeps the fused kernel: bf16 inference (ViT-B/16, batch 8, beside HF sdpa)
     and fp32 training (CIFAR-size ViT, batch 128), each against the explicit path; every
@@ -601,16 +634,37 @@ def exp_hybrid_sizes() -> None:
             rounds=7, clock=time.perf_counter)
 
 
-EXPERIMENTS = {"peers": exp_peers, "hybrid_sizes": exp_hybrid_sizes, "hybrid_norm": exp_hybrid_norm, "hybrid_layout": exp_hybrid_layout, "hybrid_root": exp_hybrid_root, "hybrid_compile": exp_hybrid_compile, "b16_inference": exp_b16_inference, "cifar_training": exp_cifar_training,
-               "s16_training": exp_s16_training,
-               "gelu": exp_gelu, "patch_dropout": exp_patch_dropout, "adamw": exp_adamw, "patchify": exp_patchify, "qkv": exp_qkv, "bf16": exp_bf16,
-               "attention_bf16": exp_attention_bf16, "recompute": exp_recompute,
-               "inference_buffers": exp_inference_buffers, "autocast_weights": exp_autocast_weights,
-               "attention_paths": exp_attention_paths, "denormal": exp_denormal,
-               "compile": exp_compile}
+EXPERIMENTS = {
+    "peers": exp_peers,
+    "hybrid_sizes": exp_hybrid_sizes,
+    "hybrid_norm": exp_hybrid_norm,
+    "hybrid_layout": exp_hybrid_layout,
+    "hybrid_root": exp_hybrid_root,
+    "hybrid_compile": exp_hybrid_compile,
+    "b16_inference": exp_b16_inference,
+    "cifar_training": exp_cifar_training,
+    "s16_training": exp_s16_training,
+    "gelu": exp_gelu,
+    "patch_dropout": exp_patch_dropout,
+    "adamw": exp_adamw,
+    "patchify": exp_patchify,
+    "qkv": exp_qkv,
+    "bf16": exp_bf16,
+    "attention_bf16": exp_attention_bf16,
+    "recompute": exp_recompute,
+    "inference_buffers": exp_inference_buffers,
+    "autocast_weights": exp_autocast_weights,
+    "packed_weights": exp_packed_weights,
+    "attention_paths": exp_attention_paths,
+    "denormal": exp_denormal,
+    "compile": exp_compile,
+}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     names = sys.argv[1:] or list(EXPERIMENTS)
+    unknown = [name for name in names if name not in EXPERIMENTS]
+    if unknown:
+        sys.exit(f"unknown experiment {', '.join(unknown)}; choose among: {' '.join(EXPERIMENTS)}")
     for name in names:
         EXPERIMENTS[name]()

@@ -10,8 +10,9 @@ Rows (paper architectures, random weights, same for every implementation):
          3 heads, MLP 768, 10 classes) at batch 128: images/s of forward + backward + AdamW
 each in fp32 and in bf16 autocast.  Peers: Hugging Face ViTForImageClassification with
 attn_implementation "sdpa" and "eager", and timm when importable.  ONNX Runtime (CPU, fp32
-inference) running vitlab's exported model has its own column: it is a way to serve
-vitlab, not a peer, so the ratio column leaves it out.
+inference) running vitlab's exported model has its own column, and so has vitlab inside
+``vitlab.models.packed_weights`` (fp32 CPU inference on weights packed once, a second copy
+held): ways to serve vitlab, not peers, so the ratio column leaves them out.
 
 Every (row, implementation) runs in a fresh subprocess (harness.py); warm-up calls are
 excluded.  The list runs R times (--rounds, default 3), a row's implementations back to
@@ -26,7 +27,8 @@ The run measures the machine's practical peak (the best large square matmul, fp3
 bf16; before and after the model rows, the better kept) and reports each result's achieved FLOP/s (analytic model FLOPs, multiply-add
 = 2, training = 3x forward) as a share of the peak of its dtype.
 
-Writes benchmarks/results/<host or device>-<date>.json and benchmarks/results/latest.md.
+Writes benchmarks/results/<host or device>-<date>.json and the table to
+benchmarks/results/latest.md (a --quick or --only run: partial.md, leaving latest.md alone).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 INFER = [("ViT-B/16", b) for b in (1, 8, 32)]
 TRAIN = [("ViT-S/16", 32), ("ViT-CIFAR", 128)]
 DTYPES = ("fp32", "bf16")
-OWN = ("vitlab", "onnxruntime")  # implementations of vitlab's model; the rest are peers
+OWN = ("vitlab", "vitlab-packed", "onnxruntime")  # implementations of vitlab's model; the rest are peers
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,13 +93,15 @@ def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     for kind, rows in (("infer", INFER), ("train", TRAIN)):
         for model, batch in rows:
             for dtype in dtypes:
-                for impl in ["vitlab"] + peers:
-                    if impl == "onnxruntime" and (kind == "train" or dtype != "fp32"):
+                for impl in ["vitlab"] + peers + ["vitlab-packed"]:
+                    # serving options for vitlab's model: fp32 CPU inference
+                    serving = impl in ("onnxruntime", "vitlab-packed")
+                    if serving and (kind == "train" or dtype != "fp32" or args.device != "cpu"):
                         continue
                     cases.append(dict(
                         common, kind="inference" if kind == "infer" else "train", model=model,
                         batch=batch, dtype=dtype, impl=impl,
-                        compile=args.compile and impl != "onnxruntime",
+                        compile=args.compile and not serving,
                         cache_dir=str(HERE / "results" / ".cache"),
                         id=f"{kind}/{model}/b{batch}/{dtype}/{impl}",
                     ))
@@ -294,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{'quick' if args.quick else 'full'} run {stamp} UTC; img/s median (min-max); "
             f"peak matmul GFLOP/s: " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peaks.items()))
     command = "python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    (out / "latest.md").write_text(f"{note}\n\n`{command.strip()}`\n\n" + markdown(lines))
-    print(f"\nwrote {path} and {out / 'latest.md'}")
+    # latest.md is the README's table: a quick or partial run leaves it alone
+    table_path = out / ("latest.md" if not (args.quick or args.only) else "partial.md")
+    table_path.write_text(f"{note}\n\n`{command.strip()}`\n\n" + markdown(lines))
+    print(f"\nwrote {path} and {table_path}")
     return 0
 
 

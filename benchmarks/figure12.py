@@ -1,8 +1,8 @@
 """Paper Figure 12 (Appendix D.5): inference speed and the largest batch that fits,
 across input sizes, for ViTs and BiT ResNets.
 
-    python benchmarks/figure12.py                             # CPU: 224 and 256 px, small batches
-    python benchmarks/figure12.py --sizes 224 288 384 448 512 --budget-gib 16
+    python benchmarks/figure12.py                             # CPU: 224 to 512 px, batch 2
+    python benchmarks/figure12.py --sizes 224 256 --budget-gib 16
     python benchmarks/figure12.py --device cuda --sizes 224 320 384 448 512 --batch 64
 
 Left panel: images/s (per core on CPU, as the paper's "img/sec/core") against input
@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from harness import run_case
+from harness import SPECS, run_case
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("ViT-B/32", "ViT-B/16", "ViT-L/16", "BiT-R50x1", "BiT-R152x2")
@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--sizes", nargs="+", type=int, default=None,
-                   help="input sizes (default: 224 256 on CPU, 224 320 384 448 512 on CUDA)")
+                   help="input sizes (default: 224 288 384 448 512 on CPU, 224 320 384 448 512 on CUDA;"
+                        " each a multiple of 32, so that every model's patches tile it)")
     p.add_argument("--batch", type=int, default=None, help="batch for the speed panel (CPU 2, CUDA 32)")
     p.add_argument("--budget-gib", type=float, default=None,
                    help="memory budget (CPU: resident set, default 8 GiB; CUDA: default the device's)")
@@ -91,21 +92,33 @@ def device_budget(args: argparse.Namespace) -> float:
     return 8 * 2**30
 
 
-def measure(args: argparse.Namespace, model: str, size: int, batch: int, repeats: int) -> dict:
+def measure(args: argparse.Namespace, model: str, size: int, batch: int, repeats: int,
+            timed: bool = True) -> dict:
+    """One fresh-process inference run; ``timed`` ones warm up twice and time repeats of at
+    least a second, the memory probes of the batch search make one call."""
     case = dict(kind="inference", device=args.device, model=model, img_size=size, batch=batch,
-                dtype="fp32", impl="vitlab", threads=args.threads, warmup=1, repeats=repeats,
-                min_seconds=0.0)
+                dtype="fp32", impl="vitlab", threads=args.threads, warmup=2 if timed else 1,
+                repeats=repeats, min_seconds=1.0 if timed else 0.0)
     return run_case(case, timeout=1800)
 
 
 def collect(args: argparse.Namespace) -> dict:
     """All measurements as a JSON-able dict (no plotting here)."""
     cpu = args.device == "cpu"
-    sizes = args.sizes or ([224, 256] if cpu else [224, 320, 384, 448, 512])
+    sizes = args.sizes or ([224, 288, 384, 448, 512] if cpu else [224, 320, 384, 448, 512])
     batch = args.batch or (2 if cpu else 32)
     threads = args.threads or (os.cpu_count() if cpu else None)
     args.threads = threads
     budget = device_budget(args)
+    for model in args.models:
+        if model not in SPECS and not model.startswith("BiT-"):
+            raise SystemExit(f"--models {model}: unknown; choose among {', '.join(SPECS)} or a BiT "
+                             "ResNet such as BiT-R50x1")
+        patch = SPECS[model][4] if model in SPECS else 1  # BiT ResNets take any size
+        bad = [size for size in sizes if size % patch]
+        if bad:
+            raise SystemExit(f"--sizes {' '.join(map(str, bad))}: {model} needs multiples of its "
+                             f"patch size {patch}")
     record = {"device": args.device, "threads": threads, "batch": batch, "budget_bytes": budget,
               "sizes": sizes, "models": {}}
     for model in args.models:
@@ -128,7 +141,7 @@ def collect(args: argparse.Namespace) -> dict:
                     row["largest_batch_method"] = f"extrapolated from the peak RSS at batch {batch}"
             if "largest_batch" not in row and (not cpu or args.search):
                 def fits(b: int) -> bool:
-                    r = measure(args, model, size, b, 1)
+                    r = measure(args, model, size, b, 1, timed=False)
                     return "error" not in r and r["total_peak_bytes"] <= budget
                 row["largest_batch"] = largest_batch(fits, start=batch, rel_tol=args.tolerance)
                 row["largest_batch_method"] = f"binary search over runs, to {args.tolerance:.0%}"

@@ -8,6 +8,7 @@ subprocess prints one JSON line, prefixed with ``RESULT``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -266,6 +267,7 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
     x = torch.randn(batch, 3, img, img, device=device)
     memory = PeakMemory(device)
     sync = _sync(device)
+    held = contextlib.ExitStack()  # what stays open while the loop is timed
 
     if impl == "onnxruntime":
         if case["kind"] != "inference" or amp:
@@ -275,12 +277,16 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
         memory.reset()
         step = lambda: session.run(None, feed)  # noqa: E731
     else:
-        model, forward = make_model(impl, spec, img)
+        model, forward = make_model("vitlab" if impl == "vitlab-packed" else impl, spec, img)
         model = model.to(device)
         if case.get("compile"):
             forward = torch.compile(forward)
         if case["kind"] == "inference":
             model.eval()
+            if impl == "vitlab-packed":  # packed at the first warm-up call, held to the end
+                from vitlab.models import packed_weights
+
+                held.enter_context(packed_weights(model))
 
             def step():
                 with torch.inference_mode(), torch.autocast(device, torch.bfloat16, enabled=amp):
@@ -299,7 +305,8 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
                 opt.zero_grad(set_to_none=True)
             memory.reset()  # after the model, before the optimizer state appears
 
-    times, calls = time_loop(step, sync, case["warmup"], case["repeats"], case["min_seconds"])
+    with held:
+        times, calls = time_loop(step, sync, case["warmup"], case["repeats"], case["min_seconds"])
     result = summarize(times, batch)
     result["peak_bytes"] = memory.peak()
     result["total_peak_bytes"] = (torch.cuda.max_memory_allocated() if device == "cuda"

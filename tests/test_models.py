@@ -464,3 +464,50 @@ def test_dense_keeps_its_autocast_weights_between_inference_calls_until_they_cha
     with plain_inference():  # casts per call, keeps nothing, and drops what it had
         out, expected = autocast_linear()
         assert dense._cast is None and torch.equal(out, expected)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@pytest.mark.parametrize("fields", [dict(), dict(qkv_bias=False, axial=True, classifier="gap",
+                                                 posemb="learned_2d")])
+def test_packed_weights_give_the_plain_outputs_and_are_freed_at_the_end(fields):
+    from vitlab.models import packed_weights, plain_inference
+    from vitlab.models.buffers import Dense
+
+    torch.manual_seed(0)
+    model = vitlab.create_model(tiny(depth=2, **fields)).eval()
+    with torch.no_grad():
+        model.head.weight.normal_()
+    dense = [m for m in model.modules() if isinstance(m, Dense)]
+    x = torch.randn(3, 3, 16, 16)
+    with torch.inference_mode():
+        expected = model(x)
+    with packed_weights(model) as same:
+        assert same is model
+        with torch.inference_mode():
+            torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-6)
+        packs = [layer._packed[1] for layer in dense]
+        assert all(p.layout == torch._mkldnn for p in packs)  # every dense layer ran packed
+        with torch.no_grad():
+            torch.testing.assert_close(model(x[:1]), expected[:1], rtol=1e-5, atol=1e-6)  # other rows
+            assert all(layer._packed[1] is p for layer, p in zip(dense, packs))  # packed once
+            dense[0].weight.mul_(0.5)  # changed parameters are packed again
+            changed = model(x)
+            assert dense[0]._packed[1] is not packs[0]
+        with plain_inference(), torch.no_grad():
+            torch.testing.assert_close(model(x), changed, rtol=1e-5, atol=1e-6)
+        # a training forward inside the block is plain autograd
+        model(x).sum().backward()
+        grads = [layer.weight.grad.clone() for layer in dense]
+    model.zero_grad()
+    model(x).sum().backward()
+    for grad, layer in zip(grads, dense):
+        torch.testing.assert_close(grad, layer.weight.grad)
+    assert all(layer._packed is None and not layer._packing for layer in dense)
+
+
+def test_packed_weights_refuse_a_model_without_dense_layers():
+    from vitlab.models import packed_weights
+
+    with pytest.raises(ValueError, match="no vitlab Dense layers"):
+        with packed_weights(nn.Sequential(nn.Linear(2, 2))):
+            pass

@@ -26,6 +26,14 @@ so a training loop's evaluation does not hold stale copies while it trains.
 ``with plain_inference():`` switches both off (fresh allocations, weights cast per call)
 for measurements such as ``benchmarks/ab.py inference_buffers``, or where the memory of
 the bf16 copies matters more than their time.
+
+``with packed_weights(model):`` is for serving small batches on a CPU, and is asked for,
+not automatic, because it holds a second copy of every dense weight.  ``F.linear`` hands
+the weight to the matmul library, which copies it into its blocked layout in every call:
+for 197 rows (ViT-B/16 at batch 1) that repacking is a sixth of the layer's time.  Inside
+the block the dense layers keep the weight packed once in oneDNN's layout and multiply by
+it (``torch.ops.mkldnn._linear_pointwise``), repacking only when the parameters change;
+the copies are freed when the block ends.  ``python benchmarks/ab.py packed_weights``.
 """
 from __future__ import annotations
 
@@ -77,6 +85,31 @@ def _open_buffers() -> dict | None:
     return buffers if buffers is not None and not torch.is_grad_enabled() else None
 
 
+@contextlib.contextmanager
+def packed_weights(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block, ``model``'s dense layers run CPU fp32 inference on weights packed once
+    for oneDNN (a second copy of each, freed at the end); training, autocast and other devices
+    inside the block run as usual.
+
+    ``with packed_weights(model): logits = model(images)``
+    """
+    if not torch.backends.mkldnn.is_available():
+        raise RuntimeError("packed_weights needs a PyTorch built with oneDNN (torch.backends.mkldnn)")
+    layers = [m for m in model.modules() if isinstance(m, Dense)]
+    if not layers:
+        raise ValueError(f"packed_weights: {type(model).__name__} has no vitlab Dense layers to pack "
+                         "(a BiT ResNet has none)")
+    for layer in layers:
+        layer._packing += 1
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer._packing -= 1
+            if not layer._packing:
+                layer._packed = None
+
+
 def dense_into_buffer(x: torch.Tensor, dense: nn.Linear) -> torch.Tensor:
     """``dense(x)``; inside ``reuse_buffers``, written into the open buffer of its shape.
 
@@ -84,7 +117,7 @@ def dense_into_buffer(x: torch.Tensor, dense: nn.Linear) -> torch.Tensor:
     it before then.
     """
     buffers = _open_buffers()
-    if buffers is None or x.dtype != dense.weight.dtype:
+    if buffers is None or x.dtype != dense.weight.dtype or getattr(dense, "_packing", 0):
         return dense(x)
     shape = (*x.shape[:-1], dense.out_features)
     key = (shape, x.dtype)
@@ -107,20 +140,38 @@ def gelu_of_own(h: torch.Tensor, approximate: str) -> torch.Tensor:
 
 
 class Dense(nn.Linear):
-    """``nn.Linear`` that, in inference under autocast, casts its weight and bias once."""
+    """``nn.Linear`` that, in inference under autocast, casts its weight and bias once, and
+    inside ``packed_weights`` multiplies fp32 CPU inputs by a weight packed once."""
 
     _cast: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+    _packing = 0  # how many packed_weights blocks hold this layer
+    _packed: tuple[tuple, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type
         if torch.compiler.is_compiling():  # traced as the plain layer: the casts go into the graph
             return F.linear(x, self.weight, self.bias)
+        if self._packing and self._packable(x):
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(x), self.bias, "none", [], "")
         if _PLAIN or torch.is_grad_enabled() or not torch.is_autocast_enabled(device):
             if self._cast is not None:
                 self._cast = None
             return F.linear(x, self.weight, self.bias)
         weight, bias = self.autocast_weights(torch.get_autocast_dtype(device))
         return F.linear(x, weight, bias)  # autocast casts x; weight and bias already have its dtype
+
+    def _packable(self, x: torch.Tensor) -> bool:
+        return (not _PLAIN and not torch.is_grad_enabled() and x.device.type == "cpu"
+                and x.dtype == self.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
+
+    def packed_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight in oneDNN's layout, packed for ``x``'s row count at the first call since it
+        last changed (other row counts use it as it is)."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._packed is None or self._packed[0] != key:
+            rows = x.numel() // x.shape[-1]
+            self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows))
+        return self._packed[1]
 
     def autocast_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Weight and bias in ``dtype``, cast at the first call since they last changed."""

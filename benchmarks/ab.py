@@ -376,6 +376,30 @@ def exp_attention_paths() -> None:
     compare("fp32 training step, CIFAR ViT, batch 128", steps, rounds=5, clock=time.perf_counter)
 
 
+def exp_attention_fp32() -> None:
+    """Attention alone, forward and backward, fp32: the CPU flash kernel on vitlab's strided
+    q/k/v views against two matmuls and a softmax, at the CIFAR-size ViT's shapes (batch 128,
+    65 tokens, 3 heads) and ViT-S/16's (batch 32, 197 tokens, 6 heads); one thread."""
+    for batch, tokens, heads in ((128, 65, 3), (32, 197, 6)):
+        torch.manual_seed(0)
+        head_dim, width = 64, 64 * heads
+        qkv = torch.randn(batch, tokens, 3 * width, requires_grad=True)
+        grad = torch.randn(batch, tokens, width)
+
+        def attend(explicit: bool) -> Callable[[], None]:
+            def go() -> None:
+                q, k, v = qkv.view(batch, tokens, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+                if explicit:
+                    out = ((q * head_dim**-0.5) @ k.transpose(-2, -1)).softmax(-1) @ v
+                else:
+                    out = F.scaled_dot_product_attention(q, k, v)
+                out.transpose(1, 2).reshape(batch, tokens, width).backward(grad)
+                qkv.grad = None
+            return go
+        compare(f"fp32 attention forward + backward, batch {batch}, {tokens} tokens, {heads} heads",
+                {"flash kernel": attend(False), "explicit": attend(True)}, rounds=15)
+
+
 def exp_denormal() -> None:
     """Flush-to-zero of denormals in a training step (zero-initialised head: tiny gradients)."""
     torch.manual_seed(0)
@@ -656,6 +680,7 @@ EXPERIMENTS = {
     "autocast_weights": exp_autocast_weights,
     "packed_weights": exp_packed_weights,
     "attention_paths": exp_attention_paths,
+    "attention_fp32": exp_attention_fp32,
     "denormal": exp_denormal,
     "compile": exp_compile,
 }

@@ -10,10 +10,12 @@ size.  Right panel: the largest batch whose forward pass fits a memory budget.  
 the budget is device memory (default: all of it) and the batch is found by binary
 search over real runs (an out-of-memory error means "does not fit").  On CPU an
 over-budget run would swap rather than fail, and a search over real runs of ViT-L at
-512 px would take hours, so the speed run's memory is extrapolated: the resident set
-after building the model (weights, runtime) plus batch x the per-image rise above it,
-solved for the budget.  Counting all of the rise as per-image (scratch space included)
-errs on the small side.  ``--search`` runs the real binary search on CPU too.
+512 px would take hours, so memory is extrapolated along a line through two runs: the
+process's peak resident set at the speed run's batch and at 4x that batch (one call),
+whose difference is the memory per image and whose intercept is the model, runtime and
+scratch space; the line is solved for the budget.  (The rise above the built model at one
+batch alone, the earlier method, counts scratch and allocator slack as per-image memory
+and gave erratic points.)  ``--search`` runs the real binary search on CPU too.
 
 Every measurement runs in a fresh subprocess (harness.py).  Writes
 benchmarks/results/figure12-<device>.json and figure12-<device>.png.
@@ -82,6 +84,17 @@ def extrapolated_largest_batch(total_peak: float, rise: float, batch: int, budge
     return int(min(max(0.0, (budget - base) // per_image), limit))
 
 
+def line_fit_largest_batch(peak_small: float, batch_small: int, peak_large: float, batch_large: int,
+                           budget: float, limit: int = 1 << 14) -> int | None:
+    """Largest b under ``budget`` on the line through (batch, peak) at two batches, or None when
+    the larger batch did not take more memory (then the line says nothing)."""
+    per_image = (peak_large - peak_small) / (batch_large - batch_small)
+    if per_image <= 0:
+        return None
+    base = peak_small - batch_small * per_image
+    return int(min(max(0.0, (budget - base) // per_image), limit))
+
+
 def device_budget(args: argparse.Namespace) -> float:
     if args.budget_gib is not None:
         return args.budget_gib * 2**30
@@ -136,9 +149,17 @@ def collect(args: argparse.Namespace) -> dict:
                 row["peak_rss_bytes"] = speed["total_peak_bytes"]
                 row["peak_rise_bytes"] = speed["peak_bytes"]
                 if cpu and not args.search:
-                    row["largest_batch"] = extrapolated_largest_batch(
-                        speed["total_peak_bytes"], speed["peak_bytes"], batch, budget)
-                    row["largest_batch_method"] = f"extrapolated from the peak RSS at batch {batch}"
+                    probe = measure(args, model, size, 4 * batch, 1, timed=False)
+                    fit = None if "error" in probe else line_fit_largest_batch(
+                        speed["total_peak_bytes"], batch, probe["total_peak_bytes"], 4 * batch, budget)
+                    if fit is not None:
+                        row["peak_rss_bytes_at_4x"] = probe["total_peak_bytes"]
+                        row["largest_batch"] = fit
+                        row["largest_batch_method"] = f"line through the peak RSS at batch {batch} and {4 * batch}"
+                    else:
+                        row["largest_batch"] = extrapolated_largest_batch(
+                            speed["total_peak_bytes"], speed["peak_bytes"], batch, budget)
+                        row["largest_batch_method"] = f"extrapolated from the peak RSS at batch {batch}"
             if "largest_batch" not in row and (not cpu or args.search):
                 def fits(b: int) -> bool:
                     r = measure(args, model, size, b, 1, timed=False)

@@ -33,6 +33,9 @@ def test_extrapolated_largest_batch():
     # 1 GiB after building the model, 0.25 GiB more at batch 2: 8 GiB holds (8 - 1) / 0.125 = 56
     assert figure12.extrapolated_largest_batch(1.25 * gib, 0.25 * gib, 2, 8 * gib) == 56
     assert figure12.extrapolated_largest_batch(9 * gib, 0.25 * gib, 2, 8 * gib) == 0
+    # 1.5 GiB at batch 2 and 3 GiB at batch 8: 0.25 GiB per image over a 1 GiB base
+    assert figure12.line_fit_largest_batch(1.5 * gib, 2, 3 * gib, 8, 8 * gib) == 28
+    assert figure12.line_fit_largest_batch(1.5 * gib, 2, 1.4 * gib, 8, 8 * gib) is None
 
 
 def test_peak_memory_sees_memory_outside_torch():

@@ -183,7 +183,7 @@ def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> lis
     lines = [header]
     for key, by_impl in rows.items():
         ours = by_impl.get("vitlab", {})
-        # ONNX Runtime runs vitlab's own export: a serving option beside vitlab, not a peer
+        # ONNX Runtime and vitlab-packed serve vitlab's own model: options beside vitlab, not peers
         peer_ok = [r for i, r in by_impl.items() if i not in OWN and "error" not in r]
         best = max(peer_ok, key=lambda r: r["median"], default=None)
         ratios = round_ratios(by_impl)

@@ -108,7 +108,7 @@ def device_budget(args: argparse.Namespace) -> float:
 def measure(args: argparse.Namespace, model: str, size: int, batch: int, repeats: int,
             timed: bool = True) -> dict:
     """One fresh-process inference run; ``timed`` ones warm up twice and time repeats of at
-    least a second, the memory probes of the batch search make one call."""
+    least a second, memory probes (the 4x-batch point, the batch search) one call after one."""
     case = dict(kind="inference", device=args.device, model=model, img_size=size, batch=batch,
                 dtype="fp32", impl="vitlab", threads=args.threads, warmup=2 if timed else 1,
                 repeats=repeats, min_seconds=1.0 if timed else 0.0)

@@ -336,7 +336,7 @@ def exp_packed_weights() -> None:
                     {"vitlab": infer(plain), "vitlab, packed_weights": infer(packed),
                      "hf-sdpa": infer(peer_forward)}, rounds=rounds, clock=time.perf_counter)
         packs = [m._packed[1] for m in packed.modules() if getattr(m, "_packed", None) is not None]
-        size = sum(t.to_dense().numel() * t.element_size() for t in packs)
+        size = sum(t.numel() * t.element_size() for t in packs)
         print(f"  packed copies: {len(packs)} weights, {size / 2**20:.0f} MiB")
 
 

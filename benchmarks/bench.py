@@ -187,14 +187,9 @@ def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> lis
         peer_ok = [r for i, r in by_impl.items() if i not in OWN and "error" not in r]
         best = max(peer_ok, key=lambda r: r["median"], default=None)
         ratios = round_ratios(by_impl)
-        if ratios:
-            ratio = f"{statistics.median(ratios):.2f}x"
-            if len(ratios) > 1:
-                ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})"
-        elif best and "median" in ours:
-            ratio = f"{ours['median'] / best['median']:.2f}x"
-        else:
-            ratio = "-"
+        ratio = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+        if len(ratios) > 1:
+            ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})"
         peak = peaks.get("bfloat16" if key.endswith("bf16") else "float32")
         share = f"{100 * ours['achieved_flops_per_s'] / peak:.0f}%" if peak and "median" in ours else "-"
         mem = lambda r: f"{r['peak_bytes'] / 2**20:.0f}" if r and "peak_bytes" in r else "-"  # noqa: E731

@@ -77,9 +77,9 @@ def test_cases_and_table():
     assert cases[0]["impl"] == "vitlab"
     fake = [
         {"id": "infer/x/b8/fp32/vitlab", "impl": "vitlab", "median": 30.0, "min": 29.0, "max": 31.0,
-         "achieved_flops_per_s": 50e9, "peak_bytes": 2**20},
+         "achieved_flops_per_s": 50e9, "peak_bytes": 2**20, "round_medians": [30.0]},
         {"id": "infer/x/b8/fp32/hf-sdpa", "impl": "hf-sdpa", "median": 20.0, "min": 19.0, "max": 21.0,
-         "achieved_flops_per_s": 30e9, "peak_bytes": 2**21},
+         "achieved_flops_per_s": 30e9, "peak_bytes": 2**21, "round_medians": [20.0]},
         {"id": "infer/x/b8/fp32/hf-eager", "impl": "hf-eager", "error": "boom"},
     ]
     lines = bench.table(fake, {"float32": 100e9}, ["vitlab", "hf-sdpa", "hf-eager"])

@@ -522,6 +522,36 @@ def exp_s16_training() -> None:
     _peer_training("ViT-S/16", 32, rounds=6)
 
 
+def exp_retain_memory() -> None:
+    """Training steps in fresh processes with malloc's default thresholds against
+    ``vitlab.train.memory.retain_freed_memory`` (which ``vitlab train`` applies on CPU), for
+    vitlab and the HF peers: the setting belongs to the process, so every implementation
+    can have it.  Wall time, every core, paired rounds in alternating order."""
+    from harness import run_case
+
+    for spec, batch in (("ViT-CIFAR", 128), ("ViT-S/16", 32)):
+        print(f"\nretain_memory: fp32 training step, {spec}, batch {batch}, fresh processes "
+              f"(img/s, median of 5 rounds; page faults per step)")
+        for impl in ("vitlab", "hf-sdpa", "hf-eager"):
+            rates: dict[bool, list[float]] = {False: [], True: []}
+            faults: dict[bool, list[float]] = {False: [], True: []}
+            for round_ in range(5):
+                for retain in ((False, True) if round_ % 2 == 0 else (True, False)):
+                    case = dict(kind="train", impl=impl, model=spec, batch=batch, dtype="fp32", device="cpu",
+                                warmup=3, repeats=5, min_seconds=1.0, retain_memory=retain)
+                    r = run_case(case, timeout=1800)
+                    if "error" in r:
+                        sys.exit(f"{impl} retain_memory={retain}: {r['error']}")
+                    rates[retain].append(r["median"])
+                    faults[retain].append(r["page_faults_per_call"])
+            paired = [b / a for a, b in zip(rates[False], rates[True])]
+            print(f"  {impl:9s} default {statistics.median(rates[False]):6.1f} img/s "
+                  f"({statistics.median(faults[False]) / 1e3:5.1f}k faults)   retained "
+                  f"{statistics.median(rates[True]):6.1f} ({statistics.median(faults[True]) / 1e3:5.1f}k)   "
+                  f"retained/default {statistics.median(paired):.3f} ({min(paired):.3f}-{max(paired):.3f})",
+                  flush=True)
+
+
 def _cifar_step_variants(variants: dict[str, ViTConfig]) -> None:
     """A CIFAR-size ViT training step, batch 256, every core, wall time, per model config."""
     torch.set_num_threads(os.cpu_count() or 1)
@@ -668,6 +698,7 @@ EXPERIMENTS = {
     "b16_inference": exp_b16_inference,
     "cifar_training": exp_cifar_training,
     "s16_training": exp_s16_training,
+    "retain_memory": exp_retain_memory,
     "gelu": exp_gelu,
     "patch_dropout": exp_patch_dropout,
     "adamw": exp_adamw,

@@ -150,14 +150,22 @@ class PeakMemory:
         return _status("VmHWM") - self.base
 
 
+def _page_faults() -> int:
+    """Minor page faults of this process so far: memory mapped afresh and written."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 # ----------------------------------------------------------------------------- timing
 
 def time_loop(step: Callable[[], Any], sync: Callable[[], None], warmup: int, repeats: int,
-              min_seconds: float) -> tuple[list[float], int]:
+              min_seconds: float, warm: Callable[[], None] = lambda: None) -> tuple[list[float], int]:
     """Seconds per call of ``step`` in each of ``repeats`` timed repeats, and calls per repeat.
 
     ``warmup`` untimed calls come first (compilation, allocator and oneDNN caches); the
-    last warm-up call sets how many calls make a repeat last ``min_seconds``.
+    last warm-up call sets how many calls make a repeat last ``min_seconds``.  ``warm()``
+    is called between the warm-ups and the timed repeats.
     """
     last = 0.0
     for _ in range(warmup):
@@ -166,6 +174,7 @@ def time_loop(step: Callable[[], Any], sync: Callable[[], None], warmup: int, re
         sync()
         last = time.perf_counter() - t
     calls = max(1, int(min_seconds / last)) if last > 0 else 1
+    warm()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -208,6 +217,10 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
 
     if case.get("threads"):
         torch.set_num_threads(case["threads"])
+    if case.get("retain_memory"):  # off in bench.py: a setting of the process, not of a model
+        from vitlab.train.memory import retain_freed_memory
+
+        retain_freed_memory()
     kind = case["kind"]
     if kind == "matmul":
         return measure_matmul(case)
@@ -305,9 +318,12 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
                 opt.zero_grad(set_to_none=True)
             memory.reset()  # after the model, before the optimizer state appears
 
+    faults_when_warm = []
     with held:
-        times, calls = time_loop(step, sync, case["warmup"], case["repeats"], case["min_seconds"])
+        times, calls = time_loop(step, sync, case["warmup"], case["repeats"], case["min_seconds"],
+                                 warm=lambda: faults_when_warm.append(_page_faults()))
     result = summarize(times, batch)
+    result["page_faults_per_call"] = (_page_faults() - faults_when_warm[0]) / (case["repeats"] * calls)
     result["peak_bytes"] = memory.peak()
     result["total_peak_bytes"] = (torch.cuda.max_memory_allocated() if device == "cuda"
                                   else _status("VmHWM"))  # the whole process, for budgets

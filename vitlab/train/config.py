@@ -133,6 +133,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     threads: int = 0
+    retain_freed_memory: bool = True  # CPU: malloc keeps freed memory for the next step (train/memory.py)
     # time, evaluation, logging, checkpoints
     time_limit: float = 0.0
     time_measure_steps: int = 10

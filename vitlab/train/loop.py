@@ -40,6 +40,7 @@ from .config import TrainConfig, model_config, to_dict, validate, warmup_steps
 from .distributed import World, all_reduce_sum, barrier, init_world, shutdown, wrap_model
 from .ema import EMA
 from .inputs import Splits, build_splits
+from .memory import retain_freed_memory
 from .metrics import MetricsWriter, Progress, plot_curves
 from .optim import build_optimizer
 from .schedules import fit_steps_to_time, input_size_at, lr_at, schedule_cost, step_cost
@@ -213,6 +214,8 @@ def setup(cfg: TrainConfig) -> Setup:
     validate(cfg, world.size)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.retain_freed_memory and world.device.type == "cpu":
+        retain_freed_memory()
     torch.manual_seed(cfg.seed)  # model initialisation and dropout; identical on every rank
     np.random.seed(cfg.seed)
     random.seed(cfg.seed)

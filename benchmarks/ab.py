@@ -400,6 +400,58 @@ def exp_attention_fp32() -> None:
                 {"flash kernel": attend(False), "explicit": attend(True)}, rounds=15)
 
 
+@contextlib.contextmanager
+def _views_split() -> Iterator[None]:
+    """Inside the block, attention splits qkv with plain views (autograd's own backward)."""
+    from vitlab.models import layers
+
+    fused_split = layers.split_heads
+
+    def views(qkv, num_heads):
+        B, L, width3 = qkv.shape
+        return qkv.view(B, L, 3, num_heads, width3 // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
+    layers.split_heads = views
+    try:
+        yield
+    finally:
+        layers.split_heads = fused_split
+
+
+def exp_split_heads() -> None:
+    """The qkv split's backward: one stack into the fused layout (``fused.split_heads``)
+    against autograd's backward of the views (stack, then a permuted copy), in the
+    attention alone (CIFAR-size shapes, one thread) and in the fp32 CIFAR-size training
+    step (every core, wall)."""
+    from vitlab.models import layers
+
+    torch.manual_seed(0)
+    batch, tokens, heads, head_dim = 128, 65, 3, 64
+    qkv = torch.randn(batch, tokens, 3 * heads * head_dim, requires_grad=True)
+    grad = torch.randn(batch, tokens, heads * head_dim)
+
+    def attend(views: bool) -> Callable[[], None]:
+        def go() -> None:
+            with _views_split() if views else contextlib.nullcontext():
+                q, k, v = layers.split_heads(qkv, heads)
+                out = F.scaled_dot_product_attention(q, k, v)
+                out.transpose(1, 2).reshape(batch, tokens, -1).backward(grad)
+            qkv.grad = None
+        return go
+    compare("fp32 attention forward + backward, batch 128, 65 tokens, 3 heads",
+            {"one stack (current)": attend(False), "autograd's views": attend(True)}, rounds=15)
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    x, y = _inputs("ViT-CIFAR", 128)
+    model = build_model(vitlab_config("ViT-CIFAR"))
+    step = _train_step(model, x, y, torch.optim.AdamW(model.parameters()))
+
+    def with_views() -> None:
+        with _views_split():
+            step()
+    compare("fp32 training step, CIFAR-size ViT, batch 128 (AdamW)",
+            {"one stack (current)": step, "autograd's views": with_views}, rounds=15, clock=time.perf_counter)
+
+
 def exp_denormal() -> None:
     """Flush-to-zero of denormals in a training step (zero-initialised head: tiny gradients)."""
     torch.manual_seed(0)
@@ -712,6 +764,7 @@ EXPERIMENTS = {
     "packed_weights": exp_packed_weights,
     "attention_paths": exp_attention_paths,
     "attention_fp32": exp_attention_fp32,
+    "split_heads": exp_split_heads,
     "denormal": exp_denormal,
     "compile": exp_compile,
 }

@@ -1,6 +1,8 @@
 """The model package: registry, parameter counts, position embeddings, attention capture."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -205,6 +207,28 @@ def test_recompute_functions_pass_gradcheck():
         return gelu_dense(layer_norm_dense(x, norm, dense), "tanh", nn.Dropout(0.0), dense2)
 
     assert torch.autograd.gradcheck(both, (x, *params))
+
+
+@pytest.mark.parametrize("used", [(0, 1, 2), (0, 2), (1,)], ids=["qkv", "q-v", "k"])
+def test_split_heads_gradient_equals_autograds_views(used):
+    from vitlab.models.fused import split_heads, store_activations
+
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 5, 3 * 12)
+    weights = [torch.randn(2, 4, 5, 3) for _ in range(3)]  # (B, H, L, D/H) for 4 heads
+
+    def grad(plain: bool) -> torch.Tensor:
+        x = qkv.clone().requires_grad_()
+        with store_activations() if plain else contextlib.nullcontext():
+            parts = split_heads(x, num_heads=4)
+        sum((parts[i] * weights[i]).sum() for i in used).backward()
+        return x.grad
+
+    expected = qkv.view(2, 5, 3, 4, 3).permute(2, 0, 3, 1, 4)
+    assert all(torch.equal(a, b) for a, b in zip(split_heads(qkv, 4), expected))
+    assert torch.equal(grad(plain=False), grad(plain=True))
+    unused = [i for i in range(3) if i not in used]
+    assert all(grad(plain=False).view(2, 5, 3, 12)[:, :, i].abs().sum() == 0 for i in unused)
 
 
 def test_gelu_dense_drops_out_with_the_mask_it_keeps():

@@ -9,7 +9,8 @@ them drops 6 of the 16 (tokens x width) activations a block keeps for its backwa
 (fp32): about a third of a ViT's activation memory, at the cost of one LayerNorm and
 one GELU forward per block in the backward.  The gradients are the same operations on
 the same values as plain autograd's (``tests/test_models.py`` checks them bit for bit in
-fp32).
+fp32).  ``split_heads`` gives attention its query, key and value as views of the fused
+qkv projection and, in training, assembles their gradients in one pass.
 
 Autocast: the forward calls ``F.linear`` under whatever autocast is active, as
 ``nn.Linear`` would; the backward, where autocast is off, does the matmuls in the dtype
@@ -117,6 +118,33 @@ class _GeluDense(torch.autograd.Function):
             grad_act = grad_act * keep / (1.0 - ctx.drop)
         grad_h = torch.ops.aten.gelu_backward(grad_act, h, approximate=ctx.approximate)
         return grad_h, None, None, grad_weight, grad_bias
+
+
+class _SplitHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, num_heads):
+        B, L, width3 = qkv.shape
+        return qkv.view(B, L, 3, num_heads, width3 // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_q, grad_k, grad_v):
+        grads = [g if g is not None else torch.zeros_like(grad_q if grad_q is not None else grad_k)
+                 for g in (grad_q, grad_k, grad_v)]
+        return torch.stack([g.transpose(1, 2) for g in grads], 2).flatten(2), None
+
+
+def split_heads(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, key and value, each (B, H, L, D/H), as views of the fused (B, L, 3D) projection.
+
+    In training the backward writes the three gradients into the (B, L, 3, H, D/H) layout in
+    one pass; autograd's own backward of the views stacks them (B, H, L, D/H)-major and then
+    copies the permuted stack into place (``python benchmarks/ab.py split_heads``).
+    """
+    if not recompute_wanted():
+        B, L, width3 = qkv.shape
+        return qkv.view(B, L, 3, num_heads, width3 // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
+    return _SplitHeads.apply(qkv, num_heads)
 
 
 def layer_norm_dense(x: torch.Tensor, norm: nn.LayerNorm, dense: nn.Linear) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..config import ViTConfig
 from .buffers import Dense
-from .fused import gelu_dense, layer_norm_dense
+from .fused import gelu_dense, layer_norm_dense, split_heads
 from .init import xavier_uniform_chunks_
 from .posemb import RelativePosBias
 
@@ -81,7 +81,7 @@ class Attention(nn.Module):
         """Attention over ``x``, or over ``norm(x)`` when a norm is given."""
         B, L, D = x.shape
         qkv = layer_norm_dense(x, norm, self.qkv) if norm is not None else self.qkv(x)
-        q, k, v = qkv.view(B, L, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = split_heads(qkv, self.num_heads)
         bias = self.rel_pos(q * self.head_dim**-0.5) if self.rel_pos is not None else None
         if self.recorded is None and not explicit_attention_is_faster(q):
             drop = self.attn_drop if self.training else 0.0

@@ -404,13 +404,10 @@ def exp_attention_fp32() -> None:
 def _views_split() -> Iterator[None]:
     """Inside the block, attention splits qkv with plain views (autograd's own backward)."""
     from vitlab.models import layers
+    from vitlab.models.fused import head_views
 
     fused_split = layers.split_heads
-
-    def views(qkv, num_heads):
-        B, L, width3 = qkv.shape
-        return qkv.view(B, L, 3, num_heads, width3 // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
-    layers.split_heads = views
+    layers.split_heads = head_views
     try:
         yield
     finally:

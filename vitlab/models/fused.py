@@ -120,31 +120,31 @@ class _GeluDense(torch.autograd.Function):
         return grad_h, None, None, grad_weight, grad_bias
 
 
+def head_views(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, key and value, each (B, H, L, D/H), as views of the fused (B, L, 3D) projection."""
+    B, L, width3 = qkv.shape
+    return qkv.view(B, L, 3, num_heads, width3 // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
 class _SplitHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, num_heads):
-        B, L, width3 = qkv.shape
-        return qkv.view(B, L, 3, num_heads, width3 // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
+        return head_views(qkv, num_heads)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_q, grad_k, grad_v):
-        grads = [g if g is not None else torch.zeros_like(grad_q if grad_q is not None else grad_k)
-                 for g in (grad_q, grad_k, grad_v)]
+        like = next(g for g in (grad_q, grad_k, grad_v) if g is not None)
+        grads = [g if g is not None else torch.zeros_like(like) for g in (grad_q, grad_k, grad_v)]
         return torch.stack([g.transpose(1, 2) for g in grads], 2).flatten(2), None
 
 
 def split_heads(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Query, key and value, each (B, H, L, D/H), as views of the fused (B, L, 3D) projection.
-
-    In training the backward writes the three gradients into the (B, L, 3, H, D/H) layout in
-    one pass; autograd's own backward of the views stacks them (B, H, L, D/H)-major and then
-    copies the permuted stack into place (``python benchmarks/ab.py split_heads``).
-    """
-    if not recompute_wanted():
-        B, L, width3 = qkv.shape
-        return qkv.view(B, L, 3, num_heads, width3 // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
-    return _SplitHeads.apply(qkv, num_heads)
+    """``head_views`` whose backward, in training, writes the three gradients into the
+    (B, L, 3, H, D/H) layout in one pass; autograd's own backward of the views stacks them
+    (B, H, L, D/H)-major and then copies the permuted stack into place (``python
+    benchmarks/ab.py split_heads``)."""
+    return _SplitHeads.apply(qkv, num_heads) if recompute_wanted() else head_views(qkv, num_heads)
 
 
 def layer_norm_dense(x: torch.Tensor, norm: nn.LayerNorm, dense: nn.Linear) -> torch.Tensor:

@@ -8,10 +8,10 @@ thousand faults per step of the CIFAR-size ViT at batch 128 on the development V
 training process allocates the same sizes every step, so keeping the memory (what GPU
 caching allocators do) costs nothing but a resident set that stays at its peak.
 
-Measured with ``python benchmarks/ab.py retain_memory`` (fresh processes, fp32 CIFAR-size
-step): 1.05x for vitlab and 1.05-1.10x for Hugging Face's ViT, which gains as much from
-it; this is a property of the process, not of a model, so ``bench.py`` leaves it off
-for every implementation.
+Measured with ``python benchmarks/ab.py retain_memory`` (fresh processes, fp32 training
+steps of the CIFAR-size ViT and ViT-S/16): 1.05x and 1.07x for vitlab, 1.06-1.22x for
+Hugging Face's ViT.  It is a property of the process, not of a model, so ``bench.py``
+leaves it off for every implementation.
 """
 from __future__ import annotations
 

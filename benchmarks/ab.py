@@ -601,6 +601,34 @@ def exp_retain_memory() -> None:
                   flush=True)
 
 
+def exp_cifar_fresh() -> None:
+    """The fp32 CIFAR-size training step (batch 128) as bench.py runs it, each figure in a
+    fresh process: vitlab, vitlab storing its activations, vitlab with explicit attention,
+    HF eager and HF sdpa; 4 rounds in rotated order, img/s median, and each variant's
+    paired ratio to HF eager."""
+    from harness import run_case
+
+    variants = {"vitlab": ("vitlab", None), "vitlab, stored": ("vitlab", "stored"),
+                "vitlab, explicit attention": ("vitlab", "explicit_attention"),
+                "HF eager": ("hf-eager", None), "HF sdpa": ("hf-sdpa", None)}
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for round_ in range(4):
+        for name in names[round_:] + names[:round_]:
+            impl, variant = variants[name]
+            case = dict(kind="train", impl=impl, model="ViT-CIFAR", batch=128, dtype="fp32", device="cpu",
+                        warmup=3, repeats=5, min_seconds=1.0, variant=variant)
+            r = run_case(case, timeout=1800)
+            if "error" in r:
+                sys.exit(f"{name}: {r['error']}")
+            rates[name].append(r["median"])
+    print("\ncifar_fresh: fp32 training step, CIFAR-size ViT, batch 128, fresh processes, 4 rounds")
+    for name, rs in rates.items():
+        paired = [a / b for a, b in zip(rs, rates["HF eager"])]
+        print(f"  {name:28s} {statistics.median(rs):6.1f} img/s   / HF eager {statistics.median(paired):.3f} "
+              f"({min(paired):.3f}-{max(paired):.3f})")
+
+
 def _cifar_step_variants(variants: dict[str, ViTConfig]) -> None:
     """A CIFAR-size ViT training step, batch 256, every core, wall time, per model config."""
     torch.set_num_threads(os.cpu_count() or 1)
@@ -748,6 +776,7 @@ EXPERIMENTS = {
     "cifar_training": exp_cifar_training,
     "s16_training": exp_s16_training,
     "retain_memory": exp_retain_memory,
+    "cifar_fresh": exp_cifar_fresh,
     "gelu": exp_gelu,
     "patch_dropout": exp_patch_dropout,
     "adamw": exp_adamw,

@@ -294,6 +294,17 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
         model = model.to(device)
         if case.get("compile"):
             forward = torch.compile(forward)
+        variant = case.get("variant")  # ab.py's fresh-process variants of vitlab's step
+        if variant == "stored":
+            from vitlab.models.fused import store_activations
+
+            held.enter_context(store_activations())
+        elif variant == "explicit_attention":
+            import vitlab.models.layers as layers
+
+            layers.explicit_attention_is_faster = lambda q: True  # for this process only
+        elif variant is not None:
+            raise ValueError(f"variant={variant!r}: allowed values are stored, explicit_attention")
         if case["kind"] == "inference":
             model.eval()
             if impl == "vitlab-packed":  # packed at the first warm-up call, held to the end

@@ -295,6 +295,8 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
         if case.get("compile"):
             forward = torch.compile(forward)
         variant = case.get("variant")  # ab.py's fresh-process variants of vitlab's step
+        if variant is not None and impl != "vitlab":
+            raise ValueError(f"variant={variant!r} is for impl='vitlab', not {impl!r}")
         if variant == "stored":
             from vitlab.models.fused import store_activations
 

@@ -88,6 +88,13 @@ def test_cases_and_table():
     assert "| infer/x/b8/fp32 |" in bench.markdown(lines)
 
 
+def _rounds(impl: str, medians: list) -> dict:
+    """A merged result of one implementation whose rounds had these medians (None: failed)."""
+    return dict(bench.merge_rounds([{"median": m, "min": m, "max": m, "peak_bytes": 1,
+                                     "flops_per_image": 1.0} if m else {"error": "x"}
+                                    for m in medians]), id=f"r/b1/fp32/{impl}", impl=impl)
+
+
 def test_rounds_pair_each_round_and_rotate_the_order():
     args = bench.parse_args(["--only", "infer/ViT-B/16/b8/fp32/(vitlab|hf-[a-z]+)$", "--bf16", "no"])
     _, cases = bench.build_cases(args)
@@ -96,14 +103,10 @@ def test_rounds_pair_each_round_and_rotate_the_order():
     assert [c["impl"] for c in bench.round_order(cases, 1)] == ["hf-sdpa", "hf-eager", "vitlab"]
     assert [c["impl"] for c in bench.round_order(cases, 3)] == impls
 
-    def rounds(impl, medians):
-        return dict(bench.merge_rounds([{"median": m, "min": m, "max": m, "peak_bytes": 1,
-                                         "flops_per_image": 1.0} if m else {"error": "x"}
-                                        for m in medians]), id=f"r/b1/fp32/{impl}", impl=impl)
     # sdpa is the best peer over the rounds (median 8 against eager's 7), so every round is
     # paired with sdpa: 10/8, 5/8, and round 3, where sdpa failed, has no ratio
-    results = [rounds("vitlab", [10, 5, 12]), rounds("hf-sdpa", [8, 8, None]),
-               rounds("hf-eager", [7, 4, 10])]
+    results = [_rounds("vitlab", [10, 5, 12]), _rounds("hf-sdpa", [8, 8, None]),
+               _rounds("hf-eager", [7, 4, 10])]
     assert results[0]["median"] == 10 and results[1]["round_medians"] == [8, 8, None]
     assert bench.round_ratios({r["impl"]: r for r in results}) == [1.25, 0.625]
     line = bench.table(results, {}, ["vitlab", "hf-sdpa", "hf-eager"])[1]
@@ -113,12 +116,8 @@ def test_rounds_pair_each_round_and_rotate_the_order():
 def test_ratio_is_not_biased_by_picking_each_rounds_fastest_peer():
     """Three level implementations whose figures swap by noise: vitlab / best peer is 1.0,
     where pairing each round with its fastest peer would give 10/11 in two rounds of three."""
-    def rounds(impl, medians):
-        return dict(bench.merge_rounds([{"median": m, "min": m, "max": m, "peak_bytes": 1,
-                                         "flops_per_image": 1.0} for m in medians]),
-                    id=f"r/b1/fp32/{impl}", impl=impl)
-    results = [rounds("vitlab", [10, 10, 10]), rounds("hf-sdpa", [11, 9, 10]),
-               rounds("hf-eager", [9, 11, 10])]
+    results = [_rounds("vitlab", [10, 10, 10]), _rounds("hf-sdpa", [11, 9, 10]),
+               _rounds("hf-eager", [9, 11, 10])]
     by_impl = {r["impl"]: r for r in results}
     assert bench.best_peer(by_impl)["impl"] == "hf-sdpa"  # level medians: the first listed
     assert bench.round_ratios(by_impl) == [10 / 11, 10 / 9, 1.0]

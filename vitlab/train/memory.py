@@ -6,7 +6,9 @@ free space above 128 KiB-64 MiB at the top of the heap), so every training step 
 same activations afresh and takes a page fault for each 4 KiB it first writes: 30-110
 thousand faults per step of the CIFAR-size ViT at batch 128 on the development VM.  A
 training process allocates the same sizes every step, so keeping the memory (what GPU
-caching allocators do) costs nothing but a resident set that stays at its peak.
+caching allocators do) costs nothing but a resident set that stays at its peak.  Freed
+space is reused as malloc finds it, so the first steps may still map some afresh; after
+the warm-up a CIFAR-size step at batch 32 took 2.5 faults against 11,700 by default.
 
 Measured with ``python benchmarks/ab.py retain_memory`` (fresh processes, fp32 training
 steps of the CIFAR-size ViT and ViT-S/16): 1.05x and 1.07x for vitlab, 1.06-1.22x for

@@ -29,6 +29,7 @@ def test_errors_name_the_field(tmp_path):
     check(apply_overrides(ok, ["ema_decay=0.9", "fsdp=true"]), "fsdp")
     with pytest.raises(ConfigError, match="fsdp"):
         apply_overrides(ok, ["fsdp=maybe"])
+    check(TrainConfig(data="digits", retain_freed_memory="no"), "retain_freed_memory='no'")
 
 
 def test_overrides_parse_types():

@@ -309,6 +309,10 @@ def validate(cfg: TrainConfig, world_size: int = 1, need_data: bool = True) -> N
     for name, allowed in choices.items():
         value = getattr(cfg, name)
         _need(value in allowed, name, value, f"allowed values are {', '.join(map(repr, allowed))}")
+    for f in dataclasses.fields(TrainConfig):  # a recipe's "no" would otherwise read as true
+        if isinstance(f.default, bool):
+            value = getattr(cfg, f.name)
+            _need(isinstance(value, bool), f.name, value, "must be True or False")
     for name in ("batch_size", "accum_steps", "steps", "eval_batch_size", "log_every", "keep_ckpts",
                  "time_measure_steps"):
         value = getattr(cfg, name)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import harness  # noqa: F401  (puts the checkout on sys.path)
-from harness import vitlab_config
+from harness import attention_path, vitlab_config
 from vitlab.analysis.cost import SavedForBackward, model_flops
 from vitlab.config import ViTConfig, replace
 from vitlab.models.registry import build_model
@@ -157,19 +157,6 @@ def exp_bf16() -> None:
                  "bf16 weights (model.to)": lambda: half(x.bfloat16())}, rounds=3)
 
 
-@contextlib.contextmanager
-def _attention_path(explicit: bool) -> Iterator[None]:
-    """Force vitlab's attention to the explicit path (True) or the fused kernel (False)."""
-    import vitlab.models.layers as layers
-
-    saved = layers.explicit_attention_is_faster
-    layers.explicit_attention_is_faster = lambda q: explicit
-    try:
-        yield
-    finally:
-        layers.explicit_attention_is_faster = saved
-
-
 def exp_attention_bf16() -> None:
     """bf16 autocast training on CPU: vitlab's explicit attention (its bf16 CPU path) against
     the flash kernel it replaced, beside Hugging Face (sdpa, eager); every core, wall time."""
@@ -185,7 +172,7 @@ def exp_attention_bf16() -> None:
             opt = torch.optim.AdamW(model.parameters())
 
             def step(forward=forward, opt=opt, flash=impl.endswith("(flash kernel)")):
-                with _attention_path(False) if flash else contextlib.nullcontext():
+                with attention_path(False) if flash else contextlib.nullcontext():
                     with torch.autocast("cpu", torch.bfloat16):
                         loss = F.cross_entropy(forward(x).float(), y)
                     loss.backward()
@@ -355,7 +342,7 @@ def exp_attention_paths() -> None:
 
     def infer(forward, explicit=None):
         def go():
-            with _attention_path(explicit) if explicit is not None else contextlib.nullcontext():
+            with attention_path(explicit) if explicit is not None else contextlib.nullcontext():
                 with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16):
                     forward(x)
         return go
@@ -370,7 +357,7 @@ def exp_attention_paths() -> None:
         step = _train_step(forward, x, y, torch.optim.AdamW(model.parameters()))
 
         def forced(step=step, explicit=explicit):
-            with _attention_path(explicit):
+            with attention_path(explicit):
                 step()
         steps[label] = forced
     compare("fp32 training step, CIFAR ViT, batch 128", steps, rounds=5, clock=time.perf_counter)

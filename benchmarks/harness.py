@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing
@@ -100,6 +100,19 @@ def peers_available(device: str) -> list[str]:
         except ImportError:
             pass
     return peers
+
+
+@contextlib.contextmanager
+def attention_path(explicit: bool) -> Iterator[None]:
+    """Force vitlab's attention to the explicit path (True) or the fused kernel (False)."""
+    import vitlab.models.layers as layers
+
+    saved = layers.explicit_attention_is_faster
+    layers.explicit_attention_is_faster = lambda q: explicit
+    try:
+        yield
+    finally:
+        layers.explicit_attention_is_faster = saved
 
 
 # ----------------------------------------------------------------------------- memory
@@ -302,9 +315,7 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
 
             held.enter_context(store_activations())
         elif variant == "explicit_attention":
-            import vitlab.models.layers as layers
-
-            layers.explicit_attention_is_faster = lambda q: True  # for this process only
+            held.enter_context(attention_path(True))
         elif variant is not None:
             raise ValueError(f"variant={variant!r}: allowed values are stored, explicit_attention")
         if case["kind"] == "inference":

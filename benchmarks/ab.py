@@ -183,6 +183,50 @@ def exp_attention_bf16() -> None:
                 clock=time.perf_counter)
 
 
+def exp_bf16_matmul() -> None:
+    """bf16 matmuls by the fp32 GEMM on bf16-rounded operands (``vitlab/models/bf16_matmul.py``)
+    against the bf16 kernel: single matmuls of the layers' shapes, then bf16 autocast training
+    steps and ViT-B/16 inference beside Hugging Face (sdpa, eager); every core, wall time."""
+    from harness import make_model
+    from vitlab.models.bf16_matmul import bf16_matmul
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    for rows, inner, cols in ((4096, 4096, 4096), (8320, 192, 576), (8320, 768, 192), (6304, 384, 1536),
+                              (6304, 1536, 384), (6304, 768, 2304)):
+        a, w = torch.randn(rows, inner).bfloat16(), torch.randn(inner, cols).bfloat16()
+        compare(f"matmul ({rows} x {inner}) @ ({inner} x {cols}), bf16 operands and result",
+                {"bf16 kernel": lambda: a @ w,
+                 "fp32 GEMM (round-trip casts)": lambda: (a.float() @ w.float()).bfloat16()},
+                rounds=5, clock=time.perf_counter)
+    rows_per_case = (("ViT-CIFAR", 128, 5, True), ("ViT-S/16", 32, 3, True), ("ViT-B/16", 8, 4, False))
+    for spec, batch, rounds, train in rows_per_case:
+        torch.manual_seed(0)
+        x, y = _inputs(spec, batch)
+        calls = {}
+        for impl in ("vitlab", "vitlab (bf16 kernel)", "hf-sdpa", "hf-eager"):
+            model, forward = make_model(impl.split()[0], spec)
+            path = "bf16" if impl.endswith("(bf16 kernel)") else "auto"
+            if train:
+                opt = torch.optim.AdamW(model.parameters())
+
+                def call(forward=forward, opt=opt, path=path):
+                    with bf16_matmul(path):
+                        with torch.autocast("cpu", torch.bfloat16):
+                            loss = F.cross_entropy(forward(x).float(), y)
+                        loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            else:
+                model.eval()
+
+                def call(forward=forward, path=path):
+                    with bf16_matmul(path), torch.inference_mode(), torch.autocast("cpu", torch.bfloat16):
+                        forward(x)
+            calls[impl] = call
+        what = "training step" if train else "inference"
+        compare(f"bf16 autocast {what}, {spec}, batch {batch}", calls, rounds=rounds, clock=time.perf_counter)
+
+
 def exp_recompute() -> None:
     """Training steps with LayerNorm and GELU outputs recomputed in the backward (vitlab's
     default) against stored (``store_activations``), fp32 and bf16 autocast, every core,
@@ -753,6 +797,7 @@ def exp_hybrid_sizes() -> None:
 
 
 EXPERIMENTS = {
+    "bf16_matmul": exp_bf16_matmul,
     "peers": exp_peers,
     "hybrid_sizes": exp_hybrid_sizes,
     "hybrid_norm": exp_hybrid_norm,

@@ -249,15 +249,21 @@ def _sync(device: str) -> Callable[[], None]:
 
 
 def measure_matmul(case: dict[str, Any]) -> dict[str, Any]:
-    """Best FLOP/s of an n x n x n matmul: the machine's practical peak for the dtype."""
+    """Best FLOP/s of an n x n x n matmul: the machine's practical peak for the dtype (with
+    ``via="fp32"``: the dtype's operands and result, the product by the fp32 GEMM)."""
     import torch
 
     n, device = case["size"], case["device"]
     dtype = getattr(torch, case["dtype"])
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    times, calls = time_loop(lambda: torch.mm(a, b), _sync(device), case["warmup"], case["repeats"],
-                             case["min_seconds"])
+    if case.get("via") == "fp32":  # bf16 operands and result, multiplied by the fp32 GEMM
+        def product():
+            return torch.mm(a.float(), b.float()).to(dtype)
+    else:
+        def product():
+            return torch.mm(a, b)
+    times, calls = time_loop(product, _sync(device), case["warmup"], case["repeats"], case["min_seconds"])
     best = min(times)
     return {"flops_per_s": 2 * n**3 / best, "median_flops_per_s": 2 * n**3 / statistics.median(times),
             "calls": calls}

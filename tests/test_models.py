@@ -458,7 +458,9 @@ def test_a_forward_with_autograd_or_autocast_allocates_as_usual():
     assert not reuse_wanted(x)  # a backward may follow
 
 
-def test_dense_keeps_its_autocast_weights_between_inference_calls_until_they_change():
+@pytest.mark.parametrize("path", ["bf16", "fp32"])
+def test_dense_keeps_its_autocast_weights_between_inference_calls_until_they_change(path):
+    from vitlab.models.bf16_matmul import bf16_matmul
     from vitlab.models.buffers import Dense, plain_inference
 
     torch.manual_seed(0)
@@ -466,13 +468,15 @@ def test_dense_keeps_its_autocast_weights_between_inference_calls_until_they_cha
     x = torch.randn(3, 6)
 
     def autocast_linear():
-        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16), bf16_matmul(path):
             return dense(x), torch.nn.functional.linear(x, dense.weight, dense.bias)
 
     out, expected = autocast_linear()
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
     kept = dense._cast[1]
-    assert kept.dtype == torch.bfloat16
+    # the fp32 GEMM's copy holds the bf16 values in fp32
+    assert kept.dtype == (torch.bfloat16 if path == "bf16" else torch.float32)
+    assert torch.equal(kept.float(), dense.weight.detach().to(torch.bfloat16).float())
     autocast_linear()
     assert dense._cast[1] is kept  # cast once, not per call
     with torch.no_grad():

@@ -88,6 +88,24 @@ def test_cases_and_table():
     assert "| infer/x/b8/fp32 |" in bench.markdown(lines)
 
 
+def test_the_bf16_peak_is_the_faster_of_the_bf16_kernel_and_the_fp32_gemm(monkeypatch):
+    args = bench.parse_args(["--only", "nothing", "--bf16", "yes"])
+    peaks, _ = bench.build_cases(args)
+    assert [(p["id"], p.get("via")) for p in peaks] == [
+        ("peak/float32", None), ("peak/bfloat16", None), ("peak/bfloat16/fp32-gemm", "fp32")]
+    # both ways run and give a rate (tiny sizes: only that they run)
+    for case in peaks[1:]:
+        assert harness.measure_matmul(dict(case, size=64, warmup=1, repeats=1, min_seconds=0.0))["flops_per_s"] > 0
+    rates = iter([300e9, 150e9, 280e9, 310e9, 160e9, 270e9])  # before the rows, then after
+    monkeypatch.setattr(bench, "run_case", lambda case, timeout: {"flops_per_s": next(rates)})
+    found: dict[str, float] = {}
+    bench.measure_peaks(peaks, found, 1.0, "before")
+    bench.measure_peaks(peaks, found, 1.0, "after")
+    assert found["float32"] == 310e9 and found["bfloat16"] == 280e9
+    assert found["peak/bfloat16"] == 160e9
+    assert bench.peak_summary(found) == "float32 310, bfloat16 280 (bf16 kernel 160, fp32 GEMM 280)"
+
+
 def _rounds(impl: str, medians: list) -> dict:
     """A merged result of one implementation whose rounds had these medians (None: failed)."""
     return dict(bench.merge_rounds([{"median": m, "min": m, "max": m, "peak_bytes": 1,

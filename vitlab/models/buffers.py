@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import bf16_matmul
+
 _local = threading.local()  # .buffers: dict (shape, dtype) -> tensor while a forward is open
 _PLAIN = False
 
@@ -156,7 +158,10 @@ class Dense(nn.Linear):
         if _PLAIN or torch.is_grad_enabled() or not torch.is_autocast_enabled(device):
             if self._cast is not None:
                 self._cast = None
-            return F.linear(x, self.weight, self.bias)
+            return bf16_matmul.autocast_linear(x, self.weight, self.bias)
+        if bf16_matmul.widened(x):  # bf16 values kept in fp32, for the fp32 GEMM
+            weight, bias = self.autocast_weights(torch.bfloat16, hold_in=torch.float32)
+            return bf16_matmul.linear(x, weight, bias, rounded=True)
         weight, bias = self.autocast_weights(torch.get_autocast_dtype(device))
         return F.linear(x, weight, bias)  # autocast casts x; weight and bias already have its dtype
 
@@ -173,11 +178,14 @@ class Dense(nn.Linear):
             self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows))
         return self._packed[1]
 
-    def autocast_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Weight and bias in ``dtype``, cast at the first call since they last changed."""
+    def autocast_weights(self, dtype: torch.dtype, hold_in: torch.dtype | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight and bias rounded to ``dtype`` (and held in ``hold_in``, when given), cast at the
+        first call since they last changed."""
         params = [p for p in (self.weight, self.bias) if p is not None]
-        key = (dtype, *((p.data_ptr(), p._version) for p in params))
+        key = (dtype, hold_in, *((p.data_ptr(), p._version) for p in params))
         if self._cast is None or self._cast[0] != key:
-            bias = self.bias.to(dtype) if self.bias is not None else None
-            self._cast = (key, self.weight.to(dtype), bias)
+            weight, bias = (None if p is None else p.detach().to(dtype).to(hold_in or dtype)
+                            for p in (self.weight, self.bias))
+            self._cast = (key, weight, bias)
         return self._cast[1], self._cast[2]

@@ -16,7 +16,8 @@ Autocast: the forward calls ``F.linear`` under whatever autocast is active, as
 ``nn.Linear`` would; the backward, where autocast is off, does the matmuls in the dtype
 of the incoming gradient (the dtype the forward's dense layer ran in).  Weight
 gradients come back in that dtype and autograd casts them to the parameter's, as it
-does after autocast's own weight cast.
+does after autocast's own weight cast.  On a CPU whose fp32 GEMM beats its bf16 kernel,
+both directions compute bf16 autocast's matmuls by the fp32 GEMM (``bf16_matmul.py``).
 
 ``torch.compile`` makes its own choice of what to recompute, and tracing (export) has
 no backward, so both get the plain modules (``recompute_wanted``); so does everything
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from . import bf16_matmul
 from .buffers import dense_into_buffer, gelu_of_own
 
 
@@ -55,10 +57,18 @@ def store_activations() -> Iterator[None]:
         _RECOMPUTE = before
 
 
-def _dense_backward(grad_out: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor,
+def _dense_forward(ctx, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` as ``nn.Linear`` would run it here, noting in ``ctx`` which GEMM it used."""
+    ctx.widened = bf16_matmul.widened(inputs)
+    return bf16_matmul.linear(inputs, weight, bias) if ctx.widened else F.linear(inputs, weight, bias)
+
+
+def _dense_backward(ctx, grad_out: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor,
                     needs_weight: bool, needs_bias: bool
                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of ``F.linear(inputs, weight, bias)`` w.r.t. inputs, weight and bias."""
+    if ctx.widened:
+        return bf16_matmul.dense_backward(grad_out, inputs, weight, needs_weight, needs_bias)
     dtype = grad_out.dtype
     grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
     grad_weight = grad_rows.t() @ inputs.to(dtype).reshape(-1, inputs.shape[-1]) if needs_weight else None
@@ -72,7 +82,7 @@ class _LayerNormDense(torch.autograd.Function):
     def forward(ctx, x, norm_weight, norm_bias, eps, weight, bias):
         shape = (x.shape[-1],)
         normed, mean, rstd = torch.native_layer_norm(x, shape, norm_weight, norm_bias, eps)
-        out = F.linear(normed, weight, bias)
+        out = _dense_forward(ctx, normed, weight, bias)
         ctx.eps = eps
         ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, weight)
         return out
@@ -83,7 +93,7 @@ class _LayerNormDense(torch.autograd.Function):
         x, mean, rstd, norm_weight, norm_bias, weight = ctx.saved_tensors
         shape = (x.shape[-1],)
         normed = torch.native_layer_norm(x, shape, norm_weight, norm_bias, ctx.eps)[0]
-        grad_normed, grad_weight, grad_bias = _dense_backward(grad_out, normed, weight,
+        grad_normed, grad_weight, grad_bias = _dense_backward(ctx, grad_out, normed, weight,
                                                                  *ctx.needs_input_grad[4:6])
         grad_x, grad_norm_weight, grad_norm_bias = torch.ops.aten.native_layer_norm_backward(
             grad_normed.to(normed.dtype), x, shape, mean, rstd, norm_weight, norm_bias,
@@ -99,7 +109,7 @@ class _GeluDense(torch.autograd.Function):
         if drop > 0.0:  # the dropout mask is stored (one byte per element), not its output
             keep = torch.empty_like(act, dtype=torch.bool).bernoulli_(1.0 - drop)
             act = act * keep / (1.0 - drop)
-        out = F.linear(act, weight, bias)
+        out = _dense_forward(ctx, act, weight, bias)
         ctx.approximate, ctx.drop = approximate, drop
         ctx.save_for_backward(h, keep, weight)
         return out
@@ -111,7 +121,7 @@ class _GeluDense(torch.autograd.Function):
         act = F.gelu(h, approximate=ctx.approximate)
         if keep is not None:
             act = act * keep / (1.0 - ctx.drop)
-        grad_act, grad_weight, grad_bias = _dense_backward(grad_out, act, weight,
+        grad_act, grad_weight, grad_bias = _dense_backward(ctx, grad_out, act, weight,
                                                              *ctx.needs_input_grad[3:5])
         grad_act = grad_act.to(h.dtype)
         if keep is not None:

@@ -300,3 +300,18 @@ def test_time_limit_plans_the_cheaper_early_steps(tiny, monkeypatch):
     assert summary["steps"] == summary["planned_steps"] > 10
     assert summary["wall_s"] <= 0.1 * 60 + 1.0
     assert any("ms per 8-pixel step" in text for text in refits), refits
+
+
+@pytest.mark.parametrize("kernel_faster", [True, False])
+def test_auto_precision_is_bf16_only_where_the_bf16_kernel_beats_fp32(monkeypatch, kernel_faster):
+    from vitlab.models import bf16_matmul
+    from vitlab.train.loop import autocast, bf16_is_fast
+
+    monkeypatch.setattr(bf16_matmul, "_probed", not kernel_faster)  # the probe's answer: fp32 GEMM faster
+    cpu = torch.device("cpu")
+    expected = kernel_faster and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert bf16_is_fast(cpu) == expected
+    with autocast(cpu, "auto"):
+        assert torch.is_autocast_enabled("cpu") == expected
+    with autocast(cpu, "bf16"):  # asked for by name: bf16 whatever the probe says
+        assert torch.is_autocast_enabled("cpu")

@@ -85,8 +85,9 @@ def get_config(model: str = "hybrid") -> TrainConfig:
         progressive_sizes=PROGRESSIVE_SIZES[model],
         optimizer="adam", betas=(0.9, 0.999), lr=LEARNING_RATES[model], weight_decay=0.05, wd_scope="kernels",
         batch_size=256, steps=100_000, warmup=0.05, decay="cosine", clip_norm=1.0,
-        # bf16 where the hardware has it (AVX-512 BF16/AMX, GPUs); the 2-core development VM
-        # exposes AVX2 only, where bf16 is emulated and ~8x slower, so "auto" means fp32 there.
+        # bf16 where it is faster than fp32 (AMX, a Zen 4's AVX-512 BF16, GPUs): "auto" means
+        # fp32 on the development VMs, the AVX2 one (bf16 emulated, ~8x slower) and the Xeon
+        # whose bf16 kernel runs at half the fp32 rate (train/loop.py bf16_is_fast).
         precision="auto",
         time_limit=30.0,
         eval_every=500, eval_batch_size=500, eval_flip=True, final_eval_shift=2,

@@ -74,15 +74,23 @@ def _probe(rows: int = 1024, width: int = 768, rounds: int = 4) -> bool:
     return best[widened] * 1.1 < best[native]
 
 
-def fp32_gemm_is_faster() -> bool:
-    """Whether this process's CPU bf16 matmuls go through the fp32 GEMM (see the module text)."""
+def _probe_once() -> bool:
     global _probed
-    path = _path()
-    if path != "auto":
-        return path == "fp32"
     if _probed is None:
         _probed = _probe()
     return _probed
+
+
+def fp32_gemm_is_faster() -> bool:
+    """Whether this process's CPU bf16 matmuls go through the fp32 GEMM (see the module text)."""
+    path = _path()
+    return path == "fp32" if path != "auto" else _probe_once()
+
+
+def bf16_kernel_is_faster() -> bool:
+    """Whether this CPU's bf16 matmul kernel beats the fp32 GEMM (measured once, whatever
+    ``bf16_matmul`` chooses): where it does not, bf16 autocast saves memory but not time."""
+    return not _probe_once()
 
 
 def widened(x: torch.Tensor) -> bool:

@@ -34,6 +34,7 @@ from torch import nn
 
 from vitlab.config import ConfigError
 from vitlab.eval.features import check_tta_shift, mean_probability, tta_view_count, tta_views
+from vitlab.models import bf16_matmul
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, model_config, to_dict, validate, warmup_steps
@@ -63,11 +64,15 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor, kind: str) -> torch.Ten
 
 
 def bf16_is_fast(device: torch.device) -> bool:
-    """Whether the hardware computes in bf16 natively (on CPUs without AVX-512 BF16 or AMX,
-    oneDNN emulates it and bf16 is several times slower than fp32)."""
+    """Whether the hardware computes in bf16 faster than in fp32.  On CPUs without AVX-512
+    BF16 or AMX oneDNN emulates bf16, several times slower than fp32; with AVX-512 BF16 but
+    no AMX its bf16 kernel may still be slower than the fp32 GEMM (half its rate on the
+    Xeon VM), and a bf16 step then pays conversions on top of fp32-speed matmuls
+    (``vitlab.models.bf16_matmul``)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            and bf16_matmul.bf16_kernel_is_faster())
 
 
 def autocast(device: torch.device, precision: str):

@@ -315,3 +315,15 @@ def test_auto_precision_is_bf16_only_where_the_bf16_kernel_beats_fp32(monkeypatc
         assert torch.is_autocast_enabled("cpu") == expected
     with autocast(cpu, "bf16"):  # asked for by name: bf16 whatever the probe says
         assert torch.is_autocast_enabled("cpu")
+
+
+def test_a_bf16_run_through_the_fp32_gemm_frees_its_scratch_buffers_when_it_ends(tiny, monkeypatch):
+    from vitlab.models import bf16_matmul
+
+    monkeypatch.setenv("VITLAB_BF16_MATMUL", "fp32")
+    used = []
+    original = bf16_matmul._scratch
+    monkeypatch.setattr(bf16_matmul, "_scratch", lambda *a: used.append(a) or original(*a))
+    summary = train(tiny(precision="bf16"), verbose=False)
+    assert used and summary["steps"] == 6
+    assert bf16_matmul._local.scratch is None

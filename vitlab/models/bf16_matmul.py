@@ -105,20 +105,21 @@ def bf16_values(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).float()
 
 
-_local = threading.local()  # .scratch: list of flat fp32 buffers, one per slot
+_local = threading.local()  # .scratch: two flat fp32 buffers, one per slot
 
 
 def _scratch(slot: int, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
     """A (contiguous, fp32) view of size ``shape`` of this thread's scratch buffer ``slot``.
 
     The fp32 operands and products of the widened matmuls live only until they are
-    rounded to bf16, so three buffers, grown to the largest seen, serve every call.  Fresh
+    rounded to bf16, so two buffers, grown to the largest seen, serve every call.  Fresh
     allocations of their size (tens of MB) come from the kernel as new pages and fault on
-    first touch, which cost as much as the conversions themselves.
+    first touch, which cost as much as the conversions themselves.  They are held until
+    ``release_scratch`` (the training loop calls it when it ends).
     """
     buffers = getattr(_local, "scratch", None)
     if buffers is None:
-        buffers = _local.scratch = [torch.empty(0), torch.empty(0), torch.empty(0)]
+        buffers = _local.scratch = [torch.empty(0), torch.empty(0)]
     numel = math.prod(shape)
     if buffers[slot].numel() < numel:
         buffers[slot] = torch.empty(numel)
@@ -170,7 +171,8 @@ def dense_backward(grad_out: torch.Tensor, inputs: torch.Tensor, weight: torch.T
         grad_weight = (grad_rows.t() @ rows).to(torch.bfloat16)
     if needs_bias:
         grad_bias = grad_rows.sum(0).to(torch.bfloat16)
-    grad_inputs = torch.mm(grad_rows, bf16_values(weight), out=_scratch(2, (grad_rows.shape[0], weight.shape[1])))
+    # slot 1 is free again: the input's copy is dead once the weight gradient is made
+    grad_inputs = torch.mm(grad_rows, bf16_values(weight), out=_scratch(1, (grad_rows.shape[0], weight.shape[1])))
     return grad_inputs.to(torch.bfloat16).view(*grad_out.shape[:-1], weight.shape[1]), grad_weight, grad_bias
 
 

@@ -369,6 +369,7 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
         summary = _train(cfg, resume, verbose, overwrite, started_at)
         succeeded = True
     finally:
+        bf16_matmul.release_scratch()
         shutdown(wait_for_others=succeeded)
     return summary
 

@@ -8,8 +8,9 @@ the fp32 accumulator adds its terms.  Which kernel is faster depends on the CPU.
 Zen 4 the bf16 dot-product instructions run at about twice the fp32 FMA rate; on the
 Intel Xeon VM this project was measured on (AVX512-BF16, no AMX) oneDNN's bf16 kernel
 runs at half the fp32 rate, 150-165 against 300-320 GFLOP/s, and rounding both
-operands, multiplying in fp32 and rounding the result is 1.3-1.8x faster than the bf16
-kernel, conversions included (``python benchmarks/ab.py bf16_matmul``).
+operands, multiplying in fp32 and rounding the result is 1.2-1.6x faster than the bf16
+kernel at the layers' shapes, conversions included (``python benchmarks/ab.py
+bf16_matmul``).
 
 So on a CPU, under bf16 autocast, vitlab's dense layers (forward and backward) take the
 faster of the two, found once per process by timing both on one layer-sized matmul
@@ -179,11 +180,10 @@ def dense_backward(grad_out: torch.Tensor, inputs: torch.Tensor, weight: torch.T
 class _WidenedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        out = linear(x, weight, bias)
         inputs = x.to(torch.bfloat16)  # kept in bf16, as autocast keeps its cast input
         ctx.input_dtype = x.dtype
         ctx.save_for_backward(inputs, weight)
-        return out
+        return linear(inputs, weight, bias)
 
     @staticmethod
     @once_differentiable

@@ -8,7 +8,7 @@ the fp32 accumulator adds its terms.  Which kernel is faster depends on the CPU.
 Zen 4 the bf16 dot-product instructions run at about twice the fp32 FMA rate; on the
 Intel Xeon VM this project was measured on (AVX512-BF16, no AMX) oneDNN's bf16 kernel
 runs at half the fp32 rate, 150-165 against 300-320 GFLOP/s, and rounding both
-operands, multiplying in fp32 and rounding the result is 1.2-1.6x faster than the bf16
+operands, multiplying in fp32 and rounding the result is 1.2-1.7x faster than the bf16
 kernel at the layers' shapes, conversions included (``python benchmarks/ab.py
 bf16_matmul``).
 

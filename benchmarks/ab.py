@@ -797,7 +797,6 @@ def exp_hybrid_sizes() -> None:
 
 
 EXPERIMENTS = {
-    "bf16_matmul": exp_bf16_matmul,
     "peers": exp_peers,
     "hybrid_sizes": exp_hybrid_sizes,
     "hybrid_norm": exp_hybrid_norm,
@@ -825,6 +824,7 @@ EXPERIMENTS = {
     "split_heads": exp_split_heads,
     "denormal": exp_denormal,
     "compile": exp_compile,
+    "bf16_matmul": exp_bf16_matmul,
 }
 
 if __name__ == "__main__":

@@ -19,13 +19,15 @@ excluded.  The list runs R times (--rounds, default 3), a row's implementations 
 back and in a rotated order each round, so that a slow minute on this shared machine
 falls on all of them or on each in turn; a figure is the median of the R rounds' medians
 with the min-max over all repeats, and the ratio vitlab / best peer is the median of the
-rounds' ratios (each round's vitlab against its best peer of that round), with their
-range.  Peak memory is
-the rise of the process's resident set above its level after the model was built
-(CPU; VmHWM), or torch.cuda.max_memory_allocated above the allocation then (CUDA).
-The run measures the machine's practical peak (the best large square matmul, fp32 and
-bf16; before and after the model rows, the better kept) and reports each result's achieved FLOP/s (analytic model FLOPs, multiply-add
-= 2, training = 3x forward) as a share of the peak of its dtype.
+rounds' ratios (each round's vitlab against the same round's figure of the peer that is
+best over all rounds), with their range.  Peak memory is the rise of the process's
+resident set above its level after the model was built (CPU; VmHWM), or
+torch.cuda.max_memory_allocated above the allocation then (CUDA).  The run measures the
+machine's practical peak (the best large square matmul, fp32 and bf16; before and after
+the model rows, the better kept; on a CPU the bf16 peak is the faster of the bf16 kernel
+and the fp32 GEMM on bf16 operands, the two ways vitlab chooses between) and reports each
+result's achieved FLOP/s (analytic model FLOPs, multiply-add = 2, training = 3x forward)
+as a share of the peak of its dtype.
 
 Writes benchmarks/results/<host or device>-<date>.json and the table to
 benchmarks/results/latest.md (a --quick or --only run: partial.md, leaving latest.md alone).

@@ -18,7 +18,8 @@ its activations for the backward, autocast has no ``out=`` kernels, and
 
 Autocast casts every weight to bf16 in every forward (its cache of casts lives for one
 ``autocast`` block): for ViT-B/16 that is reading 344 MB and writing 172 MB per call,
-whatever the batch.  ``Dense`` keeps the cast weights between calls when no backward can
+whatever the batch.  ``Dense`` keeps the cast weights (as bf16 values in fp32 where the
+fp32 GEMM computes bf16's matmuls, ``bf16_matmul.py``) between calls when no backward can
 follow, recasts when the parameters change (their version counters), and drops the
 copy at its next forward outside autocast inference (a training step, an fp32 forward),
 so a training loop's evaluation does not hold stale copies while it trains.

@@ -54,6 +54,16 @@ def test_widened_gradients_are_autocasts_on_bf16_values():
     assert torch.equal(weight.grad, weight.grad.to(BF16).float())
 
 
+def test_a_frozen_input_gets_no_gradient_and_the_weights_get_theirs():
+    torch.manual_seed(0)
+    x, weight = torch.randn(8, 32), torch.randn(16, 32, requires_grad=True)
+    grad_out = torch.randn(8, 16).to(BF16)
+    bm.widened_linear(x, weight, None).backward(grad_out)
+    assert x.grad is None
+    assert_is_bf16_rounding_of(weight.grad.to(BF16), grad_out.double().t() @ rounded(x))
+    assert bm.dense_backward(grad_out, x, weight.detach(), True, False, needs_inputs=False)[0] is None
+
+
 def test_results_never_alias_the_scratch_buffers():
     torch.manual_seed(0)
     weight = torch.randn(32, 64)

@@ -160,8 +160,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
 
 
 def dense_backward(grad_out: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor,
-                   needs_weight: bool, needs_bias: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                   needs_weight: bool, needs_bias: bool, needs_inputs: bool = True
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The gradients bf16 autocast's dense layer gets, computed by the fp32 GEMM: w.r.t. its
     bf16 input, its bf16 weight and its bf16 bias, each rounded to bf16 as the bf16 kernel's
     output is (autograd casts the weight's and bias's to the parameter's dtype)."""
@@ -172,6 +172,8 @@ def dense_backward(grad_out: torch.Tensor, inputs: torch.Tensor, weight: torch.T
         grad_weight = (grad_rows.t() @ rows).to(torch.bfloat16)
     if needs_bias:
         grad_bias = grad_rows.sum(0).to(torch.bfloat16)
+    if not needs_inputs:  # a frozen layer's input, such as the image
+        return None, grad_weight, grad_bias
     # slot 1 is free again: the input's copy is dead once the weight gradient is made
     grad_inputs = torch.mm(grad_rows, bf16_values(weight), out=_scratch(1, (grad_rows.shape[0], weight.shape[1])))
     return grad_inputs.to(torch.bfloat16).view(*grad_out.shape[:-1], weight.shape[1]), grad_weight, grad_bias
@@ -189,8 +191,9 @@ class _WidenedLinear(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         inputs, weight = ctx.saved_tensors
-        grad_x, grad_weight, grad_bias = dense_backward(grad_out, inputs, weight, *ctx.needs_input_grad[1:3])
-        return grad_x.to(ctx.input_dtype), grad_weight, grad_bias
+        needs_x, needs_weight, needs_bias = ctx.needs_input_grad
+        grad_x, grad_weight, grad_bias = dense_backward(grad_out, inputs, weight, needs_weight, needs_bias, needs_x)
+        return None if grad_x is None else grad_x.to(ctx.input_dtype), grad_weight, grad_bias
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -40,7 +40,7 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
     p.add_argument("--lr", type=float, help="base learning rate")
     p.add_argument("--img-size", type=int, help="training resolution")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"),
-                   help="auto: bf16 autocast where the hardware computes bf16 natively, else fp32")
+                   help="auto: bf16 autocast where it is faster than fp32 (GPUs; CPUs whose bf16 matmul kernel beats the fp32 GEMM), else fp32")
     p.add_argument("--seed", type=int)
     p.add_argument("--out", help="output folder (metrics, checkpoints, weights)")
     p.add_argument("--fsdp", action="store_true", default=None, help="shard the model with FSDP (multi-process)")

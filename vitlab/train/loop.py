@@ -76,7 +76,7 @@ def bf16_is_fast(device: torch.device) -> bool:
 
 
 def autocast(device: torch.device, precision: str):
-    """bf16 autocast on CPU and GPU; fp32 runs plain; "auto" is bf16 where the hardware has it."""
+    """bf16 autocast on CPU and GPU; fp32 runs plain; "auto" is bf16 where it is faster (``bf16_is_fast``)."""
     if precision == "auto":
         precision = "bf16" if bf16_is_fast(device) else "fp32"
     if precision == "bf16":

@@ -157,6 +157,18 @@ def exp_bf16() -> None:
                  "bf16 weights (model.to)": lambda: half(x.bfloat16())}, rounds=3)
 
 
+def _bf16_train_step(forward, x, y, opt, context: Callable[[], contextlib.AbstractContextManager]):
+    """A bf16 autocast training step (forward and backward inside ``context()``), then AdamW."""
+    def go():
+        with context():
+            with torch.autocast("cpu", torch.bfloat16):
+                loss = F.cross_entropy(forward(x).float(), y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return go
+
+
 def exp_attention_bf16() -> None:
     """bf16 autocast training on CPU: vitlab's explicit attention (its bf16 CPU path) against
     the flash kernel it replaced, beside Hugging Face (sdpa, eager); every core, wall time."""
@@ -169,16 +181,9 @@ def exp_attention_bf16() -> None:
         steps = {}
         for impl in ("vitlab", "vitlab (flash kernel)", "hf-sdpa", "hf-eager"):
             model, forward = make_model(impl.split()[0], spec)
-            opt = torch.optim.AdamW(model.parameters())
-
-            def step(forward=forward, opt=opt, flash=impl.endswith("(flash kernel)")):
-                with attention_path(False) if flash else contextlib.nullcontext():
-                    with torch.autocast("cpu", torch.bfloat16):
-                        loss = F.cross_entropy(forward(x).float(), y)
-                    loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            steps[impl] = step
+            flash = impl.endswith("(flash kernel)")
+            steps[impl] = _bf16_train_step(forward, x, y, torch.optim.AdamW(model.parameters()),
+                                           lambda flash=flash: attention_path(False) if flash else contextlib.nullcontext())
         compare(f"bf16 autocast training step, {spec}, batch {batch}", steps, rounds=rounds,
                 clock=time.perf_counter)
 
@@ -207,15 +212,8 @@ def exp_bf16_matmul() -> None:
             model, forward = make_model(impl.split()[0], spec)
             path = "bf16" if impl.endswith("(bf16 kernel)") else "auto"
             if train:
-                opt = torch.optim.AdamW(model.parameters())
-
-                def call(forward=forward, opt=opt, path=path):
-                    with bf16_matmul(path):
-                        with torch.autocast("cpu", torch.bfloat16):
-                            loss = F.cross_entropy(forward(x).float(), y)
-                        loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                call = _bf16_train_step(forward, x, y, torch.optim.AdamW(model.parameters()),
+                                        lambda path=path: bf16_matmul(path))
             else:
                 model.eval()
 

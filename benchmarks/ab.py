@@ -369,6 +369,55 @@ def exp_packed_weights() -> None:
         print(f"  packed copies: {len(packs)} weights, {size / 2**20:.0f} MiB")
 
 
+def exp_bf16_packed() -> None:
+    """ViT-B/16 bf16 autocast inference by the fp32 GEMM at batch 1, 8 and 32: vitlab holding
+    its bf16-valued weights packed for oneDNN (the default since its first call has at most
+    ``PACK_ROWS`` rows) against holding them plain, beside HF sdpa; every core, wall time."""
+    from harness import make_model
+    from vitlab.models import buffers
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    packed, _ = make_model("vitlab", "ViT-B/16")
+    plain, _ = make_model("vitlab", "ViT-B/16")  # its own copy: the held layout stays with it
+    plain.load_state_dict(packed.state_dict())
+    peer, peer_forward = make_model("hf-sdpa", "ViT-B/16")
+    for model in (packed, plain, peer):
+        model.eval()
+
+    def infer(forward, x):
+        def go():
+            with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16):
+                return forward(x)
+        return go
+
+    one = torch.randn(1, 3, 224, 224)
+    first = infer(packed, one)()  # the first call (197 rows) sets the held layout
+    saved, buffers.PACK_ROWS = buffers.PACK_ROWS, 0
+    try:
+        torch.testing.assert_close(infer(plain, one)(), first, rtol=0.0, atol=0.0)
+    finally:
+        buffers.PACK_ROWS = saved
+    print(f"  held layouts: packed {_held_layouts(packed)}, "
+          f"plain {_held_layouts(plain)}")
+    for batch, rounds in ((1, 15), (8, 7), (32, 3)):
+        x = torch.randn(batch, 3, 224, 224)
+        compare(f"ViT-B/16 bf16 autocast inference, batch {batch}",
+                {"vitlab, weights held packed": infer(packed, x), "vitlab, weights held plain": infer(plain, x),
+                 "hf-sdpa": infer(peer_forward, x)}, rounds=rounds, clock=time.perf_counter)
+
+
+def _held_layouts(model: torch.nn.Module) -> dict[str, int]:
+    """How many dense layers hold their autocast weight in each layout."""
+    layouts: dict[str, int] = {}
+    for m in model.modules():
+        cast = getattr(m, "_cast", None)
+        if cast is not None:
+            key = str(cast[1].layout)
+            layouts[key] = layouts.get(key, 0) + 1
+    return layouts
+
+
 def exp_attention_paths() -> None:
     """Where vitlab keeps the fused kernel: bf16 inference (ViT-B/16, batch 8, beside HF sdpa)
     and fp32 training (CIFAR-size ViT, batch 128), each against the explicit path; every
@@ -823,6 +872,7 @@ EXPERIMENTS = {
     "denormal": exp_denormal,
     "compile": exp_compile,
     "bf16_matmul": exp_bf16_matmul,
+    "bf16_packed": exp_bf16_packed,
 }
 
 if __name__ == "__main__":

@@ -474,9 +474,12 @@ def test_dense_keeps_its_autocast_weights_between_inference_calls_until_they_cha
     out, expected = autocast_linear()
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
     kept = dense._cast[1]
-    # the fp32 GEMM's copy holds the bf16 values in fp32
+    # the fp32 GEMM's copy holds the bf16 values in fp32, packed for oneDNN at a few rows
     assert kept.dtype == (torch.bfloat16 if path == "bf16" else torch.float32)
-    assert torch.equal(kept.float(), dense.weight.detach().to(torch.bfloat16).float())
+    packed = path == "fp32" and torch.backends.mkldnn.is_available()
+    assert kept.layout == (torch._mkldnn if packed else torch.strided)
+    assert torch.equal((kept.to_dense() if packed else kept).float(),
+                       dense.weight.detach().to(torch.bfloat16).float())
     autocast_linear()
     assert dense._cast[1] is kept  # cast once, not per call
     with torch.no_grad():
@@ -492,6 +495,32 @@ def test_dense_keeps_its_autocast_weights_between_inference_calls_until_they_cha
     with plain_inference():  # casts per call, keeps nothing, and drops what it had
         out, expected = autocast_linear()
         assert dense._cast is None and torch.equal(out, expected)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_bf16_inference_by_the_fp32_gemm_packs_its_weights_for_a_first_call_with_few_rows(monkeypatch):
+    from vitlab.models import buffers
+    from vitlab.models.bf16_matmul import bf16_matmul
+
+    torch.manual_seed(0)
+    dense = [buffers.Dense(64, 48), buffers.Dense(64, 48)]
+    dense[1].load_state_dict(dense[0].state_dict())
+    monkeypatch.setattr(buffers, "PACK_ROWS", 8)
+    few, many = torch.randn(2, 4, 64), torch.randn(3, 4, 64)  # 8 and 12 rows
+
+    def infer(layer, x):
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16), bf16_matmul("fp32"):
+            return layer(x)
+
+    exact = [(x.to(torch.bfloat16).double() @ dense[0].weight.to(torch.bfloat16).double().t()
+              + dense[0].bias.to(torch.bfloat16).double()).to(torch.bfloat16) for x in (few, many)]
+    assert torch.equal(infer(dense[0], few), exact[0])  # first call: 8 rows, packed
+    assert torch.equal(infer(dense[1], many), exact[1])  # first call: 12 rows, plain
+    assert dense[0]._cast[1].layout == torch._mkldnn and dense[1]._cast[1].layout == torch.strided
+    # the layout stays for other row counts, and both layouts compute the same products
+    for x, expected in zip((few, many), exact):
+        assert torch.equal(infer(dense[0], x), expected) and torch.equal(infer(dense[1], x), expected)
+    assert dense[0]._cast[1].layout == torch._mkldnn
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")

@@ -144,10 +144,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     """bf16 autocast's ``F.linear(x, weight, bias)``, computed by the fp32 GEMM; no autograd.
 
     rounded: ``weight`` and ``bias`` hold bf16 values in fp32 already (``Dense`` keeps them
-    so between inference calls), which saves rounding them in every call.
+    so between inference calls), which saves rounding them in every call; such a weight
+    may be packed for oneDNN (``torch._mkldnn`` layout), which saves the matmul library
+    repacking it in every call.
     """
     with torch.autocast("cpu", enabled=False):
         rows = _as_fp32(x.reshape(-1, x.shape[-1]), 0)
+        if weight.layout == torch._mkldnn:
+            out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+            return out.to(torch.bfloat16).view(*x.shape[:-1], out.shape[-1])
         if not rounded:
             weight = bf16_values(weight)
             bias = bf16_values(bias) if bias is not None else None

@@ -19,8 +19,8 @@ its activations for the backward, autocast has no ``out=`` kernels, and
 Autocast casts every weight to bf16 in every forward (its cache of casts lives for one
 ``autocast`` block): for ViT-B/16 that is reading 344 MB and writing 172 MB per call,
 whatever the batch.  ``Dense`` keeps the cast weights (as bf16 values in fp32 where the
-fp32 GEMM computes bf16's matmuls, ``bf16_matmul.py``) between calls when no backward can
-follow, recasts when the parameters change (their version counters), and drops the
+fp32 GEMM computes bf16's matmuls, ``bf16_matmul.py``; packed for oneDNN, as below, when
+the first call has few rows) between calls when no backward can follow, recasts when the parameters change (their version counters), and drops the
 copy at its next forward outside autocast inference (a training step, an fp32 forward),
 so a training loop's evaluation does not hold stale copies while it trains.
 
@@ -50,6 +50,10 @@ from . import bf16_matmul
 
 _local = threading.local()  # .buffers: dict (shape, dtype) -> tensor while a forward is open
 _PLAIN = False
+# bf16 inference by the fp32 GEMM holds its weights packed for oneDNN when the first call
+# since they changed has at most this many rows: 1.18x the dense layers' speed at 197 rows
+# (ViT-B/16, batch 1), level at 1576, 0.96x at 6304 (``python benchmarks/ab.py bf16_packed``)
+PACK_ROWS = 1024
 
 
 @contextlib.contextmanager
@@ -161,7 +165,9 @@ class Dense(nn.Linear):
                 self._cast = None
             return bf16_matmul.autocast_linear(x, self.weight, self.bias)
         if bf16_matmul.widened(x):  # bf16 values kept in fp32, for the fp32 GEMM
-            weight, bias = self.autocast_weights(torch.bfloat16, hold_in=torch.float32)
+            rows = x.numel() // x.shape[-1]
+            weight, bias = self.autocast_weights(torch.bfloat16, hold_in=torch.float32,
+                                                 pack_for=rows if rows <= PACK_ROWS else None)
             return bf16_matmul.linear(x, weight, bias, rounded=True)
         weight, bias = self.autocast_weights(torch.get_autocast_dtype(device))
         return F.linear(x, weight, bias)  # autocast casts x; weight and bias already have its dtype
@@ -179,14 +185,20 @@ class Dense(nn.Linear):
             self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows))
         return self._packed[1]
 
-    def autocast_weights(self, dtype: torch.dtype, hold_in: torch.dtype | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def autocast_weights(self, dtype: torch.dtype, hold_in: torch.dtype | None = None,
+                         pack_for: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Weight and bias rounded to ``dtype`` (and held in ``hold_in``, when given), cast at the
-        first call since they last changed."""
+        first call since they last changed.
+
+        pack_for: a row count; an fp32-held weight cast now is packed for oneDNN, tuned for that
+        many rows (the layout is kept for every row count until the weights change).
+        """
         params = [p for p in (self.weight, self.bias) if p is not None]
         key = (dtype, hold_in, *((p.data_ptr(), p._version) for p in params))
         if self._cast is None or self._cast[0] != key:
             weight, bias = (None if p is None else p.detach().to(dtype).to(hold_in or dtype)
                             for p in (self.weight, self.bias))
+            if pack_for is not None and hold_in == torch.float32 and torch.backends.mkldnn.is_available():
+                weight = torch.ops.mkldnn._reorder_linear_weight(weight, pack_for)
             self._cast = (key, weight, bias)
         return self._cast[1], self._cast[2]

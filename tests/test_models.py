@@ -562,6 +562,45 @@ def test_packed_weights_give_the_plain_outputs_and_are_freed_at_the_end(fields):
     assert all(layer._packed is None and not layer._packing for layer in dense)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_a_model_holding_cast_or_packed_weights_can_be_copied_and_saved():
+    import copy
+    import io
+
+    from vitlab.models import packed_weights
+    from vitlab.models.bf16_matmul import bf16_matmul
+    from vitlab.models.buffers import Dense
+
+    torch.manual_seed(0)
+    model = vitlab.create_model(tiny(depth=1)).eval()
+    with torch.no_grad():
+        model.head.weight.normal_()
+    x = torch.randn(2, 3, 16, 16)
+
+    def bf16_logits(m):
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16), bf16_matmul("fp32"):
+            return m(x)
+
+    expected = bf16_logits(model)
+    assert all(m._cast is not None for m in model.modules() if isinstance(m, Dense))  # held, packed
+    with packed_weights(model):
+        with torch.no_grad():
+            fp32_expected = model(x)
+        for copied in (copy.deepcopy(model), _saved_and_loaded(model, io)):
+            layers = [m for m in copied.modules() if isinstance(m, Dense)]
+            assert all(m._cast is None and m._packed is None and not m._packing for m in layers)
+            assert torch.equal(bf16_logits(copied), expected)
+            with torch.no_grad():
+                torch.testing.assert_close(copied(x), fp32_expected, rtol=1e-5, atol=1e-6)
+
+
+def _saved_and_loaded(model, io):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
 def test_packed_weights_refuse_a_model_without_dense_layers():
     from vitlab.models import packed_weights
 

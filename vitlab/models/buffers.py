@@ -172,6 +172,15 @@ class Dense(nn.Linear):
         weight, bias = self.autocast_weights(torch.get_autocast_dtype(device))
         return F.linear(x, weight, bias)  # autocast casts x; weight and bias already have its dtype
 
+    def __getstate__(self) -> dict:
+        # The cast and packed copies are caches, remade at the next call that wants them;
+        # a packed one (oneDNN's opaque layout) cannot be copied or pickled at all, and a
+        # copy made inside ``packed_weights`` is not one of the layers that block releases.
+        state = self.__dict__.copy()
+        for cache in ("_cast", "_packed", "_packing"):
+            state.pop(cache, None)
+        return state
+
     def _packable(self, x: torch.Tensor) -> bool:
         return (not _PLAIN and not torch.is_grad_enabled() and x.device.type == "cpu"
                 and x.dtype == self.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))

@@ -20,9 +20,10 @@ Autocast casts every weight to bf16 in every forward (its cache of casts lives f
 ``autocast`` block): for ViT-B/16 that is reading 344 MB and writing 172 MB per call,
 whatever the batch.  ``Dense`` keeps the cast weights (as bf16 values in fp32 where the
 fp32 GEMM computes bf16's matmuls, ``bf16_matmul.py``; packed for oneDNN, as below, when
-the first call has few rows) between calls when no backward can follow, recasts when the parameters change (their version counters), and drops the
-copy at its next forward outside autocast inference (a training step, an fp32 forward),
-so a training loop's evaluation does not hold stale copies while it trains.
+the first call has few rows) between calls when no backward can follow, recasts when the
+parameters change (their version counters), and drops the copy at its next forward
+outside autocast inference (a training step, an fp32 forward), so a training loop's
+evaluation does not hold stale copies while it trains.
 
 ``with plain_inference():`` switches both off (fresh allocations, weights cast per call)
 for measurements such as ``benchmarks/ab.py inference_buffers``, or where the memory of
@@ -52,7 +53,7 @@ _local = threading.local()  # .buffers: dict (shape, dtype) -> tensor while a fo
 _PLAIN = False
 # bf16 inference by the fp32 GEMM holds its weights packed for oneDNN when the first call
 # since they changed has at most this many rows: 1.18x the dense layers' speed at 197 rows
-# (ViT-B/16, batch 1), level at 1576, 0.96x at 6304 (``python benchmarks/ab.py bf16_packed``)
+# (ViT-B/16, batch 1), level at 1576, 0.95x at 6304 (``python benchmarks/ab.py bf16_packed``)
 PACK_ROWS = 1024
 
 

@@ -88,6 +88,17 @@ def test_cases_and_table():
     assert "| infer/x/b8/fp32 |" in bench.markdown(lines)
 
 
+def test_a_gpu_run_adds_the_vit_b16_training_row_and_no_cpu_serving_columns(monkeypatch):
+    monkeypatch.setattr(harness, "peers_available", lambda device: ["hf-sdpa", "timm"])
+    monkeypatch.setattr(bench, "peers_available", harness.peers_available)
+    _, gpu = bench.build_cases(bench.parse_args(["--device", "cuda", "--only", "^train/"]))
+    _, cpu = bench.build_cases(bench.parse_args(["--only", "^train/", "--bf16", "yes"]))
+    assert {c["id"] for c in gpu} - {c["id"] for c in cpu} == {
+        f"train/ViT-B/16/b128/{dtype}/{impl}" for dtype in ("fp32", "bf16") for impl in ("vitlab", "hf-sdpa", "timm")}
+    _, everything = bench.build_cases(bench.parse_args(["--device", "cuda"]))
+    assert all(c["device"] == "cuda" and c["impl"] not in ("onnxruntime", "vitlab-packed") for c in everything)
+
+
 def test_the_bf16_peak_is_the_faster_of_the_bf16_kernel_and_the_fp32_gemm(monkeypatch):
     args = bench.parse_args(["--only", "nothing", "--bf16", "yes"])
     peaks, _ = bench.build_cases(args)

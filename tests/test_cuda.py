@@ -1,0 +1,69 @@
+"""The CUDA paths: the same model on a GPU gives the CPU's answers.  Skipped without a GPU
+(CI has none); run them on a lent machine with ``python3 -m pytest -q tests/test_cuda.py``."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import vitlab
+from vitlab.config import ViTConfig
+from vitlab.models.buffers import Dense
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def small(**fields) -> ViTConfig:
+    base = dict(img_size=32, patch_size=8, width=64, depth=2, mlp_dim=128, num_heads=4, num_classes=7)
+    base.update(fields)
+    return ViTConfig(**base)
+
+
+def _with_random_head(cfg: ViTConfig) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = vitlab.create_model(cfg)
+    with torch.no_grad():
+        model.head.weight.normal_(std=0.1)  # the zero-initialised head would hide the encoder
+    return model
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(classifier="gap", posemb="learned_2d"),
+                                    dict(posemb="relative"), dict(axial=True, classifier="gap")])
+def test_fp32_inference_on_the_gpu_equals_the_cpu(fields):
+    cpu = _with_random_head(small(**fields)).eval()
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(3, 3, 32, 32)
+    with torch.inference_mode():
+        expected = cpu(x)
+        got = gpu(x.cuda()).cpu()
+    # TF32 may be on for the GPU's matmuls: compare at its precision
+    torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
+
+
+def test_a_bf16_training_step_on_the_gpu_follows_the_fp32_cpu_step():
+    cpu = _with_random_head(small()).train()
+    gpu = copy.deepcopy(cpu).cuda()
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 3, 5, 6])
+    torch.nn.functional.cross_entropy(cpu(x), y).backward()
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = torch.nn.functional.cross_entropy(gpu(x.cuda()), y.cuda())
+    loss.backward()
+    for (name, p), q in zip(cpu.named_parameters(), gpu.parameters()):
+        assert q.grad is not None and q.grad.dtype == torch.float32, name
+        g, h = p.grad.flatten(), q.grad.cpu().flatten()
+        if g.norm() > 1e-6:  # bf16 keeps about 3 significant digits
+            assert torch.nn.functional.cosine_similarity(g, h, dim=0) > 0.98, name
+
+
+def test_bf16_inference_on_the_gpu_uses_the_bf16_kernel_and_holds_bf16_weights():
+    model = _with_random_head(small()).cuda().eval()
+    x = torch.randn(2, 3, 32, 32, device="cuda")
+    with torch.inference_mode(), torch.autocast("cuda", torch.bfloat16):
+        logits = model(x)
+    dense = [m for m in model.modules() if isinstance(m, Dense)]
+    # no fp32-GEMM widening or oneDNN packing on a GPU: the held copy is plain bf16
+    assert all(m._cast[1].dtype == torch.bfloat16 and m._cast[1].layout == torch.strided for m in dense)
+    with torch.inference_mode():
+        fp32 = model(x)
+    torch.testing.assert_close(logits.float(), fp32, rtol=0.05, atol=0.05)

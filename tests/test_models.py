@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import io
 
 import numpy as np
 import pytest
@@ -564,9 +566,6 @@ def test_packed_weights_give_the_plain_outputs_and_are_freed_at_the_end(fields):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 def test_a_model_holding_cast_or_packed_weights_can_be_copied_and_saved():
-    import copy
-    import io
-
     from vitlab.models import packed_weights
     from vitlab.models.bf16_matmul import bf16_matmul
     from vitlab.models.buffers import Dense
@@ -586,7 +585,7 @@ def test_a_model_holding_cast_or_packed_weights_can_be_copied_and_saved():
     with packed_weights(model):
         with torch.no_grad():
             fp32_expected = model(x)
-        for copied in (copy.deepcopy(model), _saved_and_loaded(model, io)):
+        for copied in (copy.deepcopy(model), _saved_and_loaded(model)):
             layers = [m for m in copied.modules() if isinstance(m, Dense)]
             assert all(m._cast is None and m._packed is None and not m._packing for m in layers)
             assert torch.equal(bf16_logits(copied), expected)
@@ -594,7 +593,7 @@ def test_a_model_holding_cast_or_packed_weights_can_be_copied_and_saved():
                 torch.testing.assert_close(copied(x), fp32_expected, rtol=1e-5, atol=1e-6)
 
 
-def _saved_and_loaded(model, io):
+def _saved_and_loaded(model):
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)

@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from typing import Callable, Iterator
 
 import torch
@@ -398,8 +399,7 @@ def exp_bf16_packed() -> None:
         torch.testing.assert_close(infer(plain, one)(), first, rtol=0.0, atol=0.0)
     finally:
         buffers.PACK_ROWS = saved
-    print(f"  held layouts: packed {_held_layouts(packed)}, "
-          f"plain {_held_layouts(plain)}")
+    print(f"  held layouts: packed {_held_layouts(packed)}, plain {_held_layouts(plain)}")
     for batch, rounds in ((1, 15), (8, 7), (32, 3)):
         x = torch.randn(batch, 3, 224, 224)
         compare(f"ViT-B/16 bf16 autocast inference, batch {batch}",
@@ -407,15 +407,53 @@ def exp_bf16_packed() -> None:
                  "hf-sdpa": infer(peer_forward, x)}, rounds=rounds, clock=time.perf_counter)
 
 
+def exp_dense_layers() -> None:
+    """ViT-B/16's 48 dense layers alone (12 blocks x qkv, proj, fc1, fc2, each with its own
+    weight, so read from memory as in a forward) at 197, 1576 and 6304 rows (batch 1, 8, 32):
+    fp32 ``addmm`` into a reused output against oneDNN with the weight packed once, then the
+    same with bf16 input and output (the fp32 GEMM path of bf16 inference); every core, wall
+    time, minimum (each title gives the matmuls' GFLOP)."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    shapes = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # (in, out)
+    layers = [[(torch.randn(n, k), torch.randn(n)) for k, n in shapes] for _ in range(12)]
+    for rows, rounds in ((197, 7), (1576, 5), (6304, 3)):
+        flops = 12 * sum(2 * rows * k * n for k, n in shapes)
+        packed = [[torch.ops.mkldnn._reorder_linear_weight(w, rows) for w, _ in block] for block in layers]
+        inputs = {k: torch.randn(rows, k) for k in (768, 3072)}
+        bf16_inputs = {k: t.bfloat16() for k, t in inputs.items()}
+        outs = {n: torch.empty(rows, n) for n in (768, 2304, 3072)}
+
+        def plain(bf16: bool):
+            def go():
+                for block in layers:
+                    for w, b in block:
+                        x = inputs[w.shape[1]].copy_(bf16_inputs[w.shape[1]]) if bf16 else inputs[w.shape[1]]
+                        out = torch.addmm(b, x, w.t(), out=outs[w.shape[0]])
+                        if bf16:
+                            out.bfloat16()
+            return go
+
+        def onednn(bf16: bool):
+            def go():
+                for block, packs in zip(layers, packed):
+                    for (w, b), p in zip(block, packs):
+                        x = inputs[w.shape[1]].copy_(bf16_inputs[w.shape[1]]) if bf16 else inputs[w.shape[1]]
+                        out = torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
+                        if bf16:
+                            out.bfloat16()
+            return go
+
+        for bf16 in (False, True):
+            what = "bf16 in and out, fp32 GEMM" if bf16 else "fp32"
+            compare(f"48 dense layers of ViT-B/16 at {rows} rows, {what} ({flops / 1e9:.0f} GFLOP)",
+                    {"addmm": plain(bf16), "oneDNN, weights packed once": onednn(bf16)},
+                    rounds=rounds, clock=time.perf_counter)
+
+
 def _held_layouts(model: torch.nn.Module) -> dict[str, int]:
     """How many dense layers hold their autocast weight in each layout."""
-    layouts: dict[str, int] = {}
-    for m in model.modules():
-        cast = getattr(m, "_cast", None)
-        if cast is not None:
-            key = str(cast[1].layout)
-            layouts[key] = layouts.get(key, 0) + 1
-    return layouts
+    return dict(Counter(str(m._cast[1].layout) for m in model.modules() if getattr(m, "_cast", None) is not None))
 
 
 def exp_attention_paths() -> None:
@@ -873,6 +911,7 @@ EXPERIMENTS = {
     "compile": exp_compile,
     "bf16_matmul": exp_bf16_matmul,
     "bf16_packed": exp_bf16_packed,
+    "dense_layers": exp_dense_layers,
 }
 
 if __name__ == "__main__":

@@ -52,8 +52,8 @@ from . import bf16_matmul
 _local = threading.local()  # .buffers: dict (shape, dtype) -> tensor while a forward is open
 _PLAIN = False
 # bf16 inference by the fp32 GEMM holds its weights packed for oneDNN when the first call
-# since they changed has at most this many rows: 1.18x the dense layers' speed at 197 rows
-# (ViT-B/16, batch 1), level at 1576, 0.95x at 6304 (``python benchmarks/ab.py bf16_packed``)
+# since they changed has at most this many rows: 1.20x the dense layers' speed at 197 rows
+# (ViT-B/16, batch 1), level at 1576, 0.95-0.99x at 6304 (``python benchmarks/ab.py dense_layers``)
 PACK_ROWS = 1024
 
 

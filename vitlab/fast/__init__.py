@@ -3,9 +3,15 @@
     model = vitlab.create_model("ViT-B/16")      # plain PyTorch, the model you read
     vitlab.fast.optimize(model)                  # in place; returns the model
     vitlab.fast.restore(model)                   # the plain model again
-    with vitlab.fast.optimized(model): ...       # optimize for the block only
+    with vitlab.fast.optimized(model): ...       # optimised inside the block only
 
-(API contract; the implementation lands in modules.py.)
+``optimize`` gives the model's dense layers and encoder blocks subclasses with faster
+forwards (``modules.py``): CPU matmuls by the kernel a rule or a stored calibration
+chooses (``kernels.py``), LayerNorm and GELU outputs recomputed in the backward instead
+of stored, weights kept cast between autocast inference calls.  Parameters, buffers,
+state-dict keys and hooks are untouched; outputs and gradients equal the plain model's
+up to floating-point rounding (``tests/test_fast.py``).  The design and its measurements:
+``docs/performance.md``.
 """
 from __future__ import annotations
 
@@ -15,30 +21,48 @@ from typing import Iterator
 from torch import nn
 
 from .kernels import KernelChoice, bf16_is_faster, calibrate, choose, rule_choice
+from .modules import FastBlock, FastLinear, FastOptions, install, installed, uninstall
 
 
 def optimize(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True) -> nn.Module:
-    return model
+    """Install the fast path on ``model`` in place and return it.
+
+    kernels: the CPU kernels (default ``choose()``: this CPU's stored calibration, else the rule).
+    recompute: recompute LayerNorm and GELU outputs in the backward (less memory, same gradients).
+    Optimising an optimised model replaces its options.
+    """
+    return install(model, FastOptions(kernels or choose(), recompute))
 
 
 def restore(model: nn.Module) -> nn.Module:
-    return model
+    """Undo ``optimize``: every module is the plain one again (same parameters and hooks)."""
+    return uninstall(model)
+
+
+def installed_options(model: nn.Module) -> FastOptions | None:
+    """The options ``optimize`` installed on ``model``, or None."""
+    return installed(model)
 
 
 def is_optimized(model: nn.Module) -> bool:
-    return False
+    """Whether ``optimize`` has installed anything on ``model``."""
+    return installed(model) is not None
 
 
 @contextlib.contextmanager
-def optimized(model: nn.Module, **options) -> Iterator[nn.Module]:
-    was = is_optimized(model)
-    optimize(model, **options)
+def optimized(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True
+              ) -> Iterator[nn.Module]:
+    """``optimize`` for the ``with`` block; on exit the model is as it was (options included)."""
+    before = installed(model)
+    optimize(model, kernels, recompute)
     try:
         yield model
     finally:
-        if not was:
+        if before is None:
             restore(model)
+        else:
+            install(model, before)
 
 
-__all__ = ["KernelChoice", "bf16_is_faster", "calibrate", "choose", "is_optimized", "optimize", "optimized",
-           "restore", "rule_choice"]
+__all__ = ["FastBlock", "FastLinear", "FastOptions", "KernelChoice", "bf16_is_faster", "calibrate", "choose",
+           "installed_options", "is_optimized", "optimize", "optimized", "restore", "rule_choice"]

@@ -1,7 +1,6 @@
-"""Models of the paper: ViT, hybrids, Axial-ViT and the BiT ResNet baselines."""
-from .buffers import packed_weights, plain_inference
+"""Models of the paper: ViT, hybrids, Axial-ViT and the BiT ResNet baselines (plain PyTorch;
+``vitlab.fast`` adds speed on top)."""
 from .layers import capture_attention
 from .registry import count_parameters, create_model, get_config, list_models
 
-__all__ = ["capture_attention", "count_parameters", "create_model", "get_config", "list_models", "packed_weights",
-           "plain_inference"]
+__all__ = ["capture_attention", "count_parameters", "create_model", "get_config", "list_models"]

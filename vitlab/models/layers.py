@@ -1,12 +1,12 @@
 """The Transformer encoder's parts: attention, MLP, pre-LayerNorm block (paper Eq. 2-3).
 
-Dropout follows the paper: after every dense layer except the qkv projection.  The
-attention uses ``scaled_dot_product_attention`` (when training in bf16 on a CPU, two
-matmuls and a softmax, which are faster there: see ``explicit_attention_is_faster``); to
-inspect the model, the context manager ``capture_attention`` switches every layer to an
-explicit softmax that records the attention probabilities, and switches back on exit.
-In training, each LayerNorm and the GELU hand their dense layer the input they came
-from rather than their output, which is recomputed in the backward (``fused.py``).
+Plain PyTorch: every ``nn.LayerNorm`` and ``nn.Linear`` is called as a module, so hooks,
+wrappers (LoRA-style adapters) and module swaps (quantisation) see every call.  Speed
+lives in ``vitlab.fast``, which installs itself on top of these modules and can be undone.
+
+Dropout follows the paper: after every dense layer except the qkv projection.  Attention
+runs through ``scaled_dot_product_attention``; to inspect the model, ``capture_attention``
+switches every layer to an explicit softmax that records the attention probabilities.
 """
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ViTConfig
-from .buffers import Dense
-from .fused import gelu_dense, layer_norm_dense, split_heads
 from .init import xavier_uniform_chunks_
 from .posemb import RelativePosBias
 
@@ -39,17 +37,10 @@ class DropPath(nn.Module):
         return x * mask / keep
 
 
-def explicit_attention_is_faster(q: torch.Tensor) -> bool:
-    """Whether two matmuls and a softmax beat ``scaled_dot_product_attention`` for ``q``.
-
-    Only when training in bf16 on a CPU: PyTorch's CPU flash-attention kernel has a slow
-    bf16 backward, so a CIFAR-size ViT's bf16 training step is 1.3x faster without it and
-    ViT-S/16's 1.07x (``python benchmarks/ab.py attention_bf16``).  Its forward is fine
-    (ViT-B/16 bf16 inference, batch 8: level or up to 2.6% faster with the kernel), and in
-    fp32 the kernel wins (CIFAR-size training step 1.10x faster with it; ``python
-    benchmarks/ab.py attention_paths``).  GPUs keep their fused kernels.
-    """
-    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad
+def split_heads(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, key and value, each (B, H, L, D/H), as views of the fused (B, L, 3D) projection."""
+    B, L, width3 = qkv.shape
+    return qkv.view(B, L, 3, num_heads, width3 // (3 * num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
 
 
 class Attention(nn.Module):
@@ -62,8 +53,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ViTConfig, seq_len: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.qkv = Dense(cfg.width, 3 * cfg.width, bias=cfg.qkv_bias)
-        self.proj = Dense(cfg.width, cfg.width)
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=cfg.qkv_bias)
+        self.proj = nn.Linear(cfg.width, cfg.width)
         self.attn_drop = cfg.attention_dropout
         self.proj_drop = nn.Dropout(cfg.dropout)
         self.rel_pos = (
@@ -77,13 +68,15 @@ class Attention(nn.Module):
         if self.qkv.bias is not None:
             nn.init.zeros_(self.qkv.bias)
 
-    def forward(self, x: torch.Tensor, norm: nn.LayerNorm | None = None) -> torch.Tensor:
-        """Attention over ``x``, or over ``norm(x)`` when a norm is given."""
-        B, L, D = x.shape
-        qkv = layer_norm_dense(x, norm, self.qkv) if norm is not None else self.qkv(x)
-        q, k, v = split_heads(qkv, self.num_heads)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, explicit: bool = False) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + bias) v over (B, H, L, D/H) heads -> (B, L, D).
+
+        explicit: two matmuls and a softmax instead of the fused kernel (the same values);
+        always so while ``capture_attention`` records.
+        """
+        B, H, L, _ = q.shape
         bias = self.rel_pos(q * self.head_dim**-0.5) if self.rel_pos is not None else None
-        if self.recorded is None and not explicit_attention_is_faster(q):
+        if self.recorded is None and not explicit:
             drop = self.attn_drop if self.training else 0.0
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)
         else:
@@ -94,8 +87,11 @@ class Attention(nn.Module):
             if self.recorded is not None:
                 self.recorded.append(probs.detach())
             out = F.dropout(probs, self.attn_drop, self.training) @ v
-        out = out.transpose(1, 2).reshape(B, L, D)  # (B, L, H*hd)
-        return self.proj_drop(self.proj(out))
+        return out.transpose(1, 2).reshape(B, L, H * self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = split_heads(self.qkv(x), self.num_heads)
+        return self.proj_drop(self.proj(self.attend(q, k, v)))
 
 
 class Mlp(nn.Module):
@@ -103,18 +99,17 @@ class Mlp(nn.Module):
 
     def __init__(self, cfg: ViTConfig) -> None:
         super().__init__()
-        self.fc1 = Dense(cfg.width, cfg.mlp_dim)
+        self.fc1 = nn.Linear(cfg.width, cfg.mlp_dim)
         self.approximate = "tanh" if cfg.gelu == "tanh" else "none"  # F.gelu's argument
-        self.fc2 = Dense(cfg.mlp_dim, cfg.width)
+        self.fc2 = nn.Linear(cfg.mlp_dim, cfg.width)
         self.drop = nn.Dropout(cfg.dropout)
         for fc in (self.fc1, self.fc2):
             nn.init.xavier_uniform_(fc.weight)
             nn.init.normal_(fc.bias, std=1e-6)
 
-    def forward(self, x: torch.Tensor, norm: nn.LayerNorm | None = None) -> torch.Tensor:
-        """The MLP of ``x``, or of ``norm(x)`` when a norm is given."""
-        h = layer_norm_dense(x, norm, self.fc1) if norm is not None else self.fc1(x)
-        return self.drop(gelu_dense(h, self.approximate, self.drop, self.fc2))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x), approximate=self.approximate)
+        return self.drop(self.fc2(self.drop(h)))
 
 
 class Block(nn.Module):
@@ -133,8 +128,8 @@ class Block(nn.Module):
         self.drop_path = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(x, self.norm1))
-        return x + self.drop_path(self.mlp(x, self.norm2))
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
 @contextlib.contextmanager
@@ -143,7 +138,7 @@ def capture_attention(model: nn.Module) -> Iterator[list[torch.Tensor]]:
 
     Inside the ``with`` block each forward appends one (B, H, L, L) tensor per layer,
     in the order the layers run (for Axial-ViT: row, column, row, ...; there B counts
-    rows or columns).  The default fused path is untouched outside the block::
+    rows or columns).  The fused kernel is back in use outside the block::
 
         with capture_attention(model) as maps:
             model(images)

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from ..config import Pair, ViTConfig
-from .buffers import reuse_buffers
 from .init import lecun_normal_
 from .layers import Block
 from .posemb import LearnedPosEmb1D, LearnedPosEmb2D
@@ -164,14 +163,12 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> encoder output after the final LayerNorm, (B, prefix + N, D)."""
-        with reuse_buffers(x):
-            return self.norm(self.run_blocks(*self.embed(x)))
+        return self.norm(self.run_blocks(*self.embed(x)))
 
     def forward_intermediates(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The token sequence (B, prefix + N, D) after every block, before the final LayerNorm."""
         keep: list[torch.Tensor] = []
-        with reuse_buffers(x):
-            self.run_blocks(*self.embed(x), keep=keep)
+        self.run_blocks(*self.embed(x), keep=keep)
         return keep
 
     def pool(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,461 @@
+"""The plain model is open to hooks, adapters and quantisation; ``vitlab.fast`` is a
+reversible layer on top that computes what the plain model computes."""
+from __future__ import annotations
+
+import copy
+import io
+import json
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import vitlab
+import vitlab.fast as fast
+from vitlab.config import ResNetConfig, ViTConfig
+from vitlab.fast import kernels as kernels_mod
+from vitlab.fast.kernels import CpuInfo, KernelChoice
+from vitlab.models.layers import Block
+
+torch.set_num_threads(2)
+ONEDNN = torch.backends.mkldnn.is_available()
+CHOICES = [KernelChoice("aten", "bf16"), KernelChoice("aten", "fp32")] + (
+    [KernelChoice("onednn", "bf16"), KernelChoice("onednn", "fp32")] if ONEDNN else [])
+choice_id = lambda c: f"{c.fp32}-{c.bf16}"  # noqa: E731
+
+
+def tiny(**fields) -> ViTConfig:
+    base = dict(img_size=16, patch_size=4, width=32, depth=2, mlp_dim=64, num_heads=4, num_classes=5)
+    base.update(fields)
+    return ViTConfig(**base)
+
+
+def with_random_head(cfg) -> nn.Module:
+    torch.manual_seed(0)
+    model = vitlab.create_model(cfg)
+    with torch.no_grad():  # the zero-initialised head would hide everything behind it
+        model.head.weight.normal_(std=0.5)
+    return model
+
+
+DENSE_AND_NORM = (nn.Linear, nn.LayerNorm)
+
+
+def count_hook_calls(model: nn.Module, run) -> tuple[dict[str, int], list[str]]:
+    calls: dict[str, int] = {}
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, DENSE_AND_NORM):
+            names.append(name)
+            module.register_forward_hook(lambda m, i, o, n=name: calls.__setitem__(n, calls.get(n, 0) + 1))
+    run()
+    return calls, names
+
+
+@pytest.mark.parametrize("optimized", [False, True], ids=["plain", "fast"])
+@pytest.mark.parametrize("mode", ["train", "eval", "inference"])
+def test_hooks_fire_on_every_layer_norm_and_dense_layer(mode, optimized):
+    model = with_random_head(tiny())
+    if optimized:
+        fast.optimize(model)
+    x = torch.randn(2, 3, 16, 16)
+
+    def run():
+        if mode == "train":
+            model.train()
+            model(x).sum().backward()
+        elif mode == "eval":
+            model.eval()
+            model(x)
+        else:
+            model.eval()
+            with torch.inference_mode():
+                model(x)
+
+    calls, names = count_hook_calls(model, run)
+    assert len(names) == 2 * 2 + 4 * 2 + 2  # per block 2 norms, 4 dense; final norm and head
+    assert calls == {name: 1 for name in names}
+
+
+def test_a_global_module_hook_sees_every_call_of_the_fast_model():
+    model = fast.optimize(with_random_head(tiny())).train()
+    seen = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: seen.append(type(m).__name__) if isinstance(m, DENSE_AND_NORM) else None)
+    try:
+        model(torch.randn(2, 3, 16, 16)).sum().backward()
+    finally:
+        handle.remove()
+    assert seen.count("LayerNorm") == 5 and seen.count("FastLinear") == 9
+
+
+class LoRA(nn.Module):
+    """A low-rank adapter as PEFT writes one: the frozen layer plus a trainable B @ A."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base
+        self.down = nn.Linear(base.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.up.weight, std=0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+@pytest.mark.parametrize("optimized", [False, True], ids=["plain", "fast"])
+@pytest.mark.parametrize("where", ["attn.qkv", "mlp.fc1"])
+def test_a_lora_wrapper_changes_the_output_in_train_and_eval(where, optimized):
+    model = with_random_head(tiny(dropout=0.0))
+    x = torch.randn(2, 3, 16, 16)
+    before = {m: model.train(m == "train")(x).detach() for m in ("train", "eval")}
+    block = model.blocks[0]
+    parent, attr = (block.attn, "qkv") if where == "attn.qkv" else (block.mlp, "fc1")
+    setattr(parent, attr, LoRA(getattr(parent, attr)))
+    if optimized:
+        fast.optimize(model)
+    for mode in ("train", "eval"):
+        model.train(mode == "train")
+        out = model(x)
+        assert not torch.allclose(out, before[mode], atol=1e-4), mode
+        out.sum().backward()
+        assert getattr(parent, attr).up.weight.grad.abs().sum() > 0
+        # the delta alone explains the change: zero it and the model is the old one
+        with torch.no_grad():
+            saved = getattr(parent, attr).up.weight.clone()
+            getattr(parent, attr).up.weight.zero_()
+            torch.testing.assert_close(model(x), before[mode], rtol=1e-5, atol=1e-5)
+            getattr(parent, attr).up.weight.copy_(saved)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_dynamic_int8_quantisation_stays_close_to_fp32():
+    model = with_random_head(tiny(depth=2, width=64, mlp_dim=128)).eval()
+    x = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        expected = model(x)
+    quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8)
+    assert not any(type(m) is nn.Linear for m in quantized.modules())  # every dense layer swapped
+    with torch.no_grad():
+        got = quantized(x)
+        assert (got - expected).norm() < 0.1 * expected.norm()
+        # the fast path leaves quantised layers to themselves and gives the same logits
+        torch.testing.assert_close(fast.optimize(quantized)(x), got, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- equality
+
+FAMILIES = {
+    "token": tiny(),
+    "gap": tiny(classifier="gap"),
+    "pre-logits": tiny(representation_size=24),
+    "posemb-2d-every-layer": tiny(posemb="learned_2d", posemb_place="every_layer"),
+    "relative": tiny(posemb="relative", qkv_bias=False),
+    "tanh-gelu": tiny(gelu="tanh", ln_eps=1e-6),
+    "axial": tiny(axial=True, classifier="gap", posemb="learned_2d"),
+    "hybrid": tiny(img_size=32, patch_size=1, resnet=ResNetConfig(layers=(1,), img_size=32, root_kernel=3,
+                                                                     root_stride=1, root_pool=False), depth=1),
+}
+
+
+def loss_and_grads(model: nn.Module, x: torch.Tensor, bf16: bool):
+    model.zero_grad()
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        loss = model(x).float().square().mean()
+    loss.backward()
+    return loss.detach(), [x.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kernels", CHOICES, ids=choice_id)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fast_logits_and_gradients_equal_the_plain_models(family, kernels):
+    cfg = FAMILIES[family]
+    model = with_random_head(cfg).train()
+    x = torch.randn(3, 3, *cfg.img_size)
+    loss, grads = loss_and_grads(model, x, bf16=False)
+    with torch.no_grad():
+        logits = model.eval()(x)
+    fast.optimize(model.train(), kernels)
+    fast_loss, fast_grads = loss_and_grads(model, x, bf16=False)
+    torch.testing.assert_close(fast_loss, loss, rtol=1e-5, atol=1e-7)
+    for g, h in zip(grads, fast_grads):
+        torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernels", CHOICES, ids=choice_id)
+@pytest.mark.parametrize("family", ["token", "relative", "axial"])
+def test_fast_bf16_training_agrees_with_plain_autocast(family, kernels):
+    cfg = FAMILIES[family]
+    model = with_random_head(cfg).train()
+    x = torch.randn(3, 3, *cfg.img_size)
+    loss, grads = loss_and_grads(model, x, bf16=True)
+    fast.optimize(model, kernels)
+    fast_loss, fast_grads = loss_and_grads(model, x, bf16=True)
+    torch.testing.assert_close(fast_loss, loss, rtol=2e-2, atol=0.0)
+    # bf16 keeps about 3 significant digits; the order of additions differs between kernels
+    flat = lambda gs: torch.cat([g.float().flatten() for g in gs])  # noqa: E731
+    assert (flat(fast_grads) - flat(grads)).norm() < 3e-2 * flat(grads).norm()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("kernels", CHOICES, ids=choice_id)
+def test_bf16_inference_equals_autocasts_rounding(kernels):
+    torch.manual_seed(0)
+    dense = nn.Linear(64, 48)
+    x = torch.randn(2, 5, 64)
+    exact = (x.bfloat16().double() @ dense.weight.bfloat16().double().t()
+             + dense.bias.bfloat16().double())
+    fast.optimize(dense, kernels)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        out = dense(x)
+    assert out.dtype == torch.bfloat16
+    # one bf16 rounding of a sum computed in fp32 (the order of additions may differ)
+    torch.testing.assert_close(out.double(), exact, rtol=8e-3, atol=1e-3)
+
+
+def test_fast_linear_holds_autocast_weights_between_inference_calls_until_they_change():
+    torch.manual_seed(0)
+    dense = fast.optimize(nn.Linear(6, 4), KernelChoice("aten", "bf16"))
+    x = torch.randn(3, 6)
+
+    def infer():
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+            return dense(x), torch.nn.functional.linear(x, dense.weight, dense.bias)
+
+    out, expected = infer()
+    assert torch.equal(out, expected)
+    held = dense._held[1]
+    assert held.dtype == torch.bfloat16
+    infer()
+    assert dense._held[1] is held  # cast once, not per call
+    with torch.no_grad():
+        dense.weight.add_(1.0)  # an optimiser step changes the weights in place
+    out, expected = infer()
+    assert dense._held[1] is not held and torch.equal(out, expected)
+    dense(x).sum().backward()  # a training forward drops the copy
+    assert dense._held is None
+
+
+# ----------------------------------------------------------------------------- recompute
+
+
+def saved_bytes(model, x, bf16):
+    from vitlab.analysis.cost import SavedForBackward
+
+    model.zero_grad()
+    with SavedForBackward(model) as kept:
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            loss = model(x).float().square().sum()
+    loss.backward()
+    return kept.bytes, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_recomputing_norms_and_gelu_keeps_less_for_the_same_gradients(bf16):
+    model = with_random_head(tiny(gelu="exact", depth=3, width=48, mlp_dim=192, num_heads=3)).train()
+    x = torch.randn(4, 3, 16, 16)
+    aten = KernelChoice("aten", "bf16")
+    fast.optimize(model, aten, recompute=False)
+    stored, stored_grads = saved_bytes(model, x, bf16)
+    fast.optimize(model, aten, recompute=True)
+    kept, grads = saved_bytes(model, x, bf16)
+    if not bf16:  # the same operations on the same values
+        assert all(torch.equal(a, b) for a, b in zip(grads, stored_grads))
+    # per block: 16 (tokens x width) activations stored, 10 when recomputing (fp32)
+    assert kept < (0.72 if not bf16 else 0.8) * stored
+
+
+def test_recompute_functions_pass_gradcheck():
+    from vitlab.fast.recompute import gelu_dense, layer_norm_dense
+
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(6, eps=1e-6).double()
+    dense, dense2 = nn.Linear(6, 5).double(), nn.Linear(5, 4).double()
+    with torch.no_grad():
+        norm.weight.normal_(), norm.bias.normal_()
+    x = torch.randn(2, 3, 6, dtype=torch.double, requires_grad=True)
+    params = (*norm.parameters(), *dense.parameters(), *dense2.parameters())
+    aten = KernelChoice("aten", "bf16")
+
+    def both(x, *_):
+        return gelu_dense(layer_norm_dense(x, norm, dense, aten), "tanh", nn.Dropout(0.0), dense2, aten)
+
+    assert torch.autograd.gradcheck(both, (x, *params))
+
+
+@pytest.mark.skipif(not ONEDNN, reason="needs oneDNN")
+def test_onednn_linear_gradients_equal_autograds():
+    from vitlab.fast.linear import linear
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 24, requires_grad=True)
+    w = torch.randn(16, 24, requires_grad=True)
+    b = torch.randn(16, requires_grad=True)
+    g = torch.randn(3, 7, 16)
+    out = linear(x, w, b, KernelChoice("onednn", "bf16"))
+    grads = torch.autograd.grad(out, (x, w, b), g)
+    expected = torch.nn.functional.linear(x, w, b)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, torch.autograd.grad(expected, (x, w, b), g)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("used", [(0, 1, 2), (0, 2), (1,)], ids=["qkv", "q-v", "k"])
+def test_split_heads_gradient_equals_autograds_views(used):
+    from vitlab.fast.recompute import split_heads
+    from vitlab.models.layers import split_heads as views
+
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 5, 3 * 12)
+    weights = [torch.randn(2, 4, 5, 3) for _ in range(3)]  # (B, H, L, D/H) for 4 heads
+
+    def grad(split) -> torch.Tensor:
+        x = qkv.clone().requires_grad_()
+        parts = split(x, 4)
+        sum((parts[i] * weights[i]).sum() for i in used).backward()
+        return x.grad
+
+    assert all(torch.equal(a, b) for a, b in zip(split_heads(qkv, 4), views(qkv, 4)))
+    assert torch.equal(grad(split_heads), grad(views))
+
+
+def test_gelu_dense_drops_out_with_the_mask_it_keeps():
+    from vitlab.fast.recompute import gelu_dense
+
+    torch.manual_seed(0)
+    dense = nn.Linear(8, 3)
+    h = torch.randn(5, 8, requires_grad=True)
+    torch.manual_seed(7)
+    out = gelu_dense(h, "none", nn.Dropout(0.25).train(), dense, KernelChoice("aten", "bf16"))
+    out.square().sum().backward()
+    grads = h.grad.clone(), dense.weight.grad.clone()
+    torch.manual_seed(7)  # the forward's only random draw is the mask
+    keep = torch.empty(5, 8, dtype=torch.bool).bernoulli_(0.75)
+    assert 0 < keep.sum() < keep.numel()
+    h.grad, dense.weight.grad = None, None
+    expected = dense(torch.nn.functional.gelu(h) * keep / 0.75)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grads[0], h.grad)
+    torch.testing.assert_close(grads[1], dense.weight.grad)
+
+
+def test_fast_bf16_cpu_training_attends_explicitly_and_plain_uses_the_kernel(monkeypatch):
+    import vitlab.models.layers as layers
+
+    model = with_random_head(tiny(posemb="relative")).train()
+    x = torch.randn(3, 3, 16, 16)
+    seen = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(layers.F, "scaled_dot_product_attention",
+                        lambda *a, **k: seen.append(a[0].dtype) or real_sdpa(*a, **k))
+    loss, grads = loss_and_grads(model, x, bf16=True)
+    assert seen and set(seen) == {torch.bfloat16}  # the plain model: the fused kernel
+    seen.clear()
+    fast.optimize(model)
+    fast_loss, fast_grads = loss_and_grads(model, x, bf16=True)
+    assert seen == []  # the flash kernel's bf16 backward is slow on a CPU
+    torch.testing.assert_close(fast_loss, loss, rtol=2e-2, atol=0.0)
+    flat = lambda gs: torch.cat([g.float().flatten() for g in gs])  # noqa: E731
+    assert (flat(fast_grads) - flat(grads)).norm() < 3e-2 * flat(grads).norm()
+
+
+# ----------------------------------------------------------------------------- reversible, stateful
+
+
+def test_restore_gives_back_the_plain_modules_with_the_same_parameters_and_hooks():
+    model = with_random_head(tiny())
+    params = {name: p for name, p in model.named_parameters()}
+    calls = []
+    model.blocks[0].norm1.register_forward_hook(lambda *a: calls.append(1))
+    assert not fast.is_optimized(model)
+    assert fast.optimize(model) is model and fast.is_optimized(model)
+    assert type(model.blocks[0]).__name__ == "FastBlock" and type(model.head).__name__ == "FastLinear"
+    assert isinstance(model.blocks[0], Block) and isinstance(model.head, nn.Linear)
+    fast.restore(model)
+    assert not fast.is_optimized(model)
+    assert type(model.blocks[0]) is Block and type(model.head) is nn.Linear
+    assert not any(hasattr(m, "fast_options") for m in model.modules())
+    assert {name: p for name, p in model.named_parameters()} == params
+    model(torch.randn(1, 3, 16, 16))
+    assert calls == [1]
+    with fast.optimized(model, KernelChoice("aten", "fp32")):
+        assert fast.is_optimized(model)
+    assert not fast.is_optimized(model)
+
+
+def test_the_fast_models_state_round_trips_through_save_load_copy_and_pickle(tmp_path):
+    model = fast.optimize(with_random_head(tiny()), KernelChoice("aten", "fp32")).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        bf16_logits = model(x)  # the dense layers now hold cast weights
+    with torch.no_grad():
+        logits = model(x)
+    plain = fast.restore(copy.deepcopy(model))
+    assert list(model.state_dict()) == list(plain.state_dict())
+    vitlab.save_model(model, tmp_path / "saved")
+    loaded = vitlab.load_model(tmp_path / "saved")
+    assert not fast.is_optimized(loaded)  # weights carry no speed settings
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), fast.optimize(loaded)):
+        assert fast.installed_options(copied) == fast.installed_options(model) or copied is loaded
+        assert all(m.__dict__.get("_held") is None for m in copied.modules())
+        with torch.no_grad():
+            torch.testing.assert_close(copied(x), logits, rtol=1e-6, atol=1e-6)
+            with torch.autocast("cpu", torch.bfloat16):
+                torch.testing.assert_close(copied(x), bf16_logits, rtol=0, atol=0)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    assert fast.is_optimized(torch.load(buffer, weights_only=False))
+
+
+# ----------------------------------------------------------------------------- kernel choice
+
+AMD_ZEN5 = CpuInfo("AuthenticAMD", "AMD EPYC", frozenset({"avx2", "avx512f", "avx512_bf16"}))
+AMD_ZEN3 = CpuInfo("AuthenticAMD", "AMD EPYC 7B13", frozenset({"avx2", "fma"}))
+XEON_NO_AMX = CpuInfo("GenuineIntel", "Intel Xeon", frozenset({"avx512f", "avx512_bf16"}))
+XEON_AMX = CpuInfo("GenuineIntel", "Intel Xeon", frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
+
+
+@pytest.mark.skipif(not ONEDNN, reason="the rule picks oneDNN only where PyTorch has it")
+@pytest.mark.parametrize("info, expected", [
+    (AMD_ZEN5, KernelChoice("onednn", "bf16")), (AMD_ZEN3, KernelChoice("aten", "fp32")),
+    (XEON_NO_AMX, KernelChoice("aten", "fp32")), (XEON_AMX, KernelChoice("aten", "bf16"))],
+    ids=["zen5", "zen3", "xeon", "xeon-amx"])
+def test_the_kernel_rule_follows_vendor_and_features(info, expected, monkeypatch):
+    monkeypatch.setattr(kernels_mod.platform, "machine", lambda: "x86_64")
+    assert kernels_mod.rule_choice(info) == expected
+
+
+def test_a_calibration_is_stored_per_cpu_and_preferred_to_the_rule(tmp_path, monkeypatch):
+    path = tmp_path / "kernels.json"
+    rates = {"fp32/aten": 300.0, "fp32/onednn": 200.0, "bf16/bf16": 100.0, "bf16/fp32": 250.0}
+    monkeypatch.setattr(kernels_mod, "measure", lambda rounds=5: rates)
+    choice, measured = kernels_mod.calibrate(path)
+    assert choice == KernelChoice("aten", "fp32") and measured == rates
+    assert kernels_mod.stored_choice(path) == choice and kernels_mod.choose(path) == choice
+    other_cpu = CpuInfo("GenuineIntel", "another CPU", frozenset())
+    assert kernels_mod.stored_choice(path, other_cpu) is None  # another machine's answer is not used
+    path.write_text("{ not json")
+    assert kernels_mod.choose(path) == kernels_mod.rule_choice()
+
+
+def test_nothing_is_timed_when_a_model_is_optimised_or_run(monkeypatch):
+    monkeypatch.setattr(kernels_mod, "measure", lambda *a, **k: pytest.fail("timed inside a run"))
+    monkeypatch.setattr(kernels_mod.time, "perf_counter", lambda: pytest.fail("timed inside a run"))
+    model = fast.optimize(with_random_head(tiny()))
+    with torch.autocast("cpu", torch.bfloat16):
+        model(torch.randn(2, 3, 16, 16)).float().sum().backward()
+    assert fast.bf16_is_faster("cpu") in (True, False)
+
+
+def test_a_bad_kernel_name_is_refused_with_the_allowed_ones():
+    with pytest.raises(ValueError, match="fp32='mkl'.*aten, onednn"):
+        KernelChoice(fp32="mkl")
+    with pytest.raises(ValueError, match="bf16='fp16'.*bf16, fp32"):
+        KernelChoice(bf16="fp16")
+    assert json.loads(json.dumps(KernelChoice().__dict__)) == {"fp32": "aten", "bf16": "bf16"}

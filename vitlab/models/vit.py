@@ -119,21 +119,28 @@ class VisionTransformer(nn.Module):
         if not self.cfg.divides_into_patches(size):
             raise ValueError(f"input size {size} is not divisible into patches of {self.cfg.patch_size}")
 
-    def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, Pair]:
-        """Images (B, C, H, W) -> tokens (B, prefix + N, D) with position embeddings, and the patch grid."""
+    def patchify(self, x: torch.Tensor) -> tuple[torch.Tensor, Pair]:
+        """Images (B, C, H, W) -> patch embeddings (B, N, D), and the patch grid."""
         self._check_input(x)
         if self.stem is not None:
             x = self.stem(x)
         x = self.patch_embed(x)  # (B, D, gh, gw)
-        grid = (x.shape[-2], x.shape[-1])
-        x = x.flatten(2).transpose(1, 2)  # (B, N, D)
+        return x.flatten(2).transpose(1, 2), (x.shape[-2], x.shape[-1])
+
+    def embed_patches(self, x: torch.Tensor, grid: Pair) -> torch.Tensor:
+        """Patch embeddings (B, N, D) -> tokens (B, prefix + N, D): [class] token, position embeddings, dropout."""
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         if self.pos_embed is not None:
             x = x + self.pos_embed(grid)
         if self.training and self.cfg.patch_dropout > 0:
             x = self.drop_patches(x)
-        return self.pos_drop(x), grid
+        return self.pos_drop(x)
+
+    def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, Pair]:
+        """Images (B, C, H, W) -> tokens (B, prefix + N, D) with position embeddings, and the patch grid."""
+        patches, grid = self.patchify(x)
+        return self.embed_patches(patches, grid), grid
 
     def drop_patches(self, x: torch.Tensor) -> torch.Tensor:
         """Keep a random ``1 - patch_dropout`` of each sequence's patch tokens (prefix tokens stay).

@@ -2,18 +2,21 @@
 
     python benchmarks/bench.py                 # everything, CPU (about 40 minutes on 2 cores)
     python benchmarks/bench.py --quick         # one round, few repeats: checks the machinery
+    python benchmarks/bench.py --rounds 1 --only 'infer/ViT-B/16/b8/'
     python benchmarks/bench.py --only infer/ViT-B/16/b8 --device cuda --compile
 
-Rows (paper architectures, random weights, same for every implementation):
+Rows (paper architectures from ``vitlab.models.registry``, random weights, the same for
+every implementation):
   infer  ViT-B/16 at 224, batch 1, 8, 32: images/s of a forward pass (inference mode)
-  train  ViT-S/16 at 224, batch 32; the CIFAR-size ViT (32 px, patch 4, width 192, depth 6,
-         3 heads, MLP 768, 10 classes) at batch 128; on a GPU also ViT-B/16 at 224, batch
-         128: images/s of forward + backward + AdamW
-each in fp32 and in bf16 autocast.  Peers: Hugging Face ViTForImageClassification with
-attn_implementation "sdpa" and "eager", and timm when importable.  ONNX Runtime (CPU, fp32
-inference) running vitlab's exported model has its own column, and so has vitlab inside
-``vitlab.models.packed_weights`` (fp32 CPU inference on weights packed once, a second copy
-held): ways to serve vitlab, not peers, so the ratio column leaves them out.
+  train  ViT-S/16 at 224, batch 32; the CIFAR-size ViT (ViT-Ti's width, heads and MLP at
+         depth 6, 32 px in 4 px patches, 10 classes) at batch 128; on a GPU also ViT-B/16
+         at 224, batch 128: images/s of forward + backward + AdamW
+each in fp32 and in bf16 autocast.  "vitlab" is the default path, the model under
+``vitlab.fast.optimize``.  Peers: Hugging Face ViTForImageClassification with
+attn_implementation "sdpa" and "eager", and timm when importable.  Two more columns are
+references, not peers, and the ratio leaves them out: "vitlab-plain", the same model
+without the fast layer (what ``--no-fast`` runs), and ONNX Runtime (CPU, fp32 inference)
+running vitlab's export.
 
 Every (row, implementation) runs in a fresh subprocess (harness.py); warm-up calls are
 excluded.  The list runs R times (--rounds, default 3), a row's implementations back to
@@ -23,15 +26,18 @@ with the min-max over all repeats, and the ratio vitlab / best peer is the media
 rounds' ratios (each round's vitlab against the same round's figure of the peer that is
 best over all rounds), with their range.  Peak memory is the rise of the process's
 resident set above its level after the model was built (CPU; VmHWM), or
-torch.cuda.max_memory_allocated above the allocation then (CUDA).  The run measures the
-machine's practical peak (the best large square matmul, fp32 and bf16; before and after
-the model rows, the better kept; on a CPU the bf16 peak is the faster of the bf16 kernel
-and the fp32 GEMM on bf16 operands, the two ways vitlab chooses between) and reports each
-result's achieved FLOP/s (analytic model FLOPs, multiply-add = 2, training = 3x forward)
-as a share of the peak of its dtype.
+torch.cuda.max_memory_allocated above the allocation then (CUDA).
+
+"% peak" is the achieved FLOP/s (analytic model FLOPs, multiply-add = 2, training = 3x
+forward) over the machine's practical peak for the dtype: the best 4096^3 matmul (8192^3 on
+a GPU) over every kernel that can compute it, measured before and after the model rows.  On
+a CPU that is fp32 through torch.mm and through oneDNN's matmul, and bf16 through the bf16
+kernel and through the fp32 GEMM on bf16 operands; the table's note names the kernel that
+set each peak, so that no row, whichever kernel it takes, can pass its dtype's peak.
 
 Writes benchmarks/results/<host or device>-<date>.json and the table to
 benchmarks/results/latest.md (a --quick or --only run: partial.md, leaving latest.md alone).
+Run from the repository root with vitlab installed (``pip install -e .``).
 """
 from __future__ import annotations
 
@@ -47,14 +53,14 @@ import sys
 import time
 from pathlib import Path
 
-from harness import peers_available, run_case
+from harness import OWN_IMPLS, PEAK_KERNELS, peers_available, run_case
 
 HERE = Path(__file__).resolve().parent
 INFER = [("ViT-B/16", b) for b in (1, 8, 32)]
 TRAIN = [("ViT-S/16", 32), ("ViT-CIFAR", 128)]
 TRAIN_GPU = [("ViT-B/16", 128)]  # the GPU goal's row: ViT-B/16 training, bf16 model-FLOPs utilisation
 DTYPES = ("fp32", "bf16")
-OWN = ("vitlab", "vitlab-packed", "onnxruntime")  # implementations of vitlab's model; the rest are peers
+REFERENCES = ("vitlab-plain", "onnxruntime")  # vitlab's model in other ways: columns, not peers
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,14 +93,14 @@ def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     )
     # 2048^3 under-read the CPU peak (models then showed > 100% of it): --quick keeps 4096
     size = 8192 if args.device == "cuda" else 4096
-    # the peak is a best-of: more repeats than a model row, so that it is not under-read
-    peaks = [dict(common, kind="matmul", dtype=dt, size=size, id=f"peak/{dt}",
+    dtypes = ("float32", "bfloat16") if bf16_wanted(args) else ("float32",)
+    # every kernel that can compute a dtype's matmul here (a GPU: its own); the peak is a
+    # best-of, so more repeats than a model row, that it is not under-read
+    peaks = [dict(common, kind="matmul", dtype=dt, kernel=kernel, size=size, id=f"peak/{dt}/{kernel}",
                   repeats=max(common["repeats"], 7))
-             for dt in ("float32", "bfloat16")[: 2 if bf16_wanted(args) else 1]]
-    if bf16_wanted(args) and args.device == "cpu":
-        # bf16 operands and result by the fp32 GEMM (vitlab/models/bf16_matmul.py): the bf16
-        # peak is the faster of the two ways, so that no row can beat its dtype's peak
-        peaks.append(dict(peaks[-1], via="fp32", id="peak/bfloat16/fp32-gemm"))
+             for dt, kernel in PEAK_KERNELS
+             if dt in dtypes and (args.device == "cpu" or kernel in ("aten", "bf16"))
+             and (kernel != "onednn" or onednn_available())]
     peers = peers_available(args.device)
     dtypes = DTYPES if bf16_wanted(args) else ("fp32",)
     cases = []
@@ -102,9 +108,8 @@ def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     for kind, rows in (("infer", INFER), ("train", train)):
         for model, batch in rows:
             for dtype in dtypes:
-                for impl in ["vitlab"] + peers + ["vitlab-packed"]:
-                    # serving options for vitlab's model: fp32 CPU inference
-                    serving = impl in ("onnxruntime", "vitlab-packed")
+                for impl in ["vitlab"] + peers + ["vitlab-plain"]:
+                    serving = impl == "onnxruntime"  # vitlab's export: fp32 CPU inference only
                     if serving and (kind == "train" or dtype != "fp32" or args.device != "cpu"):
                         continue
                     cases.append(dict(
@@ -117,6 +122,12 @@ def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     if args.only:
         cases = [c for c in cases if re.search(args.only, c["id"])]
     return peaks, cases
+
+
+def onednn_available() -> bool:
+    import torch
+
+    return torch.backends.mkldnn.is_available()
 
 
 def bf16_wanted(args: argparse.Namespace) -> bool:
@@ -169,7 +180,7 @@ def _row(case_id: str) -> str:
 
 def best_peer(by_impl: dict[str, dict]) -> dict | None:
     """The peer with the highest median over all rounds (the one the row names)."""
-    ok = [r for i, r in by_impl.items() if i not in OWN and "error" not in r]
+    ok = [r for i, r in by_impl.items() if i not in OWN_IMPLS and "error" not in r]
     return max(ok, key=lambda r: r["median"], default=None)
 
 
@@ -253,18 +264,24 @@ def round_order(cases: list[dict], round_: int) -> list[dict]:
 
 
 def peak_summary(peaks: dict[str, float]) -> str:
-    """'float32 316, bfloat16 290 (bf16 kernel 160, fp32 GEMM 290)': each dtype's peak and,
-    for bf16 on a CPU, both ways of reaching it."""
-    parts = [f"{dtype} {peaks[dtype] / 1e9:.0f}" for dtype in ("float32", "bfloat16") if dtype in peaks]
-    if "peak/bfloat16" in peaks and "peak/bfloat16/fp32-gemm" in peaks:
-        parts[-1] += (f" (bf16 kernel {peaks['peak/bfloat16'] / 1e9:.0f}, "
-                      f"fp32 GEMM {peaks['peak/bfloat16/fp32-gemm'] / 1e9:.0f})")
+    """'float32 420 by oneDNN matmul (torch.mm 190), bfloat16 ...': each dtype's peak in
+    GFLOP/s, the kernel that set it, and the other kernels' best."""
+    parts = []
+    for dtype in ("float32", "bfloat16"):
+        if dtype not in peaks:
+            continue
+        rates = {kernel: peaks[f"peak/{dtype}/{kernel}"] for dt, kernel in PEAK_KERNELS
+                 if dt == dtype and f"peak/{dtype}/{kernel}" in peaks}
+        best = max(rates, key=rates.get)
+        others = ", ".join(f"{PEAK_KERNELS[dtype, k]} {r / 1e9:.0f}" for k, r in rates.items() if k != best)
+        parts.append(f"{dtype} {peaks[dtype] / 1e9:.0f} by {PEAK_KERNELS[dtype, best]}"
+                     + (f" ({others})" if others else ""))
     return ", ".join(parts)
 
 
 def measure_peaks(peak_cases: list[dict], peaks: dict[str, float], timeout: float, when: str) -> None:
-    """Update ``peaks`` (dtype -> FLOP/s, and case id -> FLOP/s for each way of computing a
-    dtype's matmul) with the best rates measured now."""
+    """Update ``peaks`` with the best rates measured now: dtype -> FLOP/s, the best over its
+    kernels (the peak "% peak" divides by), and each case id -> FLOP/s (one kernel's best)."""
     for case in peak_cases:
         r = run_case(case, timeout)
         if "error" in r:
@@ -272,8 +289,8 @@ def measure_peaks(peak_cases: list[dict], peaks: dict[str, float], timeout: floa
             continue
         for key in (case["dtype"], case["id"]):
             peaks[key] = max(peaks.get(key, 0.0), r["flops_per_s"])
-        print(f"{case['id'] + ' (' + when + ')':28s} {r['flops_per_s'] / 1e9:8.1f} GFLOP/s "
-              f"(best of {case['repeats']}, {case['size']}^3 matmul)")
+        print(f"{case['id'] + ' (' + when + ')':30s} {r['flops_per_s'] / 1e9:8.1f} GFLOP/s "
+              f"(best of {case['repeats']}, {case['size']}^3 matmul, {PEAK_KERNELS[case['dtype'], case['kernel']]})")
 
 
 def main(argv: list[str] | None = None) -> int:

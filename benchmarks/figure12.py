@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from harness import SPECS, run_case
+from harness import run_case, vitlab_config
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("ViT-B/32", "ViT-B/16", "ViT-L/16", "BiT-R50x1", "BiT-R152x2")
@@ -124,10 +124,11 @@ def collect(args: argparse.Namespace) -> dict:
     args.threads = threads
     budget = device_budget(args)
     for model in args.models:
-        if model not in SPECS and not model.startswith("BiT-"):
-            raise SystemExit(f"--models {model}: unknown; choose among {', '.join(SPECS)} or a BiT "
-                             "ResNet such as BiT-R50x1")
-        patch = SPECS[model][4] if model in SPECS else 1  # BiT ResNets take any size
+        try:
+            cfg = vitlab_config(model)
+        except ValueError as err:  # the registry's ConfigError names the close matches
+            raise SystemExit(f"--models {model}: {err}") from None
+        patch = getattr(cfg, "patch_size", (1, 1))[0] if not model.startswith("BiT-") else 1  # BiT: any size
         bad = [size for size in sizes if size % patch]
         if bad:
             raise SystemExit(f"--sizes {' '.join(map(str, bad))}: {model} needs multiples of its "

@@ -1,14 +1,17 @@
-"""What bench.py and figure12.py share: model factories, the timed loop, peak memory,
-and running one measurement in a fresh Python process.
+"""What the benchmark scripts share: model factories, the timed loop, peak memory, running
+one measurement in a fresh Python process, and the interleaved A/B comparison.
 
 A measurement is described by a JSON-able dict (a "case") and runs in its own
 subprocess (``python harness.py CASE_JSON``), so that one model's allocator state,
 oneDNN caches or compiled kernels never leak into the next one's figures.  The
 subprocess prints one JSON line, prefixed with ``RESULT``.
+
+The scripts import this module as a sibling (Python puts a script's own folder first on
+``sys.path``) and vitlab as an installed package (``pip install -e .``), so nothing here
+edits ``sys.path``.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
@@ -16,57 +19,58 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run from a checkout without installing
-    sys.path.insert(0, str(ROOT))
-
-# The models benchmarked, in the paper's words: (width, depth, mlp_dim, heads, patch, img, classes).
-SPECS: dict[str, tuple[int, int, int, int, int, int, int]] = {
-    "ViT-B/16": (768, 12, 3072, 12, 16, 224, 1000),
-    "ViT-B/32": (768, 12, 3072, 12, 32, 224, 1000),
-    "ViT-L/16": (1024, 24, 4096, 16, 16, 224, 1000),
-    "ViT-S/16": (384, 12, 1536, 6, 16, 224, 1000),
-    "ViT-CIFAR": (192, 6, 768, 3, 4, 32, 10),  # a CIFAR-size ViT: 32 px, 4 px patches
-}
+# Implementations of vitlab's own model: "vitlab" is the default path (``vitlab.fast.optimize``),
+# "vitlab-plain" the model as written, "onnxruntime" its ONNX export.  Every other one is a peer.
+OWN_IMPLS = ("vitlab", "vitlab-plain", "onnxruntime")
 
 
 # ----------------------------------------------------------------------------- models
 
 def vitlab_config(spec: str, img_size: int | None = None):
-    """vitlab's config of ``spec`` (or a BiT name), with exact GELU and no dropout, like the peers."""
-    from vitlab.config import ViTConfig, replace
+    """The registry's config of ``spec``, with exact GELU and no dropout, like the peers.
+
+    ``spec`` is a registered name ("ViT-B/16", "BiT-R50x1", ...) or "ViT-CIFAR": a CIFAR-size
+    ViT, the registry's ViT-Ti (width 192, 3 heads, MLP 768) at depth 6 on 32 px images in
+    4 px patches, with 10 classes.
+    """
+    from vitlab.config import ResNetConfig, replace
     from vitlab.models.registry import get_config
 
-    if spec.startswith("BiT-"):
+    if spec == "ViT-CIFAR":
+        cfg = replace(get_config("ViT-Ti/16"), depth=6, patch_size=4, img_size=32, num_classes=10,
+                      name="ViT-CIFAR")
+    else:
         cfg = get_config(spec)
-        return cfg if img_size is None else replace(cfg, img_size=img_size)
-    width, depth, mlp, heads, patch, img, classes = SPECS[spec]
-    return ViTConfig(width=width, depth=depth, mlp_dim=mlp, num_heads=heads, patch_size=patch,
-                     img_size=img_size or img, num_classes=classes, gelu="exact", name=spec)
+    if not isinstance(cfg, ResNetConfig):
+        cfg = replace(cfg, gelu="exact", dropout=0.0)
+    return cfg if img_size is None else replace(cfg, img_size=img_size)
 
 
 def make_model(impl: str, spec: str, img_size: int | None = None):
-    """(model, forward) for an implementation: 'vitlab', 'hf-sdpa', 'hf-eager' or 'timm'.
+    """(model, forward) for an implementation: 'vitlab', 'vitlab-plain', 'hf-sdpa', 'hf-eager' or 'timm'.
 
     ``forward(images) -> logits``; the architectures are the same: pre-LN ViT, [class]
-    token head, exact GELU, no dropout, random weights.
+    token head, exact GELU, no dropout, random weights.  'vitlab' and 'vitlab-plain' are the
+    same plain model here; ``optimize_if_default`` then gives 'vitlab' the fast layer (what
+    the trainer, ``vitlab eval`` and ``vitlab predict`` run) once it is on its device.
     """
-    if impl == "vitlab":
+    cfg = vitlab_config(spec, img_size)
+    if impl in ("vitlab", "vitlab-plain"):
         from vitlab.models.registry import build_model
 
-        model = build_model(vitlab_config(spec, img_size))
+        model = build_model(cfg)
         return model, model
-    width, depth, mlp, heads, patch, img, classes = SPECS[spec]
-    img = img_size or img
+    width, depth, mlp, heads = cfg.width, cfg.depth, cfg.mlp_dim, cfg.num_heads
+    patch, img, classes = cfg.patch_size[0], cfg.img_size[0], cfg.num_classes
     if impl.startswith("hf-"):
         from transformers import ViTConfig, ViTForImageClassification
 
-        cfg = ViTConfig(hidden_size=width, num_hidden_layers=depth, num_attention_heads=heads,
-                        intermediate_size=mlp, image_size=img, patch_size=patch, num_labels=classes,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=1e-6)
-        model = ViTForImageClassification._from_config(cfg, attn_implementation=impl[3:])
+        hf_cfg = ViTConfig(hidden_size=width, num_hidden_layers=depth, num_attention_heads=heads,
+                           intermediate_size=mlp, image_size=img, patch_size=patch, num_labels=classes,
+                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=1e-6)
+        model = ViTForImageClassification._from_config(hf_cfg, attn_implementation=impl[3:])
         return model, lambda x: model(pixel_values=x).logits
     if impl == "timm":
         from timm.models.vision_transformer import VisionTransformer
@@ -74,11 +78,21 @@ def make_model(impl: str, spec: str, img_size: int | None = None):
         model = VisionTransformer(img_size=img, patch_size=patch, embed_dim=width, depth=depth,
                                   num_heads=heads, mlp_ratio=mlp / width, num_classes=classes)
         return model, model
-    raise ValueError(f"impl={impl!r}: allowed values are vitlab, hf-sdpa, hf-eager, timm, onnxruntime")
+    raise ValueError(f"impl={impl!r}: allowed values are vitlab, vitlab-plain, hf-sdpa, hf-eager, timm, "
+                     "onnxruntime")
+
+
+def optimize_if_default(impl: str, model):
+    """Apply the fast layer to the 'vitlab' implementation (after ``.to(device)``)."""
+    if impl == "vitlab":
+        import vitlab.fast
+
+        vitlab.fast.optimize(model)
+    return model
 
 
 def peers_available(device: str) -> list[str]:
-    """Peer implementations importable here."""
+    """Peer implementations importable here (and ONNX Runtime, a way to serve vitlab, on CPU)."""
     peers = []
     try:
         import transformers  # noqa: F401
@@ -100,19 +114,6 @@ def peers_available(device: str) -> list[str]:
         except ImportError:
             pass
     return peers
-
-
-@contextlib.contextmanager
-def attention_path(explicit: bool) -> Iterator[None]:
-    """Force vitlab's attention to the explicit path (True) or the fused kernel (False)."""
-    import vitlab.models.layers as layers
-
-    saved = layers.explicit_attention_is_faster
-    layers.explicit_attention_is_faster = lambda q: explicit
-    try:
-        yield
-    finally:
-        layers.explicit_attention_is_faster = saved
 
 
 # ----------------------------------------------------------------------------- memory
@@ -248,21 +249,43 @@ def _sync(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
 
-def measure_matmul(case: dict[str, Any]) -> dict[str, Any]:
-    """Best FLOP/s of an n x n x n matmul: the machine's practical peak for the dtype (with
-    ``via="fp32"``: the dtype's operands and result, the product by the fp32 GEMM)."""
+# The ways a peak case can multiply two n x n matrices: (dtype, kernel) -> description.
+# fp32: "aten" is torch.mm (MKL's GEMM in the official CPU wheels, cuBLAS on a GPU),
+# "onednn" oneDNN's matmul on the plain matrix (vitlab.fast.linear.onednn_linear).
+# bf16: "bf16" is the bf16 kernel (torch.mm on bf16 matrices: oneDNN on a CPU); "fp32" takes
+# the same bf16 operands through the fp32 GEMM and rounds the result to bf16, casts included
+# (the product of two bf16 numbers is exact in fp32, so both compute the same values).
+PEAK_KERNELS = {
+    ("float32", "aten"): "torch.mm",
+    ("float32", "onednn"): "oneDNN matmul",
+    ("bfloat16", "bf16"): "bf16 kernel",
+    ("bfloat16", "fp32"): "fp32 GEMM on bf16 operands",
+}
+
+
+def matmul_product(dtype: str, kernel: str, n: int, device: str) -> Callable[[], Any]:
+    """A call computing one n x n x n product of ``dtype`` matrices by ``kernel`` (``PEAK_KERNELS``)."""
     import torch
 
+    a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+    b = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+    if (dtype, kernel) == ("float32", "onednn"):
+        from vitlab.fast.linear import onednn_linear
+
+        weight = b.t().contiguous()  # F.linear's layout: x @ weight.T == a @ b
+        return lambda: onednn_linear(a, weight)
+    if (dtype, kernel) == ("bfloat16", "fp32"):
+        return lambda: torch.mm(a.float(), b.float()).bfloat16()
+    if (dtype, kernel) in (("float32", "aten"), ("bfloat16", "bf16")):
+        return lambda: torch.mm(a, b)
+    raise ValueError(f"no peak kernel {kernel!r} for {dtype}: allowed {sorted(PEAK_KERNELS)}")
+
+
+def measure_matmul(case: dict[str, Any]) -> dict[str, Any]:
+    """Best FLOP/s of an n x n x n matmul of ``case['dtype']`` by ``case['kernel']``: the
+    machine's practical peak for that dtype and kernel."""
     n, device = case["size"], case["device"]
-    dtype = getattr(torch, case["dtype"])
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    if case.get("via") == "fp32":  # bf16 operands and result, multiplied by the fp32 GEMM
-        def product():
-            return torch.mm(a.float(), b.float()).to(dtype)
-    else:
-        def product():
-            return torch.mm(a, b)
+    product = matmul_product(case["dtype"], case.get("kernel", "aten"), n, device)
     times, calls = time_loop(product, _sync(device), case["warmup"], case["repeats"], case["min_seconds"])
     best = min(times)
     return {"flops_per_s": 2 * n**3 / best, "median_flops_per_s": 2 * n**3 / statistics.median(times),
@@ -276,7 +299,8 @@ def _onnx_session(case: dict[str, Any]):
     from vitlab.export import export_onnx
     from vitlab.models.registry import build_model
 
-    spec, img = case["model"], case.get("img_size") or SPECS[case["model"]][5]
+    spec = case["model"]
+    img = case.get("img_size") or vitlab_config(spec).img_size[0]
     cache = Path(case["cache_dir"]) / f"{spec.replace('/', '-')}-{img}.onnx"
     if not cache.exists():
         export_onnx(build_model(vitlab_config(spec, img)).eval(), cache, img)
@@ -299,7 +323,6 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
     x = torch.randn(batch, 3, img, img, device=device)
     memory = PeakMemory(device)
     sync = _sync(device)
-    held = contextlib.ExitStack()  # what stays open while the loop is timed
 
     if impl == "onnxruntime":
         if case["kind"] != "inference" or amp:
@@ -309,27 +332,12 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
         memory.reset()
         step = lambda: session.run(None, feed)  # noqa: E731
     else:
-        model, forward = make_model("vitlab" if impl == "vitlab-packed" else impl, spec, img)
-        model = model.to(device)
+        model, forward = make_model(impl, spec, img)
+        model = optimize_if_default(impl, model.to(device))
         if case.get("compile"):
             forward = torch.compile(forward)
-        variant = case.get("variant")  # ab.py's fresh-process variants of vitlab's step
-        if variant is not None and impl != "vitlab":
-            raise ValueError(f"variant={variant!r} is for impl='vitlab', not {impl!r}")
-        if variant == "stored":
-            from vitlab.models.fused import store_activations
-
-            held.enter_context(store_activations())
-        elif variant == "explicit_attention":
-            held.enter_context(attention_path(True))
-        elif variant is not None:
-            raise ValueError(f"variant={variant!r}: allowed values are stored, explicit_attention")
         if case["kind"] == "inference":
             model.eval()
-            if impl == "vitlab-packed":  # packed at the first warm-up call, held to the end
-                from vitlab.models import packed_weights
-
-                held.enter_context(packed_weights(model))
 
             def step():
                 with torch.inference_mode(), torch.autocast(device, torch.bfloat16, enabled=amp):
@@ -349,9 +357,8 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
             memory.reset()  # after the model, before the optimizer state appears
 
     faults_when_warm = []
-    with held:
-        times, calls = time_loop(step, sync, case["warmup"], case["repeats"], case["min_seconds"],
-                                 warm=lambda: faults_when_warm.append(_page_faults()))
+    times, calls = time_loop(step, sync, case["warmup"], case["repeats"], case["min_seconds"],
+                             warm=lambda: faults_when_warm.append(_page_faults()))
     result = summarize(times, batch)
     result["page_faults_per_call"] = (_page_faults() - faults_when_warm[0]) / (case["repeats"] * calls)
     result["peak_bytes"] = memory.peak()
@@ -362,6 +369,51 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
     result["flops_per_image"] = flops
     result["achieved_flops_per_s"] = flops * result["median"]
     return result
+
+
+# ----------------------------------------------------------------------------- A/B in one process
+
+def compare(name: str, variants: dict[str, Callable[[], object]], rounds: int = 7,
+            clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Print ms per call of each variant, min and median over interleaved rounds; return the times.
+
+    The variants alternate round after round in this process, so that a slow minute on a
+    shared machine falls on all of them.  ``clock=time.thread_time`` (with one thread) does
+    not count time spent waiting for a core; memory-bandwidth contention still adds noise,
+    so treat differences under ~5% as none.
+    """
+    for fn in variants.values():  # warm up every variant first
+        fn()
+    seconds: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for key, fn in variants.items():
+            t = clock()
+            fn()
+            seconds[key].append(clock() - t)
+    import torch
+
+    base = min(seconds[next(iter(variants))])
+    what = "thread CPU" if clock is time.thread_time else "wall"
+    print(f"\n{name}  ({what} ms per call, {rounds} interleaved rounds, {torch.get_num_threads()} thread(s))")
+    for key, ts in seconds.items():
+        print(f"  {key:34s} min {1e3 * min(ts):8.1f}  median {1e3 * statistics.median(ts):8.1f}  "
+              f"min vs first {min(ts) / base:5.2f}x", flush=True)
+    return seconds
+
+
+def run_experiments(experiments: dict[str, Callable[[], None]], argv: list[str], doc: str) -> int:
+    """The command line of an A/B script: run the named experiments (all without names)."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(doc.strip() + "\n\nexperiments: " + " ".join(experiments))
+        return 0
+    names = argv or list(experiments)
+    unknown = [name for name in names if name not in experiments]
+    if unknown:
+        print(f"unknown experiment {', '.join(unknown)}; choose among: {' '.join(experiments)}", file=sys.stderr)
+        return 2
+    for name in names:
+        experiments[name]()
+    return 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 
+# The scripts import harness as a sibling, as Python does for a script run from its folder
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench  # noqa: E402
@@ -72,9 +73,10 @@ def test_subprocess_protocol():
 def test_cases_and_table():
     args = bench.parse_args(["--quick", "--only", "infer/ViT-B/16/b8/fp32", "--bf16", "no"])
     peaks, cases = bench.build_cases(args)
-    assert [p["dtype"] for p in peaks] == ["float32"]
+    assert {p["dtype"] for p in peaks} == {"float32"}
     assert cases and all(c["id"].startswith("infer/ViT-B/16/b8/fp32/") for c in cases)
-    assert cases[0]["impl"] == "vitlab"
+    assert cases[0]["impl"] == "vitlab" and cases[-1]["impl"] == "vitlab-plain"
+    assert "vitlab-packed" not in {c["impl"] for c in cases}
     fake = [
         {"id": "infer/x/b8/fp32/vitlab", "impl": "vitlab", "median": 30.0, "min": 29.0, "max": 31.0,
          "achieved_flops_per_s": 50e9, "peak_bytes": 2**20, "round_medians": [30.0]},
@@ -88,33 +90,97 @@ def test_cases_and_table():
     assert "| infer/x/b8/fp32 |" in bench.markdown(lines)
 
 
+def test_references_are_columns_but_never_the_best_peer():
+    """vitlab-plain and ONNX Runtime are vitlab's own model: faster or not, the ratio is
+    against the best peer only."""
+    def result(impl, median):
+        return {"id": f"infer/x/b1/fp32/{impl}", "impl": impl, "median": median, "min": median,
+                "max": median, "achieved_flops_per_s": median * 1e9, "peak_bytes": 2**20,
+                "round_medians": [median]}
+
+    fake = [result("vitlab", 30.0), result("hf-sdpa", 20.0), result("vitlab-plain", 40.0),
+            result("onnxruntime", 50.0)]
+    by_impl = {r["impl"]: r for r in fake}
+    assert bench.best_peer(by_impl)["impl"] == "hf-sdpa"
+    assert bench.round_ratios(by_impl) == [1.5]
+    line = bench.table(fake, {"float32": 100e9}, ["vitlab", "hf-sdpa", "vitlab-plain", "onnxruntime"])[1]
+    assert line[3] == "40.0 (40.0-40.0)" and line[5] == "1.50x vs hf-sdpa"
+
+
 def test_a_gpu_run_adds_the_vit_b16_training_row_and_no_cpu_serving_columns(monkeypatch):
     monkeypatch.setattr(harness, "peers_available", lambda device: ["hf-sdpa", "timm"])
     monkeypatch.setattr(bench, "peers_available", harness.peers_available)
     _, gpu = bench.build_cases(bench.parse_args(["--device", "cuda", "--only", "^train/"]))
     _, cpu = bench.build_cases(bench.parse_args(["--only", "^train/", "--bf16", "yes"]))
     assert {c["id"] for c in gpu} - {c["id"] for c in cpu} == {
-        f"train/ViT-B/16/b128/{dtype}/{impl}" for dtype in ("fp32", "bf16") for impl in ("vitlab", "hf-sdpa", "timm")}
-    _, everything = bench.build_cases(bench.parse_args(["--device", "cuda"]))
-    assert all(c["device"] == "cuda" and c["impl"] not in ("onnxruntime", "vitlab-packed") for c in everything)
+        f"train/ViT-B/16/b128/{dtype}/{impl}" for dtype in ("fp32", "bf16")
+        for impl in ("vitlab", "hf-sdpa", "timm", "vitlab-plain")}
+    gpu_peaks, everything = bench.build_cases(bench.parse_args(["--device", "cuda"]))
+    assert all(c["device"] == "cuda" and c["impl"] != "onnxruntime" for c in everything)
+    assert [p["id"] for p in gpu_peaks] == ["peak/float32/aten", "peak/bfloat16/bf16"]
 
 
-def test_the_bf16_peak_is_the_faster_of_the_bf16_kernel_and_the_fp32_gemm(monkeypatch):
+def test_model_sizes_come_from_the_registry():
+    from vitlab.models.registry import get_config
+
+    b16, registered = harness.vitlab_config("ViT-B/16"), get_config("ViT-B/16")
+    assert (b16.width, b16.depth, b16.mlp_dim, b16.num_heads, b16.patch_size) == (
+        registered.width, registered.depth, registered.mlp_dim, registered.num_heads, registered.patch_size)
+    assert b16.gelu == "exact"  # the peers' GELU
+    cifar, ti = harness.vitlab_config("ViT-CIFAR"), get_config("ViT-Ti/16")
+    assert (cifar.width, cifar.mlp_dim, cifar.num_heads) == (ti.width, ti.mlp_dim, ti.num_heads)
+    assert (cifar.depth, cifar.patch_size, cifar.img_size, cifar.num_classes) == (6, (4, 4), (32, 32), 10)
+    assert harness.vitlab_config("ViT-B/16", 384).img_size == (384, 384)
+
+
+def test_harness_leaves_sys_path_alone():
+    import importlib
+
+    before = list(sys.path)
+    importlib.reload(harness)
+    importlib.reload(bench)
+    assert sys.path == before
+
+
+def test_the_peak_of_each_dtype_is_the_best_of_its_kernels(monkeypatch):
+    monkeypatch.setattr(bench, "onednn_available", lambda: True)
     args = bench.parse_args(["--only", "nothing", "--bf16", "yes"])
     peaks, _ = bench.build_cases(args)
-    assert [(p["id"], p.get("via")) for p in peaks] == [
-        ("peak/float32", None), ("peak/bfloat16", None), ("peak/bfloat16/fp32-gemm", "fp32")]
-    # both ways run and give a rate (tiny sizes: only that they run)
-    for case in peaks[1:]:
+    assert [(p["dtype"], p["kernel"]) for p in peaks] == [
+        ("float32", "aten"), ("float32", "onednn"), ("bfloat16", "bf16"), ("bfloat16", "fp32")]
+    # every kernel runs and gives a rate (tiny sizes: only that they run)
+    for case in peaks:
         assert harness.measure_matmul(dict(case, size=64, warmup=1, repeats=1, min_seconds=0.0))["flops_per_s"] > 0
-    rates = iter([300e9, 150e9, 280e9, 310e9, 160e9, 270e9])  # before the rows, then after
+    # before the rows, then after: fp32 aten, onednn, bf16 kernel, fp32 GEMM on bf16
+    rates = iter([190e9, 400e9, 300e9, 280e9,
+                  200e9, 420e9, 310e9, 270e9])
     monkeypatch.setattr(bench, "run_case", lambda case, timeout: {"flops_per_s": next(rates)})
     found: dict[str, float] = {}
     bench.measure_peaks(peaks, found, 1.0, "before")
     bench.measure_peaks(peaks, found, 1.0, "after")
-    assert found["float32"] == 310e9 and found["bfloat16"] == 280e9
-    assert found["peak/bfloat16"] == 160e9
-    assert bench.peak_summary(found) == "float32 310, bfloat16 280 (bf16 kernel 160, fp32 GEMM 280)"
+    assert found["float32"] == 420e9 and found["bfloat16"] == 310e9
+    assert found["peak/float32/aten"] == 200e9 and found["peak/bfloat16/fp32"] == 280e9
+    assert bench.peak_summary(found) == ("float32 420 by oneDNN matmul (torch.mm 200), "
+                                         "bfloat16 310 by bf16 kernel (fp32 GEMM on bf16 operands 280)")
+    # a row's share is of its dtype's best kernel: 210 GFLOP/s is 50% of the fp32 peak, not
+    # 105% of torch.mm's
+    row = {"id": "infer/x/b1/fp32/vitlab", "impl": "vitlab", "median": 1.0, "min": 1.0, "max": 1.0,
+           "achieved_flops_per_s": 210e9, "peak_bytes": 1, "round_medians": [1.0]}
+    assert bench.table([row], found, ["vitlab"])[1][3] == "50%"
+
+
+def test_every_peak_kernel_computes_the_same_product():
+    import torch
+
+    def product(dtype, kernel):
+        torch.manual_seed(0)  # the same matrices for every kernel
+        return harness.matmul_product(dtype, kernel, 64, "cpu")().float()
+
+    kernels = [k for k in harness.PEAK_KERNELS if k[1] != "onednn" or torch.backends.mkldnn.is_available()]
+    for dtype, kernel in kernels:
+        reference = product(dtype, "aten" if dtype == "float32" else "bf16")
+        torch.testing.assert_close(product(dtype, kernel), reference,
+                                   **({} if dtype == "float32" else dict(rtol=1e-2, atol=1e-1)))
 
 
 def _rounds(impl: str, medians: list) -> dict:

@@ -1,0 +1,97 @@
+"""What the fast layer (``vitlab.fast``) gives over the plain model, and what it costs.
+
+    python benchmarks/fast_path.py                 # every experiment
+    python benchmarks/fast_path.py recompute
+
+``recompute``: training steps of the plain model, of ``optimize(model, recompute=False)``
+and of ``optimize(model)`` (LayerNorm and GELU outputs recomputed in the backward), fp32
+and bf16 autocast, with the bytes of activations each keeps for the backward.
+``inference``: ViT-B/16 inference, plain against optimized, fp32 and bf16 autocast.
+Every core, wall time, interleaved.  Findings: benchmarks/NOTES.md.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import vitlab.fast
+from harness import compare, run_experiments, vitlab_config
+from vitlab.analysis.cost import SavedForBackward
+from vitlab.models.registry import build_model
+
+# label -> how the model is prepared: None leaves it plain, else optimize()'s keywords
+VARIANTS: dict[str, dict | None] = {"plain": None, "optimized, stored": {"recompute": False},
+                                    "optimized (default)": {}}
+
+
+def _variants(spec: str) -> dict[str, torch.nn.Module]:
+    """One copy of the same random model per variant (the fast layer's state lives on its modules)."""
+    torch.manual_seed(0)
+    base = build_model(vitlab_config(spec))
+    models = {}
+    for label, options in VARIANTS.items():
+        model = copy.deepcopy(base)
+        models[label] = model if options is None else vitlab.fast.optimize(model, **options)
+    return models
+
+
+def _saved_for_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, amp: bool) -> int:
+    """Bytes of the tensors autograd keeps for the backward of one step, parameters excluded."""
+    with SavedForBackward(model) as kept:
+        with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+            loss = F.cross_entropy(model(x).float(), y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return kept.bytes
+
+
+def exp_recompute() -> None:
+    torch.set_num_threads(os.cpu_count() or 1)
+    for spec, batch, rounds in (("ViT-CIFAR", 128, 5), ("ViT-S/16", 32, 3)):
+        cfg = vitlab_config(spec)
+        x, y = torch.randn(batch, 3, *cfg.img_size), torch.randint(0, cfg.num_classes, (batch,))
+        for amp in (False, True):
+            models = _variants(spec)
+            dtype = "bf16 autocast" if amp else "fp32"
+            kept = {label: _saved_for_backward(m, x, y, amp) for label, m in models.items()}
+            print(f"\n{spec}, batch {batch}, {dtype}: activations kept for the backward "
+                  + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in kept.items()))
+
+            def step(model: torch.nn.Module, amp: bool = amp) -> Callable[[], None]:
+                opt = torch.optim.AdamW(model.parameters())
+
+                def go() -> None:
+                    with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+                        loss = F.cross_entropy(model(x).float(), y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                return go
+            compare(f"training step, {spec}, batch {batch}, {dtype} (AdamW)",
+                    {label: step(m) for label, m in models.items()}, rounds=rounds)
+
+
+def exp_inference() -> None:
+    torch.set_num_threads(os.cpu_count() or 1)
+    models = {label: m.eval() for label, m in _variants("ViT-B/16").items() if label != "optimized, stored"}
+    for batch, rounds in ((1, 15), (8, 5)):
+        x = torch.randn(batch, 3, 224, 224)
+        for amp in (False, True):
+            def infer(model: torch.nn.Module, amp: bool = amp) -> Callable[[], torch.Tensor]:
+                def go() -> torch.Tensor:
+                    with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=amp):
+                        return model(x)
+                return go
+            compare(f"ViT-B/16 inference, batch {batch}, {'bf16 autocast' if amp else 'fp32'}",
+                    {label: infer(m) for label, m in models.items()}, rounds=rounds)
+
+
+EXPERIMENTS = {"recompute": exp_recompute, "inference": exp_inference}
+
+if __name__ == "__main__":
+    sys.exit(run_experiments(EXPERIMENTS, sys.argv[1:], __doc__))

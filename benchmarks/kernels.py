@@ -1,0 +1,95 @@
+"""The dense layers' matrix-multiply kernels on this CPU, at the layers' own shapes.
+
+    python benchmarks/kernels.py                   # every experiment
+    python benchmarks/kernels.py matmuls
+
+``vitlab.fast`` picks one fp32 and one bf16 kernel per CPU (``vitlab/fast/kernels.py``: a
+rule by vendor and flags, or what ``vitlab calibrate`` stored).  These experiments show the
+evidence behind a choice: every kernel at the shapes of bench.py's rows, every core, wall
+time, interleaved.  fp32: ``addmm`` (what ``F.linear`` does: MKL's GEMM) against oneDNN's
+matmul on the plain weight (``vitlab.fast.linear.onednn_linear``).  bf16 operands and
+result: the bf16 kernel against the fp32 GEMM on the same operands, casts included.
+Findings: benchmarks/NOTES.md.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+import torch
+
+from harness import compare, run_experiments
+
+# (rows, in, out): a 4096^3 square, then the CIFAR-size ViT's qkv and MLP out at batch 128,
+# ViT-S/16's MLP in and out at batch 32, ViT-B/16's qkv at batch 32 and MLP in at batch 1
+SHAPES = ((4096, 4096, 4096), (8320, 192, 576), (8320, 768, 192), (6304, 384, 1536), (6304, 1536, 384),
+          (6304, 768, 2304), (197, 768, 3072))
+# ViT-B/16's four dense layers per block, (in, out)
+B16_LAYERS = ((768, 2304), (768, 768), (768, 3072), (3072, 768))
+
+
+def _kernels(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    """Each way of computing ``F.linear(x, w, b)`` for fp32 ``x``: fp32 kernels and bf16 ones."""
+    from vitlab.fast.linear import onednn_linear
+
+    xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
+    ways = {"fp32 addmm": lambda: torch.addmm(b, x, w.t())}
+    if torch.backends.mkldnn.is_available():
+        ways["fp32 oneDNN"] = lambda: onednn_linear(x, w, b)
+    ways["bf16 kernel"] = lambda: torch.nn.functional.linear(xb, wb, bb)
+    ways["bf16 by the fp32 GEMM"] = lambda: torch.addmm(bb.float(), xb.float(), wb.float().t()).bfloat16()
+    return ways
+
+
+def exp_matmuls() -> None:
+    """Single dense layers at ``SHAPES``, each kernel; GFLOP/s from the minimum."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    for rows, d_in, d_out in SHAPES:
+        x, w, b = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(d_out)
+        with torch.no_grad():
+            seconds = compare(f"dense layer ({rows} x {d_in}) -> {d_out}", _kernels(x, w, b), rounds=5)
+        flops = 2 * rows * d_in * d_out
+        print("  GFLOP/s: " + ", ".join(f"{k} {flops / min(t) / 1e9:.0f}" for k, t in seconds.items()))
+
+
+def exp_dense_layers() -> None:
+    """ViT-B/16's 48 dense layers alone (12 blocks, each layer its own weight, so read from
+    memory as in a forward) at 197, 1576 and 6304 rows (batch 1, 8, 32), each kernel."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    layers = [[(torch.randn(n, k), torch.randn(n)) for k, n in B16_LAYERS] for _ in range(12)]
+    for rows, rounds in ((197, 7), (1576, 5), (6304, 3)):
+        inputs = {k: torch.randn(rows, k) for k in (768, 3072)}
+        flops = 12 * sum(2 * rows * k * n for k, n in B16_LAYERS)
+        per_layer = [[_kernels(inputs[w.shape[1]], w, b) for w, b in block] for block in layers]
+
+        def all_layers(kernel: str) -> Callable[[], None]:
+            def go() -> None:
+                for block in per_layer:
+                    for ways in block:
+                        ways[kernel]()
+            return go
+        with torch.no_grad():
+            seconds = compare(f"48 dense layers of ViT-B/16 at {rows} rows ({flops / 1e9:.0f} GFLOP)",
+                              {k: all_layers(k) for k in per_layer[0][0]}, rounds=rounds)
+        print("  GFLOP/s: " + ", ".join(f"{k} {flops / min(t) / 1e9:.0f}" for k, t in seconds.items()))
+
+
+def exp_choice() -> None:
+    """What ``vitlab.fast`` would use here: the rule, a stored calibration, and the final choice."""
+    from vitlab.fast import kernels
+
+    info = kernels.cpu_info()
+    print(f"\n{info.vendor} {info.model}; avx512f {'avx512f' in info.flags}, "
+          f"avx512_bf16 {'avx512_bf16' in info.flags}, amx_bf16 {'amx_bf16' in info.flags}")
+    print(f"  rule: {kernels.rule_choice(info)}")
+    print(f"  stored ({kernels.calibration_path()}): {kernels.stored_choice()}")
+    print(f"  chosen: {kernels.choose()}")
+
+
+EXPERIMENTS = {"choice": exp_choice, "matmuls": exp_matmuls, "dense_layers": exp_dense_layers}
+
+if __name__ == "__main__":
+    sys.exit(run_experiments(EXPERIMENTS, sys.argv[1:], __doc__))

@@ -60,7 +60,7 @@ INFER = [("ViT-B/16", b) for b in (1, 8, 32)]
 TRAIN = [("ViT-S/16", 32), ("ViT-CIFAR", 128)]
 TRAIN_GPU = [("ViT-B/16", 128)]  # the GPU goal's row: ViT-B/16 training, bf16 model-FLOPs utilisation
 DTYPES = ("fp32", "bf16")
-REFERENCES = ("vitlab-plain", "onnxruntime")  # vitlab's model in other ways: columns, not peers
+REFERENCES = ("vitlab-plain", "vitlab-before", "onnxruntime")  # vitlab in other ways: columns, not peers
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None,
                    help="run the whole list this many times (default 3, quick 1), each time in fresh "
                         "processes, and take the median of the rounds")
+    p.add_argument("--before", default=None, metavar="REV",
+                   help="also run the vitlab of git revision REV (checked out into a temporary folder, "
+                        "imported by its own worker processes) as the column 'vitlab-before', and report "
+                        "vitlab / before per row: a regression check in the same run")
     p.add_argument("--bf16", choices=("auto", "yes", "no"), default="auto",
                    help="bf16 rows: 'auto' runs them where the hardware has bf16 (CUDA, or a CPU "
                         "with AVX512-BF16/AMX); elsewhere bf16 is emulated and 10-100x slower")
@@ -108,7 +112,8 @@ def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     for kind, rows in (("infer", INFER), ("train", train)):
         for model, batch in rows:
             for dtype in dtypes:
-                for impl in ["vitlab"] + peers + ["vitlab-plain"]:
+                before = ["vitlab-before"] if args.before else []
+                for impl in ["vitlab"] + peers + ["vitlab-plain"] + before:
                     serving = impl == "onnxruntime"  # vitlab's export: fp32 CPU inference only
                     if serving and (kind == "train" or dtype != "fp32" or args.device != "cpu"):
                         continue
@@ -119,9 +124,25 @@ def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                         cache_dir=str(HERE / "results" / ".cache"),
                         id=f"{kind}/{model}/b{batch}/{dtype}/{impl}",
                     ))
+                    if impl == "vitlab-before":
+                        cases[-1].update(pythonpath=args.before_path)
     if args.only:
         cases = [c for c in cases if re.search(args.only, c["id"])]
     return peaks, cases
+
+
+def checkout(rev: str) -> str:
+    """The tree of git revision ``rev`` in a temporary folder (for ``--before``); its path."""
+    import subprocess
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="vitlab-before-"))
+    archive = subprocess.run(["git", "-C", str(HERE.parent), "archive", rev, "vitlab"],
+                             capture_output=True, check=False)
+    if archive.returncode:
+        raise SystemExit(f"bench.py --before {rev}: git archive failed: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
+    return str(root)
 
 
 def onednn_available() -> bool:
@@ -184,15 +205,16 @@ def best_peer(by_impl: dict[str, dict]) -> dict | None:
     return max(ok, key=lambda r: r["median"], default=None)
 
 
-def round_ratios(by_impl: dict[str, dict]) -> list[float]:
-    """Each round's vitlab / best peer, for rounds where both have a figure.
+def round_ratios(by_impl: dict[str, dict], against: str | None = None) -> list[float]:
+    """Each round's vitlab / best peer (or / the implementation ``against``), for rounds where both
+    have a figure.
 
     The peer is the same in every round: the best over all rounds.  Taking each round's
     fastest peer instead would compare vitlab with the maximum of two noisy figures, which
     is biased upward when the peers are level (as HF's sdpa and eager are on the CIFAR-size
     rows): three level implementations with 10% noise would give vitlab about 0.95x.
     """
-    best = best_peer(by_impl)
+    best = by_impl.get(against) if against else best_peer(by_impl)
     ours = by_impl.get("vitlab", {}).get("round_medians", [])
     theirs = best.get("round_medians", []) if best else []
     return [mine / peer for mine, peer in zip(ours, theirs) if mine is not None and peer is not None]
@@ -209,6 +231,9 @@ def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> lis
         rows.setdefault(_row(r["id"]), {})[r["impl"]] = r
     header = ["row"] + [f"{i} img/s" for i in impls] + ["vitlab/best peer", "vitlab % peak",
                                                           "vitlab MiB", "best peer MiB"]
+    with_before = "vitlab-before" in impls
+    if with_before:
+        header.append("vitlab/before")
     lines = [header]
     for key, by_impl in rows.items():
         ours = by_impl.get("vitlab", {})
@@ -222,6 +247,9 @@ def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> lis
         mem = lambda r: f"{r['peak_bytes'] / 2**20:.0f}" if r and "peak_bytes" in r else "-"  # noqa: E731
         lines.append([key] + [fmt_rate(by_impl[i]) if i in by_impl else "" for i in impls]
                      + [ratio + (f" vs {best['impl']}" if best else ""), share, mem(ours), mem(best)])
+        if with_before:
+            then = round_ratios(by_impl, against="vitlab-before")
+            lines[-1].append(f"{statistics.median(then):.2f}x ({min(then):.2f}-{max(then):.2f})" if then else "-")
     return lines
 
 
@@ -297,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
+    args.before_path = checkout(args.before) if args.before else None
     peak_cases, cases = build_cases(args)
     info = machine(args)
     timeout = 600 if args.quick else 1800

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 # Implementations of vitlab's own model: "vitlab" is the default path (``vitlab.fast.optimize``),
-# "vitlab-plain" the model as written, "onnxruntime" its ONNX export.  Every other one is a peer.
-OWN_IMPLS = ("vitlab", "vitlab-plain", "onnxruntime")
+# "vitlab-plain" the model as written, "vitlab-before" an earlier revision's (bench.py --before), "onnxruntime"
+# its ONNX export.  Every other one is a peer.
+OWN_IMPLS = ("vitlab", "vitlab-plain", "vitlab-before", "onnxruntime")
 
 
 # ----------------------------------------------------------------------------- models
@@ -57,7 +58,7 @@ def make_model(impl: str, spec: str, img_size: int | None = None):
     the trainer, ``vitlab eval`` and ``vitlab predict`` run) once it is on its device.
     """
     cfg = vitlab_config(spec, img_size)
-    if impl in ("vitlab", "vitlab-plain"):
+    if impl in ("vitlab", "vitlab-plain", "vitlab-before"):  # "before": another checkout's, as it runs
         from vitlab.models.registry import build_model
 
         model = build_model(cfg)
@@ -211,6 +212,8 @@ def run_case(case: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run ``case`` in a fresh interpreter; its result dict, or {'error': ...}."""
     cmd = [sys.executable, str(Path(__file__).resolve()), json.dumps(case)]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if case.get("pythonpath"):  # another checkout's vitlab (bench.py --before), ahead of the installed one
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [case["pythonpath"], env.get("PYTHONPATH")]))
     threads = case.get("threads")
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))

@@ -130,6 +130,6 @@ def load_huggingface(state_dict: Mapping[str, Any], hf_config: Mapping[str, Any]
     """
     sd = from_huggingface(state_dict)
     fields = {**CONVENTIONS, **(config_overrides(hf_config) if hf_config else {}), **overrides}
-    cfg: ViTConfig = infer_config(sd, name=name, **fields)
+    cfg: ViTConfig = infer_config(sd, name=name, img_size_hint=img_size, **fields)
     return build_loaded(sd, cfg, img_size=img_size, num_classes=num_classes, keep_pre_logits=keep_pre_logits,
                         source="the Hugging Face weights")

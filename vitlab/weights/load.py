@@ -12,7 +12,9 @@ The format is recognised from what the source holds, never from a flag:
     a dict in memory                                 by keys
 
     keys                                             format
-    'embedding/kernel' (Flax tree, '/' separators)   official vit_jax
+    'embedding/kernel' (Flax tree, '/' separators)   official vit_jax (AugReg too: its file name is checked)
+    'params/[img/]embedding/kernel'                  big_vision ViT
+    'resnet/root_block/standardized_conv2d/kernel'   BiT (big_transfer)
     '[vit.]embeddings.patch_embeddings.projection.weight'   Hugging Face
     'patch_embed.proj.weight'                        timm
     'patch_embed.weight'                             a bare vitlab state dict (vitlab's default conventions)
@@ -30,6 +32,8 @@ from torch import nn
 
 from ..config import Pair
 from .core import WeightsError, build_loaded, infer_config, to_tensor
+from .bigvision import is_big_vision, load_big_vision
+from .bit import is_bit, load_bit
 from .huggingface import is_huggingface, load_huggingface
 from .native import CONFIG_KEY, CONFIG_NAME, is_native, load_native, read_safetensors
 from .official import KNOWN_PREFIXES, load_official_npz, read_npz
@@ -60,10 +64,14 @@ def _torch_load(path: Path) -> dict[str, Any]:
 
 
 def detect_format(keys: Any) -> str:
-    """'official', 'huggingface', 'timm' or 'vitlab', from a state dict's keys."""
+    """'official', 'big_vision', 'bit', 'huggingface', 'timm' or 'vitlab', from a state dict's keys."""
     keys = set(keys)
     if any(p + "embedding/kernel" in keys for p in ("",) + KNOWN_PREFIXES):
         return "official"
+    if is_big_vision(keys):
+        return "big_vision"
+    if is_bit(keys):
+        return "bit"
     if is_huggingface(keys):
         return "huggingface"
     if is_timm(keys):
@@ -72,15 +80,22 @@ def detect_format(keys: Any) -> str:
         return "vitlab"
     some = ", ".join(sorted(keys)[:6])
     raise WeightsError(
-        f"unrecognised weights (first keys: {some}); vitlab reads official vit_jax .npz, Hugging Face ViT, "
-        "timm vision_transformer and its own state dicts"
+        f"unrecognised weights (first keys: {some}); vitlab reads official vit_jax / AugReg .npz, big_vision ViT, "
+        "BiT (big_transfer) .npz, Hugging Face ViT, timm vision_transformer (plain and hybrid) and its own state dicts"
     )
 
 
-def _load_state_dict(sd: Mapping[str, Any], hf_config: Mapping[str, Any] | None, **kw: Any) -> nn.Module:
+def _load_state_dict(sd: Mapping[str, Any], hf_config: Mapping[str, Any] | None, file: Path | None = None,
+                     **kw: Any) -> nn.Module:
     fmt = detect_format(sd.keys())
     if fmt == "official":  # the arrays define the architecture; a name is only checked against them
-        return load_official_npz(sd, **kw)
+        return load_official_npz(sd, file_name=file, **kw)
+    if fmt in ("big_vision", "bit"):
+        kw.pop("name", None)  # the arrays define the architecture
+        if fmt == "bit":
+            kw.pop("keep_pre_logits")
+            return load_bit(sd, **kw)
+        return load_big_vision(sd, **kw)
     if fmt == "huggingface":
         return load_huggingface(sd, hf_config, **kw)
     if fmt == "timm":
@@ -112,7 +127,7 @@ def _load_dir(path: Path, **kw: Any) -> nn.Module:
 def _load_file(path: Path, hf_config: Mapping[str, Any] | None = None, **kw: Any) -> nn.Module:
     suffix = path.suffix.lower()
     if suffix == ".npz":
-        return load_official_npz(read_npz(path), **kw)
+        return _load_state_dict(read_npz(path), hf_config, file=path, **kw)
     if suffix == ".safetensors":
         tensors, metadata = read_safetensors(path)
         if CONFIG_KEY in metadata:

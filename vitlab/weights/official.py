@@ -251,7 +251,8 @@ def _check_augreg(cfg: ViTConfig, fields: Mapping[str, Any], file: str) -> None:
 
 
 def load_official_npz(path_or_dict: str | os.PathLike | Mapping[str, Any], img_size: Pair | int | None = None,
-                      num_classes: int | None = None, keep_pre_logits: bool = False, **overrides: Any) -> nn.Module:
+                      num_classes: int | None = None, keep_pre_logits: bool = False,
+                      file_name: str | os.PathLike | None = None, **overrides: Any) -> nn.Module:
     """A vitlab model (eval mode) holding a vit_jax checkpoint.
 
     The architecture is read from the arrays (see ``core.infer_config``).  ``img_size``
@@ -261,20 +262,20 @@ def load_official_npz(path_or_dict: str | os.PathLike | Mapping[str, Any], img_s
     pre-logits layer, as the official fine-tuning default (representation_size=None) does.
     ``overrides`` are ViTConfig fields (e.g. dropout, dynamic_img_size), or
     ``weights_img_size`` (the checkpoint's own resolution, needed only for non-square grids).
-    An AugReg file name supplies that resolution and is checked against the arrays.
+    An AugReg file name (the path's, or ``file_name`` for arrays already read) supplies
+    that resolution and is checked against the arrays.
     """
-    augreg = None
     if isinstance(path_or_dict, (str, os.PathLike)):
-        arrays = read_npz(path_or_dict)
-        augreg = parse_augreg_name(path_or_dict)
-        if augreg is not None:
-            overrides.setdefault("weights_img_size", augreg["img_size"])
+        arrays, file_name = read_npz(path_or_dict), path_or_dict
     else:
         arrays = path_or_dict
+    augreg = parse_augreg_name(file_name) if file_name is not None else None
+    if augreg is not None:
+        overrides.setdefault("weights_img_size", augreg["img_size"])
     state_dict, heads = from_official(arrays)
     cfg = official_config(state_dict, heads, img_size_hint=img_size, **overrides)
     if augreg is not None:
-        _check_augreg(cfg, augreg, str(path_or_dict))
+        _check_augreg(cfg, augreg, str(file_name))
     return build_loaded(state_dict, cfg, img_size=img_size, num_classes=num_classes,
                         keep_pre_logits=keep_pre_logits, source="the official checkpoint")
 

@@ -367,3 +367,47 @@ def build_loaded(state_dict: StateDict, cfg: ModelConfig, *, img_size: Pair | in
     model = build_model(cfg)
     fresh = {k: v for k, v in model.state_dict().items() if k.startswith("head.") and k not in state_dict}
     return load_checked(model, {**state_dict, **fresh}, source).eval()
+
+
+# ------------------------------------------------------------------------------ exporting
+
+
+class ConventionWarning(UserWarning):
+    """An export whose target library computes with other numerical conventions than the model."""
+
+
+def convention_differences(cfg: ViTConfig, target: Mapping[str, Any], library: str) -> list[str]:
+    """One line per convention of ``cfg`` (gelu, ln_eps, ...) that ``library`` fixes differently."""
+    out = []
+    for field, theirs in target.items():
+        ours = getattr(cfg, field)
+        if ours != theirs:
+            out.append(f"{field}: the model uses {ours!r}, {library} computes with {theirs!r}")
+    return out
+
+
+def warn_conventions(lines: list[str], library: str) -> None:
+    """Say, once per export, how the written model will compute differently in ``library``."""
+    if lines:
+        import warnings
+
+        warnings.warn(f"{library} will not reproduce this model's logits exactly: " + "; ".join(lines),
+                      ConventionWarning, stacklevel=3)
+
+
+def require_plain_vit(cfg: ModelConfig, library: str, *, hybrid: bool = True) -> ViTConfig:
+    """Refuse what ``library``'s ViT cannot hold, naming every reason at once."""
+    if not isinstance(cfg, ViTConfig):
+        raise WeightsError(f"{library} has no layout for a {type(cfg).__name__} model (a ViT is needed)")
+    reasons = []
+    if cfg.axial:
+        reasons.append("axial=True (Axial-ViT blocks)")
+    if cfg.posemb != "learned_1d":
+        reasons.append(f"posemb={cfg.posemb!r} (only learned 1D position embeddings)")
+    if cfg.posemb_place != "stem":
+        reasons.append(f"posemb_place={cfg.posemb_place!r} (only 'stem')")
+    if not hybrid and cfg.resnet is not None:
+        reasons.append("a ResNet stem (hybrid)")
+    if reasons:
+        raise WeightsError(f"{library} cannot hold this model: " + "; ".join(reasons))
+    return cfg

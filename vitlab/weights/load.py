@@ -9,6 +9,7 @@ The format is recognised from what the source holds, never from a flag:
     *.safetensors                                    vitlab if its metadata has a config, else by keys
     *.npz                                            official vit_jax
     *.pt, *.pth, *.bin                               by keys; read with torch.load(weights_only=True)
+    (any of these with <stem>.timm.json beside it: timm create_model arguments, as save_model(format="timm") writes)
     a dict in memory                                 by keys
 
     keys                                             format
@@ -38,6 +39,7 @@ from .huggingface import is_huggingface, load_huggingface
 from .native import CONFIG_KEY, CONFIG_NAME, is_native, load_native, read_safetensors
 from .official import KNOWN_PREFIXES, load_official_npz, read_npz
 from .timm import is_timm, load_timm
+from .timm import sidecar_path as timm_sidecar
 
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 # Checkpoints saved by training scripts often wrap the state dict under one of these.
@@ -86,7 +88,7 @@ def detect_format(keys: Any) -> str:
 
 
 def _load_state_dict(sd: Mapping[str, Any], hf_config: Mapping[str, Any] | None, file: Path | None = None,
-                     **kw: Any) -> nn.Module:
+                     timm_kwargs: Mapping[str, Any] | None = None, **kw: Any) -> nn.Module:
     fmt = detect_format(sd.keys())
     if fmt == "official":  # the arrays define the architecture; a name is only checked against them
         return load_official_npz(sd, file_name=file, **kw)
@@ -99,7 +101,7 @@ def _load_state_dict(sd: Mapping[str, Any], hf_config: Mapping[str, Any] | None,
     if fmt == "huggingface":
         return load_huggingface(sd, hf_config, **kw)
     if fmt == "timm":
-        return load_timm(sd, **kw)
+        return load_timm(sd, timm_kwargs=timm_kwargs, **kw)
     # a bare vitlab state dict: no config, so vitlab's defaults (the official conventions) apply
     img_size, num_classes, keep = kw.pop("img_size"), kw.pop("num_classes"), kw.pop("keep_pre_logits")
     sd = {k: to_tensor(v) for k, v in sd.items()}
@@ -128,14 +130,17 @@ def _load_file(path: Path, hf_config: Mapping[str, Any] | None = None, **kw: Any
     suffix = path.suffix.lower()
     if suffix == ".npz":
         return _load_state_dict(read_npz(path), hf_config, file=path, **kw)
+    # timm exports carry their create_model arguments beside the weights (timm.save_timm)
+    sidecar = timm_sidecar(path)
+    timm_kwargs = json.loads(sidecar.read_text()).get("kwargs") if sidecar.is_file() else None
     if suffix == ".safetensors":
         tensors, metadata = read_safetensors(path)
         if CONFIG_KEY in metadata:
             kw.pop("name", None)  # the saved config is authoritative
             return load_native(path, **kw)
-        return _load_state_dict(tensors, hf_config, **kw)
+        return _load_state_dict(tensors, hf_config, timm_kwargs=timm_kwargs, **kw)
     if suffix in (".pt", ".pth", ".bin"):
-        return _load_state_dict(_torch_load(path), hf_config, **kw)
+        return _load_state_dict(_torch_load(path), hf_config, timm_kwargs=timm_kwargs, **kw)
     raise WeightsError(f"{path}: unknown file type {suffix!r}; expected .safetensors, .npz, .pt, .pth or .bin")
 
 

@@ -49,7 +49,8 @@ from torch import nn
 
 from ..config import Pair, ViTConfig
 from ..models.registry import VIT_SIZES
-from .core import StateDict, WeightsError, atomic_write, build_loaded, infer_config, to_tensor
+from .core import (StateDict, WeightsError, atomic_write, build_loaded, convention_differences, infer_config, to_tensor,
+                   warn_conventions)
 
 # Conventions of vit_jax, applied to every config read from an official checkpoint.
 CONVENTIONS: dict[str, Any] = {"gelu": "tanh", "ln_eps": 1e-6, "posemb_resample": "bilinear"}
@@ -319,5 +320,10 @@ def to_official(model: nn.Module) -> dict[str, np.ndarray]:
 def save_official_npz(model: nn.Module, path: str | os.PathLike) -> Path:
     """Write ``model`` as a vit_jax .npz (float32); the file is replaced atomically."""
     arrays = to_official(model)
+    cfg = model.cfg
+    notes = convention_differences(cfg, {"gelu": "tanh", "ln_eps": 1e-6}, "vit_jax")
+    if cfg.resnet is not None:
+        notes += convention_differences(cfg.resnet, RESNET_CONVENTIONS, "vit_jax's ResNet stem")
+    warn_conventions(notes, "vit_jax")
     # a file object, so that numpy does not append ".npz" to the temporary name
     return atomic_write(path, lambda f: np.savez(f, **arrays))

@@ -35,16 +35,33 @@ Non-square models (``img_size=(h, w)``, ``patch_size=(ph, pw)``) hold no size in
 state dict: a non-square grid needs ``weights_img_size=`` (or ``img_size=`` that size);
 ``dynamic_img_size=True`` models have the same keys and are loaded with that override
 (vitlab resamples bicubically without antialiasing: equal to timm when upsampling).
+
+Export (``save_timm``, ``save_model(..., format="timm")``) writes the state dict under
+timm's names (safetensors, or a torch file for .pth/.bin) and, beside it, ``<stem>.timm.json``:
+the ``timm.create_model`` name and keyword arguments that build the same function
+(``img_size``, ``patch_size``, widths, ``class_token``/``global_pool``/``fc_norm=False`` for
+"gap", ``act_layer="gelu_tanh"`` for vit_jax's GELU), used as
+``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=path), **kwargs)``.
+Conventions timm's constructors cannot take (a LayerNorm eps other than 1e-6, the hybrid
+stem's weight-standardisation and GroupNorm eps) are listed in the file's "notes" and
+warned about (``ConventionWarning``).  vitlab's loader reads the JSON back when present.
 """
 from __future__ import annotations
 
+import json
+import os
 import re
+from pathlib import Path
 from typing import Any, Mapping
 
+import safetensors.torch
+import torch
 from torch import nn
 
-from ..config import Pair
-from .core import StateDict, WeightsError, build_loaded, infer_config, to_tensor
+from ..config import Pair, ViTConfig
+from ..models.registry import VIT_SIZES
+from .core import (StateDict, WeightsError, atomic_write, build_loaded, convention_differences, infer_config,
+                   require_plain_vit, to_tensor, warn_conventions)
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-6, "posemb_resample": "bicubic"}
 
@@ -106,15 +123,129 @@ def from_timm(state_dict: Mapping[str, Any]) -> StateDict:
     return sd
 
 
+def kwargs_overrides(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """ViTConfig fields fixed by timm ``create_model`` keyword arguments (as ``save_timm`` writes them)."""
+    out: dict[str, Any] = {}
+    if "num_heads" in kwargs:
+        out["num_heads"] = int(kwargs["num_heads"])
+    if "img_size" in kwargs:
+        size = kwargs["img_size"]
+        out["weights_img_size"] = tuple(size) if isinstance(size, (list, tuple)) else int(size)
+    act = kwargs.get("act_layer", "gelu")
+    if act not in TIMM_GELU:
+        raise WeightsError(f"act_layer={act!r} in the timm arguments: vitlab supports {', '.join(TIMM_GELU)}")
+    out["gelu"] = TIMM_GELU[act]
+    if kwargs.get("global_pool") == "avg":
+        if kwargs.get("fc_norm", True) is not False:
+            raise WeightsError("global_pool='avg' with fc_norm: timm normalises after pooling; vitlab's 'gap' "
+                               "normalises the tokens, then averages (fc_norm=False)")
+        out["classifier"] = "gap"
+    if kwargs.get("dynamic_img_size"):
+        out["dynamic_img_size"] = True
+    return out
+
+
 def load_timm(state_dict: Mapping[str, Any], name: str | None = None, img_size: Pair | int | None = None,
-              num_classes: int | None = None, keep_pre_logits: bool = False, **overrides: Any) -> nn.Module:
-    """A vitlab model (eval mode) holding timm ViT weights; heads from ``name`` or ``num_heads=``.
+              num_classes: int | None = None, keep_pre_logits: bool = False,
+              timm_kwargs: Mapping[str, Any] | None = None, **overrides: Any) -> nn.Module:
+    """A vitlab model (eval mode) holding timm ViT weights; heads from ``name``, ``num_heads=`` or
+    ``timm_kwargs`` (the ``create_model`` arguments, e.g. the JSON ``save_timm`` writes).
 
     A [class] token means the "token" classifier (timm can also average next to a class
     token; the weights cannot tell, so pass ``classifier="gap"`` for such models).
     """
+    if timm_kwargs:
+        overrides = {**kwargs_overrides(timm_kwargs), **overrides}
     sd = from_timm(state_dict)
     cfg = infer_config(sd, name=name, img_size_hint=img_size, resnet_fields=RESNET_CONVENTIONS,
                        **{**CONVENTIONS, **overrides})
     return build_loaded(sd, cfg, img_size=img_size, num_classes=num_classes, keep_pre_logits=keep_pre_logits,
                         source="the timm weights")
+
+
+# ------------------------------------------------------------------------------ export
+
+TIMM_GELU = {"gelu": "exact", "gelu_tanh": "tanh"}  # timm act_layer -> vitlab gelu
+SIZE_NAMES = {dims: name for name, dims in zip(("tiny", "small", "base", "large", "huge"), VIT_SIZES.values())}
+# vitlab hybrid ResNet layers -> the piece of timm's model name (vision_transformer_hybrid.py)
+HYBRID_NAMES = {(): "r_s16_p8", (2, 2, 2, 2): "r26_s32", (3, 4, 9): "r50_s16", (3, 4, 6, 3): "r50_s32"}
+
+
+def timm_model_name(cfg: ViTConfig) -> str:
+    """The timm model name closest to ``cfg`` (the keyword arguments make it exact)."""
+    size = SIZE_NAMES.get((cfg.width, cfg.depth, cfg.mlp_dim, cfg.num_heads), "base")
+    if cfg.resnet is not None:
+        return f"vit_{size}_{HYBRID_NAMES.get(cfg.resnet.layers, 'r50_s16')}_{cfg.img_size[0]}"
+    return f"vit_{size}_patch{cfg.patch_size[0]}_{cfg.img_size[0]}"
+
+
+def to_timm(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(timm state dict, {"model_name", "kwargs", "notes"}) of a vitlab ViT."""
+    cfg = require_plain_vit(model.cfg, "timm's VisionTransformer")
+    reasons = []
+    if cfg.representation_size is not None:
+        reasons.append(f"representation_size={cfg.representation_size} (timm's VisionTransformer has no "
+                       "pre-logits layer; load with num_classes=... to drop it, as fine-tuning does)")
+    if cfg.resnet is not None and (cfg.resnet.width_factor != 1 or cfg.resnet.norm != "group"
+                                   or cfg.resnet.root_kernel != 7 or cfg.resnet.root_stride != 2
+                                   or not cfg.resnet.root_pool):
+        reasons.append("a hybrid stem other than timm's (_resnetv2: width factor 1, GroupNorm, 7x7/2 root, max-pool)")
+    if reasons:
+        raise WeightsError("timm cannot hold this model: " + "; ".join(reasons))
+    sd = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    out: dict[str, torch.Tensor] = {}
+    stem = "stem." if cfg.resnet is not None and cfg.resnet.layers else ""
+    export = [(pattern, template.replace("{stem}", stem)) for pattern, template in HYBRID_EXPORT]
+    for key, value in sd.items():
+        if key.startswith("stem."):
+            new = _rename(key, export)
+            if new == key:
+                raise WeightsError(f"no timm name for {key}")
+            out[new] = value
+        else:
+            out[dict((ours, theirs) for theirs, ours in RENAMES).get(key, key)] = value
+    kwargs: dict[str, Any] = {
+        "img_size": list(cfg.img_size), "patch_size": list(cfg.patch_size), "in_chans": cfg.in_chans,
+        "num_classes": cfg.num_classes, "embed_dim": cfg.width, "depth": cfg.depth, "num_heads": cfg.num_heads,
+        "mlp_ratio": cfg.mlp_dim / cfg.width, "qkv_bias": cfg.qkv_bias,
+        "class_token": cfg.classifier == "token", "global_pool": "token" if cfg.classifier == "token" else "avg",
+        "fc_norm": False,
+    }
+    if cfg.gelu == "tanh":
+        kwargs["act_layer"] = "gelu_tanh"
+    if cfg.dynamic_img_size:
+        kwargs["dynamic_img_size"] = True
+    notes = convention_differences(cfg, {"ln_eps": 1e-6}, "timm (LayerNorm eps is fixed by its constructors)")
+    if int(cfg.width * (cfg.mlp_dim / cfg.width)) != cfg.mlp_dim:
+        notes.append(f"mlp_dim={cfg.mlp_dim}: timm's int(embed_dim * mlp_ratio) rounds to another width")
+    if cfg.resnet is not None:
+        notes += convention_differences(cfg.resnet, RESNET_CONVENTIONS, "timm's hybrid stem (StdConv2dSame eps 1e-8, "
+                                        "GroupNorm eps 1e-5)")
+    if cfg.posemb_resample != "bicubic":
+        notes.append(f"posemb_resample: the model resamples position embeddings {cfg.posemb_resample!r}, timm "
+                     "bicubically (equal logits at the saved img_size)")
+    warn_conventions(notes, "timm")
+    return out, {"model_name": timm_model_name(cfg), "kwargs": kwargs, "notes": notes}
+
+
+def sidecar_path(path: str | os.PathLike) -> Path:
+    """Where ``save_timm`` writes the create_model arguments of ``path``: ``<stem>.timm.json``."""
+    path = Path(path)
+    return path.with_name(path.stem + ".timm.json")
+
+
+def save_timm(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write timm's state dict to ``path`` (.safetensors, or a torch file for .pth/.bin) and
+    ``<stem>.timm.json`` beside it; both atomically.  A directory gets ``model.safetensors``."""
+    tensors, spec = to_timm(model)
+    path = Path(path)
+    if path.suffix not in (".safetensors", ".pth", ".bin", ".pt"):
+        path.mkdir(parents=True, exist_ok=True)
+        path = path / "model.safetensors"
+    if path.suffix == ".safetensors":
+        data = safetensors.torch.save(tensors, metadata={"format": "pt"})
+        atomic_write(path, lambda f: f.write(data))
+    else:
+        atomic_write(path, lambda f: torch.save(tensors, f))
+    atomic_write(sidecar_path(path), lambda f: f.write(json.dumps(spec, indent=2).encode()))
+    return path

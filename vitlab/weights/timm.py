@@ -218,6 +218,9 @@ def to_timm(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     notes = convention_differences(cfg, {"ln_eps": 1e-6}, "timm (LayerNorm eps is fixed by its constructors)")
     if int(cfg.width * (cfg.mlp_dim / cfg.width)) != cfg.mlp_dim:
         notes.append(f"mlp_dim={cfg.mlp_dim}: timm's int(embed_dim * mlp_ratio) rounds to another width")
+    if cfg.resnet is not None and cfg.resnet.layers not in HYBRID_NAMES:
+        notes.append(f"resnet layers={cfg.resnet.layers}: timm's hybrids are built with layers "
+                     f"{', '.join(map(str, HYBRID_NAMES))} only; this stem has no timm constructor")
     if cfg.resnet is not None:
         notes += convention_differences(cfg.resnet, RESNET_CONVENTIONS, "timm's hybrid stem (StdConv2dSame eps 1e-8, "
                                         "GroupNorm eps 1e-5)")

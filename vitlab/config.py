@@ -76,8 +76,10 @@ class ResNetConfig:
     models, where ``num_classes`` is ignored and only the feature map is used.
 
     layers:       bottleneck units per stage, e.g. (3, 4, 6, 3) for R50; (3, 4, 9) is the
-                  hybrid's "stage 4 removed, its blocks moved to stage 3" (paper Sec. 4.1).
-    width_factor: channel multiplier ("x1", "x2", ...); root width is 64 * width_factor.
+                  hybrid's "stage 4 removed, its blocks moved to stage 3" (paper Sec. 4.1);
+                  () is the root alone (vit_jax's R+ViT-Ti_16 stem).
+    width_factor: channel multiplier ("x1", "x2", ...); root width is int(64 * width_factor),
+                  as vit_jax computes it, so 0.5 (a 32-channel root) is allowed too.
     padding:      "same" reproduces TensorFlow/Flax SAME padding (asymmetric for even sizes)
                   as the official checkpoints were trained with; "symmetric" is PyTorch's.
     ws_eps:       epsilon of weight standardisation; vit_jax adds it to the std: (w - mean) / (std + eps).
@@ -94,7 +96,7 @@ class ResNetConfig:
     """
 
     layers: tuple[int, ...] = (3, 4, 6, 3)
-    width_factor: int = 1
+    width_factor: int | float = 1
     in_chans: int = 3
     num_classes: int = 1000
     img_size: Pair = (224, 224)

@@ -201,7 +201,6 @@ def to_huggingface(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
         "num_channels": cfg.in_chans, "qkv_bias": cfg.qkv_bias, "encoder_stride": cfg.patch_size[0],
         "hidden_dropout_prob": cfg.dropout, "attention_probs_dropout_prob": cfg.attention_dropout,
         "initializer_range": 0.02, "id2label": labels, "label2id": {v: int(k) for k, v in labels.items()},
-        "torch_dtype": "float32",
     }
     if cfg.posemb_resample != "bicubic":
         warn_conventions([f"posemb_resample: the model resamples position embeddings {cfg.posemb_resample!r}, "

@@ -40,8 +40,10 @@ Export (``save_timm``, ``save_model(..., format="timm")``) writes the state dict
 timm's names (safetensors, or a torch file for .pth/.bin) and, beside it, ``<stem>.timm.json``:
 the ``timm.create_model`` name and keyword arguments that build the same function
 (``img_size``, ``patch_size``, widths, ``class_token``/``global_pool``/``fc_norm=False`` for
-"gap", ``act_layer="gelu_tanh"`` for vit_jax's GELU), used as
-``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=path), **kwargs)``.
+"gap", ``act_layer="gelu_tanh"`` for vit_jax's GELU), used as ``timm.create_model(spec["model_name"], pretrained=True,
+pretrained_cfg_overlay=spec["pretrained_cfg_overlay"] | {"file": path}, **spec["kwargs"])``
+(the overlay also states the head size, which timm's ``load_pretrained`` otherwise compares
+with the named model's and drops when they differ).
 Conventions timm's constructors cannot take (a LayerNorm eps other than 1e-6, the hybrid
 stem's weight-standardisation and GroupNorm eps) are listed in the file's "notes" and
 warned about (``ConventionWarning``).  vitlab's loader reads the JSON back when present.
@@ -228,7 +230,11 @@ def to_timm(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         notes.append(f"posemb_resample: the model resamples position embeddings {cfg.posemb_resample!r}, timm "
                      "bicubically (equal logits at the saved img_size)")
     warn_conventions(notes, "timm")
-    return out, {"model_name": timm_model_name(cfg), "kwargs": kwargs, "notes": notes}
+    # timm's load_pretrained drops a head whose size differs from pretrained_cfg["num_classes"]:
+    # the overlay states the file's own, so the written head is loaded, not replaced
+    overlay = {"num_classes": cfg.num_classes, "input_size": [cfg.in_chans, *cfg.img_size]}
+    return out, {"model_name": timm_model_name(cfg), "kwargs": kwargs, "pretrained_cfg_overlay": overlay,
+                 "notes": notes}
 
 
 def sidecar_path(path: str | os.PathLike) -> Path:
@@ -250,5 +256,6 @@ def save_timm(model: nn.Module, path: str | os.PathLike) -> Path:
         atomic_write(path, lambda f: f.write(data))
     else:
         atomic_write(path, lambda f: torch.save(tensors, f))
+    spec["pretrained_cfg_overlay"]["file"] = path.name  # relative to the JSON: the files travel together
     atomic_write(sidecar_path(path), lambda f: f.write(json.dumps(spec, indent=2).encode()))
     return path

@@ -125,12 +125,14 @@ def to_official_layout(arrays: Mapping[str, Any], pool_type: str | None = None,
 
 def load_big_vision(source: str | os.PathLike | Mapping[str, Any], pool_type: str | None = None,
                     img_size: Pair | int | None = None, num_classes: int | None = None,
-                    keep_pre_logits: bool = False, **overrides: Any) -> nn.Module:
+                    keep_pre_logits: bool = False, file_name: str | os.PathLike | None = None,
+                    **overrides: Any) -> nn.Module:
     """A vitlab model (eval mode) holding a big_vision ViT (``params/...`` arrays or an .npz).
 
     ``pool_type`` is big_vision's (not stored in the checkpoint): by default "tok" when
     there is a [class] token, else "gap".  A sincos2d checkpoint is built for ``img_size``
-    (or ``weights_img_size``).  Other arguments as ``load_official_npz``.
+    (or ``weights_img_size``).  ``file_name`` names arrays already read in errors.
+    Other arguments as ``load_official_npz``.
     """
     arrays = read_npz(source) if isinstance(source, (str, os.PathLike)) else source
     prefix = next((p for p in PREFIXES if p + "embedding/kernel" in arrays), None)
@@ -145,5 +147,7 @@ def load_big_vision(source: str | os.PathLike | Mapping[str, Any], pool_type: st
     official = to_official_layout(arrays, pool_type, size)
     if sincos and size is not None:
         overrides.setdefault("weights_img_size", size)
+    file_name = source if isinstance(source, (str, os.PathLike)) else file_name
+    where = f"the big_vision checkpoint {file_name}" if file_name is not None else "the big_vision weights"
     return load_official_npz(official, img_size=img_size, num_classes=num_classes,
-                             keep_pre_logits=keep_pre_logits, **overrides)
+                             keep_pre_logits=keep_pre_logits, source=where, **overrides)

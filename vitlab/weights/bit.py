@@ -108,18 +108,21 @@ def from_bit(arrays: Mapping[str, Any], **fields: Any) -> tuple[StateDict, ResNe
 
 
 def load_bit(source: str | os.PathLike | Mapping[str, Any], img_size: Pair | int | None = None,
-             num_classes: int | None = None, **overrides: Any) -> nn.Module:
+             num_classes: int | None = None, file_name: str | os.PathLike | None = None,
+             **overrides: Any) -> nn.Module:
     """A vitlab ``BiTResNet`` (eval mode) holding a big_transfer ``.npz`` (path or arrays).
 
     ``num_classes`` different from the checkpoint's gives a zero head (BiT's fine-tuning
     set-up); ``img_size`` only sets the config (a ResNet takes any size); ``overrides``
-    are ResNetConfig fields.
+    are ResNetConfig fields; ``file_name`` names arrays already read in errors.
     """
     arrays = read_npz(source) if isinstance(source, (str, os.PathLike)) else source
     state_dict, cfg = from_bit(arrays, **overrides)
     if num_classes is not None and cfg.num_classes == 0 and num_classes > 0:
         cfg = replace(cfg, num_classes=num_classes)  # a headless file given a head: fresh zeros
-    return build_loaded(state_dict, cfg, img_size=img_size, num_classes=num_classes, source="the BiT checkpoint")
+    file_name = source if isinstance(source, (str, os.PathLike)) else file_name
+    where = f"the BiT checkpoint {file_name}" if file_name is not None else "the BiT checkpoint"
+    return build_loaded(state_dict, cfg, img_size=img_size, num_classes=num_classes, source=where)
 
 
 def to_bit(model: nn.Module) -> dict[str, np.ndarray]:

@@ -96,8 +96,8 @@ def _load_state_dict(sd: Mapping[str, Any], hf_config: Mapping[str, Any] | None,
         kw.pop("name", None)  # the arrays define the architecture
         if fmt == "bit":
             kw.pop("keep_pre_logits")
-            return load_bit(sd, **kw)
-        return load_big_vision(sd, **kw)
+            return load_bit(sd, file_name=file, **kw)
+        return load_big_vision(sd, file_name=file, **kw)
     if fmt == "huggingface":
         return load_huggingface(sd, hf_config, **kw)
     if fmt == "timm":

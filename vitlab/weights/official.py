@@ -253,7 +253,8 @@ def _check_augreg(cfg: ViTConfig, fields: Mapping[str, Any], file: str) -> None:
 
 def load_official_npz(path_or_dict: str | os.PathLike | Mapping[str, Any], img_size: Pair | int | None = None,
                       num_classes: int | None = None, keep_pre_logits: bool = False,
-                      file_name: str | os.PathLike | None = None, **overrides: Any) -> nn.Module:
+                      file_name: str | os.PathLike | None = None, source: str = "the official checkpoint",
+                      **overrides: Any) -> nn.Module:
     """A vitlab model (eval mode) holding a vit_jax checkpoint.
 
     The architecture is read from the arrays (see ``core.infer_config``).  ``img_size``
@@ -261,8 +262,8 @@ def load_official_npz(path_or_dict: str | os.PathLike | Mapping[str, Any], img_s
     embedding kept, the grid zoomed with order 1).  A ``num_classes`` different from the
     checkpoint's gives a zero-initialised head and, unless ``keep_pre_logits``, drops the
     pre-logits layer, as the official fine-tuning default (representation_size=None) does.
-    ``overrides`` are ViTConfig fields (e.g. dropout, dynamic_img_size), or
-    ``weights_img_size`` (the checkpoint's own resolution, needed only for non-square grids).
+    ``source`` names the weights in errors.  ``overrides`` are ViTConfig fields (e.g.
+    dropout, dynamic_img_size), or ``weights_img_size`` (the checkpoint's own resolution, needed only for non-square grids).
     An AugReg file name (the path's, or ``file_name`` for arrays already read) supplies
     that resolution and is checked against the arrays.
     """
@@ -277,8 +278,10 @@ def load_official_npz(path_or_dict: str | os.PathLike | Mapping[str, Any], img_s
     cfg = official_config(state_dict, heads, img_size_hint=img_size, **overrides)
     if augreg is not None:
         _check_augreg(cfg, augreg, str(file_name))
+    if file_name is not None:
+        source = f"{source} {file_name}"
     return build_loaded(state_dict, cfg, img_size=img_size, num_classes=num_classes,
-                        keep_pre_logits=keep_pre_logits, source="the official checkpoint")
+                        keep_pre_logits=keep_pre_logits, source=source)
 
 
 # ------------------------------------------------------------------------ vitlab -> official

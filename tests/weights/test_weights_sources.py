@@ -270,3 +270,17 @@ def test_timm_non_square_and_dynamic_size():
     resized = {**ckpt, "Transformer/posembed_input/pos_embedding": table}
     np.testing.assert_allclose(vitlab_logits(dynamic, bigger), official_forward(resized, bigger, "token", (), exact),
                                atol=TOL, rtol=0)
+
+
+def test_timm_no_embed_class():
+    # timm no_embed_class=True: positions for the patches only, the [class] token prepended afterwards
+    ckpt = random_checkpoint(26, grid=3)
+    sd = to_timm_names(ckpt)
+    sd["pos_embed"] = sd["pos_embed"][:, 1:].clone()
+    model = load_model(sd, num_heads=2)
+    table = ckpt["Transformer/posembed_input/pos_embedding"].copy()
+    table[:, 0] = 0.0  # the same function: a zero position for the [class] token
+    x = images(27, 12)
+    np.testing.assert_allclose(vitlab_logits(model, x),
+                               official_forward({**ckpt, "Transformer/posembed_input/pos_embedding": table}, x,
+                                                "token", (), dict(OFFICIAL, gelu="exact")), atol=TOL, rtol=0)

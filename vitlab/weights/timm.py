@@ -12,7 +12,8 @@ What timm can hold and the paper's model cannot is refused with the reason:
 ``fc_norm`` (timm's average-pooling models apply the final LayerNorm *after* pooling,
 whereas the official "gap" classifier normalises every token and then averages), and
 anything else unknown is reported as an unexpected key (layer scale ``ls1``, register
-tokens, ``norm_pre``...).  Conventions: exact GELU, LayerNorm eps 1e-6, bicubic
+tokens, ``norm_pre``...).  ``no_embed_class=True`` models (no position for the [class]
+token) load with a zero [class] row, the same function.  Conventions: exact GELU, LayerNorm eps 1e-6, bicubic
 position-embedding resampling (timm's ``resample_abs_pos_embed`` default).
 
 Hybrids (``vision_transformer_hybrid.py``: ``vit_base_r50_s16_384``, ``vit_large_r50_s32_384``,
@@ -60,7 +61,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ..config import Pair, ViTConfig
+from ..config import Pair, ViTConfig, to_pair
 from ..models.registry import VIT_SIZES
 from .core import (StateDict, WeightsError, atomic_write, build_loaded, convention_differences, infer_config,
                    require_plain_vit, to_tensor, warn_conventions)
@@ -125,6 +126,27 @@ def from_timm(state_dict: Mapping[str, Any]) -> StateDict:
     return sd
 
 
+def embed_class_position(sd: StateDict, weights_img_size: Pair | int | None = None) -> StateDict:
+    """timm's ``no_embed_class=True``: the table holds patch positions only and the [class] token
+    is prepended after it is added; that is vitlab's table with a zero [class] row.
+
+    Recognised when the patch count is a square and one more is not (or, for a non-square
+    grid, ``weights_img_size`` says so); the zero row is prepended.
+    """
+    table = sd.get("pos_embed.weight")
+    if table is None or "cls_token" not in sd or table.ndim != 3:
+        return sd
+    n = table.shape[1]
+    is_square = lambda k: k > 0 and int(round(k ** 0.5)) ** 2 == k
+    no_embed_class = is_square(n) and not is_square(n - 1)
+    if weights_img_size is not None and "patch_embed.weight" in sd and "stem.conv_root.weight" not in sd:
+        (h, w), (ph, pw) = to_pair(weights_img_size, "weights_img_size"), sd["patch_embed.weight"].shape[2:]
+        no_embed_class = n == (h // ph) * (w // pw)
+    if no_embed_class:
+        sd = {**sd, "pos_embed.weight": torch.cat([table.new_zeros(1, 1, table.shape[2]), table], dim=1)}
+    return sd
+
+
 def kwargs_overrides(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """ViTConfig fields fixed by timm ``create_model`` keyword arguments (as ``save_timm`` writes them)."""
     out: dict[str, Any] = {}
@@ -158,7 +180,7 @@ def load_timm(state_dict: Mapping[str, Any], name: str | None = None, img_size: 
     """
     if timm_kwargs:
         overrides = {**kwargs_overrides(timm_kwargs), **overrides}
-    sd = from_timm(state_dict)
+    sd = embed_class_position(from_timm(state_dict), overrides.get("weights_img_size"))
     cfg = infer_config(sd, name=name, img_size_hint=img_size, resnet_fields=RESNET_CONVENTIONS,
                        **{**CONVENTIONS, **overrides})
     return build_loaded(sd, cfg, img_size=img_size, num_classes=num_classes, keep_pre_logits=keep_pre_logits,

@@ -152,3 +152,16 @@ def test_official_export_warns_when_vit_jax_computes_otherwise(tmp_path):
 def test_unknown_format_is_refused(tmp_path):
     with pytest.raises(WeightsError, match="format='onnx'.*'vitlab', 'official', 'hf', 'timm'"):
         save_model(random_model(TINY), tmp_path / "x", format="onnx")
+
+
+def test_hf_non_square_export_resizes_on_load(tmp_path):
+    model = random_model(replace(TINY, img_size=(16, 24), posemb_resample="bicubic"))
+    save_model(model, tmp_path / "hf", format="hf")
+    # the saved (16, 24) grid comes from config.json (16 * 24 / 16 = 24 positions, not a square)
+    bigger = load_model(tmp_path / "hf", img_size=(24, 24))
+    assert bigger.cfg.img_size == (24, 24) and bigger.pos_embed.weight.shape == (1, 37, 32)
+    # (transformers' own interpolate_pos_encoding assumes a square grid, so it is no reference here)
+    expected = load_model(tmp_path / "hf", dynamic_img_size=True)
+    x = torch.randn(2, 3, 24, 24)
+    with torch.no_grad():
+        assert (bigger(x) - expected(x)).abs().max() < 1e-5

@@ -146,11 +146,10 @@ def load_huggingface(state_dict: Mapping[str, Any], hf_config: Mapping[str, Any]
     """
     sd = from_huggingface(state_dict)
     fields = {**CONVENTIONS, **(config_overrides(hf_config) if hf_config else {}), **overrides}
-    hint = img_size
-    if hint is None and hf_config and "image_size" in hf_config:  # a non-square grid needs the saved size
-        size = hf_config["image_size"]
-        hint = tuple(size) if isinstance(size, (list, tuple)) else int(size)
-    cfg: ViTConfig = infer_config(sd, name=name, img_size_hint=hint, **fields)
+    size = (hf_config or {}).get("image_size")
+    if isinstance(size, (list, tuple)) and size[0] != size[1]:  # a non-square grid: the config says which
+        fields.setdefault("weights_img_size", (int(size[0]), int(size[1])))
+    cfg: ViTConfig = infer_config(sd, name=name, img_size_hint=img_size, **fields)
     return build_loaded(sd, cfg, img_size=img_size, num_classes=num_classes, keep_pre_logits=keep_pre_logits,
                         source="the Hugging Face weights")
 

@@ -284,3 +284,14 @@ def test_timm_no_embed_class():
     np.testing.assert_allclose(vitlab_logits(model, x),
                                official_forward({**ckpt, "Transformer/posembed_input/pos_embedding": table}, x,
                                                 "token", (), dict(OFFICIAL, gelu="exact")), atol=TOL, rtol=0)
+
+
+def test_weights_img_size_is_the_config_size():
+    # a hybrid trained at 30 px has the 4x4 grid of 32 px (SAME padding rounds up): the config keeps 30
+    ckpt = random_checkpoint(28, patch=1, grid=4, resnet_layers=(1, 1), hybrid=True)
+    model = load_official_npz(ckpt, weights_img_size=30)
+    assert model.cfg.img_size == (30, 30) and model.cfg.grid_size == (4, 4)
+    x = images(29, 30)
+    np.testing.assert_allclose(vitlab_logits(model, x), official_forward(ckpt, x, "token", (1, 1)), atol=TOL, rtol=0)
+    with pytest.raises(WeightsError, match="weights_img_size=48 means a 6x6 grid"):
+        load_official_npz(ckpt, weights_img_size=48)

@@ -230,6 +230,8 @@ def infer_config(state_dict: Mapping[str, torch.Tensor], *, name: str | None = N
     else:
         raise WeightsError("cannot tell the image size: the weights have no position embedding 'pos_embed.weight'")
     img_size = (grid[0] * patch_size[0] * reduction, grid[1] * patch_size[1] * reduction)
+    if weights_img_size is not None and posemb == "learned_1d":  # checked against the table by patch_grid
+        img_size = to_pair(weights_img_size, "weights_img_size")
 
     asked = fields.pop("num_heads", None)
     if heads_from_weights is not None and asked is not None and asked != heads_from_weights:

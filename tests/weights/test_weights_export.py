@@ -108,6 +108,9 @@ def test_timm_export_round_trips_with_timm_names(tmp_path, fields, suffix):
     spec = json.loads((tmp_path / "vit.timm.json").read_text())
     kw = spec["kwargs"]
     assert spec["model_name"] == f"vit_base_patch4_{model.cfg.img_size[0]}"  # no timm size: kwargs decide
+    # timm's load_pretrained keeps the written head only if the overlay states its size
+    assert spec["pretrained_cfg_overlay"] == {"file": path.name, "num_classes": 5,
+                                              "input_size": [3, *model.cfg.img_size]}
     assert (kw["embed_dim"], kw["depth"], kw["num_heads"], kw["img_size"]) == (32, 2, 2, list(model.cfg.img_size))
     assert (kw.get("act_layer"), kw["global_pool"], kw["class_token"], kw["fc_norm"]) == \
         (("gelu_tanh" if model.cfg.gelu == "tanh" else None), ("token" if "classifier" not in fields else "avg"),

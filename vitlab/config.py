@@ -48,6 +48,21 @@ def _check_positive(name: str, value: Any) -> None:
         raise ConfigError(f"{name}={value!r}: must be a positive integer")
 
 
+def _check_width_factor(value: Any) -> None:
+    """A positive int, or a float such as 0.5 whose root width int(64 * value) GroupNorm(32) can split.
+
+    vit_jax builds its root with ``int(64 * width_factor)`` channels for any width factor;
+    every stage is then a power-of-two multiple of the root.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"width_factor={value!r}: must be a positive number (root width int(64 * width_factor))")
+    if isinstance(value, float) and (int(64 * value) <= 0 or int(64 * value) % 32):
+        raise ConfigError(
+            f"width_factor={value!r}: the root width int(64 * width_factor) = {int(64 * value)} must be a positive "
+            "multiple of 32 (GroupNorm with 32 groups)"
+        )
+
+
 def _check_rate(name: str, value: Any) -> None:
     if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise ConfigError(f"{name}={value!r}: must be a probability in [0, 1)")
@@ -61,8 +76,10 @@ class ResNetConfig:
     models, where ``num_classes`` is ignored and only the feature map is used.
 
     layers:       bottleneck units per stage, e.g. (3, 4, 6, 3) for R50; (3, 4, 9) is the
-                  hybrid's "stage 4 removed, its blocks moved to stage 3" (paper Sec. 4.1).
-    width_factor: channel multiplier ("x1", "x2", ...); root width is 64 * width_factor.
+                  hybrid's "stage 4 removed, its blocks moved to stage 3" (paper Sec. 4.1);
+                  () is the root alone (vit_jax's R+ViT-Ti_16 stem).
+    width_factor: channel multiplier ("x1", "x2", ...); root width is int(64 * width_factor),
+                  as vit_jax computes it, so 0.5 (a 32-channel root) is allowed too.
     padding:      "same" reproduces TensorFlow/Flax SAME padding (asymmetric for even sizes)
                   as the official checkpoints were trained with; "symmetric" is PyTorch's.
     ws_eps:       epsilon of weight standardisation; vit_jax adds it to the std: (w - mean) / (std + eps).
@@ -79,7 +96,7 @@ class ResNetConfig:
     """
 
     layers: tuple[int, ...] = (3, 4, 6, 3)
-    width_factor: int = 1
+    width_factor: int | float = 1
     in_chans: int = 3
     num_classes: int = 1000
     img_size: Pair = (224, 224)
@@ -95,11 +112,12 @@ class ResNetConfig:
 
     def __post_init__(self) -> None:
         layers = tuple(self.layers)
-        if not 1 <= len(layers) <= 4 or not all(isinstance(n, int) and n > 0 for n in layers):
-            raise ConfigError(f"layers={self.layers!r}: expected 1 to 4 positive unit counts per stage")
+        # () is the root alone, no stages: vit_jax's R+ViT-Ti_16 / AugReg R_Ti_16 hybrid stem
+        if not 0 <= len(layers) <= 4 or not all(isinstance(n, int) and n > 0 for n in layers):
+            raise ConfigError(f"layers={self.layers!r}: expected 0 to 4 positive unit counts per stage")
         object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "img_size", to_pair(self.img_size, "img_size"))
-        _check_positive("width_factor", self.width_factor)
+        _check_width_factor(self.width_factor)
         _check_positive("in_chans", self.in_chans)
         if not isinstance(self.num_classes, int) or self.num_classes < 0:
             raise ConfigError(f"num_classes={self.num_classes!r}: must be an integer >= 0")
@@ -113,14 +131,21 @@ class ResNetConfig:
             raise ConfigError(f"root_pool={self.root_pool!r}: must be True or False")
 
     @property
+    def root_width(self) -> int:
+        """Channels of the root conv: ``int(64 * width_factor)``, as vit_jax computes it."""
+        return int(64 * self.width_factor)
+
+    @property
     def out_channels(self) -> int:
-        """Channels of the last stage's output (bottleneck expansion 4)."""
-        return 64 * self.width_factor * 4 * 2 ** (len(self.layers) - 1)
+        """Channels of the last stage's output (bottleneck expansion 4); the root's without stages."""
+        if not self.layers:
+            return self.root_width
+        return self.root_width * 4 * 2 ** (len(self.layers) - 1)
 
     @property
     def reduction(self) -> int:
         """Total downsampling: the root conv's stride, the max-pool's 2, then /2 per later stage."""
-        return self.root_stride * (2 if self.root_pool else 1) * 2 ** (len(self.layers) - 1)
+        return self.root_stride * (2 if self.root_pool else 1) * 2 ** max(len(self.layers) - 1, 0)
 
 
 POSEMB_KINDS = ("none", "learned_1d", "learned_2d", "relative")

@@ -1,6 +1,12 @@
 """Shared set-up of the weight tests."""
+import os
+import sys
+
 import pytest
 import torch
+
+# the numpy references of one test file are reused by others (pytest runs with --import-mode=importlib)
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(autouse=True)

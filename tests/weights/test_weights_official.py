@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import scipy.ndimage
+import scipy.special
 import torch
 
 from vitlab.weights import WeightsError, load_model, load_official_npz, save_official_npz
@@ -53,9 +54,16 @@ def conv_same(x, kernel, stride):  # x NHWC, kernel HWIO, SAME padding (flax.lin
     return out
 
 
-def std_conv(x, kernel, stride=1):  # models_resnet.StdConv: standardise over (H, W, in), eps outside the sqrt
+# Numerical conventions of the stem; other sources (timm's hybrids) pass their own.
+OFFICIAL = dict(ws_eps=1e-5, ws_inside_sqrt=False, gn_eps=1e-6, gelu="tanh")
+
+
+def std_conv(x, kernel, stride=1, conv=OFFICIAL):  # models_resnet.StdConv: standardise over (H, W, in)
     w = kernel - kernel.mean(axis=(0, 1, 2))
-    w = w / (w.std(axis=(0, 1, 2)) + 1e-5)
+    if conv["ws_inside_sqrt"]:  # timm StdConv2dSame: (w - mean) / sqrt(var + eps)
+        w = w / np.sqrt(w.var(axis=(0, 1, 2)) + conv["ws_eps"])
+    else:  # vit_jax: (w - mean) / (std + eps)
+        w = w / (w.std(axis=(0, 1, 2)) + conv["ws_eps"])
     return conv_same(x, w, stride)
 
 
@@ -78,15 +86,15 @@ def max_pool_same(x, k=3, s=2):  # flax.linen.max_pool(padding='SAME'): pads wit
     return out
 
 
-def residual_unit(p, pre, x, features, stride):  # models_resnet.ResidualUnit (v1, post-activation)
+def residual_unit(p, pre, x, features, stride, conv=OFFICIAL):  # models_resnet.ResidualUnit (v1, post-activation)
     relu = lambda v: np.maximum(v, 0)
+    gn = lambda v, name: group_norm(v, p[pre + name + "/scale"], p[pre + name + "/bias"], eps=conv["gn_eps"])
     residual = x
     if x.shape[-1] != 4 * features or stride != 1:
-        residual = std_conv(x, p[pre + "conv_proj/kernel"], stride)
-        residual = group_norm(residual, p[pre + "gn_proj/scale"], p[pre + "gn_proj/bias"])
-    y = relu(group_norm(std_conv(x, p[pre + "conv1/kernel"]), p[pre + "gn1/scale"], p[pre + "gn1/bias"]))
-    y = relu(group_norm(std_conv(y, p[pre + "conv2/kernel"], stride), p[pre + "gn2/scale"], p[pre + "gn2/bias"]))
-    y = group_norm(std_conv(y, p[pre + "conv3/kernel"]), p[pre + "gn3/scale"], p[pre + "gn3/bias"])
+        residual = gn(std_conv(x, p[pre + "conv_proj/kernel"], stride, conv), "gn_proj")
+    y = relu(gn(std_conv(x, p[pre + "conv1/kernel"], 1, conv), "gn1"))
+    y = relu(gn(std_conv(y, p[pre + "conv2/kernel"], stride, conv), "gn2"))
+    y = gn(std_conv(y, p[pre + "conv3/kernel"], 1, conv), "gn3")
     return relu(residual + y)
 
 
@@ -102,23 +110,28 @@ def attention(p, pre, x):  # flax.linen.MultiHeadDotProductAttention, self-atten
     return np.einsum("nqhk,hkd->nqd", out, p[pre + "out/kernel"]) + p[pre + "out/bias"]
 
 
-def official_forward(p, images, classifier, resnet_layers=()):
+def gelu_exact(x):  # torch.nn.GELU() / F.gelu(approximate="none"): timm and Hugging Face
+    return 0.5 * x * (1.0 + scipy.special.erf(x / math.sqrt(2.0)))
+
+
+def official_forward(p, images, classifier, resnet_layers=(), conv=OFFICIAL):
     """vit_jax VisionTransformer.__call__(train=False); images NHWC float64."""
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    gelu = gelu_tanh if conv["gelu"] == "tanh" else gelu_exact
     x = images
     if "conv_root/kernel" in p:
-        x = std_conv(x, p["conv_root/kernel"], 2)
-        x = np.maximum(group_norm(x, p["gn_root/scale"], p["gn_root/bias"]), 0)
+        x = std_conv(x, p["conv_root/kernel"], 2, conv)
+        x = np.maximum(group_norm(x, p["gn_root/scale"], p["gn_root/bias"], eps=conv["gn_eps"]), 0)
         x = max_pool_same(x)
-        width = p["conv_root/kernel"].shape[-1]
+        width = p["conv_root/kernel"].shape[-1]  # int(64 * width_factor)
         for s, units in enumerate(resnet_layers):
             for u in range(units):
                 stride = 2 if s > 0 and u == 0 else 1
-                x = residual_unit(p, f"block{s + 1}/unit{u + 1}/", x, width * 2**s, stride)
+                x = residual_unit(p, f"block{s + 1}/unit{u + 1}/", x, width * 2**s, stride, conv)
     # patch embedding: a VALID conv with stride = kernel = patch, written as reshape + einsum
-    P = p["embedding/kernel"].shape[0]
+    P, Q = p["embedding/kernel"].shape[:2]
     n, h, w, c = x.shape
-    x = x.reshape(n, h // P, P, w // P, P, c)
+    x = x.reshape(n, h // P, P, w // Q, Q, c)
     x = np.einsum("nhpwqc,pqcd->nhwd", x, p["embedding/kernel"]) + p["embedding/bias"]
     x = x.reshape(n, -1, x.shape[-1])
     if classifier == "token":
@@ -130,7 +143,7 @@ def official_forward(p, images, classifier, resnet_layers=()):
         y = layer_norm(x, p[b + "LayerNorm_0/scale"], p[b + "LayerNorm_0/bias"])
         x = x + attention(p, b + "MultiHeadDotProductAttention_1/", y)
         y = layer_norm(x, p[b + "LayerNorm_2/scale"], p[b + "LayerNorm_2/bias"])
-        y = gelu_tanh(y @ p[b + "MlpBlock_3/Dense_0/kernel"] + p[b + "MlpBlock_3/Dense_0/bias"])
+        y = gelu(y @ p[b + "MlpBlock_3/Dense_0/kernel"] + p[b + "MlpBlock_3/Dense_0/bias"])
         x = x + y @ p[b + "MlpBlock_3/Dense_1/kernel"] + p[b + "MlpBlock_3/Dense_1/bias"]
         i += 1
     x = layer_norm(x, p["Transformer/encoder_norm/scale"], p["Transformer/encoder_norm/bias"])
@@ -144,15 +157,19 @@ def official_forward(p, images, classifier, resnet_layers=()):
 
 
 def random_checkpoint(seed, *, width=32, depth=2, heads=2, mlp=48, patch=4, grid=4, in_chans=3, classes=5,
-                      classifier="token", rep=None, resnet_layers=()):
-    """A dict of random arrays with the names and shapes of a vit_jax checkpoint."""
+                      classifier="token", rep=None, resnet_layers=(), root=64, hybrid=False):
+    """A dict of random arrays with the names and shapes of a vit_jax checkpoint.
+
+    patch and grid: an int (square) or (height, width); root: the hybrid root's channels,
+    int(64 * width_factor); hybrid=True with no resnet_layers is the root-only stem.
+    """
+    (ph, pw), (gh, gw) = (patch, patch) if isinstance(patch, int) else patch, (grid, grid) if isinstance(grid, int) else grid
     rng = np.random.default_rng(seed)
     r = lambda *shape, s=0.3: (rng.standard_normal(shape) * s).astype(np.float32)
     one = lambda *shape: (1 + r(*shape, s=0.1)).astype(np.float32)
     p, hd = {}, width // heads
     feat = in_chans
-    if resnet_layers:
-        root = 64
+    if resnet_layers or hybrid:
         p["conv_root/kernel"] = r(7, 7, in_chans, root)
         # old Flax (< 0.3.6) GroupNorm layout (1, 1, 1, C), as vit_jax's _fix_groupnorm expects
         p["gn_root/scale"], p["gn_root/bias"] = one(1, 1, 1, root), r(1, 1, 1, root, s=0.1)
@@ -170,11 +187,11 @@ def random_checkpoint(seed, *, width=32, depth=2, heads=2, mlp=48, patch=4, grid
                     p[pre + gn + "/scale"], p[pre + gn + "/bias"] = one(shape[-1]), r(shape[-1], s=0.1)
                 cin = 4 * mid
         feat = cin
-    p["embedding/kernel"] = r(patch, patch, feat, width, s=0.3 / math.sqrt(patch * patch * feat) * 3)
+    p["embedding/kernel"] = r(ph, pw, feat, width, s=0.3 / math.sqrt(ph * pw * feat) * 3)
     p["embedding/bias"] = r(width)
     if classifier == "token":
         p["cls"] = r(1, 1, width)
-    p["Transformer/posembed_input/pos_embedding"] = r(1, grid * grid + (classifier == "token"), width)
+    p["Transformer/posembed_input/pos_embedding"] = r(1, gh * gw + (classifier == "token"), width)
     for i in range(depth):
         b = f"Transformer/encoderblock_{i}/"
         for ln in ("LayerNorm_0", "LayerNorm_2"):

@@ -21,6 +21,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("pack-shards", "pack", "pack an ImageFolder into tar shards for streaming"),
     ("flops", "flops", "forward FLOPs of a model and the compute of a training run"),
     ("export", "export", "export a model to ONNX or a torch.export program"),
+    ("convert", "convert", "convert weights between layouts: vitlab, official .npz, Hugging Face, timm"),
     ("eval", "eval", "top-1/top-5, per-class accuracy, confusion and calibration of a checkpoint"),
     ("fewshot", "fewshot", "linear few-shot accuracy of frozen features (closed-form least squares)"),
     ("inspect", "inspect", "an HTML report: attention rollout and distance, embedding figures, training curves"),

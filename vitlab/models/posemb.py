@@ -124,3 +124,21 @@ class RelativePosBias(nn.Module):
         pos = torch.arange(L, device=q.device)
         offset = pos[:, None] - pos[None, :] + (L - 1)  # (L, L) index of q - k
         return logits.gather(-1, offset.expand(*logits.shape[:2], L, L))
+
+
+def posemb_sincos_2d(grid: Pair, width: int, temperature: float = 10_000.0) -> torch.Tensor:
+    """big_vision's fixed 2D sin-cos position embedding (``models/vit.py: posemb_sincos_2d``), (1, h*w, D).
+
+    Per patch (y, x) in raster order: [sin(x w), cos(x w), sin(y w), cos(y w)] with
+    ``w_k = temperature ** -(k / (D/4 - 1))``, k < D/4.  Computed in float64, returned as float32.
+    """
+    if width % 4:
+        raise ValueError(f"width={width}: the sin-cos 2D position embedding needs a multiple of 4")
+    h, w = grid
+    y, x = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64), indexing="ij")
+    omega = torch.arange(width // 4, dtype=torch.float64) / max(width // 4 - 1, 1)
+    omega = 1.0 / temperature**omega
+    y = y.flatten()[:, None] * omega[None]
+    x = x.flatten()[:, None] * omega[None]
+    table = torch.cat([torch.sin(x), torch.cos(x), torch.sin(y), torch.cos(y)], dim=1)
+    return table.unsqueeze(0).float()

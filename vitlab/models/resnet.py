@@ -180,7 +180,7 @@ def _unit_plan(cfg: ResNetConfig) -> list[list[tuple[int, int, int]]]:
     Stage i is 64 * width_factor * 2**i wide and outputs 4x that; only the first unit of
     stages after the first has stride 2 (the root already reduced by 4).
     """
-    root = 64 * cfg.width_factor
+    root = cfg.root_width  # int(64 * width_factor), as vit_jax
     plan, cin = [], root
     for i, units in enumerate(cfg.layers):
         mid = root * 2**i
@@ -241,7 +241,7 @@ class ResNetFeatures(nn.Module):
         self.cfg = cfg
         self.out_channels = cfg.out_channels
         self.reduction = cfg.reduction
-        width = 64 * cfg.width_factor
+        width = cfg.root_width
         self.conv_root = _conv(cfg, cfg.in_chans, width, cfg.root_kernel, cfg.root_stride)
         self.gn_root = _gn(cfg, width)
         self.stages = nn.ModuleList(ResNetStage(cfg, plan) for plan in _unit_plan(cfg))
@@ -300,7 +300,7 @@ class BiTResNet(nn.Module):
         self.cfg = cfg
         self.num_features = cfg.out_channels
         self.num_classes = cfg.num_classes
-        root = OrderedDict(conv=_conv(cfg, cfg.in_chans, 64 * cfg.width_factor, cfg.root_kernel, cfg.root_stride))
+        root = OrderedDict(conv=_conv(cfg, cfg.in_chans, cfg.root_width, cfg.root_kernel, cfg.root_stride))
         if cfg.root_pool:
             root.update(pad=nn.ConstantPad2d(1, 0.0), pool=nn.MaxPool2d(3, 2))
         self.root = nn.Sequential(root)

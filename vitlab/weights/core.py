@@ -134,30 +134,70 @@ def _require(state_dict: Mapping[str, torch.Tensor], key: str, what: str) -> tor
     return state_dict[key]
 
 
+def width_factor_of(root_channels: int) -> int | float:
+    """The width factor whose root vit_jax builds with ``root_channels``: ``int(64 * wf)`` channels.
+
+    An int when the root is a multiple of 64 (R50x1, x2, ...), else the float root/64 (32 -> 0.5).
+    """
+    return root_channels // 64 if root_channels % 64 == 0 else root_channels / 64
+
+
 def infer_resnet(state_dict: Mapping[str, torch.Tensor], **fields: Any) -> ResNetConfig | None:
-    """The hybrid stem's ResNetConfig from ``stem.*`` shapes, or None for a plain ViT."""
+    """The hybrid stem's ResNetConfig from ``stem.*`` shapes, or None for a plain ViT.
+
+    A root without stages (vit_jax's R+ViT-Ti_16) gives ``layers=()``.
+    """
     if "stem.conv_root.weight" not in state_dict:
         return None
-    root = state_dict["stem.conv_root.weight"]  # (64 * width_factor, in_chans, 7, 7)
+    root = state_dict["stem.conv_root.weight"]  # (int(64 * width_factor), in_chans, k, k)
     layers = []
     while True:
         units = _count(state_dict, f"stem.stages.{len(layers)}.units.", ".conv1.weight")
         if units == 0:
             break
         layers.append(units)
-    if not layers:
-        raise WeightsError(
-            "the hybrid stem has a root block but no ResNet stages (e.g. the official 'R+ViT-Ti_16'); "
-            "vitlab's ResNetConfig needs 1 to 4 stages"
-        )
-    if root.shape[0] % 64:
-        raise WeightsError(f"stem.conv_root.weight has {root.shape[0]} output channels, not a multiple of 64")
-    # num_classes keeps its default: a stem ignores it, and so the config equals the registry's
-    return ResNetConfig(layers=tuple(layers), width_factor=root.shape[0] // 64, in_chans=root.shape[1], **fields)
+    fields = {"root_kernel": root.shape[-1], **fields}
+    try:
+        # num_classes keeps its default: a stem ignores it, and so the config equals the registry's
+        return ResNetConfig(layers=tuple(layers), width_factor=width_factor_of(root.shape[0]), in_chans=root.shape[1],
+                            **fields)
+    except ConfigError as e:
+        raise WeightsError(f"the hybrid stem read from the weights (stem.conv_root.weight {tuple(root.shape)}, "
+                           f"stages {layers}) is not valid: {e}") from e
+
+
+def patch_grid(positions: int, patch_size: Pair, reduction: int, weights_img_size: Pair | int | None,
+               img_size_hint: Pair | int | None, what: str) -> Pair:
+    """The (h, w) patch grid of a position table holding ``positions`` patch positions.
+
+    ``weights_img_size`` (the checkpoint's own resolution, when known: an AugReg file name,
+    a timm model's img_size) decides; else a square grid; else the requested ``img_size``
+    if its grid has exactly that many positions (non-square checkpoints loaded at their size).
+    """
+    def grid_of(size: Pair | int) -> Pair:
+        h, w = to_pair(size, "img_size")
+        return (-(-h // reduction) // patch_size[0], -(-w // reduction) // patch_size[1])
+
+    if weights_img_size is not None:
+        grid = grid_of(weights_img_size)
+        if grid[0] * grid[1] != positions:
+            raise WeightsError(f"{what} holds {positions} patch positions, but weights_img_size={weights_img_size} "
+                               f"means a {grid[0]}x{grid[1]} grid of {patch_size} patches")
+        return grid
+    side = int(round(positions ** 0.5))
+    if side * side == positions:
+        return (side, side)
+    if img_size_hint is not None and np.prod(grid_of(img_size_hint)) == positions:
+        return grid_of(img_size_hint)
+    raise WeightsError(
+        f"{what} holds {positions} patch positions, not a square grid: pass weights_img_size=(height, width) "
+        "(the resolution the weights were trained at), or img_size= that size"
+    )
 
 
 def infer_config(state_dict: Mapping[str, torch.Tensor], *, name: str | None = None,
                  heads_from_weights: int | None = None, resnet_fields: Mapping[str, Any] | None = None,
+                 weights_img_size: Pair | int | None = None, img_size_hint: Pair | int | None = None,
                  **fields: Any) -> ViTConfig:
     """The ViTConfig whose model has exactly the shapes of ``state_dict`` (vitlab keys).
 
@@ -183,19 +223,15 @@ def infer_config(state_dict: Mapping[str, torch.Tensor], *, name: str | None = N
 
     if "pos_embed.weight" in state_dict:
         posemb, positions = "learned_1d", state_dict["pos_embed.weight"].shape[1] - prefix
-        side = int(round(positions ** 0.5))
-        if side * side != positions:
-            raise WeightsError(
-                f"pos_embed holds {positions} patch positions (after {prefix} [class] position), which is not a "
-                "square grid; this happens when the [class] token has no position embedding (timm's "
-                "no_embed_class), which vitlab does not implement"
-            )
-        grid = (side, side)
+        grid = patch_grid(positions, patch_size, reduction, weights_img_size, img_size_hint,
+                          f"pos_embed (after {prefix} [class] position)")
     elif "pos_embed.x" in state_dict:
         posemb, grid = "learned_2d", (state_dict["pos_embed.y"].shape[0], state_dict["pos_embed.x"].shape[0])
     else:
         raise WeightsError("cannot tell the image size: the weights have no position embedding 'pos_embed.weight'")
     img_size = (grid[0] * patch_size[0] * reduction, grid[1] * patch_size[1] * reduction)
+    if weights_img_size is not None and posemb == "learned_1d":  # checked against the table by patch_grid
+        img_size = to_pair(weights_img_size, "weights_img_size")
 
     asked = fields.pop("num_heads", None)
     if heads_from_weights is not None and asked is not None and asked != heads_from_weights:
@@ -333,3 +369,47 @@ def build_loaded(state_dict: StateDict, cfg: ModelConfig, *, img_size: Pair | in
     model = build_model(cfg)
     fresh = {k: v for k, v in model.state_dict().items() if k.startswith("head.") and k not in state_dict}
     return load_checked(model, {**state_dict, **fresh}, source).eval()
+
+
+# ------------------------------------------------------------------------------ exporting
+
+
+class ConventionWarning(UserWarning):
+    """An export whose target library computes with other numerical conventions than the model."""
+
+
+def convention_differences(cfg: ViTConfig, target: Mapping[str, Any], library: str) -> list[str]:
+    """One line per convention of ``cfg`` (gelu, ln_eps, ...) that ``library`` fixes differently."""
+    out = []
+    for field, theirs in target.items():
+        ours = getattr(cfg, field)
+        if ours != theirs:
+            out.append(f"{field}: the model uses {ours!r}, {library} computes with {theirs!r}")
+    return out
+
+
+def warn_conventions(lines: list[str], library: str) -> None:
+    """Say, once per export, how the written model will compute differently in ``library``."""
+    if lines:
+        import warnings
+
+        warnings.warn(f"{library} will not reproduce this model's logits exactly: " + "; ".join(lines),
+                      ConventionWarning, stacklevel=3)
+
+
+def require_plain_vit(cfg: ModelConfig, library: str, *, hybrid: bool = True) -> ViTConfig:
+    """Refuse what ``library``'s ViT cannot hold, naming every reason at once."""
+    if not isinstance(cfg, ViTConfig):
+        raise WeightsError(f"{library} has no layout for a {type(cfg).__name__} model (a ViT is needed)")
+    reasons = []
+    if cfg.axial:
+        reasons.append("axial=True (Axial-ViT blocks)")
+    if cfg.posemb != "learned_1d":
+        reasons.append(f"posemb={cfg.posemb!r} (only learned 1D position embeddings)")
+    if cfg.posemb_place != "stem":
+        reasons.append(f"posemb_place={cfg.posemb_place!r} (only 'stem')")
+    if not hybrid and cfg.resnet is not None:
+        reasons.append("a ResNet stem (hybrid)")
+    if reasons:
+        raise WeightsError(f"{library} cannot hold this model: " + "; ".join(reasons))
+    return cfg

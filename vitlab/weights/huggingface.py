@@ -25,16 +25,32 @@ does not use one, so a pooler next to a classifier is ignored, as HF ignores it.
 Conventions: exact GELU, LayerNorm eps 1e-12, bicubic position-embedding interpolation
 with unaligned corners (``ViTEmbeddings.interpolate_pos_encoding``); an HF config.json,
 when given, supplies the heads, eps and activation.
+
+Export (``save_huggingface``, ``save_model(..., format="hf")``) writes a directory that
+``ViTForImageClassification.from_pretrained`` loads with no missing or unexpected keys:
+``config.json`` and ``model.safetensors`` with the hub-file names (transformers 4's, which
+transformers 5 also writes and reads).  The conventions travel in the config, so the
+logits stay equal: ``hidden_act`` "gelu" (exact) or "gelu_pytorch_tanh" (vit_jax's tanh
+form), ``layer_norm_eps`` the model's, ``qkv_bias`` the model's.  What the class cannot
+compute is refused: the "gap" classifier and a pre-logits layer (ViTForImageClassification
+reads the [class] token and has no pooler), hybrids, other position embeddings.  One
+difference stays, and is warned about only for ``posemb_resample="bilinear"`` models:
+``interpolate_pos_encoding=True`` resamples bicubically.
 """
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any, Mapping
 
+import safetensors.torch
 import torch
 from torch import nn
 
 from ..config import Pair, ViTConfig
-from .core import StateDict, WeightsError, build_loaded, infer_config, to_tensor
+from .core import (StateDict, WeightsError, atomic_write, build_loaded, infer_config, require_plain_vit, to_tensor,
+                   warn_conventions)
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-12, "posemb_resample": "bicubic"}
 
@@ -130,6 +146,74 @@ def load_huggingface(state_dict: Mapping[str, Any], hf_config: Mapping[str, Any]
     """
     sd = from_huggingface(state_dict)
     fields = {**CONVENTIONS, **(config_overrides(hf_config) if hf_config else {}), **overrides}
-    cfg: ViTConfig = infer_config(sd, name=name, **fields)
+    size = (hf_config or {}).get("image_size")
+    if isinstance(size, (list, tuple)) and size[0] != size[1]:  # a non-square grid: the config says which
+        fields.setdefault("weights_img_size", (int(size[0]), int(size[1])))
+    cfg: ViTConfig = infer_config(sd, name=name, img_size_hint=img_size, **fields)
     return build_loaded(sd, cfg, img_size=img_size, num_classes=num_classes, keep_pre_logits=keep_pre_logits,
                         source="the Hugging Face weights")
+
+
+# ------------------------------------------------------------------------------ export
+
+GELU_NAMES = {"exact": "gelu", "tanh": "gelu_pytorch_tanh"}  # vitlab gelu -> HF hidden_act
+
+
+def _pair_or_int(pair: tuple[int, int]) -> int | list[int]:
+    return pair[0] if pair[0] == pair[1] else list(pair)
+
+
+def to_huggingface(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(state dict with HF hub names, config.json dict) of a vitlab ViT for ViTForImageClassification."""
+    cfg = require_plain_vit(model.cfg, "Hugging Face ViTForImageClassification", hybrid=False)
+    reasons = []
+    if cfg.classifier != "token":
+        reasons.append("classifier='gap' (ViTForImageClassification reads the [class] token)")
+    if cfg.representation_size is not None:
+        reasons.append(f"representation_size={cfg.representation_size} (ViTForImageClassification has no "
+                       "pre-logits layer; load with num_classes=... to drop it, as fine-tuning does)")
+    if reasons:
+        raise WeightsError("Hugging Face ViTForImageClassification cannot hold this model: " + "; ".join(reasons))
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    layer, modules, qkv = LAYOUT_V4
+    table = [("vit." + hf, ours) for hf, ours in BASE_MAP if not hf.startswith("pooler.")] + HEAD_MAP
+    out: dict[str, torch.Tensor] = {}
+    for i in range(cfg.depth):
+        pre = "vit." + layer.format(i)
+        table += [(f"{pre}{hf}.{p}", f"blocks.{i}.{ours}.{p}") for hf, ours in modules for p in ("weight", "bias")]
+        for p in ("weight", "bias"):
+            key = f"blocks.{i}.attn.qkv.{p}"
+            if key in sd:
+                for m, part in zip(qkv, sd.pop(key).chunk(3)):
+                    out[f"{pre}{m}.{p}"] = part.clone()
+    for hf, ours in table:
+        if ours in sd:
+            out[hf] = sd.pop(ours).clone()
+    if sd:
+        raise WeightsError(f"no Hugging Face name for: {', '.join(sorted(sd))}")
+    labels = {str(i): f"LABEL_{i}" for i in range(cfg.num_classes)}
+    config = {
+        "architectures": ["ViTForImageClassification"], "model_type": "vit",
+        "hidden_size": cfg.width, "num_hidden_layers": cfg.depth, "num_attention_heads": cfg.num_heads,
+        "intermediate_size": cfg.mlp_dim, "hidden_act": GELU_NAMES[cfg.gelu], "layer_norm_eps": cfg.ln_eps,
+        "image_size": _pair_or_int(cfg.img_size), "patch_size": _pair_or_int(cfg.patch_size),
+        "num_channels": cfg.in_chans, "qkv_bias": cfg.qkv_bias, "encoder_stride": cfg.patch_size[0],
+        "hidden_dropout_prob": cfg.dropout, "attention_probs_dropout_prob": cfg.attention_dropout,
+        "initializer_range": 0.02, "id2label": labels, "label2id": {v: int(k) for k, v in labels.items()},
+    }
+    if cfg.posemb_resample != "bicubic":
+        warn_conventions([f"posemb_resample: the model resamples position embeddings {cfg.posemb_resample!r}, "
+                          "Hugging Face's interpolate_pos_encoding=True bicubically (equal logits at the saved "
+                          "img_size)"], "Hugging Face")
+    return out, config
+
+
+def save_huggingface(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write ``path/config.json`` and ``path/model.safetensors`` for ``ViTForImageClassification.from_pretrained``."""
+    tensors, config = to_huggingface(model)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    data = safetensors.torch.save(tensors, metadata={"format": "pt"})
+    weights = atomic_write(path / "model.safetensors", lambda f: f.write(data))
+    atomic_write(path / "config.json", lambda f: f.write(json.dumps(config, indent=2, sort_keys=True).encode()))
+    return weights

@@ -9,10 +9,13 @@ The format is recognised from what the source holds, never from a flag:
     *.safetensors                                    vitlab if its metadata has a config, else by keys
     *.npz                                            official vit_jax
     *.pt, *.pth, *.bin                               by keys; read with torch.load(weights_only=True)
+    (any of these with <stem>.timm.json beside it: timm create_model arguments, as save_model(format="timm") writes)
     a dict in memory                                 by keys
 
     keys                                             format
-    'embedding/kernel' (Flax tree, '/' separators)   official vit_jax
+    'embedding/kernel' (Flax tree, '/' separators)   official vit_jax (AugReg too: its file name is checked)
+    'params/[img/]embedding/kernel'                  big_vision ViT
+    'resnet/root_block/standardized_conv2d/kernel'   BiT (big_transfer)
     '[vit.]embeddings.patch_embeddings.projection.weight'   Hugging Face
     'patch_embed.proj.weight'                        timm
     'patch_embed.weight'                             a bare vitlab state dict (vitlab's default conventions)
@@ -30,10 +33,13 @@ from torch import nn
 
 from ..config import Pair
 from .core import WeightsError, build_loaded, infer_config, to_tensor
+from .bigvision import is_big_vision, load_big_vision
+from .bit import is_bit, load_bit
 from .huggingface import is_huggingface, load_huggingface
 from .native import CONFIG_KEY, CONFIG_NAME, is_native, load_native, read_safetensors
 from .official import KNOWN_PREFIXES, load_official_npz, read_npz
 from .timm import is_timm, load_timm
+from .timm import sidecar_path as timm_sidecar
 
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 # Checkpoints saved by training scripts often wrap the state dict under one of these.
@@ -60,10 +66,14 @@ def _torch_load(path: Path) -> dict[str, Any]:
 
 
 def detect_format(keys: Any) -> str:
-    """'official', 'huggingface', 'timm' or 'vitlab', from a state dict's keys."""
+    """'official', 'big_vision', 'bit', 'huggingface', 'timm' or 'vitlab', from a state dict's keys."""
     keys = set(keys)
     if any(p + "embedding/kernel" in keys for p in ("",) + KNOWN_PREFIXES):
         return "official"
+    if is_big_vision(keys):
+        return "big_vision"
+    if is_bit(keys):
+        return "bit"
     if is_huggingface(keys):
         return "huggingface"
     if is_timm(keys):
@@ -72,19 +82,26 @@ def detect_format(keys: Any) -> str:
         return "vitlab"
     some = ", ".join(sorted(keys)[:6])
     raise WeightsError(
-        f"unrecognised weights (first keys: {some}); vitlab reads official vit_jax .npz, Hugging Face ViT, "
-        "timm vision_transformer and its own state dicts"
+        f"unrecognised weights (first keys: {some}); vitlab reads official vit_jax / AugReg .npz, big_vision ViT, "
+        "BiT (big_transfer) .npz, Hugging Face ViT, timm vision_transformer (plain and hybrid) and its own state dicts"
     )
 
 
-def _load_state_dict(sd: Mapping[str, Any], hf_config: Mapping[str, Any] | None, **kw: Any) -> nn.Module:
+def _load_state_dict(sd: Mapping[str, Any], hf_config: Mapping[str, Any] | None, file: Path | None = None,
+                     timm_kwargs: Mapping[str, Any] | None = None, **kw: Any) -> nn.Module:
     fmt = detect_format(sd.keys())
     if fmt == "official":  # the arrays define the architecture; a name is only checked against them
-        return load_official_npz(sd, **kw)
+        return load_official_npz(sd, file_name=file, **kw)
+    if fmt in ("big_vision", "bit"):
+        kw.pop("name", None)  # the arrays define the architecture
+        if fmt == "bit":
+            kw.pop("keep_pre_logits")
+            return load_bit(sd, file_name=file, **kw)
+        return load_big_vision(sd, file_name=file, **kw)
     if fmt == "huggingface":
         return load_huggingface(sd, hf_config, **kw)
     if fmt == "timm":
-        return load_timm(sd, **kw)
+        return load_timm(sd, timm_kwargs=timm_kwargs, **kw)
     # a bare vitlab state dict: no config, so vitlab's defaults (the official conventions) apply
     img_size, num_classes, keep = kw.pop("img_size"), kw.pop("num_classes"), kw.pop("keep_pre_logits")
     sd = {k: to_tensor(v) for k, v in sd.items()}
@@ -112,15 +129,18 @@ def _load_dir(path: Path, **kw: Any) -> nn.Module:
 def _load_file(path: Path, hf_config: Mapping[str, Any] | None = None, **kw: Any) -> nn.Module:
     suffix = path.suffix.lower()
     if suffix == ".npz":
-        return load_official_npz(read_npz(path), **kw)
+        return _load_state_dict(read_npz(path), hf_config, file=path, **kw)
+    # timm exports carry their create_model arguments beside the weights (timm.save_timm)
+    sidecar = timm_sidecar(path)
+    timm_kwargs = json.loads(sidecar.read_text()).get("kwargs") if sidecar.is_file() else None
     if suffix == ".safetensors":
         tensors, metadata = read_safetensors(path)
         if CONFIG_KEY in metadata:
             kw.pop("name", None)  # the saved config is authoritative
             return load_native(path, **kw)
-        return _load_state_dict(tensors, hf_config, **kw)
+        return _load_state_dict(tensors, hf_config, timm_kwargs=timm_kwargs, **kw)
     if suffix in (".pt", ".pth", ".bin"):
-        return _load_state_dict(_torch_load(path), hf_config, **kw)
+        return _load_state_dict(_torch_load(path), hf_config, timm_kwargs=timm_kwargs, **kw)
     raise WeightsError(f"{path}: unknown file type {suffix!r}; expected .safetensors, .npz, .pt, .pth or .bin")
 
 

@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ..config import ConfigError, ModelConfig, Pair, config_from_json, config_to_json, replace
+from ..config import ConfigError, ModelConfig, Pair, ResNetConfig, config_from_json, config_to_json, replace
 from .core import WeightsError, atomic_write, build_loaded
 
 CONFIG_KEY = "vitlab_config"
@@ -26,15 +26,41 @@ WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
 
-def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
+FORMATS = ("vitlab", "official", "hf", "timm")
+
+
+def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab") -> Path:
     """Save ``model`` (any vitlab model, which carries ``.cfg``) and return the weights file.
 
-    ``path`` ending in ``.safetensors`` is the file; any other path is a directory
-    (created if needed) that receives ``model.safetensors`` and ``config.json``.
+    format="vitlab": ``path`` ending in ``.safetensors`` is the file; any other path is a
+        directory (created if needed) that receives ``model.safetensors`` and ``config.json``.
+    format="official": a vit_jax ``.npz`` (a BiT ResNet: big_transfer's ``.npz``).
+    format="hf": a directory for ``transformers.ViTForImageClassification.from_pretrained``.
+    format="timm": timm's state dict (+ ``<stem>.timm.json``, the ``create_model`` arguments).
+    Exports to libraries with other numerical conventions carry the conventions where the
+    library takes them, and warn (``ConventionWarning``) where it cannot.
     """
     cfg = getattr(model, "cfg", None)
     if cfg is None:
         raise TypeError(f"{type(model).__name__} has no .cfg: only vitlab models can be saved with their config")
+    if format not in FORMATS:
+        raise WeightsError(f"format={format!r}: allowed values are {', '.join(map(repr, FORMATS))}")
+    if format == "official":
+        if isinstance(cfg, ResNetConfig):
+            from .bit import save_bit_npz
+
+            return save_bit_npz(model, path)
+        from .official import save_official_npz
+
+        return save_official_npz(model, path)
+    if format == "hf":
+        from .huggingface import save_huggingface
+
+        return save_huggingface(model, path)
+    if format == "timm":
+        from .timm import save_timm
+
+        return save_timm(model, path)
     text = config_to_json(cfg)
     # clone: safetensors refuses tensors that share memory, and must not see views
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}

@@ -40,6 +40,7 @@ is vitlab's "bilinear" resampling with aligned corners.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -47,7 +48,9 @@ import numpy as np
 from torch import nn
 
 from ..config import Pair, ViTConfig
-from .core import StateDict, WeightsError, atomic_write, build_loaded, infer_config, to_tensor
+from ..models.registry import VIT_SIZES
+from .core import (StateDict, WeightsError, atomic_write, build_loaded, convention_differences, infer_config, to_tensor,
+                   warn_conventions)
 
 # Conventions of vit_jax, applied to every config read from an official checkpoint.
 CONVENTIONS: dict[str, Any] = {"gelu": "tanh", "ln_eps": 1e-6, "posemb_resample": "bilinear"}
@@ -201,8 +204,57 @@ def official_config(state_dict: StateDict, heads: int, **overrides: Any) -> ViTC
                         **{**CONVENTIONS, **overrides})
 
 
+# ----------------------------------------------------------------------------- AugReg names
+# The AugReg release (Steiner et al. 2021, "How to train your ViT?") stores vit_jax .npz
+# files whose names encode the model, the pre-training data and recipe, and, for
+# fine-tuned files, the fine-tuning data and resolution, e.g.
+#   S_16-i21k-300ep-lr_0.001-aug_light1-wd_0.03-do_0.0-sd_0.0.npz                (upstream, 224 px)
+#   R26_S_32-i21k-300ep-lr_0.001-aug_medium2-wd_0.03-do_0.0-sd_0.0--imagenet2012-steps_20k-lr_0.03-res_384.npz
+# Model part: [R<depth>_ or R_ (root only)]<Ti|S|B|L|H>_<patch>.
+AUGREG_NAME = re.compile(
+    r"^(?:(?P<resnet>R\d*)_)?(?P<size>Ti|S|B|L|H)_(?P<patch>\d+)-(?P<pretrain>i1k|i21k)-(?P<epochs>\d+)ep"
+    r"-lr_(?P<lr>[\d.e-]+)-aug_(?P<aug>[a-z]+\d*)-wd_(?P<wd>[\d.]+)-do_(?P<do>[\d.]+)-sd_(?P<sd>[\d.]+)"
+    r"(?:--(?P<finetune>[a-z0-9_]+?)-steps_(?P<steps>\d+k?)-lr_(?P<ft_lr>[\d.e-]+)-res_(?P<res>\d+))?$"
+)
+RESNET_LAYERS = {"R": (), "R26": (2, 2, 2, 2), "R50": (3, 4, 6, 3)}
+
+
+def parse_augreg_name(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The fields an AugReg file name encodes, or None if ``path`` is not named that way.
+
+    ``img_size`` is ``res_N`` of fine-tuned files, else the 224 px of the pre-training.
+    """
+    stem = Path(path).name
+    stem = stem[:-4] if stem.endswith(".npz") else stem
+    m = AUGREG_NAME.match(stem)
+    if m is None:
+        return None
+    out: dict[str, Any] = m.groupdict()
+    out["img_size"] = int(out["res"]) if out["res"] else 224
+    out["patch"] = int(out["patch"])
+    return out
+
+
+def _check_augreg(cfg: ViTConfig, fields: Mapping[str, Any], file: str) -> None:
+    """Refuse weights whose shapes contradict the model their AugReg file name names."""
+    width, depth, mlp_dim, heads = VIT_SIZES[fields["size"]]
+    want: dict[str, Any] = {"width": width, "depth": depth, "mlp_dim": mlp_dim, "num_heads": heads}
+    got: dict[str, Any] = {k: getattr(cfg, k) for k in want}
+    if fields["resnet"] is None:
+        want["patch_size"], got["patch_size"] = (fields["patch"],) * 2, cfg.patch_size
+        want["hybrid"], got["hybrid"] = False, cfg.resnet is not None
+    elif fields["resnet"] in RESNET_LAYERS:
+        want["resnet layers"] = RESNET_LAYERS[fields["resnet"]]
+        got["resnet layers"] = cfg.resnet.layers if cfg.resnet else None
+    wrong = [f"{k}={got[k]} (weights) vs {v} (name)" for k, v in want.items() if got[k] != v]
+    if wrong:
+        raise WeightsError(f"{file}: the arrays contradict the model its AugReg name encodes: " + "; ".join(wrong))
+
+
 def load_official_npz(path_or_dict: str | os.PathLike | Mapping[str, Any], img_size: Pair | int | None = None,
-                      num_classes: int | None = None, keep_pre_logits: bool = False, **overrides: Any) -> nn.Module:
+                      num_classes: int | None = None, keep_pre_logits: bool = False,
+                      file_name: str | os.PathLike | None = None, source: str = "the official checkpoint",
+                      **overrides: Any) -> nn.Module:
     """A vitlab model (eval mode) holding a vit_jax checkpoint.
 
     The architecture is read from the arrays (see ``core.infer_config``).  ``img_size``
@@ -210,13 +262,26 @@ def load_official_npz(path_or_dict: str | os.PathLike | Mapping[str, Any], img_s
     embedding kept, the grid zoomed with order 1).  A ``num_classes`` different from the
     checkpoint's gives a zero-initialised head and, unless ``keep_pre_logits``, drops the
     pre-logits layer, as the official fine-tuning default (representation_size=None) does.
-    ``overrides`` are ViTConfig fields (e.g. dropout, dynamic_img_size).
+    ``source`` names the weights in errors.  ``overrides`` are ViTConfig fields (e.g.
+    dropout, dynamic_img_size), or ``weights_img_size`` (the checkpoint's own resolution, needed only for non-square grids).
+    An AugReg file name (the path's, or ``file_name`` for arrays already read) supplies
+    that resolution and is checked against the arrays.
     """
-    arrays = read_npz(path_or_dict) if isinstance(path_or_dict, (str, os.PathLike)) else path_or_dict
+    if isinstance(path_or_dict, (str, os.PathLike)):
+        arrays, file_name = read_npz(path_or_dict), path_or_dict
+    else:
+        arrays = path_or_dict
+    augreg = parse_augreg_name(file_name) if file_name is not None else None
+    if augreg is not None:
+        overrides.setdefault("weights_img_size", augreg["img_size"])
     state_dict, heads = from_official(arrays)
-    cfg = official_config(state_dict, heads, **overrides)
+    cfg = official_config(state_dict, heads, img_size_hint=img_size, **overrides)
+    if augreg is not None:
+        _check_augreg(cfg, augreg, str(file_name))
+    if file_name is not None:
+        source = f"{source} {file_name}"
     return build_loaded(state_dict, cfg, img_size=img_size, num_classes=num_classes,
-                        keep_pre_logits=keep_pre_logits, source="the official checkpoint")
+                        keep_pre_logits=keep_pre_logits, source=source)
 
 
 # ------------------------------------------------------------------------ vitlab -> official
@@ -258,5 +323,10 @@ def to_official(model: nn.Module) -> dict[str, np.ndarray]:
 def save_official_npz(model: nn.Module, path: str | os.PathLike) -> Path:
     """Write ``model`` as a vit_jax .npz (float32); the file is replaced atomically."""
     arrays = to_official(model)
+    cfg = model.cfg
+    notes = convention_differences(cfg, {"gelu": "tanh", "ln_eps": 1e-6}, "vit_jax")
+    if cfg.resnet is not None:
+        notes += convention_differences(cfg.resnet, RESNET_CONVENTIONS, "vit_jax's ResNet stem")
+    warn_conventions(notes, "vit_jax")
     # a file object, so that numpy does not append ".npz" to the temporary name
     return atomic_write(path, lambda f: np.savez(f, **arrays))

@@ -12,17 +12,59 @@ What timm can hold and the paper's model cannot is refused with the reason:
 ``fc_norm`` (timm's average-pooling models apply the final LayerNorm *after* pooling,
 whereas the official "gap" classifier normalises every token and then averages), and
 anything else unknown is reported as an unexpected key (layer scale ``ls1``, register
-tokens, ``norm_pre``...).  Conventions: exact GELU, LayerNorm eps 1e-6, bicubic
+tokens, ``norm_pre``...).  ``no_embed_class=True`` models (no position for the [class]
+token) load with a zero [class] row, the same function.  Conventions: exact GELU, LayerNorm eps 1e-6, bicubic
 position-embedding resampling (timm's ``resample_abs_pos_embed`` default).
+
+Hybrids (``vision_transformer_hybrid.py``: ``vit_base_r50_s16_384``, ``vit_large_r50_s32_384``,
+``vit_small_r26_s32_224``, root-only ``vit_tiny_r_s16_p8_384``) keep the ResNet inside the patch
+embedding; its layout is timm's ``resnetv2.ResNetV2(preact=False, stem_type="same")``::
+
+    timm                                                           vitlab
+    patch_embed.backbone.stem.conv.weight                          stem.conv_root.weight
+    patch_embed.backbone.stem.norm.{weight,bias}                   stem.gn_root.*
+    patch_embed.backbone.{conv,norm}.*      (root only, no stages) stem.{conv_root,gn_root}.*
+    patch_embed.backbone.stages.S.blocks.U.conv{1,2,3}.weight      stem.stages.S.units.U.conv{1,2,3}.weight
+    patch_embed.backbone.stages.S.blocks.U.norm{1,2,3}.*           stem.stages.S.units.U.gn{1,2,3}.*
+    patch_embed.backbone.stages.S.blocks.U.downsample.conv.weight  stem.stages.S.units.U.conv_proj.weight
+    patch_embed.backbone.stages.S.blocks.U.downsample.norm.*       stem.stages.S.units.U.gn_proj.*
+
+with timm's stem conventions: ``StdConv2dSame(eps=1e-8)``, i.e. ``(w - mean) / sqrt(var + 1e-8)``,
+GroupNorm(32) eps 1e-5, SAME padding and a -inf padded SAME max-pool.
+
+Non-square models (``img_size=(h, w)``, ``patch_size=(ph, pw)``) hold no size in their
+state dict: a non-square grid needs ``weights_img_size=`` (or ``img_size=`` that size);
+``dynamic_img_size=True`` models have the same keys and are loaded with that override
+(vitlab resamples bicubically without antialiasing: equal to timm when upsampling).
+
+Export (``save_timm``, ``save_model(..., format="timm")``) writes the state dict under
+timm's names (safetensors, or a torch file for .pth/.bin) and, beside it, ``<stem>.timm.json``:
+the ``timm.create_model`` name and keyword arguments that build the same function
+(``img_size``, ``patch_size``, widths, ``class_token``/``global_pool``/``fc_norm=False`` for
+"gap", ``act_layer="gelu_tanh"`` for vit_jax's GELU), used as ``timm.create_model(spec["model_name"], pretrained=True,
+pretrained_cfg_overlay=spec["pretrained_cfg_overlay"] | {"file": path}, **spec["kwargs"])``
+(the overlay also states the head size, which timm's ``load_pretrained`` otherwise compares
+with the named model's and drops when they differ).
+Conventions timm's constructors cannot take (a LayerNorm eps other than 1e-6, the hybrid
+stem's weight-standardisation and GroupNorm eps) are listed in the file's "notes" and
+warned about (``ConventionWarning``).  vitlab's loader reads the JSON back when present.
 """
 from __future__ import annotations
 
+import json
+import os
+import re
+from pathlib import Path
 from typing import Any, Mapping
 
+import safetensors.torch
+import torch
 from torch import nn
 
-from ..config import Pair
-from .core import StateDict, WeightsError, build_loaded, infer_config, to_tensor
+from ..config import Pair, ViTConfig, to_pair
+from ..models.registry import VIT_SIZES
+from .core import (StateDict, WeightsError, atomic_write, build_loaded, convention_differences, infer_config,
+                   require_plain_vit, to_tensor, warn_conventions)
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-6, "posemb_resample": "bicubic"}
 
@@ -34,8 +76,38 @@ RENAMES: list[tuple[str, str]] = [
 ]
 
 
+RESNET_CONVENTIONS: dict[str, Any] = {"padding": "same", "ws_eps": 1e-8, "ws_eps_inside_sqrt": True, "gn_eps": 1e-5}
+
+# (timm regex, vitlab template) for the hybrid backbone, in timm's resnetv2 layout
+HYBRID_RENAMES: list[tuple[str, str]] = [
+    (r"patch_embed\.backbone\.(?:stem\.)?conv\.weight", "stem.conv_root.weight"),
+    (r"patch_embed\.backbone\.(?:stem\.)?norm\.(weight|bias)", r"stem.gn_root.\1"),
+    (r"patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.conv([123])\.weight", r"stem.stages.\1.units.\2.conv\3.weight"),
+    (r"patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.norm([123])\.(weight|bias)", r"stem.stages.\1.units.\2.gn\3.\4"),
+    (r"patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.downsample\.conv\.weight", r"stem.stages.\1.units.\2.conv_proj.weight"),
+    (r"patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.downsample\.norm\.(weight|bias)", r"stem.stages.\1.units.\2.gn_proj.\3"),
+]
+# vitlab -> timm, for export (stages present: the "stem." level exists in timm's ResNetV2)
+HYBRID_EXPORT: list[tuple[str, str]] = [
+    (r"stem\.conv_root\.weight", "patch_embed.backbone.{stem}conv.weight"),
+    (r"stem\.gn_root\.(weight|bias)", r"patch_embed.backbone.{stem}norm.\1"),
+    (r"stem\.stages\.(\d+)\.units\.(\d+)\.conv([123])\.weight", r"patch_embed.backbone.stages.\1.blocks.\2.conv\3.weight"),
+    (r"stem\.stages\.(\d+)\.units\.(\d+)\.gn([123])\.(weight|bias)", r"patch_embed.backbone.stages.\1.blocks.\2.norm\3.\4"),
+    (r"stem\.stages\.(\d+)\.units\.(\d+)\.conv_proj\.weight", r"patch_embed.backbone.stages.\1.blocks.\2.downsample.conv.weight"),
+    (r"stem\.stages\.(\d+)\.units\.(\d+)\.gn_proj\.(weight|bias)", r"patch_embed.backbone.stages.\1.blocks.\2.downsample.norm.\3"),
+]
+
+
 def is_timm(keys: Any) -> bool:
     return "patch_embed.proj.weight" in set(keys)
+
+
+def _rename(key: str, table: list[tuple[str, str]]) -> str:
+    for pattern, template in table:
+        m = re.fullmatch(pattern, key)
+        if m:
+            return m.expand(template)
+    return key
 
 
 def from_timm(state_dict: Mapping[str, Any]) -> StateDict:
@@ -46,21 +118,166 @@ def from_timm(state_dict: Mapping[str, Any]) -> StateDict:
             "paper's 'gap' classifier (vit_jax) normalises the tokens and then averages; vitlab implements "
             "only the latter, so these weights would compute a different function"
         )
-    sd = {k: to_tensor(v) for k, v in state_dict.items()}
+    sd = {_rename(k, HYBRID_RENAMES) if k.startswith("patch_embed.backbone.") else k: to_tensor(v)
+          for k, v in state_dict.items()}
     for theirs, ours in RENAMES:
         if theirs in sd:
             sd[ours] = sd.pop(theirs)
     return sd
 
 
+def embed_class_position(sd: StateDict, weights_img_size: Pair | int | None = None) -> StateDict:
+    """timm's ``no_embed_class=True``: the table holds patch positions only and the [class] token
+    is prepended after it is added; that is vitlab's table with a zero [class] row.
+
+    Recognised when the patch count is a square and one more is not (or, for a non-square
+    grid, ``weights_img_size`` says so); the zero row is prepended.
+    """
+    table = sd.get("pos_embed.weight")
+    if table is None or "cls_token" not in sd or table.ndim != 3:
+        return sd
+    n = table.shape[1]
+    is_square = lambda k: k > 0 and int(round(k ** 0.5)) ** 2 == k
+    no_embed_class = is_square(n) and not is_square(n - 1)
+    if weights_img_size is not None and "patch_embed.weight" in sd and "stem.conv_root.weight" not in sd:
+        (h, w), (ph, pw) = to_pair(weights_img_size, "weights_img_size"), sd["patch_embed.weight"].shape[2:]
+        no_embed_class = n == (h // ph) * (w // pw)
+    if no_embed_class:
+        sd = {**sd, "pos_embed.weight": torch.cat([table.new_zeros(1, 1, table.shape[2]), table], dim=1)}
+    return sd
+
+
+def kwargs_overrides(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """ViTConfig fields fixed by timm ``create_model`` keyword arguments (as ``save_timm`` writes them)."""
+    out: dict[str, Any] = {}
+    if "num_heads" in kwargs:
+        out["num_heads"] = int(kwargs["num_heads"])
+    if "img_size" in kwargs:
+        size = kwargs["img_size"]
+        out["weights_img_size"] = tuple(size) if isinstance(size, (list, tuple)) else int(size)
+    act = kwargs.get("act_layer", "gelu")
+    if act not in TIMM_GELU:
+        raise WeightsError(f"act_layer={act!r} in the timm arguments: vitlab supports {', '.join(TIMM_GELU)}")
+    out["gelu"] = TIMM_GELU[act]
+    if kwargs.get("global_pool") == "avg":
+        if kwargs.get("fc_norm", True) is not False:
+            raise WeightsError("global_pool='avg' with fc_norm: timm normalises after pooling; vitlab's 'gap' "
+                               "normalises the tokens, then averages (fc_norm=False)")
+        out["classifier"] = "gap"
+    if kwargs.get("dynamic_img_size"):
+        out["dynamic_img_size"] = True
+    return out
+
+
 def load_timm(state_dict: Mapping[str, Any], name: str | None = None, img_size: Pair | int | None = None,
-              num_classes: int | None = None, keep_pre_logits: bool = False, **overrides: Any) -> nn.Module:
-    """A vitlab model (eval mode) holding timm ViT weights; heads from ``name`` or ``num_heads=``.
+              num_classes: int | None = None, keep_pre_logits: bool = False,
+              timm_kwargs: Mapping[str, Any] | None = None, **overrides: Any) -> nn.Module:
+    """A vitlab model (eval mode) holding timm ViT weights; heads from ``name``, ``num_heads=`` or
+    ``timm_kwargs`` (the ``create_model`` arguments, e.g. the JSON ``save_timm`` writes).
 
     A [class] token means the "token" classifier (timm can also average next to a class
     token; the weights cannot tell, so pass ``classifier="gap"`` for such models).
     """
-    sd = from_timm(state_dict)
-    cfg = infer_config(sd, name=name, **{**CONVENTIONS, **overrides})
+    if timm_kwargs:
+        overrides = {**kwargs_overrides(timm_kwargs), **overrides}
+    sd = embed_class_position(from_timm(state_dict), overrides.get("weights_img_size"))
+    cfg = infer_config(sd, name=name, img_size_hint=img_size, resnet_fields=RESNET_CONVENTIONS,
+                       **{**CONVENTIONS, **overrides})
     return build_loaded(sd, cfg, img_size=img_size, num_classes=num_classes, keep_pre_logits=keep_pre_logits,
                         source="the timm weights")
+
+
+# ------------------------------------------------------------------------------ export
+
+TIMM_GELU = {"gelu": "exact", "gelu_tanh": "tanh"}  # timm act_layer -> vitlab gelu
+SIZE_NAMES = {dims: name for name, dims in zip(("tiny", "small", "base", "large", "huge"), VIT_SIZES.values())}
+# vitlab hybrid ResNet layers -> the piece of timm's model name (vision_transformer_hybrid.py)
+HYBRID_NAMES = {(): "r_s16_p8", (2, 2, 2, 2): "r26_s32", (3, 4, 9): "r50_s16", (3, 4, 6, 3): "r50_s32"}
+
+
+def timm_model_name(cfg: ViTConfig) -> str:
+    """The timm model name closest to ``cfg`` (the keyword arguments make it exact)."""
+    size = SIZE_NAMES.get((cfg.width, cfg.depth, cfg.mlp_dim, cfg.num_heads), "base")
+    if cfg.resnet is not None:
+        return f"vit_{size}_{HYBRID_NAMES.get(cfg.resnet.layers, 'r50_s16')}_{cfg.img_size[0]}"
+    return f"vit_{size}_patch{cfg.patch_size[0]}_{cfg.img_size[0]}"
+
+
+def to_timm(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(timm state dict, {"model_name", "kwargs", "notes"}) of a vitlab ViT."""
+    cfg = require_plain_vit(model.cfg, "timm's VisionTransformer")
+    reasons = []
+    if cfg.representation_size is not None:
+        reasons.append(f"representation_size={cfg.representation_size} (timm's VisionTransformer has no "
+                       "pre-logits layer; load with num_classes=... to drop it, as fine-tuning does)")
+    if cfg.resnet is not None and (cfg.resnet.width_factor != 1 or cfg.resnet.norm != "group"
+                                   or cfg.resnet.root_kernel != 7 or cfg.resnet.root_stride != 2
+                                   or not cfg.resnet.root_pool):
+        reasons.append("a hybrid stem other than timm's (_resnetv2: width factor 1, GroupNorm, 7x7/2 root, max-pool)")
+    if reasons:
+        raise WeightsError("timm cannot hold this model: " + "; ".join(reasons))
+    sd = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    out: dict[str, torch.Tensor] = {}
+    stem = "stem." if cfg.resnet is not None and cfg.resnet.layers else ""
+    export = [(pattern, template.replace("{stem}", stem)) for pattern, template in HYBRID_EXPORT]
+    for key, value in sd.items():
+        if key.startswith("stem."):
+            new = _rename(key, export)
+            if new == key:
+                raise WeightsError(f"no timm name for {key}")
+            out[new] = value
+        else:
+            out[dict((ours, theirs) for theirs, ours in RENAMES).get(key, key)] = value
+    kwargs: dict[str, Any] = {
+        "img_size": list(cfg.img_size), "patch_size": list(cfg.patch_size), "in_chans": cfg.in_chans,
+        "num_classes": cfg.num_classes, "embed_dim": cfg.width, "depth": cfg.depth, "num_heads": cfg.num_heads,
+        "mlp_ratio": cfg.mlp_dim / cfg.width, "qkv_bias": cfg.qkv_bias,
+        "class_token": cfg.classifier == "token", "global_pool": "token" if cfg.classifier == "token" else "avg",
+        "fc_norm": False,
+    }
+    if cfg.gelu == "tanh":
+        kwargs["act_layer"] = "gelu_tanh"
+    if cfg.dynamic_img_size:
+        kwargs["dynamic_img_size"] = True
+    notes = convention_differences(cfg, {"ln_eps": 1e-6}, "timm (LayerNorm eps is fixed by its constructors)")
+    if int(cfg.width * (cfg.mlp_dim / cfg.width)) != cfg.mlp_dim:
+        notes.append(f"mlp_dim={cfg.mlp_dim}: timm's int(embed_dim * mlp_ratio) rounds to another width")
+    if cfg.resnet is not None and cfg.resnet.layers not in HYBRID_NAMES:
+        notes.append(f"resnet layers={cfg.resnet.layers}: timm's hybrids are built with layers "
+                     f"{', '.join(map(str, HYBRID_NAMES))} only; this stem has no timm constructor")
+    if cfg.resnet is not None:
+        notes += convention_differences(cfg.resnet, RESNET_CONVENTIONS, "timm's hybrid stem (StdConv2dSame eps 1e-8, "
+                                        "GroupNorm eps 1e-5)")
+    if cfg.posemb_resample != "bicubic":
+        notes.append(f"posemb_resample: the model resamples position embeddings {cfg.posemb_resample!r}, timm "
+                     "bicubically (equal logits at the saved img_size)")
+    warn_conventions(notes, "timm")
+    # timm's load_pretrained drops a head whose size differs from pretrained_cfg["num_classes"]:
+    # the overlay states the file's own, so the written head is loaded, not replaced
+    overlay = {"num_classes": cfg.num_classes, "input_size": [cfg.in_chans, *cfg.img_size]}
+    return out, {"model_name": timm_model_name(cfg), "kwargs": kwargs, "pretrained_cfg_overlay": overlay,
+                 "notes": notes}
+
+
+def sidecar_path(path: str | os.PathLike) -> Path:
+    """Where ``save_timm`` writes the create_model arguments of ``path``: ``<stem>.timm.json``."""
+    path = Path(path)
+    return path.with_name(path.stem + ".timm.json")
+
+
+def save_timm(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write timm's state dict to ``path`` (.safetensors, or a torch file for .pth/.bin) and
+    ``<stem>.timm.json`` beside it; both atomically.  A directory gets ``model.safetensors``."""
+    tensors, spec = to_timm(model)
+    path = Path(path)
+    if path.suffix not in (".safetensors", ".pth", ".bin", ".pt"):
+        path.mkdir(parents=True, exist_ok=True)
+        path = path / "model.safetensors"
+    if path.suffix == ".safetensors":
+        data = safetensors.torch.save(tensors, metadata={"format": "pt"})
+        atomic_write(path, lambda f: f.write(data))
+    else:
+        atomic_write(path, lambda f: torch.save(tensors, f))
+    spec["pretrained_cfg_overlay"]["file"] = path.name  # relative to the JSON: the files travel together
+    atomic_write(sidecar_path(path), lambda f: f.write(json.dumps(spec, indent=2).encode()))
+    return path

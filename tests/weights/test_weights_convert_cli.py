@@ -1,0 +1,27 @@
+"""`vitlab convert`: every export layout from one official checkpoint, read back with equal logits."""
+import json
+
+import numpy as np
+import pytest
+
+from test_weights_official import random_checkpoint
+from vitlab.cli import main
+
+
+@pytest.mark.filterwarnings("ignore::vitlab.weights.ConventionWarning")
+def test_convert_to_every_layout_and_back(tmp_path, capsys):
+    np.savez(tmp_path / "c.npz", **random_checkpoint(0))
+    outs = {"timm": "t.safetensors", "hf": "hf", "official": "o.npz", "vitlab": "v"}
+    for fmt, out in outs.items():
+        assert main(["convert", str(tmp_path / "c.npz"), str(tmp_path / out), "--to", fmt]) == 0
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert report["max_abs_logit_diff"] < 1e-5, fmt
+    # and from an export to another: Hugging Face directory -> timm
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "t2.pth"), "--to", "timm"]) == 0
+
+
+def test_convert_errors_are_one_line(tmp_path, capsys):
+    ckpt = random_checkpoint(1, classifier="gap")
+    np.savez(tmp_path / "g.npz", **ckpt)
+    assert main(["convert", str(tmp_path / "g.npz"), str(tmp_path / "hf"), "--to", "hf"]) == 2
+    assert "classifier='gap'" in capsys.readouterr().err

@@ -1,0 +1,170 @@
+"""vitlab's weights out: Hugging Face, timm and the official layouts, conventions included."""
+import json
+import warnings
+
+import numpy as np
+import pytest
+import safetensors
+import torch
+
+from test_weights_official import random_checkpoint
+from test_weights_sources import to_timm_names
+from vitlab.config import ViTConfig, replace
+from vitlab.models.registry import build_model
+from vitlab.weights import ConventionWarning, WeightsError, load_model, load_official_npz, save_model
+
+TINY = ViTConfig(img_size=16, patch_size=4, width=32, depth=2, mlp_dim=48, num_heads=2, num_classes=5)
+
+
+def random_model(cfg, seed=0):
+    torch.manual_seed(seed)
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model
+
+
+def logits(model, size, seed=1):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return model(torch.randn(2, model.cfg.in_chans, *size))
+
+
+def safetensors_keys(path):
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        return set(f.keys())
+
+
+# -------------------------------------------------------------------------- Hugging Face
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("fields", [
+    dict(),                                                        # vit_jax conventions: tanh GELU, eps 1e-6
+    dict(gelu="exact", ln_eps=1e-12, posemb_resample="bicubic"),   # HF's own
+    dict(img_size=(16, 24), patch_size=(4, 8), qkv_bias=False),    # non-square, no qkv bias
+], ids=["official-conventions", "hf-conventions", "non-square"])
+def test_hf_export_loads_strictly_with_equal_logits(tmp_path, fields):
+    model = random_model(replace(TINY, **fields))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_model(model, tmp_path / "hf", format="hf")
+    # the only thing HF cannot carry is the resampling of position embeddings at other sizes
+    assert [issubclass(w.category, ConventionWarning) for w in caught] == \
+        ([True] if model.cfg.posemb_resample == "bilinear" else [])
+    hf, info = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys, no errors
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["hidden_act"] == {"tanh": "gelu_pytorch_tanh", "exact": "gelu"}[model.cfg.gelu]
+    assert config["layer_norm_eps"] == model.cfg.ln_eps
+    x = torch.randn(3, 3, *model.cfg.img_size)
+    with torch.no_grad():
+        diff = (hf.eval()(pixel_values=x).logits - model(x)).abs().max()
+    assert diff < 1e-4
+    # the key names are the ones transformers itself writes for this config
+    hf.save_pretrained(tmp_path / "again")
+    assert safetensors_keys(tmp_path / "hf" / "model.safetensors") == safetensors_keys(tmp_path / "again" / "model.safetensors")
+    # and back into vitlab, conventions from the config.json
+    again = load_model(tmp_path / "hf")
+    assert (again.cfg.gelu, again.cfg.ln_eps, again.cfg.img_size) == (model.cfg.gelu, model.cfg.ln_eps, model.cfg.img_size)
+    assert torch.allclose(logits(again, model.cfg.img_size), logits(model, model.cfg.img_size), atol=1e-6)
+
+
+@pytest.mark.parametrize("fields, reason", [
+    (dict(classifier="gap"), "classifier='gap'"),
+    (dict(representation_size=7), "representation_size=7"),
+    (dict(posemb="learned_2d"), "posemb='learned_2d'"),
+])
+def test_hf_export_refuses_what_it_cannot_compute(tmp_path, fields, reason):
+    with pytest.raises(WeightsError, match=reason):
+        save_model(random_model(replace(TINY, **fields)), tmp_path / "hf", format="hf")
+
+
+# ---------------------------------------------------------------------------------- timm
+
+
+def timm_vit_keys(depth, gap=False):
+    """timm VisionTransformer.state_dict() names (class_token=False for global_pool='avg', fc_norm=False)."""
+    keys = {"pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias", "norm.weight", "norm.bias",
+            "head.weight", "head.bias"} | (set() if gap else {"cls_token"})
+    for i in range(depth):
+        keys |= {f"blocks.{i}.{m}.{p}" for m in ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1", "mlp.fc2")
+                 for p in ("weight", "bias")}
+    return keys
+
+
+@pytest.mark.parametrize("fields, suffix", [
+    (dict(), ".safetensors"),
+    (dict(classifier="gap", gelu="exact", img_size=(16, 24)), ".pth"),
+], ids=["token-tanh", "gap-exact-non-square"])
+def test_timm_export_round_trips_with_timm_names(tmp_path, fields, suffix):
+    model = random_model(replace(TINY, **fields))
+    with pytest.warns(ConventionWarning, match="posemb_resample"):  # timm resizes bicubically
+        path = save_model(model, tmp_path / f"vit{suffix}", format="timm")
+    sd = load_model.__globals__["_torch_load"](path) if suffix == ".pth" else safetensors.torch.load_file(path)
+    assert set(sd) == timm_vit_keys(2, gap=model.cfg.classifier == "gap")
+    spec = json.loads((tmp_path / "vit.timm.json").read_text())
+    kw = spec["kwargs"]
+    assert spec["model_name"] == f"vit_base_patch4_{model.cfg.img_size[0]}"  # no timm size: kwargs decide
+    # timm's load_pretrained keeps the written head only if the overlay states its size
+    assert spec["pretrained_cfg_overlay"] == {"file": path.name, "num_classes": 5,
+                                              "input_size": [3, *model.cfg.img_size]}
+    assert (kw["embed_dim"], kw["depth"], kw["num_heads"], kw["img_size"]) == (32, 2, 2, list(model.cfg.img_size))
+    assert (kw.get("act_layer"), kw["global_pool"], kw["class_token"], kw["fc_norm"]) == \
+        (("gelu_tanh" if model.cfg.gelu == "tanh" else None), ("token" if "classifier" not in fields else "avg"),
+         "classifier" not in fields, False)
+    again = load_model(path)  # heads, GELU, pooling and size come back from the .timm.json
+    assert again.cfg == replace(model.cfg, posemb_resample="bicubic", name=again.cfg.name)
+    assert torch.equal(logits(again, model.cfg.img_size), logits(model, model.cfg.img_size))
+
+
+def test_timm_hybrid_export_uses_timm_names(tmp_path):
+    ckpt = random_checkpoint(30, patch=1, grid=2, resnet_layers=(1, 1), hybrid=True)
+    model = load_official_npz(ckpt)
+    with pytest.warns(ConventionWarning, match="ws_eps"):  # vit_jax's stem standardises differently from timm's
+        path = save_model(model, tmp_path / "hybrid.safetensors", format="timm")
+    written = safetensors.torch.load_file(path)
+    assert set(written) == set(to_timm_names(ckpt))  # the names timm's resnetv2 + HybridEmbed use
+    spec = json.loads((tmp_path / "hybrid.timm.json").read_text())
+    assert any("ws_eps" in note for note in spec["notes"])
+    assert any("no timm constructor" in note for note in spec["notes"])  # timm builds 4 stem layouts only
+
+
+def test_timm_export_says_what_timm_cannot_take(tmp_path):
+    model = random_model(replace(TINY, ln_eps=1e-12))
+    with pytest.warns(ConventionWarning, match="ln_eps"):
+        save_model(model, tmp_path / "v.safetensors", format="timm")
+    assert any("ln_eps" in n for n in json.loads((tmp_path / "v.timm.json").read_text())["notes"])
+    with pytest.raises(WeightsError, match="representation_size"):
+        save_model(random_model(replace(TINY, representation_size=7)), tmp_path / "r.safetensors", format="timm")
+
+
+# ------------------------------------------------------------------------------ official
+
+
+def test_official_export_warns_when_vit_jax_computes_otherwise(tmp_path):
+    model = random_model(replace(TINY, gelu="exact"))
+    with pytest.warns(ConventionWarning, match="gelu"):
+        save_model(model, tmp_path / "m.npz", format="official")
+    again = load_model(tmp_path / "m.npz")
+    assert again.cfg.gelu == "tanh"  # what vit_jax computes with these arrays
+
+
+def test_unknown_format_is_refused(tmp_path):
+    with pytest.raises(WeightsError, match="format='onnx'.*'vitlab', 'official', 'hf', 'timm'"):
+        save_model(random_model(TINY), tmp_path / "x", format="onnx")
+
+
+def test_hf_non_square_export_resizes_on_load(tmp_path):
+    model = random_model(replace(TINY, img_size=(16, 24), posemb_resample="bicubic"))
+    save_model(model, tmp_path / "hf", format="hf")
+    # the saved (16, 24) grid comes from config.json (16 * 24 / 16 = 24 positions, not a square)
+    bigger = load_model(tmp_path / "hf", img_size=(24, 24))
+    assert bigger.cfg.img_size == (24, 24) and bigger.pos_embed.weight.shape == (1, 37, 32)
+    # (transformers' own interpolate_pos_encoding assumes a square grid, so it is no reference here)
+    expected = load_model(tmp_path / "hf", dynamic_img_size=True)
+    x = torch.randn(2, 3, 24, 24)
+    with torch.no_grad():
+        assert (bigger(x) - expected(x)).abs().max() < 1e-5

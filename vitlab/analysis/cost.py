@@ -54,7 +54,7 @@ def _conv(h: int, w: int, cin: int, cout: int, k: int, stride: int = 1) -> tuple
 
 def _resnet_flops(cfg: ResNetConfig, h: int, w: int, head: bool) -> dict[str, int]:
     """Root conv, each stage, and (for BiT) the 1x1-conv head on pooled features."""
-    root = 64 * cfg.width_factor
+    root = cfg.root_width  # int(64 * width_factor), as the models build it
     out: dict[str, int] = {}
     out["root"], h, w = _conv(h, w, cfg.in_chans, root, cfg.root_kernel, cfg.root_stride)
     if cfg.root_pool:

@@ -15,8 +15,8 @@ from vitlab.weights import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--set", "model.img_size=16", "--set", "model.patch_size=8", "--set", "model.width=16",
-        "--set", "model.depth=1", "--set", "model.num_heads=2", "--set", "model.mlp_dim=32", "--set", "threads=1",
-        "--set", "eval_every=0", "--set", "tensorboard=false", "--set", "decode_workers=0", "--quiet"]
+        "--set", "model.depth=1", "--set", "model.num_heads=2", "--set", "model.mlp_dim=32", "--set", "run.threads=1",
+        "--set", "run.eval_every=0", "--set", "run.tensorboard=false", "--set", "data.decode_workers=0", "--quiet"]
 
 
 def make_image_folder(root: Path, classes=("cat", "dog", "fish"), per_class=12) -> Path:
@@ -39,7 +39,7 @@ def test_train_cli_end_to_end(tmp_path, capsys):
     data = make_image_folder(tmp_path / "images")
     out = tmp_path / "run"
     code = main(["train", "--recipe", "demo", "--data", str(data), "--val-split", "6", "--steps", "6",
-                 "--batch-size", "8", "--out", str(out), "--set", f"cache_dir={tmp_path / 'cache'}", *TINY])
+                 "--batch-size", "8", "--out", str(out), "--set", f"data.cache_dir={tmp_path / 'cache'}", *TINY])
     assert code == 0
     summary = last_json_line(capsys.readouterr().out)
     assert summary["steps"] == 6 and summary["val_examples"] == 6 and summary["skipped_images"] == 1
@@ -58,9 +58,9 @@ def test_train_cli_end_to_end(tmp_path, capsys):
 def test_train_cli_refuses_bad_config_before_work(tmp_path, capsys):
     code = main(["train", "--recipe", "demo", "--data", str(tmp_path / "nothing"), "--out", str(tmp_path / "r")])
     assert code == 2
-    assert "data=" in capsys.readouterr().err
+    assert "data.source=" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
-    assert main(["train", "--recipe", "demo", "--set", "batch_size=10", "--set", "accum_steps=3"]) == 2
+    assert main(["train", "--recipe", "demo", "--set", "optim.batch_size=10", "--set", "optim.accum_steps=3"]) == 2
     assert "batch_size=10" in capsys.readouterr().err
 
 
@@ -89,8 +89,9 @@ def test_two_processes_equal_one(tmp_path, capsys):
     # sharded update (reduce-scatter) must agree too.
     data = make_image_folder(tmp_path / "images", per_class=16)
     common = ["train", "--recipe", "demo", "--data", str(data), "--steps", "3", "--batch-size", "16",
-              "--val-split", "9", "--set", "optimizer=sgd", "--set", "lr=0.1", "--set", "weight_decay=0",
-              "--set", "crop=none", "--set", f"cache_dir={tmp_path / 'cache'}", *TINY]
+              "--val-split", "9", "--set", "optim.optimizer=sgd", "--set", "optim.lr=0.1",
+              "--set", "optim.weight_decay=0", "--set", "augment.crop=none", "--set", f"data.cache_dir={tmp_path / 'cache'}",
+              *TINY]
     assert main(common + ["--out", str(tmp_path / "one")]) == 0  # also fills the decoded-image cache
     one = last_json_line(capsys.readouterr().out)
     a = load_model(one["weights"]).state_dict()
@@ -109,8 +110,8 @@ def test_finetune_and_sweep(tmp_path, capsys):
     pre = last_json_line(capsys.readouterr().out)
     # fine-tune at twice the resolution: the 2x2 grid of position embeddings becomes 4x4
     ft_args = ["finetune", "--init", pre["weights"], "--recipe", "demo", "--data", "digits", "--img-size", "32",
-               "--steps", "3", "--batch-size", "16", "--val-split", "100", "--set", "optimizer=sgd",
-               "--set", "threads=1", "--set", "tensorboard=false", "--quiet", "--out", str(tmp_path / "ft")]
+               "--steps", "3", "--batch-size", "16", "--val-split", "100", "--set", "optim.optimizer=sgd",
+               "--set", "run.threads=1", "--set", "run.tensorboard=false", "--quiet", "--out", str(tmp_path / "ft")]
     assert main(ft_args) == 0
     ft = last_json_line(capsys.readouterr().out)
     model = load_model(ft["weights"])

@@ -120,3 +120,53 @@ def test_finetune_and_sweep(tmp_path, capsys):
     report = last_json_line(capsys.readouterr().out)
     assert set(report["holdout_top1"]) == {"0.01", "0.1"} and report["best_lr"] in (0.01, 0.1)
     assert load_model(report["final"]["weights"]).cfg.num_classes == 10
+
+
+def test_show_config_takes_section_names_old_flat_names_and_the_fast_flags(capsys):
+    assert main(["train", "--recipe", "demo", "--show-config", "--set", "lr=0.5", "--set", "run.threads=2",
+                 "--set", "model.width=32"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert set(cfg) == {"recipe", "model", "data", "augment", "optim", "run"}
+    assert cfg["optim"]["lr"] == 0.5 and cfg["run"]["threads"] == 2 and cfg["model"]["overrides"]["width"] == 32
+    assert cfg["run"]["fast"] is True and cfg["run"]["retain_freed_memory"] is False  # the defaults
+    assert main(["train", "--recipe", "demo", "--show-config", "--no-fast", "--retain-freed-memory"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg["run"]["fast"] is False and cfg["run"]["retain_freed_memory"] is True
+
+
+def test_no_fast_trains_the_plain_model_into_the_same_weights_file(tmp_path, capsys, monkeypatch):
+    from safetensors import safe_open
+
+    from vitlab import fast
+
+    optimized = []
+    original = fast.optimize
+    monkeypatch.setattr(fast, "optimize", lambda model, **kw: optimized.append(1) or original(model, **kw))
+    base = ["train", "--recipe", "demo", "--data", "digits", "--batch-size", "16", "--val-split", "100", "--steps",
+            "2", *TINY]
+    keys = []
+    for flags, name in (([], "fast"), (["--no-fast"], "plain")):
+        assert main(base + flags + ["--out", str(tmp_path / name)]) == 0
+        with safe_open(last_json_line(capsys.readouterr().out)["weights"], "pt") as f:
+            keys.append(sorted(f.keys()))
+    assert optimized == [1]  # the default run only
+    assert keys[0] == keys[1] and keys[0]
+
+
+def test_calibrate_prints_the_chosen_kernels_their_rates_and_the_file(tmp_path, capsys, monkeypatch):
+    from vitlab.fast import KernelChoice, kernels
+
+    path = tmp_path / "kernels.json"
+    rates = {"fp32/aten": 100.0, "fp32/onednn": 150.0, "bf16/bf16": 40.0, "bf16/fp32": 90.0}
+    calls = []
+    monkeypatch.setattr(kernels, "calibrate", lambda rounds=5, path=None: calls.append(rounds)
+                        or (KernelChoice(fp32="onednn", bf16="fp32"), rates))
+    monkeypatch.setattr(kernels, "calibration_path", lambda: path)
+    assert main(["calibrate", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert calls == [2]
+    assert "fp32 onednn" in out and "bf16 fp32" in out and str(path) in out
+    assert all(name in out for name in rates) and "150.0 GFLOP/s" in out
+    assert main(["calibrate", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["choice"] == {"fp32": "onednn", "bf16": "fp32"} and report["path"] == str(path)

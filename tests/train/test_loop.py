@@ -349,3 +349,28 @@ def test_mallopt_is_opt_in(tiny, monkeypatch):
     assert calls == []
     train(tiny("retain", retain_freed_memory=True), verbose=False)
     assert calls == [1]
+
+
+def test_a_checkpoint_with_the_old_flat_config_resumes(tiny):
+    # checkpoints written before the config had sections hold its flat dict
+    from vitlab.config import ConfigError
+    from vitlab.train.config import LEGACY_NAMES, to_dict
+
+    cfg = tiny("flat", steps=4, ckpt_every=2, keep_ckpts=3)
+    full = train(cfg, verbose=False)
+    ckpts = list_checkpoints(f"{cfg.run.out}/checkpoints")
+    ckpts[-1].unlink()
+    state = load_checkpoint(ckpts[0])
+    nested = to_dict(cfg)
+    state["config"] = {old: nested[new.split(".")[0]][new.split(".")[1]] if "." in new else nested[new]
+                       for old, new in LEGACY_NAMES.items()}
+    assert "batch_size" in state["config"] and "optim" not in state["config"]
+    torch.save(state, ckpts[0])
+    resumed = train(cfg, resume=True, verbose=False)
+    a, b = weights(full), weights(resumed)
+    assert resumed["steps"] == 4 and all(torch.equal(a[k], b[k]) for k in a)
+    state["config"]["batch_size"] = 16  # and a changed data order is still refused
+    torch.save(state, ckpts[0])
+    list_checkpoints(f"{cfg.run.out}/checkpoints")[-1].unlink()
+    with pytest.raises(ConfigError, match="batch_size=32 .checkpoint: 16."):
+        train(cfg, resume=True, verbose=False)

@@ -49,7 +49,7 @@ gave 79.4% and 79.7% (``vitlab eval --flip --shift 2``).  ``--time-limit`` fits 
 schedule into the budget; ``steps`` is only a ceiling.
 The hybrid trains under ``torch.compile`` (inductor): a step 0.93x the eager time after a
 ~35 s first step (``benchmarks/ab.py hybrid_compile``), 2,794 steps in 30 minutes against
-2,358-2,533 eager.  It needs a C++ compiler; ``--set compile=false`` runs eager.
+2,358-2,533 eager.  It needs a C++ compiler; ``--set run.compile=false`` runs eager.
 Goal: >= 80% top-1 on 5,000 held-out training images (500 per class) in 30 minutes;
 measured 80.78% at ~400 img/s, 79.86% and 78.48% on slower hours of the host (lr 1e-3, 32
 pixels throughout, 10 views; the BiT stem: 80.00%, 79.94%); at lr 2e-3 on a slow host (285-308 img/s)

@@ -188,12 +188,21 @@ class DataConfig(Section):
 
 @dataclass(frozen=True)
 class AugmentConfig(Section):
-    """Training augmentation: the fields of ``vitlab.data.transforms.TrainTransform`` (which
-    documents them and checks them) other than the class count and the output size.
+    """Training augmentation: the fields of ``vitlab.data.transforms.TrainTransform`` other
+    than the class count and the output size; ``TrainTransform`` checks them, and
+    ``transform`` builds it for a run.
 
-    crop ("inception", "pad", "none"), crop_scale, crop_ratio, crop_pad, flip,
-    alternate_flip, randaug_ops, randaug_magnitude, mixup_alpha, cutmix_alpha,
-    mix_switch_prob, label_smoothing, erase_prob.
+    crop:        "inception" (random resized crop, the official pipeline), "pad" (CIFAR's
+                 reflect-pad by ``crop_pad`` pixels and crop back) or "none".
+    crop_scale, crop_ratio: the inception crop's (min, max) area fraction and aspect ratio.
+    crop_pad:    pixels of padding of the "pad" crop.
+    flip:        random left-right mirroring.
+    alternate_flip: with ``flip``, mirror each example in every other epoch instead of at random.
+    randaug_ops, randaug_magnitude: RandAugment's N (0 = off) and M (0-10 scale).
+    mixup_alpha, cutmix_alpha, mix_switch_prob: mixup / CutMix (0 = off) and, with both,
+                 the probability of CutMix for a batch.
+    label_smoothing: target mass spread uniformly over the classes.
+    erase_prob:  random erasing probability per image (0 = off).
     """
 
     prefix = "augment"

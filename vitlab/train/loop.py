@@ -83,18 +83,6 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
         progress.message(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
     writer = MetricsWriter(out, tensorboard=cfg.run.tensorboard, records=records) if main else None
 
-    def evaluate(final: bool = False) -> dict:
-        evaluator = s.final_evaluator if final else s.evaluator
-        if evaluator is None:
-            return {}
-        t_eval = time.monotonic()
-        result = evaluator.run(s.evaluated)
-        if sharded(s):  # a forward without backward leaves FSDP's root parameters gathered
-            s.model.reshard()
-        if not final:
-            budget.evaluated(time.monotonic() - t_eval)
-        return {f"val_{k}": v for k, v in result.items() if k != "n"}
-
     batches = endless(s.stream)
     window = Window()
     last_val: dict = {}
@@ -111,7 +99,7 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
 
         if budget.wants_evaluation(step):  # the first fit plans with an evaluation's duration
             with budget.paused():
-                last_val = evaluate()
+                last_val = evaluate(s, budget)
         total_steps = budget.plan(step, total_steps)
         if budget.out_of_time(step, total_steps):
             total_steps = step
@@ -120,7 +108,7 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
         with budget.paused():  # evaluations, logging, checkpoints: not training time
             do_eval = s.evaluator is not None and (is_last or (cfg.run.eval_every and step % cfg.run.eval_every == 0))
             if do_eval:
-                last_val = evaluate(final=is_last)
+                last_val = evaluate(s, budget, final=is_last)
             if is_last or do_eval or step % cfg.run.log_every == 0:
                 record = window.record(s, step, lr, budget.elapsed()) | (last_val if do_eval else {})
                 if not math.isfinite(record["loss"]):
@@ -141,12 +129,27 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
                 barrier(world)
 
     if not last_val and s.evaluator is not None:  # resumed a finished run: its summary still reports the metrics
-        last_val = evaluate(final=True)
+        last_val = evaluate(s, budget, final=True)
     progress.close()
     return finish(s, step, total_steps, last_val, budget.elapsed(), writer)
 
 
 # ----------------------------------------------------------------------------- the loop's helpers
+
+
+def evaluate(s: Setup, budget: TimeBudget, final: bool = False) -> dict:
+    """The validation metrics as ``val_*`` (none without a validation split); the periodic
+    evaluations' durations go to the time budget."""
+    evaluator = s.final_evaluator if final else s.evaluator
+    if evaluator is None:
+        return {}
+    t_eval = time.monotonic()
+    result = evaluator.run(s.evaluated)
+    if sharded(s):  # a forward without backward leaves FSDP's root parameters gathered
+        s.model.reshard()
+    if not final:
+        budget.evaluated(time.monotonic() - t_eval)
+    return {f"val_{k}": v for k, v in result.items() if k != "n"}
 
 
 def start_output_folder(s: Setup, out: Path, clear_checkpoints: bool) -> None:

@@ -164,3 +164,12 @@ def test_demo_recipe_is_small():
 
 def test_mallopt_and_the_fast_path_defaults():
     assert RunConfig().retain_freed_memory is False and RunConfig().fast is True
+
+
+def test_changes_are_checked_together():
+    # an intermediate combination may be impossible; only the result is checked
+    base = replace(OK, {"optim.batch_size": 96, "optim.accum_steps": 3})
+    changed = apply_overrides(base, ["optim.batch_size=100", "optim.accum_steps=4"])
+    assert (changed.optim.batch_size, changed.optim.accum_steps) == (100, 4)
+    changed = apply_overrides(OK, ["model.name=ViT-S/16", "model.num_heads=4", "model.width=256"])
+    assert changed.model.overrides == {"patch_size": 8, "num_heads": 4, "width": 256}

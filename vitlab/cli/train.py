@@ -85,12 +85,12 @@ def process_started_at() -> float:
 
 def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     """Recipe -> --set overrides -> dedicated flags (the most specific wins)."""
-    from vitlab.train.config import apply_overrides, load_recipe, replace
+    from vitlab.train.config import load_recipe, parse_overrides, replace
 
     cfg = load_recipe(args.recipe)
-    cfg = apply_overrides(cfg, args.overrides)
-    changes = {field: getattr(args, flag) for flag, field in SHORTCUTS.items()
-               if getattr(args, flag, None) is not None}
+    changes = parse_overrides(cfg, args.overrides)  # checked together with the flags' changes, below
+    changes.update({field: getattr(args, flag) for flag, field in SHORTCUTS.items()
+                    if getattr(args, flag, None) is not None})
     split = changes.get("data.val_split")
     if split is not None and float(split).is_integer() and split >= 1:
         changes["data.val_split"] = int(split)

@@ -563,11 +563,17 @@ MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 
 
 def apply_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) -> TrainConfig:
-    """Apply ``section.field=value`` strings (old flat names too); ``model.<ViTConfig
-    field>=value`` changes the architecture (``model.overrides``).
+    """``cfg`` with ``section.field=value`` strings applied (see ``parse_overrides``)."""
+    return replace(cfg, parse_overrides(cfg, assignments))
+
+
+def parse_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``section.field=value`` strings (old flat names too) as ``replace``'s changes to
+    ``cfg``; ``model.<ViTConfig field>=value`` changes the architecture (``model.overrides``).
 
     Values are Python literals (``0.1``, ``(0.9, 0.95)``, ``None``) or bare words
-    (``cosine``); tuples also accept ``0.9,0.95``.
+    (``cosine``); tuples also accept ``0.9,0.95``.  Nothing is checked but the names and
+    the types: the changes are checked together, when ``replace`` builds the sections.
     """
     changes: dict[str, Any] = {}
     overrides = dict(cfg.model.overrides)
@@ -598,7 +604,9 @@ def apply_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) 
             changes[path] = parse_value(text, default)
         except ValueError as err:
             raise ConfigError(f"{path}={text!r}: {err}") from None
-    return replace(cfg, {"model.overrides": overrides, **changes})
+    if overrides != cfg.model.overrides:
+        changes["model.overrides"] = overrides
+    return changes
 
 
 # ----------------------------------------------------------------------------- derived values

@@ -90,8 +90,8 @@ def test_two_processes_equal_one(tmp_path, capsys):
     data = make_image_folder(tmp_path / "images", per_class=16)
     common = ["train", "--recipe", "demo", "--data", str(data), "--steps", "3", "--batch-size", "16",
               "--val-split", "9", "--set", "optim.optimizer=sgd", "--set", "optim.lr=0.1",
-              "--set", "optim.weight_decay=0", "--set", "augment.crop=none", "--set", f"data.cache_dir={tmp_path / 'cache'}",
-              *TINY]
+              "--set", "optim.weight_decay=0", "--set", "augment.crop=none",
+              "--set", f"data.cache_dir={tmp_path / 'cache'}", *TINY]
     assert main(common + ["--out", str(tmp_path / "one")]) == 0  # also fills the decoded-image cache
     one = last_json_line(capsys.readouterr().out)
     a = load_model(one["weights"]).state_dict()

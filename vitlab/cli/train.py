@@ -49,7 +49,8 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     add_fast_argument(p)
     p.add_argument("--retain-freed-memory", action="store_true", default=None,
-                   help="CPU: let malloc keep freed memory for the next step (process-wide; see vitlab/train/memory.py)")
+                   help="CPU: let malloc keep freed memory for the next step (process-wide; "
+                        "see vitlab/train/memory.py)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoints (a --time-limit run keeps its clock)")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in an OUT that holds an earlier run's checkpoints (they are deleted)")

@@ -45,8 +45,9 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
     before = from_dict(saved)
     changed = [name for name in RESUME_INVARIANTS if get(before, name) != get(cfg, name)]
     if changed:
-        raise ConfigError(f"--resume: {', '.join(f'{k}={get(cfg, k)!r} (checkpoint: {get(before, k)!r})' for k in changed)}"
-                          " differ from the checkpoint's run; an exact continuation needs the same values")
+        differences = ", ".join(f"{k}={get(cfg, k)!r} (checkpoint: {get(before, k)!r})" for k in changed)
+        raise ConfigError(f"--resume: {differences} differ from the checkpoint's run; an exact continuation needs "
+                          "the same values")
 
 
 def sharded(s) -> bool:

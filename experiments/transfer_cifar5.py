@@ -61,33 +61,35 @@ def main() -> int:
     if args.quick:
         minutes = dict(pre=1.0, ft=1.0, scratch=1.0)
     out = Path(args.out)
-    base = replace(load_recipe("cifar10_scratch"), model_overrides=MODEL, lr=2e-3, eval_flip=False, data=args.data,
-                   val_split=2500, precision=args.precision, eval_every=0, ckpt_every=0)
+    base = replace(load_recipe("cifar10_scratch"), {
+        "model.overrides": MODEL, "optim.lr": 2e-3, "run.eval_flip": False, "data.source": args.data,
+        "data.val_split": 2500, "run.precision": args.precision, "run.eval_every": 0, "run.ckpt_every": 0})
 
-    pretrain = replace(base, recipe="transfer_cifar5:pretrain", class_subset=FIRST,
-                       time_limit=minutes["pre"], out=str(out / "pretrain"))
-    finetune = replace(
-        base, recipe="transfer_cifar5:finetune", class_subset=SECOND, img_size=48, model_overrides={},
+    pretrain = replace(base, {"recipe": "transfer_cifar5:pretrain", "data.class_subset": FIRST,
+                              "run.time_limit": minutes["pre"], "run.out": str(out / "pretrain")})
+    finetune = replace(base, {
+        "recipe": "transfer_cifar5:finetune", "data.class_subset": SECOND, "model.img_size": 48, "model.overrides": {},
         # paper_finetune's optimiser: SGD momentum 0.9, cosine, no weight decay, clip 1;
         # pad-and-crop instead of the inception crop, which is too harsh on 32 px sources
-        optimizer="sgd", momentum=0.9, lr=args.finetune_lr, weight_decay=0.0, label_smoothing=0.0,
-        crop="pad", crop_pad=6, batch_size=128, warmup=0.05,
-        time_limit=minutes["ft"], out=str(out / "finetune"))
-    scratch = replace(base, recipe="transfer_cifar5:scratch", class_subset=SECOND, img_size=48,
-                      crop="pad", crop_pad=6, time_limit=minutes["scratch"], out=str(out / "scratch"))
+        "optim.optimizer": "sgd", "optim.momentum": 0.9, "optim.lr": args.finetune_lr, "optim.weight_decay": 0.0,
+        "augment.label_smoothing": 0.0, "augment.crop": "pad", "augment.crop_pad": 6, "optim.batch_size": 128,
+        "optim.warmup": 0.05, "run.time_limit": minutes["ft"], "run.out": str(out / "finetune")})
+    scratch = replace(base, {"recipe": "transfer_cifar5:scratch", "data.class_subset": SECOND, "model.img_size": 48,
+                             "augment.crop": "pad", "augment.crop_pad": 6, "run.time_limit": minutes["scratch"],
+                             "run.out": str(out / "scratch")})
 
     results = {}
     # the folders are this script's own: a rerun replaces them
     results["pretrain"] = train(pretrain, overwrite=True)
-    results["finetune"] = train(replace(finetune, init=results["pretrain"]["weights"]), overwrite=True)
+    results["finetune"] = train(replace(finetune, {"model.init": results["pretrain"]["weights"]}), overwrite=True)
     results["scratch"] = train(scratch, overwrite=True)
 
     print()
     print(f"{'run':<10} {'classes':<40} {'px':>3} {'min':>5} {'steps':>6} {'val top-1':>9}")
     for name, cfg in (("pretrain", pretrain), ("finetune", finetune), ("scratch", scratch)):
         r = results[name]
-        size = cfg.img_size or 32
-        print(f"{name:<10} {', '.join(cfg.class_subset):<40} {size:>3} {cfg.time_limit:>5g} {r['steps']:>6} "
+        size = cfg.model.img_size or 32
+        print(f"{name:<10} {', '.join(cfg.data.class_subset):<40} {size:>3} {cfg.run.time_limit:>5g} {r['steps']:>6} "
               f"{r['val_top1']:>9.4f}")
     report = {name: {k: r[k] for k in ("val_top1", "val_top5", "steps", "wall_s", "weights")}
               for name, r in results.items()}

@@ -96,3 +96,42 @@ def test_fewshot_caches_features(run_dir, tmp_path, capsys):
 
 def test_wrong_classes_are_refused(run_dir, capsys):
     assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", str(run_dir)]) == 2
+
+
+def test_eval_runs_the_evaluator_the_trainer_runs(run_dir, capsys, monkeypatch):
+    # one evaluator, one interface: `vitlab eval` and the trainer's evaluations both call
+    # vitlab.eval.Evaluator.run(model) -> dict
+    import vitlab.eval
+    import vitlab.train.build
+    from vitlab.eval.evaluator import Evaluator
+
+    assert vitlab.train.build.Evaluator is vitlab.eval.Evaluator is Evaluator
+    runs = []
+    original = Evaluator.run
+    monkeypatch.setattr(Evaluator, "run", lambda self, model: runs.append(self) or original(self, model))
+    assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", "digits",
+                 "--val-split", "0"]) == 0
+    out = last_json(capsys)
+    assert len(runs) == 1 and runs[0].labels.shape[0] == out["n"] == 1797
+
+
+def test_eval_and_predict_optimize_unless_no_fast(run_dir, capsys, monkeypatch):
+    from vitlab import fast
+
+    optimized = []
+    original = fast.optimize
+    monkeypatch.setattr(fast, "optimize", lambda model, **kw: optimized.append(1) or original(model, **kw))
+    ckpt = str(run_dir / "model.safetensors")
+    base = ["eval", "--checkpoint", ckpt, "--data", "digits", "--val-split", "0"]
+    assert main(base) == 0
+    fast_top1 = last_json(capsys)["top1"]
+    assert main(base + ["--no-fast"]) == 0
+    assert last_json(capsys)["top1"] == pytest.approx(fast_top1)
+    assert optimized == [1]
+    image = run_dir / "digit.png"
+    from PIL import Image
+
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(image)
+    assert main(["predict", "--checkpoint", ckpt, "--json", str(image)]) == 0
+    assert main(["predict", "--checkpoint", ckpt, "--json", "--no-fast", str(image)]) == 0
+    assert optimized == [1, 1]

@@ -1,20 +1,27 @@
 import pytest
 
-from vitlab.train.config import TrainConfig
+from vitlab.train.config import (AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig,
+                                 replace)
 
 TINY_MODEL = dict(img_size=8, patch_size=4, width=16, depth=1, num_heads=2, mlp_dim=32, name="ViT-tiny/4")
 
 
 def tiny_config(out, **changes) -> TrainConfig:
-    """A ViT of ~5k parameters on the 8x8 digits: a step takes milliseconds."""
-    fields = dict(
-        recipe="test", model="ViT-Ti/16", model_overrides=dict(TINY_MODEL), data="digits", val_split=100,
-        crop="none", flip=False, optimizer="adam", lr=3e-3, weight_decay=0.1, batch_size=32, steps=6,
-        warmup=2, decay="cosine", clip_norm=1.0, precision="fp32", eval_every=0, log_every=2,
-        ckpt_every=0, keep_ckpts=2, threads=1, out=str(out),
+    """A ViT of ~5k parameters on the 8x8 digits: a step takes milliseconds.
+
+    ``changes``: fields by their flat names (``steps=8``, ``crop="pad"``), which
+    ``config.LEGACY_NAMES`` maps onto the sections."""
+    cfg = TrainConfig(
+        recipe="test",
+        model=ModelConfig(name="ViT-Ti/16", overrides=dict(TINY_MODEL)),
+        data=DataConfig(source="digits", val_split=100),
+        augment=AugmentConfig(crop="none", flip=False),
+        optim=OptimConfig(optimizer="adam", lr=3e-3, weight_decay=0.1, batch_size=32, steps=6, warmup=2,
+                          decay="cosine", clip_norm=1.0),
+        run=RunConfig(precision="fp32", eval_every=0, log_every=2, ckpt_every=0, keep_ckpts=2, threads=1,
+                      out=str(out)),
     )
-    fields.update(changes)
-    return TrainConfig(**fields)
+    return replace(cfg, changes)
 
 
 @pytest.fixture(scope="session")

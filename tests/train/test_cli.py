@@ -15,8 +15,8 @@ from vitlab.weights import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--set", "model.img_size=16", "--set", "model.patch_size=8", "--set", "model.width=16",
-        "--set", "model.depth=1", "--set", "model.num_heads=2", "--set", "model.mlp_dim=32", "--set", "threads=1",
-        "--set", "eval_every=0", "--set", "tensorboard=false", "--set", "decode_workers=0", "--quiet"]
+        "--set", "model.depth=1", "--set", "model.num_heads=2", "--set", "model.mlp_dim=32", "--set", "run.threads=1",
+        "--set", "run.eval_every=0", "--set", "run.tensorboard=false", "--set", "data.decode_workers=0", "--quiet"]
 
 
 def make_image_folder(root: Path, classes=("cat", "dog", "fish"), per_class=12) -> Path:
@@ -39,7 +39,7 @@ def test_train_cli_end_to_end(tmp_path, capsys):
     data = make_image_folder(tmp_path / "images")
     out = tmp_path / "run"
     code = main(["train", "--recipe", "demo", "--data", str(data), "--val-split", "6", "--steps", "6",
-                 "--batch-size", "8", "--out", str(out), "--set", f"cache_dir={tmp_path / 'cache'}", *TINY])
+                 "--batch-size", "8", "--out", str(out), "--set", f"data.cache_dir={tmp_path / 'cache'}", *TINY])
     assert code == 0
     summary = last_json_line(capsys.readouterr().out)
     assert summary["steps"] == 6 and summary["val_examples"] == 6 and summary["skipped_images"] == 1
@@ -58,9 +58,9 @@ def test_train_cli_end_to_end(tmp_path, capsys):
 def test_train_cli_refuses_bad_config_before_work(tmp_path, capsys):
     code = main(["train", "--recipe", "demo", "--data", str(tmp_path / "nothing"), "--out", str(tmp_path / "r")])
     assert code == 2
-    assert "data=" in capsys.readouterr().err
+    assert "data.source=" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
-    assert main(["train", "--recipe", "demo", "--set", "batch_size=10", "--set", "accum_steps=3"]) == 2
+    assert main(["train", "--recipe", "demo", "--set", "optim.batch_size=10", "--set", "optim.accum_steps=3"]) == 2
     assert "batch_size=10" in capsys.readouterr().err
 
 
@@ -89,8 +89,9 @@ def test_two_processes_equal_one(tmp_path, capsys):
     # sharded update (reduce-scatter) must agree too.
     data = make_image_folder(tmp_path / "images", per_class=16)
     common = ["train", "--recipe", "demo", "--data", str(data), "--steps", "3", "--batch-size", "16",
-              "--val-split", "9", "--set", "optimizer=sgd", "--set", "lr=0.1", "--set", "weight_decay=0",
-              "--set", "crop=none", "--set", f"cache_dir={tmp_path / 'cache'}", *TINY]
+              "--val-split", "9", "--set", "optim.optimizer=sgd", "--set", "optim.lr=0.1",
+              "--set", "optim.weight_decay=0", "--set", "augment.crop=none",
+              "--set", f"data.cache_dir={tmp_path / 'cache'}", *TINY]
     assert main(common + ["--out", str(tmp_path / "one")]) == 0  # also fills the decoded-image cache
     one = last_json_line(capsys.readouterr().out)
     a = load_model(one["weights"]).state_dict()
@@ -109,8 +110,8 @@ def test_finetune_and_sweep(tmp_path, capsys):
     pre = last_json_line(capsys.readouterr().out)
     # fine-tune at twice the resolution: the 2x2 grid of position embeddings becomes 4x4
     ft_args = ["finetune", "--init", pre["weights"], "--recipe", "demo", "--data", "digits", "--img-size", "32",
-               "--steps", "3", "--batch-size", "16", "--val-split", "100", "--set", "optimizer=sgd",
-               "--set", "threads=1", "--set", "tensorboard=false", "--quiet", "--out", str(tmp_path / "ft")]
+               "--steps", "3", "--batch-size", "16", "--val-split", "100", "--set", "optim.optimizer=sgd",
+               "--set", "run.threads=1", "--set", "run.tensorboard=false", "--quiet", "--out", str(tmp_path / "ft")]
     assert main(ft_args) == 0
     ft = last_json_line(capsys.readouterr().out)
     model = load_model(ft["weights"])
@@ -119,3 +120,53 @@ def test_finetune_and_sweep(tmp_path, capsys):
     report = last_json_line(capsys.readouterr().out)
     assert set(report["holdout_top1"]) == {"0.01", "0.1"} and report["best_lr"] in (0.01, 0.1)
     assert load_model(report["final"]["weights"]).cfg.num_classes == 10
+
+
+def test_show_config_takes_section_names_old_flat_names_and_the_fast_flags(capsys):
+    assert main(["train", "--recipe", "demo", "--show-config", "--set", "lr=0.5", "--set", "run.threads=2",
+                 "--set", "model.width=32"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert set(cfg) == {"recipe", "model", "data", "augment", "optim", "run"}
+    assert cfg["optim"]["lr"] == 0.5 and cfg["run"]["threads"] == 2 and cfg["model"]["overrides"]["width"] == 32
+    assert cfg["run"]["fast"] is True and cfg["run"]["retain_freed_memory"] is False  # the defaults
+    assert main(["train", "--recipe", "demo", "--show-config", "--no-fast", "--retain-freed-memory"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg["run"]["fast"] is False and cfg["run"]["retain_freed_memory"] is True
+
+
+def test_no_fast_trains_the_plain_model_into_the_same_weights_file(tmp_path, capsys, monkeypatch):
+    from safetensors import safe_open
+
+    from vitlab import fast
+
+    optimized = []
+    original = fast.optimize
+    monkeypatch.setattr(fast, "optimize", lambda model, **kw: optimized.append(1) or original(model, **kw))
+    base = ["train", "--recipe", "demo", "--data", "digits", "--batch-size", "16", "--val-split", "100", "--steps",
+            "2", *TINY]
+    keys = []
+    for flags, name in (([], "fast"), (["--no-fast"], "plain")):
+        assert main(base + flags + ["--out", str(tmp_path / name)]) == 0
+        with safe_open(last_json_line(capsys.readouterr().out)["weights"], "pt") as f:
+            keys.append(sorted(f.keys()))
+    assert optimized == [1]  # the default run only
+    assert keys[0] == keys[1] and keys[0]
+
+
+def test_calibrate_prints_the_chosen_kernels_their_rates_and_the_file(tmp_path, capsys, monkeypatch):
+    from vitlab.fast import KernelChoice, kernels
+
+    path = tmp_path / "kernels.json"
+    rates = {"fp32/aten": 100.0, "fp32/onednn": 150.0, "bf16/bf16": 40.0, "bf16/fp32": 90.0}
+    calls = []
+    monkeypatch.setattr(kernels, "calibrate", lambda rounds=5, path=None: calls.append(rounds)
+                        or (KernelChoice(fp32="onednn", bf16="fp32"), rates))
+    monkeypatch.setattr(kernels, "calibration_path", lambda: path)
+    assert main(["calibrate", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert calls == [2]
+    assert "fp32 onednn" in out and "bf16 fp32" in out and str(path) in out
+    assert all(name in out for name in rates) and "150.0 GFLOP/s" in out
+    assert main(["calibrate", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["choice"] == {"fp32": "onednn", "bf16": "fp32"} and report["path"] == str(path)

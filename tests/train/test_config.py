@@ -1,43 +1,121 @@
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 
 from vitlab.config import ConfigError
-from vitlab.train.config import TrainConfig, apply_overrides, list_recipes, load_recipe, validate
+from vitlab.data.transforms import TrainTransform
+from vitlab.train.config import (LEGACY_NAMES, SECTIONS, AugmentConfig, DataConfig, ModelConfig, OptimConfig,
+                                 RunConfig, TrainConfig, apply_overrides, check_can_run, field_names, from_dict,
+                                 list_recipes, load_recipe, replace, to_dict)
+
+OK = TrainConfig(model=ModelConfig(name="ViT-Ti/16", img_size=32, overrides={"patch_size": 8}),
+                 data=DataConfig(source="digits"))
 
 
-def check(cfg, field, **kw):
+def refused(field, build):
     with pytest.raises(ConfigError, match=field):
-        validate(cfg, **kw)
+        build()
 
 
 def test_errors_name_the_field(tmp_path):
-    ok = TrainConfig(data="digits", model="ViT-Ti/16", img_size=32, model_overrides={"patch_size": 8})
-    validate(ok)
+    check_can_run(OK)
     with pytest.raises(ConfigError, match="lr_rate"):
-        apply_overrides(ok, ["lr_rate=0.1"])
+        apply_overrides(OK, ["lr_rate=0.1"])
     with pytest.raises(ConfigError, match="model.wdith"):
-        apply_overrides(ok, ["model.wdith=3"])
-    check(apply_overrides(ok, ["decay=exponential"]), "decay")
-    check(apply_overrides(ok, ["batch_size=100", "accum_steps=3"]), "batch_size=100")
-    check(apply_overrides(ok, ["batch_size=64"]), "world_size=3", world_size=3)
-    check(apply_overrides(ok, ["img_size=30"]), "img_size")
-    check(apply_overrides(ok, [f"data={tmp_path}/missing"]), "data")
-    check(apply_overrides(ok, ["data=None"]), "data")
-    check(apply_overrides(ok, ["lr=-1"]), "lr")
-    check(apply_overrides(ok, ["warmup=5000", "steps=100"]), "warmup")
-    check(apply_overrides(ok, ["label_smoothing=1.5"]), "label_smoothing")
-    check(apply_overrides(ok, ["model=ViT-Q/16"]), "ViT-Q/16")
-    check(apply_overrides(ok, ["ema_decay=0.9", "fsdp=true"]), "fsdp")
+        apply_overrides(OK, ["model.wdith=3"])
+    with pytest.raises(ConfigError, match="optim.lr_rate"):
+        apply_overrides(OK, ["optim.lr_rate=0.1"])
+    refused("optim.decay='exponential'", lambda: apply_overrides(OK, ["optim.decay=exponential"]))
+    refused("batch_size=100", lambda: apply_overrides(OK, ["optim.batch_size=100", "optim.accum_steps=3"]))
+    with pytest.raises(ConfigError, match="world_size=3"):
+        check_can_run(apply_overrides(OK, ["optim.batch_size=64"]), world_size=3)
+    refused("img_size", lambda: apply_overrides(OK, ["model.img_size=30"]))
+    with pytest.raises(ConfigError, match="data.source"):
+        check_can_run(apply_overrides(OK, [f"data.source={tmp_path}/missing"]))
+    with pytest.raises(ConfigError, match="data.source=None"):
+        check_can_run(apply_overrides(OK, ["data.source=None"]))
+    refused("optim.lr=-1", lambda: apply_overrides(OK, ["optim.lr=-1"]))
+    refused("optim.warmup", lambda: apply_overrides(OK, ["optim.warmup=5000", "optim.steps=100"]))
+    refused("augment.label_smoothing=1.5", lambda: apply_overrides(OK, ["augment.label_smoothing=1.5"]))
+    refused("ViT-Q/16", lambda: apply_overrides(OK, ["model.name=ViT-Q/16"]))
+    refused("fsdp", lambda: apply_overrides(OK, ["optim.ema_decay=0.9", "run.fsdp=true"]))
     with pytest.raises(ConfigError, match="fsdp"):
-        apply_overrides(ok, ["fsdp=maybe"])
-    check(TrainConfig(data="digits", retain_freed_memory="no"), "retain_freed_memory='no'")
+        apply_overrides(OK, ["run.fsdp=maybe"])
+
+
+def test_sections_check_themselves_when_built():
+    # no separate validate() to remember: an impossible value cannot be built at all
+    refused("run.retain_freed_memory='no'", lambda: RunConfig(retain_freed_memory="no"))
+    refused("optim.optimizer='lamb'", lambda: OptimConfig(optimizer="lamb"))
+    refused("allowed values are 'adam', 'sgd'", lambda: OptimConfig(optimizer="lamb"))
+    refused("optim.min_lr=0.1: must not exceed optim.lr=0.01", lambda: OptimConfig(lr=0.01, min_lr=0.1))
+    refused("optim.batch_size=10 is not divisible by optim.accum_steps=3",
+            lambda: OptimConfig(batch_size=10, accum_steps=3))
+    refused("augment.crop='random'", lambda: AugmentConfig(crop="random"))
+    refused("augment.crop_scale", lambda: AugmentConfig(crop_scale=(0.5, 2.0)))
+    refused("augment.erase_prob=2", lambda: AugmentConfig(erase_prob=2))
+    refused("data.val_split=1.5", lambda: DataConfig(val_split=1.5))
+    refused(r"data.progressive_sizes=\(24, 0.5\)", lambda: DataConfig(progressive_sizes=(24, 0.5)))
+    refused("model.overrides", lambda: ModelConfig(overrides=[("width", 3)]))
+    refused("model.name='ViT-Q/16'", lambda: ModelConfig(name="ViT-Q/16"))
+    refused("run.time_measure_steps=0", lambda: RunConfig(time_measure_steps=0))
+    refused("run.precision='fp16'", lambda: RunConfig(precision="fp16"))
+    refused("fsdp", lambda: TrainConfig(optim=OptimConfig(ema_decay=0.9), run=RunConfig(fsdp=True)))
+    refused("optim", lambda: TrainConfig(optim={"lr": 0.1}))
+    with pytest.raises(ConfigError, match="optim.lr"):  # replace builds the changed section anew
+        replace(OK, {"optim.lr": 0.0})
+
+
+def test_the_augmentation_section_is_train_transforms_fields():
+    ours = {f.name: f.default for f in dataclasses.fields(AugmentConfig)}
+    theirs = {f.name: f.default for f in dataclasses.fields(TrainTransform) if f.name not in ("num_classes",
+                                                                                              "image_size")}
+    assert ours == theirs
+    transform = AugmentConfig(crop="pad", flip=False).transform(num_classes=3, image_size=(8, 8))
+    assert (transform.crop, transform.flip, transform.num_classes, transform.image_size) == ("pad", False, 3, (8, 8))
 
 
 def test_overrides_parse_types():
-    cfg = apply_overrides(TrainConfig(), ["lr=1", "betas=0.9,0.95", "crop=none", "img_size=48", "flip=false",
-                                          "model.width=256", "init=none", "val_split=0.1"])
-    assert cfg.lr == 1.0 and isinstance(cfg.lr, float)
-    assert cfg.betas == (0.9, 0.95) and cfg.crop == "none" and cfg.img_size == 48 and cfg.flip is False
-    assert cfg.model_overrides == {"width": 256} and cfg.init is None and cfg.val_split == 0.1
+    cfg = apply_overrides(TrainConfig(), ["optim.lr=1", "optim.betas=0.9,0.95", "augment.crop=none",
+                                          "model.img_size=48", "augment.flip=false", "model.width=384",
+                                          "model.init=none", "data.val_split=0.1", "run.fast=false"])
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.optim.betas == (0.9, 0.95) and cfg.augment.crop == "none" and cfg.model.img_size == 48
+    assert cfg.augment.flip is False and cfg.run.fast is False
+    assert cfg.model.overrides == {"width": 384} and cfg.model.init is None and cfg.data.val_split == 0.1
+
+
+def test_old_flat_names_still_work_on_the_command_line():
+    new = apply_overrides(TrainConfig(), ["optim.lr=0.5", "optim.batch_size=64", "data.source=digits",
+                                          "model.name=ViT-S/16", "run.threads=1"])
+    old = apply_overrides(TrainConfig(), ["lr=0.5", "batch_size=64", "data=digits", "model=ViT-S/16", "threads=1"])
+    assert old == new
+
+
+def test_an_old_flat_config_loads():
+    # a flat config dict as TrainConfig wrote it before the sections (to_dict of the
+    # cifar10_scratch recipe), as old checkpoints and run folders' config.json hold it
+    flat = json.loads((Path(__file__).parent / "old_flat_config.json").read_text())
+    assert set(flat) == set(LEGACY_NAMES)  # every old name is mapped
+    cfg = from_dict(flat)
+    recipe = load_recipe("cifar10_scratch")
+    assert cfg.run.retain_freed_memory is True  # the old default, as that run had it
+    assert replace(cfg, {"run.retain_freed_memory": False}) == recipe
+    assert cfg.data.progressive_sizes == ((24, 0.5),) and cfg.optim.betas == (0.9, 0.999)
+    assert cfg.model.overrides["resnet"]["layers"] == (1, 3)
+    for old, new in LEGACY_NAMES.items():
+        assert new in field_names(), (old, new)
+    with pytest.raises(ConfigError, match="optim.lr_rate"):
+        from_dict({**to_dict(recipe), "optim": {**to_dict(recipe)["optim"], "lr_rate": 1}})
+
+
+def test_to_dict_round_trips_through_json():
+    for name in list_recipes():
+        cfg = load_recipe(name)
+        assert from_dict(json.loads(json.dumps(to_dict(cfg)))) == cfg
+        assert set(to_dict(cfg)) == {"recipe", *SECTIONS}
 
 
 def test_every_recipe_loads_and_is_consistent():
@@ -45,28 +123,30 @@ def test_every_recipe_loads_and_is_consistent():
     assert {"paper_pretrain", "paper_pretrain_imagenet", "paper_finetune", "vtab1k", "cifar10_scratch",
             "demo"} <= set(names)
     for name in names:
-        validate(load_recipe(name), need_data=False)
+        check_can_run(load_recipe(name), need_data=False)
     pre = load_recipe("paper_pretrain")
-    assert (pre.batch_size, pre.weight_decay, pre.warmup, pre.decay, pre.clip_norm) == (4096, 0.1, 10_000, "linear", 1.0)
-    assert pre.betas == (0.9, 0.999) and pre.pre_logits
+    o = pre.optim
+    assert (o.batch_size, o.weight_decay, o.warmup, o.decay, o.clip_norm) == (4096, 0.1, 10_000, "linear", 1.0)
+    assert o.betas == (0.9, 0.999) and pre.model.pre_logits
     i21k = load_recipe("paper_pretrain:dataset=i21k")
-    assert i21k.model_overrides["dropout"] == 0.1 and i21k.weight_decay == 0.03
+    assert i21k.model.overrides["dropout"] == 0.1 and i21k.optim.weight_decay == 0.03
     inet = load_recipe("paper_pretrain_imagenet")
-    assert (inet.lr, inet.decay, inet.weight_decay, inet.model_overrides["dropout"]) == (3e-3, "cosine", 0.3, 0.1)
+    assert (inet.optim.lr, inet.optim.decay, inet.optim.weight_decay, inet.model.overrides["dropout"]) == (
+        3e-3, "cosine", 0.3, 0.1)
     for dataset, steps in (("cifar10", 10_000), ("cifar100", 10_000), ("imagenet", 20_000), ("pets", 500),
                            ("flowers", 500)):
-        ft = load_recipe(f"paper_finetune:dataset={dataset}")
+        ft = load_recipe(f"paper_finetune:dataset={dataset}").optim
         assert (ft.steps, ft.optimizer, ft.momentum, ft.batch_size, ft.weight_decay, ft.decay) == (
             steps, "sgd", 0.9, 512, 0.0, "cosine")
-    assert load_recipe("paper_finetune").lr_grid == (0.001, 0.003, 0.01, 0.03)
+    assert load_recipe("paper_finetune").optim.lr_grid == (0.001, 0.003, 0.01, 0.03)
     vtab = load_recipe("vtab1k")
-    assert (vtab.lr, vtab.steps, vtab.train_examples, vtab.val_split) == (0.01, 2500, 1000, 200)
-    assert load_recipe("vtab1k:final=true").val_split == 0
+    assert (vtab.optim.lr, vtab.optim.steps, vtab.data.train_examples, vtab.data.val_split) == (0.01, 2500, 1000, 200)
+    assert load_recipe("vtab1k:final=true").data.val_split == 0
     from vitlab.train.config import model_config
 
     for variant, tokens, norm in (("hybrid", 16, "batch"), ("hybrid_bit", 16, "group"), ("vit", 64, None)):
         cifar = load_recipe(f"cifar10_scratch:model={variant}")  # every CIFAR model builds, at 32 px
-        validate(cifar, need_data=False)
+        check_can_run(cifar, need_data=False)
         built = model_config(cifar, num_classes=10)
         assert built.num_patches == tokens
         assert (built.resnet.norm if built.resnet else None) == norm
@@ -78,5 +158,18 @@ def test_every_recipe_loads_and_is_consistent():
 
 def test_demo_recipe_is_small():
     demo = load_recipe("demo")
-    assert demo.data == "digits" and demo.val_split > 0 and demo.out == "runs/demo"
-    validate(demo)
+    assert demo.data.source == "digits" and demo.data.val_split > 0 and demo.run.out == "runs/demo"
+    check_can_run(demo)
+
+
+def test_mallopt_and_the_fast_path_defaults():
+    assert RunConfig().retain_freed_memory is False and RunConfig().fast is True
+
+
+def test_changes_are_checked_together():
+    # an intermediate combination may be impossible; only the result is checked
+    base = replace(OK, {"optim.batch_size": 96, "optim.accum_steps": 3})
+    changed = apply_overrides(base, ["optim.batch_size=100", "optim.accum_steps=4"])
+    assert (changed.optim.batch_size, changed.optim.accum_steps) == (100, 4)
+    changed = apply_overrides(OK, ["model.name=ViT-S/16", "model.num_heads=4", "model.width=256"])
+    assert changed.model.overrides == {"patch_size": 8, "num_heads": 4, "width": 256}

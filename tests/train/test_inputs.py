@@ -1,11 +1,11 @@
 import torch
 
-from vitlab.train.config import TrainConfig
+from vitlab.train.config import DataConfig, TrainConfig
 from vitlab.train.inputs import build_splits
 
 
 def test_vtab_style_pool_then_split():
-    s = build_splits(TrainConfig(data="digits", train_examples=1000, val_split=200), (8, 8))
+    s = build_splits(TrainConfig(data=DataConfig(source="digits", train_examples=1000, val_split=200)), (8, 8))
     assert len(s.train_labels) == 800 and len(s.val_labels) == 200
     counts = torch.bincount(s.val_labels)
     assert len(counts) == 10 and counts.max() - counts.min() <= 2  # stratified (digits: 174-183 per class)
@@ -13,6 +13,6 @@ def test_vtab_style_pool_then_split():
 
 
 def test_class_subset_relabels_in_the_given_order():
-    s = build_splits(TrainConfig(data="digits", class_subset=("7", "3")), (8, 8))
+    s = build_splits(TrainConfig(data=DataConfig(source="digits", class_subset=("7", "3"))), (8, 8))
     assert s.classes == ["7", "3"] and set(s.train_labels.tolist()) == {0, 1}
     assert s.val_labels is None

@@ -40,8 +40,8 @@ def test_resume_is_bit_exact(tiny):
                model_overrides={"img_size": 8, "patch_size": 4, "width": 16, "depth": 1, "num_heads": 2,
                                 "mlp_dim": 32, "dropout": 0.1})
     full = train(cfg, verbose=False)
-    logged = read_jsonl(f"{cfg.out}/metrics.jsonl")
-    ckpts = list_checkpoints(f"{cfg.out}/checkpoints")
+    logged = read_jsonl(f"{cfg.run.out}/metrics.jsonl")
+    ckpts = list_checkpoints(f"{cfg.run.out}/checkpoints")
     assert [p.name for p in ckpts] == ["ckpt-00000004.pt", "ckpt-00000008.pt"]
     uninterrupted = load_checkpoint(ckpts[-1])
     shutil.move(str(ckpts[-1]), str(ckpts[-1]) + ".bak")  # as if the run died after step 4
@@ -61,7 +61,7 @@ def test_resume_is_bit_exact(tiny):
     a, b = weights(full), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     # the metrics files list each step once (the killed run had logged steps 6 and 8 too)
-    relogged = read_jsonl(f"{cfg.out}/metrics.jsonl")
+    relogged = read_jsonl(f"{cfg.run.out}/metrics.jsonl")
     assert [r["step"] for r in relogged] == [r["step"] for r in logged] == [2, 4, 6, 8]
     assert [r["loss"] for r in relogged] == [r["loss"] for r in logged]
 
@@ -81,8 +81,8 @@ def test_a_finished_run_is_kept_unless_resumed_or_overwritten(tiny):
     assert again["steps"] == 3 and again["val_top1"] == first["val_top1"]
     fresh = train(tiny("run", steps=2), overwrite=True, verbose=False)
     assert fresh["steps"] == 2
-    assert [p.name for p in list_checkpoints(f"{cfg.out}/checkpoints")] == ["ckpt-00000002.pt"]
-    assert [r["step"] for r in read_jsonl(f"{cfg.out}/metrics.jsonl")] == [2]
+    assert [p.name for p in list_checkpoints(f"{cfg.run.out}/checkpoints")] == ["ckpt-00000002.pt"]
+    assert [r["step"] for r in read_jsonl(f"{cfg.run.out}/metrics.jsonl")] == [2]
 
 
 def test_resume_refuses_a_changed_data_order(tiny):
@@ -153,9 +153,9 @@ def test_time_limit_times_every_periodic_evaluation(tiny):
     cfg = tiny("timed_evals", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1, eval_every=7,
                tensorboard=False)
     summary = train(cfg, verbose=False)
-    periodic = [r for r in read_jsonl(f"{cfg.out}/metrics.jsonl") if "val_top1" in r and r["step"] < summary["steps"]]
+    periodic = [r for r in read_jsonl(f"{cfg.run.out}/metrics.jsonl") if "val_top1" in r and r["step"] < summary["steps"]]
     assert len(periodic) >= 2
-    clock = load_checkpoint(list_checkpoints(f"{cfg.out}/checkpoints")[-1])["clock"]
+    clock = load_checkpoint(list_checkpoints(f"{cfg.run.out}/checkpoints")[-1])["clock"]
     assert clock["evals_timed"] == 1 + len(periodic)
     assert clock["eval_s"] > 0
 
@@ -166,7 +166,7 @@ def test_a_resumed_time_limited_run_counts_the_time_already_spent(tiny):
     cfg = tiny("timed_resume", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1, ckpt_every=2,
                keep_ckpts=100_000, tensorboard=False)
     full = train(cfg, verbose=False)
-    ckpts = list_checkpoints(f"{cfg.out}/checkpoints")
+    ckpts = list_checkpoints(f"{cfg.run.out}/checkpoints")
     first = load_checkpoint(ckpts[0])
     assert 0 < first["clock"]["elapsed_s"] < full["wall_s"]
     assert first["step"] == 2 and first["clock"]["eval_s"] == 0.0  # measured with the fit, at step 5
@@ -181,7 +181,7 @@ def test_a_resumed_time_limited_run_counts_the_time_already_spent(tiny):
     resumed = train(cfg, resume=True, verbose=False)
     assert resumed["steps"] == state["step"] + 1 < full["steps"]  # one step, then the guard ends the run
     assert resumed["wall_s"] >= 0.1 * 60
-    logged = read_jsonl(f"{cfg.out}/metrics.jsonl")
+    logged = read_jsonl(f"{cfg.run.out}/metrics.jsonl")
     assert logged[-1]["elapsed_s"] >= 0.1 * 60
 
 
@@ -191,7 +191,7 @@ def test_a_resumed_time_limited_run_times_its_steps_again(tiny, monkeypatch):
     cfg = tiny("timed_remeasure", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1, ckpt_every=2,
                keep_ckpts=100_000, tensorboard=False)
     train(cfg, verbose=False)
-    ckpts = list_checkpoints(f"{cfg.out}/checkpoints")
+    ckpts = list_checkpoints(f"{cfg.run.out}/checkpoints")
     for p in ckpts[3:]:  # stopped after its third checkpoint, step 6, a second or so into its budget
         p.unlink()
     refits = capture_refits(monkeypatch)
@@ -203,10 +203,9 @@ def test_a_resumed_time_limited_run_times_its_steps_again(tiny, monkeypatch):
 
 
 def test_flip_evaluation_scores_the_two_view_ensemble(tiny):
-    from vitlab.data.transforms import EvalTransform, build_transform
+    from vitlab.eval import Evaluator
     from vitlab.eval.features import predict_logits
     from vitlab.train.inputs import build_splits
-    from vitlab.train.loop import evaluate
 
     summary = train(tiny("flip", eval_flip=True, steps=20, tensorboard=False), verbose=False)
     model = load_model(summary["weights"]).eval()
@@ -215,9 +214,8 @@ def test_flip_evaluation_scores_the_two_view_ensemble(tiny):
     single = (predict_logits(model, splits.val_images).argmax(-1) == labels).mean()
     averaged = (predict_logits(model, splits.val_images, flip=True).argmax(-1) == labels).mean()
     assert summary["val_top1"] == averaged and summary["val_top1_single"] == single
-    transform = build_transform(EvalTransform(num_classes=10, image_size=(8, 8)))
-    plain = evaluate(model, splits.val_images, splits.val_labels, transform, batch_size=32, device=torch.device("cpu"))
-    assert plain["val_top1"] == single and "val_top1_single" not in plain
+    plain = Evaluator(splits.val_images, splits.val_labels, batch_size=32, device="cpu").run(model)
+    assert plain["top1"] == single and "top1_single" not in plain
 
 
 def test_final_evaluation_adds_shifted_views_and_the_periodic_ones_do_not(tiny):
@@ -235,7 +233,7 @@ def test_final_evaluation_adds_shifted_views_and_the_periodic_ones_do_not(tiny):
     assert len(set(top1.values())) == 3  # the three protocols score differently here, so a mix-up shows
     assert summary["val_top1"] == top1["all"]
     assert summary["val_top1_flip"] == top1["flip"] and summary["val_top1_single"] == top1["single"]
-    evaluated = [r for r in read_jsonl(f"{tiny('shift').out}/metrics.jsonl") if "val_top1" in r]
+    evaluated = [r for r in read_jsonl(f"{tiny('shift').run.out}/metrics.jsonl") if "val_top1" in r]
     assert [r["step"] for r in evaluated] == [10, 20]
     assert "val_top1_flip" not in evaluated[0] and "val_top1_flip" in evaluated[1]  # only the final one
     with pytest.raises(ConfigError, match="final_eval_shift=8"):  # the 8x8 input cannot shift by 8
@@ -255,16 +253,16 @@ def test_train_leaves_alone_a_process_group_it_did_not_create(tiny, tmp_path):
 
 def record_input_sizes(monkeypatch) -> list[tuple[bool, int]]:
     """(training?, side) of every batch the model built by the loop is called on."""
-    import vitlab.train.loop as loop
+    import vitlab.train.build as building
 
-    seen, build = [], loop.build_model
+    seen, build = [], building.build_model
 
     def recording(cfg, num_classes):
         model = build(cfg, num_classes)
         model.register_forward_pre_hook(lambda module, args: seen.append((module.training, args[0].shape[-1])))
         return model
 
-    monkeypatch.setattr(loop, "build_model", recording)
+    monkeypatch.setattr(building, "build_model", recording)
     return seen
 
 
@@ -283,7 +281,7 @@ def test_progressive_sizes_the_model_cannot_take_are_refused(tiny):
         train(tiny("odd", progressive_sizes=((6, 0.5),)), verbose=False)
     with pytest.raises(ConfigError, match=r"progressive_sizes=.*not below"):
         train(tiny("big", progressive_sizes=((8, 0.5),)), verbose=False)
-    with pytest.raises(ConfigError, match=r"progressive_sizes=\(24, 0.5\)"):
+    with pytest.raises(ConfigError, match=r"data.progressive_sizes=\(24, 0.5\)"):
         train(tiny("flat", progressive_sizes=(24, 0.5)), verbose=False)
 
 
@@ -302,28 +300,77 @@ def test_time_limit_plans_the_cheaper_early_steps(tiny, monkeypatch):
     assert any("ms per 8-pixel step" in text for text in refits), refits
 
 
-@pytest.mark.parametrize("kernel_faster", [True, False])
-def test_auto_precision_is_bf16_only_where_the_bf16_kernel_beats_fp32(monkeypatch, kernel_faster):
-    from vitlab.models import bf16_matmul
-    from vitlab.train.loop import autocast, bf16_is_fast
+@pytest.mark.parametrize("bf16_faster", [True, False])
+def test_auto_precision_is_bf16_only_where_vitlab_fast_says_it_is_faster(monkeypatch, bf16_faster):
+    from vitlab import fast
+    from vitlab.train.step import autocast
 
-    monkeypatch.setattr(bf16_matmul, "_probed", not kernel_faster)  # the probe's answer: fp32 GEMM faster
+    asked = []
+    monkeypatch.setattr(fast, "bf16_is_faster", lambda device: asked.append(device) or bf16_faster)
     cpu = torch.device("cpu")
-    expected = kernel_faster and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert bf16_is_fast(cpu) == expected
     with autocast(cpu, "auto"):
-        assert torch.is_autocast_enabled("cpu") == expected
-    with autocast(cpu, "bf16"):  # asked for by name: bf16 whatever the probe says
+        assert torch.is_autocast_enabled("cpu") == bf16_faster
+    assert asked == [cpu]
+    with autocast(cpu, "bf16"):  # asked for by name: bf16 whatever the rule says
         assert torch.is_autocast_enabled("cpu")
+    with autocast(cpu, "fp32"):
+        assert not torch.is_autocast_enabled("cpu")
+    assert asked == [cpu]
 
 
-def test_a_bf16_run_through_the_fp32_gemm_frees_its_scratch_buffers_when_it_ends(tiny, monkeypatch):
-    from vitlab.models import bf16_matmul
+def test_the_fast_path_is_applied_by_default_and_no_fast_saves_the_same_weights(tiny, monkeypatch):
+    # vitlab.fast.optimize runs on the bare model before any wrapper; run.fast=False runs the
+    # plain model; either way the weights file holds the same tensors under the same keys
+    from safetensors import safe_open
 
-    monkeypatch.setenv("VITLAB_BF16_MATMUL", "fp32")
-    used = []
-    original = bf16_matmul._scratch
-    monkeypatch.setattr(bf16_matmul, "_scratch", lambda *a: used.append(a) or original(*a))
-    summary = train(tiny(precision="bf16"), verbose=False)
-    assert used and summary["steps"] == 6
-    assert bf16_matmul._local.scratch is None
+    from vitlab import fast
+
+    optimized = []
+    original = fast.optimize
+    monkeypatch.setattr(fast, "optimize", lambda model, **kw: optimized.append(type(model).__name__)
+                        or original(model, **kw))
+    with_fast = train(tiny("fast"), verbose=False)
+    assert len(optimized) == 1
+    plain = train(tiny("plain", **{"run.fast": False}), verbose=False)
+    assert len(optimized) == 1
+    saved = []
+    for summary in (with_fast, plain):
+        with safe_open(summary["weights"], "pt") as f:
+            saved.append({k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()})
+    assert saved[0] == saved[1] and saved[0]
+
+
+def test_mallopt_is_opt_in(tiny, monkeypatch):
+    import vitlab.train.build as building
+
+    calls = []
+    monkeypatch.setattr(building, "retain_freed_memory", lambda: calls.append(1) or True)
+    train(tiny("default"), verbose=False)
+    assert calls == []
+    train(tiny("retain", retain_freed_memory=True), verbose=False)
+    assert calls == [1]
+
+
+def test_a_checkpoint_with_the_old_flat_config_resumes(tiny):
+    # checkpoints written before the config had sections hold its flat dict
+    from vitlab.config import ConfigError
+    from vitlab.train.config import LEGACY_NAMES, to_dict
+
+    cfg = tiny("flat", steps=4, ckpt_every=2, keep_ckpts=3)
+    full = train(cfg, verbose=False)
+    ckpts = list_checkpoints(f"{cfg.run.out}/checkpoints")
+    ckpts[-1].unlink()
+    state = load_checkpoint(ckpts[0])
+    nested = to_dict(cfg)
+    state["config"] = {old: nested[new.split(".")[0]][new.split(".")[1]] if "." in new else nested[new]
+                       for old, new in LEGACY_NAMES.items()}
+    assert "batch_size" in state["config"] and "optim" not in state["config"]
+    torch.save(state, ckpts[0])
+    resumed = train(cfg, resume=True, verbose=False)
+    a, b = weights(full), weights(resumed)
+    assert resumed["steps"] == 4 and all(torch.equal(a[k], b[k]) for k in a)
+    state["config"]["batch_size"] = 16  # and a changed data order is still refused
+    torch.save(state, ckpts[0])
+    list_checkpoints(f"{cfg.run.out}/checkpoints")[-1].unlink()
+    with pytest.raises(ConfigError, match="batch_size=32 .checkpoint: 16."):
+        train(cfg, resume=True, verbose=False)

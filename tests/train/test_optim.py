@@ -1,7 +1,7 @@
 import torch
 
 from vitlab.models.registry import create_model
-from vitlab.train.config import TrainConfig
+from vitlab.train.config import OptimConfig
 from vitlab.train.optim import build_optimizer, no_decay_names, split_decay
 
 
@@ -19,9 +19,9 @@ def test_only_kernels_decay():
 
 def test_groups_carry_weight_decay():
     model = create_model("ViT-Ti/16", img_size=32, patch_size=8, depth=1, num_classes=10)
-    opt = build_optimizer(model, TrainConfig(weight_decay=0.1))
+    opt = build_optimizer(model, OptimConfig(weight_decay=0.1))
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     decay, no_decay = split_decay(model, "all")
     assert not no_decay and len(decay) == len(list(model.parameters()))
-    sgd = build_optimizer(model, TrainConfig(optimizer="sgd", momentum=0.9))
+    sgd = build_optimizer(model, OptimConfig(optimizer="sgd", momentum=0.9))
     assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.9

@@ -15,23 +15,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="optimiser steps (default: the recipe's)")
     p.add_argument("--seed", type=int, help="random seed")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a field of the demo recipe (repeatable)")
+                   help="override a field of the demo recipe, SECTION.FIELD=VALUE (repeatable)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--no-report", action="store_true", help="skip the HTML inspection report")
 
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.train import train
-    from vitlab.train.config import apply_overrides, load_recipe, replace, validate
+    from vitlab.train.config import apply_overrides, check_can_run, load_recipe, replace
 
     cfg = apply_overrides(load_recipe("demo"), args.overrides)
-    changes = {"out": args.out}
+    changes = {"run.out": args.out}
     if args.steps is not None:
-        changes["steps"] = args.steps
+        changes["optim.steps"] = args.steps
     if args.seed is not None:
-        changes["seed"] = args.seed
-    cfg = replace(cfg, **changes)
-    validate(cfg)
+        changes["run.seed"] = args.seed
+    cfg = replace(cfg, changes)
+    check_can_run(cfg)
     summary = train(cfg, overwrite=True, verbose=not args.quiet)  # the demo's folder is its own: rerunning replaces it
     print(f"validation accuracy: {summary['val_top1']:.2%} (top-5 {summary['val_top5']:.2%}) on "
           f"{summary['val_examples']} held-out digits after {summary['steps']} steps in {summary['wall_s']:.0f} s")
@@ -56,5 +56,5 @@ def write_demo_report(cfg, summary: dict):
     # one example of each of the first eight classes, so the maps show different digits
     picks = [int((splits.val_labels == c).nonzero()[0]) for c in range(8)]
     meta = read_run_meta(summary["weights"])
-    return write_report(model, splits.val_images[picks], Path(cfg.out) / "report.html",
-                        run_dir=cfg.out, meta=meta)
+    return write_report(model, splits.val_images[picks], Path(cfg.run.out) / "report.html",
+                        run_dir=cfg.run.out, meta=meta)

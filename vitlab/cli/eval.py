@@ -4,7 +4,8 @@
 
 Without ``--val-split`` the split of the checkpoint's training run is used when the
 run's ``config.json`` sits beside the checkpoint and names the same data; otherwise the
-whole data set is evaluated.  The last line of output is JSON.
+whole data set is evaluated.  The numbers come from ``vitlab.eval.Evaluator``, the
+evaluator the trainer runs.  The last line of output is JSON.
 
 This module also holds the checkpoint/data helpers that ``fewshot`` and ``inspect`` share.
 """
@@ -14,6 +15,8 @@ import argparse
 import json
 import sys
 from typing import Any
+
+from .train import add_fast_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shift", type=int, default=0, metavar="PIXELS",
                    help="test-time translations: also average over each view shifted by PIXELS along each axis, "
                         "both ways (reflection fills the border, as the training pad-and-crop); 0: none")
+    add_fast_argument(p)
 
 
 def add_data_arguments(p: argparse.ArgumentParser, default_split: str) -> None:
@@ -52,22 +56,34 @@ def pick_device(name: str) -> str:
     return name
 
 
-def load_checkpoint(source: str, img_size: int | None, device: str):
-    """(model in eval mode on ``device``, run metadata dict)."""
+def load_checkpoint(source: str, img_size: int | None, device: str, fast: bool = False):
+    """(model in eval mode on ``device``, run metadata dict); ``fast``: ``vitlab.fast.optimize``d."""
     from vitlab.analysis.report import read_run_meta
     from vitlab.weights import load_model
 
     model = load_model(source, img_size=img_size).to(device).eval()
+    if fast:
+        from vitlab import fast as fast_path
+
+        fast_path.optimize(model)
     return model, read_run_meta(source)
+
+
+def run_data(meta: dict) -> dict:
+    """The data section of the checkpoint's training config (either layout; {} without one)."""
+    from vitlab.train.config import nested_dict
+
+    recipe = meta.get("recipe")
+    return dict(nested_dict(recipe).get("data") or {}) if isinstance(recipe, dict) else {}
 
 
 def load_data(args: argparse.Namespace, meta: dict, image_size: tuple[int, int]):
     """(images uint8 (N, 3, H, W), labels (N,), class names, data key, same_as_run) for ``args.data``."""
-    recipe = meta.get("recipe") or {}
-    data = args.data or recipe.get("data")
+    recipe = run_data(meta)
+    data = args.data or recipe.get("source")
     if not data:
         raise ValueError("--data is needed: the checkpoint's run does not name its data")
-    same_as_run = bool(recipe) and str(data) == str(recipe.get("data"))
+    same_as_run = bool(recipe) and str(data) == str(recipe.get("source"))
     if data == "digits":
         from vitlab.data.digits import load_digits_dataset
 
@@ -96,7 +112,7 @@ def split_indices(labels, args: argparse.Namespace, meta: dict, same_as_run: boo
 
     from vitlab.data.splits import stratified_split
 
-    recipe = meta.get("recipe") or {}
+    recipe = run_data(meta)
     val_split = args.val_split
     seed = args.split_seed
     if val_split is None:
@@ -123,11 +139,11 @@ def model_input_size(model) -> tuple[int, int]:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from vitlab.eval.features import check_tta_shift, predict_logits
-    from vitlab.eval.metrics import classification_report
+    from vitlab.eval import Evaluator
+    from vitlab.eval.features import check_tta_shift
 
     device = pick_device(args.device)
-    model, meta = load_checkpoint(args.checkpoint, args.img_size, device)
+    model, meta = load_checkpoint(args.checkpoint, args.img_size, device, fast=args.fast is not False)
     size = model_input_size(model)
     check_tta_shift(args.shift, size, "--shift")
     images, labels, classes, _, same = load_data(args, meta, size)
@@ -138,9 +154,9 @@ def run(args: argparse.Namespace) -> int:
                          f"was trained on ({', '.join(map(str, run_classes[:5]))}, ...)")
     if model.cfg.num_classes != len(classes):
         raise ValueError(f"the model has {model.cfg.num_classes} outputs but the data has {len(classes)} classes")
-    logits = predict_logits(model, images[held], batch_size=args.batch_size, device=device, flip=args.flip,
-                            shift=args.shift)
-    report = classification_report(logits, labels[held].numpy(), len(classes), num_bins=args.bins)
+    evaluator = Evaluator(images[held], labels[held], batch_size=args.batch_size, device=device, flip=args.flip,
+                          shift=args.shift, image_size=size, report_bins=args.bins)
+    report = evaluator.run(model)
     where = "all examples" if split == 0 else f"held-out split ({split} examples, seed {seed})"
     print(f"{args.checkpoint}: {report['n']} images, {where}", file=sys.stderr)
     print(f"top-1 {100 * report['top1']:.2f}%  top-5 {100 * report['top5']:.2f}%  "

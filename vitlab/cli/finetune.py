@@ -6,7 +6,7 @@
 The weights (official .npz, Hugging Face, timm or vitlab's own) are loaded with
 ``vitlab.weights.load_model``: position embeddings are interpolated to ``--img-size``
 and the head is replaced by a zero-initialised one for the new classes (the
-pre-logits layer is dropped unless ``--set keep_pre_logits=true``).  Like `train`, it
+pre-logits layer is dropped unless ``--set model.keep_pre_logits=true``).  Like `train`, it
 ends by printing one JSON line with the final metrics and the weights' path.
 """
 from __future__ import annotations
@@ -24,11 +24,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.train import train
-    from vitlab.train.config import to_dict, validate
+    from vitlab.train.config import check_can_run, to_dict
     from vitlab.train.distributed import env_world_size
 
-    cfg = resolve_config(args, extra={"init": args.init})
-    validate(cfg, env_world_size())
+    cfg = resolve_config(args, extra={"model.init": args.init})
+    check_can_run(cfg, env_world_size())
     if args.show_config:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0

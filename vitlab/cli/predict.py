@@ -12,6 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
+from .train import add_fast_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="weights: a .safetensors file or run folder written by train")
@@ -19,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=5, help="how many classes to show")
     p.add_argument("--json", action="store_true", help="one JSON line per image")
     p.add_argument("images", nargs="+", help="image files")
+    add_fast_argument(p)
 
 
 def find_classes(checkpoint: Path, explicit: str | None) -> list[str] | None:
@@ -41,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
 
     checkpoint = Path(args.checkpoint)
     model = load_model(checkpoint).eval()
+    if args.fast is not False:
+        from vitlab import fast
+
+        fast.optimize(model)
     classes = find_classes(checkpoint, args.classes)
     size = model.cfg.img_size
     for path in args.images:

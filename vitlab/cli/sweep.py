@@ -31,28 +31,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from vitlab.config import ConfigError
     from vitlab.train import train
-    from vitlab.train.config import replace, validate
+    from vitlab.train.config import check_can_run, replace
     from vitlab.train.distributed import env_world_size
 
-    extra = {"init": args.init} if args.init else {}
+    extra = {"model.init": args.init} if args.init else {}
     cfg = resolve_config(args, extra=extra)
-    grid = tuple(float(v) for v in args.grid.split(",")) if args.grid else tuple(cfg.lr_grid)
+    grid = tuple(float(v) for v in args.grid.split(",")) if args.grid else tuple(cfg.optim.lr_grid)
     if not grid:
-        raise ConfigError("lr_grid=(): the recipe has no learning-rate grid; pass --grid 0.001,0.003,...")
+        raise ConfigError("optim.lr_grid=(): the recipe has no learning-rate grid; pass --grid 0.001,0.003,...")
     holdout = int(args.holdout) if args.holdout >= 1 else args.holdout
-    base_out = Path(cfg.out)
-    runs = [replace(cfg, lr=lr, val_split=holdout, out=str(base_out / f"lr_{lr:g}")) for lr in grid]
-    for r in runs:  # every run is checked before the first one starts
-        validate(r, env_world_size())
-    validate(replace(cfg, out=str(base_out / "final")), env_world_size())
+    base_out = Path(cfg.run.out)
+    runs = [replace(cfg, {"optim.lr": lr, "data.val_split": holdout, "run.out": str(base_out / f"lr_{lr:g}")})
+            for lr in grid]
+    final_cfg = replace(cfg, {"run.out": str(base_out / "final")})
+    for r in runs + [final_cfg]:  # every run is checked before the first one starts
+        check_can_run(r, env_world_size())
 
     scores = {}
     for r in runs:
         summary = train(r, resume=args.resume, overwrite=args.overwrite, verbose=not args.quiet)
-        scores[f"{r.lr:g}"] = summary["val_top1"]
-        print(f"lr {r.lr:g}: held-out top-1 {summary['val_top1']:.4f}", flush=True)
+        scores[f"{r.optim.lr:g}"] = summary["val_top1"]
+        print(f"lr {r.optim.lr:g}: held-out top-1 {summary['val_top1']:.4f}", flush=True)
     best = max(grid, key=lambda lr: scores[f"{lr:g}"])
-    final = train(replace(cfg, lr=best, out=str(base_out / "final")), resume=args.resume, overwrite=args.overwrite,
+    final = train(replace(final_cfg, {"optim.lr": best}), resume=args.resume, overwrite=args.overwrite,
                   verbose=not args.quiet)
     report = {"holdout": holdout, "holdout_top1": scores, "best_lr": best, "final": final}
     if final.get("weights") is not None:

@@ -4,8 +4,9 @@
         --val-split 5000 --time-limit 30
     torchrun --nproc_per_node=8 -m vitlab train --recipe paper_pretrain --model ViT-B/16 --data ...
 
-Every ``TrainConfig`` field can be changed with ``--set field=value`` (``--set
-model.width=256`` for a model field); the dedicated flags below are shortcuts.  The
+Every ``TrainConfig`` field can be changed with ``--set section.field=value`` (``--set
+optim.lr=0.01``; ``--set model.width=256`` for a ViTConfig field; the flat names of
+earlier versions, ``--set lr=0.01``, still work); the dedicated flags below are shortcuts.  The
 command ends by printing one JSON line: the final metrics and the weights' path.
 """
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pathlib import Path
 
 # flag -> TrainConfig field
 SHORTCUTS = {
-    "model": "model", "data": "data", "val_split": "val_split", "time_limit": "time_limit", "steps": "steps",
-    "batch_size": "batch_size", "lr": "lr", "out": "out", "precision": "precision", "accum_steps": "accum_steps",
-    "seed": "seed", "img_size": "img_size", "fsdp": "fsdp", "compile": "compile",
+    "model": "model.name", "data": "data.source", "val_split": "data.val_split", "time_limit": "run.time_limit",
+    "steps": "optim.steps", "batch_size": "optim.batch_size", "lr": "optim.lr", "out": "run.out",
+    "precision": "run.precision", "accum_steps": "optim.accum_steps", "seed": "run.seed", "img_size": "model.img_size",
+    "fsdp": "run.fsdp", "compile": "run.compile", "fast": "run.fast", "retain_freed_memory": "run.retain_freed_memory",
 }
 
 
@@ -45,13 +47,24 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
     p.add_argument("--out", help="output folder (metrics, checkpoints, weights)")
     p.add_argument("--fsdp", action="store_true", default=None, help="shard the model with FSDP (multi-process)")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    add_fast_argument(p)
+    p.add_argument("--retain-freed-memory", action="store_true", default=None,
+                   help="CPU: let malloc keep freed memory for the next step (process-wide; "
+                        "see vitlab/train/memory.py)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoints (a --time-limit run keeps its clock)")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in an OUT that holds an earlier run's checkpoints (they are deleted)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override any TrainConfig field (repeatable); model.FIELD=VALUE for a ViTConfig field")
+                   help="override any TrainConfig field, SECTION.FIELD=VALUE (repeatable); model.FIELD=VALUE for a "
+                        "ViTConfig field")
     p.add_argument("--show-config", action="store_true", help="print the resolved config as JSON and exit")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def add_fast_argument(p: argparse.ArgumentParser) -> None:
+    """``--no-fast``, shared by train, finetune, eval and predict."""
+    p.add_argument("--no-fast", dest="fast", action="store_false", default=None,
+                   help="run the plain model, without vitlab.fast.optimize (the results are the same weights)")
 
 
 def process_started_at() -> float:
@@ -73,16 +86,17 @@ def process_started_at() -> float:
 
 def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     """Recipe -> --set overrides -> dedicated flags (the most specific wins)."""
-    from vitlab.train.config import apply_overrides, load_recipe, replace
+    from vitlab.train.config import load_recipe, parse_overrides, replace
 
     cfg = load_recipe(args.recipe)
-    cfg = apply_overrides(cfg, args.overrides)
-    changes = {field: getattr(args, flag) for flag, field in SHORTCUTS.items()
-               if getattr(args, flag, None) is not None}
-    if "val_split" in changes and float(changes["val_split"]).is_integer() and changes["val_split"] >= 1:
-        changes["val_split"] = int(changes["val_split"])
+    changes = parse_overrides(cfg, args.overrides)  # checked together with the flags' changes, below
+    changes.update({field: getattr(args, flag) for flag, field in SHORTCUTS.items()
+                    if getattr(args, flag, None) is not None})
+    split = changes.get("data.val_split")
+    if split is not None and float(split).is_integer() and split >= 1:
+        changes["data.val_split"] = int(split)
     changes.update(extra or {})
-    return replace(cfg, **changes)
+    return replace(cfg, changes)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,11 +105,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.train import train
-    from vitlab.train.config import to_dict, validate
+    from vitlab.train.config import check_can_run, to_dict
     from vitlab.train.distributed import env_world_size
 
-    cfg = resolve_config(args)
-    validate(cfg, env_world_size())  # before any data is read
+    cfg = resolve_config(args)  # the config checks its values as it is built
+    check_can_run(cfg, env_world_size())  # and the machine's side, before any data is read
     if args.show_config:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0

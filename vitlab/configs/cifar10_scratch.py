@@ -49,7 +49,7 @@ gave 79.4% and 79.7% (``vitlab eval --flip --shift 2``).  ``--time-limit`` fits 
 schedule into the budget; ``steps`` is only a ceiling.
 The hybrid trains under ``torch.compile`` (inductor): a step 0.93x the eager time after a
 ~35 s first step (``benchmarks/ab.py hybrid_compile``), 2,794 steps in 30 minutes against
-2,358-2,533 eager.  It needs a C++ compiler; ``--set compile=false`` runs eager.
+2,358-2,533 eager.  It needs a C++ compiler; ``--set run.compile=false`` runs eager.
 Goal: >= 80% top-1 on 5,000 held-out training images (500 per class) in 30 minutes;
 measured 80.78% at ~400 img/s, 79.86% and 78.48% on slower hours of the host (lr 1e-3, 32
 pixels throughout, 10 views; the BiT stem: 80.00%, 79.94%); at lr 2e-3 on a slow host (285-308 img/s)
@@ -59,7 +59,7 @@ as committed, on the Intel VM: 82.10% and 81.38% on quiet hours (3,713 and 3,331
 79.88% on a busy one (2,553): benchmarks/results/cifar10-30min.md.  Within 3 hours (BiT stem): 85.38%
 (benchmarks/results/cifar10-3h.md).
 """
-from vitlab.train.config import TrainConfig
+from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
 ENCODER = dict(img_size=32, width=192, num_heads=3, mlp_dim=384, gelu="exact")
 HYBRID = dict(ENCODER, depth=3, patch_size=1)
@@ -77,21 +77,22 @@ def get_config(model: str = "hybrid") -> TrainConfig:
         raise ValueError(f"model={model!r}: allowed values are {', '.join(MODELS)}")
     return TrainConfig(
         recipe=f"cifar10_scratch:model={model}",
-        model="ViT-Ti/16",
-        model_overrides=MODELS[model],
-        data="../shared/data/cifar10/cifar10-train.tar.gz",
-        val_split=5000, split_seed=0,
-        crop="pad", crop_pad=4, flip=True, label_smoothing=0.1,
-        progressive_sizes=PROGRESSIVE_SIZES[model],
-        optimizer="adam", betas=(0.9, 0.999), lr=LEARNING_RATES[model], weight_decay=0.05, wd_scope="kernels",
-        batch_size=256, steps=100_000, warmup=0.05, decay="cosine", clip_norm=1.0,
-        # bf16 where it is faster than fp32 (AMX, a Zen 4's AVX-512 BF16, GPUs): "auto" means
-        # fp32 on the development VMs, the AVX2 one (bf16 emulated, ~8x slower) and the Xeon
-        # whose bf16 kernel runs at half the fp32 rate (train/loop.py bf16_is_fast).
-        precision="auto",
-        time_limit=30.0,
-        eval_every=500, eval_batch_size=500, eval_flip=True, final_eval_shift=2,
-        log_every=50, ckpt_every=1000, keep_ckpts=1,
-        compile=model.startswith("hybrid"),  # measured for the hybrids only
-        out="runs/cifar10_scratch",
+        model=ModelConfig(name="ViT-Ti/16", overrides=MODELS[model]),
+        data=DataConfig(source="../shared/data/cifar10/cifar10-train.tar.gz", val_split=5000, split_seed=0,
+                        progressive_sizes=PROGRESSIVE_SIZES[model]),
+        augment=AugmentConfig(crop="pad", crop_pad=4, flip=True, label_smoothing=0.1),
+        optim=OptimConfig(optimizer="adam", betas=(0.9, 0.999), lr=LEARNING_RATES[model], weight_decay=0.05,
+                          wd_scope="kernels", batch_size=256, steps=100_000, warmup=0.05, decay="cosine",
+                          clip_norm=1.0),
+        run=RunConfig(
+            # bf16 where it is faster than fp32 (AMX, a Zen 4's AVX-512 BF16, GPUs): "auto" means
+            # fp32 where bf16 is emulated or its kernel is slower than the fp32 GEMM
+            # (vitlab.fast.bf16_is_faster)
+            precision="auto",
+            time_limit=30.0,
+            eval_every=500, eval_batch_size=500, eval_flip=True, final_eval_shift=2,
+            log_every=50, ckpt_every=1000, keep_ckpts=1,
+            compile=model.startswith("hybrid"),  # measured for the hybrids only
+            out="runs/cifar10_scratch",
+        ),
     )

@@ -18,9 +18,9 @@ Table 4 (steps, learning-rate grid):
 The learning rate is picked on a held-out 10% of the training set (2% for ImageNet),
 then the model is trained on the whole training set (Appendix B.1.1): `vitlab sweep`.
 Polyak averaging (factor 0.9999, used for the ImageNet fine-tuning of the largest models,
-Appendix B.1.1) is ``--set ema_decay=0.9999``.
+Appendix B.1.1) is ``--set optim.ema_decay=0.9999``.
 """
-from vitlab.train.config import TrainConfig
+from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
 DATASETS = {
     # name: (steps, lr grid)
@@ -38,14 +38,11 @@ def get_config(dataset: str = "cifar10") -> TrainConfig:
     steps, grid = DATASETS[dataset]
     return TrainConfig(
         recipe=f"paper_finetune:dataset={dataset}",
-        model="ViT-B/16",
-        img_size=384,
-        crop="inception", crop_scale=(0.05, 1.0), flip=True,
-        optimizer="sgd", momentum=0.9, lr=grid[2], lr_grid=grid, weight_decay=0.0,
-        batch_size=512, steps=steps, warmup=min(500, steps // 10), decay="cosine", clip_norm=1.0,
-        ema_decay=0.0,
-        precision="bf16",
-        val_split=0.02 if dataset == "imagenet" else 0.1,
-        eval_every=max(steps // 10, 1), log_every=20, ckpt_every=1000, keep_ckpts=2,
-        out=f"runs/finetune_{dataset}",
+        model=ModelConfig(name="ViT-B/16", img_size=384),
+        data=DataConfig(val_split=0.02 if dataset == "imagenet" else 0.1),
+        augment=AugmentConfig(crop="inception", crop_scale=(0.05, 1.0), flip=True),
+        optim=OptimConfig(optimizer="sgd", momentum=0.9, lr=grid[2], lr_grid=grid, weight_decay=0.0, batch_size=512,
+                          steps=steps, warmup=min(500, steps // 10), decay="cosine", clip_norm=1.0, ema_decay=0.0),
+        run=RunConfig(precision="bf16", eval_every=max(steps // 10, 1), log_every=20, ckpt_every=1000, keep_ckpts=2,
+                      out=f"runs/finetune_{dataset}"),
     )

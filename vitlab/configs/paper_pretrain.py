@@ -24,7 +24,7 @@ Steps: 7 epochs of JFT-300M's ~303M images at 4096 = ~517k steps; 90 epochs of
 ImageNet-21k's ~14.2M = ~312k steps.  The official code trains with sigmoid
 cross-entropy on these multi-label sets (big_vision configs); ``loss`` chooses.
 """
-from vitlab.train.config import TrainConfig
+from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
 ROWS = {
     # dataset: (steps, lr, weight decay, dropout)
@@ -39,15 +39,12 @@ def get_config(dataset: str = "jft") -> TrainConfig:
     steps, lr, wd, dropout = ROWS[dataset]
     return TrainConfig(
         recipe=f"paper_pretrain:dataset={dataset}",
-        model="ViT-B/16",
-        model_overrides=dict(dropout=dropout),
-        pre_logits=True,
-        img_size=224,
-        crop="inception", crop_scale=(0.05, 1.0), flip=True,  # the official pre-training crop
-        optimizer="adam", betas=(0.9, 0.999), lr=lr, weight_decay=wd, wd_scope="kernels",
-        batch_size=4096, accum_steps=1, steps=steps, warmup=10_000, decay="linear", clip_norm=1.0,
-        loss="sigmoid_xent",
-        precision="bf16",
-        val_split=0.01, eval_every=10_000, log_every=50, ckpt_every=1000, keep_ckpts=2,
-        out="runs/paper_pretrain",
+        model=ModelConfig(name="ViT-B/16", overrides=dict(dropout=dropout), pre_logits=True, img_size=224),
+        data=DataConfig(val_split=0.01),
+        augment=AugmentConfig(crop="inception", crop_scale=(0.05, 1.0), flip=True),  # the official pre-training crop
+        optim=OptimConfig(optimizer="adam", betas=(0.9, 0.999), lr=lr, weight_decay=wd, wd_scope="kernels",
+                          batch_size=4096, accum_steps=1, steps=steps, warmup=10_000, decay="linear", clip_norm=1.0,
+                          loss="sigmoid_xent"),
+        run=RunConfig(precision="bf16", eval_every=10_000, log_every=50, ckpt_every=1000, keep_ckpts=2,
+                      out="runs/paper_pretrain"),
     )

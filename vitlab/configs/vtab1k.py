@@ -6,21 +6,18 @@ hyper-parameters, then all 1000 for the final run (``vtab1k:final=true``;
 uses one setting for all 19 tasks: SGD momentum 0.9, lr 0.01, 2500 steps, batch 512,
 cosine decay, no weight decay, clipping at norm 1, resolution 384.
 """
-from vitlab.train.config import TrainConfig
+from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
 
 def get_config(final: str = "false") -> TrainConfig:
     final_run = str(final).lower() in ("1", "true", "yes")
     return TrainConfig(
         recipe=f"vtab1k:final={str(final_run).lower()}",
-        model="ViT-B/16",
-        img_size=384,
-        train_examples=1000,
-        val_split=0 if final_run else 200,  # 800 train + 200 validation, or all 1000
-        crop="inception", crop_scale=(0.05, 1.0), flip=True,
-        optimizer="sgd", momentum=0.9, lr=0.01, weight_decay=0.0,
-        batch_size=512, steps=2500, warmup=200, decay="cosine", clip_norm=1.0,
-        precision="bf16",
-        eval_every=500, log_every=20, ckpt_every=500, keep_ckpts=1,
-        out="runs/vtab1k",
+        model=ModelConfig(name="ViT-B/16", img_size=384),
+        # 800 train + 200 validation, or all 1000
+        data=DataConfig(train_examples=1000, val_split=0 if final_run else 200),
+        augment=AugmentConfig(crop="inception", crop_scale=(0.05, 1.0), flip=True),
+        optim=OptimConfig(optimizer="sgd", momentum=0.9, lr=0.01, weight_decay=0.0, batch_size=512, steps=2500,
+                          warmup=200, decay="cosine", clip_norm=1.0),
+        run=RunConfig(precision="bf16", eval_every=500, log_every=20, ckpt_every=500, keep_ckpts=1, out="runs/vtab1k"),
     )

@@ -1,8 +1,10 @@
-"""Training: recipes' config (config.py), optimiser (optim.py), learning-rate schedules
-(schedules.py), the loop (loop.py), weight averaging (ema.py), checkpoints
-(checkpoint.py), metrics and progress (metrics.py), multi-process runs (distributed.py).
+"""Training: the config (config.py), what a run builds (build.py), one optimiser step
+(step.py), the time budget (time_budget.py), the loop (loop.py), what a checkpoint holds
+(state.py, checkpoint.py), optimiser (optim.py), learning-rate schedules (schedules.py),
+weight averaging (ema.py), metrics and progress (metrics.py), multi-process runs
+(distributed.py).  Evaluations are ``vitlab.eval.Evaluator``'s, as `vitlab eval`'s are.
 """
-from .config import TrainConfig, apply_overrides, load_recipe, validate
-from .loop import evaluate, train
+from .config import TrainConfig, apply_overrides, check_can_run, from_dict, load_recipe
+from .loop import train
 
-__all__ = ["TrainConfig", "apply_overrides", "evaluate", "load_recipe", "train", "validate"]
+__all__ = ["TrainConfig", "apply_overrides", "check_can_run", "from_dict", "load_recipe", "train"]

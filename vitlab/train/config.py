@@ -1,12 +1,20 @@
-"""The training configuration: one frozen dataclass, recipes in ``vitlab/configs/*.py``.
+"""The training configuration: plain nested dataclasses, recipes in ``vitlab/configs/*.py``.
 
-A recipe is a plain Python function returning a ``TrainConfig`` (big_vision style);
-the command line then overrides fields with ``--set field=value`` (or a dedicated flag)
-and ``validate`` refuses an impossible combination, naming the field, before any data is
-read or any model built.
+    TrainConfig(recipe, model=ModelConfig(...), data=DataConfig(...), augment=AugmentConfig(...),
+                optim=OptimConfig(...), run=RunConfig(...))
 
-Model fields are not copied here: ``model`` names a registry entry and
-``model_overrides`` changes any of its ``ViTConfig`` fields (``--set model.width=256``).
+A recipe is a plain Python function returning a ``TrainConfig`` (big_vision style).
+Every section checks its own values when it is built, and ``TrainConfig`` checks the
+combinations across sections, so an impossible configuration raises ``ConfigError``
+(naming the field, the value and what is allowed) before any data is read or any model
+built.  What depends on the machine rather than on the values (the number of processes,
+whether the data exists) is ``check_can_run``, which ``train`` calls before it starts.
+
+The command line changes fields with ``--set section.field=value`` (``--set
+optim.lr=0.01``); ``--set model.<ViTConfig field>=value`` changes the architecture
+(``--set model.width=256``).  The flat names of earlier versions (``lr``, ``batch_size``,
+``data``) are still accepted, through ``LEGACY_NAMES``: old checkpoints' and run folders'
+configs load with ``from_dict``.
 """
 from __future__ import annotations
 
@@ -17,88 +25,190 @@ import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional
 
 from vitlab.config import ConfigError, ViTConfig
+from vitlab.data.transforms import CROPS, TrainTransform
 
 OPTIMIZERS = ("adam", "sgd")
 DECAYS = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "fp32", "bf16")
 LOSSES = ("softmax_xent", "sigmoid_xent")
 WD_SCOPES = ("kernels", "all")
-CROPS = ("inception", "pad", "none")
 BUILTIN_DATA = ("digits",)  # data sources that need no path (see vitlab/data/digits.py)
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything a training run depends on.  Sizes are global (over all processes).
+# ----------------------------------------------------------------------------- validation helpers
 
-    model / model_overrides: a registry name and ``ViTConfig`` fields to change.
+
+def need(ok: bool, name: str, value: Any, allowed: str) -> None:
+    """The one way a value is refused: ``ConfigError("name=value: what is allowed")``."""
+    if not ok:
+        raise ConfigError(f"{name}={value!r}: {allowed}")
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def need_choice(name: str, value: Any, allowed: tuple) -> None:
+    need(value in allowed, name, value, f"allowed values are {', '.join(map(repr, allowed))}")
+
+
+def need_int(name: str, value: Any, minimum: int) -> None:
+    need(is_int(value) and value >= minimum, name, value,
+         "must be a positive integer" if minimum == 1 else f"must be an integer >= {minimum}")
+
+
+def need_number(name: str, value: Any, minimum: float = 0.0, below: float | None = None) -> None:
+    if below is None:
+        need(is_number(value) and value >= minimum, name, value, f"must be a number >= {minimum:g}")
+    else:
+        need(is_number(value) and minimum <= value < below, name, value, f"must lie in [{minimum:g}, {below:g})")
+
+
+def need_count_or_fraction(name: str, value: Any, allowed: str) -> None:
+    """A count (an integer >= 1) or a fraction in [0, 1)."""
+    need(is_number(value) and value >= 0 and (value < 1 or float(value).is_integer()), name, value, allowed)
+
+
+class Section:
+    """A config section: ``prefix.field`` names its fields in errors; bools are checked for all."""
+
+    prefix = ""
+
+    def path(self, field_name: str) -> str:
+        return f"{self.prefix}.{field_name}" if self.prefix else field_name
+
+    def check_bools(self) -> None:
+        for f in dataclasses.fields(self):  # a recipe's "no" would otherwise read as true
+            if isinstance(f.default, bool):
+                value = getattr(self, f.name)
+                need(isinstance(value, bool), self.path(f.name), value, "must be True or False")
+
+
+# ----------------------------------------------------------------------------- the sections
+
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    """What is trained.
+
+    name:        a registry entry (``vitlab models``), e.g. "ViT-B/16".
+    overrides:   ``ViTConfig`` fields to change in it, e.g. ``{"width": 256}``; a "name" key
+                 renames the result.
     init:        weights to start from (fine-tuning); None trains from scratch.  The
-                 architecture is then the checkpoint's: of ``model_overrides`` only
-                 dropout, attention_dropout and drop_path apply.
+                 architecture is then the checkpoint's: of ``overrides`` only the
+                 regularisation (dropout, attention_dropout, drop_path, patch_dropout) applies.
     keep_pre_logits: with ``init``, keep the pre-training pre-logits layer; the paper
                  removes the whole head before fine-tuning (Sec. 3.2).
-    img_size:    training resolution (None: the model's).  Position embeddings of
-                 ``init`` are interpolated to it (Sec. 3.2).
-    data:        ImageFolder folder or .tar/.tar.gz, or a built-in source ("digits").
-    train_examples: use only this many examples of the data (class-stratified; 0 = all),
-                 the VTAB-1k protocol's 1000; ``val_split`` is then taken out of them.
-    val_split:   held-out validation examples: a count (>= 1) or a fraction (< 1) of
-                 the training set, class-stratified and fixed by ``split_seed``; 0: none.
-    class_subset: train on these class names only (labels renumbered in this order).
-    progressive_sizes: progressive resizing: ``((size, until), ...)`` trains on images
-                 resized (antialiased) to ``size`` pixels until the fraction ``until`` of
-                 the steps, then on the next phase's size, and after the last phase at
-                 ``img_size``; e.g. ``((24, 0.5),)`` for 32-pixel CIFAR.  A smaller image
-                 makes a cheaper step (a hybrid's cost goes with the pixel count); evaluation
-                 stays at ``img_size``.  The model gets ``dynamic_img_size``.
-    steps:       optimiser steps; with ``time_limit`` a ceiling, the real number is
-                 fitted to the budget after measuring throughput.
-    warmup:      linear warm-up: a number of steps (>= 1) or a fraction of ``steps`` (< 1).
-    batch_size:  global batch per optimiser step; split into ``accum_steps`` micro-batches
-                 on each of the world's processes.
-    weight_decay: PyTorch/AdamW semantics: each step multiplies decayed weights by
-                 (1 - lr_t * weight_decay).  See optim.py for how this maps onto the
-                 official code's decoupled decay.
-    wd_scope:    "kernels": only weight matrices and conv kernels decay (official
-                 code); "all": every parameter.
-    ema_decay:   exponential moving average of the weights (Polyak averaging, paper
-                 B.1.1, factor 0.9999); 0 = off.  The average is what gets evaluated
-                 and saved when on.
-    lr_grid:     learning rates `vitlab sweep` tries (paper Table 4).
-    time_limit:  minutes of wall time for the whole run (0 = no limit).
-    eval_flip:   validation scores the mean of each image's and its mirror image's
-                 predicted probabilities (test-time flip augmentation; twice the
-                 evaluation cost); the single-view top-1 is logged beside it as
-                 ``val_top1_single``.
-    final_eval_shift: the final evaluation also averages each view's four translations
-                 by this many pixels (``vitlab.eval.features.tta_views``; 5x that
-                 evaluation's cost, which a time limit budgets for); the periodic ones do
-                 not.  Its record then holds the centre view's ``val_top1_single`` and, with
-                 eval_flip, the flip pair's ``val_top1_flip`` beside the ensemble's top-1.
+    pre_logits:  from scratch, add a pre-logits layer (dense + tanh of the model's width,
+                 Sec. 3.1) to the head, as the paper's pre-training does.
+    img_size:    training resolution (None: the model's).  Position embeddings of ``init``
+                 are interpolated to it (Sec. 3.2).
     """
 
-    recipe: str = "custom"
-    # model
-    model: str = "ViT-B/16"
-    model_overrides: dict = field(default_factory=dict)
-    init: Union[str, None] = None
+    prefix = "model"
+    name: str = "ViT-B/16"
+    overrides: dict = field(default_factory=dict)
+    init: Optional[str] = None
     keep_pre_logits: bool = False
     pre_logits: bool = False
-    img_size: Union[int, None] = None
-    # data
-    data: Union[str, None] = None
+    img_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        self.check_bools()
+        need(isinstance(self.name, str), "model.name", self.name, "expected a registry name, e.g. ViT-B/16")
+        need(isinstance(self.overrides, dict), "model.overrides", self.overrides, "expected a dict of ViTConfig fields")
+        need(self.init is None or isinstance(self.init, str), "model.init", self.init, "expected a path or None")
+        if self.img_size is not None:
+            need_int("model.img_size", self.img_size, 1)
+        if self.init is None:  # with init the checkpoint's own config is checked when it is loaded
+            try:  # unknown model, bad model field, img_size not divisible by the patch size
+                vit_config(self)
+            except ConfigError as err:
+                from vitlab.models.registry import canonical_name, list_models
+
+                if canonical_name(self.name) not in list_models():
+                    raise ConfigError(f"model.name={self.name!r}: {err}") from None
+                raise ConfigError(f"model (name={self.name!r}, overrides, img_size): {err}") from None
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    """Where the examples come from and how they are split.
+
+    source:      ImageFolder folder or .tar/.tar.gz, or a built-in source ("digits").
+    val_split:   held-out validation examples: a count (>= 1) or a fraction (< 1) of
+                 the training set, class-stratified and fixed by ``split_seed``; 0: none.
+    split_seed:  seed of the stratified split (and, plus one, of ``train_examples``' sample).
+    train_examples: use only this many examples of the data (class-stratified; 0 = all),
+                 the VTAB-1k protocol's 1000; ``val_split`` is then taken out of them.
+    class_subset: train on these class names only (labels renumbered in this order).
+    decode_workers: processes decoding the images into the in-memory cache.
+    cache_dir:   where decoded data sets are cached (None: ~/.cache/vitlab).
+    progressive_sizes: progressive resizing: ``((size, until), ...)`` trains on images
+                 resized (antialiased) to ``size`` pixels until the fraction ``until`` of
+                 the steps, then on the next phase's size, and after the last phase at the
+                 training resolution; e.g. ``((24, 0.5),)`` for 32-pixel CIFAR.  A smaller
+                 image makes a cheaper step; evaluation stays at the full size.  The model
+                 gets ``dynamic_img_size``.
+    """
+
+    prefix = "data"
+    source: Optional[str] = None
     val_split: float = 0.0
     split_seed: int = 0
     train_examples: int = 0
     class_subset: tuple = ()
     decode_workers: int = 2
-    cache_dir: Union[str, None] = None
-    # augmentation (vitlab.data.transforms.TrainTransform)
+    cache_dir: Optional[str] = None
+    progressive_sizes: tuple = ()
+
+    def __post_init__(self) -> None:
+        self.check_bools()
+        need(self.source is None or isinstance(self.source, str), "data.source", self.source, "expected a path or None")
+        need_count_or_fraction("data.val_split", self.val_split,
+                               "a count (integer >= 1), a fraction in (0, 1), or 0 for none")
+        for name in ("split_seed", "train_examples", "decode_workers"):
+            need_int(self.path(name), getattr(self, name), 0)
+        need(isinstance(self.class_subset, tuple) and all(isinstance(c, str) for c in self.class_subset),
+             "data.class_subset", self.class_subset, "expected a tuple of class names")
+        phases = self.progressive_sizes
+        need(isinstance(phases, (tuple, list)) and all(
+            isinstance(p, (tuple, list)) and len(p) == 2 and is_int(p[0]) and p[0] > 0 and is_number(p[1])
+            and 0 < p[1] <= 1 for p in phases) and all(a[1] < b[1] for a, b in zip(phases, phases[1:])),
+            "data.progressive_sizes", phases, "expected ((size, until), ...): sizes in pixels, the fractions "
+            "until in (0, 1] rising, e.g. [[24, 0.5]]")
+
+
+@dataclass(frozen=True)
+class AugmentConfig(Section):
+    """Training augmentation: the fields of ``vitlab.data.transforms.TrainTransform`` other
+    than the class count and the output size; ``TrainTransform`` checks them, and
+    ``transform`` builds it for a run.
+
+    crop:        "inception" (random resized crop, the official pipeline), "pad" (CIFAR's
+                 reflect-pad by ``crop_pad`` pixels and crop back) or "none".
+    crop_scale, crop_ratio: the inception crop's (min, max) area fraction and aspect ratio.
+    crop_pad:    pixels of padding of the "pad" crop.
+    flip:        random left-right mirroring.
+    alternate_flip: with ``flip``, mirror each example in every other epoch instead of at random.
+    randaug_ops, randaug_magnitude: RandAugment's N (0 = off) and M (0-10 scale).
+    mixup_alpha, cutmix_alpha, mix_switch_prob: mixup / CutMix (0 = off) and, with both,
+                 the probability of CutMix for a batch.
+    label_smoothing: target mass spread uniformly over the classes.
+    erase_prob:  random erasing probability per image (0 = off).
+    """
+
+    prefix = "augment"
     crop: str = "inception"
     crop_scale: tuple = (0.05, 1.0)
+    crop_ratio: tuple = (3 / 4, 4 / 3)
     crop_pad: int = 4
     flip: bool = True
     alternate_flip: bool = False
@@ -106,10 +216,57 @@ class TrainConfig:
     randaug_magnitude: float = 9.0
     mixup_alpha: float = 0.0
     cutmix_alpha: float = 0.0
+    mix_switch_prob: float = 0.5
     label_smoothing: float = 0.0
     erase_prob: float = 0.0
-    progressive_sizes: tuple = ()
-    # optimisation
+
+    def __post_init__(self) -> None:
+        self.check_bools()
+        need_choice("augment.crop", self.crop, CROPS)
+        for name in ("crop_scale", "crop_ratio"):
+            value = getattr(self, name)
+            need(isinstance(value, tuple) and len(value) == 2 and all(is_number(v) for v in value),
+                 self.path(name), value, "expected (min, max)")
+        try:  # TrainTransform holds the rules; the size is a stand-in for the run's
+            self.transform(num_classes=1, image_size=(1, 1))
+        except ConfigError as err:
+            raise ConfigError(f"augment.{err}") from None
+
+    def transform(self, num_classes: int, image_size: tuple) -> TrainTransform:
+        return TrainTransform(num_classes=num_classes, image_size=image_size, **dataclasses.asdict(self))
+
+
+@dataclass(frozen=True)
+class OptimConfig(Section):
+    """The optimiser and its schedule.  Sizes are global (over all processes).
+
+    optimizer:   "adam" (AdamW; pre-training, Table 3) or "sgd" (momentum; fine-tuning, Table 4).
+    lr:          base learning rate: the peak of the schedule.
+    lr_grid:     learning rates `vitlab sweep` tries (paper Table 4).
+    betas:       Adam's (beta1, beta2).
+    momentum:    SGD's momentum.
+    weight_decay: PyTorch/AdamW semantics: each step multiplies decayed weights by
+                 (1 - lr_t * weight_decay).  See optim.py for how this maps onto the
+                 official code's decoupled decay.
+    wd_scope:    "kernels": only weight matrices and conv kernels decay (official
+                 code); "all": every parameter.
+    batch_size:  global batch per optimiser step; split into ``accum_steps`` micro-batches
+                 on each of the world's processes.
+    accum_steps: micro-batches per optimiser step (gradient accumulation).
+    steps:       optimiser steps; with ``run.time_limit`` a ceiling, the real number is
+                 fitted to the budget after measuring throughput.
+    warmup:      linear warm-up: a number of steps (>= 1) or a fraction of ``steps`` (< 1).
+    decay:       "cosine", "linear" or "constant" after the warm-up.
+    min_lr:      where the decay ends.
+    clip_norm:   clip the global gradient norm to this (0 = off).
+    loss:        "softmax_xent", or "sigmoid_xent" (per-class binary cross-entropy, the
+                 official multi-label pre-training loss).
+    ema_decay:   exponential moving average of the weights (Polyak averaging, paper
+                 B.1.1, factor 0.9999); 0 = off.  The average is what gets evaluated
+                 and saved when on.
+    """
+
+    prefix = "optim"
     optimizer: str = "adam"
     lr: float = 1e-3
     lr_grid: tuple = ()
@@ -126,15 +283,76 @@ class TrainConfig:
     clip_norm: float = 1.0
     loss: str = "softmax_xent"
     ema_decay: float = 0.0
-    # execution
+
+    def __post_init__(self) -> None:
+        self.check_bools()
+        for name, allowed in (("optimizer", OPTIMIZERS), ("decay", DECAYS), ("loss", LOSSES), ("wd_scope", WD_SCOPES)):
+            need_choice(self.path(name), getattr(self, name), allowed)
+        for name in ("batch_size", "accum_steps", "steps"):
+            need_int(self.path(name), getattr(self, name), 1)
+        for name in ("lr", "min_lr", "weight_decay", "clip_norm"):
+            need_number(self.path(name), getattr(self, name))
+        need(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        need(self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"must not exceed optim.lr={self.lr}")
+        for name in ("momentum", "ema_decay"):
+            need_number(self.path(name), getattr(self, name), 0.0, below=1.0)
+        need(isinstance(self.lr_grid, tuple) and all(is_number(v) and v > 0 for v in self.lr_grid),
+             "optim.lr_grid", self.lr_grid, "expected positive learning rates, e.g. 0.001,0.003,0.01")
+        need(isinstance(self.betas, tuple) and len(self.betas) == 2 and all(is_number(b) and 0 <= b < 1
+                                                                            for b in self.betas),
+             "optim.betas", self.betas, "expected two numbers in [0, 1), e.g. 0.9,0.999")
+        need_count_or_fraction("optim.warmup", self.warmup, "a step count (integer >= 1) or a fraction of the steps "
+                                                            "in [0, 1)")
+        need(warmup_steps(self, self.steps) <= self.steps, "optim.warmup", self.warmup,
+             f"exceeds optim.steps={self.steps}")
+        if self.batch_size % self.accum_steps:
+            raise ConfigError(f"optim.batch_size={self.batch_size} is not divisible by optim.accum_steps="
+                              f"{self.accum_steps}: every micro-batch must have the same size")
+
+
+@dataclass(frozen=True)
+class RunConfig(Section):
+    """How the run executes, evaluates, logs and saves.
+
+    precision:   "fp32", "bf16" (autocast) or "auto": bf16 where it is faster
+                 (``vitlab.fast.bf16_is_faster``).
+    compile:     ``torch.compile`` the model.
+    fsdp:        shard the model with FSDP (multi-process runs).
+    fast:        apply ``vitlab.fast.optimize`` to the model (the saved weights are the same).
+    seed:        model initialisation, dropout, data order and augmentation.
+    device:      "auto", "cpu", "cuda", "cuda:1", ...
+    threads:     CPU threads of this process (0: PyTorch's default).
+    retain_freed_memory: CPU: malloc keeps freed memory for the next step instead of
+                 handing it back to the kernel (``train/memory.py``); process-wide, so off
+                 unless asked for.
+    time_limit:  minutes of wall time for the whole run (0 = no limit).
+    time_measure_steps: steps timed before the schedule is fitted to ``time_limit``.
+    eval_every:  evaluate every this many steps (0: at the end only).
+    eval_batch_size: the evaluation's batch size.
+    eval_flip:   validation scores the mean of each image's and its mirror image's
+                 predicted probabilities (twice the evaluation cost); the single-view
+                 top-1 is logged beside it as ``val_top1_single``.
+    final_eval_shift: the final evaluation also averages each view's four translations
+                 by this many pixels (``vitlab.eval.features.tta_views``; 5x that
+                 evaluation's cost, which a time limit budgets for); the periodic ones do
+                 not.  Its record then holds the centre view's ``val_top1_single`` and, with
+                 eval_flip, the flip pair's ``val_top1_flip`` beside the ensemble's top-1.
+    log_every:   steps between metric records.
+    tensorboard: also write TensorBoard events (when installed).
+    ckpt_every:  steps between checkpoints (0: at the end only).
+    keep_ckpts:  how many checkpoints to keep.
+    out:         the run's folder: metrics, checkpoints, weights.
+    """
+
+    prefix = "run"
     precision: str = "fp32"
     compile: bool = False
     fsdp: bool = False
+    fast: bool = True
     seed: int = 0
     device: str = "auto"
     threads: int = 0
-    retain_freed_memory: bool = True  # CPU: malloc keeps freed memory for the next step (train/memory.py)
-    # time, evaluation, logging, checkpoints
+    retain_freed_memory: bool = False
     time_limit: float = 0.0
     time_measure_steps: int = 10
     eval_every: int = 0
@@ -147,38 +365,170 @@ class TrainConfig:
     keep_ckpts: int = 2
     out: str = "runs/train"
 
+    def __post_init__(self) -> None:
+        self.check_bools()
+        need_choice("run.precision", self.precision, PRECISIONS)
+        for name in ("eval_batch_size", "log_every", "keep_ckpts", "time_measure_steps"):
+            need_int(self.path(name), getattr(self, name), 1)
+        for name in ("seed", "threads", "eval_every", "final_eval_shift", "ckpt_every"):
+            need_int(self.path(name), getattr(self, name), 0)
+        need_number("run.time_limit", self.time_limit)
+        need(isinstance(self.out, str) and self.out != "", "run.out", self.out, "expected a folder")
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "augment": AugmentConfig, "optim": OptimConfig,
+            "run": RunConfig}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run depends on: ``recipe`` (the name it was made by) and the
+    sections model, data, augment, optim and run (see each for its fields)."""
+
+    recipe: str = "custom"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            need(isinstance(getattr(self, name), cls), name, getattr(self, name), f"expected a {cls.__name__}")
+        if self.run.fsdp and self.optim.ema_decay > 0:
+            raise ConfigError("optim.ema_decay>0 with run.fsdp=True: the weight average of a sharded model is not "
+                              "implemented")
+
 
 def field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(TrainConfig)]
+    """Every settable field as ``section.field`` (and ``recipe``)."""
+    return ["recipe"] + [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+# ----------------------------------------------------------------------------- old flat names
+
+# The flat field names of TrainConfig before the sections (checkpoints and run folders
+# written then hold them).  Frozen: a new field gets no flat name.
+LEGACY_NAMES = {
+    "recipe": "recipe",
+    "model": "model.name", "model_overrides": "model.overrides", "init": "model.init",
+    "keep_pre_logits": "model.keep_pre_logits", "pre_logits": "model.pre_logits", "img_size": "model.img_size",
+    "data": "data.source", "val_split": "data.val_split", "split_seed": "data.split_seed",
+    "train_examples": "data.train_examples", "class_subset": "data.class_subset",
+    "decode_workers": "data.decode_workers", "cache_dir": "data.cache_dir",
+    "progressive_sizes": "data.progressive_sizes",
+    **{name: f"augment.{name}" for name in (
+        "crop", "crop_scale", "crop_pad", "flip", "alternate_flip", "randaug_ops", "randaug_magnitude",
+        "mixup_alpha", "cutmix_alpha", "label_smoothing", "erase_prob")},
+    **{name: f"optim.{name}" for name in (
+        "optimizer", "lr", "lr_grid", "betas", "momentum", "weight_decay", "wd_scope", "batch_size", "accum_steps",
+        "steps", "warmup", "decay", "min_lr", "clip_norm", "loss", "ema_decay")},
+    **{name: f"run.{name}" for name in (
+        "precision", "compile", "fsdp", "seed", "device", "threads", "retain_freed_memory", "time_limit",
+        "time_measure_steps", "eval_every", "eval_batch_size", "eval_flip", "final_eval_shift", "log_every",
+        "tensorboard", "ckpt_every", "keep_ckpts", "out")},
+}
+
+
+def is_flat(d: dict) -> bool:
+    """Whether ``d`` is a config dict of the flat, pre-section layout."""
+    return not any(isinstance(d.get(name), dict) for name in SECTIONS if name != "model") and not isinstance(
+        d.get("model"), dict)
+
+
+def nested_dict(d: dict) -> dict:
+    """A config dict in the sectioned layout, whichever layout ``d`` is in (no checks)."""
+    if not is_flat(d):
+        return d
+    nested: dict = {}
+    for name, value in d.items():
+        path = LEGACY_NAMES.get(name, name)
+        if "." in path:
+            section, key = path.split(".", 1)
+            nested.setdefault(section, {})[key] = value
+        else:
+            nested[path] = value
+    return nested
+
+
+def _tuples(value: Any) -> Any:
+    """JSON's lists back to the tuples the config holds, inside dicts (model overrides) too."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return value
 
 
 def to_dict(cfg: TrainConfig) -> dict:
-    """JSON-serialisable (tuples become lists)."""
+    """The sectioned dict, JSON-serialisable (tuples become lists on the way)."""
     return dataclasses.asdict(cfg)
 
 
 def from_dict(d: dict) -> TrainConfig:
-    unknown = sorted(set(d) - set(field_names()))
+    """A ``TrainConfig`` from ``to_dict``'s output, or from an old flat config (``LEGACY_NAMES``)."""
+    nested = nested_dict(d)
+    unknown = [k for k in nested if k not in SECTIONS and k != "recipe"]
+    for name, cls in SECTIONS.items():
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown += [f"{name}.{k}" for k in nested.get(name, {}) if k not in known]
     if unknown:
-        raise ConfigError(f"unknown TrainConfig field(s) {', '.join(unknown)}")
-    d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-    return TrainConfig(**d)
+        raise ConfigError(f"unknown TrainConfig field(s) {', '.join(sorted(unknown))}")
+    sections = {}
+    for name, cls in SECTIONS.items():
+        sections[name] = cls(**_tuples(nested.get(name, {})))
+    return TrainConfig(recipe=nested.get("recipe", "custom"), **sections)
 
 
-# ----------------------------------------------------------------------------- overrides
+# ----------------------------------------------------------------------------- changing fields
 
 
 def _unknown_field(name: str) -> ConfigError:
-    close = difflib.get_close_matches(name, field_names(), n=3)
+    names = field_names()
+    close = difflib.get_close_matches(name, names + list(LEGACY_NAMES), n=3)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
-    return ConfigError(f"unknown field {name!r}.{hint} Fields: {', '.join(field_names())}")
+    return ConfigError(f"unknown field {name!r}.{hint} Fields: {', '.join(names)}")
+
+
+def resolve_name(name: str) -> str:
+    """``section.field`` for a new or an old flat name (ConfigError for neither)."""
+    if name in field_names():
+        return name
+    if name in LEGACY_NAMES:
+        return LEGACY_NAMES[name]
+    raise _unknown_field(name)
+
+
+def replace(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
+    """``cfg`` with ``{"section.field": value}`` changed (old flat names accepted); the new
+    sections check themselves."""
+    by_section: dict[str, dict] = {}
+    recipe = cfg.recipe
+    for name, value in changes.items():
+        path = resolve_name(name)
+        if path == "recipe":
+            recipe = value
+            continue
+        section, key = path.split(".", 1)
+        by_section.setdefault(section, {})[key] = value
+    sections = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in by_section.items()}
+    return dataclasses.replace(cfg, recipe=recipe, **sections)
+
+
+def get(cfg: TrainConfig, name: str) -> Any:
+    """The value of ``section.field`` (or an old flat name)."""
+    path = resolve_name(name)
+    if path == "recipe":
+        return cfg.recipe
+    section, key = path.split(".", 1)
+    return getattr(getattr(cfg, section), key)
 
 
 # the type of the fields whose default is None, shown by an example value
-OPTIONAL_TYPES = {"init": "", "img_size": 0, "data": "", "cache_dir": ""}
+OPTIONAL_TYPES = {"model.init": "", "model.img_size": 0, "data.source": "", "data.cache_dir": ""}
 
 
-def _parse_value(text: str, default: Any) -> Any:
+def parse_value(text: str, default: Any) -> Any:
     """Turn command-line text into a value of the default's type."""
     if isinstance(default, bool):
         low = text.strip().lower()
@@ -209,169 +559,113 @@ def _parse_value(text: str, default: Any) -> Any:
     return value
 
 
+MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+
 def apply_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) -> TrainConfig:
-    """Apply ``field=value`` strings; ``model.<field>=value`` changes a ViTConfig field.
+    """``cfg`` with ``section.field=value`` strings applied (see ``parse_overrides``)."""
+    return replace(cfg, parse_overrides(cfg, assignments))
+
+
+def parse_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``section.field=value`` strings (old flat names too) as ``replace``'s changes to
+    ``cfg``; ``model.<ViTConfig field>=value`` changes the architecture (``model.overrides``).
 
     Values are Python literals (``0.1``, ``(0.9, 0.95)``, ``None``) or bare words
-    (``cosine``); tuples also accept ``0.9,0.95``.
+    (``cosine``); tuples also accept ``0.9,0.95``.  Nothing is checked but the names and
+    the types: the changes are checked together, when ``replace`` builds the sections.
     """
     changes: dict[str, Any] = {}
-    model_overrides = dict(cfg.model_overrides)
+    overrides = dict(cfg.model.overrides)
     defaults = TrainConfig()
+    vit_fields = {f.name: f.default for f in dataclasses.fields(ViTConfig)}
     for item in assignments:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected field=value")
         name, text = (s.strip() for s in item.split("=", 1))
-        if name.startswith("model."):
-            key = name[len("model."):]
-            vit_fields = {f.name: f.default for f in dataclasses.fields(ViTConfig)}
+        key = name[len("model."):] if name.startswith("model.") else None
+        if key is not None and key not in MODEL_FIELDS:
             if key not in vit_fields:
-                raise ConfigError(f"--set {name}: {key!r} is not a ViTConfig field; known: {', '.join(vit_fields)}")
-            default = vit_fields[key]
+                raise ConfigError(f"--set {name}: {key!r} is neither a model field ({', '.join(sorted(MODEL_FIELDS))})"
+                                  f" nor a ViTConfig field; ViTConfig's: {', '.join(vit_fields)}")
             # sizes: "16" and "16,16" both mean (16, 16), which ViTConfig accepts as an int or a pair
-            model_overrides[key] = _parse_value(text, None if key in ("img_size", "patch_size") else default)
+            overrides[key] = parse_value(text, None if key in ("img_size", "patch_size") else vit_fields[key])
             continue
-        if name not in field_names() or name == "model_overrides":
-            raise _unknown_field(name)
-        default = getattr(defaults, name)
+        path = resolve_name(name)
+        if path == "model.overrides":
+            raise ConfigError(f"--set {name}: set the model's fields one by one, --set model.<ViTConfig field>=value")
+        default = get(defaults, path)
         if default is None:  # optional fields: "none" clears them
             if text.strip().lower() in ("none", "null"):
-                changes[name] = None
+                changes[path] = None
                 continue
-            default = OPTIONAL_TYPES[name]
+            default = OPTIONAL_TYPES[path]
         try:
-            changes[name] = _parse_value(text, default)
+            changes[path] = parse_value(text, default)
         except ValueError as err:
-            raise ConfigError(f"{name}={text!r}: {err}") from None
-    return dataclasses.replace(cfg, model_overrides=model_overrides, **changes)
+            raise ConfigError(f"{path}={text!r}: {err}") from None
+    if overrides != cfg.model.overrides:
+        changes["model.overrides"] = overrides
+    return changes
 
 
-def replace(cfg: TrainConfig, **changes: Any) -> TrainConfig:
-    """``dataclasses.replace`` that names unknown fields."""
-    for name in changes:
-        if name not in field_names():
-            raise _unknown_field(name)
-    return dataclasses.replace(cfg, **changes)
+# ----------------------------------------------------------------------------- derived values
 
 
-# ----------------------------------------------------------------------------- validation
-
-
-def _need(cond: bool, name: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"{name}={value!r}: {allowed}")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def model_config(cfg: TrainConfig, num_classes: int | None = None) -> ViTConfig:
-    """The ``ViTConfig`` this run trains (raises ConfigError naming a bad model field)."""
+def vit_config(model: ModelConfig, num_classes: int | None = None, dynamic_img_size: bool = False) -> ViTConfig:
+    """The ``ViTConfig`` a from-scratch model section builds (ConfigError names a bad field)."""
     from vitlab.config import replace as replace_model
     from vitlab.models.registry import get_config
 
-    overrides = dict(cfg.model_overrides)
+    overrides = dict(model.overrides)
     new_name = overrides.pop("name", None)
-    if cfg.img_size is not None:
-        overrides["img_size"] = cfg.img_size
+    if model.img_size is not None:
+        overrides["img_size"] = model.img_size
     if num_classes is not None:
         overrides["num_classes"] = num_classes
-    if cfg.progressive_sizes:
+    if dynamic_img_size:
         overrides["dynamic_img_size"] = True
-    model_cfg = get_config(cfg.model, **overrides)
+    model_cfg = get_config(model.name, **overrides)
     if new_name is not None:
         model_cfg = replace_model(model_cfg, name=new_name)
-    if cfg.pre_logits and cfg.init is None:
+    if model.pre_logits and model.init is None:
         model_cfg = replace_model(model_cfg, representation_size=model_cfg.width)
     if not isinstance(model_cfg, ViTConfig):
-        raise ConfigError(f"model={cfg.model!r}: the training engine trains ViTConfig models only")
+        raise ConfigError(f"model.name={model.name!r}: the training engine trains ViTConfig models only")
     return model_cfg
 
 
-def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
+def model_config(cfg: TrainConfig, num_classes: int | None = None) -> ViTConfig:
+    """The ``ViTConfig`` this run trains from scratch."""
+    return vit_config(cfg.model, num_classes, dynamic_img_size=bool(cfg.data.progressive_sizes))
+
+
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
     """``warmup`` as a step count: a fraction of ``total_steps`` when below 1."""
-    if cfg.warmup < 1:
-        return int(round(cfg.warmup * total_steps))
-    return int(cfg.warmup)
+    if optim.warmup < 1:
+        return int(round(optim.warmup * total_steps))
+    return int(optim.warmup)
 
 
-def validate(cfg: TrainConfig, world_size: int = 1, need_data: bool = True) -> None:
-    """Refuse an impossible configuration before any work starts (ConfigError names the field)."""
-    choices = {
-        "optimizer": OPTIMIZERS, "decay": DECAYS, "precision": PRECISIONS, "loss": LOSSES,
-        "wd_scope": WD_SCOPES, "crop": CROPS,
-    }
-    for name, allowed in choices.items():
-        value = getattr(cfg, name)
-        _need(value in allowed, name, value, f"allowed values are {', '.join(map(repr, allowed))}")
-    for f in dataclasses.fields(TrainConfig):  # a recipe's "no" would otherwise read as true
-        if isinstance(f.default, bool):
-            value = getattr(cfg, f.name)
-            _need(isinstance(value, bool), f.name, value, "must be True or False")
-    for name in ("batch_size", "accum_steps", "steps", "eval_batch_size", "log_every", "keep_ckpts",
-                 "time_measure_steps"):
-        value = getattr(cfg, name)
-        _need(_is_int(value) and value > 0, name, value, "must be a positive integer")
-    for name in ("eval_every", "ckpt_every", "train_examples", "decode_workers", "threads", "seed",
-                 "split_seed", "randaug_ops", "crop_pad", "final_eval_shift"):
-        value = getattr(cfg, name)
-        _need(_is_int(value) and value >= 0, name, value, "must be an integer >= 0")
-    for name in ("lr", "min_lr", "weight_decay", "clip_norm", "time_limit", "randaug_magnitude",
-                 "mixup_alpha", "cutmix_alpha"):
-        value = getattr(cfg, name)
-        _need(_is_num(value) and value >= 0, name, value, "must be a number >= 0")
-    _need(cfg.lr > 0, "lr", cfg.lr, "must be > 0")
-    _need(isinstance(cfg.lr_grid, tuple) and all(_is_num(v) and v > 0 for v in cfg.lr_grid),
-          "lr_grid", cfg.lr_grid, "expected positive learning rates, e.g. 0.001,0.003,0.01")
-    _need(cfg.min_lr <= cfg.lr, "min_lr", cfg.min_lr, f"must not exceed lr={cfg.lr}")
-    for name in ("label_smoothing", "ema_decay", "momentum", "erase_prob"):
-        value = getattr(cfg, name)
-        _need(_is_num(value) and 0 <= value < 1, name, value, "must lie in [0, 1)")
-    _need(isinstance(cfg.betas, tuple) and len(cfg.betas) == 2 and all(_is_num(b) and 0 <= b < 1 for b in cfg.betas),
-          "betas", cfg.betas, "expected two numbers in [0, 1), e.g. 0.9,0.999")
-    _need(isinstance(cfg.crop_scale, tuple) and len(cfg.crop_scale) == 2
-          and all(_is_num(s) for s in cfg.crop_scale) and 0 < cfg.crop_scale[1] <= 1
-          and 0 <= cfg.crop_scale[0] <= cfg.crop_scale[1], "crop_scale", cfg.crop_scale, "expected (min, max) in (0, 1]")
-    phases = cfg.progressive_sizes
-    _need(isinstance(phases, (tuple, list)) and all(
-        isinstance(p, (tuple, list)) and len(p) == 2 and _is_int(p[0]) and p[0] > 0 and _is_num(p[1]) and 0 < p[1] <= 1
-        for p in phases) and all(a[1] < b[1] for a, b in zip(phases, phases[1:])),
-        "progressive_sizes", phases, "expected ((size, until), ...): sizes in pixels, the fractions until in "
-        "(0, 1] rising, e.g. [[24, 0.5]]")
-    _need(_is_num(cfg.warmup) and cfg.warmup >= 0 and (cfg.warmup < 1 or float(cfg.warmup).is_integer()),
-          "warmup", cfg.warmup, "a step count (integer >= 1) or a fraction of the steps in [0, 1)")
-    _need(warmup_steps(cfg, cfg.steps) <= cfg.steps, "warmup", cfg.warmup, f"exceeds steps={cfg.steps}")
-    _need(_is_num(cfg.val_split) and cfg.val_split >= 0 and (cfg.val_split < 1 or float(cfg.val_split).is_integer()),
-          "val_split", cfg.val_split, "a count (integer >= 1), a fraction in (0, 1), or 0 for none")
-    per_process = cfg.accum_steps * world_size
-    if cfg.batch_size % per_process:
+def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True) -> None:
+    """What the values alone cannot tell: the launch's process count, and that the data
+    and the initial weights exist.  ``train`` calls it before any work; the CLI earlier."""
+    per_process = cfg.optim.accum_steps * world_size
+    if cfg.optim.batch_size % per_process:
         raise ConfigError(
-            f"batch_size={cfg.batch_size} is not divisible by accum_steps={cfg.accum_steps} x "
-            f"world_size={world_size} = {per_process}: every micro-batch must have the same size"
-        )
-    if cfg.fsdp and cfg.ema_decay > 0:
-        raise ConfigError("ema_decay>0 with fsdp=True: the weight average of a sharded model is not implemented")
-    if cfg.fsdp and world_size < 2:
-        raise ConfigError("fsdp=True needs a distributed launch (torchrun --nproc_per_node=N); world_size is 1")
-    if not isinstance(cfg.model_overrides, dict):
-        raise ConfigError(f"model_overrides={cfg.model_overrides!r}: expected a dict of ViTConfig fields")
-    if cfg.img_size is not None:
-        _need(_is_int(cfg.img_size) and cfg.img_size > 0, "img_size", cfg.img_size, "must be a positive integer")
-    if cfg.init is None:  # with init the checkpoint's own config is checked when it is loaded
-        model_config(cfg)  # unknown model, bad model field, img_size not divisible by the patch size
+            f"optim.batch_size={cfg.optim.batch_size} is not divisible by optim.accum_steps={cfg.optim.accum_steps}"
+            f" x world_size={world_size} = {per_process}: every micro-batch must have the same size")
+    if cfg.run.fsdp and world_size < 2:
+        raise ConfigError("run.fsdp=True needs a distributed launch (torchrun --nproc_per_node=N); world_size is 1")
     if need_data:
-        if cfg.data is None:
-            raise ConfigError("data=None: give a data path (--data PATH: an ImageFolder folder or .tar/.tar.gz) "
-                              f"or a built-in source ({', '.join(BUILTIN_DATA)})")
-        if cfg.data not in BUILTIN_DATA and not Path(cfg.data).expanduser().exists():
-            raise ConfigError(f"data={cfg.data!r}: no such file or folder")
-    if cfg.init is not None and not Path(cfg.init).expanduser().exists():
-        raise ConfigError(f"init={cfg.init!r}: no such file or folder")
+        source = cfg.data.source
+        if source is None:
+            raise ConfigError("data.source=None: give a data path (--data PATH: an ImageFolder folder or "
+                              f".tar/.tar.gz) or a built-in source ({', '.join(BUILTIN_DATA)})")
+        if source not in BUILTIN_DATA and not Path(source).expanduser().exists():
+            raise ConfigError(f"data.source={source!r}: no such file or folder")
+    if cfg.model.init is not None and not Path(cfg.model.init).expanduser().exists():
+        raise ConfigError(f"model.init={cfg.model.init!r}: no such file or folder")
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -403,6 +697,8 @@ def load_recipe(spec: str) -> TrainConfig:
     try:
         cfg = module.get_config(**kwargs)
     except (TypeError, ValueError) as err:  # an unknown or bad recipe argument
+        if isinstance(err, ConfigError):
+            raise
         raise ConfigError(f"recipe {spec!r}: {err}") from None
     if not isinstance(cfg, TrainConfig):
         raise ConfigError(f"recipe {spec!r}: get_config() returned {type(cfg).__name__}, not TrainConfig")

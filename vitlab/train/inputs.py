@@ -31,22 +31,23 @@ class Splits:
 
 def load_dataset(cfg: TrainConfig, image_size: Pair):
     """The whole labelled set as an ``InMemoryDataset``, resized to ``image_size``."""
-    if cfg.data == "digits":
+    data = cfg.data
+    if data.source == "digits":
         from vitlab.data.digits import load_digits_dataset
 
         if image_size[0] != image_size[1]:
-            raise ConfigError(f"img_size={image_size}: the digits source makes square images only")
+            raise ConfigError(f"model.img_size={image_size}: the digits source makes square images only")
         return load_digits_dataset(image_size[0])
     from vitlab.data.memory import load_in_memory
 
-    return load_in_memory(cfg.data, image_size=image_size, cache_dir=cfg.cache_dir, workers=cfg.decode_workers)
+    return load_in_memory(data.source, image_size=image_size, cache_dir=data.cache_dir, workers=data.decode_workers)
 
 
 def select_classes(images: torch.Tensor, labels: torch.Tensor, classes: list[str], keep: tuple[str, ...]):
     """Only the classes named in ``keep``, relabelled 0..len(keep)-1 in that order."""
     missing = [c for c in keep if c not in classes]
     if missing:
-        raise ConfigError(f"class_subset={keep!r}: no class(es) {', '.join(map(repr, missing))}; "
+        raise ConfigError(f"data.class_subset={keep!r}: no class(es) {', '.join(map(repr, missing))}; "
                           f"the data has {', '.join(classes)}")
     old_ids = torch.tensor([classes.index(c) for c in keep])
     mask = torch.isin(labels, old_ids)
@@ -56,18 +57,18 @@ def select_classes(images: torch.Tensor, labels: torch.Tensor, classes: list[str
 
 
 def build_splits(cfg: TrainConfig, image_size: Pair) -> Splits:
-    data = load_dataset(cfg, image_size)
-    images, labels, classes = data.images, data.labels, list(data.classes)
-    if cfg.class_subset:
-        images, labels, classes = select_classes(images, labels, classes, tuple(cfg.class_subset))
-    if cfg.train_examples and cfg.train_examples < len(labels):
+    dataset, data = load_dataset(cfg, image_size), cfg.data
+    images, labels, classes = dataset.images, dataset.labels, list(dataset.classes)
+    if data.class_subset:
+        images, labels, classes = select_classes(images, labels, classes, tuple(data.class_subset))
+    if data.train_examples and data.train_examples < len(labels):
         # the training pool: a class-stratified sample (the held-out part of a stratified split)
-        _, keep = stratified_split(labels, int(cfg.train_examples), cfg.split_seed + 1)
+        _, keep = stratified_split(labels, int(data.train_examples), data.split_seed + 1)
         images, labels = images[keep], labels[keep]
     val_images = val_labels = None
-    if cfg.val_split:  # held out of the pool: VTAB-1k's 800 + 200 of 1000
-        val_size = int(cfg.val_split) if cfg.val_split >= 1 else float(cfg.val_split)
-        train_idx, val_idx = stratified_split(labels, val_size, cfg.split_seed)
+    if data.val_split:  # held out of the pool: VTAB-1k's 800 + 200 of 1000
+        val_size = int(data.val_split) if data.val_split >= 1 else float(data.val_split)
+        train_idx, val_idx = stratified_split(labels, val_size, data.split_seed)
         val_images, val_labels = images[val_idx], labels[val_idx]
         images, labels = images[train_idx], labels[train_idx]
-    return Splits(images, labels, val_images, val_labels, classes, len(data.skipped))
+    return Splits(images, labels, val_images, val_labels, classes, len(dataset.skipped))

@@ -1,19 +1,18 @@
-"""Keep freed host memory mapped in a training process.
+"""Keep freed host memory mapped in a training process (opt-in: ``run.retain_freed_memory``,
+``vitlab train --retain-freed-memory``).
 
 PyTorch's CPU tensors come from the C library's malloc.  glibc hands large freed blocks
 back to the kernel (everything above an adaptive threshold of at most 32 MiB, and any
 free space above 128 KiB-64 MiB at the top of the heap), so every training step maps the
-same activations afresh and takes a page fault for each 4 KiB it first writes: 30-110
-thousand faults per step of the CIFAR-size ViT at batch 128 on the development VM.  A
+same activations afresh and takes a page fault for each 4 KiB it first writes.  A
 training process allocates the same sizes every step, so keeping the memory (what GPU
-caching allocators do) costs nothing but a resident set that stays at its peak.  Freed
-space is reused as malloc finds it, so the first steps may still map some afresh; after
-the warm-up a CIFAR-size step at batch 32 took 2.5 faults against 11,700 by default.
+caching allocators do) saves those faults at the cost of a resident set that stays at
+its peak.  Freed space is reused as malloc finds it, so the first steps may still map
+some afresh.
 
-Measured with ``python benchmarks/ab.py retain_memory`` (fresh processes, fp32 training
-steps of the CIFAR-size ViT and ViT-S/16): 1.05x and 1.07x for vitlab, 1.06-1.22x for
-Hugging Face's ViT.  It is a property of the process, not of a model, so ``bench.py``
-leaves it off for every implementation.
+It changes malloc for the whole process and for the rest of its life, which is why the
+trainer leaves it off unless asked; ``python benchmarks/ab.py retain_memory`` measures
+what it gains on a machine.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ configs write the paper's "weight decay 0.1 at lr 1e-3" as ``wd = 0.0001``
 (configs/vit_i1k.py: lr 0.001, wd 0.0001), so the paper's numbers are in units of the
 lr: wd_bv = wd_paper * base_lr.  That is exactly PyTorch's AdamW, which multiplies
 decayed weights by ``1 - lr_t * weight_decay`` with lr_t = base_lr * sched_t, so
-``TrainConfig.weight_decay`` takes the paper's numbers directly.
+``OptimConfig.weight_decay`` takes the paper's numbers directly.
 
 SGD (fine-tuning) uses no weight decay in the paper; if asked for, torch's SGD adds it
 to the gradient (L2, coupled), which with momentum is not the decoupled form above.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import TrainConfig
+from .config import OptimConfig
 
 KERNEL_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d)
 
@@ -56,7 +56,7 @@ def no_decay_names(model: nn.Module, scope: str = "kernels") -> list[str]:
     return [n for n, p in model.named_parameters() if id(p) in keep]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """Adam(W) or SGD over two parameter groups; the lr is set every step by the loop."""
     decay, no_decay = split_decay(model, cfg.wd_scope)
     groups = [

@@ -1,0 +1,94 @@
+"""The time budget as a unit: a fake clock, observed step times in, a plan out."""
+from vitlab.train.schedules import fit_steps_to_time
+from vitlab.train.time_budget import TimeBudget
+
+
+class FakeRun:
+    """Steps of given durations on a fake clock, as the loop reports them."""
+
+    def __init__(self, minutes=1.0, measure_steps=3, eval_every=0, final_eval_views=1.0):
+        self.now, self.messages = 0.0, []
+        self.budget = TimeBudget(minutes, 0.0, max_steps=1_000_000, measure_steps=measure_steps,
+                                 eval_every=eval_every, final_eval_views=final_eval_views,
+                                 warmup=lambda total: total // 10, full_size=(8, 8), say=self.messages.append,
+                                 clock=lambda: self.now)
+        self.step, self.total = 0, 1_000_000
+
+    def run(self, seconds: float, until: int, eval_s: float = 0.0, pause_s: float = 0.0) -> None:
+        while self.step < until and self.step < self.total:
+            self.now += seconds
+            self.budget.step_done(8, seconds)
+            self.step += 1
+            if self.budget.wants_evaluation(self.step):
+                with self.budget.paused():
+                    self.now += eval_s
+                    self.budget.evaluated(eval_s)
+            self.total = self.budget.plan(self.step, self.total)
+            if self.budget.out_of_time(self.step, self.total):
+                self.total = self.step
+            with self.budget.paused():
+                self.now += pause_s
+
+
+def expected_total(step, elapsed, sec_per_step, eval_s=0.0, final_eval_s=None):
+    return fit_steps_to_time(budget_s=60.0, elapsed_s=elapsed, step=step, sec_per_step=sec_per_step, eval_s=eval_s,
+                             final_eval_s=1.25 * eval_s if final_eval_s is None else final_eval_s, eval_every=0,
+                             reserve_s=5.0 + 0.005 * 60.0, max_steps=1_000_000)
+
+
+def test_no_limit_plans_nothing():
+    run = FakeRun(minutes=0.0)
+    run.run(0.1, until=50)
+    assert run.total == 1_000_000 and run.messages == []
+
+
+def test_the_first_fit_uses_the_steps_after_the_first_two_and_one_evaluation():
+    run = FakeRun()
+    run.run(5.0, until=2)  # the first steps compile: not measured
+    run.run(0.1, until=5, eval_s=2.0)
+    # 3 steps of 0.1 s measured; the evaluation (2 s) is the fit's, not a step's
+    assert run.budget.eval_s == 2.0 and run.budget.evals_timed == 1
+    assert run.total == expected_total(5, 10.3 + 2.0, 0.1, eval_s=2.0)
+    assert run.total == 5 + int((60 - 12.3 - 2.5 - 5.3) // 0.1)
+    assert "0.1" not in run.messages[0] and "100 ms/step" in run.messages[0]
+
+
+def test_refits_follow_a_change_of_speed_and_exclude_pauses():
+    run = FakeRun()
+    run.run(0.1, until=5)
+    first = run.total
+    warm_refit_at = max(first // 10, 5 + 2 * 3)
+    run.run(0.2, until=warm_refit_at, pause_s=0.5)  # twice as slow, and paused after every step
+    elapsed = run.now - 0.5  # the plan came before the last step's pause
+    assert run.total == expected_total(warm_refit_at, elapsed, 0.2) < first  # 0.2 s: the pauses are left out
+    assert any(f"over steps 5-{warm_refit_at} ->" in m for m in run.messages)
+    # two refits in the decay, each over the steps since the one before
+    run.run(0.2, until=10**9)
+    stretches = [m.split("over steps ")[1].split(" ")[0] for m in run.messages if "over steps" in m]
+    assert len(stretches) == 3 and stretches[1].split("-")[0] == str(warm_refit_at)
+    assert run.step == run.total  # ran to the end of its plan
+
+
+def test_the_guard_stops_a_run_that_slowed_down_after_the_last_refit():
+    run = FakeRun()
+    run.run(0.1, until=5)
+    while run.step < run.total and len([m for m in run.messages if "over steps" in m]) < 3:
+        run.run(0.1, until=run.step + 1)
+    planned = run.total
+    run.run(1.0, until=10**9)  # ten times slower after the last refit
+    assert run.step < planned and any("time limit reached" in m for m in run.messages)
+    # stopped with the final evaluation's share and half the reserve still left
+    assert run.now <= 60.0 - (5.0 + 0.005 * 60.0) / 2 + 1.0
+
+
+def test_a_resumed_budget_keeps_the_clock_and_times_again():
+    run = FakeRun()
+    run.run(0.1, until=30)
+    state = run.budget.state()
+    resumed = FakeRun()
+    resumed.now = 1000.0  # another process, another clock
+    resumed.budget.resume(state, step=30)
+    resumed.step, resumed.total = 30, run.total
+    assert abs(resumed.budget.elapsed() - state["elapsed_s"]) < 1e-9
+    resumed.run(0.1, until=resumed.step + 2 + 1)
+    assert resumed.budget.decay_mark is not None and resumed.budget.decay_mark[0] == 32  # timed from 2 after

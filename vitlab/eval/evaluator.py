@@ -1,0 +1,125 @@
+"""An evaluator: a labelled set and a protocol, ``run(model) -> dict``.
+
+The one interface of every classification evaluation (big_vision's evaluators share one
+small interface too): the trainer's periodic and final evaluations and `vitlab eval` build
+an ``Evaluator`` and call ``run``.
+
+    result = Evaluator(images, labels, batch_size=256, flip=True).run(model)
+    result["top1"], result["top5"], result["loss"], result["n"]
+
+Images are uint8 (N, 3, H, W); each batch is resized to the model's input size and
+scaled to [-1, 1] (``vitlab.data.transforms``), as training and ``predict_logits`` do.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitlab.data.transforms import resize, to_float
+
+from .features import check_tta_shift, mean_probability, tta_views
+from .metrics import classification_report
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast on CPU and GPU; fp32 runs plain; "auto" is bf16 where it is faster
+    (``vitlab.fast.bf16_is_faster``: a rule or a stored calibration, never a timing inside a run)."""
+    if precision == "auto":
+        from vitlab import fast
+
+        precision = "bf16" if fast.bf16_is_faster(device) else "fp32"
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+class Evaluator:
+    """Loss, top-1 and top-5 of a model on one labelled set.
+
+    flip, shift: score the mean of the predicted probabilities of each image's test-time
+        views (``vitlab.eval.features.tta_views``: its mirror image; its four translations
+        by ``shift`` pixels).  With more than one view ``top1_single`` keeps the top-1 of
+        the image alone, and with both ``top1_flip`` that of image + mirror.
+    report_bins: also the full ``classification_report`` (per-class accuracy, confusion
+        matrix, ECE with this many bins), as `vitlab eval` prints it; one process only.
+    world: a ``vitlab.train.distributed.World``; rank r takes examples r, r + W, ...; all
+        ranks run the same number of batches (the short ones padded and masked), so a
+        sharded (FSDP) model works too, and the sums are all-reduced.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, batch_size: int = 128,
+                 device: str | torch.device = "cpu", precision: str = "fp32", flip: bool = False, shift: int = 0,
+                 image_size: tuple[int, int] | None = None, report_bins: int | None = None, world=None) -> None:
+        if images.dtype != torch.uint8 or images.ndim != 4:
+            raise ValueError(f"expected uint8 images (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}: must be >= 1")
+        if report_bins is not None and world is not None and world.size > 1:
+            raise ValueError("report_bins: the full report is computed in one process only")
+        self.images, self.labels = images, labels
+        self.batch_size, self.device, self.precision = batch_size, torch.device(device), precision
+        self.flip, self.shift = flip, shift
+        self.image_size, self.report_bins, self.world = image_size, report_bins, world
+        if shift:
+            check_tta_shift(shift, image_size or tuple(images.shape[-2:]), "shift")
+
+    def _my_examples(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices, valid): this rank's share, padded with example 0 to the longest share."""
+        rank, size = (self.world.rank, self.world.size) if self.world is not None else (0, 1)
+        n = self.labels.shape[0]
+        mine = torch.arange(rank, n, size)
+        per_rank = -(-n // size)
+        valid = torch.ones(per_rank, dtype=torch.bool)
+        if len(mine) < per_rank:
+            valid[len(mine):] = False
+            mine = torch.cat([mine, mine.new_zeros(per_rank - len(mine))])
+        return mine, valid
+
+    @torch.no_grad()
+    def run(self, model: nn.Module) -> dict:
+        """The metrics of ``model`` (left in the train/eval mode it came in)."""
+        size = self.image_size or tuple(model.cfg.img_size)
+        was_training = model.training
+        model.eval()
+        mine, valid = self._my_examples()
+        sums = dict(loss=0.0, top1=0.0, top5=0.0, top1_single=0.0, top1_flip=0.0)
+        all_logits = []
+        try:
+            for start in range(0, len(mine), self.batch_size):
+                idx, ok = mine[start:start + self.batch_size], valid[start:start + self.batch_size].to(self.device)
+                x = to_float(resize(self.images[idx].to(self.device), size))
+                y = self.labels[idx].to(self.device)
+                with autocast(self.device, self.precision):
+                    views = [model(view).float() for view in tta_views(x, self.flip, self.shift)]
+                logits = views[0]
+                if len(views) > 1:
+                    sums["top1_single"] += float(((views[0].argmax(-1) == y) & ok).sum())
+                    if self.flip and self.shift:  # views[1] is the mirror image
+                        sums["top1_flip"] += float(((mean_probability(*views[:2]).argmax(-1) == y) & ok).sum())
+                    logits = mean_probability(*views)
+                hit = logits.topk(min(5, logits.shape[-1]), dim=-1).indices == y[:, None]
+                sums["loss"] += float((F.cross_entropy(logits, y, reduction="none") * ok).sum())
+                sums["top1"] += float((hit[:, 0] & ok).sum())
+                sums["top5"] += float((hit.any(-1) & ok).sum())
+                if self.report_bins is not None:
+                    all_logits.append(logits.cpu().numpy())
+        finally:
+            model.train(was_training)
+        if self.world is not None:
+            from vitlab.train.distributed import all_reduce_sum
+
+            sums = dict(zip(sums, all_reduce_sum(list(sums.values()), self.world)))
+        n = int(self.labels.shape[0])
+        result = {"n": n, "loss": sums["loss"] / n, "top1": sums["top1"] / n, "top5": sums["top5"] / n}
+        if self.flip or self.shift:
+            result["top1_single"] = sums["top1_single"] / n
+        if self.flip and self.shift:
+            result["top1_flip"] = sums["top1_flip"] / n
+        if self.report_bins is not None:
+            report = classification_report(np.concatenate(all_logits), self.labels.numpy(), num_bins=self.report_bins)
+            result.update({k: report[k] for k in ("ece", "per_class_accuracy", "confusion_matrix")})
+        return result

@@ -1,0 +1,152 @@
+"""Everything a run builds once, before its first step: ``build(cfg) -> Setup``."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from vitlab import fast
+from vitlab.config import ConfigError
+from vitlab.eval.evaluator import Evaluator
+from vitlab.eval.features import check_tta_shift
+
+from .config import TrainConfig, check_can_run, model_config
+from .distributed import World, init_world, wrap_model
+from .ema import EMA
+from .inputs import Splits, build_splits
+from .memory import retain_freed_memory
+from .optim import build_optimizer
+
+
+@dataclass
+class Setup:
+    """Everything the loop needs, built once."""
+
+    cfg: TrainConfig
+    world: World
+    splits: Splits
+    model: nn.Module          # the bare model (what is saved)
+    trained: nn.Module        # what the loop calls: DDP/FSDP/compiled around ``model``
+    optimizer: torch.optim.Optimizer
+    ema: EMA | None
+    stream: object            # vitlab.data.BatchStream of micro-batches
+    evaluator: Evaluator | None        # the periodic evaluations (None: no validation split)
+    final_evaluator: Evaluator | None  # the last one, with ``run.final_eval_shift``'s views
+    micro_batch: int
+    img_size: tuple           # (H, W) the run evaluates at and, after any progressive_sizes, trains at
+
+    @property
+    def evaluated(self) -> nn.Module:
+        """What the evaluators score: the weight average if on (under FSDP the sharded model)."""
+        return self.ema.module if self.ema else self.model
+
+
+FINETUNE_MODEL_FIELDS = ("dropout", "attention_dropout", "drop_path", "patch_dropout")
+
+
+def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
+    """A fresh model, or ``model.init`` adapted for fine-tuning (paper Sec. 3.2): position
+    embeddings interpolated to ``model.img_size`` and a new zero-initialised head."""
+    from vitlab.models.registry import build_model as build
+
+    if cfg.model.init is None:
+        return build(model_config(cfg, num_classes))
+    from vitlab.weights import load_model
+
+    # the architecture is the checkpoint's; only the regularisation of the overrides applies
+    regularisation = {k: v for k, v in cfg.model.overrides.items() if k in FINETUNE_MODEL_FIELDS}
+    if cfg.data.progressive_sizes:
+        regularisation["dynamic_img_size"] = True
+    model = load_model(cfg.model.init, name=cfg.model.name, img_size=cfg.model.img_size, num_classes=num_classes,
+                       keep_pre_logits=cfg.model.keep_pre_logits, **regularisation)
+    model.reset_classifier(num_classes)  # always a fresh zero-initialised head (Sec. 3.2)
+    return model.train()
+
+
+def training_size(cfg: TrainConfig) -> tuple[int, int]:
+    """(H, W) the run trains at: ``model.img_size``, else the model's (or the checkpoint's)."""
+    if cfg.model.img_size is not None:
+        return (cfg.model.img_size,) * 2
+    if cfg.model.init is None:
+        return tuple(model_config(cfg).img_size)
+    from vitlab.weights import load_model
+
+    return tuple(load_model(cfg.model.init, name=cfg.model.name).cfg.img_size)
+
+
+def check_progressive_sizes(cfg: TrainConfig, img_size: tuple, model_cfg) -> None:
+    """Refuse progressive-resizing phases the model cannot train at (ConfigError)."""
+    phases = cfg.data.progressive_sizes
+
+    def refuse(problem: str) -> None:
+        raise ConfigError(f"data.progressive_sizes={phases!r}: {problem}")
+
+    if phases and img_size[0] != img_size[1]:
+        refuse(f"needs square training images, not {tuple(img_size)}")
+    for size, _ in phases:
+        if size >= img_size[0]:
+            refuse(f"size {size} is not below the training size {img_size[0]}")
+        if not model_cfg.divides_into_patches((size, size)):
+            patch = model_cfg.patch_size
+            refuse(f"size {size} does not divide into the model's {patch[0]}x{patch[1]} patches")
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)  # model initialisation and dropout; identical on every rank
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def build(cfg: TrainConfig) -> Setup:
+    from vitlab.data.loader import BatchStream
+    from vitlab.data.transforms import build_transform
+
+    world = init_world(cfg.run.device)
+    check_can_run(cfg, world.size)
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    if cfg.run.retain_freed_memory and world.device.type == "cpu":
+        retain_freed_memory()
+    seed_everything(cfg.run.seed)
+
+    img_size = training_size(cfg)
+    check_tta_shift(cfg.run.final_eval_shift, img_size, "run.final_eval_shift")
+    splits = build_splits(cfg, img_size)
+    num_classes = len(splits.classes)
+
+    model = build_model(cfg, num_classes).to(world.device)
+    check_progressive_sizes(cfg, img_size, model.cfg)
+    model.train()
+    if cfg.run.fast:  # in place and before any wrapper: DDP, FSDP and compile see the fast modules
+        fast.optimize(model)
+    ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None
+    trained = wrap_model(model, world, cfg.run.fsdp)  # FSDP shards ``model`` in place
+    optimizer = build_optimizer(model, cfg.optim)
+    if cfg.run.compile:
+        # a size change (progressive resizing) recompiles with a symbolic size: measured no
+        # slower than a static graph per size (benchmarks/ab.py hybrid_sizes)
+        trained = torch.compile(trained)
+
+    batch, accum = cfg.optim.batch_size, cfg.optim.accum_steps
+    if len(splits.train_labels) < batch // accum:
+        raise ConfigError(f"optim.batch_size={batch}: the training split has only {len(splits.train_labels)} "
+                          f"examples, fewer than one micro-batch step of {batch // accum}")
+    micro_batch = batch // (accum * world.size)
+    stream = BatchStream(
+        splits.train_images, splits.train_labels, micro_batch, shuffle=True, seed=cfg.run.seed, drop_last=True,
+        transform=build_transform(cfg.augment.transform(num_classes, img_size)), device=world.device,
+        rank=world.rank, world_size=world.size,
+    )
+    evaluator = final_evaluator = None
+    if splits.val_labels is not None:
+        def evaluator_with(shift: int) -> Evaluator:
+            return Evaluator(splits.val_images, splits.val_labels, batch_size=cfg.run.eval_batch_size,
+                             device=world.device, precision=cfg.run.precision, flip=cfg.run.eval_flip, shift=shift,
+                             image_size=img_size, world=world)
+
+        evaluator, final_evaluator = evaluator_with(0), evaluator_with(cfg.run.final_eval_shift)
+    return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, evaluator, final_evaluator, micro_batch,
+                 tuple(img_size))

@@ -1,0 +1,128 @@
+"""What a training checkpoint holds, and how a run continues from one bit-exactly.
+
+``training_state`` gathers the model, optimiser, EMA, data-stream position, RNG states,
+metric records and the run's clock; ``restore`` puts them back.  Under FSDP both are
+collective calls (every rank takes part) and the full, unsharded state lives on rank 0.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch import nn
+
+from vitlab.config import ConfigError
+
+from .config import TrainConfig, from_dict, get, to_dict
+
+# fields that fix the data order, the model or the optimiser state: a resumed run must keep them
+RESUME_INVARIANTS = ("model.name", "model.overrides", "model.img_size", "model.init", "data.source",
+                     "data.val_split", "data.split_seed", "data.train_examples", "data.class_subset",
+                     "optim.batch_size", "optim.accum_steps", "optim.optimizer", "run.seed")
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def check_same_run(cfg: TrainConfig, saved: dict) -> None:
+    """Refuse to continue a checkpoint whose run differs in a ``RESUME_INVARIANTS`` field
+    (``saved``: its config dict, sectioned or of the old flat layout)."""
+    if not saved:
+        return
+    before = from_dict(saved)
+    changed = [name for name in RESUME_INVARIANTS if get(before, name) != get(cfg, name)]
+    if changed:
+        differences = ", ".join(f"{k}={get(cfg, k)!r} (checkpoint: {get(before, k)!r})" for k in changed)
+        raise ConfigError(f"--resume: {differences} differ from the checkpoint's run; an exact continuation needs "
+                          "the same values")
+
+
+def sharded(s) -> bool:
+    return s.cfg.run.fsdp and s.world.size > 1
+
+
+def _full(options_only: bool = False):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=not options_only)
+
+
+def model_state(s) -> dict:
+    """The full (unsharded) state dict of the model; with FSDP a collective call whose
+    result is complete on rank 0 only."""
+    if sharded(s):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(s.model, options=_full())
+    return s.model.state_dict()
+
+
+def training_state(s, step: int, total_steps: int, records: list[dict], clock: dict) -> dict:
+    """Everything ``restore`` needs to continue bit-exactly (collective under FSDP).
+
+    ``clock``: the run's wall time so far and its measured evaluation time
+    (``TimeBudget.state``), so that a resumed time-limited run keeps counting.
+    """
+    if sharded(s):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        optim_state = get_optimizer_state_dict(s.model, s.optimizer, options=_full())
+    else:
+        optim_state = s.optimizer.state_dict()
+    return {
+        "step": step,
+        "total_steps": total_steps,
+        "config": to_dict(s.cfg),
+        "model": model_state(s),
+        "optimizer": optim_state,
+        "ema": s.ema.state_dict() if s.ema else None,
+        "stream": s.stream.state_dict(),
+        "rng": rng_state(),
+        "records": records,
+        "classes": s.splits.classes,
+        "clock": clock,
+    }
+
+
+def restore(s, state: dict) -> tuple[int, int, list[dict]]:
+    """Load a checkpoint into the set-up ``s``; returns (step, total_steps, metric records)."""
+    if sharded(s):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(s.model, state["model"], options=_full(options_only=True))
+        set_optimizer_state_dict(s.model, s.optimizer, state["optimizer"], options=_full(options_only=True))
+    else:
+        s.model.load_state_dict(state["model"])
+        s.optimizer.load_state_dict(state["optimizer"])
+    if s.ema is not None and state.get("ema"):
+        s.ema.load_state_dict(state["ema"])
+    s.stream.load_state_dict(state["stream"])
+    set_rng_state(state["rng"])
+    return int(state["step"]), int(state["total_steps"]), list(state.get("records", []))
+
+
+def final_model(s) -> nn.Module | None:
+    """The model to save: the EMA if on; under FSDP a fresh unsharded copy (rank 0 only)."""
+    if not sharded(s):
+        return s.ema.module if s.ema else s.model
+    from vitlab.models.registry import build_model as build
+
+    state = model_state(s)  # collective: every rank takes part
+    if not s.world.is_main:
+        return None
+    model = build(s.model.cfg)
+    model.load_state_dict(state)
+    return model

@@ -245,9 +245,21 @@ def _image_png(image: torch.Tensor, size: int = 160) -> bytes:
 
 
 # the fields of a training recipe worth a first look (vitlab.train.config.TrainConfig's names)
-RECIPE_KEYS = ("recipe", "model", "model_overrides", "init", "data", "img_size", "val_split", "optimizer", "lr",
-               "weight_decay", "batch_size", "steps", "warmup", "decay", "clip_norm", "label_smoothing",
-               "mixup_alpha", "randaug_ops", "ema_decay", "precision", "seed")
+RECIPE_KEYS = ("recipe", "model.name", "model.overrides", "model.init", "data.source", "model.img_size",
+               "data.val_split", "optim.optimizer", "optim.lr", "optim.weight_decay", "optim.batch_size",
+               "optim.steps", "optim.warmup", "optim.decay", "optim.clip_norm", "augment.label_smoothing",
+               "augment.mixup_alpha", "augment.randaug_ops", "optim.ema_decay", "run.precision", "run.seed")
+
+
+def _dotted(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A training config.json's sections flattened to "section.field" keys (a flat, older one as it is)."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping) and key in ("model", "data", "augment", "optim", "run"):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
 
 
 def _section_card(model: nn.Module, meta: Mapping[str, Any]) -> str:
@@ -259,6 +271,7 @@ def _section_card(model: nn.Module, meta: Mapping[str, Any]) -> str:
                 if isinstance(v, (int, float, str)) and k not in ("weights", "classes", "curves")]
         right.append(f"<h3>Results</h3>{_kv_table(keep)}")
     recipe = meta.get("recipe")
+    recipe = _dotted(recipe) if isinstance(recipe, Mapping) else recipe
     if isinstance(recipe, dict):
         main = [(k, _fmt(recipe[k])) for k in RECIPE_KEYS if k in recipe and recipe[k] not in (None, "", [], {})]
         others = [(k, _fmt(v)) for k, v in recipe.items() if k not in RECIPE_KEYS]

@@ -26,8 +26,8 @@ Transformer reads it as 1x1 patches.
     the line through the 1e-3 runs at equal steps (78.48% at 1,973 steps, 79.86% at 2,377).
     It trains the first half of its steps on images resized to 24x24 (progressive
     resizing, ``progressive_sizes``, as FFCV's ImageNet recipes grow the resolution): the
-    feature map is then 3x3 and a step costs 0.55-0.60x a 32-pixel one (``benchmarks/ab.py
-    hybrid_sizes``), so the time limit fits 20-28% more steps.  Probes of equal compute
+    feature map is then 3x3 and a step costs 0.55-0.60x a 32-pixel one (``benchmarks/hybrid.py
+    sizes``), so the time limit fits 20-28% more steps.  Probes of equal compute
     (the cost of 1,000 32-pixel steps; flip pair / single view): 32 throughout 70.2/69.4%,
     24 for the first half (1,290 steps) 72.5/71.4%, for three quarters (1,490) 70.2/70.0%.
 ``model=hybrid_bit``: the same with the paper's BiT stem (GroupNorm, weight-standardised
@@ -48,7 +48,7 @@ the ensemble's.  On the 30-minute checkpoints of 78.5% and 77.9% (flip pair) the
 gave 79.4% and 79.7% (``vitlab eval --flip --shift 2``).  ``--time-limit`` fits the
 schedule into the budget; ``steps`` is only a ceiling.
 The hybrid trains under ``torch.compile`` (inductor): a step 0.93x the eager time after a
-~35 s first step (``benchmarks/ab.py hybrid_compile``), 2,794 steps in 30 minutes against
+~35 s first step (``benchmarks/hybrid.py compile``), 2,794 steps in 30 minutes against
 2,358-2,533 eager.  It needs a C++ compiler; ``--set run.compile=false`` runs eager.
 Goal: >= 80% top-1 on 5,000 held-out training images (500 per class) in 30 minutes;
 measured 80.78% at ~400 img/s, 79.86% and 78.48% on slower hours of the host (lr 1e-3, 32

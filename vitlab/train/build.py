@@ -127,7 +127,7 @@ def build(cfg: TrainConfig) -> Setup:
     optimizer = build_optimizer(model, cfg.optim)
     if cfg.run.compile:
         # a size change (progressive resizing) recompiles with a symbolic size: measured no
-        # slower than a static graph per size (benchmarks/ab.py hybrid_sizes)
+        # slower than a static graph per size (python benchmarks/hybrid.py sizes)
         trained = torch.compile(trained)
 
     batch, accum = cfg.optim.batch_size, cfg.optim.accum_steps

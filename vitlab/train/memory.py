@@ -11,7 +11,7 @@ its peak.  Freed space is reused as malloc finds it, so the first steps may stil
 some afresh.
 
 It changes malloc for the whole process and for the rest of its life, which is why the
-trainer leaves it off unless asked; ``python benchmarks/ab.py retain_memory`` measures
+trainer leaves it off unless asked; ``python benchmarks/peers.py retain_memory`` measures
 what it gains on a machine.
 """
 from __future__ import annotations

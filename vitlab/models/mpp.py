@@ -124,6 +124,11 @@ class MaskedPatchPrediction(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
+    @property
+    def cfg(self):
+        """The backbone's ``ViTConfig``."""
+        return self.vit.cfg
+
     def forward(self, images: torch.Tensor, generator: torch.Generator | None = None) -> MppOutput:
         vit = self.vit
         patches, grid = vit.patchify(images)

@@ -52,8 +52,17 @@ def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
     embeddings interpolated to ``model.img_size`` and a new zero-initialised head."""
     from vitlab.models.registry import build_model as build
 
+    if cfg.model.mpp is not None:  # self-supervised: the ViT inside a masked-patch-prediction wrapper
+        from vitlab.models.mpp import MaskedPatchPrediction
+
+        vit = build(model_config(cfg, num_classes)) if cfg.model.init is None else _fine_tuned(cfg, num_classes)
+        return MaskedPatchPrediction(vit, target=cfg.model.mpp, rate=cfg.model.mpp_rate).train()
     if cfg.model.init is None:
         return build(model_config(cfg, num_classes))
+    return _fine_tuned(cfg, num_classes)
+
+
+def _fine_tuned(cfg: TrainConfig, num_classes: int) -> nn.Module:
     from vitlab.weights import load_model
 
     # the architecture is the checkpoint's; only the regularisation of the overrides applies
@@ -141,7 +150,7 @@ def build(cfg: TrainConfig) -> Setup:
         rank=world.rank, world_size=world.size,
     )
     evaluator = final_evaluator = None
-    if splits.val_labels is not None:
+    if splits.val_labels is not None and cfg.model.mpp is None:  # MPP has no classifier to score
         def evaluator_with(shift: int) -> Evaluator:
             return Evaluator(splits.val_images, splits.val_labels, batch_size=cfg.run.eval_batch_size,
                              device=world.device, precision=cfg.run.precision, flip=cfg.run.eval_flip, shift=shift,

@@ -110,6 +110,11 @@ class ModelConfig(Section):
                  Sec. 3.1) to the head, as the paper's pre-training does.
     img_size:    training resolution (None: the model's).  Position embeddings of ``init``
                  are interpolated to it (Sec. 3.2).
+    mpp:         self-supervised pre-training by masked patch prediction (Sec. 4.6): the
+                 target, "color" (3-bit mean colour, the paper's), "color4x4" or "pixels";
+                 None trains the classifier.  The labels are not used, there is no
+                 evaluation, and the saved weights are the plain ViT (``vitlab.models.mpp``).
+    mpp_rate:    the fraction of each image's patches corrupted (0.5 in the paper).
     """
 
     prefix = "model"
@@ -119,10 +124,18 @@ class ModelConfig(Section):
     keep_pre_logits: bool = False
     pre_logits: bool = False
     img_size: Optional[int] = None
+    mpp: Optional[str] = None
+    mpp_rate: float = 0.5
 
     def __post_init__(self) -> None:
+        from vitlab.models.mpp import TARGETS
+
         self.check_bools()
         need(isinstance(self.name, str), "model.name", self.name, "expected a registry name, e.g. ViT-B/16")
+        need(self.mpp is None or self.mpp in TARGETS, "model.mpp", self.mpp,
+             f"expected None or one of {', '.join(TARGETS)}")
+        need_number("model.mpp_rate", self.mpp_rate, 0.0, below=1.0 + 1e-9)
+        need(self.mpp_rate > 0, "model.mpp_rate", self.mpp_rate, "must be a fraction in (0, 1]")
         need(isinstance(self.overrides, dict), "model.overrides", self.overrides, "expected a dict of ViTConfig fields")
         need(self.init is None or isinstance(self.init, str), "model.init", self.init, "expected a path or None")
         if self.img_size is not None:

@@ -115,14 +115,18 @@ def restore(s, state: dict) -> tuple[int, int, list[dict]]:
 
 
 def final_model(s) -> nn.Module | None:
-    """The model to save: the EMA if on; under FSDP a fresh unsharded copy (rank 0 only)."""
+    """The model to save: the EMA if on; under FSDP a fresh unsharded copy (rank 0 only).
+    After masked patch prediction, the ViT inside it: what fine-tuning starts from."""
     if not sharded(s):
-        return s.ema.module if s.ema else s.model
+        model = s.ema.module if s.ema else s.model
+        return model.vit if s.cfg.model.mpp is not None else model
     from vitlab.models.registry import build_model as build
 
     state = model_state(s)  # collective: every rank takes part
     if not s.world.is_main:
         return None
+    if s.cfg.model.mpp is not None:
+        state = {k[len("vit."):]: v for k, v in state.items() if k.startswith("vit.")}
     model = build(s.model.cfg)
     model.load_state_dict(state)
     return model

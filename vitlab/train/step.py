@@ -31,6 +31,13 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor, kind: str) -> torch.Ten
     return -(targets * F.log_softmax(logits, dim=-1)).sum(-1).mean()
 
 
+def mpp_accuracy(out) -> float:
+    """The share of corrupted patches whose predicted colour classes are right (0 for "pixels")."""
+    if out.targets.is_floating_point():
+        return 0.0
+    return float((out.predictions.detach().argmax(-1) == out.targets).float().mean())
+
+
 def endless(stream) -> Iterator:
     """The stream's micro-batches, epoch after epoch."""
     while True:
@@ -59,11 +66,16 @@ def train_step(s, batches: Iterator, lr: float, size: int) -> StepResult:
         sync = micro == K - 1 or s.world.size == 1
         with (nullcontext() if sync or not hasattr(s.trained, "no_sync") else s.trained.no_sync()):
             with autocast(s.world.device, cfg.run.precision):
-                logits = s.trained(x)
-            loss = loss_fn(logits, targets, cfg.optim.loss)
+                out = s.trained(x)
+            if cfg.model.mpp is None:
+                loss = loss_fn(out, targets, cfg.optim.loss)
+                hits = float((out.detach().argmax(-1) == targets.argmax(-1)).sum())
+            else:  # masked patch prediction: its own loss; "correct" counts images' worth of right patches
+                loss = out.loss
+                hits = x.shape[0] * mpp_accuracy(out)
             (loss / K).backward()
         loss_sum += float(loss.detach()) / K
-        correct += float((logits.detach().argmax(-1) == targets.argmax(-1)).sum())
+        correct += hits
         seen += x.shape[0]
 
     if cfg.optim.clip_norm > 0:

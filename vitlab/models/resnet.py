@@ -60,7 +60,7 @@ def max_pool_same(x: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
 
     Without building the padded tensor: the symmetric part of the SAME padding is
     PyTorch's own (implicit -inf) ``padding``, and a one-pixel excess at the end is
-    ``ceil_mode``'s clipped last window.  Runs channels-last, ~1.5x faster on CPU, and
+    ``ceil_mode``'s clipped last window.  Runs channels-last, which oneDNN's CPU pooling is faster in, and
     returns the input's layout (NCHW, or channels-last for a channels-last input).
     """
     (top, bottom), (left, right) = (same_padding(n, kernel, stride) for n in x.shape[-2:])
@@ -77,9 +77,9 @@ def conv2d_same(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """``F.conv2d`` with TensorFlow SAME padding, by the cheapest route that gives the same sums.
 
     A 1x1 kernel never pads and, strided, reads every stride-th pixel only: slicing first
-    is ~1.6x faster on CPU (oneDNN's strided 1x1 path is slow, forward and backward).
-    Symmetric padding goes to the convolution itself (no padded copy, ~1.4x faster for
-    the 3x3 convs at 4x4); only the asymmetric stride-2 case pads explicitly.
+    is faster on CPU (oneDNN's strided 1x1 path is slow, forward and backward).
+    Symmetric padding goes to the convolution itself (no padded copy); only the
+    asymmetric stride-2 case pads explicitly.
     """
     kh, kw = weight.shape[-2:]
     if kh == kw == 1:

@@ -93,8 +93,8 @@ def input_size_at(step: int, total_steps: int, phases: tuple, full: tuple[int, i
 
 
 def step_cost(size: int, full: tuple[int, int]) -> float:
-    """A step's cost relative to one at ``full``: the pixel count's ratio (a 24-pixel step of
-    the CIFAR hybrid took 0.55-0.60x the time of a 32-pixel one, for 0.5625x the pixels)."""
+    """A step's cost relative to one at ``full``: the pixel count's ratio, which the CIFAR hybrid's
+    measured step times follow (``python benchmarks/hybrid.py sizes``)."""
     return size * size / (full[0] * full[1])
 
 

@@ -135,3 +135,18 @@ def test_eval_and_predict_optimize_unless_no_fast(run_dir, capsys, monkeypatch):
     assert main(["predict", "--checkpoint", ckpt, "--json", str(image)]) == 0
     assert main(["predict", "--checkpoint", ckpt, "--json", "--no-fast", str(image)]) == 0
     assert optimized == [1, 1]
+
+
+def test_predict_on_a_file_that_is_no_image_is_one_line_naming_it(tmp_path, capsys):
+    import vitlab
+    from vitlab.cli import main
+
+    weights = vitlab.save_model(vitlab.create_model(vitlab.ViTConfig(
+        img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=4, num_classes=3)), tmp_path / "m")
+    fake = tmp_path / "notanimage.jpg"
+    fake.write_text("a text file named .jpg")
+    assert main(["predict", "--checkpoint", str(weights), str(fake)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("vitlab predict: error:") and "notanimage.jpg" in err[0]
+    with pytest.raises(OSError):  # --debug shows the traceback instead
+        main(["--debug", "predict", "--checkpoint", str(weights), str(fake)])

@@ -31,6 +31,7 @@ COMMANDS: list[tuple[str, str, str]] = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitlab", description="Vision Transformers, as in the paper.")
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module, help_text in COMMANDS:
         mod = importlib.import_module(f"vitlab.cli.{module}")
@@ -51,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError) as err:  # configuration and input errors: no traceback
+    except (ValueError, OSError) as err:  # configuration and input errors (a file that is no image: PIL's
+        if args.debug:                    # UnidentifiedImageError is an OSError): one line, no traceback
+            raise
         print(f"vitlab {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -238,6 +238,9 @@ def test_fast_linear_holds_autocast_weights_between_inference_calls_until_they_c
     assert dense._held[1] is not held and torch.equal(out, expected)
     dense(x).sum().backward()  # a training forward drops the copy
     assert dense._held is None
+    fast.optimize(dense, KernelChoice("aten", "bf16"), hold_casts=False)  # memory before speed
+    out, expected = infer()
+    assert dense._held is None and torch.equal(out, expected)
 
 
 # ----------------------------------------------------------------------------- recompute

@@ -24,14 +24,17 @@ from .kernels import KernelChoice, bf16_is_faster, calibrate, choose, rule_choic
 from .modules import FastBlock, FastLinear, FastOptions, install, installed, uninstall
 
 
-def optimize(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True) -> nn.Module:
+def optimize(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True,
+             hold_casts: bool = True) -> nn.Module:
     """Install the fast path on ``model`` in place and return it.
 
     kernels: the CPU kernels (default ``choose()``: this CPU's stored calibration, else the rule).
     recompute: recompute LayerNorm and GELU outputs in the backward (less memory, same gradients).
+    hold_casts: in CPU autocast inference, keep each dense layer's cast weights between calls
+        (autocast otherwise casts every weight in every call), for the memory of the copy.
     Optimising an optimised model replaces its options.
     """
-    return install(model, FastOptions(kernels or choose(), recompute))
+    return install(model, FastOptions(kernels or choose(), recompute, hold_casts))
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -50,11 +53,11 @@ def is_optimized(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def optimized(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True
-              ) -> Iterator[nn.Module]:
+def optimized(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True,
+              hold_casts: bool = True) -> Iterator[nn.Module]:
     """``optimize`` for the ``with`` block; on exit the model is as it was (options included)."""
     before = installed(model)
-    optimize(model, kernels, recompute)
+    optimize(model, kernels, recompute, hold_casts)
     try:
         yield model
     finally:

@@ -37,10 +37,12 @@ from .recompute import gelu_dense, layer_norm_dense, split_heads
 
 @dataclasses.dataclass(frozen=True)
 class FastOptions:
-    """What ``optimize`` installed: the CPU kernels, and whether training recomputes."""
+    """What ``optimize`` installed: the CPU kernels, whether training recomputes, and whether
+    autocast inference keeps its cast weights between calls (faster, for a cast copy's memory)."""
 
     kernels: KernelChoice
     recompute: bool = True
+    hold_casts: bool = True
 
 
 class FastLinear(nn.Linear):
@@ -51,7 +53,8 @@ class FastLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = self.fast_options.kernels
-        if torch.is_grad_enabled() or x.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+        if (torch.is_grad_enabled() or x.device.type != "cpu" or not torch.is_autocast_enabled("cpu")
+                or not self.fast_options.hold_casts):
             self._held = None  # training (or fp32) changes the weights: drop what inference kept
             return linear(x, self.weight, self.bias, kernels)
         if torch.compiler.is_compiling():

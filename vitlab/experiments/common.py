@@ -101,7 +101,7 @@ def stem(s: Settings, layers: Sequence[int] = (1,), width_factor: float | None =
 
     Root 7x7/2 + max-pool /2, then ``layers`` units (each later stage /2): 16 px -> 4x4,
     32 px with (1, 3) -> 4x4, as the cifar10_scratch recipe's hybrid."""
-    wf = width_factor if width_factor is not None else (0.25 if s.digits else 1)
+    wf = width_factor if width_factor is not None else (0.5 if s.digits else 1)
     return dict(layers=tuple(layers), width_factor=wf, img_size=s.img_size, norm="batch")
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,10 +38,24 @@ def run(args: argparse.Namespace) -> int:
         changes[key.strip()] = parse_value(value)
     out = args.out or f"results/{args.name}" + ("-quick" if args.quick else "")
     result = experiments.run_experiment(args.name, out, quick=args.quick,
-                                        command=experiments.command_line(sys.argv[2:]), **changes)
+                                        command=command_of(args), **changes)
     if args.findings:
         update_findings(args.findings, args.name, result["files"]["section"].read_text(), out)
     return 0
+
+
+def command_of(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run (from the parsed options, not sys.argv)."""
+    import shlex
+
+    parts = ["vitlab", "experiment", args.name] + (["--quick"] if args.quick else [])
+    for opt in ("seeds", "data", "steps", "minutes", "device", "threads", "out"):
+        value = getattr(args, opt)
+        if value is not None:
+            parts += [f"--{opt}", str(value)]
+    for item in args.set:
+        parts += ["--set", item]
+    return " ".join(shlex.quote(p) for p in parts)
 
 
 def update_findings(path: str, name: str, section: str, out: str) -> None:

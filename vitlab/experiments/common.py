@@ -230,7 +230,7 @@ def train_resnet(s: Settings, out: Path, seed: int, resnet: dict, optimizer: str
     out.mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), out / "model.pt")
     return {"model": cfg.name or f"R{resnet.get('layers')}", "steps": step, "val_top1": top1,
-            "wall_s": round(wall, 2), "train_loss": float(loss), "train_examples": int(len(train_idx)),
+            "wall_s": round(wall, 2), "train_loss": float(loss.detach()), "train_examples": int(len(train_idx)),
             "train_eflops": training_flops(cfg, step, s.batch), "module": model}
 
 
@@ -310,7 +310,7 @@ def markdown_table(table: list[dict], keys: Sequence[str], metrics: Sequence[str
         cells = []
         for c in cols:
             if c in metrics and c in r:
-                cells.append(f"{r[c]:.4f} ± {r[c + '_std']:.4f}" if r.get("n", 1) > 1 else f"{r[c]:.4f}")
+                cells.append(f"{r[c]:.4g} ± {r[c + '_std']:.2g}" if r.get("n", 1) > 1 else f"{r[c]:.4g}")
             else:
                 cells.append(fmt(r.get(c, "")))
         lines.append("| " + " | ".join(cells) + " |")

@@ -10,7 +10,7 @@ PAPER = ("Fig. 5: at equal pre-training compute ViT beats ResNets (2-4x less com
 SUMMARY = ("model", "budget")
 METRICS = ("val_top1", "train_eflops", "steps", "wall_s")
 QUICK = dict(budgets=[10, 30], steps=30)
-# budgets in steps of the plain ViT; 3 models x 3 budgets x 3 seeds; about 60 minutes
+# budgets in steps of the plain ViT; 3 models x 3 budgets x 3 seeds; step-bounded, not time-limited: untimed (estimate ~60 minutes)
 DEFAULT = dict(data="/work/shared/data/cifar10/cifar10-train.tar.gz", img_size=32, val=5000, budgets=[150, 300, 600],
                steps=600, batch=128, lr=2e-3, width=192, depth=6, heads=3, mlp=384, patch=4)
 

@@ -9,7 +9,7 @@ PAPER = ("Sec. 4.6: MPP pre-training of ViT-B/16 on JFT gives 79.9% ImageNet, +2
 SUMMARY = ("run",)
 METRICS = ("val_top1", "wall_s", "steps")
 QUICK = dict(steps=20)
-# 3 seeds x (MPP 12 + fine-tune 8 | scratch 20 minutes)... trimmed: 3 x (6 + 4 + 10) = 60 minutes
+# 3 seeds x (MPP 6 + fine-tune 4 minutes, then scratch 10 minutes) = 60 minutes
 DEFAULT = dict(data="/work/shared/data/cifar10/cifar10-train.tar.gz", img_size=32, val=5000, steps=100_000,
                batch=128, lr=2e-3, width=192, depth=6, heads=3, mlp=384, patch=4, pretrain_minutes=6.0,
                finetune_minutes=4.0)

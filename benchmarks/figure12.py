@@ -17,6 +17,10 @@ scratch space; the line is solved for the budget.  (The rise above the built mod
 batch alone, the earlier method, counts scratch and allocator slack as per-image memory
 and gave erratic points.)  ``--search`` runs the real binary search on CPU too.
 
+The in-process sweep of ``vitlab experiment resolution`` (vitlab/experiments/resolution.py)
+measures the same two panels beside the fine-tuning-resolution comparison; this script
+stays the careful one (fresh processes, memory extrapolation on CPU).
+
 Every measurement runs in a fresh subprocess (harness.py).  Writes
 benchmarks/results/figure12-<device>.json and figure12-<device>.png.
 """

@@ -25,6 +25,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("eval", "eval", "top-1/top-5, per-class accuracy, confusion and calibration of a checkpoint"),
     ("fewshot", "fewshot", "linear few-shot accuracy of frozen features (closed-form least squares)"),
     ("inspect", "inspect", "an HTML report: attention rollout and distance, embedding figures, training curves"),
+    ("experiment", "experiment", "the paper's experiments in miniature: tables and figures into results/NAME"),
     ("calibrate", "calibrate", "time this CPU's matrix-multiply kernels once and store the faster ones"),
 ]
 

@@ -1,0 +1,56 @@
+"""Every experiment's --quick form runs on the digits and writes its table, JSON and section."""
+import json
+
+import pytest
+
+from vitlab import experiments
+from vitlab.cli import main
+from vitlab.experiments.common import aggregate, markdown_table
+
+
+def test_aggregate_mean_and_std():
+    rows = [dict(m="a", acc=0.5), dict(m="a", acc=0.7), dict(m="b", acc=0.1)]
+    table = aggregate(rows, ["m"], ["acc"])
+    assert table[0]["n"] == 2 and table[0]["acc"] == pytest.approx(0.6)
+    assert table[0]["acc_std"] == pytest.approx(0.1414, abs=1e-3) and table[1]["acc_std"] == 0.0
+    assert "0.6 ± 0.14" in markdown_table(table, ["m"], ["acc"])
+
+
+def test_list(capsys):
+    assert main(["experiment", "--list"]) == 0
+    text = capsys.readouterr().out
+    for name in experiments.EXPERIMENTS:
+        assert name in text
+
+
+def test_quick_settings_are_small():
+    for name in experiments.EXPERIMENTS:
+        s = experiments.settings(name, quick=True)
+        assert s.data == "digits" and s.seeds == 1 and s.minutes == 0
+        full = experiments.settings(name)
+        assert full.seeds == 3
+
+
+@pytest.mark.parametrize("name", list(experiments.EXPERIMENTS))
+def test_quick_form(name, tmp_path):
+    out = tmp_path / name
+    # posemb-similarity and shape train models of 64 tokens: fewer steps keep the file fast
+    assert main(["experiment", name, "--quick", "--out", str(out), "--threads", "1", "--set", "steps=6"]) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert result["experiment"] == name and result["rows"] and result["table"]
+    assert (out / "results.md").read_text().startswith("|")
+    section = (out / "section.md").read_text()
+    assert f"vitlab experiment {name}" in section and "Machine:" in section
+    if name != "resolution":
+        assert any(r.get("val_top1") is not None for r in result["rows"])
+
+
+def test_findings_block_is_replaced(tmp_path):
+    from vitlab.cli.experiment import update_findings
+
+    doc = tmp_path / "findings.md"
+    doc.write_text("# Findings\n\nintro\n")
+    update_findings(str(doc), "head", "### head\nfirst\n", str(tmp_path / "results/head"))
+    update_findings(str(doc), "head", "### head\nsecond\n", str(tmp_path / "results/head"))
+    text = doc.read_text()
+    assert "intro" in text and "second" in text and "first" not in text

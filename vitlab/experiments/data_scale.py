@@ -1,0 +1,38 @@
+"""ViT against a BiT ResNet of similar cost, trained on growing subsets of the data."""
+from __future__ import annotations
+
+from vitlab.experiments.common import (fewshot, load_trained, plot_lines, stem, train_resnet, train_vit,
+                                       vit_overrides)
+
+TITLE = "ViT vs ResNet against pre-training data size: fine-tuned and linear few-shot accuracy"
+PAPER = ("Fig. 3 and 4: ResNets win on small pre-training sets, ViT overtakes them from ~100M images "
+         "(JFT subsets 9M-300M; ImageNet-21k vs ImageNet)")
+SUMMARY = ("model", "examples")
+METRICS = ("val_top1", "fewshot_5", "fewshot_10", "wall_s", "train_eflops")
+QUICK = dict(sizes=[200, 600, 1400], total=1797, steps=15, shots=[5, 10])
+# 10 runs x 3 seeds x 2 minutes = about 60 minutes on the 2-core CPU
+DEFAULT = dict(data="/work/shared/data/cifar10/cifar10-train.tar.gz", img_size=32, val=5000, total=50000,
+               sizes=[2000, 5000, 10000, 20000, 45000], steps=100_000, minutes=2.0, batch=128, lr=2e-3,
+               width=192, depth=6, heads=3, mlp=384, patch=4, shots=[5, 10, 25])
+
+
+def run(s, out):
+    rows = []
+    for seed in range(s.seeds):
+        for n in s.get("sizes"):
+            take = 0 if n + s.val >= s.get("total", 0) else n + s.val
+            for model in ("ViT", "ResNet"):
+                folder = out / f"{model}-{n}-s{seed}"
+                if model == "ViT":
+                    r = train_vit(s, folder, seed, vit_overrides(s), {"data.train_examples": take})
+                else:
+                    layers = s.get("resnet_layers", (1,) if s.digits else (1, 1, 1))
+                    r = train_resnet(s, folder, seed, stem(s, layers, s.get("resnet_width")), train_examples=take)
+                shots = fewshot(load_trained(r), s, s.get("shots", [5]), take)
+                rows.append(dict(model=model, examples=n, seed=seed, val_top1=r["val_top1"], steps=r["steps"],
+                                 wall_s=r["wall_s"], train_eflops=r["train_eflops"], **shots))
+    return rows
+
+
+def plot(table, path):
+    return plot_lines(table, "examples", "val_top1", "model", path, "accuracy vs training examples", logx=True)

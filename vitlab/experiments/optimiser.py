@@ -1,0 +1,28 @@
+"""Adam against SGD with momentum for the ResNet baseline."""
+from __future__ import annotations
+
+from vitlab.experiments.common import plot_bars, stem, train_resnet
+
+TITLE = "Adam vs SGD for the ResNet baseline"
+PAPER = ("Table 7 (BiT ResNets pre-trained on JFT, few-shot and fine-tuned transfer): Adam pre-training "
+         "transfers better than SGD on average, which is why the paper pre-trains ResNets with Adam")
+SUMMARY = ("optimizer", "lr")
+METRICS = ("val_top1", "wall_s")
+QUICK = dict(steps=20, settings=[["adam", 3e-3], ["sgd", 0.05]])
+# 4 runs x 3 seeds x 5 minutes = 60 minutes
+DEFAULT = dict(data="/work/shared/data/cifar10/cifar10-train.tar.gz", img_size=32, val=5000, steps=100_000,
+               minutes=5.0, batch=128, settings=[["adam", 1e-3], ["adam", 3e-3], ["sgd", 0.03], ["sgd", 0.1]])
+
+
+def run(s, out):
+    resnet = stem(s, s.get("resnet_layers", (1, 1) if s.digits else (1, 3, 2)))
+    rows = []
+    for seed in range(s.seeds):
+        for opt, lr in s.get("settings"):
+            r = train_resnet(s, out / f"{opt}-{lr}-s{seed}", seed, resnet, optimizer=opt, lr=lr)
+            rows.append(dict(optimizer=opt, lr=lr, seed=seed, val_top1=r["val_top1"], wall_s=r["wall_s"]))
+    return rows
+
+
+def plot(table, path):
+    return plot_bars(table, ["optimizer", "lr"], "val_top1", path, "ResNet: Adam vs SGD")

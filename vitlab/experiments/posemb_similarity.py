@@ -1,0 +1,64 @@
+"""The learned position embeddings' similarity for different patch sizes and learning rates."""
+from __future__ import annotations
+
+import numpy as np
+
+from vitlab.experiments.common import load_trained, plot_bars, train_vit, vit_overrides
+
+TITLE = "learned position-embedding similarity across patch sizes and learning rates"
+PAPER = ("Fig. 7 centre, Fig. 10: the embeddings learn the 2D grid (near patches similar, row/column "
+         "structure); the structure is clearer for some patch sizes and learning rates than others")
+SUMMARY = ("patch", "lr")
+METRICS = ("val_top1", "near", "far", "locality")
+QUICK = dict(steps=8, patches=[2, 4], lrs=[3e-3, 1e-3])
+# 4 runs x 3 seeds x 5 minutes = 60 minutes
+DEFAULT = dict(data="/work/shared/data/cifar10/cifar10-train.tar.gz", img_size=32, val=5000, steps=100_000,
+               minutes=5.0, batch=128, width=192, depth=6, heads=3, mlp=384, patches=[4, 8], lrs=[2e-3, 5e-4])
+
+
+def locality(sim: np.ndarray) -> tuple[float, float]:
+    """Mean cosine similarity to the 4-neighbours and to patches >= half the grid away."""
+    gh, gw = sim.shape[:2]
+    near, far = [], []
+    for i in range(gh):
+        for j in range(gw):
+            for a in range(gh):
+                for b in range(gw):
+                    d = abs(a - i) + abs(b - j)
+                    if d == 1:
+                        near.append(sim[i, j, a, b])
+                    elif d >= max(gh, gw) // 2 + 1 or (max(gh, gw) <= 2 and d == 2):
+                        far.append(sim[i, j, a, b])
+    return float(np.mean(near)), float(np.mean(far)) if far else float("nan")
+
+
+def run(s, out):
+    from vitlab.analysis.embeddings import position_similarity
+
+    rows = []
+    for seed in range(s.seeds):
+        for patch in s.get("patches"):
+            for lr in s.get("lrs"):
+                folder = out / f"p{patch}-lr{lr}-s{seed}"
+                r = train_vit(s, folder, seed, vit_overrides(s, patch_size=patch), {"optim.lr": lr})
+                sim = position_similarity(load_trained(r))
+                np.save(folder / "position_similarity.npy", sim)
+                _figure(sim, folder / "position_similarity.png")
+                near, far = locality(sim)
+                rows.append(dict(patch=patch, lr=lr, seed=seed, val_top1=r["val_top1"], near=near, far=far,
+                                 locality=near - far, similarity=str(folder / "position_similarity.npy")))
+    return rows
+
+
+def _figure(sim, path):
+    try:
+        from vitlab.analysis.plots import plot_position_similarity
+
+        fig = plot_position_similarity(sim)
+        fig.savefig(path, dpi=90)
+    except ImportError:
+        pass
+
+
+def plot(table, path):
+    return plot_bars(table, ["patch", "lr"], "locality", path, "near minus far position-embedding similarity")

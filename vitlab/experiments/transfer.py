@@ -1,0 +1,49 @@
+"""Pre-train on five classes, fine-tune on the other five at a higher resolution, against scratch."""
+from __future__ import annotations
+
+from vitlab.experiments.common import hybrid_overrides, plot_bars, train_vit
+
+TITLE = "transfer: pre-train on five classes, fine-tune on the other five at 1.5x the resolution"
+PAPER = ("Sec. 3.2 / 4.2: pre-training then fine-tuning at a higher resolution (position embeddings "
+         "interpolated) beats training on the target task alone")
+SUMMARY = ("run", "classes", "img_size")
+METRICS = ("val_top1", "steps", "wall_s")
+QUICK = dict(steps=20, val=200)
+# the figures in experiments/results were measured with this model (was experiments/transfer_cifar5.py);
+# 3 seeds x (10 + 5 + 5) minutes = 60 minutes
+DEFAULT = dict(data="/work/shared/data/cifar10/cifar10-train.tar.gz", img_size=32, val=2500, steps=100_000,
+               batch=256, lr=2e-3, pretrain_minutes=10.0, finetune_minutes=5.0, finetune_lr=0.01,
+               model=dict(img_size=32, width=192, depth=6, num_heads=3, mlp_dim=384, gelu="exact", patch_size=1,
+                          resnet=dict(layers=(1, 1), img_size=32), name="R8x1+ViT-CIFAR/1"))
+CIFAR_FIRST = ("airplane", "automobile", "bird", "cat", "deer")
+CIFAR_SECOND = ("dog", "frog", "horse", "ship", "truck")
+
+
+def run(s, out):
+    first, second = (("0", "1", "2", "3", "4"), ("5", "6", "7", "8", "9")) if s.digits else (CIFAR_FIRST, CIFAR_SECOND)
+    big = s.get("finetune_size", s.img_size * 3 // 2)
+    model = s.get("model") or hybrid_overrides(s)
+    pre_min, ft_min = s.get("pretrain_minutes", 0.0), s.get("finetune_minutes", 0.0)
+    ft_steps = max(1, s.steps // 2) if not ft_min else s.steps
+    crop = {} if s.digits else {"augment.crop": "pad", "augment.crop_pad": 6}
+    rows = []
+    for seed in range(s.seeds):
+        pre = train_vit(s, out / f"pretrain-s{seed}", seed, model,
+                        {"data.class_subset": first, "run.time_limit": pre_min})
+        ft = train_vit(s, out / f"finetune-s{seed}", seed, model, {
+            "data.class_subset": second, "model.img_size": big, "model.overrides": {},
+            "model.init": pre["weights"], "optim.optimizer": "sgd", "optim.momentum": 0.9,
+            "optim.lr": s.get("finetune_lr", 0.01 if not s.digits else 0.03), "optim.weight_decay": 0.0,
+            "optim.steps": ft_steps, "run.time_limit": ft_min, **crop})
+        scratch = train_vit(s, out / f"scratch-s{seed}", seed, model, {
+            "data.class_subset": second, "model.img_size": big, "optim.steps": ft_steps, "run.time_limit": ft_min,
+            **crop})
+        for name, r, classes, size in (("pretrain", pre, first, s.img_size), ("finetune", ft, second, big),
+                                       ("scratch", scratch, second, big)):
+            rows.append(dict(run=name, classes=",".join(classes), img_size=size, seed=seed, val_top1=r["val_top1"],
+                             steps=r["steps"], wall_s=r["wall_s"]))
+    return rows
+
+
+def plot(table, path):
+    return plot_bars(table, ["run", "img_size"], "val_top1", path, "transfer to the other five classes")

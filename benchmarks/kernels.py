@@ -89,7 +89,32 @@ def exp_choice() -> None:
     print(f"  chosen: {kernels.choose()}")
 
 
-EXPERIMENTS = {"choice": exp_choice, "matmuls": exp_matmuls, "dense_layers": exp_dense_layers}
+def exp_packing() -> None:
+    """Whether holding weights packed in oneDNN's layout would pay: per training step the
+    weights change, so a packed weight costs one reorder per layer per step.  Compares
+    oneDNN's matmul on the plain weight (what the fast path does), on a weight packed once,
+    and reorder + matmul (packing anew each step), at training and serving shapes."""
+    from vitlab.fast.linear import onednn_linear
+
+    if not torch.backends.mkldnn.is_available():
+        print("packing: needs oneDNN")
+        return
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    for rows, d_in, d_out in ((197, 768, 3072), (1576, 768, 3072), (1576, 3072, 768), (8320, 192, 576)):
+        x, w, b = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(d_out)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+        with torch.no_grad():
+            compare(f"dense layer ({rows} x {d_in}) -> {d_out}", {
+                "oneDNN, plain weight": lambda: onednn_linear(x, w, b),
+                "oneDNN, packed once": lambda: onednn_linear(x, packed, b),
+                "oneDNN, packed anew": lambda: onednn_linear(x, torch.ops.mkldnn._reorder_linear_weight(w, rows), b),
+                "addmm": lambda: torch.addmm(b, x, w.t()),
+            }, rounds=9)
+
+
+EXPERIMENTS = {"choice": exp_choice, "matmuls": exp_matmuls, "dense_layers": exp_dense_layers,
+               "packing": exp_packing}
 
 if __name__ == "__main__":
     sys.exit(run_experiments(EXPERIMENTS, sys.argv[1:], __doc__))

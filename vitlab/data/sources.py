@@ -288,7 +288,7 @@ def _archive_stem(path: Path) -> str:
 
 
 def _short_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 def source_key(path: PathLike) -> str:
@@ -303,10 +303,11 @@ def source_key(path: PathLike) -> str:
         st = path.stat()
         return f"{_archive_stem(path)}-{_short_hash(f'{path}|{st.st_size}|{st.st_mtime_ns}')}"
     if path.is_dir():
-        digest = hashlib.sha256(str(path).encode())
+        # surrogateescape: file names that are not UTF-8 hash as their bytes
+        digest = hashlib.sha256(str(path).encode("utf-8", "surrogateescape"))
         for image in scan_image_folder(path).paths:
             st = os.stat(image)
-            digest.update(f"\n{image}|{st.st_size}|{st.st_mtime_ns}".encode())
+            digest.update(f"\n{image}|{st.st_size}|{st.st_mtime_ns}".encode("utf-8", "surrogateescape"))
         return f"{path.name}-{digest.hexdigest()[:16]}"
     raise DataError(f"{path}: no such file or folder")
 

@@ -58,7 +58,7 @@ MAX_ARCHIVE_BYTES = 4 << 40  # 4 TiB
 MAX_MEMBER_BYTES = 1 << 30   # one image (or shard member) over 1 GiB is not an image
 
 # What a damaged tar (or its gzip layer) raises while it is read.
-TAR_ERRORS = (tarfile.TarError, OSError, EOFError, zlib.error, ValueError, UnicodeError)
+TAR_ERRORS = (tarfile.TarError, OSError, EOFError, zlib.error, ValueError, TypeError, UnicodeError)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from vitlab.config import ViTConfig, config_to_json
+from vitlab.config import ConfigError, ViTConfig, config_to_json
 from vitlab.models.registry import build_model
 from vitlab.weights import WeightsError, load_model, native, save_model, save_official_npz
 
@@ -195,3 +195,20 @@ def test_crc_of_a_torch_zip_is_checked(tmp_path):
     path = _save(random_model(), tmp_path / "m.pt")
     with zipfile.ZipFile(path) as z:
         assert z.testzip() is None  # the premise: torch.save writes CRCs a reader can check
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("num_attention_heads", "two", r"num_attention_heads='two' in the Hugging Face config: must be a positive integer"),
+    ("num_attention_heads", 10**9, r"num_heads=1000000000: must be at most 65536"),
+    ("layer_norm_eps", [1], r"layer_norm_eps=\[1\] in the Hugging Face config: must be a number"),
+    ("hidden_act", ["gelu"], r"hidden_act=\['gelu'\] in the Hugging Face config"),
+])
+@pytest.mark.filterwarnings("ignore::vitlab.weights.core.ConventionWarning")
+def test_hostile_hugging_face_config(tmp_path, field, value, match):
+    folder = tmp_path / "hf"
+    save_model(random_model(), folder, format="hf")
+    config = json.loads((folder / "config.json").read_text())
+    assert torch.equal(load_model(folder)(X), random_model()(X))  # the premise: it loads untouched
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises((WeightsError, ConfigError), match=match):
+        load_model(folder)

@@ -116,11 +116,15 @@ def verify_checksum(path: str | os.PathLike, metadata: dict[str, str]) -> None:
     expected = metadata.get(CHECKSUM_KEY)
     if expected is None:
         return
-    blob = Path(path).read_bytes()
-    try:
-        actual = _digest(metadata.get(CONFIG_KEY, ""), memoryview(blob)[_data_offset(blob):])
-    except struct.error as e:
-        raise WeightsError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from e
+    h = hashlib.sha256(metadata.get(CONFIG_KEY, "").encode())
+    with open(path, "rb") as f:  # streamed: a multi-GB file is not held twice in memory
+        head = f.read(8)
+        if len(head) < 8:
+            raise WeightsError(f"{path} is not a readable safetensors file (truncated or corrupt?): {len(head)} bytes")
+        f.seek(_data_offset(head))
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    actual = h.hexdigest()
     if actual != expected:
         raise WeightsError(
             f"{path} is truncated or corrupt: its {CHECKSUM_KEY} is {expected[:16]}..., the bytes give "

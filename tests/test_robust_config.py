@@ -11,9 +11,13 @@ TINY = dict(width=32, depth=2, mlp_dim=64, num_heads=2, patch_size=4, img_size=1
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(width=30, num_heads=4), r"width=30 is not divisible by num_heads=4"),
-    (dict(img_size=18), r"img_size=\(18, 18\).*not divisible by patch_size=\(4, 4\) along height"),
-    (dict(img_size=(16, 18)), r"along width"),
+    (dict(width=30, num_heads=4), r"width=30 is not divisible by num_heads=4: .*num_heads must divide 30 "
+                                  r"\(nearest: 3, 5\)"),
+    (dict(width=768, num_heads=7), r"nearest: 6, 8\)"),
+    (dict(img_size=18), r"img_size=\(18, 18\).*not divisible by patch_size=\(4, 4\) along height; "
+                        r"allowed: a multiple of 4, such as 16, 20"),
+    (dict(img_size=(16, 18)), r"along width; allowed: a multiple of 4, such as 16, 20"),
+    (dict(img_size=3), r"allowed: a multiple of 4, such as 4$"),
     (dict(width=10**9), r"width=1000000000: must be at most 65536"),
     (dict(depth=10**6), r"depth=1000000: must be at most 1024"),
     (dict(mlp_dim=10**9), r"mlp_dim=1000000000: must be at most"),

@@ -279,8 +279,11 @@ class ViTConfig:
             _check_bool(name, getattr(self, name))
         _check_name(self.name)
         if self.width % self.num_heads:
+            near = sorted((d for d in range(1, min(self.width, 4 * self.num_heads) + 1) if self.width % d == 0),
+                          key=lambda d: (abs(d - self.num_heads), d))[:2]
             raise ConfigError(
-                f"width={self.width} is not divisible by num_heads={self.num_heads}: each head needs width/num_heads channels"
+                f"width={self.width} is not divisible by num_heads={self.num_heads}: each head needs width/num_heads "
+                f"channels; num_heads must divide {self.width} (nearest: {', '.join(map(str, sorted(near)))})"
             )
         _check_choice("classifier", self.classifier, CLASSIFIERS)
         _check_choice("posemb", self.posemb, POSEMB_KINDS)
@@ -313,9 +316,15 @@ class ViTConfig:
         for axis, (size, patch) in enumerate(zip(grid, self.patch_size)):
             if size % patch:
                 what = "ResNet feature map" if self.resnet else "image"
+                side = self.img_size[axis]
+                if self.resnet is None:
+                    lower, upper = side - side % patch, side - side % patch + patch
+                    allowed = f"a multiple of {patch}, such as {', '.join(str(v) for v in (lower, upper) if v > 0)}"
+                else:
+                    allowed = f"a size whose feature map (size / {self.resnet.reduction}, rounded up) is a multiple of {patch}"
                 raise ConfigError(
                     f"img_size={self.img_size}: the {what} ({grid[0]}x{grid[1]}) is not divisible by "
-                    f"patch_size={self.patch_size} along {'height' if axis == 0 else 'width'}"
+                    f"patch_size={self.patch_size} along {'height' if axis == 0 else 'width'}; allowed: {allowed}"
                 )
         if self.num_patches > MAX_PATCHES:
             raise ConfigError(

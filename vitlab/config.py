@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -35,6 +36,8 @@ def to_pair(value: Any, name: str) -> Pair:
         raise ConfigError(f"{name}={value!r}: expected an int or a pair of ints (height, width)")
     if pair[0] <= 0 or pair[1] <= 0:
         raise ConfigError(f"{name}={value!r}: sizes must be positive")
+    if max(pair) > MAX_SIDE:
+        raise ConfigError(f"{name}={value!r}: sizes must be at most {MAX_SIDE}")
     return pair
 
 
@@ -43,9 +46,37 @@ def _check_choice(name: str, value: Any, allowed: tuple) -> None:
         raise ConfigError(f"{name}={value!r}: allowed values are {', '.join(map(repr, allowed))}")
 
 
-def _check_positive(name: str, value: Any) -> None:
+# Upper bounds that no real model comes near (ViT-22B: width 6144, depth 48, mlp_dim
+# 24576), so that a config file naming an absurd size is refused before any allocation.
+MAX_SIDE = 16384          # img_size, patch_size (pixels per side)
+MAX_WIDTH = 65536         # width, representation_size, in_chans
+MAX_MLP_DIM = 4 * 65536
+MAX_DEPTH = 1024
+MAX_CLASSES = 1 << 24
+MAX_PARAMETERS = 10**11   # about 400 GB of float32: 4.5x ViT-22B
+MAX_PATCHES = 1 << 20     # tokens of one image
+
+
+def _check_positive(name: str, value: Any, limit: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{name}={value!r}: must be a positive integer")
+    if limit is not None and value > limit:
+        raise ConfigError(f"{name}={value!r}: must be at most {limit}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r}: must be True or False")
+
+
+def _check_eps(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value < 1:
+        raise ConfigError(f"{name}={value!r}: must be a number in [0, 1)")
+
+
+def _check_name(value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"name={value!r}: must be a string or None")
 
 
 def _check_width_factor(value: Any) -> None:
@@ -56,11 +87,20 @@ def _check_width_factor(value: Any) -> None:
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ConfigError(f"width_factor={value!r}: must be a positive number (root width int(64 * width_factor))")
+    if value > 64:
+        raise ConfigError(f"width_factor={value!r}: must be at most 64")
     if isinstance(value, float) and (int(64 * value) <= 0 or int(64 * value) % 32):
         raise ConfigError(
             f"width_factor={value!r}: the root width int(64 * width_factor) = {int(64 * value)} must be a positive "
             "multiple of 32 (GroupNorm with 32 groups)"
         )
+
+
+def _check_classes(value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"num_classes={value!r}: must be an integer >= 0 (0 means no head)")
+    if value > MAX_CLASSES:
+        raise ConfigError(f"num_classes={value!r}: must be at most {MAX_CLASSES}")
 
 
 def _check_rate(name: str, value: Any) -> None:
@@ -113,14 +153,19 @@ class ResNetConfig:
     def __post_init__(self) -> None:
         layers = tuple(self.layers)
         # () is the root alone, no stages: vit_jax's R+ViT-Ti_16 / AugReg R_Ti_16 hybrid stem
-        if not 0 <= len(layers) <= 4 or not all(isinstance(n, int) and n > 0 for n in layers):
-            raise ConfigError(f"layers={self.layers!r}: expected 0 to 4 positive unit counts per stage")
+        if not 0 <= len(layers) <= 4 or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 < n <= MAX_DEPTH for n in layers
+        ):
+            raise ConfigError(f"layers={self.layers!r}: expected 0 to 4 unit counts per stage, each in 1..{MAX_DEPTH}")
         object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "img_size", to_pair(self.img_size, "img_size"))
         _check_width_factor(self.width_factor)
-        _check_positive("in_chans", self.in_chans)
-        if not isinstance(self.num_classes, int) or self.num_classes < 0:
-            raise ConfigError(f"num_classes={self.num_classes!r}: must be an integer >= 0")
+        _check_positive("in_chans", self.in_chans, MAX_WIDTH)
+        _check_classes(self.num_classes)
+        _check_eps("ws_eps", self.ws_eps)
+        _check_eps("gn_eps", self.gn_eps)
+        _check_bool("ws_eps_inside_sqrt", self.ws_eps_inside_sqrt)
+        _check_name(self.name)
         _check_choice("padding", self.padding, ("same", "symmetric"))
         _check_choice("norm", self.norm, ("group", "batch"))
         _check_positive("root_kernel", self.root_kernel)
@@ -222,13 +267,23 @@ class ViTConfig:
         object.__setattr__(self, "patch_size", to_pair(self.patch_size, "patch_size"))
         if isinstance(self.resnet, dict):
             object.__setattr__(self, "resnet", ResNetConfig(**_tuples(self.resnet)))
-        for name in ("in_chans", "width", "depth", "mlp_dim", "num_heads"):
-            _check_positive(name, getattr(self, name))
-        if not isinstance(self.num_classes, int) or self.num_classes < 0:
-            raise ConfigError(f"num_classes={self.num_classes!r}: must be an integer >= 0 (0 means no head)")
+        if self.resnet is not None and not isinstance(self.resnet, ResNetConfig):
+            raise ConfigError(f"resnet={self.resnet!r}: must be a ResNetConfig, a dict of its fields, or None")
+        limits = {"in_chans": MAX_WIDTH, "width": MAX_WIDTH, "depth": MAX_DEPTH, "mlp_dim": MAX_MLP_DIM,
+                  "num_heads": MAX_WIDTH}
+        for name, limit in limits.items():
+            _check_positive(name, getattr(self, name), limit)
+        _check_classes(self.num_classes)
+        _check_eps("ln_eps", self.ln_eps)
+        for name in ("dynamic_img_size", "qkv_bias", "axial"):
+            _check_bool(name, getattr(self, name))
+        _check_name(self.name)
         if self.width % self.num_heads:
+            near = sorted((d for d in range(1, min(self.width, 4 * self.num_heads) + 1) if self.width % d == 0),
+                          key=lambda d: (abs(d - self.num_heads), d))[:2]
             raise ConfigError(
-                f"width={self.width} is not divisible by num_heads={self.num_heads}: each head needs width/num_heads channels"
+                f"width={self.width} is not divisible by num_heads={self.num_heads}: each head needs width/num_heads "
+                f"channels; num_heads must divide {self.width} (nearest: {', '.join(map(str, sorted(near)))})"
             )
         _check_choice("classifier", self.classifier, CLASSIFIERS)
         _check_choice("posemb", self.posemb, POSEMB_KINDS)
@@ -238,7 +293,7 @@ class ViTConfig:
         for name in ("dropout", "attention_dropout", "drop_path", "patch_dropout"):
             _check_rate(name, getattr(self, name))
         if self.representation_size is not None:
-            _check_positive("representation_size", self.representation_size)
+            _check_positive("representation_size", self.representation_size, MAX_WIDTH)
         if self.posemb == "relative" and self.posemb_place != "stem":
             raise ConfigError(
                 f"posemb_place={self.posemb_place!r} with posemb='relative': relative embeddings are a bias "
@@ -261,10 +316,36 @@ class ViTConfig:
         for axis, (size, patch) in enumerate(zip(grid, self.patch_size)):
             if size % patch:
                 what = "ResNet feature map" if self.resnet else "image"
+                side = self.img_size[axis]
+                if self.resnet is None:
+                    lower, upper = side - side % patch, side - side % patch + patch
+                    allowed = f"a multiple of {patch}, such as {', '.join(str(v) for v in (lower, upper) if v > 0)}"
+                else:
+                    allowed = f"a size whose feature map (size / {self.resnet.reduction}, rounded up) is a multiple of {patch}"
                 raise ConfigError(
                     f"img_size={self.img_size}: the {what} ({grid[0]}x{grid[1]}) is not divisible by "
-                    f"patch_size={self.patch_size} along {'height' if axis == 0 else 'width'}"
+                    f"patch_size={self.patch_size} along {'height' if axis == 0 else 'width'}; allowed: {allowed}"
                 )
+        if self.num_patches > MAX_PATCHES:
+            raise ConfigError(
+                f"img_size={self.img_size} with patch_size={self.patch_size}: {self.num_patches} patches per image; "
+                f"at most {MAX_PATCHES} are allowed"
+            )
+        estimate = self.estimated_parameters()
+        if estimate > MAX_PARAMETERS:
+            raise ConfigError(
+                f"width={self.width}, depth={self.depth}, mlp_dim={self.mlp_dim}, num_classes={self.num_classes}: "
+                f"about {estimate:.3g} parameters; at most {MAX_PARAMETERS:.0e} are allowed"
+            )
+
+    def estimated_parameters(self) -> int:
+        """A quick upper-bound-ish count of parameters (no allocation), for the size check."""
+        w, tokens = self.width, self.num_patches + 1
+        per_block = 4 * w * w + 2 * w * self.mlp_dim + 10 * w + self.mlp_dim
+        patch_dim = self.patch_size[0] * self.patch_size[1] * (self.resnet.out_channels if self.resnet else self.in_chans)
+        head_in = self.representation_size or w
+        return (self.depth * per_block * (2 if self.axial else 1) + tokens * w * (self.depth if self.posemb_place
+                == "every_layer" else 1) + patch_dim * w + head_in * (self.num_classes + w) + 4 * w)
 
     @property
     def feature_size(self) -> Pair:
@@ -330,6 +411,8 @@ def config_to_dict(config: ModelConfig) -> dict:
 
 
 def config_from_dict(d: dict) -> ModelConfig:
+    if not isinstance(d, dict):
+        raise ConfigError(f"a saved config must be a JSON object of fields, not {type(d).__name__}")
     d = dict(d)
     kind = d.pop("type", "ViTConfig")
     classes = {"ViTConfig": ViTConfig, "ResNetConfig": ResNetConfig}
@@ -341,6 +424,10 @@ def config_from_dict(d: dict) -> ModelConfig:
     if unknown:
         raise ConfigError(f"unknown field(s) {', '.join(unknown)} in a saved {kind}")
     if kind == "ViTConfig" and isinstance(d.get("resnet"), dict):
+        resnet_names = {f.name for f in dataclasses.fields(ResNetConfig)}
+        unknown = sorted(set(d["resnet"]) - resnet_names)
+        if unknown:
+            raise ConfigError(f"unknown field(s) {', '.join(map(str, unknown))} in a saved ResNetConfig (resnet=...)")
         d["resnet"] = ResNetConfig(**_tuples(d["resnet"]))
     return cls(**_tuples(d))
 

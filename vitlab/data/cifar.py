@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from vitlab.data.sources import DataError, PathLike
+from vitlab.data.sources import MAX_MEMBER_BYTES, TAR_ERRORS, DataError, PathLike
 
 __all__ = ["download_cifar10", "verify_md5", "convert_cifar_python", "CIFAR10_URL", "CIFAR10_MD5"]
 
@@ -68,7 +68,32 @@ class _ArrayUnpickler(pickle.Unpickler):
 
 
 def _load_pickle(data: bytes) -> dict:
-    return _ArrayUnpickler(io.BytesIO(data), encoding="bytes").load()
+    try:
+        obj = _ArrayUnpickler(io.BytesIO(data), encoding="bytes").load()
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - UnpicklingError, EOFError, ValueError ... from damaged bytes
+        raise DataError(f"a CIFAR batch cannot be unpickled (truncated or corrupt?): {type(e).__name__}: {e}") from e
+    if not isinstance(obj, dict):
+        raise DataError(f"a CIFAR batch holds a {type(obj).__name__}, not a dict")
+    return obj
+
+
+def _class_names(meta: dict) -> list[str]:
+    """``label_names`` as folder names, refusing any that could leave the output folder."""
+    names = meta.get(b"label_names")
+    if not isinstance(names, list) or not names:
+        raise DataError("batches.meta: label_names must be a non-empty list of names")
+    out = []
+    for raw in names:
+        name = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+            raise DataError(f"batches.meta: label name {raw!r} cannot be a folder name (allowed: no '/', '\\', "
+                            "NUL, '.' or '..')")
+        out.append(name)
+    if len(set(out)) != len(out):
+        raise DataError(f"batches.meta: label names repeat: {out}")
+    return out
 
 
 def _write_split(batches: list[dict], classes: list[str], folder: Path) -> int:
@@ -76,8 +101,15 @@ def _write_split(batches: list[dict], classes: list[str], folder: Path) -> int:
         (folder / name).mkdir(parents=True, exist_ok=True)
     n = 0
     for batch in batches:
-        images = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-        for image, label in zip(images, batch[b"labels"]):
+        try:
+            images = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+            labels = [int(label) for label in batch[b"labels"]]
+        except (KeyError, ValueError, TypeError) as e:
+            raise DataError(f"a CIFAR batch lacks (N, 3072) uint8 'data' or integer 'labels': {type(e).__name__}: {e}") from e
+        if len(labels) != len(images) or any(not 0 <= label < len(classes) for label in labels):
+            raise DataError(f"a CIFAR batch has {len(labels)} labels for {len(images)} images, or a label outside "
+                            f"0..{len(classes) - 1}")
+        for image, label in zip(images, labels):
             Image.fromarray(image).save(folder / classes[label] / f"{n:05d}.png")
             n += 1
     return n
@@ -96,14 +128,22 @@ def convert_cifar_python(archive: PathLike, out: PathLike) -> Path:
     if out.exists():
         raise DataError(f"{out}: already exists; remove it to convert again")
     members: dict[str, bytes] = {}
-    with tarfile.open(archive, "r:*") as tar:
-        for member in tar:
-            if member.isfile():
-                members[os.path.basename(member.name)] = tar.extractfile(member).read()
+    wanted = {*TRAIN_BATCHES, *TEST_BATCHES, "batches.meta"}
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            for member in tar:
+                if member.isfile() and os.path.basename(member.name) in wanted:
+                    if member.size > MAX_MEMBER_BYTES:
+                        raise DataError(f"{archive}: {member.name} declares {member.size} bytes (a tar bomb?)")
+                    members[os.path.basename(member.name)] = tar.extractfile(member).read()
+    except DataError:
+        raise
+    except TAR_ERRORS as e:
+        raise DataError(f"{archive}: not a readable tar archive (truncated or corrupt?): {type(e).__name__}: {e}") from e
     missing = [n for n in (*TRAIN_BATCHES, *TEST_BATCHES, "batches.meta") if n not in members]
     if missing:
         raise DataError(f"{archive}: not the CIFAR-10 python tarball (missing {', '.join(missing)})")
-    classes = [n.decode() for n in _load_pickle(members["batches.meta"])[b"label_names"]]
+    classes = _class_names(_load_pickle(members["batches.meta"]))
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))

@@ -18,14 +18,16 @@ import logging
 import multiprocessing
 import os
 import shutil
+import struct
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from vitlab.config import to_pair
 from vitlab.data.sources import (
@@ -39,7 +41,7 @@ from vitlab.data.sources import (
     source_key,
 )
 
-__all__ = ["InMemoryDataset", "load_in_memory", "decode_image"]
+__all__ = ["InMemoryDataset", "load_in_memory", "decode_image", "to_rgb"]
 
 log = logging.getLogger(__name__)
 
@@ -66,17 +68,56 @@ class InMemoryDataset:
         return int(self.labels.shape[0])
 
 
+# What PIL (and its plugins) raise for bad data: truncated, corrupt, unknown or unsupported.
+DECODE_ERRORS = (OSError, SyntaxError, ValueError, TypeError, IndexError, KeyError, EOFError, struct.error,
+                 ZeroDivisionError, OverflowError, MemoryError, RuntimeError, AttributeError, NotImplementedError,
+                 UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning)
+
+
+def to_rgb(img: Image.Image) -> np.ndarray:
+    """(H, W, 3) uint8 RGB of a decoded PIL image of any mode.
+
+    16-bit grayscale ("I;16*", and "I" as PNG's 16-bit files open) is scaled to 8 bits
+    (v / 257, rounded: 65535 -> 255), where PIL's own conversion would clip everything
+    above 255 to white.  Alpha is dropped (the colour stored under it is kept, as
+    torchvision and timm do); palette, grayscale, bilevel and CMYK go through PIL's
+    conversions.
+    """
+    if img.mode.startswith("I;16") or img.mode == "I":
+        wide = np.asarray(img, dtype=np.int64 if img.mode == "I" else None).astype(np.float64)
+        gray = np.clip(np.rint(np.clip(wide, 0, 65535) / 257.0), 0, 255).astype(np.uint8)
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    return np.array(img.convert("RGB"), dtype=np.uint8)  # a writable copy: torch.from_numpy wants one
+
+
 def decode_image(source, size: Optional[tuple[int, int]] = None) -> np.ndarray:
     """Decode an image file (path or file object) to an (H, W, 3) uint8 RGB array.
 
     size: (height, width) to resize to, bilinear (PIL); None keeps the stored size.
-    Raises whatever PIL raises for unreadable data (OSError, SyntaxError, ...).
+    Colour modes are converted as ``to_rgb`` describes.  Images over PIL's
+    decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``) are refused before decoding.
+
+    Raises:
+        DataError: the data is not a decodable image (truncated, corrupt, not an image,
+            too large); the message names the file where ``source`` is a path.
     """
-    with Image.open(source) as img:
-        img = img.convert("RGB")  # also forces the full decode, so truncated files fail here
-        if size is not None and (img.height, img.width) != tuple(size):
-            img = img.resize((size[1], size[0]), Image.BILINEAR)
-        return np.array(img, dtype=np.uint8)  # a writable copy: torch.from_numpy wants one
+    where = f"{source}: " if isinstance(source, (str, os.PathLike)) else ""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(source) as img:
+                img.load()  # the full decode, so truncated files fail here
+                if size is not None and (img.height, img.width) != tuple(size):
+                    array = to_rgb(img)
+                    return np.array(Image.fromarray(array).resize((size[1], size[0]), Image.BILINEAR))
+                return to_rgb(img)
+    except FileNotFoundError as e:
+        raise DataError(f"{where}no such file") from e
+    except DECODE_ERRORS as e:
+        reason = str(e).splitlines()[0] if str(e) else ""
+        if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
+            reason = f"{reason} (the decompression-bomb limit, PIL.Image.MAX_IMAGE_PIXELS)"
+        raise DataError(f"{where}not a decodable image: {type(e).__name__}: {reason}") from e
 
 
 def _decode_chunk(
@@ -88,8 +129,9 @@ def _decode_chunk(
     for source in sources:
         try:
             out.append((decode_image(io.BytesIO(source) if isinstance(source, bytes) else source, size), ""))
-        except Exception as e:  # noqa: BLE001 - PIL raises many types for bad files
-            out.append((None, f"{type(e).__name__}: {e}"))
+        except DataError as e:  # the path is kept beside the reason, so drop it from the message
+            reason = str(e)
+            out.append((None, reason[len(source) + 2:] if isinstance(source, str) and reason.startswith(source) else reason))
     return out
 
 

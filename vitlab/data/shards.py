@@ -31,6 +31,8 @@ from vitlab.data.loader import derive_seed
 from vitlab.data.memory import decode_image
 from vitlab.data.sources import (
     IMAGE_EXTENSIONS,
+    MAX_MEMBER_BYTES,
+    TAR_ERRORS,
     DataError,
     ImageFolderIndex,
     PathLike,
@@ -43,6 +45,7 @@ __all__ = ["pack_shards", "ShardStream", "FolderStream", "collate_samples", "SHA
 log = logging.getLogger(__name__)
 
 SHARD_PATTERN = "shard-{:06d}.tar"
+OVERSIZED = "/oversized"  # a field name no member extension can produce
 Sample = tuple[torch.Tensor, int]
 
 
@@ -111,8 +114,22 @@ def pack_shards(
     return shards
 
 
-def _read_shard(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """Yield (key, {extension: bytes}) for consecutive members sharing a key."""
+def _read_shard(path: Path, skipped: Optional[list] = None) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """Yield (key, {extension: bytes}) for consecutive members sharing a key.
+
+    A damaged shard (truncated, corrupt gzip, garbage) yields the samples before the damage,
+    then stops; the damage goes to ``skipped`` as (shard, reason).  A member declaring
+    more than ``MAX_MEMBER_BYTES`` is skipped unread, and so is its sample.
+    """
+    try:
+        yield from _read_members(path)
+    except TAR_ERRORS as e:
+        if skipped is None:
+            raise DataError(f"{path}: not a readable tar shard (truncated or corrupt?): {type(e).__name__}: {e}") from e
+        skipped.append((path.name, f"unreadable from here on (truncated or corrupt?): {type(e).__name__}: {e}"))
+
+
+def _read_members(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
     key, fields = None, {}
     with tarfile.open(path, "r|*") as tar:  # streaming mode: one sequential read
         for member in tar:
@@ -125,12 +142,17 @@ def _read_shard(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
                 if key is not None:
                     yield key, fields
                 key, fields = member_key, {}
+            if member.size > MAX_MEMBER_BYTES:
+                fields[OVERSIZED] = str(member.size).encode()  # never read: the sample is skipped
+                continue
             fields[ext.lower()] = tar.extractfile(member).read()
     if key is not None:
         yield key, fields
 
 
 def _split_sample(fields: dict[str, bytes]) -> tuple[Optional[bytes], str]:
+    if OVERSIZED in fields:
+        return None, f"a member declares {fields[OVERSIZED].decode()} bytes, more than {MAX_MEMBER_BYTES} (a tar bomb?)"
     images = [v for k, v in fields.items() if f".{k}" in IMAGE_EXTENSIONS]
     if len(images) != 1:
         return None, f"expected one image member, found {len(images)}"
@@ -169,8 +191,12 @@ class ShardStream(IterableDataset):
             paths = sorted(folder.glob("shard-*.tar"))
             meta_path = folder / "index.json"
             if meta_path.is_file():
-                meta = json.loads(meta_path.read_text())
-                self.classes, self.num_samples = meta["classes"], meta["num_samples"]
+                try:
+                    meta = json.loads(meta_path.read_text())
+                    self.classes, self.num_samples = list(meta["classes"]), int(meta["num_samples"])
+                except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+                    raise DataError(f"{meta_path}: not an index written by pack_shards (needs 'classes' and "
+                                    f"'num_samples'): {type(e).__name__}: {e}") from e
         else:
             paths = [Path(p) for p in shards]
         if not paths:
@@ -207,7 +233,7 @@ class ShardStream(IterableDataset):
     def _samples(self, shards: list[Path]) -> Iterator[tuple[str, bytes, int]]:
         for shard in shards:
             skipped_before = len(self.skipped)
-            for key, fields in _read_shard(shard):
+            for key, fields in _read_shard(shard, self.skipped):
                 image, reason = _split_sample(fields)
                 try:
                     label = int(fields["cls"].decode().strip())
@@ -235,10 +261,9 @@ class ShardStream(IterableDataset):
             # Decoding after the buffer keeps it holding compressed bytes, not pixels.
             try:
                 array = decode_image(io.BytesIO(data), self.image_size)
-            except Exception as e:  # noqa: BLE001 - PIL raises many types for bad data
-                self.skipped.append((name, f"{type(e).__name__}: {e}"))
-                log.warning("%s: skipped corrupt image (%s: %s); %d skipped so far",
-                            name, type(e).__name__, e, len(self.skipped))
+            except DataError as e:
+                self.skipped.append((name, str(e)))
+                log.warning("%s: skipped corrupt image (%s); %d skipped so far", name, e, len(self.skipped))
                 continue
             yield torch.from_numpy(array).permute(2, 0, 1).contiguous(), label
 
@@ -281,8 +306,8 @@ class FolderStream(Dataset):
         path = self.index.paths[i]
         try:
             array = decode_image(path, self.image_size)
-        except Exception as e:  # noqa: BLE001 - PIL raises many types for bad files
-            log.warning("%s: skipped unreadable image (%s: %s)", path, type(e).__name__, e)
+        except DataError as e:
+            log.warning("skipped unreadable image: %s", e)
             return None
         return torch.from_numpy(array).permute(2, 0, 1).contiguous(), int(self.index.labels[i])
 

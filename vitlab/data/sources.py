@@ -18,6 +18,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Iterator, Union
@@ -25,6 +26,7 @@ from typing import Iterator, Union
 import numpy as np
 
 __all__ = [
+    "ArchiveLimits",
     "DataError",
     "ImageFolderIndex",
     "IMAGE_EXTENSIONS",
@@ -48,6 +50,70 @@ class DataError(ValueError):
     """Data that cannot be used as asked: missing, empty, malformed or unsafe."""
 
 
+# Limits on what an archive may hold, against tar bombs (a flood of tiny files, or a huge
+# declared size).  Generous for real data sets (ImageNet-21k: 14M images, ~1.3 TB);
+# override with $VITLAB_MAX_ARCHIVE_MEMBERS and $VITLAB_MAX_ARCHIVE_BYTES.
+MAX_ARCHIVE_MEMBERS = 20_000_000
+MAX_ARCHIVE_BYTES = 4 << 40  # 4 TiB
+MAX_MEMBER_BYTES = 1 << 30   # one image (or shard member) over 1 GiB is not an image
+
+# What a damaged tar (or its gzip layer) raises while it is read.
+TAR_ERRORS = (tarfile.TarError, OSError, EOFError, zlib.error, ValueError, TypeError, UnicodeError)
+
+
+@dataclass(frozen=True)
+class ArchiveLimits:
+    """How much an archive may hold before it is refused as a tar bomb."""
+
+    members: int = MAX_ARCHIVE_MEMBERS
+    total_bytes: int = MAX_ARCHIVE_BYTES
+    member_bytes: int = MAX_MEMBER_BYTES
+
+    @classmethod
+    def from_env(cls) -> "ArchiveLimits":
+        def read(var: str, default: int) -> int:
+            text = os.environ.get(var)
+            if text is None:
+                return default
+            try:
+                value = int(text)
+            except ValueError:
+                raise DataError(f"${var}={text!r}: must be a positive integer") from None
+            if value <= 0:
+                raise DataError(f"${var}={text!r}: must be a positive integer")
+            return value
+
+        return cls(read("VITLAB_MAX_ARCHIVE_MEMBERS", MAX_ARCHIVE_MEMBERS),
+                   read("VITLAB_MAX_ARCHIVE_BYTES", MAX_ARCHIVE_BYTES), MAX_MEMBER_BYTES)
+
+
+class _Budget:
+    """Counts members and declared bytes of one archive against ``ArchiveLimits``."""
+
+    def __init__(self, archive: Path, limits: ArchiveLimits, free_bytes: int | None = None) -> None:
+        self.archive, self.limits, self.free = archive, limits, free_bytes
+        self.members = self.bytes = 0
+
+    def take(self, member: tarfile.TarInfo) -> None:
+        self.members += 1
+        if self.members > self.limits.members:
+            raise DataError(
+                f"{self.archive}: more than {self.limits.members} members (a tar bomb?); "
+                "raise $VITLAB_MAX_ARCHIVE_MEMBERS if the archive is genuine"
+            )
+        if member.isfile():
+            self.bytes += member.size
+            if self.bytes > self.limits.total_bytes:
+                raise DataError(
+                    f"{self.archive}: declares more than {self.limits.total_bytes} bytes (a tar bomb?); "
+                    "raise $VITLAB_MAX_ARCHIVE_BYTES if the archive is genuine"
+                )
+            if self.free is not None and self.bytes > self.free:
+                raise DataError(
+                    f"{self.archive}: declares more than the {self.free} bytes free in the cache folder"
+                )
+
+
 @dataclass(frozen=True)
 class ImageFolderIndex:
     """The images of an ImageFolder tree.
@@ -62,6 +128,7 @@ class ImageFolderIndex:
     paths: list[str]
     labels: np.ndarray
     classes: list[str]
+    ignored: tuple[str, ...] = ()  # files left out because their extension is not an image's
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -127,45 +194,70 @@ def scan_image_folder(root: PathLike) -> ImageFolderIndex:
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"{root}: not a folder (expected an ImageFolder tree or a .tar/.tar.gz/.tgz archive)")
-    files, dirs = [], []
+    files, dirs, ignored = [], [], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
         rel = "" if rel == "." else rel + "/"
         dirs.extend(rel + d for d in dirnames)
         files.extend(rel + f for f in filenames if not f.startswith(".") and _is_image(f))
+        ignored.extend(rel + f for f in filenames if not f.startswith(".") and not _is_image(f) and rel)
     prefix, relpaths, labels, classes = _index_tree(str(root), files, dirs)
+    if ignored:
+        exts = ", ".join(sorted(IMAGE_EXTENSIONS))
+        log.warning("%s: ignored %d file(s) that are not images by their extension (first: %s; images: %s)",
+                    root, len(ignored), ignored[0], exts)
     return ImageFolderIndex(
         root=root / prefix if prefix else root,
         paths=[str(root / p) for p in relpaths],
         labels=labels,
         classes=classes,
+        ignored=tuple(sorted(ignored)),
     )
 
 
-def read_image_archive(path: PathLike) -> tuple[ImageFolderIndex, list[bytes]]:
+def read_image_archive(path: PathLike, limits: ArchiveLimits | None = None) -> tuple[ImageFolderIndex, list[bytes]]:
     """Read a tar archive of an ImageFolder tree in one sequential pass, without extracting.
 
     Writing 50,000 small files to disk costs more than decoding them, so data sets that
     are decoded into RAM are read straight from the archive.  ``paths`` are
     ``<archive>/<member name>`` (for messages); the encoded bytes come in the same order.
-    Same rules and errors as ``scan_image_folder``.
+    Same rules and errors as ``scan_image_folder``; links, devices and other special
+    members are skipped with a warning, and an archive that is damaged or over ``limits``
+    (a tar bomb) raises ``DataError``.
     """
     path = Path(path)
     blobs: dict[str, bytes] = {}
     dirs: list[str] = []
-    with tarfile.open(path, "r:*") as tar:
-        for member in tar:
-            name = member.name
-            while name.startswith("./"):
-                name = name[2:]
-            name = name.rstrip("/")
-            if not name or _hidden(name):
-                continue
-            if member.isdir():
-                dirs.append(name)
-            elif member.isfile() and _is_image(name):
-                blobs[name] = tar.extractfile(member).read()
+    budget = _Budget(path, limits or ArchiveLimits.from_env())
+    special: list[str] = []
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            for member in tar:
+                budget.take(member)
+                name = member.name
+                while name.startswith("./"):
+                    name = name[2:]
+                name = name.rstrip("/")
+                if not name or _hidden(name):
+                    continue
+                if member.isdir():
+                    dirs.append(name)
+                elif member.isfile():
+                    if _is_image(name):
+                        if member.size > budget.limits.member_bytes:
+                            raise DataError(f"{path}: member {name!r} declares {member.size} bytes, more than "
+                                            f"{budget.limits.member_bytes} for one image (a tar bomb?)")
+                        blobs[name] = tar.extractfile(member).read()
+                else:
+                    special.append(name)
+    except DataError:
+        raise
+    except TAR_ERRORS as e:
+        raise DataError(f"{path}: not a readable tar archive (truncated or corrupt?): {type(e).__name__}: {e}") from e
+    if special:
+        log.warning("%s: skipped %d link/device member(s) (first: %s); only regular files are read",
+                    path, len(special), special[0])
     prefix, relpaths, labels, classes = _index_tree(str(path), list(blobs), dirs)
     index = ImageFolderIndex(
         root=path / prefix if prefix else path,
@@ -196,7 +288,7 @@ def _archive_stem(path: Path) -> str:
 
 
 def _short_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 def source_key(path: PathLike) -> str:
@@ -211,17 +303,24 @@ def source_key(path: PathLike) -> str:
         st = path.stat()
         return f"{_archive_stem(path)}-{_short_hash(f'{path}|{st.st_size}|{st.st_mtime_ns}')}"
     if path.is_dir():
-        digest = hashlib.sha256(str(path).encode())
+        # surrogateescape: file names that are not UTF-8 hash as their bytes
+        digest = hashlib.sha256(str(path).encode("utf-8", "surrogateescape"))
         for image in scan_image_folder(path).paths:
             st = os.stat(image)
-            digest.update(f"\n{image}|{st.st_size}|{st.st_mtime_ns}".encode())
+            digest.update(f"\n{image}|{st.st_size}|{st.st_mtime_ns}".encode("utf-8", "surrogateescape"))
         return f"{path.name}-{digest.hexdigest()[:16]}"
     raise DataError(f"{path}: no such file or folder")
 
 
-def _checked_members(tar: tarfile.TarFile, archive: Path) -> Iterator[tarfile.TarInfo]:
-    """Yield the archive's members, refusing any that could write outside the target."""
+def _checked_members(tar: tarfile.TarFile, archive: Path, budget: _Budget,
+                     skipped: list[str]) -> Iterator[tarfile.TarInfo]:
+    """Yield the archive's members, refusing any that could write outside the target.
+
+    Device files and FIFOs are skipped (their names go to ``skipped``); the member count
+    and declared sizes are held to ``budget``.
+    """
     for member in tar:
+        budget.take(member)
         parts = PurePosixPath(member.name).parts
         if member.name.startswith(("/", "\\")) or PurePosixPath(member.name).is_absolute() or ".." in parts:
             raise DataError(f"{archive}: refusing member {member.name!r} (absolute path or '..' escapes the target)")
@@ -230,18 +329,57 @@ def _checked_members(tar: tarfile.TarFile, archive: Path) -> Iterator[tarfile.Ta
             if target.is_absolute() or ".." in target.parts:
                 raise DataError(f"{archive}: refusing link {member.name!r} -> {member.linkname!r}")
         if member.isdev() or member.isfifo():
-            continue  # never meaningful in a data set
+            skipped.append(member.name)  # never meaningful in a data set
+            continue
         yield member
 
 
-def _extract(archive: Path, target: Path) -> None:
-    with tarfile.open(archive, "r:*") as tar:
-        members = _checked_members(tar, archive)
-        if hasattr(tarfile, "data_filter"):
-            # The standard library's own safety filter as a second line of defence.
-            tar.extractall(target, members=members, filter="data")
-        else:  # pragma: no cover - Python < 3.11.4
-            tar.extractall(target, members=members)
+def _extract(archive: Path, target: Path, limits: ArchiveLimits | None = None) -> None:
+    free = shutil.disk_usage(target).free
+    budget = _Budget(archive, limits or ArchiveLimits.from_env(), free)
+    skipped: list[str] = []
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            members = _checked_members(tar, archive, budget, skipped)
+            if hasattr(tarfile, "data_filter"):
+                # The standard library's own safety filter as a second line of defence.
+                tar.extractall(target, members=members, filter="data")
+            else:  # pragma: no cover - Python < 3.11.4
+                tar.extractall(target, members=members)
+    except DataError:
+        raise
+    except tarfile.FilterError as e:
+        raise DataError(f"{archive}: refusing member: {e}") from e
+    except TAR_ERRORS as e:
+        raise DataError(f"{archive}: not a readable tar archive (truncated or corrupt?): {type(e).__name__}: {e}") from e
+    if skipped:
+        log.warning("%s: skipped %d device/FIFO member(s) (first: %s)", archive, len(skipped), skipped[0])
+
+
+def _clean_stale(extracted: Path, name: str) -> None:
+    """Remove half-extracted folders of ``name`` whose extracting process is gone (killed)."""
+    for partial in extracted.iterdir():
+        if not (partial.name.startswith(f".{name}.") and partial.name.endswith(".partial")):
+            continue
+        pid_text = partial.name[len(name) + 2 :].split(".", 1)[0]
+        try:
+            pid = int(pid_text)
+        except ValueError:
+            continue
+        if pid != os.getpid() and _alive(pid):
+            continue  # another process is extracting right now
+        log.warning("%s: removing a half-extracted folder left by a killed run (pid %d)", partial, pid)
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
 
 
 def resolve_data_path(path: PathLike, cache_dir: PathLike | None = None) -> Path:
@@ -254,8 +392,10 @@ def resolve_data_path(path: PathLike, cache_dir: PathLike | None = None) -> Path
     cache_dir: defaults to ``default_cache_dir()``.
 
     Raises:
-        DataError: ``path`` does not exist, is not a folder or a supported archive, or
-            the archive has a member with an absolute path or ``..`` in it.
+        DataError: ``path`` does not exist, is not a folder or a supported archive, the
+            archive has a member with an absolute path or ``..`` in it or a link out of
+            the target, it is damaged, or it exceeds ``ArchiveLimits`` (a tar bomb).
+            Nothing is left in the cache then; device files are skipped with a warning.
     """
     path = Path(path).expanduser()
     if path.is_dir():
@@ -271,7 +411,9 @@ def resolve_data_path(path: PathLike, cache_dir: PathLike | None = None) -> Path
     if final.is_dir():
         return final
     extracted.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=extracted))
+    _clean_stale(extracted, final.name)
+    # the pid in the name tells a later run whether the extracting process is still alive
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{os.getpid()}.", suffix=".partial", dir=extracted))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
     try:
         log.info("extracting %s into %s", path, final)

@@ -7,6 +7,7 @@ accepted as aliases.
 """
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any, Callable
 
@@ -95,17 +96,34 @@ def canonical_name(name: str) -> str:
     return n
 
 
+def closest_models(name: str, n: int = 3) -> list[str]:
+    """Registry names closest to ``name`` (case-insensitive, by edit similarity), best first."""
+    lower = {k.lower(): k for k in _REGISTRY}
+    key = canonical_name(name).lower()
+    if key in lower:
+        return [lower[key]]
+    return [lower[m] for m in difflib.get_close_matches(key, list(lower), n=n, cutoff=0.6)]
+
+
+def suggest(name: str) -> str:
+    """' Did you mean 'ViT-B/16'?' for a near miss, '' when nothing is close."""
+    close = closest_models(name)
+    if not close:
+        return ""
+    return f" Did you mean {' or '.join(map(repr, close))}?"
+
+
 def list_models() -> list[str]:
     return list(_REGISTRY)
 
 
 def get_config(name: str, **overrides: Any) -> ModelConfig:
     """The registered config for ``name`` with fields overridden."""
+    if not isinstance(name, str):
+        raise ConfigError(f"model name {name!r}: must be a string such as 'ViT-B/16'")
     key = canonical_name(name)
     if key not in _REGISTRY:
-        close = [n for n in _REGISTRY if n.lower().startswith(key.lower()[:5])]
-        hint = f" Did you mean one of: {', '.join(close[:8])}?" if close else ""
-        raise ConfigError(f"unknown model {name!r}.{hint} `vitlab models` lists all {len(_REGISTRY)} names.")
+        raise ConfigError(f"unknown model {name!r}.{suggest(key)} `vitlab models` lists all {len(_REGISTRY)} names.")
     return replace(_REGISTRY[key](), **overrides) if overrides else _REGISTRY[key]()
 
 

@@ -123,12 +123,18 @@ def from_huggingface(state_dict: Mapping[str, Any]) -> StateDict:
 def config_overrides(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """ViTConfig fields that an HF ``config.json`` fixes and the weights cannot show."""
     out: dict[str, Any] = {}
-    if "num_attention_heads" in hf_config:
-        out["num_heads"] = int(hf_config["num_attention_heads"])
-    if "layer_norm_eps" in hf_config:
-        out["ln_eps"] = float(hf_config["layer_norm_eps"])
+    heads = hf_config.get("num_attention_heads")
+    if heads is not None:
+        if isinstance(heads, bool) or not isinstance(heads, int):
+            raise WeightsError(f"num_attention_heads={heads!r} in the Hugging Face config: must be a positive integer")
+        out["num_heads"] = heads
+    eps = hf_config.get("layer_norm_eps")
+    if eps is not None:
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            raise WeightsError(f"layer_norm_eps={eps!r} in the Hugging Face config: must be a number")
+        out["ln_eps"] = float(eps)
     act = hf_config.get("hidden_act", "gelu")
-    if act not in ACTIVATIONS:
+    if not isinstance(act, str) or act not in ACTIVATIONS:
         raise WeightsError(f"hidden_act={act!r} in the Hugging Face config: vitlab supports {', '.join(ACTIVATIONS)}")
     out["gelu"] = ACTIVATIONS[act]
     if hf_config.get("pooler_act", "tanh") != "tanh":

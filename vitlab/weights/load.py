@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -36,7 +37,7 @@ from .core import WeightsError, build_loaded, infer_config, to_tensor
 from .bigvision import is_big_vision, load_big_vision
 from .bit import is_bit, load_bit
 from .huggingface import is_huggingface, load_huggingface
-from .native import CONFIG_KEY, CONFIG_NAME, is_native, load_native, read_safetensors
+from .native import CONFIG_KEY, CONFIG_NAME, is_native, load_native, read_safetensors, read_safetensors_metadata
 from .official import KNOWN_PREFIXES, load_official_npz, read_npz
 from .timm import is_timm, load_timm
 from .timm import sidecar_path as timm_sidecar
@@ -48,6 +49,7 @@ WRAPPERS = ("state_dict", "model")
 
 def _torch_load(path: Path) -> dict[str, Any]:
     """A state dict from a torch pickle, allowing tensors and containers only (no code)."""
+    _check_zip(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except (FileNotFoundError, PermissionError):
@@ -63,6 +65,33 @@ def _torch_load(path: Path) -> dict[str, Any]:
     if not isinstance(obj, Mapping):
         raise WeightsError(f"{path} holds a {type(obj).__name__}, not a state dict")
     return dict(obj)
+
+
+def _check_zip(path: Path) -> None:
+    """torch.save's zip format records a CRC-32 per entry that torch.load does not check:
+    check them, so that a flipped bit is an error rather than a silently different weight."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return  # the legacy format (or garbage): torch.load(weights_only=True) judges it
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (FileNotFoundError, PermissionError):
+        raise
+    except Exception as e:  # BadZipFile, zlib.error, EOFError, ...
+        raise WeightsError(f"{path} could not be read as a zip archive: the file is truncated or corrupt: {e}") from e
+    if bad is not None:
+        raise WeightsError(f"{path}: entry {bad!r} fails its CRC-32 check: the file is truncated or corrupt")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path`` (config.json, .timm.json), or a one-line WeightsError."""
+    try:
+        obj = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise WeightsError(f"{path} is not valid UTF-8 JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise WeightsError(f"{path} holds a JSON {type(obj).__name__}; expected an object of fields")
+    return obj
 
 
 def detect_format(keys: Any) -> str:
@@ -115,7 +144,7 @@ def _load_dir(path: Path, **kw: Any) -> nn.Module:
         return load_native(path, **kw)
     config = path / CONFIG_NAME
     # a config.json is Hugging Face's only if it says so (a training run keeps its own there)
-    hf_config = json.loads(config.read_text()) if config.is_file() else {}
+    hf_config = _read_json(config) if config.is_file() else {}
     if "model_type" not in hf_config:
         hf_config = None
     elif hf_config["model_type"] != "vit":
@@ -132,12 +161,12 @@ def _load_file(path: Path, hf_config: Mapping[str, Any] | None = None, **kw: Any
         return _load_state_dict(read_npz(path), hf_config, file=path, **kw)
     # timm exports carry their create_model arguments beside the weights (timm.save_timm)
     sidecar = timm_sidecar(path)
-    timm_kwargs = json.loads(sidecar.read_text()).get("kwargs") if sidecar.is_file() else None
+    timm_kwargs = _read_json(sidecar).get("kwargs") if sidecar.is_file() else None
     if suffix == ".safetensors":
-        tensors, metadata = read_safetensors(path)
-        if CONFIG_KEY in metadata:
+        if CONFIG_KEY in read_safetensors_metadata(path):
             kw.pop("name", None)  # the saved config is authoritative
             return load_native(path, **kw)
+        tensors, _ = read_safetensors(path)
         return _load_state_dict(tensors, hf_config, timm_kwargs=timm_kwargs, **kw)
     if suffix in (".pt", ".pth", ".bin"):
         return _load_state_dict(_torch_load(path), hf_config, timm_kwargs=timm_kwargs, **kw)

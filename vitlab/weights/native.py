@@ -8,8 +8,10 @@ Every file is written atomically: a failed save never destroys an existing file.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,9 @@ from ..config import ConfigError, ModelConfig, Pair, ResNetConfig, config_from_j
 from .core import WeightsError, atomic_write, build_loaded
 
 CONFIG_KEY = "vitlab_config"
+# sha256 of the config text and every tensor byte: safetensors itself has no checksum, so
+# without it a flipped bit in a weight would load silently.  Files without it still load.
+CHECKSUM_KEY = "vitlab_sha256"
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
@@ -64,7 +69,7 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
     text = config_to_json(cfg)
     # clone: safetensors refuses tensors that share memory, and must not see views
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    data = safetensors.torch.save(tensors, metadata={CONFIG_KEY: text})
+    data = _with_checksum(tensors, text)
     path = Path(path)
     if path.suffix == ".safetensors":
         return atomic_write(path, lambda f: f.write(data))
@@ -74,11 +79,69 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
     return weights
 
 
-def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors, metadata) of a safetensors file, with a clear error if it is damaged."""
+def _data_offset(blob: bytes) -> int:
+    """Where the tensor bytes of a serialised safetensors file start (after the JSON header)."""
+    (header_len,) = struct.unpack("<Q", blob[:8])
+    return 8 + header_len
+
+
+def _digest(config_text: str, body: bytes | memoryview) -> str:
+    h = hashlib.sha256(config_text.encode())
+    h.update(body)
+    return h.hexdigest()
+
+
+def _with_checksum(tensors: dict[str, torch.Tensor], text: str) -> bytes:
+    # the tensor bytes do not depend on the metadata, so serialise, hash, then serialise again
+    first = safetensors.torch.save(tensors, metadata={CONFIG_KEY: text})
+    body = memoryview(first)[_data_offset(first):]
+    data = safetensors.torch.save(tensors, metadata={CONFIG_KEY: text, CHECKSUM_KEY: _digest(text, body)})
+    assert memoryview(data)[_data_offset(data):] == body
+    return data
+
+
+def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The metadata of a safetensors file, reading only its header (no tensor is allocated)."""
     try:
         with safetensors.safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
+            return dict(f.metadata() or {})
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # SafetensorError for truncated headers, bad offsets, ...
+        raise WeightsError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from e
+
+
+def verify_checksum(path: str | os.PathLike, metadata: dict[str, str]) -> None:
+    """Check the ``vitlab_sha256`` that ``save_model`` records (nothing to check without it)."""
+    expected = metadata.get(CHECKSUM_KEY)
+    if expected is None:
+        return
+    h = hashlib.sha256(metadata.get(CONFIG_KEY, "").encode())
+    with open(path, "rb") as f:  # streamed: a multi-GB file is not held twice in memory
+        head = f.read(8)
+        if len(head) < 8:
+            raise WeightsError(f"{path} is not a readable safetensors file (truncated or corrupt?): {len(head)} bytes")
+        f.seek(_data_offset(head))
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    actual = h.hexdigest()
+    if actual != expected:
+        raise WeightsError(
+            f"{path} is truncated or corrupt: its {CHECKSUM_KEY} is {expected[:16]}..., the bytes give "
+            f"{actual[:16]}... (a flipped bit or a partial copy); copy the file again"
+        )
+
+
+def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file, with a clear error if it is damaged.
+
+    A file written by ``save_model`` carries a checksum, so a flipped bit anywhere in its
+    tensors or config is an error too, not a silently different model.
+    """
+    metadata = read_safetensors_metadata(path)
+    verify_checksum(path, metadata)
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except FileNotFoundError:
         raise
@@ -102,12 +165,21 @@ def read_native(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Model
     """
     path = Path(path)
     weights = path / WEIGHTS_NAME if path.is_dir() else path
-    tensors, metadata = read_safetensors(weights)
+    # the config is read and checked first: an absurd or malformed one is refused before
+    # a single tensor is allocated
+    metadata = read_safetensors_metadata(weights)
     if CONFIG_KEY in metadata:
-        return tensors, _parse_config(metadata[CONFIG_KEY], f"the metadata of {weights}")
-    if path.is_dir() and (path / CONFIG_NAME).is_file():
-        return tensors, _parse_config((path / CONFIG_NAME).read_text(), str(path / CONFIG_NAME))
-    raise WeightsError(f"{weights} has no '{CONFIG_KEY}' metadata: it was not written by vitlab's save_model")
+        cfg = _parse_config(metadata[CONFIG_KEY], f"the metadata of {weights}")
+    elif path.is_dir() and (path / CONFIG_NAME).is_file():
+        try:
+            text = (path / CONFIG_NAME).read_text()
+        except UnicodeDecodeError as e:
+            raise WeightsError(f"{path / CONFIG_NAME} is not UTF-8 JSON: {e}") from e
+        cfg = _parse_config(text, str(path / CONFIG_NAME))
+    else:
+        raise WeightsError(f"{weights} has no '{CONFIG_KEY}' metadata: it was not written by vitlab's save_model")
+    tensors, _ = read_safetensors(weights)
+    return tensors, cfg
 
 
 def is_native(path: str | os.PathLike) -> bool:
@@ -119,8 +191,8 @@ def is_native(path: str | os.PathLike) -> bool:
         except (OSError, ValueError):
             return False
         # Hugging Face's config.json has "model_type"; vitlab's records its dataclass in "type"
-        return config.get("type") in ("ViTConfig", "ResNetConfig")
-    return CONFIG_KEY in read_safetensors(path)[1]
+        return isinstance(config, dict) and config.get("type") in ("ViTConfig", "ResNetConfig")
+    return CONFIG_KEY in read_safetensors_metadata(path)
 
 
 def load_native(path: str | os.PathLike, img_size: Pair | int | None = None, num_classes: int | None = None,

@@ -1,0 +1,153 @@
+"""Bad images and odd data sets: each file is converted to the right pixels or skipped,
+counted and reported; loading never stops on one bad file."""
+import io
+import logging
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vitlab.data.memory import decode_image, load_in_memory, to_rgb
+from vitlab.data.shards import FolderStream
+from vitlab.data.sources import DataError, scan_image_folder
+
+
+def encode(img, fmt="PNG", **kw):
+    buffer = io.BytesIO()
+    img.save(buffer, fmt, **kw)
+    return buffer.getvalue()
+
+
+def decode(data, size=None):
+    return decode_image(io.BytesIO(data), size)
+
+
+def test_rgba_keeps_the_colour_under_the_alpha():
+    rgba = np.array([[[10, 20, 30, 0], [40, 50, 60, 255]]], np.uint8)
+    out = decode(encode(Image.fromarray(rgba, "RGBA")))
+    assert out.tolist() == [[[10, 20, 30], [40, 50, 60]]]
+
+
+def test_palette_image_with_transparency():
+    img = Image.new("P", (2, 1))
+    img.putpalette([255, 0, 0, 0, 0, 255] + [0] * 762)
+    img.putdata([0, 1])
+    out = decode(encode(img, transparency=0))
+    assert out.tolist() == [[[255, 0, 0], [0, 0, 255]]]
+
+
+def test_16_bit_grayscale_is_scaled_not_clipped():
+    wide = np.array([[0, 257, 32896], [65535, 1000, 65278]], np.uint16)
+    data = encode(Image.fromarray(wide))
+    assert Image.open(io.BytesIO(data)).mode.startswith("I")
+    out = decode(data)
+    assert out[:, :, 0].tolist() == [[0, 1, 128], [255, 4, 254]]
+    assert (out[:, :, 0] == out[:, :, 1]).all() and (out[:, :, 1] == out[:, :, 2]).all()
+
+
+def test_32_bit_integer_image_is_clipped_to_16_bits_then_scaled():
+    img = Image.fromarray(np.array([[-5, 70000, 514]], np.int32), "I")
+    assert to_rgb(img)[0, :, 0].tolist() == [0, 255, 2]
+
+
+def test_grayscale_bilevel_and_la():
+    assert decode(encode(Image.fromarray(np.array([[0, 77, 255]], np.uint8), "L")))[0].tolist() == [
+        [0, 0, 0], [77, 77, 77], [255, 255, 255]]
+    bits = Image.new("1", (2, 1))
+    bits.putdata([0, 255])
+    assert decode(encode(bits))[0].tolist() == [[0, 0, 0], [255, 255, 255]]
+    la = Image.fromarray(np.array([[[90, 0], [91, 255]]], np.uint8), "LA")
+    assert decode(encode(la))[0].tolist() == [[90, 90, 90], [91, 91, 91]]
+
+
+def test_cmyk():
+    cmyk = Image.frombytes("CMYK", (3, 1), bytes([0, 0, 0, 0, 255, 0, 0, 0, 0, 0, 0, 255]))
+    out = decode(encode(cmyk, "TIFF"))
+    assert out[0].tolist() == [[255, 255, 255], [0, 255, 255], [0, 0, 0]]
+
+
+def test_one_pixel_image_resized():
+    out = decode(encode(Image.fromarray(np.array([[[9, 99, 199]]], np.uint8))), size=(4, 3))
+    assert out.shape == (4, 3, 3) and (out == [9, 99, 199]).all()
+
+
+def test_decompression_bomb_limit(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    over = encode(Image.new("RGB", (12, 12)))     # 144 pixels: PIL warns; vitlab refuses
+    far_over = encode(Image.new("RGB", (20, 20)))  # 400 pixels: PIL itself refuses
+    for data in (over, far_over):
+        with pytest.raises(DataError, match="decompression-bomb limit"):
+            decode(data)
+    assert decode(encode(Image.new("RGB", (10, 10)))).shape == (10, 10, 3)
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"not an image", b"\xff\xd8\xff\xe0" + b"\0" * 20, b"\x89PNG\r\n\x1a\n" + b"\0" * 30, b"GIF89a",
+])
+def test_not_an_image_is_a_data_error(data):
+    with pytest.raises(DataError, match="not a decodable image"):
+        decode(data)
+
+
+def test_error_names_the_file(tmp_path):
+    (tmp_path / "x.jpg").write_bytes(b"nope")
+    with pytest.raises(DataError, match=r"x\.jpg: not a decodable image: UnidentifiedImageError"):
+        decode_image(str(tmp_path / "x.jpg"))
+    with pytest.raises(DataError, match=r"missing\.png: no such file"):
+        decode_image(str(tmp_path / "missing.png"))
+
+
+def _png(path, value, mode="RGB", size=(4, 4)):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shape = (*size, 3) if mode == "RGB" else size
+    Image.fromarray(np.full(shape, value, np.uint8), mode).save(path)
+
+
+def test_a_data_set_of_every_kind_of_bad_file(tmp_path, caplog):
+    """Every bad file is skipped and counted exactly; every good one is loaded right."""
+    root = tmp_path / "data"
+    _png(root / "a" / "ok.png", 10)
+    _png(root / "a" / "gray.png", 20, "L")
+    _png(root / "b" / "ok.png", 30)                        # the same name in another class
+    _png(root / "c" / "only.png", 40)                      # a class with one image
+    (root / "empty").mkdir()                               # an empty class folder
+    good_jpeg = encode(Image.fromarray(np.full((4, 4, 3), 50, np.uint8)), "JPEG")
+    (root / "a" / "truncated.jpg").write_bytes(good_jpeg[: len(good_jpeg) // 2])
+    png = bytearray(encode(Image.fromarray(np.full((4, 4, 3), 60, np.uint8))))
+    png[-20] ^= 0xFF                                       # inside IDAT: a CRC mismatch
+    (root / "b" / "crc.png").write_bytes(bytes(png))
+    (root / "b" / "text.png").write_bytes(b"just text")    # not an image, with an image's name
+    (root / "c" / "empty.jpg").write_bytes(b"")
+    (root / "c" / "notes.txt").write_text("not an image") # ignored by extension, counted
+    with caplog.at_level(logging.WARNING):
+        data = load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)
+    assert data.classes == ["a", "b", "c", "empty"]
+    assert data.labels.tolist() == [0, 0, 1, 2]
+    assert data.images[:, 0, 0, 0].tolist() == [20, 10, 30, 40]
+    assert sorted(os.path.relpath(p, root) for p, _ in data.skipped) == [
+        "a/truncated.jpg", "b/crc.png", "b/text.png", "c/empty.jpg"]
+    assert all(reason.startswith("not a decodable image: ") for _, reason in data.skipped)
+    assert "skipped 4 unreadable image(s) of 8" in caplog.text
+    assert "1 class folder(s) hold no images: empty" in caplog.text
+    assert "ignored 1 file(s) that are not images by their extension (first: c/notes.txt" in caplog.text
+    assert scan_image_folder(root).ignored == ("c/notes.txt",)
+
+
+def test_non_utf8_file_and_folder_names(tmp_path):
+    root = tmp_path / "data"
+    raw = os.fsencode(root)
+    os.makedirs(raw + b"/caf\xe9")                                   # latin-1, not UTF-8
+    os.makedirs(raw + b"/dog")
+    for name, value in ((b"/caf\xe9/\xff\xfe.png", 11), (b"/dog/ok.png", 22)):
+        with open(raw + name, "wb") as f:
+            f.write(encode(Image.fromarray(np.full((2, 2, 3), value, np.uint8))))
+    with open(raw + b"/dog/\xfe.png", "wb") as f:
+        f.write(b"broken")
+    for _ in range(2):  # decoded, then read back from the cache
+        data = load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)
+        assert data.classes == [os.fsdecode(b"caf\xe9"), "dog"]
+        assert data.images[:, 0, 0, 0].tolist() == [11, 22]
+        assert [os.fsencode(p)[-6:] for p, _ in data.skipped] == [b"/\xfe.png"]
+    stream = FolderStream.from_path(root)
+    assert [None if s is None else int(s[0][0, 0, 0]) for s in stream] == [11, 22, None]  # sorted: "ok" < "\xfe"

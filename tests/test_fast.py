@@ -180,8 +180,8 @@ def test_fast_logits_and_gradients_equal_the_plain_models(family, kernels):
     fast.optimize(model.train(), kernels)
     fast_loss, fast_grads = loss_and_grads(model, x, bf16=False)
     torch.testing.assert_close(fast_loss, loss, rtol=1e-5, atol=1e-7)
-    for g, h in zip(grads, fast_grads):
-        torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-6)
+    for g, h in zip(grads, fast_grads):  # another GEMM sums in another order: tolerance on each tensor's scale
+        torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-5 * float(g.abs().max()) + 1e-7)
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(x), logits, rtol=1e-5, atol=1e-6)
 

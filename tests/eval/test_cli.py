@@ -148,5 +148,7 @@ def test_predict_on_a_file_that_is_no_image_is_one_line_naming_it(tmp_path, caps
     assert main(["predict", "--checkpoint", str(weights), str(fake)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("vitlab predict: error:") and "notanimage.jpg" in err[0]
-    with pytest.raises(OSError):  # --debug shows the traceback instead
+    from vitlab.data.sources import DataError
+
+    with pytest.raises(DataError, match="notanimage.jpg"):  # --debug shows the traceback instead
         main(["--debug", "predict", "--checkpoint", str(weights), str(fake)])

@@ -151,6 +151,9 @@ class ModelConfig(Section):
                 raise ConfigError(f"model (name={self.name!r}, overrides, img_size): {err}") from None
 
 
+STREAM_MODES = ("auto", "memory", "stream")
+
+
 @dataclass(frozen=True)
 class DataConfig(Section):
     """Where the examples come from and how they are split.
@@ -170,6 +173,13 @@ class DataConfig(Section):
                  training resolution; e.g. ``((24, 0.5),)`` for 32-pixel CIFAR.  A smaller
                  image makes a cheaper step; evaluation stays at the full size.  The model
                  gets ``dynamic_img_size``.
+    stream:      "memory" decodes the training set into RAM; "stream" reads it from disk in
+                 DataLoader workers (``vitlab.data.stream``: tar shards, brace patterns,
+                 large ImageFolders); "auto" streams shard sets, and folders whose decoded
+                 size would exceed ``memory_limit_gb``.
+    stream_workers: DataLoader worker processes per training process when streaming.
+    shuffle_buffer: samples each streaming worker holds for shuffling (0: read in order).
+    memory_limit_gb: the decoded size (N x 3 x H x W bytes) above which "auto" streams.
     """
 
     prefix = "data"
@@ -181,9 +191,18 @@ class DataConfig(Section):
     decode_workers: int = 2
     cache_dir: Optional[str] = None
     progressive_sizes: tuple = ()
+    stream: str = "auto"
+    stream_workers: int = 2
+    shuffle_buffer: int = 1000
+    memory_limit_gb: float = 8.0
 
     def __post_init__(self) -> None:
         self.check_bools()
+        need_choice("data.stream", self.stream, STREAM_MODES)
+        for name in ("stream_workers", "shuffle_buffer"):
+            need_int(self.path(name), getattr(self, name), 0)
+        need(is_number(self.memory_limit_gb) and self.memory_limit_gb > 0, "data.memory_limit_gb",
+             self.memory_limit_gb, "expected a positive number of GB")
         need(self.source is None or isinstance(self.source, str), "data.source", self.source, "expected a path or None")
         need_count_or_fraction("data.val_split", self.val_split,
                                "a count (integer >= 1), a fraction in (0, 1), or 0 for none")
@@ -430,6 +449,7 @@ LEGACY_NAMES = {
     "train_examples": "data.train_examples", "class_subset": "data.class_subset",
     "decode_workers": "data.decode_workers", "cache_dir": "data.cache_dir",
     "progressive_sizes": "data.progressive_sizes",
+    **{name: f"data.{name}" for name in ("stream", "stream_workers", "shuffle_buffer", "memory_limit_gb")},
     **{name: f"augment.{name}" for name in (
         "crop", "crop_scale", "crop_pad", "flip", "alternate_flip", "randaug_ops", "randaug_magnitude",
         "mixup_alpha", "cutmix_alpha", "label_smoothing", "erase_prob")},
@@ -675,7 +695,8 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
         if source is None:
             raise ConfigError("data.source=None: give a data path (--data PATH: an ImageFolder folder or "
                               f".tar/.tar.gz) or a built-in source ({', '.join(BUILTIN_DATA)})")
-        if source not in BUILTIN_DATA and not Path(source).expanduser().exists():
+        if source not in BUILTIN_DATA and not any(c in source for c in "{*?[") and \
+                not Path(source).expanduser().exists():
             raise ConfigError(f"data.source={source!r}: no such file or folder")
     if cfg.model.init is not None and not Path(cfg.model.init).expanduser().exists():
         raise ConfigError(f"model.init={cfg.model.init!r}: no such file or folder")

@@ -1,0 +1,90 @@
+"""The trainer on streamed data: shard sets and large folders, resume, two processes."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitlab.config import ConfigError
+from vitlab.data.shards import pack_shards
+from vitlab.train import train
+from vitlab.train.checkpoint import list_checkpoints, load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_folder(root, classes=3, per_class=16, size=8):
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 80, (size, size, 3), dtype=np.uint8)
+            pixels[:, :, c] += 150
+            Image.fromarray(pixels).save(root / f"c{c}" / f"{i}.png")
+    return root
+
+
+@pytest.fixture
+def shard_set(tmp_path):
+    pack_shards(write_folder(tmp_path / "folder"), tmp_path / "shards", samples_per_shard=6)  # 48 samples, 8 shards
+    return tmp_path / "shards"
+
+
+def test_streamed_resume_is_bit_exact(tiny, shard_set):
+    cfg = tiny("run", data=str(shard_set), val_split=0, steps=8, ckpt_every=4, keep_ckpts=3, batch_size=16,
+               crop="pad", crop_pad=2, flip=True, stream_workers=2, shuffle_buffer=8)
+    full = train(cfg, verbose=False)
+    assert full["train_examples"] == 48 and full["steps"] == 8  # 8 steps of 16: over two and a half epochs
+    ckpts = list_checkpoints(f"{cfg.run.out}/checkpoints")
+    uninterrupted = load_checkpoint(ckpts[-1])
+    assert uninterrupted["stream"]["kind"] == "stream"
+    positions = uninterrupted["stream"]["ranks"][0]
+    assert sum(consumed for _, consumed in positions) > 0 and max(e for e, _ in positions) >= 2
+    shutil.move(str(ckpts[-1]), str(ckpts[-1]) + ".bak")  # as if the run died after step 4
+    resumed = train(cfg, resume=True, verbose=False)
+    again = load_checkpoint(ckpts[-1])
+    assert resumed["steps"] == 8
+    for k, v in uninterrupted["model"].items():
+        assert torch.equal(v, again["model"][k]), k
+    assert uninterrupted["stream"] == again["stream"]
+
+
+def test_stream_choice_and_refusals(tiny, shard_set, tmp_path):
+    with pytest.raises(ConfigError, match="data.val_split"):
+        train(tiny("a", data=str(shard_set), val_split=0.1), verbose=False)
+    with pytest.raises(ConfigError, match="data.stream='memory'"):
+        train(tiny("b", data=str(shard_set), val_split=0, stream="memory"), verbose=False)
+    # a folder whose decoded size exceeds memory_limit_gb is streamed, not decoded into memory
+    folder = write_folder(tmp_path / "big", classes=2, per_class=300)
+    summary = train(tiny("c", data=str(folder), val_split=0, memory_limit_gb=1e-6, steps=2, stream_workers=1),
+                    verbose=False)
+    assert summary["train_examples"] == 600
+    state = load_checkpoint(list_checkpoints(tmp_path / "c" / "checkpoints")[-1])
+    assert state["stream"]["kind"] == "stream"
+
+
+def test_torchrun_two_processes_stream_shards(tmp_path, shard_set):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vitlab",
+            "train", "--recipe", "demo", "--data", str(shard_set / "shard-{000000..000007}.tar"), "--val-split", "0",
+            "--steps", "4", "--batch-size", "16", "--img-size", "8", "--out", str(tmp_path / "run"), "--quiet",
+            "--set", "model.patch_size=4", "--set", "model.width=16", "--set", "model.depth=1",
+            "--set", "model.num_heads=2", "--set", "model.mlp_dim=32", "--set", "run.threads=1",
+            "--set", "run.eval_every=0", "--set", "run.tensorboard=false", "--set", "data.stream_workers=2"]
+    t = time.monotonic()
+    done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    assert summary["world_size"] == 2 and summary["steps"] == 4 and summary["train_examples"] == 48
+    state = load_checkpoint(list_checkpoints(tmp_path / "run" / "checkpoints")[-1])
+    ranks = state["stream"]["ranks"]
+    # 4 steps x 16 = 64 samples: 32 per rank, over its 2 readers
+    assert len(ranks) == 2 and all(len(r) == 2 for r in ranks)
+    print(f"torchrun 2 x 2 workers: {time.monotonic() - t:.1f} s")

@@ -39,7 +39,7 @@ def shard_set(tmp_path):
 
 def test_streamed_resume_is_bit_exact(tiny, shard_set):
     cfg = tiny("run", data=str(shard_set), val_split=0, steps=8, ckpt_every=4, keep_ckpts=3, batch_size=16,
-               crop="pad", crop_pad=2, flip=True, stream_workers=2, shuffle_buffer=8)
+               crop="pad", crop_pad=2, flip=True, **{"data.stream_workers": 2, "data.shuffle_buffer": 8})
     full = train(cfg, verbose=False)
     assert full["train_examples"] == 48 and full["steps"] == 8  # 8 steps of 16: over two and a half epochs
     ckpts = list_checkpoints(f"{cfg.run.out}/checkpoints")
@@ -60,11 +60,11 @@ def test_stream_choice_and_refusals(tiny, shard_set, tmp_path):
     with pytest.raises(ConfigError, match="data.val_split"):
         train(tiny("a", data=str(shard_set), val_split=0.1), verbose=False)
     with pytest.raises(ConfigError, match="data.stream='memory'"):
-        train(tiny("b", data=str(shard_set), val_split=0, stream="memory"), verbose=False)
+        train(tiny("b", data=str(shard_set), val_split=0, **{"data.stream": "memory"}), verbose=False)
     # a folder whose decoded size exceeds memory_limit_gb is streamed, not decoded into memory
     folder = write_folder(tmp_path / "big", classes=2, per_class=300)
-    summary = train(tiny("c", data=str(folder), val_split=0, memory_limit_gb=1e-6, steps=2, stream_workers=1),
-                    verbose=False)
+    cfg = tiny("c", data=str(folder), val_split=0, steps=2, **{"data.memory_limit_gb": 1e-6, "data.stream_workers": 1})
+    summary = train(cfg, verbose=False)
     assert summary["train_examples"] == 600
     state = load_checkpoint(list_checkpoints(tmp_path / "c" / "checkpoints")[-1])
     assert state["stream"]["kind"] == "stream"

@@ -449,7 +449,6 @@ LEGACY_NAMES = {
     "train_examples": "data.train_examples", "class_subset": "data.class_subset",
     "decode_workers": "data.decode_workers", "cache_dir": "data.cache_dir",
     "progressive_sizes": "data.progressive_sizes",
-    **{name: f"data.{name}" for name in ("stream", "stream_workers", "shuffle_buffer", "memory_limit_gb")},
     **{name: f"augment.{name}" for name in (
         "crop", "crop_scale", "crop_pad", "flip", "alternate_flip", "randaug_ops", "randaug_magnitude",
         "mixup_alpha", "cutmix_alpha", "label_smoothing", "erase_prob")},

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from vitlab.config import ConfigError, ViTConfig
+from vitlab.config import ConfigError, ResNetConfig, ViTConfig
 from vitlab.data.transforms import CROPS, TrainTransform
 
 OPTIMIZERS = ("adam", "sgd")
@@ -645,7 +645,8 @@ def parse_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) 
 
 
 def vit_config(model: ModelConfig, num_classes: int | None = None, dynamic_img_size: bool = False) -> ViTConfig:
-    """The ``ViTConfig`` a from-scratch model section builds (ConfigError names a bad field)."""
+    """The ``ViTConfig`` (or, for ``BiT-*`` names, ``ResNetConfig``) a from-scratch model
+    section builds (ConfigError names a bad field)."""
     from vitlab.config import replace as replace_model
     from vitlab.models.registry import get_config
 
@@ -655,15 +656,23 @@ def vit_config(model: ModelConfig, num_classes: int | None = None, dynamic_img_s
         overrides["img_size"] = model.img_size
     if num_classes is not None:
         overrides["num_classes"] = num_classes
-    if dynamic_img_size:
+    bit = isinstance(get_config(model.name), ResNetConfig)
+    if dynamic_img_size and not bit:
         overrides["dynamic_img_size"] = True
     model_cfg = get_config(model.name, **overrides)
     if new_name is not None:
         model_cfg = replace_model(model_cfg, name=new_name)
+    if bit:  # the BiT baselines (paper Table 7)
+        for field_name, value in (("model.pre_logits", model.pre_logits), ("model.mpp", model.mpp),
+                                  ("data.progressive_sizes", dynamic_img_size)):
+            if value:
+                raise ConfigError(f"{field_name}={value!r}: a ViT feature; model.name={model.name!r} is a BiT "
+                                  "ResNet (set it off: false / none / [])")
+        return model_cfg
     if model.pre_logits and model.init is None:
         model_cfg = replace_model(model_cfg, representation_size=model_cfg.width)
     if not isinstance(model_cfg, ViTConfig):
-        raise ConfigError(f"model.name={model.name!r}: the training engine trains ViTConfig models only")
+        raise ConfigError(f"model.name={model.name!r}: the training engine trains ViTConfig and BiT ResNet models only")
     return model_cfg
 
 

@@ -70,14 +70,16 @@ def test_stream_choice_and_refusals(tiny, shard_set, tmp_path):
     assert state["stream"]["kind"] == "stream"
 
 
-def test_torchrun_two_processes_stream_shards(tmp_path, shard_set):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_torchrun_two_processes_stream_shards(tmp_path, shard_set, mode):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vitlab",
             "train", "--recipe", "demo", "--data", str(shard_set / "shard-{000000..000007}.tar"), "--val-split", "0",
             "--steps", "4", "--batch-size", "16", "--img-size", "8", "--out", str(tmp_path / "run"), "--quiet",
             "--set", "model.patch_size=4", "--set", "model.width=16", "--set", "model.depth=1",
             "--set", "model.num_heads=2", "--set", "model.mlp_dim=32", "--set", "run.threads=1",
-            "--set", "run.eval_every=0", "--set", "run.tensorboard=false", "--set", "data.stream_workers=2"]
+            "--set", "run.eval_every=0", "--set", "run.tensorboard=false", "--set", "data.stream_workers=2",
+            "--stream", "stream"] + (["--fsdp"] if mode == "fsdp" else [])
     t = time.monotonic()
     done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -85,6 +87,7 @@ def test_torchrun_two_processes_stream_shards(tmp_path, shard_set):
     assert summary["world_size"] == 2 and summary["steps"] == 4 and summary["train_examples"] == 48
     state = load_checkpoint(list_checkpoints(tmp_path / "run" / "checkpoints")[-1])
     ranks = state["stream"]["ranks"]
-    # 4 steps x 16 = 64 samples: 32 per rank, over its 2 readers
     assert len(ranks) == 2 and all(len(r) == 2 for r in ranks)
-    print(f"torchrun 2 x 2 workers: {time.monotonic() - t:.1f} s")
+    # each rank: 4 steps x 8 = 32 samples from its 2 readers, which hold 2 shards x 6 = 12 samples an epoch
+    assert all(sum(12 * epoch + consumed for epoch, consumed in r) == 32 for r in ranks), ranks
+    print(f"torchrun {mode} 2 x 2 workers: {time.monotonic() - t:.1f} s")

@@ -91,3 +91,32 @@ def test_torchrun_two_processes_stream_shards(tmp_path, shard_set, mode):
     # each rank: 4 steps x 8 = 32 samples from its 2 readers, which hold 2 shards x 6 = 12 samples an epoch
     assert all(sum(12 * epoch + consumed for epoch, consumed in r) == 32 for r in ranks), ranks
     print(f"torchrun {mode} 2 x 2 workers: {time.monotonic() - t:.1f} s")
+
+
+def test_two_processes_equal_one_on_streamed_shards(tmp_path, shard_set):
+    # The global batch is a function of the readers (world_size x stream_workers = 2 in both
+    # runs), each reader's part augmented with its own seed: one process of two workers and
+    # two processes of one worker train on the same batches, so SGD gives the same weights.
+    from vitlab.weights import load_model
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    common = ["train", "--recipe", "demo", "--data", str(shard_set), "--val-split", "0", "--steps", "3",
+              "--batch-size", "16", "--img-size", "8", "--quiet", "--set", "optim.optimizer=sgd",
+              "--set", "optim.lr=0.1", "--set", "optim.weight_decay=0", "--set", "augment.crop=pad",
+              "--set", "augment.flip=true", "--set", "model.patch_size=4", "--set", "model.width=16",
+              "--set", "model.depth=1", "--set", "model.num_heads=2", "--set", "model.mlp_dim=32",
+              "--set", "run.threads=1", "--set", "run.eval_every=0", "--set", "run.tensorboard=false"]
+    launchers = {"one": ([sys.executable, "-m", "vitlab"], 2),
+                 "two": ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "vitlab"], 1)}
+    weights = {}
+    for name, (launcher, workers) in launchers.items():
+        done = subprocess.run(launcher + common + ["--out", str(tmp_path / name), "--set",
+                                                   f"data.stream_workers={workers}"],
+                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        summary = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+        assert summary["world_size"] == {"one": 1, "two": 2}[name]
+        weights[name] = load_model(summary["weights"]).state_dict()
+    for k, v in weights["one"].items():
+        torch.testing.assert_close(v, weights["two"][k], rtol=1e-5, atol=1e-6, msg=k)

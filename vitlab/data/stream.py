@@ -16,7 +16,7 @@ so each sample, is read by exactly one DataLoader worker of one rank per epoch. 
 a reader the samples pass through a shuffle buffer seeded by (seed, e, reader).
 
 A reader's sample sequence is therefore a pure function of (seed, epoch, reader), and
-each reader runs epoch after epoch without end.  Every batch carries its reader and how
+each reader runs epoch after epoch without end.  Every batch part carries its reader and how
 many samples of which epoch that reader has handed out; ``StreamLoader.state_dict()``
 keeps these counts for the batches the trainer actually took.  Resuming skips exactly
 that many samples in each reader (their bytes are read, not decoded): sample-exact, with
@@ -276,7 +276,10 @@ def _worker_init(_):
 class StreamLoader:
     """What the trainer iterates: endless (images, targets) micro-batches of this rank, resumable.
 
-    workers: DataLoader worker processes (each one reader); 0 reads in this process.
+    workers: DataLoader worker processes (each one reader); 0 reads in this process.  Each
+    worker makes ``batch_size / workers`` of every micro-batch (the count is lowered until
+    it divides), so a global batch is a function of the readers alone: two processes of
+    one worker each see the same global batches as one process of two workers.
     """
 
     def __init__(self, source: StreamSource, batch_size: int, *, image_size, transform=None, seed: int = 0,
@@ -287,10 +290,13 @@ class StreamLoader:
             raise DataError(f"{source.name}: {units} shard(s) for {world_size} processes; every process needs "
                             "at least one (pack more, smaller shards)")
         self.workers = max(0, min(workers, units // world_size))
+        while self.workers > 1 and batch_size % self.workers:  # each worker makes an equal part of a batch
+            self.workers -= 1
         if self.workers < workers:
-            log.warning("%s: %d units for %d processes: %d DataLoader worker(s) each instead of %d",
-                        source.name, units, world_size, self.workers, workers)
-        self.dataset = StreamDataset(source, batch_size, image_size=image_size, transform=transform, seed=seed,
+            log.warning("%s: %d units for %d processes, micro-batch %d: %d DataLoader worker(s) each instead of %d",
+                        source.name, units, world_size, batch_size, self.workers, workers)
+        self.dataset = StreamDataset(source, batch_size // max(1, self.workers), image_size=image_size,
+                                     transform=transform, seed=seed,
                                      shuffle_buffer=shuffle_buffer, rank=rank, world_size=world_size,
                                      workers=max(1, self.workers))
         self.world_size, self.device = world_size, torch.device(device or "cpu")
@@ -330,7 +336,12 @@ class StreamLoader:
         loader = DataLoader(self.dataset, batch_size=None, num_workers=self.workers,
                             worker_init_fn=_worker_init if self.workers else None,
                             persistent_workers=False, pin_memory=self.device.type == "cuda")
+        parts = []
         for x, y, worker, epoch, consumed in loader:
             self.positions[worker] = (int(epoch), int(consumed))
             self.next_reader = (int(worker) + 1) % self.dataset.workers
-            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            parts.append((x, y))
+            if len(parts) == self.dataset.workers:  # one part from every worker of this rank
+                x, y = (torch.cat(t) for t in zip(*parts)) if len(parts) > 1 else parts[0]
+                parts = []
+                yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)

@@ -176,10 +176,10 @@ def folder_source(source: str, cache_dir=None, seed: int = 0, index=None) -> Str
         index = scan_image_folder(resolve_data_path(source, cache_dir))
     order = np.random.Generator(np.random.PCG64(seed)).permutation(len(index))
     paths, labels = list(index.paths), np.asarray(index.labels)
-    units = [tuple(int(i) for i in order[s : s + FOLDER_CHUNK]) for s in range(0, len(order), FOLDER_CHUNK)]
+    units = [(s, min(s + FOLDER_CHUNK, len(order))) for s in range(0, len(order), FOLDER_CHUNK)]  # slices of order
 
     def read(unit) -> Iterator[tuple[str, object, int]]:
-        for i in unit:
+        for i in order[unit[0] : unit[1]]:
             yield str(paths[i]), str(paths[i]), int(labels[i])
 
     return StreamSource(units, read, list(index.classes), len(index), name=source)

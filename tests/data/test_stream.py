@@ -122,3 +122,31 @@ def test_resume_continues_sample_exactly(shards):
     other = StreamLoader(source, 4, image_size=(8, 8), seed=1, workers=1)
     with pytest.raises(DataError, match="workers=2"):
         other.load_state_dict(state)
+
+
+def test_multi_label_samples_give_multi_hot_targets(tmp_path):
+    from vitlab.data.transforms import TrainTransform, build_transform
+
+    out = tmp_path / "jft"
+    out.mkdir()
+    (out / "classes.txt").write_text("a\nb\nc\nd\n")
+    labels = [[0, 2], [1], [3, 1, 0]]
+    with tarfile.open(out / "0000.tar", "w") as tar:
+        for i, label in enumerate(labels):
+            buf = io.BytesIO()
+            Image.new("RGB", (8, 8), (i, 0, 0)).save(buf, format="PNG")
+            members = ((f"{i:04d}.png", buf.getvalue()), (f"{i:04d}.json", json.dumps({"labels": label}).encode()))
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    source = open_source(str(out))
+
+    def targets(**augment):
+        transform = build_transform(TrainTransform(num_classes=4, image_size=(8, 8), crop="none", flip=False,
+                                                   **augment))
+        return next(iter(StreamDataset(source, 3, image_size=(8, 8), shuffle_buffer=0, transform=transform)))[1]
+
+    assert targets().tolist() == [[1, 0, 1, 0], [0, 1, 0, 0], [1, 1, 0, 1]]
+    with pytest.raises(DataError, match="label_smoothing=0"):
+        targets(label_smoothing=0.1)

@@ -23,7 +23,8 @@ SHORTCUTS = {
     "model": "model.name", "data": "data.source", "val_split": "data.val_split", "time_limit": "run.time_limit",
     "steps": "optim.steps", "batch_size": "optim.batch_size", "lr": "optim.lr", "out": "run.out",
     "precision": "run.precision", "accum_steps": "optim.accum_steps", "seed": "run.seed", "img_size": "model.img_size",
-    "fsdp": "run.fsdp", "compile": "run.compile", "stream": "data.stream", "fast": "run.fast", "retain_freed_memory": "run.retain_freed_memory",
+    "fsdp": "run.fsdp", "compile": "run.compile", "fast": "run.fast", "retain_freed_memory": "run.retain_freed_memory",
+    "stream": "data.stream",
 }
 
 

@@ -3,7 +3,8 @@
 Sources (``open_source``):
 
 * a folder of WebDataset-style tar shards: ``<key>.jpg``/``.jpeg``/``.png``/... + ``<key>.cls``
-  (ASCII label) or ``<key>.json`` (``{"label": 3}``), what ``vitlab pack-shards`` writes
+  (ASCII label; "3,17" for several) or ``<key>.json`` (``{"label": 3}``; ``{"labels": [3, 17]}``:
+  multi-hot targets for the sigmoid cross-entropy of JFT-style pre-training), what ``vitlab pack-shards`` writes
   (its ``index.json`` gives the class names and sample count) and what other tools write
   (then ``classes.txt``, one class name a line, or ``classes.json`` beside the shards);
 * a brace pattern ``shards/{000000..000099}.tar`` or a glob ``shards/*.tar``;
@@ -104,15 +105,20 @@ class StreamSource:
     skipped: list = field(default_factory=list)
 
 
-def _shard_label(fields: dict[str, bytes]) -> int:
+def _shard_label(fields: dict[str, bytes]):
+    """An int, or a tuple of ints for a multi-label sample (JFT-style: ``.cls`` "3,17" or
+    ``.json`` {"labels": [3, 17]})."""
     if "cls" in fields:
-        return int(fields["cls"].decode().strip())
+        text = fields["cls"].decode().strip()
+        return tuple(int(v) for v in text.split(",")) if "," in text else int(text)
     if "json" in fields:
         meta = json.loads(fields["json"])
+        if isinstance(meta.get("labels"), list):
+            return tuple(int(v) for v in meta["labels"])
         for key in ("label", "cls", "class"):
             if key in meta:
                 return int(meta[key])
-        raise ValueError(f"the .json has no label field (expected one of label, cls, class): {sorted(meta)}")
+        raise ValueError(f"the .json has no label field (expected one of label, labels, cls, class): {sorted(meta)}")
     raise KeyError("no .cls or .json member")
 
 
@@ -261,12 +267,29 @@ class StreamDataset(IterableDataset):
             epoch, consumed = epoch + 1, 0
 
     def _batch(self, images, labels, ids, worker, reader, epoch, consumed):
-        x, y = torch.stack(images), torch.tensor(labels, dtype=torch.int64)
+        multi = any(isinstance(label, tuple) for label in labels)
+        first = [label[0] if isinstance(label, tuple) else label for label in labels]
+        x, y = torch.stack(images), torch.tensor(first, dtype=torch.int64)
         if self.transform is not None:
             generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, consumed, reader, 7))
             x, y = self.transform(x, y, generator, example_ids=torch.tensor(ids, dtype=torch.int64),
                                   epoch=epoch, seed=self.seed)
+            if multi:
+                y = multi_hot(labels, y)
         return x, y, worker, epoch, consumed
+
+
+def multi_hot(labels: list, targets: torch.Tensor) -> torch.Tensor:
+    """(B, K) targets with a 1 for every label of each sample (for ``optim.loss='sigmoid_xent'``),
+    replacing the transform's one-hot targets of the first label; refused when the transform
+    smoothed or mixed them (those assume one label)."""
+    if not bool(((targets == 0) | (targets == 1)).all()):
+        raise DataError("multi-label samples (a .cls of several labels or a .json 'labels' list) need plain "
+                        "targets: set augment.label_smoothing=0, augment.mixup_alpha=0 and augment.cutmix_alpha=0")
+    hot = torch.zeros_like(targets)
+    for row, label in enumerate(labels):
+        hot[row, list(label) if isinstance(label, tuple) else [label]] = 1.0
+    return hot
 
 
 def _worker_init(_):

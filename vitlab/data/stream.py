@@ -27,6 +27,7 @@ Decoding (resized to the training size) and augmentation run in the workers.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import itertools
 import json
@@ -174,12 +175,17 @@ def shard_source(source: str, paths: list[Path]) -> StreamSource:
 FOLDER_CHUNK = 256  # images per unit of a streamed folder
 
 
-def folder_source(source: str, cache_dir=None, seed: int = 0, index=None) -> StreamSource:
-    """An ImageFolder read from disk: chunks of ``FOLDER_CHUNK`` images of a seeded permutation."""
+@functools.lru_cache(maxsize=4)
+def scan_folder(source: str, cache_dir=None):
+    """``scan_image_folder`` of ``source``, listed once per process (14M files take a while)."""
     from vitlab.data.sources import resolve_data_path, scan_image_folder
 
-    if index is None:
-        index = scan_image_folder(resolve_data_path(source, cache_dir))
+    return scan_image_folder(resolve_data_path(source, cache_dir))
+
+
+def folder_source(source: str, cache_dir=None, seed: int = 0) -> StreamSource:
+    """An ImageFolder read from disk: chunks of ``FOLDER_CHUNK`` images of a seeded permutation."""
+    index = scan_folder(source, cache_dir)
     order = np.random.Generator(np.random.PCG64(seed)).permutation(len(index))
     paths, labels = list(index.paths), np.asarray(index.labels)
     units = [(s, min(s + FOLDER_CHUNK, len(order))) for s in range(0, len(order), FOLDER_CHUNK)]  # slices of order

@@ -96,9 +96,9 @@ def streams(cfg: TrainConfig, image_size: Pair) -> bool:
                           "use 'auto' or 'stream'")
     if data.stream != "auto" or shards:
         return data.stream == "stream" or shards
-    from vitlab.data.sources import resolve_data_path, scan_image_folder
+    from vitlab.data.stream import scan_folder
 
-    n = len(scan_image_folder(resolve_data_path(data.source, data.cache_dir)))
+    n = len(scan_folder(data.source, data.cache_dir))
     return n * 3 * image_size[0] * image_size[1] > data.memory_limit_gb * 1e9
 
 

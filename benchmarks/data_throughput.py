@@ -10,6 +10,9 @@
    what a small ViT costs here) fed with and without the background prefetch thread,
    in interleaved rounds, to see whether overlapping augmentation with compute pays.
 
+The streamed pipeline (JPEG tar shards decoded and augmented in DataLoader workers) is
+measured by ``benchmarks/stream_throughput.py``.
+
 Wall time depends on what else runs on the machine, so CPU seconds and the load average
 are printed alongside.
 

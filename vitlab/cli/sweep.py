@@ -28,6 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p, default_recipe=None)
 
 
+def resolve_val_split(value: float | None) -> float | int:
+    """The final run's ``data.val_split``: ``--val-split`` if given, else 0 (none held out)."""
+    if value is None:
+        return 0
+    return int(value) if float(value).is_integer() and value >= 1 else value
+
+
 def run(args: argparse.Namespace) -> int:
     from vitlab.config import ConfigError
     from vitlab.train import train
@@ -43,7 +50,9 @@ def run(args: argparse.Namespace) -> int:
     base_out = Path(cfg.run.out)
     runs = [replace(cfg, {"optim.lr": lr, "data.val_split": holdout, "run.out": str(base_out / f"lr_{lr:g}")})
             for lr in grid]
-    final_cfg = replace(cfg, {"run.out": str(base_out / "final")})
+    # the final retrain: the full training set, unless --val-split holds some out (not the recipe's split)
+    final_split = resolve_val_split(args.val_split)
+    final_cfg = replace(cfg, {"run.out": str(base_out / "final"), "data.val_split": final_split})
     for r in runs + [final_cfg]:  # every run is checked before the first one starts
         check_can_run(r, env_world_size())
 

@@ -2,7 +2,8 @@
 
     vitlab train --recipe cifar10_scratch --data ../shared/data/cifar10/cifar10-train.tar.gz \\
         --val-split 5000 --time-limit 30
-    torchrun --nproc_per_node=8 -m vitlab train --recipe paper_pretrain --model ViT-B/16 --data ...
+    torchrun --nproc_per_node=8 -m vitlab train --recipe paper_pretrain --model ViT-B/16 \\
+        --data 'shards/{000000..000999}.tar' --val-split 0 --accum-steps 4
 
 Every ``TrainConfig`` field can be changed with ``--set section.field=value`` (``--set
 optim.lr=0.01``; ``--set model.width=256`` for a ViTConfig field; the flat names of
@@ -23,6 +24,7 @@ SHORTCUTS = {
     "steps": "optim.steps", "batch_size": "optim.batch_size", "lr": "optim.lr", "out": "run.out",
     "precision": "run.precision", "accum_steps": "optim.accum_steps", "seed": "run.seed", "img_size": "model.img_size",
     "fsdp": "run.fsdp", "compile": "run.compile", "fast": "run.fast", "retain_freed_memory": "run.retain_freed_memory",
+    "stream": "data.stream",
 }
 
 
@@ -31,7 +33,12 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
     p.add_argument("--recipe", default=default_recipe, required=default_recipe is None,
                    help="a recipe of vitlab/configs/ (NAME or NAME:key=value or path/to/recipe.py)")
     p.add_argument("--model", help="registry name, e.g. ViT-B/16 (see `vitlab models`)")
-    p.add_argument("--data", help="ImageFolder folder, .tar/.tar.gz archive of one, or 'digits'")
+    p.add_argument("--data", help="ImageFolder folder, .tar/.tar.gz archive of one, 'digits', or tar shards to "
+                                  "stream: a folder of them, 'shards/{000000..000099}.tar' or 'shards/*.tar'")
+    p.add_argument("--stream", choices=("auto", "memory", "stream"),
+                   help="decode the training set into memory or stream it from disk in DataLoader workers "
+                        "(default auto: shards stream; a folder streams when decoded it would exceed "
+                        "data.memory_limit_gb)")
     p.add_argument("--val-split", type=float,
                    help="held-out validation examples: a count (5000) or a fraction (0.1); 0: none")
     p.add_argument("--time-limit", type=float, metavar="MINUTES",

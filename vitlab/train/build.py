@@ -16,7 +16,7 @@ from vitlab.eval.features import check_tta_shift
 from .config import TrainConfig, check_can_run, model_config
 from .distributed import World, init_world, wrap_model
 from .ema import EMA
-from .inputs import Splits, build_splits
+from .inputs import Splits, build_splits, stream_splits, streams
 from .memory import retain_freed_memory
 from .optim import build_optimizer
 
@@ -123,7 +123,8 @@ def build(cfg: TrainConfig) -> Setup:
 
     img_size = training_size(cfg)
     check_tta_shift(cfg.run.final_eval_shift, img_size, "run.final_eval_shift")
-    splits = build_splits(cfg, img_size)
+    streamed = streams(cfg, img_size)
+    splits = stream_splits(cfg) if streamed else build_splits(cfg, img_size)
     num_classes = len(splits.classes)
 
     model = build_model(cfg, num_classes).to(world.device)
@@ -140,15 +141,22 @@ def build(cfg: TrainConfig) -> Setup:
         trained = torch.compile(trained)
 
     batch, accum = cfg.optim.batch_size, cfg.optim.accum_steps
-    if len(splits.train_labels) < batch // accum:
-        raise ConfigError(f"optim.batch_size={batch}: the training split has only {len(splits.train_labels)} "
+    if splits.train_count() < batch // accum:
+        raise ConfigError(f"optim.batch_size={batch}: the training split has only {splits.train_count()} "
                           f"examples, fewer than one micro-batch step of {batch // accum}")
     micro_batch = batch // (accum * world.size)
-    stream = BatchStream(
-        splits.train_images, splits.train_labels, micro_batch, shuffle=True, seed=cfg.run.seed, drop_last=True,
-        transform=build_transform(cfg.augment.transform(num_classes, img_size)), device=world.device,
-        rank=world.rank, world_size=world.size,
-    )
+    transform = build_transform(cfg.augment.transform(num_classes, img_size))
+    if streamed:
+        from vitlab.data.stream import StreamLoader
+
+        stream = StreamLoader(splits.source, micro_batch, image_size=img_size, transform=transform,
+                              seed=cfg.run.seed, shuffle_buffer=cfg.data.shuffle_buffer, rank=world.rank,
+                              world_size=world.size, workers=cfg.data.stream_workers, device=world.device)
+    else:
+        stream = BatchStream(
+            splits.train_images, splits.train_labels, micro_batch, shuffle=True, seed=cfg.run.seed, drop_last=True,
+            transform=transform, device=world.device, rank=world.rank, world_size=world.size,
+        )
     evaluator = final_evaluator = None
     if splits.val_labels is not None and cfg.model.mpp is None:  # MPP has no classifier to score
         def evaluator_with(shift: int) -> Evaluator:

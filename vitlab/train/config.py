@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from vitlab.config import ConfigError, ViTConfig
+from vitlab.config import ConfigError, ResNetConfig, ViTConfig
 from vitlab.data.transforms import CROPS, TrainTransform
 
 OPTIMIZERS = ("adam", "sgd")
@@ -151,6 +151,9 @@ class ModelConfig(Section):
                 raise ConfigError(f"model (name={self.name!r}, overrides, img_size): {err}") from None
 
 
+STREAM_MODES = ("auto", "memory", "stream")
+
+
 @dataclass(frozen=True)
 class DataConfig(Section):
     """Where the examples come from and how they are split.
@@ -170,6 +173,13 @@ class DataConfig(Section):
                  training resolution; e.g. ``((24, 0.5),)`` for 32-pixel CIFAR.  A smaller
                  image makes a cheaper step; evaluation stays at the full size.  The model
                  gets ``dynamic_img_size``.
+    stream:      "memory" decodes the training set into RAM; "stream" reads it from disk in
+                 DataLoader workers (``vitlab.data.stream``: tar shards, brace patterns,
+                 large ImageFolders); "auto" streams shard sets, and folders whose decoded
+                 size would exceed ``memory_limit_gb``.
+    stream_workers: DataLoader worker processes per training process when streaming.
+    shuffle_buffer: samples each streaming worker holds for shuffling (0: read in order).
+    memory_limit_gb: the decoded size (N x 3 x H x W bytes) above which "auto" streams.
     """
 
     prefix = "data"
@@ -181,9 +191,18 @@ class DataConfig(Section):
     decode_workers: int = 2
     cache_dir: Optional[str] = None
     progressive_sizes: tuple = ()
+    stream: str = "auto"
+    stream_workers: int = 2
+    shuffle_buffer: int = 1000
+    memory_limit_gb: float = 8.0
 
     def __post_init__(self) -> None:
         self.check_bools()
+        need_choice("data.stream", self.stream, STREAM_MODES)
+        for name in ("stream_workers", "shuffle_buffer"):
+            need_int(self.path(name), getattr(self, name), 0)
+        need(is_number(self.memory_limit_gb) and self.memory_limit_gb > 0, "data.memory_limit_gb",
+             self.memory_limit_gb, "expected a positive number of GB")
         need(self.source is None or isinstance(self.source, str), "data.source", self.source, "expected a path or None")
         need_count_or_fraction("data.val_split", self.val_split,
                                "a count (integer >= 1), a fraction in (0, 1), or 0 for none")
@@ -626,7 +645,8 @@ def parse_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) 
 
 
 def vit_config(model: ModelConfig, num_classes: int | None = None, dynamic_img_size: bool = False) -> ViTConfig:
-    """The ``ViTConfig`` a from-scratch model section builds (ConfigError names a bad field)."""
+    """The ``ViTConfig`` (or, for ``BiT-*`` names, ``ResNetConfig``) a from-scratch model
+    section builds (ConfigError names a bad field)."""
     from vitlab.config import replace as replace_model
     from vitlab.models.registry import get_config
 
@@ -636,15 +656,23 @@ def vit_config(model: ModelConfig, num_classes: int | None = None, dynamic_img_s
         overrides["img_size"] = model.img_size
     if num_classes is not None:
         overrides["num_classes"] = num_classes
-    if dynamic_img_size:
+    bit = isinstance(get_config(model.name), ResNetConfig)
+    if dynamic_img_size and not bit:
         overrides["dynamic_img_size"] = True
     model_cfg = get_config(model.name, **overrides)
     if new_name is not None:
         model_cfg = replace_model(model_cfg, name=new_name)
+    if bit:  # the BiT baselines (paper Table 7)
+        for field_name, value in (("model.pre_logits", model.pre_logits), ("model.mpp", model.mpp),
+                                  ("data.progressive_sizes", dynamic_img_size)):
+            if value:
+                raise ConfigError(f"{field_name}={value!r}: a ViT feature; model.name={model.name!r} is a BiT "
+                                  "ResNet (set it off: false / none / [])")
+        return model_cfg
     if model.pre_logits and model.init is None:
         model_cfg = replace_model(model_cfg, representation_size=model_cfg.width)
     if not isinstance(model_cfg, ViTConfig):
-        raise ConfigError(f"model.name={model.name!r}: the training engine trains ViTConfig models only")
+        raise ConfigError(f"model.name={model.name!r}: the training engine trains ViTConfig and BiT ResNet models only")
     return model_cfg
 
 
@@ -675,7 +703,8 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
         if source is None:
             raise ConfigError("data.source=None: give a data path (--data PATH: an ImageFolder folder or "
                               f".tar/.tar.gz) or a built-in source ({', '.join(BUILTIN_DATA)})")
-        if source not in BUILTIN_DATA and not Path(source).expanduser().exists():
+        if source not in BUILTIN_DATA and not any(c in source for c in "{*?[") and \
+                not Path(source).expanduser().exists():
             raise ConfigError(f"data.source={source!r}: no such file or folder")
     if cfg.model.init is not None and not Path(cfg.model.init).expanduser().exists():
         raise ConfigError(f"model.init={cfg.model.init!r}: no such file or folder")

@@ -2,8 +2,9 @@
 
 Training reads batches from an in-memory uint8 tensor (``vitlab.data.BatchStream``),
 which suits the paper's transfer data sets (CIFAR, Pets, Flowers, VTAB-1k) and the
-small experiments here; ImageNet-scale data needs the shard streams of
-``vitlab.data.shards`` (not wired into this engine yet).
+small experiments here.  Data larger than memory (tar shards, brace patterns, large
+ImageFolders) is streamed instead: ``streams`` decides, ``stream_splits`` opens it and
+``vitlab.data.stream.StreamLoader`` reads it in DataLoader workers.
 """
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ class Splits:
     val_labels: torch.Tensor | None
     classes: list[str]
     skipped: int  # unreadable images left out while decoding
+    num_train: int | None = None  # a streamed training set's size (its images are not in memory)
+    source: object = None         # a streamed run's ``vitlab.data.stream.StreamSource``
+
+    def train_count(self) -> int:
+        return self.num_train if self.num_train is not None else len(self.train_labels)
 
 
 def load_dataset(cfg: TrainConfig, image_size: Pair):
@@ -72,3 +78,39 @@ def build_splits(cfg: TrainConfig, image_size: Pair) -> Splits:
         val_images, val_labels = images[val_idx], labels[val_idx]
         images, labels = images[train_idx], labels[train_idx]
     return Splits(images, labels, val_images, val_labels, classes, len(dataset.skipped))
+
+
+def streams(cfg: TrainConfig, image_size: Pair) -> bool:
+    """Whether the run streams its training set (``data.stream``; "auto": shard sets, and
+    folders whose decoded size exceeds ``data.memory_limit_gb``)."""
+    from vitlab.data.stream import is_stream_source
+
+    data = cfg.data
+    if data.source == "digits":
+        if data.stream == "stream":
+            raise ConfigError("data.stream='stream': the built-in digits source is in memory only; use 'auto'")
+        return False
+    shards = is_stream_source(data.source)
+    if data.stream == "memory" and shards:
+        raise ConfigError(f"data.stream='memory': data.source={data.source!r} is a shard set, which is streamed; "
+                          "use 'auto' or 'stream'")
+    if data.stream != "auto" or shards:
+        return data.stream == "stream" or shards
+    from vitlab.data.stream import scan_folder
+
+    n = len(scan_folder(data.source, data.cache_dir))
+    return n * 3 * image_size[0] * image_size[1] > data.memory_limit_gb * 1e9
+
+
+def stream_splits(cfg: TrainConfig) -> Splits:
+    """A streamed training set: its classes and size; no validation split (refused if asked)."""
+    from vitlab.data.stream import open_source
+
+    data = cfg.data
+    for name, value in (("val_split", data.val_split), ("train_examples", data.train_examples),
+                        ("class_subset", data.class_subset)):
+        if value:
+            raise ConfigError(f"data.{name}={value!r}: a streamed training set has none here; set it to 0 or () "
+                              "(--val-split 0), or decode the data into memory (data.stream='memory')")
+    source = open_source(data.source, data.cache_dir, seed=cfg.run.seed)
+    return Splits(None, None, None, None, list(source.classes), 0, num_train=source.num_samples, source=source)

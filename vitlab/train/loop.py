@@ -197,7 +197,7 @@ class Window:
         dt = time.monotonic() - self.t
         loss, correct, seen = all_reduce_sum([self.loss, self.correct, float(self.seen)], s.world)
         record = {
-            "step": step, "epoch": round(step * s.cfg.optim.batch_size / len(s.splits.train_labels), 3),
+            "step": step, "epoch": round(step * s.cfg.optim.batch_size / s.splits.train_count(), 3),
             "lr": lr, "loss": loss / s.world.size / max(self.steps, 1),
             "train_top1": correct / max(seen, 1), "grad_norm": self.grad_norm,
             "img_per_s": seen / max(dt, 1e-9), "elapsed_s": elapsed_s,
@@ -233,7 +233,7 @@ def finish(s: Setup, step: int, total_steps: int, last_val: dict, wall: float, w
         "val_loss": last_val.get("val_loss"),
         **{k: last_val[k] for k in ("val_top1_flip", "val_top1_single") if k in last_val},
         "train_loss": train_rows[-1]["loss"] if train_rows else None,
-        "train_examples": int(len(s.splits.train_labels)),
+        "train_examples": int(s.splits.train_count()),
         "val_examples": int(len(s.splits.val_labels)) if s.splits.val_labels is not None else 0,
         "skipped_images": s.splits.skipped,
         "wall_s": round(wall, 2),

@@ -1,0 +1,152 @@
+"""Streamed training data: sources, the split over ranks x workers, seeded order, resume."""
+import io
+import json
+import tarfile
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitlab.data.shards import pack_shards
+from vitlab.data.sources import DataError
+from vitlab.data.stream import StreamDataset, StreamLoader, expand_braces, is_stream_source, open_source
+
+
+def write_folder(root, classes=3, per_class=10, size=8):
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        (root / f"class{c}").mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(root / f"class{c}" / f"{i}.png")
+    return root
+
+
+@pytest.fixture
+def shards(tmp_path):
+    pack_shards(write_folder(tmp_path / "folder"), tmp_path / "shards", samples_per_shard=3)  # 30 samples, 10 shards
+    return tmp_path / "shards"
+
+
+def all_keys(ds, epoch, world, workers):
+    return [k for r in range(world) for w in range(workers) for k, _, _ in ds.keys(epoch, r, world, w, workers)]
+
+
+def test_expand_braces():
+    assert expand_braces("s/{008..011}.tar") == ["s/008.tar", "s/009.tar", "s/010.tar", "s/011.tar"]
+    assert expand_braces("{1..2}-{0..1}") == ["1-0", "1-1", "2-0", "2-1"]
+    with pytest.raises(DataError, match="backwards"):
+        expand_braces("{3..1}.tar")
+
+
+def test_two_ranks_two_workers_see_every_sample_exactly_once(shards):
+    source = open_source(str(shards))
+    assert source.num_samples == 30 and source.classes == ["class0", "class1", "class2"]
+    ds = StreamDataset(source, 4, image_size=(8, 8), seed=3, shuffle_buffer=5)
+    truth = sorted(k for u in source.units for k, _, _ in source.read(u))
+    for epoch in (0, 1):
+        keys = all_keys(ds, epoch, world=2, workers=2)
+        assert Counter(keys) == Counter(truth)  # every key once, none twice, none missing
+    # each reader's share is disjoint from the others' and not empty
+    shares = [{k for k, _, _ in ds.keys(0, r, 2, w, 2)} for r in range(2) for w in range(2)]
+    assert all(shares) and sum(map(len, shares)) == 30
+
+
+def test_same_seed_same_order_other_seed_or_epoch_other_order(shards):
+    source = open_source(str(shards))
+
+    def order(seed, epoch):
+        return [k for k, _, _ in StreamDataset(source, 4, image_size=(8, 8), seed=seed).keys(epoch, 1, 2, 0, 2)]
+
+    assert order(0, 0) == order(0, 0)
+    assert order(0, 0) != order(0, 1)
+    assert order(0, 0) != order(1, 0)
+
+
+def test_brace_pattern_and_folder_sources(shards, tmp_path):
+    pattern = str(shards / "shard-{000000..000009}.tar")
+    assert is_stream_source(pattern) and is_stream_source(str(shards))
+    assert len(open_source(pattern).units) == 10
+    folder = write_folder(tmp_path / "big", classes=2, per_class=300)
+    assert not is_stream_source(str(folder))
+    source = open_source(str(folder))
+    ds = StreamDataset(source, 4, image_size=(8, 8), seed=0)
+    keys = all_keys(ds, 0, world=2, workers=2)
+    assert len(keys) == 600 and len(set(keys)) == 600
+
+
+def test_foreign_shards_with_json_labels_and_classes_txt(tmp_path):
+    out = tmp_path / "webds"
+    out.mkdir()
+    for s in range(2):
+        with tarfile.open(out / f"{s:04d}.tar", "w") as tar:
+            for i in range(3):
+                buf = io.BytesIO()
+                Image.new("RGB", (5, 7), (s, i, 0)).save(buf, format="JPEG")
+                for name, data in ((f"{s}{i:04d}.jpg", buf.getvalue()),
+                                   (f"{s}{i:04d}.json", json.dumps({"label": i % 2}).encode())):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(DataError, match="classes.txt"):
+        open_source(str(out))
+    (out / "classes.txt").write_text("cat\ndog\n")
+    source = open_source(str(out / "{0000..0001}.tar"))
+    assert source.num_samples == 6 and source.classes == ["cat", "dog"]
+    x, y, *_ = next(iter(StreamDataset(source, 6, image_size=(8, 8), shuffle_buffer=0)))
+    assert x.shape == (6, 3, 8, 8) and sorted(y.tolist()) == [0, 0, 0, 0, 1, 1]
+
+
+def test_resume_continues_sample_exactly(shards):
+    source = open_source(str(shards))
+
+    def loader():
+        return StreamLoader(source, 4, image_size=(8, 8), seed=1, shuffle_buffer=4, workers=2)
+
+    straight = loader()
+    it = iter(straight)
+    expected = [next(it) for _ in range(12)]  # more than an epoch (30 samples): crosses into epoch 1
+    first = loader()
+    it = iter(first)
+    for _ in range(5):
+        next(it)
+    state = first.state_dict()
+    del it
+    resumed = loader()
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # the state survives a round trip through JSON
+    it = iter(resumed)
+    for want in expected[5:]:
+        x, y = next(it)
+        assert torch.equal(x, want[0]) and torch.equal(y, want[1])
+    other = StreamLoader(source, 4, image_size=(8, 8), seed=1, workers=1)
+    with pytest.raises(DataError, match="workers=2"):
+        other.load_state_dict(state)
+
+
+def test_multi_label_samples_give_multi_hot_targets(tmp_path):
+    from vitlab.data.transforms import TrainTransform, build_transform
+
+    out = tmp_path / "jft"
+    out.mkdir()
+    (out / "classes.txt").write_text("a\nb\nc\nd\n")
+    labels = [[0, 2], [1], [3, 1, 0]]
+    with tarfile.open(out / "0000.tar", "w") as tar:
+        for i, label in enumerate(labels):
+            buf = io.BytesIO()
+            Image.new("RGB", (8, 8), (i, 0, 0)).save(buf, format="PNG")
+            members = ((f"{i:04d}.png", buf.getvalue()), (f"{i:04d}.json", json.dumps({"labels": label}).encode()))
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    source = open_source(str(out))
+
+    def targets(**augment):
+        transform = build_transform(TrainTransform(num_classes=4, image_size=(8, 8), crop="none", flip=False,
+                                                   **augment))
+        return next(iter(StreamDataset(source, 3, image_size=(8, 8), shuffle_buffer=0, transform=transform)))[1]
+
+    assert targets().tolist() == [[1, 0, 1, 0], [0, 1, 0, 0], [1, 1, 0, 1]]
+    with pytest.raises(DataError, match="label_smoothing=0"):
+        targets(label_smoothing=0.1)

@@ -1,0 +1,122 @@
+"""The trainer on streamed data: shard sets and large folders, resume, two processes."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitlab.config import ConfigError
+from vitlab.data.shards import pack_shards
+from vitlab.train import train
+from vitlab.train.checkpoint import list_checkpoints, load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_folder(root, classes=3, per_class=16, size=8):
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 80, (size, size, 3), dtype=np.uint8)
+            pixels[:, :, c] += 150
+            Image.fromarray(pixels).save(root / f"c{c}" / f"{i}.png")
+    return root
+
+
+@pytest.fixture
+def shard_set(tmp_path):
+    pack_shards(write_folder(tmp_path / "folder"), tmp_path / "shards", samples_per_shard=6)  # 48 samples, 8 shards
+    return tmp_path / "shards"
+
+
+def test_streamed_resume_is_bit_exact(tiny, shard_set):
+    cfg = tiny("run", data=str(shard_set), val_split=0, steps=8, ckpt_every=4, keep_ckpts=3, batch_size=16,
+               crop="pad", crop_pad=2, flip=True, **{"data.stream_workers": 2, "data.shuffle_buffer": 8})
+    full = train(cfg, verbose=False)
+    assert full["train_examples"] == 48 and full["steps"] == 8  # 8 steps of 16: over two and a half epochs
+    ckpts = list_checkpoints(f"{cfg.run.out}/checkpoints")
+    uninterrupted = load_checkpoint(ckpts[-1])
+    assert uninterrupted["stream"]["kind"] == "stream"
+    positions = uninterrupted["stream"]["ranks"][0]
+    assert sum(consumed for _, consumed in positions) > 0 and max(e for e, _ in positions) >= 2
+    shutil.move(str(ckpts[-1]), str(ckpts[-1]) + ".bak")  # as if the run died after step 4
+    resumed = train(cfg, resume=True, verbose=False)
+    again = load_checkpoint(ckpts[-1])
+    assert resumed["steps"] == 8
+    for k, v in uninterrupted["model"].items():
+        assert torch.equal(v, again["model"][k]), k
+    assert uninterrupted["stream"] == again["stream"]
+
+
+def test_stream_choice_and_refusals(tiny, shard_set, tmp_path):
+    with pytest.raises(ConfigError, match="data.val_split"):
+        train(tiny("a", data=str(shard_set), val_split=0.1), verbose=False)
+    with pytest.raises(ConfigError, match="data.stream='memory'"):
+        train(tiny("b", data=str(shard_set), val_split=0, **{"data.stream": "memory"}), verbose=False)
+    # a folder whose decoded size exceeds memory_limit_gb is streamed, not decoded into memory
+    folder = write_folder(tmp_path / "big", classes=2, per_class=300)
+    cfg = tiny("c", data=str(folder), val_split=0, steps=2, **{"data.memory_limit_gb": 1e-6, "data.stream_workers": 1})
+    summary = train(cfg, verbose=False)
+    assert summary["train_examples"] == 600
+    state = load_checkpoint(list_checkpoints(tmp_path / "c" / "checkpoints")[-1])
+    assert state["stream"]["kind"] == "stream"
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_torchrun_two_processes_stream_shards(tmp_path, shard_set, mode):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vitlab",
+            "train", "--recipe", "demo", "--data", str(shard_set / "shard-{000000..000007}.tar"), "--val-split", "0",
+            "--steps", "4", "--batch-size", "16", "--img-size", "8", "--out", str(tmp_path / "run"), "--quiet",
+            "--set", "model.patch_size=4", "--set", "model.width=16", "--set", "model.depth=1",
+            "--set", "model.num_heads=2", "--set", "model.mlp_dim=32", "--set", "run.threads=1",
+            "--set", "run.eval_every=0", "--set", "run.tensorboard=false", "--set", "data.stream_workers=2",
+            "--stream", "stream"] + (["--fsdp"] if mode == "fsdp" else [])
+    t = time.monotonic()
+    done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    assert summary["world_size"] == 2 and summary["steps"] == 4 and summary["train_examples"] == 48
+    state = load_checkpoint(list_checkpoints(tmp_path / "run" / "checkpoints")[-1])
+    ranks = state["stream"]["ranks"]
+    assert len(ranks) == 2 and all(len(r) == 2 for r in ranks)
+    # each rank: 4 steps x 8 = 32 samples from its 2 readers, which hold 2 shards x 6 = 12 samples an epoch
+    assert all(sum(12 * epoch + consumed for epoch, consumed in r) == 32 for r in ranks), ranks
+    print(f"torchrun {mode} 2 x 2 workers: {time.monotonic() - t:.1f} s")
+
+
+def test_two_processes_equal_one_on_streamed_shards(tmp_path, shard_set):
+    # The global batch is a function of the readers (world_size x stream_workers = 2 in both
+    # runs), each reader's part augmented with its own seed: one process of two workers and
+    # two processes of one worker train on the same batches, so SGD gives the same weights.
+    from vitlab.weights import load_model
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    common = ["train", "--recipe", "demo", "--data", str(shard_set), "--val-split", "0", "--steps", "3",
+              "--batch-size", "16", "--img-size", "8", "--quiet", "--set", "optim.optimizer=sgd",
+              "--set", "optim.lr=0.1", "--set", "optim.weight_decay=0", "--set", "augment.crop=pad",
+              "--set", "augment.flip=true", "--set", "model.patch_size=4", "--set", "model.width=16",
+              "--set", "model.depth=1", "--set", "model.num_heads=2", "--set", "model.mlp_dim=32",
+              "--set", "run.threads=1", "--set", "run.eval_every=0", "--set", "run.tensorboard=false"]
+    launchers = {"one": ([sys.executable, "-m", "vitlab"], 2),
+                 "two": ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "vitlab"], 1)}
+    weights = {}
+    for name, (launcher, workers) in launchers.items():
+        done = subprocess.run(launcher + common + ["--out", str(tmp_path / name), "--set",
+                                                   f"data.stream_workers={workers}"],
+                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        summary = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+        assert summary["world_size"] == {"one": 1, "two": 2}[name]
+        weights[name] = load_model(summary["weights"]).state_dict()
+    for k, v in weights["one"].items():
+        torch.testing.assert_close(v, weights["two"][k], rtol=1e-5, atol=1e-6, msg=k)

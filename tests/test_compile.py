@@ -1,5 +1,10 @@
 """``torch.compile`` with a change of input size (progressive resizing), forward and backward,
-for the plain ViT and the hybrid, plain and under the fast layer: the compiled step equals eager."""
+for the plain ViT and the hybrid, plain and under the fast layer: the compiled step equals eager.
+
+Compiled as the trainer compiles (``vitlab/train/build.py``): ``dynamic=False``, one graph per
+size.  With symbolic sizes, inductor's backward of the hybrid's root convolution asserted a
+contiguous stride on its channels-last output after a size change (``expected size 4==4,
+stride 2048==512 at dim=0``), once dynamo had seen a second size of the same code."""
 from __future__ import annotations
 
 import shutil
@@ -33,8 +38,8 @@ def test_compiled_training_survives_a_change_of_input_size(family, optimized):
         model.head.weight.normal_()
     if optimized:
         fast.optimize(model)
-    compiled = torch.compile(model)
-    for size in (8, 16, 8, 16):  # a recompile with a symbolic size after the first change
+    compiled = torch.compile(model, dynamic=False)
+    for size in (8, 16, 8, 16):  # a graph per size
         x = torch.randn(4, 3, size, size)
         model.zero_grad()
         compiled(x).square().sum().backward()

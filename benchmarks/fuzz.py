@@ -18,8 +18,7 @@ insertions, deletions, truncation, splices of two seeds):
 Any other exception is a failure: it is printed, and with ``--save`` the input is written
 to the target's corpus folder (tests/data/fuzz_corpus/<target>/ or
 tests/weights/fuzz_corpus/<target>/), where the tests replay it on every run.  The tests
-run the same targets for a short budget with hypothesis (tests/data/test_fuzz.py,
-tests/weights/test_fuzz_weights.py).
+run the same targets for a short budget with hypothesis (tests/test_fuzz.py).
 """
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from vitlab.data import BatchStream, TrainTransform, build_transform, load_in_memory  # noqa: E402
 
-DEFAULT_ARCHIVE = "/work/shared/data/cifar10/cifar10-train.tar.gz"
+DEFAULT_ARCHIVE = "../shared/data/cifar10/cifar10-train.tar.gz"
 
 
 def cpu_seconds() -> float:

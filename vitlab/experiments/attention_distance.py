@@ -1,7 +1,7 @@
 """Mean attention distance per head against depth, for ViT and for the hybrid."""
 from __future__ import annotations
 
-from vitlab.experiments.common import (hybrid_overrides, load_images, load_trained, split, train_vit,
+from vitlab.experiments.common import (CIFAR, hybrid_overrides, load_images, load_trained, split, train_vit,
                                        vit_overrides)
 
 TITLE = "mean attention distance per head against network depth"
@@ -11,7 +11,7 @@ SUMMARY = ("model", "layer")
 METRICS = ("mean_distance", "min_head", "max_head", "val_top1")
 QUICK = dict(steps=15, images=64)
 # 2 runs x 3 seeds x 10 minutes = 60 minutes
-DEFAULT = dict(data="/work/shared/data/cifar10/cifar10-train.tar.gz", img_size=32, val=5000, steps=100_000,
+DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
                minutes=10.0, batch=128, lr=2e-3, width=192, depth=6, heads=3, mlp=384, patch=4, images=512)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 DIGITS = "digits"
-CIFAR = "/work/shared/data/cifar10/cifar10-train.tar.gz"
+CIFAR = "../shared/data/cifar10/cifar10-train.tar.gz"  # relative to the repository root, as the README runs it
 
 
 @dataclass

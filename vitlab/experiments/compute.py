@@ -1,7 +1,7 @@
 """ViT, R+ViT hybrid and ResNet at matched training FLOPs."""
 from __future__ import annotations
 
-from vitlab.experiments.common import (hybrid_overrides, plot_lines, stem, train_resnet, train_vit,
+from vitlab.experiments.common import (CIFAR, hybrid_overrides, plot_lines, stem, train_resnet, train_vit,
                                        vit_overrides)
 
 TITLE = "accuracy against total training compute (FLOPs as `vitlab flops` counts them)"
@@ -11,7 +11,7 @@ SUMMARY = ("model", "budget")
 METRICS = ("val_top1", "train_eflops", "steps", "wall_s")
 QUICK = dict(budgets=[10, 30], steps=30)
 # budgets in steps of the plain ViT; 3 models x 3 budgets x 3 seeds; step-bounded, not time-limited: untimed (estimate ~60 minutes)
-DEFAULT = dict(data="/work/shared/data/cifar10/cifar10-train.tar.gz", img_size=32, val=5000, budgets=[150, 300, 600],
+DEFAULT = dict(data=CIFAR, img_size=32, val=5000, budgets=[150, 300, 600],
                steps=600, batch=128, lr=2e-3, width=192, depth=6, heads=3, mlp=384, patch=4)
 
 

@@ -1,7 +1,7 @@
 """ViT against a BiT ResNet of similar cost, trained on growing subsets of the data."""
 from __future__ import annotations
 
-from vitlab.experiments.common import (fewshot, load_trained, plot_lines, stem, train_resnet, train_vit,
+from vitlab.experiments.common import (CIFAR, fewshot, load_trained, plot_lines, stem, train_resnet, train_vit,
                                        vit_overrides)
 
 TITLE = "ViT vs ResNet against pre-training data size: fine-tuned and linear few-shot accuracy"
@@ -11,7 +11,7 @@ SUMMARY = ("model", "examples")
 METRICS = ("val_top1", "fewshot_5", "fewshot_10", "wall_s", "train_eflops")
 QUICK = dict(sizes=[200, 600, 1400], total=1797, steps=15, shots=[5, 10])
 # 10 runs x 3 seeds x 2 minutes = about 60 minutes on the 2-core CPU
-DEFAULT = dict(data="/work/shared/data/cifar10/cifar10-train.tar.gz", img_size=32, val=5000, total=50000,
+DEFAULT = dict(data=CIFAR, img_size=32, val=5000, total=50000,
                sizes=[2000, 5000, 10000, 20000, 45000], steps=100_000, minutes=2.0, batch=128, lr=2e-3,
                width=192, depth=6, heads=3, mlp=384, patch=4, shots=[5, 10, 25])
 

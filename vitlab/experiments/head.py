@@ -1,7 +1,7 @@
 """[class] token against global average pooling, at two learning rates."""
 from __future__ import annotations
 
-from vitlab.experiments.common import plot_bars, train_vit, vit_overrides
+from vitlab.experiments.common import CIFAR, plot_bars, train_vit, vit_overrides
 
 TITLE = "classifier: [class] token vs global average pooling"
 PAPER = ("Fig. 9: both reach the same accuracy, but GAP needs a lower learning rate "
@@ -10,7 +10,7 @@ SUMMARY = ("classifier", "lr")
 METRICS = ("val_top1", "wall_s")
 QUICK = dict(steps=15, lrs=[3e-3, 1e-3])
 # 4 settings x 3 seeds x 5 minutes = 60 minutes
-DEFAULT = dict(data="/work/shared/data/cifar10/cifar10-train.tar.gz", img_size=32, val=5000, steps=100_000,
+DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
                minutes=5.0, batch=128, lr=2e-3, width=192, depth=6, heads=3, mlp=384, patch=4, lrs=[8e-4, 3e-4])
 
 

@@ -1,7 +1,7 @@
 """Masked patch prediction pre-training then fine-tuning, against scratch at equal total time."""
 from __future__ import annotations
 
-from vitlab.experiments.common import plot_bars, train_vit, vit_overrides
+from vitlab.experiments.common import CIFAR, plot_bars, train_vit, vit_overrides
 
 TITLE = "masked patch prediction (self-supervised) pre-training vs training from scratch"
 PAPER = ("Sec. 4.6: MPP pre-training of ViT-B/16 on JFT gives 79.9% ImageNet, +2% over scratch "
@@ -10,7 +10,7 @@ SUMMARY = ("run",)
 METRICS = ("val_top1", "wall_s", "steps")
 QUICK = dict(steps=20)
 # 3 seeds x (MPP 6 + fine-tune 4 minutes, then scratch 10 minutes) = 60 minutes
-DEFAULT = dict(data="/work/shared/data/cifar10/cifar10-train.tar.gz", img_size=32, val=5000, steps=100_000,
+DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
                batch=128, lr=2e-3, width=192, depth=6, heads=3, mlp=384, patch=4, pretrain_minutes=6.0,
                finetune_minutes=4.0)
 

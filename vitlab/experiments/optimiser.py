@@ -1,7 +1,7 @@
 """Adam against SGD with momentum for the ResNet baseline."""
 from __future__ import annotations
 
-from vitlab.experiments.common import plot_bars, stem, train_resnet
+from vitlab.experiments.common import CIFAR, plot_bars, stem, train_resnet
 
 TITLE = "Adam vs SGD for the ResNet baseline"
 PAPER = ("Table 7 (BiT ResNets pre-trained on JFT, few-shot and fine-tuned transfer): Adam pre-training "
@@ -10,7 +10,7 @@ SUMMARY = ("optimizer", "lr")
 METRICS = ("val_top1", "wall_s")
 QUICK = dict(steps=20, settings=[["adam", 3e-3], ["sgd", 0.05]])
 # 4 runs x 3 seeds x 5 minutes = 60 minutes
-DEFAULT = dict(data="/work/shared/data/cifar10/cifar10-train.tar.gz", img_size=32, val=5000, steps=100_000,
+DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
                minutes=5.0, batch=128, settings=[["adam", 1e-3], ["adam", 3e-3], ["sgd", 0.03], ["sgd", 0.1]])
 
 

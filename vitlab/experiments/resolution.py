@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from vitlab.experiments.common import plot_lines, train_vit, vit_overrides
+from vitlab.experiments.common import CIFAR, plot_lines, train_vit, vit_overrides
 
 TITLE = "resolution: fine-tune at a higher resolution vs the same; speed and largest batch vs input size"
 PAPER = ("Sec. 3.2: fine-tuning at a higher resolution than pre-training helps (Touvron et al.); "
@@ -13,7 +13,7 @@ SUMMARY = ("part", "model", "img_size")
 METRICS = ("val_top1", "img_per_s", "largest_batch")
 QUICK = dict(steps=16, speed_models=["tiny"], speed_sizes=[16, 32], speed_batch=4, largest_limit=64)
 # 3 seeds x (pre 8 + 2 fine-tunes x 6 minutes) ~ 60 minutes, plus the speed sweep (minutes)
-DEFAULT = dict(data="/work/shared/data/cifar10/cifar10-train.tar.gz", img_size=32, val=5000, steps=100_000,
+DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
                batch=128, lr=2e-3, width=192, depth=6, heads=3, mlp=384, patch=4, pretrain_minutes=8.0,
                finetune_minutes=6.0, speed_models=["ViT-B/32", "ViT-B/16", "BiT-R50x1"], speed_sizes=[224, 288, 384],
                speed_batch=2, largest_limit=4096)

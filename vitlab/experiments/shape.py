@@ -1,7 +1,7 @@
 """Depth, width, MLP size and patch size scaled from one base model."""
 from __future__ import annotations
 
-from vitlab.experiments.common import plot_lines, train_vit, vit_overrides
+from vitlab.experiments.common import CIFAR, plot_lines, train_vit, vit_overrides
 
 TITLE = "scaling the model's shape: depth, width, MLP size, patch size"
 PAPER = ("Fig. 8: depth helps most (up to 64 layers, diminishing after 16), width least; a smaller patch "
@@ -10,7 +10,7 @@ SUMMARY = ("dimension", "value")
 METRICS = ("val_top1", "gflops", "params_m", "wall_s")
 QUICK = dict(steps=8)
 # 8 models (base, depth/width/MLP x0.5 and x2, patch x0.5) x 3 seeds x 2 minutes = 48 minutes
-DEFAULT = dict(data="/work/shared/data/cifar10/cifar10-train.tar.gz", img_size=32, val=5000, steps=100_000,
+DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
                minutes=2.0, batch=128, lr=2e-3, width=128, depth=4, heads=2, mlp=256, patch=4)
 
 

@@ -1,7 +1,7 @@
 """Pre-train on five classes, fine-tune on the other five at a higher resolution, against scratch."""
 from __future__ import annotations
 
-from vitlab.experiments.common import hybrid_overrides, plot_bars, train_vit
+from vitlab.experiments.common import CIFAR, hybrid_overrides, plot_bars, train_vit
 
 TITLE = "transfer: pre-train on five classes, fine-tune on the other five at 1.5x the resolution"
 PAPER = ("Sec. 3.2 / 4.2: pre-training then fine-tuning at a higher resolution (position embeddings "
@@ -11,7 +11,7 @@ METRICS = ("val_top1", "steps", "wall_s")
 QUICK = dict(steps=20, val=200)
 # the figures in experiments/results were measured with this model (was experiments/transfer_cifar5.py);
 # 3 seeds x (10 + 5 + 5) minutes = 60 minutes
-DEFAULT = dict(data="/work/shared/data/cifar10/cifar10-train.tar.gz", img_size=32, val=2500, steps=100_000,
+DEFAULT = dict(data=CIFAR, img_size=32, val=2500, steps=100_000,
                batch=256, lr=2e-3, pretrain_minutes=10.0, finetune_minutes=5.0, finetune_lr=0.01,
                model=dict(img_size=32, width=192, depth=6, num_heads=3, mlp_dim=384, gelu="exact", patch_size=1,
                           resnet=dict(layers=(1, 1), img_size=32), name="R8x1+ViT-CIFAR/1"))

@@ -7,6 +7,9 @@
 and of ``optimize(model)`` (LayerNorm and GELU outputs recomputed in the backward), fp32
 and bf16 autocast, with the bytes of activations each keeps for the backward.
 ``inference``: ViT-B/16 inference, plain against optimized, fp32 and bf16 autocast.
+``inference_options``: ViT-B/16 inference of the optimized model with its block chunks
+as large as the batch (``CHUNK_ROWS`` unbounded) and with ``hold_casts=True``, against the
+default, with the page faults per call of each.
 Every core, wall time, interleaved.  Findings: benchmarks/NOTES.md.
 """
 from __future__ import annotations
@@ -91,7 +94,47 @@ def exp_inference() -> None:
                     {label: infer(m) for label, m in models.items()}, rounds=rounds)
 
 
-EXPERIMENTS = {"recompute": exp_recompute, "inference": exp_inference}
+def _faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def exp_inference_options() -> None:
+    from vitlab.fast import modules
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    model = build_model(vitlab_config("ViT-B/16")).eval()
+    held = vitlab.fast.optimize(copy.deepcopy(model), hold_casts=True)
+    vitlab.fast.optimize(model)
+    default_rows = modules.CHUNK_ROWS
+    for batch, rounds in ((1, 11), (8, 5), (32, 3)):
+        x = torch.randn(batch, 3, 224, 224)
+        for amp in (False, True):
+            faults: dict[str, list[int]] = {}
+
+            def infer(m: torch.nn.Module, label: str, rows: int = default_rows) -> Callable[[], None]:
+                def go() -> None:
+                    modules.CHUNK_ROWS = rows
+                    before = _faults()
+                    with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=amp):
+                        m(x)
+                    faults.setdefault(label, []).append(_faults() - before)
+                    modules.CHUNK_ROWS = default_rows
+                return go
+
+            variants = {"default": infer(model, "default"),
+                        "one chunk per batch": infer(model, "one chunk per batch", rows=1 << 30)}
+            if amp:
+                variants["hold_casts=True"] = infer(held, "hold_casts=True")
+            compare(f"ViT-B/16 inference, batch {batch}, {'bf16 autocast' if amp else 'fp32'}", variants,
+                    rounds=rounds)
+            print("  page faults per call (median): "
+                  + ", ".join(f"{k} {sorted(v)[len(v) // 2]}" for k, v in faults.items()))
+
+
+EXPERIMENTS = {"recompute": exp_recompute, "inference": exp_inference, "inference_options": exp_inference_options}
 
 if __name__ == "__main__":
     sys.exit(run_experiments(EXPERIMENTS, sys.argv[1:], __doc__))

@@ -113,7 +113,29 @@ def exp_packing() -> None:
             }, rounds=9)
 
 
-EXPERIMENTS = {"choice": exp_choice, "matmuls": exp_matmuls, "dense_layers": exp_dense_layers,
+def exp_attention() -> None:
+    """softmax(q k^T / sqrt(d)) v at ViT shapes, no autograd: PyTorch's fused kernel
+    (``scaled_dot_product_attention``, flash attention on a CPU) against two matmuls and a
+    softmax, fp32 and bf16; the fast path attends explicitly in bf16 (``vitlab/fast/modules.py``)."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    # (images, heads, tokens): ViT-B/16 at batch 1 and at 4 (a chunk of 1024 tokens at most),
+    # ViT-S/16 at 4, the CIFAR-size ViT at 16, ViT-B/16 at 384 px
+    for images, heads, tokens in ((1, 12, 197), (4, 12, 197), (4, 6, 197), (16, 3, 65), (1, 12, 577)):
+        for dtype in (torch.float32, torch.bfloat16):
+            qkv = torch.randn(images, tokens, 3, heads, 64).to(dtype)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # views of the fused projection, as in the model
+
+            def explicit() -> torch.Tensor:
+                return ((q * 64 ** -0.5) @ k.transpose(-2, -1)).softmax(-1) @ v
+
+            with torch.no_grad():
+                compare(f"attention, {images} x {heads} heads x {tokens} tokens, {str(dtype)[6:]}",
+                        {"fused kernel": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                         "two matmuls and a softmax": explicit}, rounds=9)
+
+
+EXPERIMENTS = {"attention": exp_attention, "choice": exp_choice, "matmuls": exp_matmuls, "dense_layers": exp_dense_layers,
                "packing": exp_packing}
 
 if __name__ == "__main__":

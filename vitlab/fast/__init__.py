@@ -25,7 +25,7 @@ from .modules import FastBlock, FastLinear, FastOptions, install, installed, uni
 
 
 def optimize(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True,
-             hold_casts: bool = True) -> nn.Module:
+             hold_casts: bool = False) -> nn.Module:
     """Install the fast path on ``model`` in place and return it.
 
     kernels: the CPU kernels (default ``choose()``: this CPU's stored calibration, else the rule).
@@ -54,7 +54,7 @@ def is_optimized(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def optimized(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True,
-              hold_casts: bool = True) -> Iterator[nn.Module]:
+              hold_casts: bool = False) -> Iterator[nn.Module]:
     """``optimize`` for the ``with`` block; on exit the model is as it was (options included)."""
     before = installed(model)
     optimize(model, kernels, recompute, hold_casts)

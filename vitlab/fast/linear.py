@@ -20,9 +20,14 @@ from torch.autograd.function import once_differentiable
 from .kernels import KernelChoice
 
 
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` by oneDNN's matmul on the plain weight (CPU, fp32 or bf16; no autograd)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  gelu: str | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by oneDNN's matmul on the plain weight (CPU, fp32 or bf16; no
+    autograd); then ``F.gelu(.., approximate=gelu)`` when given, applied to the accumulator as
+    the result is written (in bf16: before its rounding)."""
+    if gelu is None:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "gelu", [], gelu)
 
 
 def mode_for(x: torch.Tensor, kernels: KernelChoice) -> str:

@@ -7,12 +7,15 @@ the final weights are bit-equal (torch.equal, every tensor) to an uninterrupted 
 
 The run: a ViT of 4 blocks (width 32, 4x4 patches) on a synthetic ImageFolder of 5
 classes x 16 images of 16x16 pixels, batch 16, Adam, dropout 0.1, random crops and flips
-(every kind of state a resume must restore), a checkpoint every 5 steps, keeping 2; one
+(every kind of state a resume must restore), 200 steps (``--steps``) with a checkpoint
+every 5, keeping 2; one
 thread (OMP_NUM_THREADS=1, run.threads=1) so that the arithmetic is deterministic.
 
 A random kill waits for the launch to start training (its ``config.json`` rewritten),
-then a seeded random share (0 to 90 %) of the training time left (the uninterrupted
-run's, times the share of steps after the checkpoint resumed from), and sends SIGKILL.
+then a seeded random moment of the training time left (the uninterrupted run's, from
+its first step to its last checkpoint, times the share of steps after the checkpoint
+resumed from): uniform in [0, 2/k) of it with k kills still to make, at most 90 %, so
+that the kills spread over the whole run; and sends SIGKILL.
 It "landed in a write" when a checkpoint's temporary file is left behind.  A kill aimed
 at a write sets ``VITLAB_CKPT_WRITE_PAUSE`` (checkpoint.py holds every write open that
 long) and fires as soon as a temporary file appears.  After every kill the run is
@@ -60,7 +63,7 @@ def make_data(root: Path, classes: int = 5, per_class: int = 16) -> Path:
 def train_args(data: Path, out: Path, cache: Path, steps: int, ckpt_every: int = 5) -> list[str]:
     """`vitlab train` arguments of the run described above."""
     sets = {f"model.{k}": v for k, v in MODEL.items()} | {
-        "data.decode_workers": 0, f"data.cache_dir": cache, "run.threads": 1, "run.tensorboard": "false",
+        "data.decode_workers": 0, "data.cache_dir": cache, "run.threads": 1, "run.tensorboard": "false",
         "run.ckpt_every": ckpt_every, "run.keep_ckpts": 2, "run.log_every": 5, "optim.warmup": 3,
         "augment.crop": "pad", "augment.crop_pad": 2, "augment.flip": "true"}
     args = ["train", "--recipe", "demo", "--data", str(data), "--val-split", "0", "--steps", str(steps),
@@ -119,15 +122,17 @@ def training_started(out: Path, since: float):
 
 
 def reference_run(data: Path, out: Path, cache: Path, steps: int) -> tuple[dict, float]:
-    """The uninterrupted run: (its summary, seconds from its first step to its end)."""
+    """The uninterrupted run: (its summary, seconds from its first step to its last checkpoint)."""
     since = time.time()
     proc = launch(train_args(data, out, cache, steps), environment())
     wait_for(training_started(out, since), proc)
     t_train = time.monotonic()
+    wait_for(lambda: (out / "checkpoints" / f"ckpt-{steps:08d}.pt").exists(), proc)
+    train_s = time.monotonic() - t_train
     code, stdout, stderr = finish(proc)
     if code != 0:
         raise RuntimeError(f"the uninterrupted run failed:\n{stderr[-3000:]}")
-    return last_json(stdout), time.monotonic() - t_train
+    return last_json(stdout), train_s
 
 
 def last_json(text: str) -> dict:
@@ -163,26 +168,29 @@ def kill_and_resume(workdir: Path, kills: int, write_kills: int, seed: int, step
     plan = ["write"] * write_kills + ["random"] * (kills - write_kills)
     rng.shuffle(plan)
     events, resume = [], False
-    for kind in plan:
+    for number, kind in enumerate(plan):
+        done = int(checkpoints(out)[-1][5:13]) if checkpoints(out) else 0  # the step the next launch resumes at
+        if done >= steps:  # an earlier kill came after the last step: nothing left to interrupt
+            break
         args = train_args(data, out, cache, steps) + (["--resume"] if resume else [])
         since = time.time()
         if kind == "write":
             proc = launch(args, environment(VITLAB_CKPT_WRITE_PAUSE="1.0"))
             reached = wait_for(lambda: bool(partial_writes(out)), proc)
         else:
-            done = int(checkpoints(out)[-1][5:13]) if checkpoints(out) else 0  # the step this launch resumes at
             proc = launch(args, environment())
             reached = wait_for(training_started(out, since), proc)
-            if reached:  # a random moment of what is left to train
-                time.sleep(rng.uniform(0.0, 0.9) * train_s * (steps - done) / steps)
+            if reached:  # a random moment of what is left, spread so that the kills cover the whole run
+                left_s, kills_left = train_s * (steps - done) / steps, len(plan) - number
+                time.sleep(min(rng.uniform(0.0, 2.0) / kills_left, 0.9) * left_s)
         killed = reached and kill(proc)
         if not killed:  # the run ended before the moment came
             code, _, stderr = finish(proc)
-            events.append({"kind": kind, "killed": False, "exit": code})
+            events.append({"kind": kind, "killed": False, "resumed_at": done, "exit": code})
             if code != 0:
                 raise RuntimeError(f"a launch failed:\n{stderr[-3000:]}")
             break
-        events.append({"kind": kind, "killed": True, "in_write": bool(partial_writes(out)),
+        events.append({"kind": kind, "killed": True, "resumed_at": done, "in_write": bool(partial_writes(out)),
                        "checkpoints_left": checkpoints(out)})
         resume = True
     proc = launch(train_args(data, out, cache, steps) + (["--resume"] if resume else []), environment())
@@ -193,7 +201,7 @@ def kill_and_resume(workdir: Path, kills: int, write_kills: int, seed: int, step
     equal, tensors = weights_equal(reference["weights"], summary["weights"])
     made = [e for e in events if e["killed"]]
     return {
-        "steps": steps, "seed": seed, "kills": len(made), "aimed_at_writes": sum(e["kind"] == "write" for e in made),
+        "steps": steps, "seed": seed, "reference_train_s": round(train_s, 2), "kills": len(made), "aimed_at_writes": sum(e["kind"] == "write" for e in made),
         "landed_in_writes": sum(e["in_write"] for e in made), "ended_before_kill": len(events) - len(made),
         "bit_equal": equal, "tensors": tensors, "partial_files_left": partial_writes(out),
         "final_steps": summary["steps"], "events": events,
@@ -250,7 +258,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=10, help="SIGKILLs in all")
     parser.add_argument("--write-kills", type=int, default=2, help="of them, aimed inside a checkpoint write")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torchrun", action="store_true", help="the 2-process torchrun restart instead")
     parser.add_argument("--workdir", help="keep the runs here (default: a temporary folder)")

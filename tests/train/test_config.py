@@ -61,7 +61,11 @@ def test_sections_check_themselves_when_built():
     refused("model.overrides", lambda: ModelConfig(overrides=[("width", 3)]))
     refused("model.name='ViT-Q/16'", lambda: ModelConfig(name="ViT-Q/16"))
     refused("run.time_measure_steps=0", lambda: RunConfig(time_measure_steps=0))
-    refused("run.precision='fp16'", lambda: RunConfig(precision="fp16"))
+    refused("run.precision='fp8'", lambda: RunConfig(precision="fp8"))
+    refused("run.on_nonfinite='ignore': allowed values are 'stop', 'skip'", lambda: RunConfig(on_nonfinite="ignore"))
+    refused("run.loss_scale=0", lambda: RunConfig(loss_scale=0))
+    refused("run.max_skipped_steps=-1", lambda: RunConfig(max_skipped_steps=-1))
+    refused("fp16.*fsdp", lambda: TrainConfig(run=RunConfig(precision="fp16", fsdp=True)))
     refused("fsdp", lambda: TrainConfig(optim=OptimConfig(ema_decay=0.9), run=RunConfig(fsdp=True)))
     refused("optim", lambda: TrainConfig(optim={"lr": 0.1}))
     with pytest.raises(ConfigError, match="optim.lr"):  # replace builds the changed section anew

@@ -53,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, OSError) as err:  # configuration and input errors (a file that is no image: PIL's
-        if args.debug:                    # UnidentifiedImageError is an OSError): one line, no traceback
+    # configuration and input errors (a file that is no image: PIL's UnidentifiedImageError is an
+    # OSError), a checkpoint that cannot be written (OSError), a training loss that is NaN
+    # (FloatingPointError): one line, no traceback
+    except (ValueError, OSError, FloatingPointError) as err:
+        if args.debug:
             raise
         print(f"vitlab {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -48,8 +48,8 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
     p.add_argument("--accum-steps", type=int, help="gradient accumulation: micro-batches per step")
     p.add_argument("--lr", type=float, help="base learning rate")
     p.add_argument("--img-size", type=int, help="training resolution")
-    p.add_argument("--precision", choices=("auto", "bf16", "fp32"),
-                   help="auto: bf16 autocast where it is faster than fp32 (GPUs; CPUs whose bf16 matmul kernel beats the fp32 GEMM), else fp32")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"),
+                   help="auto: bf16 autocast where it is faster than fp32 (GPUs; CPUs whose bf16 matmul kernel beats the fp32 GEMM), else fp32; fp16: autocast with a gradient scaler (run.loss_scale)")
     p.add_argument("--seed", type=int)
     p.add_argument("--out", help="output folder (metrics, checkpoints, weights)")
     p.add_argument("--fsdp", action="store_true", default=None, help="shard the model with FSDP (multi-process)")
@@ -58,7 +58,7 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
     p.add_argument("--retain-freed-memory", action="store_true", default=None,
                    help="CPU: let malloc keep freed memory for the next step (process-wide; "
                         "see vitlab/train/memory.py)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoints (a --time-limit run keeps its clock)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in OUT/checkpoints (a --time-limit run keeps its clock); under torchrun --max-restarts a restarted group resumes by itself")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in an OUT that holds an earlier run's checkpoints (they are deleted)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",

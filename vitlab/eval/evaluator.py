@@ -26,14 +26,14 @@ from .metrics import classification_report
 
 
 def autocast(device: torch.device, precision: str):
-    """bf16 autocast on CPU and GPU; fp32 runs plain; "auto" is bf16 where it is faster
+    """bf16 or fp16 autocast on CPU and GPU; fp32 runs plain; "auto" is bf16 where it is faster
     (``vitlab.fast.bf16_is_faster``: a rule or a stored calibration, never a timing inside a run)."""
     if precision == "auto":
         from vitlab import fast
 
         precision = "bf16" if fast.bf16_is_faster(device) else "fp32"
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if precision in ("bf16", "fp16"):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
     return nullcontext()
 
 

@@ -18,6 +18,7 @@ from .distributed import World, init_world, wrap_model
 from .ema import EMA
 from .inputs import Splits, build_splits, stream_splits, streams
 from .memory import retain_freed_memory
+from .numerics import make_scaler
 from .optim import build_optimizer
 
 
@@ -37,6 +38,7 @@ class Setup:
     final_evaluator: Evaluator | None  # the last one, with ``run.final_eval_shift``'s views
     micro_batch: int
     img_size: tuple           # (H, W) the run evaluates at and, after any progressive_sizes, trains at
+    scaler: torch.amp.GradScaler | None = None  # fp16's gradient scaler (numerics.make_scaler)
 
     @property
     def evaluated(self) -> nn.Module:
@@ -166,5 +168,6 @@ def build(cfg: TrainConfig) -> Setup:
                              image_size=img_size, world=world)
 
         evaluator, final_evaluator = evaluator_with(0), evaluator_with(cfg.run.final_eval_shift)
+    scaler = make_scaler(cfg.run.precision, world.device, cfg.run.loss_scale)
     return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, evaluator, final_evaluator, micro_batch,
-                 tuple(img_size))
+                 tuple(img_size), scaler)

@@ -32,7 +32,8 @@ from vitlab.data.transforms import CROPS, TrainTransform
 
 OPTIMIZERS = ("adam", "sgd")
 DECAYS = ("cosine", "linear", "constant")
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+ON_NONFINITE = ("stop", "skip")
 LOSSES = ("softmax_xent", "sigmoid_xent")
 WD_SCOPES = ("kernels", "all")
 BUILTIN_DATA = ("digits",)  # data sources that need no path (see vitlab/data/digits.py)
@@ -346,8 +347,19 @@ class OptimConfig(Section):
 class RunConfig(Section):
     """How the run executes, evaluates, logs and saves.
 
-    precision:   "fp32", "bf16" (autocast) or "auto": bf16 where it is faster
-                 (``vitlab.fast.bf16_is_faster``).
+    precision:   "fp32", "bf16" (autocast), "fp16" (autocast with a gradient scaler,
+                 ``loss_scale``) or "auto": bf16 where it is faster (``vitlab.fast.bf16_is_faster``).
+    loss_scale:  fp16: the gradient scaler's first loss scale.  A step whose scaled
+                 gradients overflow is left out and the scale halves; after 2000 steps
+                 without one it doubles (``torch.amp.GradScaler``).  Those steps are
+                 counted as ``overflow_steps``, apart from ``on_nonfinite``'s.
+    on_nonfinite: a step whose loss or gradients are NaN or infinite is never applied;
+                 "stop" ends the run with the step, the examples of the batch and the
+                 last good checkpoint named; "skip" leaves the step out (no optimiser or
+                 EMA update), counts it (``skipped_steps`` in the metrics and summary)
+                 and goes on.
+    max_skipped_steps: with "skip", stop all the same once more steps than this are
+                 skipped: a run that keeps producing NaNs has diverged.
     compile:     ``torch.compile`` the model.
     fsdp:        shard the model with FSDP (multi-process runs).
     fast:        apply ``vitlab.fast.optimize`` to the model (the saved weights are the same).
@@ -372,12 +384,16 @@ class RunConfig(Section):
     log_every:   steps between metric records.
     tensorboard: also write TensorBoard events (when installed).
     ckpt_every:  steps between checkpoints (0: at the end only).
-    keep_ckpts:  how many checkpoints to keep.
+    keep_ckpts:  how many checkpoints to keep; with 2 or more a damaged newest one is
+                 passed over on ``--resume`` for the one before it.
     out:         the run's folder: metrics, checkpoints, weights.
     """
 
     prefix = "run"
     precision: str = "fp32"
+    loss_scale: float = 65536.0
+    on_nonfinite: str = "stop"
+    max_skipped_steps: int = 10
     compile: bool = False
     fsdp: bool = False
     fast: bool = True
@@ -400,9 +416,12 @@ class RunConfig(Section):
     def __post_init__(self) -> None:
         self.check_bools()
         need_choice("run.precision", self.precision, PRECISIONS)
+        need_choice("run.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        need(is_number(self.loss_scale) and self.loss_scale > 0, "run.loss_scale", self.loss_scale,
+             "must be a number > 0, e.g. 65536")
         for name in ("eval_batch_size", "log_every", "keep_ckpts", "time_measure_steps"):
             need_int(self.path(name), getattr(self, name), 1)
-        for name in ("seed", "threads", "eval_every", "final_eval_shift", "ckpt_every"):
+        for name in ("seed", "threads", "eval_every", "final_eval_shift", "ckpt_every", "max_skipped_steps"):
             need_int(self.path(name), getattr(self, name), 0)
         need_number("run.time_limit", self.time_limit)
         need(isinstance(self.out, str) and self.out != "", "run.out", self.out, "expected a folder")
@@ -430,6 +449,9 @@ class TrainConfig:
         if self.run.fsdp and self.optim.ema_decay > 0:
             raise ConfigError("optim.ema_decay>0 with run.fsdp=True: the weight average of a sharded model is not "
                               "implemented")
+        if self.run.fsdp and self.run.precision == "fp16":
+            raise ConfigError("run.precision='fp16' with run.fsdp=True: the gradient scaler of a sharded model is not "
+                              "implemented; use 'bf16'")
 
 
 def field_names() -> list[str]:

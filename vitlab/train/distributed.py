@@ -1,7 +1,9 @@
 """One command from one process to many: ``torch.distributed`` when launched by torchrun.
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK (and MASTER_ADDR/PORT); without them the run
-is a single process and nothing here does anything.  Backend: NCCL on GPUs, gloo on CPU.
+is a single process and nothing here does anything.  When a process dies, torchrun
+with ``--max-restarts N`` starts the whole group again with TORCHELASTIC_RESTART_COUNT
+raised (``elastic_restart_count``), and the run continues from its last checkpoint.  Backend: NCCL on GPUs, gloo on CPU.
 The model is wrapped in DDP (gradients all-reduced, averaged) or, with ``--fsdp``,
 sharded with FSDP2's ``fully_shard`` (parameters, gradients and optimiser state split
 over the processes; full state dicts gathered for checkpoints and the saved weights).
@@ -55,7 +57,17 @@ def init_world(device_name: str = "auto") -> World:
     if size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=size)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        restarts = elastic_restart_count()
+        if restarts:
+            # torchrun keeps one store over its restarts, holding the dead group's addresses under
+            # the same keys: the new processes would connect to those (refused, or a hang). A
+            # prefix per restart gives each group its own keys.
+            store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=size))
+            store = dist.PrefixStore(f"vitlab/restart-{restarts}", store)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size)
+        else:
+            dist.init_process_group(backend=backend, rank=rank, world_size=size)
         _joined_here = True
     return World(rank=rank, size=size, local_rank=local_rank, device=device)
 
@@ -90,6 +102,21 @@ def all_reduce_sum(values: list[float], world: World) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=world.device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
+
+
+def all_gather_objects(obj, world: World) -> list:
+    """Every process's ``obj`` (picklable), in rank order."""
+    if world.size == 1:
+        return [obj]
+    gathered = [None] * world.size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def elastic_restart_count() -> int:
+    """How many times torchrun (``--max-restarts``) has started this group again after a
+    process of it failed; 0 on the first start and outside torchrun."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def barrier(world: World) -> None:

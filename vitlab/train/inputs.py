@@ -30,6 +30,9 @@ class Splits:
     skipped: int  # unreadable images left out while decoding
     num_train: int | None = None  # a streamed training set's size (its images are not in memory)
     source: object = None         # a streamed run's ``vitlab.data.stream.StreamSource``
+    # each training example's index in the decoded data set (class folders sorted, files
+    # sorted, unreadable ones left out): what an error about an example names
+    train_ids: torch.Tensor | None = None
 
     def train_count(self) -> int:
         return self.num_train if self.num_train is not None else len(self.train_labels)
@@ -65,19 +68,21 @@ def select_classes(images: torch.Tensor, labels: torch.Tensor, classes: list[str
 def build_splits(cfg: TrainConfig, image_size: Pair) -> Splits:
     dataset, data = load_dataset(cfg, image_size), cfg.data
     images, labels, classes = dataset.images, dataset.labels, list(dataset.classes)
+    ids = torch.arange(len(labels))
     if data.class_subset:
+        ids = ids[torch.isin(labels, torch.tensor([classes.index(c) for c in data.class_subset if c in classes]))]
         images, labels, classes = select_classes(images, labels, classes, tuple(data.class_subset))
     if data.train_examples and data.train_examples < len(labels):
         # the training pool: a class-stratified sample (the held-out part of a stratified split)
         _, keep = stratified_split(labels, int(data.train_examples), data.split_seed + 1)
-        images, labels = images[keep], labels[keep]
+        images, labels, ids = images[keep], labels[keep], ids[keep]
     val_images = val_labels = None
     if data.val_split:  # held out of the pool: VTAB-1k's 800 + 200 of 1000
         val_size = int(data.val_split) if data.val_split >= 1 else float(data.val_split)
         train_idx, val_idx = stratified_split(labels, val_size, data.split_seed)
         val_images, val_labels = images[val_idx], labels[val_idx]
-        images, labels = images[train_idx], labels[train_idx]
-    return Splits(images, labels, val_images, val_labels, classes, len(dataset.skipped))
+        images, labels, ids = images[train_idx], labels[train_idx], ids[train_idx]
+    return Splits(images, labels, val_images, val_labels, classes, len(dataset.skipped), train_ids=ids)
 
 
 def streams(cfg: TrainConfig, image_size: Pair) -> bool:

@@ -1,16 +1,18 @@
 """The training loop: ``train(cfg)`` = ``build`` (everything made once) + the step loop.
 
 Each iteration: the lr of this step (a pure function of the step) -> one optimiser step
-(``step.train_step``) -> the time budget's plan (``time_budget.TimeBudget``) -> every
-``run.eval_every`` steps and at the end an evaluation (``vitlab.eval.Evaluator``, the one
-`vitlab eval` runs) -> every ``run.log_every`` steps a metrics record -> every
-``run.ckpt_every`` steps and at the end an atomic checkpoint from which ``resume``
-continues bit-exactly (``state.py``).
+(``step.train_step``; one whose loss or gradients are not finite is not applied, and
+``numerics.NonFinite`` stops the run or counts it) -> the time budget's plan
+(``time_budget.TimeBudget``) -> every ``run.eval_every`` steps and at the end an
+evaluation (``vitlab.eval.Evaluator``, the one `vitlab eval` runs) -> every
+``run.log_every`` steps a metrics record -> every ``run.ckpt_every`` steps and at the end
+an atomic, checksummed checkpoint (``checkpoint.py``) from which ``resume`` continues
+bit-exactly (``state.py``), after a kill too.
 """
 from __future__ import annotations
 
 import json
-import math
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -21,12 +23,15 @@ from vitlab.eval.features import tta_view_count
 from . import checkpoint as ckpt
 from .build import Setup, build
 from .config import TrainConfig, to_dict, warmup_steps
-from .distributed import all_reduce_sum, barrier, shutdown
+from .distributed import all_reduce_sum, barrier, elastic_restart_count, shutdown
 from .metrics import MetricsWriter, Progress, plot_curves
+from .numerics import NonFinite
 from .schedules import input_size_at, lr_at
 from .state import check_same_run, final_model, restore, sharded, training_state
 from .step import StepResult, endless, train_step
 from .time_budget import TimeBudget
+
+log = logging.getLogger(__name__)
 
 
 def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrite: bool = False,
@@ -37,9 +42,11 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     (``vitlab.weights.load_model`` reads them; class names in ``classes.json`` beside
     them), the number of steps, wall time and throughput.
 
-    ``resume`` continues from the newest checkpoint in ``run.out/checkpoints``.  Without
-    it, a folder holding an earlier run's checkpoints is refused, unless ``overwrite``
-    (then those checkpoints are deleted first).
+    ``resume`` continues from the newest intact checkpoint in ``run.out/checkpoints`` (a
+    damaged newer one is set aside with a warning).  Without it, a folder holding an
+    earlier run's checkpoints is refused, unless ``overwrite`` (then those checkpoints
+    are deleted first).  A group that torchrun restarted after a failure
+    (``--max-restarts``) always resumes.
 
     ``started_at``: the ``time.monotonic()`` at which a ``run.time_limit`` budget starts
     counting (default: now); the CLI passes its process's start, so that the budget is the
@@ -57,6 +64,9 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
 def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, started_at: float | None) -> dict:
     """The body of ``train``; returns with the model out of scope, so the process group can go."""
     t_start = time.monotonic() if started_at is None else min(started_at, time.monotonic())
+    restarts = elastic_restart_count()
+    if restarts:  # torchrun started the group again after a process died: continue, never start over
+        resume, overwrite = True, False
     out = Path(cfg.run.out)
     ckpt_dir = out / "checkpoints"
     stale = not resume and ckpt.latest_checkpoint(ckpt_dir) is not None
@@ -65,22 +75,26 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
         raise ConfigError(f"run.out={str(out)!r} holds the checkpoints of an earlier run; continue it with "
                           "--resume, start afresh there with --overwrite, or choose another --out")
     s = build(cfg)
-    world, main = s.world, s.world.is_main
+    main = s.world.is_main
     progress = Progress(enabled=verbose and main)
     start_output_folder(s, out, clear_checkpoints=stale)
     budget = time_budget(s, t_start, progress)
+    nonfinite = NonFinite(cfg.run.on_nonfinite, cfg.run.max_skipped_steps)
 
     step, total_steps, records = 0, cfg.optim.steps, []
-    latest = ckpt.latest_checkpoint(ckpt_dir) if resume else None
-    if latest is not None:
-        state = ckpt.load_checkpoint(latest)
-        check_same_run(cfg, state.get("config", {}))
-        step, total_steps, records = restore(s, state)
-        budget.resume(state.get("clock", {}), step)
-        progress.message(f"resumed from {latest} at step {step}/{total_steps}, "
-                         f"{budget.elapsed() / 60:.1f} min into the run")
-    elif resume:
-        progress.message(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
+    last_saved = None  # the newest checkpoint known good: what a failure message names
+    if resume:
+        last_saved, state = resume_point(s, ckpt_dir, restarts)
+        if state is not None:
+            check_same_run(cfg, state.get("config", {}))
+            step, total_steps, records = restore(s, state)
+            nonfinite.load_state_dict(state.get("numerics"))
+            budget.resume(state.get("clock", {}), step)
+            progress.message(f"resumed from {last_saved} at step {step}/{total_steps}, "
+                             f"{budget.elapsed() / 60:.1f} min into the run")
+            del state
+        else:
+            progress.message(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
     writer = MetricsWriter(out, tensorboard=cfg.run.tensorboard, records=records) if main else None
 
     batches = endless(s.stream)
@@ -93,7 +107,9 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
                    warmup_steps=warmup_steps(cfg.optim, total_steps), decay=cfg.optim.decay, min_lr=cfg.optim.min_lr)
         size = input_size_at(step, total_steps, phases, s.img_size)
         t_step = time.monotonic()
-        window.add(train_step(s, batches, lr, size))
+        result = train_step(s, batches, lr, size)
+        nonfinite.check(s, result, step + 1, last_saved)  # stops the run, or counts a step left out
+        window.add(result)
         budget.step_done(size, time.monotonic() - t_step)
         step += 1
 
@@ -110,10 +126,8 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
             if do_eval:
                 last_val = evaluate(s, budget, final=is_last)
             if is_last or do_eval or step % cfg.run.log_every == 0:
-                record = window.record(s, step, lr, budget.elapsed()) | (last_val if do_eval else {})
-                if not math.isfinite(record["loss"]):
-                    raise FloatingPointError(f"step {step}: the training loss is {record['loss']}; lower the lr "
-                                             "or check the data (the last checkpoint is still intact)")
+                record = (window.record(s, step, lr, budget.elapsed()) | nonfinite.record(s.scaler)
+                          | (last_val if do_eval else {}))
                 if writer is not None:
                     writer.log(record)
                 if do_eval:
@@ -123,15 +137,14 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
             eta = (total_steps - step) * cfg.optim.batch_size / rate if rate else 0.0
             progress.update(step, total_steps, shown_loss, rate, eta)
             if (cfg.run.ckpt_every and step % cfg.run.ckpt_every == 0) or is_last:
-                state = training_state(s, step, total_steps, writer.records if writer else [], budget.state())
-                if main:
-                    ckpt.save_checkpoint(state, ckpt_dir, step, cfg.run.keep_ckpts)
-                barrier(world)
+                state = training_state(s, step, total_steps, writer.records if writer else [], budget.state(),
+                                       nonfinite.state_dict())
+                last_saved = save_checkpoint(s, state, ckpt_dir, step)
 
     if not last_val and s.evaluator is not None:  # resumed a finished run: its summary still reports the metrics
         last_val = evaluate(s, budget, final=True)
     progress.close()
-    return finish(s, step, total_steps, last_val, budget.elapsed(), writer)
+    return finish(s, step, total_steps, last_val, budget.elapsed(), writer, nonfinite)
 
 
 # ----------------------------------------------------------------------------- the loop's helpers
@@ -152,11 +165,55 @@ def evaluate(s: Setup, budget: TimeBudget, final: bool = False) -> dict:
     return {f"val_{k}": v for k, v in result.items() if k != "n"}
 
 
+def resume_point(s: Setup, ckpt_dir: Path, restarts: int) -> tuple[Path | None, dict | None]:
+    """The newest intact checkpoint and its state, (None, None) for none.  Every process
+    reads it; newer damaged ones (a failed checksum) are named in a warning and, once all
+    have chosen, renamed to ``*.damaged`` by rank 0 so that they leave the rotation."""
+    path, state, damaged = ckpt.load_latest_intact(ckpt_dir)
+    if restarts and s.world.is_main:
+        log.warning("torchrun restart %d: resuming from %s", restarts, path or "step 0 (no checkpoint yet)")
+    if not damaged:
+        return path, state
+    if path is None:
+        names = "; ".join(f"{p.name}: {why}" for p, why in damaged)
+        raise ckpt.CheckpointError(f"--resume: no intact checkpoint in {ckpt_dir} ({names}); start afresh with "
+                                   "--overwrite")
+    barrier(s.world)
+    if s.world.is_main:
+        for bad, why in damaged:
+            aside = ckpt.set_aside(bad)
+            log.warning("--resume: %s is damaged (%s), moved to %s; resuming from the previous checkpoint, %s",
+                        bad, why, aside.name, path)
+    return path, state
+
+
+def save_checkpoint(s: Setup, state: dict, ckpt_dir: Path, step: int) -> Path:
+    """Rank 0 writes ``state``; every process learns whether it could, and all stop
+    together with the same ``CheckpointError`` if it could not (a full disk)."""
+    error = None
+    if s.world.is_main:
+        try:
+            ckpt.save_checkpoint(state, ckpt_dir, step, s.cfg.run.keep_ckpts)
+        except ckpt.CheckpointError as err:
+            error = err
+    failed = all_reduce_sum([1.0 if error is not None else 0.0], s.world)[0]  # also the barrier after the write
+    if error is not None:
+        raise error
+    if failed:
+        raise ckpt.CheckpointError(f"rank 0 could not write the checkpoint of step {step} to {ckpt_dir} (its "
+                                   "error says why); the earlier checkpoints are intact")
+    return ckpt.checkpoint_path(ckpt_dir, step)
+
+
 def start_output_folder(s: Setup, out: Path, clear_checkpoints: bool) -> None:
     """The run's folder with its config and class names (rank 0); an earlier run's
-    checkpoints removed when ``clear_checkpoints`` (``--overwrite``)."""
+    checkpoints removed when ``clear_checkpoints`` (``--overwrite``), and the temporary
+    file of a checkpoint write that was killed removed in any case."""
     if s.world.is_main and clear_checkpoints:
         shutil.rmtree(out / "checkpoints")
+    if s.world.is_main:
+        for partial in ckpt.remove_partial_writes(out / "checkpoints"):
+            log.warning("removed %s, left by a checkpoint write that was killed", partial)
     barrier(s.world)
     if s.world.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -180,12 +237,15 @@ class Window:
 
     def __init__(self) -> None:
         self.rate, self.loss_shown, self.logged = 0.0, float("nan"), False
+        self.grad_norm = float("nan")
         self.reset()
 
     def reset(self) -> None:
         self.loss, self.correct, self.seen, self.steps, self.t = 0.0, 0.0, 0, 0, time.monotonic()
 
     def add(self, result: StepResult) -> None:
+        if result.nonfinite is not None:  # a step left out (every process agrees): no numbers to average
+            return
         self.loss += result.loss
         self.correct += result.correct
         self.seen += result.seen
@@ -198,7 +258,7 @@ class Window:
         loss, correct, seen = all_reduce_sum([self.loss, self.correct, float(self.seen)], s.world)
         record = {
             "step": step, "epoch": round(step * s.cfg.optim.batch_size / s.splits.train_count(), 3),
-            "lr": lr, "loss": loss / s.world.size / max(self.steps, 1),
+            "lr": lr, "loss": loss / s.world.size / self.steps if self.steps else float("nan"),
             "train_top1": correct / max(seen, 1), "grad_norm": self.grad_norm,
             "img_per_s": seen / max(dt, 1e-9), "elapsed_s": elapsed_s,
         }
@@ -215,7 +275,7 @@ class Window:
         return self.rate, self.loss_shown
 
 
-def finish(s: Setup, step: int, total_steps: int, last_val: dict, wall: float, writer) -> dict:
+def finish(s: Setup, step: int, total_steps: int, last_val: dict, wall: float, writer, nonfinite: NonFinite) -> dict:
     """Save the final weights and the summary (rank 0); every rank returns the summary."""
     from vitlab.weights import save_model
 
@@ -239,6 +299,7 @@ def finish(s: Setup, step: int, total_steps: int, last_val: dict, wall: float, w
         "wall_s": round(wall, 2),
         "images_per_s": round(step * cfg.optim.batch_size / wall, 1),
         "world_size": s.world.size,
+        **nonfinite.record(s.scaler),
         "weights": None,
     }
     if s.world.is_main:

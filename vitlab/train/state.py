@@ -70,11 +70,13 @@ def model_state(s) -> dict:
     return s.model.state_dict()
 
 
-def training_state(s, step: int, total_steps: int, records: list[dict], clock: dict) -> dict:
+def training_state(s, step: int, total_steps: int, records: list[dict], clock: dict,
+                   numerics: dict | None = None) -> dict:
     """Everything ``restore`` needs to continue bit-exactly (collective under FSDP).
 
     ``clock``: the run's wall time so far and its measured evaluation time
     (``TimeBudget.state``), so that a resumed time-limited run keeps counting.
+    ``numerics``: the counts of skipped and overflowed steps (``numerics.NonFinite``).
     """
     if sharded(s):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -94,6 +96,8 @@ def training_state(s, step: int, total_steps: int, records: list[dict], clock: d
         "records": records,
         "classes": s.splits.classes,
         "clock": clock,
+        "numerics": numerics or {},
+        "scaler": s.scaler.state_dict() if s.scaler is not None else None,  # fp16: the loss scale and its count
     }
 
 
@@ -109,6 +113,8 @@ def restore(s, state: dict) -> tuple[int, int, list[dict]]:
         s.optimizer.load_state_dict(state["optimizer"])
     if s.ema is not None and state.get("ema"):
         s.ema.load_state_dict(state["ema"])
+    if s.scaler is not None and state.get("scaler"):
+        s.scaler.load_state_dict(state["scaler"])
     s.stream.load_state_dict(state["stream"])
     set_rng_state(state["rng"])
     return int(state["step"]), int(state["total_steps"]), list(state.get("records", []))

@@ -1,0 +1,144 @@
+"""Numerics: a NaN loss stops the run naming the step, the example and the last good
+checkpoint, or (run.on_nonfinite=skip) is left out and counted; non-finite gradients are
+never applied; fp16's gradient scaler recovers from an overflowing loss scale."""
+import math
+import re
+
+import pytest
+import torch
+
+import vitlab.data.transforms as transforms
+import vitlab.train.inputs as inputs
+from vitlab.cli import main
+from vitlab.data.splits import stratified_split
+from vitlab.train import train
+from vitlab.train.build import build
+from vitlab.train.checkpoint import list_checkpoints, load_checkpoint
+from vitlab.train.metrics import read_jsonl
+from vitlab.train.numerics import NonFiniteError
+from vitlab.train.step import autocast, endless, loss_fn, train_step
+
+MARK = 7  # a poisoned image is all 7s (no digit is a flat grey), and becomes all NaN after the transform
+POOL, VAL = 96, 32  # data.train_examples, data.val_split: 64 training examples, 2 steps of 32 per epoch
+
+
+def poisoned_example(split_seed: int = 0) -> int:
+    """A digits index that lands in the training split (train_examples=96, val_split=32):
+    the sample and split ``build_splits`` draws, redone here."""
+    from vitlab.data.digits import load_digits_dataset
+
+    labels = load_digits_dataset(8).labels
+    _, pool = stratified_split(labels, POOL, split_seed + 1)
+    train_idx, _ = stratified_split(labels[pool], VAL, split_seed)
+    return int(pool[train_idx[5]])
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Make digits example ``poisoned_example()`` an image of NaNs; returns its index."""
+    index = poisoned_example()
+    real_load, real_build = inputs.load_dataset, transforms.build_transform
+
+    def load_dataset(cfg, image_size):
+        data = real_load(cfg, image_size)
+        data.images[index] = MARK
+        return data
+
+    def build_transform(spec):
+        inner = real_build(spec)
+
+        def transform(x, y, generator, **kw):
+            marked = (x.flatten(1) == MARK).all(1)
+            x, y = inner(x, y, generator, **kw)
+            x[marked] = float("nan")
+            return x, y
+
+        return transform
+
+    monkeypatch.setattr(inputs, "load_dataset", load_dataset)
+    monkeypatch.setattr(transforms, "build_transform", build_transform)
+    return index
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step_the_example_and_the_last_checkpoint(poison, tmp_path, capsys):
+    out = tmp_path / "cli"
+    args = ["train", "--recipe", "demo", "--data", "digits", "--steps", "6", "--batch-size", "32", "--quiet",
+            "--out", str(out), "--set", f"data.train_examples={POOL}", "--set", f"data.val_split={VAL}",
+            "--set", "model.img_size=8", "--set", "model.patch_size=4", "--set", "model.width=16",
+            "--set", "model.depth=1", "--set", "model.num_heads=2", "--set", "model.mlp_dim=32",
+            "--set", "run.threads=1", "--set", "run.tensorboard=false", "--set", "run.ckpt_every=1",
+            "--set", "augment.crop=none"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    found = re.search(r"^vitlab train: error: step (\d+): the training loss is not finite \(nan\) on examples "
+                      r"\[(\d+)\] of data.source='digits' .*; the step was not applied; ", err)
+    assert found, err
+    step, example = int(found.group(1)), int(found.group(2))
+    assert example == poison  # the index in the data set, not the position in the training split
+    assert step <= 2  # 2 steps make an epoch, and every epoch holds the example
+    if step == 1:
+        assert "no checkpoint was written before it" in err
+    else:
+        named = re.search(r"the last good checkpoint is (\S+)\. ", err).group(1)
+        assert named == str(out / "checkpoints" / "ckpt-00000001.pt")
+        assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["ckpt-00000001.pt"]
+        state = load_checkpoint(named)
+        assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_skip_leaves_nan_steps_out_counts_them_and_stops_past_the_bound(poison, tiny):
+    common = {"train_examples": POOL, "val_split": VAL, "steps": 6, "batch_size": 32, "ema_decay": 0.9,
+              "log_every": 1, "run.on_nonfinite": "skip"}
+    summary = train(tiny("skip", **common), verbose=False)
+    assert summary["skipped_steps"] == 3  # once per epoch of 2 steps
+    state = load_checkpoint(list_checkpoints(f"{tiny('skip').run.out}/checkpoints")[-1])
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    assert all(torch.isfinite(v).all() for v in state["ema"]["module"].values())
+    adam_steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert adam_steps == {3.0}  # 6 steps, 3 of them left out: the optimiser took 3
+    records = read_jsonl(f"{tiny('skip').run.out}/metrics.jsonl")
+    assert [r["skipped_steps"] for r in records][-1] == 3
+    # one record per step: the skipped steps' have no loss to show, the others a finite one
+    assert sum(not math.isfinite(r["loss"]) for r in records) == 3
+
+    with pytest.raises(NonFiniteError, match=r"3 steps skipped, more than run.max_skipped_steps=2"):
+        train(tiny("bounded", **common, **{"run.max_skipped_steps": 2}), verbose=False)
+
+
+def test_bf16_gradients_that_are_not_finite_are_not_applied(tiny):
+    s = build(tiny(precision="bf16", ema_decay=0.9))
+    first = next(iter(s.model.parameters()))
+    first.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    before = {k: v.clone() for k, v in s.model.state_dict().items()}
+    ema_before = {k: v.clone() for k, v in s.ema.module.state_dict().items()}
+    result = train_step(s, endless(s.stream), lr=1e-2, size=s.img_size[0])
+    assert result.nonfinite == "gradients" and not result.applied and math.isfinite(result.loss)
+    assert all(torch.equal(before[k], v) for k, v in s.model.state_dict().items())
+    assert all(torch.equal(ema_before[k], v) for k, v in s.ema.module.state_dict().items())
+    assert s.optimizer.state == {} and all(p.grad is None for p in s.model.parameters())
+
+
+def test_fp16_gradient_scaler_recovers_from_an_overflowing_loss_scale(tiny):
+    # fp16 holds at most 65504: at a scale of 2^28 this model's scaled gradients overflow (it
+    # settles at 2^17), so the first steps are left out while the scale halves
+    huge = 2.0 ** 28
+    summary = train(tiny("fp16", precision="fp16", steps=24, log_every=24, **{"run.loss_scale": huge}), verbose=False)
+    overflows = summary["overflow_steps"]
+    assert 0 < overflows < 24 and summary["skipped_steps"] == 0
+    assert summary["loss_scale"] == huge / 2 ** overflows  # halved at every overflow, never grown (2000 steps)
+    state = load_checkpoint(list_checkpoints(f"{tiny('fp16').run.out}/checkpoints")[-1])
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {24.0 - overflows}
+    assert state["scaler"]["scale"] == huge / 2 ** overflows  # a resume continues with the adapted scale
+
+    # without the scaler's check, the same first step with the same static scale ruins the weights
+    s = build(tiny("naive", precision="fp16"))
+    x, targets = next(endless(s.stream))
+    with autocast(s.world.device, "fp16"):
+        loss = loss_fn(s.trained(x), targets, "softmax_xent")
+    (loss * huge).backward()
+    for p in s.model.parameters():
+        p.grad /= huge
+    s.optimizer.step()
+    assert not all(torch.isfinite(p).all() for p in s.model.parameters())

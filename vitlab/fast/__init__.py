@@ -8,7 +8,7 @@
 ``optimize`` gives the model's dense layers and encoder blocks subclasses with faster
 forwards (``modules.py``): CPU matmuls by the kernel a rule or a stored calibration
 chooses (``kernels.py``), LayerNorm and GELU outputs recomputed in the backward instead
-of stored, weights kept cast between autocast inference calls.  Parameters, buffers,
+of stored, inference over chunks of images with bf16 weights cast into one shared buffer.  Parameters, buffers,
 state-dict keys and hooks are untouched; outputs and gradients equal the plain model's
 up to floating-point rounding (``tests/test_fast.py``).  The design and its measurements:
 ``docs/performance.md``.
@@ -30,8 +30,9 @@ def optimize(model: nn.Module, kernels: KernelChoice | None = None, recompute: b
 
     kernels: the CPU kernels (default ``choose()``: this CPU's stored calibration, else the rule).
     recompute: recompute LayerNorm and GELU outputs in the backward (less memory, same gradients).
-    hold_casts: in CPU autocast inference, keep each dense layer's cast weights between calls
-        (autocast otherwise casts every weight in every call), for the memory of the copy.
+    hold_casts: in CPU bf16 autocast inference, keep each dense layer's cast weight between calls
+        (faster at small batches, for the memory of a cast copy of the model) instead of casting
+        it into one buffer the layers share, in every call.
     Optimising an optimised model replaces its options.
     """
     return install(model, FastOptions(kernels or choose(), recompute, hold_casts))

@@ -8,9 +8,9 @@
 ``optimize`` gives the model's dense layers and encoder blocks subclasses with faster
 forwards (``modules.py``): CPU matmuls by the kernel a rule or a stored calibration
 chooses (``kernels.py``), LayerNorm and GELU outputs recomputed in the backward instead
-of stored, inference over chunks of images with bf16 weights cast into one shared buffer.  Parameters, buffers,
-state-dict keys and hooks are untouched; outputs and gradients equal the plain model's
-up to floating-point rounding (``tests/test_fast.py``).  The design and its measurements:
+of stored, inference over chunks of images with bf16 weights cast into one shared
+buffer.  Parameters, buffers, state-dict keys and hooks are untouched; outputs and
+gradients equal the plain model's up to floating-point rounding (``tests/test_fast.py``).  The design and its measurements:
 ``docs/performance.md``.
 """
 from __future__ import annotations

@@ -10,8 +10,8 @@ forwards (``modules.py``): CPU matmuls by the kernel a rule or a stored calibrat
 chooses (``kernels.py``), LayerNorm and GELU outputs recomputed in the backward instead
 of stored, inference over chunks of images with bf16 weights cast into one shared
 buffer.  Parameters, buffers, state-dict keys and hooks are untouched; outputs and
-gradients equal the plain model's up to floating-point rounding (``tests/test_fast.py``).  The design and its measurements:
-``docs/performance.md``.
+gradients equal the plain model's up to floating-point rounding (``tests/test_fast.py``).
+The design and its measurements: ``docs/performance.md``.
 """
 from __future__ import annotations
 

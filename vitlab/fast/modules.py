@@ -12,8 +12,8 @@ Installation changes the class of an existing module in place (as
 * ``Block`` -> ``FastBlock``: in training, LayerNorm and GELU outputs are recomputed in
   the backward instead of stored (``recompute.py``).  On a CPU in bf16, attention is two
   matmuls and a softmax: PyTorch's CPU flash-attention kernel has a slow bf16 backward
-  and a bf16 forward slower than the matmuls at ViT shapes.  Without autograd the block
-  runs over chunks of whole images of at most ``CHUNK_ROWS`` tokens (every part of a
+  and a bf16 forward slower than the matmuls at ViT shapes.  Without autograd on a CPU
+  the block runs over chunks of whole images of at most ``CHUNK_ROWS`` tokens (every part of a
   block acts on each image alone, so the values are the same): its activations stay a
   few MB, where the allocator reuses memory instead of mapping fresh pages (each
   faulting on first touch) for every wide activation of a large batch.
@@ -177,10 +177,11 @@ class FastBlock(Block):
 
 
     def inference(self, x: torch.Tensor) -> torch.Tensor:
-        """The forward without autograd, over chunks of at most ``CHUNK_ROWS`` tokens (module text)."""
+        """The forward without autograd; on a CPU over chunks of at most ``CHUNK_ROWS`` tokens
+        (module text: the allocator's fresh pages are a CPU cost, a GPU wants the whole batch)."""
         images, tokens = x.shape[0], x.shape[1]
         chunks = -(-images * tokens // CHUNK_ROWS)
-        if chunks <= 1 or images == 1:
+        if chunks <= 1 or images == 1 or x.device.type != "cpu":
             return self.inference_chunk(x)
         return torch.cat([self.inference_chunk(part) for part in x.split(-(-images // chunks))])
 

@@ -176,62 +176,16 @@ def split(s: Settings, labels):
 
 def train_resnet(s: Settings, out: Path, seed: int, resnet: dict, optimizer: str = "adam", lr: float | None = None,
                  train_examples: int = 0) -> dict:
-    """Train a BiT-layout ResNet classifier (the engine trains ViTs only): same data, split,
-    augmentation and schedule shape as ``train_config``; returns a summary like the engine's."""
-    import torch
-    import torch.nn.functional as F
-
-    from vitlab.analysis.cost import training_flops
-    from vitlab.config import ResNetConfig
-    from vitlab.data import BatchStream, TrainTransform, build_transform, stratified_split
-    from vitlab.models.registry import create_model
-
-    torch.manual_seed(seed)
-    if s.threads:
-        torch.set_num_threads(s.threads)
-    device = torch.device("cuda" if s.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if s.device == "auto" else s.device))
-    images, labels, classes = load_images(s)
-    if train_examples:
-        _, keep = stratified_split(labels, int(train_examples), 1)
-        images, labels = images[keep], labels[keep]
-    train_idx, val_idx = split(s, labels)
-    cfg = ResNetConfig(**dict(resnet, num_classes=len(classes)))
-    model = create_model(cfg).to(device)
-    lr = lr if lr is not None else (s.lr if optimizer == "adam" else 0.1)
-    if optimizer == "adam":
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4, nesterov=True)
-    transform = build_transform(TrainTransform(num_classes=len(classes), crop="none" if s.digits else "pad",
-                                               flip=not s.digits))
-    stream = BatchStream(images[train_idx], labels[train_idx], min(s.batch, len(train_idx)), shuffle=True,
-                         seed=seed, transform=transform)
-    warm = max(1, int(0.05 * s.steps))
-    t0, step, deadline = time.monotonic(), 0, (s.minutes * 60 if s.minutes else math.inf)
-    model.train()
-    while step < s.steps and time.monotonic() - t0 < deadline:
-        for x, y in stream:
-            frac = step / max(1, s.steps)
-            scale = (step + 1) / warm if step < warm else 0.5 * (1 + math.cos(math.pi * frac))
-            for g in opt.param_groups:
-                g["lr"] = lr * scale
-            loss = torch.sum(-y.to(device) * F.log_softmax(model(x.to(device)), -1), -1).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            step += 1
-            if step >= s.steps or time.monotonic() - t0 >= deadline:
-                break
-    wall = time.monotonic() - t0
-    model.eval()
-    top1 = accuracy(model, images[val_idx], labels[val_idx], device)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), out / "model.pt")
-    return {"model": cfg.name or f"R{resnet.get('layers')}", "steps": step, "val_top1": top1,
-            "wall_s": round(wall, 2), "train_loss": float(loss.detach()), "train_examples": int(len(train_idx)),
-            "train_eflops": training_flops(cfg, step, s.batch), "module": model}
+    """Train a BiT-layout ResNet classifier through the same engine, data, split, augmentation
+    and schedule as ``train_vit``: the paper's ResNet baselines (``resnet`` as ``stem`` builds it).
+    SGD runs with momentum 0.9 and L2 weight decay 5e-4, the CIFAR ResNet standard."""
+    layers = "x".join(str(n) for n in resnet.get("layers", ()))
+    changes = {"model.name": "BiT-R50x1", "model.overrides": dict(resnet, name=f"BiT-R[{layers}]"),
+               "optim.optimizer": optimizer, "optim.lr": lr if lr is not None else (s.lr if optimizer == "adam" else 0.1),
+               "data.train_examples": int(train_examples)}
+    if optimizer == "sgd":
+        changes.update({"optim.weight_decay": 5e-4, "optim.wd_scope": "all"})
+    return train_vit(s, out, seed, {}, changes)
 
 
 def accuracy(model, images, labels, device=None, batch: int = 256) -> float:

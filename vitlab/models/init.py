@@ -44,3 +44,33 @@ def xavier_uniform_chunks_(weight: torch.Tensor, chunks: int) -> torch.Tensor:
     for part in weight.chunk(chunks, dim=0):
         nn.init.xavier_uniform_(part)
     return weight
+
+
+@torch.no_grad()
+def whiten_patch_embedding_(patch_embed: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4) -> nn.Conv2d:
+    """Initialise a patch embedding from the data: its filters whiten the image patches.
+
+    Each of the C*P*P principal directions of the patches in ``images`` (B, C, H, W, as
+    the model sees them) becomes a filter scaled by 1/sqrt(eigenvalue + eps), so the
+    first embeddings are decorrelated and of unit variance.  Directions are taken in
+    +/- pairs (as airbench whitens its first convolution) so a following nonlinearity or
+    LayerNorm sees both signs; filters beyond 2*C*P*P keep their random init.  The
+    bias centres the embeddings on the patches' mean.  Not in the paper: it gives a
+    model trained from scratch on a small budget a head start.
+    """
+    out = patch_embed.weight.shape[0]
+    ph, pw = patch_embed.kernel_size
+    patches = images.float().unfold(2, ph, ph).unfold(3, pw, pw)  # (B, C, gh, gw, ph, pw)
+    patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, patch_embed.weight[0].numel())
+    mean = patches.mean(0)
+    centred = patches - mean
+    cov = centred.T @ centred / max(len(centred) - 1, 1)
+    eigvals, eigvecs = torch.linalg.eigh(cov.double())
+    order = eigvals.argsort(descending=True)
+    filters = (eigvecs[:, order] / (eigvals[order].clamp_min(0) + eps).sqrt()).T.float()  # (K, C*P*P)
+    filters = torch.cat([filters, -filters])[:out]
+    weight = patch_embed.weight.view(out, -1)
+    weight[: len(filters)] = filters.to(weight)
+    if patch_embed.bias is not None:
+        patch_embed.bias.copy_(-(weight @ mean.to(weight)))
+    return patch_embed

@@ -105,6 +105,26 @@ def check_progressive_sizes(cfg: TrainConfig, img_size: tuple, model_cfg) -> Non
             refuse(f"size {size} does not divide into the model's {patch[0]}x{patch[1]} patches")
 
 
+WHITEN_SAMPLE = 5000  # images whose patches estimate the covariance (48x48 for 4x4 RGB patches)
+
+
+def whiten_from_data(model: nn.Module, splits, cfg: TrainConfig) -> None:
+    """``model.patch_init="whiten"``: the patch embedding whitens the training images' patches."""
+    from vitlab.data.transforms import to_float
+    from vitlab.models.init import whiten_patch_embedding_
+
+    vit = getattr(model, "vit", model)  # inside the MPP wrapper
+    if getattr(vit, "stem", None) is not None or not hasattr(vit, "patch_embed"):
+        raise ConfigError("model.patch_init='whiten': only a plain ViT's patch embedding reads image patches "
+                          "(a hybrid's reads ResNet features); use 'lecun'")
+    images = getattr(splits, "train_images", None)
+    if images is None:
+        raise ConfigError("model.patch_init='whiten' needs the training images in memory (data.stream='memory')")
+    generator = torch.Generator().manual_seed(cfg.run.seed)
+    sample = torch.randperm(len(images), generator=generator)[:WHITEN_SAMPLE]
+    whiten_patch_embedding_(vit.patch_embed, to_float(images[sample]).to(vit.patch_embed.weight.device))
+
+
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # model initialisation and dropout; identical on every rank
     np.random.seed(seed)
@@ -130,6 +150,8 @@ def build(cfg: TrainConfig) -> Setup:
     num_classes = len(splits.classes)
 
     model = build_model(cfg, num_classes).to(world.device)
+    if cfg.model.patch_init == "whiten":
+        whiten_from_data(model, splits, cfg)
     check_progressive_sizes(cfg, img_size, model.cfg)
     model.train()
     if cfg.run.fast:  # in place and before any wrapper: DDP, FSDP and compile see the fast modules

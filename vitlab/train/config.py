@@ -116,6 +116,9 @@ class ModelConfig(Section):
                  None trains the classifier.  The labels are not used, there is no
                  evaluation, and the saved weights are the plain ViT (``vitlab.models.mpp``).
     mpp_rate:    the fraction of each image's patches corrupted (0.5 in the paper).
+    patch_init:  from scratch, how the patch embedding starts: "lecun" (the official
+                 LeCun normal) or "whiten" (its filters whiten the training images'
+                 patches, ``vitlab.models.init.whiten_patch_embedding_``; not in the paper).
     """
 
     prefix = "model"
@@ -127,6 +130,7 @@ class ModelConfig(Section):
     img_size: Optional[int] = None
     mpp: Optional[str] = None
     mpp_rate: float = 0.5
+    patch_init: str = "lecun"
 
     def __post_init__(self) -> None:
         from vitlab.models.mpp import TARGETS
@@ -137,6 +141,10 @@ class ModelConfig(Section):
              f"expected None or one of {', '.join(TARGETS)}")
         need_number("model.mpp_rate", self.mpp_rate, 0.0, below=1.0 + 1e-9)
         need(self.mpp_rate > 0, "model.mpp_rate", self.mpp_rate, "must be a fraction in (0, 1]")
+        need(self.patch_init in PATCH_INITS, "model.patch_init", self.patch_init,
+             f"expected one of {', '.join(PATCH_INITS)}")
+        need(self.patch_init == "lecun" or self.init is None, "model.patch_init", self.patch_init,
+             "'whiten' initialises a model trained from scratch; with model.init the weights are loaded")
         need(isinstance(self.overrides, dict), "model.overrides", self.overrides, "expected a dict of ViTConfig fields")
         need(self.init is None or isinstance(self.init, str), "model.init", self.init, "expected a path or None")
         if self.img_size is not None:
@@ -152,6 +160,7 @@ class ModelConfig(Section):
                 raise ConfigError(f"model (name={self.name!r}, overrides, img_size): {err}") from None
 
 
+PATCH_INITS = ("lecun", "whiten")
 STREAM_MODES = ("auto", "memory", "stream")
 
 

@@ -41,8 +41,13 @@ def test_quick_form(name, tmp_path):
     assert (out / "results.md").read_text().startswith("|")
     section = (out / "section.md").read_text()
     assert f"vitlab experiment {name}" in section and "Machine:" in section
-    if name != "resolution":
-        assert any(r.get("val_top1") is not None for r in result["rows"])
+    assert any(r.get("val_top1") is not None for r in result["rows"])
+    if name == "resolution":  # Figure 12: a speed and a largest batch per model and size, and how they were got
+        timed = [r for r in result["rows"] if r["part"] == "speed"]
+        assert [(r["model"], r["img_size"]) for r in timed] == [("tiny", 16), ("tiny", 32)]
+        for r in timed:
+            assert r["img_per_s"] > 0 and 0 <= r["largest_batch"] <= 64
+            assert ("per core; largest batch extrapolated" if r["device"] == "cpu" else "runs under") in r["method"]
     if name == "mpp":  # the three targets of Appendix B.1.2 against scratch, at the same budget
         assert {r["run"] for r in result["rows"]} == {"scratch", "mpp:color+finetune", "mpp:color4x4+finetune",
                                                      "mpp:pixels+finetune"}

@@ -1,4 +1,4 @@
-"""The benchmark machinery: subprocess protocol, timing, memory, batch search, tables."""
+"""The benchmark machinery: subprocess protocol, timing, memory, tables."""
 from __future__ import annotations
 
 import sys
@@ -9,34 +9,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench  # noqa: E402
-import figure12  # noqa: E402
 import harness  # noqa: E402
-
-
-def test_largest_batch_binary_search():
-    for true in (0, 1, 5, 64, 100, 1000):
-        probes = []
-
-        def fits(b, true=true):
-            probes.append(b)
-            return b <= true
-        assert figure12.largest_batch(fits) == true
-        assert len(probes) <= 2 * max(true, 1).bit_length() + 2
-    assert figure12.largest_batch(lambda b: True, limit=300) == 300
-    assert figure12.largest_batch(lambda b: b <= 1000, start=32) == 1000
-    assert figure12.largest_batch(lambda b: b <= 10, start=32) == 10
-    approx = figure12.largest_batch(lambda b: b <= 1000, start=32, rel_tol=0.05)
-    assert 950 <= approx <= 1000
-
-
-def test_extrapolated_largest_batch():
-    gib = 2**30
-    # 1 GiB after building the model, 0.25 GiB more at batch 2: 8 GiB holds (8 - 1) / 0.125 = 56
-    assert figure12.extrapolated_largest_batch(1.25 * gib, 0.25 * gib, 2, 8 * gib) == 56
-    assert figure12.extrapolated_largest_batch(9 * gib, 0.25 * gib, 2, 8 * gib) == 0
-    # 1.5 GiB at batch 2 and 3 GiB at batch 8: 0.25 GiB per image over a 1 GiB base
-    assert figure12.line_fit_largest_batch(1.5 * gib, 2, 3 * gib, 8, 8 * gib) == 28
-    assert figure12.line_fit_largest_batch(1.5 * gib, 2, 1.4 * gib, 8, 8 * gib) is None
 
 
 def test_peak_memory_sees_memory_outside_torch():

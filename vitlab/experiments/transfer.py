@@ -9,7 +9,7 @@ PAPER = ("Sec. 3.2 / 4.2: pre-training then fine-tuning at a higher resolution (
 SUMMARY = ("run", "classes", "img_size")
 METRICS = ("val_top1", "steps", "wall_s")
 QUICK = dict(steps=20, val=200)
-# the figures in experiments/results were measured with this model (was experiments/transfer_cifar5.py);
+# results/transfer/transfer_cifar5.json was measured with this model (by experiments/transfer_cifar5.py, now this);
 # 3 seeds x (10 + 5 + 5) minutes = 60 minutes
 DEFAULT = dict(data=CIFAR, img_size=32, val=2500, steps=100_000,
                batch=256, lr=2e-3, pretrain_minutes=10.0, finetune_minutes=5.0, finetune_lr=0.01,

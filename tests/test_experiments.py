@@ -62,3 +62,11 @@ def test_findings_block_is_replaced(tmp_path):
     update_findings(str(doc), "head", "### head\nsecond\n", str(tmp_path / "results/head"))
     text = doc.read_text()
     assert "intro" in text and "second" in text and "first" not in text
+
+
+def test_set_values_parse_as_literals_and_booleans():
+    from vitlab.experiments.common import parse_value
+
+    assert parse_value("false") is False and parse_value("True") is True
+    assert parse_value("(3.0, 9.0)") == (3.0, 9.0) and parse_value("2e-3") == 2e-3
+    assert parse_value("color4x4") == "color4x4"

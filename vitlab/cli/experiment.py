@@ -9,7 +9,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list", action="store_true", help="list the experiments and the paper figure each mirrors")
     p.add_argument("--quick", action="store_true", help="the same code at a smoke-test size (digits, seconds)")
     p.add_argument("--out", help="output folder (default results/NAME, results/NAME-quick with --quick)")
-    p.add_argument("--seeds", type=int, help="runs per setting (default 1 with --quick, else 3)")
+    p.add_argument("--seeds", type=int, help="runs per setting (default 1 with --quick, else the experiment's: 2 or 3)")
     p.add_argument("--data", help="data: an ImageFolder archive such as cifar10-train.tar.gz, or 'digits'")
     p.add_argument("--steps", type=int, help="optimiser steps per run (a ceiling with --minutes)")
     p.add_argument("--minutes", type=float, help="wall-time limit per run")

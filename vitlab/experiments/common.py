@@ -77,8 +77,11 @@ class Settings:
 
 
 def parse_value(text: str) -> Any:
+    """A ``--set`` value: a Python literal, true/false in any case, else the text itself."""
     import ast
 
+    if text.lower() in ("true", "false"):  # "false" must not reach a setting as a truthy string
+        return text.lower() == "true"
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
@@ -114,7 +117,11 @@ def hybrid_overrides(s: Settings, layers: Sequence[int] | None = None, **changes
 
 
 def train_config(s: Settings, out: Path, seed: int, overrides: dict, changes: dict | None = None):
-    """A ``TrainConfig`` for one run of an experiment: AdamW, cosine, pad-and-crop on CIFAR."""
+    """A ``TrainConfig`` for one run of an experiment: AdamW, cosine, pad-and-crop on CIFAR.
+
+    Real data trains with ``precision="auto"``, as the recipes do (bf16 autocast where the CPU
+    or GPU runs it faster than fp32, by the rule in ``vitlab.fast``), so a time-limited run
+    gets the steps the hardware can give it; the digits of the quick forms train in fp32."""
     from vitlab.train.config import (AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig,
                                      replace)
 
@@ -125,7 +132,8 @@ def train_config(s: Settings, out: Path, seed: int, overrides: dict, changes: di
         augment=AugmentConfig(crop="none" if s.digits else "pad", flip=not s.digits),
         optim=OptimConfig(optimizer="adam", lr=s.lr, weight_decay=0.05, batch_size=s.batch, steps=s.steps,
                           warmup=0.05 if s.steps >= 20 else 1, decay="cosine", clip_norm=1.0),
-        run=RunConfig(precision="fp32", eval_every=0, log_every=max(1, s.steps // 10), ckpt_every=0, keep_ckpts=1,
+        run=RunConfig(precision="fp32" if s.digits else "auto", eval_every=0, log_every=max(1, s.steps // 10),
+                      ckpt_every=0, keep_ckpts=1,
                       threads=s.threads, device=s.device, seed=seed, time_limit=s.minutes, tensorboard=False,
                       fast=not s.digits, out=str(out)),
     )

@@ -13,13 +13,13 @@ edits ``sys.path``.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from vitlab.experiments.speed import peak, reset_peak, run_worker, time_loop
 
 # Implementations of vitlab's own model: "vitlab" is the default path (``vitlab.fast.optimize``),
 # "vitlab-plain" the model as written, "vitlab-before" an earlier revision's (bench.py --before), "onnxruntime"
@@ -119,15 +119,6 @@ def peers_available(device: str) -> list[str]:
 
 # ----------------------------------------------------------------------------- memory
 
-def _status(field: str) -> int:
-    """A /proc/self/status field in bytes (Linux)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 class PeakMemory:
     """Peak memory above a baseline taken at ``reset()``.
 
@@ -142,27 +133,11 @@ class PeakMemory:
         self.base = 0
 
     def reset(self) -> None:
-        if self.device == "cuda":
-            import torch
-
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-            return
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass  # then the mark may include earlier transients
-        self.base = _status("VmRSS")
+        self.base = reset_peak(self.device)
 
     def peak(self) -> int:
         """Bytes above the baseline at the highest point since ``reset()``."""
-        if self.device == "cuda":
-            import torch
-
-            return torch.cuda.max_memory_allocated() - self.base
-        return _status("VmHWM") - self.base
+        return peak(self.device) - self.base
 
 
 def _page_faults() -> int:
@@ -174,32 +149,6 @@ def _page_faults() -> int:
 
 # ----------------------------------------------------------------------------- timing
 
-def time_loop(step: Callable[[], Any], sync: Callable[[], None], warmup: int, repeats: int,
-              min_seconds: float, warm: Callable[[], None] = lambda: None) -> tuple[list[float], int]:
-    """Seconds per call of ``step`` in each of ``repeats`` timed repeats, and calls per repeat.
-
-    ``warmup`` untimed calls come first (compilation, allocator and oneDNN caches); the
-    last warm-up call sets how many calls make a repeat last ``min_seconds``.  ``warm()``
-    is called between the warm-ups and the timed repeats.
-    """
-    last = 0.0
-    for _ in range(warmup):
-        t = time.perf_counter()
-        step()
-        sync()
-        last = time.perf_counter() - t
-    calls = max(1, int(min_seconds / last)) if last > 0 else 1
-    warm()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(calls):
-            step()
-        sync()
-        times.append((time.perf_counter() - t) / calls)
-    return times, calls
-
-
 def summarize(times: list[float], per_call: int) -> dict[str, float]:
     """Items per second: median and min-max over repeats (the fastest repeat is the max)."""
     rates = sorted(per_call / t for t in times)
@@ -209,23 +158,10 @@ def summarize(times: list[float], per_call: int) -> dict[str, float]:
 # ----------------------------------------------------------------------------- subprocesses
 
 def run_case(case: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run ``case`` in a fresh interpreter; its result dict, or {'error': ...}."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), json.dumps(case)]
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    if case.get("pythonpath"):  # another checkout's vitlab (bench.py --before), ahead of the installed one
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [case["pythonpath"], env.get("PYTHONPATH")]))
-    threads = case.get("threads")
-    if threads:
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+    """Run ``case`` in a fresh interpreter; its result dict, or {'error': ...}.  A case's
+    ``pythonpath`` is another checkout's vitlab (bench.py --before), ahead of the installed one."""
+    return run_worker([sys.executable, str(Path(__file__).resolve()), json.dumps(case)], case.get("threads"),
+                      case.get("pythonpath"), timeout)
 
 
 def worker(case: dict[str, Any]) -> dict[str, Any]:
@@ -365,8 +301,7 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
     result = summarize(times, batch)
     result["page_faults_per_call"] = (_page_faults() - faults_when_warm[0]) / (case["repeats"] * calls)
     result["peak_bytes"] = memory.peak()
-    result["total_peak_bytes"] = (torch.cuda.max_memory_allocated() if device == "cuda"
-                                  else _status("VmHWM"))  # the whole process, for budgets
+    result["total_peak_bytes"] = peak(device)  # the whole process, for budgets
     result["calls_per_repeat"] = calls
     flops = model_flops(vitlab_config(spec, img)) * (3 if case["kind"] == "train" else 1)
     result["flops_per_image"] = flops

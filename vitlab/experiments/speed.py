@@ -167,17 +167,15 @@ def measure(case: dict, budget: float, search: bool, tolerance: float, limit: in
                 method=f"cpu, img/s per core; largest batch extrapolated to {gib} from the peak RSS at batch {batch}")
 
 
-def run_case(case: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
-    """Run one measurement in a fresh interpreter; its result dict, or {'error': ...}."""
-    import vitlab
-
+def run_worker(cmd: list[str], threads: int | None = None, pythonpath: str | None = None,
+               timeout: float = 1800) -> dict[str, Any]:
+    """Run a measuring command in a fresh interpreter and return the dict of its ``RESULT``
+    line, or {'error': ...}; ``pythonpath`` goes ahead of the installed packages."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    # the worker imports the vitlab this process runs, wherever that is
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(vitlab.__file__).resolve().parents[1]),
-                                                      env.get("PYTHONPATH")]))
-    if case.get("threads"):
-        env.update(OMP_NUM_THREADS=str(case["threads"]), MKL_NUM_THREADS=str(case["threads"]))
-    cmd = [sys.executable, "-m", "vitlab.experiments.speed", json.dumps(case)]
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -187,6 +185,16 @@ def run_case(case: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
             return json.loads(line[len("RESULT "):])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+
+
+def run_case(case: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
+    """Run one measurement in a fresh interpreter; its result dict, or {'error': ...}."""
+    import vitlab
+
+    # the worker imports the vitlab this process runs, wherever that is
+    here = str(Path(vitlab.__file__).resolve().parents[1])
+    return run_worker([sys.executable, "-m", "vitlab.experiments.speed", json.dumps(case)], case.get("threads"),
+                      here, timeout)
 
 
 def plot(table: list[dict], path: Path) -> Path | None:
@@ -259,25 +267,30 @@ def peak(device: str) -> int:
     return torch.cuda.max_memory_allocated() if device == "cuda" else _status("VmHWM")
 
 
-def time_forward(forward: Callable[[], Any], sync: Callable[[], None], batch: int, warmup: int, repeats: int,
-                 min_seconds: float) -> list[float]:
-    """Images/s of each of ``repeats`` timed repeats, each of enough calls to last ``min_seconds``
-    (the last of the ``warmup`` calls sets how many)."""
+def time_loop(step: Callable[[], Any], sync: Callable[[], None], warmup: int, repeats: int,
+              min_seconds: float, warm: Callable[[], None] = lambda: None) -> tuple[list[float], int]:
+    """Seconds per call of ``step`` in each of ``repeats`` timed repeats, and calls per repeat.
+
+    ``warmup`` untimed calls come first (compilation, allocator and oneDNN caches); the
+    last warm-up call sets how many calls make a repeat last ``min_seconds``.  ``warm()``
+    is called between the warm-ups and the timed repeats.
+    """
     last = 0.0
     for _ in range(warmup):
         t = time.perf_counter()
-        forward()
+        step()
         sync()
         last = time.perf_counter() - t
     calls = max(1, int(min_seconds / last)) if last > 0 else 1
-    rates = []
+    warm()
+    times = []
     for _ in range(repeats):
         t = time.perf_counter()
         for _ in range(calls):
-            forward()
+            step()
         sync()
-        rates.append(batch * calls / (time.perf_counter() - t))
-    return rates
+        times.append((time.perf_counter() - t) / calls)
+    return times, calls
 
 
 def cuda_largest_batch(model, size: int, budget: float, tolerance: float, limit: int, start: int) -> int:
@@ -324,7 +337,8 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     base = reset_peak(device)
-    rates = sorted(time_forward(forward, sync, batch, case["warmup"], case["repeats"], case["min_seconds"]))
+    times, _ = time_loop(forward, sync, case["warmup"], case["repeats"], case["min_seconds"])
+    rates = sorted(batch / t for t in times)
     total = peak(device)
     result = dict(median=statistics.median(rates), min=rates[0], max=rates[-1], threads=torch.get_num_threads(),
                   peak_bytes=total, rise_bytes=total - base)

@@ -19,7 +19,23 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from vitlab.experiments.speed import peak, reset_peak, run_worker, time_loop
+
+
+def _measuring_tools():
+    """This checkout's ``vitlab/experiments/speed.py`` (standard library only at import),
+    loaded from its file: a ``bench.py --before`` worker runs with an older vitlab first on
+    its path, which may not have the module."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "vitlab" / "experiments" / "speed.py"
+    spec = importlib.util.spec_from_file_location("_vitlab_speed_tools", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_tools = _measuring_tools()
+peak, reset_peak, run_worker, time_loop = _tools.peak, _tools.reset_peak, _tools.run_worker, _tools.time_loop
 
 # Implementations of vitlab's own model: "vitlab" is the default path (``vitlab.fast.optimize``),
 # "vitlab-plain" the model as written, "vitlab-before" an earlier revision's (bench.py --before), "onnxruntime"

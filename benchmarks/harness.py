@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-
 def _measuring_tools():
     """This checkout's ``vitlab/experiments/speed.py`` (standard library only at import),
     loaded from its file: a ``bench.py --before`` worker runs with an older vitlab first on

@@ -64,8 +64,6 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
     meta = dict(experiment=name, paper=mod.PAPER, quick=quick, settings=s.as_dict(), wall_s=round(wall, 1),
                 machine=machine(), date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 command=command or f"vitlab experiment {name}" + (" --quick" if quick else ""))
-    for r in rows:
-        r.pop("module", None)
     write_json(out / "results.json", dict(meta, table=table, rows=rows))
     (out / "results.md").write_text(md + "\n")
     files = {"json": out / "results.json", "markdown": out / "results.md"}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -196,18 +195,6 @@ def train_resnet(s: Settings, out: Path, seed: int, resnet: dict, optimizer: str
     return train_vit(s, out, seed, {}, changes)
 
 
-def accuracy(model, images, labels, device=None, batch: int = 256) -> float:
-    import torch
-
-    device = device or next(model.parameters()).device
-    correct = 0
-    with torch.no_grad():
-        for i in range(0, len(labels), batch):
-            x = images[i:i + batch].to(device).float() / 127.5 - 1
-            correct += int((model(x).argmax(-1).cpu() == labels[i:i + batch]).sum())
-    return correct / max(1, len(labels))
-
-
 def fewshot(model, s: Settings, shots: Sequence[int] = (5,), train_examples: int = 0) -> dict:
     """Linear few-shot top-1 of frozen features: pool = the training split, evaluated on the held-out one."""
     from vitlab.data import stratified_split
@@ -230,8 +217,7 @@ def fewshot(model, s: Settings, shots: Sequence[int] = (5,), train_examples: int
 
 
 def load_trained(summary: dict):
-    if "module" in summary:
-        return summary["module"]
+    """The model a ``train_vit``/``train_resnet`` run saved."""
     from vitlab.weights import load_model
 
     return load_model(summary["weights"])

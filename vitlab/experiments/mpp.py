@@ -32,9 +32,9 @@ def targets_at(s, budget) -> tuple:
 def run(s, out):
     share = float(s.get("pretrain_share", 0.6))
     init = {"model.patch_init": s.get("patch_init", "lecun")}
+    pre_steps = max(1, int(s.steps * share))  # ceilings; a budget's time limit decides
     rows = []
     for budget in s.get("budgets", (0,)):
-        pre_steps = max(1, int(s.steps * share))
         pre_limit, ft_limit = budget * share, budget * (1 - share)
         tag = f"{budget:g}min"
         for seed in range(s.seeds):

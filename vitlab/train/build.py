@@ -117,7 +117,7 @@ def whiten_from_data(model: nn.Module, splits, cfg: TrainConfig) -> None:
     if getattr(vit, "stem", None) is not None or not hasattr(vit, "patch_embed"):
         raise ConfigError("model.patch_init='whiten': only a plain ViT's patch embedding reads image patches "
                           "(a hybrid's reads ResNet features); use 'lecun'")
-    images = getattr(splits, "train_images", None)
+    images = splits.train_images
     if images is None:
         raise ConfigError("model.patch_init='whiten' needs the training images in memory (data.stream='memory')")
     generator = torch.Generator().manual_seed(cfg.run.seed)

@@ -12,7 +12,7 @@ METRICS = ("mean_distance", "min_head", "max_head", "val_top1")
 QUICK = dict(steps=15, images=64)
 # 2 runs x 3 seeds x 10 minutes = 60 minutes
 DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
-               minutes=10.0, batch=128, lr=2e-3, width=192, depth=6, heads=3, mlp=384, patch=4, images=512)
+               minutes=10.0, batch=128, lr=1e-3, width=192, depth=6, heads=3, mlp=384, patch=4, images=512)
 
 
 def run(s, out):

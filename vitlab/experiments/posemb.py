@@ -11,7 +11,7 @@ METRICS = ("val_top1", "wall_s")
 QUICK = dict(steps=15)
 # 8 settings x 3 seeds x 2.5 minutes = 60 minutes
 DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
-               minutes=2.5, batch=128, lr=2e-3, width=192, depth=6, heads=3, mlp=384, patch=4)
+               minutes=2.5, batch=128, lr=1e-3, width=192, depth=6, heads=3, mlp=384, patch=4)
 # relative embeddings are a bias inside every attention layer: only "stem" exists for them (as in Table 8)
 SETTINGS = [("none", "stem")] + [(p, place) for p in ("learned_1d", "learned_2d")
                                  for place in ("stem", "every_layer", "every_layer_shared")] + [("relative", "stem")]

@@ -11,7 +11,7 @@ METRICS = ("val_top1", "gflops", "params_m", "wall_s")
 QUICK = dict(steps=8)
 # 8 models (base, depth/width/MLP x0.5 and x2, patch x0.5) x 3 seeds x 2 minutes = 48 minutes
 DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
-               minutes=2.0, batch=128, lr=2e-3, width=128, depth=4, heads=2, mlp=256, patch=4)
+               minutes=2.0, batch=128, lr=1e-3, width=128, depth=4, heads=2, mlp=256, patch=4)
 
 
 def variants(s):

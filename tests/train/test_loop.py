@@ -136,8 +136,9 @@ def capture_refits(monkeypatch) -> Callable[[], list[tuple[int, int]]]:
 def test_time_limit_refits_over_consecutive_stretches(tiny, monkeypatch):
     # after the warm-up's refit, one halfway through the decay and one at three quarters,
     # each timed over the steps since the one before (the latest speed of the machine)
+    # (of its 9 s, 5 s are the reserve: 4 s of steps, so a hiccup of a busy machine leaves room for all three)
     refits = capture_refits(monkeypatch)
-    summary = train(tiny("timed_refits", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1,
+    summary = train(tiny("timed_refits", steps=1_000_000, time_limit=0.15, time_measure_steps=3, warmup=0.1,
                          tensorboard=False), verbose=False)
     stretches = refits()
     assert len(stretches) == 3, stretches

@@ -258,7 +258,11 @@ def markdown_table(table: list[dict], keys: Sequence[str], metrics: Sequence[str
         cells = []
         for c in cols:
             if c in metrics and c in r:
-                cells.append(f"{r[c]:.4g} ± {r[c + '_std']:.2g}" if r.get("n", 1) > 1 else f"{r[c]:.4g}")
+                # a metric the seeds cannot change (FLOPs, parameters) gets no spread
+                spread = r.get("n", 1) > 1 and r[c + "_std"] > 1e-9 * abs(r[c])
+                std = r[c + "_std"]
+                std_text = f"{std:.0f}" if std >= 100 else f"{std:.2g}"  # 160, not 1.6e+02
+                cells.append(f"{r[c]:.4g} ± {std_text}" if spread else f"{r[c]:.4g}")
             else:
                 cells.append(fmt(r.get(c, "")))
         lines.append("| " + " | ".join(cells) + " |")
@@ -309,7 +313,12 @@ def plot_lines(table: list[dict], x: str, y: str, series: str | None, path: Path
         ax.errorbar([r[x] for r in rs], [r[y] for r in rs], yerr=[r.get(y + "_std", 0) for r in rs],
                     marker="o", capsize=3, label=str(name))
     if logx:
+        from matplotlib.ticker import FuncFormatter
+
         ax.set_xscale("log")
+        # within a decade matplotlib labels every minor tick and they overlap: label 2x and 5x only
+        ax.xaxis.set_minor_formatter(FuncFormatter(
+            lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5) else ""))
     ax.set_xlabel(x)
     ax.set_ylabel(y)
     ax.set_title(title, fontsize=9)

@@ -7,7 +7,7 @@ TITLE = "position embedding type and where it is added"
 PAPER = ("Table 8 (ViT-B/16, ImageNet 5-shot linear): none 0.61382, 1D 0.64206, 2D 0.64001, relative 0.64032 "
          "at the stem; any embedding beats none by ~3 points, the kinds differ little")
 SUMMARY = ("posemb", "place")
-METRICS = ("val_top1", "wall_s")
+METRICS = ("val_top1", "steps", "wall_s")
 QUICK = dict(steps=15)
 # 8 settings x 3 seeds x 2.5 minutes = 60 minutes
 DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
@@ -23,7 +23,8 @@ def run(s, out):
         for posemb, place in SETTINGS:
             over = vit_overrides(s, posemb=posemb, posemb_place=place)
             r = train_vit(s, out / f"{posemb}-{place}-s{seed}", seed, over)
-            rows.append(dict(posemb=posemb, place=place, seed=seed, val_top1=r["val_top1"], wall_s=r["wall_s"]))
+            rows.append(dict(posemb=posemb, place=place, seed=seed, val_top1=r["val_top1"], steps=r["steps"],
+                             wall_s=r["wall_s"]))
     return rows
 
 

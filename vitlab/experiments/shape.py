@@ -7,7 +7,7 @@ TITLE = "scaling the model's shape: depth, width, MLP size, patch size"
 PAPER = ("Fig. 8: depth helps most (up to 64 layers, diminishing after 16), width least; a smaller patch "
          "(longer sequence) helps without adding parameters")
 SUMMARY = ("dimension", "value")
-METRICS = ("val_top1", "gflops", "params_m", "wall_s")
+METRICS = ("val_top1", "gflops", "params_m", "steps", "wall_s")
 QUICK = dict(steps=8)
 # 8 models (base, depth/width/MLP x0.5 and x2, patch x0.5) x 3 seeds x 2 minutes = 48 minutes
 DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
@@ -35,7 +35,7 @@ def run(s, out):
             r = train_vit(s, out / f"{dim}-{f}-s{seed}", seed, over)
             params = sum(p.numel() for p in __import__("vitlab").create_model(cfg).parameters())
             rows.append(dict(dimension=dim, value=f, seed=seed, val_top1=r["val_top1"], gflops=model_flops(cfg) / 1e9,
-                             params_m=params / 1e6, wall_s=r["wall_s"]))
+                             params_m=params / 1e6, steps=r["steps"], wall_s=r["wall_s"]))
     return rows
 
 

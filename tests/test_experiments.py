@@ -14,6 +14,10 @@ def test_aggregate_mean_and_std():
     assert table[0]["n"] == 2 and table[0]["acc"] == pytest.approx(0.6)
     assert table[0]["acc_std"] == pytest.approx(0.1414, abs=1e-3) and table[1]["acc_std"] == 0.0
     assert "0.6 ± 0.14" in markdown_table(table, ["m"], ["acc"])
+    # a metric equal in every seed (FLOPs, parameters) is shown without a spread
+    rows = [dict(m="a", gflops=0.3, steps=90.0), dict(m="a", gflops=0.3, steps=350.0)]
+    text = markdown_table(aggregate(rows, ["m"], ["gflops", "steps"]), ["m"], ["gflops", "steps"])
+    assert "| a | 0.3 | 220 ± 184 | 2 |" in text
 
 
 def test_list(capsys):
@@ -48,6 +52,11 @@ def test_quick_form(name, tmp_path):
         for r in timed:
             assert r["img_per_s"] > 0 and 0 <= r["largest_batch"] <= 64
             assert ("per core; largest batch extrapolated" if r["device"] == "cpu" else "runs under") in r["method"]
+    if name == "posemb-similarity":  # seed 0's similarity map of every setting is kept beside the table
+        pytest.importorskip("matplotlib")
+        assert sorted(p.name for p in out.glob("similarity-*.png")) == [
+            "similarity-p2-lr0.001.png", "similarity-p2-lr0.003.png", "similarity-p4-lr0.001.png",
+            "similarity-p4-lr0.003.png"]
     if name == "mpp":  # the three targets of Appendix B.1.2 against scratch, at the same budget
         assert {r["run"] for r in result["rows"]} == {"scratch", "mpp:color+finetune", "mpp:color4x4+finetune",
                                                      "mpp:pixels+finetune"}

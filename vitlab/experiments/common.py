@@ -258,9 +258,9 @@ def markdown_table(table: list[dict], keys: Sequence[str], metrics: Sequence[str
         cells = []
         for c in cols:
             if c in metrics and c in r:
-                # a metric the seeds cannot change (FLOPs, parameters) gets no spread
-                spread = r.get("n", 1) > 1 and r[c + "_std"] > 1e-9 * abs(r[c])
                 std = r[c + "_std"]
+                # a metric the seeds cannot change (FLOPs, parameters) gets no spread
+                spread = r.get("n", 1) > 1 and std > 1e-9 * abs(r[c])
                 std_text = f"{std:.0f}" if std >= 100 else f"{std:.2g}"  # 160, not 1.6e+02
                 cells.append(f"{r[c]:.4g} ± {std_text}" if spread else f"{r[c]:.4g}")
             else:

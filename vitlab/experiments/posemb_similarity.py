@@ -43,23 +43,23 @@ def run(s, out):
                 r = train_vit(s, folder, seed, vit_overrides(s, patch_size=patch), {"optim.lr": lr})
                 sim = position_similarity(load_trained(r))
                 np.save(folder / "position_similarity.npy", sim)
-                _figure(sim, folder / "position_similarity.png")
-                if seed == 0:  # one map per setting beside the table: runs/ is scratch, not kept in git
-                    _figure(sim, out.parent / f"similarity-p{patch}-lr{lr}.png", f"patch {patch}, lr {lr}, seed 0")
+                # seed 0's map is also kept beside the table: runs/ is scratch, not kept in git
+                kept = [out.parent / f"similarity-p{patch}-lr{lr}.png"] if seed == 0 else []
+                _figure(sim, [folder / "position_similarity.png", *kept], f"patch {patch}, lr {lr}, seed {seed}")
                 near, far = locality(sim)
                 rows.append(dict(patch=patch, lr=lr, seed=seed, val_top1=r["val_top1"], near=near, far=far,
                                  locality=near - far, similarity=str(folder / "position_similarity.npy")))
     return rows
 
 
-def _figure(sim, path, title: str = ""):
+def _figure(sim, paths, title: str):
     try:
         from vitlab.analysis.plots import plot_position_similarity
 
         fig = plot_position_similarity(sim)
-        if title:
-            fig.axes[0].set_title(f"Position embedding similarity: {title}", fontsize=10)
-        fig.savefig(path, dpi=90)
+        fig.axes[0].set_title(f"Position embedding similarity: {title}", fontsize=10)
+        for path in paths:
+            fig.savefig(path, dpi=90)
     except ImportError:
         pass
 

@@ -12,6 +12,7 @@ edits ``sys.path``.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import statistics
 import sys
@@ -98,13 +99,21 @@ def make_model(impl: str, spec: str, img_size: int | None = None):
                      "onnxruntime")
 
 
-def optimize_if_default(impl: str, model):
-    """Apply the fast layer to the 'vitlab' implementation (after ``.to(device)``)."""
-    if impl == "vitlab":
+def optimize_if_default(impl: str, model, kind: str = "train"):
+    """Apply the fast layer to 'vitlab' and 'vitlab-before' (after ``.to(device)``) as that vitlab
+    runs it: the trainer's ``optimize(model)``, or for ``kind="inference"`` that of ``vitlab eval``
+    and ``vitlab predict``, with the bf16 weights packed in place (``inference_weights="pack"``)
+    where the revision has it.  A revision from before ``vitlab.fast`` runs its model as it is."""
+    if impl not in ("vitlab", "vitlab-before"):
+        return model
+    try:
         import vitlab.fast
-
-        vitlab.fast.optimize(model)
-    return model
+    except ImportError:
+        return model
+    options = {}
+    if kind == "inference" and "inference_weights" in inspect.signature(vitlab.fast.optimize).parameters:
+        options["inference_weights"] = "pack"
+    return vitlab.fast.optimize(model, **options)
 
 
 def peers_available(device: str) -> list[str]:
@@ -287,7 +296,7 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
         step = lambda: session.run(None, feed)  # noqa: E731
     else:
         model, forward = make_model(impl, spec, img)
-        model = optimize_if_default(impl, model.to(device))
+        model = optimize_if_default(impl, model.to(device), case["kind"])
         if case.get("compile"):
             forward = torch.compile(forward)
         if case["kind"] == "inference":

@@ -210,7 +210,7 @@ def test_inference_in_chunks_of_images_equals_the_plain_forward(family, monkeypa
     chunk_sizes = []
     real_chunk = modules.FastBlock.inference_chunk
     monkeypatch.setattr(modules.FastBlock, "inference_chunk",
-                        lambda self, x: chunk_sizes.append(x.shape[0]) or real_chunk(self, x))
+                        lambda self, x, out=None: chunk_sizes.append(x.shape[0]) or real_chunk(self, x, out))
     cfg = FAMILIES[family]
     model = with_random_head(cfg).eval()
     x = torch.randn(7, 3, *cfg.img_size)
@@ -262,9 +262,9 @@ def test_autocast_inference_casts_weights_into_one_shared_buffer_by_default(kern
     torch.testing.assert_close(buffer[:160].view(4, 40).float(), model[1].weight.bfloat16().float(), rtol=0, atol=0)
 
 
-def test_hold_casts_keeps_autocast_weights_between_inference_calls_until_they_change():
+def test_held_casts_are_kept_between_inference_calls_until_the_weights_change():
     torch.manual_seed(0)
-    dense = fast.optimize(nn.Linear(6, 4), KernelChoice("aten", "bf16"), hold_casts=True)
+    dense = fast.optimize(nn.Linear(6, 4), KernelChoice("aten", "bf16"), inference_weights="hold")
     x = torch.randn(3, 6)
 
     def infer():
@@ -283,6 +283,129 @@ def test_hold_casts_keeps_autocast_weights_between_inference_calls_until_they_ch
     torch.testing.assert_close(out.double(), bf16_autocast_linear(x, dense), rtol=8e-3, atol=1e-3)
     dense(x).sum().backward()  # a training forward drops the copy
     assert dense._held is None
+
+
+def fp32_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().view(torch.int32)
+
+
+def nearest_even_bf16_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.bfloat16).view(torch.int16)
+
+
+def test_packing_rounds_to_nearest_and_restores_every_bit():
+    from vitlab.fast.packing import pack_, packed_view, unpack_
+
+    torch.manual_seed(0)
+    specials = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-40, -1e-40, 3.4028235e38, -3.4028235e38, 1.1754944e-38,
+                             1.0039062, 1.0078125, 1.01171875, 65504.0, -7.0e-20])
+    weight = torch.cat([torch.randn(4000), torch.rand(1000) * 1e-3, specials]).view(-1, 2)
+    bits = weight.view(torch.int32)
+    # ties, the one case where packing's rounding (away from zero) and autocast's (to even) part:
+    # low half exactly 0x8000 on an even and on an odd upper half
+    bits[:4, 0] = (bits[:4, 0] & ~0xFFFF) | 0x8000
+    bits[:2, 0] &= ~0x10000
+    bits[2:4, 0] |= 0x10000
+    original = fp32_bits(weight)
+    expected = nearest_even_bf16_bits(weight)
+    tie_even = ((original & 0xFFFF) == 0x8000) & ((original & 0x10000) == 0)
+
+    hi = pack_(weight)
+    assert hi.dtype == torch.bfloat16 and hi.shape == weight.shape and hi.data_ptr() == weight.data_ptr()
+    got = hi.view(torch.int16)
+    assert torch.equal(got[~tie_even], expected[~tie_even])
+    # at an even tie: one bf16 unit up in magnitude (the bit pattern's upper half + 1)
+    assert torch.equal(got[tie_even].int(), expected[tie_even].int() + 1)
+    assert not torch.equal(fp32_bits(weight), original)  # the bytes now hold the packed form
+    assert torch.equal(packed_view(weight), hi)
+    unpack_(weight)
+    assert torch.equal(fp32_bits(weight), original)
+
+
+def untied(model: nn.Module) -> nn.Module:
+    """The model with no fp32 weight exactly halfway between two bf16 values (module text of packing.py)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            bits = p.view(torch.int32)
+            bits[(bits & 0xFFFF) == 0x8000] += 1
+    return model
+
+
+def bf16_infer(model, x):
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        return model(x)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="packing serves oneDNN's bf16 kernel")
+@pytest.mark.parametrize("family", ["token", "posemb-2d-every-layer", "hybrid"])
+def test_packed_inference_equals_cast_inference_and_gives_the_weights_back(family, tmp_path):
+    cfg = FAMILIES[family]
+    model = untied(with_random_head(cfg)).eval()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 3, *cfg.img_size)
+    kernels = KernelChoice("onednn", "bf16")
+    cast = bf16_infer(fast.optimize(copy.deepcopy(model), kernels), x)
+    fast.optimize(model, kernels, inference_weights="pack")
+    layers = [m for m in model.modules() if isinstance(m, fast.FastLinear)]
+
+    def packed() -> list[bool]:
+        return [getattr(layer, "_packed", False) for layer in layers]
+
+    assert torch.equal(bf16_infer(model, x), cast)
+    assert all(packed()) and not torch.equal(layers[0].weight, original[next(
+        k for k in original if k.endswith("weight") and original[k].shape == layers[0].weight.shape)])
+    assert torch.equal(bf16_infer(model, x), cast)  # again, from the packed weights
+    # everything that goes through the module reads the exact fp32 weights
+    for read in (lambda m: m.state_dict(), lambda m: copy.deepcopy(m).state_dict(),
+                 lambda m: pickle.loads(pickle.dumps(m)).state_dict()):
+        bf16_infer(model, x)
+        assert all(torch.equal(v, original[k]) for k, v in read(model).items())
+        assert not any(packed())
+    bf16_infer(model, x)
+    vitlab.save_model(model, tmp_path / "m")
+    assert not any(packed())
+    assert all(torch.equal(v, original[k]) for k, v in vitlab.load_model(tmp_path / "m").state_dict().items())
+    for undo in (lambda m: m.train(), lambda m: m.float(), fast.unpack_weights, fast.restore):
+        model.eval()
+        fast.optimize(model, kernels, inference_weights="pack")
+        bf16_infer(model, x)
+        assert all(packed())
+        undo(model)
+        assert not any(packed()) and all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
+    fast.optimize(model, kernels, inference_weights="pack").eval()
+    bf16_infer(model, x)
+    with torch.no_grad():  # fp32 inference between bf16 calls unpacks first
+        torch.testing.assert_close(model(x), fast.restore(copy.deepcopy(model))(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="packing serves oneDNN's bf16 kernel")
+def test_a_shared_or_hooked_weight_is_never_packed():
+    torch.manual_seed(0)
+    first, second, hooked = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+    second.weight = first.weight  # tied
+    model = fast.optimize(nn.Sequential(first, second, hooked), KernelChoice("onednn", "bf16"),
+                          inference_weights="pack").eval()
+    seen = []
+    hooked.register_forward_hook(lambda m, i, o: seen.append(fp32_bits(m.weight)))
+    before = fp32_bits(hooked.weight)
+    bf16_infer(model, torch.randn(2, 8))
+    assert not first._packed and not second._packed and not hooked._packed
+    assert torch.equal(seen[0], before)
+
+
+def test_a_bad_inference_weights_option_is_refused_with_the_allowed_ones():
+    with pytest.raises(ValueError, match="inference_weights='packed': expected one of cast, hold, pack"):
+        fast.optimize(nn.Linear(2, 2), inference_weights="packed")
+
+
+@pytest.mark.parametrize("family", ["token", "relative", "axial"])
+def test_contiguous_attention_equals_the_plain_bf16_inference(family):
+    cfg = FAMILIES[family]
+    model = with_random_head(cfg).eval()
+    x = torch.randn(5, 3, *cfg.img_size)
+    plain = bf16_infer(model, x).float()
+    fast.optimize(model)
+    torch.testing.assert_close(bf16_infer(model, x).float(), plain, rtol=3e-2, atol=3e-2 * plain.abs().max().item())
 
 
 # ----------------------------------------------------------------------------- recompute
@@ -389,10 +512,11 @@ def test_gelu_dense_drops_out_with_the_mask_it_keeps():
     torch.testing.assert_close(grads[1], dense.weight.grad)
 
 
-def test_fast_bf16_cpu_training_attends_explicitly_and_plain_uses_the_kernel(monkeypatch):
+@pytest.mark.parametrize("family", ["token", "relative"])
+def test_fast_bf16_cpu_training_attends_explicitly_and_plain_uses_the_kernel(family, monkeypatch):
     import vitlab.models.layers as layers
 
-    model = with_random_head(tiny(posemb="relative")).train()
+    model = with_random_head(FAMILIES[family]).train()
     x = torch.randn(3, 3, 16, 16)
     seen = []
     real_sdpa = torch.nn.functional.scaled_dot_product_attention

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     if args.fast is not False:
         from vitlab import fast
 
-        fast.optimize(model)
+        fast.optimize(model, inference_weights="pack")  # inference only: bf16 weights packed in place
     classes = find_classes(checkpoint, args.classes)
     size = model.cfg.img_size
     for path in args.images:

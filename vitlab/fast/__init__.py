@@ -8,8 +8,8 @@
 ``optimize`` gives the model's dense layers and encoder blocks subclasses with faster
 forwards (``modules.py``): CPU matmuls by the kernel a rule or a stored calibration
 chooses (``kernels.py``), LayerNorm and GELU outputs recomputed in the backward instead
-of stored, inference over chunks of images with bf16 weights cast into one shared
-buffer.  Parameters, buffers, state-dict keys and hooks are untouched; outputs and
+of stored, inference over chunks of images with the bf16 weights cast into one shared
+buffer, held, or packed into the fp32 weights' own bytes.  Parameters, buffers, state-dict keys and hooks are untouched; outputs and
 gradients equal the plain model's up to floating-point rounding (``tests/test_fast.py``).
 The design and its measurements: ``docs/performance.md``.
 """
@@ -21,21 +21,24 @@ from typing import Iterator
 from torch import nn
 
 from .kernels import KernelChoice, bf16_is_faster, calibrate, choose, rule_choice
-from .modules import FastBlock, FastLinear, FastOptions, install, installed, uninstall
+from .modules import INFERENCE_WEIGHTS, FastBlock, FastLinear, FastOptions, install, installed, uninstall, unpack_weights
 
 
 def optimize(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True,
-             hold_casts: bool = False) -> nn.Module:
+             inference_weights: str = "cast") -> nn.Module:
     """Install the fast path on ``model`` in place and return it.
 
     kernels: the CPU kernels (default ``choose()``: this CPU's stored calibration, else the rule).
     recompute: recompute LayerNorm and GELU outputs in the backward (less memory, same gradients).
-    hold_casts: in CPU bf16 autocast inference, keep each dense layer's cast weight between calls
-        (faster at small batches, for the memory of a cast copy of the model) instead of casting
-        it into one buffer the layers share, in every call.
+    inference_weights: how a dense layer gets its bf16 weight in CPU bf16 autocast inference:
+        "cast" it in every call into one buffer the layers share (the default: the parameters
+        always hold their fp32 values), "hold" a cast copy between calls (for half the weights'
+        memory again), or "pack" it into the fp32 weight's own bytes, exactly reversible, for
+        inference-only use such as ``vitlab eval`` and ``vitlab predict`` (``FastOptions``
+        says what reads the weights correctly while they are packed).
     Optimising an optimised model replaces its options.
     """
-    return install(model, FastOptions(kernels or choose(), recompute, hold_casts))
+    return install(model, FastOptions(kernels or choose(), recompute, inference_weights))
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -55,10 +58,10 @@ def is_optimized(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def optimized(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True,
-              hold_casts: bool = False) -> Iterator[nn.Module]:
+              inference_weights: str = "cast") -> Iterator[nn.Module]:
     """``optimize`` for the ``with`` block; on exit the model is as it was (options included)."""
     before = installed(model)
-    optimize(model, kernels, recompute, hold_casts)
+    optimize(model, kernels, recompute, inference_weights)
     try:
         yield model
     finally:
@@ -68,5 +71,6 @@ def optimized(model: nn.Module, kernels: KernelChoice | None = None, recompute: 
             install(model, before)
 
 
-__all__ = ["FastBlock", "FastLinear", "FastOptions", "KernelChoice", "bf16_is_faster", "calibrate", "choose",
-           "installed_options", "is_optimized", "optimize", "optimized", "restore", "rule_choice"]
+__all__ = ["INFERENCE_WEIGHTS", "FastBlock", "FastLinear", "FastOptions", "KernelChoice", "bf16_is_faster",
+           "calibrate", "choose", "installed_options", "is_optimized", "optimize", "optimized", "restore",
+           "rule_choice", "unpack_weights"]

@@ -4,11 +4,12 @@ Installation changes the class of an existing module in place (as
 ``torch.nn.utils.parametrize`` does), to a subclass that adds a faster forward:
 
 * ``nn.Linear`` -> ``FastLinear``: its matmuls take the chosen CPU kernel
-  (``linear.py``).  In CPU inference under bf16 autocast it casts its weight into a
-  buffer the model's layers share (``Workspace``: autocast would allocate a fresh copy
-  of every weight in every call), or, with ``hold_casts``, keeps the cast between calls
-  until the parameter changes; the bf16 kernel then runs as oneDNN's matmul with the
-  bias, and a following GELU, applied to its fp32 accumulator.
+  (``linear.py``).  In CPU inference under bf16 autocast the bf16 kernel runs as oneDNN's
+  matmul with the bias, and a following GELU, applied to its fp32 accumulator, on the
+  weight in bf16, obtained as ``FastOptions.inference_weights`` says: cast in every call
+  into a buffer the model's layers share (``Workspace``; autocast would allocate a fresh
+  copy of every weight in every call), held as a cast copy between calls, or packed into
+  the fp32 weight's own bytes (``packing.py``) and unpacked before anything reads them.
 * ``Block`` -> ``FastBlock``: in training, LayerNorm and GELU outputs are recomputed in
   the backward instead of stored (``recompute.py``).  On a CPU in bf16, attention is two
   matmuls and a softmax: PyTorch's CPU flash-attention kernel has a slow bf16 backward
@@ -42,6 +43,7 @@ from ..models import layers
 from ..models.layers import Attention, Block, Mlp
 from .kernels import KernelChoice
 from .linear import linear, linear_forward, mode_for, onednn_linear
+from .packing import pack_, packable, packed_view, unpack_
 from .recompute import gelu_dense, layer_norm_dense, split_heads
 
 
@@ -71,17 +73,36 @@ class Workspace:
         return Workspace()
 
 
+# How a dense layer gets its bf16 weight in CPU bf16 autocast inference (FastOptions).
+INFERENCE_WEIGHTS = ("cast", "hold", "pack")
+
+
 @dataclasses.dataclass(frozen=True)
 class FastOptions:
-    """What ``optimize`` installed: the CPU kernels, whether training recomputes, and whether
-    autocast inference keeps each layer's cast weight between calls (faster at small
-    batches, for the memory of a cast copy of the model) instead of casting it into the
-    shared ``workspace`` in every call."""
+    """What ``optimize`` installed: the CPU kernels, whether training recomputes, and how a
+    dense layer gets its bf16 weight in CPU bf16 autocast inference (``inference_weights``):
+
+    * ``"cast"``: cast into the shared ``workspace`` in every call; nothing is kept;
+    * ``"hold"``: a cast copy kept between calls (recast when the parameter changes), for
+      the memory of half the fp32 weights again;
+    * ``"pack"``: the bf16 weight written into the fp32 parameter's own bytes with the
+      remainder that restores it exactly (``packing.py``): no per-call cast and no extra
+      memory, for inference-only use.  Between a bf16 inference call and the next thing that
+      goes through the module (``train()``, a forward with autograd or without autocast,
+      ``state_dict``, ``load_state_dict``, ``.to()``, copies, pickles, ``restore``) the
+      parameter's bytes hold the packed form: code that reads ``layer.weight`` directly then,
+      such as an EMA update of an evaluated model, must unpack first (``unpack_weights``).
+    """
 
     kernels: KernelChoice
     recompute: bool = True
-    hold_casts: bool = False
+    inference_weights: str = "cast"
     workspace: Workspace = dataclasses.field(default_factory=Workspace, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.inference_weights not in INFERENCE_WEIGHTS:
+            raise ValueError(f"FastOptions.inference_weights={self.inference_weights!r}: expected one of "
+                             f"{', '.join(INFERENCE_WEIGHTS)}")
 
 
 class FastLinear(nn.Linear):
@@ -89,10 +110,12 @@ class FastLinear(nn.Linear):
 
     fast_options: FastOptions
     _held: tuple | None = None  # (key, weight or None, bias) cast for inference under autocast
+    _packed: bool = False  # whether the weight's bytes hold the packed bf16 form
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or x.device.type != "cpu" or torch.compiler.is_compiling():
             self._held = None  # training changes the weights: drop what inference kept
+            self.unpack()
             return linear(x, self.weight, self.bias, self.fast_options.kernels)
         return self.inference(x)
 
@@ -100,12 +123,13 @@ class FastLinear(nn.Linear):
         """``self(x)`` on a CPU without autograd, then GELU (``approximate=gelu``) when given."""
         kernels = self.fast_options.kernels
         bf16_autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        if bf16_autocast and kernels.bf16 == "bf16" and torch.backends.mkldnn.is_available():
+            weight, bias = self._bf16_weights()
+            return onednn_linear(x.to(torch.bfloat16), weight, bias, gelu)
+        self.unpack()
         if bf16_autocast and kernels.bf16 == "fp32":  # bf16 values held in fp32, for the fp32 GEMM
             weight, bias = self._cast(torch.float32)
             out = linear_forward(x, weight, bias, "widened", kernels, rounded=True)
-        elif bf16_autocast and torch.backends.mkldnn.is_available():
-            weight, bias = self._cast(torch.bfloat16)
-            return onednn_linear(x.to(torch.bfloat16), weight, bias, gelu)
         elif mode_for(x, kernels) == "onednn":
             self._held = None
             return onednn_linear(x, self.weight, self.bias, gelu)
@@ -114,12 +138,41 @@ class FastLinear(nn.Linear):
             out = F.linear(x, self.weight, self.bias)  # autocast (of another dtype) casts as usual
         return out if gelu is None else torch.ops.aten.gelu_(out, approximate=gelu)
 
+    def _bf16_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight and bias in bf16 for the bf16 kernel, the weight packed when the options say
+        so and nothing else can see it (no hook on this layer, a weight of its own)."""
+        if (self.fast_options.inference_weights == "pack" and getattr(self, "packs_weight", False)
+                and not self.training and not _hooked(self) and not _global_hooks()):
+            if not self._packed:
+                if not packable(self.weight):
+                    return self._cast(torch.bfloat16)
+                pack_(self.weight)
+                self._packed = True
+            return packed_view(self.weight), self._cast_bias()
+        self.unpack()
+        return self._cast(torch.bfloat16)
+
+    def unpack(self) -> None:
+        """Give the weight its exact fp32 bytes back if this layer packed it."""
+        if self._packed:
+            unpack_(self.weight)
+            self._packed = False
+
+    def _cast_bias(self) -> torch.Tensor | None:
+        """The bias in bf16, kept until the parameter changes (it is small)."""
+        if self.bias is None:
+            return None
+        key = ("bias", self.bias.data_ptr(), self.bias._version)
+        if self._held is None or self._held[0] != key:
+            self._held = (key, None, self.bias.detach().to(torch.bfloat16))
+        return self._held[2]
+
     def _cast(self, hold_in: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Weight and bias rounded to bf16, held in ``hold_in``: the weight cast into the
-        workspace in every call (or kept, with ``hold_casts``), the bias kept (it is small);
-        kept copies are cast again when their parameter changes."""
+        workspace in every call (or kept, with ``inference_weights="hold"``), the bias kept
+        (it is small); kept copies are cast again when their parameter changes."""
         params = [p for p in (self.weight, self.bias) if p is not None]
-        hold_weight = self.fast_options.hold_casts
+        hold_weight = self.fast_options.inference_weights == "hold"
         key = (hold_in, hold_weight, *((p.data_ptr(), p._version) for p in params))
         if self._held is None or self._held[0] != key:
             weight, bias = (None if p is None else p.detach().to(torch.bfloat16).to(hold_in)
@@ -131,9 +184,28 @@ class FastLinear(nn.Linear):
             weight.copy_(self.weight.detach() if hold_in == torch.bfloat16 else self.weight.detach().to(torch.bfloat16))
         return weight, self._held[2]
 
+    # Everything that reads or replaces the parameters through the module sees the exact fp32 weight.
+    def train(self, mode: bool = True) -> "FastLinear":
+        self.unpack()
+        return super().train(mode)
+
+    def _apply(self, fn, recurse: bool = True):
+        self.unpack()
+        return super()._apply(fn, recurse)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        self.unpack()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self.unpack()
+        super()._load_from_state_dict(*args, **kwargs)
+
     def __getstate__(self) -> dict:
+        self.unpack()
         state = self.__dict__.copy()
-        state.pop("_held", None)  # a cache, remade at the next call that wants it
+        for name in ("_held", "_packed"):
+            state.pop(name, None)  # a cache, remade at the next call that wants it
         return state
 
 
@@ -169,35 +241,83 @@ class FastBlock(Block):
         if not self.fast_options.recompute:
             return super().forward(x)
         kernels, attn, mlp = self.fast_options.kernels, self.attn, self.mlp
-        q, k, v = split_heads(layer_norm_dense(x, self.norm1, attn.qkv, kernels), attn.num_heads)
-        explicit = q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad
-        x = x + self.drop_path(attn.proj_drop(attn.proj(attn.attend(q, k, v, explicit=explicit))))
+        qkv = layer_norm_dense(x, self.norm1, attn.qkv, kernels)
+        if _contiguous_attention_applies(qkv, attn):
+            drop = attn.attn_drop if self.training else 0.0
+            heads = contiguous_attention(qkv, attn.num_heads, attn.head_dim**-0.5, drop)
+        else:
+            q, k, v = split_heads(qkv, attn.num_heads)
+            heads = attn.attend(q, k, v, explicit=_cpu_bf16(q))
+        x = x + self.drop_path(attn.proj_drop(attn.proj(heads)))
         h = layer_norm_dense(x, self.norm2, mlp.fc1, kernels)
         return x + self.drop_path(mlp.drop(gelu_dense(h, mlp.approximate, mlp.drop, mlp.fc2, kernels)))
 
 
     def inference(self, x: torch.Tensor) -> torch.Tensor:
-        """The forward without autograd; on a CPU over chunks of at most ``CHUNK_ROWS`` tokens
-        (module text: the allocator's fresh pages are a CPU cost, a GPU wants the whole batch)."""
+        """The forward without autograd; on a CPU over chunks of about ``CHUNK_ROWS`` tokens
+        (module text: the allocator's fresh pages are a CPU cost, a GPU wants the whole batch),
+        each chunk's result written straight into its rows of the output."""
         images, tokens = x.shape[0], x.shape[1]
-        chunks = -(-images * tokens // CHUNK_ROWS)
+        dense_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+        chunks = -(-images * tokens * dense_dtype.itemsize // (4 * CHUNK_ROWS))
         if chunks <= 1 or images == 1 or x.device.type != "cpu":
             return self.inference_chunk(x)
-        return torch.cat([self.inference_chunk(part) for part in x.split(-(-images // chunks))])
+        parts = x.split(-(-images // chunks))
+        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, dense_dtype), device=x.device)
+        for part, rows in zip(parts, out.split(parts[0].shape[0])):
+            self.inference_chunk(part, out=rows)
+        return out
 
-    def inference_chunk(self, x: torch.Tensor) -> torch.Tensor:
+    def inference_chunk(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The plain forward, each dense layer called for its inference product, the GELU
-        applied as the first MLP layer writes its output."""
+        applied as the first MLP layer writes its output; the last residual sum into ``out``."""
         attn, mlp = self.attn, self.mlp
-        q, k, v = layers.split_heads(_inference(attn.qkv, self.norm1(x)), attn.num_heads)
-        explicit = q.device.type == "cpu" and q.dtype == torch.bfloat16
-        x = x + self.drop_path(attn.proj_drop(_inference(attn.proj, attn.attend(q, k, v, explicit=explicit))))
+        qkv = _inference(attn.qkv, self.norm1(x))
+        if _contiguous_attention_applies(qkv, attn):
+            heads = contiguous_attention(qkv, attn.num_heads, attn.head_dim**-0.5, attn.attn_drop if self.training else 0.0)
+        else:
+            q, k, v = layers.split_heads(qkv, attn.num_heads)
+            heads = attn.attend(q, k, v, explicit=_cpu_bf16(q))
+        x = x + self.drop_path(attn.proj_drop(_inference(attn.proj, heads)))
         h = mlp.drop(_inference(mlp.fc1, self.norm2(x), gelu=mlp.approximate))
-        return x + self.drop_path(mlp.drop(_inference(mlp.fc2, h)))
+        return torch.add(x, self.drop_path(mlp.drop(_inference(mlp.fc2, h))), out=out)
 
 
-# Tokens per chunk of a block's inference: a chunk's widest activation (tokens x mlp_dim)
-# then stays within a few MB for the paper's widths, while its matmuls keep enough rows.
+def contiguous_attention(qkv: torch.Tensor, num_heads: int, scale: float, dropout: float = 0.0) -> torch.Tensor:
+    """softmax(q k^T * scale) v of a (B, L, 3D) qkv projection -> (B, L, D), with autograd.
+
+    The heads are copied once into contiguous (B*H, L, D/H) blocks and multiplied as batched
+    matmuls with the scale applied to the accumulator: in bf16 on a CPU, batched matmuls over
+    the strided views of ``split_heads`` and the fused attention kernel are both slower.
+    ``dropout`` drops attention probabilities, as ``Attention.attend`` does in training.
+    """
+    B, L, width3 = qkv.shape
+    head_dim = width3 // (3 * num_heads)
+    q, k, v = (qkv.view(B, L, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
+               .reshape(3, B * num_heads, L, head_dim).unbind(0))
+    unused = torch.empty(B * num_heads, L, L, dtype=qkv.dtype, device=qkv.device)  # beta=0: never read
+    probs = torch.softmax(torch.baddbmm(unused, q, k.transpose(1, 2), beta=0, alpha=scale), dim=-1)
+    if dropout > 0.0:
+        probs = F.dropout(probs, dropout)
+    heads = torch.bmm(probs, v)  # (B*H, L, D/H)
+    return heads.view(B, num_heads, L, head_dim).transpose(1, 2).reshape(B, L, num_heads * head_dim)
+
+
+def _cpu_bf16(t: torch.Tensor) -> bool:
+    # where the block attends explicitly: PyTorch's fused attention kernel is the slower one in
+    # bf16 on a CPU (its backward most of all)
+    return t.device.type == "cpu" and t.dtype == torch.bfloat16
+
+
+def _contiguous_attention_applies(qkv: torch.Tensor, attn: Attention) -> bool:
+    """Whether the block attends by ``contiguous_attention``: bf16 on a CPU, and no relative
+    position bias or recording of the attention weights, which ``Attention.attend`` handles."""
+    return _cpu_bf16(qkv) and attn.rel_pos is None and attn.recorded is None
+
+
+# Tokens per chunk of a block's inference with fp32 dense layers (twice as many with 2-byte
+# ones): a chunk's widest activation (tokens x mlp_dim) then stays within ~12 MB for the
+# paper's widths, while its matmuls keep enough rows.
 CHUNK_ROWS = 1024
 
 
@@ -215,23 +335,45 @@ _PLAIN = {fast: plain for plain, fast in _INSTALLED.items()}
 
 def install(model: nn.Module, options: FastOptions) -> nn.Module:
     """Give every plain ``nn.Linear`` and ``Block`` of ``model`` (exact types) its fast class."""
+    unpack_weights(model)
+    shared = _shared_parameters(model)
     for module in model.modules():
         kind = type(module)
         if kind in _INSTALLED or kind in _PLAIN:
             module.__class__ = _INSTALLED.get(kind, kind)
             module.fast_options = options
+            if isinstance(module, FastLinear):  # a weight another module also reads is never packed
+                module.packs_weight = id(module.weight) not in shared
     return model
 
 
 def uninstall(model: nn.Module) -> nn.Module:
     """Give every installed module its plain class back, dropping what the fast path held."""
+    unpack_weights(model)
     for module in model.modules():
         plain = _PLAIN.get(type(module))
         if plain is not None:
             module.__class__ = plain
-            for name in ("fast_options", "_held"):
+            for name in ("fast_options", "_held", "_packed", "packs_weight"):
                 module.__dict__.pop(name, None)
     return model
+
+
+def unpack_weights(model: nn.Module) -> nn.Module:
+    """Give every weight that ``inference_weights="pack"`` packed its exact fp32 bytes back."""
+    for module in model.modules():
+        if isinstance(module, FastLinear):
+            module.unpack()
+    return model
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters that more than one place of ``model`` holds."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for _, param in model.named_parameters(remove_duplicate=False):
+        (shared if id(param) in seen else seen).add(id(param))
+    return shared
 
 
 def installed(model: nn.Module) -> FastOptions | None:

@@ -114,25 +114,36 @@ def exp_packing() -> None:
 
 
 def exp_attention() -> None:
-    """softmax(q k^T / sqrt(d)) v at ViT shapes, no autograd: PyTorch's fused kernel
-    (``scaled_dot_product_attention``, flash attention on a CPU) against two matmuls and a
-    softmax, fp32 and bf16; the fast path attends explicitly in bf16 (``vitlab/fast/modules.py``)."""
+    """softmax(q k^T / sqrt(d)) v at ViT shapes, from the fused qkv projection to (B, L, D), no
+    autograd: PyTorch's fused kernel (``scaled_dot_product_attention``, flash attention on a
+    CPU), two matmuls and a softmax over the strided head views, and the fast path's
+    ``contiguous_attention`` (heads copied once into contiguous blocks, the scale applied to
+    the accumulator), fp32 and bf16; the fast path uses the last in bf16 (``vitlab/fast/modules.py``)."""
+    from vitlab.fast.modules import contiguous_attention
+
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
-    # (images, heads, tokens): ViT-B/16 at batch 1 and at 4 (a chunk of 1024 tokens at most),
+    # (images, heads, tokens): ViT-B/16 at batch 1 and at 10 (a bf16 chunk of 2048 tokens at most),
     # ViT-S/16 at 4, the CIFAR-size ViT at 16, ViT-B/16 at 384 px
-    for images, heads, tokens in ((1, 12, 197), (4, 12, 197), (4, 6, 197), (16, 3, 65), (1, 12, 577)):
+    for images, heads, tokens in ((1, 12, 197), (10, 12, 197), (4, 6, 197), (16, 3, 65), (1, 12, 577)):
         for dtype in (torch.float32, torch.bfloat16):
-            qkv = torch.randn(images, tokens, 3, heads, 64).to(dtype)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # views of the fused projection, as in the model
+            qkv = torch.randn(images, tokens, 3 * heads * 64).to(dtype)
+
+            def views() -> tuple[torch.Tensor, ...]:  # as the model splits the fused projection
+                return qkv.view(images, tokens, 3, heads, 64).permute(2, 0, 3, 1, 4).unbind(0)
+
+            def merged(out: torch.Tensor) -> torch.Tensor:
+                return out.transpose(1, 2).reshape(images, tokens, heads * 64)
 
             def explicit() -> torch.Tensor:
-                return ((q * 64 ** -0.5) @ k.transpose(-2, -1)).softmax(-1) @ v
+                q, k, v = views()
+                return merged(((q * 64 ** -0.5) @ k.transpose(-2, -1)).softmax(-1) @ v)
 
             with torch.no_grad():
                 compare(f"attention, {images} x {heads} heads x {tokens} tokens, {str(dtype)[6:]}",
-                        {"fused kernel": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
-                         "two matmuls and a softmax": explicit}, rounds=9)
+                        {"fused kernel": lambda: merged(torch.nn.functional.scaled_dot_product_attention(*views())),
+                         "two matmuls and a softmax": explicit,
+                         "contiguous heads": lambda: contiguous_attention(qkv, heads, 64 ** -0.5)}, rounds=9)
 
 
 EXPERIMENTS = {"attention": exp_attention, "choice": exp_choice, "matmuls": exp_matmuls, "dense_layers": exp_dense_layers,

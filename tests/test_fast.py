@@ -293,8 +293,12 @@ def nearest_even_bf16_bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.bfloat16).view(torch.int16)
 
 
-def test_packing_rounds_to_nearest_and_restores_every_bit():
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 16])  # many chunks, a short last one; one chunk
+def test_packing_rounds_to_nearest_and_restores_every_bit(chunk, monkeypatch):
+    from vitlab.fast import packing
     from vitlab.fast.packing import pack_, packed_view, unpack_
+
+    monkeypatch.setattr(packing, "_CHUNK", chunk)
 
     torch.manual_seed(0)
     specials = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-40, -1e-40, 3.4028235e38, -3.4028235e38, 1.1754944e-38,

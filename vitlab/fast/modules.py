@@ -12,12 +12,14 @@ Installation changes the class of an existing module in place (as
   the fp32 weight's own bytes (``packing.py``) and unpacked before anything reads them.
 * ``Block`` -> ``FastBlock``: in training, LayerNorm and GELU outputs are recomputed in
   the backward instead of stored (``recompute.py``).  On a CPU in bf16, attention is two
-  matmuls and a softmax: PyTorch's CPU flash-attention kernel has a slow bf16 backward
-  and a bf16 forward slower than the matmuls at ViT shapes.  Without autograd on a CPU
-  the block runs over chunks of whole images of at most ``CHUNK_ROWS`` tokens (every part of a
-  block acts on each image alone, so the values are the same): its activations stay a
-  few MB, where the allocator reuses memory instead of mapping fresh pages (each
-  faulting on first touch) for every wide activation of a large batch.
+  batched matmuls and a softmax over heads copied once into contiguous blocks
+  (``contiguous_attention``): PyTorch's CPU flash-attention kernel has a slow bf16
+  backward, and both it and matmuls over strided head views are slower forwards at ViT
+  shapes.  Without autograd on a CPU the block runs over chunks of whole images of about
+  ``CHUNK_ROWS`` tokens (every part of a block acts on each image alone, so the values are
+  the same), each written into its rows of the output: its activations stay a few MB,
+  where the allocator reuses memory instead of mapping fresh pages (each faulting on
+  first touch) for every wide activation of a large batch.
 
 The module keeps its identity, parameters, buffers, hooks and state-dict keys, so a
 model can be optimised after weights are loaded, before or after DDP/FSDP wrapping, and

@@ -6,9 +6,11 @@ model's memory again.  Packing does neither: the 4n bytes of an fp32 weight of n
 are rewritten as two halves,
 
     bytes [0, 2n):   hi, the weight rounded to bf16 (a contiguous tensor the bf16 kernel reads)
-    bytes [2n, 4n):  lo, the int16 remainder  bits(w) - (bits(hi) << 16)
+    bytes [2n, 4n):  lo, the int16 remainders  bits(w) - (bits(hi) << 16), in an order of
+                     their own (``pack_``)
 
-so that ``bits(w) = (bits(hi) << 16) + lo`` gives every fp32 weight back bit for bit.
+so that ``bits(w) = (bits(hi) << 16) + lo`` gives every fp32 weight back bit for bit.  Both
+directions work in place, chunk by chunk, with temporaries of one chunk's size.
 
 Rounding: hi is w's bit pattern plus half a bf16 unit, shifted right by 16, i.e. round to
 nearest with ties away from zero.  Autocast rounds ties to even; the two differ only for a
@@ -32,32 +34,37 @@ _CHUNK = 1 << 16
 def packable(weight: torch.Tensor) -> bool:
     """Whether ``weight`` can be packed: a contiguous fp32 CPU tensor of finite values."""
     return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
-            and weight.numel() > 0 and bool(torch.isfinite(weight).all()))
+            and weight.numel() > 0 and all(bool(torch.isfinite(part).all()) for part in weight.view(-1).split(_CHUNK)))
 
 
 def _halves(weight: torch.Tensor) -> torch.Tensor:
-    """``weight``'s bytes as 2n int16 values: element i's fp32 bits are at [2i, 2i+1] (low, high)."""
+    """``weight``'s bytes as 2n int16 slots: element i's fp32 bits fill slots 2i (low) and 2i+1 (high)."""
     return weight.detach().view(-1).view(torch.int16)
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+    return [(start, min(start + _CHUNK, n)) for start in range(0, n, _CHUNK)]
 
 
 def pack_(weight: torch.Tensor) -> torch.Tensor:
     """Rewrite ``weight``'s bytes as (hi, lo) in place; return hi, the bf16 weight, shaped as ``weight``.
 
-    Only lo is made whole beside the weight: hi goes straight into place, chunk by chunk in
-    increasing order, since hi of elements [a, b) lands on the bytes of elements [a/2, b/2),
-    all already read.
+    Chunks [b, c) of elements go in increasing order.  Before chunk [b, c), slots [0, b) hold
+    hi of elements [0, b), slots [b, 2b) their lo, and slots [2b, 2n) the untouched elements
+    [b, n).  The chunk reads its elements (slots [2b, 2c)), moves the lo values in slots [b, c)
+    to slots [2b, b + c) (no overlap: a chunk is never longer than b), writes its own lo to
+    slots [b + c, 2c) and its hi to [b, c), which leaves the same picture for c.
     """
-    bits = weight.detach().view(-1).view(torch.int32)
-    halves = _halves(weight)
-    n = bits.numel()
-    lo = torch.empty(n, dtype=torch.int16)
-    for start in range(0, n, _CHUNK):
-        stop = start + _CHUNK
-        part = bits[start:stop]
+    bits, halves = weight.detach().view(-1).view(torch.int32), _halves(weight)
+    for b, c in _chunks(bits.numel()):
+        part = bits[b:c]
         upper = (part + 0x8000) >> 16  # finite values: no int32 overflow, fits int16
-        lo[start:stop] = part - (upper << 16)  # in [-0x8000, 0x7fff]
-        halves[start:start + upper.numel()] = upper
-    halves[n:] = lo
+        lo = (part - (upper << 16)).to(torch.int16)  # in [-0x8000, 0x7fff]
+        hi = upper.to(torch.int16)
+        if b > 0:
+            halves[2 * b:b + c] = halves[b:c]
+        halves[b + c:2 * c] = lo
+        halves[b:c] = hi
     return packed_view(weight)
 
 
@@ -67,16 +74,11 @@ def packed_view(weight: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_(weight: torch.Tensor) -> None:
-    """Give a packed ``weight`` its exact fp32 bytes back, in place.
-
-    lo is copied out first; then the fp32 bits go into place chunk by chunk in decreasing
-    order: element i's bits land on hi of elements 2i and 2i+1, already restored.
-    """
-    halves = _halves(weight)
-    bits = weight.detach().view(-1).view(torch.int32)
-    n = bits.numel()
-    lo = halves[n:].clone()
-    for start in reversed(range(0, n, _CHUNK)):
-        stop = min(start + _CHUNK, n)
-        restored = (halves[start:stop].to(torch.int32) << 16) + lo[start:stop]
-        bits[start:stop] = restored
+    """Give a packed ``weight`` its exact fp32 bytes back, in place: ``pack_``'s chunks undone
+    in decreasing order, each one's moved lo values put back where it found them."""
+    bits, halves = weight.detach().view(-1).view(torch.int32), _halves(weight)
+    for b, c in reversed(_chunks(bits.numel())):
+        restored = (halves[b:c].to(torch.int32) << 16) + halves[b + c:2 * c]
+        if b > 0:
+            halves[b:c] = halves[2 * b:b + c]
+        bits[b:c] = restored

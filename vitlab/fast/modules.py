@@ -12,10 +12,10 @@ Installation changes the class of an existing module in place (as
   the fp32 weight's own bytes (``packing.py``) and unpacked before anything reads them.
 * ``Block`` -> ``FastBlock``: in training, LayerNorm and GELU outputs are recomputed in
   the backward instead of stored (``recompute.py``).  On a CPU in bf16, attention is two
-  batched matmuls and a softmax over heads copied once into contiguous blocks
-  (``contiguous_attention``): PyTorch's CPU flash-attention kernel has a slow bf16
-  backward, and both it and matmuls over strided head views are slower forwards at ViT
-  shapes.  Without autograd on a CPU the block runs over chunks of whole images of about
+  matmuls and a softmax: PyTorch's CPU flash-attention kernel has a slow bf16 backward;
+  in inference the heads are first copied into contiguous blocks (``contiguous_attention``),
+  since both the fused kernel and matmuls over strided head views are slower forwards at
+  ViT shapes.  Without autograd on a CPU the block runs over chunks of whole images of about
   ``CHUNK_ROWS`` tokens (every part of a block acts on each image alone, so the values are
   the same), each written into its rows of the output: its activations stay a few MB,
   where the allocator reuses memory instead of mapping fresh pages (each faulting on
@@ -243,14 +243,10 @@ class FastBlock(Block):
         if not self.fast_options.recompute:
             return super().forward(x)
         kernels, attn, mlp = self.fast_options.kernels, self.attn, self.mlp
-        qkv = layer_norm_dense(x, self.norm1, attn.qkv, kernels)
-        if _contiguous_attention_applies(qkv, attn):
-            drop = attn.attn_drop if self.training else 0.0
-            heads = contiguous_attention(qkv, attn.num_heads, attn.head_dim**-0.5, drop)
-        else:
-            q, k, v = split_heads(qkv, attn.num_heads)
-            heads = attn.attend(q, k, v, explicit=_cpu_bf16(q))
-        x = x + self.drop_path(attn.proj_drop(attn.proj(heads)))
+        # training attends over the strided head views (contiguous_attention's copies and its
+        # backward did not pay in a training step: benchmarks/NOTES.md, 2026-11-24)
+        q, k, v = split_heads(layer_norm_dense(x, self.norm1, attn.qkv, kernels), attn.num_heads)
+        x = x + self.drop_path(attn.proj_drop(attn.proj(attn.attend(q, k, v, explicit=_cpu_bf16(q)))))
         h = layer_norm_dense(x, self.norm2, mlp.fc1, kernels)
         return x + self.drop_path(mlp.drop(gelu_dense(h, mlp.approximate, mlp.drop, mlp.fc2, kernels)))
 
@@ -286,7 +282,7 @@ class FastBlock(Block):
 
 
 def contiguous_attention(qkv: torch.Tensor, num_heads: int, scale: float, dropout: float = 0.0) -> torch.Tensor:
-    """softmax(q k^T * scale) v of a (B, L, 3D) qkv projection -> (B, L, D), with autograd.
+    """softmax(q k^T * scale) v of a (B, L, 3D) qkv projection -> (B, L, D) (inference; autograd works).
 
     The heads are copied once into contiguous (B*H, L, D/H) blocks and multiplied as batched
     matmuls with the scale applied to the accumulator: in bf16 on a CPU, batched matmuls over

@@ -9,8 +9,9 @@
 forwards (``modules.py``): CPU matmuls by the kernel a rule or a stored calibration
 chooses (``kernels.py``), LayerNorm and GELU outputs recomputed in the backward instead
 of stored, inference over chunks of images with the bf16 weights cast into one shared
-buffer, held, or packed into the fp32 weights' own bytes.  Parameters, buffers, state-dict keys and hooks are untouched; outputs and
-gradients equal the plain model's up to floating-point rounding (``tests/test_fast.py``).
+buffer, held, or packed into the fp32 weights' own bytes (``packing.py``).  Parameters,
+buffers, state-dict keys and hooks are untouched; outputs and gradients equal the plain
+model's up to floating-point rounding (``tests/test_fast.py``).
 The design and its measurements: ``docs/performance.md``.
 """
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Iterator
 from torch import nn
 
 from .kernels import KernelChoice, bf16_is_faster, calibrate, choose, rule_choice
-from .modules import INFERENCE_WEIGHTS, FastBlock, FastLinear, FastOptions, install, installed, uninstall, unpack_weights
+from .modules import (INFERENCE_WEIGHTS, FastBlock, FastLinear, FastOptions, install, installed, uninstall,
+                      unpack_weights)
 
 
 def optimize(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True,

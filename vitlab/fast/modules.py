@@ -272,7 +272,8 @@ class FastBlock(Block):
         attn, mlp = self.attn, self.mlp
         qkv = _inference(attn.qkv, self.norm1(x))
         if _contiguous_attention_applies(qkv, attn):
-            heads = contiguous_attention(qkv, attn.num_heads, attn.head_dim**-0.5, attn.attn_drop if self.training else 0.0)
+            drop = attn.attn_drop if self.training else 0.0
+            heads = contiguous_attention(qkv, attn.num_heads, attn.head_dim**-0.5, drop)
         else:
             q, k, v = layers.split_heads(qkv, attn.num_heads)
             heads = attn.attend(q, k, v, explicit=_cpu_bf16(q))

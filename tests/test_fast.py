@@ -355,9 +355,9 @@ def test_packed_inference_equals_cast_inference_and_gives_the_weights_back(famil
     def packed() -> list[bool]:
         return [getattr(layer, "_packed", False) for layer in layers]
 
+    first_bits = fp32_bits(layers[0].weight)
     assert torch.equal(bf16_infer(model, x), cast)
-    assert all(packed()) and not torch.equal(layers[0].weight, original[next(
-        k for k in original if k.endswith("weight") and original[k].shape == layers[0].weight.shape)])
+    assert all(packed()) and not torch.equal(fp32_bits(layers[0].weight), first_bits)  # the bytes hold hi and lo
     assert torch.equal(bf16_infer(model, x), cast)  # again, from the packed weights
     # everything that goes through the module reads the exact fp32 weights
     for read in (lambda m: m.state_dict(), lambda m: copy.deepcopy(m).state_dict(),
@@ -403,13 +403,20 @@ def test_a_bad_inference_weights_option_is_refused_with_the_allowed_ones():
 
 
 @pytest.mark.parametrize("family", ["token", "relative", "axial"])
-def test_contiguous_attention_equals_the_plain_bf16_inference(family):
+def test_contiguous_attention_equals_the_plain_bf16_inference(family, monkeypatch):
+    from vitlab.fast import modules
+
+    calls = []
+    real = modules.contiguous_attention
+    monkeypatch.setattr(modules, "contiguous_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     cfg = FAMILIES[family]
     model = with_random_head(cfg).eval()
     x = torch.randn(5, 3, *cfg.img_size)
     plain = bf16_infer(model, x).float()
     fast.optimize(model)
     torch.testing.assert_close(bf16_infer(model, x).float(), plain, rtol=3e-2, atol=3e-2 * plain.abs().max().item())
+    # the relative bias needs Attention.attend; the other families attend over contiguous heads
+    assert (len(calls) > 0) == (family != "relative")
 
 
 # ----------------------------------------------------------------------------- recompute

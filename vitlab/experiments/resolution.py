@@ -19,7 +19,7 @@ import os
 from vitlab.experiments import speed
 from vitlab.experiments.common import CIFAR, train_vit, vit_overrides
 
-TITLE = "resolution: fine-tune at a higher resolution vs the same; speed and largest batch vs input size"
+TITLE = "fine-tune at a higher resolution vs the same; speed and largest batch vs input size"
 PAPER = ("Sec. 3.2: fine-tuning at a higher resolution than pre-training helps (Touvron et al.); "
          "Fig. 12: ViTs are as fast as ResNets of similar accuracy and their largest batch shrinks "
          "more slowly with input size (ViT-L/16 at 512 px still fits large batches)")

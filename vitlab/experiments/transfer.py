@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from vitlab.experiments.common import CIFAR, hybrid_overrides, plot_bars, train_vit
 
-TITLE = "transfer: pre-train on five classes, fine-tune on the other five at 1.5x the resolution"
+TITLE = "pre-train on five classes, fine-tune on the other five at 1.5x the resolution"
 PAPER = ("Sec. 3.2 / 4.2: pre-training then fine-tuning at a higher resolution (position embeddings "
          "interpolated) beats training on the target task alone")
 SUMMARY = ("run", "classes", "img_size")

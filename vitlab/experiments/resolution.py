@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from vitlab.experiments import speed
-from vitlab.experiments.common import CIFAR, train_vit, vit_overrides
+from vitlab.experiments.common import CIFAR, plot_bars, train_vit, vit_overrides
 
 TITLE = "fine-tune at a higher resolution vs the same; speed and largest batch vs input size"
 PAPER = ("Sec. 3.2: fine-tuning at a higher resolution than pre-training helps (Touvron et al.); "
@@ -98,4 +98,11 @@ def _config_maker(name: str, s):
 
 
 def plot(table, path):
-    return speed.plot([r for r in table if r["part"] == "speed"], path)
+    """Figure 12's two panels when the speed part ran; the fine-tuning accuracies as bars when it
+    alone ran, or beside Figure 12 as ``finetune.png`` when both did."""
+    tuned, timed = [r for r in table if r["part"] == "finetune"], [r for r in table if r["part"] == "speed"]
+    if not timed:
+        return plot_bars(tuned, ["img_size"], "val_top1", path, "fine-tuned at each size (px), pre-trained at the first")
+    if tuned:
+        plot_bars(tuned, ["img_size"], "val_top1", path.with_name("finetune.png"), "fine-tuned at each size (px)")
+    return speed.plot(timed, path)

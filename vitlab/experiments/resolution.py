@@ -101,8 +101,7 @@ def plot(table, path):
     """Figure 12's two panels when the speed part ran; the fine-tuning accuracies as bars when it
     alone ran, or beside Figure 12 as ``finetune.png`` when both did."""
     tuned, timed = [r for r in table if r["part"] == "finetune"], [r for r in table if r["part"] == "speed"]
-    if not timed:
-        return plot_bars(tuned, ["img_size"], "val_top1", path, "fine-tuned at each size (px), pre-trained at the first")
-    if tuned:
-        plot_bars(tuned, ["img_size"], "val_top1", path.with_name("finetune.png"), "fine-tuned at each size (px)")
-    return speed.plot(timed, path)
+    bars = path.with_name("finetune.png") if timed else path
+    drawn = plot_bars(tuned, ["img_size"], "val_top1", bars, "fine-tuned at each size (px), pre-trained at the first") \
+        if tuned else None
+    return speed.plot(timed, path) if timed else drawn

@@ -71,6 +71,12 @@ def test_findings_block_is_replaced(tmp_path):
     update_findings(str(doc), "head", "### head\nsecond\n", str(tmp_path / "results/head"))
     text = doc.read_text()
     assert "intro" in text and "second" in text and "first" not in text
+    # the author's reading below the marker survives a re-run; the generated part above it does not
+    doc.write_text(text.replace("<!-- /experiment:head -->", "<!-- reading -->\nReading: kept.\n\n<!-- /experiment:head -->"))
+    update_findings(str(doc), "head", "### head\nthird\n", str(tmp_path / "results/head"))
+    text = doc.read_text()
+    assert "third" in text and "second" not in text and text.count("Reading: kept.") == 1
+    assert text.index("third") < text.index("<!-- reading -->") < text.index("Reading: kept.")
 
 
 def test_set_values_parse_as_literals_and_booleans():
@@ -79,3 +85,35 @@ def test_set_values_parse_as_literals_and_booleans():
     assert parse_value("false") is False and parse_value("True") is True
     assert parse_value("(3.0, 9.0)") == (3.0, 9.0) and parse_value("2e-3") == 2e-3
     assert parse_value("color4x4") == "color4x4"
+
+
+def test_resume_trains_only_what_is_missing(tmp_path, monkeypatch):
+    import vitlab.train
+
+    out = tmp_path / "transfer"
+    args = ["experiment", "transfer", "--quick", "--out", str(out), "--threads", "1", "--set", "steps=4", "--resume"]
+    trained = []
+    real_train = vitlab.train.train
+    monkeypatch.setattr(vitlab.train, "train", lambda cfg, **kw: trained.append(cfg.run.out) or real_train(cfg, **kw))
+    assert main(args) == 0
+    first = sorted(trained)
+    assert first and all(run.endswith("-s0") for run in first)
+    rows = json.loads((out / "results.json").read_text())["rows"]
+
+    trained.clear()  # a second seed: seed 0's runs are reused, only seed 1's train
+    assert main(args + ["--seeds", "2"]) == 0
+    assert sorted(trained) == [run[:-1] + "1" for run in first]
+    again = json.loads((out / "results.json").read_text())
+    assert [r for r in again["rows"] if r.get("seed", 0) == 0] == rows
+    assert again["runs_from_earlier_invocations"] == len(first)
+    assert "resumed:" in (out / "section.md").read_text()
+
+    # a pre-training run trained again invalidates the fine-tuning run made from its old weights
+    # (scratch does not start from it); so does a changed config (the pre-training's steps)
+    pretrain_and_finetune = [run for run in first if "scratch" not in run]
+    for change in (lambda: (out / "runs" / "pretrain-s0" / "summary.json").unlink(),
+                   lambda: args.__setitem__(-2, "steps=5")):
+        change()
+        trained.clear()
+        assert main(args) == 0
+        assert sorted(trained) == pretrain_and_finetune

@@ -17,6 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="CPU threads (0: PyTorch's default)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any setting of the experiment, e.g. --set sizes=[2000,5000] --set batch=256")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the runs an earlier invocation into the same --out finished with the same config "
+                   "(an interrupted experiment, or more --seeds, trains only what is missing)")
     p.add_argument("--findings", metavar="PATH", help="also put the section into this markdown file "
                    "(between <!-- experiment:NAME --> markers), e.g. docs/findings.md")
 
@@ -30,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:<20} {title}\n{'':<20} paper: {paper}")
         return 0 if args.list else 2
     changes = dict(seeds=args.seeds, data=args.data, steps=args.steps, minutes=args.minutes, device=args.device,
-                   threads=args.threads)
+                   threads=args.threads, resume=args.resume or None)
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
@@ -58,8 +61,14 @@ def command_of(args: argparse.Namespace) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
+# In a findings block, what follows this line is the author's reading of the result: a
+# re-run replaces the generated section above it and keeps the reading.
+READING = "<!-- reading -->"
+
+
 def update_findings(path: str, name: str, section: str, out: str) -> None:
-    """Replace (or append) the block between ``<!-- experiment:NAME -->`` markers."""
+    """Replace (or append) the block between ``<!-- experiment:NAME -->`` markers, keeping the
+    block's hand-written reading (what follows ``READING``) below the new section."""
     import os
     from pathlib import Path
 
@@ -68,9 +77,11 @@ def update_findings(path: str, name: str, section: str, out: str) -> None:
     section = section.replace("](figure.png)", f"]({rel}/figure.png)")
     begin, end = f"<!-- experiment:{name} -->", f"<!-- /experiment:{name} -->"
     text = p.read_text() if p.exists() else "# Findings\n"
-    block = f"{begin}\n{section}\n{end}"
     if begin in text and end in text:
+        old = text[text.index(begin):text.index(end)]
+        reading = old[old.index(READING):].rstrip() + "\n" if READING in old else ""
+        block = f"{begin}\n{section}\n{reading}{end}" if reading else f"{begin}\n{section}\n{end}"
         text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
     else:
-        text = text.rstrip() + "\n\n" + block + "\n"
+        text = text.rstrip() + "\n\n" + f"{begin}\n{section}\n{end}" + "\n"
     p.write_text(text)

@@ -55,13 +55,15 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
     s = settings(name, quick, **changes)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.time()
     rows = mod.run(s, out / "runs")
     wall = time.monotonic() - t0
+    earlier = len(earlier_runs(out / "runs", started)) if s.resume else 0
     keys, metrics = list(mod.SUMMARY), list(mod.METRICS)
     table = aggregate(rows, keys, metrics)
     md = markdown_table(table, keys, metrics)
     meta = dict(experiment=name, paper=mod.PAPER, quick=quick, settings=s.as_dict(), wall_s=round(wall, 1),
+                runs_from_earlier_invocations=earlier,
                 machine=machine(), date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 command=command or f"vitlab experiment {name}" + (" --quick" if quick else ""))
     write_json(out / "results.json", dict(meta, table=table, rows=rows))
@@ -77,7 +79,9 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
         files["figure"] = figure
     section = [f"### {name}: {mod.TITLE}", "", f"Paper: {mod.PAPER}", "",
                f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}  ",
-               f"Date: {meta['date']}, wall time {wall / 60:.1f} min, seeds {s.seeds}", "", md, ""]
+               f"Date: {meta['date']}, wall time {wall / 60:.1f} min, seeds {s.seeds}"
+               + (f" (resumed: {earlier} finished runs of an earlier invocation reused)" if earlier else ""),
+               "", md, ""]
     if figure:
         section += [f"![{name}]({Path(figure).name})", ""]
     (out / "section.md").write_text("\n".join(section))
@@ -86,6 +90,11 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
         print(md)
         print(f"\n{name}: {wall:.1f} s; wrote " + ", ".join(str(p) for p in files.values()))
     return dict(rows=rows, table=table, wall_s=wall, files=files)
+
+
+def earlier_runs(runs: Path, started: float) -> list[Path]:
+    """The runs in ``runs`` that had finished before ``started`` (a ``time.time()``)."""
+    return sorted(p.parent for p in runs.glob("*/summary.json") if p.stat().st_mtime < started)
 
 
 def describe() -> list[tuple[str, str, str]]:

@@ -37,6 +37,9 @@ class Settings:
     width, depth, heads, mlp, patch: the base ViT.
     seeds:       runs per setting; tables report mean ± std.
     device, threads: where training runs ("auto": a GPU when there is one).
+    resume:      reuse every run a previous invocation into the same folder finished with
+                 exactly this run's config (``finished_run``), so that an interrupted
+                 experiment, or one given more seeds, trains only what is missing.
     """
 
     data: str = DIGITS
@@ -54,6 +57,7 @@ class Settings:
     seeds: int = 1
     device: str = "auto"
     threads: int = 0
+    resume: bool = False
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -146,13 +150,38 @@ def train_vit(s: Settings, out: Path, seed: int, overrides: dict, changes: dict 
     from vitlab.train.config import model_config
 
     cfg = train_config(s, out, seed, overrides, changes)
-    summary = train(cfg, verbose=False, overwrite=True)
+    summary = finished_run(cfg) if s.resume else None
+    if summary is None:
+        summary = train(cfg, verbose=False, overwrite=True)
     try:
         mcfg = model_config(cfg, num_classes=10)
         summary["train_eflops"] = training_flops(mcfg, summary["steps"], cfg.optim.batch_size)
     except Exception:  # noqa: BLE001 (fine-tuned runs: the architecture is the checkpoint's)
         summary["train_eflops"] = None
     return summary
+
+
+def finished_run(cfg) -> dict | None:
+    """The summary of a run of exactly ``cfg`` that finished in ``cfg.run.out``, or None.
+
+    Finished: its summary and weights are there, and its saved config is ``cfg``.  A run
+    that starts from other weights (``model.init``, a pre-training run's) counts only if
+    those weights are older than its summary: a pre-training run trained again since
+    invalidates the fine-tuning runs made from its previous weights."""
+    from vitlab.train.config import to_dict
+
+    out = Path(cfg.run.out)
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+        saved = json.loads((out / "config.json").read_text())
+        finished = (out / "summary.json").stat().st_mtime
+        if not Path(summary["weights"]).is_file():
+            return None
+        if cfg.model.init is not None and Path(cfg.model.init).stat().st_mtime >= finished:
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return summary if saved == json.loads(json.dumps(to_dict(cfg))) else None
 
 
 def load_images(s: Settings, size: int | None = None):

@@ -419,6 +419,22 @@ def test_contiguous_attention_equals_the_plain_bf16_inference(family, monkeypatc
     assert (len(calls) > 0) == (family != "relative")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_contiguous_attention_is_softmax_attention_with_or_without_autograd(dtype):
+    from vitlab.fast.modules import contiguous_attention
+
+    B, L, H, D = 3, 17, 4, 8
+    qkv = torch.randn(B, L, 3 * H * D).to(dtype)
+    q, k, v = qkv.float().view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
+    reference = (torch.softmax(q @ k.transpose(-1, -2) * D**-0.5, -1) @ v).transpose(1, 2).reshape(B, L, H * D)
+    with torch.no_grad():  # the probabilities are written over the scores
+        in_place = contiguous_attention(qkv, H, D**-0.5)
+    with_autograd = contiguous_attention(qkv.clone().requires_grad_(), H, D**-0.5)
+    assert torch.equal(in_place, with_autograd.detach())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(in_place.float(), reference, rtol=tol, atol=tol)
+
+
 # ----------------------------------------------------------------------------- recompute
 
 

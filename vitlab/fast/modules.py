@@ -294,8 +294,12 @@ def contiguous_attention(qkv: torch.Tensor, num_heads: int, scale: float, dropou
     head_dim = width3 // (3 * num_heads)
     q, k, v = (qkv.view(B, L, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
                .reshape(3, B * num_heads, L, head_dim).unbind(0))
-    unused = torch.empty(B * num_heads, L, L, dtype=qkv.dtype, device=qkv.device)  # beta=0: never read
-    probs = torch.softmax(torch.baddbmm(unused, q, k.transpose(1, 2), beta=0, alpha=scale), dim=-1)
+    scores = torch.empty(B * num_heads, L, L, dtype=qkv.dtype, device=qkv.device)
+    scores.baddbmm_(q, k.transpose(1, 2), beta=0, alpha=scale)  # beta=0: the empty values are never read
+    if torch.is_grad_enabled():
+        probs = torch.softmax(scores, dim=-1)
+    else:  # the probabilities over the scores (row by row, exact): one (B*H, L, L) buffer instead of two
+        probs = torch.softmax(scores, dim=-1, out=scores)
     if dropout > 0.0:
         probs = F.dropout(probs, dropout)
     heads = torch.bmm(probs, v)  # (B*H, L, D/H)

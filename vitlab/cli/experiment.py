@@ -80,8 +80,7 @@ def update_findings(path: str, name: str, section: str, out: str) -> None:
     if begin in text and end in text:
         old = text[text.index(begin):text.index(end)]
         reading = old[old.index(READING):].rstrip() + "\n\n" if READING in old else ""
-        block = f"{begin}\n{section}\n{reading}{end}" if reading else f"{begin}\n{section}\n{end}"
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+        text = text[:text.index(begin)] + f"{begin}\n{section}\n{reading}{end}" + text[text.index(end) + len(end):]
     else:
         text = text.rstrip() + "\n\n" + f"{begin}\n{section}\n{end}" + "\n"
     p.write_text(text)

@@ -100,6 +100,10 @@ def test_resume_trains_only_what_is_missing(tmp_path, monkeypatch):
     assert first and all(run.endswith("-s0") for run in first)
     rows = json.loads((out / "results.json").read_text())["rows"]
 
+    # a run folder no setting of this experiment names is not counted as reused
+    stale = out / "runs" / "stale-s0"
+    stale.mkdir()
+    (stale / "summary.json").write_text("{}")
     trained.clear()  # a second seed: seed 0's runs are reused, only seed 1's train
     assert main(args + ["--seeds", "2"]) == 0
     assert sorted(trained) == [run[:-1] + "1" for run in first]

@@ -55,10 +55,10 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
     s = settings(name, quick, **changes)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    t0, started = time.monotonic(), time.time()
+    t0 = time.monotonic()
     rows = mod.run(s, out / "runs")
     wall = time.monotonic() - t0
-    earlier = len(earlier_runs(out / "runs", started)) if s.resume else 0
+    earlier = len(s.reused)
     keys, metrics = list(mod.SUMMARY), list(mod.METRICS)
     table = aggregate(rows, keys, metrics)
     md = markdown_table(table, keys, metrics)
@@ -90,11 +90,6 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
         print(md)
         print(f"\n{name}: {wall:.1f} s; wrote " + ", ".join(str(p) for p in files.values()))
     return dict(rows=rows, table=table, wall_s=wall, files=files)
-
-
-def earlier_runs(runs: Path, started: float) -> list[Path]:
-    """The runs in ``runs`` that had finished before ``started`` (a ``time.time()``)."""
-    return sorted(p.parent for p in runs.glob("*/summary.json") if p.stat().st_mtime < started)
 
 
 def describe() -> list[tuple[str, str, str]]:

@@ -40,6 +40,7 @@ class Settings:
     resume:      reuse every run a previous invocation into the same folder finished with
                  exactly this run's config (``finished_run``), so that an interrupted
                  experiment, or one given more seeds, trains only what is missing.
+    reused:      filled as the experiment runs: the folders of the runs ``resume`` reused.
     """
 
     data: str = DIGITS
@@ -59,10 +60,11 @@ class Settings:
     threads: int = 0
     resume: bool = False
     extra: dict = field(default_factory=dict)
+    reused: list = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, values: dict) -> "Settings":
-        names = {f.name for f in fields(cls)} - {"extra"}
+        names = {f.name for f in fields(cls)} - {"extra", "reused"}
         known = {k: v for k, v in values.items() if k in names}
         return cls(**known, extra={k: v for k, v in values.items() if k not in names})
 
@@ -74,7 +76,7 @@ class Settings:
         return self.data == DIGITS
 
     def as_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("extra", "reused")}
         d.update(self.extra)
         return d
 
@@ -153,6 +155,8 @@ def train_vit(s: Settings, out: Path, seed: int, overrides: dict, changes: dict 
     summary = finished_run(cfg) if s.resume else None
     if summary is None:
         summary = train(cfg, verbose=False, overwrite=True)
+    else:
+        s.reused.append(cfg.run.out)
     try:
         mcfg = model_config(cfg, num_classes=10)
         summary["train_eflops"] = training_flops(mcfg, summary["steps"], cfg.optim.batch_size)

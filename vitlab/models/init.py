@@ -74,3 +74,37 @@ def whiten_patch_embedding_(patch_embed: nn.Conv2d, images: torch.Tensor, eps: f
     if patch_embed.bias is not None:
         patch_embed.bias.copy_(-(weight @ mean.to(weight)))
     return patch_embed
+
+
+@torch.no_grad()
+def mimetic_attention_(attn: nn.Module, qk: float = 0.7, vo: float = 0.4,
+                       generator: torch.Generator | None = None) -> nn.Module:
+    """Initialise an attention layer as trained ViTs' attention looks (Trockman & Kolter, 2023).
+
+    In pre-trained ViTs each head's query-key product W_q^T W_k is close to a positive
+    multiple of the identity (a token attends to tokens like itself, and through the
+    position embeddings to its neighbours) and the value-projection product W_o W_v close
+    to a negative one.  Here W_q^T W_k starts as the rank-(D/H) part of qk*(Z + I) per head
+    and W_o W_v as vo*(Z - I), Z with N(0, 1/D) entries, split between the two factors by
+    an SVD.  Not in the paper: it gives a ViT trained from scratch on little data a start
+    closer to a trained one, with no change to the architecture.
+    """
+    qkv, proj = attn.qkv.weight, attn.proj.weight  # (3D, D) and (D, D)
+    width, head_dim = proj.shape[0], attn.head_dim
+    eye = torch.eye(width, dtype=torch.float64)
+
+    def noise() -> torch.Tensor:
+        return torch.randn(width, width, generator=generator, dtype=torch.float64) / math.sqrt(width)
+
+    q_rows, k_rows, v_rows = qkv.view(3, width, width).unbind(0)
+    for h in range(attn.num_heads):
+        u, s, vt = torch.linalg.svd(qk * (noise() + eye))
+        root = s[:head_dim].sqrt()
+        rows = slice(h * head_dim, (h + 1) * head_dim)
+        q_rows[rows] = (u[:, :head_dim] * root).T.to(qkv)  # so that W_q^T W_k = U_k S_k V_k^T
+        k_rows[rows] = (vt[:head_dim].T * root).T.to(qkv)
+    u, s, vt = torch.linalg.svd(vo * (noise() - eye))
+    # out = x W_v^T W_o^T: W_v^T = U sqrt(S) and W_o^T = sqrt(S) V^T give W_v^T W_o^T = vo*(Z - I)
+    v_rows.copy_((u * s.sqrt()).T.to(qkv))
+    proj.copy_((s.sqrt()[:, None] * vt).T.to(proj))
+    return attn

@@ -125,6 +125,32 @@ def whiten_from_data(model: nn.Module, splits, cfg: TrainConfig) -> None:
     whiten_patch_embedding_(vit.patch_embed, to_float(images[sample]).to(vit.patch_embed.weight.device))
 
 
+def mimetic_init(model: nn.Module, seed: int) -> None:
+    """``model.attn_init="mimetic"``: every attention layer starts as trained ViTs' attention looks."""
+    from vitlab.models.init import mimetic_attention_
+    from vitlab.models.layers import Attention
+
+    generator = torch.Generator().manual_seed(seed)
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if not layers:
+        raise ConfigError("model.attn_init='mimetic': the model has no ViT attention layer; use 'xavier'")
+    for attn in layers:
+        mimetic_attention_(attn, generator=generator)
+
+
+@torch.no_grad()
+def sincos_posemb_init(model: nn.Module) -> None:
+    """``model.posemb_init="sincos"``: the learned 1D table starts as the 2D sin-cos table."""
+    from vitlab.models.posemb import LearnedPosEmb1D, posemb_sincos_2d
+
+    posemb = getattr(getattr(model, "vit", model), "pos_embed", None)
+    if not isinstance(posemb, LearnedPosEmb1D):
+        raise ConfigError("model.posemb_init='sincos': needs one learned 1D position embedding at the stem "
+                          "(model posemb='learned_1d', posemb_place='stem'); use 'normal'")
+    table = posemb.weight[0, posemb.num_prefix:]
+    table.copy_(posemb_sincos_2d(posemb.grid, table.shape[-1])[0].to(table))
+
+
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # model initialisation and dropout; identical on every rank
     np.random.seed(seed)
@@ -152,6 +178,10 @@ def build(cfg: TrainConfig) -> Setup:
     model = build_model(cfg, num_classes).to(world.device)
     if cfg.model.patch_init == "whiten":
         whiten_from_data(model, splits, cfg)
+    if cfg.model.attn_init == "mimetic":
+        mimetic_init(model, cfg.run.seed)
+    if cfg.model.posemb_init == "sincos":
+        sincos_posemb_init(model)
     check_progressive_sizes(cfg, img_size, model.cfg)
     model.train()
     if cfg.run.fast:  # in place and before any wrapper: DDP, FSDP and compile see the fast modules

@@ -119,6 +119,13 @@ class ModelConfig(Section):
     patch_init:  from scratch, how the patch embedding starts: "lecun" (the official
                  LeCun normal) or "whiten" (its filters whiten the training images'
                  patches, ``vitlab.models.init.whiten_patch_embedding_``; not in the paper).
+    attn_init:   from scratch, how the attention layers start: "xavier" (the official
+                 Xavier-uniform) or "mimetic" (query-key products near +identity, value-output
+                 near -identity, as in trained ViTs: ``vitlab.models.init.mimetic_attention_``;
+                 not in the paper).
+    posemb_init: from scratch, how a learned 1D position embedding starts: "normal" (the
+                 official N(0, 0.02)) or "sincos" (big_vision's fixed 2D sin-cos table, which
+                 makes neighbouring patches' embeddings alike from the first step; not in the paper).
     """
 
     prefix = "model"
@@ -131,6 +138,8 @@ class ModelConfig(Section):
     mpp: Optional[str] = None
     mpp_rate: float = 0.5
     patch_init: str = "lecun"
+    attn_init: str = "xavier"
+    posemb_init: str = "normal"
 
     def __post_init__(self) -> None:
         from vitlab.models.mpp import TARGETS
@@ -145,6 +154,14 @@ class ModelConfig(Section):
              f"expected one of {', '.join(PATCH_INITS)}")
         need(self.patch_init == "lecun" or self.init is None, "model.patch_init", self.patch_init,
              "'whiten' initialises a model trained from scratch; with model.init the weights are loaded")
+        need(self.attn_init in ATTN_INITS, "model.attn_init", self.attn_init,
+             f"expected one of {', '.join(ATTN_INITS)}")
+        need(self.attn_init == "xavier" or self.init is None, "model.attn_init", self.attn_init,
+             "'mimetic' initialises a model trained from scratch; with model.init the weights are loaded")
+        need(self.posemb_init in POSEMB_INITS, "model.posemb_init", self.posemb_init,
+             f"expected one of {', '.join(POSEMB_INITS)}")
+        need(self.posemb_init == "normal" or self.init is None, "model.posemb_init", self.posemb_init,
+             "'sincos' initialises a model trained from scratch; with model.init the weights are loaded")
         need(isinstance(self.overrides, dict), "model.overrides", self.overrides, "expected a dict of ViTConfig fields")
         need(self.init is None or isinstance(self.init, str), "model.init", self.init, "expected a path or None")
         if self.img_size is not None:
@@ -161,6 +178,8 @@ class ModelConfig(Section):
 
 
 PATCH_INITS = ("lecun", "whiten")
+ATTN_INITS = ("xavier", "mimetic")
+POSEMB_INITS = ("normal", "sincos")
 STREAM_MODES = ("auto", "memory", "stream")
 
 

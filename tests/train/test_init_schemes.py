@@ -1,0 +1,95 @@
+"""Initialisations for training from scratch: ``model.attn_init="mimetic"`` and ``model.posemb_init="sincos"``."""
+import math
+
+import pytest
+import torch
+
+from vitlab.config import ConfigError
+from vitlab.models.init import mimetic_attention_
+from vitlab.models.layers import Attention
+from vitlab.models.vit import ViTConfig
+from vitlab.train.config import replace
+
+WIDTH, HEADS = 24, 3
+
+
+def products(attn: Attention) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each head's W_q^T W_k, and W_v^T W_o^T, as the attention computes with them."""
+    q, k, v = attn.qkv.weight.double().view(3, WIDTH, WIDTH)
+    d = attn.head_dim
+    heads = [q[h * d:(h + 1) * d].T @ k[h * d:(h + 1) * d] for h in range(HEADS)]
+    return heads, v.T @ attn.proj.weight.double().T
+
+
+def test_mimetic_products_are_the_truncated_noisy_identities():
+    attn = Attention(ViTConfig(width=WIDTH, depth=1, num_heads=HEADS, mlp_dim=48, patch_size=4, img_size=8))
+    mimetic_attention_(attn, qk=0.7, vo=0.4, generator=torch.Generator().manual_seed(3))
+    heads, value_output = products(attn)
+
+    # the same draws, in the same order, computed by hand
+    generator = torch.Generator().manual_seed(3)
+    eye = torch.eye(WIDTH, dtype=torch.float64)
+    d = WIDTH // HEADS
+    for head in heads:
+        z = torch.randn(WIDTH, WIDTH, generator=generator, dtype=torch.float64) / math.sqrt(WIDTH)
+        u, s, vt = torch.linalg.svd(0.7 * (z + eye))
+        expected = u[:, :d] @ torch.diag(s[:d]) @ vt[:d]  # the best rank-d approximation
+        assert torch.allclose(head, expected, atol=1e-5)
+        assert head.trace() > 0
+    z = torch.randn(WIDTH, WIDTH, generator=generator, dtype=torch.float64) / math.sqrt(WIDTH)
+    assert torch.allclose(value_output, 0.4 * (z - eye), atol=1e-5)
+
+
+def test_mimetic_init_makes_tokens_attend_to_themselves():
+    torch.manual_seed(0)
+    cfg = ViTConfig(width=WIDTH, depth=1, num_heads=HEADS, mlp_dim=48, patch_size=4, img_size=8)
+    x = torch.nn.functional.layer_norm(torch.randn(4, 16, WIDTH), (WIDTH,))
+
+    def self_attention(attn: Attention) -> float:
+        attn.recorded = []
+        with torch.no_grad():
+            attn(x)
+        return attn.recorded[0].diagonal(dim1=-2, dim2=-1).mean().item()
+
+    plain = Attention(cfg)
+    mimetic = mimetic_attention_(Attention(cfg), generator=torch.Generator().manual_seed(0))
+    assert self_attention(mimetic) > 2 * self_attention(plain)
+
+
+def test_mimetic_from_the_config_changes_only_attention(tiny):
+    from vitlab.train.build import build
+
+    plain, mimetic = build(tiny()), build(replace(tiny("mimetic"), {"model.attn_init": "mimetic"}))
+    for (name, a), (_, b) in zip(plain.model.named_parameters(), mimetic.model.named_parameters()):
+        changed = not torch.equal(a, b)
+        assert changed == (name.endswith(("attn.qkv.weight", "attn.proj.weight"))), name
+
+
+def test_mimetic_is_refused_where_it_cannot_apply(tiny):
+    with pytest.raises(ConfigError, match="model.attn_init"):
+        replace(tiny(), {"model.attn_init": "identity"})
+    with pytest.raises(ConfigError, match="model.attn_init"):
+        replace(tiny(), {"model.attn_init": "mimetic", "model.init": "weights.safetensors"})
+
+
+def test_sincos_posemb_init_is_the_2d_table_behind_the_class_token(tiny):
+    from vitlab.models.posemb import posemb_sincos_2d
+    from vitlab.train.build import build
+
+    plain = build(tiny())
+    sincos = build(replace(tiny("sincos"), {"model.posemb_init": "sincos"}))
+    table = sincos.model.pos_embed.weight
+    grid = sincos.model.pos_embed.grid
+    assert torch.equal(table[0, 1:], posemb_sincos_2d(grid, table.shape[-1])[0])
+    assert torch.equal(table[0, :1], plain.model.pos_embed.weight[0, :1])  # [class] keeps its draw
+    for (name, a), (_, b) in zip(plain.model.named_parameters(), sincos.model.named_parameters()):
+        assert torch.equal(a, b) == (name != "pos_embed.weight"), name
+
+
+def test_sincos_posemb_init_is_refused_where_it_cannot_apply(tiny):
+    from vitlab.train.build import build
+
+    with pytest.raises(ConfigError, match="model.posemb_init"):
+        replace(tiny(), {"model.posemb_init": "fourier"})
+    with pytest.raises(ConfigError, match="model.posemb_init"):
+        build(replace(tiny(), {"model.posemb_init": "sincos", "model.overrides.posemb": "learned_2d"}))

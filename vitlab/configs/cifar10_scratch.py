@@ -19,9 +19,10 @@ reads it as 1x1 patches.
     convolutions).
 ``model=vit``: the plain ViT, no convolutional stem: 4x4 patches (64 tokens + [class]), 6
     blocks.  Its patch embedding starts as a whitening of the training images' patches
-    (``model.patch_init="whiten"``), it trains at batch 128 and lr 1e-3, and, as the hybrid,
+    (``model.patch_init="whiten"``) and its learned position table as the 2D sin-cos table
+    (``model.posemb_init="sincos"``), it trains at batch 128 and lr 1e-3, and, as the hybrid,
     the first half of its steps on 24x24 images (36 tokens; the position embeddings are
-    resampled).  Each of these was a measured gain in 4-minute probes (docs/results.md).
+    resampled).  Each of these was a measured gain in probes (docs/results.md).
 
 For a short budget on little data: AdamW with weight decay 0.05 (the paper: 0.1 with 10k
 warm-up steps for 300M images), label smoothing 0.1, pad-and-crop + flip (the CIFAR
@@ -45,6 +46,7 @@ LEARNING_RATES = {"hybrid": 2e-3, "hybrid_bit": 1e-3, "vit": 1e-3}
 BATCH_SIZES = {"hybrid": 256, "hybrid_bit": 256, "vit": 128}
 PROGRESSIVE_SIZES = {"hybrid": ((24, 0.5),), "hybrid_bit": (), "vit": ((24, 0.5),)}
 PATCH_INITS = {"hybrid": "lecun", "hybrid_bit": "lecun", "vit": "whiten"}
+POSEMB_INITS = {"hybrid": "normal", "hybrid_bit": "normal", "vit": "sincos"}
 
 
 def get_config(model: str = "hybrid") -> TrainConfig:
@@ -52,7 +54,8 @@ def get_config(model: str = "hybrid") -> TrainConfig:
         raise ValueError(f"model={model!r}: allowed values are {', '.join(MODELS)}")
     return TrainConfig(
         recipe=f"cifar10_scratch:model={model}",
-        model=ModelConfig(name="ViT-Ti/16", overrides=MODELS[model], patch_init=PATCH_INITS[model]),
+        model=ModelConfig(name="ViT-Ti/16", overrides=MODELS[model], patch_init=PATCH_INITS[model],
+                          posemb_init=POSEMB_INITS[model]),
         data=DataConfig(source="../shared/data/cifar10/cifar10-train.tar.gz", val_split=5000, split_seed=0,
                         progressive_sizes=PROGRESSIVE_SIZES[model]),
         augment=AugmentConfig(crop="pad", crop_pad=4, flip=True, label_smoothing=0.1),

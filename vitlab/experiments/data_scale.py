@@ -10,7 +10,7 @@ PAPER = ("Fig. 3 and 4: ResNets win on small pre-training sets, ViT overtakes th
 SUMMARY = ("model", "examples")
 METRICS = ("val_top1", "fewshot_5", "fewshot_10", "wall_s", "train_eflops")
 QUICK = dict(sizes=[200, 600, 1400], total=1797, steps=15, shots=[5, 10])
-# 10 runs x 2 seeds x 600 steps: about 55 minutes on the 2-core CPU.  Bounded by steps, not
+# 10 runs x 2 seeds x 600 steps: about 60 minutes on the 2-core CPU.  Bounded by steps, not
 # minutes, so that every CPU trains the same runs and --resume can add seeds on another machine.
 DEFAULT = dict(data=CIFAR, img_size=32, val=5000, total=50000, seeds=2,
                sizes=[2000, 5000, 10000, 20000, 45000], steps=600, minutes=0.0, batch=128, lr=2e-3,

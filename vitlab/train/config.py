@@ -150,18 +150,11 @@ class ModelConfig(Section):
              f"expected None or one of {', '.join(TARGETS)}")
         need_number("model.mpp_rate", self.mpp_rate, 0.0, below=1.0 + 1e-9)
         need(self.mpp_rate > 0, "model.mpp_rate", self.mpp_rate, "must be a fraction in (0, 1]")
-        need(self.patch_init in PATCH_INITS, "model.patch_init", self.patch_init,
-             f"expected one of {', '.join(PATCH_INITS)}")
-        need(self.patch_init == "lecun" or self.init is None, "model.patch_init", self.patch_init,
-             "'whiten' initialises a model trained from scratch; with model.init the weights are loaded")
-        need(self.attn_init in ATTN_INITS, "model.attn_init", self.attn_init,
-             f"expected one of {', '.join(ATTN_INITS)}")
-        need(self.attn_init == "xavier" or self.init is None, "model.attn_init", self.attn_init,
-             "'mimetic' initialises a model trained from scratch; with model.init the weights are loaded")
-        need(self.posemb_init in POSEMB_INITS, "model.posemb_init", self.posemb_init,
-             f"expected one of {', '.join(POSEMB_INITS)}")
-        need(self.posemb_init == "normal" or self.init is None, "model.posemb_init", self.posemb_init,
-             "'sincos' initialises a model trained from scratch; with model.init the weights are loaded")
+        for name, allowed in FROM_SCRATCH_INITS.items():  # the first allowed value is the official init
+            value = getattr(self, name)
+            need(value in allowed, f"model.{name}", value, f"expected one of {', '.join(allowed)}")
+            need(value == allowed[0] or self.init is None, f"model.{name}", value,
+                 f"{value!r} initialises a model trained from scratch; with model.init the weights are loaded")
         need(isinstance(self.overrides, dict), "model.overrides", self.overrides, "expected a dict of ViTConfig fields")
         need(self.init is None or isinstance(self.init, str), "model.init", self.init, "expected a path or None")
         if self.img_size is not None:
@@ -177,9 +170,9 @@ class ModelConfig(Section):
                 raise ConfigError(f"model (name={self.name!r}, overrides, img_size): {err}") from None
 
 
-PATCH_INITS = ("lecun", "whiten")
-ATTN_INITS = ("xavier", "mimetic")
-POSEMB_INITS = ("normal", "sincos")
+# ModelConfig's initialisation options for a model trained from scratch: the official one first
+FROM_SCRATCH_INITS = {"patch_init": ("lecun", "whiten"), "attn_init": ("xavier", "mimetic"),
+                      "posemb_init": ("normal", "sincos")}
 STREAM_MODES = ("auto", "memory", "stream")
 
 

@@ -131,3 +131,17 @@ def test_mpp_config_names_the_allowed_targets():
         ModelConfig(mpp="colour")
     with pytest.raises(ConfigError, match="model.mpp_rate"):
         ModelConfig(mpp="color", mpp_rate=0.0)
+
+
+def test_mpp_experiment_targets_per_budget():
+    from vitlab.experiments.common import Settings
+    from vitlab.experiments.mpp import targets_at
+
+    default = Settings(extra={"budgets": (3.0, 9.0)})
+    assert targets_at(default, 3.0) == ("color", "color4x4", "pixels") and targets_at(default, 9.0) == ("color",)
+    # one long budget alone would otherwise train all three targets
+    chosen = Settings(extra={"budgets": (30.0,), "targets": "color"})
+    assert targets_at(chosen, 30.0) == ("color",)
+    assert targets_at(Settings(extra={"targets": ("pixels", "color")}), 0) == ("pixels", "color")
+    with pytest.raises(ValueError, match="targets='colour'.*color, color4x4, pixels"):
+        targets_at(Settings(extra={"targets": "colour"}), 0)

@@ -112,6 +112,17 @@ def test_resume_trains_only_what_is_missing(tmp_path, monkeypatch):
     assert again["runs_from_earlier_invocations"] == len(first)
     assert "resumed:" in (out / "section.md").read_text()
 
+    # a config saved before a field existed (here model.posemb_init, model.attn_init) reads the
+    # field at its default, the behaviour that run had: still the same run
+    for saved in (out / "runs").glob("*/config.json"):
+        d = json.loads(saved.read_text())
+        for name in ("posemb_init", "attn_init"):
+            d["model"].pop(name)
+        saved.write_text(json.dumps(d))
+    trained.clear()
+    assert main(args + ["--seeds", "2"]) == 0
+    assert trained == []
+
     # a pre-training run trained again invalidates the fine-tuning run made from its old weights
     # (scratch does not start from it); so does a changed config (the pre-training's steps)
     pretrain_and_finetune = [run for run in first if "scratch" not in run]

@@ -168,24 +168,30 @@ def train_vit(s: Settings, out: Path, seed: int, overrides: dict, changes: dict 
 def finished_run(cfg) -> dict | None:
     """The summary of a run of exactly ``cfg`` that finished in ``cfg.run.out``, or None.
 
-    Finished: its summary and weights are there, and its saved config is ``cfg``.  A run
-    that starts from other weights (``model.init``, a pre-training run's) counts only if
-    those weights are older than its summary: a pre-training run trained again since
-    invalidates the fine-tuning runs made from its previous weights."""
-    from vitlab.train.config import to_dict
+    Finished: its summary and weights are there, and its saved config is ``cfg``.  The saved
+    config is read back through ``from_dict``, so a field added since it was written counts
+    at its default (the behaviour the run had) rather than as a difference.  A run that
+    starts from other weights (``model.init``, a pre-training run's) counts only if those
+    weights are older than its summary: a pre-training run trained again since invalidates
+    the fine-tuning runs made from its previous weights."""
+    from vitlab.config import ConfigError
+    from vitlab.train.config import from_dict, to_dict
+
+    def as_json(c) -> dict:
+        return json.loads(json.dumps(to_dict(c)))
 
     out = Path(cfg.run.out)
     try:
         summary = json.loads((out / "summary.json").read_text())
-        saved = json.loads((out / "config.json").read_text())
+        saved = from_dict(json.loads((out / "config.json").read_text()))
         finished = (out / "summary.json").stat().st_mtime
         if not Path(summary["weights"]).is_file():
             return None
         if cfg.model.init is not None and Path(cfg.model.init).stat().st_mtime >= finished:
             return None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):
         return None
-    return summary if saved == json.loads(json.dumps(to_dict(cfg))) else None
+    return summary if as_json(saved) == as_json(cfg) else None
 
 
 def load_images(s: Settings, size: int | None = None):

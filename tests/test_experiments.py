@@ -87,6 +87,46 @@ def test_set_values_parse_as_literals_and_booleans():
     assert parse_value("color4x4") == "color4x4"
 
 
+def test_resume_on_a_fresh_checkout_takes_earlier_seeds_from_results_json(tmp_path, monkeypatch):
+    """Run folders are not kept in git: on a fresh checkout ``--resume`` with more seeds takes the
+    finished seeds' rows from results.json and trains only the new seeds, unless the size changed."""
+    import shutil
+
+    import vitlab.train
+
+    out = tmp_path / "head"
+    args = ["experiment", "head", "--quick", "--out", str(out), "--threads", "1", "--set", "steps=3", "--resume"]
+    trained = []
+    real_train = vitlab.train.train
+    monkeypatch.setattr(vitlab.train, "train", lambda cfg, **kw: trained.append(cfg.run.out) or real_train(cfg, **kw))
+    assert main(args) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    per_seed = len(trained)
+    shutil.rmtree(out / "runs")  # what a clone of the repository holds: results.json, no runs
+    trained.clear()
+    assert main(args + ["--seeds", "3"]) == 0
+    assert len(trained) == 2 * per_seed and not any(run.endswith("-s0") for run in trained)
+    again = json.loads((out / "results.json").read_text())
+    assert [r for r in again["rows"] if r["seed"] == 0] == rows
+    assert sorted({r["seed"] for r in again["rows"]}) == [0, 1, 2]
+    assert again["seeds_from_earlier_results"] == [0]
+    assert "seed 0 from the earlier results.json" in (out / "section.md").read_text()
+
+    # seed 1's folders are there now (an interrupted invocation leaves them): the run-by-run
+    # check decides for seed 1, results.json for seeds 0 and 2, whose folders are gone
+    shutil.rmtree(out / "runs")
+    (out / "runs" / (trained[0].rsplit("/", 1)[-1][:-3] + "-s1")).mkdir(parents=True)
+    trained.clear()
+    assert main(args + ["--seeds", "3"]) == 0
+    assert len(trained) == per_seed and all(run.endswith("-s1") for run in trained)
+
+    # another size (here the steps) is another experiment: every seed trains
+    shutil.rmtree(out / "runs")
+    trained.clear()
+    assert main(args[:-2] + ["steps=4", "--resume"]) == 0
+    assert len(trained) == per_seed and all(run.endswith("-s0") for run in trained)
+
+
 def test_resume_trains_only_what_is_missing(tmp_path, monkeypatch):
     import vitlab.train
 

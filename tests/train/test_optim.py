@@ -1,3 +1,5 @@
+import copy
+
 import torch
 
 from vitlab.models.registry import create_model
@@ -25,3 +27,68 @@ def test_groups_carry_weight_decay():
     assert not no_decay and len(decay) == len(list(model.parameters()))
     sgd = build_optimizer(model, OptimConfig(optimizer="sgd", momentum=0.9))
     assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.9
+
+
+def test_orthogonalise_keeps_the_singular_vectors_and_flattens_the_spectrum():
+    from vitlab.train.optim import orthogonalise
+
+    torch.manual_seed(0)
+    for shape in ((48, 96), (96, 48)):  # wide and tall take the two sides of the iteration
+        g = torch.randn(*shape, dtype=torch.float64) @ torch.diag(torch.logspace(-2, 1, shape[1], dtype=torch.float64))
+        u, s, vh = torch.linalg.svd(g, full_matrices=False)
+        o = orthogonalise(g).double()
+        assert torch.allclose(orthogonalise(torch.stack([g, 2 * g]))[1].double(), o, atol=1e-5)  # batched
+        core = u.T @ o @ vh.T  # diagonal when o = U f(S) V^T
+        off = core - torch.diag(torch.diagonal(core))
+        assert off.abs().max() < 1e-4
+        big = torch.diagonal(core)[s > 0.1 * s.max()]  # the iteration is for gradients, not tiny directions
+        assert big.min() > 0.6 and big.max() < 1.25, big
+
+
+def test_muon_adamw_is_muon_on_block_matrices_and_adamw_elsewhere(monkeypatch):
+    import torch.optim._muon
+
+    from vitlab.train.optim import MuonAdamW, block_matrices, orthogonalise
+
+    # torch's Muon orthogonalises in bf16; in fp32, as ours does, the two must agree to rounding
+    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz",
+                        lambda g, coefficients, steps, eps: orthogonalise(g, steps, eps))
+
+    torch.manual_seed(0)
+    model = create_model("ViT-Ti/16", img_size=32, patch_size=8, depth=2, num_classes=10)
+    matrices = {id(p) for p in block_matrices(model)}
+    assert len(matrices) == 8  # qkv, proj, fc1, fc2 in each of the two blocks
+    opt = build_optimizer(model, OptimConfig(optimizer="muon", lr=1e-2, weight_decay=0.05))
+    assert isinstance(opt, MuonAdamW)
+    opt.ns_dtype = torch.float32  # the reference's precision (the built one follows the device's rule)
+    assert [(g["muon"], g["weight_decay"]) for g in opt.param_groups] == [(True, 0.05), (False, 0.05), (False, 0.0)]
+    assert {id(p) for p in opt.param_groups[0]["params"]} == matrices
+
+    # the reference: torch's AdamW on the same non-matrix groups, and torch's Muon on the
+    # matrices, with its AdamW-matching lr scale
+    start = copy.deepcopy(model)
+    ref = copy.deepcopy(model)
+    by_name = dict(ref.named_parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_groups = [[by_name[names[id(p)]] for p in g["params"]] for g in opt.param_groups]
+    ref_muon = torch.optim.Muon(ref_groups[0], lr=1e-2, weight_decay=0.05, adjust_lr_fn="match_rms_adamw")
+    ref_adamw = torch.optim.AdamW([{"params": ref_groups[1], "weight_decay": 0.05},
+                                   {"params": ref_groups[2], "weight_decay": 0.0}], lr=1e-2)
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    for _ in range(3):
+        for m, optimisers in ((model, [opt]), (ref, [ref_muon, ref_adamw])):
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            for o in optimisers:
+                o.step()
+                o.zero_grad()
+    moved = 0
+    for n, p in model.named_parameters():
+        assert torch.allclose(p, by_name[n], atol=1e-6, rtol=1e-5), n
+        moved += int(not torch.equal(p, dict(start.named_parameters())[n]))
+    assert moved == len(list(model.parameters()))  # every parameter was updated
+
+    # its state goes through state_dict like any optimiser's (checkpoints, resume)
+    again = build_optimizer(model, OptimConfig(optimizer="muon", lr=1e-2, weight_decay=0.05))
+    again.load_state_dict(opt.state_dict())
+    first = next(iter(opt.param_groups[0]["params"]))
+    assert torch.equal(again.state[first]["momentum_buffer"], opt.state[first]["momentum_buffer"])

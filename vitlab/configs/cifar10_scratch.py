@@ -20,11 +20,14 @@ reads it as 1x1 patches.
 ``model=vit``: the plain ViT, no convolutional stem: 4x4 patches (64 tokens + [class]), 6
     blocks.  Its patch embedding starts as a whitening of the training images' patches
     (``model.patch_init="whiten"``) and its learned position table as the 2D sin-cos table
-    (``model.posemb_init="sincos"``), it trains at batch 128 and lr 1e-3, and, as the hybrid,
-    the first half of its steps on 24x24 images (36 tokens; the position embeddings are
-    resampled).  Each of these was a measured gain in probes (docs/results.md).
+    (``model.posemb_init="sincos"``), it trains at batch 128 with Muon on the blocks' dense
+    layers and AdamW on the rest (``optim.optimizer="muon"``, lr 3e-3 for both, the Muon
+    update scaled to AdamW's RMS), and, as the hybrid, the first half of its steps on 24x24
+    images (36 tokens; the position embeddings are resampled).  Each of these was a measured
+    gain in probes and 30-minute runs (docs/results.md).
 
-For a short budget on little data: AdamW with weight decay 0.05 (the paper: 0.1 with 10k
+For a short budget on little data: AdamW (the hybrids; the plain ViT's non-matrix
+parameters) with weight decay 0.05 (the paper: 0.1 with 10k
 warm-up steps for 300M images), label smoothing 0.1, pad-and-crop + flip (the CIFAR
 standard instead of the inception crop), warm-up over 5% of the steps, cosine decay, and
 test-time augmentation (mirror pair in the periodic evaluations; the final one also over
@@ -42,7 +45,8 @@ MODELS = {
     "hybrid_bit": dict(HYBRID, resnet=dict(layers=(1, 3), img_size=32, norm="group"), name="R14x1+ViT-CIFAR/1"),
     "vit": dict(ENCODER, depth=6, patch_size=4, name="ViT-CIFAR/4"),
 }
-LEARNING_RATES = {"hybrid": 2e-3, "hybrid_bit": 1e-3, "vit": 1e-3}
+OPTIMIZERS = {"hybrid": "adam", "hybrid_bit": "adam", "vit": "muon"}
+LEARNING_RATES = {"hybrid": 2e-3, "hybrid_bit": 1e-3, "vit": 3e-3}
 BATCH_SIZES = {"hybrid": 256, "hybrid_bit": 256, "vit": 128}
 PROGRESSIVE_SIZES = {"hybrid": ((24, 0.5),), "hybrid_bit": (), "vit": ((24, 0.5),)}
 PATCH_INITS = {"hybrid": "lecun", "hybrid_bit": "lecun", "vit": "whiten"}
@@ -59,7 +63,7 @@ def get_config(model: str = "hybrid") -> TrainConfig:
         data=DataConfig(source="../shared/data/cifar10/cifar10-train.tar.gz", val_split=5000, split_seed=0,
                         progressive_sizes=PROGRESSIVE_SIZES[model]),
         augment=AugmentConfig(crop="pad", crop_pad=4, flip=True, label_smoothing=0.1),
-        optim=OptimConfig(optimizer="adam", betas=(0.9, 0.999), lr=LEARNING_RATES[model], weight_decay=0.05,
+        optim=OptimConfig(optimizer=OPTIMIZERS[model], betas=(0.9, 0.999), lr=LEARNING_RATES[model], weight_decay=0.05,
                           wd_scope="kernels", batch_size=BATCH_SIZES[model], steps=100_000, warmup=0.05, decay="cosine",
                           clip_norm=1.0),
         run=RunConfig(

@@ -55,15 +55,17 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
     s = settings(name, quick, **changes)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    earlier_rows = rows_of_earlier_seeds(out, s, quick) if s.resume else []
+    s.seeds_done = frozenset(r["seed"] for r in earlier_rows)
     t0 = time.monotonic()
-    rows = mod.run(s, out / "runs")
+    rows = earlier_rows + mod.run(s, out / "runs")
     wall = time.monotonic() - t0
     earlier = len(s.reused)
     keys, metrics = list(mod.SUMMARY), list(mod.METRICS)
     table = aggregate(rows, keys, metrics)
     md = markdown_table(table, keys, metrics)
     meta = dict(experiment=name, paper=mod.PAPER, quick=quick, settings=s.as_dict(), wall_s=round(wall, 1),
-                runs_from_earlier_invocations=earlier,
+                runs_from_earlier_invocations=earlier, seeds_from_earlier_results=sorted(s.seeds_done),
                 machine=machine(), date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 command=command or f"vitlab experiment {name}" + (" --quick" if quick else ""))
     write_json(out / "results.json", dict(meta, table=table, rows=rows))
@@ -80,7 +82,7 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
     section = [f"### {name}: {mod.TITLE}", "", f"Paper: {mod.PAPER}", "",
                f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}  ",
                f"Date: {meta['date']}, wall time {wall / 60:.1f} min, seeds {s.seeds}"
-               + (f" (resumed: {earlier} finished runs of an earlier invocation reused)" if earlier else ""),
+               + resumed_note(s.seeds_done, earlier),
                "", md, ""]
     if figure:
         section += [f"![{name}]({Path(figure).name})", ""]
@@ -90,6 +92,40 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
         print(md)
         print(f"\n{name}: {wall:.1f} s; wrote " + ", ".join(str(p) for p in files.values()))
     return dict(rows=rows, table=table, wall_s=wall, files=files)
+
+
+def rows_of_earlier_seeds(out: Path, s: Settings, quick: bool) -> list[dict]:
+    """The rows ``--resume`` takes from ``out/results.json`` instead of training again.
+
+    An earlier invocation's file counts only if it ran the same experiment size (every setting
+    but ``seeds`` and ``resume``) in the same form (``--quick`` or not); its seeds 0..n-1 are then
+    finished (the file is written once all of them are).  A seed's rows are taken only where
+    ``out/runs`` holds none of that seed's run folders (``*-s<seed>``), as on a fresh checkout:
+    where the folders are there, the run-by-run check (``finished_run``) decides, so a run
+    retrained since still invalidates what was made from it.  Rows without a seed
+    (measurements such as the resolution experiment's speed sweep) are measured again."""
+    import json
+
+    try:
+        earlier = json.loads((out / "results.json").read_text())
+        before, now = dict(earlier["settings"]), s.as_dict()
+        finished = min(int(before["seeds"]), s.seeds)
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    for d in (before, now):
+        for key in ("seeds", "resume"):
+            d.pop(key, None)
+    if earlier.get("quick") != quick or json.loads(json.dumps(now)) != before:
+        return []
+    runs = out / "runs"
+    missing = {seed for seed in range(finished) if not any(runs.glob(f"*-s{seed}"))}
+    return [r for r in earlier.get("rows", []) if r.get("seed") in missing]
+
+
+def resumed_note(seeds: frozenset, runs: int) -> str:
+    parts = ([f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, sorted(seeds)))} from the earlier "
+              "results.json"] if seeds else []) + ([f"{runs} finished runs of an earlier invocation reused"] if runs else [])
+    return f" (resumed: {'; '.join(parts)})" if parts else ""
 
 
 def describe() -> list[tuple[str, str, str]]:

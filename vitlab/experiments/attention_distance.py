@@ -22,7 +22,7 @@ def run(s, out):
     _, val_idx = split(s, labels)
     probe = images[val_idx[: s.get("images", 64)]].float() / 127.5 - 1
     rows = []
-    for seed in range(s.seeds):
+    for seed in s.new_seeds():
         for name, over in (("ViT", vit_overrides(s)), ("R+ViT", hybrid_overrides(s))):
             r = train_vit(s, out / f"{name}-s{seed}", seed, over)
             model = load_trained(r)

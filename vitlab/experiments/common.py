@@ -41,6 +41,9 @@ class Settings:
                  exactly this run's config (``finished_run``), so that an interrupted
                  experiment, or one given more seeds, trains only what is missing.
     reused:      filled as the experiment runs: the folders of the runs ``resume`` reused.
+    seeds_done:  seeds not to train: ``run_experiment`` fills it when ``resume`` takes their rows
+                 from the folder's ``results.json`` (run folders are not kept in git, so on a fresh
+                 checkout that file is the only record).  Experiments loop over ``new_seeds()``.
     """
 
     data: str = DIGITS
@@ -61,22 +64,28 @@ class Settings:
     resume: bool = False
     extra: dict = field(default_factory=dict)
     reused: list = field(default_factory=list)
+    seeds_done: frozenset = frozenset()
+
+    INTERNAL = ("extra", "reused", "seeds_done")
 
     @classmethod
     def from_dict(cls, values: dict) -> "Settings":
-        names = {f.name for f in fields(cls)} - {"extra", "reused"}
+        names = {f.name for f in fields(cls)} - set(cls.INTERNAL)
         known = {k: v for k, v in values.items() if k in names}
         return cls(**known, extra={k: v for k, v in values.items() if k not in names})
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.extra.get(key, default)
 
+    def new_seeds(self) -> list[int]:
+        return [seed for seed in range(self.seeds) if seed not in self.seeds_done]
+
     @property
     def digits(self) -> bool:
         return self.data == DIGITS
 
     def as_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("extra", "reused")}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.INTERNAL}
         d.update(self.extra)
         return d
 

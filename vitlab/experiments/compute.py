@@ -33,7 +33,7 @@ def run(s, out):
     resnet = stem(s, s.get("resnet_layers", (1, 1) if s.digits else (1, 3, 2)))
     cost = {"ViT": forward_flops(vit), "R+ViT": forward_flops(hybrid), "ResNet": forward_flops(resnet, True)}
     rows = []
-    for seed in range(s.seeds):
+    for seed in s.new_seeds():
         for budget in s.get("budgets"):
             for model, c in cost.items():
                 steps = max(1, round(budget * cost["ViT"] / c))

@@ -19,7 +19,7 @@ DEFAULT = dict(data=CIFAR, img_size=32, val=5000, total=50000, seeds=2,
 
 def run(s, out):
     rows = []
-    for seed in range(s.seeds):
+    for seed in s.new_seeds():
         for n in s.get("sizes"):
             take = 0 if n + s.val >= s.get("total", 0) else n + s.val
             for model in ("ViT", "ResNet"):

@@ -16,7 +16,7 @@ DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
 
 def run(s, out):
     rows = []
-    for seed in range(s.seeds):
+    for seed in s.new_seeds():
         for lr in s.get("lrs"):
             for classifier in ("token", "gap"):
                 r = train_vit(s, out / f"{classifier}-{lr}-s{seed}", seed, vit_overrides(s, classifier=classifier),

@@ -45,7 +45,7 @@ def run(s, out):
     for budget in s.get("budgets", (0,)):
         pre_limit, ft_limit = budget * share, budget * (1 - share)
         tag = f"{budget:g}min"
-        for seed in range(s.seeds):
+        for seed in s.new_seeds():
             for target in targets_at(s, budget):
                 pre = train_vit(s, out / f"{tag}-mpp-{target}-s{seed}", seed, vit_overrides(s), dict(
                     init, **{"model.mpp": target, "model.mpp_rate": 0.5, "optim.steps": pre_steps,

@@ -17,7 +17,7 @@ DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
 def run(s, out):
     resnet = stem(s, s.get("resnet_layers", (1, 1) if s.digits else (1, 3, 2)))
     rows = []
-    for seed in range(s.seeds):
+    for seed in s.new_seeds():
         for opt, lr in s.get("settings"):
             r = train_resnet(s, out / f"{opt}-{lr}-s{seed}", seed, resnet, optimizer=opt, lr=lr)
             rows.append(dict(optimizer=opt, lr=lr, seed=seed, val_top1=r["val_top1"], wall_s=r["wall_s"]))

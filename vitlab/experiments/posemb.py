@@ -19,7 +19,7 @@ SETTINGS = [("none", "stem")] + [(p, place) for p in ("learned_1d", "learned_2d"
 
 def run(s, out):
     rows = []
-    for seed in range(s.seeds):
+    for seed in s.new_seeds():
         for posemb, place in SETTINGS:
             over = vit_overrides(s, posemb=posemb, posemb_place=place)
             r = train_vit(s, out / f"{posemb}-{place}-s{seed}", seed, over)

@@ -36,7 +36,7 @@ def run(s, out):
     from vitlab.analysis.embeddings import position_similarity
 
     rows = []
-    for seed in range(s.seeds):
+    for seed in s.new_seeds():
         for patch in s.get("patches"):
             for lr in s.get("lrs"):
                 folder = out / f"p{patch}-lr{lr}-s{seed}"

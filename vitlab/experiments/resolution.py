@@ -55,7 +55,7 @@ def run(s, out):
 def finetune(s, out) -> list[dict]:
     rows = []
     big = s.get("finetune_size", s.img_size * 3 // 2)
-    for seed in range(s.seeds):
+    for seed in s.new_seeds():
         pre = train_vit(s, out / f"pretrain-s{seed}", seed, vit_overrides(s),
                         {"optim.steps": s.steps, "run.time_limit": s.get("pretrain_minutes", 0.0)})
         for size in (s.img_size, big):

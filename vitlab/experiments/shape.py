@@ -28,7 +28,7 @@ def run(s, out):
     from vitlab.config import ViTConfig
 
     rows = []
-    for seed in range(s.seeds):
+    for seed in s.new_seeds():
         for dim, f, change in variants(s):
             over = vit_overrides(s, **change)
             cfg = ViTConfig(**{k: v for k, v in over.items() if k != "name"}, num_classes=10)

@@ -27,7 +27,7 @@ def run(s, out):
     ft_steps = max(1, s.steps // 2) if not ft_min else s.steps
     crop = {} if s.digits else {"augment.crop": "pad", "augment.crop_pad": 6}
     rows = []
-    for seed in range(s.seeds):
+    for seed in s.new_seeds():
         pre = train_vit(s, out / f"pretrain-s{seed}", seed, model,
                         {"data.class_subset": first, "run.time_limit": pre_min})
         ft = train_vit(s, out / f"finetune-s{seed}", seed, model, {

@@ -30,7 +30,7 @@ from typing import Any, Optional
 from vitlab.config import ConfigError, ResNetConfig, ViTConfig
 from vitlab.data.transforms import CROPS, TrainTransform
 
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "sgd", "muon")
 DECAYS = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 ON_NONFINITE = ("stop", "skip")
@@ -294,7 +294,10 @@ class AugmentConfig(Section):
 class OptimConfig(Section):
     """The optimiser and its schedule.  Sizes are global (over all processes).
 
-    optimizer:   "adam" (AdamW; pre-training, Table 3) or "sgd" (momentum; fine-tuning, Table 4).
+    optimizer:   "adam" (AdamW; pre-training, Table 3), "sgd" (momentum; fine-tuning, Table 4),
+                 or "muon" (not in the paper: Muon on the dense layers inside the Transformer
+                 blocks, AdamW with ``betas`` on the rest, one lr and weight decay; see optim.py).
+    muon_momentum: Muon's Nesterov momentum (``optimizer="muon"``).
     lr:          base learning rate: the peak of the schedule.
     lr_grid:     learning rates `vitlab sweep` tries (paper Table 4).
     betas:       Adam's (beta1, beta2).
@@ -326,6 +329,7 @@ class OptimConfig(Section):
     lr_grid: tuple = ()
     betas: tuple = (0.9, 0.999)
     momentum: float = 0.9
+    muon_momentum: float = 0.95
     weight_decay: float = 0.0
     wd_scope: str = "kernels"
     batch_size: int = 512
@@ -348,7 +352,7 @@ class OptimConfig(Section):
             need_number(self.path(name), getattr(self, name))
         need(self.lr > 0, "optim.lr", self.lr, "must be > 0")
         need(self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"must not exceed optim.lr={self.lr}")
-        for name in ("momentum", "ema_decay"):
+        for name in ("momentum", "muon_momentum", "ema_decay"):
             need_number(self.path(name), getattr(self, name), 0.0, below=1.0)
         need(isinstance(self.lr_grid, tuple) and all(is_number(v) and v > 0 for v in self.lr_grid),
              "optim.lr_grid", self.lr_grid, "expected positive learning rates, e.g. 0.001,0.003,0.01")
@@ -470,6 +474,9 @@ class TrainConfig:
         if self.run.fsdp and self.optim.ema_decay > 0:
             raise ConfigError("optim.ema_decay>0 with run.fsdp=True: the weight average of a sharded model is not "
                               "implemented")
+        if self.run.fsdp and self.optim.optimizer == "muon":
+            raise ConfigError("optim.optimizer='muon' with run.fsdp=True: Muon orthogonalises whole weight matrices, "
+                              "FSDP shards them; use 'adam', or DDP (run.fsdp=false)")
         if self.run.fsdp and self.run.precision == "fp16":
             raise ConfigError("run.precision='fp16' with run.fsdp=True: the gradient scaler of a sharded model is not "
                               "implemented; use 'bf16'")

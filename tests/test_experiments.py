@@ -87,18 +87,24 @@ def test_set_values_parse_as_literals_and_booleans():
     assert parse_value("color4x4") == "color4x4"
 
 
+def record_training(monkeypatch) -> list[str]:
+    """The output folders of the runs ``vitlab.train.train`` trains from now on, in order."""
+    import vitlab.train
+
+    trained = []
+    real_train = vitlab.train.train
+    monkeypatch.setattr(vitlab.train, "train", lambda cfg, **kw: trained.append(cfg.run.out) or real_train(cfg, **kw))
+    return trained
+
+
 def test_resume_on_a_fresh_checkout_takes_earlier_seeds_from_results_json(tmp_path, monkeypatch):
     """Run folders are not kept in git: on a fresh checkout ``--resume`` with more seeds takes the
     finished seeds' rows from results.json and trains only the new seeds, unless the size changed."""
     import shutil
 
-    import vitlab.train
-
     out = tmp_path / "head"
     args = ["experiment", "head", "--quick", "--out", str(out), "--threads", "1", "--set", "steps=3", "--resume"]
-    trained = []
-    real_train = vitlab.train.train
-    monkeypatch.setattr(vitlab.train, "train", lambda cfg, **kw: trained.append(cfg.run.out) or real_train(cfg, **kw))
+    trained = record_training(monkeypatch)
     assert main(args) == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
     per_seed = len(trained)
@@ -128,13 +134,9 @@ def test_resume_on_a_fresh_checkout_takes_earlier_seeds_from_results_json(tmp_pa
 
 
 def test_resume_trains_only_what_is_missing(tmp_path, monkeypatch):
-    import vitlab.train
-
     out = tmp_path / "transfer"
     args = ["experiment", "transfer", "--quick", "--out", str(out), "--threads", "1", "--set", "steps=4", "--resume"]
-    trained = []
-    real_train = vitlab.train.train
-    monkeypatch.setattr(vitlab.train, "train", lambda cfg, **kw: trained.append(cfg.run.out) or real_train(cfg, **kw))
+    trained = record_training(monkeypatch)
     assert main(args) == 0
     first = sorted(trained)
     assert first and all(run.endswith("-s0") for run in first)

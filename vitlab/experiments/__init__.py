@@ -123,8 +123,13 @@ def rows_of_earlier_seeds(out: Path, s: Settings, quick: bool) -> list[dict]:
 
 
 def resumed_note(seeds: frozenset, runs: int) -> str:
-    parts = ([f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, sorted(seeds)))} from the earlier "
-              "results.json"] if seeds else []) + ([f"{runs} finished runs of an earlier invocation reused"] if runs else [])
+    """The section's note on what a resumed invocation did not train."""
+    parts = []
+    if seeds:
+        parts.append(f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, sorted(seeds)))} "
+                     "from the earlier results.json")
+    if runs:
+        parts.append(f"{runs} finished runs of an earlier invocation reused")
     return f" (resumed: {'; '.join(parts)})" if parts else ""
 
 

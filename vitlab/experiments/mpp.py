@@ -7,7 +7,8 @@ on the labels from scratch for the whole budget.  Both start from the same init
 first part of the budget is spent.  The three targets of Appendix B.1.2 are compared at the
 shortest budget (``all_targets=True``: at every budget); the longer budgets run the paper's
 default target (3-bit mean colour).  ``targets=color`` (or ``color,pixels``...) names the
-targets to run at every budget instead, so that one long budget need not train all three.  A budget of 0 is step-bounded (``steps``, the quick form).
+targets to run at every budget instead, so that one long budget need not train all three.
+A budget of 0 is step-bounded (``steps``, the quick form).
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ import math
 
 import torch
 from torch import nn
+from torch.optim.adamw import adamw
 
 from .config import OptimConfig
 
@@ -70,19 +71,17 @@ def block_matrices(model: nn.Module) -> list[nn.Parameter]:
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """Adam(W), SGD or Muon+AdamW over parameter groups; the lr is set every step by the loop."""
     decay, no_decay = split_decay(model, cfg.wd_scope)
-    matrices = {id(p) for p in block_matrices(model)} if cfg.optimizer == "muon" else set()
-    groups = [
-        {"params": [p for p in decay if id(p) in matrices], "weight_decay": cfg.weight_decay, "muon": True},
-        {"params": [p for p in decay if id(p) not in matrices], "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]]
+    if cfg.optimizer == "muon":  # the decayed kernels split: the blocks' matrices to Muon, the rest to AdamW
+        matrices = {id(p) for p in block_matrices(model)}
+        groups = [{"params": [p for p in decay if id(p) in matrices], "weight_decay": cfg.weight_decay, "muon": True},
+                  {"params": [p for p in decay if id(p) not in matrices], "weight_decay": cfg.weight_decay}]
+    else:
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
+    groups = [g for g in groups + [{"params": no_decay, "weight_decay": 0.0}] if g["params"]]
     if cfg.optimizer == "muon":
         device = next(model.parameters()).device
         return MuonAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), momentum=cfg.muon_momentum,
                          ns_dtype=newton_schulz_dtype(device))
-    for g in groups:
-        g.pop("muon", None)
     if cfg.optimizer == "adam":
         # eps 1e-8 is optax.scale_by_adam's default as well as torch's.
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8)
@@ -96,7 +95,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
 NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
 
 
-def orthogonalise(g: torch.Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def orthogonalise(g: torch.Tensor, steps: int = 5, eps: float = 1e-7,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """About U V^T of each matrix ``g`` = U S V^T (the last two dims; a leading dim batches):
     ``steps`` quintic Newton-Schulz iterations computed in ``dtype``, returned in fp32."""
     a, b, c = NEWTON_SCHULZ
@@ -154,11 +154,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if group["muon"]:
-                self._muon(params, group)
-            else:
-                for p in params:
-                    self._adamw(p, self.state[p], group)
+            if params:
+                (self._muon if group["muon"] else self._adamw)(params, group)
         return loss
 
     def _muon(self, params, group):
@@ -177,18 +174,16 @@ class MuonAdamW(torch.optim.Optimizer):
                 p.mul_(1 - lr * wd)
                 p.add_(update.to(p.dtype), alpha=-lr * 0.2 * math.sqrt(max(shape)))
 
-    @staticmethod
-    def _adamw(p, state, group):
-        lr, wd = group["lr"], group["weight_decay"]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p)
-            state["exp_avg_sq"] = torch.zeros_like(p)
-        (beta1, beta2), g = group["betas"], p.grad
-        state["step"] += 1
-        t = state["step"].item()
-        state["exp_avg"].lerp_(g, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        p.mul_(1 - lr * wd)
-        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** t)).add_(group["eps"])
-        p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** t))
+    def _adamw(self, params, group):
+        """torch's own AdamW update, through its functional form: the same arithmetic as
+        ``torch.optim.AdamW``, with this optimiser's state."""
+        states = [self.state[p] for p in params]
+        for p, state in zip(params, states):
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+        beta1, beta2 = group["betas"]
+        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+              [s["step"] for s in states], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)

@@ -92,3 +92,26 @@ def test_muon_adamw_is_muon_on_block_matrices_and_adamw_elsewhere(monkeypatch):
     again.load_state_dict(opt.state_dict())
     first = next(iter(opt.param_groups[0]["params"]))
     assert torch.equal(again.state[first]["momentum_buffer"], opt.state[first]["momentum_buffer"])
+
+
+def test_muon_adamw_lr_sets_the_adamw_part_apart_from_the_muon_part(tiny):
+    from vitlab.train.build import build
+    from vitlab.train.step import endless, train_step
+
+    s = build(tiny(optimizer="muon", lr=4e-3, **{"optim.muon_adamw_lr": 1e-3}))
+    train_step(s, endless(s.stream), lr=2e-3, size=s.img_size[0])  # the schedule's lr at some step
+    lrs = {g["muon"]: g["lr"] for g in s.optimizer.param_groups}
+    assert lrs == {True: 2e-3, False: 2e-3 * 1e-3 / 4e-3}
+    same = build(tiny("same", optimizer="muon", lr=4e-3))
+    assert {g["lr_scale"] for g in same.optimizer.param_groups} == {1.0}
+
+
+def test_muon_adamw_lr_must_be_positive():
+    import pytest
+
+    from vitlab.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"optim.muon_adamw_lr.*must be None \(the lr\) or > 0"):
+        OptimConfig(optimizer="muon", muon_adamw_lr=0.0)
+    with pytest.raises(ConfigError, match=r"optim.muon_adamw_lr.*applies to optim.optimizer='muon' only"):
+        OptimConfig(optimizer="adam", muon_adamw_lr=1e-3)

@@ -298,6 +298,8 @@ class OptimConfig(Section):
                  or "muon" (not in the paper: Muon on the dense layers inside the Transformer
                  blocks, AdamW with ``betas`` on the rest, one lr and weight decay; see optim.py).
     muon_momentum: Muon's Nesterov momentum (``optimizer="muon"``).
+    muon_adamw_lr: with ``optimizer="muon"``, the peak lr of the AdamW part (patch embedding,
+                 head, position table, vectors); None: ``lr``.  The schedule scales both alike.
     lr:          base learning rate: the peak of the schedule.
     lr_grid:     learning rates `vitlab sweep` tries (paper Table 4).
     betas:       Adam's (beta1, beta2).
@@ -330,6 +332,7 @@ class OptimConfig(Section):
     betas: tuple = (0.9, 0.999)
     momentum: float = 0.9
     muon_momentum: float = 0.95
+    muon_adamw_lr: Optional[float] = None
     weight_decay: float = 0.0
     wd_scope: str = "kernels"
     batch_size: int = 512
@@ -351,6 +354,10 @@ class OptimConfig(Section):
         for name in ("lr", "min_lr", "weight_decay", "clip_norm"):
             need_number(self.path(name), getattr(self, name))
         need(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        need(self.muon_adamw_lr is None or (is_number(self.muon_adamw_lr) and self.muon_adamw_lr > 0),
+             "optim.muon_adamw_lr", self.muon_adamw_lr, "must be None (the lr) or > 0")
+        need(self.muon_adamw_lr is None or self.optimizer == "muon", "optim.muon_adamw_lr", self.muon_adamw_lr,
+             f"applies to optim.optimizer='muon' only (here {self.optimizer!r}); leave it None")
         need(self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"must not exceed optim.lr={self.lr}")
         for name in ("momentum", "muon_momentum", "ema_decay"):
             need_number(self.path(name), getattr(self, name), 0.0, below=1.0)
@@ -607,7 +614,8 @@ def get(cfg: TrainConfig, name: str) -> Any:
 
 
 # the type of the fields whose default is None, shown by an example value
-OPTIONAL_TYPES = {"model.init": "", "model.img_size": 0, "data.source": "", "data.cache_dir": ""}
+OPTIONAL_TYPES = {"model.init": "", "model.img_size": 0, "data.source": "", "data.cache_dir": "",
+                  "optim.muon_adamw_lr": 0.0}
 
 
 def parse_value(text: str, default: Any) -> Any:

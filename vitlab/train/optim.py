@@ -79,6 +79,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
     groups = [g for g in groups + [{"params": no_decay, "weight_decay": 0.0}] if g["params"]]
     if cfg.optimizer == "muon":
+        adamw_scale = (cfg.muon_adamw_lr or cfg.lr) / cfg.lr
+        for g in groups:  # the loop's scheduled lr times lr_scale
+            g["lr_scale"] = 1.0 if g.get("muon") else adamw_scale
         device = next(model.parameters()).device
         return MuonAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), momentum=cfg.muon_momentum,
                          ns_dtype=newton_schulz_dtype(device))

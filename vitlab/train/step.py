@@ -142,7 +142,7 @@ def train_step(s, batches: Iterator, lr: float, size: int) -> StepResult:
     """
     cfg = s.cfg
     for group in s.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     compiled = hasattr(s.trained, "_orig_mod")  # torch.compile's wrapper
     taken: list = []
     try:

@@ -1,5 +1,6 @@
 import copy
 
+import pytest
 import torch
 
 from vitlab.models.registry import create_model
@@ -106,9 +107,7 @@ def test_muon_adamw_lr_sets_the_adamw_part_apart_from_the_muon_part(tiny):
     assert {g["lr_scale"] for g in same.optimizer.param_groups} == {1.0}
 
 
-def test_muon_adamw_lr_must_be_positive():
-    import pytest
-
+def test_muon_adamw_lr_must_be_positive_and_with_muon():
     from vitlab.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"optim.muon_adamw_lr.*must be None \(the lr\) or > 0"):

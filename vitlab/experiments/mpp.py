@@ -39,29 +39,39 @@ def targets_at(s, budget) -> tuple:
 
 
 def run(s, out):
-    share = float(s.get("pretrain_share", 0.6))
-    init = {"model.patch_init": s.get("patch_init", "lecun")}
-    pre_steps = max(1, int(s.steps * share))  # ceilings; a budget's time limit decides
     rows = []
     for budget in s.get("budgets", (0,)):
-        pre_limit, ft_limit = budget * share, budget * (1 - share)
-        tag = f"{budget:g}min"
         for seed in s.new_seeds():
-            for target in targets_at(s, budget):
-                pre = train_vit(s, out / f"{tag}-mpp-{target}-s{seed}", seed, vit_overrides(s), dict(
-                    init, **{"model.mpp": target, "model.mpp_rate": 0.5, "optim.steps": pre_steps,
-                             "run.time_limit": pre_limit}))
-                ft = train_vit(s, out / f"{tag}-finetune-{target}-s{seed}", seed, vit_overrides(s), {
-                    "model.init": pre["weights"], "model.overrides": {}, "optim.steps": s.steps - pre_steps,
-                    "run.time_limit": ft_limit})
-                rows.append(dict(budget_min=budget, run=f"mpp:{target}+finetune", seed=seed,
-                                 val_top1=ft["val_top1"], wall_s=pre["wall_s"] + ft["wall_s"],
-                                 steps=pre["steps"] + ft["steps"]))
-            scratch = train_vit(s, out / f"{tag}-scratch-s{seed}", seed, vit_overrides(s),
-                                dict(init, **{"run.time_limit": budget}))
-            rows.append(dict(budget_min=budget, run="scratch", seed=seed, val_top1=scratch["val_top1"],
-                             wall_s=scratch["wall_s"], steps=scratch["steps"]))
+            rows += [mpp_then_finetune(s, out, budget, seed, target) for target in targets_at(s, budget)]
+            rows.append(scratch(s, out, budget, seed))
     return rows
+
+
+def mpp_then_finetune(s, out, budget, seed, target) -> dict:
+    """One row: MPP pre-training for ``pretrain_share`` of the budget, then fine-tuning."""
+    share = float(s.get("pretrain_share", 0.6))
+    pre_steps = max(1, int(s.steps * share))  # ceilings; a budget's time limit decides
+    tag = f"{budget:g}min"
+    pre = train_vit(s, out / f"{tag}-mpp-{target}-s{seed}", seed, vit_overrides(s), dict(
+        _init(s), **{"model.mpp": target, "model.mpp_rate": 0.5, "optim.steps": pre_steps,
+                     "run.time_limit": budget * share}))
+    ft = train_vit(s, out / f"{tag}-finetune-{target}-s{seed}", seed, vit_overrides(s), {
+        "model.init": pre["weights"], "model.overrides": {}, "optim.steps": s.steps - pre_steps,
+        "run.time_limit": budget * (1 - share)})
+    return dict(budget_min=budget, run=f"mpp:{target}+finetune", seed=seed, val_top1=ft["val_top1"],
+                wall_s=pre["wall_s"] + ft["wall_s"], steps=pre["steps"] + ft["steps"])
+
+
+def scratch(s, out, budget, seed) -> dict:
+    """One row: the same ViT trained on the labels for the whole budget."""
+    trained = train_vit(s, out / f"{budget:g}min-scratch-s{seed}", seed, vit_overrides(s),
+                        dict(_init(s), **{"run.time_limit": budget}))
+    return dict(budget_min=budget, run="scratch", seed=seed, val_top1=trained["val_top1"],
+                wall_s=trained["wall_s"], steps=trained["steps"])
+
+
+def _init(s) -> dict:
+    return {"model.patch_init": s.get("patch_init", "lecun")}
 
 
 def plot(table, path):

@@ -57,6 +57,12 @@ def test_quick_form(name, tmp_path):
         assert sorted(p.name for p in out.glob("similarity-*.png")) == [
             "similarity-p2-lr0.001.png", "similarity-p2-lr0.003.png", "similarity-p4-lr0.001.png",
             "similarity-p4-lr0.003.png"]
+    if name == "compute":  # ViT+Muon is charged its orthogonalisation: fewer steps for the same compute
+        by = {(r["model"], r["budget"]): r for r in result["rows"]}
+        for budget in experiments.settings(name, quick=True).get("budgets"):
+            vit, muon = by[("ViT", budget)], by[("ViT+Muon", budget)]
+            assert muon["steps"] < vit["steps"] and muon["gflops_per_image"] == vit["gflops_per_image"]
+            assert abs(muon["train_eflops"] - vit["train_eflops"]) <= muon["train_eflops"] / muon["steps"]
     if name == "mpp":  # the three targets of Appendix B.1.2 against scratch, at the same budget
         assert {r["run"] for r in result["rows"]} == {"scratch", "mpp:color+finetune", "mpp:color4x4+finetune",
                                                      "mpp:pixels+finetune"}
@@ -174,3 +180,25 @@ def test_resume_trains_only_what_is_missing(tmp_path, monkeypatch):
         trained.clear()
         assert main(args) == 0
         assert sorted(trained) == pretrain_and_finetune
+
+
+def test_resume_trains_a_model_added_to_an_experiment_for_the_finished_seeds(tmp_path, monkeypatch):
+    """results.json from before ``compute`` had ViT+Muon, on a fresh checkout: ``--resume`` keeps
+    the other models' rows and trains only the new model's run."""
+    import shutil
+
+    out = tmp_path / "compute"
+    args = ["experiment", "compute", "--quick", "--out", str(out), "--threads", "1", "--set", "budgets=[3]",
+            "--resume"]
+    trained = record_training(monkeypatch)
+    assert main(args) == 0
+    result = json.loads((out / "results.json").read_text())
+    before = [r for r in result["rows"] if r["model"] != "ViT+Muon"]
+    (out / "results.json").write_text(json.dumps(dict(result, rows=before)))
+    shutil.rmtree(out / "runs")
+    trained.clear()
+    assert main(args) == 0
+    assert trained == [str(out / "runs" / "ViT+Muon-3-s0")]
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r for r in rows if r["model"] != "ViT+Muon"] == before
+    assert sorted(r["model"] for r in rows) == ["R+ViT", "ResNet", "ViT", "ViT+Muon"]

@@ -114,3 +114,19 @@ def test_muon_adamw_lr_must_be_positive_and_with_muon():
         OptimConfig(optimizer="muon", muon_adamw_lr=0.0)
     with pytest.raises(ConfigError, match=r"optim.muon_adamw_lr.*applies to optim.optimizer='muon' only"):
         OptimConfig(optimizer="adam", muon_adamw_lr=1e-3)
+
+
+def test_orthogonalise_flops_match_torch_flop_counter():
+    """The FLOPs the compute experiment charges Muon, against torch's own count of the matmuls."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vitlab.train.optim import block_matrices, muon_step_flops, orthogonalise, orthogonalise_flops
+
+    for shape in [(24, 72), (72, 24), (32, 32)]:  # wide, tall (iterates on the transpose), square
+        with FlopCounterMode(display=False) as counter:
+            orthogonalise(torch.randn(shape), steps=3)
+        assert orthogonalise_flops(shape, steps=3) == counter.get_total_flops()
+    model = create_model("ViT-Ti/16", img_size=32, patch_size=4, width=24, depth=2, num_heads=2, mlp_dim=48)
+    shapes = [tuple(p.shape) for p in block_matrices(model)]
+    assert sorted(shapes) == sorted([(72, 24), (24, 24), (48, 24), (24, 48)] * 2)  # qkv, proj, fc1, fc2 per block
+    assert muon_step_flops(model) == sum(orthogonalise_flops(s) for s in shapes)

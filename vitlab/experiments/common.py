@@ -44,6 +44,9 @@ class Settings:
     seeds_done:  seeds not to train: ``run_experiment`` fills it when ``resume`` takes their rows
                  from the folder's ``results.json`` (run folders are not kept in git, so on a fresh
                  checkout that file is the only record).  Experiments loop over ``new_seeds()``.
+    earlier_rows: those rows.  An experiment that gains a setting (a model added to ``compute``)
+                 loops over every seed and skips what ``has_row`` finds, so that resuming trains
+                 the new setting for the finished seeds too.
     """
 
     data: str = DIGITS
@@ -65,8 +68,9 @@ class Settings:
     extra: dict = field(default_factory=dict)
     reused: list = field(default_factory=list)
     seeds_done: frozenset = frozenset()
+    earlier_rows: tuple = ()
 
-    INTERNAL = ("extra", "reused", "seeds_done")
+    INTERNAL = ("extra", "reused", "seeds_done", "earlier_rows")
 
     @classmethod
     def from_dict(cls, values: dict) -> "Settings":
@@ -79,6 +83,10 @@ class Settings:
 
     def new_seeds(self) -> list[int]:
         return [seed for seed in range(self.seeds) if seed not in self.seeds_done]
+
+    def has_row(self, **keys: Any) -> bool:
+        """Whether the earlier results the runner took (``earlier_rows``) hold a row with ``keys``."""
+        return any(all(r.get(k) == v for k, v in keys.items()) for r in self.earlier_rows)
 
     @property
     def digits(self) -> bool:

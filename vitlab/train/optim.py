@@ -115,6 +115,20 @@ def orthogonalise(g: torch.Tensor, steps: int = 5, eps: float = 1e-7,
     return (x.mT if tall else x).float()
 
 
+def orthogonalise_flops(shape: tuple[int, int], steps: int = 5) -> int:
+    """Multiply-adds x 2 of ``orthogonalise`` on one matrix of ``shape``: per iteration the Gram
+    matrix (2 m^2 n), its square (2 m^3) and the product with X (2 m^2 n), m the short side."""
+    m, n = sorted(shape)
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def muon_step_flops(model: nn.Module, steps: int = 5) -> int:
+    """The FLOPs one Muon step spends orthogonalising ``model``'s block matrices: the compute
+    Muon adds to a training step beyond the forward and backward passes (AdamW's elementwise
+    update, like Muon's momentum, is not counted)."""
+    return sum(orthogonalise_flops(tuple(p.shape), steps) for p in block_matrices(model))
+
+
 def newton_schulz_dtype(device: torch.device) -> torch.dtype:
     """bf16 where the device runs bf16 matmuls faster than fp32 (a GPU; a CPU where
     ``vitlab.fast.bf16_is_faster`` holds), else fp32: the iteration tolerates bf16 (Muon's

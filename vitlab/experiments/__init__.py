@@ -56,7 +56,6 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     earlier_rows = rows_of_earlier_seeds(out, s, quick) if s.resume else []
-    s.seeds_done = frozenset(r["seed"] for r in earlier_rows)
     s.earlier_rows = tuple(earlier_rows)
     t0 = time.monotonic()
     rows = earlier_rows + mod.run(s, out / "runs")

@@ -41,12 +41,12 @@ class Settings:
                  exactly this run's config (``finished_run``), so that an interrupted
                  experiment, or one given more seeds, trains only what is missing.
     reused:      filled as the experiment runs: the folders of the runs ``resume`` reused.
-    seeds_done:  seeds not to train: ``run_experiment`` fills it when ``resume`` takes their rows
-                 from the folder's ``results.json`` (run folders are not kept in git, so on a fresh
-                 checkout that file is the only record).  Experiments loop over ``new_seeds()``.
-    earlier_rows: those rows.  An experiment that gains a setting (a model added to ``compute``)
-                 loops over every seed and skips what ``has_row`` finds, so that resuming trains
-                 the new setting for the finished seeds too.
+    earlier_rows: the rows ``run_experiment`` took from the folder's ``results.json`` when
+                 ``resume`` found finished seeds there (run folders are not kept in git, so on a
+                 fresh checkout that file is the only record); ``seeds_done`` are their seeds.
+                 Experiments loop over ``new_seeds()``; one that gains a setting (a model added to
+                 ``compute``) loops over every seed and skips what ``has_row`` finds, so that
+                 resuming trains the new setting for the finished seeds too.
     """
 
     data: str = DIGITS
@@ -67,10 +67,9 @@ class Settings:
     resume: bool = False
     extra: dict = field(default_factory=dict)
     reused: list = field(default_factory=list)
-    seeds_done: frozenset = frozenset()
     earlier_rows: tuple = ()
 
-    INTERNAL = ("extra", "reused", "seeds_done", "earlier_rows")
+    INTERNAL = ("extra", "reused", "earlier_rows")
 
     @classmethod
     def from_dict(cls, values: dict) -> "Settings":
@@ -80,6 +79,10 @@ class Settings:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.extra.get(key, default)
+
+    @property
+    def seeds_done(self) -> frozenset:
+        return frozenset(r["seed"] for r in self.earlier_rows)
 
     def new_seeds(self) -> list[int]:
         return [seed for seed in range(self.seeds) if seed not in self.seeds_done]
@@ -176,10 +179,27 @@ def train_vit(s: Settings, out: Path, seed: int, overrides: dict, changes: dict 
         s.reused.append(cfg.run.out)
     try:
         mcfg = model_config(cfg, num_classes=10)
-        summary["train_eflops"] = training_flops(mcfg, summary["steps"], cfg.optim.batch_size)
+        summary["train_eflops"] = (training_flops(mcfg, summary["steps"], cfg.optim.batch_size)
+                                   + optimiser_flops_per_step(mcfg, cfg.optim.optimizer) * summary["steps"] / 1e18)
     except Exception:  # noqa: BLE001 (fine-tuned runs: the architecture is the checkpoint's)
         summary["train_eflops"] = None
     return summary
+
+
+def optimiser_flops_per_step(model_cfg, optimizer: str) -> int:
+    """The matmul FLOPs an optimiser step adds to the forward and backward passes: Muon's
+    orthogonalisation of the blocks' matrices; 0 for AdamW and SGD, whose elementwise updates
+    the paper's count (3 x forward) leaves out as well."""
+    if optimizer != "muon":
+        return 0
+    import torch
+
+    from vitlab.models.registry import build_model
+    from vitlab.train.optim import muon_step_flops
+
+    with torch.device("meta"):  # shapes only
+        model = build_model(model_cfg)
+    return muon_step_flops(model)
 
 
 def finished_run(cfg) -> dict | None:

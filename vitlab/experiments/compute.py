@@ -8,8 +8,8 @@ same: it asks how much of the ViT's gap at a given compute is its optimisation. 
 Muon's orthogonalisation as well as the forward and backward passes, so it trains fewer steps."""
 from __future__ import annotations
 
-from vitlab.experiments.common import (CIFAR, hybrid_overrides, plot_lines, stem, train_resnet, train_vit,
-                                       vit_overrides)
+from vitlab.experiments.common import (CIFAR, hybrid_overrides, optimiser_flops_per_step, plot_lines, stem,
+                                       train_resnet, train_vit, vit_overrides)
 
 TITLE = "accuracy against total training compute (FLOPs as `vitlab flops` counts them)"
 PAPER = ("Fig. 5: at equal pre-training compute ViT beats ResNets (2-4x less compute for the same "
@@ -23,17 +23,23 @@ DEFAULT = dict(data=CIFAR, img_size=32, val=5000, budgets=[150, 300, 600],
                steps=600, batch=128, lr=2e-3, width=192, depth=6, heads=3, mlp=384, patch=4)
 
 
-def forward_flops(overrides_or_resnet, resnet: bool = False) -> int:
-    from vitlab.analysis.cost import model_flops
+def architecture(overrides_or_resnet, resnet: bool = False):
+    """The ViTConfig (or ResNetConfig) of an experiment model's overrides, for counting its FLOPs."""
     from vitlab.config import ResNetConfig, ViTConfig
 
     if resnet:
-        return model_flops(ResNetConfig(**dict(overrides_or_resnet, num_classes=10)))
+        return ResNetConfig(**dict(overrides_or_resnet, num_classes=10))
     d = dict(overrides_or_resnet)
     d.pop("name", None)
     if isinstance(d.get("resnet"), dict):
         d["resnet"] = ResNetConfig(**d["resnet"])
-    return model_flops(ViTConfig(**d, num_classes=10))
+    return ViTConfig(**d, num_classes=10)
+
+
+def forward_flops(overrides_or_resnet, resnet: bool = False) -> int:
+    from vitlab.analysis.cost import model_flops
+
+    return model_flops(architecture(overrides_or_resnet, resnet))
 
 
 def vit_muon_changes() -> dict:
@@ -44,20 +50,6 @@ def vit_muon_changes() -> dict:
             "model.patch_init": PATCH_INITS["vit"], "model.posemb_init": POSEMB_INITS["vit"]}
 
 
-def muon_flops_per_image(overrides: dict, batch: int) -> float:
-    """Muon's orthogonalisation per step, spread over the batch's images."""
-    import torch
-
-    from vitlab.config import ViTConfig
-    from vitlab.models.registry import build_model
-    from vitlab.train.optim import muon_step_flops
-
-    d = {k: v for k, v in overrides.items() if k != "name"}
-    with torch.device("meta"):
-        model = build_model(ViTConfig(**d, num_classes=10))
-    return muon_step_flops(model) / batch
-
-
 def run(s, out):
     vit, hybrid = vit_overrides(s), hybrid_overrides(s, depth=max(1, s.depth // 2))
     resnet = stem(s, s.get("resnet_layers", (1, 1) if s.digits else (1, 3, 2)))
@@ -65,7 +57,7 @@ def run(s, out):
                "ResNet": forward_flops(resnet, True)}
     # training FLOPs per image: 3 x forward (the paper's count), plus Muon's orthogonalisation
     cost = {model: 3 * f for model, f in forward.items()}
-    cost["ViT+Muon"] += muon_flops_per_image(vit, s.batch)
+    cost["ViT+Muon"] += optimiser_flops_per_step(architecture(vit), "muon") / s.batch
     rows = []
     for seed in range(s.seeds):
         for budget in s.get("budgets"):
@@ -78,8 +70,7 @@ def run(s, out):
                 if model == "ResNet":
                     r = train_resnet(sub, folder, seed, resnet)
                 elif model == "ViT+Muon":
-                    r = train_vit(sub, folder, seed, vit, vit_muon_changes())
-                    r["train_eflops"] += (c - cost["ViT"]) * r["steps"] * s.batch / 1e18
+                    r = train_vit(sub, folder, seed, vit, vit_muon_changes())  # its train_eflops count Muon
                 else:
                     r = train_vit(sub, folder, seed, vit if model == "ViT" else hybrid)
                 rows.append(dict(model=model, budget=budget, seed=seed, steps=r["steps"], val_top1=r["val_top1"],

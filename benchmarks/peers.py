@@ -2,6 +2,7 @@
 
     python benchmarks/peers.py                     # every experiment
     python benchmarks/peers.py training inference  # some of them
+    python benchmarks/peers.py profile            # where a bf16 CIFAR-size training step spends its time
 
 bench.py gives the figures the README cites (a fresh process per figure, several rounds);
 these interleave vitlab (the default path, ``vitlab.fast.optimize``), vitlab-plain and the
@@ -122,7 +123,31 @@ def exp_retain_memory() -> None:
                   flush=True)
 
 
-EXPERIMENTS = {"training": exp_training, "inference": exp_inference, "retain_memory": exp_retain_memory}
+def exp_profile() -> None:
+    """Where a bf16 training step of the CIFAR-size ViT (batch 128) spends its time, vitlab
+    against HF eager: self CPU time per step by operator (``torch.profiler``), matmuls summed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    matmuls = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::")
+    steps = 3
+    for impl in ("vitlab", "hf-eager"):
+        step = _train_step("ViT-CIFAR", 128, impl, amp=True)
+        for _ in range(3):  # warm-up
+            step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+        ops = prof.key_averages()
+        total = sum(op.self_cpu_time_total for op in ops) / steps / 1e3
+        matmul = sum(op.self_cpu_time_total for op in ops if op.key.startswith(matmuls)) / steps / 1e3
+        print(f"{impl}: {total:.0f} ms per step profiled, matmuls {matmul:.0f} ms ({matmul / total:.0%})")
+        for op in sorted(ops, key=lambda op: -op.self_cpu_time_total)[:12]:
+            print(f"    {op.key[:56]:56s} {op.self_cpu_time_total / steps / 1e3:7.1f} ms  x{op.count // steps}")
+
+
+EXPERIMENTS = {"training": exp_training, "profile": exp_profile, "inference": exp_inference,
+               "retain_memory": exp_retain_memory}
 
 if __name__ == "__main__":
     sys.exit(run_experiments(EXPERIMENTS, sys.argv[1:], __doc__))

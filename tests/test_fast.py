@@ -419,11 +419,12 @@ def test_contiguous_attention_equals_the_plain_bf16_inference(family, monkeypatc
     assert (len(calls) > 0) == (family != "relative")
 
 
+@pytest.mark.parametrize("images", [1, 3])  # one image: the head reshape is a view, copied after
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_contiguous_attention_is_softmax_attention_with_or_without_autograd(dtype):
+def test_contiguous_attention_is_softmax_attention_with_or_without_autograd(dtype, images):
     from vitlab.fast.modules import contiguous_attention
 
-    B, L, H, D = 3, 17, 4, 8
+    B, L, H, D = images, 17, 4, 8
     qkv = torch.randn(B, L, 3 * H * D).to(dtype)
     q, k, v = qkv.float().view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
     reference = (torch.softmax(q @ k.transpose(-1, -2) * D**-0.5, -1) @ v).transpose(1, 2).reshape(B, L, H * D)
@@ -462,6 +463,28 @@ def test_recomputing_norms_and_gelu_keeps_less_for_the_same_gradients(bf16):
         assert all(torch.equal(a, b) for a, b in zip(grads, stored_grads))
     # per block: 16 (tokens x width) activations stored, 10 when recomputing (fp32)
     assert kept < (0.72 if not bf16 else 0.8) * stored
+
+
+def test_storing_instead_of_recomputing_still_attends_explicitly_in_cpu_bf16(monkeypatch):
+    from vitlab.models import layers
+
+    fused = []
+    real = layers.F.scaled_dot_product_attention
+    monkeypatch.setattr(layers.F, "scaled_dot_product_attention", lambda *a, **k: fused.append(1) or real(*a, **k))
+    model = with_random_head(tiny(gelu="exact", depth=2, width=48, mlp_dim=192, num_heads=3)).train()
+    x = torch.randn(4, 3, 16, 16)
+    bf16 = KernelChoice("aten", "bf16")
+    fast.optimize(model, bf16, recompute=True)
+    _, recomputed = saved_bytes(model, x, bf16=True)
+    fast.optimize(model, bf16, recompute=False)
+    _, stored = saved_bytes(model, x, bf16=True)
+    assert not fused  # the CPU's fused kernel has the slow bf16 backward
+    for a, b in zip(stored, recomputed):  # the same bf16 operations, up to the order of additions
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
+    _, plain = saved_bytes(fast.restore(model), x, bf16=True)
+    assert fused  # the plain model does use it
+    for a, b in zip(stored, plain):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
 
 
 def test_recompute_functions_pass_gradcheck():

@@ -222,7 +222,8 @@ def _global_hooks() -> bool:
 
 
 class FastBlock(Block):
-    """``Block`` whose training forward recomputes LayerNorm and GELU outputs in the backward."""
+    """``Block`` whose training forward recomputes LayerNorm and GELU outputs in the backward
+    (unless ``recompute=False``) and, on a CPU in bf16, attends by two matmuls and a softmax."""
 
     fast_options: FastOptions
 
@@ -240,13 +241,14 @@ class FastBlock(Block):
             return super().forward(x)
         if not torch.is_grad_enabled():
             return self.inference(x)
-        if not self.fast_options.recompute:
-            return super().forward(x)
-        kernels, attn, mlp = self.fast_options.kernels, self.attn, self.mlp
+        kernels, attn, mlp, recompute = self.fast_options.kernels, self.attn, self.mlp, self.fast_options.recompute
+        qkv = layer_norm_dense(x, self.norm1, attn.qkv, kernels) if recompute else attn.qkv(self.norm1(x))
         # training attends over the strided head views (contiguous_attention's copies and its
-        # backward did not pay in a training step: benchmarks/NOTES.md, 2026-11-24)
-        q, k, v = split_heads(layer_norm_dense(x, self.norm1, attn.qkv, kernels), attn.num_heads)
+        # backward did not pay in a training step: benchmarks/NOTES.md, 2026-11-24 and -25)
+        q, k, v = split_heads(qkv, attn.num_heads)
         x = x + self.drop_path(attn.proj_drop(attn.proj(attn.attend(q, k, v, explicit=_cpu_bf16(q)))))
+        if not recompute:
+            return x + self.drop_path(mlp(self.norm2(x)))
         h = layer_norm_dense(x, self.norm2, mlp.fc1, kernels)
         return x + self.drop_path(mlp.drop(gelu_dense(h, mlp.approximate, mlp.drop, mlp.fc2, kernels)))
 
@@ -293,7 +295,7 @@ def contiguous_attention(qkv: torch.Tensor, num_heads: int, scale: float, dropou
     B, L, width3 = qkv.shape
     head_dim = width3 // (3 * num_heads)
     q, k, v = (qkv.view(B, L, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
-               .reshape(3, B * num_heads, L, head_dim).unbind(0))
+               .reshape(3, B * num_heads, L, head_dim).contiguous().unbind(0))  # one image: reshape can view
     scores = torch.empty(B * num_heads, L, L, dtype=qkv.dtype, device=qkv.device)
     scores.baddbmm_(q, k.transpose(1, 2), beta=0, alpha=scale)  # beta=0: the empty values are never read
     if torch.is_grad_enabled():

@@ -171,6 +171,18 @@ def machine(args: argparse.Namespace) -> dict:
         pass
     import torch
 
+    from vitlab.fast import kernels
+
+    cpu = kernels.cpu_info()
+    info["cpu_class"] = kernels.cpu_class(cpu)  # what the kernel rule reads, with vendor and family/model
+    info["cpu_vendor"] = cpu.vendor
+    try:
+        ids = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in open("/proc/cpuinfo"))
+               if k.strip() in ("cpu family", "model")}
+        info["cpu_family_model"] = f"{ids.get('cpu family', '?')}/{ids.get('model', '?')}"
+    except OSError:
+        pass
+    info["fast_kernels"] = kernels.choose().describe()
     info["torch"] = torch.__version__
     if args.device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
@@ -231,6 +243,9 @@ def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> lis
         rows.setdefault(_row(r["id"]), {})[r["impl"]] = r
     header = ["row"] + [f"{i} img/s" for i in impls] + ["vitlab/best peer", "vitlab % peak",
                                                           "vitlab MiB", "best peer MiB"]
+    with_plain = "vitlab-plain" in impls
+    if with_plain:  # the fast path against the model it speeds up: never below 1
+        header.append("vitlab/plain")
     with_before = "vitlab-before" in impls
     if with_before:
         header.append("vitlab/before")
@@ -247,6 +262,9 @@ def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> lis
         mem = lambda r: f"{r['peak_bytes'] / 2**20:.0f}" if r and "peak_bytes" in r else "-"  # noqa: E731
         lines.append([key] + [fmt_rate(by_impl[i]) if i in by_impl else "" for i in impls]
                      + [ratio + (f" vs {best['impl']}" if best else ""), share, mem(ours), mem(best)])
+        if with_plain:
+            plain = round_ratios(by_impl, against="vitlab-plain")
+            lines[-1].append(f"{statistics.median(plain):.2f}x ({min(plain):.2f}-{max(plain):.2f})" if plain else "-")
         if with_before:
             then = round_ratios(by_impl, against="vitlab-before")
             lines[-1].append(f"{statistics.median(then):.2f}x ({min(then):.2f}-{max(then):.2f})" if then else "-")
@@ -329,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     peak_cases, cases = build_cases(args)
     info = machine(args)
     timeout = 600 if args.quick else 1800
-    print(f"{info.get('gpu') or info['cpu']}, {info['cpu_count']} cores, torch {info['torch']}; "
+    print(f"{info.get('gpu') or info['cpu']} ({info['cpu_class']}, family/model {info.get('cpu_family_model')}), "
+          f"{info['cpu_count']} cores, torch {info['torch']}; fast path: {info['fast_kernels']}; "
           f"{len(cases)} configurations, each in a fresh process; load average {_loadavg()}")
     if not bf16_wanted(args):
         print("bf16 rows skipped: no bf16 hardware here (oneDNN reports none); --bf16 yes forces them")
@@ -363,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
               "seconds": time.time() - started}
     path = out / f"{name}-{stamp}.json"
     path.write_text(json.dumps(record, indent=1))
-    note = (f"{info.get('gpu') or info['cpu']}, {info['cpu_count']} cores, torch {info['torch']}, "
+    note = (f"{info.get('gpu') or info['cpu']} ({info['cpu_class']}, family/model {info.get('cpu_family_model')}), "
+            f"{info['cpu_count']} cores, torch {info['torch']}, fast path {info['fast_kernels']}, "
             f"{'quick' if args.quick else 'full'} run {stamp} UTC; img/s median (min-max); "
             f"peak matmul GFLOP/s: " + peak_summary(peaks))
     command = "python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)

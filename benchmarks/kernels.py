@@ -82,9 +82,10 @@ def exp_choice() -> None:
     from vitlab.fast import kernels
 
     info = kernels.cpu_info()
-    print(f"\n{info.vendor} {info.model}; avx512f {'avx512f' in info.flags}, "
-          f"avx512_bf16 {'avx512_bf16' in info.flags}, amx_bf16 {'amx_bf16' in info.flags}")
-    print(f"  rule: {kernels.rule_choice(info)}")
+    rule = kernels.rule_for(info)
+    print(f"\n{info.vendor} {info.model}: class {kernels.cpu_class(info)}; oneDNN reports {kernels.onednn_report()}")
+    print(f"  rule: {kernels.rule_choice(info).describe()}; --precision auto {rule.precision} "
+          f"(figures: {rule.measured or 'none, the plain arithmetic'})")
     print(f"  stored ({kernels.calibration_path()}): {kernels.stored_choice()}")
     print(f"  chosen: {kernels.choose()}")
 

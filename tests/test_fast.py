@@ -3,6 +3,7 @@ reversible layer on top that computes what the plain model computes."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import json
 import pickle
@@ -20,9 +21,28 @@ from vitlab.models.layers import Block
 
 torch.set_num_threads(2)
 ONEDNN = torch.backends.mkldnn.is_available()
-CHOICES = [KernelChoice("aten", "bf16"), KernelChoice("aten", "fp32")] + (
-    [KernelChoice("onednn", "bf16"), KernelChoice("onednn", "fp32")] if ONEDNN else [])
-choice_id = lambda c: f"{c.fp32}-{c.bf16}"  # noqa: E731
+
+
+def runnable(choice: KernelChoice, **marks):
+    """``choice`` as a test parameter that skips, naming the missing feature, where this machine
+    cannot run it (``kernels.why_unavailable``: the CPU's features and oneDNN's own report)."""
+    reason = kernels_mod.why_unavailable(choice)
+    return pytest.param(choice, id=f"{choice.fp32}-{choice.bf16}-{choice.attention}",
+                        marks=pytest.mark.skipif(reason is not None, reason=reason or ""))
+
+
+def needs(choice: KernelChoice):
+    """A skip mark for a test that forces ``choice``: it runs wherever the feature exists."""
+    reason = kernels_mod.why_unavailable(choice)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+ONEDNN_BF16 = KernelChoice("onednn", "onednn")
+# every dense-layer kernel of both precisions, and fp32 blocks that attend explicitly
+CHOICES = [runnable(KernelChoice(fp32, bf16)) for fp32 in ("aten", "onednn") for bf16 in ("onednn", "widened")] + [
+    runnable(KernelChoice("aten", "aten", "explicit"))]
+# the choices whose bf16 inference casts weights itself (with "aten" autocast casts them)
+CASTING = [c for c in CHOICES if c.values[0].bf16 != "aten"]
 
 
 def tiny(**fields) -> ViTConfig:
@@ -168,7 +188,7 @@ def loss_and_grads(model: nn.Module, x: torch.Tensor, bf16: bool):
     return loss.detach(), [x.grad] + [p.grad for p in model.parameters()]
 
 
-@pytest.mark.parametrize("kernels", CHOICES, ids=choice_id)
+@pytest.mark.parametrize("kernels", CHOICES)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_fast_logits_and_gradients_equal_the_plain_models(family, kernels):
     cfg = FAMILIES[family]
@@ -186,7 +206,7 @@ def test_fast_logits_and_gradients_equal_the_plain_models(family, kernels):
         torch.testing.assert_close(model.eval()(x), logits, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kernels", CHOICES, ids=choice_id)
+@pytest.mark.parametrize("kernels", CHOICES)
 @pytest.mark.parametrize("family", ["token", "relative", "axial"])
 def test_fast_bf16_training_agrees_with_plain_autocast(family, kernels):
     cfg = FAMILIES[family]
@@ -226,7 +246,7 @@ def test_inference_in_chunks_of_images_equals_the_plain_forward(family, monkeypa
     assert (fast_bf16 - bf16_logits).norm() < 3e-2 * bf16_logits.norm()
 
 
-@pytest.mark.parametrize("kernels", CHOICES, ids=choice_id)
+@pytest.mark.parametrize("kernels", CHOICES)
 def test_bf16_inference_equals_autocasts_rounding(kernels):
     torch.manual_seed(0)
     dense = nn.Linear(64, 48)
@@ -246,7 +266,7 @@ def bf16_autocast_linear(x, dense):
     return x.bfloat16().double() @ dense.weight.bfloat16().double().t() + dense.bias.bfloat16().double()
 
 
-@pytest.mark.parametrize("kernels", CHOICES, ids=choice_id)
+@pytest.mark.parametrize("kernels", CASTING)
 def test_autocast_inference_casts_weights_into_one_shared_buffer_by_default(kernels):
     torch.manual_seed(0)
     model = fast.optimize(nn.Sequential(nn.Linear(6, 40), nn.Linear(40, 4)), kernels)
@@ -258,13 +278,14 @@ def test_autocast_inference_casts_weights_into_one_shared_buffer_by_default(kern
     options = fast.installed_options(model)
     assert all(layer._held[1] is None for layer in model)  # no weight kept beside the parameter
     buffer = options.workspace._local.buffer  # one buffer, the size of the largest weight, for every layer
-    assert buffer.numel() == 240 and buffer.dtype == (torch.bfloat16 if kernels.bf16 == "bf16" else torch.float32)
+    assert buffer.numel() == 240 and buffer.dtype == (torch.bfloat16 if kernels.bf16 == "onednn" else torch.float32)
     torch.testing.assert_close(buffer[:160].view(4, 40).float(), model[1].weight.bfloat16().float(), rtol=0, atol=0)
 
 
+@needs(KernelChoice(bf16="onednn"))
 def test_held_casts_are_kept_between_inference_calls_until_the_weights_change():
     torch.manual_seed(0)
-    dense = fast.optimize(nn.Linear(6, 4), KernelChoice("aten", "bf16"), inference_weights="hold")
+    dense = fast.optimize(nn.Linear(6, 4), KernelChoice("aten", "onednn"), inference_weights="hold")
     x = torch.randn(3, 6)
 
     def infer():
@@ -340,14 +361,14 @@ def bf16_infer(model, x):
         return model(x)
 
 
-@pytest.mark.skipif(not ONEDNN, reason="packing serves oneDNN's bf16 kernel")
+@needs(ONEDNN_BF16)  # packing serves oneDNN's bf16 kernel
 @pytest.mark.parametrize("family", ["token", "posemb-2d-every-layer", "hybrid"])
 def test_packed_inference_equals_cast_inference_and_gives_the_weights_back(family, tmp_path):
     cfg = FAMILIES[family]
     model = untied(with_random_head(cfg)).eval()
     original = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(3, 3, *cfg.img_size)
-    kernels = KernelChoice("onednn", "bf16")
+    kernels = ONEDNN_BF16
     cast = bf16_infer(fast.optimize(copy.deepcopy(model), kernels), x)
     fast.optimize(model, kernels, inference_weights="pack")
     layers = [m for m in model.modules() if isinstance(m, fast.FastLinear)]
@@ -382,12 +403,12 @@ def test_packed_inference_equals_cast_inference_and_gives_the_weights_back(famil
         torch.testing.assert_close(model(x), fast.restore(copy.deepcopy(model))(x), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(not ONEDNN, reason="packing serves oneDNN's bf16 kernel")
+@needs(ONEDNN_BF16)  # packing serves oneDNN's bf16 kernel
 def test_a_shared_or_hooked_weight_is_never_packed():
     torch.manual_seed(0)
     first, second, hooked = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
     second.weight = first.weight  # tied
-    model = fast.optimize(nn.Sequential(first, second, hooked), KernelChoice("onednn", "bf16"),
+    model = fast.optimize(nn.Sequential(first, second, hooked), ONEDNN_BF16,
                           inference_weights="pack").eval()
     seen = []
     hooked.register_forward_hook(lambda m, i, o: seen.append(fp32_bits(m.weight)))
@@ -454,7 +475,7 @@ def saved_bytes(model, x, bf16):
 def test_recomputing_norms_and_gelu_keeps_less_for_the_same_gradients(bf16):
     model = with_random_head(tiny(gelu="exact", depth=3, width=48, mlp_dim=192, num_heads=3)).train()
     x = torch.randn(4, 3, 16, 16)
-    aten = KernelChoice("aten", "bf16")
+    aten = KernelChoice()
     fast.optimize(model, aten, recompute=False)
     stored, stored_grads = saved_bytes(model, x, bf16)
     fast.optimize(model, aten, recompute=True)
@@ -473,7 +494,7 @@ def test_storing_instead_of_recomputing_still_attends_explicitly_in_cpu_bf16(mon
     monkeypatch.setattr(layers.F, "scaled_dot_product_attention", lambda *a, **k: fused.append(1) or real(*a, **k))
     model = with_random_head(tiny(gelu="exact", depth=2, width=48, mlp_dim=192, num_heads=3)).train()
     x = torch.randn(4, 3, 16, 16)
-    bf16 = KernelChoice("aten", "bf16")
+    bf16 = KernelChoice()
     fast.optimize(model, bf16, recompute=True)
     _, recomputed = saved_bytes(model, x, bf16=True)
     fast.optimize(model, bf16, recompute=False)
@@ -497,7 +518,7 @@ def test_recompute_functions_pass_gradcheck():
         norm.weight.normal_(), norm.bias.normal_()
     x = torch.randn(2, 3, 6, dtype=torch.double, requires_grad=True)
     params = (*norm.parameters(), *dense.parameters(), *dense2.parameters())
-    aten = KernelChoice("aten", "bf16")
+    aten = KernelChoice()
 
     def both(x, *_):
         return gelu_dense(layer_norm_dense(x, norm, dense, aten), "tanh", nn.Dropout(0.0), dense2, aten)
@@ -505,7 +526,7 @@ def test_recompute_functions_pass_gradcheck():
     assert torch.autograd.gradcheck(both, (x, *params))
 
 
-@pytest.mark.skipif(not ONEDNN, reason="needs oneDNN")
+@needs(KernelChoice(fp32="onednn"))
 def test_onednn_linear_gradients_equal_autograds():
     from vitlab.fast.linear import linear
 
@@ -514,7 +535,7 @@ def test_onednn_linear_gradients_equal_autograds():
     w = torch.randn(16, 24, requires_grad=True)
     b = torch.randn(16, requires_grad=True)
     g = torch.randn(3, 7, 16)
-    out = linear(x, w, b, KernelChoice("onednn", "bf16"))
+    out = linear(x, w, b, KernelChoice(fp32="onednn"))
     grads = torch.autograd.grad(out, (x, w, b), g)
     expected = torch.nn.functional.linear(x, w, b)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -548,7 +569,7 @@ def test_gelu_dense_drops_out_with_the_mask_it_keeps():
     dense = nn.Linear(8, 3)
     h = torch.randn(5, 8, requires_grad=True)
     torch.manual_seed(7)
-    out = gelu_dense(h, "none", nn.Dropout(0.25).train(), dense, KernelChoice("aten", "bf16"))
+    out = gelu_dense(h, "none", nn.Dropout(0.25).train(), dense, KernelChoice())
     out.square().sum().backward()
     grads = h.grad.clone(), dense.weight.grad.clone()
     torch.manual_seed(7)  # the forward's only random draw is the mask
@@ -602,13 +623,13 @@ def test_restore_gives_back_the_plain_modules_with_the_same_parameters_and_hooks
     assert {name: p for name, p in model.named_parameters()} == params
     model(torch.randn(1, 3, 16, 16))
     assert calls == [1]
-    with fast.optimized(model, KernelChoice("aten", "fp32")):
+    with fast.optimized(model, KernelChoice()):
         assert fast.is_optimized(model)
     assert not fast.is_optimized(model)
 
 
 def test_the_fast_models_state_round_trips_through_save_load_copy_and_pickle(tmp_path):
-    model = fast.optimize(with_random_head(tiny()), KernelChoice("aten", "fp32")).eval()
+    model = fast.optimize(with_random_head(tiny()), KernelChoice()).eval()
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         bf16_logits = model(x)  # the dense layers now hold cast weights
@@ -620,7 +641,7 @@ def test_the_fast_models_state_round_trips_through_save_load_copy_and_pickle(tmp
     loaded = vitlab.load_model(tmp_path / "saved")
     assert not fast.is_optimized(loaded)  # weights carry no speed settings
     for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)),
-                   fast.optimize(loaded, KernelChoice("aten", "fp32"))):
+                   fast.optimize(loaded, KernelChoice())):
         assert fast.installed_options(copied) == fast.installed_options(model)
         assert all(m.__dict__.get("_held") is None for m in copied.modules())
         with torch.no_grad():
@@ -635,47 +656,151 @@ def test_the_fast_models_state_round_trips_through_save_load_copy_and_pickle(tmp
 
 # ----------------------------------------------------------------------------- kernel choice
 
-AMD_ZEN5 = CpuInfo("AuthenticAMD", "AMD EPYC", frozenset({"avx2", "avx512f", "avx512_bf16"}))
-AMD_ZEN3 = CpuInfo("AuthenticAMD", "AMD EPYC 7B13", frozenset({"avx2", "fma"}))
-XEON_NO_AMX = CpuInfo("GenuineIntel", "Intel Xeon", frozenset({"avx512f", "avx512_bf16"}))
-XEON_AMX = CpuInfo("GenuineIntel", "Intel Xeon", frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
+AMD_ZEN5 = CpuInfo("AuthenticAMD", "AMD EPYC", frozenset({"avx2", "avx512f", "avx512_bf16"}), "x86_64")
+AMD_ZEN3 = CpuInfo("AuthenticAMD", "AMD EPYC 7B13", frozenset({"avx2", "fma"}), "x86_64")
+XEON_NO_AMX = CpuInfo("GenuineIntel", "Intel Xeon", frozenset({"avx2", "avx512f", "avx512_bf16"}), "x86_64")
+XEON_AMX = CpuInfo("GenuineIntel", "Intel Xeon", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}), "x86_64")
+SKYLAKE = CpuInfo("GenuineIntel", "Intel Xeon Gold 6148", frozenset({"avx2", "avx512f"}), "x86_64")
+GRAVITON = CpuInfo("", "Neoverse-V1", frozenset({"asimd", "bf16"}), "aarch64")
+FULL_ONEDNN = kernels_mod.OneDNNReport(available=True, bf16=True)
+AVX2_ONEDNN = kernels_mod.OneDNNReport(available=True, bf16=False)
 
 
-@pytest.mark.skipif(not ONEDNN, reason="the rule picks oneDNN only where PyTorch has it")
-@pytest.mark.parametrize("info, expected", [
-    (AMD_ZEN5, KernelChoice("onednn", "bf16")), (AMD_ZEN3, KernelChoice("aten", "fp32")),
-    (XEON_NO_AMX, KernelChoice("aten", "fp32")), (XEON_AMX, KernelChoice("aten", "bf16"))],
-    ids=["zen5", "zen3", "xeon", "xeon-amx"])
-def test_the_kernel_rule_follows_vendor_and_features(info, expected, monkeypatch):
-    monkeypatch.setattr(kernels_mod.platform, "machine", lambda: "x86_64")
-    assert kernels_mod.rule_choice(info) == expected
+@pytest.mark.parametrize("info, cls, expected, precision", [
+    (AMD_ZEN5, "avx512_bf16", KernelChoice("onednn", "onednn"), "bf16"),
+    (XEON_NO_AMX, "avx512_bf16", KernelChoice("aten", "widened"), "fp32"),
+    (AMD_ZEN3, "avx2", KernelChoice("aten", "aten", "explicit"), "fp32"),
+    (XEON_AMX, "amx", KernelChoice(), "fp32"),       # no figures: the plain model's arithmetic
+    (SKYLAKE, "avx512", KernelChoice(), "fp32"),
+    (GRAVITON, "aarch64", KernelChoice(), "fp32")],
+    ids=["zen5", "xeon", "zen3", "xeon-amx", "skylake", "aarch64"])
+def test_the_kernel_rule_follows_the_cpu_class_and_vendor(info, cls, expected, precision):
+    assert kernels_mod.cpu_class(info) == cls
+    assert kernels_mod.rule_choice(info, FULL_ONEDNN) == expected
+    assert kernels_mod.rule_for(info).precision == precision
+    assert bool(kernels_mod.rule_for(info).measured) == (cls in ("avx512_bf16", "avx2"))
 
 
-def test_a_calibration_is_stored_per_cpu_and_preferred_to_the_rule(tmp_path, monkeypatch):
+def test_the_rule_never_picks_a_kernel_onednn_says_it_cannot_build():
+    # oneDNN held back (ONEDNN_MAX_CPU_ISA=AVX2, or a CPU whose flags promise more than oneDNN finds)
+    assert kernels_mod.rule_choice(AMD_ZEN5, AVX2_ONEDNN) == KernelChoice("onednn", "aten")
+    no_onednn = kernels_mod.OneDNNReport(available=False, bf16=False)
+    assert kernels_mod.rule_choice(AMD_ZEN5, no_onednn) == KernelChoice("aten", "aten")
+
+
+def test_a_forced_kernel_that_cannot_run_is_refused_naming_the_missing_feature(monkeypatch):
+    reason = kernels_mod.why_unavailable(ONEDNN_BF16, AMD_ZEN3, AVX2_ONEDNN)
+    assert reason.startswith("KernelChoice.bf16='onednn': oneDNN's bf16 matmul cannot run on this CPU (AMD EPYC 7B13)")
+    assert "AVX-512 (avx512f" in reason and "\n" not in reason
+    assert kernels_mod.why_unavailable(KernelChoice("onednn", "widened"), AMD_ZEN3, AVX2_ONEDNN) is None
+    assert "Arm BF16" in kernels_mod.why_unavailable(ONEDNN_BF16, dataclasses.replace(GRAVITON, flags=frozenset()),
+                                                   AVX2_ONEDNN)
+    # through optimize(): one line, before anything is installed
+    monkeypatch.setattr(kernels_mod, "onednn_report", lambda: AVX2_ONEDNN)
+    model = with_random_head(tiny())
+    with pytest.raises(fast.KernelUnavailable, match=r"^KernelChoice.bf16='onednn': oneDNN's bf16 matmul cannot run"):
+        fast.optimize(model, ONEDNN_BF16)
+    assert not fast.is_optimized(model)
+
+
+def test_the_fast_path_leaves_a_mode_it_loses_to_the_plain_forward(monkeypatch):
+    from vitlab.fast import modules
+
+    model = fast.optimize(with_random_head(tiny()), KernelChoice(training=("bf16",), inference=()))
+    fused = []
+    monkeypatch.setattr(modules, "layer_norm_dense", lambda *a: fused.append(1) or pytest.fail("fast path taken"))
+    monkeypatch.setattr(modules.FastBlock, "inference", lambda *a: pytest.fail("fast path taken"))
+    x = torch.randn(2, 3, 16, 16)
+    model.train()(x).sum().backward()  # fp32 training: plain
+    with torch.no_grad():
+        model.eval()(x)                # inference: plain in both precisions
+        with torch.autocast("cpu", torch.bfloat16):
+            model(x)
+    assert fused == []
+    monkeypatch.setattr(modules, "layer_norm_dense", lambda *a: fused.append(1) or torch.zeros(2, 17, 96))
+    with pytest.raises(Exception):  # bf16 training: taken (the stub's zeros do not fit the block)
+        with torch.autocast("cpu", torch.bfloat16):
+            model.train()(x)
+    assert fused
+    with pytest.raises(ValueError, match="KernelChoice.training='bf16'"):
+        KernelChoice(training="bf16")
+
+
+def fake_steps(plain: float, per_choice: dict) -> dict:
+    return {"plain": plain, **per_choice}
+
+
+def test_a_calibration_times_whole_steps_stores_what_wins_and_is_preferred_to_the_rule(tmp_path, monkeypatch):
+    from vitlab.fast import calibration
+
     path = tmp_path / "kernels.json"
-    rates = {"fp32/aten": 300.0, "fp32/onednn": 200.0, "bf16/bf16": 100.0, "bf16/fp32": 250.0}
-    monkeypatch.setattr(kernels_mod, "measure", lambda rounds=5: rates)
-    choice, measured = kernels_mod.calibrate(path)
-    assert choice == KernelChoice("aten", "fp32") and measured == rates
+    times = {  # seconds per step: fp32 loses in inference whatever the kernel; bf16 wins both modes
+        "fp32": {"training": fake_steps(1.0, {"aten/fused": 1.1, "aten/explicit": 0.9, "onednn/fused": 0.95,
+                                              "onednn/explicit": 0.92}),
+                 "inference": fake_steps(1.0, {"aten/fused": 1.2, "aten/explicit": 1.05, "onednn/fused": 1.3,
+                                               "onednn/explicit": 1.4})},
+        "bf16": {"training": fake_steps(0.8, {"aten": 0.7, "onednn": 0.6, "widened": 0.9}),
+                 "inference": fake_steps(0.5, {"aten": 0.45, "onednn": 0.3, "widened": 0.6})},
+    }
+    monkeypatch.setattr(calibration, "measure", lambda rounds=3, say=None: times)
+    monkeypatch.setattr(kernels_mod, "onednn_report", lambda: FULL_ONEDNN)
+    choice, precision, measured = calibration.calibrate(path)
+    # aten/explicit: 0.9 + 1.05 relative to plain, the least over both modes; it still loses in inference
+    assert choice == KernelChoice("aten", "onednn", "explicit", training=("fp32", "bf16"), inference=("bf16",))
+    assert precision == "bf16" and measured == times
     assert kernels_mod.stored_choice(path) == choice and kernels_mod.choose(path) == choice
+    assert kernels_mod.auto_precision("cpu", path) == "bf16"
     other_cpu = CpuInfo("GenuineIntel", "another CPU", frozenset())
     assert kernels_mod.stored_choice(path, other_cpu) is None  # another machine's answer is not used
+    monkeypatch.setattr(kernels_mod, "onednn_report", lambda: AVX2_ONEDNN)  # a choice it can no longer run
+    assert kernels_mod.stored_choice(path) is None
+    assert kernels_mod.auto_precision("cpu", path) == "fp32"  # no bf16 kernel: never bf16
     path.write_text("{ not json")
     assert kernels_mod.choose(path) == kernels_mod.rule_choice()
 
 
+def test_calibrate_runs_every_candidate_end_to_end_on_small_steps(tmp_path, monkeypatch):
+    from vitlab.fast import calibration
+
+    tiny_workload = dict(depth=1, width=32, num_heads=2, mlp_dim=64, patch_size=8, img_size=16, num_classes=3)
+    monkeypatch.setattr(calibration, "WORKLOADS", {"training": ("tiny b4", "ViT-Ti/16", tiny_workload, 4),
+                                                   "inference": ("tiny b2", "ViT-Ti/16", tiny_workload, 2)})
+    lines = []
+    choice, precision, seconds = calibration.calibrate(tmp_path / "k.json", rounds=1, say=lines.append)
+    measured = [p for p in ("fp32", "bf16") if p == "fp32" or kernels_mod.onednn_report().bf16]
+    assert list(seconds) == measured and len(lines) == 2 * len(measured)
+    for precision_times in seconds.values():
+        for mode_times in precision_times.values():
+            assert "plain" in mode_times and len(mode_times) >= 3 and all(t > 0 for t in mode_times.values())
+    assert kernels_mod.why_unavailable(choice) is None and precision in measured
+    assert kernels_mod.stored_choice(tmp_path / "k.json") == choice
+
+
+def test_calibration_candidates_are_only_kernels_this_machine_can_run(monkeypatch):
+    from vitlab.fast import calibration
+
+    monkeypatch.setattr(kernels_mod, "onednn_report", lambda: AVX2_ONEDNN)
+    assert [c.bf16 for c in calibration.candidates("bf16")] == ["aten", "widened"]
+    assert {(c.fp32, c.attention) for c in calibration.candidates("fp32")} == {
+        ("aten", "fused"), ("aten", "explicit"), ("onednn", "fused"), ("onednn", "explicit")}
+
+
 def test_nothing_is_timed_when_a_model_is_optimised_or_run(monkeypatch):
-    monkeypatch.setattr(kernels_mod, "measure", lambda *a, **k: pytest.fail("timed inside a run"))
-    monkeypatch.setattr(kernels_mod.time, "perf_counter", lambda: pytest.fail("timed inside a run"))
+    from vitlab.fast import calibration
+
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: pytest.fail("timed inside a run"))
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: pytest.fail("timed inside a run"))
     model = fast.optimize(with_random_head(tiny()))
     with torch.autocast("cpu", torch.bfloat16):
         model(torch.randn(2, 3, 16, 16)).float().sum().backward()
-    assert fast.bf16_is_faster("cpu") in (True, False)
+    assert fast.auto_precision("cpu") in ("fp32", "bf16")
 
 
 def test_a_bad_kernel_name_is_refused_with_the_allowed_ones():
     with pytest.raises(ValueError, match="fp32='mkl'.*aten, onednn"):
         KernelChoice(fp32="mkl")
-    with pytest.raises(ValueError, match="bf16='fp16'.*bf16, fp32"):
-        KernelChoice(bf16="fp16")
-    assert json.loads(json.dumps(KernelChoice().__dict__)) == {"fp32": "aten", "bf16": "bf16"}
+    with pytest.raises(ValueError, match="bf16='fp32'.*aten, onednn, widened"):
+        KernelChoice(bf16="fp32")
+    with pytest.raises(ValueError, match="attention='flash'.*fused, explicit"):
+        KernelChoice(attention="flash")
+    assert KernelChoice(**json.loads(json.dumps(dataclasses.asdict(KernelChoice())))) == KernelChoice()

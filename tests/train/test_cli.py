@@ -141,7 +141,7 @@ def test_no_fast_trains_the_plain_model_into_the_same_weights_file(tmp_path, cap
 
     optimized = []
     original = fast.optimize
-    monkeypatch.setattr(fast, "optimize", lambda model, **kw: optimized.append(1) or original(model, **kw))
+    monkeypatch.setattr(fast, "optimize", lambda model, *a, **kw: optimized.append(1) or original(model, *a, **kw))
     base = ["train", "--recipe", "demo", "--data", "digits", "--batch-size", "16", "--val-split", "100", "--steps",
             "2", *TINY]
     keys = []
@@ -153,20 +153,31 @@ def test_no_fast_trains_the_plain_model_into_the_same_weights_file(tmp_path, cap
     assert keys[0] == keys[1] and keys[0]
 
 
-def test_calibrate_prints_the_chosen_kernels_their_rates_and_the_file(tmp_path, capsys, monkeypatch):
-    from vitlab.fast import KernelChoice, kernels
+def test_calibrate_prints_the_chosen_kernels_the_auto_precision_and_the_file(tmp_path, capsys, monkeypatch):
+    from vitlab.fast import KernelChoice, calibration, kernels
 
     path = tmp_path / "kernels.json"
-    rates = {"fp32/aten": 100.0, "fp32/onednn": 150.0, "bf16/bf16": 40.0, "bf16/fp32": 90.0}
+    seconds = {"fp32": {"training": {"plain": 1.0, "onednn/fused": 0.5}}}
     calls = []
-    monkeypatch.setattr(kernels, "calibrate", lambda rounds=5, path=None: calls.append(rounds)
-                        or (KernelChoice(fp32="onednn", bf16="fp32"), rates))
+
+    def fake_calibrate(path=None, rounds=3, say=lambda line: None):
+        calls.append(rounds)
+        say("fp32 training (ViT-CIFAR b128): plain 1000 ms, onednn/fused 500 ms")
+        return KernelChoice(fp32="onednn", bf16="widened", inference=("bf16",)), "fp32", seconds
+
+    monkeypatch.setattr(calibration, "calibrate", fake_calibrate)
     monkeypatch.setattr(kernels, "calibration_path", lambda: path)
-    assert main(["calibrate", "--rounds", "2"]) == 0
+    threads = torch.get_num_threads()
+    assert main(["calibrate", "--rounds", "2", "--threads", "1"]) == 0
+    assert torch.get_num_threads() == threads  # the caller's thread count is given back
     out = capsys.readouterr().out
     assert calls == [2]
-    assert "fp32 onednn" in out and "bf16 fp32" in out and str(path) in out
-    assert all(name in out for name in rates) and "150.0 GFLOP/s" in out
+    assert "plain 1000 ms" in out and str(path) in out
+    assert "chosen: fp32 onednn, bf16 widened, attention fused, plain in fp32 inference" in out
+    assert "--precision auto means fp32" in out
     assert main(["calibrate", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["choice"] == {"fp32": "onednn", "bf16": "fp32"} and report["path"] == str(path)
+    assert report["kernels"]["fp32"] == "onednn" and report["kernels"]["inference"] == ["bf16"]
+    assert report["precision"] == "fp32" and report["seconds_per_step"] == seconds and report["path"] == str(path)
+    assert main(["calibrate", "--rounds", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "vitlab calibrate: error: --rounds=0: must be >= 1"

@@ -160,6 +160,27 @@ def test_every_recipe_loads_and_is_consistent():
         load_recipe("paper_pretrian")
 
 
+def test_the_cifar_recipe_fits_its_batch_and_cadence_to_the_device(monkeypatch):
+    import math
+
+    import torch
+
+    for variant in ("hybrid", "vit"):
+        cpu = load_recipe(f"cifar10_scratch:model={variant},device=cpu")
+        gpu = load_recipe(f"cifar10_scratch:model={variant},device=cuda")
+        assert gpu.optim.batch_size == 256 and gpu.run.device == "cuda" and gpu.run.compile
+        # the stated rule: lr scaled by the square root of the batch ratio
+        assert gpu.optim.lr == pytest.approx(cpu.optim.lr * math.sqrt(256 / cpu.optim.batch_size))
+        assert gpu.data.progressive_sizes == ()  # one input shape: a step captured once as a CUDA graph
+        assert gpu.run.eval_every == 2000 and gpu.optim.optimizer == cpu.optim.optimizer
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert load_recipe("cifar10_scratch:model=vit") == load_recipe("cifar10_scratch:model=vit,device=cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert load_recipe("cifar10_scratch:model=vit").optim.batch_size == 256
+    with pytest.raises(ConfigError, match="device='tpu'"):
+        load_recipe("cifar10_scratch:device=tpu")
+
+
 def test_demo_recipe_is_small():
     demo = load_recipe("demo")
     assert demo.data.source == "digits" and demo.data.val_split > 0 and demo.run.out == "runs/demo"

@@ -1,10 +1,12 @@
 """The loop's guarantees: accumulation equals a big batch, resume is bit-exact."""
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -305,22 +307,73 @@ def test_time_limit_plans_the_cheaper_early_steps(tiny, monkeypatch):
     assert any("ms per 8-pixel step" in text for text in refits), refits
 
 
-@pytest.mark.parametrize("bf16_faster", [True, False])
-def test_auto_precision_is_bf16_only_where_vitlab_fast_says_it_is_faster(monkeypatch, bf16_faster):
+@pytest.mark.parametrize("auto", ["bf16", "fp32"])
+def test_auto_is_resolved_once_when_the_run_is_built_and_recorded(tiny, monkeypatch, auto):
+    # the machine and the stored calibration are read when the run is built, never by a step
+    # or an evaluation: a calibration stored while the run trains cannot change its arithmetic
     from vitlab import fast
+    from vitlab.fast import kernels
+    from vitlab.train.metrics import Progress
     from vitlab.train.step import autocast
 
-    asked = []
-    monkeypatch.setattr(fast, "bf16_is_faster", lambda device: asked.append(device) or bf16_faster)
-    cpu = torch.device("cpu")
-    with autocast(cpu, "auto"):
-        assert torch.is_autocast_enabled("cpu") == bf16_faster
-    assert asked == [cpu]
-    with autocast(cpu, "bf16"):  # asked for by name: bf16 whatever the rule says
+    asked, lines = [], []
+    monkeypatch.setattr(fast, "auto_precision", lambda device: asked.append(str(device)) or auto)
+    chosen = kernels.KernelChoice(fp32="aten", attention="explicit")
+    monkeypatch.setattr(fast, "choose", lambda: asked.append("kernels") or chosen)
+    monkeypatch.setattr(Progress, "message", lambda self, text: lines.append(text))
+    cfg = tiny("resolved", precision="auto", steps=4, eval_every=2, **{"run.threads": 1})
+    summary = train(cfg, verbose=True)
+    assert summary["steps"] == 4
+    assert asked == ["cpu", "kernels"]  # once each, for the whole run (4 steps, 3 evaluations)
+    record = json.loads((Path(cfg.run.out) / "config.json").read_text())["resolved"]
+    assert record["precision"] == auto and record["device"] == "cpu" and record["threads"] == 1
+    assert record["kernels"]["attention"] == "explicit" and record["data"] == "memory" and record["compile"] == "off"
+    assert lines[0].startswith(f"resolved: device cpu, precision {auto}, kernels fp32 aten, bf16 aten, "
+                               "attention explicit")
+    with pytest.raises(ValueError, match="precision='auto'.*resolve 'auto' when the run is built"):
+        autocast(torch.device("cpu"), "auto")
+    with autocast(torch.device("cpu"), "bf16"):
         assert torch.is_autocast_enabled("cpu")
-    with autocast(cpu, "fp32"):
+    with autocast(torch.device("cpu"), "fp32"):
         assert not torch.is_autocast_enabled("cpu")
-    assert asked == [cpu]
+
+
+def test_a_resumed_run_keeps_the_precision_and_kernels_it_started_with(tiny, monkeypatch):
+    from vitlab import fast
+    from vitlab.fast import kernels
+
+    monkeypatch.setattr(fast, "auto_precision", lambda device: "bf16")
+    monkeypatch.setattr(fast, "choose", lambda: kernels.KernelChoice(attention="explicit"))
+    cfg = tiny("resumed", precision="auto", steps=4, **{"run.ckpt_every": 2})
+    train(cfg, verbose=False)
+    list_checkpoints(Path(cfg.run.out) / "checkpoints")[-1].unlink()  # as if killed after step 2's checkpoint
+    # the machine's answer changes (a calibration stored meanwhile): the run continues as it began
+    monkeypatch.setattr(fast, "auto_precision", lambda device: "fp32")
+    monkeypatch.setattr(fast, "choose", lambda: kernels.KernelChoice())
+    train(cfg, resume=True, verbose=False)
+    resolved = json.loads((Path(cfg.run.out) / "config.json").read_text())["resolved"]
+    assert resolved["precision"] == "bf16" and resolved["kernels"]["attention"] == "explicit"
+    state = load_checkpoint(list_checkpoints(Path(cfg.run.out) / "checkpoints")[-1])
+    assert state["step"] == 4 and state["resolved"]["precision"] == "bf16"
+
+
+def test_a_run_gives_its_caller_back_the_thread_count_and_random_streams(tiny):
+    import random
+
+    import numpy as np
+
+    torch.set_num_threads(2)
+    torch.manual_seed(123)
+    np.random.seed(123)
+    random.seed(123)
+    expected = (torch.rand(3), np.random.rand(), random.random())
+    torch.manual_seed(123)
+    np.random.seed(123)
+    random.seed(123)
+    train(tiny("scoped", steps=2, **{"run.threads": 1, "run.seed": 7}), verbose=False)
+    assert torch.get_num_threads() == 2
+    got = (torch.rand(3), np.random.rand(), random.random())
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
 
 
 def test_the_fast_path_is_applied_by_default_and_no_fast_saves_the_same_weights(tiny, monkeypatch):
@@ -332,8 +385,8 @@ def test_the_fast_path_is_applied_by_default_and_no_fast_saves_the_same_weights(
 
     optimized = []
     original = fast.optimize
-    monkeypatch.setattr(fast, "optimize", lambda model, **kw: optimized.append(type(model).__name__)
-                        or original(model, **kw))
+    monkeypatch.setattr(fast, "optimize", lambda model, *a, **kw: optimized.append(type(model).__name__)
+                        or original(model, *a, **kw))
     with_fast = train(tiny("fast"), verbose=False)
     assert len(optimized) == 1
     plain = train(tiny("plain", **{"run.fast": False}), verbose=False)
@@ -379,3 +432,49 @@ def test_a_checkpoint_with_the_old_flat_config_resumes(tiny):
     list_checkpoints(f"{cfg.run.out}/checkpoints")[-1].unlink()
     with pytest.raises(ConfigError, match="batch_size=32 .checkpoint: 16."):
         train(cfg, resume=True, verbose=False)
+
+
+READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+
+
+@pytest.mark.parametrize("optimizer, precision", [("adam", "fp32"), ("muon", "bf16"), ("sgd", "fp32")])
+def test_a_step_reads_nothing_back_from_the_device_between_log_steps(tiny, monkeypatch, optimizer, precision):
+    # every way a tensor's value reaches Python is counted while the loop trains: inside a step
+    # and between steps none may happen; the log steps read the window and the flags
+    import vitlab.train.loop as loop
+    from vitlab.train.numerics import NonFinite
+
+    where = {"now": None}  # None: not counted (building, saving the final weights)
+    reads: list[tuple[str, str]] = []
+
+    def counting(name, original):
+        def read(self, *args, **kwargs):
+            if where["now"] is not None:
+                reads.append((where["now"], name))
+            return original(self, *args, **kwargs)
+        return read
+
+    def inside(label, function, after):
+        def run(*args, **kwargs):
+            before = where["now"]
+            where["now"] = label
+            try:
+                return function(*args, **kwargs)
+            finally:
+                where["now"] = after if after != "unchanged" else before
+        return run
+
+    for name in READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(loop, "train_step", inside("step", loop.train_step, after="between steps"))
+    for name in ("evaluate", "save_checkpoint", "training_state"):
+        monkeypatch.setattr(loop, name, inside("log step", getattr(loop, name), after="unchanged"))
+    monkeypatch.setattr(loop.Window, "record", inside("log step", loop.Window.record, after="unchanged"))
+    monkeypatch.setattr(NonFinite, "check", inside("log step", NonFinite.check, after="unchanged"))
+    monkeypatch.setattr(loop, "finish", inside(None, loop.finish, after=None))
+
+    summary = train(tiny(f"reads-{optimizer}", optimizer=optimizer, precision=precision, momentum=0.9, steps=10,
+                         log_every=5, ema_decay=0.9, accum_steps=2), verbose=True)
+    assert summary["steps"] == 10
+    assert [r for r in reads if r[0] != "log step"] == []
+    assert reads  # the log steps do read: the counting sees them

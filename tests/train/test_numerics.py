@@ -112,11 +112,46 @@ def test_bf16_gradients_that_are_not_finite_are_not_applied(tiny):
     first.register_hook(lambda grad: torch.full_like(grad, float("inf")))
     before = {k: v.clone() for k, v in s.model.state_dict().items()}
     ema_before = {k: v.clone() for k, v in s.ema.module.state_dict().items()}
-    result = train_step(s, endless(s.stream), lr=1e-2, size=s.img_size[0])
+    result = train_step(s, endless(s.stream), lr=1e-2, size=s.img_size[0]).read()
     assert result.nonfinite == "gradients" and not result.applied and math.isfinite(result.loss)
     assert all(torch.equal(before[k], v) for k, v in s.model.state_dict().items())
     assert all(torch.equal(ema_before[k], v) for k, v in s.ema.module.state_dict().items())
-    assert s.optimizer.state == {} and all(p.grad is None for p in s.model.parameters())
+    # the optimiser was told on the device: its step count and moments did not move
+    assert all(float(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+               for state in s.optimizer.state.values())
+    assert all(p.grad is None for p in s.model.parameters())
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd", "muon"])
+def test_every_optimiser_leaves_a_step_out_on_the_device(tiny, optimizer):
+    # found_inf (a device flag) leaves a step out: no parameter, moment, momentum or count moves,
+    # even when the gradients are NaN; the next step is applied as usual
+    from vitlab.train.optim import skips_on_device
+
+    s = build(tiny(optimizer=optimizer, momentum=0.9))
+    assert skips_on_device(s.optimizer)
+    batches = endless(s.stream)
+    train_step(s, batches, lr=1e-2, size=s.img_size[0])  # one real step: the state exists
+    before = {k: v.clone() for k, v in s.model.state_dict().items()}
+    state_before = {k: v.clone() for k, v in _flat_state(s.optimizer).items()}
+    x, targets = next(batches)
+    with autocast(s.world.device, "fp32"):
+        loss_fn(s.trained(x), targets, "softmax_xent").backward()
+    for p in s.model.parameters():
+        p.grad.fill_(float("nan"))
+    s.optimizer.found_inf = torch.ones(())
+    s.optimizer.step()
+    del s.optimizer.found_inf
+    assert all(torch.equal(before[k], v) for k, v in s.model.state_dict().items())
+    assert all(torch.equal(state_before[k], v) for k, v in _flat_state(s.optimizer).items())
+    s.optimizer.zero_grad(set_to_none=True)
+    assert train_step(s, batches, lr=1e-2, size=s.img_size[0]).read().applied
+    assert not all(torch.equal(before[k], v) for k, v in s.model.state_dict().items())
+
+
+def _flat_state(optimizer) -> dict:
+    return {f"{i}.{name}": value for i, state in enumerate(optimizer.state.values())
+            for name, value in state.items() if torch.is_tensor(value)}
 
 
 def test_fp16_gradient_scaler_recovers_from_an_overflowing_loss_scale(tiny):

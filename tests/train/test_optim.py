@@ -61,7 +61,7 @@ def test_muon_adamw_is_muon_on_block_matrices_and_adamw_elsewhere(monkeypatch):
     assert len(matrices) == 8  # qkv, proj, fc1, fc2 in each of the two blocks
     opt = build_optimizer(model, OptimConfig(optimizer="muon", lr=1e-2, weight_decay=0.05))
     assert isinstance(opt, MuonAdamW)
-    opt.ns_dtype = torch.float32  # the reference's precision (the built one follows the device's rule)
+    opt.ns_dtype = torch.float32  # the reference's precision (the built one follows the run's resolved choice)
     assert [(g["muon"], g["weight_decay"]) for g in opt.param_groups] == [(True, 0.05), (False, 0.05), (False, 0.0)]
     assert {id(p) for p in opt.param_groups[0]["params"]} == matrices
 
@@ -74,7 +74,7 @@ def test_muon_adamw_is_muon_on_block_matrices_and_adamw_elsewhere(monkeypatch):
     ref_groups = [[by_name[names[id(p)]] for p in g["params"]] for g in opt.param_groups]
     ref_muon = torch.optim.Muon(ref_groups[0], lr=1e-2, weight_decay=0.05, adjust_lr_fn="match_rms_adamw")
     ref_adamw = torch.optim.AdamW([{"params": ref_groups[1], "weight_decay": 0.05},
-                                   {"params": ref_groups[2], "weight_decay": 0.0}], lr=1e-2)
+                                   {"params": ref_groups[2], "weight_decay": 0.0}], lr=1e-2, fused=True)
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
     for _ in range(3):
         for m, optimisers in ((model, [opt]), (ref, [ref_muon, ref_adamw])):

@@ -1,12 +1,13 @@
-"""`vitlab calibrate`: time this CPU's dense-layer kernels once and store the choice.
+"""`vitlab calibrate`: time whole steps of the plain and fast models once and store what wins.
 
     vitlab calibrate
 
-``vitlab.fast`` picks the matrix-multiply kernels of CPU dense layers by a rule from the
-CPU's vendor and flags (``vitlab.fast.kernels.rule_choice``); a stored calibration for
-this CPU and torch version takes precedence.  This command measures the kernels with
-this process's threads, stores the faster of each pair and prints what it chose, the
-GFLOP/s of each kernel and the file written.  Nothing is ever timed inside a run.
+``vitlab.fast`` picks the kernels of a fast model's CPU blocks by a rule per CPU class
+(``vitlab.fast.kernels.rule_for``); a stored calibration for this CPU and torch version
+takes precedence.  This command times training and inference steps of the plain model and
+of every kernel choice this machine can run (``vitlab.fast.calibration``), stores the
+winners, which modes stay plain, and what ``--precision auto`` means, and prints them with
+the step times and the file written.  Nothing is ever timed inside a run.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=5, help="timed repetitions of each kernel (the best counts)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds of every step (the median counts)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads to time with (0: PyTorch's default)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
 
@@ -25,19 +26,25 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from vitlab.fast import kernels
+    from vitlab.fast import calibration, kernels
 
     if args.rounds < 1:
         raise ValueError(f"--rounds={args.rounds}: must be >= 1")
+    if args.threads < 0:
+        raise ValueError(f"--threads={args.threads}: must be >= 0")
+    threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
-    choice, rates = kernels.calibrate(rounds=args.rounds)
+    try:
+        choice, precision, seconds = calibration.calibrate(rounds=args.rounds,
+                                                           say=(lambda line: None) if args.json else print)
+    finally:
+        torch.set_num_threads(threads)
     path = kernels.calibration_path()
     if args.json:
-        print(json.dumps({"choice": dataclasses.asdict(choice), "gflops": rates, "path": str(path)}))
+        print(json.dumps({"kernels": dataclasses.asdict(choice), "precision": precision,
+                          "seconds_per_step": seconds, "path": str(path)}))
         return 0
-    print(f"chosen kernels: fp32 {choice.fp32}, bf16 {choice.bf16}")
-    for name, rate in rates.items():
-        print(f"  {name:<12} {rate:8.1f} GFLOP/s")
+    print(f"chosen: {choice.describe()}; --precision auto means {precision}")
     print(f"written to {path}")
     return 0

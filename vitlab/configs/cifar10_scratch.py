@@ -35,8 +35,19 @@ the four 2-pixel translations, 10 views, which the time limit budgets for).  The
 train under ``torch.compile`` (it needs a C++ compiler; ``--set run.compile=false`` runs
 eager).  ``--time-limit`` fits the schedule into the budget; ``steps`` is only a ceiling.
 The probes behind each choice and every run's figure: docs/results.md, "The CIFAR-10 recipe".
+
+``device=cuda`` (``device=auto``, the default, takes it where a GPU is present): the same
+recipe fitted to a GPU, whose step at the CPU's batch is bound by launching kernels, not by
+arithmetic.  Batch 256 for every model (2x the plain ViT's, 1x the hybrids'), the learning
+rate scaled by the square root of the batch ratio (the rule for Adam-type updates; Muon's
+orthogonalised update takes the same scale), no progressive resizing (one input shape, so
+the compiled step is captured once as a CUDA graph and replayed: ``run.compile``, which
+resolves to torch.compile's "reduce-overhead" mode on a GPU), and evaluations every 2,000
+steps in batches of 2,500.  Unmeasured on a GPU so far (docs/results.md says so).
 """
-from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+import math
+
+from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig, replace
 
 ENCODER = dict(img_size=32, width=192, num_heads=3, mlp_dim=384, gelu="exact")
 HYBRID = dict(ENCODER, depth=3, patch_size=1)
@@ -53,9 +64,29 @@ PATCH_INITS = {"hybrid": "lecun", "hybrid_bit": "lecun", "vit": "whiten"}
 POSEMB_INITS = {"hybrid": "normal", "hybrid_bit": "normal", "vit": "sincos"}
 
 
-def get_config(model: str = "hybrid") -> TrainConfig:
+GPU_BATCH_SIZE = 256
+
+
+def get_config(model: str = "hybrid", device: str = "auto") -> TrainConfig:
     if model not in MODELS:
         raise ValueError(f"model={model!r}: allowed values are {', '.join(MODELS)}")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device={device!r}: allowed values are auto, cpu, cuda")
+    if device == "auto":  # decided once, as the run is built
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = cpu_config(model)
+    if device == "cpu":
+        return config
+    batch = GPU_BATCH_SIZE
+    lr = config.optim.lr * math.sqrt(batch / config.optim.batch_size)
+    return replace(config, {"recipe": f"cifar10_scratch:model={model},device=cuda", "optim.batch_size": batch,
+                           "optim.lr": lr, "data.progressive_sizes": (), "run.eval_every": 2000,
+                           "run.eval_batch_size": 2500, "run.compile": True, "run.device": "cuda"})
+
+
+def cpu_config(model: str) -> TrainConfig:
     return TrainConfig(
         recipe=f"cifar10_scratch:model={model}",
         model=ModelConfig(name="ViT-Ti/16", overrides=MODELS[model], patch_init=PATCH_INITS[model],

@@ -25,13 +25,16 @@ from .features import check_tta_shift, mean_probability, tta_views
 from .metrics import classification_report
 
 
-def autocast(device: torch.device, precision: str):
-    """bf16 or fp16 autocast on CPU and GPU; fp32 runs plain; "auto" is bf16 where it is faster
-    (``vitlab.fast.bf16_is_faster``: a rule or a stored calibration, never a timing inside a run)."""
-    if precision == "auto":
-        from vitlab import fast
+PRECISIONS = ("fp32", "bf16", "fp16")
 
-        precision = "bf16" if fast.bf16_is_faster(device) else "fp32"
+
+def autocast(device: torch.device, precision: str):
+    """bf16 or fp16 autocast on CPU and GPU; fp32 runs plain.  ``precision`` is a resolved one:
+    "auto" is decided once, when a run or command is built (``vitlab.fast.auto_precision``),
+    never here, at every batch."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)} (resolve 'auto' "
+                         "when the run is built: vitlab.fast.auto_precision)")
     if precision in ("bf16", "fp16"):
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
     return nullcontext()
@@ -46,8 +49,10 @@ class Evaluator:
         the image alone, and with both ``top1_flip`` that of image + mirror.
     report_bins: also the full ``classification_report`` (per-class accuracy, confusion
         matrix, ECE with this many bins), as `vitlab eval` prints it; one process only.
-    world: a ``vitlab.train.distributed.World``; rank r takes examples r, r + W, ...; all
-        ranks run the same number of batches (the short ones padded and masked), so a
+    precision: "fp32", "bf16" or "fp16" (autocast), as the caller resolved it.
+    world: the processes sharing the evaluation (rank, size, and ``all_reduce_sum(values)``,
+        as ``vitlab.train.distributed.World`` has them); rank r takes examples r, r + W, ...;
+        all ranks run the same number of batches (the short ones padded and masked), so a
         sharded (FSDP) model works too, and the sums are all-reduced.
     """
 
@@ -58,6 +63,8 @@ class Evaluator:
             raise ValueError(f"expected uint8 images (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
         if report_bins is not None and world is not None and world.size > 1:
             raise ValueError("report_bins: the full report is computed in one process only")
         self.images, self.labels = images, labels
@@ -86,7 +93,8 @@ class Evaluator:
         was_training = model.training
         model.eval()
         mine, valid = self._my_examples()
-        sums = dict(loss=0.0, top1=0.0, top5=0.0, top1_single=0.0, top1_flip=0.0)
+        names = ("loss", "top1", "top5", "top1_single", "top1_flip")
+        sums = torch.zeros(len(names), dtype=torch.float64, device=self.device)  # read once, at the end
         all_logits = []
         try:
             for start in range(0, len(mine), self.batch_size):
@@ -96,23 +104,22 @@ class Evaluator:
                 with autocast(self.device, self.precision):
                     views = [model(view).float() for view in tta_views(x, self.flip, self.shift)]
                 logits = views[0]
+                single = flip_pair = torch.zeros((), device=self.device)
                 if len(views) > 1:
-                    sums["top1_single"] += float(((views[0].argmax(-1) == y) & ok).sum())
+                    single = ((views[0].argmax(-1) == y) & ok).sum()
                     if self.flip and self.shift:  # views[1] is the mirror image
-                        sums["top1_flip"] += float(((mean_probability(*views[:2]).argmax(-1) == y) & ok).sum())
+                        flip_pair = ((mean_probability(*views[:2]).argmax(-1) == y) & ok).sum()
                     logits = mean_probability(*views)
                 hit = logits.topk(min(5, logits.shape[-1]), dim=-1).indices == y[:, None]
-                sums["loss"] += float((F.cross_entropy(logits, y, reduction="none") * ok).sum())
-                sums["top1"] += float((hit[:, 0] & ok).sum())
-                sums["top5"] += float((hit.any(-1) & ok).sum())
+                sums += torch.stack([(F.cross_entropy(logits, y, reduction="none") * ok).sum(), (hit[:, 0] & ok).sum(),
+                                     (hit.any(-1) & ok).sum(), single, flip_pair]).double()
                 if self.report_bins is not None:
                     all_logits.append(logits.cpu().numpy())
         finally:
             model.train(was_training)
+        sums = dict(zip(names, sums.tolist()))
         if self.world is not None:
-            from vitlab.train.distributed import all_reduce_sum
-
-            sums = dict(zip(sums, all_reduce_sum(list(sums.values()), self.world)))
+            sums = dict(zip(sums, self.world.all_reduce_sum(list(sums.values()))))
         n = int(self.labels.shape[0])
         result = {"n": n, "loss": sums["loss"] / n, "top1": sums["top1"] / n, "top5": sums["top5"] / n}
         if self.flip or self.shift:

@@ -21,7 +21,8 @@ from typing import Iterator
 
 from torch import nn
 
-from .kernels import KernelChoice, bf16_is_faster, calibrate, choose, rule_choice
+from .kernels import (KernelChoice, KernelUnavailable, auto_precision, bf16_is_faster, check_runnable, choose,
+                      rule_choice)
 from .modules import (INFERENCE_WEIGHTS, FastBlock, FastLinear, FastOptions, install, installed, uninstall,
                       unpack_weights)
 
@@ -30,7 +31,8 @@ def optimize(model: nn.Module, kernels: KernelChoice | None = None, recompute: b
              inference_weights: str = "cast") -> nn.Module:
     """Install the fast path on ``model`` in place and return it.
 
-    kernels: the CPU kernels (default ``choose()``: this CPU's stored calibration, else the rule).
+    kernels: the CPU kernels (default ``choose()``: this CPU's stored calibration, else the rule);
+        a choice this machine cannot run is refused (``KernelUnavailable``, naming the missing feature).
     recompute: recompute LayerNorm and GELU outputs in the backward (less memory, same gradients).
     inference_weights: how a dense layer gets its bf16 weight in CPU bf16 autocast inference:
         "cast" it in every call into one buffer the layers share (the default: the parameters
@@ -40,7 +42,7 @@ def optimize(model: nn.Module, kernels: KernelChoice | None = None, recompute: b
         says what reads the weights correctly while they are packed).
     Optimising an optimised model replaces its options.
     """
-    return install(model, FastOptions(kernels or choose(), recompute, inference_weights))
+    return install(model, FastOptions(check_runnable(kernels) if kernels else choose(), recompute, inference_weights))
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -73,6 +75,6 @@ def optimized(model: nn.Module, kernels: KernelChoice | None = None, recompute: 
             install(model, before)
 
 
-__all__ = ["INFERENCE_WEIGHTS", "FastBlock", "FastLinear", "FastOptions", "KernelChoice", "bf16_is_faster",
-           "calibrate", "choose", "installed_options", "is_optimized", "optimize", "optimized", "restore",
+__all__ = ["INFERENCE_WEIGHTS", "FastBlock", "FastLinear", "FastOptions", "KernelChoice", "KernelUnavailable",
+           "auto_precision", "bf16_is_faster", "check_runnable", "choose", "installed_options", "is_optimized", "optimize", "optimized", "restore",
            "rule_choice", "unpack_weights"]

@@ -1,23 +1,38 @@
-"""Which matrix-multiply kernel a CPU dense layer uses: a rule, or a stored calibration.
+"""Which kernels the fast path's CPU blocks use: a rule per CPU class, or a stored calibration.
 
-Two choices, both about CPUs (GPUs keep PyTorch's own kernels):
+Three choices, all about CPUs (GPUs keep PyTorch's own kernels):
 
-* ``fp32``: ``"aten"`` is what ``F.linear`` does (``addmm``, i.e. MKL's GEMM in the
-  official CPU wheels); ``"onednn"`` calls oneDNN's matmul (``mkldnn._linear_pointwise``)
-  on the plain weight.  MKL does not take its AVX-512 code path on AMD processors, while
-  oneDNN's JIT kernels do, so on AMD x86 CPUs oneDNN is the faster kernel.
-* ``bf16`` (what bf16 autocast's dense layers do): ``"bf16"`` is oneDNN's bf16 kernel;
-  ``"fp32"`` rounds both operands to bf16 and multiplies them with the fp32 GEMM.  The
-  product of two bf16 numbers is exact in fp32, so both compute the same values up to the
-  order of the fp32 additions.  The bf16 kernel wins where the CPU has AMX, or is an AMD
-  part with AVX512-BF16 (Zen 4 and later); an Intel CPU with AVX512-BF16 but no AMX runs it
-  at about half its fp32 rate, and a CPU without AVX512-BF16 emulates it.
+* ``fp32``, the matmul of an fp32 dense layer: ``"aten"`` is what ``F.linear`` does
+  (``addmm``: MKL's GEMM in the official CPU wheels); ``"onednn"`` calls oneDNN's matmul
+  (``mkldnn._linear_pointwise``) on the plain weight.  MKL does not take its AVX-512 code
+  path on AMD processors, while oneDNN's JIT kernels do.
+* ``bf16``, the matmul of a dense layer under bf16 autocast: ``"aten"`` is what autocast's
+  ``F.linear`` does (the plain model's arithmetic); ``"onednn"`` calls oneDNN's bf16
+  matmul directly, with the bias and a following GELU applied to its fp32 accumulator;
+  ``"widened"`` rounds both operands to bf16 and multiplies them with the fp32 GEMM.  The
+  product of two bf16 numbers is exact in fp32, so all three compute the same values up to
+  the order of the fp32 additions.
+* ``attention``, how a fast block attends in fp32: ``"fused"`` is the plain model's
+  ``F.scaled_dot_product_attention``; ``"explicit"`` is two matmuls and a softmax.  (Under
+  bf16 autocast on a CPU a fast block always attends explicitly: the fused kernel's bf16
+  backward is the slow one on every CPU measured.)
+* ``training`` and ``inference``: the precisions ("fp32", "bf16") in which the fast blocks
+  and layers take over that mode at all.  Where a class's (or a calibration's) fast steps
+  lost to the plain model's, that precision and mode are left to the plain forward: the
+  fast path is never slower than the model it speeds up.
 
-The rule (``rule_choice``) decides from the vendor and the CPU flags alone, so the same
-command on the same machine always takes the same path.  ``vitlab calibrate`` times the
-kernels once and stores the answer (``calibration_path()``), keyed by the CPU model and
-the torch version; ``choose()`` prefers a stored calibration for this CPU to the rule.
-Nothing is ever timed inside a run.
+Whether a kernel *can* run is decided from the CPU's features and oneDNN's own report
+(``torch.ops.mkldnn._is_mkldnn_bf16_supported``: false where oneDNN cannot build a bf16
+primitive, such as on an AVX2-only CPU), never by trying it; ``check_runnable`` refuses
+a forced kernel that cannot run with one line naming the missing feature.
+
+Which kernels *win* is decided by the CPU's class (``cpu_class``) and a table of what was
+measured on each (``RULES``; the figures: docs/performance.md).  A class with no figures
+gets the plain model's arithmetic.  ``vitlab calibrate`` (``vitlab.fast.calibration``)
+times whole training and inference steps of the plain and fast models once and stores
+what wins, keyed by the CPU model and the torch version; ``choose()`` prefers a stored
+calibration to the rule.  Nothing is ever timed inside a run, and a run reads the choice
+once, when it is built.
 """
 from __future__ import annotations
 
@@ -25,29 +40,53 @@ import dataclasses
 import json
 import os
 import platform
-import time
 from pathlib import Path
 
 import torch
 
 FP32_KERNELS = ("aten", "onednn")
-BF16_KERNELS = ("bf16", "fp32")
+BF16_KERNELS = ("aten", "onednn", "widened")
+ATTENTION = ("fused", "explicit")
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
-    """The kernels of CPU dense layers: ``fp32`` for fp32 inputs, ``bf16`` under bf16 autocast."""
+    """The kernels of a fast model's CPU blocks (module text); the defaults are the plain model's."""
 
     fp32: str = "aten"
-    bf16: str = "bf16"
+    bf16: str = "aten"
+    attention: str = "fused"
+    training: tuple[str, ...] = ("fp32", "bf16")
+    inference: tuple[str, ...] = ("fp32", "bf16")
 
     def __post_init__(self) -> None:
-        if self.fp32 not in FP32_KERNELS:
-            raise ValueError(f"KernelChoice.fp32={self.fp32!r}: expected one of {', '.join(FP32_KERNELS)}")
-        if self.bf16 not in BF16_KERNELS:
-            raise ValueError(f"KernelChoice.bf16={self.bf16!r}: expected one of {', '.join(BF16_KERNELS)}")
-        if self.fp32 == "onednn" and not torch.backends.mkldnn.is_available():
-            raise ValueError("KernelChoice.fp32='onednn' needs a PyTorch built with oneDNN")
+        for mode in ("training", "inference"):
+            precisions = getattr(self, mode)
+            if isinstance(precisions, str) or not set(precisions) <= set(PRECISIONS):
+                raise ValueError(f"KernelChoice.{mode}={precisions!r}: expected a list of {', '.join(PRECISIONS)}")
+            object.__setattr__(self, mode, tuple(p for p in PRECISIONS if p in precisions))  # JSON gives lists
+        for name, allowed in (("fp32", FP32_KERNELS), ("bf16", BF16_KERNELS), ("attention", ATTENTION)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"KernelChoice.{name}={value!r}: expected one of {', '.join(allowed)}")
+
+    def describe(self) -> str:
+        """One line for logs: ``fp32 onednn, bf16 onednn, attention fused``."""
+        plain = [f"{p} {mode}" for mode in ("training", "inference") for p in PRECISIONS if p not in getattr(self, mode)]
+        return (f"fp32 {self.fp32}, bf16 {self.bf16}, attention {self.attention}"
+                + (f", plain in {', '.join(plain)}" if plain else ""))
+
+    def takes_over(self, training: bool, bf16: bool) -> bool:
+        """Whether the fast path runs a step of this mode (autograd on) and precision."""
+        return ("bf16" if bf16 else "fp32") in (self.training if training else self.inference)
+
+
+class KernelUnavailable(ValueError):
+    """A kernel was asked for that this machine cannot run."""
+
+
+# ----------------------------------------------------------------------------- the machine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +94,15 @@ class CpuInfo:
     vendor: str  # "AuthenticAMD", "GenuineIntel", or "" where unknown
     model: str
     flags: frozenset[str]
+    machine: str = dataclasses.field(default_factory=lambda: platform.machine().lower())
 
     @property
     def x86(self) -> bool:
-        return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+        return self.machine in ("x86_64", "amd64", "i686", "x86")
+
+    @property
+    def arm(self) -> bool:
+        return self.machine in ("aarch64", "arm64")
 
 
 def cpu_info() -> CpuInfo:
@@ -75,26 +119,123 @@ def cpu_info() -> CpuInfo:
             vendor = value
         elif key == "model name" and value:
             model = value
-        elif key == "flags" and not flags:
+        elif key in ("flags", "Features") and not flags:  # x86, aarch64
             flags = frozenset(value.split())
         if vendor and flags and model:
             break
     return CpuInfo(vendor, model, flags)
 
 
-def rule_choice(info: CpuInfo | None = None) -> KernelChoice:
-    """The kernels the CPU's vendor and features call for (see the module text)."""
-    info = info or cpu_info()
-    onednn = torch.backends.mkldnn.is_available()
-    amd = info.vendor == "AuthenticAMD"
-    fp32 = "onednn" if onednn and info.x86 and amd and "avx512f" in info.flags else "aten"
+# The classes the rule knows, from the most capable x86 part down; then Arm, then anything else.
+CPU_CLASSES = ("amx", "avx512_bf16", "avx512", "avx2", "aarch64", "other")
+
+
+def cpu_class(info: CpuInfo) -> str:
+    """The class of a CPU by its features: ``amx`` (AMX-BF16), ``avx512_bf16`` (AVX-512 with
+    AVX512-BF16, no AMX), ``avx512`` (AVX-512 without BF16), ``avx2`` (AVX2, no AVX-512),
+    ``aarch64``, or ``other``."""
+    if info.arm:
+        return "aarch64"
     if not info.x86:
-        bf16 = "bf16"
-    elif "amx_bf16" in info.flags or (amd and "avx512_bf16" in info.flags):
-        bf16 = "bf16"
-    else:  # Intel without AMX (half rate), or no AVX512-BF16 at all (emulated)
-        bf16 = "fp32"
-    return KernelChoice(fp32=fp32, bf16=bf16)
+        return "other"
+    for cls, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
+        if flag in info.flags:
+            return cls
+    return "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class OneDNNReport:
+    """What this PyTorch's oneDNN says it can do on this CPU (it reads the CPU itself, and
+    honours ``ONEDNN_MAX_CPU_ISA``)."""
+
+    available: bool  # PyTorch was built with oneDNN
+    bf16: bool       # oneDNN can build bf16 matmul primitives here
+
+
+def onednn_report() -> OneDNNReport:
+    available = torch.backends.mkldnn.is_available()
+    return OneDNNReport(available, available and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+def why_unavailable(choice: KernelChoice, info: CpuInfo | None = None,
+                    report: OneDNNReport | None = None) -> str | None:
+    """Why ``choice`` cannot run on this machine (naming the missing feature), or None if it can."""
+    info, report = info or cpu_info(), report or onednn_report()
+    if "onednn" in (choice.fp32, choice.bf16) and not report.available:
+        field = "fp32" if choice.fp32 == "onednn" else "bf16"
+        return f"KernelChoice.{field}='onednn' needs a PyTorch built with oneDNN, and this one is not"
+    if choice.bf16 == "onednn" and not report.bf16:
+        if info.x86 and "avx512f" not in info.flags:
+            missing = "AVX-512 (avx512f; AVX512-BF16 or AMX-BF16 to run it at speed)"
+        elif info.arm and "bf16" not in info.flags:
+            missing = "the Arm BF16 extension (bf16)"
+        else:  # the CPU has it, but oneDNN was told not to use it
+            limit = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+            missing = f"an instruction set oneDNN is allowed to use (ONEDNN_MAX_CPU_ISA={limit})" if limit else \
+                "bf16 support, which oneDNN reports it lacks here"
+        return (f"KernelChoice.bf16='onednn': oneDNN's bf16 matmul cannot run on this CPU "
+                f"({info.model or 'unknown model'}): it needs {missing}; use bf16='aten' or 'widened'")
+    return None
+
+
+def check_runnable(choice: KernelChoice) -> KernelChoice:
+    """``choice``, or ``KernelUnavailable`` (one line naming the missing feature)."""
+    reason = why_unavailable(choice)
+    if reason is not None:
+        raise KernelUnavailable(reason)
+    return choice
+
+
+# ----------------------------------------------------------------------------- the rule
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """What wins on a class of CPU: its fast path's kernels, and what ``--precision auto`` means."""
+
+    kernels: KernelChoice
+    precision: str  # "bf16" only where bf16 steps were measured faster than fp32 ones
+    measured: str   # where the figures behind it are, or "" for a class with none
+
+
+PLAIN = Rule(KernelChoice(), "fp32", "")
+
+# (class, vendor or "" for any) -> rule; the figures behind each: docs/performance.md.
+RULES: dict[tuple[str, str], Rule] = {
+    # oneDNN's fp32 matmul runs at about twice MKL's rate on AMD's AVX-512 parts (MKL keeps to
+    # AVX2 there) and its bf16 kernel at 2-4x fp32; the fast blocks win every bench row.
+    ("avx512_bf16", "AuthenticAMD"): Rule(KernelChoice("onednn", "onednn", "fused"), "bf16",
+                                          "Zen 4 and Zen 5 class, 2026-11-23 to 26"),
+    # Intel without AMX runs oneDNN's bf16 kernel at about half its fp32 rate: bf16 operands
+    # go through the fp32 GEMM, and bf16 saves memory but not time.
+    ("avx512_bf16", "GenuineIntel"): Rule(KernelChoice("aten", "widened", "fused"), "fp32",
+                                          "Intel Xeon VM, AVX512-BF16, no AMX, 2026-11-22/23"),
+    # AVX2 only: every GEMM path runs at the same rate, and bf16 is emulated; at the CIFAR size
+    # two matmuls and a softmax beat the fused attention kernel in a training step.
+    ("avx2", ""): Rule(KernelChoice("aten", "aten", "explicit"), "fp32",
+                       "AMD Zen 3 (issue 41), and Zen 4 with oneDNN and ATen held to AVX2, 2026-11-26"),
+}
+
+
+def rule_for(info: CpuInfo | None = None) -> Rule:
+    """The rule of this CPU's class (and vendor, where the class's figures differ by vendor)."""
+    info = info or cpu_info()
+    cls = cpu_class(info)
+    return RULES.get((cls, info.vendor)) or RULES.get((cls, "")) or PLAIN
+
+
+def rule_choice(info: CpuInfo | None = None, report: OneDNNReport | None = None) -> KernelChoice:
+    """The kernels the CPU's class calls for, less any oneDNN kernel that oneDNN says cannot run here."""
+    choice, report = rule_for(info).kernels, report or onednn_report()
+    if not report.available:
+        choice = dataclasses.replace(choice, fp32="aten")
+    if choice.bf16 == "onednn" and not report.bf16:
+        choice = dataclasses.replace(choice, bf16="aten")
+    return choice
+
+
+# ----------------------------------------------------------------------------- stored calibrations
 
 
 def calibration_path() -> Path:
@@ -103,19 +244,31 @@ def calibration_path() -> Path:
     return Path(root) / "vitlab" / "kernels.json"
 
 
-def _calibration_key(info: CpuInfo) -> str:
-    return f"{info.vendor} | {info.model} | torch {torch.__version__}"
+CALIBRATION_FORMAT = 2  # entries of other formats are ignored
+
+
+def calibration_key(info: CpuInfo) -> str:
+    return f"v{CALIBRATION_FORMAT} | {info.vendor} | {info.model} | torch {torch.__version__}"
+
+
+def stored_entry(path: Path | None = None, info: CpuInfo | None = None) -> dict | None:
+    """The calibration stored for this CPU and torch version, or None (none, another's, or damaged)."""
+    path = path or calibration_path()
+    try:
+        entry = json.loads(path.read_text()).get(calibration_key(info or cpu_info()))
+    except (OSError, ValueError, AttributeError):
+        return None
+    return entry if isinstance(entry, dict) else None
 
 
 def stored_choice(path: Path | None = None, info: CpuInfo | None = None) -> KernelChoice | None:
-    """The calibration stored for this CPU and torch version, or None (none, or for another)."""
-    path = path or calibration_path()
-    info = info or cpu_info()
+    """The kernels stored for this CPU, if any and if this machine can still run them."""
+    entry = stored_entry(path, info)
     try:
-        entry = json.loads(path.read_text()).get(_calibration_key(info))
-        return KernelChoice(**entry["choice"]) if entry else None
-    except (OSError, ValueError, KeyError, TypeError):
+        choice = KernelChoice(**entry["kernels"]) if entry else None
+    except (KeyError, TypeError, ValueError):
         return None
+    return choice if choice is not None and why_unavailable(choice, info) is None else None
 
 
 def choose(path: Path | None = None) -> KernelChoice:
@@ -123,75 +276,24 @@ def choose(path: Path | None = None) -> KernelChoice:
     return stored_choice(path) or rule_choice()
 
 
-def bf16_is_faster(device: torch.device | str) -> bool:
-    """Whether training and inference in bf16 beat fp32 on ``device`` (``--precision auto``).
+def auto_precision(device: torch.device | str, path: Path | None = None) -> str:
+    """What ``precision="auto"`` resolves to on ``device``: "bf16" where bf16 steps are faster.
 
-    On a CPU: only where the bf16 kernel is the chosen one; through the fp32 GEMM a bf16
-    layer pays its conversions on top of fp32-rate matmuls.
+    On a GPU: bf16 where the card supports it.  On a CPU: the stored calibration's measured
+    answer, else the rule's (bf16 only on the classes where it was measured faster), and
+    never bf16 where oneDNN has no bf16 kernel.
     """
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return (device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-            and choose().bf16 == "bf16")
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    if device.type != "cpu" or not onednn_report().bf16:
+        return "fp32"
+    entry = stored_entry(path)
+    if entry and entry.get("precision") in PRECISIONS:
+        return entry["precision"]
+    return rule_for().precision
 
 
-# ----------------------------------------------------------------------------- calibration
-
-# (rows, in, out): ViT-B/16 batch 8 MLP in and out, a CIFAR-size ViT batch 128 qkv
-CALIBRATION_SHAPES = ((1576, 768, 3072), (1576, 3072, 768), (8320, 192, 576))
-
-
-def _best_seconds(f, rounds: int) -> float:
-    f()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def measure(rounds: int = 5) -> dict[str, float]:
-    """GFLOP/s of each kernel at ``CALIBRATION_SHAPES`` (the sum of their times), this process's threads."""
-    from .linear import onednn_linear  # the kernels as the fast path calls them
-
-    totals = {"fp32/aten": 0.0, "fp32/onednn": 0.0, "bf16/bf16": 0.0, "bf16/fp32": 0.0}
-    flops = 0
-    with torch.no_grad():
-        for rows, d_in, d_out in CALIBRATION_SHAPES:
-            x, w, b = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(d_out)
-            xb, wb = x.bfloat16(), w.bfloat16()
-            flops += 2 * rows * d_in * d_out
-            totals["fp32/aten"] += _best_seconds(lambda: torch.addmm(b, x, w.t()), rounds)
-            if torch.backends.mkldnn.is_available():
-                totals["fp32/onednn"] += _best_seconds(lambda: onednn_linear(x, w, b), rounds)
-            else:
-                totals["fp32/onednn"] = float("inf")
-            totals["bf16/bf16"] += _best_seconds(lambda: torch.nn.functional.linear(xb, wb), rounds)
-            totals["bf16/fp32"] += _best_seconds(lambda: (xb.float() @ wb.float().t()).bfloat16(), rounds)
-    return {k: flops / t / 1e9 for k, t in totals.items()}
-
-
-def calibrate(path: Path | None = None, rounds: int = 5) -> tuple[KernelChoice, dict[str, float]]:
-    """Time the kernels once, store the faster of each pair for this CPU and return it."""
-    rates = measure(rounds)
-    choice = KernelChoice(
-        fp32="onednn" if rates["fp32/onednn"] > rates["fp32/aten"] else "aten",
-        bf16="bf16" if rates["bf16/bf16"] > rates["bf16/fp32"] else "fp32",
-    )
-    path = path or calibration_path()
-    info = cpu_info()
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError):
-        stored = {}
-    stored[_calibration_key(info)] = {
-        "choice": dataclasses.asdict(choice), "gflops": {k: round(v, 1) for k, v in rates.items()},
-        "threads": torch.get_num_threads(), "measured": time.strftime("%Y-%m-%d %H:%M"),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(stored, indent=2) + "\n")
-    tmp.replace(path)
-    return choice, rates
+def bf16_is_faster(device: torch.device | str) -> bool:
+    """Whether ``precision="auto"`` means bf16 on ``device`` (``auto_precision``)."""
+    return auto_precision(device) == "bf16"

@@ -5,7 +5,7 @@ A dense layer's matmul runs in one of three modes, fixed at its forward:
 * ``"aten"``: ``F.linear`` under whatever autocast is active, as ``nn.Linear`` runs it;
 * ``"onednn"``: fp32 on a CPU whose chosen fp32 kernel is oneDNN's (``kernels.py``):
   the forward and both backward products go through oneDNN's matmul;
-* ``"widened"``: bf16 autocast on a CPU whose chosen bf16 kernel is the fp32 GEMM: the
+* ``"widened"``: bf16 autocast on a CPU whose chosen bf16 kernel is ``"widened"``: the
   input and weight are rounded to bf16 as autocast would round them, multiplied with the
   fp32 kernel, and the result rounded to bf16.  A product of two bf16 numbers is exact in
   fp32, so this is bf16 autocast's computation up to the order of the fp32 additions; the
@@ -36,7 +36,7 @@ def mode_for(x: torch.Tensor, kernels: KernelChoice) -> str:
         return "aten"
     if torch.is_autocast_enabled("cpu"):
         bf16 = torch.get_autocast_dtype("cpu") == torch.bfloat16
-        return "widened" if bf16 and kernels.bf16 == "fp32" else "aten"
+        return "widened" if bf16 and kernels.bf16 == "widened" else "aten"
     return "onednn" if kernels.fp32 == "onednn" and x.dtype == torch.float32 else "aten"
 
 

@@ -115,6 +115,10 @@ class FastLinear(nn.Linear):
     _packed: bool = False  # whether the weight's bytes hold the packed bf16 form
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _takes_over(x, self.fast_options.kernels):
+            self._held = None
+            self.unpack()
+            return F.linear(x, self.weight, self.bias)
         if torch.is_grad_enabled() or x.device.type != "cpu" or torch.compiler.is_compiling():
             self._held = None  # training changes the weights: drop what inference kept
             self.unpack()
@@ -125,11 +129,11 @@ class FastLinear(nn.Linear):
         """``self(x)`` on a CPU without autograd, then GELU (``approximate=gelu``) when given."""
         kernels = self.fast_options.kernels
         bf16_autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-        if bf16_autocast and kernels.bf16 == "bf16" and torch.backends.mkldnn.is_available():
+        if bf16_autocast and kernels.bf16 == "onednn":
             weight, bias = self._bf16_weights()
             return onednn_linear(x.to(torch.bfloat16), weight, bias, gelu)
         self.unpack()
-        if bf16_autocast and kernels.bf16 == "fp32":  # bf16 values held in fp32, for the fp32 GEMM
+        if bf16_autocast and kernels.bf16 == "widened":  # bf16 values held in fp32, for the fp32 GEMM
             weight, bias = self._cast(torch.float32)
             out = linear_forward(x, weight, bias, "widened", kernels, rounded=True)
         elif mode_for(x, kernels) == "onednn":
@@ -211,6 +215,16 @@ class FastLinear(nn.Linear):
         return state
 
 
+def _takes_over(x: torch.Tensor, kernels: KernelChoice) -> bool:
+    """Whether the fast path runs this call: always on a GPU; on a CPU where the kernel choice
+    has the fast path take over this mode (autograd on or off) and precision."""
+    if x.device.type != "cpu":
+        return True
+    bf16 = x.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cpu")
+                                         and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+    return kernels.takes_over(torch.is_grad_enabled(), bf16)
+
+
 def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks
                 or module._backward_hooks or module._backward_pre_hooks)
@@ -237,7 +251,7 @@ class FastBlock(Block):
                 and not any(_hooked(m) for m in parts) and not _global_hooks())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or not self.fusable():
+        if torch.compiler.is_compiling() or not self.fusable() or not _takes_over(x, self.fast_options.kernels):
             return super().forward(x)
         if not torch.is_grad_enabled():
             return self.inference(x)
@@ -246,7 +260,7 @@ class FastBlock(Block):
         # training attends over the strided head views (contiguous_attention's copies and its
         # backward did not pay in a training step: benchmarks/NOTES.md, 2026-11-24 and -25)
         q, k, v = split_heads(qkv, attn.num_heads)
-        x = x + self.drop_path(attn.proj_drop(attn.proj(attn.attend(q, k, v, explicit=_cpu_bf16(q)))))
+        x = x + self.drop_path(attn.proj_drop(attn.proj(attn.attend(q, k, v, explicit=_explicit(q, kernels)))))
         if not recompute:
             return x + self.drop_path(mlp(self.norm2(x)))
         h = layer_norm_dense(x, self.norm2, mlp.fc1, kernels)
@@ -278,7 +292,7 @@ class FastBlock(Block):
             heads = contiguous_attention(qkv, attn.num_heads, attn.head_dim**-0.5, drop)
         else:
             q, k, v = layers.split_heads(qkv, attn.num_heads)
-            heads = attn.attend(q, k, v, explicit=_cpu_bf16(q))
+            heads = attn.attend(q, k, v, explicit=_explicit(q, self.fast_options.kernels))
         x = x + self.drop_path(attn.proj_drop(_inference(attn.proj, heads)))
         h = mlp.drop(_inference(mlp.fc1, self.norm2(x), gelu=mlp.approximate))
         return torch.add(x, self.drop_path(mlp.drop(_inference(mlp.fc2, h))), out=out)
@@ -309,9 +323,14 @@ def contiguous_attention(qkv: torch.Tensor, num_heads: int, scale: float, dropou
 
 
 def _cpu_bf16(t: torch.Tensor) -> bool:
-    # where the block attends explicitly: PyTorch's fused attention kernel is the slower one in
-    # bf16 on a CPU (its backward most of all)
     return t.device.type == "cpu" and t.dtype == torch.bfloat16
+
+
+def _explicit(q: torch.Tensor, kernels: KernelChoice) -> bool:
+    """Whether the block attends by two matmuls and a softmax: always in bf16 on a CPU
+    (PyTorch's fused attention kernel is the slower one there, its backward most of all),
+    in fp32 on a CPU where the kernel choice says so."""
+    return q.device.type == "cpu" and (q.dtype == torch.bfloat16 or kernels.attention == "explicit")
 
 
 def _contiguous_attention_applies(qkv: torch.Tensor, attn: Attention) -> bool:

@@ -1,6 +1,7 @@
 """Everything a run builds once, before its first step: ``build(cfg) -> Setup``."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ from torch import nn
 
 from vitlab import fast
 from vitlab.config import ConfigError
+from vitlab.fast.kernels import KernelChoice, cpu_class, cpu_info
 from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.features import check_tta_shift
 
@@ -20,6 +22,39 @@ from .inputs import Splits, build_splits, stream_splits, streams
 from .memory import retain_freed_memory
 from .numerics import make_scaler
 from .optim import build_optimizer
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What the run's "auto" settings came to on this machine, decided once when the run is
+    built and never read from the machine (or a stored calibration) again: the step and the
+    evaluators use these values.  Written to the run's config.json and its first log line;
+    a resumed run takes its checkpoint's, so that its arithmetic is the one it started with."""
+
+    device: str
+    precision: str        # "fp32", "bf16" or "fp16"
+    kernels: KernelChoice | None  # the fast path's CPU kernels (None: plain model, or a GPU)
+    bf16_matmuls: bool    # bf16 matmuls are the faster ones here (Muon's orthogonalisation)
+    threads: int          # CPU threads of the process
+    data: str             # "memory" or "stream"
+    compile: str          # "off", or torch.compile's mode
+    cpu: str              # the CPU's model name and class (what the kernel rule read)
+
+    def record(self) -> dict:
+        record = dataclasses.asdict(self)
+        record["kernels"] = dataclasses.asdict(self.kernels) if self.kernels else None
+        return record
+
+    def line(self) -> str:
+        kernels = self.kernels.describe() if self.kernels else "plain"
+        return (f"resolved: device {self.device}, precision {self.precision}, kernels {kernels}, "
+                f"threads {self.threads}, data {self.data}, compile {self.compile}, cpu {self.cpu}")
+
+    @staticmethod
+    def from_record(record: dict) -> "Resolved":
+        fields = dict(record)
+        fields["kernels"] = KernelChoice(**fields["kernels"]) if fields.get("kernels") else None
+        return Resolved(**{f.name: fields[f.name] for f in dataclasses.fields(Resolved)})
 
 
 @dataclass
@@ -38,7 +73,12 @@ class Setup:
     final_evaluator: Evaluator | None  # the last one, with ``run.final_eval_shift``'s views
     micro_batch: int
     img_size: tuple           # (H, W) the run evaluates at and, after any progressive_sizes, trains at
+    resolved: Resolved        # the "auto" settings as decided for this run
     scaler: torch.amp.GradScaler | None = None  # fp16's gradient scaler (numerics.make_scaler)
+
+    @property
+    def precision(self) -> str:
+        return self.resolved.precision
 
     @property
     def evaluated(self) -> nn.Module:
@@ -157,7 +197,31 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
+def resolve(cfg: TrainConfig, world: World, streamed: bool) -> Resolved:
+    """Every "auto" of ``cfg`` decided for this machine (the only place the run reads the
+    CPU's features or a stored calibration)."""
+    device = world.device
+    auto_precision = fast.auto_precision(device)
+    precision = auto_precision if cfg.run.precision == "auto" else cfg.run.precision
+    kernels = None
+    if cfg.run.fast:  # a GPU keeps PyTorch's kernels: the plain choice
+        kernels = fast.choose() if device.type == "cpu" else KernelChoice()
+    compile_mode = "off"
+    if cfg.run.compile:
+        # CUDA graphs replay a fixed-shape step without the host launching each kernel; a
+        # run that changes its input size (progressive resizing) or spans processes keeps
+        # the default mode
+        graphs = device.type == "cuda" and not cfg.data.progressive_sizes and world.size == 1
+        compile_mode = "reduce-overhead" if graphs else "default"
+    info = cpu_info()
+    return Resolved(device=str(device), precision=precision, kernels=kernels, bf16_matmuls=auto_precision == "bf16",
+                    threads=cfg.run.threads or torch.get_num_threads(), data="stream" if streamed else "memory",
+                    compile=compile_mode, cpu=f"{info.model or 'unknown'} ({cpu_class(info)})")
+
+
 def build(cfg: TrainConfig) -> Setup:
+    """The run's set-up.  It sets this process's thread count and seeds; ``train`` gives the
+    caller's back when the run ends."""
     from vitlab.data.loader import BatchStream
     from vitlab.data.transforms import build_transform
 
@@ -172,6 +236,7 @@ def build(cfg: TrainConfig) -> Setup:
     img_size = training_size(cfg)
     check_tta_shift(cfg.run.final_eval_shift, img_size, "run.final_eval_shift")
     streamed = streams(cfg, img_size)
+    resolved = resolve(cfg, world, streamed)
     splits = stream_splits(cfg) if streamed else build_splits(cfg, img_size)
     num_classes = len(splits.classes)
 
@@ -185,15 +250,15 @@ def build(cfg: TrainConfig) -> Setup:
     check_progressive_sizes(cfg, img_size, model.cfg)
     model.train()
     if cfg.run.fast:  # in place and before any wrapper: DDP, FSDP and compile see the fast modules
-        fast.optimize(model)
+        fast.optimize(model, resolved.kernels)
     ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None
     trained = wrap_model(model, world, cfg.run.fsdp)  # FSDP shards ``model`` in place
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, bf16_matmuls=resolved.bf16_matmuls)
     if cfg.run.compile:
         # one static graph per input size (progressive resizing has a few): with symbolic sizes,
         # inductor's backward of the hybrid's root convolution asserts a contiguous stride on a
         # channels-last output after a size change (tests/test_compile.py)
-        trained = torch.compile(trained, dynamic=False)
+        trained = torch.compile(trained, dynamic=False, mode=resolved.compile)
 
     batch, accum = cfg.optim.batch_size, cfg.optim.accum_steps
     if splits.train_count() < batch // accum:
@@ -216,10 +281,10 @@ def build(cfg: TrainConfig) -> Setup:
     if splits.val_labels is not None and cfg.model.mpp is None:  # MPP has no classifier to score
         def evaluator_with(shift: int) -> Evaluator:
             return Evaluator(splits.val_images, splits.val_labels, batch_size=cfg.run.eval_batch_size,
-                             device=world.device, precision=cfg.run.precision, flip=cfg.run.eval_flip, shift=shift,
+                             device=world.device, precision=resolved.precision, flip=cfg.run.eval_flip, shift=shift,
                              image_size=img_size, world=world)
 
         evaluator, final_evaluator = evaluator_with(0), evaluator_with(cfg.run.final_eval_shift)
-    scaler = make_scaler(cfg.run.precision, world.device, cfg.run.loss_scale)
+    scaler = make_scaler(resolved.precision, world.device, cfg.run.loss_scale)
     return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, evaluator, final_evaluator, micro_batch,
-                 tuple(img_size), scaler)
+                 tuple(img_size), resolved, scaler)

@@ -557,7 +557,7 @@ def to_dict(cfg: TrainConfig) -> dict:
 def from_dict(d: dict) -> TrainConfig:
     """A ``TrainConfig`` from ``to_dict``'s output, or from an old flat config (``LEGACY_NAMES``)."""
     nested = nested_dict(d)
-    unknown = [k for k in nested if k not in SECTIONS and k != "recipe"]
+    unknown = [k for k in nested if k not in SECTIONS and k not in ("recipe", "resolved")]  # "resolved": a record
     for name, cls in SECTIONS.items():
         known = {f.name for f in dataclasses.fields(cls)}
         unknown += [f"{name}.{k}" for k in nested.get(name, {}) if k not in known]

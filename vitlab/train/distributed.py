@@ -30,6 +30,10 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """``values`` summed over the processes (what an evaluator given this world calls)."""
+        return all_reduce_sum(values, self)
+
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "auto":
@@ -102,6 +106,13 @@ def all_reduce_sum(values: list[float], world: World) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=world.device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
+
+
+def all_reduce_tensor(t: torch.Tensor, world: World) -> torch.Tensor:
+    """``t`` summed over processes, in place on its device (no read back to the host)."""
+    if world.size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
 
 
 def all_gather_objects(obj, world: World) -> list:

@@ -25,10 +25,13 @@ class EMA:
             p.requires_grad_(False)
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
+    def update(self, model: nn.Module, weight: torch.Tensor | float = 1.0) -> None:
+        """One step of the average; ``weight`` 0 (a tensor, decided on the device) leaves it as
+        it was: the trainer's step that was not applied."""
         avg = list(self.module.parameters())
         cur = [p.detach() for p in model.parameters()]
-        torch._foreach_lerp_(avg, cur, 1.0 - self.decay)  # avg += (1 - decay) * (cur - avg)
+        rate = (1.0 - self.decay) * weight
+        torch._foreach_lerp_(avg, cur, rate)  # avg += rate * (cur - avg)
         for b_avg, b in zip(self.module.buffers(), model.buffers()):
             b_avg.copy_(b)
 

@@ -11,23 +11,29 @@ bit-exactly (``state.py``), after a kill too.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
 import time
 from pathlib import Path
 
+import torch
+
 from vitlab.config import ConfigError
 from vitlab.eval.features import tta_view_count
 
 from . import checkpoint as ckpt
-from .build import Setup, build
+from vitlab import fast
+from vitlab.fast.kernels import why_unavailable
+
+from .build import Resolved, Setup, build
 from .config import TrainConfig, to_dict, warmup_steps
 from .distributed import all_reduce_sum, barrier, elastic_restart_count, shutdown
 from .metrics import MetricsWriter, Progress, plot_curves
 from .numerics import NonFinite
 from .schedules import input_size_at, lr_at
-from .state import check_same_run, final_model, restore, sharded, training_state
+from .state import check_same_run, final_model, restore, rng_state, set_rng_state, sharded, training_state
 from .step import StepResult, endless, train_step
 from .time_budget import TimeBudget
 
@@ -53,12 +59,24 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     command's whole wall time.
     """
     succeeded = False
+    caller = process_state()
     try:
         summary = _train(cfg, resume, verbose, overwrite, started_at)
         succeeded = True
     finally:
         shutdown(wait_for_others=succeeded)
+        set_process_state(caller)  # a library call leaves its caller's threads and random streams as it found them
     return summary
+
+
+def process_state() -> dict:
+    """What a run changes in its process: the thread count and the random generators."""
+    return {"threads": torch.get_num_threads(), "rng": rng_state()}
+
+
+def set_process_state(state: dict) -> None:
+    torch.set_num_threads(state["threads"])
+    set_rng_state(state["rng"])
 
 
 def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, started_at: float | None) -> dict:
@@ -77,6 +95,7 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
     s = build(cfg)
     main = s.world.is_main
     progress = Progress(enabled=verbose and main)
+    progress.message(s.resolved.line())
     start_output_folder(s, out, clear_checkpoints=stale)
     budget = time_budget(s, t_start, progress)
     nonfinite = NonFinite(cfg.run.on_nonfinite, cfg.run.max_skipped_steps)
@@ -87,6 +106,7 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
         last_saved, state = resume_point(s, ckpt_dir, restarts)
         if state is not None:
             check_same_run(cfg, state.get("config", {}))
+            adopt_resolved(s, state.get("resolved"), progress)
             step, total_steps, records = restore(s, state)
             nonfinite.load_state_dict(state.get("numerics"))
             budget.resume(state.get("clock", {}), step)
@@ -98,7 +118,8 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
     writer = MetricsWriter(out, tensorboard=cfg.run.tensorboard, records=records) if main else None
 
     batches = endless(s.stream)
-    window = Window()
+    window = Window(s.world.device)
+    pending: list = []  # (step, result) since the last check: their flags are read in one go
     last_val: dict = {}
     phases = tuple(tuple(p) for p in cfg.data.progressive_sizes)
     s.trained.train()
@@ -107,14 +128,15 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
                    warmup_steps=warmup_steps(cfg.optim, total_steps), decay=cfg.optim.decay, min_lr=cfg.optim.min_lr)
         size = input_size_at(step, total_steps, phases, s.img_size)
         t_step = time.monotonic()
-        result = train_step(s, batches, lr, size)
-        nonfinite.check(s, result, step + 1, last_saved)  # stops the run, or counts a step left out
+        result = train_step(s, batches, lr, size)  # nothing read back: its numbers stay on the device
+        pending.append((step + 1, result))
         window.add(result)
         budget.step_done(size, time.monotonic() - t_step)
         step += 1
 
         if budget.wants_evaluation(step):  # the first fit plans with an evaluation's duration
             with budget.paused():
+                nonfinite.check(s, pending, last_saved)
                 last_val = evaluate(s, budget)
         total_steps = budget.plan(step, total_steps)
         if budget.out_of_time(step, total_steps):
@@ -123,9 +145,13 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
         is_last = step >= total_steps
         with budget.paused():  # evaluations, logging, checkpoints: not training time
             do_eval = s.evaluator is not None and (is_last or (cfg.run.eval_every and step % cfg.run.eval_every == 0))
+            do_save = (cfg.run.ckpt_every and step % cfg.run.ckpt_every == 0) or is_last
+            do_log = is_last or do_eval or step % cfg.run.log_every == 0
+            if do_log or do_save:  # the steps' flags are read here: a bad one stops the run, or is counted
+                nonfinite.check(s, pending, last_saved)
             if do_eval:
                 last_val = evaluate(s, budget, final=is_last)
-            if is_last or do_eval or step % cfg.run.log_every == 0:
+            if do_log:
                 record = (window.record(s, step, lr, budget.elapsed()) | nonfinite.record(s.scaler)
                           | (last_val if do_eval else {}))
                 if writer is not None:
@@ -136,7 +162,7 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
             rate, shown_loss = window.shown(s.world.size)
             eta = (total_steps - step) * cfg.optim.batch_size / rate if rate else 0.0
             progress.update(step, total_steps, shown_loss, rate, eta)
-            if (cfg.run.ckpt_every and step % cfg.run.ckpt_every == 0) or is_last:
+            if do_save:
                 state = training_state(s, step, total_steps, writer.records if writer else [], budget.state(),
                                        nonfinite.state_dict())
                 last_saved = save_checkpoint(s, state, ckpt_dir, step)
@@ -205,6 +231,44 @@ def save_checkpoint(s: Setup, state: dict, ckpt_dir: Path, step: int) -> Path:
     return ckpt.checkpoint_path(ckpt_dir, step)
 
 
+def adopt_resolved(s: Setup, saved: dict | None, progress: Progress) -> None:
+    """A resumed run computes as it started: its checkpoint's precision and CPU kernels (a
+    calibration stored since then, or another machine's rule, would change the arithmetic),
+    where this machine can run them."""
+    if not saved:
+        return
+    before = Resolved.from_record(saved)
+    kept = dataclasses.replace(s.resolved, precision=before.precision, kernels=before.kernels,
+                               bf16_matmuls=before.bf16_matmuls)
+    if before.kernels is not None and s.resolved.kernels is not None and before.kernels != s.resolved.kernels:
+        reason = why_unavailable(before.kernels)
+        if reason is not None:
+            progress.message(f"--resume: the checkpoint's kernels cannot run here ({reason}); continuing with "
+                             f"{s.resolved.kernels.describe()}")
+            kept = dataclasses.replace(kept, kernels=s.resolved.kernels)
+        else:
+            fast.optimize(s.model, before.kernels)  # in place: the wrappers around it see the same modules
+    if before.precision != s.resolved.precision and (before.precision == "fp16") != (s.scaler is not None):
+        raise ConfigError(f"--resume: the checkpoint's run trained in {before.precision}, this one resolves to "
+                          f"{s.resolved.precision}; set --precision {before.precision}")
+    if kept.bf16_matmuls != s.resolved.bf16_matmuls and hasattr(s.optimizer, "ns_dtype"):
+        s.optimizer.ns_dtype = torch.bfloat16 if kept.bf16_matmuls else torch.float32
+    if kept == s.resolved:
+        return
+    s.resolved = kept
+    for evaluator in (s.evaluator, s.final_evaluator):
+        if evaluator is not None:
+            evaluator.precision = kept.precision
+    progress.message(f"--resume: as the checkpoint's run: {kept.line()}")
+    if s.world.is_main:
+        write_config(s, Path(s.cfg.run.out))
+
+
+def write_config(s: Setup, out: Path) -> None:
+    """The run's config.json: its configuration, and what its "auto" settings resolved to."""
+    (out / "config.json").write_text(json.dumps(to_dict(s.cfg) | {"resolved": s.resolved.record()}, indent=2))
+
+
 def start_output_folder(s: Setup, out: Path, clear_checkpoints: bool) -> None:
     """The run's folder with its config and class names (rank 0); an earlier run's
     checkpoints removed when ``clear_checkpoints`` (``--overwrite``), and the temporary
@@ -217,7 +281,7 @@ def start_output_folder(s: Setup, out: Path, clear_checkpoints: bool) -> None:
     barrier(s.world)
     if s.world.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(to_dict(s.cfg), indent=2))
+        write_config(s, out)
         (out / "classes.json").write_text(json.dumps(s.splits.classes))
 
 
@@ -233,45 +297,50 @@ def time_budget(s: Setup, t_start: float, progress: Progress) -> TimeBudget:
 
 
 class Window:
-    """The training numbers since the last record, and those the progress line shows."""
+    """The training numbers since the last record, summed on the device (the record reads
+    them), and those the progress line shows."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.rate, self.loss_shown, self.logged = 0.0, float("nan"), False
-        self.grad_norm = float("nan")
+        self.grad_norm = torch.full((), float("nan"), device=device)
         self.reset()
 
     def reset(self) -> None:
-        self.loss, self.correct, self.seen, self.steps, self.t = 0.0, 0.0, 0, 0, time.monotonic()
+        # [loss, correct, examples, steps] of the applied steps; a step left out adds nothing
+        self.sums = torch.zeros(4, device=self.device)
+        self.examples, self.t = 0, time.monotonic()  # every example the steps took (the rate)
 
     def add(self, result: StepResult) -> None:
-        if result.nonfinite is not None:  # a step left out (every process agrees): no numbers to average
-            return
-        self.loss += result.loss
-        self.correct += result.correct
-        self.seen += result.seen
-        self.steps += 1
-        self.grad_norm = result.grad_norm
+        applied = result.skipped == 0
+        # no tensor made from a host number: on a GPU that copy would wait for the device
+        self.sums += torch.where(applied, torch.stack([result.loss.float(), result.correct.float(),
+                                                       applied * result.seen, applied.float()]), 0.0)
+        self.grad_norm = torch.where(applied, result.grad_norm.float(), self.grad_norm)  # a skipped step's is NaN
+        self.examples += result.seen
 
     def record(self, s: Setup, step: int, lr: float, elapsed_s: float) -> dict:
-        """The metrics record of this window over all ranks (a collective call); starts the next."""
+        """The metrics record of this window over all ranks (a collective call; the read of the
+        device's sums); starts the next."""
         dt = time.monotonic() - self.t
-        loss, correct, seen = all_reduce_sum([self.loss, self.correct, float(self.seen)], s.world)
+        *sums, grad_norm = torch.cat([self.sums, self.grad_norm.view(1)]).tolist()
+        loss, correct, seen, steps = all_reduce_sum(sums, s.world)
+        examples = all_reduce_sum([float(self.examples)], s.world)[0]
         record = {
             "step": step, "epoch": round(step * s.cfg.optim.batch_size / s.splits.train_count(), 3),
-            "lr": lr, "loss": loss / s.world.size / self.steps if self.steps else float("nan"),
-            "train_top1": correct / max(seen, 1), "grad_norm": self.grad_norm,
-            "img_per_s": seen / max(dt, 1e-9), "elapsed_s": elapsed_s,
+            "lr": lr, "loss": loss / steps if steps else float("nan"),
+            "train_top1": correct / max(seen, 1), "grad_norm": grad_norm,
+            "img_per_s": examples / max(dt, 1e-9), "elapsed_s": elapsed_s,
         }
         self.rate, self.loss_shown, self.logged = record["img_per_s"], record["loss"], True
         self.reset()
         return record
 
     def shown(self, world_size: int) -> tuple[float, float]:
-        """(images/s, loss) for the progress line: the last record's, or before the first one
-        this process's own numbers."""
-        if not self.logged and self.steps:
-            self.rate = self.seen * world_size / max(time.monotonic() - self.t, 1e-9)
-            self.loss_shown = self.loss / self.steps
+        """(images/s, loss) for the progress line: the last record's; before the first one
+        this process's rate and no loss yet (reading it would wait for the device)."""
+        if not self.logged and self.examples:
+            self.rate = self.examples * world_size / max(time.monotonic() - self.t, 1e-9)
         return self.rate, self.loss_shown
 
 

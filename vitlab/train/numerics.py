@@ -1,10 +1,13 @@
 """What the run does about a step whose loss or gradients are not finite numbers.
 
-``step.train_step`` never applies such a step; it reports it (``StepResult.nonfinite``).
-``NonFinite.check`` then, per ``run.on_nonfinite``, either stops the run with one line
-naming the step, the examples of its batch (their indices in the decoded data set) and
-the last good checkpoint, or counts the step as skipped and goes on, up to
-``run.max_skipped_steps``.  Under fp16 the gradient scaler's overflows (a step left out,
+``step.train_step`` never applies such a step: it tells the optimiser on the device, and
+its result carries the flags, also on the device.  The loop hands ``NonFinite.check`` the
+steps since its last log step; one read brings their flags back, and for each bad step,
+per ``run.on_nonfinite``, it either stops the run with one line naming the step, the
+examples of its batch (their indices in the decoded data set) and the last good
+checkpoint, or counts the step as skipped and goes on, up to ``run.max_skipped_steps``.
+Steps taken after a bad one and before the check were applied as usual: the bad update
+never was, so the weights they started from are the good ones.  Under fp16 the gradient scaler's overflows (a step left out,
 the loss scale halved) are its normal working: they are counted apart, as
 ``overflow_steps``, and never stop the run.
 """
@@ -16,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .distributed import all_gather_objects
-from .step import StepResult
+from .step import CheckedStep, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +60,23 @@ class NonFinite:
             counts |= {"overflow_steps": self.overflow_steps, "loss_scale": float(scaler.get_scale())}
         return counts
 
-    def check(self, s, result: StepResult, step: int, last_checkpoint: Path | None) -> None:
-        """Count a step that was not applied; raise ``NonFiniteError`` if the run must stop.
-        A collective call when the step was bad (every process takes the same branch)."""
-        if result.overflow:
-            self.overflow_steps += 1
+    def check(self, s, pending: list[tuple[int, StepResult]], last_checkpoint: Path | None) -> None:
+        """Read the flags of the ``(step, result)`` pairs since the last check (one read) and
+        apply the policy to each step that was left out; empties ``pending``.  Raises
+        ``NonFiniteError`` if the run must stop; a collective call when a step was bad
+        (every process reads the same flags and takes the same branch)."""
+        if not pending:
             return
-        if result.nonfinite is None:
+        flags = torch.stack([result.flags() for _, result in pending]).tolist()
+        bad = [(step, result) for (step, result), (skipped, _) in zip(pending, flags) if skipped]
+        self.overflow_steps += sum(1 for _, overflow in flags if overflow)
+        pending.clear()
+        for step, result in bad:
+            self.check_step(s, result.read(), step, last_checkpoint)
+
+    def check_step(self, s, result: CheckedStep, step: int, last_checkpoint: Path | None) -> None:
+        """Count one step that was not applied; raise ``NonFiniteError`` if the run must stop."""
+        if result.overflow or result.nonfinite is None:
             return
         what = (f"the training loss is not finite ({result.loss})" if result.nonfinite == "loss"
                 else f"the gradients are not finite (norm {result.grad_norm})")
@@ -83,7 +96,7 @@ class NonFinite:
                         self.max_skipped)
 
 
-def describe_examples(s, result: StepResult) -> str:
+def describe_examples(s, result: CheckedStep) -> str:
     """The examples of a bad step: those whose own loss is not finite when the loss is, or
     else the whole batch; in-memory data by their indices in the decoded data set,
     streamed data by the readers' positions.  A collective call (every process's share)."""
@@ -101,7 +114,7 @@ def describe_examples(s, result: StepResult) -> str:
             "classes, then files, sorted)")
 
 
-def _examples(s, result: StepResult) -> list:
+def _examples(s, result: CheckedStep) -> list:
     """This process's bad examples: [("memory", index), ...] or [("stream", positions)]."""
     if result.nonfinite == "loss" and s.world.rank not in result.bad_ranks:
         return []

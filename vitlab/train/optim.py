@@ -68,8 +68,16 @@ def block_matrices(model: nn.Module) -> list[nn.Parameter]:
             if isinstance(module, nn.Linear) and "blocks" in name.split(".") and module.weight.requires_grad]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """Adam(W), SGD or Muon+AdamW over parameter groups; the lr is set every step by the loop."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig, bf16_matmuls: bool = False) -> torch.optim.Optimizer:
+    """Adam(W), SGD or Muon+AdamW over parameter groups; the lr is set every step by the loop.
+
+    Every one of them can leave a step out on the device: set ``optimizer.found_inf`` to a
+    one-element tensor (1: leave it out) before ``step()``, and no parameter or state moves
+    (torch's fused implementations honour it; ``MuonAdamW`` too).  The trainer decides
+    there whether a step was finite without reading anything back to the host.
+    bf16_matmuls: Muon orthogonalises in bf16 (the run resolved that bf16 matmuls are the
+    faster ones on its device).
+    """
     decay, no_decay = split_decay(model, cfg.wd_scope)
     if cfg.optimizer == "muon":  # the decayed kernels split: the blocks' matrices to Muon, the rest to AdamW
         matrices = {id(p) for p in block_matrices(model)}
@@ -82,15 +90,44 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         adamw_scale = (cfg.muon_adamw_lr or cfg.lr) / cfg.lr
         for g in groups:  # the loop's scheduled lr times lr_scale
             g["lr_scale"] = 1.0 if g.get("muon") else adamw_scale
-        device = next(model.parameters()).device
         return MuonAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), momentum=cfg.muon_momentum,
-                         ns_dtype=newton_schulz_dtype(device))
+                         ns_dtype=torch.bfloat16 if bf16_matmuls else torch.float32)
+    fused = fusable(model, cfg.optimizer)
     if cfg.optimizer == "adam":
         # eps 1e-8 is optax.scale_by_adam's default as well as torch's.
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8, fused=fused)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
+        if fused and cfg.momentum:
+            # torch's first SGD step sets the buffer to the gradient; a zero buffer gives the same
+            # first step (no dampening), and a first step left out then keeps a defined buffer
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        return optimizer
     raise ValueError(f"optimizer={cfg.optimizer!r}: allowed values are 'adam', 'sgd', 'muon'")
+
+
+def fusable(model: nn.Module, optimizer: str) -> bool:
+    """Whether torch's fused ``optimizer`` takes ``model``'s parameters: floating point, on a
+    CPU or GPU; an FSDP-sharded model's DTensors only with Adam (fused SGD has no sharded form)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    plain = all(type(p.data) is torch.Tensor for p in params)
+    return (bool(params) and (plain or optimizer == "adam")
+            and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params))
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` can leave a step out on the device (``found_inf``): torch's fused
+    implementations and ``MuonAdamW``; a foreach or single-tensor one cannot."""
+    if isinstance(optimizer, MuonAdamW):
+        return True
+    return all(group.get("fused") for group in optimizer.param_groups)
+
+
+def skip_requested(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """The ``found_inf`` flag the trainer set on ``optimizer`` for this step, if any."""
+    return getattr(optimizer, "found_inf", None)
 
 
 # Newton-Schulz coefficients of Muon's quintic iteration (Jordan et al., 2024): chosen to push
@@ -129,16 +166,6 @@ def muon_step_flops(model: nn.Module, steps: int = 5) -> int:
     return sum(orthogonalise_flops(tuple(p.shape), steps) for p in block_matrices(model))
 
 
-def newton_schulz_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where the device runs bf16 matmuls faster than fp32 (a GPU; a CPU where
-    ``vitlab.fast.bf16_is_faster`` holds), else fp32: the iteration tolerates bf16 (Muon's
-    reference implementation runs it so), and on the small matrices of a CIFAR-size ViT it is
-    a sizeable share of the step."""
-    from vitlab.fast import bf16_is_faster
-
-    return torch.bfloat16 if bf16_is_faster(device) else torch.float32
-
-
 class MuonAdamW(torch.optim.Optimizer):
     """Muon on the groups marked ``muon=True``, AdamW on the others, in one optimiser, so the
     loop, the gradient scaler and checkpoints see one object with one set of groups.
@@ -169,38 +196,56 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = skip_requested(self)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
-                (self._muon if group["muon"] else self._adamw)(params, group)
+                (self._muon if group["muon"] else self._adamw)(params, group, found_inf)
         return loss
 
-    def _muon(self, params, group):
+    def _muon(self, params, group, found_inf: torch.Tensor | None):
+        """Momentum, Nesterov update, orthogonalisation and the step, batched over the matrices
+        of each shape; with ``found_inf`` set, nothing moves (decided on the device)."""
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
         by_shape: dict[tuple, list] = {}
         for p in params:
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p)
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - mu)
-            by_shape.setdefault((tuple(p.shape), p.device), []).append((p, p.grad.lerp(buf, mu)))  # Nesterov
-        for (shape, _), pairs in by_shape.items():
-            updates = orthogonalise(torch.stack([u for _, u in pairs]), group["ns_steps"], dtype=self.ns_dtype)
-            for (p, _), update in zip(pairs, updates):
-                p.mul_(1 - lr * wd)
-                p.add_(update.to(p.dtype), alpha=-lr * 0.2 * math.sqrt(max(shape)))
+            by_shape.setdefault((tuple(p.shape), p.device), []).append(p)
+        for (shape, device), same in by_shape.items():
+            bufs = [self.state[p]["momentum_buffer"] for p in same]
+            grads = torch.stack([p.grad for p in same])  # (n, rows, cols)
+            momentum = torch.stack(bufs)
+            if found_inf is not None:
+                skip = found_inf.to(device).bool()
+                grads = torch.where(skip, 0.0, grads)  # a NaN gradient must not reach the arithmetic
+            new_momentum = momentum.lerp(grads, 1 - mu)
+            updates = orthogonalise(grads.lerp(new_momentum, mu), group["ns_steps"], dtype=self.ns_dtype)  # Nesterov
+            decay = 1 - lr * wd
+            if found_inf is not None:
+                new_momentum = torch.where(skip, momentum, new_momentum)
+                updates = torch.where(skip, 0.0, updates)
+                decay = torch.where(skip, 1.0, decay)
+            torch._foreach_copy_(bufs, list(new_momentum.unbind(0)))
+            torch._foreach_mul_(same, decay)
+            torch._foreach_add_(same, list(updates.to(same[0].dtype).unbind(0)), alpha=-lr * 0.2 * math.sqrt(max(shape)))
 
-    def _adamw(self, params, group):
+    def _adamw(self, params, group, found_inf: torch.Tensor | None):
         """torch's own AdamW update, through its functional form: the same arithmetic as
-        ``torch.optim.AdamW``, with this optimiser's state."""
+        ``torch.optim.AdamW``, with this optimiser's state (fused where torch has it, which
+        also leaves a step out on ``found_inf``)."""
         states = [self.state[p] for p in params]
+        fused = all(p.device.type in ("cpu", "cuda") for p in params)
         for p, state in zip(params, states):
             if not state:
-                state["step"] = torch.tensor(0.0)
+                state["step"] = torch.tensor(0.0, device=p.device if fused else None)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
         beta1, beta2 = group["betas"]
+        if found_inf is not None and not fused:
+            raise ValueError("MuonAdamW: leaving a step out (found_inf) needs parameters torch's fused AdamW takes")
         adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
               [s["step"] for s in states], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False, fused=fused or None,
+              found_inf=found_inf)

@@ -88,6 +88,7 @@ def training_state(s, step: int, total_steps: int, records: list[dict], clock: d
         "step": step,
         "total_steps": total_steps,
         "config": to_dict(s.cfg),
+        "resolved": s.resolved.record(),
         "model": model_state(s),
         "optimizer": optim_state,
         "ema": s.ema.state_dict() if s.ema else None,

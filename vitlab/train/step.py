@@ -1,16 +1,21 @@
-"""One optimiser step, in order (nothing else happens):
+"""One optimiser step, in order (nothing else happens, and nothing is read back to the host):
 
     K times: next micro-batch -> forward (autocast) -> loss / K (fp16: x the loss scale)
              -> backward (DDP all-reduces the gradients on the K-th only)
-    loss not finite on any process? -> drop the gradients, report it (no update)
     fp16: unscale the gradients
-    clip the global gradient norm -> not finite? -> drop them, report it (fp16: the
-    scaler's overflow, its scale halves) -> optimiser step -> zero grads -> EMA update
+    clip the global gradient norm
+    skip = the loss on any process, or the gradient norm, is not finite   (a device flag)
+    optimiser step with ``found_inf = skip``: a skipped step moves no parameter and no
+    optimiser state -> zero grads -> EMA update, weighted by ``1 - skip``
+
+Every number the step produces (loss, correct predictions, gradient norm, the flags) stays
+on the device; ``StepResult.read`` brings them back, and the loop calls it every
+``run.log_every`` steps (``numerics.NonFinite.check``): a non-finite step is never applied,
+and is named, with its examples, a few steps late.  docs/reliability.md states the design.
 """
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -21,7 +26,8 @@ import torch.nn.functional as F
 
 from vitlab.eval.evaluator import autocast
 
-from .distributed import all_reduce_sum
+from .distributed import all_reduce_tensor
+from .optim import skips_on_device
 
 __all__ = ["StepResult", "autocast", "endless", "example_losses", "loss_fn", "train_step"]
 
@@ -51,12 +57,60 @@ def _kept(batches: Iterator, taken: list) -> Iterator:
         yield batch
 
 
-def accumulate(s, batches: Iterator, size: int) -> tuple[float, float, int, list]:
+@dataclass
+class StepResult:
+    """One step's numbers, as device tensors (``read`` brings them to the host)."""
+
+    loss: torch.Tensor       # () the mean training loss of this process's examples
+    correct: torch.Tensor    # () this process's examples whose top-1 matched the target's
+    seen: int                # this process's examples
+    grad_norm: torch.Tensor  # () before clipping
+    bad_ranks: torch.Tensor  # (world size,) 1 where that process's loss was not finite
+    skipped: torch.Tensor    # () 1: the update was left out (a non-finite loss or gradient norm)
+    overflow: torch.Tensor | None = None  # () fp16: 1 where the scaler's overflow left the step out
+    origins: list = field(default_factory=list)  # per micro-batch: (stream position, (B,) finite-loss rows or None)
+
+    def flags(self) -> torch.Tensor:
+        """(2,) [skipped, overflow] on the device: what the loop reads for many steps at once."""
+        overflow = self.overflow if self.overflow is not None else torch.zeros_like(self.skipped)
+        return torch.stack([self.skipped, overflow])
+
+    def read(self) -> "CheckedStep":
+        """The step's numbers on the host (a device-to-host read: the loop's log steps only)."""
+        loss, grad_norm, skipped, overflow = torch.stack(
+            [self.loss.float(), self.grad_norm.float(), *self.flags().float()]).tolist()
+        bad_ranks = tuple(r for r, flag in enumerate(self.bad_ranks.tolist()) if flag)
+        nonfinite = None
+        if skipped and not overflow:
+            nonfinite = "loss" if bad_ranks else "gradients"
+        rows = [None if finite is None else (~finite).nonzero().flatten().tolist() for _, finite in self.origins]
+        return CheckedStep(loss, grad_norm, nonfinite, bool(overflow), bad_ranks,
+                           [(position, r) for (position, _), r in zip(self.origins, rows)])
+
+
+@dataclass
+class CheckedStep:
+    """A step's numbers read back: what ``numerics.NonFinite`` reports about a bad step."""
+
+    loss: float
+    grad_norm: float
+    nonfinite: str | None  # "loss" or "gradients": not finite, so the step was not applied
+    overflow: bool         # fp16: the gradient scaler found an overflow and left the step out
+    bad_ranks: tuple       # the processes whose loss was not finite
+    origins: list          # per micro-batch: (stream position, rows whose loss was not finite)
+
+    @property
+    def applied(self) -> bool:
+        return self.nonfinite is None and not self.overflow
+
+
+def accumulate(s, batches: Iterator, size: int) -> tuple[torch.Tensor, torch.Tensor, int, list]:
     """Forward and backward of ``optim.accum_steps`` micro-batches: (mean loss, correct,
-    examples, origins); ``origins`` holds, per micro-batch, where the stream took it from
-    and the rows whose loss is not a finite number (what an error message names)."""
+    examples, origins), the first two as device tensors; ``origins`` holds, per micro-batch,
+    where the stream took it from and which of its rows had a finite loss (on the device)."""
     cfg, K = s.cfg, s.cfg.optim.accum_steps
-    loss_sum = correct = 0.0
+    loss_sum = torch.zeros((), device=s.world.device)
+    correct = torch.zeros((), device=s.world.device)
     seen = 0
     origins = []
     for micro in range(K):
@@ -66,25 +120,21 @@ def accumulate(s, batches: Iterator, size: int) -> tuple[float, float, int, list
             x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
         sync = micro == K - 1 or s.world.size == 1
         with (nullcontext() if sync or not hasattr(s.trained, "no_sync") else s.trained.no_sync()):
-            with autocast(s.world.device, cfg.run.precision):
+            with autocast(s.world.device, s.precision):
                 out = s.trained(x)
+            finite_rows = None
             if cfg.model.mpp is None:
-                loss = loss_fn(out, targets, cfg.optim.loss)
-                hits = float((out.detach().argmax(-1) == targets.argmax(-1)).sum())
+                losses = example_losses(out, targets, cfg.optim.loss)
+                loss = losses.mean()
+                finite_rows = torch.isfinite(losses.detach())  # which examples a bad step names
+                correct += (out.detach().argmax(-1) == targets.argmax(-1)).sum()
             else:  # masked patch prediction: its own loss; "correct" counts images' worth of right patches
                 loss = out.loss
-                hits = x.shape[0] * mpp_accuracy(out)
+                correct += x.shape[0] * mpp_accuracy(out)
             # fp16: the loss is scaled up so that small gradients do not flush to zero in half precision
             ((s.scaler.scale(loss) if s.scaler is not None else loss) / K).backward()
-        loss_value = float(loss.detach())
-        bad_rows = None
-        if not math.isfinite(loss_value) and cfg.model.mpp is None:
-            with torch.no_grad():
-                finite = torch.isfinite(example_losses(out.detach(), targets, cfg.optim.loss))
-            bad_rows = (~finite).nonzero().flatten().tolist()
-        origins.append((position, bad_rows))
-        loss_sum += loss_value / K
-        correct += hits
+        loss_sum += loss.detach().float() / K
+        origins.append((position, finite_rows))
         seen += x.shape[0]
     return loss_sum, correct, seen, origins
 
@@ -97,11 +147,11 @@ def stream_position(stream) -> tuple:
     return ("stream", tuple(getattr(stream, "positions", ())))
 
 
-def mpp_accuracy(out) -> float:
-    """The share of corrupted patches whose predicted colour classes are right (0 for "pixels")."""
+def mpp_accuracy(out) -> torch.Tensor:
+    """() the share of corrupted patches whose predicted colour classes are right (0 for "pixels")."""
     if out.targets.is_floating_point():
-        return 0.0
-    return float((out.predictions.detach().argmax(-1) == out.targets).float().mean())
+        return torch.zeros((), device=out.targets.device)
+    return (out.predictions.detach().argmax(-1) == out.targets).float().mean()
 
 
 def endless(stream) -> Iterator:
@@ -110,31 +160,15 @@ def endless(stream) -> Iterator:
         yield from stream
 
 
-@dataclass
-class StepResult:
-    loss: float        # the mean training loss of the step's examples (this process's)
-    correct: float     # examples whose top-1 matched the target's
-    seen: int          # examples
-    grad_norm: float   # before clipping (NaN when the loss was not finite)
-    nonfinite: str | None = None  # "loss" or "gradients": not finite, so the step was not applied
-    overflow: bool = False        # fp16: the gradient scaler found an overflow and left the step out
-    bad_ranks: tuple = ()         # the processes whose loss was not finite
-    origins: list = field(default_factory=list)  # per micro-batch: (stream position, rows of non-finite loss)
-
-    @property
-    def applied(self) -> bool:
-        """Whether the optimiser (and the EMA) took this step."""
-        return self.nonfinite is None and not self.overflow
-
-
 def train_step(s, batches: Iterator, lr: float, size: int) -> StepResult:
     """One optimiser step of the set-up ``s`` at learning rate ``lr`` on images of ``size`` pixels.
 
     A step whose loss (on any process) or gradients are not finite numbers is not applied:
-    no optimiser or EMA update, its gradients dropped; the result says why, and the loop
-    decides whether to stop (``run.on_nonfinite``).  Under fp16 the gradient scaler tells
-    an overflow of the scaled gradients from a bad step: it leaves the step out and halves
-    its scale (``overflow``), which is the scaler's normal working, not an error.
+    the optimiser is told so on the device (``found_inf``) and moves nothing, the EMA is not
+    updated, and the gradients are dropped; the result's flags say so, and the loop reads
+    them at its next log step and decides whether to stop (``run.on_nonfinite``).  Under
+    fp16 the gradient scaler tells an overflow of the scaled gradients from a bad step: the
+    step is left out and its scale halves, which is the scaler's normal working.
 
     A compiled model whose step fails (a compiler error, or a compiled kernel that refuses
     a new input size) is given up with a warning: the step is redone eagerly on the same
@@ -158,42 +192,37 @@ def train_step(s, batches: Iterator, lr: float, size: int) -> StepResult:
         loss_sum, correct, seen, origins = accumulate(s, itertools.chain(list(taken), batches), size)
 
     # every process must take the same decision, and another's loss may be the bad one
-    bad_ranks = ranks_with_nonfinite(loss_sum, s.world)
-    if bad_ranks:
-        s.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, correct, seen, float("nan"), nonfinite="loss", bad_ranks=bad_ranks,
-                          origins=origins)
+    bad_ranks = torch.zeros(s.world.size, device=s.world.device)
+    bad_ranks[s.world.rank] = (~torch.isfinite(loss_sum)).float()
+    bad_ranks = all_reduce_tensor(bad_ranks, s.world)
     if s.scaler is not None:
         s.scaler.unscale_(s.optimizer)  # the clipping and the check below see the true gradients
     grad_norm = gradient_norm(s, cfg.optim.clip_norm)  # the same on every process: the gradients are reduced
-    if not math.isfinite(grad_norm):
-        if s.scaler is not None:  # it finds the overflow too: no optimiser step, and the scale halves
-            s.scaler.step(s.optimizer)
-            s.scaler.update()
-        s.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, correct, seen, grad_norm, nonfinite=None if s.scaler else "gradients",
-                          overflow=s.scaler is not None, origins=origins)
-    if s.scaler is not None:
-        s.scaler.step(s.optimizer)
-        s.scaler.update()
-    else:
+    grads_bad = ~torch.isfinite(grad_norm)
+    skipped = ((bad_ranks.sum() > 0) | grads_bad).float()
+    overflow = None
+    if s.scaler is not None:  # the scaler's own finding (an overflow of the scaled gradients) halves its scale
+        overflow = (grads_bad & (bad_ranks.sum() == 0)).float()
+    if skips_on_device(s.optimizer):
+        s.optimizer.found_inf = skipped
+        try:
+            s.optimizer.step()
+        finally:
+            del s.optimizer.found_inf
+    elif not bool(skipped):  # an optimiser that cannot leave a step out on the device: the one host read
         s.optimizer.step()
+    if s.scaler is not None:
+        s.scaler.update()
     s.optimizer.zero_grad(set_to_none=True)
     if s.ema is not None:
-        s.ema.update(s.model)
-    return StepResult(loss_sum, correct, seen, grad_norm, origins=origins)
+        s.ema.update(s.model, weight=1.0 - skipped)
+    return StepResult(loss_sum, correct, seen, grad_norm, bad_ranks, skipped, overflow, origins)
 
 
-def ranks_with_nonfinite(value: float, world) -> tuple:
-    """The ranks whose ``value`` is not a finite number (a collective call)."""
-    flags = [0.0] * world.size
-    flags[world.rank] = 0.0 if math.isfinite(value) else 1.0
-    return tuple(rank for rank, flag in enumerate(all_reduce_sum(flags, world)) if flag)
-
-
-def gradient_norm(s, clip_norm: float) -> float:
-    """The global gradient norm, the gradients clipped to ``clip_norm`` first when it is > 0."""
+def gradient_norm(s, clip_norm: float) -> torch.Tensor:
+    """() the global gradient norm, the gradients clipped to ``clip_norm`` first when it is > 0
+    (on the device: nothing is read back)."""
     params = [p for p in s.trained.parameters() if p.requires_grad]
     # max_norm=inf measures without clipping (the gradients are multiplied by 1)
     norm = torch.nn.utils.clip_grad_norm_(params, clip_norm if clip_norm > 0 else float("inf"))
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor over all shards
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over all shards

@@ -24,8 +24,6 @@ from typing import Any, Callable
 
 
 # ----------------------------------------------------------------------------- measuring tools
-# (standard library only at import: a ``bench.py --before`` worker imports this file with an
-# older vitlab first on its path)
 
 
 def _status(field: str) -> int:

@@ -14,15 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import kill_resume
 from vitlab.cli import main
 from vitlab.train import checkpoint as ckpt
 from vitlab.train import train
 from vitlab.weights import load_model
-
-_spec = importlib.util.spec_from_file_location(
-    "kill_resume", Path(__file__).resolve().parents[2] / "benchmarks" / "kill_resume.py")
-kill_resume = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kill_resume)
 
 
 def weights(path) -> dict:

@@ -23,7 +23,7 @@ from vitlab.eval.features import tta_view_count
 from . import checkpoint as ckpt
 from .build import Setup, build
 from .config import TrainConfig, to_dict, warmup_steps
-from .distributed import all_reduce_sum, barrier, elastic_restart_count, shutdown
+from .distributed import all_reduce_sum, barrier, elastic_restart_count, init_world, shutdown
 from .metrics import MetricsWriter, Progress, plot_curves
 from .numerics import NonFinite
 from .schedules import input_size_at, lr_at
@@ -52,12 +52,14 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     counting (default: now); the CLI passes its process's start, so that the budget is the
     command's whole wall time.
     """
+    # the group joined here is ended here; ``build`` finds it joined and takes its place in it
+    world = init_world(cfg.run.device)
     succeeded = False
     try:
         summary = _train(cfg, resume, verbose, overwrite, started_at)
         succeeded = True
     finally:
-        shutdown(wait_for_others=succeeded)
+        shutdown(world, wait_for_others=succeeded)
     return summary
 
 

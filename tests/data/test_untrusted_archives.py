@@ -199,6 +199,7 @@ def test_interrupted_extraction_leaves_nothing_and_is_redone(sandbox, monkeypatc
     assert sorted(p.name for p in (folder / "train" / "dog").iterdir()) == ["0.png", "1.png"]
 
 
+@pytest.mark.slow
 def test_a_killed_extraction_is_detected_and_redone(sandbox, caplog):
     """SIGKILL runs no cleanup: the partial folder of a dead process is removed and the
     extraction redone; a partial folder of a live process is left alone."""

@@ -15,7 +15,7 @@ QUICK = dict(sizes=[200, 600, 1400], total=1797, steps=15, shots=[5, 10])
 DEFAULT = dict(img_size=32, val_split=5000, total=50000, seeds=2,
                sizes=[2000, 5000, 10000, 20000, 45000], steps=600, time_limit=0.0, batch_size=128, lr=2e-3,
                width=192, depth=6, num_heads=3, mlp_dim=384, patch_size=4, shots=[5, 10, 25])
-# the ResNet baseline's units per stage and width factor (None: (1, 1, 1) on CIFAR, (1,) on the digits; 1, 0.5)
+# the ResNet baseline's units per stage (None: (1, 1, 1); (1,) on the digits) and width factor (None: 1; 0.5 on them)
 OPTIONS = dict(resnet_layers=None, resnet_width=None)
 
 

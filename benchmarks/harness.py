@@ -14,28 +14,96 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 
-def _measuring_tools():
-    """This checkout's ``vitlab/experiments/speed.py`` (standard library only at import),
-    loaded from its file: a ``bench.py --before`` worker runs with an older vitlab first on
-    its path, which may not have the module."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "vitlab" / "experiments" / "speed.py"
-    spec = importlib.util.spec_from_file_location("_vitlab_speed_tools", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# ----------------------------------------------------------------------------- measuring tools
 
 
-_tools = _measuring_tools()
-peak, reset_peak, run_worker, time_loop = _tools.peak, _tools.reset_peak, _tools.run_worker, _tools.time_loop
+def _status(field: str) -> int:
+    """A /proc/self/status field in bytes (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak(device: str) -> int:
+    """Start a new peak-memory window; the bytes in use now."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    try:  # 5 resets the resident set's high-water mark (VmHWM) to the current resident set
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # then the mark may include the model's build
+    return _status("VmRSS")
+
+
+def peak(device: str) -> int:
+    """The highest memory in use since ``reset_peak``: on a CPU the resident set, which sees
+    every allocation (torch's, oneDNN's scratch pads) where torch's own counters do not."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() if device == "cuda" else _status("VmHWM")
+
+
+def time_loop(step: Callable[[], Any], sync: Callable[[], None], warmup: int, repeats: int,
+              min_seconds: float, warm: Callable[[], None] = lambda: None) -> tuple[list[float], int]:
+    """Seconds per call of ``step`` in each of ``repeats`` timed repeats, and calls per repeat.
+
+    ``warmup`` untimed calls come first (compilation, allocator and oneDNN caches); the
+    last warm-up call sets how many calls make a repeat last ``min_seconds``.  ``warm()``
+    is called between the warm-ups and the timed repeats.
+    """
+    last = 0.0
+    for _ in range(warmup):
+        t = time.perf_counter()
+        step()
+        sync()
+        last = time.perf_counter() - t
+    calls = max(1, int(min_seconds / last)) if last > 0 else 1
+    warm()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls):
+            step()
+        sync()
+        times.append((time.perf_counter() - t) / calls)
+    return times, calls
+
+
+def run_worker(cmd: list[str], threads: int | None = None, pythonpath: str | None = None,
+               timeout: float = 1800) -> dict[str, Any]:
+    """Run a measuring command in a fresh interpreter and return the dict of its ``RESULT``
+    line, or {'error': ...}; ``pythonpath`` goes ahead of the installed packages."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+
 
 # Implementations of vitlab's own model: "vitlab" is the default path (``vitlab.fast.optimize``),
 # "vitlab-plain" the model as written, "vitlab-before" an earlier revision's (bench.py --before), "onnxruntime"

@@ -17,8 +17,8 @@ import vitlab.fast as fast
 from vitlab.config import ResNetConfig, ViTConfig
 
 torch.set_num_threads(2)
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                                reason="inductor needs a C++ compiler on a CPU")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                                   reason="inductor needs a C++ compiler on a CPU")]
 
 MODELS = {
     "vit": ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2, num_classes=3,

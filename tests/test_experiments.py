@@ -1,11 +1,14 @@
 """Every experiment's --quick form runs on the digits and writes its table, JSON and section."""
 import json
+from pathlib import Path
 
 import pytest
 
 from vitlab import experiments
 from vitlab.cli import main
-from vitlab.experiments.common import aggregate, markdown_table
+from vitlab.experiments.tables import aggregate, markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_aggregate_mean_and_std():
@@ -30,7 +33,7 @@ def test_list(capsys):
 def test_quick_settings_are_small():
     for name in experiments.EXPERIMENTS:
         s = experiments.settings(name, quick=True)
-        assert s.data == "digits" and s.seeds == 1 and s.minutes == 0
+        assert s.data == "digits" and s.seeds == 1 and s.time_limit == 0
         full = experiments.settings(name)
         assert full.seeds >= 2  # a spread over seeds in every default-size table
 
@@ -46,12 +49,8 @@ def test_quick_form(name, tmp_path):
     section = (out / "section.md").read_text()
     assert f"vitlab experiment {name}" in section and "Machine:" in section
     assert any(r.get("val_top1") is not None for r in result["rows"])
-    if name == "resolution":  # Figure 12: a speed and a largest batch per model and size, and how they were got
-        timed = [r for r in result["rows"] if r["part"] == "speed"]
-        assert [(r["model"], r["img_size"]) for r in timed] == [("tiny", 16), ("tiny", 32)]
-        for r in timed:
-            assert r["img_per_s"] > 0 and 0 <= r["largest_batch"] <= 64
-            assert ("per core; largest batch extrapolated" if r["device"] == "cpu" else "runs under") in r["method"]
+    if name == "resolution":  # fine-tuned at the pre-training size and at 1.5x it (Figure 12: tests/perf/test_figure12.py)
+        assert [(r["part"], r["img_size"]) for r in result["rows"]] == [("finetune", 16), ("finetune", 24)]
     if name == "posemb-similarity":  # seed 0's similarity map of every setting is kept beside the table
         pytest.importorskip("matplotlib")
         assert sorted(p.name for p in out.glob("similarity-*.png")) == [
@@ -85,12 +84,37 @@ def test_findings_block_is_replaced(tmp_path):
     assert text.index("third") < text.index("<!-- reading -->") < text.index("Reading: kept.")
 
 
-def test_set_values_parse_as_literals_and_booleans():
-    from vitlab.experiments.common import parse_value
+def test_set_values_are_read_as_the_train_config_reads_them():
+    from vitlab.cli.experiment import parse_settings
 
-    assert parse_value("false") is False and parse_value("True") is True
-    assert parse_value("(3.0, 9.0)") == (3.0, 9.0) and parse_value("2e-3") == 2e-3
-    assert parse_value("color4x4") == "color4x4"
+    # the type of each setting's default decides: a bool, a tuple, a bare word, a float
+    assert parse_settings("mpp", False, ["all_targets=false", "budgets=[3.0, 9.0]", "targets=color4x4",
+                                         "lr=2e-3", "time_limit=1", "resume=True"]) == dict(
+        all_targets=False, budgets=(3.0, 9.0), targets="color4x4", lr=2e-3, time_limit=1.0, resume=True)
+    assert parse_settings("resolution", True, ["finetune_size=40", "pretrain_minutes=0.5"]) == dict(
+        finetune_size=40, pretrain_minutes=0.5)  # a setting of the full size, set on the quick form
+    with pytest.raises(ValueError, match="all_targets='maybe': expected true or false"):
+        parse_settings("mpp", False, ["all_targets=maybe"])
+
+
+def test_settings_carry_the_trainers_names_and_accept_the_former_ones(tmp_path, capsys):
+    from vitlab.config import ConfigError
+    from vitlab.cli.experiment import parse_settings
+    from vitlab.train.config import load_recipe
+
+    s = experiments.settings("shape", batch=32, heads=4, mlp=96, patch=2, val=100, minutes=0.5)
+    assert (s.batch_size, s.num_heads, s.mlp_dim, s.patch_size, s.val_split, s.time_limit) == (32, 4, 96, 2, 100, 0.5)
+    assert parse_settings("shape", False, ["heads=4", "minutes=0"]) == dict(num_heads=4, time_limit=0.0)
+    # the full size trains on the CIFAR-10 recipe's data; --data overrides it
+    assert s.data == load_recipe("cifar10_scratch").data.source
+    assert experiments.settings("shape", data=str(tmp_path)).data == str(tmp_path)
+    with pytest.raises(ConfigError, match="experiment mpp: unknown setting 'budget'. Did you mean budgets"):
+        experiments.settings("mpp", budget=(3.0,))
+    # a typo is refused in one line before any work, as the trainer's --set refuses one
+    assert main(["experiment", "data-scale", "--quick", "--out", str(tmp_path / "x"), "--set", "sizez=[10]"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("vitlab experiment: error: experiment data-scale: unknown setting 'sizez'. Did you mean sizes")
+    assert not (tmp_path / "x").exists()
 
 
 def record_training(monkeypatch) -> list[str]:
@@ -202,3 +226,26 @@ def test_resume_trains_a_model_added_to_an_experiment_for_the_finished_seeds(tmp
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert [r for r in rows if r["model"] != "ViT+Muon"] == before
     assert sorted(r["model"] for r in rows) == ["R+ViT", "ResNet", "ViT", "ViT+Muon"]
+
+
+@pytest.mark.parametrize("record", sorted(p.parent.name for p in (ROOT / "results").glob("*/results.json")))
+def test_recorded_results_read_as_the_settings_their_command_gives_today(record):
+    """Every results.json in results/ records the command of its experiment; that command still
+    parses, and its settings are the recorded ones (former names and all; where it ran, the
+    device and threads, aside: mpp-12k-steps-gpu ran through the script beside it), so
+    ``--resume`` with it takes the recorded seeds instead of training them again."""
+    import shlex
+
+    from vitlab.cli import build_parser
+    from vitlab.cli.experiment import parse_settings
+
+    result = json.loads((ROOT / "results" / record / "results.json").read_text())
+    words = shlex.split(result["command"])
+    assert words[:2] == ["vitlab", "experiment"]
+    args = build_parser().parse_args(words[1:])
+    changes = dict(seeds=args.seeds, data=args.data, steps=args.steps, time_limit=args.time_limit,
+                   device=result["settings"]["device"], threads=result["settings"]["threads"])
+    changes.update(parse_settings(args.name, args.quick, args.set))
+    s = experiments.settings(args.name, args.quick, **changes)
+    assert experiments.same_size(args.name, args.quick, result["settings"], s)
+    assert not experiments.same_size(args.name, args.quick, dict(result["settings"], steps=7), s)

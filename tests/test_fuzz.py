@@ -1,17 +1,13 @@
 """A short fuzzing budget for every untrusted-input reader: the image decoder, the archive
-and shard readers, and the weight loaders (``benchmarks/fuzz.py`` runs the same targets for
+and shard readers, and the weight loaders (``tests/helpers/fuzz.py`` runs the same targets for
 longer).  A mutated input is decoded, loaded or refused with vitlab's own error, never
 anything else; every input that once broke a reader is replayed."""
-import importlib.util
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-_spec = importlib.util.spec_from_file_location("fuzz", Path(__file__).resolve().parents[1] / "benchmarks" / "fuzz.py")
-fuzz = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fuzz)
+from helpers import fuzz
 
 # examples per target: a few seconds each on one core
 TARGETS = {"image": 300, "archive": 60, "shard": 150, "safetensors": 100, "npz": 100, "pt": 100}

@@ -22,6 +22,24 @@ def test_every_plot_renders():
     png_ok(plots.plot_attention_heads(imgs[0], rng.uniform(size=(2, 3, 2, 2))))
     recs = [{"step": s, "loss": 1.0 / (s + 1), "lr": 0.1, "val_loss": 0.5, "note": "x"} for s in range(5)]
     png_ok(plots.plot_training_curves(recs))
+    png_ok(plots.plot_lines({"ViT": ([1, 10, 100], [0.3, 0.5, 0.6], [0.01, 0.02, 0.0]),
+                             "ResNet": ([1, 10, 100], [0.4, 0.5, 0.55], None)}, "examples", "top-1", logx=True))
+    png_ok(plots.plot_bars(["token/0.001", "gap/0.001"], [0.4, 0.38], [0.01, 0.02], ylabel="top-1"))
+    png_ok(plots.plot_distance_by_layer({"ViT": ([1, 2, 3], [5.0, 7.0, 9.0], [2.0, 3.0, 6.0], [8.0, 9.0, 12.0], 10.2),
+                                         "R+ViT": ([1, 2, 3], [6.0, 8.0, 9.0], [4.0, 6.0, 7.0], [8.0, 9.0, 11.0], None)}))
+
+
+def test_experiment_figures_draw_what_the_table_holds():
+    lines = plots.plot_lines({"a": ([1, 2], [0.5, 0.7], [0.1, 0.0]), "b": ([1, 2], [0.2, 0.3], None)}, "x", "y")
+    drawn = [line for line in lines.axes[0].get_lines() if line.get_marker() == "o"]  # not the error bars' caps
+    assert [list(line.get_ydata()) for line in drawn] == [[0.5, 0.7], [0.2, 0.3]]
+    assert [t.get_text() for t in lines.axes[0].get_legend().get_texts()] == ["a", "b"]
+    bars = plots.plot_bars(["x/1", "y/2", "z/3"], [0.1, 0.4, 0.2])
+    assert [round(p.get_height(), 6) for p in bars.axes[0].patches] == [0.1, 0.4, 0.2]
+    assert [t.get_text() for t in bars.axes[0].get_xticklabels()] == ["x/1", "y/2", "z/3"]
+    layers = plots.plot_distance_by_layer({"ViT": ([1, 2], [3.0, 4.0], [1.0, 2.0], [5.0, 6.0], 7.5)})
+    ax = layers.axes[0]
+    assert list(ax.get_lines()[0].get_ydata()) == [3.0, 4.0] and list(ax.get_lines()[1].get_ydata()) == [7.5, 7.5]
 
 
 def test_mosaic_layout():

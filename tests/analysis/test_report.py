@@ -87,6 +87,7 @@ def test_attention_arrays_match_the_model_functions():
     np.testing.assert_allclose(heads[1, 0], model_raw_attention(model, x[:1], layer=1, head=0)[0], atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get install chromium)")
 def test_every_figure_renders_in_chromium(report):
     checked = report.with_name("checked.html")

@@ -101,7 +101,7 @@ def test_path_traversal_refused(tmp_path, fakes, bad_name):
 def test_failed_extraction_leaves_nothing_that_looks_complete(tmp_path, make_folder, fakes, monkeypatch):
     archive = fakes.make_tar(make_folder(), tmp_path / "set.tar")
 
-    def dies_halfway(path, target):
+    def dies_halfway(path, target, limits):
         (target / "class_0").mkdir()
         raise KeyboardInterrupt  # as if the process were killed mid-extraction
 

@@ -143,6 +143,21 @@ def test_tar_bomb_with_a_huge_declared_size(sandbox, monkeypatch):
         read_image_archive(archive)
 
 
+def test_limits_given_as_arguments_leave_the_environment_unread(sandbox, monkeypatch):
+    """The environment is the default of the public calls only: with ``limits`` passed, a
+    variable that would be refused is never read, at the top or below it."""
+    archive = make_archive(sandbox / "bomb.tar", [member(f"train/cat/{i}.txt", b"x") for i in range(60)])
+    monkeypatch.setenv("VITLAB_MAX_ARCHIVE_MEMBERS", "lots")
+    with pytest.raises(DataError, match=r"bomb\.tar: more than 50 members"):
+        resolve_data_path(archive, sandbox / "cache", limits=ArchiveLimits(members=50))
+    with pytest.raises(DataError, match="more than 50 members"):
+        read_image_archive(archive, limits=ArchiveLimits(members=50))
+    fine = make_archive(sandbox / "fine.tar")
+    assert resolve_data_path(fine, sandbox / "cache", limits=ArchiveLimits(members=100)).is_dir()
+    with pytest.raises(DataError, match="VITLAB_MAX_ARCHIVE_MEMBERS='lots'"):  # left None: read, and refused
+        resolve_data_path(make_archive(sandbox / "other.tar"), sandbox / "cache")
+
+
 def test_limit_from_the_environment_must_be_a_number(monkeypatch):
     monkeypatch.setenv("VITLAB_MAX_ARCHIVE_BYTES", "lots")
     with pytest.raises(DataError, match=r"\$VITLAB_MAX_ARCHIVE_BYTES='lots': must be a positive integer"):
@@ -184,6 +199,7 @@ def test_interrupted_extraction_leaves_nothing_and_is_redone(sandbox, monkeypatc
     assert sorted(p.name for p in (folder / "train" / "dog").iterdir()) == ["0.png", "1.png"]
 
 
+@pytest.mark.slow
 def test_a_killed_extraction_is_detected_and_redone(sandbox, caplog):
     """SIGKILL runs no cleanup: the partial folder of a dead process is removed and the
     extraction redone; a partial folder of a live process is left alone."""

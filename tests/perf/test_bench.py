@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 
 # The scripts import harness as a sibling, as Python does for a script run from its folder
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -36,6 +37,7 @@ def test_time_loop_and_summary():
     assert (s["min"], s["median"], s["max"]) == (8.0, 16.0, 32.0)
 
 
+@pytest.mark.slow
 def test_subprocess_protocol():
     case = dict(kind="matmul", device="cpu", dtype="float32", size=64, warmup=1, repeats=2, min_seconds=0.0,
                 threads=1)

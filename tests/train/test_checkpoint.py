@@ -38,3 +38,36 @@ def test_overwrite_is_atomic(tmp_path, monkeypatch):
         ckpt.save_atomic({"v": 2}, path)
     assert ckpt.load_checkpoint(path)["v"] == 1
     assert os.listdir(tmp_path) == ["x.pt"]
+
+
+class WatchedEnvironment:
+    """``os.environ`` that records the names read through it."""
+
+    def __init__(self, environ) -> None:
+        self.environ, self.read = environ, []
+
+    def __getattr__(self, name):
+        return getattr(self.environ, name)
+
+    def get(self, key, default=None):
+        self.read.append(key)
+        return self.environ.get(key, default)
+
+    def __getitem__(self, key):
+        self.read.append(key)
+        return self.environ[key]
+
+    def __contains__(self, key):
+        self.read.append(key)
+        return key in self.environ
+
+
+def test_a_checkpoint_write_reads_no_environment(tmp_path):
+    """The save path holds no test hook (kill tests hold writes open from their own process:
+    tests/helpers/held_checkpoint_writes.py)."""
+    watched = os.environ = WatchedEnvironment(os.environ)
+    try:
+        ckpt.save_checkpoint({"step": 1, "w": torch.arange(10)}, tmp_path, 1, keep=2)
+    finally:
+        os.environ = watched.environ
+    assert watched.read == [] and ckpt.load_checkpoint(tmp_path / "ckpt-00000001.pt")["step"] == 1

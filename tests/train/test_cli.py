@@ -83,6 +83,7 @@ def _run_cli(args, env_extra=None, torchrun=None):
     return last_json_line(done.stdout)
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one(tmp_path, capsys):
     # SGD, no dropout, no augmentation: DDP's averaged gradients of two halves of the batch
     # equal the gradient of the whole batch, so the weights agree to float rounding; FSDP's

@@ -14,15 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import kill_resume
 from vitlab.cli import main
 from vitlab.train import checkpoint as ckpt
 from vitlab.train import train
 from vitlab.weights import load_model
-
-_spec = importlib.util.spec_from_file_location(
-    "kill_resume", Path(__file__).resolve().parents[2] / "benchmarks" / "kill_resume.py")
-kill_resume = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kill_resume)
 
 
 def weights(path) -> dict:
@@ -122,6 +118,7 @@ def test_partial_writes_are_removed_and_only_theirs(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000001.pt", "notes.tmp"]
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_and_inside_a_write_resumes_bit_equal(tmp_path):
     # 3 kills of `python -m vitlab train` (one aimed inside a checkpoint write), a --resume
     # after each, against an uninterrupted run: every final tensor bit-equal
@@ -132,6 +129,7 @@ def test_sigkill_at_random_moments_and_inside_a_write_resumes_bit_equal(tmp_path
     assert report["partial_files_left"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers through /proc (Linux)")
 def test_torchrun_restarts_a_killed_worker_and_the_group_resumes_bit_equal(tmp_path):
     import torch.distributed as dist

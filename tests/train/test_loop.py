@@ -115,6 +115,7 @@ def test_time_limit_counts_from_started_at(tiny):
     assert summary["wall_s"] >= 0.1 * 60  # counted from started_at, not from the call
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads the process start from Linux's /proc")
 def test_process_started_at_counts_the_time_before_train_is_called():
     # a process that idles for a second before asking: its start lies that second back

@@ -39,6 +39,7 @@ def pages_of_64_mib() -> int:
     return (64 << 20) // ((2 << 20) if huge else resource.getpagesize())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                     reason="mallopt's thresholds are glibc's")
 def test_freed_memory_is_reused_without_page_faults():

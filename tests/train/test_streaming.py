@@ -70,6 +70,7 @@ def test_stream_choice_and_refusals(tiny, shard_set, tmp_path):
     assert state["stream"]["kind"] == "stream"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_torchrun_two_processes_stream_shards(tmp_path, shard_set, mode):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -93,6 +94,7 @@ def test_torchrun_two_processes_stream_shards(tmp_path, shard_set, mode):
     print(f"torchrun {mode} 2 x 2 workers: {time.monotonic() - t:.1f} s")
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_on_streamed_shards(tmp_path, shard_set):
     # The global batch is a function of the readers (world_size x stream_workers = 2 in both
     # runs), each reader's part augmented with its own seed: one process of two workers and

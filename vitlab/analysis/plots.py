@@ -22,6 +22,9 @@ __all__ = [
     "plot_attention_overlay",
     "plot_attention_heads",
     "plot_training_curves",
+    "plot_lines",
+    "plot_bars",
+    "plot_distance_by_layer",
     "figure_png",
 ]
 
@@ -247,5 +250,67 @@ def plot_training_curves(records: Sequence[Mapping[str, float]], x_key: str = "s
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------- experiment tables
+
+
+def plot_lines(lines: Mapping[str, tuple[Sequence[float], Sequence[float], Sequence[float] | None]],
+               xlabel: str, ylabel: str, title: str = "", logx: bool = False) -> Figure:
+    """One line per name: ``lines[name] = (x, y, yerr)``, the mean ``y`` at each ``x`` with
+    +- ``yerr`` bars (None: no bars); a legend when there is more than one line."""
+    fig = Figure(figsize=(5, 3.5))
+    ax = fig.subplots()
+    for name, (x, y, err) in lines.items():
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=str(name))
+    if logx:
+        from matplotlib.ticker import FuncFormatter
+
+        ax.set_xscale("log")
+        # within a decade matplotlib labels every minor tick and they overlap: label 2x and 5x only
+        ax.xaxis.set_minor_formatter(FuncFormatter(
+            lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5) else ""))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    if len(lines) > 1:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_bars(labels: Sequence[str], values: Sequence[float], errors: Sequence[float] | None = None,
+              ylabel: str = "", title: str = "") -> Figure:
+    """One bar per label, +- ``errors`` when given."""
+    fig = Figure(figsize=(max(4, 0.6 * len(labels) + 1), 3.5))
+    ax = fig.subplots()
+    ax.bar(range(len(labels)), values, yerr=errors, capsize=3)
+    ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_distance_by_layer(models: Mapping[str, tuple[Sequence[int], Sequence[float], Sequence[float],
+                                                      Sequence[float], float | None]]) -> Figure:
+    """Mean attention distance against depth, one colour per model (paper Fig. 11 in
+    summary): ``models[name] = (layers, mean, lowest, highest, uniform)``, the heads' mean
+    distance per layer as a line, their range as a band, and the distance a head attending
+    to every patch alike would have (``uniform``; None: not drawn) as a dashed level."""
+    fig = Figure(figsize=(5, 3.5))
+    ax = fig.subplots()
+    for (name, (layers, mean, lowest, highest, uniform)), marker in zip(models.items(), "os^vD*"):
+        line, = ax.plot(layers, mean, marker=marker, label=f"{name} mean")
+        ax.fill_between(layers, lowest, highest, alpha=0.2, color=line.get_color())
+        if uniform:
+            ax.axhline(uniform, color=line.get_color(), linestyle="--", linewidth=1,
+                       label=f"{name}: uniform attention")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean attention distance (pixels)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

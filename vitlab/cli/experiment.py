@@ -11,12 +11,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="output folder (default results/NAME, results/NAME-quick with --quick)")
     p.add_argument("--seeds", type=int, help="runs per setting (default 1 with --quick, else the experiment's: 2 or 3)")
     p.add_argument("--data", help="data: an ImageFolder archive such as cifar10-train.tar.gz, or 'digits'")
-    p.add_argument("--steps", type=int, help="optimiser steps per run (a ceiling with --minutes)")
-    p.add_argument("--minutes", type=float, help="wall-time limit per run")
+    p.add_argument("--steps", type=int, help="optimiser steps per run (a ceiling with --time-limit)")
+    p.add_argument("--time-limit", "--minutes", dest="time_limit", type=float, metavar="MINUTES",
+                   help="wall-time limit per run, in minutes")
     p.add_argument("--device", help="auto, cpu, cuda, ...")
     p.add_argument("--threads", type=int, help="CPU threads (0: PyTorch's default)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any setting of the experiment, e.g. --set sizes=[2000,5000] --set batch=256")
+                   help="any setting of the experiment, e.g. --set sizes=[2000,5000] --set batch_size=256")
     p.add_argument("--resume", action="store_true",
                    help="reuse the runs an earlier invocation into the same --out finished with the same config "
                    "(an interrupted experiment, or more --seeds, trains only what is missing)")
@@ -26,19 +27,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab import experiments
-    from vitlab.experiments.common import parse_value
 
     if args.list or not args.name:
         for name, title, paper in experiments.describe():
             print(f"{name:<20} {title}\n{'':<20} paper: {paper}")
         return 0 if args.list else 2
-    changes = dict(seeds=args.seeds, data=args.data, steps=args.steps, minutes=args.minutes, device=args.device,
-                   threads=args.threads, resume=args.resume or None)
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-        changes[key.strip()] = parse_value(value)
+    changes = dict(seeds=args.seeds, data=args.data, steps=args.steps, time_limit=args.time_limit,
+                   device=args.device, threads=args.threads, resume=args.resume or None)
+    changes.update(parse_settings(args.name, args.quick, args.set))
     out = args.out or f"results/{args.name}" + ("-quick" if args.quick else "")
     result = experiments.run_experiment(args.name, out, quick=args.quick,
                                         command=command_of(args), **changes)
@@ -47,15 +43,38 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_settings(name: str, quick: bool, assignments: list[str]) -> dict:
+    """``KEY=VALUE`` strings as experiment ``name``'s settings, each value read as the train
+    config reads ``--set`` (``vitlab.train.config.parse_value``): a value of the type of the
+    setting's default.  A former name (``batch``, ``heads``...) is mapped to today's; an unknown
+    one is refused."""
+    from vitlab import experiments
+    from vitlab.train.config import parse_value
+
+    form, other = experiments.defaults(name, quick), experiments.defaults(name, not quick)
+    changes = {}
+    for item in assignments:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        key = experiments.setting_name(name, key.strip())
+        default = form[key] if key in form else other.get(key)
+        try:
+            changes[key] = parse_value(text, default)
+        except ValueError as err:
+            raise ValueError(f"--set {key}={text!r}: {err}") from None
+    return changes
+
+
 def command_of(args: argparse.Namespace) -> str:
     """The command line that reproduces this run (from the parsed options, not sys.argv)."""
     import shlex
 
     parts = ["vitlab", "experiment", args.name] + (["--quick"] if args.quick else [])
-    for opt in ("seeds", "data", "steps", "minutes", "device", "threads", "out"):
+    for opt in ("seeds", "data", "steps", "time_limit", "device", "threads", "out"):
         value = getattr(args, opt)
         if value is not None:
-            parts += [f"--{opt}", str(value)]
+            parts += [f"--{opt.replace('_', '-')}", str(value)]
     for item in args.set:
         parts += ["--set", item]
     return " ".join(shlex.quote(p) for p in parts)

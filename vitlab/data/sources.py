@@ -9,6 +9,10 @@ extracting it once into a cache.  The cache key is cheap (absolute path, size, m
 so a second call costs one ``stat``; the extraction lands in a temporary folder that
 is renamed into place only when complete, so a killed run never leaves a half folder
 that a later run would mistake for a finished one.
+
+The environment ($VITLAB_CACHE, $VITLAB_MAX_ARCHIVE_MEMBERS, $VITLAB_MAX_ARCHIVE_BYTES) is
+read once per call, by the public functions, and only where their ``cache_dir`` or
+``limits`` argument is left None; the helpers below them take the values as arguments.
 """
 from __future__ import annotations
 
@@ -226,10 +230,11 @@ def read_image_archive(path: PathLike, limits: ArchiveLimits | None = None) -> t
     members are skipped with a warning, and an archive that is damaged or over ``limits``
     (a tar bomb) raises ``DataError``.
     """
+    limits = limits or ArchiveLimits.from_env()
     path = Path(path)
     blobs: dict[str, bytes] = {}
     dirs: list[str] = []
-    budget = _Budget(path, limits or ArchiveLimits.from_env())
+    budget = _Budget(path, limits)
     special: list[str] = []
     try:
         with tarfile.open(path, "r:*") as tar:
@@ -334,9 +339,9 @@ def _checked_members(tar: tarfile.TarFile, archive: Path, budget: _Budget,
         yield member
 
 
-def _extract(archive: Path, target: Path, limits: ArchiveLimits | None = None) -> None:
+def _extract(archive: Path, target: Path, limits: ArchiveLimits) -> None:
     free = shutil.disk_usage(target).free
-    budget = _Budget(archive, limits or ArchiveLimits.from_env(), free)
+    budget = _Budget(archive, limits, free)
     skipped: list[str] = []
     try:
         with tarfile.open(archive, "r:*") as tar:
@@ -382,7 +387,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def resolve_data_path(path: PathLike, cache_dir: PathLike | None = None) -> Path:
+def resolve_data_path(path: PathLike, cache_dir: PathLike | None = None,
+                      limits: ArchiveLimits | None = None) -> Path:
     """Return a folder holding the data at ``path``.
 
     A folder is returned as is.  A ``.tar``/``.tar.gz``/``.tgz`` archive is extracted
@@ -390,6 +396,7 @@ def resolve_data_path(path: PathLike, cache_dir: PathLike | None = None) -> Path
     archive's path, size and mtime are unchanged.
 
     cache_dir: defaults to ``default_cache_dir()``.
+    limits:    what the archive may hold; defaults to ``ArchiveLimits.from_env()``.
 
     Raises:
         DataError: ``path`` does not exist, is not a folder or a supported archive, the
@@ -410,6 +417,7 @@ def resolve_data_path(path: PathLike, cache_dir: PathLike | None = None) -> Path
     final = extracted / source_key(path)
     if final.is_dir():
         return final
+    limits = limits or ArchiveLimits.from_env()
     extracted.mkdir(parents=True, exist_ok=True)
     _clean_stale(extracted, final.name)
     # the pid in the name tells a later run whether the extracting process is still alive
@@ -417,7 +425,7 @@ def resolve_data_path(path: PathLike, cache_dir: PathLike | None = None) -> Path
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
     try:
         log.info("extracting %s into %s", path, final)
-        _extract(path, tmp)
+        _extract(path, tmp, limits)
         try:
             os.rename(tmp, final)  # atomic on one file system: the folder appears complete or not at all
         except OSError:

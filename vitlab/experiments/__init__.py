@@ -9,6 +9,7 @@ runs it over its seeds and writes ``results.json``, ``results.md``, ``figure.png
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import shlex
 import sys
@@ -16,7 +17,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from vitlab.experiments.common import Settings, aggregate, machine, markdown_table, write_json
+from vitlab.config import ConfigError
+from vitlab.experiments.common import FORMER_NAMES, Settings, recipe_data
+from vitlab.experiments.tables import aggregate, machine, markdown_table, write_json
 
 # name -> module
 EXPERIMENTS = {
@@ -40,11 +43,36 @@ def get(name: str):
     return importlib.import_module(f"vitlab.experiments.{EXPERIMENTS[name]}")
 
 
-def settings(name: str, quick: bool = False, **changes) -> Settings:
+def defaults(name: str, quick: bool = False) -> dict:
+    """Every setting of experiment ``name`` in its full-size or ``quick`` form, at its default:
+    ``Settings``' fields, the experiment's ``OPTIONS``, then its ``DEFAULT`` or ``QUICK``.  The
+    full-size forms train on the data of ``common.DATA_RECIPE`` unless they name their own."""
     mod = get(name)
-    values = dict(mod.QUICK if quick else mod.DEFAULT)
-    values.setdefault("seeds", 1 if quick else 3)
-    values.update({k: v for k, v in changes.items() if v is not None})
+    values = Settings().as_dict()
+    values["seeds"] = 1 if quick else 3
+    if not quick:
+        values["data"] = recipe_data()
+    values.update(getattr(mod, "OPTIONS", {}))
+    values.update(mod.QUICK if quick else mod.DEFAULT)
+    return values
+
+
+def setting_name(name: str, key: str) -> str:
+    """The setting ``key`` names in experiment ``name`` (a former name is mapped to today's); a
+    ``ConfigError`` naming the close matches and every setting when it has none."""
+    key = FORMER_NAMES.get(key, key)
+    known = set(defaults(name, quick=True)) | set(get(name).DEFAULT) | set(getattr(get(name), "OPTIONS", {}))
+    if key not in known:
+        close = difflib.get_close_matches(key, sorted(known), n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(f"experiment {name}: unknown setting {key!r}.{hint} Its settings: {', '.join(sorted(known))}")
+    return key
+
+
+def settings(name: str, quick: bool = False, **changes) -> Settings:
+    """The settings of one run of experiment ``name``: its defaults with ``changes`` (None: unset)."""
+    values = defaults(name, quick)
+    values.update({setting_name(name, k): v for k, v in changes.items() if v is not None})
     return Settings.from_dict(values)
 
 
@@ -55,7 +83,7 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
     s = settings(name, quick, **changes)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    earlier_rows = rows_of_earlier_seeds(out, s, quick) if s.resume else []
+    earlier_rows = rows_of_earlier_seeds(name, out, s, quick) if s.resume else []
     s.earlier_rows = tuple(earlier_rows)
     t0 = time.monotonic()
     rows = earlier_rows + mod.run(s, out / "runs")
@@ -71,12 +99,7 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
     write_json(out / "results.json", dict(meta, table=table, rows=rows))
     (out / "results.md").write_text(md + "\n")
     files = {"json": out / "results.json", "markdown": out / "results.md"}
-    figure = None
-    if hasattr(mod, "plot"):
-        try:
-            figure = mod.plot(table, out / "figure.png")
-        except Exception as err:  # noqa: BLE001 (a figure never fails the run)
-            print(f"figure skipped: {err}", file=sys.stderr)
+    figure = draw_figure(mod, table, out / "figure.png")
     if figure:
         files["figure"] = figure
     section = [f"### {name}: {mod.TITLE}", "", f"Paper: {mod.PAPER}", "",
@@ -94,32 +117,61 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
     return dict(rows=rows, table=table, wall_s=wall, files=files)
 
 
-def rows_of_earlier_seeds(out: Path, s: Settings, quick: bool) -> list[dict]:
+def draw_figure(mod, table: list[dict], path: Path) -> Path | None:
+    """The experiment's figure of ``table`` written to ``path``, or None: it has none, or it
+    could not be drawn (said in one line; a figure never fails the run)."""
+    if not hasattr(mod, "plot"):
+        return None
+    try:
+        figure = mod.plot(table)
+    except ImportError as err:
+        print(f"figure skipped: {err.name or err} is not installed (pip install -e \".[plots]\")", file=sys.stderr)
+        return None
+    except Exception as err:  # noqa: BLE001
+        print(f"figure skipped: {err}", file=sys.stderr)
+        return None
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def rows_of_earlier_seeds(name: str, out: Path, s: Settings, quick: bool) -> list[dict]:
     """The rows ``--resume`` takes from ``out/results.json`` instead of training again.
 
-    An earlier invocation's file counts only if it ran the same experiment size (every setting
-    but ``seeds`` and ``resume``) in the same form (``--quick`` or not); its seeds 0..n-1 are then
-    finished (the file is written once all of them are).  A seed's rows are taken only where
-    ``out/runs`` holds none of that seed's run folders (``*-s<seed>``), as on a fresh checkout:
-    where the folders are there, the run-by-run check (``finished_run``) decides, so a run
-    retrained since still invalidates what was made from it.  Rows without a seed
-    (measurements such as the resolution experiment's speed sweep) are measured again."""
+    An earlier invocation's file counts only if it ran the same experiment size in the same
+    form (``--quick`` or not; ``same_size``); its seeds 0..n-1 are then finished (the file is
+    written once all of them are).  A seed's rows are taken only where ``out/runs`` holds none
+    of that seed's run folders (``*-s<seed>``), as on a fresh checkout: where the folders are
+    there, the run-by-run check (``finished_run``) decides, so a run retrained since still
+    invalidates what was made from it."""
     import json
 
     try:
         earlier = json.loads((out / "results.json").read_text())
-        before, now = dict(earlier["settings"]), s.as_dict()
-        finished = min(int(before["seeds"]), s.seeds)
-    except (OSError, ValueError, KeyError, TypeError):
+        finished = min(int(earlier["settings"].get("seeds")), s.seeds)
+        same = earlier.get("quick") == quick and same_size(name, quick, earlier["settings"], s)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []
-    for d in (before, now):
-        for key in ("seeds", "resume"):
-            d.pop(key, None)
-    if earlier.get("quick") != quick or json.loads(json.dumps(now)) != before:
+    if not same:
         return []
     runs = out / "runs"
     missing = {seed for seed in range(finished) if not any(runs.glob(f"*-s{seed}"))}
     return [r for r in earlier.get("rows", []) if r.get("seed") in missing]
+
+
+def same_size(name: str, quick: bool, recorded: dict, s: Settings) -> bool:
+    """Whether settings a ``results.json`` recorded describe the experiment ``s`` describes, but
+    for ``seeds`` and ``resume``.  They are read as today's: former names mapped
+    (``FORMER_NAMES``), a setting added since at its default (the value that run had), one the
+    experiment no longer has left out."""
+    import json
+
+    recorded = {FORMER_NAMES.get(k, k): v for k, v in recorded.items()}
+    now, default = s.as_dict(), defaults(name, quick)
+    before = {k: recorded[k] if k in recorded else default.get(k) for k in now}
+    for d in (before, now):
+        for key in ("seeds", "resume"):
+            d.pop(key, None)
+    return json.loads(json.dumps(now)) == json.loads(json.dumps(before))
 
 
 def resumed_note(seeds: frozenset, runs: int) -> str:

@@ -1,8 +1,7 @@
 """Mean attention distance per head against depth, for ViT and for the hybrid."""
 from __future__ import annotations
 
-from vitlab.experiments.common import (CIFAR, hybrid_overrides, load_images, load_trained, split, train_vit,
-                                       vit_overrides)
+from vitlab.experiments.common import hybrid_overrides, load_images, load_trained, split, train_vit, vit_overrides
 
 TITLE = "mean attention distance per head against network depth"
 PAPER = ("Fig. 7 right, Fig. 11: some heads attend globally already in the lowest layers, others locally; "
@@ -11,8 +10,9 @@ SUMMARY = ("model", "layer")
 METRICS = ("mean_distance", "min_head", "max_head", "uniform", "val_top1")
 QUICK = dict(steps=15, images=64)
 # 2 runs x 3 seeds x 10 minutes = 60 minutes
-DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
-               minutes=10.0, batch=128, lr=1e-3, width=192, depth=6, heads=3, mlp=384, patch=4, images=512)
+DEFAULT = dict(img_size=32, val_split=5000, steps=100_000,
+               time_limit=10.0, batch_size=128, lr=1e-3, width=192, depth=6, num_heads=3, mlp_dim=384, patch_size=4,
+               images=512)
 
 
 def run(s, out):
@@ -37,27 +37,13 @@ def run(s, out):
     return rows
 
 
-def plot(table, path):
-    try:
-        import matplotlib
+def plot(table):
+    from vitlab.analysis.plots import plot_distance_by_layer
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for name, marker in (("ViT", "o"), ("R+ViT", "s")):
+    models = {}
+    for name in ("ViT", "R+ViT"):
         rs = [r for r in table if r["model"] == name]
-        line, = ax.plot([r["layer"] for r in rs], [r["mean_distance"] for r in rs], marker=marker, label=f"{name} mean")
-        ax.fill_between([r["layer"] for r in rs], [r["min_head"] for r in rs], [r["max_head"] for r in rs], alpha=0.2)
-        if rs and rs[0].get("uniform"):
-            ax.axhline(rs[0]["uniform"], color=line.get_color(), linestyle="--", linewidth=1,
-                       label=f"{name}: uniform attention")
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("mean attention distance (pixels)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        if rs:
+            models[name] = ([r["layer"] for r in rs], [r["mean_distance"] for r in rs], [r["min_head"] for r in rs],
+                            [r["max_head"] for r in rs], rs[0].get("uniform"))
+    return plot_distance_by_layer(models)

@@ -1,12 +1,19 @@
-"""What every experiment shares: the run settings, the training helpers, seeds and the writer.
+"""What every experiment shares: its settings and the runs it trains through the trainer.
 
 An experiment is a module of this package with
 
     TITLE, PAPER   one line each: what it asks and which figure/table of the paper it mirrors
     DEFAULT, QUICK plain dicts of settings (``Settings`` fields plus the experiment's own)
+    OPTIONS        optional: the experiment's other settings and their defaults
     run(s, out) -> rows   trains/measures through the library, one row per (setting, seed)
     SUMMARY        the columns rows are grouped by; METRICS the columns averaged over seeds
-    plot(table, path)     optional: a figure of the aggregated table
+    plot(table) -> Figure optional: a figure of the aggregated table (``vitlab.analysis.plots``)
+
+The settings carry the trainer's names (``batch_size``, ``num_heads``, ``mlp_dim``,
+``patch_size``, ``val_split``, ``time_limit``: the ``TrainConfig`` and ``ViTConfig`` fields
+they fill); ``FORMER_NAMES`` maps the names of earlier versions, which recorded commands and
+``results.json`` files hold.  The full-size forms train on the data of ``DATA_RECIPE``
+(CIFAR-10); ``--data`` overrides it.
 
 The runner (``vitlab.experiments.run_experiment``) writes ``out/results.json``,
 ``out/results.md`` (mean ± std over seeds), ``out/figure.png`` when matplotlib imports,
@@ -15,13 +22,24 @@ and ``out/section.md``: the findings section with the command, machine and wall 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 DIGITS = "digits"
-CIFAR = "../shared/data/cifar10/cifar10-train.tar.gz"  # relative to the repository root, as the README runs it
+DATA_RECIPE = "cifar10_scratch"  # the full-size forms' data: this recipe's data.source
+
+# the settings' names before they were the trainer's (results.json files and commands written then hold them)
+FORMER_NAMES = {"val": "val_split", "minutes": "time_limit", "batch": "batch_size", "heads": "num_heads",
+                "mlp": "mlp_dim", "patch": "patch_size"}
+
+
+def recipe_data(recipe: str = DATA_RECIPE) -> str:
+    """The data source a recipe trains on (for ``cifar10_scratch`` an archive path relative to the
+    repository root, as the README runs it)."""
+    from vitlab.train.config import load_recipe
+
+    return load_recipe(recipe).data.source
 
 
 @dataclass
@@ -30,11 +48,11 @@ class Settings:
 
     data:        "digits" (scikit-learn's 8x8 digits, upsampled) or a CIFAR-like ImageFolder archive.
     img_size:    training resolution.
-    val:         held-out examples (class-stratified, split seed 0): 5,000 on CIFAR-10.
-    steps:       optimiser steps per run (a ceiling when ``minutes`` is set).
-    minutes:     wall-time limit per run (0: none); the engine fits the schedule into it.
-    batch, lr:   the ViT runs' batch and AdamW learning rate.
-    width, depth, heads, mlp, patch: the base ViT.
+    val_split:   held-out examples (class-stratified, split seed 0): 5,000 on CIFAR-10.
+    steps:       optimiser steps per run (a ceiling when ``time_limit`` is set).
+    time_limit:  minutes of wall time per run (0: none); the engine fits the schedule into it.
+    batch_size, lr: the runs' batch and AdamW learning rate.
+    width, depth, num_heads, mlp_dim, patch_size: the base ViT.
     seeds:       runs per setting; tables report mean ± std.
     device, threads: where training runs ("auto": a GPU when there is one).
     resume:      reuse every run a previous invocation into the same folder finished with
@@ -51,16 +69,16 @@ class Settings:
 
     data: str = DIGITS
     img_size: int = 16
-    val: int = 300
+    val_split: int = 300
     steps: int = 20
-    minutes: float = 0.0
-    batch: int = 64
+    time_limit: float = 0.0
+    batch_size: int = 64
     lr: float = 3e-3
     width: int = 32
     depth: int = 2
-    heads: int = 2
-    mlp: int = 64
-    patch: int = 4
+    num_heads: int = 2
+    mlp_dim: int = 64
+    patch_size: int = 4
     seeds: int = 1
     device: str = "auto"
     threads: int = 0
@@ -72,8 +90,13 @@ class Settings:
     INTERNAL = ("extra", "reused", "earlier_rows")
 
     @classmethod
+    def names(cls) -> list[str]:
+        """The settings every experiment has."""
+        return [f.name for f in fields(cls) if f.name not in cls.INTERNAL]
+
+    @classmethod
     def from_dict(cls, values: dict) -> "Settings":
-        names = {f.name for f in fields(cls)} - set(cls.INTERNAL)
+        names = set(cls.names())
         known = {k: v for k, v in values.items() if k in names}
         return cls(**known, extra={k: v for k, v in values.items() if k not in names})
 
@@ -96,21 +119,9 @@ class Settings:
         return self.data == DIGITS
 
     def as_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.INTERNAL}
+        d = {name: getattr(self, name) for name in self.names()}
         d.update(self.extra)
         return d
-
-
-def parse_value(text: str) -> Any:
-    """A ``--set`` value: a Python literal, true/false in any case, else the text itself."""
-    import ast
-
-    if text.lower() in ("true", "false"):  # "false" must not reach a setting as a truthy string
-        return text.lower() == "true"
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
 
 
 # ----------------------------------------------------------------------------- models
@@ -118,8 +129,8 @@ def parse_value(text: str) -> Any:
 
 def vit_overrides(s: Settings, **changes: Any) -> dict:
     """The base ViT of an experiment as ``ViTConfig`` overrides (changes win)."""
-    d = dict(img_size=s.img_size, patch_size=s.patch, width=s.width, depth=s.depth, num_heads=s.heads,
-             mlp_dim=s.mlp, gelu="exact", name=f"ViT-w{s.width}d{s.depth}/{s.patch}")
+    d = dict(img_size=s.img_size, patch_size=s.patch_size, width=s.width, depth=s.depth, num_heads=s.num_heads,
+             mlp_dim=s.mlp_dim, gelu="exact", name=f"ViT-w{s.width}d{s.depth}/{s.patch_size}")
     d.update(changes)
     return d
 
@@ -153,13 +164,13 @@ def train_config(s: Settings, out: Path, seed: int, overrides: dict, changes: di
     cfg = TrainConfig(
         recipe="experiment",
         model=ModelConfig(name="ViT-Ti/16", overrides=dict(overrides)),
-        data=DataConfig(source=s.data, val_split=s.val, split_seed=0),
+        data=DataConfig(source=s.data, val_split=s.val_split, split_seed=0),
         augment=AugmentConfig(crop="none" if s.digits else "pad", flip=not s.digits),
-        optim=OptimConfig(optimizer="adam", lr=s.lr, weight_decay=0.05, batch_size=s.batch, steps=s.steps,
+        optim=OptimConfig(optimizer="adam", lr=s.lr, weight_decay=0.05, batch_size=s.batch_size, steps=s.steps,
                           warmup=0.05 if s.steps >= 20 else 1, decay="cosine", clip_norm=1.0),
         run=RunConfig(precision="fp32" if s.digits else "auto", eval_every=0, log_every=max(1, s.steps // 10),
                       ckpt_every=0, keep_ckpts=1,
-                      threads=s.threads, device=s.device, seed=seed, time_limit=s.minutes, tensorboard=False,
+                      threads=s.threads, device=s.device, seed=seed, time_limit=s.time_limit, tensorboard=False,
                       fast=not s.digits, out=str(out)),
     )
     return replace(cfg, changes or {})
@@ -254,7 +265,7 @@ def split(s: Settings, labels):
     """The engine's held-out split: ``stratified_split(labels, val, split_seed=0)``."""
     from vitlab.data import stratified_split
 
-    return stratified_split(labels, s.val, 0)
+    return stratified_split(labels, s.val_split, 0)
 
 
 def train_resnet(s: Settings, out: Path, seed: int, resnet: dict, optimizer: str = "adam", lr: float | None = None,
@@ -297,141 +308,3 @@ def load_trained(summary: dict):
     from vitlab.weights import load_model
 
     return load_model(summary["weights"])
-
-
-# ----------------------------------------------------------------------------- seeds and tables
-
-
-def aggregate(rows: list[dict], keys: Sequence[str], metrics: Sequence[str]) -> list[dict]:
-    """Group rows by ``keys`` (in first-seen order); mean, std and n of each metric."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault(tuple(r.get(k) for k in keys), []).append(r)
-    table = []
-    for key, rs in groups.items():
-        row = dict(zip(keys, key))
-        row["n"] = len(rs)
-        for m in metrics:
-            vals = [float(r[m]) for r in rs if r.get(m) is not None]
-            if vals:
-                mean = sum(vals) / len(vals)
-                row[m] = mean
-                row[m + "_std"] = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
-        table.append(row)
-    return table
-
-
-def fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
-def markdown_table(table: list[dict], keys: Sequence[str], metrics: Sequence[str]) -> str:
-    cols = list(keys) + [m for m in metrics if any(m in r for r in table)] + ["n"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in table:
-        cells = []
-        for c in cols:
-            if c in metrics and c in r:
-                std = r[c + "_std"]
-                # a metric the seeds cannot change (FLOPs, parameters) gets no spread
-                spread = r.get("n", 1) > 1 and std > 1e-9 * abs(r[c])
-                std_text = f"{std:.0f}" if std >= 100 else f"{std:.2g}"  # 160, not 1.6e+02
-                cells.append(f"{r[c]:.4g} ± {std_text}" if spread else f"{r[c]:.4g}")
-            else:
-                cells.append(fmt(r.get(c, "")))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def machine() -> str:
-    """CPU model and core count (from lscpu / /proc/cpuinfo) and the GPU when there is one."""
-    import os
-    import platform
-
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    text = f"{name}, {os.cpu_count()} cores"
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            text += f", {torch.cuda.get_device_name(0)}"
-    except Exception:  # noqa: BLE001
-        pass
-    return text
-
-
-def plot_lines(table: list[dict], x: str, y: str, series: str | None, path: Path, title: str = "",
-               logx: bool = False) -> Path | None:
-    """One line per value of ``series``: mean ``y`` against ``x`` with ± std bars."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    names = [None] if series is None else list(dict.fromkeys(r[series] for r in table))
-    for name in names:
-        rs = [r for r in table if (series is None or r[series] == name) and r.get(y) is not None]
-        if not rs:
-            continue
-        rs.sort(key=lambda r: r[x])
-        ax.errorbar([r[x] for r in rs], [r[y] for r in rs], yerr=[r.get(y + "_std", 0) for r in rs],
-                    marker="o", capsize=3, label=str(name))
-    if logx:
-        from matplotlib.ticker import FuncFormatter
-
-        ax.set_xscale("log")
-        # within a decade matplotlib labels every minor tick and they overlap: label 2x and 5x only
-        ax.xaxis.set_minor_formatter(FuncFormatter(
-            lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5) else ""))
-    ax.set_xlabel(x)
-    ax.set_ylabel(y)
-    ax.set_title(title, fontsize=9)
-    if series:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_bars(table: list[dict], label_keys: Iterable[str], y: str, path: Path, title: str = "") -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    label_keys = list(label_keys)
-    labels = ["/".join(str(r[k]) for k in label_keys) for r in table]
-    fig, ax = plt.subplots(figsize=(max(4, 0.6 * len(labels) + 1), 3.5))
-    ax.bar(range(len(table)), [r.get(y, 0) for r in table], yerr=[r.get(y + "_std", 0) for r in table], capsize=3)
-    ax.set_xticks(range(len(table)), labels, rotation=45, ha="right", fontsize=7)
-    ax.set_ylabel(y)
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def write_json(path: Path, obj: Any) -> None:
-    def default(o):
-        try:
-            return float(o)
-        except (TypeError, ValueError):
-            return str(o)
-
-    path.write_text(json.dumps(obj, indent=2, default=default))

@@ -8,8 +8,11 @@ same: it asks how much of the ViT's gap at a given compute is its optimisation. 
 Muon's orthogonalisation as well as the forward and backward passes, so it trains fewer steps."""
 from __future__ import annotations
 
-from vitlab.experiments.common import (CIFAR, hybrid_overrides, optimiser_flops_per_step, plot_lines, stem,
-                                       train_resnet, train_vit, vit_overrides)
+import dataclasses
+
+from vitlab.experiments.common import (hybrid_overrides, optimiser_flops_per_step, stem, train_resnet, train_vit,
+                                       vit_overrides)
+from vitlab.experiments.tables import lines_of
 
 TITLE = "accuracy against total training compute (FLOPs as `vitlab flops` counts them)"
 PAPER = ("Fig. 5: at equal pre-training compute ViT beats ResNets (2-4x less compute for the same "
@@ -19,8 +22,10 @@ METRICS = ("val_top1", "train_eflops", "steps", "wall_s")
 QUICK = dict(budgets=[10, 30], steps=30)
 # budgets in steps of the plain ViT; 4 models x 3 budgets x 3 seeds; step-bounded, not time-limited:
 # about 40 minutes per seed on a 2-core Zen 4 (31 for the three AdamW models)
-DEFAULT = dict(data=CIFAR, img_size=32, val=5000, budgets=[150, 300, 600],
-               steps=600, batch=128, lr=2e-3, width=192, depth=6, heads=3, mlp=384, patch=4)
+DEFAULT = dict(img_size=32, val_split=5000, budgets=[150, 300, 600],
+               steps=600, batch_size=128, lr=2e-3, width=192, depth=6, num_heads=3, mlp_dim=384, patch_size=4)
+# the ResNet's units per stage (None: (1, 3, 2) on CIFAR, (1, 1) on the digits)
+OPTIONS = dict(resnet_layers=None)
 
 
 def architecture(overrides_or_resnet, resnet: bool = False):
@@ -52,12 +57,12 @@ def vit_muon_changes() -> dict:
 
 def run(s, out):
     vit, hybrid = vit_overrides(s), hybrid_overrides(s, depth=max(1, s.depth // 2))
-    resnet = stem(s, s.get("resnet_layers", (1, 1) if s.digits else (1, 3, 2)))
+    resnet = stem(s, s.get("resnet_layers") or ((1, 1) if s.digits else (1, 3, 2)))
     forward = {"ViT": forward_flops(vit), "ViT+Muon": forward_flops(vit), "R+ViT": forward_flops(hybrid),
                "ResNet": forward_flops(resnet, True)}
     # training FLOPs per image: 3 x forward (the paper's count), plus Muon's orthogonalisation
     cost = {model: 3 * f for model, f in forward.items()}
-    cost["ViT+Muon"] += optimiser_flops_per_step(architecture(vit), "muon") / s.batch
+    cost["ViT+Muon"] += optimiser_flops_per_step(architecture(vit), "muon") / s.batch_size
     rows = []
     for seed in range(s.seeds):
         for budget in s.get("budgets"):
@@ -65,7 +70,7 @@ def run(s, out):
                 if s.has_row(model=model, budget=budget, seed=seed):
                     continue
                 steps = max(1, round(budget * cost["ViT"] / c))
-                sub = type(s)(**{**s.__dict__, "steps": steps, "minutes": 0.0})
+                sub = dataclasses.replace(s, steps=steps, time_limit=0.0)  # shares reused and earlier_rows
                 folder = out / f"{model}-{budget}-s{seed}"
                 if model == "ResNet":
                     r = train_resnet(sub, folder, seed, resnet)
@@ -78,5 +83,8 @@ def run(s, out):
     return rows
 
 
-def plot(table, path):
-    return plot_lines(table, "train_eflops", "val_top1", "model", path, "accuracy vs training exaFLOPs", logx=True)
+def plot(table):
+    from vitlab.analysis.plots import plot_lines
+
+    return plot_lines(lines_of(table, "train_eflops", "val_top1", "model"), "train_eflops", "val_top1",
+                      "accuracy vs training exaFLOPs", logx=True)

@@ -1,8 +1,8 @@
 """ViT against a BiT ResNet of similar cost, trained on growing subsets of the data."""
 from __future__ import annotations
 
-from vitlab.experiments.common import (CIFAR, fewshot, load_trained, plot_lines, stem, train_resnet, train_vit,
-                                       vit_overrides)
+from vitlab.experiments.common import fewshot, load_trained, stem, train_resnet, train_vit, vit_overrides
+from vitlab.experiments.tables import lines_of
 
 TITLE = "ViT vs ResNet against pre-training data size: fine-tuned and linear few-shot accuracy"
 PAPER = ("Fig. 3 and 4: ResNets win on small pre-training sets, ViT overtakes them from ~100M images "
@@ -12,22 +12,24 @@ METRICS = ("val_top1", "fewshot_5", "fewshot_10", "wall_s", "train_eflops")
 QUICK = dict(sizes=[200, 600, 1400], total=1797, steps=15, shots=[5, 10])
 # 10 runs x 2 seeds x 600 steps: about 60 minutes on the 2-core CPU.  Bounded by steps, not
 # minutes, so that every CPU trains the same runs and --resume can add seeds on another machine.
-DEFAULT = dict(data=CIFAR, img_size=32, val=5000, total=50000, seeds=2,
-               sizes=[2000, 5000, 10000, 20000, 45000], steps=600, minutes=0.0, batch=128, lr=2e-3,
-               width=192, depth=6, heads=3, mlp=384, patch=4, shots=[5, 10, 25])
+DEFAULT = dict(img_size=32, val_split=5000, total=50000, seeds=2,
+               sizes=[2000, 5000, 10000, 20000, 45000], steps=600, time_limit=0.0, batch_size=128, lr=2e-3,
+               width=192, depth=6, num_heads=3, mlp_dim=384, patch_size=4, shots=[5, 10, 25])
+# the ResNet baseline's units per stage (None: (1, 1, 1); (1,) on the digits) and width factor (None: 1; 0.5 on them)
+OPTIONS = dict(resnet_layers=None, resnet_width=None)
 
 
 def run(s, out):
     rows = []
     for seed in s.new_seeds():
         for n in s.get("sizes"):
-            take = 0 if n + s.val >= s.get("total", 0) else n + s.val
+            take = 0 if n + s.val_split >= s.get("total", 0) else n + s.val_split
             for model in ("ViT", "ResNet"):
                 folder = out / f"{model}-{n}-s{seed}"
                 if model == "ViT":
                     r = train_vit(s, folder, seed, vit_overrides(s), {"data.train_examples": take})
                 else:
-                    layers = s.get("resnet_layers", (1,) if s.digits else (1, 1, 1))
+                    layers = s.get("resnet_layers") or ((1,) if s.digits else (1, 1, 1))
                     r = train_resnet(s, folder, seed, stem(s, layers, s.get("resnet_width")), train_examples=take)
                 shots = fewshot(load_trained(r), s, s.get("shots", [5]), take)
                 rows.append(dict(model=model, examples=n, seed=seed, val_top1=r["val_top1"], steps=r["steps"],
@@ -35,5 +37,8 @@ def run(s, out):
     return rows
 
 
-def plot(table, path):
-    return plot_lines(table, "examples", "val_top1", "model", path, "accuracy vs training examples", logx=True)
+def plot(table):
+    from vitlab.analysis.plots import plot_lines
+
+    return plot_lines(lines_of(table, "examples", "val_top1", "model"), "examples", "val_top1",
+                      "accuracy vs training examples", logx=True)

@@ -1,7 +1,8 @@
 """[class] token against global average pooling, at two learning rates."""
 from __future__ import annotations
 
-from vitlab.experiments.common import CIFAR, plot_bars, train_vit, vit_overrides
+from vitlab.experiments.common import train_vit, vit_overrides
+from vitlab.experiments.tables import bars_of
 
 TITLE = "classifier: [class] token vs global average pooling"
 PAPER = ("Fig. 9: both reach the same accuracy, but GAP needs a lower learning rate "
@@ -10,8 +11,9 @@ SUMMARY = ("classifier", "lr")
 METRICS = ("val_top1", "steps", "wall_s")
 QUICK = dict(steps=15, lrs=[3e-3, 1e-3])
 # 4 settings x 3 seeds x 5 minutes = 60 minutes
-DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
-               minutes=5.0, batch=128, lr=2e-3, width=192, depth=6, heads=3, mlp=384, patch=4, lrs=[8e-4, 3e-4])
+DEFAULT = dict(img_size=32, val_split=5000, steps=100_000,
+               time_limit=5.0, batch_size=128, lr=2e-3, width=192, depth=6, num_heads=3, mlp_dim=384, patch_size=4,
+               lrs=[8e-4, 3e-4])
 
 
 def run(s, out):
@@ -26,5 +28,7 @@ def run(s, out):
     return rows
 
 
-def plot(table, path):
-    return plot_bars(table, ["classifier", "lr"], "val_top1", path, "[class] token vs GAP")
+def plot(table):
+    from vitlab.analysis.plots import plot_bars
+
+    return plot_bars(*bars_of(table, ["classifier", "lr"], "val_top1"), ylabel="val_top1", title="[class] token vs GAP")

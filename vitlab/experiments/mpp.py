@@ -12,7 +12,8 @@ A budget of 0 is step-bounded (``steps``, the quick form).
 """
 from __future__ import annotations
 
-from vitlab.experiments.common import CIFAR, plot_bars, train_vit, vit_overrides
+from vitlab.experiments.common import train_vit, vit_overrides
+from vitlab.experiments.tables import bars_of
 
 TITLE = "masked patch prediction (self-supervised) pre-training vs training from scratch"
 PAPER = ("Sec. 4.6: MPP pre-training of ViT-B/16 on JFT gives 79.9% ImageNet, +2% over scratch "
@@ -22,8 +23,11 @@ METRICS = ("val_top1", "wall_s", "steps")
 TARGETS = ("color", "color4x4", "pixels")
 QUICK = dict(steps=20, budgets=(0,), seeds=1)
 # 2 seeds x (4 runs x 3 minutes + 2 runs x 9 minutes) = 60 minutes
-DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000, batch=128, lr=1e-3, width=192, depth=6, heads=3,
-               mlp=384, patch=4, seeds=2, budgets=(3.0, 9.0), pretrain_share=0.6, patch_init="whiten")
+DEFAULT = dict(img_size=32, val_split=5000, steps=100_000, batch_size=128, lr=1e-3, width=192, depth=6,
+               num_heads=3, mlp_dim=384, patch_size=4, seeds=2, budgets=(3.0, 9.0), pretrain_share=0.6,
+               patch_init="whiten")
+# targets: the targets to run at every budget (None: as all_targets says); all_targets: all three at every budget
+OPTIONS = dict(targets=None, all_targets=False)
 
 
 def targets_at(s, budget) -> tuple:
@@ -74,5 +78,8 @@ def _init(s) -> dict:
     return {"model.patch_init": s.get("patch_init", "lecun")}
 
 
-def plot(table, path):
-    return plot_bars(table, ["budget_min", "run"], "val_top1", path, "MPP pre-training vs scratch, equal total time")
+def plot(table):
+    from vitlab.analysis.plots import plot_bars
+
+    return plot_bars(*bars_of(table, ["budget_min", "run"], "val_top1"), ylabel="val_top1",
+                     title="MPP pre-training vs scratch, equal total time")

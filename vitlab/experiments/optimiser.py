@@ -1,7 +1,8 @@
 """Adam against SGD with momentum for the ResNet baseline."""
 from __future__ import annotations
 
-from vitlab.experiments.common import CIFAR, plot_bars, stem, train_resnet
+from vitlab.experiments.common import stem, train_resnet
+from vitlab.experiments.tables import bars_of
 
 TITLE = "Adam vs SGD for the ResNet baseline"
 PAPER = ("Table 7 (BiT ResNets pre-trained on JFT, few-shot and fine-tuned transfer): Adam pre-training "
@@ -10,12 +11,14 @@ SUMMARY = ("optimizer", "lr")
 METRICS = ("val_top1", "wall_s")
 QUICK = dict(steps=20, settings=[["adam", 3e-3], ["sgd", 0.05]])
 # 4 runs x 3 seeds x 5 minutes = 60 minutes
-DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
-               minutes=5.0, batch=128, settings=[["adam", 1e-3], ["adam", 3e-3], ["sgd", 0.03], ["sgd", 0.1]])
+DEFAULT = dict(img_size=32, val_split=5000, steps=100_000,
+               time_limit=5.0, batch_size=128, settings=[["adam", 1e-3], ["adam", 3e-3], ["sgd", 0.03], ["sgd", 0.1]])
+# the ResNet's units per stage (None: (1, 3, 2) on CIFAR, (1, 1) on the digits)
+OPTIONS = dict(resnet_layers=None)
 
 
 def run(s, out):
-    resnet = stem(s, s.get("resnet_layers", (1, 1) if s.digits else (1, 3, 2)))
+    resnet = stem(s, s.get("resnet_layers") or ((1, 1) if s.digits else (1, 3, 2)))
     rows = []
     for seed in s.new_seeds():
         for opt, lr in s.get("settings"):
@@ -24,5 +27,7 @@ def run(s, out):
     return rows
 
 
-def plot(table, path):
-    return plot_bars(table, ["optimizer", "lr"], "val_top1", path, "ResNet: Adam vs SGD")
+def plot(table):
+    from vitlab.analysis.plots import plot_bars
+
+    return plot_bars(*bars_of(table, ["optimizer", "lr"], "val_top1"), ylabel="val_top1", title="ResNet: Adam vs SGD")

@@ -1,7 +1,8 @@
 """Position embeddings: none / 1D / 2D / relative, added at the stem / every layer / every layer shared."""
 from __future__ import annotations
 
-from vitlab.experiments.common import CIFAR, plot_bars, train_vit, vit_overrides
+from vitlab.experiments.common import train_vit, vit_overrides
+from vitlab.experiments.tables import bars_of
 
 TITLE = "position embedding type and where it is added"
 PAPER = ("Table 8 (ViT-B/16, ImageNet 5-shot linear): none 0.61382, 1D 0.64206, 2D 0.64001, relative 0.64032 "
@@ -10,8 +11,8 @@ SUMMARY = ("posemb", "place")
 METRICS = ("val_top1", "steps", "wall_s")
 QUICK = dict(steps=15)
 # 8 settings x 3 seeds x 2.5 minutes = 60 minutes
-DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
-               minutes=2.5, batch=128, lr=1e-3, width=192, depth=6, heads=3, mlp=384, patch=4)
+DEFAULT = dict(img_size=32, val_split=5000, steps=100_000,
+               time_limit=2.5, batch_size=128, lr=1e-3, width=192, depth=6, num_heads=3, mlp_dim=384, patch_size=4)
 # relative embeddings are a bias inside every attention layer: only "stem" exists for them (as in Table 8)
 SETTINGS = [("none", "stem")] + [(p, place) for p in ("learned_1d", "learned_2d")
                                  for place in ("stem", "every_layer", "every_layer_shared")] + [("relative", "stem")]
@@ -28,5 +29,7 @@ def run(s, out):
     return rows
 
 
-def plot(table, path):
-    return plot_bars(table, ["posemb", "place"], "val_top1", path, "position embeddings")
+def plot(table):
+    from vitlab.analysis.plots import plot_bars
+
+    return plot_bars(*bars_of(table, ["posemb", "place"], "val_top1"), ylabel="val_top1", title="position embeddings")

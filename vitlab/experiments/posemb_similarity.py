@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vitlab.experiments.common import CIFAR, load_trained, plot_bars, train_vit, vit_overrides
+from vitlab.experiments.common import load_trained, train_vit, vit_overrides
+from vitlab.experiments.tables import bars_of
 
 TITLE = "learned position-embedding similarity across patch sizes and learning rates"
 PAPER = ("Fig. 7 centre, Fig. 10: the embeddings learn the 2D grid (near patches similar, row/column "
@@ -12,8 +13,9 @@ SUMMARY = ("patch", "lr")
 METRICS = ("val_top1", "near", "far", "locality")
 QUICK = dict(steps=8, patches=[2, 4], lrs=[3e-3, 1e-3])
 # 4 runs x 3 seeds x 5 minutes = 60 minutes
-DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
-               minutes=5.0, batch=128, width=192, depth=6, heads=3, mlp=384, patches=[4, 8], lrs=[2e-3, 5e-4])
+DEFAULT = dict(img_size=32, val_split=5000, steps=100_000,
+               time_limit=5.0, batch_size=128, width=192, depth=6, num_heads=3, mlp_dim=384, patches=[4, 8],
+               lrs=[2e-3, 5e-4])
 
 
 def locality(sim: np.ndarray) -> tuple[float, float]:
@@ -64,5 +66,8 @@ def _figure(sim, paths, title: str):
         pass
 
 
-def plot(table, path):
-    return plot_bars(table, ["patch", "lr"], "locality", path, "near minus far position-embedding similarity")
+def plot(table):
+    from vitlab.analysis.plots import plot_bars
+
+    return plot_bars(*bars_of(table, ["patch", "lr"], "locality"), ylabel="locality",
+                     title="near minus far position-embedding similarity")

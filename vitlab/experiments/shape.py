@@ -1,7 +1,8 @@
 """Depth, width, MLP size and patch size scaled from one base model."""
 from __future__ import annotations
 
-from vitlab.experiments.common import CIFAR, plot_lines, train_vit, vit_overrides
+from vitlab.experiments.common import train_vit, vit_overrides
+from vitlab.experiments.tables import lines_of
 
 TITLE = "scaling the model's shape: depth, width, MLP size, patch size"
 PAPER = ("Fig. 8: depth helps most (up to 64 layers, diminishing after 16), width least; a smaller patch "
@@ -10,17 +11,17 @@ SUMMARY = ("dimension", "value")
 METRICS = ("val_top1", "gflops", "params_m", "steps", "wall_s")
 QUICK = dict(steps=8)
 # 8 models (base, depth/width/MLP x0.5 and x2, patch x0.5) x 3 seeds x 2 minutes = 48 minutes
-DEFAULT = dict(data=CIFAR, img_size=32, val=5000, steps=100_000,
-               minutes=2.0, batch=128, lr=1e-3, width=128, depth=4, heads=2, mlp=256, patch=4)
+DEFAULT = dict(img_size=32, val_split=5000, steps=100_000,
+               time_limit=2.0, batch_size=128, lr=1e-3, width=128, depth=4, num_heads=2, mlp_dim=256, patch_size=4)
 
 
 def variants(s):
     yield "base", 1, {}
     for f in (0.5, 2):
         yield "depth", f, dict(depth=max(1, int(s.depth * f)))
-        yield "width", f, dict(width=int(s.width * f), num_heads=max(1, int(s.heads * f)))
-        yield "mlp", f, dict(mlp_dim=int(s.mlp * f))
-    yield "patch", 0.5, dict(patch_size=s.patch // 2)
+        yield "width", f, dict(width=int(s.width * f), num_heads=max(1, int(s.num_heads * f)))
+        yield "mlp", f, dict(mlp_dim=int(s.mlp_dim * f))
+    yield "patch", 0.5, dict(patch_size=s.patch_size // 2)
 
 
 def run(s, out):
@@ -39,8 +40,11 @@ def run(s, out):
     return rows
 
 
-def plot(table, path):
+def plot(table):
+    from vitlab.analysis.plots import plot_lines
+
     base = [r for r in table if r["dimension"] == "base"]
     rows = table + [dict(b, dimension=d) for b in base for d in ("depth", "width", "mlp", "patch")]
     rows = [r for r in rows if r["dimension"] != "base"]
-    return plot_lines(rows, "gflops", "val_top1", "dimension", path, "shape scaling from one base", logx=True)
+    return plot_lines(lines_of(rows, "gflops", "val_top1", "dimension"), "gflops", "val_top1",
+                      "shape scaling from one base", logx=True)

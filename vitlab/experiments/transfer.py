@@ -1,27 +1,30 @@
 """Pre-train on five classes, fine-tune on the other five at a higher resolution, against scratch."""
 from __future__ import annotations
 
-from vitlab.experiments.common import CIFAR, hybrid_overrides, plot_bars, train_vit
+from vitlab.experiments.common import hybrid_overrides, train_vit
+from vitlab.experiments.tables import bars_of
 
 TITLE = "pre-train on five classes, fine-tune on the other five at 1.5x the resolution"
 PAPER = ("Sec. 3.2 / 4.2: pre-training then fine-tuning at a higher resolution (position embeddings "
          "interpolated) beats training on the target task alone")
 SUMMARY = ("run", "classes", "img_size")
 METRICS = ("val_top1", "steps", "wall_s")
-QUICK = dict(steps=20, val=200)
+QUICK = dict(steps=20, val_split=200)
 # results/transfer/transfer_cifar5.json was measured with this model (by experiments/transfer_cifar5.py, now this);
 # 3 seeds x (10 + 5 + 5) minutes = 60 minutes
-DEFAULT = dict(data=CIFAR, img_size=32, val=2500, steps=100_000,
-               batch=256, lr=2e-3, pretrain_minutes=10.0, finetune_minutes=5.0, finetune_lr=0.01,
+DEFAULT = dict(img_size=32, val_split=2500, steps=100_000,
+               batch_size=256, lr=2e-3, pretrain_minutes=10.0, finetune_minutes=5.0, finetune_lr=0.01,
                model=dict(img_size=32, width=192, depth=6, num_heads=3, mlp_dim=384, gelu="exact", patch_size=1,
                           resnet=dict(layers=(1, 1), img_size=32), name="R8x1+ViT-CIFAR/1"))
+# the fine-tuning resolution (None: 1.5x img_size)
+OPTIONS = dict(finetune_size=None)
 CIFAR_FIRST = ("airplane", "automobile", "bird", "cat", "deer")
 CIFAR_SECOND = ("dog", "frog", "horse", "ship", "truck")
 
 
 def run(s, out):
     first, second = (("0", "1", "2", "3", "4"), ("5", "6", "7", "8", "9")) if s.digits else (CIFAR_FIRST, CIFAR_SECOND)
-    big = s.get("finetune_size", s.img_size * 3 // 2)
+    big = s.get("finetune_size") or s.img_size * 3 // 2
     model = s.get("model") or hybrid_overrides(s)
     pre_min, ft_min = s.get("pretrain_minutes", 0.0), s.get("finetune_minutes", 0.0)
     ft_steps = max(1, s.steps // 2) if not ft_min else s.steps
@@ -45,5 +48,8 @@ def run(s, out):
     return rows
 
 
-def plot(table, path):
-    return plot_bars(table, ["run", "img_size"], "val_top1", path, "transfer to the other five classes")
+def plot(table):
+    from vitlab.analysis.plots import plot_bars
+
+    return plot_bars(*bars_of(table, ["run", "img_size"], "val_top1"), ylabel="val_top1",
+                     title="transfer to the other five classes")

@@ -23,7 +23,6 @@ import errno
 import os
 import re
 import tempfile
-import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -33,10 +32,6 @@ import torch
 PATTERN = re.compile(r"^ckpt-(\d+)\.pt$")
 PARTIAL_PATTERN = re.compile(r"^\.ckpt-\d+\.pt\..*\.tmp$")  # the temporary file of an unfinished write
 DAMAGED_SUFFIX = ".damaged"
-
-# Tests only: seconds to hold each write between torch.save and the rename, so that a
-# kill can be aimed inside a write (tests/train/test_crash.py, benchmarks/kill_resume.py).
-WRITE_PAUSE_ENV = "VITLAB_CKPT_WRITE_PAUSE"
 
 
 class CheckpointError(OSError):
@@ -80,9 +75,6 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
-            pause = float(os.environ.get(WRITE_PAUSE_ENV, "0") or 0)
-            if pause > 0:
-                time.sleep(pause)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

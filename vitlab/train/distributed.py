@@ -21,10 +21,14 @@ from torch import nn
 
 @dataclass(frozen=True)
 class World:
+    """This process's place in the run.  ``owns_group``: ``init_world`` created the process
+    group for it, so ``shutdown(world)`` ends the group; a group the caller created is left alone."""
+
     rank: int
     size: int
     local_rank: int
     device: torch.device
+    owns_group: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -48,17 +52,16 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-_joined_here = False  # whether init_world created the process group (and so shutdown may end it)
-
-
 def init_world(device_name: str = "auto") -> World:
-    """Join the process group if torchrun (or a test) set the environment; else 1 process."""
-    global _joined_here
+    """Join the process group if torchrun (or a test) set the environment; else 1 process.
+    The group joined here is the returned world's to end (``shutdown``); when one exists
+    already, this process's place in it, which ``shutdown`` leaves alone."""
     size = env_world_size()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     device = pick_device(device_name, local_rank)
-    if size > 1 and not dist.is_initialized():
+    joined = size > 1 and not dist.is_initialized()
+    if joined:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -72,8 +75,7 @@ def init_world(device_name: str = "auto") -> World:
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size)
         else:
             dist.init_process_group(backend=backend, rank=rank, world_size=size)
-        _joined_here = True
-    return World(rank=rank, size=size, local_rank=local_rank, device=device)
+    return World(rank=rank, size=size, local_rank=local_rank, device=device, owns_group=joined)
 
 
 def wrap_model(model: nn.Module, world: World, fsdp: bool) -> nn.Module:
@@ -135,8 +137,9 @@ def barrier(world: World) -> None:
         dist.barrier()
 
 
-def shutdown(wait_for_others: bool = True) -> None:
-    """Leave the process group, and free it, while the interpreter is still whole.
+def shutdown(world: World, wait_for_others: bool = True) -> None:
+    """Leave the process group ``world`` joined (``owns_group``), and free it, while the
+    interpreter is still whole.
 
     DDP's reducer and FSDP's device mesh keep the group alive inside reference cycles; if
     those are only collected as the interpreter exits, gloo's worker threads die holding
@@ -145,10 +148,8 @@ def shutdown(wait_for_others: bool = True) -> None:
     only on success: a rank that failed must not wait for ranks that will not come.
     A group that the caller created (not ``init_world``) is left alone.
     """
-    global _joined_here
-    if not (_joined_here and dist.is_initialized()):
+    if not (world.owns_group and dist.is_initialized()):
         return
-    _joined_here = False
     gc.collect()  # the model's cycles first: their last references to the group go
     if wait_for_others:
         dist.barrier()

@@ -20,16 +20,15 @@ from pathlib import Path
 
 import torch
 
+from vitlab import fast
 from vitlab.config import ConfigError
 from vitlab.eval.features import tta_view_count
-
-from . import checkpoint as ckpt
-from vitlab import fast
 from vitlab.fast.kernels import why_unavailable
 
+from . import checkpoint as ckpt
 from .build import Resolved, Setup, build
 from .config import TrainConfig, to_dict, warmup_steps
-from .distributed import all_reduce_sum, barrier, elastic_restart_count, shutdown
+from .distributed import all_reduce_sum, barrier, elastic_restart_count, init_world, shutdown
 from .metrics import MetricsWriter, Progress, plot_curves
 from .numerics import NonFinite
 from .schedules import input_size_at, lr_at
@@ -58,13 +57,15 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     counting (default: now); the CLI passes its process's start, so that the budget is the
     command's whole wall time.
     """
+    # the group joined here is ended here; ``build`` finds it joined and takes its place in it
+    world = init_world(cfg.run.device)
     succeeded = False
     caller = process_state()
     try:
         summary = _train(cfg, resume, verbose, overwrite, started_at)
         succeeded = True
     finally:
-        shutdown(wait_for_others=succeeded)
+        shutdown(world, wait_for_others=succeeded)
         set_process_state(caller)  # a library call leaves its caller's threads and random streams as it found them
     return summary
 

@@ -1,9 +1,9 @@
 """Kill `vitlab train` with SIGKILL at random moments, resume it each time, and check that
 the final weights are bit-equal (torch.equal, every tensor) to an uninterrupted run's.
 
-    python benchmarks/kill_resume.py --kills 10                # 10 random kills, 2 aimed at a write
-    python benchmarks/kill_resume.py --kills 10 --write-kills 3 --seed 1
-    python benchmarks/kill_resume.py --torchrun                # 2 processes, one killed, torchrun restarts
+    python tests/helpers/kill_resume.py --kills 10                # 10 random kills, 2 aimed at a write
+    python tests/helpers/kill_resume.py --kills 10 --write-kills 3 --seed 1
+    python tests/helpers/kill_resume.py --torchrun                # 2 processes, one killed, torchrun restarts
 
 The run: a ViT of 4 blocks (width 32, 4x4 patches) on a synthetic ImageFolder of 5
 classes x 16 images of 16x16 pixels, batch 16, Adam, dropout 0.1, random crops and flips
@@ -17,8 +17,8 @@ its first step to its last checkpoint, times the share of steps after the checkp
 resumed from): uniform in [0, 2/k) of it with k kills still to make, at most 90 %, so
 that the kills spread over the whole run; and sends SIGKILL.
 It "landed in a write" when a checkpoint's temporary file is left behind.  A kill aimed
-at a write sets ``VITLAB_CKPT_WRITE_PAUSE`` (checkpoint.py holds every write open that
-long) and fires as soon as a temporary file appears.  After every kill the run is
+at a write launches the run through ``held_checkpoint_writes.py`` (every write held open a
+second before its rename) and fires as soon as a temporary file appears.  After every kill the run is
 launched again with ``--resume``; the last launch runs to the end.
 
 ``--torchrun``: the same run under ``torchrun --nproc_per_node 2 --max-restarts 1``
@@ -40,7 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+HELD_WRITES = Path(__file__).resolve().with_name("held_checkpoint_writes.py")
 MODEL = {"img_size": 16, "patch_size": 4, "width": 32, "depth": 4, "num_heads": 4, "mlp_dim": 64, "dropout": 0.1}
 TIMEOUT_S = 300
 
@@ -73,17 +74,21 @@ def train_args(data: Path, out: Path, cache: Path, steps: int, ckpt_every: int =
     return args
 
 
-def environment(**extra: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+def environment() -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
-def launch(args: list[str], env: dict, torchrun: int = 0, max_restarts: int = 0) -> subprocess.Popen:
-    launcher = [sys.executable, "-m", "vitlab"]
+def launch(args: list[str], env: dict, torchrun: int = 0, max_restarts: int = 0,
+           hold_writes: float = 0.0) -> subprocess.Popen:
+    """`vitlab ARGS` in a new process (``torchrun`` of them); with ``hold_writes``, every
+    checkpoint write held open that many seconds (``held_checkpoint_writes.py``)."""
+    program = [str(HELD_WRITES), str(hold_writes)] if hold_writes else ["-m", "vitlab"]
+    launcher = [sys.executable, *program]
     if torchrun:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
-                    f"--max-restarts={max_restarts}", "-m", "vitlab"]
+                    f"--max-restarts={max_restarts}", *program]
     return subprocess.Popen(launcher + args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -175,7 +180,7 @@ def kill_and_resume(workdir: Path, kills: int, write_kills: int, seed: int, step
         args = train_args(data, out, cache, steps) + (["--resume"] if resume else [])
         since = time.time()
         if kind == "write":
-            proc = launch(args, environment(VITLAB_CKPT_WRITE_PAUSE="1.0"))
+            proc = launch(args, environment(), hold_writes=1.0)
             reached = wait_for(lambda: bool(partial_writes(out)), proc)
         else:
             proc = launch(args, environment())
@@ -237,8 +242,7 @@ def torchrun_worker_kill(workdir: Path, steps: int = 20) -> dict:
     reference = last_json(stdout)
 
     # every write is held open for a while: the kill lands while rank 1 waits for rank 0's write
-    proc = launch(train_args(data, out, cache, steps), environment(VITLAB_CKPT_WRITE_PAUSE="1.0"), torchrun=2,
-                  max_restarts=1)
+    proc = launch(train_args(data, out, cache, steps), environment(), torchrun=2, max_restarts=1, hold_writes=1.0)
     wait_for(lambda: len(checkpoints(out)) >= 1 and bool(partial_writes(out)), proc)
     victims = worker_pids(proc.pid)
     os.kill(victims[1], signal.SIGKILL)

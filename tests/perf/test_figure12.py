@@ -1,10 +1,15 @@
-"""The speed part of `vitlab experiment resolution` (the paper's Figure 12): the batch search,
-the memory extrapolation, and the fresh-process measurement."""
+"""benchmarks/figure12.py, the paper's Figure 12: the batch search, the memory extrapolation,
+and the fresh-process measurement."""
+import json
+import sys
+from pathlib import Path
+
 import pytest
 
-from vitlab.experiments import speed
-from vitlab.experiments.common import Settings
-from vitlab.experiments.resolution import _config_maker
+# the scripts import harness as a sibling, as Python does for a script run from its folder
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import figure12 as speed  # noqa: E402
 
 GIB = 2**30
 
@@ -76,24 +81,42 @@ def test_cpu_search_runs_real_batches_against_the_budget(monkeypatch):
     assert all(c["repeats"] == 1 for c in seen[1:])
 
 
-def test_sizes_the_patches_do_not_tile_are_refused_before_measuring(monkeypatch):
+def test_sizes_the_patches_do_not_tile_are_refused_before_measuring(monkeypatch, capsys):
     monkeypatch.setattr(speed, "run_case", lambda case, timeout=1800: pytest.fail("measured"))
     with pytest.raises(ValueError, match="ViT-B/16 at 100 px"):
-        speed.sweep({"BiT-R50x1": _config_maker("BiT-R50x1", None), "ViT-B/16": _config_maker("ViT-B/16", None)},
-                    [224, 100], "cpu", batch=2, budget=8 * GIB)
-    assert speed.model_config("ViT-B/16", 384).img_size == (384, 384)
-    assert speed.model_config("ViT-B/16", 224).gelu == "exact"  # as benchmarks/harness.py builds it
+        speed.sweep(["BiT-R50x1", "ViT-B/16"], [224, 100], "cpu", batch=2, budget=8 * GIB)
+    assert speed.main(["--models", "ViT-B/16", "--sizes", "100"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("figure12.py: error: --sizes: ViT-B/16 at 100 px")
 
 
+@pytest.mark.slow
 def test_a_measurement_runs_in_a_fresh_process():
     from vitlab.config import config_to_dict
 
-    tiny = _config_maker("tiny", Settings())(16)
+    tiny = speed.vitlab_config("ViT-CIFAR", 16)
     case = dict(config=config_to_dict(tiny), device="cpu", batch=2, threads=1, warmup=1, repeats=2, min_seconds=0.0)
     r = speed.run_case(case, timeout=120)
     assert r["threads"] == 1 and 0 < r["min"] <= r["median"] <= r["max"]
     assert r["peak_bytes"] > 0 and r["peak_bytes"] >= r["rise_bytes"] >= 0
     assert "error" in speed.run_case(dict(case, config=dict(case["config"], width=-1)), timeout=120)
+
+
+@pytest.mark.slow
+def test_the_script_writes_a_row_per_model_and_size_and_its_figure(tmp_path):
+    """What ``vitlab experiment resolution --quick`` checked of its speed part before it moved here."""
+    argv = ["--models", "ViT-CIFAR", "--sizes", "16", "32", "--batch", "4", "--repeats", "1", "--seconds", "0",
+            "--threads", "1", "--limit", "64", "--out", str(tmp_path)]
+    assert speed.main(argv) == 0
+    (record,) = tmp_path.glob("figure12-cpu-*.json")
+    result = json.loads(record.read_text())
+    assert result["command"] == "python benchmarks/figure12.py " + " ".join(argv)
+    assert [(r["model"], r["img_size"]) for r in result["rows"]] == [("ViT-CIFAR", 16), ("ViT-CIFAR", 32)]
+    for r in result["rows"]:
+        assert r["img_per_s"] > 0 and 0 <= r["largest_batch"] <= 64
+        assert "per core; largest batch extrapolated" in r["method"]
+    pytest.importorskip("matplotlib")
+    assert record.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_cuda_rows_take_the_search_from_the_measuring_process(monkeypatch):
@@ -104,8 +127,7 @@ def test_cuda_rows_take_the_search_from_the_measuring_process(monkeypatch):
         return dict(median=300.0, min=290.0, max=310.0, threads=16, peak_bytes=GIB, rise_bytes=GIB // 2,
                     largest_batch=700)
     monkeypatch.setattr(speed, "run_case", run_case)
-    rows = speed.sweep({"tiny": _config_maker("tiny", Settings())}, [16], "cuda", batch=32, budget=40 * GIB,
-                       log=lambda line: None)
+    rows = speed.sweep(["ViT-CIFAR"], [16], "cuda", batch=32, budget=40 * GIB, log=lambda line: None)
     assert seen[0]["largest"] == dict(budget=40 * GIB, tolerance=0.05, limit=speed.LIMIT) and len(seen) == 1
     (row,) = rows
     assert row["img_per_s"] == 300.0 and row["largest_batch"] == 700  # img/s, not per core

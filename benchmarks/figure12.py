@@ -1,9 +1,13 @@
-"""Inference speed and the largest batch that fits, across input sizes: the paper's Figure 12
-(Appendix D.5), the speed part of ``vitlab experiment resolution``.
+"""The paper's Figure 12 (Appendix D.5): inference speed and the largest batch that fits,
+across input sizes, for ViTs and BiT ResNets.
 
-Speed is images/s at a fixed batch through the fast path (``vitlab.fast.optimize``), per
-core on a CPU, as the paper's "img/sec/core".  The largest batch is the largest whose
-forward pass fits a memory budget:
+    python benchmarks/figure12.py                                  # CPU: 5 models, 224 to 512 px, batch 2
+    python benchmarks/figure12.py --models ViT-B/16 --sizes 224 384 --budget-gib 16
+    python benchmarks/figure12.py --device cuda --budget-gib 40    # batch 32, 224 to 512 px
+
+Speed is images/s at a fixed batch through the fast path (``vitlab.fast.optimize`` with the
+inference weights packed, as ``vitlab eval`` runs it), per core on a CPU, as the paper's
+"img/sec/core".  The largest batch is the largest whose forward pass fits a memory budget:
 
 - CUDA: the budget is device memory (default: all of it) and the batch is found by
   doubling and bisection over real forward passes; an out-of-memory error means "does
@@ -14,27 +18,37 @@ forward pass fits a memory budget:
   whose difference is the memory per image and whose intercept is the model, runtime
   and scratch space; the line is solved for the budget.  (The rise above the built model
   at one batch alone counts scratch and allocator slack as per-image memory; it is only
-  the fallback for when the larger batch took no more memory.)  ``search=True`` runs the
+  the fallback for when the larger batch took no more memory.)  ``--search`` runs the
   real search on a CPU too.
 
-Every measurement runs in a fresh Python process (``python -m vitlab.experiments.speed
+Every measurement runs in a fresh Python process (``python benchmarks/figure12.py --case
 CASE_JSON``, which prints one ``RESULT`` line), so that one model's allocator state, oneDNN
-caches and peak memory never leak into the next one's figures.
+caches and peak memory never leak into the next one's figures.  The models are
+``harness.vitlab_config``'s (exact GELU, no dropout), as in the bench table.  Writes
+``<out>/figure12-<device>-<date>.json`` (the rows, the machine, the command) and its ``.png``.
 """
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
+from harness import peak, reset_peak, run_worker, time_loop, vitlab_config
+
+HERE = Path(__file__).resolve().parent
+MODELS = ("ViT-B/32", "ViT-B/16", "ViT-L/16", "BiT-R50x1", "BiT-R152x2")
+SIZES = {"cpu": (224, 288, 384, 448, 512), "cuda": (224, 320, 384, 448, 512)}
 GIB = 2**30
 LIMIT = 1 << 14  # the largest batch any search or extrapolation reports
 CPU_BUDGET_GIB = 8.0  # the default CPU budget: a machine of modest memory
+
+
+# ----------------------------------------------------------------------------- the largest batch
 
 
 def largest_batch(fits: Callable[[int], bool], limit: int = LIMIT, start: int = 1, rel_tol: float = 0.0) -> int:
@@ -88,42 +102,29 @@ def memory_budget(device: str, gib: float | None = None) -> float:
     return CPU_BUDGET_GIB * GIB
 
 
-def model_config(name: str, size: int):
-    """A registered model at ``size`` px, with exact GELU and no dropout as
-    benchmarks/harness.py builds it, so that these figures compare with the bench table's."""
-    from vitlab.config import ResNetConfig, replace
-    from vitlab.models.registry import get_config
-
-    cfg = get_config(name, img_size=size)
-    return cfg if isinstance(cfg, ResNetConfig) else replace(cfg, gelu="exact", dropout=0.0)
-
-
 # ----------------------------------------------------------------------------- the sweep
 
 
-def sweep(configs: dict[str, Callable[[int], Any]], sizes: list[int], device: str, batch: int, budget: float,
+def sweep(models: list[str], sizes: list[int], device: str, batch: int, budget: float,
           threads: int | None = None, repeats: int = 3, min_seconds: float = 1.0, search: bool = False,
           tolerance: float = 0.05, limit: int = LIMIT, log: Callable[[str], None] = print) -> list[dict]:
-    """One row per (model, size): images/s and the largest batch under ``budget`` bytes.
-
-    ``configs`` maps a model's name to a function of the input size that returns its config.
-    """
+    """One row per (model, size): images/s and the largest batch under ``budget`` bytes."""
     from vitlab.config import ConfigError, config_to_dict
 
     cases = {}
-    for name, make in configs.items():
+    for name in models:
         for size in sizes:
             try:  # every config first: a size the patches do not tile fails now, not an hour in
-                cfg = make(size)
+                cfg = vitlab_config(name, size)
             except ConfigError as err:
-                raise ValueError(f"speed_sizes: {name} at {size} px: {err}") from None
+                raise ValueError(f"--sizes: {name} at {size} px: {err}") from None
             cases[name, size] = dict(config=config_to_dict(cfg), device=device, batch=batch, threads=threads,
                                      repeats=repeats, min_seconds=min_seconds, warmup=2)
             if device == "cuda":  # the search runs in the measuring process: no new CUDA context per probe
                 cases[name, size]["largest"] = dict(budget=budget, tolerance=tolerance, limit=limit)
     rows = []
     for (name, size), case in cases.items():
-        row = dict(part="speed", model=name, img_size=size, seed=0, device=device, batch=batch, budget_bytes=budget)
+        row = dict(model=name, img_size=size, device=device, batch=batch, budget_bytes=budget)
         row.update(measure(case, budget, search, tolerance, limit))
         rows.append(row)
         log(f"{name:12s} {size:4d}px  " + (row.get("error") or (
@@ -167,57 +168,33 @@ def measure(case: dict, budget: float, search: bool, tolerance: float, limit: in
                 method=f"cpu, img/s per core; largest batch extrapolated to {gib} from the peak RSS at batch {batch}")
 
 
-def run_worker(cmd: list[str], threads: int | None = None, pythonpath: str | None = None,
-               timeout: float = 1800) -> dict[str, Any]:
-    """Run a measuring command in a fresh interpreter and return the dict of its ``RESULT``
-    line, or {'error': ...}; ``pythonpath`` goes ahead of the installed packages."""
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
-    if threads:
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
-
-
 def run_case(case: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
     """Run one measurement in a fresh interpreter; its result dict, or {'error': ...}."""
     import vitlab
 
     # the worker imports the vitlab this process runs, wherever that is
     here = str(Path(vitlab.__file__).resolve().parents[1])
-    return run_worker([sys.executable, "-m", "vitlab.experiments.speed", json.dumps(case)], case.get("threads"),
-                      here, timeout)
+    return run_worker([sys.executable, str(Path(__file__).resolve()), "--case", json.dumps(case)],
+                      case.get("threads"), here, timeout)
 
 
-def plot(table: list[dict], path: Path) -> Path | None:
-    """The two panels of the paper's Figure 12 from the speed rows: images/s and the largest
-    batch against input size, one line per model (dashed: the BiT ResNets)."""
-    try:
-        import matplotlib
+def plot(rows: list[dict]):
+    """The two panels of the paper's Figure 12 from the rows: images/s and the largest batch
+    against input size, one line per model (dashed: the BiT ResNets); a matplotlib Figure."""
+    from matplotlib.figure import Figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    methods = [str(r.get("method", "")) for r in table]
+    methods = [str(r.get("method", "")) for r in rows]
     cpu, extrapolated = any(m.startswith("cpu") for m in methods), any("extrapolated" in m for m in methods)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for model in dict.fromkeys(r["model"] for r in table):
-        rows = sorted((r for r in table if r["model"] == model and r.get("img_per_s") is not None),
-                      key=lambda r: r["img_size"])
+    fig = Figure(figsize=(10, 4))
+    left, right = fig.subplots(1, 2)
+    for model in dict.fromkeys(r["model"] for r in rows):
+        points = sorted((r for r in rows if r["model"] == model and r.get("img_per_s") is not None),
+                        key=lambda r: r["img_size"])
         style = "--" if str(model).startswith("BiT") else "-"
-        left.plot([r["img_size"] for r in rows], [r["img_per_s"] for r in rows], style, marker="o", label=model)
+        left.plot([r["img_size"] for r in points], [r["img_per_s"] for r in points], style, marker="o", label=model)
         # a batch of 0 (the model alone is over budget) still gets a point on the log axis
-        right.plot([r["img_size"] for r in rows], [max(r["largest_batch"], 0.5) for r in rows], style, marker="o",
-                   label=model)
+        right.plot([r["img_size"] for r in points], [max(r["largest_batch"], 0.5) for r in points], style,
+                   marker="o", label=model)
     left.set(xlabel="input size (px)", ylabel="img/s per core" if cpu else "img/s", yscale="log",
              title="inference speed")
     right.set(xlabel="input size (px)", ylabel="largest batch", yscale="log",
@@ -226,71 +203,10 @@ def plot(table: list[dict], path: Path) -> Path | None:
     for ax in (left, right):
         ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig
 
 
 # ----------------------------------------------------------------------------- the measuring process
-
-
-def _status(field: str) -> int:
-    """A /proc/self/status field in bytes (Linux)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def reset_peak(device: str) -> int:
-    """Start a new peak-memory window; the bytes in use now."""
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    try:  # 5 resets the resident set's high-water mark (VmHWM) to the current resident set
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass  # then the mark may include the model's build
-    return _status("VmRSS")
-
-
-def peak(device: str) -> int:
-    """The highest memory in use since ``reset_peak``: on a CPU the resident set, which sees
-    every allocation (torch's, oneDNN's scratch pads) where torch's own counters do not."""
-    import torch
-
-    return torch.cuda.max_memory_allocated() if device == "cuda" else _status("VmHWM")
-
-
-def time_loop(step: Callable[[], Any], sync: Callable[[], None], warmup: int, repeats: int,
-              min_seconds: float, warm: Callable[[], None] = lambda: None) -> tuple[list[float], int]:
-    """Seconds per call of ``step`` in each of ``repeats`` timed repeats, and calls per repeat.
-
-    ``warmup`` untimed calls come first (compilation, allocator and oneDNN caches); the
-    last warm-up call sets how many calls make a repeat last ``min_seconds``.  ``warm()``
-    is called between the warm-ups and the timed repeats.
-    """
-    last = 0.0
-    for _ in range(warmup):
-        t = time.perf_counter()
-        step()
-        sync()
-        last = time.perf_counter() - t
-    calls = max(1, int(min_seconds / last)) if last > 0 else 1
-    warm()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(calls):
-            step()
-        sync()
-        times.append((time.perf_counter() - t) / calls)
-    return times, calls
 
 
 def cuda_largest_batch(model, size: int, budget: float, tolerance: float, limit: int, start: int) -> int:
@@ -348,5 +264,62 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--models", nargs="+", default=list(MODELS),
+                   help="registered names, or ViT-CIFAR (the bench's CIFAR-size ViT, 4 px patches)")
+    p.add_argument("--sizes", nargs="+", type=int, default=None,
+                   help="input sizes (default: 224 288 384 448 512 on a CPU, 224 320 384 448 512 on CUDA; "
+                        "each a multiple of 32, so that every model's patches tile it)")
+    p.add_argument("--batch", type=int, default=None, help="batch of the speed panel (default: 2 on a CPU, 32 on CUDA)")
+    p.add_argument("--budget-gib", type=float, default=None,
+                   help=f"memory budget (CPU: resident set, default {CPU_BUDGET_GIB:g} GiB; CUDA: the device's)")
+    p.add_argument("--search", action="store_true", help="on a CPU, search over real runs instead of extrapolating")
+    p.add_argument("--tolerance", type=float, default=0.05, help="the search's relative precision (default 0.05)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats (default 3)")
+    p.add_argument("--seconds", type=float, default=1.0, help="each repeat lasts at least this long (default 1)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core on a CPU)")
+    p.add_argument("--limit", type=int, default=LIMIT, help=f"the largest batch reported (default {LIMIT})")
+    p.add_argument("--out", default=str(HERE / "results"), help="folder of the JSON record and the figure")
+    p.add_argument("--case", help=argparse.SUPPRESS)  # a measuring process: one case, one RESULT line
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.case:
+        print("RESULT " + json.dumps(worker(json.loads(args.case))), flush=True)
+        return 0
+    from bench import machine
+
+    cpu = args.device == "cpu"
+    sizes = args.sizes or list(SIZES[args.device])
+    batch = args.batch or (2 if cpu else 32)
+    budget = memory_budget(args.device, args.budget_gib)
+    threads = args.threads or (os.cpu_count() if cpu else None)
+    try:
+        rows = sweep(args.models, sizes, args.device, batch, budget, threads, args.repeats, args.seconds,
+                     args.search, args.tolerance, args.limit)
+    except ValueError as err:
+        print(f"figure12.py: error: {err}", file=sys.stderr)
+        return 2
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"figure12-{args.device}-{stamp}.json"
+    command = "python benchmarks/figure12.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    record = dict(machine=machine(args), date=stamp, command=command.strip(), rows=rows)
+    path.write_text(json.dumps(record, indent=1))
+    written = [path]
+    try:
+        plot(rows).savefig(path.with_suffix(".png"), dpi=120)
+        written.append(path.with_suffix(".png"))
+    except ImportError:
+        print("figure skipped: matplotlib is not installed (pip install -e \".[plots]\")", file=sys.stderr)
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(worker(json.loads(sys.argv[1]))), flush=True)
+    sys.exit(main())

@@ -1,8 +1,8 @@
 """Fuzz vitlab's readers of untrusted bytes for a fixed time budget.
 
-    python benchmarks/fuzz.py                         # every target, 60 s each
-    python benchmarks/fuzz.py --seconds 10 --target image --target shard
-    python benchmarks/fuzz.py --save                  # keep failing inputs as regression tests
+    python tests/helpers/fuzz.py                         # every target, 60 s each
+    python tests/helpers/fuzz.py --seconds 10 --target image --target shard
+    python tests/helpers/fuzz.py --save                  # keep failing inputs as regression tests
 
 Targets (each gets mutations of small valid seed files: bit flips, byte overwrites,
 insertions, deletions, truncation, splices of two seeds):
@@ -42,7 +42,7 @@ from typing import Callable
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -61,6 +61,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"vitlab {args.command}: error: {err}", file=sys.stderr)
         return 2
+    # an optional package the command needs is absent: the package and the extra that brings it
+    except ImportError as err:
+        from vitlab.extras import missing_package_of
+
+        missing = missing_package_of(err)
+        if missing is None or args.debug:
+            raise
+        print(f"vitlab {args.command}: error: {missing}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

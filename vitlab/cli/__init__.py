@@ -17,7 +17,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("train", "train", "train a model with a recipe from vitlab/configs/ (one process or many under torchrun)"),
     ("finetune", "finetune", "fine-tune pre-trained weights at a new resolution with a new head"),
     ("predict", "predict", "top-5 classes of images with a trained model"),
-    ("sweep", "sweep", "pick the learning rate on a held-out 10%%, then retrain on the full training set"),
+    ("sweep", "sweep", "pick the learning rate on a held-out part (the paper's per dataset), then retrain on the "
+                       "full training set"),
     ("pack-shards", "pack", "pack an ImageFolder into tar shards for streaming"),
     ("flops", "flops", "forward FLOPs of a model and the compute of a training run"),
     ("export", "export", "export a model to ONNX or a torch.export program"),

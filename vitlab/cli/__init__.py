@@ -25,6 +25,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("convert", "convert", "convert weights between layouts: vitlab, official .npz, Hugging Face, timm"),
     ("eval", "eval", "top-1/top-5, per-class accuracy, confusion and calibration of a checkpoint"),
     ("fewshot", "fewshot", "linear few-shot accuracy of frozen features (closed-form least squares)"),
+    ("vtab", "vtab", "the VTAB-1k protocol over a folder of tasks: per-task lr on 800/200, then all 1000, "
+                     "group means"),
     ("inspect", "inspect", "an HTML report: attention rollout and distance, embedding figures, training curves"),
     ("experiment", "experiment", "the paper's experiments in miniature: tables and figures into results/NAME"),
     ("calibrate", "calibrate", "time this CPU's matrix-multiply kernels once and store the faster ones"),

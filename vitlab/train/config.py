@@ -851,7 +851,10 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
                 not Path(source).expanduser().exists():
             raise ConfigError(f"data.source={source!r}: no such file or folder")
     if cfg.model.init is not None and not Path(cfg.model.init).expanduser().exists():
-        raise ConfigError(f"model.init={cfg.model.init!r}: no such file or folder")
+        from vitlab.weights.hub import parse_hub_name
+
+        if parse_hub_name(cfg.model.init) is None:  # a Hub name is looked up when the weights are loaded
+            raise ConfigError(f"model.init={cfg.model.init!r}: no such file or folder")
 
 
 # ----------------------------------------------------------------------------- recipes

@@ -15,7 +15,6 @@ from vitlab.cli import main
 from vitlab.extras import EXTRAS, MissingPackage, require
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = dict(img_size=16, patch_size=4, width=16, depth=1, num_heads=2, mlp_dim=32, num_classes=10)
 
 
 def hide(monkeypatch, package: str) -> None:
@@ -29,15 +28,6 @@ def one_line(capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     return err
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    import vitlab
-
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    vitlab.save_model(vitlab.create_model("ViT-Ti/16", **TINY), path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -98,27 +88,27 @@ def test_demo_without_scikit_learn(monkeypatch, tmp_path, capsys):
                                 'installed: pip install -e ".[demo]"')
 
 
-def test_fewshot_without_scikit_learn(monkeypatch, checkpoint, capsys):
+def test_fewshot_without_scikit_learn(monkeypatch, tiny_checkpoint, capsys):
     hide(monkeypatch, "sklearn")
     from vitlab.data import digits
 
     digits._digits.cache_clear()
-    assert main(["fewshot", checkpoint, "--data", "digits", "--feature-cache", "none"]) == 2
+    assert main(["fewshot", tiny_checkpoint, "--data", "digits", "--feature-cache", "none"]) == 2
     assert 'pip install -e ".[demo]"' in one_line(capsys)
 
 
-def test_inspect_without_matplotlib(monkeypatch, checkpoint, image, tmp_path, capsys):
+def test_inspect_without_matplotlib(monkeypatch, tiny_checkpoint, image, tmp_path, capsys):
     hide(monkeypatch, "matplotlib")
-    assert main(["inspect", checkpoint, "--images", image, "--out", str(tmp_path / "r.html")]) == 2
+    assert main(["inspect", tiny_checkpoint, "--images", image, "--out", str(tmp_path / "r.html")]) == 2
     assert one_line(capsys) == ('vitlab inspect: error: the inspection report needs matplotlib, which is not '
                                 'installed: pip install -e ".[plots]"')
     assert not (tmp_path / "r.html").exists()
 
 
 @pytest.mark.parametrize("package", ["onnx", "onnxscript"])
-def test_onnx_export_without_onnx(monkeypatch, checkpoint, tmp_path, capsys, package):
+def test_onnx_export_without_onnx(monkeypatch, tiny_checkpoint, tmp_path, capsys, package):
     hide(monkeypatch, package)
-    assert main(["export", checkpoint, "--format", "onnx", "--out", str(tmp_path / "m.onnx")]) == 2
+    assert main(["export", tiny_checkpoint, "--format", "onnx", "--out", str(tmp_path / "m.onnx")]) == 2
     assert one_line(capsys) == (f'vitlab export: error: ONNX export needs {package}, which is not installed: '
                                 'pip install -e ".[export]"')
 

@@ -13,7 +13,6 @@ from vitlab.data.sources import DataError
 from vitlab.eval.vtab import TASK_GROUPS, canonical_task, find_tasks, split_task, summarize
 
 CLASSES = ("a", "b", "c")
-TINY = dict(img_size=16, patch_size=8, width=16, depth=1, num_heads=2, mlp_dim=32, num_classes=5)
 
 
 def image_folder(root: Path, per_class: int, seed: int) -> None:
@@ -38,15 +37,6 @@ def tasks(tmp_path_factory):
     image_folder(root / "dsprites_loc" / "val200", 2, 4)
     image_folder(root / "dsprites_loc" / "test", 3, 5)
     return root
-
-
-@pytest.fixture(scope="module")
-def init(tmp_path_factory):
-    import vitlab
-
-    path = tmp_path_factory.mktemp("init") / "pre"
-    vitlab.save_model(vitlab.create_model("ViT-Ti/16", **TINY), path)
-    return str(path)
 
 
 def targets(folder: Path) -> set[str]:
@@ -101,10 +91,10 @@ def test_accumulation_fits_the_memory():
     assert auto_accum_steps(512, per_example=1 << 40, available=1 << 30) == 512
 
 
-def test_vtab_end_to_end(tasks, init, tmp_path, capsys):
+def test_vtab_end_to_end(tasks, tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "vtab"
-    args = ["vtab", "--init", init, "--tasks", str(tasks), "--examples", "20", "--steps", "3", "--batch-size", "8",
-            "--img-size", "16", "--grid", "0.003,0.03", "--out", str(out), "--quiet",
+    args = ["vtab", "--init", tiny_checkpoint, "--tasks", str(tasks), "--examples", "20", "--steps", "3",
+            "--batch-size", "8", "--img-size", "16", "--grid", "0.003,0.03", "--out", str(out), "--quiet",
             "--set", "run.precision=fp32", "--set", "run.threads=1", "--set", "run.tensorboard=false",
             "--set", "data.decode_workers=0"]
     assert main(args) == 0

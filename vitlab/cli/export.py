@@ -11,8 +11,8 @@ from pathlib import Path
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", metavar="CHECKPOINT_OR_MODEL_NAME",
-                   help="weights (file or directory, any format `vitlab` reads) or a registry name "
-                        "(random weights, e.g. to measure speed)")
+                   help="weights (file or directory, any format `vitlab` reads, or a Hugging Face Hub name) "
+                        "or a registry name (random weights, e.g. to measure speed)")
     p.add_argument("--format", choices=("onnx", "torch-export"), default="onnx")
     p.add_argument("--out", default=None,
                    help="output file (default: model.onnx / model.pt2 in the checkpoint's folder; for a registry "
@@ -42,8 +42,9 @@ def default_out(source: str, fmt: str) -> Path:
 
 def _load(source: str, name: str | None, img_size: int | None):
     from vitlab.models.registry import create_model
+    from vitlab.weights.hub import parse_hub_name
 
-    if Path(source).exists():
+    if Path(source).exists() or parse_hub_name(source) is not None:  # weights: a path or a Hugging Face name
         from vitlab.weights.load import load_model
 
         return load_model(source, name=name, img_size=img_size)

@@ -97,3 +97,13 @@ def test_api_heads_and_names():
     assert model(x).shape == (1, 16)
     with pytest.raises(ValueError, match="axial"):
         AxialVisionTransformer(ViTConfig(**{**TINY.__dict__, "axial": False, "classifier": "token"}))
+
+
+def test_the_docstring_names_the_position_embedding_the_registry_builds():
+    from vitlab.models.registry import get_config
+
+    axial_doc = ViTConfig.__doc__.split("axial:")[1]
+    for name in ("Axial-ViT-B/16", "Axial-ViT-B/32"):
+        cfg = get_config(name)
+        assert cfg.axial and f'"{cfg.posemb}"' in axial_doc and name.split("/")[0] in axial_doc
+    assert "2D grid of" not in axial_doc

@@ -233,8 +233,10 @@ class ViTConfig:
         the encoder then runs on fewer tokens, so training is faster by about that
         fraction; evaluation always sees every patch.  Not in the paper; off by default.
     axial: Axial-ViT (paper Appendix D.6): each block is row attention + MLP, then
-        column attention + MLP.  Uses the "gap" classifier and a learned 2D grid of
-        position embeddings.
+        column attention + MLP.  Needs the "gap" classifier (a [class] token has no row
+        or column) and position embeddings added at the stem ("none", "learned_1d" or
+        "learned_2d"); the registered ``Axial-ViT-B/{16,32}`` use "learned_1d", the
+        ViT's learned table of one embedding per patch.
     """
 
     img_size: Pair = (224, 224)

@@ -86,12 +86,10 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair 
 
 def _require_onnx_packages() -> None:
     # torch.onnx imports these lazily and fails deep inside the exporter; say it up front
-    import importlib.util
+    from .extras import require
 
-    missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ImportError(f"ONNX export needs the packages {', '.join(missing)}: "
-                          "pip install 'vitlab[export]' (or onnx onnxscript)")
+    for name in ("onnx", "onnxscript"):
+        require(name, "ONNX export")
 
 
 def _too_big_for_one_file(model: nn.Module) -> bool:

@@ -74,3 +74,17 @@ def test_cli_export_checkpoint_fixed_batch(tmp_path, capsys):
     with torch.no_grad():
         x = torch.randn(3, 3, 32, 32)
         assert torch.allclose(load_program(out)(x), model(x), atol=1e-5)
+
+
+def test_export_cli_writes_beside_the_weights_without_out(tmp_path, capsys):
+    """The README's `vitlab export runs/x --format onnx` (no --out): runs/x/model.onnx."""
+    from vitlab.cli import main
+    from vitlab.weights import save_model
+
+    pytest.importorskip("onnxscript")
+    run = tmp_path / "x"
+    save_model(_random_model(TINY), run)
+    assert main(["export", str(run), "--format", "onnx"]) == 0
+    assert (run / "model.onnx").is_file() and str(run / "model.onnx") in capsys.readouterr().out
+    assert main(["export", str(run / "model.safetensors"), "--format", "torch-export"]) == 0
+    assert (run / "model.pt2").is_file()

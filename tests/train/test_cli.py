@@ -182,3 +182,24 @@ def test_calibrate_prints_the_chosen_kernels_the_auto_precision_and_the_file(tmp
     assert report["precision"] == "fp32" and report["seconds_per_step"] == seconds and report["path"] == str(path)
     assert main(["calibrate", "--rounds", "0"]) == 2
     assert capsys.readouterr().err.strip() == "vitlab calibrate: error: --rounds=0: must be >= 1"
+
+
+def test_show_config_needs_no_data(capsys):
+    for command in (["train", "--recipe", "paper_pretrain"], ["finetune", "--init", "missing.npz"],
+                    ["sweep", "--recipe", "paper_finetune"]):
+        assert main([*command, "--show-config"]) == 0, capsys.readouterr().err
+        shown = json.loads(capsys.readouterr().out)
+        assert "recipe" in shown or "final" in shown
+
+
+@pytest.mark.parametrize("dataset, share", [("pets", 0.1), ("flowers", 0.1), ("cifar10", 0.02), ("cifar100", 0.02),
+                                            ("imagenet", 0.01)])
+def test_sweep_holds_out_the_papers_share_per_dataset(dataset, share, capsys):
+    """Appendix B.1.1: 10% of the training set for Pets and Flowers, 2% for CIFAR, 1% for ImageNet."""
+    recipe = f"paper_finetune:dataset={dataset}"
+    assert main(["sweep", "--recipe", recipe, "--init", "W", "--show-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["holdout"] == share
+    assert main(["sweep", "--recipe", recipe, "--init", "W", "--holdout", "0.25", "--show-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["holdout"] == 0.25
+    assert main(["sweep", "--recipe", recipe, "--init", "W", "--holdout", "500", "--show-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["holdout"] == 500

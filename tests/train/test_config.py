@@ -198,3 +198,32 @@ def test_changes_are_checked_together():
     assert (changed.optim.batch_size, changed.optim.accum_steps) == (100, 4)
     changed = apply_overrides(OK, ["model.name=ViT-S/16", "model.num_heads=4", "model.width=256"])
     assert changed.model.overrides == {"patch_size": 8, "num_heads": 4, "width": 256}
+
+
+def test_a_shorter_run_scales_a_count_warmup():
+    """The rule (docs/training.md): a fraction is a fraction of any schedule; a count is the
+    recipe's warm-up for its steps, kept in proportion when --steps is shorter."""
+    from vitlab.train.config import warmup_steps
+
+    finetune = load_recipe("paper_finetune")  # 500 of 10,000 steps
+    assert (finetune.optim.warmup, finetune.optim.steps) == (500, 10_000)
+    assert replace(finetune, {"optim.steps": 10}).optim.warmup == 1  # at least one step
+    assert replace(finetune, {"optim.steps": 1000}).optim.warmup == 50
+    assert replace(finetune, {"optim.steps": 20_000}).optim.warmup == 500  # longer: the count stays
+    pretrain = apply_overrides(load_recipe("paper_pretrain"), ["optim.steps=5170"])  # 10k of 517k steps
+    assert pretrain.optim.warmup == 100
+    demo = replace(load_recipe("demo"), {"optim.steps": 10})  # a fraction: untouched
+    assert demo.optim.warmup == 0.1 and warmup_steps(demo.optim, 10) == 1
+    # both set explicitly: taken as given, and an impossible pair is refused
+    assert replace(finetune, {"optim.steps": 100, "optim.warmup": 30}).optim.warmup == 30
+    refused("optim.warmup", lambda: replace(finetune, {"optim.steps": 100, "optim.warmup": 500}))
+    # a schedule fitted to a time limit, shorter than optim.steps, scales it too
+    assert warmup_steps(finetune.optim, 10_000) == 500 and warmup_steps(finetune.optim, 200) == 10
+
+
+def test_finetune_with_a_few_steps_from_the_command_line(capsys):
+    from vitlab.cli import main
+
+    assert main(["finetune", "--init", "W", "--data", "D", "--steps", "10", "--show-config"]) == 0
+    optim = json.loads(capsys.readouterr().out)["optim"]
+    assert (optim["steps"], optim["warmup"]) == (10, 1)

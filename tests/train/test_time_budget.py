@@ -92,3 +92,57 @@ def test_a_resumed_budget_keeps_the_clock_and_times_again():
     assert abs(resumed.budget.elapsed() - state["elapsed_s"]) < 1e-9
     resumed.run(0.1, until=resumed.step + 2 + 1)
     assert resumed.budget.decay_mark is not None and resumed.budget.decay_mark[0] == 32  # timed from 2 after
+
+
+def run_whole_command(minutes, setup_s, step_s, eval_s, final_views, eval_cost_steps, save_s=1.0):
+    """A whole time-limited command on the fake clock, as the loop drives the budget: set-up
+    (imports, data) before the first step, the steps with the evaluation the first fit may
+    time, the final evaluation (``final_views`` periodic evaluations' worth with its extra
+    test-time views, one without), then saving.  Returns (end time, budget, views used)."""
+    now = [setup_s]
+    budget = TimeBudget(minutes, 0.0, max_steps=1_000_000, measure_steps=10, eval_every=0,
+                        final_eval_views=final_views, warmup=lambda total: total // 20,
+                        eval_cost_steps=eval_cost_steps, full_size=(8, 8), clock=lambda: now[0])
+    step, total = 0, 1_000_000
+    while step < total:
+        now[0] += step_s
+        budget.step_done(8, step_s)
+        step += 1
+        if budget.wants_evaluation(step):
+            with budget.paused():
+                now[0] += eval_s
+            budget.evaluated(eval_s)
+        total = budget.plan(step, total)
+        if budget.out_of_time(step, total):
+            total = step
+    full_views = getattr(budget, "final_views_fit", lambda: True)()
+    now[0] += eval_s * (final_views if full_views else 1.0) + save_s
+    return now[0], budget, full_views, step
+
+
+def test_a_short_budget_ends_by_its_deadline():
+    """`--time-limit 0.4` on CIFAR-10 (issue 43): 8 s of set-up, 100 ms steps, a 2-view
+    evaluation of 3 s, a final one of 10 views (5x): timing an evaluation and running the
+    10-view one do not fit in 24 s; the command still ends by the deadline, with the
+    periodic views at the end."""
+    end, budget, full_views, steps = run_whole_command(0.4, setup_s=8.0, step_s=0.1, eval_s=3.0, final_views=5.0,
+                                                       eval_cost_steps=5000 * 2 / (3 * 128))
+    assert end <= 24.0 and not full_views
+    assert steps > 12  # the time the 10 views would have taken went to training steps
+    # with more set-up there is no room to time an evaluation either: the estimate stands in
+    end, budget, full_views, _ = run_whole_command(0.4, setup_s=14.0, step_s=0.1, eval_s=3.0, final_views=5.0,
+                                                   eval_cost_steps=5000 * 2 / (3 * 128))
+    assert end <= 24.0 and not full_views and budget.evals_timed == 0
+
+
+def test_a_budget_with_room_keeps_the_final_views_and_uses_its_time():
+    end, budget, full_views, _ = run_whole_command(2.0, setup_s=8.0, step_s=0.1, eval_s=3.0, final_views=5.0,
+                                                   eval_cost_steps=5000 * 2 / (3 * 128))
+    assert full_views and budget.evals_timed == 1
+    assert 105.0 <= end <= 120.0  # the reserve and the final evaluation's margin are what is left
+
+
+def test_without_an_estimate_the_evaluation_is_timed_as_before():
+    _, budget, _, _ = run_whole_command(0.4, setup_s=8.0, step_s=0.1, eval_s=3.0, final_views=1.0,
+                                        eval_cost_steps=0.0)
+    assert budget.evals_timed == 1

@@ -107,10 +107,14 @@ def test_timm_export_round_trips_with_timm_names(tmp_path, fields, suffix):
     assert set(sd) == timm_vit_keys(2, gap=model.cfg.classifier == "gap")
     spec = json.loads((tmp_path / "vit.timm.json").read_text())
     kw = spec["kwargs"]
-    assert spec["model_name"] == f"vit_base_patch4_{model.cfg.img_size[0]}"  # no timm size: kwargs decide
-    # timm's load_pretrained keeps the written head only if the overlay states its size
+    # no timm size or patch: a name timm registers, the kwargs decide, and the notes say so
+    assert spec["model_name"] == "vit_base_patch16_224"
+    assert any("timm registers no vit_custom_patch4" in note for note in spec["notes"])
+    # timm's load_pretrained keeps the written head only if the overlay states its size; and
+    # timm's data config scales the input as vitlab does only if the overlay states mean and std
     assert spec["pretrained_cfg_overlay"] == {"file": path.name, "num_classes": 5,
-                                              "input_size": [3, *model.cfg.img_size]}
+                                              "input_size": [3, *model.cfg.img_size],
+                                              "mean": [0.5] * 3, "std": [0.5] * 3}
     assert (kw["embed_dim"], kw["depth"], kw["num_heads"], kw["img_size"]) == (32, 2, 2, list(model.cfg.img_size))
     assert (kw.get("act_layer"), kw["global_pool"], kw["class_token"], kw["fc_norm"]) == \
         (("gelu_tanh" if model.cfg.gelu == "tanh" else None), ("token" if "classifier" not in fields else "avg"),
@@ -129,7 +133,25 @@ def test_timm_hybrid_export_uses_timm_names(tmp_path):
     assert set(written) == set(to_timm_names(ckpt))  # the names timm's resnetv2 + HybridEmbed use
     spec = json.loads((tmp_path / "hybrid.timm.json").read_text())
     assert any("ws_eps" in note for note in spec["notes"])
-    assert any("no timm constructor" in note for note in spec["notes"])  # timm builds 4 stem layouts only
+    # timm builds 4 stem layouts only: no name, and the notes say so plainly
+    assert spec["model_name"] is None
+    assert any("timm.create_model cannot build this model" in note for note in spec["notes"])
+
+
+@pytest.mark.parametrize("name, fields, expected", [
+    ("ViT-B/8", dict(img_size=32), "vit_base_patch8_224"),     # the size timm lacks: its 224 entry point
+    ("ViT-B/16", dict(img_size=384), "vit_base_patch16_384"),  # registered as it is
+    ("ViT-L/16", dict(img_size=512), "vit_large_patch16_224"),
+    ("ViT-H/16", dict(), "vit_base_patch16_224"),              # no huge/16 in timm: the patch decides
+    ("R50x1+ViT-B/16", dict(img_size=64), "vit_base_r50_s16_224"),
+])
+def test_timm_export_names_a_model_timm_registers(name, fields, expected):
+    from vitlab.models.registry import get_config
+    from vitlab.weights.timm import TIMM_HYBRID_NAMES, TIMM_VIT_NAMES, timm_model_name
+
+    chosen, note = timm_model_name(get_config(name, **fields))
+    assert chosen == expected and chosen in TIMM_VIT_NAMES + TIMM_HYBRID_NAMES
+    assert (note is None) == (name == "ViT-B/16")
 
 
 def test_timm_export_says_what_timm_cannot_take(tmp_path):

@@ -4,15 +4,23 @@
 Figures are built on ``matplotlib.figure.Figure`` directly, not pyplot, so no global
 state is touched and no display is needed.  Grids of many small panels (position
 similarities, per-head attention) are drawn as one mosaic image, which is fast.
+
+matplotlib is the optional ``plots`` extra: it is imported when a figure is drawn, so that
+importing this module (and the report's metadata helpers) works without it, and a missing
+matplotlib is one ``vitlab.extras.MissingPackage`` naming the extra.
 """
 from __future__ import annotations
 
 import io
 import math
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
-from matplotlib.figure import Figure
+
+from vitlab.extras import require
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
     "mosaic",
@@ -27,6 +35,15 @@ __all__ = [
     "plot_distance_by_layer",
     "figure_png",
 ]
+
+
+def _new_figure(**kwargs) -> Figure:
+    """A ``matplotlib.figure.Figure`` (no pyplot, no global state)."""
+    return require("matplotlib.figure", "drawing figures").Figure(**kwargs)
+
+
+def _colormap(name: str):
+    return require("matplotlib", "drawing figures").colormaps[name]
 
 
 def figure_png(fig: Figure, dpi: int = 110) -> bytes:
@@ -76,7 +93,7 @@ def plot_filter_components(components: np.ndarray, explained: np.ndarray | None 
         tiles = np.repeat(tiles, 3, axis=-1)
     cols = min(cols, k)
     rows = math.ceil(k / cols)
-    fig = Figure(figsize=(1.1 * cols, 1.1 * rows + 0.5))
+    fig = _new_figure(figsize=(1.1 * cols, 1.1 * rows + 0.5))
     axes = fig.subplots(rows, cols, squeeze=False)
     for i, ax in enumerate(axes.flat):
         ax.set_xticks([])
@@ -97,11 +114,9 @@ def plot_position_similarity(similarity: np.ndarray) -> Figure:
     sim = np.asarray(similarity, dtype=np.float64)
     gh, gw = sim.shape[:2]
     image = mosaic(sim.reshape(gh * gw, gh, gw), gh, gw, gap=1)
-    fig = Figure(figsize=(5.6, 5.2))
+    fig = _new_figure(figsize=(5.6, 5.2))
     ax = fig.subplots()
-    from matplotlib import colormaps
-
-    cmap = colormaps["viridis"].with_extremes(bad="white")
+    cmap = _colormap("viridis").with_extremes(bad="white")
     im = ax.imshow(np.ma.masked_invalid(image), cmap=cmap, vmin=-1, vmax=1, interpolation="nearest")
     step_y, step_x = gh + 1, gw + 1
     ax.set_xticks(np.arange(gw) * step_x + (gw - 1) / 2, [str(i + 1) for i in range(gw)], fontsize=6)
@@ -121,11 +136,9 @@ def plot_attention_distance(distance: np.ndarray, image_size: int | None = None)
     (paper Fig. 7 right, Fig. 11)."""
     d = np.asarray(distance, dtype=np.float64)
     layers, heads = d.shape
-    fig = Figure(figsize=(5.2, 3.8))
+    fig = _new_figure(figsize=(5.2, 3.8))
     ax = fig.subplots()
-    from matplotlib import colormaps
-
-    colors = colormaps["tab20"](np.arange(heads) % 20)
+    colors = _colormap("tab20")(np.arange(heads) % 20)
     for h in range(heads):
         ax.scatter(np.arange(1, layers + 1), d[:, h], s=14, color=colors[h], label=f"head {h + 1}", alpha=0.9)
     ax.set_xlabel("network depth (layer)")
@@ -152,7 +165,7 @@ def plot_attention_overlay(images: np.ndarray, maps: np.ndarray, titles: Sequenc
     m = m / np.clip(m.max(axis=(1, 2), keepdims=True), 1e-12, None)
     B = imgs.shape[0]
     labels = ("input", "attention-weighted", "rollout map")
-    fig = Figure(figsize=(0.6 + 2.0 * B, 6.2))
+    fig = _new_figure(figsize=(0.6 + 2.0 * B, 6.2))
     axes = fig.subplots(3, B, squeeze=False)
     for b in range(B):
         for r in range(3):
@@ -179,7 +192,7 @@ def plot_attention_heads(image: np.ndarray, maps: np.ndarray) -> Figure:
     height = min(0.6 * max(layers, 5), 9.0)
     width = height * grid.shape[1] / grid.shape[0]  # keep the mosaic's cells square
     side = min(2.6, height)
-    fig = Figure(figsize=(side + width + 0.8, height + 0.8))
+    fig = _new_figure(figsize=(side + width + 0.8, height + 0.8))
     gs = fig.add_gridspec(1, 2, width_ratios=[side, width], wspace=0.15)
     ax_img = fig.add_subplot(gs[0])
     ax_img.imshow(_hwc(np.asarray(image)[None])[0])
@@ -187,9 +200,7 @@ def plot_attention_heads(image: np.ndarray, maps: np.ndarray) -> Figure:
     ax_img.set_yticks([])
     ax_img.set_title("input", fontsize=8)
     ax = fig.add_subplot(gs[1])
-    from matplotlib import colormaps
-
-    cmap = colormaps["magma"].with_extremes(bad="white")
+    cmap = _colormap("magma").with_extremes(bad="white")
     ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, interpolation="nearest")
     ax.set_xticks(np.arange(heads) * (gw + 1) + (gw - 1) / 2, [str(h + 1) for h in range(heads)], fontsize=6)
     ax.set_yticks(np.arange(layers) * (gh + 1) + (gh - 1) / 2, [str(l + 1) for l in range(layers)], fontsize=6)
@@ -230,7 +241,7 @@ def plot_training_curves(records: Sequence[Mapping[str, float]], x_key: str = "s
     panels = {p: panels[p] for p in order}
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
-    fig = Figure(figsize=(3.6 * cols, 2.6 * rows))
+    fig = _new_figure(figsize=(3.6 * cols, 2.6 * rows))
     axes = fig.subplots(rows, cols, squeeze=False)
     colors = {"val": "#d1603d", "train": "#3b6fb6"}
     for ax, (panel, keys) in zip(axes.flat, panels.items()):

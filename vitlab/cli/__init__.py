@@ -17,13 +17,16 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("train", "train", "train a model with a recipe from vitlab/configs/ (one process or many under torchrun)"),
     ("finetune", "finetune", "fine-tune pre-trained weights at a new resolution with a new head"),
     ("predict", "predict", "top-5 classes of images with a trained model"),
-    ("sweep", "sweep", "pick the learning rate on a held-out 10%%, then retrain on the full training set"),
+    ("sweep", "sweep", "pick the learning rate on a held-out part (the paper's per dataset), then retrain on the "
+                       "full training set"),
     ("pack-shards", "pack", "pack an ImageFolder into tar shards for streaming"),
     ("flops", "flops", "forward FLOPs of a model and the compute of a training run"),
     ("export", "export", "export a model to ONNX or a torch.export program"),
     ("convert", "convert", "convert weights between layouts: vitlab, official .npz, Hugging Face, timm"),
     ("eval", "eval", "top-1/top-5, per-class accuracy, confusion and calibration of a checkpoint"),
     ("fewshot", "fewshot", "linear few-shot accuracy of frozen features (closed-form least squares)"),
+    ("vtab", "vtab", "the VTAB-1k protocol over a folder of tasks: per-task lr on 800/200, then all 1000, "
+                     "group means"),
     ("inspect", "inspect", "an HTML report: attention rollout and distance, embedding figures, training curves"),
     ("experiment", "experiment", "the paper's experiments in miniature: tables and figures into results/NAME"),
     ("calibrate", "calibrate", "time this CPU's matrix-multiply kernels once and store the faster ones"),
@@ -60,6 +63,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"vitlab {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    # an optional package the command needs is absent: the package and the extra that brings it
+    except ImportError as err:
+        from vitlab.extras import missing_package_of
+
+        missing = missing_package_of(err)
+        if missing is None or args.debug:
+            raise
+        print(f"vitlab {args.command}: error: {missing}", file=sys.stderr)
         return 2
 
 

@@ -1,4 +1,8 @@
-"""`vitlab export`: write a model as ONNX or as a torch.export program."""
+"""`vitlab export`: write a model as ONNX or as a torch.export program.
+
+    vitlab export runs/x --format onnx          # writes runs/x/model.onnx
+    vitlab export runs/x/model.safetensors --format torch-export --out b16.pt2
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,10 +11,12 @@ from pathlib import Path
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", metavar="CHECKPOINT_OR_MODEL_NAME",
-                   help="weights (file or directory, any format `vitlab` reads) or a registry name "
-                        "(random weights, e.g. to measure speed)")
+                   help="weights (file or directory, any format `vitlab` reads, or a Hugging Face Hub name) "
+                        "or a registry name (random weights, e.g. to measure speed)")
     p.add_argument("--format", choices=("onnx", "torch-export"), default="onnx")
-    p.add_argument("--out", required=True, help="output file (.onnx or .pt2)")
+    p.add_argument("--out", default=None,
+                   help="output file (default: model.onnx / model.pt2 in the checkpoint's folder; for a registry "
+                        "name, the name in this folder)")
     p.add_argument("--img-size", type=int, default=None, help="input resolution (default: the model's)")
     p.add_argument("--batch", default="dynamic",
                    help="'dynamic' (any batch, the default) or a fixed batch size")
@@ -20,10 +26,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the exported model on random images and compare with PyTorch")
 
 
+SUFFIXES = {"onnx": ".onnx", "torch-export": ".pt2"}
+
+
+def default_out(source: str, fmt: str) -> Path:
+    """Where the export goes without ``--out``: beside the weights, or ``<registry name>.onnx`` here."""
+    suffix = SUFFIXES[fmt]
+    path = Path(source)
+    if path.is_dir():
+        return path / f"model{suffix}"
+    if path.exists():
+        return path.with_suffix(suffix)
+    return Path(source.replace("/", "-") + suffix)  # ViT-B/16 -> ViT-B-16.onnx
+
+
 def _load(source: str, name: str | None, img_size: int | None):
     from vitlab.models.registry import create_model
+    from vitlab.weights.hub import parse_hub_name
 
-    if Path(source).exists():
+    if Path(source).exists() or parse_hub_name(source) is not None:  # weights: a path or a Hugging Face name
         from vitlab.weights.load import load_model
 
         return load_model(source, name=name, img_size=img_size)
@@ -38,26 +59,28 @@ def run(args: argparse.Namespace) -> int:
     if args.batch != "dynamic" and not (args.batch.isdigit() and int(args.batch) > 0):
         raise ValueError(f"--batch={args.batch!r}: expected 'dynamic' or a positive integer")
     dynamic = args.batch == "dynamic"
+    out = Path(args.out) if args.out else default_out(args.source, args.format)
     model = _load(args.source, args.name, args.img_size).eval()
     size = model_img_size(model, args.img_size)
     batch = 2 if dynamic else int(args.batch)
     if args.format == "onnx":
-        export_onnx(model, args.out, size, dynamic_batch=dynamic, batch=batch)
+        export_onnx(model, out, size, dynamic_batch=dynamic, batch=batch)
     else:
-        export_program(model, args.out, size, dynamic_batch=dynamic, batch=batch)
-    mb = Path(args.out).stat().st_size / 2**20
-    print(f"wrote {args.out} ({args.format}, {mb:.1f} MiB, input (B, C, {size[0]}, {size[1]}), "
+        export_program(model, out, size, dynamic_batch=dynamic, batch=batch)
+    mb = out.stat().st_size / 2**20
+    print(f"wrote {out} ({args.format}, {mb:.1f} MiB, input (B, C, {size[0]}, {size[1]}), "
           f"batch {'dynamic' if dynamic else args.batch})")
     if args.check:
         x = torch.randn(batch, model.cfg.in_chans, *size)
         with torch.no_grad():
             ref = model(x)
             if args.format == "onnx":
-                import onnxruntime as ort
+                from vitlab.extras import require
 
-                session = ort.InferenceSession(args.out, providers=["CPUExecutionProvider"])
+                ort = require("onnxruntime", "--check of an ONNX export")
+                session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
                 got = torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
             else:
-                got = load_program(args.out)(x)
+                got = load_program(out)(x)
         print(f"max |exported - pytorch| = {(got - ref).abs().max().item():.2e}")
     return 0

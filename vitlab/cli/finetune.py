@@ -28,10 +28,10 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.train.distributed import env_world_size
 
     cfg = resolve_config(args, extra={"model.init": args.init})
-    check_can_run(cfg, env_world_size())
-    if args.show_config:
+    if args.show_config:  # showing a config needs no data, weights or processes
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
+    check_can_run(cfg, env_world_size())
     summary = train(cfg, resume=args.resume, overwrite=args.overwrite, verbose=not args.quiet,
                     started_at=process_started_at())
     if summary.get("weights") is not None:

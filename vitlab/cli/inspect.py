@@ -19,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.report import write_report
     from vitlab.cli.eval import load_checkpoint
+    from vitlab.extras import require
+
+    require("matplotlib", "the inspection report")  # before the model is loaded and analysed
 
     model, meta = load_checkpoint(args.checkpoint, args.img_size, "cpu")
     meta.setdefault("checkpoint", args.checkpoint)

@@ -1,9 +1,11 @@
 """`vitlab predict`: the top-5 classes of images, with probabilities.
 
     vitlab predict --checkpoint runs/demo/model.safetensors cat.png dog.jpg
+    vitlab predict --checkpoint google/vit-base-patch16-224 cat.png     # the Hugging Face cache
 
-Class names come from ``classes.json`` beside the weights (written by `train`); without
-it the classes are printed as numbers.  Images are resized to the model's resolution
+Class names come from ``classes.json`` beside the weights (written by `train`), else from
+the ``id2label`` of a Hugging Face ``config.json``; without either the classes are printed
+as numbers.  Images are resized to the model's resolution
 and scaled to [-1, 1] as in training.
 """
 from __future__ import annotations
@@ -16,7 +18,9 @@ from .train import add_fast_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="weights: a .safetensors file or run folder written by train")
+    p.add_argument("--checkpoint", required=True,
+                   help="weights: a .safetensors file or run folder written by train, any format `vitlab` reads, "
+                        "or a Hugging Face Hub name (org/name: the local cache, else downloaded)")
     p.add_argument("--classes", help="JSON list of class names (default: classes.json beside the weights)")
     p.add_argument("--top", type=int, default=5, help="how many classes to show")
     p.add_argument("--json", action="store_true", help="one JSON line per image")
@@ -25,13 +29,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def find_classes(checkpoint: Path, explicit: str | None) -> list[str] | None:
-    candidates = [Path(explicit)] if explicit else [
-        (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "classes.json"]
-    for path in candidates:
-        if path.is_file():
-            return list(json.loads(path.read_text()))
+    """``--classes``, else ``classes.json`` beside the weights, else a Hugging Face config's ``id2label``."""
     if explicit:
-        raise FileNotFoundError(f"{explicit}: no such file")
+        if not Path(explicit).is_file():
+            raise FileNotFoundError(f"{explicit}: no such file")
+        return list(json.loads(Path(explicit).read_text()))
+    folder = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    if (folder / "classes.json").is_file():
+        return list(json.loads((folder / "classes.json").read_text()))
+    config = folder / "config.json"
+    labels = json.loads(config.read_text()).get("id2label") if config.is_file() else None
+    if isinstance(labels, dict) and labels:
+        try:
+            return [str(labels[str(i)]) for i in range(len(labels))]
+        except KeyError:  # not 0..K-1: numbers it is
+            return None
     return None
 
 
@@ -41,8 +53,11 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.data.memory import decode_image
     from vitlab.data.transforms import to_float
     from vitlab.weights import load_model
+    from vitlab.weights.hub import resolve_hub_name
 
     checkpoint = Path(args.checkpoint)
+    if not checkpoint.exists():  # a Hub name: its snapshot folder, which holds config.json
+        checkpoint = resolve_hub_name(args.checkpoint) or checkpoint
     model = load_model(checkpoint).eval()
     if args.fast is not False:
         from vitlab import fast

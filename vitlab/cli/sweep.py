@@ -3,8 +3,10 @@
     vitlab sweep --recipe paper_finetune:dataset=cifar10 --init ViT-B_16.npz --data cifar10.tar.gz
 
 1. For every learning rate of the grid (``--grid``, default the recipe's ``lr_grid``,
-   Table 4's {0.001, 0.003, 0.01, 0.03}) train on 90% of the training set and measure
-   top-1 on the held-out 10% (``--holdout``; class-stratified, seeded).
+   Table 4's {0.001, 0.003, 0.01, 0.03}) train on the rest of the training set and
+   measure top-1 on a held-out part (class-stratified, seeded): ``--holdout``, by default
+   the recipe's ``data.val_split``, which for ``paper_finetune`` is the appendix's share
+   per dataset (10% Pets and Flowers, 2% CIFAR, 1% ImageNet); 10% for a recipe without one.
 2. Retrain with the best learning rate on the full training set (with ``--val-split``,
    that many examples are still held out for a final number; the default holds out none).
 3. Print one JSON line: every grid point's held-out accuracy, the chosen lr and the final
@@ -23,9 +25,19 @@ from .train import add_common_arguments, resolve_config
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init", help="pre-trained weights to fine-tune from (omit to train from scratch)")
     p.add_argument("--grid", help="comma-separated learning rates (default: the recipe's lr_grid)")
-    p.add_argument("--holdout", type=float, default=0.1,
-                   help="fraction (or count) of the training set held out to compare the grid (default 0.1)")
+    p.add_argument("--holdout", type=float, default=None,
+                   help="fraction (or count) of the training set held out to compare the grid (default: the "
+                        "recipe's data.val_split, Appendix B.1.1's per dataset for paper_finetune; else 0.1)")
     add_common_arguments(p, default_recipe=None)
+
+
+DEFAULT_HOLDOUT = 0.1
+
+
+def sweep_holdout(explicit: float | None, recipe_split: float | int) -> float | int:
+    """What the grid is compared on: ``--holdout``, else the recipe's validation split, else 10%."""
+    value = explicit if explicit is not None else (recipe_split or DEFAULT_HOLDOUT)
+    return int(value) if float(value).is_integer() and value >= 1 else value
 
 
 def resolve_val_split(value: float | None) -> float | int:
@@ -38,7 +50,7 @@ def resolve_val_split(value: float | None) -> float | int:
 def run(args: argparse.Namespace) -> int:
     from vitlab.config import ConfigError
     from vitlab.train import train
-    from vitlab.train.config import check_can_run, replace
+    from vitlab.train.config import check_can_run, load_recipe, replace
     from vitlab.train.distributed import env_world_size
 
     extra = {"model.init": args.init} if args.init else {}
@@ -46,13 +58,18 @@ def run(args: argparse.Namespace) -> int:
     grid = tuple(float(v) for v in args.grid.split(",")) if args.grid else tuple(cfg.optim.lr_grid)
     if not grid:
         raise ConfigError("optim.lr_grid=(): the recipe has no learning-rate grid; pass --grid 0.001,0.003,...")
-    holdout = int(args.holdout) if args.holdout >= 1 else args.holdout
+    holdout = sweep_holdout(args.holdout, load_recipe(args.recipe).data.val_split)
     base_out = Path(cfg.run.out)
     runs = [replace(cfg, {"optim.lr": lr, "data.val_split": holdout, "run.out": str(base_out / f"lr_{lr:g}")})
             for lr in grid]
     # the final retrain: the full training set, unless --val-split holds some out (not the recipe's split)
     final_split = resolve_val_split(args.val_split)
     final_cfg = replace(cfg, {"run.out": str(base_out / "final"), "data.val_split": final_split})
+    if args.show_config:  # the plan: the grid, its hold-out, and the final run's config
+        from vitlab.train.config import to_dict
+
+        print(json.dumps({"grid": grid, "holdout": holdout, "final": to_dict(final_cfg)}, indent=2))
+        return 0
     for r in runs + [final_cfg]:  # every run is checked before the first one starts
         check_can_run(r, env_world_size())
 

@@ -116,10 +116,10 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.train.distributed import env_world_size
 
     cfg = resolve_config(args)  # the config checks its values as it is built
-    check_can_run(cfg, env_world_size())  # and the machine's side, before any data is read
-    if args.show_config:
+    if args.show_config:  # showing a config needs no data, weights or processes
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
+    check_can_run(cfg, env_world_size())  # the machine's side, before any data is read
     summary = train(cfg, resume=args.resume, overwrite=args.overwrite, verbose=not args.quiet,
                     started_at=process_started_at())
     if summary.get("weights") is not None:  # rank 0 of a distributed run

@@ -1,8 +1,11 @@
 """VTAB-1k fine-tuning (Zhai et al. 2019; paper Sec. 4.2 and Appendix B.1.1).
 
 Each task has 1000 training examples: 800 to train and 200 to validate on while choosing
-hyper-parameters, then all 1000 for the final run (``vtab1k:final=true``;
-``vitlab sweep --recipe vtab1k:final=true --holdout 200`` does both).  The paper
+hyper-parameters, then all 1000 for the final run.  ``vitlab vtab --init W --tasks DIR``
+runs the whole protocol over a folder of tasks with this recipe: the fixed 800/200 split,
+the learning rate per task, the final run, the test accuracy, the group means and the
+mean over the 19 tasks.  For one task on its own, ``vtab1k`` (a class-stratified 800/200
+of a seeded 1000) and ``vtab1k:final=true`` (all 1000) train as any recipe.  The paper
 uses one setting for all 19 tasks: SGD momentum 0.9, lr 0.01, 2500 steps, batch 512,
 cosine decay, no weight decay, clipping at norm 1, resolution 384.  It chose lr 0.01 "by
 running a small sweep" on the 200-example validation sets; ``lr_grid`` is the paper's

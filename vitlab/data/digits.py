@@ -25,11 +25,9 @@ def load_digits_dataset(image_size: int = 24) -> InMemoryDataset:
 @functools.lru_cache(maxsize=4)
 def _digits(image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoded once per process and size (scikit-learn's loader takes seconds)."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as err:  # scikit-learn is the `demo` extra
-        raise ImportError("the digits data set needs scikit-learn: pip install 'vitlab[demo]'") from err
-    digits = load_digits()
+    from vitlab.extras import require
+
+    digits = require("sklearn.datasets", "the digits data set").load_digits()
     x = torch.from_numpy(digits.images).float().unsqueeze(1) * (255.0 / 16.0)  # (N, 1, 8, 8) in [0, 255]
     if image_size != 8:
         x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)

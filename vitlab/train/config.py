@@ -314,7 +314,10 @@ class OptimConfig(Section):
     accum_steps: micro-batches per optimiser step (gradient accumulation).
     steps:       optimiser steps; with ``run.time_limit`` a ceiling, the real number is
                  fitted to the budget after measuring throughput.
-    warmup:      linear warm-up: a number of steps (>= 1) or a fraction of ``steps`` (< 1).
+    warmup:      linear warm-up: a fraction of the steps (< 1), or a number of steps (>= 1)
+                 for a schedule of ``steps`` steps, scaled in proportion when the schedule
+                 is shorter: a smaller ``steps`` set without ``warmup`` (``--steps``), or a
+                 total fitted to ``run.time_limit`` (``scaled_warmup``).
     decay:       "cosine", "linear" or "constant" after the warm-up.
     min_lr:      where the decay ends.
     clip_norm:   clip the global gradient norm to this (0 = off).
@@ -590,18 +593,80 @@ def resolve_name(name: str) -> str:
 
 def replace(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
     """``cfg`` with ``{"section.field": value}`` changed (old flat names accepted); the new
-    sections check themselves."""
+    sections check themselves.
+
+    ``"model.<ViTConfig or ResNetConfig field>": value`` changes one field of the
+    architecture (``model.overrides``).  A ``model.name`` of another model family (a BiT
+    ResNet in a ViT recipe) leaves out what the recipe set for its own family and the new
+    one has not (``fit_model_family``); what ``changes`` sets explicitly is kept, and
+    refused when the model has no such field.
+    """
     by_section: dict[str, dict] = {}
+    architecture: dict[str, Any] = {}
     recipe = cfg.recipe
     for name, value in changes.items():
+        key = name[len("model."):] if name.startswith("model.") else None
+        if key is not None and key not in MODEL_FIELDS and key in ARCHITECTURE_FIELDS:
+            architecture[key] = value
+            continue
         path = resolve_name(name)
         if path == "recipe":
             recipe = value
             continue
         section, key = path.split(".", 1)
         by_section.setdefault(section, {})[key] = value
+    by_section = fit_model_family(cfg, by_section)
+    optim = by_section.get("optim", {})
+    if "warmup" not in optim and is_int(optim.get("steps")) and optim["steps"] >= 1:  # a shorter run, same shape
+        by_section["optim"] = {**optim, "warmup": scaled_warmup(cfg.optim.warmup, optim["steps"], cfg.optim.steps)}
+    if architecture:
+        model = by_section.setdefault("model", {})
+        model["overrides"] = {**model.get("overrides", cfg.model.overrides), **architecture}
     sections = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in by_section.items()}
     return dataclasses.replace(cfg, recipe=recipe, **sections)
+
+
+# What a ViT recipe sets that a BiT ResNet has not: the value that leaves it out
+VIT_ONLY_FIELDS = {("model", "pre_logits"): False, ("model", "patch_init"): "lecun", ("model", "attn_init"): "xavier",
+                   ("model", "posemb_init"): "normal", ("data", "progressive_sizes"): ()}
+
+
+def model_family(name: str) -> type | None:
+    """``ViTConfig`` or ``ResNetConfig``: the config class of a registry name (None: unknown)."""
+    from vitlab.models.registry import get_config
+
+    try:
+        return type(get_config(name))
+    except ConfigError:
+        return None
+
+
+def fit_model_family(cfg: TrainConfig, by_section: dict[str, dict]) -> dict[str, dict]:
+    """``replace``'s changes by section, plus what a change of model family leaves out.
+
+    A recipe is written for one family (every recipe here: the ViT).  When ``model.name``
+    changes to another (``--model BiT-R50x1``), the recipe's architecture overrides that
+    the new family has no field for (dropout, patch size, a hybrid's ``resnet``, a
+    ``name``) and its ViT-only options (``VIT_ONLY_FIELDS``: the pre-logits layer, the
+    ViT's initialisations, progressive resizing) are left out, unless ``by_section`` sets
+    them: a value set explicitly is kept, and refused by the checks if the family has no
+    such field.  Masked patch prediction (``model.mpp``) is the purpose of its recipe, not
+    an option of it: it stays, and is refused for a ResNet.
+    """
+    model = by_section.get("model", {})
+    new, old = model_family(model.get("name", cfg.model.name)), model_family(cfg.model.name)
+    if new is None or old is None or new is old:
+        return by_section
+    by_section = {section: dict(values) for section, values in by_section.items()}
+    model = by_section.setdefault("model", {})
+    if "overrides" not in model:
+        fields = {f.name for f in dataclasses.fields(new)} - {"name"}  # the recipe's name is its own model's
+        model["overrides"] = {k: v for k, v in cfg.model.overrides.items() if k in fields}
+    if new is ResNetConfig:
+        for (section, key), off in VIT_ONLY_FIELDS.items():
+            if key not in by_section.get(section, {}) and getattr(getattr(cfg, section), key) != off:
+                by_section.setdefault(section, {})[key] = off
+    return by_section
 
 
 def get(cfg: TrainConfig, name: str) -> Any:
@@ -650,6 +715,8 @@ def parse_value(text: str, default: Any) -> Any:
 
 
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+# the architecture's fields, ``--set model.<field>=value``: a ViT's or a BiT ResNet's (their defaults give the type)
+ARCHITECTURE_FIELDS = {f.name: f.default for cls in (ResNetConfig, ViTConfig) for f in dataclasses.fields(cls)}
 
 
 def apply_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) -> TrainConfig:
@@ -659,31 +726,37 @@ def apply_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) 
 
 def parse_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """``section.field=value`` strings (old flat names too) as ``replace``'s changes to
-    ``cfg``; ``model.<ViTConfig field>=value`` changes the architecture (``model.overrides``).
+    ``cfg``; ``model.<ViTConfig or ResNetConfig field>=value`` changes the architecture
+    (one entry of ``model.overrides``), ``model.overrides={}`` clears the recipe's.
 
     Values are Python literals (``0.1``, ``(0.9, 0.95)``, ``None``) or bare words
     (``cosine``); tuples also accept ``0.9,0.95``.  Nothing is checked but the names and
     the types: the changes are checked together, when ``replace`` builds the sections.
     """
     changes: dict[str, Any] = {}
-    overrides = dict(cfg.model.overrides)
     defaults = TrainConfig()
-    vit_fields = {f.name: f.default for f in dataclasses.fields(ViTConfig)}
     for item in assignments:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected field=value")
         name, text = (s.strip() for s in item.split("=", 1))
         key = name[len("model."):] if name.startswith("model.") else None
         if key is not None and key not in MODEL_FIELDS:
-            if key not in vit_fields:
+            if key not in ARCHITECTURE_FIELDS:
                 raise ConfigError(f"--set {name}: {key!r} is neither a model field ({', '.join(sorted(MODEL_FIELDS))})"
-                                  f" nor a ViTConfig field; ViTConfig's: {', '.join(vit_fields)}")
-            # sizes: "16" and "16,16" both mean (16, 16), which ViTConfig accepts as an int or a pair
-            overrides[key] = parse_value(text, None if key in ("img_size", "patch_size") else vit_fields[key])
+                                  f" nor a field of the architecture; ViTConfig's and ResNetConfig's: "
+                                  f"{', '.join(ARCHITECTURE_FIELDS)}")
+            # sizes: "16" and "16,16" both mean (16, 16), which the configs accept as an int or a pair
+            default = None if key in ("img_size", "patch_size") else ARCHITECTURE_FIELDS[key]
+            changes[f"model.{key}"] = parse_value(text, default)
             continue
         path = resolve_name(name)
         if path == "model.overrides":
-            raise ConfigError(f"--set {name}: set the model's fields one by one, --set model.<ViTConfig field>=value")
+            value = parse_value(text, None)
+            if not isinstance(value, dict):
+                raise ConfigError(f"--set {name}={text!r}: expected a dict such as {{}} (no overrides) or "
+                                  "{'width': 256}; or set the fields one by one, --set model.<field>=value")
+            changes[path] = value
+            continue
         default = get(defaults, path)
         if default is None:  # optional fields: "none" clears them
             if text.strip().lower() in ("none", "null"):
@@ -694,8 +767,6 @@ def parse_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) 
             changes[path] = parse_value(text, default)
         except ValueError as err:
             raise ConfigError(f"{path}={text!r}: {err}") from None
-    if overrides != cfg.model.overrides:
-        changes["model.overrides"] = overrides
     return changes
 
 
@@ -739,11 +810,26 @@ def model_config(cfg: TrainConfig, num_classes: int | None = None) -> ViTConfig:
     return vit_config(cfg.model, num_classes, dynamic_img_size=bool(cfg.data.progressive_sizes))
 
 
+def scaled_warmup(warmup: float, steps: int, recipe_steps: int) -> float:
+    """The warm-up of a schedule of ``steps`` steps, given ``warmup`` for ``recipe_steps``.
+
+    The rule: a fraction (< 1) is a fraction of any schedule; a count (>= 1) is the
+    warm-up of ``recipe_steps`` steps and keeps its share of a shorter schedule, rounded
+    and at least one step (the paper's 500 fine-tuning warm-up steps of 10,000 are 5 of
+    100); a longer schedule keeps the count (the paper's 10k steps for any pre-training).
+    """
+    if warmup < 1 or steps >= recipe_steps:
+        return warmup
+    return max(1, int(round(warmup * steps / recipe_steps)))
+
+
 def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
-    """``warmup`` as a step count: a fraction of ``total_steps`` when below 1."""
+    """``warmup`` as a step count in a schedule of ``total_steps`` steps (``scaled_warmup``:
+    a fraction of it; a count scaled down with a schedule shorter than ``optim.steps``,
+    as one fitted to ``run.time_limit``)."""
     if optim.warmup < 1:
         return int(round(optim.warmup * total_steps))
-    return int(optim.warmup)
+    return int(scaled_warmup(optim.warmup, total_steps, optim.steps))
 
 
 def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True) -> None:
@@ -765,7 +851,10 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
                 not Path(source).expanduser().exists():
             raise ConfigError(f"data.source={source!r}: no such file or folder")
     if cfg.model.init is not None and not Path(cfg.model.init).expanduser().exists():
-        raise ConfigError(f"model.init={cfg.model.init!r}: no such file or folder")
+        from vitlab.weights.hub import parse_hub_name
+
+        if parse_hub_name(cfg.model.init) is None:  # a Hub name is looked up when the weights are loaded
+            raise ConfigError(f"model.init={cfg.model.init!r}: no such file or folder")
 
 
 # ----------------------------------------------------------------------------- recipes

@@ -150,8 +150,8 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
             do_log = is_last or do_eval or step % cfg.run.log_every == 0
             if do_log or do_save:  # the steps' flags are read here: a bad one stops the run, or is counted
                 nonfinite.check(s, pending, last_saved)
-            if do_eval:
-                last_val = evaluate(s, budget, final=is_last)
+            if do_eval:  # the last one with the final views, unless a short time limit has no room for them
+                last_val = evaluate(s, budget, final=is_last and budget.final_views_fit())
             if do_log:
                 record = (window.record(s, step, lr, budget.elapsed()) | nonfinite.record(s.scaler)
                           | (last_val if do_eval else {}))
@@ -293,6 +293,9 @@ def time_budget(s: Setup, t_start: float, progress: Progress) -> TimeBudget:
         eval_every=run.eval_every,
         final_eval_views=tta_view_count(run.eval_flip, run.final_eval_shift) / tta_view_count(run.eval_flip),
         warmup=lambda total: warmup_steps(s.cfg.optim, total), phases=s.cfg.data.progressive_sizes,
+        # a forward is about a third of a training step's work per image
+        eval_cost_steps=(0 if s.evaluator is None else len(s.splits.val_labels))
+        * tta_view_count(run.eval_flip) / (3 * s.cfg.optim.batch_size),
         full_size=s.img_size, agree=lambda values: [v / s.world.size for v in all_reduce_sum(values, s.world)],
         say=progress.message)
 

@@ -17,6 +17,13 @@ total number of steps and ``out_of_time`` whether to stop now.  The plan:
 4. a slowdown after that is the guard's: ``out_of_time`` ends the run early, still with a
    final evaluation and a checkpoint.
 
+A short budget (a few minutes, or less) may not hold the evaluations it plans for.  The
+evaluation timed for the first fit is skipped when, estimated from the step time
+(``eval_cost_steps``), it and the final evaluation would not fit in what is left; and a
+final evaluation with more test-time views than the periodic ones (``final_eval_views``)
+is reduced to the periodic views when those extra views would overrun the deadline
+(``final_views_fit``), so that the command ends by the deadline rather than after it.
+
 Times are read from ``clock`` and ranks agree through ``agree`` (the mean over ranks), so
 the planner runs, and is tested, without a model or a process group.
 """
@@ -36,6 +43,8 @@ class TimeBudget:
     measure_steps: steps timed before the first fit.
     eval_every:    steps between periodic evaluations (0: the final one only).
     final_eval_views: the final evaluation's cost in periodic evaluations (more test-time views).
+    eval_cost_steps: a periodic evaluation's estimated cost in training steps (0: unknown,
+                   always timed); used when the budget is too short to time one.
     warmup:        ``warmup(total_steps)``: the warm-up's length in a schedule of that many steps.
     phases, full_size: progressive resizing (``data.progressive_sizes``) and the full training size;
                    steps are counted in full-size steps.
@@ -44,7 +53,7 @@ class TimeBudget:
     """
 
     def __init__(self, minutes: float, started_at: float, *, max_steps: int, measure_steps: int, eval_every: int,
-                 final_eval_views: float, warmup: Callable[[int], int], phases: tuple = (),
+                 final_eval_views: float, warmup: Callable[[int], int], eval_cost_steps: float = 0.0, phases: tuple = (),
                  full_size: tuple[int, int] = (1, 1), agree: Callable[[list[float]], list[float]] = lambda v: v,
                  say: Callable[[str], None] = lambda text: None, clock: Callable[[], float] = time.monotonic) -> None:
         self.minutes, self.deadline_s = minutes, minutes * 60.0
@@ -57,6 +66,9 @@ class TimeBudget:
         # the final evaluation gets a quarter more as margin: it is the longest single task and
         # nothing after it can absorb an overrun
         self.final_eval_ratio = 1.25 * final_eval_views
+        self.reduced_final_ratio = 1.25  # the final evaluation with the periodic views only
+        self.final_reduced = False  # the final evaluation's extra views do not fit: the periodic views
+        self.eval_cost_steps = eval_cost_steps
         # kept free for saving, plots and a slower last evaluation
         self.reserve_s = 5.0 + 0.005 * self.deadline_s
         self.eval_s, self.evals_timed = 0.0, 0  # mean duration of the periodic evaluations, and their count
@@ -116,8 +128,32 @@ class TimeBudget:
     # ------------------------------------------------------------------ the plan
 
     def wants_evaluation(self, step: int) -> bool:
-        """Whether the first fit, due after this step, needs an evaluation timed first."""
-        return not self.fitted and self.first_mark is not None and step == 2 + self.measure_steps
+        """Whether the first fit, due after this step, needs an evaluation timed first: not
+        when the budget left is too short for it and the final one (estimated from the step
+        time, which then stands in for the timing)."""
+        if self.fitted or self.first_mark is None or step != 2 + self.measure_steps:
+            return False
+        estimate = self.eval_cost_steps * self._first_rate()
+        if estimate <= 0:
+            return True
+        ratio = min(self.final_eval_ratio, self.reduced_final_ratio)
+        late = self.elapsed() + (1 + ratio) * estimate + self.reserve_s > self.deadline_s
+        if self.agree([float(late)])[0] > 0:  # every rank skips it alike (the evaluation is collective)
+            self.eval_s = estimate
+            return False
+        return True
+
+    def final_views_fit(self) -> bool:
+        """Whether the final evaluation keeps its extra test-time views: False when the fit
+        found no room for them, or the time left no longer holds them (a slowdown); the
+        loop then evaluates with the periodic views.  Says so once."""
+        if not self.active or self.final_eval_ratio <= self.reduced_final_ratio:
+            return True
+        late = self.elapsed() + self.final_eval_ratio * self.eval_s + self.reserve_s / 2 > self.deadline_s
+        if self.agree([float(late)])[0] > 0 and not self.final_reduced:
+            self.final_reduced = True
+            self._say_reduced()
+        return not self.final_reduced
 
     def plan(self, step: int, total_steps: int) -> int:
         """The total number of steps, after ``step`` steps."""
@@ -136,10 +172,7 @@ class TimeBudget:
         if step == 2:
             self.first_mark = self._mark(step)
         elif self.first_mark is not None and step == 2 + self.measure_steps:
-            # counted with the pauses since the mark (logging, checkpoints: their share per step),
-            # all but the evaluation timed for this fit
-            _, units0, t0, _ = self.first_mark
-            sec_per_step = (self.clock() - t0 - self.last_eval_s) / max(self.units - units0, 1e-9)
+            sec_per_step = self._first_rate() - self.last_eval_s / max(self.units - self.first_mark[1], 1e-9)
             total_steps = self._fit(step, sec_per_step)
             self.warm_mark = self._mark(step)
             self.warm_refit_at = max(self.warmup(total_steps), step + 2 * self.measure_steps)
@@ -157,13 +190,28 @@ class TimeBudget:
         for the final evaluation and checkpoint.  All ranks answer alike."""
         if not self.active or not (self.fitted or self.warm_mark is not None) or step >= total_steps:
             return False
-        late = self.elapsed() > self.deadline_s - self.final_eval_ratio * self.eval_s - self.reserve_s / 2
+        late = self.elapsed() > self.deadline_s - self._final_ratio() * self.eval_s - self.reserve_s / 2
         if self.agree([float(late)])[0] <= 0:
             return False
         self.say(f"time limit reached at step {step}/{total_steps}: stopping before the schedule's end")
         return True
 
     # ------------------------------------------------------------------ helpers
+
+    def _first_rate(self) -> float:
+        """Seconds per full-size step since the first mark, counted with the pauses since
+        (logging, checkpoints: their share per step; the loop's timing evaluation too, which
+        the first fit takes out)."""
+        _, units0, t0, _ = self.first_mark
+        return (self.clock() - t0) / max(self.units - units0, 1e-9)
+
+    def _final_ratio(self) -> float:
+        """The final evaluation's planned cost in periodic evaluations."""
+        return self.reduced_final_ratio if self.final_reduced else self.final_eval_ratio
+
+    def _say_reduced(self) -> None:
+        self.say(f"time limit {self.minutes:g} min: the final evaluation's extra test-time views "
+                 f"(~{self.final_eval_ratio / 1.25 * self.eval_s:.0f} s) do not fit; it uses the periodic views")
 
     def _mark(self, step: int) -> tuple[int, float, float, float]:
         return step, self.units, self.clock(), self.paused_s
@@ -175,9 +223,16 @@ class TimeBudget:
     def _fit(self, step: int, sec_per_step: float) -> int:
         steps_cost = (lambda start, total: schedule_cost(start, total, self.phases, self.full_size)) \
             if self.phases else None
+        if not self.final_reduced and self.final_eval_ratio > self.reduced_final_ratio:
+            # not even with no more steps: plan for the periodic views, and the steps they leave room for
+            late = self.elapsed() + self.final_eval_ratio * self.eval_s + self.reserve_s > self.deadline_s
+            if self.agree([float(late)])[0] > 0:
+                self.final_reduced = True
+                self._say_reduced()
+        ratio = self._final_ratio()
         total = fit_steps_to_time(
             budget_s=self.deadline_s, elapsed_s=self.elapsed(), step=step, sec_per_step=sec_per_step,
-            eval_s=self.eval_s, final_eval_s=self.final_eval_ratio * self.eval_s, eval_every=self.eval_every,
+            eval_s=self.eval_s, final_eval_s=ratio * self.eval_s, eval_every=self.eval_every,
             reserve_s=self.reserve_s, max_steps=self.max_steps, steps_cost=steps_cost)
         return int(self.agree([float(total)])[0])  # the ranks agree on one total
 

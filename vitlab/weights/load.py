@@ -10,6 +10,8 @@ The format is recognised from what the source holds, never from a flag:
     *.npz                                            official vit_jax
     *.pt, *.pth, *.bin                               by keys; read with torch.load(weights_only=True)
     (any of these with <stem>.timm.json beside it: timm create_model arguments, as save_model(format="timm") writes)
+    a Hugging Face Hub name, org/name[@revision]     its snapshot in the local Hugging Face cache, else downloaded
+                                                     with huggingface_hub (``hub.py``); then as a directory
     a dict in memory                                 by keys
 
     keys                                             format
@@ -36,6 +38,7 @@ from ..config import Pair
 from .core import WeightsError, build_loaded, infer_config, to_tensor
 from .bigvision import is_big_vision, load_big_vision
 from .bit import is_bit, load_bit
+from .hub import resolve_hub_name
 from .huggingface import is_huggingface, load_huggingface
 from .native import CONFIG_KEY, CONFIG_NAME, is_native, load_native, read_safetensors, read_safetensors_metadata
 from .official import KNOWN_PREFIXES, load_official_npz, read_npz
@@ -178,7 +181,8 @@ def load_model(source: str | os.PathLike | Mapping[str, Any], name: str | None =
                keep_pre_logits: bool = False, **overrides: Any) -> nn.Module:
     """Load weights of any supported format into a vitlab model, returned in eval mode.
 
-    source: a path (see the module docstring) or an in-memory state dict / dict of arrays.
+    source: a path (see the module docstring), a Hugging Face Hub name ("google/vit-base-patch16-224",
+        found in the local Hugging Face cache or downloaded) or an in-memory state dict / dict of arrays.
     name: a registry name (e.g. "ViT-B/16"); needed only for Hugging Face, timm and bare
         vitlab state dicts without a config, whose shapes do not show the number of heads
         (``num_heads=`` works too).  Ignored where the format defines the architecture.
@@ -195,5 +199,8 @@ def load_model(source: str | os.PathLike | Mapping[str, Any], name: str | None =
         return _load_state_dict(source, None, **kw)
     path = Path(source)
     if not path.exists():
-        raise FileNotFoundError(f"no such file or directory: {path}")
+        snapshot = resolve_hub_name(str(source))  # "google/vit-base-patch16-224": the Hugging Face cache
+        if snapshot is None:
+            raise FileNotFoundError(f"no such file or directory: {path}")
+        path = snapshot
     return _load_dir(path, **kw) if path.is_dir() else _load_file(path, **kw)

@@ -193,14 +193,56 @@ TIMM_GELU = {"gelu": "exact", "gelu_tanh": "tanh"}  # timm act_layer -> vitlab g
 SIZE_NAMES = {dims: name for name, dims in zip(("tiny", "small", "base", "large", "huge"), VIT_SIZES.values())}
 # vitlab hybrid ResNet layers -> the piece of timm's model name (vision_transformer_hybrid.py)
 HYBRID_NAMES = {(): "r_s16_p8", (2, 2, 2, 2): "r26_s32", (3, 4, 9): "r50_s16", (3, 4, 6, 3): "r50_s32"}
+# The names timm registers (``@register_model`` in timm's vision_transformer.py and
+# vision_transformer_hybrid.py).  Every one of them takes the architecture's keyword
+# arguments over its own defaults, so any plain one builds any plain ViT; a hybrid's entry
+# point fixes its ResNet's layers.
+TIMM_VIT_NAMES = (
+    "vit_tiny_patch16_224", "vit_tiny_patch16_384", "vit_small_patch32_224", "vit_small_patch32_384",
+    "vit_small_patch16_224", "vit_small_patch16_384", "vit_small_patch8_224", "vit_base_patch32_224",
+    "vit_base_patch32_384", "vit_base_patch16_224", "vit_base_patch16_384", "vit_base_patch8_224",
+    "vit_large_patch32_224", "vit_large_patch32_384", "vit_large_patch16_224", "vit_large_patch16_384",
+    "vit_large_patch14_224", "vit_huge_patch14_224",
+)
+TIMM_HYBRID_NAMES = (
+    "vit_tiny_r_s16_p8_224", "vit_tiny_r_s16_p8_384", "vit_small_r26_s32_224", "vit_small_r26_s32_384",
+    "vit_base_r26_s32_224", "vit_base_r50_s16_224", "vit_base_r50_s16_384", "vit_large_r50_s32_224",
+    "vit_large_r50_s32_384",
+)
 
 
-def timm_model_name(cfg: ViTConfig) -> str:
-    """The timm model name closest to ``cfg`` (the keyword arguments make it exact)."""
-    size = SIZE_NAMES.get((cfg.width, cfg.depth, cfg.mlp_dim, cfg.num_heads), "base")
+def timm_model_name(cfg: ViTConfig) -> tuple[str | None, str | None]:
+    """(a name timm registers that builds ``cfg`` with the exported keyword arguments, a
+    note when it is not ``cfg``'s own name); (None, why) when timm has no constructor.
+
+    The closest registered name is chosen: the same size, patch (or hybrid stem) and
+    resolution if timm has it, else the same size and patch, else the same patch or stem,
+    else any; the keyword arguments make the model exact either way.
+    """
+    size = SIZE_NAMES.get((cfg.width, cfg.depth, cfg.mlp_dim, cfg.num_heads))
     if cfg.resnet is not None:
-        return f"vit_{size}_{HYBRID_NAMES.get(cfg.resnet.layers, 'r50_s16')}_{cfg.img_size[0]}"
-    return f"vit_{size}_patch{cfg.patch_size[0]}_{cfg.img_size[0]}"
+        stem = HYBRID_NAMES.get(cfg.resnet.layers)
+        if stem is None:
+            return None, (f"timm registers no hybrid with ResNet layers {cfg.resnet.layers} (only "
+                          f"{', '.join(map(str, HYBRID_NAMES))}): timm.create_model cannot build this model")
+        own = f"vit_{size or 'custom'}_{stem}_{cfg.img_size[0]}"
+        candidates = [n for n in TIMM_HYBRID_NAMES if f"_{stem}_" in n]
+    else:
+        own = f"vit_{size or 'custom'}_patch{cfg.patch_size[0]}_{cfg.img_size[0]}"
+        candidates = list(TIMM_VIT_NAMES)
+    if own in candidates:
+        return own, None
+    prefix, _, resolution = own.rpartition("_")
+
+    def closeness(name: str) -> tuple:
+        name_prefix, _, name_resolution = name.rpartition("_")
+        piece = name_prefix.split("_", 2)[2]  # "patch16", "r50_s16"
+        return (name_prefix == prefix, piece == prefix.split("_", 2)[2], name.startswith(f"vit_{size}_"),
+                name_resolution == resolution, name_resolution == "224", "_base_" in name, "patch16" in name)
+
+    chosen = max(candidates, key=closeness)  # the first of equals: the table's order
+    return chosen, (f"timm registers no {own}; {chosen} builds this model with these keyword arguments "
+                    "and the pretrained_cfg_overlay")
 
 
 def to_timm(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -242,9 +284,6 @@ def to_timm(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     notes = convention_differences(cfg, {"ln_eps": 1e-6}, "timm (LayerNorm eps is fixed by its constructors)")
     if int(cfg.width * (cfg.mlp_dim / cfg.width)) != cfg.mlp_dim:
         notes.append(f"mlp_dim={cfg.mlp_dim}: timm's int(embed_dim * mlp_ratio) rounds to another width")
-    if cfg.resnet is not None and cfg.resnet.layers not in HYBRID_NAMES:
-        notes.append(f"resnet layers={cfg.resnet.layers}: timm's hybrids are built with layers "
-                     f"{', '.join(map(str, HYBRID_NAMES))} only; this stem has no timm constructor")
     if cfg.resnet is not None:
         notes += convention_differences(cfg.resnet, RESNET_CONVENTIONS, "timm's hybrid stem (StdConv2dSame eps 1e-8, "
                                         "GroupNorm eps 1e-5)")
@@ -254,9 +293,14 @@ def to_timm(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     warn_conventions(notes, "timm")
     # timm's load_pretrained drops a head whose size differs from pretrained_cfg["num_classes"]:
     # the overlay states the file's own, so the written head is loaded, not replaced
-    overlay = {"num_classes": cfg.num_classes, "input_size": [cfg.in_chans, *cfg.img_size]}
-    return out, {"model_name": timm_model_name(cfg), "kwargs": kwargs, "pretrained_cfg_overlay": overlay,
-                 "notes": notes}
+    # the input scaling too: vitlab models read x / 127.5 - 1, which the named model's own
+    # pretrained_cfg (ImageNet mean and std for some) would otherwise replace in timm's data config
+    overlay = {"num_classes": cfg.num_classes, "input_size": [cfg.in_chans, *cfg.img_size],
+               "mean": [0.5] * cfg.in_chans, "std": [0.5] * cfg.in_chans}
+    name, why = timm_model_name(cfg)
+    if why is not None:
+        notes.append(why)
+    return out, {"model_name": name, "kwargs": kwargs, "pretrained_cfg_overlay": overlay, "notes": notes}
 
 
 def sidecar_path(path: str | os.PathLike) -> Path:

@@ -1,0 +1,125 @@
+"""`vitlab vtab`: the VTAB-1k protocol end to end on three tiny tasks built here, one per group
+and one per folder layout, and its parts (task names, fixed splits, means, accumulation)."""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vitlab.cli import main
+from vitlab.data.sources import DataError
+from vitlab.eval.vtab import TASK_GROUPS, canonical_task, find_tasks, split_task, summarize
+
+CLASSES = ("a", "b", "c")
+
+
+def image_folder(root: Path, per_class: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for c, name in enumerate(CLASSES):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 80, (16, 16, 3), dtype=np.uint8)
+            pixels[:, :, c] += 150  # each class its own colour: learnable in a few steps
+            Image.fromarray(pixels).save(root / name / f"{i:03d}.png")
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    """cifar100 (train/ + test/), eurosat (train/ only: its test set is the rest of train),
+    dsprites_loc (VTAB-1k's own train800/ + val200/, and test/)."""
+    root = tmp_path_factory.mktemp("vtab")
+    image_folder(root / "cifar100" / "train", 8, 0)
+    image_folder(root / "cifar100" / "test", 3, 1)
+    image_folder(root / "EuroSAT" / "train", 10, 2)
+    image_folder(root / "dsprites_loc" / "train800", 5, 3)
+    image_folder(root / "dsprites_loc" / "val200", 2, 4)
+    image_folder(root / "dsprites_loc" / "test", 3, 5)
+    return root
+
+
+def targets(folder: Path) -> set[str]:
+    return {os.path.realpath(p) for p in folder.rglob("*.png")}
+
+
+def test_task_names_groups_and_layouts(tasks, tmp_path):
+    assert canonical_task("Oxford-Flowers102") == "oxford_flowers102" and canonical_task("kitti") == "kitti_dist"
+    assert sum(g == "natural" for g, _ in TASK_GROUPS.values()) == 7 and len(TASK_GROUPS) == 19
+    found = find_tasks(tasks)
+    assert [(t.name, t.group) for t in found] == [("cifar100", "natural"), ("eurosat", "specialized"),
+                                                 ("dsprites_loc", "structured")]
+    (tmp_path / "mine" / "train" / "x").mkdir(parents=True)
+    with pytest.raises(DataError, match="not a VTAB task name.*--group"):
+        find_tasks(tmp_path)
+    assert find_tasks(tmp_path, {"mine": "structured"})[0].group == "structured"
+
+
+def test_the_split_is_fixed_disjoint_and_four_to_one(tasks, tmp_path):
+    cifar = find_tasks(tasks)[0]
+    views = split_task(cifar, tmp_path / "one", examples=20, seed=0)
+    again = split_task(cifar, tmp_path / "two", examples=20, seed=0)
+    other = split_task(cifar, tmp_path / "three", examples=20, seed=1)
+    assert views.counts == {"train800": 16, "val200": 4, "train1000": 20, "test": 9}
+    sweep, held, final = targets(views.sweep_train), targets(views.sweep_val), targets(views.train)
+    assert not sweep & held and sweep | held == final and len(final) == 20
+    assert targets(again.sweep_val) == held and targets(other.sweep_val) != held  # fixed by the seed
+    # every view holds every class folder, so labels agree between them
+    assert all(sorted(p.name for p in v.iterdir()) == list(CLASSES)
+               for v in (views.sweep_train, views.sweep_val, views.train, views.test))
+    eurosat = split_task(find_tasks(tasks)[1], tmp_path / "e", examples=20, seed=0)
+    assert eurosat.test_split == "train[20:]" and eurosat.counts["test"] == 10
+    assert not targets(eurosat.test) & targets(eurosat.train)
+    with pytest.raises(DataError, match="fewer than --examples 40"):
+        split_task(find_tasks(tasks)[1], tmp_path / "f", examples=40)
+
+
+def test_means_are_per_group_and_over_tasks():
+    results = {"cifar100": {"group": "natural", "test_top1": 0.9}, "dtd": {"group": "natural", "test_top1": 0.5},
+               "eurosat": {"group": "specialized", "test_top1": 0.8}}
+    s = summarize(results)
+    assert s["groups"]["natural"] == {"mean": pytest.approx(0.7), "tasks": 2, "of": 7}
+    assert s["groups"]["structured"]["mean"] is None and s["mean"] == pytest.approx(2.2 / 3)
+    assert len(s["missing"]) == 16 and "dtd" not in s["missing"]
+
+
+def test_accumulation_fits_the_memory():
+    from vitlab.cli.vtab import auto_accum_steps
+
+    assert auto_accum_steps(512, per_example=10, available=1 << 30) == 1
+    assert auto_accum_steps(512, per_example=100 << 20, available=16 << 30) == 8  # 64 x 100 MiB <= 8 GiB
+    assert auto_accum_steps(512, per_example=1 << 40, available=1 << 30) == 512
+
+
+def test_vtab_end_to_end(tasks, tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "vtab"
+    args = ["vtab", "--init", tiny_checkpoint, "--tasks", str(tasks), "--examples", "20", "--steps", "3",
+            "--batch-size", "8", "--img-size", "16", "--grid", "0.003,0.03", "--out", str(out), "--quiet",
+            "--set", "run.precision=fp32", "--set", "run.threads=1", "--set", "run.tensorboard=false",
+            "--set", "data.decode_workers=0"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    report = json.loads(printed.strip().splitlines()[-1])
+    assert report == json.loads((out / "vtab.json").read_text())
+    assert report["protocol"]["accum_steps"] == 1 and report["protocol"]["steps"] == 3
+    tasks_ = report["tasks"]
+    assert list(tasks_) == ["cifar100", "eurosat", "dsprites_loc"]
+    for name, r in tasks_.items():
+        assert set(r["val_top1"]) == {"0.003", "0.03"}
+        assert r["lr"] == float(max(r["val_top1"], key=r["val_top1"].get))  # the best on its 200 (here 4)
+        assert 0.0 <= r["test_top1"] <= 1.0 and r["classes"] == 3
+    assert (tasks_["cifar100"]["test_split"], tasks_["cifar100"]["test_examples"]) == ("test/", 9)
+    assert (tasks_["eurosat"]["test_split"], tasks_["eurosat"]["test_examples"]) == ("train[20:]", 10)
+    assert tasks_["dsprites_loc"]["train_examples"] == 3 * (5 + 2)  # train800/ + val200/ as given
+    for group, name in (("natural", "cifar100"), ("specialized", "eurosat"), ("structured", "dsprites_loc")):
+        assert report["groups"][group]["mean"] == pytest.approx(tasks_[name]["test_top1"])
+    assert report["mean"] == pytest.approx(np.mean([r["test_top1"] for r in tasks_.values()]))
+    for line in ("Natural mean", "Specialized mean", "Structured mean", "Mean over tasks", "(3 of 19 tasks"):
+        assert line in printed
+    # the paper's one setting for all tasks, from the same runs (--resume reruns nothing)
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("summary.json")}
+    assert main([*args, "--select", "shared", "--resume"]) == 0
+    shared = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert all(p.stat().st_mtime_ns == stamp for p, stamp in stamps.items())
+    best = max(("0.003", "0.03"), key=lambda lr: sum(r["val_top1"][lr] for r in tasks_.values()))
+    assert {r["lr"] for r in shared["tasks"].values()} == {float(best)}

@@ -1,0 +1,100 @@
+"""The README's commands work as written: every shell command it shows is checked against the
+CLI's parser (and a training command's configuration is built and checked), every
+``pip install -e ".[extra]"`` names an extra of pyproject.toml, every file it runs exists,
+and every ``vitlab.name`` of its Python examples exists.  `vitlab demo` itself runs in
+tests/train/test_cli.py; the README cannot drift from the CLI unnoticed."""
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import vitlab
+from vitlab.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def fenced(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+INLINE = re.findall(r"`(vitlab [^`]+)`", README)  # `vitlab eval` names a command; longer spans are commands
+
+
+def shell_commands() -> list[list[str]]:
+    """Every command of the README's bash blocks, and of its inline `vitlab ...` spans, as argv
+    lists: continuation lines joined, comments dropped, ``&&`` chains split."""
+    texts = [block.replace("\\\n", " ") for block in fenced("bash")]
+    texts += [span for span in INLINE if len(span.split()) > 2 and "[" not in span and "|" not in span]
+    commands = []
+    for text in texts:
+        for line in text.splitlines():
+            words = shlex.split(line, comments=True)
+            while words:
+                cut = words.index("&&") if "&&" in words else len(words)
+                commands.append(words[:cut])
+                words = words[cut + 1:]
+    return [c for c in commands if c]
+
+
+def vitlab_argv(command: list[str]) -> list[str] | None:
+    """The arguments of ``vitlab ...`` and ``... -m vitlab ...`` (torchrun, python)."""
+    if command[0] == "vitlab":
+        return command[1:]
+    if "-m" in command and command[command.index("-m") + 1] == "vitlab":
+        return command[command.index("-m") + 2:]
+    return None
+
+
+COMMANDS = shell_commands()
+VITLAB = [argv for argv in map(vitlab_argv, COMMANDS) if argv is not None]
+
+
+def test_every_command_the_readme_names_exists():
+    from vitlab.cli import COMMANDS as CLI
+
+    assert {span.split()[1] for span in INLINE} <= {name for name, _, _ in CLI}
+
+
+def test_the_readme_shows_the_commands_it_should():
+    shown = {argv[0] for argv in VITLAB}
+    assert {"demo", "train", "finetune", "sweep", "eval", "predict", "fewshot", "inspect", "export", "flops",
+            "pack-shards"} <= shown
+    assert ["pip", "install", "-e", ".[demo]"] in COMMANDS and ["vitlab", "demo"] in COMMANDS
+
+
+@pytest.mark.parametrize("argv", VITLAB, ids=[" ".join(a)[:60] for a in VITLAB])
+def test_every_vitlab_command_parses_and_configures(argv):
+    args = build_parser().parse_args(argv)  # argparse exits (the test fails) on any bad flag
+    if args.command in ("train", "finetune", "sweep"):
+        from vitlab.cli.train import resolve_config
+
+        extra = {"model.init": args.init} if getattr(args, "init", None) else None
+        resolve_config(args, extra)  # the recipe, its arguments and every flag build a valid config
+    if args.command == "flops":
+        from vitlab.models.registry import get_config
+
+        get_config(args.model)
+
+
+def test_every_extra_and_file_the_readme_names_exists():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    named = set(re.findall(r'pip install -e "\.\[(\w+)\]"', README))
+    assert named and named <= set(extras)
+    for command in COMMANDS:
+        if command[0] == "python" and command[1].endswith(".py") or command[0] == "bash":
+            assert (ROOT / command[1]).is_file(), command
+        if command[:3] == ["python", "-m", "pytest"]:
+            assert (ROOT / command[3]).is_dir()
+
+
+def test_every_vitlab_name_in_the_python_examples_exists():
+    names = {m for block in fenced("python") for m in re.findall(r"\bvitlab(?:\.\w+)+", block)}
+    assert names
+    for name in names:
+        obj = vitlab
+        for part in name.split(".")[1:]:
+            obj = getattr(obj, part)  # AttributeError: the README names something vitlab lacks

@@ -1,0 +1,68 @@
+"""Recipes fit the model family: a BiT ResNet trains through every ViT recipe the paper
+trains it with (Table 2 and 3's baselines, Table 7's optimisers); a ViT-only field is left
+out for it, and refused only when set explicitly."""
+import json
+
+import pytest
+
+from vitlab.cli import main
+from vitlab.config import ConfigError, ResNetConfig
+from vitlab.train.config import (VIT_ONLY_FIELDS, apply_overrides, list_recipes, load_recipe, model_config,
+                                 replace)
+
+# every recipe a ResNet trains with; mpp's masked patch prediction is a ViT's by nature
+BIT_RECIPES = ["paper_pretrain", "paper_pretrain:dataset=i21k", "paper_pretrain_imagenet", "paper_finetune",
+               "vtab1k", "demo", "cifar10_scratch", "cifar10_scratch:model=hybrid_bit", "cifar10_scratch:model=vit"]
+
+
+def test_every_recipe_but_mpp_is_listed():
+    assert {r.split(":")[0] for r in BIT_RECIPES} == set(list_recipes()) - {"mpp"}
+
+
+@pytest.mark.parametrize("recipe", BIT_RECIPES)
+def test_a_bit_resnet_takes_every_recipe(recipe):
+    vit = load_recipe(recipe)
+    cfg = replace(vit, {"model.name": "BiT-R50x1"})
+    built = model_config(cfg, num_classes=10)
+    assert isinstance(built, ResNetConfig) and built.num_classes == 10
+    for (section, key), off in VIT_ONLY_FIELDS.items():
+        assert getattr(getattr(cfg, section), key) == off
+    # what applies to both families stays: resolution, optimiser, schedule, augmentation
+    assert built.img_size == model_config(vit).img_size
+    assert (cfg.optim, cfg.augment) == (vit.optim, vit.augment)
+
+
+def test_a_vit_field_set_explicitly_for_a_resnet_is_refused():
+    recipe = load_recipe("paper_pretrain:dataset=i21k")
+    with pytest.raises(ConfigError, match="dropout"):
+        apply_overrides(recipe, ["model.name=BiT-R50x1", "model.dropout=0.1"])
+    with pytest.raises(ConfigError, match="model.pre_logits"):
+        apply_overrides(recipe, ["model.name=BiT-R50x1", "model.pre_logits=true"])
+    with pytest.raises(ConfigError, match="model.mpp"):
+        replace(load_recipe("mpp"), {"model.name": "BiT-R50x1"})
+    # a ResNet's own fields are settable; the recipe's resolution still applies
+    cfg = apply_overrides(load_recipe("demo"), ["model.name=BiT-R50x1", "model.width_factor=2", "model.layers=1,1"])
+    built = model_config(cfg, 10)
+    assert (built.width_factor, built.layers, built.img_size) == (2, (1, 1), (16, 16))
+
+
+def test_clearing_the_recipes_overrides():
+    cfg = apply_overrides(load_recipe("paper_pretrain:dataset=i21k"), ["model.overrides={}"])
+    assert cfg.model.overrides == {} and model_config(cfg).dropout == 0.0
+    with pytest.raises(ConfigError, match="model.overrides"):
+        apply_overrides(load_recipe("demo"), ["model.overrides=7"])
+
+
+@pytest.mark.parametrize("recipe", ["paper_pretrain", "cifar10_scratch"])
+def test_the_cli_shows_and_trains_a_bit_resnet_with_a_vit_recipe(recipe, tmp_path, capsys):
+    args = ["train", "--recipe", recipe, "--model", "BiT-R50x1"]
+    assert main([*args, "--show-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["pre_logits"] is False
+    tiny = ["--data", "digits", "--img-size", "16", "--steps", "2", "--batch-size", "16", "--val-split", "100",
+            "--set", "model.layers=1", "--set", "model.width_factor=0.5", "--set", "run.compile=false",
+            "--set", "run.precision=fp32", "--set", "run.eval_every=0", "--set", "run.threads=1",
+            "--set", "run.tensorboard=false", "--set", "run.time_limit=0", "--set", "run.final_eval_shift=0",
+            "--quiet", "--out", str(tmp_path / "run")]
+    assert main([*args, *tiny]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["model"] == "BiT-R50x1" and summary["steps"] == 2

@@ -1,0 +1,143 @@
+"""Weights by Hugging Face Hub name, from the local Hugging Face cache (no network) or downloaded.
+
+The cache is built here in huggingface_hub's layout from a random tiny ViTForImageClassification."""
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+transformers = pytest.importorskip("transformers")
+
+from vitlab.cli import main  # noqa: E402
+from vitlab.weights import WeightsError, load_model  # noqa: E402
+
+REPO = "google/vit-tiny-random"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+LABELS = {0: "tabby cat", 1: "golden retriever", 2: "goldfish"}
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
+                                 image_size=16, patch_size=4, id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def write_snapshot(hf_model, cache, repo=REPO, commit=COMMIT):
+    """``cache/models--org--name/{refs/main, snapshots/<commit>/}`` as huggingface_hub writes it."""
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    hf_model.save_pretrained(folder / "snapshots" / commit)
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    return folder / "snapshots" / commit
+
+
+@pytest.fixture
+def hub_env(monkeypatch, tmp_path):
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # never the user's own cache
+    return monkeypatch
+
+
+def same_logits(model, hf_model):
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        return (model(x) - hf_model(pixel_values=x).logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("variable", ["HF_HUB_CACHE", "HF_HOME"])
+def test_load_model_finds_the_cached_snapshot_offline(hf_model, hub_env, tmp_path, variable):
+    if variable == "HF_HUB_CACHE":
+        write_snapshot(hf_model, tmp_path / "cache")
+        hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    else:  # $HF_HOME/hub
+        write_snapshot(hf_model, tmp_path / "home" / "hub")
+        hub_env.setenv("HF_HOME", str(tmp_path / "home"))
+    hub_env.setenv("HF_HUB_OFFLINE", "1")
+    model = load_model(REPO)
+    assert model.cfg.num_classes == 3 and same_logits(model, hf_model)
+    assert same_logits(load_model(f"{REPO}@{COMMIT}"), hf_model)  # a commit names its snapshot
+
+
+def test_predict_by_hub_name_prints_the_hub_labels(hf_model, hub_env, tmp_path, capsys):
+    snapshot = write_snapshot(hf_model, tmp_path / "cache")
+    hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    hub_env.setenv("HF_HUB_OFFLINE", "1")
+    image = tmp_path / "x.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(image)
+    assert main(["predict", "--checkpoint", REPO, str(image), "--json", "--top", "3", "--no-fast"]) == 0
+    top = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["top"]
+    assert sorted(t["class"] for t in top) == sorted(LABELS.values())
+    # the same order as transformers' own prediction
+    x = torch.from_numpy(np.array(Image.open(image).convert("RGB"))).permute(2, 0, 1)[None].float() / 127.5 - 1
+    with torch.no_grad():
+        best = hf_model(pixel_values=x).logits.argmax(-1).item()
+    assert top[0]["class"] == LABELS[best]
+    assert (snapshot / "config.json").is_file()
+
+
+def test_not_cached_and_offline_is_one_error(hub_env, tmp_path, capsys):
+    hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    hub_env.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(WeightsError, match="HF_HUB_OFFLINE"):
+        load_model(REPO)
+    assert main(["predict", "--checkpoint", REPO, "x.png"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and REPO in err and "Hugging Face cache" in err
+
+
+def test_not_cached_without_huggingface_hub_names_the_extra(hub_env, tmp_path, capsys):
+    hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    hub_env.setitem(sys.modules, "huggingface_hub", None)  # not installed
+    assert main(["predict", "--checkpoint", REPO, "x.png"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "huggingface_hub" in err and 'pip install -e ".[hub]"' in err
+
+
+def test_not_cached_is_downloaded_into_the_cache(hf_model, hub_env, tmp_path):
+    """With huggingface_hub and a network: config.json and the safetensors weights only,
+    into the cache, after which the name resolves offline."""
+    hub = pytest.importorskip("huggingface_hub")
+    remote = tmp_path / "remote"
+    hf_model.save_pretrained(remote)
+    torch.save(hf_model.state_dict(), remote / "pytorch_model.bin")  # a second format, not to be fetched
+    fetched = []
+
+    def fake_download(repo_id, filename, revision, cache_dir):
+        assert repo_id == REPO and revision == "main"
+        fetched.append(filename)
+        snapshot = tmp_path / "cache" / f"models--{repo_id.replace('/', '--')}" / "snapshots" / COMMIT
+        snapshot.mkdir(parents=True, exist_ok=True)
+        shutil.copy(remote / filename, snapshot / filename)
+        refs = snapshot.parents[1] / "refs"
+        refs.mkdir(exist_ok=True)
+        (refs / "main").write_text(COMMIT)
+        assert cache_dir == str(tmp_path / "cache")
+        return str(snapshot / filename)
+
+    hub_env.setattr(hub, "hf_hub_download", fake_download)
+    hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    assert same_logits(load_model(REPO), hf_model)
+    assert fetched == ["config.json", "model.safetensors"]
+    hub_env.setenv("HF_HUB_OFFLINE", "1")
+    assert same_logits(load_model(REPO), hf_model) and len(fetched) == 2  # from the cache now
+
+
+def test_paths_and_registry_names_are_not_hub_names(tmp_path):
+    from vitlab.weights.hub import parse_hub_name
+
+    assert parse_hub_name("google/vit-base-patch16-224") == ("google/vit-base-patch16-224", "main")
+    assert parse_hub_name("ViT-B/16") is None and parse_hub_name("R50+ViT-B_16") is None
+    assert parse_hub_name("runs/model.safetensors") is None and parse_hub_name("/abs/path") is None
+    (tmp_path / "org").mkdir()
+    assert parse_hub_name(str(tmp_path / "org")) is None

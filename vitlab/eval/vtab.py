@@ -1,0 +1,226 @@
+"""VTAB-1k as the paper reports it (Sec. 4.2, Appendix B.1.1; Zhai et al. 2019): the tasks,
+their three groups, each task's fixed splits, and the group means and the mean over tasks.
+
+The benchmark: 19 tasks of 1000 training examples each, in three groups.  Each task is
+fine-tuned with the learning rate chosen on a fixed split of its 1000 examples, 800 to
+train and 200 to validate on (``train800`` / ``val200``); then on all 1000, and scored on
+its test set.  What is reported is the accuracy of each task, the mean of each group and
+the mean over the 19 tasks.  `vitlab vtab` runs it; this module holds what does not train.
+
+A task is a folder named after the task (``TASK_GROUPS``; the usual spellings are accepted),
+holding ImageFolder trees::
+
+    TASK/train/<class>/<image>   the training images (the first --examples, 1000, are used)
+    TASK/test/<class>/<image>    the test images (optional)
+  or
+    TASK/train800/, TASK/val200/ VTAB-1k's own two splits, as exported, and TASK/test/
+
+From ``train/`` the split is fixed: the images in the ImageFolder order (classes, then
+paths, sorted), permuted by numpy's PCG64 generator seeded with ``seed``, then
+``train[:800]`` trains the sweep, ``train[800:1000]`` validates it, ``train[:1000]``
+trains the final run (4:1 for any ``examples``).  Without ``test/`` the task's test set
+is the rest of its training set, ``train[1000:]``, which the results state.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from vitlab.data.sources import DataError, ImageFolderIndex, scan_image_folder
+
+# the 19 tasks (the names VTAB's code gives them) and the spellings accepted for each
+TASK_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    # natural
+    "caltech101": ("natural", ()),
+    "cifar100": ("natural", ("cifar",)),
+    "dtd": ("natural", ()),
+    "oxford_flowers102": ("natural", ("flowers102", "flowers")),
+    "oxford_iiit_pet": ("natural", ("pets", "oxford_pets", "oxford_iiit_pets")),
+    "sun397": ("natural", ()),
+    "svhn": ("natural", ("svhn_cropped",)),
+    # specialized
+    "patch_camelyon": ("specialized", ("camelyon", "pcam")),
+    "eurosat": ("specialized", ()),
+    "resisc45": ("specialized", ()),
+    "diabetic_retinopathy": ("specialized", ("retinopathy", "diabetic_retinopathy_detection")),
+    # structured
+    "clevr_count": ("structured", ("clevr_count_all",)),
+    "clevr_dist": ("structured", ("clevr_closest_object_distance",)),
+    "dmlab": ("structured", ()),
+    "dsprites_loc": ("structured", ("dsprites_label_x_position", "dsprites_xpos")),
+    "dsprites_ori": ("structured", ("dsprites_label_orientation", "dsprites_orientation")),
+    "kitti_dist": ("structured", ("kitti", "kitti_closest_vehicle_distance")),
+    "smallnorb_azi": ("structured", ("smallnorb_label_azimuth", "smallnorb_azimuth")),
+    "smallnorb_ele": ("structured", ("smallnorb_label_elevation", "smallnorb_elevation")),
+}
+GROUPS = ("natural", "specialized", "structured")
+ALIASES = {alias: name for name, (_, aliases) in TASK_GROUPS.items() for alias in (name, *aliases)}
+SWEEP_SHARE = 0.8  # train800 of 1000
+
+
+def canonical_task(folder_name: str) -> str | None:
+    """The VTAB name of a task folder (``Oxford-Flowers102`` -> ``oxford_flowers102``), or None."""
+    key = re.sub(r"[^a-z0-9]+", "_", folder_name.lower()).strip("_")
+    return ALIASES.get(key)
+
+
+@dataclass
+class Task:
+    """One task folder: its VTAB name, group and where its images are."""
+
+    name: str
+    group: str
+    folder: Path
+    train: Path | None = None          # train/ (the fixed split is drawn from it)
+    train800: Path | None = None       # or VTAB-1k's own splits
+    val200: Path | None = None
+    test: Path | None = None           # None: train[examples:]
+
+
+def find_tasks(root: str | os.PathLike, groups: Mapping[str, str] | None = None) -> list[Task]:
+    """The task folders under ``root`` (sorted by group, then name).  ``groups`` gives the
+    group of folders whose names are not VTAB's ({"my_task": "natural"})."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"--tasks {root}: not a folder (expected a folder of task folders)")
+    groups = dict(groups or {})
+    tasks, unknown = [], []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        name = canonical_task(folder.name)
+        group = groups.get(folder.name) or (TASK_GROUPS[name][0] if name else None)
+        if group is None:
+            unknown.append(folder.name)
+            continue
+        if group not in GROUPS:
+            raise DataError(f"--group {folder.name}={group}: allowed groups are {', '.join(GROUPS)}")
+        parts = {p: folder / p for p in ("train", "train800", "val200", "test") if (folder / p).is_dir()}
+        if "train" not in parts and not {"train800", "val200"} <= set(parts):
+            raise DataError(f"{folder}: expected train/ (and optionally test/), or train800/ and val200/ "
+                            "(and test/), each an ImageFolder of class folders")
+        tasks.append(Task(name or folder.name, group, folder, parts.get("train"), parts.get("train800"),
+                          parts.get("val200"), parts.get("test")))
+    if unknown:
+        raise DataError(f"--tasks {root}: {', '.join(unknown)}: not a VTAB task name ({', '.join(TASK_GROUPS)}); "
+                        "name the folder after its task, or give its group: --group NAME=natural|specialized|"
+                        "structured")
+    if not tasks:
+        raise DataError(f"--tasks {root}: no task folders in it")
+    names = [t.name for t in tasks]
+    doubled = sorted({n for n in names if names.count(n) > 1})
+    if doubled:
+        raise DataError(f"--tasks {root}: more than one folder for {', '.join(doubled)}")
+    return sorted(tasks, key=lambda t: (GROUPS.index(t.group), t.name))
+
+
+@dataclass
+class TaskSplits:
+    """ImageFolder views of one task's splits (links to its files) that share one class list."""
+
+    sweep_train: Path   # train[:800]
+    sweep_val: Path     # train[800:1000]
+    train: Path         # train[:1000]
+    test: Path
+    classes: list[str]
+    test_split: str     # where the test images come from, as the results state it
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def _link(source: str, target: Path) -> None:
+    """A link to an image (a copy where the file system has no links)."""
+    try:
+        os.symlink(os.path.abspath(source), target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
+def _write_view(folder: Path, classes: Sequence[str], items: Sequence[tuple[str, int]]) -> int:
+    """``folder/<class>/<n><suffix>`` linking to each (path, label); every class gets a folder,
+    so every view of a task has the same class list (and label ids)."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    for name in classes:
+        (folder / name).mkdir(parents=True)
+    for n, (path, label) in enumerate(items):
+        _link(path, folder / classes[label] / f"{n:07d}{Path(path).suffix.lower()}")
+    return len(items)
+
+
+def _items(index: ImageFolderIndex, classes: Sequence[str]) -> list[tuple[str, int]]:
+    """(path, label in ``classes``) of every image of ``index``."""
+    ids = [classes.index(c) for c in index.classes]
+    return [(path, ids[int(label)]) for path, label in zip(index.paths, index.labels)]
+
+
+def split_task(task: Task, work: str | os.PathLike, examples: int = 1000, seed: int = 0) -> TaskSplits:
+    """Write the views of ``task``'s fixed splits under ``work`` (see the module docstring)."""
+    work = Path(work)
+    parts = {name: scan_image_folder(path) for name, path in
+             (("train", task.train), ("train800", task.train800), ("val200", task.val200), ("test", task.test))
+             if path is not None}
+    classes = sorted({c for index in parts.values() for c in index.classes})
+    test_items = _items(parts["test"], classes) if "test" in parts else None
+    if task.train800 is not None and task.val200 is not None:
+        sweep_train, sweep_val = _items(parts["train800"], classes), _items(parts["val200"], classes)
+        test_split = "test/"
+    else:
+        pool = _items(parts["train"], classes)
+        if len(pool) < examples:
+            raise DataError(f"{task.train}: {len(pool)} training images, fewer than --examples {examples}")
+        order = np.random.Generator(np.random.PCG64(seed)).permutation(len(pool))
+        shuffled = [pool[i] for i in order]
+        cut = int(round(SWEEP_SHARE * examples))
+        sweep_train, sweep_val = shuffled[:cut], shuffled[cut:examples]
+        test_split = "test/"
+        if test_items is None:
+            test_items = shuffled[examples:]
+            test_split = f"train[{examples}:]"
+            if not test_items:
+                raise DataError(f"{task.folder}: no test/ folder, and its training set has no images beyond the "
+                                f"{examples} used: nothing to test on")
+    if test_items is None:
+        raise DataError(f"{task.folder}: train800/ and val200/ need a test/ folder beside them")
+    views = TaskSplits(work / "train800", work / "val200", work / "train1000", work / "test", classes, test_split)
+    views.counts = {
+        "train800": _write_view(views.sweep_train, classes, sweep_train),
+        "val200": _write_view(views.sweep_val, classes, sweep_val),
+        "train1000": _write_view(views.train, classes, sweep_train + sweep_val),
+        "test": _write_view(views.test, classes, test_items),
+    }
+    return views
+
+
+def summarize(results: Mapping[str, Mapping[str, object]]) -> dict:
+    """Group means and the mean over tasks of ``{task: {"group", "test_top1", ...}}``, as the
+    paper reports VTAB: every task counts once in its group and once in the overall mean."""
+    groups = {}
+    for group in GROUPS:
+        scores = [float(r["test_top1"]) for r in results.values() if r["group"] == group]
+        expected = sum(g == group for g, _ in TASK_GROUPS.values())
+        groups[group] = {"mean": float(np.mean(scores)) if scores else None, "tasks": len(scores),
+                         "of": expected}
+    scores = [float(r["test_top1"]) for r in results.values()]
+    missing = [n for n in TASK_GROUPS if n not in results]
+    return {"groups": groups, "mean": float(np.mean(scores)), "scored": len(scores), "of": len(TASK_GROUPS),
+            "missing": missing}
+
+
+def format_table(results: Mapping[str, Mapping[str, object]], summary: Mapping[str, object]) -> str:
+    """The per-task table with the learning rate chosen, then the group means and the mean."""
+    rows = [f"{'task':<22} {'group':<12} {'lr':>7}  {'val-200 top-1 per lr':<34} {'test top-1':>10}  test images"]
+    for name, r in results.items():
+        val = "  ".join(f"{lr}: {100 * acc:.1f}" for lr, acc in dict(r.get("val_top1") or {}).items()) or "-"
+        rows.append(f"{name:<22} {r['group']:<12} {r['lr']:>7g}  {val:<34} {100 * float(r['test_top1']):>9.2f}%  "
+                    f"{r['test_examples']} ({r['test_split']})")
+    rows.append("")
+    for group, g in summary["groups"].items():
+        mean = "-" if g["mean"] is None else f"{100 * g['mean']:.2f}%"
+        rows.append(f"{group.capitalize() + ' mean':<22} {mean:>8}  ({g['tasks']} of {g['of']} tasks)")
+    rows.append(f"{'Mean over tasks':<22} {100 * summary['mean']:>7.2f}%  ({summary['scored']} of {summary['of']} "
+                f"tasks{'; missing: ' + ', '.join(summary['missing']) if summary['missing'] else ''})")
+    return "\n".join(rows)

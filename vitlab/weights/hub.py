@@ -1,0 +1,114 @@
+"""Weights by Hugging Face Hub name: ``load_model("google/vit-base-patch16-224")``.
+
+Most users' ViT weights already sit in the local Hugging Face cache, where ``transformers``
+put them.  A Hub name (``org/name``, optionally ``@revision``) is looked up there first,
+with no network, in huggingface_hub's layout::
+
+    $HF_HUB_CACHE/models--google--vit-base-patch16-224/refs/main          -> a commit hash
+    $HF_HUB_CACHE/models--google--vit-base-patch16-224/snapshots/<hash>/   config.json, model.safetensors
+
+The cache folder follows huggingface_hub's rule: ``HF_HUB_CACHE``, else the older
+``HUGGINGFACE_HUB_CACHE``, else ``$HF_HOME/hub`` (``HF_HOME`` defaulting to
+``$XDG_CACHE_HOME/huggingface``, i.e. ``~/.cache/huggingface``).  A name that is not cached
+is downloaded into that cache with ``huggingface_hub`` (the optional ``hub`` extra) unless
+``HF_HUB_OFFLINE`` is set: ``config.json`` and one weights file, safetensors when the
+repository has it.  The snapshot folder is then an ordinary Hugging Face folder, which
+``load_model`` reads by its ``config.json``.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from .core import WeightsError
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# org/name with the Hub's characters, an optional @revision (branch, tag or commit)
+_HUB_NAME = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+
+
+def parse_hub_name(text: str) -> tuple[str, str] | None:
+    """``(repo_id, revision)`` of ``org/name[@revision]``, or None for anything else
+    (a path that exists, a file name with a weights suffix, a registry name such as ViT-B/16)."""
+    text = str(text)
+    match = _HUB_NAME.match(text)
+    if match is None or Path(text).exists() or Path(text).suffix in (".npz", ".safetensors", ".pt", ".pth", ".bin"):
+        return None
+    from vitlab.models.registry import canonical_name, list_models
+
+    if canonical_name(text) in list_models():
+        return None
+    return match["repo"], match["revision"] or "main"
+
+
+def hub_cache_dir() -> Path:
+    """huggingface_hub's cache folder, from the environment as huggingface_hub reads it."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(os.path.expandvars(explicit)).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    return Path(os.path.expandvars(home)).expanduser() / "hub"
+
+
+def offline() -> bool:
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _has_weights(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any((folder / name).is_file() for name in WEIGHT_FILES)
+
+
+def cached_snapshot(repo_id: str, revision: str = "main", cache_dir: Path | None = None) -> Path | None:
+    """The snapshot folder of ``repo_id`` at ``revision`` in the local cache, if it holds
+    a config and weights; None otherwise.  No network."""
+    repo = (cache_dir or hub_cache_dir()) / f"models--{repo_id.replace('/', '--')}"
+    ref = repo / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision  # a commit hash names its snapshot
+    snapshot = repo / "snapshots" / commit
+    return snapshot if _has_weights(snapshot) else None
+
+
+def download_snapshot(repo_id: str, revision: str = "main", cache_dir: Path | None = None) -> Path:
+    """Download ``config.json`` and one weights file of ``repo_id`` into the cache; the snapshot folder."""
+    from vitlab.extras import require
+
+    cache_dir = cache_dir or hub_cache_dir()
+    hub = require("huggingface_hub", f"{repo_id} (not in the Hugging Face cache {cache_dir}): downloading it")
+
+    def fetch(filename: str) -> Path:
+        return Path(hub.hf_hub_download(repo_id, filename, revision=revision, cache_dir=str(cache_dir)))
+
+    try:
+        config = fetch("config.json")
+        for i, name in enumerate(WEIGHT_FILES):
+            try:
+                fetch(name)
+                break
+            except Exception as err:  # the repository lacks this file: try the next format
+                if i == len(WEIGHT_FILES) - 1 or "EntryNotFound" not in type(err).__name__:
+                    raise
+    except Exception as err:  # no network, no such repository or revision, refused access
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0]}" if str(err) else type(err).__name__
+        raise WeightsError(f"{repo_id}@{revision}: no such file or folder, nor a model in the Hugging Face cache "
+                           f"{cache_dir}; downloading it from the Hub failed: {reason}") from None
+    return config.parent
+
+
+def resolve_hub_name(text: str) -> Path | None:
+    """The local snapshot folder of a Hub name (from the cache, else downloaded), or None
+    when ``text`` is not a Hub name."""
+    parsed = parse_hub_name(text)
+    if parsed is None:
+        return None
+    repo_id, revision = parsed
+    cache_dir = hub_cache_dir()
+    snapshot = cached_snapshot(repo_id, revision, cache_dir)
+    if snapshot is not None:
+        return snapshot
+    if offline():
+        raise WeightsError(f"{text}: no such file or folder, nor a model in the Hugging Face cache {cache_dir} "
+                           "(HF_HUB_OFFLINE is set: nothing is downloaded)")
+    return download_snapshot(repo_id, revision, cache_dir)

@@ -272,7 +272,7 @@ def plot_lines(lines: Mapping[str, tuple[Sequence[float], Sequence[float], Seque
                xlabel: str, ylabel: str, title: str = "", logx: bool = False) -> Figure:
     """One line per name: ``lines[name] = (x, y, yerr)``, the mean ``y`` at each ``x`` with
     +- ``yerr`` bars (None: no bars); a legend when there is more than one line."""
-    fig = Figure(figsize=(5, 3.5))
+    fig = _new_figure(figsize=(5, 3.5))
     ax = fig.subplots()
     for name, (x, y, err) in lines.items():
         ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=str(name))
@@ -295,7 +295,7 @@ def plot_lines(lines: Mapping[str, tuple[Sequence[float], Sequence[float], Seque
 def plot_bars(labels: Sequence[str], values: Sequence[float], errors: Sequence[float] | None = None,
               ylabel: str = "", title: str = "") -> Figure:
     """One bar per label, +- ``errors`` when given."""
-    fig = Figure(figsize=(max(4, 0.6 * len(labels) + 1), 3.5))
+    fig = _new_figure(figsize=(max(4, 0.6 * len(labels) + 1), 3.5))
     ax = fig.subplots()
     ax.bar(range(len(labels)), values, yerr=errors, capsize=3)
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=7)
@@ -311,7 +311,7 @@ def plot_distance_by_layer(models: Mapping[str, tuple[Sequence[int], Sequence[fl
     summary): ``models[name] = (layers, mean, lowest, highest, uniform)``, the heads' mean
     distance per layer as a line, their range as a band, and the distance a head attending
     to every patch alike would have (``uniform``; None: not drawn) as a dashed level."""
-    fig = Figure(figsize=(5, 3.5))
+    fig = _new_figure(figsize=(5, 3.5))
     ax = fig.subplots()
     for (name, (layers, mean, lowest, highest, uniform)), marker in zip(models.items(), "os^vD*"):
         line, = ax.plot(layers, mean, marker=marker, label=f"{name} mean")

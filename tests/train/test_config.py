@@ -105,8 +105,8 @@ def test_an_old_flat_config_loads():
     assert set(flat) == set(LEGACY_NAMES)  # every old name is mapped
     cfg = from_dict(flat)
     recipe = load_recipe("cifar10_scratch")
-    assert cfg.run.retain_freed_memory is True  # the old default, as that run had it
-    assert replace(cfg, {"run.retain_freed_memory": False}) == recipe
+    assert cfg.run.retain_freed_memory is True and cfg.data.decode_workers == 2  # the old defaults, as that run had
+    assert replace(cfg, {"run.retain_freed_memory": False, "data.decode_workers": "auto"}) == recipe
     assert cfg.data.progressive_sizes == ((24, 0.5),) and cfg.optim.betas == (0.9, 0.999)
     assert cfg.model.overrides["resnet"]["layers"] == (1, 3)
     for old, new in LEGACY_NAMES.items():

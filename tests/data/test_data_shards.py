@@ -138,3 +138,20 @@ def test_folder_streamed_by_workers_with_a_corrupt_file(make_folder, fakes):
     x, y = next(iter(StreamLoader(source, 6, image_size=4, shuffle_buffer=0, workers=2)))
     assert x.shape == (6, 3, 4, 4)
     assert sorted(y.tolist()) == [0, 0, 0, 1, 1, 1]  # the broken image left out, every other one read
+
+
+def test_pack_shards_command_resizes_and_refuses_bad_options(tmp_path, make_folder, capsys):
+    from vitlab.cli import main
+
+    root = make_folder(classes=2, per_class=3, size=(30, 40))
+    assert main(["pack-shards", str(root), str(tmp_path / "s"), "--per-shard", "4", "--max-side", "20",
+                 "--quality", "80", "--workers", "2"]) == 0
+    meta = json.loads((tmp_path / "s" / "index.json").read_text())
+    assert (meta["max_side"], meta["quality"], meta["num_samples"], len(meta["shards"])) == (20, 80, 6, 2)
+    for shard in sorted((tmp_path / "s").glob("*.tar")):
+        for _, data, _ in read_shard(shard):
+            assert Image.open(io.BytesIO(data)).size == (20, 15)
+    capsys.readouterr()
+    assert main(["pack-shards", str(root), str(tmp_path / "t"), "--quality", "101"]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab pack-shards: error: quality=101: a JPEG quality in 1..100 "
+                                               "(ImageNet's files are about 90)")

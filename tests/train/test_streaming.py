@@ -61,7 +61,8 @@ def test_stream_choice_and_refusals(tiny, shard_set, tmp_path):
     with pytest.raises(ConfigError, match="data.train_examples"):
         train(tiny("a", data=str(shard_set), val_split=0, train_examples=10), verbose=False)
     # shards decoded into memory on request: an in-memory run, with a stratified split
-    summary = train(tiny("b", data=str(shard_set), val_split=6, steps=2, **{"data.stream": "memory"}), verbose=False)
+    summary = train(tiny("b", data=str(shard_set), val_split=6, steps=2, cache_dir=str(tmp_path / "cache"),
+                         **{"data.stream": "memory"}), verbose=False)
     assert summary["train_examples"] == 42 and summary["val_examples"] == 6
     assert "kind" not in load_checkpoint(list_checkpoints(tmp_path / "b" / "checkpoints")[-1])["stream"]
     # a folder whose decoded size exceeds memory_limit_gb is streamed, not decoded into memory
@@ -76,7 +77,8 @@ def test_stream_choice_and_refusals(tiny, shard_set, tmp_path):
 def test_streamed_set_holds_out_whole_shards_and_states_what_it_resolved(tiny, shard_set, tmp_path):
     from vitlab.data.stream import hold_out, open_source
 
-    cfg = tiny("run", data=str(shard_set), val_split=12, split_seed=3, steps=4, batch_size=8, eval_every=2)
+    cfg = tiny("run", data=str(shard_set), val_split=12, split_seed=3, steps=4, batch_size=8, eval_every=2,
+               cache_dir=str(tmp_path / "cache"))
     summary = train(cfg, verbose=False)
     assert summary["train_examples"] == 36 and summary["val_examples"] == 12  # two shards of 6 held out
     assert summary["val_top1"] is not None and 0.0 <= summary["data_wait"] < 1.0
@@ -95,15 +97,15 @@ def test_streamed_set_holds_out_whole_shards_and_states_what_it_resolved(tiny, s
 
 def test_a_separate_validation_set(tiny, shard_set, tmp_path):
     val = write_folder(tmp_path / "val", classes=3, per_class=4)
-    summary = train(tiny("run", data=str(shard_set), val_split=0, steps=2, **{"data.val_data": str(val)}),
-                    verbose=False)
+    summary = train(tiny("run", data=str(shard_set), val_split=0, steps=2, cache_dir=str(tmp_path / "cache"),
+                         **{"data.val_data": str(val)}), verbose=False)
     assert summary["val_examples"] == 12 and summary["train_examples"] == 48
     with pytest.raises(ConfigError, match="data.val_data"):
         tiny("both", data=str(shard_set), val_split=6, **{"data.val_data": str(val)})
     other = write_folder(tmp_path / "other", classes=2, per_class=2)
     with pytest.raises(ConfigError, match="not the training set's"):
-        train(tiny("mismatch", data=str(shard_set), val_split=0, steps=2, **{"data.val_data": str(other)}),
-              verbose=False)
+        train(tiny("mismatch", data=str(shard_set), val_split=0, steps=2, cache_dir=str(tmp_path / "cache"),
+                   **{"data.val_data": str(other)}), verbose=False)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
@@ -136,8 +138,9 @@ def test_torchrun_the_cifar_recipe_on_shards_with_a_held_out_split(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vitlab",
             "train", "--recipe", "cifar10_scratch:model=vit", "--data", str(tmp_path / "shards"), "--val-split", "12",
-            "--steps", "2", "--batch-size", "16", "--out", str(tmp_path / "run"), "--quiet", "--set", "run.time_limit=0",
-            "--set", "run.precision=fp32", "--set", "run.threads=1", "--set", "run.tensorboard=false"]
+            "--steps", "2", "--batch-size", "16", "--out", str(tmp_path / "run"), "--quiet",
+            "--set", "run.time_limit=0", "--set", "run.precision=fp32", "--set", "run.threads=1",
+            "--set", "run.tensorboard=false", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
     done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
@@ -174,3 +177,15 @@ def test_two_processes_equal_one_on_streamed_shards(tmp_path, shard_set):
         weights[name] = load_model(summary["weights"]).state_dict()
     for k, v in weights["one"].items():
         torch.testing.assert_close(v, weights["two"][k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_training_on_a_hugging_face_dataset_with_a_held_out_part(tiny, tmp_path):
+    datasets = pytest.importorskip("datasets", reason='the hf extra: pip install -e ".[hf]"')
+    folder = write_folder(tmp_path / "folder")
+    images = [Image.open(p).convert("RGB") for c in range(3) for p in sorted((folder / f"c{c}").iterdir())]
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=["r", "g", "b"])})
+    labelled = datasets.Dataset.from_dict({"img": images, "label": [i // 16 for i in range(48)]}, features=features)
+    labelled.save_to_disk(str(tmp_path / "ds"), num_shards=3)  # three arrow files of one record batch each
+    summary = train(tiny("run", data=str(tmp_path / "ds"), val_split=16, steps=2, crop="pad", crop_pad=2,
+                         cache_dir=str(tmp_path / "cache")), verbose=False)
+    assert summary["train_examples"] == 32 and summary["val_examples"] == 16 and summary["val_top1"] is not None

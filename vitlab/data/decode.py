@@ -20,7 +20,7 @@ import os
 import struct
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -30,7 +30,8 @@ from vitlab.config import ConfigError, to_pair
 from vitlab.data.sources import DataError
 from vitlab.data.transforms import sample_boxes
 
-__all__ = ["DECODE_ERRORS", "SampleCrop", "decode_crop", "decode_image", "draft_reduction", "opened", "to_rgb"]
+__all__ = ["DECODE_ERRORS", "SampleCrop", "decode_crop", "decode_crops", "decode_errors", "decode_image",
+           "draft_reduction", "opened", "to_rgb"]
 
 # What PIL (and its plugins) raise for bad data: truncated, corrupt, unknown or unsupported.
 DECODE_ERRORS = (OSError, SyntaxError, ValueError, TypeError, IndexError, KeyError, EOFError, struct.error,
@@ -57,17 +58,16 @@ def to_rgb(img: Image.Image) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def opened(source) -> Iterator[Image.Image]:
-    """``Image.open(source)`` (a path or a file object), with every failure of the decode
-    inside the block raised as one ``DataError``: not an image, truncated, corrupt, or over
-    PIL's decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``, refused before decoding).
-    The message names the file where ``source`` is a path."""
+def decode_errors(source) -> Iterator[None]:
+    """Every failure of decoding ``source`` inside the block raised as one ``DataError``: not
+    an image, truncated, corrupt, or over PIL's decompression-bomb limit
+    (``Image.MAX_IMAGE_PIXELS``, refused before decoding).  The message names the file
+    where ``source`` is a path."""
     where = f"{source}: " if isinstance(source, (str, os.PathLike)) else ""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(source) as img:
-                yield img
+            yield
     except FileNotFoundError as e:
         raise DataError(f"{where}no such file") from e
     except DECODE_ERRORS as e:
@@ -75,6 +75,14 @@ def opened(source) -> Iterator[Image.Image]:
         if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
             reason = f"{reason} (the decompression-bomb limit, PIL.Image.MAX_IMAGE_PIXELS)"
         raise DataError(f"{where}not a decodable image: {type(e).__name__}: {reason}") from e
+
+
+@contextlib.contextmanager
+def opened(source) -> Iterator[Image.Image]:
+    """``Image.open(source)`` (a path or a file object), every failure of the decode inside
+    the block raised as one ``DataError`` (``decode_errors``)."""
+    with decode_errors(source), Image.open(source) as img:
+        yield img
 
 
 def decode_image(source, size: Optional[tuple[int, int]] = None) -> np.ndarray:
@@ -133,29 +141,62 @@ def draft_reduction(box_w: float, box_h: float, out_w: int, out_h: int) -> int:
     return 1
 
 
+def _file(source):
+    return io.BytesIO(source) if isinstance(source, bytes) else source
+
+
+def decode_crops(sources: Sequence, crop: SampleCrop, generator: Optional[torch.Generator] = None) -> list:
+    """``crop`` made of each image in ``sources`` (encoded bytes, paths or file objects): an
+    (H, W, 3) uint8 array, or the ``DataError`` saying why that image could not be decoded.
+
+    generator: draws the inception boxes (a CPU generator; unused for "resize"), all of them
+        in one ``sample_boxes`` call over the images' stored sizes, read from their headers.
+    """
+    out: list = [None] * len(sources)
+    headers = []  # (index, lazily opened image): nothing decoded yet
+    for i, source in enumerate(sources):
+        try:
+            with decode_errors(source):
+                headers.append((i, Image.open(_file(source))))
+        except DataError as e:
+            out[i] = e
+    sizes = torch.tensor([img.size for _, img in headers], dtype=torch.float32).view(-1, 2)  # (n, 2) W, H
+    if crop.kind == "inception" and headers:
+        boxes = torch.stack(sample_boxes(len(headers), sizes[:, 1], sizes[:, 0], crop.scale, crop.ratio,
+                                         generator)[:4], 1).tolist()
+    else:
+        boxes = [(0.0, 0.0, w, h) for w, h in sizes.tolist()]
+    for (i, img), box in zip(headers, boxes):
+        try:
+            with decode_errors(sources[i]), img:
+                out[i] = _crop(img, box, crop)
+        except DataError as e:
+            out[i] = e
+    return out
+
+
+def _crop(img: Image.Image, box: Sequence[float], crop: SampleCrop) -> np.ndarray:
+    """(H, W, 3) uint8: the (x0, y0, w, h) ``box`` of the stored image resampled to ``crop.size``."""
+    (out_h, out_w), (width, height) = crop.size, img.size
+    x0, y0, w, h = box
+    if crop.draft:
+        reduction = draft_reduction(w, h, out_w, out_h)
+        if reduction > 1:  # a no-op for formats other than JPEG
+            img.draft("RGB", (width // reduction, height // reduction))
+    sx, sy = img.width / width, img.height / height  # the decoded size over the stored one
+    if img.mode != "RGB":
+        img = Image.fromarray(to_rgb(img))
+    return np.asarray(img.resize((out_w, out_h), Image.BILINEAR, box=(x0 * sx, y0 * sy, (x0 + w) * sx, (y0 + h) * sy)))
+
+
 def decode_crop(source, crop: SampleCrop, generator: Optional[torch.Generator] = None) -> np.ndarray:
     """(H, W, 3) uint8: ``crop`` made of the image in ``source`` (its encoded bytes, a path
-    or a file object).
-
-    generator: draws the inception box (a CPU generator; unused for "resize").
+    or a file object); see ``decode_crops``.
 
     Raises:
-        DataError: the data is not a decodable image (see ``opened``).
+        DataError: the data is not a decodable image (see ``decode_errors``).
     """
-    out_h, out_w = crop.size
-    with opened(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
-        width, height = img.size  # from the header: nothing is decoded yet
-        if crop.kind == "inception":
-            x0, y0, w, h, _ = (float(v[0]) for v in sample_boxes(1, height, width, crop.scale, crop.ratio,
-                                                                   generator))
-        else:
-            x0, y0, w, h = 0.0, 0.0, float(width), float(height)
-        if crop.draft:
-            reduction = draft_reduction(w, h, out_w, out_h)
-            if reduction > 1:  # a no-op for formats other than JPEG
-                img.draft("RGB", (width // reduction, height // reduction))
-        sx, sy = img.width / width, img.height / height  # the decoded size over the stored one
-        if img.mode != "RGB":
-            img = Image.fromarray(to_rgb(img))
-        box = (x0 * sx, y0 * sy, (x0 + w) * sx, (y0 + h) * sy)
-        return np.asarray(img.resize((out_w, out_h), Image.BILINEAR, box=box))
+    result = decode_crops([source], crop, generator)[0]
+    if isinstance(result, DataError):
+        raise result
+    return result

@@ -50,7 +50,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vitlab.config import to_pair
-from vitlab.data.decode import SampleCrop, decode_crop
+from vitlab.data.decode import SampleCrop, decode_crops
 from vitlab.data.loader import DeviceStage, derive_seed, one_ahead
 from vitlab.data.sources import DataError, StreamSource, files_key
 from vitlab.data.transforms import TrainTransform, build_transform
@@ -267,15 +267,19 @@ class StreamDataset(IterableDataset):
             samples = itertools.islice(self.keys(epoch, self.rank, self.world_size, worker, self.workers),
                                        consumed, None)
             any_sample, decoded = consumed > 0, consumed > 0
-            for key, payload, label in samples:
-                any_sample = True
-                consumed += 1
-                try:
-                    part.add(decode_crop(payload, self.crop, part.generator), label, key)
-                except DataError as e:
-                    log.warning("%s: skipped unreadable image (%s)", key, e)
-                    continue
-                decoded = True
+            while True:
+                # the samples this part still needs, decoded together: their crops are drawn in one call
+                taken = list(itertools.islice(samples, part.missing()))
+                if not taken:
+                    break
+                any_sample, consumed = True, consumed + len(taken)
+                pixels = decode_crops([payload for _, payload, _ in taken], self.crop, part.generator)
+                for (key, _, label), image in zip(taken, pixels):
+                    if isinstance(image, DataError):
+                        log.warning("%s: skipped unreadable image (%s)", key, image)
+                        continue
+                    decoded = True
+                    part.add(image, label, key)
                 if part.full():
                     yield part.handed_out(worker, epoch, consumed)
                     part = _Part(size, self.crop.size, derive_seed(self.seed, epoch, consumed, reader, 5))
@@ -304,8 +308,11 @@ class _Part:
         self.labels.append(label)
         self.ids.append(zlib.crc32(key.encode("utf-8", "surrogateescape")))  # file names need not be UTF-8
 
+    def missing(self) -> int:
+        return self.images.shape[0] - len(self.labels)
+
     def full(self) -> bool:
-        return len(self.labels) == self.images.shape[0]
+        return self.missing() == 0
 
     def handed_out(self, worker: int, epoch: int, consumed: int) -> tuple:
         multi = self.labels if any(isinstance(label, tuple) for label in self.labels) else None

@@ -72,7 +72,9 @@ def _like(result: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
 
 def to_float(images: torch.Tensor) -> torch.Tensor:
     """uint8 (B, C, H, W) in [0, 255] -> float32 in [-1, 1] as x / 127.5 - 1 (vit_jax)."""
-    return images.to(torch.float32) / 127.5 - 1.0  # out of place: a float input stays untouched
+    if images.is_floating_point():
+        return images.to(torch.float32) / 127.5 - 1.0  # out of place: a float input stays untouched
+    return images.to(torch.float32).div_(127.5).sub_(1.0)  # the same arithmetic on the one new tensor
 
 
 def resize(images: torch.Tensor, size: Size, antialias: bool = False) -> torch.Tensor:

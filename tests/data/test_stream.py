@@ -151,3 +151,27 @@ def test_multi_label_samples_give_multi_hot_targets(tmp_path):
     assert targets().tolist() == [[1, 0, 1, 0], [0, 1, 0, 0], [1, 1, 0, 1]]
     with pytest.raises(DataError, match="label_smoothing=0"):
         targets(label_smoothing=0.1)
+
+
+def test_too_few_shards_for_the_workers_asked_is_one_warning_saying_how_many(shards, caplog):
+    source = open_source(str(shards))  # 10 shards
+    with caplog.at_level("WARNING", logger="vitlab.data.stream"):
+        loader = StreamLoader(source, 8, image_size=(8, 8), world_size=2, workers=8)
+    assert loader.workers == 5 and loader.dataset.part_sizes == [2, 2, 2, 1, 1]
+    assert "10 unit(s) (shards) for 2 process(es) x 8 workers" in caplog.text
+    assert "write at least 16 shards (vitlab pack-shards --per-shard" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vitlab.data.stream"):
+        assert StreamLoader(source, 8, image_size=(8, 8), world_size=2, workers=5).workers == 5
+    assert caplog.text == ""
+
+
+def test_held_out_units_are_seeded_whole_and_refused_when_they_would_take_all(shards):
+    source = open_source(str(shards))  # 10 shards of 3
+    rest, held = hold_out(source, 7, seed=0)
+    assert held.num_samples == 9 and rest.num_samples == 21 and len(held.units) == 3  # whole shards: 7 -> 9
+    assert set(map(str, rest.units)).isdisjoint(map(str, held.units))
+    assert hold_out(source, 0.2, seed=0)[1].num_samples == 6
+    assert hold_out(source, 7, seed=1)[1].units != held.units
+    with pytest.raises(DataError, match="nothing to train on"):
+        hold_out(source, 30, seed=0)

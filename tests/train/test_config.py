@@ -177,3 +177,20 @@ def test_changes_are_checked_together():
     assert (changed.optim.batch_size, changed.optim.accum_steps) == (100, 4)
     changed = apply_overrides(OK, ["model.name=ViT-S/16", "model.num_heads=4", "model.width=256"])
     assert changed.model.overrides == {"patch_size": 8, "num_heads": 4, "width": 256}
+
+
+def test_worker_counts_are_auto_or_counts_and_val_data_comes_with_its_flag():
+    from vitlab.cli import build_parser
+    from vitlab.cli.train import resolve_config
+
+    cfg = apply_overrides(TrainConfig(), ["data.stream_workers=3", "data.decode_workers=auto"])
+    assert cfg.data.stream_workers == 3 and cfg.data.decode_workers == "auto"
+    for bad in ("-1", "many"):
+        with pytest.raises(ConfigError, match="data.stream_workers"):
+            apply_overrides(TrainConfig(), [f"data.stream_workers={bad}"])
+    args = build_parser().parse_args(["train", "--recipe", "cifar10_scratch", "--val-data", "val/"])
+    cfg = resolve_config(args)
+    assert cfg.data.val_data == "val/" and cfg.data.val_split == 0  # it replaces the recipe's 5000
+    args = build_parser().parse_args(["train", "--recipe", "cifar10_scratch", "--val-data", "val/", "--val-split", "9"])
+    with pytest.raises(ConfigError, match="data.val_data"):
+        resolve_config(args)

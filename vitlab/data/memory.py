@@ -212,12 +212,12 @@ def load_in_memory(
 def load_source_in_memory(source: StreamSource, image_size: Size = None, cache_dir: Optional[PathLike] = None,
                           workers: Optional[int] = None) -> InMemoryDataset:
     """Decode every sample of a streamed source (or of a part of one, ``hold_out``) into
-    RAM, cached under ``source.key``; each sample's bytes are read once.  A multi-label
+    RAM, cached under ``source.key`` (when it has one); each sample's bytes are read once.  A multi-label
     sample keeps its first label.  Arguments and errors as ``load_in_memory``'s."""
     size = None if image_size is None else to_pair(image_size, "image_size")
     workers = usable_cores() if workers is None else workers
-    folder = _cache_folder(source.key, size, cache_dir)
-    if folder.is_dir():
+    folder = _cache_folder(source.key, size, cache_dir) if source.key else None
+    if folder is not None and folder.is_dir():
         data = _read_cache(folder)
     else:
         keys, payloads, labels = [], [], []
@@ -228,7 +228,8 @@ def load_source_in_memory(source: StreamSource, image_size: Size = None, cache_d
         decoded = _decode_all(payloads, size, workers)
         del payloads
         images, labels, skipped = _stack(decoded, keys, np.asarray(labels, dtype=np.int64), source.name)
-        _write_cache(folder, images, labels, source.classes, skipped)
+        if folder is not None:
+            _write_cache(folder, images, labels, source.classes, skipped)
         data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), list(source.classes), skipped)
     data.key = source.key
     _warn_skipped(source.name, data)

@@ -152,7 +152,7 @@ class StreamSource:
     classes:    class names in label order.
     name:       the source as the user named it, for messages.
     key:        a string that changes when the data changes: what a decoded copy is
-                cached under.
+                cached under ("": not cached).
     """
 
     units: list
@@ -176,7 +176,7 @@ class StreamSource:
         indices = [int(i) for i in indices]
         return StreamSource([self.units[i] for i in indices], self.read, self.classes,
                             [self.unit_sizes[i] for i in indices], name=f"{self.name} ({part})",
-                            key=f"{self.key}-{_short_hash(part + ':' + ','.join(map(str, indices)))}")
+                            key=self.key and f"{self.key}-{_short_hash(part + ':' + ','.join(map(str, indices)))}")
 
 
 def files_key(paths: Sequence[PathLike], name: str = "files") -> str:

@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from vitlab.config import to_pair
 from vitlab.data.decode import SampleCrop, decode_crops
 from vitlab.data.loader import DeviceStage, derive_seed, one_ahead
-from vitlab.data.sources import DataError, StreamSource, files_key
+from vitlab.data.sources import DataError, StreamSource
 from vitlab.data.transforms import TrainTransform, build_transform
 
 __all__ = ["expand_braces", "hold_out", "is_stream_source", "open_source", "StreamSource", "StreamDataset",
@@ -144,18 +144,20 @@ def scan_folder(source: str, cache_dir=None):
     return scan_image_folder(resolve_data_path(source, cache_dir))
 
 
-def folder_source(source: str, cache_dir=None, seed: int = 0) -> StreamSource:
-    """An ImageFolder read from disk: chunks of ``FOLDER_CHUNK`` images of a seeded permutation."""
+def folder_source(source: str, cache_dir=None) -> StreamSource:
+    """An ImageFolder read from disk: chunks of ``FOLDER_CHUNK`` images of a fixed permutation
+    (the same for every run, so that a held-out share of chunks is a function of its seed
+    alone; each epoch shuffles the chunks and the images within reach of the buffer)."""
     index = scan_folder(source, cache_dir)
-    order = np.random.Generator(np.random.PCG64(seed)).permutation(len(index))
+    order = np.random.Generator(np.random.PCG64(0)).permutation(len(index))
     units = [(s, min(s + FOLDER_CHUNK, len(order))) for s in range(0, len(order), FOLDER_CHUNK)]  # slices of order
     read = functools.partial(_read_folder_chunk, paths=list(index.paths), labels=np.asarray(index.labels),
                              order=order)
-    key = f"{files_key([index.root], 'folder')}-{len(index)}-{seed}"
-    return StreamSource(units, read, list(index.classes), [b - a for a, b in units], name=source, key=key)
+    # no key: telling a changed folder apart takes a stat of every image, so a decoded part is not cached
+    return StreamSource(units, read, list(index.classes), [b - a for a, b in units], name=source)
 
 
-def open_source(source: str, cache_dir=None, seed: int = 0) -> StreamSource:
+def open_source(source: str, cache_dir=None) -> StreamSource:
     """The ``StreamSource`` of ``source`` (see the module doc for what it may be).
 
     Raises:
@@ -166,7 +168,7 @@ def open_source(source: str, cache_dir=None, seed: int = 0) -> StreamSource:
 
     kind = _streamed_kind(source)
     if kind is None:
-        return folder_source(source, cache_dir, seed)
+        return folder_source(source, cache_dir)
     name, paths = kind
     if name == "shards":
         return shard_source(source, paths)

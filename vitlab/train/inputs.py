@@ -153,7 +153,7 @@ def stream_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
         if value:
             raise ConfigError(f"data.{name}={value!r}: a streamed training set has none here; set it to 0 or () "
                               "or decode the data into memory (data.stream='memory')")
-    source = open_source(data.source, data.cache_dir, seed=cfg.run.seed)
+    source = open_source(data.source, data.cache_dir)
     val_images = val_labels = None
     if data.val_split:
         source, held = hold_out(source, data.val_split, data.split_seed)

@@ -149,8 +149,9 @@ def decode_crops(sources: Sequence, crop: SampleCrop, generator: Optional[torch.
     """``crop`` made of each image in ``sources`` (encoded bytes, paths or file objects): an
     (H, W, 3) uint8 array, or the ``DataError`` saying why that image could not be decoded.
 
-    generator: draws the inception boxes (a CPU generator; unused for "resize"), all of them
-        in one ``sample_boxes`` call over the images' stored sizes, read from their headers.
+    generator: draws the inception boxes (a CPU generator; None: a fresh one, its default
+        seed), all of them in one ``sample_boxes`` call over the images' stored sizes, read
+        from their headers; unused for "resize".
     """
     out: list = [None] * len(sources)
     headers = []  # (index, lazily opened image): nothing decoded yet
@@ -163,7 +164,7 @@ def decode_crops(sources: Sequence, crop: SampleCrop, generator: Optional[torch.
     sizes = torch.tensor([img.size for _, img in headers], dtype=torch.float32).view(-1, 2)  # (n, 2) W, H
     if crop.kind == "inception" and headers:
         boxes = torch.stack(sample_boxes(len(headers), sizes[:, 1], sizes[:, 0], crop.scale, crop.ratio,
-                                         generator)[:4], 1).tolist()
+                                         generator or torch.Generator())[:4], 1).tolist()
     else:
         boxes = [(0.0, 0.0, w, h) for w, h in sizes.tolist()]
     for (i, img), box in zip(headers, boxes):

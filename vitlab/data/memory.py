@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from vitlab.config import to_pair
-from vitlab.data.decode import DECODE_ERRORS, decode_image, to_rgb  # noqa: F401 - also this module's names
+from vitlab.data.decode import decode_image, to_rgb  # noqa: F401 - to_rgb: also this module's name
 from vitlab.data.sources import (
     DataError,
     PathLike,

@@ -1,138 +1,191 @@
-"""How fast vitlab.data feeds a training loop on this machine.
+"""Images/s per CPU core of the streamed training pipeline, at the code before and now, in one run.
 
-    python -m benchmarks.data_throughput [--archive PATH] [--batches 40]   # from the repo root
+    python -m benchmarks.data_throughput --before 4ae3fb8      # from the repo root; about 3 minutes on 2 cores
+    python -m benchmarks.data_throughput --rounds 1 --images 384 --batches 4   # a quick check of the machinery
 
-1. Decodes the CIFAR-10 training archive into RAM with ``load_in_memory`` into a fresh
-   cache folder (first-time cost), then loads it again (cached cost).
-2. Measures images/s of ``BatchStream`` at batch 256 with the CIFAR training transforms,
-   warm-up batches excluded.
-3. Runs a stand-in training step (matmuls sized to >= 0.5 CPU-s per batch of 256, about
-   what a small ViT costs here) fed with and without the background prefetch thread,
-   in interleaved rounds, to see whether overlapping augmentation with compute pays.
+1. Writes ``--images`` ImageNet-like JPEGs (500x375, quality 90: smooth colour fields plus
+   sensor noise; ImageNet's typical size and compression) of 100 classes and packs them into
+   tar shards of 128 (the shard format is the same at every revision).
+2. For each revision ("now": this checkout; ``--before REV``: that revision's ``vitlab/``,
+   extracted with ``git archive`` into a temporary folder, as ``bench.py --before`` does) and
+   each worker count (1, and every usable core), a fresh process iterates that revision's
+   ``StreamLoader`` with the paper's pre-training augmentation (inception crop of 5-100% of
+   the area, flip, scaling to [-1, 1]) at 224 pixels, batch ``--batch``, on the CPU, until
+   float batches ready for the model come out.  Warm-up batches are left out.
+3. The list runs ``--rounds`` times, the revisions alternating, so that a change in the
+   machine's load falls on both; a figure is the median over the rounds.
 
-The streamed pipeline (JPEG tar shards decoded and augmented in DataLoader workers) is
-measured by ``benchmarks/stream_throughput.py``.
+Reported per (revision, workers), from the CPU time of the processes (``/proc``):
 
-Wall time depends on what else runs on the machine, so CPU seconds and the load average
-are printed alongside.
+* ``img_per_reader_cpu_s``: images per CPU-second of the DataLoader workers: the rate one
+  core sustains, what a GPU run asks of its CPU (the figure FFCV publishes).  Before, the
+  workers also augmented and scaled to float; now that work is the device's;
+* ``img_per_cpu_s``: per CPU-second of the workers and the training process together: the
+  cost when the device is this CPU (as here, where the "device" work runs on it too);
+* ``img_per_s``: wall-clock images/s.
 
-OMP_WAIT_POLICY defaults to PASSIVE here: with the cores shared by other processes,
-OpenMP's default spin-waiting made small batch ops 20-30x slower (measured: RandAugment
-on 256 CIFAR images 1.7 s instead of 0.06 s at load average 9).  Run with
-OMP_WAIT_POLICY=ACTIVE to see the default behaviour.
+The last line is one JSON object with these and the ratios now / before.  Run it on a quiet
+machine: every core is used.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when torch loads OpenMP
+import numpy as np
 
-import argparse  # noqa: E402
-import resource  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 
-import torch  # noqa: E402
+# run in a fresh process with PYTHONPATH at the revision's checkout: prints one JSON line
+MEASURE = r"""
+import inspect, json, os, sys, time
+import torch
+torch.set_num_threads(1)
+from vitlab.data.stream import StreamLoader, open_source
+from vitlab.data.transforms import TrainTransform, build_transform
 
-from vitlab.data import BatchStream, TrainTransform, build_transform, load_in_memory  # noqa: E402
+shards, workers, batch, batches, warmup = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+source = open_source(shards)
+augment = TrainTransform(num_classes=len(source.classes), image_size=(224, 224), crop="inception",
+                         crop_scale=(0.05, 1.0), flip=True)
+if "augment" in inspect.signature(StreamLoader).parameters:
+    loader = StreamLoader(source, batch, augment=augment, workers=workers, shuffle_buffer=256)
+else:  # before the readers made the crops: the whole transform ran in the workers
+    loader = StreamLoader(source, batch, image_size=(224, 224), transform=build_transform(augment), workers=workers,
+                          shuffle_buffer=256)
+TICK = os.sysconf("SC_CLK_TCK")
 
-DEFAULT_ARCHIVE = "../shared/data/cifar10/cifar10-train.tar.gz"
+def cpu_seconds():
+    '''(utime + stime of this process, of every process under it: the DataLoader workers).'''
+    pids, seconds = [os.getpid()], []
+    while pids:
+        pid = pids.pop()
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            seconds.append((int(fields[11]) + int(fields[12])) / TICK)
+            for task in os.listdir(f"/proc/{pid}/task"):
+                pids += [int(p) for p in open(f"/proc/{pid}/task/{task}/children").read().split()]
+        except (OSError, ValueError):
+            pass
+    return seconds[0], sum(seconds[1:])
+
+it = iter(loader)
+for _ in range(warmup):
+    x, y = next(it)
+assert x.shape == (batch, 3, 224, 224) and x.dtype == torch.float32, (x.shape, x.dtype)
+wall, (own, readers) = time.perf_counter(), cpu_seconds()
+for _ in range(batches):
+    x, y = next(it)
+wall, (own_after, readers_after) = time.perf_counter() - wall, cpu_seconds()
+own, readers, n = own_after - own, readers_after - readers, batch * batches
+print(json.dumps({"img_per_s": n / wall, "img_per_cpu_s": n / (own + readers),
+                  "img_per_reader_cpu_s": n / readers if workers else None}))
+"""
 
 
-def cpu_seconds() -> float:
-    """CPU time of this process and its finished children (the decoding pool)."""
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+def photo_like(rng: np.random.Generator, h: int = 375, w: int = 500) -> np.ndarray:
+    yy, xx = np.mgrid[0:h, 0:w] / max(h, w)
+    base = np.stack([np.sin(6 * xx * rng.uniform(0.5, 2) + c) * np.cos(4 * yy * rng.uniform(0.5, 2) + c)
+                     for c in range(3)], -1)
+    return np.clip(128 + 100 * base + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
 
 
-def timed(fn):
-    wall, cpu = time.perf_counter(), cpu_seconds()
-    result = fn()
-    return result, time.perf_counter() - wall, cpu_seconds() - cpu
+def write_shards(folder: Path, images: int, classes: int = 100) -> Path:
+    """``images`` ImageNet-like JPEGs in ``classes`` class folders, packed into shards of 128."""
+    from PIL import Image
+
+    from vitlab.data.shards import pack_shards
+
+    rng = np.random.default_rng(0)
+    for i in range(images):
+        target = folder / "images" / f"class{i % classes:03d}"
+        target.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(photo_like(rng)).save(target / f"{i:06d}.jpg", quality=90)
+    pack_shards(folder / "images", folder / "shards", samples_per_shard=128)
+    return folder / "shards"
 
 
-def images_per_second(stream: BatchStream, batches: int, warmup: int = 3) -> tuple[float, float]:
-    """(images per wall second, images per CPU second) after ``warmup`` batches."""
-    it = iter(stream)
-    for _ in range(warmup):
-        next(it)
-    n = 0
-
-    def run() -> None:
-        nonlocal n
-        for _ in range(batches):
-            n += next(it)[0].shape[0]
-
-    _, wall, cpu = timed(run)
-    return n / wall, n / cpu
+def checkout(rev: str) -> str:
+    """The ``vitlab/`` of git revision ``rev`` in a temporary folder; its path."""
+    root = Path(tempfile.mkdtemp(prefix="vitlab-before-"))
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "vitlab"], capture_output=True, check=False)
+    if archive.returncode:
+        raise SystemExit(f"data_throughput.py --before {rev}: git archive failed: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
+    return str(root)
 
 
-def fake_step(x: torch.Tensor, weight: torch.Tensor, repeats: int) -> None:
-    """Stand-in for forward+backward: matmuls on all intra-op threads, like a real step."""
-    h = x.flatten(1).float()
-    for _ in range(repeats):
-        h = torch.tanh(h @ weight)
+def measure(path: str, shards: Path, workers: int, args: argparse.Namespace) -> dict:
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", MEASURE, str(shards), str(workers), str(args.batch),
+                           str(args.batches), str(args.warmup)], capture_output=True, text=True, env=env, cwd=path,
+                          timeout=1800)
+    if done.returncode:
+        raise SystemExit(f"the measurement at {path} with {workers} worker(s) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def train_step_cost(stream: BatchStream, steps: int, weight: torch.Tensor, repeats: int) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) per fake training step fed by ``stream``."""
-    it = iter(stream)
-    fake_step(next(it)[0], weight, repeats)  # warm-up
-
-    def run() -> None:
-        for _ in range(steps):
-            fake_step(next(it)[0], weight, repeats)
-
-    _, wall, cpu = timed(run)
-    return wall / steps, cpu / steps
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--archive", default=DEFAULT_ARCHIVE)
-    parser.add_argument("--batches", type=int, default=40, help="timed batches per transform")
-    parser.add_argument("--steps", type=int, default=6, help="timed fake training steps per measurement")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of prefetch=0 / prefetch=2")
-    args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, load average {os.getloadavg()[0]:.1f}")
-
-    cache = tempfile.mkdtemp(prefix="vitlab-bench-")
-    try:
-        data, wall, cpu = timed(lambda: load_in_memory(args.archive, cache_dir=cache, workers=2))
-        print(f"decode first time : {wall:6.2f} s wall, {cpu:6.2f} s CPU  -> {tuple(data.images.shape)}")
-        data, wall, cpu = timed(lambda: load_in_memory(args.archive, cache_dir=cache, workers=2))
-        print(f"decode cached     : {wall:6.2f} s wall, {cpu:6.2f} s CPU")
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
-
-    configs = {
-        "pad-crop 4 + flip + to_float": TrainTransform(num_classes=10, crop="pad"),
-        "  + RandAugment(2, 9)": TrainTransform(num_classes=10, crop="pad", randaug_ops=2),
-        "  + RandAugment + mixup/cutmix + smoothing 0.1 + erasing 0.25": TrainTransform(
-            num_classes=10, crop="pad", randaug_ops=2, mixup_alpha=0.8, cutmix_alpha=1.0,
-            label_smoothing=0.1, erase_prob=0.25),
-        "inception crop 32 + flip + to_float": TrainTransform(num_classes=10, image_size=32),
-    }
-    for name, cfg in configs.items():
-        stream = BatchStream(data.images, data.labels, 256, seed=0, transform=build_transform(cfg))
-        wall, cpu = images_per_second(stream, args.batches)
-        print(f"BatchStream b=256 {name:<62s}: {wall:7.0f} img/s wall, {cpu:7.0f} img per CPU-s")
-
-    cfg = configs["  + RandAugment(2, 9)"]
-    weight = torch.randn(3 * 32 * 32, 3 * 32 * 32) / 55.0
-    repeats = 1
-    while train_step_cost(BatchStream(data.images, data.labels, 256, seed=0), 1, weight, repeats)[1] < 0.5:
-        repeats *= 2  # until a step costs >= 0.5 CPU-s, i.e. <= ~1000 img/s on 2 cores
-    # Interleaved rounds, so that a change in the machine's load hits both settings alike.
-    for _ in range(args.rounds):
-        for prefetch in (0, 2):
-            stream = BatchStream(data.images, data.labels, 256, seed=0, transform=build_transform(cfg),
-                                 prefetch=prefetch)
-            wall, cpu = train_step_cost(stream, args.steps, weight, repeats)
-            print(f"fake step fed by the RandAugment stream, prefetch={prefetch}: {256 / wall:5.0f} img/s "
-                  f"({wall * 1000:.0f} ms wall, {cpu * 1000:.0f} ms CPU per step)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--before", metavar="REV", help="also measure git revision REV, in the same run")
+    p.add_argument("--images", type=int, default=768, help="JPEGs written (default 768: six shards)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batches", type=int, default=10, help="timed batches per measurement")
+    p.add_argument("--warmup", type=int, default=2, help="batches left out at the start of each measurement")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workers", default=None, help="worker counts >= 1, e.g. 1,2 (default: 1 and every usable core)")
+    args = p.parse_args()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    counts = [int(w) for w in args.workers.split(",")] if args.workers else sorted({1, cores})
+    revisions = {"now": str(ROOT)}
+    if args.before:
+        revisions = {"before": checkout(args.before), **revisions}
+    print(f"{cpu_name()}, {cores} usable cores, load average {os.getloadavg()[0]:.1f}", flush=True)
+    rows: dict = {(rev, w): [] for rev in revisions for w in counts}
+    with tempfile.TemporaryDirectory(prefix="vitlab-data-") as tmp:
+        t = time.perf_counter()
+        shards = write_shards(Path(tmp), args.images)
+        print(f"{args.images} JPEGs of 500x375 at quality 90 in shards of 128 ({time.perf_counter() - t:.0f} s)",
+              flush=True)
+        for r in range(args.rounds):
+            order = list(revisions) if r % 2 == 0 else list(reversed(revisions))
+            for w in counts:
+                for rev in order:
+                    result = measure(revisions[rev], shards, w, args)
+                    rows[(rev, w)].append(result)
+                    print(f"round {r + 1}, {rev:>6}, {w} worker(s): {result['img_per_s']:7.1f} img/s, "
+                          f"{result['img_per_reader_cpu_s']:7.1f} img per reader CPU-s, "
+                          f"{result['img_per_cpu_s']:7.1f} img per CPU-s in all", flush=True)
+    summary: dict = {"cpu": cpu_name(), "cores": cores, "before": args.before, "batch": args.batch,
+                     "image": "500x375 JPEG q90 -> inception crop + flip at 224", "rounds": args.rounds}
+    for (rev, w), results in rows.items():
+        summary[f"{rev}_workers_{w}"] = {k: round(statistics.median(r[k] for r in results), 1)
+                                         for k in ("img_per_s", "img_per_cpu_s", "img_per_reader_cpu_s")}
+    if args.before:
+        for w in counts:
+            now, before = summary[f"now_workers_{w}"], summary[f"before_workers_{w}"]
+            summary[f"ratio_workers_{w}"] = {k: round(now[k] / before[k], 2) for k in now}
+    summary["load_average_end"] = round(os.getloadavg()[0], 1)
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

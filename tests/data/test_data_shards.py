@@ -1,20 +1,32 @@
-"""Tests for vitlab.data.shards: packing tar shards and streaming them across ranks/workers."""
+"""Tar shards: packing them (as stored, or shrunk and re-encoded), and reading them through
+the one streaming stack in DataLoader workers."""
+import io
 import json
 import logging
 import tarfile
 
+import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from PIL import Image
 
-from vitlab.data.shards import FolderStream, ShardStream, collate_samples, pack_shards
+from vitlab.data.decode import decode_image
+from vitlab.data.shards import pack_shards, read_shard
 from vitlab.data.sources import DataError, scan_image_folder
+from vitlab.data.stream import StreamLoader, open_source
 
 
 @pytest.fixture
 def packed(tmp_path, make_folder):
     root = make_folder(classes=3, per_class=10)  # 30 images, ids 0..29, label = id // 10
     return pack_shards(root, tmp_path / "shards", samples_per_shard=4, seed=1), tmp_path / "shards"
+
+
+def ids_in_order(folder, fakes):
+    """(id, label) of every sample of a shard set, in stored order."""
+    source = open_source(str(folder))
+    return [(fakes.id_of(decode_image(io.BytesIO(data)).transpose(2, 0, 1)), label)
+            for _, data, label in source.samples()]
 
 
 def test_pack_writes_named_shards_and_index(packed):
@@ -24,60 +36,73 @@ def test_pack_writes_named_shards_and_index(packed):
     assert meta["classes"] == ["class_0", "class_1", "class_2"] and meta["num_samples"] == 30
     assert [s["num_samples"] for s in meta["shards"]] == [4] * 7 + [2]
     assert [sum(c) for c in zip(*[s["class_counts"] for s in meta["shards"]])] == [10, 10, 10]
+    assert meta["max_side"] is None and meta["quality"] is None and meta["skipped"] == []
     with tarfile.open(shards[0]) as tar:
         names = tar.getnames()
     assert names == ["000000000.png", "000000000.cls", "000000001.png", "000000001.cls",
                      "000000002.png", "000000002.cls", "000000003.png", "000000003.cls"]
 
 
-def test_pack_is_shuffled_and_deterministic(tmp_path, make_folder, fakes):
+def test_pack_is_shuffled_deterministic_and_keeps_every_label(tmp_path, make_folder, fakes):
     root = make_folder(classes=2, per_class=6)
     a = pack_shards(root, tmp_path / "a", samples_per_shard=5, seed=0)
     b = pack_shards(root, tmp_path / "b", samples_per_shard=5, seed=0)
     assert [p.read_bytes() for p in a] == [p.read_bytes() for p in b]
-    ids = [fakes.id_of(x) for x, _ in ShardStream(tmp_path / "a", shuffle_buffer=0)]
+    samples = ids_in_order(tmp_path / "a", fakes)
+    ids = [i for i, _ in samples]
     assert sorted(ids) == list(range(12)) and ids != list(range(12))
+    assert all(label == i // 6 for i, label in samples)
     with pytest.raises(DataError, match="already holds shards"):
         pack_shards(root, tmp_path / "a")
 
 
-def test_single_reader_yields_every_sample_with_its_label(packed, fakes):
+def test_pack_max_side_shrinks_large_images_and_keeps_small_ones(tmp_path):
+    root = tmp_path / "folder"
+    rng = np.random.default_rng(0)
+    sizes = {"big": (60, 40), "tall": (20, 48), "small": (16, 12)}  # (width, height)
+    for name, (w, h) in sizes.items():
+        (root / name).mkdir(parents=True)
+        smooth = np.linspace(0, 255, w)[None, :, None] * np.ones((h, 1, 3))
+        pixels = np.clip(smooth + rng.normal(0, 3, (h, w, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(root / name / "0.png")
+    pack_shards(root, tmp_path / "shards", samples_per_shard=2, max_side=24, workers=2)
+    meta = json.loads((tmp_path / "shards" / "index.json").read_text())
+    assert meta["max_side"] == 24 and meta["quality"] == 90 and meta["num_samples"] == 3
+    stored = {}
+    for shard in sorted((tmp_path / "shards").glob("*.tar")):
+        for key, data, label in read_shard(shard):
+            with Image.open(io.BytesIO(data)) as img:
+                stored[meta["classes"][label]] = (img.format, img.size, np.asarray(img.convert("RGB")))
+    assert stored["big"][:2] == ("JPEG", (24, 16)) and stored["tall"][:2] == ("JPEG", (10, 24))
+    assert stored["small"][:2] == ("PNG", (16, 12))  # within max_side: stored byte for byte
+    # shrinking keeps the picture: the left-to-right ramp survives
+    ramp = stored["big"][2][:, :, 0].mean(0)
+    assert ramp[0] < 40 and ramp[-1] > 215 and np.all(np.diff(ramp) > -12)
+    with pytest.raises(DataError, match="quality=0"):
+        pack_shards(root, tmp_path / "bad", quality=0)
+
+
+def test_pack_quality_alone_reencodes_every_image(tmp_path, make_folder):
+    root = make_folder(classes=1, per_class=2, size=(8, 8))
+    pack_shards(root, tmp_path / "shards", quality=95)
+    with tarfile.open(tmp_path / "shards" / "shard-000000.tar") as tar:
+        assert [n.rsplit(".", 1)[1] for n in tar.getnames()] == ["jpg", "cls", "jpg", "cls"]
+
+
+def test_workers_read_their_readers_samples_in_order(packed, fakes):
+    # rank 0 of 2, two DataLoader worker processes: the first micro-batch is reader 0's first
+    # two samples, then reader 1's, exactly as the stream's deal says
     _, folder = packed
-    stream = ShardStream(folder, shuffle_buffer=8, seed=0)
-    samples = list(stream)
-    ids = [fakes.id_of(x) for x, _ in samples]
-    assert sorted(ids) == list(range(30))
-    assert all(label == fakes.id_of(x) // 10 for x, label in samples)
-    x, _ = samples[0]
-    assert x.dtype == torch.uint8 and x.shape == (3, 8, 8)
-    assert stream.classes == ["class_0", "class_1", "class_2"] and stream.num_samples == 30
-    stream.set_epoch(1)
-    assert [fakes.id_of(x) for x, _ in stream] != ids  # reshuffled per epoch
-
-
-def test_two_ranks_two_workers_cover_every_sample_exactly_once(packed, fakes):
-    _, folder = packed
-    seen, per_reader_shards = [], []
-    for rank in range(2):
-        stream = ShardStream(folder, shuffle_buffer=4, seed=2, rank=rank, world_size=2)
-        loader = DataLoader(stream, batch_size=3, num_workers=2, collate_fn=collate_samples)
-        for images, labels in loader:
-            assert images.shape[1:] == (3, 8, 8) and labels.dtype == torch.int64
-            seen.extend(fakes.id_of(x) for x in images)
-    assert sorted(seen) == list(range(30))
-
-
-def test_shards_are_dealt_disjointly(packed, monkeypatch):
-    _, folder = packed
-    dealt = []
-    for rank in range(2):
-        for worker in range(2):
-            # What DataLoader's get_worker_info tells worker ``worker`` of 2.
-            info = type("WorkerInfo", (), {"id": worker, "num_workers": 2})()
-            monkeypatch.setattr("vitlab.data.shards.get_worker_info", lambda info=info: info)
-            dealt.append(ShardStream(folder, seed=0, rank=rank, world_size=2).my_shards())
-    flat = [p.name for part in dealt for p in part]
-    assert sorted(flat) == [f"shard-{i:06d}.tar" for i in range(8)] and all(len(p) == 2 for p in dealt)
+    source = open_source(str(folder))
+    loader = StreamLoader(source, 4, image_size=8, seed=2, shuffle_buffer=4, rank=0, world_size=2, workers=2)
+    x, y = next(iter(loader))
+    assert x.shape == (4, 3, 8, 8) and x.dtype == torch.uint8 and y.dtype == torch.int64
+    expected = []
+    for worker in range(2):
+        keys = loader.dataset.keys(0, 0, 2, worker, 2)
+        expected += [fakes.id_of(decode_image(io.BytesIO(next(keys)[1])).transpose(2, 0, 1)) for _ in range(2)]
+    assert [fakes.id_of(image) for image in x] == expected
+    assert y.tolist() == [i // 10 for i in expected]
 
 
 def test_corrupt_samples_are_skipped_and_counted(tmp_path, make_folder, fakes, caplog):
@@ -93,20 +118,40 @@ def test_corrupt_samples_are_skipped_and_counted(tmp_path, make_folder, fakes, c
         fakes.add_bytes(tar, "c.png", open(index.paths[1], "rb").read())  # no label
         fakes.add_bytes(tar, "d.png", open(index.paths[2], "rb").read())
         fakes.add_bytes(tar, "d.cls", b"0")
-    stream = ShardStream(tmp_path / "s", shuffle_buffer=0)
-    with caplog.at_level(logging.WARNING, logger="vitlab.data.shards"):
-        ids = [fakes.id_of(x) for x, _ in stream]
-    assert ids == [0, 2]
-    assert sorted(name for name, _ in stream.skipped) == ["shard-000000.tar:b", "shard-000000.tar:c"]
-    assert "skipped" in caplog.text
+    (tmp_path / "s" / "classes.txt").write_text("only\n")
+    skipped = []
+    assert [key for key, _, _ in read_shard(shard, skipped)] == ["shard-000000.tar:a", "shard-000000.tar:b",
+                                                                 "shard-000000.tar:d"]
+    assert [name for name, _ in skipped] == ["shard-000000.tar:c"]
+    with caplog.at_level(logging.WARNING, logger="vitlab.data.stream"):
+        x, _ = next(iter(StreamLoader(open_source(str(tmp_path / "s")), 2, image_size=8, shuffle_buffer=0,
+                                      workers=0)))
+    assert [fakes.id_of(image) for image in x] == [0, 2]
+    assert "shard-000000.tar:b: skipped unreadable image" in caplog.text
 
 
-def test_folder_stream_with_workers_and_a_corrupt_file(make_folder, fakes):
+def test_folder_streamed_by_workers_with_a_corrupt_file(make_folder, fakes):
     root = make_folder(classes=2, per_class=3, size=(6, 6))
     (root / "class_1" / "zz.png").write_bytes(b"broken")
-    dataset = FolderStream.from_path(root, image_size=4)
-    assert len(dataset) == 7 and dataset[6] is None
-    loader = DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=collate_samples)
-    batches = list(loader)
-    assert sum(len(y) for _, y in batches) == 6 and batches[0][0].shape == (4, 3, 4, 4)
-    assert torch.cat([y for _, y in batches]).tolist() == [0, 0, 0, 1, 1, 1]
+    source = open_source(str(root))
+    assert source.num_samples == 7 and source.classes == ["class_0", "class_1"]
+    x, y = next(iter(StreamLoader(source, 6, image_size=4, shuffle_buffer=0, workers=2)))
+    assert x.shape == (6, 3, 4, 4)
+    assert sorted(y.tolist()) == [0, 0, 0, 1, 1, 1]  # the broken image left out, every other one read
+
+
+def test_pack_shards_command_resizes_and_refuses_bad_options(tmp_path, make_folder, capsys):
+    from vitlab.cli import main
+
+    root = make_folder(classes=2, per_class=3, size=(30, 40))
+    assert main(["pack-shards", str(root), str(tmp_path / "s"), "--per-shard", "4", "--max-side", "20",
+                 "--quality", "80", "--workers", "2"]) == 0
+    meta = json.loads((tmp_path / "s" / "index.json").read_text())
+    assert (meta["max_side"], meta["quality"], meta["num_samples"], len(meta["shards"])) == (20, 80, 6, 2)
+    for shard in sorted((tmp_path / "s").glob("*.tar")):
+        for _, data, _ in read_shard(shard):
+            assert Image.open(io.BytesIO(data)).size == (20, 15)
+    capsys.readouterr()
+    assert main(["pack-shards", str(root), str(tmp_path / "t"), "--quality", "101"]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab pack-shards: error: quality=101: a JPEG quality in 1..100 "
+                                               "(ImageNet's files are about 90)")

@@ -9,9 +9,13 @@ import pytest
 import torch
 from PIL import Image
 
+from vitlab.data.decode import SampleCrop
 from vitlab.data.shards import pack_shards
 from vitlab.data.sources import DataError
-from vitlab.data.stream import StreamDataset, StreamLoader, expand_braces, is_stream_source, open_source
+from vitlab.data.stream import StreamDataset, StreamLoader, expand_braces, hold_out, is_stream_source, open_source
+from vitlab.data.transforms import TrainTransform
+
+CROP = SampleCrop((8, 8))
 
 
 def write_folder(root, classes=3, per_class=10, size=8):
@@ -43,7 +47,7 @@ def test_expand_braces():
 def test_two_ranks_two_workers_see_every_sample_exactly_once(shards):
     source = open_source(str(shards))
     assert source.num_samples == 30 and source.classes == ["class0", "class1", "class2"]
-    ds = StreamDataset(source, 4, image_size=(8, 8), seed=3, shuffle_buffer=5)
+    ds = StreamDataset(source, [4], crop=CROP, seed=3, shuffle_buffer=5)
     truth = sorted(k for u in source.units for k, _, _ in source.read(u))
     for epoch in (0, 1):
         keys = all_keys(ds, epoch, world=2, workers=2)
@@ -57,7 +61,7 @@ def test_same_seed_same_order_other_seed_or_epoch_other_order(shards):
     source = open_source(str(shards))
 
     def order(seed, epoch):
-        return [k for k, _, _ in StreamDataset(source, 4, image_size=(8, 8), seed=seed).keys(epoch, 1, 2, 0, 2)]
+        return [k for k, _, _ in StreamDataset(source, [4], crop=CROP, seed=seed).keys(epoch, 1, 2, 0, 2)]
 
     assert order(0, 0) == order(0, 0)
     assert order(0, 0) != order(0, 1)
@@ -71,7 +75,7 @@ def test_brace_pattern_and_folder_sources(shards, tmp_path):
     folder = write_folder(tmp_path / "big", classes=2, per_class=300)
     assert not is_stream_source(str(folder))
     source = open_source(str(folder))
-    ds = StreamDataset(source, 4, image_size=(8, 8), seed=0)
+    ds = StreamDataset(source, [4], crop=CROP, seed=0)
     keys = all_keys(ds, 0, world=2, workers=2)
     assert len(keys) == 600 and len(set(keys)) == 600
 
@@ -94,8 +98,8 @@ def test_foreign_shards_with_json_labels_and_classes_txt(tmp_path):
     (out / "classes.txt").write_text("cat\ndog\n")
     source = open_source(str(out / "{0000..0001}.tar"))
     assert source.num_samples == 6 and source.classes == ["cat", "dog"]
-    x, y, *_ = next(iter(StreamDataset(source, 6, image_size=(8, 8), shuffle_buffer=0)))
-    assert x.shape == (6, 3, 8, 8) and sorted(y.tolist()) == [0, 0, 0, 0, 1, 1]
+    x, y, *_ = next(iter(StreamDataset(source, [6], crop=CROP, shuffle_buffer=0)))
+    assert x.shape == (6, 8, 8, 3) and x.dtype == torch.uint8 and sorted(y.tolist()) == [0, 0, 0, 0, 1, 1]
 
 
 def test_resume_continues_sample_exactly(shards):
@@ -125,8 +129,6 @@ def test_resume_continues_sample_exactly(shards):
 
 
 def test_multi_label_samples_give_multi_hot_targets(tmp_path):
-    from vitlab.data.transforms import TrainTransform, build_transform
-
     out = tmp_path / "jft"
     out.mkdir()
     (out / "classes.txt").write_text("a\nb\nc\nd\n")
@@ -143,10 +145,33 @@ def test_multi_label_samples_give_multi_hot_targets(tmp_path):
     source = open_source(str(out))
 
     def targets(**augment):
-        transform = build_transform(TrainTransform(num_classes=4, image_size=(8, 8), crop="none", flip=False,
-                                                   **augment))
-        return next(iter(StreamDataset(source, 3, image_size=(8, 8), shuffle_buffer=0, transform=transform)))[1]
+        augment = TrainTransform(num_classes=4, image_size=(8, 8), crop="none", flip=False, **augment)
+        return next(iter(StreamLoader(source, 3, augment=augment, shuffle_buffer=0, workers=0)))[1]
 
     assert targets().tolist() == [[1, 0, 1, 0], [0, 1, 0, 0], [1, 1, 0, 1]]
     with pytest.raises(DataError, match="label_smoothing=0"):
         targets(label_smoothing=0.1)
+
+
+def test_too_few_shards_for_the_workers_asked_is_one_warning_saying_how_many(shards, caplog):
+    source = open_source(str(shards))  # 10 shards
+    with caplog.at_level("WARNING", logger="vitlab.data.stream"):
+        loader = StreamLoader(source, 8, image_size=(8, 8), world_size=2, workers=8)
+    assert loader.workers == 5 and loader.dataset.part_sizes == [2, 2, 2, 1, 1]
+    assert "10 unit(s) (shards) for 2 process(es) x 8 workers" in caplog.text
+    assert "write at least 16 shards (vitlab pack-shards --per-shard" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vitlab.data.stream"):
+        assert StreamLoader(source, 8, image_size=(8, 8), world_size=2, workers=5).workers == 5
+    assert caplog.text == ""
+
+
+def test_held_out_units_are_seeded_whole_and_refused_when_they_would_take_all(shards):
+    source = open_source(str(shards))  # 10 shards of 3
+    rest, held = hold_out(source, 7, seed=0)
+    assert held.num_samples == 9 and rest.num_samples == 21 and len(held.units) == 3  # whole shards: 7 -> 9
+    assert set(map(str, rest.units)).isdisjoint(map(str, held.units))
+    assert hold_out(source, 0.2, seed=0)[1].num_samples == 6
+    assert hold_out(source, 7, seed=1)[1].units != held.units
+    with pytest.raises(DataError, match="nothing to train on"):
+        hold_out(source, 30, seed=0)

@@ -10,7 +10,7 @@ insertions, deletions, truncation, splices of two seeds):
     image        vitlab.data.memory.decode_image           may raise DataError only
     archive      read_image_archive + resolve_data_path     may raise DataError only; nothing written
                                                             outside the cache folder, no partial left
-    shard        ShardStream over one shard                 may raise nothing: damage is skipped and counted
+    shard        read_shard + decode_crop over one shard    may raise nothing: damage is skipped and counted
     safetensors  vitlab.weights.load_model (vitlab file)    may raise WeightsError / ConfigError only
     npz          load_model (official vit_jax .npz)         likewise
     pt           load_model (torch.save state dict)         likewise
@@ -258,17 +258,23 @@ def run_archive(data: bytes, workdir: Path) -> str:
 
 
 def run_shard(data: bytes, workdir: Path) -> str:
-    from vitlab.data.shards import ShardStream
+    from vitlab.data.decode import SampleCrop, decode_crop
+    from vitlab.data.shards import read_shard
+    from vitlab.data.sources import DataError
 
     path = workdir / "shard-000000.tar"
     path.write_bytes(data)
-    stream = ShardStream([path], shuffle_buffer=0, image_size=4)
-    n = 0
-    for image, label in stream:
-        if image.shape != (3, 4, 4) or not isinstance(label, int):
-            raise FuzzFailure(f"ShardStream yielded {tuple(image.shape)}, {label!r}")
+    n, skipped = 0, []
+    for key, image, label in read_shard(path, skipped):  # what a streaming reader does with a shard
+        try:
+            pixels = decode_crop(io.BytesIO(image), SampleCrop((4, 4)))
+        except DataError:
+            skipped.append(key)
+            continue
+        if pixels.shape != (4, 4, 3) or not isinstance(label, (int, tuple)):
+            raise FuzzFailure(f"the shard reader yielded {pixels.shape}, {label!r}")
         n += 1
-    return f"{n} samples, {len(stream.skipped)} skipped"
+    return f"{n} samples, {len(skipped)} skipped"
 
 
 def run_weights(fmt: str) -> Callable[[bytes, Path], str]:

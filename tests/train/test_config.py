@@ -105,8 +105,8 @@ def test_an_old_flat_config_loads():
     assert set(flat) == set(LEGACY_NAMES)  # every old name is mapped
     cfg = from_dict(flat)
     recipe = load_recipe("cifar10_scratch")
-    assert cfg.run.retain_freed_memory is True  # the old default, as that run had it
-    assert replace(cfg, {"run.retain_freed_memory": False}) == recipe
+    assert cfg.run.retain_freed_memory is True and cfg.data.decode_workers == 2  # the old defaults, as that run had
+    assert replace(cfg, {"run.retain_freed_memory": False, "data.decode_workers": "auto"}) == recipe
     assert cfg.data.progressive_sizes == ((24, 0.5),) and cfg.optim.betas == (0.9, 0.999)
     assert cfg.model.overrides["resnet"]["layers"] == (1, 3)
     for old, new in LEGACY_NAMES.items():
@@ -227,3 +227,20 @@ def test_finetune_with_a_few_steps_from_the_command_line(capsys):
     assert main(["finetune", "--init", "W", "--data", "D", "--steps", "10", "--show-config"]) == 0
     optim = json.loads(capsys.readouterr().out)["optim"]
     assert (optim["steps"], optim["warmup"]) == (10, 1)
+
+
+def test_worker_counts_are_auto_or_counts_and_val_data_comes_with_its_flag():
+    from vitlab.cli import build_parser
+    from vitlab.cli.train import resolve_config
+
+    cfg = apply_overrides(TrainConfig(), ["data.stream_workers=3", "data.decode_workers=auto"])
+    assert cfg.data.stream_workers == 3 and cfg.data.decode_workers == "auto"
+    for bad in ("-1", "many"):
+        with pytest.raises(ConfigError, match="data.stream_workers"):
+            apply_overrides(TrainConfig(), [f"data.stream_workers={bad}"])
+    args = build_parser().parse_args(["train", "--recipe", "cifar10_scratch", "--val-data", "val/"])
+    cfg = resolve_config(args)
+    assert cfg.data.val_data == "val/" and cfg.data.val_split == 0  # it replaces the recipe's 5000
+    args = build_parser().parse_args(["train", "--recipe", "cifar10_scratch", "--val-data", "val/", "--val-split", "9"])
+    with pytest.raises(ConfigError, match="data.val_data"):
+        resolve_config(args)

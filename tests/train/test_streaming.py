@@ -16,6 +16,7 @@ from vitlab.config import ConfigError
 from vitlab.data.shards import pack_shards
 from vitlab.train import train
 from vitlab.train.checkpoint import list_checkpoints, load_checkpoint
+from vitlab.train.inputs import cores_per_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,10 +58,13 @@ def test_streamed_resume_is_bit_exact(tiny, shard_set):
 
 
 def test_stream_choice_and_refusals(tiny, shard_set, tmp_path):
-    with pytest.raises(ConfigError, match="data.val_split"):
-        train(tiny("a", data=str(shard_set), val_split=0.1), verbose=False)
-    with pytest.raises(ConfigError, match="data.stream='memory'"):
-        train(tiny("b", data=str(shard_set), val_split=0, **{"data.stream": "memory"}), verbose=False)
+    with pytest.raises(ConfigError, match="data.train_examples"):
+        train(tiny("a", data=str(shard_set), val_split=0, train_examples=10), verbose=False)
+    # shards decoded into memory on request: an in-memory run, with a stratified split
+    summary = train(tiny("b", data=str(shard_set), val_split=6, steps=2, cache_dir=str(tmp_path / "cache"),
+                         **{"data.stream": "memory"}), verbose=False)
+    assert summary["train_examples"] == 42 and summary["val_examples"] == 6
+    assert "kind" not in load_checkpoint(list_checkpoints(tmp_path / "b" / "checkpoints")[-1])["stream"]
     # a folder whose decoded size exceeds memory_limit_gb is streamed, not decoded into memory
     folder = write_folder(tmp_path / "big", classes=2, per_class=300)
     cfg = tiny("c", data=str(folder), val_split=0, steps=2, **{"data.memory_limit_gb": 1e-6, "data.stream_workers": 1})
@@ -68,6 +72,40 @@ def test_stream_choice_and_refusals(tiny, shard_set, tmp_path):
     assert summary["train_examples"] == 600
     state = load_checkpoint(list_checkpoints(tmp_path / "c" / "checkpoints")[-1])
     assert state["stream"]["kind"] == "stream"
+
+
+def test_streamed_set_holds_out_whole_shards_and_states_what_it_resolved(tiny, shard_set, tmp_path):
+    from vitlab.data.stream import hold_out, open_source
+
+    cfg = tiny("run", data=str(shard_set), val_split=12, split_seed=3, steps=4, batch_size=8, eval_every=2,
+               cache_dir=str(tmp_path / "cache"))
+    summary = train(cfg, verbose=False)
+    assert summary["train_examples"] == 36 and summary["val_examples"] == 12  # two shards of 6 held out
+    assert summary["val_top1"] is not None and 0.0 <= summary["data_wait"] < 1.0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.0 <= r["data_wait"] < 1.0 for r in records)
+    # the run's config.json states the values "auto" took on this machine
+    data = json.loads((tmp_path / "run" / "config.json").read_text())["data"]
+    assert data["stream"] == "stream" and data["stream_workers"] == max(0, min(cores_per_process() - 1, 6))
+    assert isinstance(data["decode_workers"], int)
+    # the held-out shards are a seeded choice, never read for training
+    train_part, held = hold_out(open_source(str(shard_set)), 12, 3)
+    assert held.num_samples == 12 and not set(map(str, held.units)) & set(map(str, train_part.units))
+    assert hold_out(open_source(str(shard_set)), 12, 3)[1].units == held.units != hold_out(
+        open_source(str(shard_set)), 12, 4)[1].units
+
+
+def test_a_separate_validation_set(tiny, shard_set, tmp_path):
+    val = write_folder(tmp_path / "val", classes=3, per_class=4)
+    summary = train(tiny("run", data=str(shard_set), val_split=0, steps=2, cache_dir=str(tmp_path / "cache"),
+                         **{"data.val_data": str(val)}), verbose=False)
+    assert summary["val_examples"] == 12 and summary["train_examples"] == 48
+    with pytest.raises(ConfigError, match="data.val_data"):
+        tiny("both", data=str(shard_set), val_split=6, **{"data.val_data": str(val)})
+    other = write_folder(tmp_path / "other", classes=2, per_class=2)
+    with pytest.raises(ConfigError, match="not the training set's"):
+        train(tiny("mismatch", data=str(shard_set), val_split=0, steps=2, cache_dir=str(tmp_path / "cache"),
+                   **{"data.val_data": str(other)}), verbose=False)
 
 
 @pytest.mark.slow
@@ -92,6 +130,26 @@ def test_torchrun_two_processes_stream_shards(tmp_path, shard_set, mode):
     # each rank: 4 steps x 8 = 32 samples from its 2 readers, which hold 2 shards x 6 = 12 samples an epoch
     assert all(sum(12 * epoch + consumed for epoch, consumed in r) == 32 for r in ranks), ranks
     print(f"torchrun {mode} 2 x 2 workers: {time.monotonic() - t:.1f} s")
+
+
+@pytest.mark.slow
+def test_torchrun_the_cifar_recipe_on_shards_with_a_held_out_split(tmp_path):
+    # the command of issue 42: torchrun --nproc_per_node=2 -m vitlab train --recipe cifar10_scratch:model=vit
+    # --data SHARDS, with the recipe's held-out split (whole shards) scaled to this tiny set
+    pack_shards(write_folder(tmp_path / "folder", size=32), tmp_path / "shards", samples_per_shard=6)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vitlab",
+            "train", "--recipe", "cifar10_scratch:model=vit", "--data", str(tmp_path / "shards"), "--val-split", "12",
+            "--steps", "2", "--batch-size", "16", "--out", str(tmp_path / "run"), "--quiet",
+            "--set", "run.time_limit=0", "--set", "run.precision=fp32", "--set", "run.threads=1",
+            "--set", "run.tensorboard=false", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    assert summary["world_size"] == 2 and summary["steps"] == 2
+    assert summary["train_examples"] == 36 and summary["val_examples"] == 12 and summary["val_top1"] is not None
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["data"]["stream"] == "stream" and isinstance(config["data"]["stream_workers"], int)
 
 
 @pytest.mark.slow
@@ -122,3 +180,15 @@ def test_two_processes_equal_one_on_streamed_shards(tmp_path, shard_set):
         weights[name] = load_model(summary["weights"]).state_dict()
     for k, v in weights["one"].items():
         torch.testing.assert_close(v, weights["two"][k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_training_on_a_hugging_face_dataset_with_a_held_out_part(tiny, tmp_path):
+    datasets = pytest.importorskip("datasets", reason='the hf extra: pip install -e ".[hf]"')
+    folder = write_folder(tmp_path / "folder")
+    images = [Image.open(p).convert("RGB") for c in range(3) for p in sorted((folder / f"c{c}").iterdir())]
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=["r", "g", "b"])})
+    labelled = datasets.Dataset.from_dict({"img": images, "label": [i // 16 for i in range(48)]}, features=features)
+    labelled.save_to_disk(str(tmp_path / "ds"), num_shards=3)  # three arrow files of one record batch each
+    summary = train(tiny("run", data=str(tmp_path / "ds"), val_split=16, steps=2, crop="pad", crop_pad=2,
+                         cache_dir=str(tmp_path / "cache")), verbose=False)
+    assert summary["train_examples"] == 32 and summary["val_examples"] == 16 and summary["val_top1"] is not None

@@ -33,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_data_arguments(p: argparse.ArgumentParser, default_split: str) -> None:
-    p.add_argument("--data", help="ImageFolder folder, .tar/.tar.gz archive, or 'digits' (default: the run's data)")
+    p.add_argument("--data", help="ImageFolder folder, .tar/.tar.gz archive, tar shards (a folder, "
+                                  "'shards/shard-{000000..000009}.tar' or 'shards/*.tar'), a Hugging Face save_to_disk "
+                                  "folder, parquet files, or 'digits' (default: the run's data)")
     p.add_argument("--img-size", type=int, default=None,
                    help="evaluation resolution; position embeddings are resampled (default: the model's)")
     p.add_argument("--val-split", type=float, default=None,
@@ -78,33 +80,34 @@ def run_data(meta: dict) -> dict:
     return dict(nested_dict(recipe).get("data") or {}) if isinstance(recipe, dict) else {}
 
 
-def load_data(args: argparse.Namespace, meta: dict, image_size: tuple[int, int]):
-    """(images uint8 (N, 3, H, W), labels (N,), class names, data key, same_as_run) for ``args.data``."""
+def load_data(args: argparse.Namespace, meta: dict, image_size: tuple[int, int], held_out: tuple | None = None):
+    """(images uint8 (N, 3, H, W), labels (N,), class names, data key, same_as_run) for
+    ``args.data``; ``held_out``: only those held-out shards (``run_held_out``)."""
+    from vitlab.data.labelled import load_labelled
+
     recipe = run_data(meta)
     data = args.data or recipe.get("source")
     if not data:
         raise ValueError("--data is needed: the checkpoint's run does not name its data")
     same_as_run = bool(recipe) and str(data) == str(recipe.get("source"))
-    if data == "digits":
-        from vitlab.data.digits import load_digits_dataset
-
-        if image_size[0] != image_size[1]:
-            raise ValueError(f"img_size={image_size}: the digits source makes square images only")
-        ds = load_digits_dataset(image_size[0])
-        key = f"digits@{image_size[0]}"
-    else:
-        from vitlab.data.memory import load_in_memory
-        from vitlab.data.sources import source_key
-
-        ds = load_in_memory(data, image_size=image_size, cache_dir=args.cache_dir)
-        key = f"{source_key(data)}@{image_size[0]}x{image_size[1]}"
-    images, labels, classes = ds.images, ds.labels, list(ds.classes)
+    ds = load_labelled(data, image_size, cache_dir=args.cache_dir, held_out=held_out)
+    images, labels, classes, key = ds.images, ds.labels, list(ds.classes), ds.key
     if same_as_run and recipe.get("class_subset"):
         from vitlab.train.inputs import select_classes
 
         images, labels, classes = select_classes(images, labels, classes, tuple(recipe["class_subset"]))
         key += "|" + ",".join(classes)
     return images, labels, classes, key, same_as_run
+
+
+def run_held_out(args: argparse.Namespace, meta: dict) -> tuple | None:
+    """(share, seed) of the shards a streamed training run held out, when ``args`` evaluate
+    that run's own data with its split; else None."""
+    recipe = run_data(meta)
+    same_data = args.data is None or str(args.data) == str(recipe.get("source"))
+    if recipe.get("stream") == "stream" and recipe.get("val_split") and same_data and args.val_split is None:
+        return recipe["val_split"], int(args.split_seed if args.split_seed is not None else recipe.get("split_seed", 0))
+    return None
 
 
 def split_indices(labels, args: argparse.Namespace, meta: dict, same_as_run: bool, default: float):
@@ -139,6 +142,7 @@ def model_input_size(model) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     import numpy as np
+    import torch
 
     from vitlab.eval import Evaluator
     from vitlab.eval.features import check_tta_shift
@@ -147,8 +151,12 @@ def run(args: argparse.Namespace) -> int:
     model, meta = load_checkpoint(args.checkpoint, args.img_size, device, fast=args.fast is not False)
     size = model_input_size(model)
     check_tta_shift(args.shift, size, "--shift")
-    images, labels, classes, _, same = load_data(args, meta, size)
-    _, held, (split, seed) = split_indices(labels, args, meta, same, default=0.0)
+    held_out = run_held_out(args, meta)  # a streamed run's held-out shards: decode only those
+    images, labels, classes, _, same = load_data(args, meta, size, held_out)
+    if held_out is not None:
+        held, (split, seed) = torch.arange(len(labels)), held_out
+    else:
+        _, held, (split, seed) = split_indices(labels, args, meta, same, default=0.0)
     run_classes = meta.get("classes")
     if isinstance(run_classes, list) and run_classes != classes:
         raise ValueError(f"the data's classes ({', '.join(classes[:5])}, ...) differ from the ones the checkpoint "
@@ -159,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
                           shift=args.shift, image_size=size, report_bins=args.bins)
     report = evaluator.run(model)
     where = "all examples" if split == 0 else f"held-out split ({split} examples, seed {seed})"
+    if held_out is not None:
+        where = f"the run's held-out shards (val_split {split}, seed {seed})"
     print(f"{args.checkpoint}: {report['n']} images, {where}", file=sys.stderr)
     print(f"top-1 {100 * report['top1']:.2f}%  top-5 {100 * report['top5']:.2f}%  "
           f"ECE ({args.bins} bins) {100 * report['ece']:.2f}%")

@@ -24,7 +24,7 @@ SHORTCUTS = {
     "steps": "optim.steps", "batch_size": "optim.batch_size", "lr": "optim.lr", "out": "run.out",
     "precision": "run.precision", "accum_steps": "optim.accum_steps", "seed": "run.seed", "img_size": "model.img_size",
     "fsdp": "run.fsdp", "compile": "run.compile", "fast": "run.fast", "retain_freed_memory": "run.retain_freed_memory",
-    "stream": "data.stream",
+    "stream": "data.stream", "val_data": "data.val_data",
 }
 
 
@@ -40,7 +40,9 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
                         "(default auto: shards stream; a folder streams when decoded it would exceed "
                         "data.memory_limit_gb)")
     p.add_argument("--val-split", type=float,
-                   help="held-out validation examples: a count (5000) or a fraction (0.1); 0: none")
+                   help="held-out validation examples: a count (5000) or a fraction (0.1); 0: none (a streamed set "
+                        "holds out whole shards)")
+    p.add_argument("--val-data", help="a separate validation set, in any form --data takes (then no held-out split)")
     p.add_argument("--time-limit", type=float, metavar="MINUTES",
                    help="fit warm-up, decay and the final evaluation into this wall-clock budget")
     p.add_argument("--steps", type=int, help="optimiser steps (the ceiling under --time-limit)")
@@ -99,6 +101,8 @@ def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     changes = parse_overrides(cfg, args.overrides)  # checked together with the flags' changes, below
     changes.update({field: getattr(args, flag) for flag, field in SHORTCUTS.items()
                     if getattr(args, flag, None) is not None})
+    if changes.get("data.val_data") and "data.val_split" not in changes:
+        changes["data.val_split"] = 0  # --val-data replaces the recipe's held-out split
     split = changes.get("data.val_split")
     if split is not None and float(split).is_integer() and split >= 1:
         changes["data.val_split"] = int(split)

@@ -1,5 +1,6 @@
 """Data for vitlab: folders and archives, in-memory sets, splits, batch transforms,
-reproducible batch streams, tar shards, and the CIFAR-10 download.
+reproducible batch streams, tar shards, Hugging Face datasets and parquet files streamed
+(``stream``), and the CIFAR-10 download.
 
 Typical use for a CIFAR-size set::
 
@@ -13,9 +14,10 @@ Typical use for a CIFAR-size set::
 from vitlab.data.cifar import download_cifar10
 from vitlab.data.loader import BatchStream
 from vitlab.data.memory import InMemoryDataset, load_in_memory
-from vitlab.data.shards import FolderStream, ShardStream, collate_samples, pack_shards
-from vitlab.data.sources import DataError, ImageFolderIndex, resolve_data_path, scan_image_folder
+from vitlab.data.shards import pack_shards
+from vitlab.data.sources import DataError, ImageFolderIndex, StreamSource, resolve_data_path, scan_image_folder
 from vitlab.data.splits import few_per_class, stratified_split
+from vitlab.data.stream import StreamLoader, hold_out, open_source
 from vitlab.data.transforms import (
     EvalTransform,
     TrainTransform,
@@ -54,8 +56,9 @@ __all__ = [
     "build_transform",
     "BatchStream",
     "pack_shards",
-    "ShardStream",
-    "FolderStream",
-    "collate_samples",
+    "StreamSource",
+    "open_source",
+    "hold_out",
+    "StreamLoader",
     "download_cifar10",
 ]

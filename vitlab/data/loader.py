@@ -21,7 +21,7 @@ import torch
 
 from vitlab.data.transforms import BatchTransform
 
-__all__ = ["BatchStream", "derive_seed"]
+__all__ = ["BatchStream", "DeviceStage", "derive_seed", "one_ahead"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 _DONE = object()
@@ -138,8 +138,10 @@ class BatchStream:
 
     def _make(self, order: torch.Tensor, epoch: int, position: int) -> Batch:
         idx = self._slice(order, position).to(self.images.device)
-        x = self.images[idx].to(self.device, non_blocking=True)
-        y = self.labels[idx].to(self.device, non_blocking=True)
+        x, y = self.images[idx], self.labels[idx]
+        if self.device.type == "cuda" and x.device.type == "cpu":  # a copy from pinned memory does not block
+            x, y = x.pin_memory(), y.pin_memory()
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         if self.transform is None:
             return x, y
         generator = torch.Generator(device=self.device)
@@ -154,6 +156,7 @@ class BatchStream:
         batches = (self._make(order, epoch, p) for p in positions)
         if self.prefetch > 0:
             batches = _prefetched(batches, self.prefetch)
+        batches = one_ahead(batches, DeviceStage(self.device))
         try:
             for position, batch in zip(positions, batches):
                 self.position = position + 1  # before the yield: a checkpoint taken now resumes after it
@@ -164,6 +167,58 @@ class BatchStream:
                 close()
         if self.epoch == epoch and self.position >= len(self):
             self.epoch, self.position = epoch + 1, 0
+
+
+class DeviceStage:
+    """Where batches are made ready: on a CUDA device a side stream, so that copying and
+    augmenting the next batch overlap the step that runs on the current stream; on other
+    devices in line, on the caller's thread."""
+
+    def __init__(self, device: Union[str, torch.device]) -> None:
+        device = torch.device(device)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def overlaps(self) -> bool:
+        return self.stream is not None
+
+    def run(self, fn, *args):
+        """``fn(*args)``, its device work queued on the side stream."""
+        if self.stream is None:
+            return fn(*args)
+        with torch.cuda.stream(self.stream):
+            return fn(*args)
+
+    def hand_over(self, item) -> None:
+        """Let the current stream use ``item``'s tensors (a tuple's too): it waits for the side
+        stream's work, and the memory is not reused before the current stream is done with it."""
+        if self.stream is None:
+            return
+        current = torch.cuda.current_stream(self.stream.device)
+        current.wait_stream(self.stream)
+        for tensor in item if isinstance(item, (tuple, list)) else (item,):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+                tensor.record_stream(current)
+
+
+def one_ahead(items: Iterator, stage: DeviceStage) -> Iterator:
+    """``items``, each made on ``stage`` one ahead of the consumer where the stage overlaps
+    (CUDA): while the consumer's step runs, the next item is copied and augmented."""
+    if not stage.overlaps:
+        yield from items
+        return
+    items = iter(items)
+    try:
+        ahead = stage.run(next, items, _DONE)
+        while ahead is not _DONE:
+            current = ahead
+            stage.hand_over(current)
+            ahead = stage.run(next, items, _DONE)
+            yield current
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()
 
 
 def _prefetched(items: Iterator, depth: int) -> Iterator:

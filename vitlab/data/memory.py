@@ -18,21 +18,20 @@ import logging
 import multiprocessing
 import os
 import shutil
-import struct
 import tempfile
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
 
 from vitlab.config import to_pair
+from vitlab.data.decode import decode_image, to_rgb  # noqa: F401 - to_rgb: also this module's name
 from vitlab.data.sources import (
     DataError,
     PathLike,
+    StreamSource,
     default_cache_dir,
     is_archive,
     read_image_archive,
@@ -41,7 +40,8 @@ from vitlab.data.sources import (
     source_key,
 )
 
-__all__ = ["InMemoryDataset", "load_in_memory", "decode_image", "to_rgb"]
+__all__ = ["InMemoryDataset", "load_in_memory", "load_source_in_memory", "decode_image", "to_rgb",
+           "usable_cores"]
 
 log = logging.getLogger(__name__)
 
@@ -57,67 +57,17 @@ class InMemoryDataset:
     labels:  (N,) int64 class ids, indices into ``classes``.
     classes: class names, sorted as the folders were.
     skipped: (path, reason) of every image that could not be decoded and was left out.
+    key:     changes when the data does (what the cache holds it under); "" when unknown.
     """
 
     images: torch.Tensor
     labels: torch.Tensor
     classes: list[str]
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    key: str = ""
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
-
-
-# What PIL (and its plugins) raise for bad data: truncated, corrupt, unknown or unsupported.
-DECODE_ERRORS = (OSError, SyntaxError, ValueError, TypeError, IndexError, KeyError, EOFError, struct.error,
-                 ZeroDivisionError, OverflowError, MemoryError, RuntimeError, AttributeError, NotImplementedError,
-                 UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning)
-
-
-def to_rgb(img: Image.Image) -> np.ndarray:
-    """(H, W, 3) uint8 RGB of a decoded PIL image of any mode.
-
-    16-bit grayscale ("I;16*", and "I" as PNG's 16-bit files open) is scaled to 8 bits
-    (v / 257, rounded: 65535 -> 255), where PIL's own conversion would clip everything
-    above 255 to white.  Alpha is dropped (the colour stored under it is kept, as
-    torchvision and timm do); palette, grayscale, bilevel and CMYK go through PIL's
-    conversions.
-    """
-    if img.mode.startswith("I;16") or img.mode == "I":
-        wide = np.asarray(img, dtype=np.int64 if img.mode == "I" else None).astype(np.float64)
-        gray = np.clip(np.rint(np.clip(wide, 0, 65535) / 257.0), 0, 255).astype(np.uint8)
-        return np.repeat(gray[:, :, None], 3, axis=2)
-    return np.array(img.convert("RGB"), dtype=np.uint8)  # a writable copy: torch.from_numpy wants one
-
-
-def decode_image(source, size: Optional[tuple[int, int]] = None) -> np.ndarray:
-    """Decode an image file (path or file object) to an (H, W, 3) uint8 RGB array.
-
-    size: (height, width) to resize to, bilinear (PIL); None keeps the stored size.
-    Colour modes are converted as ``to_rgb`` describes.  Images over PIL's
-    decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``) are refused before decoding.
-
-    Raises:
-        DataError: the data is not a decodable image (truncated, corrupt, not an image,
-            too large); the message names the file where ``source`` is a path.
-    """
-    where = f"{source}: " if isinstance(source, (str, os.PathLike)) else ""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(source) as img:
-                img.load()  # the full decode, so truncated files fail here
-                if size is not None and (img.height, img.width) != tuple(size):
-                    array = to_rgb(img)
-                    return np.array(Image.fromarray(array).resize((size[1], size[0]), Image.BILINEAR))
-                return to_rgb(img)
-    except FileNotFoundError as e:
-        raise DataError(f"{where}no such file") from e
-    except DECODE_ERRORS as e:
-        reason = str(e).splitlines()[0] if str(e) else ""
-        if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
-            reason = f"{reason} (the decompression-bomb limit, PIL.Image.MAX_IMAGE_PIXELS)"
-        raise DataError(f"{where}not a decodable image: {type(e).__name__}: {reason}") from e
 
 
 def _decode_chunk(
@@ -174,10 +124,9 @@ def _stack(
     return images, labels[keep], skipped
 
 
-def _cache_folder(path: PathLike, size: Optional[tuple[int, int]], cache_dir: Optional[PathLike]) -> Path:
+def _cache_folder(key: str, size: Optional[tuple[int, int]], cache_dir: Optional[PathLike]) -> Path:
     base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     tag = "native" if size is None else f"{size[0]}x{size[1]}"
-    key = source_key(path)
     return base / "arrays" / f"{key}-{tag}-v{CACHE_VERSION}"
 
 
@@ -209,24 +158,40 @@ def _write_cache(folder: Path, images: np.ndarray, labels: np.ndarray, classes: 
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_in_memory(
-    path: PathLike, image_size: Size = None, cache_dir: Optional[PathLike] = None, workers: int = 2
-) -> InMemoryDataset:
-    """Decode every image of an ImageFolder tree or archive into RAM, caching the result.
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
-    path:       a folder or a .tar/.tar.gz/.tgz archive of one; archives are read in
-                one pass without extracting them.
+
+def load_in_memory(
+    path: PathLike, image_size: Size = None, cache_dir: Optional[PathLike] = None, workers: Optional[int] = None
+) -> InMemoryDataset:
+    """Decode every image of a data set into RAM, caching the result.
+
+    path:       an ImageFolder folder or a .tar/.tar.gz/.tgz archive of one (read in one
+                pass without extracting it), or any streamed source
+                (``vitlab.data.stream.open_source``: tar shards, a brace pattern or glob of
+                them, a Hugging Face ``save_to_disk`` folder, parquet files).
     image_size: int or (height, width); every image is resized to it (bilinear, PIL).
                 Required when the images differ in size; None keeps their common size.
     cache_dir:  where decoded arrays (and extracted archives) live (default
                 ``$VITLAB_CACHE`` or ``~/.cache/vitlab``).
-    workers:    decoding processes; 1 or 0 decodes in this process.
+    workers:    decoding processes (None: every usable core); 1 or 0 decodes in this process.
 
     Raises:
         DataError: no images, no class folders, sizes differ without ``image_size``.
     """
+    from vitlab.data.stream import is_stream_source, open_source
+
+    if is_stream_source(str(path)):
+        return load_source_in_memory(open_source(str(path), cache_dir), image_size, cache_dir, workers)
     size = None if image_size is None else to_pair(image_size, "image_size")
-    folder = _cache_folder(path, size, cache_dir)
+    workers = usable_cores() if workers is None else workers
+    key = source_key(path)
+    folder = _cache_folder(key, size, cache_dir)
     if folder.is_dir():
         data = _read_cache(folder)
     else:
@@ -239,10 +204,42 @@ def load_in_memory(
         images, labels, skipped = _stack(decoded, index.paths, index.labels, index.root)
         _write_cache(folder, images, labels, index.classes, skipped)
         data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), index.classes, skipped)
+    data.key = key
+    _warn_skipped(path, data)
+    return data
+
+
+def load_source_in_memory(source: StreamSource, image_size: Size = None, cache_dir: Optional[PathLike] = None,
+                          workers: Optional[int] = None) -> InMemoryDataset:
+    """Decode every sample of a streamed source (or of a part of one, ``hold_out``) into
+    RAM, cached under ``source.key`` (when it has one); each sample's bytes are read once.  A multi-label
+    sample keeps its first label.  Arguments and errors as ``load_in_memory``'s."""
+    size = None if image_size is None else to_pair(image_size, "image_size")
+    workers = usable_cores() if workers is None else workers
+    folder = _cache_folder(source.key, size, cache_dir) if source.key else None
+    if folder is not None and folder.is_dir():
+        data = _read_cache(folder)
+    else:
+        keys, payloads, labels = [], [], []
+        for key, payload, label in source.samples():
+            keys.append(key)
+            payloads.append(payload)
+            labels.append(label[0] if isinstance(label, tuple) else label)
+        decoded = _decode_all(payloads, size, workers)
+        del payloads
+        images, labels, skipped = _stack(decoded, keys, np.asarray(labels, dtype=np.int64), source.name)
+        if folder is not None:
+            _write_cache(folder, images, labels, source.classes, skipped)
+        data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), list(source.classes), skipped)
+    data.key = source.key
+    _warn_skipped(source.name, data)
+    return data
+
+
+def _warn_skipped(path, data: InMemoryDataset) -> None:
     if data.skipped:
         first_path, first_reason = data.skipped[0]
         log.warning(
             "%s: skipped %d unreadable image(s) of %d (first: %s: %s)",
             path, len(data.skipped), len(data) + len(data.skipped), first_path, first_reason,
         )
-    return data

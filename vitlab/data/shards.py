@@ -1,52 +1,56 @@
-"""Streaming data sets too big for RAM: WebDataset-style tar shards and plain folders.
+"""WebDataset-style tar shards: the format, how ``vitlab pack-shards`` writes it, how one
+shard is read.
 
 A shard is an ordinary tar file holding samples as consecutive members that share a
-key: ``<key>.jpg`` (the encoded image, as it was stored) and ``<key>.cls`` (the label
-as ASCII digits).  Reading a shard is one sequential pass, which keeps network and
-spinning disks fast, and shards split naturally across machines and worker processes.
+key: ``<key>.jpg`` (or ``.png``, ...: the encoded image) and its label, ``<key>.cls``
+(ASCII digits; "3,17" for a multi-label sample) or ``<key>.json`` (``{"label": 3}``, or
+``{"labels": [3, 17]}``).  Reading a shard is one sequential pass, which keeps network
+and spinning disks fast, and a shard set splits naturally across machines and worker
+processes.  Streaming a shard set (dealing shards to ranks x workers, shuffling,
+resuming) is ``vitlab.data.stream``'s, as for every other source.
 
-``ShardStream`` gives every (rank, DataLoader worker) pair its own shards: the shard
-list is shuffled per epoch with the same seed on every rank, then dealt out with a
-stride of world_size * num_workers, so each shard is read by exactly one worker of one
-rank.  Within a worker, samples pass through a shuffle buffer.  Use enough shards (at
-least ranks x workers, ideally many more) so that no worker idles.
+``pack_shards`` writes shards from an ImageFolder, optionally shrinking large images
+(``max_side``) and re-encoding them as JPEG (``quality``): data stored at about the
+size it is trained at decodes several times faster, which is how FFCV and most
+ImageNet pipelines hold it.
 """
 from __future__ import annotations
 
 import io
 import json
 import logging
+import multiprocessing
 import os
 import tarfile
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
-import torch
-import torch.distributed as dist
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from PIL import Image
 
-from vitlab.config import to_pair
-from vitlab.data.loader import derive_seed
-from vitlab.data.memory import decode_image
+from vitlab.data.decode import opened, to_rgb
 from vitlab.data.sources import (
     IMAGE_EXTENSIONS,
     MAX_MEMBER_BYTES,
     TAR_ERRORS,
     DataError,
-    ImageFolderIndex,
     PathLike,
+    StreamSource,
+    files_key,
     resolve_data_path,
     scan_image_folder,
 )
 
-__all__ = ["pack_shards", "ShardStream", "FolderStream", "collate_samples", "SHARD_PATTERN"]
+__all__ = ["SHARD_PATTERN", "pack_shards", "read_shard", "shard_source"]
 
 log = logging.getLogger(__name__)
 
 SHARD_PATTERN = "shard-{:06d}.tar"
 OVERSIZED = "/oversized"  # a field name no member extension can produce
-Sample = tuple[torch.Tensor, int]
+DEFAULT_QUALITY = 90      # JPEG quality of re-encoded images: ImageNet's own files are about this
+
+
+# ----------------------------------------------------------------------------- writing
 
 
 def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -57,6 +61,66 @@ def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
+def shrunk_jpeg(data: bytes, max_side: Optional[int], quality: int) -> tuple[Optional[bytes], str]:
+    """(JPEG bytes, "") of the encoded image ``data`` with its longer side at most
+    ``max_side`` (None: any), or (None, the reason) for an image that cannot be decoded."""
+    try:
+        with opened(io.BytesIO(data)) as img:
+            size = img.size
+            if max_side is not None and max(size) > max_side:
+                size = tuple(max(1, round(s * max_side / max(img.size))) for s in img.size)
+                img.draft("RGB", (2 * size[0], 2 * size[1]))  # DCT-scale to no less than twice the target
+            pixels = Image.fromarray(to_rgb(img))
+            if pixels.size != size:
+                pixels = pixels.resize(size, Image.LANCZOS)
+    except DataError as e:
+        return None, str(e)
+    out = io.BytesIO()
+    pixels.save(out, format="JPEG", quality=quality)
+    return out.getvalue(), ""
+
+
+def _stored_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from the image's header; (0, 0) when it has none readable."""
+    try:
+        with opened(io.BytesIO(data)) as img:
+            return img.size
+    except DataError:
+        return 0, 0
+
+
+def _encode_chunk(job: tuple[list[str], Optional[int], Optional[int]]) -> list[tuple[Optional[bytes], str, str]]:
+    """Worker: (bytes, extension, reason) of each path, shrunk and re-encoded when asked;
+    each file is read once."""
+    paths, max_side, quality = job
+    out = []
+    for path in paths:
+        data = Path(path).read_bytes()
+        ext = os.path.splitext(path)[1].lower().replace(".jpeg", ".jpg")
+        small = max_side is not None and max(_stored_size(data)) <= max_side
+        if (max_side is None and quality is None) or (small and quality is None):
+            out.append((data, ext, ""))  # stored as it is: nothing decoded
+            continue
+        shrunk, reason = shrunk_jpeg(data, max_side, quality or DEFAULT_QUALITY)
+        out.append((shrunk, ".jpg", reason))
+    return out
+
+
+def _encoded(paths: list[str], max_side: Optional[int], quality: Optional[int], workers: int) -> Iterator:
+    """``_encode_chunk``'s results for ``paths`` in order, from ``workers`` processes."""
+    chunk = 64
+    jobs = ((paths[i:i + chunk], max_side, quality) for i in range(0, len(paths), chunk))
+    if workers <= 1 or (max_side is None and quality is None):
+        for job in jobs:
+            yield from _encode_chunk(job)
+        return
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
+    with ctx.Pool(workers) as pool:
+        for result in pool.imap(_encode_chunk, jobs):
+            yield from result
+
+
 def pack_shards(
     image_folder: PathLike,
     out_dir: PathLike,
@@ -64,22 +128,37 @@ def pack_shards(
     *,
     seed: int = 0,
     cache_dir: Optional[PathLike] = None,
+    max_side: Optional[int] = None,
+    quality: Optional[int] = None,
+    workers: int = 1,
 ) -> list[Path]:
     """Pack an ImageFolder tree (or archive of one) into tar shards.
 
     The samples are shuffled with ``seed`` before packing, so each shard holds a mix of
     classes and a stream that reads shards in any order starts out well mixed.  Keys
-    are the 9-digit position in that shuffled order; image bytes are copied unchanged
-    (``.jpeg`` is stored as ``.jpg``).  ``out_dir/index.json`` records the classes, the
-    seed and each shard's name and sample count.
+    are the 9-digit position in that shuffled order.
 
-    Returns the shard paths, ``out_dir/shard-000000.tar`` onwards.
+    max_side: images whose longer side exceeds it are shrunk to it (aspect kept; Lanczos)
+              and stored as JPEG at ``quality`` (90 when None); None keeps every size.
+    quality:  every image is re-encoded as JPEG at this quality (1-100).  None: the
+              images that are not shrunk are stored byte for byte as they were
+              (``.jpeg`` as ``.jpg``).
+    workers:  processes that re-encode.
+
+    ``out_dir/index.json`` records the classes, the seed, the size and quality options,
+    each shard's name, sample count and class counts, and the images left out because
+    they could not be decoded for re-encoding.  Returns the shard paths,
+    ``out_dir/shard-000000.tar`` onwards.
 
     Raises:
-        DataError: ``out_dir`` already holds shards, or the source has no images.
+        DataError: bad options, ``out_dir`` already holds shards, or the source has no images.
     """
     if samples_per_shard < 1:
         raise DataError(f"samples_per_shard={samples_per_shard}: must be >= 1")
+    if max_side is not None and max_side < 1:
+        raise DataError(f"max_side={max_side}: must be a positive number of pixels")
+    if quality is not None and not 1 <= quality <= 100:
+        raise DataError(f"quality={quality}: a JPEG quality in 1..100 (ImageNet's files are about 90)")
     index = scan_image_folder(resolve_data_path(image_folder, cache_dir))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -87,49 +166,65 @@ def pack_shards(
         raise DataError(f"{out}: already holds shards; pack into an empty folder")
 
     order = np.random.Generator(np.random.PCG64(seed)).permutation(len(index))
-    shards, entries = [], []
+    encoded = _encoded([index.paths[i] for i in order], max_side, quality, workers)
+    shards, entries, skipped = [], [], []
     for s, start in enumerate(range(0, len(order), samples_per_shard)):
         path = out / SHARD_PATTERN.format(s)
         partial = path.with_name(f".{path.name}.partial")
         chunk = order[start : start + samples_per_shard]
+        kept = []
         with tarfile.open(partial, "w") as tar:
             for offset, position in enumerate(chunk):
-                source = index.paths[position]
-                ext = os.path.splitext(source)[1].lower().replace(".jpeg", ".jpg")
+                data, ext, reason = next(encoded)
+                if data is None:
+                    skipped.append((index.paths[position], reason))
+                    continue
                 key = f"{start + offset:09d}"
-                _add_member(tar, key + ext, Path(source).read_bytes())
+                _add_member(tar, key + ext, data)
                 _add_member(tar, key + ".cls", str(int(index.labels[position])).encode())
+                kept.append(position)
         os.replace(partial, path)  # a shard that exists is complete
-        counts = np.bincount(index.labels[chunk], minlength=len(index.classes))
-        entries.append({"name": path.name, "num_samples": len(chunk), "class_counts": counts.tolist()})
+        counts = np.bincount(index.labels[kept], minlength=len(index.classes))
+        entries.append({"name": path.name, "num_samples": len(kept), "class_counts": counts.tolist()})
         shards.append(path)
+    if skipped:
+        log.warning("%s: left out %d image(s) that could not be decoded (first: %s)", image_folder, len(skipped),
+                    skipped[0][1])
     meta = {
         "classes": index.classes,
-        "num_samples": len(index),
+        "num_samples": sum(e["num_samples"] for e in entries),
         "samples_per_shard": samples_per_shard,
         "seed": seed,
+        "max_side": max_side,
+        "quality": quality if quality is not None else (DEFAULT_QUALITY if max_side is not None else None),
         "shards": entries,
+        "skipped": skipped,
     }
     (out / "index.json").write_text(json.dumps(meta, indent=1))
     return shards
 
 
-def _read_shard(path: Path, skipped: Optional[list] = None) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """Yield (key, {extension: bytes}) for consecutive members sharing a key.
+# ----------------------------------------------------------------------------- reading
 
-    A damaged shard (truncated, corrupt gzip, garbage) yields the samples before the damage,
-    then stops; the damage goes to ``skipped`` as (shard, reason).  A member declaring
-    more than ``MAX_MEMBER_BYTES`` is skipped unread, and so is its sample.
+
+def read_members(path: Path, skipped: Optional[list] = None) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """Yield (key, {extension: bytes}) for consecutive members sharing a key, each
+    member's bytes read once, in one sequential pass.
+
+    A damaged shard (truncated, corrupt gzip, garbage) yields the samples before the
+    damage, then stops with a warning; the damage goes to ``skipped`` as (shard, reason).
+    A member declaring more than ``MAX_MEMBER_BYTES`` is skipped unread, and so is its sample.
     """
     try:
-        yield from _read_members(path)
+        yield from _members(Path(path))
     except TAR_ERRORS as e:
-        if skipped is None:
-            raise DataError(f"{path}: not a readable tar shard (truncated or corrupt?): {type(e).__name__}: {e}") from e
-        skipped.append((path.name, f"unreadable from here on (truncated or corrupt?): {type(e).__name__}: {e}"))
+        reason = f"unreadable from here on (truncated or corrupt?): {type(e).__name__}: {e}"
+        log.warning("%s: %s", path, reason)
+        if skipped is not None:
+            skipped.append((Path(path).name, reason))
 
 
-def _read_members(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
+def _members(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
     key, fields = None, {}
     with tarfile.open(path, "r|*") as tar:  # streaming mode: one sequential read
         for member in tar:
@@ -150,7 +245,25 @@ def _read_members(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
         yield key, fields
 
 
-def _split_sample(fields: dict[str, bytes]) -> tuple[Optional[bytes], str]:
+def sample_label(fields: dict[str, bytes]):
+    """An int, or a tuple of ints for a multi-label sample (JFT-style: ``.cls`` "3,17" or
+    ``.json`` {"labels": [3, 17]})."""
+    if "cls" in fields:
+        text = fields["cls"].decode().strip()
+        return tuple(int(v) for v in text.split(",")) if "," in text else int(text)
+    if "json" in fields:
+        meta = json.loads(fields["json"])
+        if isinstance(meta.get("labels"), list):
+            return tuple(int(v) for v in meta["labels"])
+        for key in ("label", "cls", "class"):
+            if key in meta:
+                return int(meta[key])
+        raise ValueError(f"the .json has no label field (expected one of label, labels, cls, class): {sorted(meta)}")
+    raise KeyError("no .cls or .json member")
+
+
+def sample_image(fields: dict[str, bytes]) -> tuple[Optional[bytes], str]:
+    """(the encoded image, "") of a sample, or (None, why it has none usable)."""
     if OVERSIZED in fields:
         return None, f"a member declares {fields[OVERSIZED].decode()} bytes, more than {MAX_MEMBER_BYTES} (a tar bomb?)"
     images = [v for k, v in fields.items() if f".{k}" in IMAGE_EXTENSIONS]
@@ -159,164 +272,59 @@ def _split_sample(fields: dict[str, bytes]) -> tuple[Optional[bytes], str]:
     return images[0], ""
 
 
-class ShardStream(IterableDataset):
-    """Samples from tar shards: (uint8 (3, H, W) tensor, int label).
-
-    shards:         a folder of ``shard-*.tar`` (with ``index.json`` from ``pack_shards``)
-                    or an explicit list of shard paths.
-    shuffle_buffer: samples held for shuffling within a worker (0 = read in order and
-                    keep the shard order too).
-    seed:           with ``set_epoch``, fixes the shard order and the buffer shuffle.
-    image_size:     int or (H, W): resize every image (bilinear, PIL) so batches stack.
-    rank, world_size: default to torch.distributed's when initialised, else 0 and 1.
-
-    Corrupt samples are skipped and listed in ``skipped`` as (shard:key, reason) in the
-    process that read them, with one warning per shard that had any.
-    """
-
-    def __init__(
-        self,
-        shards: Union[PathLike, Sequence[PathLike]],
-        *,
-        shuffle_buffer: int = 1000,
-        seed: int = 0,
-        image_size: Union[int, tuple[int, int], None] = None,
-        rank: Optional[int] = None,
-        world_size: Optional[int] = None,
-    ) -> None:
-        self.classes: Optional[list[str]] = None
-        self.num_samples: Optional[int] = None
-        if isinstance(shards, (str, os.PathLike)):
-            folder = Path(shards)
-            paths = sorted(folder.glob("shard-*.tar"))
-            meta_path = folder / "index.json"
-            if meta_path.is_file():
-                try:
-                    meta = json.loads(meta_path.read_text())
-                    self.classes, self.num_samples = list(meta["classes"]), int(meta["num_samples"])
-                except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
-                    raise DataError(f"{meta_path}: not an index written by pack_shards (needs 'classes' and "
-                                    f"'num_samples'): {type(e).__name__}: {e}") from e
-        else:
-            paths = [Path(p) for p in shards]
-        if not paths:
-            raise DataError(f"{shards}: no shards found (expected shard-*.tar files)")
-        self.shards = paths
-        self.shuffle_buffer = shuffle_buffer
-        self.seed = seed
-        self.image_size = None if image_size is None else to_pair(image_size, "image_size")
-        if rank is None or world_size is None:
-            distributed = dist.is_available() and dist.is_initialized()
-            rank = dist.get_rank() if distributed else 0
-            world_size = dist.get_world_size() if distributed else 1
-        self.rank, self.world_size = rank, world_size
-        self.epoch = 0
-        self.skipped: list[tuple[str, str]] = []
-
-    def set_epoch(self, epoch: int) -> None:
-        """Reshuffle shards and samples for ``epoch`` (call before creating the iterator)."""
-        self.epoch = int(epoch)
-
-    def my_shards(self) -> list[Path]:
-        """The shards this (rank, worker) reads in the current epoch."""
-        info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        order = list(self.shards)
-        if self.shuffle_buffer > 0:
-            rng = np.random.Generator(np.random.PCG64(derive_seed(self.seed, self.epoch)))
-            order = [order[i] for i in rng.permutation(len(order))]  # identical on every rank
-        total = self.world_size * num_workers
-        if len(order) < total:
-            log.warning("%d shards for %d readers (ranks x workers): some will idle", len(order), total)
-        return order[self.rank * num_workers + worker :: total]
-
-    def _samples(self, shards: list[Path]) -> Iterator[tuple[str, bytes, int]]:
-        for shard in shards:
-            skipped_before = len(self.skipped)
-            for key, fields in _read_shard(shard, self.skipped):
-                image, reason = _split_sample(fields)
-                try:
-                    label = int(fields["cls"].decode().strip())
-                except (KeyError, ValueError, UnicodeDecodeError) as e:
-                    image, reason = None, f"bad or missing .cls: {type(e).__name__}: {e}"
-                if image is None:
-                    self.skipped.append((f"{shard.name}:{key}", reason))
-                    continue
-                yield f"{shard.name}:{key}", image, label
-            self._warn_skipped(shard, skipped_before)
-
-    def _warn_skipped(self, shard: Path, before: int) -> None:
-        new = self.skipped[before:]
-        if new:
-            log.warning("%s: skipped %d corrupt sample(s) (first: %s: %s)", shard, len(new), *new[0])
-
-    def __iter__(self) -> Iterator[Sample]:
-        info = get_worker_info()
-        worker = info.id if info is not None else 0
-        rng = np.random.Generator(np.random.PCG64(derive_seed(self.seed, self.epoch, self.rank, worker + 1)))
-        samples = self._samples(self.my_shards())
-        if self.shuffle_buffer > 0:
-            samples = _shuffle(samples, self.shuffle_buffer, rng)
-        for name, data, label in samples:
-            # Decoding after the buffer keeps it holding compressed bytes, not pixels.
-            try:
-                array = decode_image(io.BytesIO(data), self.image_size)
-            except DataError as e:
-                self.skipped.append((name, str(e)))
-                log.warning("%s: skipped corrupt image (%s); %d skipped so far", name, e, len(self.skipped))
-                continue
-            yield torch.from_numpy(array).permute(2, 0, 1).contiguous(), label
-
-
-def _shuffle(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
-    """Shuffle a stream with a buffer of ``size``: each output is a random buffered item."""
-    buffer: list = []
-    for item in items:
-        if len(buffer) < size:
-            buffer.append(item)
-            continue
-        i = int(rng.integers(size))
-        yield buffer[i]
-        buffer[i] = item
-    rng.shuffle(buffer)
-    yield from buffer
-
-
-class FolderStream(Dataset):
-    """Map-style data set over an ``ImageFolderIndex``, decoded on demand by DataLoader workers.
-
-    ``dataset[i]`` is (uint8 (3, H, W) tensor, label), or None when the image cannot be
-    decoded (logged with its path); ``collate_samples`` drops the Nones.
-    """
-
-    def __init__(self, index: ImageFolderIndex, image_size: Union[int, tuple[int, int], None] = None) -> None:
-        self.index = index
-        self.image_size = None if image_size is None else to_pair(image_size, "image_size")
-
-    @classmethod
-    def from_path(cls, path: PathLike, image_size: Union[int, tuple[int, int], None] = None,
-                  cache_dir: Optional[PathLike] = None) -> "FolderStream":
-        """Scan a folder (or extract an archive once, see ``resolve_data_path``) and wrap it."""
-        return cls(scan_image_folder(resolve_data_path(path, cache_dir)), image_size)
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def __getitem__(self, i: int) -> Optional[Sample]:
-        path = self.index.paths[i]
+def read_shard(path: PathLike, skipped: Optional[list] = None) -> Iterator[tuple[str, bytes, object]]:
+    """(shard:key, image bytes, label) of one shard; unusable samples and damage are
+    logged, left out and appended to ``skipped`` as (name, reason)."""
+    name = Path(path).name
+    for key, fields in read_members(Path(path), skipped):
+        image, reason = sample_image(fields)
         try:
-            array = decode_image(path, self.image_size)
-        except DataError as e:
-            log.warning("skipped unreadable image: %s", e)
-            return None
-        return torch.from_numpy(array).permute(2, 0, 1).contiguous(), int(self.index.labels[i])
+            label = sample_label(fields)
+        except (KeyError, ValueError, UnicodeDecodeError) as e:
+            image, reason = None, f"bad or missing label: {type(e).__name__}: {e}"
+        if image is None:
+            log.warning("%s:%s: skipped (%s)", name, key, reason)
+            if skipped is not None:
+                skipped.append((f"{name}:{key}", reason))
+            continue
+        yield f"{name}:{key}", image, label
 
 
-def collate_samples(samples: Sequence[Optional[Sample]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack samples into (uint8 (B, 3, H, W), int64 (B,)), dropping None (unreadable) ones."""
-    kept = [s for s in samples if s is not None]
-    if not kept:
-        return torch.empty(0, 3, 0, 0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64)
-    images = torch.stack([s[0] for s in kept])
-    labels = torch.tensor([s[1] for s in kept], dtype=torch.int64)
-    return images, labels
+def count_samples(path: Path) -> int:
+    """Samples in a shard, from its member headers (tarfile seeks over the data)."""
+    try:
+        with tarfile.open(path, "r:") as tar:
+            return len({m.name.rsplit("/", 1)[-1].partition(".")[0] + m.name.rpartition("/")[0]
+                        for m in tar.getmembers() if m.isfile() and not m.name.endswith((".cls", ".json"))})
+    except TAR_ERRORS as e:
+        raise DataError(f"{path}: not a readable tar shard (truncated or corrupt?): {type(e).__name__}: {e}") from e
+
+
+def shard_source(source: str, paths: Sequence[Path]) -> StreamSource:
+    """The shard set ``paths`` (named ``source`` in messages): one unit per shard.  Class
+    names and sample counts come from ``index.json`` (``pack_shards``), else the class
+    names from ``classes.txt`` (one a line) or ``classes.json`` beside the shards and the
+    counts from the shards' headers."""
+    paths = [Path(p) for p in paths]
+    folder = paths[0].parent
+    index, classes_txt, classes_json = folder / "index.json", folder / "classes.txt", folder / "classes.json"
+    counts: dict = {}
+    if index.is_file():
+        try:
+            meta = json.loads(index.read_text())
+            classes = list(meta["classes"])
+            counts = {e["name"]: int(e["num_samples"]) for e in meta.get("shards", [])}
+            if not all(isinstance(c, str) for c in classes) or not isinstance(meta["num_samples"], int):
+                raise TypeError("classes must be names and num_samples a count")
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+            raise DataError(f"{index}: not an index written by pack_shards (needs 'classes' and 'num_samples'): "
+                            f"{type(e).__name__}: {e}") from e
+    elif classes_txt.is_file():
+        classes = [line.strip() for line in classes_txt.read_text().splitlines() if line.strip()]
+    elif classes_json.is_file():
+        classes = list(json.loads(classes_json.read_text()))
+    else:
+        raise DataError(f"{source}: no index.json, classes.txt or classes.json beside the shards in {folder}; "
+                        "write the class names, one a line in label order, into classes.txt")
+    sizes = [counts[p.name] if p.name in counts else count_samples(p) for p in paths]
+    return StreamSource(paths, read_shard, classes, sizes, name=source, key=files_key(paths, "shards"))

@@ -25,13 +25,15 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Iterator, Union
+from typing import Callable, Iterator, Sequence, Union
 
 import numpy as np
 
 __all__ = [
     "ArchiveLimits",
     "DataError",
+    "StreamSource",
+    "files_key",
     "ImageFolderIndex",
     "IMAGE_EXTENSIONS",
     "scan_image_folder",
@@ -140,6 +142,54 @@ class ImageFolderIndex:
     def counts(self) -> np.ndarray:
         """(num_classes,) int64 number of images per class."""
         return np.bincount(self.labels, minlength=len(self.classes))
+
+
+@dataclass(frozen=True)
+class StreamSource:
+    """A labelled set read unit by unit, never decoded as a whole: tar shards, the record
+    batches of a Hugging Face dataset, the row groups of parquet files, chunks of a folder.
+
+    units:      what one reader reads in one go; ``read(unit)`` yields (key, payload, label)
+                in a fixed order: ``payload`` the encoded image (bytes) or its path, ``label``
+                an int, or a tuple of ints for a multi-label sample.
+    unit_sizes: samples per unit (as stored; unreadable ones are left out when read).
+    classes:    class names in label order.
+    name:       the source as the user named it, for messages.
+    key:        a string that changes when the data changes: what a decoded copy is
+                cached under ("": not cached).
+    """
+
+    units: list
+    read: Callable[[object], Iterator[tuple[str, object, object]]]
+    classes: list[str]
+    unit_sizes: list[int]
+    name: str = ""
+    key: str = ""
+
+    @property
+    def num_samples(self) -> int:
+        return int(sum(self.unit_sizes))
+
+    def samples(self) -> Iterator[tuple[str, object, object]]:
+        """Every (key, payload, label), unit after unit in stored order."""
+        for unit in self.units:
+            yield from self.read(unit)
+
+    def subset(self, indices: Sequence[int], part: str) -> "StreamSource":
+        """The units at ``indices`` (in that order) as a source of their own, named ``part``."""
+        indices = [int(i) for i in indices]
+        return StreamSource([self.units[i] for i in indices], self.read, self.classes,
+                            [self.unit_sizes[i] for i in indices], name=f"{self.name} ({part})",
+                            key=self.key and f"{self.key}-{_short_hash(part + ':' + ','.join(map(str, indices)))}")
+
+
+def files_key(paths: Sequence[PathLike], name: str = "files") -> str:
+    """A short string that changes when any of ``paths`` changes (path, size, mtime)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        st = os.stat(path)
+        digest.update(f"{Path(path).resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+    return f"{name}-{digest.hexdigest()[:16]}"
 
 
 def _is_image(name: str) -> bool:

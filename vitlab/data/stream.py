@@ -1,55 +1,67 @@
-"""Training data of any size, streamed to one process or many: shards and large folders.
+"""Training data of any size, streamed to one process or many: the one streaming stack.
 
 Sources (``open_source``):
 
-* a folder of WebDataset-style tar shards: ``<key>.jpg``/``.jpeg``/``.png``/... + ``<key>.cls``
-  (ASCII label; "3,17" for several) or ``<key>.json`` (``{"label": 3}``; ``{"labels": [3, 17]}``:
-  multi-hot targets for the sigmoid cross-entropy of JFT-style pre-training), what ``vitlab pack-shards`` writes
-  (its ``index.json`` gives the class names and sample count) and what other tools write
-  (then ``classes.txt``, one class name a line, or ``classes.json`` beside the shards);
-* a brace pattern ``shards/{000000..000099}.tar`` or a glob ``shards/*.tar``;
+* tar shards (``vitlab.data.shards``): a folder of them, a brace pattern
+  ``shards/{000000..000099}.tar`` or a glob ``shards/*.tar``;
+* a Hugging Face ``datasets`` folder written by ``save_to_disk``, or parquet files of
+  image bytes (a file, a folder of them, a pattern or a glob): ``vitlab.data.hub``;
 * an ImageFolder (folder or archive of one) read image by image from disk.
 
-Every source is a list of *units* (a shard; a chunk of the folder's images) that a
-reader reads in order.  Epoch ``e`` deals the units, shuffled by (seed, e) identically
-on every rank, to the ``world_size * workers`` readers with a stride, so each unit, and
-so each sample, is read by exactly one DataLoader worker of one rank per epoch.  Within
-a reader the samples pass through a shuffle buffer seeded by (seed, e, reader).
+Every source is a list of *units* (a shard, a record batch, a row group, a chunk of a
+folder's images) that a reader reads in order.  Epoch ``e`` deals the units, shuffled
+by (seed, e) identically on every rank, to the ``world_size * workers`` readers with a
+stride, so each unit, and so each sample, is read by exactly one DataLoader worker of
+one rank per epoch.  Within a reader the samples pass through a shuffle buffer (of
+encoded bytes) seeded by (seed, e, reader).  ``hold_out`` sets a seeded share of the
+units aside as a validation set.
 
-A reader's sample sequence is therefore a pure function of (seed, epoch, reader), and
-each reader runs epoch after epoch without end.  Every batch part carries its reader and how
-many samples of which epoch that reader has handed out; ``StreamLoader.state_dict()``
-keeps these counts for the batches the trainer actually took.  Resuming skips exactly
-that many samples in each reader (their bytes are read, not decoded): sample-exact, with
-the same world size and worker count (anything else is refused).
+Each DataLoader worker is one reader.  It decodes each image straight to its crop at the
+training size (``decode.decode_crop``: the inception crop, or a resize; JPEGs at reduced
+DCT scale where that still covers the output) and hands over uint8 parts of a batch.
+The per-pixel rest of the augmentation (flip, pad-and-crop, RandAugment, scaling to
+[-1, 1], erasing, mixup/CutMix) runs in the training process, batched, on the training
+device, with the same code as the in-memory path (``transforms``), on each reader's part
+with the part's own seeded generator.  On CUDA the parts arrive in pinned memory, are
+copied without blocking and augmented on a side stream one batch ahead, so the next
+batch is on the device while the step runs.
 
-Decoding (resized to the training size) and augmentation run in the workers.
+A reader's sample sequence is a pure function of (seed, epoch, reader), and each reader
+runs epoch after epoch without end.  Every batch part carries its reader and how many
+samples of which epoch that reader has handed out; ``StreamLoader.state_dict()`` keeps
+these counts for the batches the trainer actually took.  Resuming skips exactly that
+many samples in each reader (their bytes are read, not decoded): sample-exact, with the
+same world size and worker count (anything else is refused).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import itertools
-import json
 import logging
 import re
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Union
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from vitlab.data.loader import derive_seed
-from vitlab.data.sources import DataError
+from vitlab.config import to_pair
+from vitlab.data.decode import SampleCrop, decode_crops
+from vitlab.data.loader import DeviceStage, derive_seed, one_ahead
+from vitlab.data.sources import DataError, StreamSource
+from vitlab.data.transforms import TrainTransform, build_transform
 
-__all__ = ["expand_braces", "is_stream_source", "open_source", "StreamSource", "StreamDataset", "StreamLoader"]
+__all__ = ["expand_braces", "hold_out", "is_stream_source", "open_source", "StreamSource", "StreamDataset",
+           "StreamLoader"]
 
 log = logging.getLogger(__name__)
 
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+FOLDER_CHUNK = 256  # images per unit of a streamed folder
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -65,114 +77,63 @@ def expand_braces(pattern: str) -> list[str]:
     return [p for i in range(int(lo), int(hi) + 1) for p in expand_braces(f"{head}{i:0{width}d}{tail}")]
 
 
-def _shard_list(source: str) -> Optional[list[Path]]:
-    """The shard paths ``source`` names, or None when it is no shard source."""
+def _named_files(source: str) -> Optional[list[Path]]:
+    """The files a brace pattern or a glob names (None for a plain path)."""
     if _BRACE.search(source):
         paths = [Path(p) for p in expand_braces(source)]
         missing = [str(p) for p in paths if not p.is_file()]
         if missing:
-            raise DataError(f"{source}: {len(missing)} of {len(paths)} shards missing (first: {missing[0]})")
+            raise DataError(f"{source}: {len(missing)} of {len(paths)} files missing (first: {missing[0]})")
         return paths
     if any(c in source for c in "*?["):
         paths = sorted(Path(p) for p in glob.glob(source))
         if not paths:
             raise DataError(f"{source}: the pattern matches no file")
         return paths
-    folder = Path(source)
-    if folder.is_dir():
-        tars = sorted(folder.glob("*.tar"))
-        if tars and not any(p.is_dir() for p in folder.iterdir()):
-            return tars
+    return None
+
+
+def _streamed_kind(source: str) -> Optional[tuple[str, list[Path]]]:
+    """("shards" | "parquet" | "hf", paths) for a source that streams, None for others
+    (an ImageFolder or an archive of one)."""
+    from vitlab.data.hub import is_hf_dataset
+
+    named = _named_files(source)
+    if named is not None:
+        kinds = {"parquet" if p.suffix == ".parquet" else "shards" for p in named}
+        if len(kinds) > 1:
+            raise DataError(f"{source}: names both parquet files and tar shards; name one kind")
+        return kinds.pop(), named
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".parquet":
+        return "parquet", [path]
+    if not path.is_dir():
+        return None
+    if is_hf_dataset(path):
+        return "hf", [path]
+    children = list(path.iterdir())
+    if any(p.is_dir() for p in children):
+        return None
+    for kind, suffix in (("shards", ".tar"), ("parquet", ".parquet")):
+        files = sorted(p for p in children if p.suffix == suffix)
+        if files:
+            return kind, files
     return None
 
 
 def is_stream_source(source: Optional[str]) -> bool:
-    """Whether ``source`` is a shard set (folder of .tar shards, brace pattern or glob)."""
-    return isinstance(source, str) and _shard_list(source) is not None
+    """Whether ``source`` is a set stored to be streamed: tar shards, parquet files or a
+    ``save_to_disk`` folder (a folder, a brace pattern or a glob)."""
+    return isinstance(source, str) and _streamed_kind(source) is not None
 
 
 # ----------------------------------------------------------------------------- sources
 
 
-@dataclass
-class StreamSource:
-    """units: what readers read; read(unit) yields (key, payload, label); payload is bytes or a path."""
-
-    units: list
-    read: Callable[[object], Iterator[tuple[str, object, int]]]
-    classes: list[str]
-    num_samples: int
-    name: str = ""
-    skipped: list = field(default_factory=list)
-
-
-def _shard_label(fields: dict[str, bytes]):
-    """An int, or a tuple of ints for a multi-label sample (JFT-style: ``.cls`` "3,17" or
-    ``.json`` {"labels": [3, 17]})."""
-    if "cls" in fields:
-        text = fields["cls"].decode().strip()
-        return tuple(int(v) for v in text.split(",")) if "," in text else int(text)
-    if "json" in fields:
-        meta = json.loads(fields["json"])
-        if isinstance(meta.get("labels"), list):
-            return tuple(int(v) for v in meta["labels"])
-        for key in ("label", "cls", "class"):
-            if key in meta:
-                return int(meta[key])
-        raise ValueError(f"the .json has no label field (expected one of label, labels, cls, class): {sorted(meta)}")
-    raise KeyError("no .cls or .json member")
-
-
-def read_shard(path: Path) -> Iterator[tuple[str, bytes, int]]:
-    """(shard:key, image bytes, label) of one shard; unusable samples are logged and left out."""
-    from vitlab.data.shards import _read_shard, _split_sample
-
-    for key, fields in _read_shard(Path(path)):
-        image, reason = _split_sample(fields)
-        try:
-            label = _shard_label(fields)
-        except (KeyError, ValueError, UnicodeDecodeError) as e:
-            image, reason = None, f"bad or missing label: {type(e).__name__}: {e}"
-        if image is None:
-            log.warning("%s:%s: skipped (%s)", Path(path).name, key, reason)
-            continue
-        yield f"{Path(path).name}:{key}", image, label
-
-
-def _count_samples(paths: Sequence[Path]) -> int:
-    import tarfile
-
-    keys = 0
-    for p in paths:
-        with tarfile.open(p, "r:") as tar:  # headers only: tarfile seeks over the data
-            keys += len({m.name.rsplit("/", 1)[-1].partition(".")[0] + m.name.rpartition("/")[0]
-                         for m in tar.getmembers() if m.isfile() and not m.name.endswith((".cls", ".json"))})
-    return keys
-
-
-def shard_source(source: str, paths: list[Path]) -> StreamSource:
-    folder = paths[0].parent
-    index, classes_txt, classes_json = folder / "index.json", folder / "classes.txt", folder / "classes.json"
-    num_samples = None
-    if index.is_file():
-        meta = json.loads(index.read_text())
-        classes = list(meta["classes"])
-        counts = {e["name"]: e["num_samples"] for e in meta.get("shards", [])}
-        if all(p.name in counts for p in paths):
-            num_samples = sum(counts[p.name] for p in paths)
-    elif classes_txt.is_file():
-        classes = [line.strip() for line in classes_txt.read_text().splitlines() if line.strip()]
-    elif classes_json.is_file():
-        classes = list(json.loads(classes_json.read_text()))
-    else:
-        raise DataError(f"{source}: no index.json, classes.txt or classes.json beside the shards in {folder}; "
-                        "write the class names, one a line in label order, into classes.txt")
-    if num_samples is None:
-        num_samples = _count_samples(paths)
-    return StreamSource(list(paths), read_shard, classes, num_samples, name=source)
-
-
-FOLDER_CHUNK = 256  # images per unit of a streamed folder
+def _read_folder_chunk(unit: tuple[int, int], paths: list[str], labels: np.ndarray,
+                       order: np.ndarray) -> Iterator[tuple[str, object, int]]:
+    for i in order[unit[0] : unit[1]]:
+        yield str(paths[i]), str(paths[i]), int(labels[i])
 
 
 @functools.lru_cache(maxsize=4)
@@ -183,40 +144,103 @@ def scan_folder(source: str, cache_dir=None):
     return scan_image_folder(resolve_data_path(source, cache_dir))
 
 
-def folder_source(source: str, cache_dir=None, seed: int = 0) -> StreamSource:
-    """An ImageFolder read from disk: chunks of ``FOLDER_CHUNK`` images of a seeded permutation."""
+def folder_source(source: str, cache_dir=None) -> StreamSource:
+    """An ImageFolder read from disk: chunks of ``FOLDER_CHUNK`` images of a fixed permutation
+    (the same for every run, so that a held-out share of chunks is a function of its seed
+    alone; each epoch shuffles the chunks and the images within reach of the buffer)."""
     index = scan_folder(source, cache_dir)
-    order = np.random.Generator(np.random.PCG64(seed)).permutation(len(index))
-    paths, labels = list(index.paths), np.asarray(index.labels)
+    order = np.random.Generator(np.random.PCG64(0)).permutation(len(index))
     units = [(s, min(s + FOLDER_CHUNK, len(order))) for s in range(0, len(order), FOLDER_CHUNK)]  # slices of order
-
-    def read(unit) -> Iterator[tuple[str, object, int]]:
-        for i in order[unit[0] : unit[1]]:
-            yield str(paths[i]), str(paths[i]), int(labels[i])
-
-    return StreamSource(units, read, list(index.classes), len(index), name=source)
+    read = functools.partial(_read_folder_chunk, paths=list(index.paths), labels=np.asarray(index.labels),
+                             order=order)
+    # no key: telling a changed folder apart takes a stat of every image, so a decoded part is not cached
+    return StreamSource(units, read, list(index.classes), [b - a for a, b in units], name=source)
 
 
-def open_source(source: str, cache_dir=None, seed: int = 0) -> StreamSource:
-    shards = _shard_list(source)
-    return shard_source(source, shards) if shards is not None else folder_source(source, cache_dir, seed)
+def open_source(source: str, cache_dir=None) -> StreamSource:
+    """The ``StreamSource`` of ``source`` (see the module doc for what it may be).
+
+    Raises:
+        DataError: nothing usable there, or a reader's package is missing (its extra named).
+    """
+    from vitlab.data.hub import arrow_source, parquet_source
+    from vitlab.data.shards import shard_source
+
+    kind = _streamed_kind(source)
+    if kind is None:
+        return folder_source(source, cache_dir)
+    name, paths = kind
+    if name == "shards":
+        return shard_source(source, paths)
+    if name == "parquet":
+        return parquet_source(paths, source)
+    return arrow_source(paths[0], source)
+
+
+def hold_out(source: StreamSource, share: float, seed: int) -> tuple[StreamSource, StreamSource]:
+    """(training part, held-out part) of ``source``: whole units, drawn in an order seeded
+    by ``seed`` until they hold ``share`` samples (a count >= 1) or that fraction of them.
+
+    Raises:
+        DataError: the share would take every unit, or leave none held out.
+    """
+    want = int(share) if share >= 1 else round(float(share) * source.num_samples)
+    order = np.random.Generator(np.random.PCG64(seed)).permutation(len(source.units))
+    taken, held = [], 0
+    for i in order:
+        if held >= want:
+            break
+        taken.append(int(i))
+        held += source.unit_sizes[i]
+    if want < 1 or len(taken) == len(source.units):
+        raise DataError(f"data.val_split={share}: {source.name} has {len(source.units)} unit(s) of "
+                        f"{source.num_samples} samples; a held-out share of {want} samples would leave "
+                        f"{'nothing to train on' if want >= 1 else 'no validation set'} (a streamed set holds out "
+                        "whole shards: pack smaller ones, or name a validation set with --val-data)")
+    kept = sorted(set(range(len(source.units))) - set(taken))
+    return source.subset(kept, "training"), source.subset(sorted(taken), f"held out, seed {seed}")
 
 
 # ----------------------------------------------------------------------------- the reader
 
 
-class StreamDataset(IterableDataset):
-    """Endless batches of one rank: each DataLoader worker is one reader (see the module doc).
+def reader_crop(augment: Optional[TrainTransform], image_size=None, draft: bool = True) -> SampleCrop:
+    """What each reader makes of an image: the inception crop, else a resize to the size."""
+    size = (augment.image_size if augment is not None else None) or image_size
+    if size is None:
+        raise DataError("a streamed set needs an image size: its images are stacked into batches")
+    if augment is not None and augment.crop == "inception":
+        return SampleCrop(to_pair(size, "image_size"), "inception", augment.crop_scale, augment.crop_ratio, draft)
+    return SampleCrop(to_pair(size, "image_size"), "resize", draft=draft)
 
-    Yields (images, targets, reader-local worker id, epoch, samples of that epoch handed
-    out so far); ``transform`` (a ``BatchTransform``) runs here, in the worker.
+
+def device_transform(augment: Optional[TrainTransform]):
+    """The batch transform left once the readers made the crops: ``augment`` without its
+    inception crop (a pad-and-crop stays: it is per-pixel work), or None."""
+    if augment is None:
+        return None
+    return build_transform(dataclasses.replace(augment, crop="none") if augment.crop == "inception" else augment)
+
+
+def part_sizes(batch_size: int, workers: int) -> list[int]:
+    """Each reader's share of a micro-batch: as equal as can be, the first ones larger."""
+    return [batch_size // workers + (w < batch_size % workers) for w in range(workers)]
+
+
+class StreamDataset(IterableDataset):
+    """Endless uint8 batch parts of one rank: each DataLoader worker is one reader (see the
+    module doc).
+
+    Yields (images (n, H, W, 3) uint8, labels (n,) int64 (a multi-label sample's first),
+    the multi-label samples' labels (a list) or None, example ids (n,), reader-local worker
+    id, epoch, samples of that epoch handed out so far).
     """
 
-    def __init__(self, source: StreamSource, batch_size: int, *, image_size, transform=None, seed: int = 0,
-                 shuffle_buffer: int = 1000, rank: int = 0, world_size: int = 1, workers: int = 1) -> None:
-        self.source, self.batch_size, self.transform = source, batch_size, transform
-        self.image_size, self.seed, self.shuffle_buffer = image_size, seed, shuffle_buffer
-        self.rank, self.world_size, self.workers = rank, world_size, max(1, workers)
+    def __init__(self, source: StreamSource, part_sizes: list[int], *, crop: SampleCrop, seed: int = 0,
+                 shuffle_buffer: int = 1000, rank: int = 0, world_size: int = 1) -> None:
+        self.source, self.part_sizes, self.crop = source, list(part_sizes), crop
+        self.seed, self.shuffle_buffer = seed, shuffle_buffer
+        self.rank, self.world_size, self.workers = rank, world_size, len(self.part_sizes)
         self.start: list[tuple[int, int]] = [(0, 0)] * self.workers  # (epoch, consumed) per worker
         self.first = 0  # the reader DataLoader worker 0 plays
 
@@ -228,19 +252,9 @@ class StreamDataset(IterableDataset):
         mine = [units[i] for i in order[rank * workers + worker :: readers]]
         samples = itertools.chain.from_iterable(self.source.read(u) for u in mine)
         if self.shuffle_buffer > 0:
-            from vitlab.data.shards import _shuffle
-
             rng = np.random.Generator(np.random.PCG64(derive_seed(self.seed, epoch, rank * workers + worker, 1)))
             samples = _shuffle(samples, self.shuffle_buffer, rng)
         return samples
-
-    def _decode(self, payload):
-        import io
-
-        from vitlab.data.memory import decode_image
-
-        data = io.BytesIO(payload) if isinstance(payload, bytes) else payload
-        return torch.from_numpy(decode_image(data, self.image_size)).permute(2, 0, 1)
 
     def __iter__(self):
         info = get_worker_info()
@@ -249,40 +263,78 @@ class StreamDataset(IterableDataset):
         worker = ((info.id if info is not None else 0) + self.first) % self.workers
         epoch, consumed = self.start[worker]
         reader = self.rank * self.workers + worker
-        images, labels, ids = [], [], []
+        size = self.part_sizes[worker]
+        part = _Part(size, self.crop.size, derive_seed(self.seed, epoch, consumed, reader, 5))
         while True:
             samples = itertools.islice(self.keys(epoch, self.rank, self.world_size, worker, self.workers),
                                        consumed, None)
-            any_sample = consumed > 0
-            for key, payload, label in samples:
-                any_sample = True
-                consumed += 1
-                try:
-                    images.append(self._decode(payload))
-                except Exception as e:  # noqa: BLE001 - PIL raises many types for bad data
-                    log.warning("%s: skipped unreadable image (%s: %s)", key, type(e).__name__, e)
-                    continue
-                labels.append(label)
-                ids.append(zlib.crc32(key.encode()))
-                if len(images) == self.batch_size:
-                    yield self._batch(images, labels, ids, worker, reader, epoch, consumed)
-                    images, labels, ids = [], [], []
+            any_sample, decoded = consumed > 0, consumed > 0
+            while True:
+                # the samples this part still needs, decoded together: their crops are drawn in one call
+                taken = list(itertools.islice(samples, part.missing()))
+                if not taken:
+                    break
+                any_sample, consumed = True, consumed + len(taken)
+                pixels = decode_crops([payload for _, payload, _ in taken], self.crop, part.generator)
+                for (key, _, label), image in zip(taken, pixels):
+                    if isinstance(image, DataError):
+                        log.warning("%s: skipped unreadable image (%s)", key, image)
+                        continue
+                    decoded = True
+                    part.add(image, label, key)
+                if part.full():
+                    yield part.handed_out(worker, epoch, consumed)
+                    part = _Part(size, self.crop.size, derive_seed(self.seed, epoch, consumed, reader, 5))
             if not any_sample:
                 raise DataError(f"{self.source.name}: reader {reader} (rank {self.rank}, worker {worker}) got no "
                                 f"samples in epoch {epoch}; use fewer workers or more shards")
+            if not decoded:
+                raise DataError(f"{self.source.name}: reader {reader} (rank {self.rank}, worker {worker}) could "
+                                f"decode none of its samples in epoch {epoch}")
             epoch, consumed = epoch + 1, 0
 
-    def _batch(self, images, labels, ids, worker, reader, epoch, consumed):
-        multi = any(isinstance(label, tuple) for label in labels)
-        first = [label[0] if isinstance(label, tuple) else label for label in labels]
-        x, y = torch.stack(images), torch.tensor(first, dtype=torch.int64)
-        if self.transform is not None:
-            generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, consumed, reader, 7))
-            x, y = self.transform(x, y, generator, example_ids=torch.tensor(ids, dtype=torch.int64),
-                                  epoch=epoch, seed=self.seed)
-            if multi:
-                y = multi_hot(labels, y)
-        return x, y, worker, epoch, consumed
+
+class _Part:
+    """One reader's part of a micro-batch, filled sample by sample; its crops are drawn
+    from a generator seeded where the part starts, so a resumed reader draws the same."""
+
+    def __init__(self, size: int, image_size: tuple[int, int], seed: int) -> None:
+        self.images = torch.empty((size, *image_size, 3), dtype=torch.uint8)  # what the DataLoader ships
+        self.pixels = self.images.numpy()
+        self.labels: list = []
+        self.ids: list[int] = []
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def add(self, pixels: np.ndarray, label, key: str) -> None:
+        self.pixels[len(self.labels)] = pixels
+        self.labels.append(label)
+        self.ids.append(zlib.crc32(key.encode("utf-8", "surrogateescape")))  # file names need not be UTF-8
+
+    def missing(self) -> int:
+        return self.images.shape[0] - len(self.labels)
+
+    def full(self) -> bool:
+        return self.missing() == 0
+
+    def handed_out(self, worker: int, epoch: int, consumed: int) -> tuple:
+        multi = self.labels if any(isinstance(label, tuple) for label in self.labels) else None
+        first = [label[0] if isinstance(label, tuple) else label for label in self.labels]
+        return (self.images, torch.tensor(first, dtype=torch.int64), multi, torch.tensor(self.ids, dtype=torch.int64),
+                worker, epoch, consumed)
+
+
+def _shuffle(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
+    """Shuffle a stream with a buffer of ``size``: each output is a random buffered item."""
+    buffer: list = []
+    for item in items:
+        if len(buffer) < size:
+            buffer.append(item)
+            continue
+        i = int(rng.integers(size))
+        yield buffer[i]
+        buffer[i] = item
+    rng.shuffle(buffer)
+    yield from buffer
 
 
 def multi_hot(labels: list, targets: torch.Tensor) -> torch.Tensor:
@@ -305,30 +357,38 @@ def _worker_init(_):
 class StreamLoader:
     """What the trainer iterates: endless (images, targets) micro-batches of this rank, resumable.
 
+    augment: the training augmentation (``TrainTransform``): its crop is made by the readers,
+             the rest runs here on ``device`` (``device_transform``).  None: the readers
+             resize to ``image_size`` and batches are (uint8 (B, 3, H, W), int64 labels).
     workers: DataLoader worker processes (each one reader); 0 reads in this process.  Each
-    worker makes ``batch_size / workers`` of every micro-batch (the count is lowered until
-    it divides), so a global batch is a function of the readers alone: two processes of
-    one worker each see the same global batches as one process of two workers.
+             makes its ``part_sizes`` share of every micro-batch, so a global batch is a
+             function of the readers alone: two processes of one worker each see the same
+             global batches as one process of two workers.  Fewer workers than asked only
+             where the units (shards) are too few for them, or the batch too small, and a
+             warning says so.
+    draft:   let readers decode JPEGs at reduced scale where that covers the output.
     """
 
-    def __init__(self, source: StreamSource, batch_size: int, *, image_size, transform=None, seed: int = 0,
-                 shuffle_buffer: int = 1000, rank: int = 0, world_size: int = 1, workers: int = 2,
-                 device=None) -> None:
+    def __init__(self, source: StreamSource, batch_size: int, *, augment: Optional[TrainTransform] = None,
+                 image_size=None, seed: int = 0, shuffle_buffer: int = 1000, rank: int = 0, world_size: int = 1,
+                 workers: int = 1, device: Union[str, torch.device, None] = None, draft: bool = True) -> None:
         units = len(source.units)
         if units < world_size:
             raise DataError(f"{source.name}: {units} shard(s) for {world_size} processes; every process needs "
                             "at least one (pack more, smaller shards)")
-        self.workers = max(0, min(workers, units // world_size))
-        while self.workers > 1 and batch_size % self.workers:  # each worker makes an equal part of a batch
-            self.workers -= 1
+        self.workers = max(0, min(workers, units // world_size, batch_size))
         if self.workers < workers:
-            log.warning("%s: %d units for %d processes, micro-batch %d: %d DataLoader worker(s) each instead of %d",
-                        source.name, units, world_size, batch_size, self.workers, workers)
-        self.dataset = StreamDataset(source, batch_size // max(1, self.workers), image_size=image_size,
-                                     transform=transform, seed=seed,
-                                     shuffle_buffer=shuffle_buffer, rank=rank, world_size=world_size,
-                                     workers=max(1, self.workers))
-        self.world_size, self.device = world_size, torch.device(device or "cpu")
+            readers = world_size * workers
+            log.warning("%s: %d unit(s) (shards) for %d process(es) x %d workers, micro-batch %d: %d DataLoader "
+                        "worker(s) per process instead of %d; to use them all, write at least %d shards (vitlab "
+                        "pack-shards --per-shard %d)", source.name, units, world_size, workers, batch_size,
+                        self.workers, workers, readers, max(1, source.num_samples // (4 * readers)))
+        readers_here = max(1, self.workers)
+        self.dataset = StreamDataset(source, part_sizes(batch_size, readers_here),
+                                     crop=reader_crop(augment, image_size, draft), seed=seed,
+                                     shuffle_buffer=shuffle_buffer, rank=rank, world_size=world_size)
+        self.transform = device_transform(augment)
+        self.seed, self.world_size, self.device = seed, world_size, torch.device(device or "cpu")
         self.positions: list[tuple[int, int]] = list(self.dataset.start)
         self.next_reader = 0  # whose batch comes next
 
@@ -346,31 +406,55 @@ class StreamLoader:
             dist.all_gather_object(nexts, self.next_reader)
         else:
             nexts = [self.next_reader]
-        return {"kind": "stream", "world_size": self.world_size, "workers": max(1, self.workers), "ranks": ranks,
+        return {"kind": "stream", "world_size": self.world_size, "workers": self.dataset.workers, "ranks": ranks,
                 "next_reader": nexts}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "stream":
             raise DataError("--resume: the checkpoint's data position is of an in-memory run, this run streams")
         layout = (state["world_size"], state["workers"])
-        if layout != (self.world_size, max(1, self.workers)):
+        if layout != (self.world_size, self.dataset.workers):
             raise DataError(f"--resume: the checkpoint streamed with world_size={layout[0]} x workers={layout[1]}; "
-                            f"this run has {self.world_size} x {max(1, self.workers)}; a sample-exact continuation "
+                            f"this run has {self.world_size} x {self.dataset.workers}; a sample-exact continuation "
                             "needs the same")
         self.positions = [tuple(p) for p in state["ranks"][self.dataset.rank]]
         self.next_reader = int(state["next_reader"][self.dataset.rank])
+
+    def _on_device(self, part: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """One reader's part, copied to the device and augmented there with its own generator."""
+        images, labels, multi, ids, worker, epoch, consumed = part
+        x = images.to(self.device, non_blocking=True).permute(0, 3, 1, 2).contiguous()  # (n, 3, H, W) uint8
+        y = labels.to(self.device, non_blocking=True)
+        if self.transform is None:
+            return x, y
+        reader = self.dataset.rank * self.dataset.workers + int(worker)
+        generator = torch.Generator(device=self.device).manual_seed(derive_seed(self.seed, epoch, consumed, reader, 7))
+        x, y = self.transform(x, y, generator, example_ids=ids.to(self.device), epoch=int(epoch), seed=self.seed)
+        return x, (multi_hot(multi, y) if multi is not None else y)
+
+    def _batches(self, parts: Iterator) -> Iterator[tuple]:
+        """(images, targets, the readers' positions after it, the reader next) per micro-batch:
+        one part from every worker of this rank, in turn."""
+        positions, next_reader = list(self.positions), self.next_reader
+        while True:
+            xs, ys = [], []
+            for _ in range(self.dataset.workers):
+                part = next(parts)
+                worker = int(part[4])
+                positions[worker] = (int(part[5]), int(part[6]))
+                next_reader = (worker + 1) % self.dataset.workers
+                x, y = self._on_device(part)
+                xs.append(x)
+                ys.append(y)
+            x, y = (torch.cat(xs), torch.cat(ys)) if len(xs) > 1 else (xs[0], ys[0])
+            yield x, y, list(positions), next_reader
 
     def __iter__(self):
         self.dataset.start, self.dataset.first = list(self.positions), self.next_reader
         loader = DataLoader(self.dataset, batch_size=None, num_workers=self.workers,
                             worker_init_fn=_worker_init if self.workers else None,
                             persistent_workers=False, pin_memory=self.device.type == "cuda")
-        parts = []
-        for x, y, worker, epoch, consumed in loader:
-            self.positions[worker] = (int(epoch), int(consumed))
-            self.next_reader = (int(worker) + 1) % self.dataset.workers
-            parts.append((x, y))
-            if len(parts) == self.dataset.workers:  # one part from every worker of this rank
-                x, y = (torch.cat(t) for t in zip(*parts)) if len(parts) > 1 else parts[0]
-                parts = []
-                yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        stage = DeviceStage(self.device)
+        for x, y, positions, next_reader in one_ahead(self._batches(iter(loader)), stage):
+            self.positions, self.next_reader = positions, next_reader  # what the trainer has taken
+            yield x, y

@@ -72,7 +72,9 @@ def _like(result: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
 
 def to_float(images: torch.Tensor) -> torch.Tensor:
     """uint8 (B, C, H, W) in [0, 255] -> float32 in [-1, 1] as x / 127.5 - 1 (vit_jax)."""
-    return images.to(torch.float32) / 127.5 - 1.0  # out of place: a float input stays untouched
+    if images.is_floating_point():
+        return images.to(torch.float32) / 127.5 - 1.0  # out of place: a float input stays untouched
+    return images.to(torch.float32).div_(127.5).sub_(1.0)  # the same arithmetic on the one new tensor
 
 
 def resize(images: torch.Tensor, size: Size, antialias: bool = False) -> torch.Tensor:
@@ -88,28 +90,32 @@ def resize(images: torch.Tensor, size: Size, antialias: bool = False) -> torch.T
     return _like(out, images)
 
 
-def _sample_boxes(
-    batch: int, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float],
+def sample_boxes(
+    batch: int, height, width, scale: tuple[float, float], ratio: tuple[float, float],
     generator: torch.Generator, attempts: int = 10,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-image boxes covering ``scale`` of the area with aspect ``ratio`` (w / h).
 
     Like torchvision's RandomResizedCrop sampling, all attempts drawn at once: area and
-    log-aspect uniform, the first attempt that fits inside the image wins.
+    log-aspect uniform, the first attempt that fits inside the image wins.  ``height`` and
+    ``width`` are ints (one size for the batch) or (B,) tensors (a size per image: the
+    streamed path samples each stored image's box in its own pixels).
 
-    Returns (x0, y0, w, h, found), each (B,) on the generator's device; ``found`` is
+    Returns (x0, y0, w, h, found), each (B,) float on the generator's device; ``found`` is
     False where no attempt fitted (those boxes are the whole image).
     """
     dev = generator.device
-    area = _uniform((batch, attempts), generator, dev, scale[0], scale[1]) * (height * width)
+    height = torch.as_tensor(height, dtype=torch.float32, device=dev).expand(batch)
+    width = torch.as_tensor(width, dtype=torch.float32, device=dev).expand(batch)
+    area = _uniform((batch, attempts), generator, dev, scale[0], scale[1]) * (height * width)[:, None]
     aspect = torch.exp(_uniform((batch, attempts), generator, dev, math.log(ratio[0]), math.log(ratio[1])))
     w = torch.sqrt(area * aspect).round()
     h = torch.sqrt(area / aspect).round()
-    fits = (w >= 1) & (h >= 1) & (w <= width) & (h <= height)
+    fits = (w >= 1) & (h >= 1) & (w <= width[:, None]) & (h <= height[:, None])
     first = fits.int().argmax(dim=1, keepdim=True)  # index of the first attempt that fits
     found = fits.any(dim=1)
-    w = torch.where(found, w.gather(1, first).squeeze(1), torch.tensor(float(width), device=dev))
-    h = torch.where(found, h.gather(1, first).squeeze(1), torch.tensor(float(height), device=dev))
+    w = torch.where(found, w.gather(1, first).squeeze(1), width)
+    h = torch.where(found, h.gather(1, first).squeeze(1), height)
     x0 = torch.floor(_uniform((batch,), generator, dev) * (width - w + 1))
     y0 = torch.floor(_uniform((batch,), generator, dev) * (height - h + 1))
     return x0, y0, w, h, found
@@ -134,7 +140,7 @@ def random_resized_crop(
     """
     out_h, out_w = to_pair(out_size, "out_size")
     b, c, height, width = images.shape
-    x0, y0, w, h, _ = _sample_boxes(b, height, width, scale, ratio, generator)
+    x0, y0, w, h, _ = sample_boxes(b, height, width, scale, ratio, generator)
     # Normalised coordinates (align_corners=False) run from -1 at the left edge of pixel 0
     # to +1 at the right edge of pixel W-1; the box [x0, x0 + w) maps onto [-1, 1].
     theta = torch.zeros(b, 2, 3, device=generator.device)
@@ -281,7 +287,7 @@ def random_erasing(
             with that constant.
     """
     b, c, h, w = images.shape
-    x0, y0, bw, bh, found = (t.to(images.device) for t in _sample_boxes(b, h, w, scale, ratio, generator))
+    x0, y0, bw, bh, found = (t.to(images.device) for t in sample_boxes(b, h, w, scale, ratio, generator))
     erase = found & (_uniform((b,), generator, images.device) < prob)
     ys = torch.arange(h, device=images.device).view(1, h, 1)
     xs = torch.arange(w, device=images.device).view(1, 1, w)

@@ -239,7 +239,15 @@ def finished_run(cfg) -> dict | None:
             return None
     except (OSError, ValueError, KeyError, TypeError, ConfigError):
         return None
-    return summary if as_json(saved) == as_json(cfg) else None
+    return summary if same_values(as_json(cfg), as_json(saved)) else None
+
+
+def same_values(asked, saved) -> bool:
+    """Whether a saved config holds the values asked; one asked as "auto" matches the value
+    the run resolved it to (``config.json`` states the resolved worker counts, for one)."""
+    if isinstance(asked, dict) and isinstance(saved, dict):
+        return asked.keys() == saved.keys() and all(same_values(asked[k], saved[k]) for k in asked)
+    return asked == saved or asked == "auto"
 
 
 def load_images(s: Settings, size: int | None = None):

@@ -15,10 +15,10 @@ from vitlab.fast.kernels import KernelChoice, cpu_class, cpu_info
 from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.features import check_tta_shift
 
-from .config import TrainConfig, check_can_run, model_config
+from .config import TrainConfig, check_can_run, model_config, replace
 from .distributed import World, init_world, wrap_model
 from .ema import EMA
-from .inputs import Splits, build_splits, stream_splits, streams
+from .inputs import Splits, build_splits, decode_workers, resolve_data, stream_splits
 from .memory import retain_freed_memory
 from .numerics import make_scaler
 from .optim import build_optimizer
@@ -39,6 +39,8 @@ class Resolved:
     data: str             # "memory" or "stream"
     compile: str          # "off", or torch.compile's mode
     cpu: str              # the CPU's model name and class (what the kernel rule read)
+    stream_workers: int = 0  # DataLoader workers per process reading a streamed training set
+    decode_workers: int = 0  # processes decoding a data set into memory
 
     def record(self) -> dict:
         record = dataclasses.asdict(self)
@@ -47,14 +49,16 @@ class Resolved:
 
     def line(self) -> str:
         kernels = self.kernels.describe() if self.kernels else "plain"
+        workers = (f"{self.stream_workers} stream workers" if self.data == "stream"
+                   else f"{self.decode_workers} decode workers")
         return (f"resolved: device {self.device}, precision {self.precision}, kernels {kernels}, "
-                f"threads {self.threads}, data {self.data}, compile {self.compile}, cpu {self.cpu}")
+                f"threads {self.threads}, data {self.data} ({workers}), compile {self.compile}, cpu {self.cpu}")
 
     @staticmethod
     def from_record(record: dict) -> "Resolved":
         fields = dict(record)
         fields["kernels"] = KernelChoice(**fields["kernels"]) if fields.get("kernels") else None
-        return Resolved(**{f.name: fields[f.name] for f in dataclasses.fields(Resolved)})
+        return Resolved(**{f.name: fields[f.name] for f in dataclasses.fields(Resolved) if f.name in fields})
 
 
 @dataclass
@@ -158,11 +162,25 @@ def whiten_from_data(model: nn.Module, splits, cfg: TrainConfig) -> None:
         raise ConfigError("model.patch_init='whiten': only a plain ViT's patch embedding reads image patches "
                           "(a hybrid's reads ResNet features); use 'lecun'")
     images = splits.train_images
-    if images is None:
-        raise ConfigError("model.patch_init='whiten' needs the training images in memory (data.stream='memory')")
+    if images is None:  # streamed: the images of whole units (shards) drawn by the seed
+        images = streamed_sample(splits.source, WHITEN_SAMPLE, cfg)
     generator = torch.Generator().manual_seed(cfg.run.seed)
     sample = torch.randperm(len(images), generator=generator)[:WHITEN_SAMPLE]
     whiten_patch_embedding_(vit.patch_embed, to_float(images[sample]).to(vit.patch_embed.weight.device))
+
+
+def streamed_sample(source, count: int, cfg: TrainConfig) -> torch.Tensor:
+    """uint8 images of whole units of a streamed ``source`` holding at least ``count`` samples
+    (all of it when smaller), drawn by the run's seed and decoded at the training size."""
+    from vitlab.data.memory import load_source_in_memory
+    from vitlab.data.sources import DataError
+    from vitlab.data.stream import hold_out
+
+    try:
+        _, source = hold_out(source, count, cfg.run.seed)
+    except DataError:  # it would take every unit
+        pass
+    return load_source_in_memory(source, training_size(cfg), cfg.data.cache_dir, decode_workers(cfg)).images
 
 
 def mimetic_init(model: nn.Module, seed: int) -> None:
@@ -235,9 +253,10 @@ def build(cfg: TrainConfig) -> Setup:
 
     img_size = training_size(cfg)
     check_tta_shift(cfg.run.final_eval_shift, img_size, "run.final_eval_shift")
-    streamed = streams(cfg, img_size)
+    cfg, data_values = resolve_data(cfg, img_size)  # the data's "auto" values, decided once for the run
+    streamed = cfg.data.stream == "stream"
     resolved = resolve(cfg, world, streamed)
-    splits = stream_splits(cfg) if streamed else build_splits(cfg, img_size)
+    splits = stream_splits(cfg, img_size, world) if streamed else build_splits(cfg, img_size, world)
     num_classes = len(splits.classes)
 
     model = build_model(cfg, num_classes).to(world.device)
@@ -265,17 +284,18 @@ def build(cfg: TrainConfig) -> Setup:
         raise ConfigError(f"optim.batch_size={batch}: the training split has only {splits.train_count()} "
                           f"examples, fewer than one micro-batch step of {batch // accum}")
     micro_batch = batch // (accum * world.size)
-    transform = build_transform(cfg.augment.transform(num_classes, img_size))
-    if streamed:
+    augment = cfg.augment.transform(num_classes, img_size)
+    if streamed:  # readers make the crops; the rest of the augmentation runs on the device, as in memory
         from vitlab.data.stream import StreamLoader
 
-        stream = StreamLoader(splits.source, micro_batch, image_size=img_size, transform=transform,
-                              seed=cfg.run.seed, shuffle_buffer=cfg.data.shuffle_buffer, rank=world.rank,
-                              world_size=world.size, workers=cfg.data.stream_workers, device=world.device)
+        stream = StreamLoader(splits.source, micro_batch, augment=augment, seed=cfg.run.seed,
+                              shuffle_buffer=cfg.data.shuffle_buffer, rank=world.rank, world_size=world.size,
+                              workers=cfg.data.stream_workers, device=world.device, draft=cfg.data.draft)
+        data_values["data.stream_workers"] = stream.workers  # fewer where the shards are too few (a warning says so)
     else:
         stream = BatchStream(
             splits.train_images, splits.train_labels, micro_batch, shuffle=True, seed=cfg.run.seed, drop_last=True,
-            transform=transform, device=world.device, rank=world.rank, world_size=world.size,
+            transform=build_transform(augment), device=world.device, rank=world.rank, world_size=world.size,
         )
     evaluator = final_evaluator = None
     if splits.val_labels is not None and cfg.model.mpp is None:  # MPP has no classifier to score
@@ -286,5 +306,8 @@ def build(cfg: TrainConfig) -> Setup:
 
         evaluator, final_evaluator = evaluator_with(0), evaluator_with(cfg.run.final_eval_shift)
     scaler = make_scaler(resolved.precision, world.device, cfg.run.loss_scale)
+    cfg = replace(cfg, data_values)  # config.json states the values the run used
+    resolved = dataclasses.replace(resolved, stream_workers=cfg.data.stream_workers,
+                                   decode_workers=cfg.data.decode_workers)
     return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, evaluator, final_evaluator, micro_batch,
                  tuple(img_size), resolved, scaler)

@@ -180,14 +180,21 @@ STREAM_MODES = ("auto", "memory", "stream")
 class DataConfig(Section):
     """Where the examples come from and how they are split.
 
-    source:      ImageFolder folder or .tar/.tar.gz, or a built-in source ("digits").
+    source:      ImageFolder folder or .tar/.tar.gz, a streamed set (tar shards: a folder,
+                 brace pattern or glob; a Hugging Face ``save_to_disk`` folder; parquet
+                 files), or a built-in source ("digits").
     val_split:   held-out validation examples: a count (>= 1) or a fraction (< 1) of
-                 the training set, class-stratified and fixed by ``split_seed``; 0: none.
-    split_seed:  seed of the stratified split (and, plus one, of ``train_examples``' sample).
+                 the training set, fixed by ``split_seed``; 0: none.  In memory the split is
+                 class-stratified; a streamed set holds out whole units (shards) drawn by
+                 ``split_seed`` until they hold that many examples.
+    val_data:    a separate validation set (any form ``source`` takes; decoded into memory
+                 at the evaluation size), instead of a held-out split (``val_split`` 0).
+    split_seed:  seed of the split (and, plus one, of ``train_examples``' sample).
     train_examples: use only this many examples of the data (class-stratified; 0 = all),
                  the VTAB-1k protocol's 1000; ``val_split`` is then taken out of them.
     class_subset: train on these class names only (labels renumbered in this order).
-    decode_workers: processes decoding the images into the in-memory cache.
+    decode_workers: processes decoding the images into the in-memory cache; "auto": every
+                 core of this process's share of the machine.
     cache_dir:   where decoded data sets are cached (None: ~/.cache/vitlab).
     progressive_sizes: progressive resizing: ``((size, until), ...)`` trains on images
                  resized (antialiased) to ``size`` pixels until the fraction ``until`` of
@@ -196,39 +203,54 @@ class DataConfig(Section):
                  image makes a cheaper step; evaluation stays at the full size.  The model
                  gets ``dynamic_img_size``.
     stream:      "memory" decodes the training set into RAM; "stream" reads it from disk in
-                 DataLoader workers (``vitlab.data.stream``: tar shards, brace patterns,
-                 large ImageFolders); "auto" streams shard sets, and folders whose decoded
-                 size would exceed ``memory_limit_gb``.
-    stream_workers: DataLoader worker processes per training process when streaming.
+                 DataLoader workers (``vitlab.data.stream``); "auto" streams the sets stored
+                 to be streamed (shards, Hugging Face datasets, parquet), and folders whose
+                 decoded size would exceed ``memory_limit_gb``.
+    stream_workers: DataLoader worker processes per training process when streaming;
+                 "auto": the cores per training process, less one (the training process's).
     shuffle_buffer: samples each streaming worker holds for shuffling (0: read in order).
     memory_limit_gb: the decoded size (N x 3 x H x W bytes) above which "auto" streams.
+    draft:       streaming readers decode a JPEG at 1/2, 1/4 or 1/8 scale when that still
+                 covers the crop's output (``vitlab.data.decode``); False: always full size.
     """
 
     prefix = "data"
     source: Optional[str] = None
     val_split: float = 0.0
+    val_data: Optional[str] = None
     split_seed: int = 0
     train_examples: int = 0
     class_subset: tuple = ()
-    decode_workers: int = 2
+    decode_workers: int | str = "auto"
     cache_dir: Optional[str] = None
     progressive_sizes: tuple = ()
     stream: str = "auto"
-    stream_workers: int = 2
+    stream_workers: int | str = "auto"
     shuffle_buffer: int = 1000
     memory_limit_gb: float = 8.0
+    draft: bool = True
 
     def __post_init__(self) -> None:
         self.check_bools()
         need_choice("data.stream", self.stream, STREAM_MODES)
-        for name in ("stream_workers", "shuffle_buffer"):
-            need_int(self.path(name), getattr(self, name), 0)
+        for name in ("stream_workers", "decode_workers"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.strip().isdigit():  # from the command line: --set data.x=3
+                object.__setattr__(self, name, int(value))
+            value = getattr(self, name)
+            need(value == "auto" or (is_int(value) and value >= 0), self.path(name), value,
+                 'expected "auto" or an integer >= 0')
+        need_int("data.shuffle_buffer", self.shuffle_buffer, 0)
         need(is_number(self.memory_limit_gb) and self.memory_limit_gb > 0, "data.memory_limit_gb",
              self.memory_limit_gb, "expected a positive number of GB")
-        need(self.source is None or isinstance(self.source, str), "data.source", self.source, "expected a path or None")
+        for name in ("source", "val_data"):
+            need(getattr(self, name) is None or isinstance(getattr(self, name), str), self.path(name),
+                 getattr(self, name), "expected a path or None")
         need_count_or_fraction("data.val_split", self.val_split,
                                "a count (integer >= 1), a fraction in (0, 1), or 0 for none")
-        for name in ("split_seed", "train_examples", "decode_workers"):
+        need(not (self.val_data and self.val_split), "data.val_data", self.val_data,
+             f"a validation set of its own, so data.val_split={self.val_split!r} must be 0 (one validation set)")
+        for name in ("split_seed", "train_examples"):
             need_int(self.path(name), getattr(self, name), 0)
         need(isinstance(self.class_subset, tuple) and all(isinstance(c, str) for c in self.class_subset),
              "data.class_subset", self.class_subset, "expected a tuple of class names")
@@ -679,8 +701,8 @@ def get(cfg: TrainConfig, name: str) -> Any:
 
 
 # the type of the fields whose default is None, shown by an example value
-OPTIONAL_TYPES = {"model.init": "", "model.img_size": 0, "data.source": "", "data.cache_dir": "",
-                  "optim.muon_adamw_lr": 0.0}
+OPTIONAL_TYPES = {"model.init": "", "model.img_size": 0, "data.source": "", "data.val_data": "",
+                  "data.cache_dir": "", "optim.muon_adamw_lr": 0.0}
 
 
 def parse_value(text: str, default: Any) -> Any:
@@ -847,9 +869,10 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
         if source is None:
             raise ConfigError("data.source=None: give a data path (--data PATH: an ImageFolder folder or "
                               f".tar/.tar.gz) or a built-in source ({', '.join(BUILTIN_DATA)})")
-        if source not in BUILTIN_DATA and not any(c in source for c in "{*?[") and \
-                not Path(source).expanduser().exists():
-            raise ConfigError(f"data.source={source!r}: no such file or folder")
+        for name, path in (("data.source", source), ("data.val_data", cfg.data.val_data)):
+            if path is not None and path not in BUILTIN_DATA and not any(c in path for c in "{*?[") and \
+                    not Path(path).expanduser().exists():
+                raise ConfigError(f"{name}={path!r}: no such file or folder")
     if cfg.model.init is not None and not Path(cfg.model.init).expanduser().exists():
         from vitlab.weights.hub import parse_hub_name
 

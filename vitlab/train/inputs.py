@@ -2,25 +2,35 @@
 
 Training reads batches from an in-memory uint8 tensor (``vitlab.data.BatchStream``),
 which suits the paper's transfer data sets (CIFAR, Pets, Flowers, VTAB-1k) and the
-small experiments here.  Data larger than memory (tar shards, brace patterns, large
-ImageFolders) is streamed instead: ``streams`` decides, ``stream_splits`` opens it and
-``vitlab.data.stream.StreamLoader`` reads it in DataLoader workers.
+small experiments here.  Data larger than memory (tar shards, Hugging Face datasets,
+parquet files, large ImageFolders) is streamed instead: ``streams`` decides,
+``stream_splits`` opens it (holding out whole shards for validation) and
+``vitlab.data.stream.StreamLoader`` reads it in DataLoader workers.  Validation sets are
+decoded into memory.  ``resolve_data`` decides the data's "auto" values once, for the run.
 """
 from __future__ import annotations
 
+import logging
+import os
+import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
 from vitlab.config import ConfigError, Pair
+from vitlab.data.sources import DataError
 from vitlab.data.splits import stratified_split
 
-from .config import TrainConfig
+from .config import TrainConfig, replace
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class Splits:
-    """Training and validation images (N, 3, H, W) uint8 with int64 labels."""
+    """Training and validation images (N, 3, H, W) uint8 with int64 labels (a streamed
+    training set: its source and size instead)."""
 
     train_images: torch.Tensor
     train_labels: torch.Tensor
@@ -40,16 +50,19 @@ class Splits:
 
 def load_dataset(cfg: TrainConfig, image_size: Pair):
     """The whole labelled set as an ``InMemoryDataset``, resized to ``image_size``."""
-    data = cfg.data
-    if data.source == "digits":
-        from vitlab.data.digits import load_digits_dataset
+    from vitlab.data.labelled import load_labelled
 
-        if image_size[0] != image_size[1]:
-            raise ConfigError(f"model.img_size={image_size}: the digits source makes square images only")
-        return load_digits_dataset(image_size[0])
-    from vitlab.data.memory import load_in_memory
+    try:
+        return load_labelled(cfg.data.source, image_size, cfg.data.cache_dir, decode_workers(cfg))
+    except DataError as err:
+        if cfg.data.source == "digits":  # the one failure that is the config's, not the data's
+            raise ConfigError(f"model.{err}") from None
+        raise
 
-    return load_in_memory(data.source, image_size=image_size, cache_dir=data.cache_dir, workers=data.decode_workers)
+
+def decode_workers(cfg: TrainConfig) -> int | None:
+    """``data.decode_workers`` as ``load_in_memory`` takes it (None: every usable core)."""
+    return None if cfg.data.decode_workers == "auto" else cfg.data.decode_workers
 
 
 def select_classes(images: torch.Tensor, labels: torch.Tensor, classes: list[str], keep: tuple[str, ...]):
@@ -65,7 +78,9 @@ def select_classes(images: torch.Tensor, labels: torch.Tensor, classes: list[str
     return images[mask], remap[labels[mask]], list(keep)
 
 
-def build_splits(cfg: TrainConfig, image_size: Pair) -> Splits:
+def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
+    """The training set decoded into memory, and its validation set: a held-out split of
+    it or ``data.val_data``."""
     dataset, data = load_dataset(cfg, image_size), cfg.data
     images, labels, classes = dataset.images, dataset.labels, list(dataset.classes)
     ids = torch.arange(len(labels))
@@ -82,40 +97,123 @@ def build_splits(cfg: TrainConfig, image_size: Pair) -> Splits:
         train_idx, val_idx = stratified_split(labels, val_size, data.split_seed)
         val_images, val_labels = images[val_idx], labels[val_idx]
         images, labels, ids = images[train_idx], labels[train_idx], ids[train_idx]
+    if data.val_data:
+        val_images, val_labels = load_val_data(cfg, image_size, classes, world)
     return Splits(images, labels, val_images, val_labels, classes, len(dataset.skipped), train_ids=ids)
 
 
 def streams(cfg: TrainConfig, image_size: Pair) -> bool:
-    """Whether the run streams its training set (``data.stream``; "auto": shard sets, and
-    folders whose decoded size exceeds ``data.memory_limit_gb``)."""
-    from vitlab.data.stream import is_stream_source
+    """Whether the run streams its training set (``data.stream``; "auto": sets stored to be
+    streamed, and folders whose decoded size exceeds ``data.memory_limit_gb``)."""
+    from vitlab.data.stream import is_stream_source, scan_folder
 
     data = cfg.data
     if data.source == "digits":
         if data.stream == "stream":
             raise ConfigError("data.stream='stream': the built-in digits source is in memory only; use 'auto'")
         return False
-    shards = is_stream_source(data.source)
-    if data.stream == "memory" and shards:
-        raise ConfigError(f"data.stream='memory': data.source={data.source!r} is a shard set, which is streamed; "
-                          "use 'auto' or 'stream'")
-    if data.stream != "auto" or shards:
-        return data.stream == "stream" or shards
-    from vitlab.data.stream import scan_folder
-
+    if data.stream != "auto":
+        return data.stream == "stream"
+    if is_stream_source(data.source):
+        return True
     n = len(scan_folder(data.source, data.cache_dir))
     return n * 3 * image_size[0] * image_size[1] > data.memory_limit_gb * 1e9
 
 
-def stream_splits(cfg: TrainConfig) -> Splits:
-    """A streamed training set: its classes and size; no validation split (refused if asked)."""
-    from vitlab.data.stream import open_source
+def cores_per_process() -> int:
+    """This process's share of the cores: those it may use over the processes torchrun
+    started on this machine (``LOCAL_WORLD_SIZE``)."""
+    from vitlab.data.memory import usable_cores
+
+    return max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def resolve_data(cfg: TrainConfig, image_size: Pair) -> tuple[TrainConfig, dict]:
+    """``cfg`` with the data's "auto" values decided for this machine and launch, once, and
+    those values: whether the training set streams (``data.stream``: "memory" or
+    "stream"), and the worker counts (``data.stream_workers``: the cores per process
+    less one; ``data.decode_workers``: the cores per process)."""
+    data, cores = cfg.data, cores_per_process()
+    resolved = {
+        "data.stream": "stream" if streams(cfg, image_size) else "memory",
+        "data.stream_workers": cores - 1 if data.stream_workers == "auto" else data.stream_workers,
+        "data.decode_workers": cores if data.decode_workers == "auto" else data.decode_workers,
+    }
+    return replace(cfg, resolved), resolved
+
+
+def stream_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
+    """A streamed training set: its classes and size, and ``data.val_split``'s whole units
+    held out (``vitlab.data.stream.hold_out``) and decoded into memory for validation."""
+    from vitlab.data.memory import load_source_in_memory
+    from vitlab.data.stream import hold_out, open_source
 
     data = cfg.data
-    for name, value in (("val_split", data.val_split), ("train_examples", data.train_examples),
-                        ("class_subset", data.class_subset)):
+    for name, value in (("train_examples", data.train_examples), ("class_subset", data.class_subset)):
         if value:
             raise ConfigError(f"data.{name}={value!r}: a streamed training set has none here; set it to 0 or () "
-                              "(--val-split 0), or decode the data into memory (data.stream='memory')")
-    source = open_source(data.source, data.cache_dir, seed=cfg.run.seed)
-    return Splits(None, None, None, None, list(source.classes), 0, num_train=source.num_samples, source=source)
+                              "or decode the data into memory (data.stream='memory')")
+    source = open_source(data.source, data.cache_dir)
+    val_images = val_labels = None
+    if data.val_split:
+        source, held = hold_out(source, data.val_split, data.split_seed)
+        decoded_gb = held.num_samples * 3 * image_size[0] * image_size[1] / 1e9
+        if decoded_gb > data.memory_limit_gb:
+            raise ConfigError(f"data.val_split={data.val_split!r}: the held-out shards decode to {decoded_gb:.1f} GB, "
+                              f"more than data.memory_limit_gb={data.memory_limit_gb}; hold out less or raise it")
+        log.info("%s: %d of %d units (%d examples) held out for validation", data.source, len(held.units),
+                 len(held.units) + len(source.units), held.num_samples)
+        val = decoded_once(lambda: load_source_in_memory(held, image_size, data.cache_dir, decode_workers(cfg)),
+                           world)
+        val_images, val_labels = val.images, val.labels
+    if data.val_data:
+        val_images, val_labels = load_val_data(cfg, image_size, list(source.classes), world)
+    return Splits(None, None, val_images, val_labels, list(source.classes), 0, num_train=source.num_samples,
+                  source=source)
+
+
+def load_val_data(cfg: TrainConfig, image_size: Pair, classes: list[str], world=None) -> tuple:
+    """(images, labels) of ``data.val_data`` decoded into memory at ``image_size``; its class
+    names must be the training set's."""
+    from vitlab.data.labelled import load_labelled
+
+    data = cfg.data
+    val = decoded_once(lambda: load_labelled(data.val_data, image_size, data.cache_dir, decode_workers(cfg)), world)
+    if data.class_subset and set(data.class_subset) <= set(val.classes):
+        return select_classes(val.images, val.labels, list(val.classes), tuple(data.class_subset))[:2]
+    if list(val.classes) != list(classes):
+        raise ConfigError(f"data.val_data={data.val_data!r}: its classes ({', '.join(val.classes[:5])}, ...) are not "
+                          f"the training set's ({', '.join(classes[:5])}, ...)")
+    return val.images, val.labels
+
+
+def decoded_once(load, world=None):
+    """``load()``, a decoding into the cache: under torch.distributed rank 0 decodes first
+    and the other ranks then read what it cached."""
+    from .distributed import barrier
+
+    main = world is None or world.is_main
+    if not main:
+        barrier(world)
+    dataset = load()
+    if main and world is not None and world.size > 1:
+        barrier(world)
+    return dataset
+
+
+class WaitTimed:
+    """An iterator of batches that counts the seconds its consumer waited for them
+    (``waited``): the data path's share of a step (``data_wait`` in the training log)."""
+
+    def __init__(self, batches: Iterator) -> None:
+        self.batches, self.waited = batches, 0.0
+
+    def __iter__(self) -> "WaitTimed":
+        return self
+
+    def __next__(self):
+        t = time.monotonic()
+        try:
+            return next(self.batches)
+        finally:
+            self.waited += time.monotonic() - t

@@ -29,6 +29,7 @@ from . import checkpoint as ckpt
 from .build import Resolved, Setup, build
 from .config import TrainConfig, to_dict, warmup_steps
 from .distributed import all_reduce_sum, barrier, elastic_restart_count, init_world, shutdown
+from .inputs import WaitTimed
 from .metrics import MetricsWriter, Progress, plot_curves
 from .numerics import NonFinite
 from .schedules import input_size_at, lr_at
@@ -118,8 +119,8 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
             progress.message(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
     writer = MetricsWriter(out, tensorboard=cfg.run.tensorboard, records=records) if main else None
 
-    batches = endless(s.stream)
-    window = Window(s.world.device)
+    batches = WaitTimed(endless(s.stream))  # counts the seconds the steps wait for their batches
+    window = Window(s.world.device, batches)
     pending: list = []  # (step, result) since the last check: their flags are read in one go
     last_val: dict = {}
     phases = tuple(tuple(p) for p in cfg.data.progressive_sizes)
@@ -130,9 +131,10 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
         size = input_size_at(step, total_steps, phases, s.img_size)
         t_step = time.monotonic()
         result = train_step(s, batches, lr, size)  # nothing read back: its numbers stay on the device
+        step_s = time.monotonic() - t_step
         pending.append((step + 1, result))
-        window.add(result)
-        budget.step_done(size, time.monotonic() - t_step)
+        window.add(result, step_s)
+        budget.step_done(size, step_s)
         step += 1
 
         if budget.wants_evaluation(step):  # the first fit plans with an evaluation's duration
@@ -171,7 +173,7 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
     if not last_val and s.evaluator is not None:  # resumed a finished run: its summary still reports the metrics
         last_val = evaluate(s, budget, final=True)
     progress.close()
-    return finish(s, step, total_steps, last_val, budget.elapsed(), writer, nonfinite)
+    return finish(s, step, total_steps, last_val, budget.elapsed(), writer, nonfinite, window.data_wait())
 
 
 # ----------------------------------------------------------------------------- the loop's helpers
@@ -302,12 +304,15 @@ def time_budget(s: Setup, t_start: float, progress: Progress) -> TimeBudget:
 
 class Window:
     """The training numbers since the last record, summed on the device (the record reads
-    them), and those the progress line shows."""
+    them), and those the progress line shows; ``batches``' waits give ``data_wait``, the
+    share of the steps' time spent waiting for data."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, batches: WaitTimed | None = None) -> None:
         self.device = device
         self.rate, self.loss_shown, self.logged = 0.0, float("nan"), False
         self.grad_norm = torch.full((), float("nan"), device=device)
+        self.batches, self.waited_before = batches, 0.0
+        self.wait_s = self.step_s = self.total_wait_s = self.total_step_s = 0.0
         self.reset()
 
     def reset(self) -> None:
@@ -315,7 +320,10 @@ class Window:
         self.sums = torch.zeros(4, device=self.device)
         self.examples, self.t = 0, time.monotonic()  # every example the steps took (the rate)
 
-    def add(self, result: StepResult) -> None:
+    def add(self, result: StepResult, step_s: float = 0.0) -> None:
+        if self.batches is not None:
+            waited, self.waited_before = self.batches.waited - self.waited_before, self.batches.waited
+            self.wait_s, self.step_s = self.wait_s + waited, self.step_s + step_s
         applied = result.skipped == 0
         # no tensor made from a host number: on a GPU that copy would wait for the device
         self.sums += torch.where(applied, torch.stack([result.loss.float(), result.correct.float(),
@@ -328,17 +336,24 @@ class Window:
         device's sums); starts the next."""
         dt = time.monotonic() - self.t
         *sums, grad_norm = torch.cat([self.sums, self.grad_norm.view(1)]).tolist()
-        loss, correct, seen, steps = all_reduce_sum(sums, s.world)
-        examples = all_reduce_sum([float(self.examples)], s.world)[0]
+        loss, correct, seen, steps, examples, wait_s, step_s = all_reduce_sum(
+            [*sums, float(self.examples), self.wait_s, self.step_s], s.world)
         record = {
             "step": step, "epoch": round(step * s.cfg.optim.batch_size / s.splits.train_count(), 3),
             "lr": lr, "loss": loss / steps if steps else float("nan"),
             "train_top1": correct / max(seen, 1), "grad_norm": grad_norm,
             "img_per_s": examples / max(dt, 1e-9), "elapsed_s": elapsed_s,
+            "data_wait": round(wait_s / step_s, 4) if step_s else None,
         }
+        self.total_wait_s, self.total_step_s = self.total_wait_s + wait_s, self.total_step_s + step_s
+        self.wait_s = self.step_s = 0.0
         self.rate, self.loss_shown, self.logged = record["img_per_s"], record["loss"], True
         self.reset()
         return record
+
+    def data_wait(self) -> float | None:
+        """The share of the recorded steps' time (all processes) spent waiting for batches."""
+        return round(self.total_wait_s / self.total_step_s, 4) if self.total_step_s else None
 
     def shown(self, world_size: int) -> tuple[float, float]:
         """(images/s, loss) for the progress line: the last record's; before the first one
@@ -348,7 +363,8 @@ class Window:
         return self.rate, self.loss_shown
 
 
-def finish(s: Setup, step: int, total_steps: int, last_val: dict, wall: float, writer, nonfinite: NonFinite) -> dict:
+def finish(s: Setup, step: int, total_steps: int, last_val: dict, wall: float, writer, nonfinite: NonFinite,
+           data_wait: float | None = None) -> dict:
     """Save the final weights and the summary (rank 0); every rank returns the summary."""
     from vitlab.weights import save_model
 
@@ -371,6 +387,7 @@ def finish(s: Setup, step: int, total_steps: int, last_val: dict, wall: float, w
         "skipped_images": s.splits.skipped,
         "wall_s": round(wall, 2),
         "images_per_s": round(step * cfg.optim.batch_size / wall, 1),
+        "data_wait": data_wait,  # the share of the steps' wall time spent waiting for their batches
         "world_size": s.world.size,
         **nonfinite.record(s.scaler),
         "weights": None,

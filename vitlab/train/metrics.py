@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 COLUMNS = ("step", "epoch", "lr", "loss", "train_top1", "grad_norm", "val_loss", "val_top1", "val_top5",
-           "val_top1_single", "val_top1_flip", "img_per_s", "elapsed_s", "skipped_steps", "overflow_steps",
+           "val_top1_single", "val_top1_flip", "img_per_s", "data_wait", "elapsed_s", "skipped_steps", "overflow_steps",
            "loss_scale")
 
 

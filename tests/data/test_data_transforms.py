@@ -285,3 +285,23 @@ def test_train_transform_alternate_flip_needs_example_ids():
         tf(x, torch.zeros(4, dtype=torch.long), gen())
     out, _ = tf(x, torch.zeros(4, dtype=torch.long), gen(), example_ids=torch.arange(4), epoch=1)
     assert torch.equal(out, to_float(alternating_flip(x, torch.arange(4), 1)))
+
+
+def test_mixup_and_cutmix_draw_their_batch_numbers_from_the_host_generator():
+    # on a GPU the batch's own numbers (method, lam, box) come from a CPU generator, so Python
+    # never reads them back from the device: with one given, they depend on it alone
+    from vitlab.data.transforms import mixup_cutmix
+
+    images = torch.rand(6, 3, 8, 8)
+    targets = torch.eye(6)
+
+    def mixed(device_seed: int, host_seed: int) -> torch.Tensor:
+        return mixup_cutmix(images, targets, 0.8, 1.0, 0.5, torch.Generator().manual_seed(device_seed),
+                            host_generator=torch.Generator().manual_seed(host_seed))[1]
+
+    for host_seed in range(4):
+        assert torch.equal(mixed(0, host_seed), mixed(1, host_seed))
+    assert len({tuple(mixed(0, s).flatten().tolist()) for s in range(8)}) > 1
+    # without one, the generator's own draws as before (a CPU's generator is already on the host)
+    plain = mixup_cutmix(images, targets, 0.8, 1.0, 0.5, torch.Generator().manual_seed(5))[1]
+    assert torch.equal(plain, mixed(99, 5))

@@ -27,6 +27,13 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 _DONE = object()
 
 
+def host_generator(device: torch.device, seed: int) -> dict:
+    """``{"host_generator": ...}``, a CPU generator for a batch's own numbers, where the batch
+    is augmented on a GPU (its draws there would be read back); nothing on a CPU, whose
+    generator already lives on the host."""
+    return {} if device.type == "cpu" else {"host_generator": torch.Generator().manual_seed(seed)}
+
+
 def derive_seed(*numbers: int) -> int:
     """A 63-bit seed mixing non-negative ints well (numpy's SeedSequence hashing).
 
@@ -144,9 +151,10 @@ class BatchStream:
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         if self.transform is None:
             return x, y
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(derive_seed(self.seed, epoch, position + 1, self.rank))
-        return self.transform(x, y, generator, example_ids=idx, epoch=epoch, seed=self.seed)
+        batch_seed = derive_seed(self.seed, epoch, position + 1, self.rank)
+        generator = torch.Generator(device=self.device).manual_seed(batch_seed)
+        return self.transform(x, y, generator, example_ids=idx, epoch=epoch, seed=self.seed,
+                              **host_generator(self.device, batch_seed))
 
     def __iter__(self) -> Iterator[Batch]:
         if self.position >= len(self):  # state taken after the last batch of an epoch

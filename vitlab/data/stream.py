@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vitlab.config import to_pair
 from vitlab.data.decode import SampleCrop, decode_crops
-from vitlab.data.loader import DeviceStage, derive_seed, one_ahead
+from vitlab.data.loader import DeviceStage, derive_seed, host_generator, one_ahead
 from vitlab.data.sources import DataError, StreamSource
 from vitlab.data.transforms import TrainTransform, build_transform
 
@@ -428,8 +428,10 @@ class StreamLoader:
         if self.transform is None:
             return x, y
         reader = self.dataset.rank * self.dataset.workers + int(worker)
-        generator = torch.Generator(device=self.device).manual_seed(derive_seed(self.seed, epoch, consumed, reader, 7))
-        x, y = self.transform(x, y, generator, example_ids=ids.to(self.device), epoch=int(epoch), seed=self.seed)
+        part_seed = derive_seed(self.seed, epoch, consumed, reader, 7)
+        generator = torch.Generator(device=self.device).manual_seed(part_seed)
+        x, y = self.transform(x, y, generator, example_ids=ids.to(self.device), epoch=int(epoch), seed=self.seed,
+                              **host_generator(self.device, part_seed))
         return x, (multi_hot(multi, y) if multi is not None else y)
 
     def _batches(self, parts: Iterator) -> Iterator[tuple]:

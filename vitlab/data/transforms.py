@@ -235,6 +235,7 @@ def mixup_cutmix(
     cutmix_alpha: float,
     switch_prob: float,
     generator: torch.Generator,
+    host_generator: Optional[torch.Generator] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mixup (Zhang et al. 2018) or CutMix (Yun et al. 2019), one of them per batch.
 
@@ -245,18 +246,22 @@ def mixup_cutmix(
 
     images:  (B, C, H, W) float (mixup) or any dtype (cutmix only).
     targets_onehot: (B, K) soft targets summing to 1; the result still sums to 1.
+    host_generator: a CPU generator for the batch's own numbers (the method, lam, the box),
+        which Python needs: drawn from a GPU's generator they would be read back from the
+        device, and the batch would wait for it (``generator`` itself where it is a CPU's).
     Returns (mixed images, mixed targets).
     """
     if mixup_alpha <= 0 and cutmix_alpha <= 0:
         return images, targets_onehot
-    use_cutmix = _uniform((1,), generator, generator.device).item() < switch_prob
+    host = host_generator if host_generator is not None else generator
+    use_cutmix = _uniform((1,), host, host.device).item() < switch_prob
     if cutmix_alpha > 0 and (use_cutmix or mixup_alpha <= 0):
-        lam = _beta(cutmix_alpha, generator)
+        lam = _beta(cutmix_alpha, host)
         _, _, h, w = images.shape
         cut = math.sqrt(1.0 - lam)
         cut_h, cut_w = int(h * cut), int(w * cut)
-        cy = int(torch.randint(0, h, (1,), generator=generator, device=generator.device))
-        cx = int(torch.randint(0, w, (1,), generator=generator, device=generator.device))
+        cy = int(torch.randint(0, h, (1,), generator=host, device=host.device))
+        cx = int(torch.randint(0, w, (1,), generator=host, device=host.device))
         y0, y1 = max(cy - cut_h // 2, 0), min(cy + cut_h // 2, h)
         x0, x1 = max(cx - cut_w // 2, 0), min(cx + cut_w // 2, w)
         mixed = images.clone()
@@ -265,7 +270,7 @@ def mixup_cutmix(
     else:
         if not images.is_floating_point():
             raise TypeError("mixup needs float images; apply to_float first")
-        lam = _beta(mixup_alpha, generator)
+        lam = _beta(mixup_alpha, host)
         mixed = images * lam + images.flip(0) * (1.0 - lam)
     return mixed, targets_onehot * lam + targets_onehot.flip(0) * (1.0 - lam)
 
@@ -389,7 +394,8 @@ class EvalTransform:
 
 
 def _train(cfg: TrainTransform, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator, *,
-           example_ids: Optional[torch.Tensor] = None, epoch: int = 0, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           example_ids: Optional[torch.Tensor] = None, epoch: int = 0, seed: int = 0,
+           host_generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
     if cfg.crop == "inception":
         images = random_resized_crop(images, cfg.image_size, cfg.crop_scale, cfg.crop_ratio, generator=generator)
     else:
@@ -409,7 +415,7 @@ def _train(cfg: TrainTransform, images: torch.Tensor, labels: torch.Tensor, gene
     if cfg.erase_prob > 0:
         x = random_erasing(x, cfg.erase_prob, generator)
     targets = one_hot_smooth(labels.to(x.device), cfg.num_classes, cfg.label_smoothing)
-    return mixup_cutmix(x, targets, cfg.mixup_alpha, cfg.cutmix_alpha, cfg.mix_switch_prob, generator)
+    return mixup_cutmix(x, targets, cfg.mixup_alpha, cfg.cutmix_alpha, cfg.mix_switch_prob, generator, host_generator)
 
 
 def _eval(cfg: EvalTransform, images: torch.Tensor, labels: torch.Tensor,

@@ -27,9 +27,9 @@ from vitlab.models.registry import build_model
 def _recipe_model(variant: str = "hybrid"):
     """The recipe's hybrid as ``vitlab train`` builds it (``hybrid``: BatchNorm stem; ``hybrid_bit``: BiT's)."""
     from vitlab.configs.cifar10_scratch import get_config
-    from vitlab.train.config import model_config
+    from vitlab.train.build import architecture
 
-    return build_model(model_config(get_config(variant), num_classes=10))
+    return build_model(architecture(get_config(variant), num_classes=10))
 
 
 def _train_step(forward, x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Optimizer) -> Callable[[], None]:

@@ -100,7 +100,7 @@ def test_set_values_are_read_as_the_train_config_reads_them():
 def test_settings_carry_the_trainers_names_and_accept_the_former_ones(tmp_path, capsys):
     from vitlab.config import ConfigError
     from vitlab.cli.experiment import parse_settings
-    from vitlab.train.config import load_recipe
+    from vitlab.configs import load_recipe
 
     s = experiments.settings("shape", batch=32, heads=4, mlp=96, patch=2, val=100, minutes=0.5)
     assert (s.batch_size, s.num_heads, s.mlp_dim, s.patch_size, s.val_split, s.time_limit) == (32, 4, 96, 2, 100, 0.5)

@@ -104,11 +104,12 @@ def test_mpp_refuses_what_it_cannot_pre_train():
 
 def test_mpp_recipe_pre_trains_a_vit_that_fine_tuning_takes_unchanged(tmp_path):
     from vitlab.train import train
-    from vitlab.train.config import load_recipe, replace
+    from vitlab.configs import load_recipe
+    from vitlab.train.overrides import with_changes
     from vitlab.weights import load_model
 
     tiny = dict(img_size=8, patch_size=4, width=16, depth=1, num_heads=2, mlp_dim=32, name="ViT-tiny/4")
-    cfg = replace(load_recipe("mpp:target=color4x4"), {
+    cfg = with_changes(load_recipe("mpp:target=color4x4"), {
         "model.name": "ViT-Ti/16", "model.overrides": tiny, "model.img_size": None, "data.source": "digits",
         "data.val_split": 100, "augment.crop": "none", "augment.flip": False, "optim.batch_size": 32,
         "optim.steps": 4, "optim.warmup": 1, "optim.lr": 1e-3, "run.precision": "fp32", "run.log_every": 2,
@@ -118,7 +119,7 @@ def test_mpp_recipe_pre_trains_a_vit_that_fine_tuning_takes_unchanged(tmp_path):
     assert summary["val_top1"] is None and summary["steps"] == 4 and summary["train_loss"] > 0
     backbone = load_model(summary["weights"])
     assert type(backbone).__name__ == "VisionTransformer" and backbone.cfg.patch_size == (4, 4)
-    fine = replace(cfg, {"model.mpp": None, "model.init": summary["weights"], "optim.steps": 2,
+    fine = with_changes(cfg, {"model.mpp": None, "model.init": summary["weights"], "optim.steps": 2,
                          "run.out": str(tmp_path / "ft")})
     result = train(fine, verbose=False)
     assert result["val_top1"] is not None

@@ -7,7 +7,8 @@ without pickle.  Field names are the paper's words (`width`, `depth`, `mlp_dim`,
 
 Validation happens in ``__post_init__`` so that an impossible configuration is
 refused before any work starts, with a message naming the field, the value and
-what is allowed.
+what is allowed.  The ``need*`` helpers are the one set of checks every config of
+vitlab uses (these, the training config's sections, the augmentation).
 """
 from __future__ import annotations
 
@@ -24,13 +25,56 @@ class ConfigError(ValueError):
     """A configuration field holds a value that cannot work."""
 
 
+# ----------------------------------------------------------------------------- validation helpers
+
+
+def need(ok: bool, name: str, value: Any, allowed: str) -> None:
+    """The one way a value is refused: ``ConfigError("name=value: what is allowed")``."""
+    if not ok:
+        raise ConfigError(f"{name}={value!r}: {allowed}")
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def need_bool(name: str, value: Any) -> None:
+    need(isinstance(value, bool), name, value, "must be True or False")  # a config file's "no" is truthy
+
+
+def need_choice(name: str, value: Any, allowed: tuple) -> None:
+    need(value in allowed, name, value, f"allowed values are {', '.join(map(repr, allowed))}")
+
+
+def need_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    need(is_int(value) and value >= minimum, name, value,
+         "must be a positive integer" if minimum == 1 else f"must be an integer >= {minimum}")
+    need(maximum is None or value <= maximum, name, value, f"must be at most {maximum}")
+
+
+def need_number(name: str, value: Any, minimum: float = 0.0, below: float | None = None) -> None:
+    """A finite number >= ``minimum`` (and < ``below``)."""
+    if below is None:
+        need(is_number(value) and value >= minimum, name, value, f"must be a number >= {minimum:g}")
+    else:
+        need(is_number(value) and minimum <= value < below, name, value,
+             f"must be a number in [{minimum:g}, {below:g})")
+
+
+def need_count_or_fraction(name: str, value: Any, allowed: str) -> None:
+    """A count (an integer >= 1) or a fraction in [0, 1)."""
+    need(is_number(value) and value >= 0 and (value < 1 or float(value).is_integer()), name, value, allowed)
+
+
 def to_pair(value: Any, name: str) -> Pair:
     """Accept ``16`` or ``(16, 16)`` (or a list) and return a pair of positive ints."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
         pair = (value, value)
-    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
+    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(is_int(v) for v in value):
         pair = (int(value[0]), int(value[1]))
     else:
         raise ConfigError(f"{name}={value!r}: expected an int or a pair of ints (height, width)")
@@ -39,11 +83,6 @@ def to_pair(value: Any, name: str) -> Pair:
     if max(pair) > MAX_SIDE:
         raise ConfigError(f"{name}={value!r}: sizes must be at most {MAX_SIDE}")
     return pair
-
-
-def _check_choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name}={value!r}: allowed values are {', '.join(map(repr, allowed))}")
 
 
 # Upper bounds that no real model comes near (ViT-22B: width 6144, depth 48, mlp_dim
@@ -57,55 +96,23 @@ MAX_PARAMETERS = 10**11   # about 400 GB of float32: 4.5x ViT-22B
 MAX_PATCHES = 1 << 20     # tokens of one image
 
 
-def _check_positive(name: str, value: Any, limit: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{name}={value!r}: must be a positive integer")
-    if limit is not None and value > limit:
-        raise ConfigError(f"{name}={value!r}: must be at most {limit}")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}={value!r}: must be True or False")
-
-
-def _check_eps(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value < 1:
-        raise ConfigError(f"{name}={value!r}: must be a number in [0, 1)")
-
-
-def _check_name(value: Any) -> None:
-    if value is not None and not isinstance(value, str):
-        raise ConfigError(f"name={value!r}: must be a string or None")
-
-
-def _check_width_factor(value: Any) -> None:
+def _need_width_factor(value: Any) -> None:
     """A positive int, or a float such as 0.5 whose root width int(64 * value) GroupNorm(32) can split.
 
     vit_jax builds its root with ``int(64 * width_factor)`` channels for any width factor;
     every stage is then a power-of-two multiple of the root.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"width_factor={value!r}: must be a positive number (root width int(64 * width_factor))")
-    if value > 64:
-        raise ConfigError(f"width_factor={value!r}: must be at most 64")
-    if isinstance(value, float) and (int(64 * value) <= 0 or int(64 * value) % 32):
-        raise ConfigError(
-            f"width_factor={value!r}: the root width int(64 * width_factor) = {int(64 * value)} must be a positive "
-            "multiple of 32 (GroupNorm with 32 groups)"
-        )
+    need(is_number(value) and value > 0, "width_factor", value,
+         "must be a positive number (root width int(64 * width_factor))")
+    need(value <= 64, "width_factor", value, "must be at most 64")
+    need(is_int(value) or (int(64 * value) > 0 and int(64 * value) % 32 == 0), "width_factor", value,
+         f"the root width int(64 * width_factor) = {int(64 * value)} must be a positive multiple of 32 "
+         "(GroupNorm with 32 groups)")
 
 
-def _check_classes(value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"num_classes={value!r}: must be an integer >= 0 (0 means no head)")
-    if value > MAX_CLASSES:
-        raise ConfigError(f"num_classes={value!r}: must be at most {MAX_CLASSES}")
-
-
-def _check_rate(name: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ConfigError(f"{name}={value!r}: must be a probability in [0, 1)")
+def _need_classes(value: Any) -> None:
+    need(is_int(value) and value >= 0, "num_classes", value, "must be an integer >= 0 (0 means no head)")
+    need(value <= MAX_CLASSES, "num_classes", value, f"must be at most {MAX_CLASSES}")
 
 
 @dataclass(frozen=True)
@@ -153,27 +160,24 @@ class ResNetConfig:
     def __post_init__(self) -> None:
         layers = tuple(self.layers)
         # () is the root alone, no stages: vit_jax's R+ViT-Ti_16 / AugReg R_Ti_16 hybrid stem
-        if not 0 <= len(layers) <= 4 or not all(
-            isinstance(n, int) and not isinstance(n, bool) and 0 < n <= MAX_DEPTH for n in layers
-        ):
-            raise ConfigError(f"layers={self.layers!r}: expected 0 to 4 unit counts per stage, each in 1..{MAX_DEPTH}")
+        need(len(layers) <= 4 and all(is_int(n) and 0 < n <= MAX_DEPTH for n in layers), "layers", self.layers,
+             f"expected 0 to 4 unit counts per stage, each in 1..{MAX_DEPTH}")
         object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "img_size", to_pair(self.img_size, "img_size"))
-        _check_width_factor(self.width_factor)
-        _check_positive("in_chans", self.in_chans, MAX_WIDTH)
-        _check_classes(self.num_classes)
-        _check_eps("ws_eps", self.ws_eps)
-        _check_eps("gn_eps", self.gn_eps)
-        _check_bool("ws_eps_inside_sqrt", self.ws_eps_inside_sqrt)
-        _check_name(self.name)
-        _check_choice("padding", self.padding, ("same", "symmetric"))
-        _check_choice("norm", self.norm, ("group", "batch"))
-        _check_positive("root_kernel", self.root_kernel)
-        if self.root_kernel % 2 == 0:
-            raise ConfigError(f"root_kernel={self.root_kernel}: must be odd (the root keeps ceil(size / stride) positions)")
-        _check_choice("root_stride", self.root_stride, (1, 2))
-        if not isinstance(self.root_pool, bool):
-            raise ConfigError(f"root_pool={self.root_pool!r}: must be True or False")
+        _need_width_factor(self.width_factor)
+        need_int("in_chans", self.in_chans, 1, MAX_WIDTH)
+        _need_classes(self.num_classes)
+        need_number("ws_eps", self.ws_eps, 0.0, below=1.0)
+        need_number("gn_eps", self.gn_eps, 0.0, below=1.0)
+        need_bool("ws_eps_inside_sqrt", self.ws_eps_inside_sqrt)
+        need(self.name is None or isinstance(self.name, str), "name", self.name, "must be a string or None")
+        need_choice("padding", self.padding, ("same", "symmetric"))
+        need_choice("norm", self.norm, ("group", "batch"))
+        need_int("root_kernel", self.root_kernel, 1)
+        need(self.root_kernel % 2 == 1, "root_kernel", self.root_kernel,
+             "must be odd (the root keeps ceil(size / stride) positions)")
+        need_choice("root_stride", self.root_stride, (1, 2))
+        need_bool("root_pool", self.root_pool)
 
     @property
     def root_width(self) -> int:
@@ -269,17 +273,17 @@ class ViTConfig:
         object.__setattr__(self, "patch_size", to_pair(self.patch_size, "patch_size"))
         if isinstance(self.resnet, dict):
             object.__setattr__(self, "resnet", ResNetConfig(**_tuples(self.resnet)))
-        if self.resnet is not None and not isinstance(self.resnet, ResNetConfig):
-            raise ConfigError(f"resnet={self.resnet!r}: must be a ResNetConfig, a dict of its fields, or None")
+        need(self.resnet is None or isinstance(self.resnet, ResNetConfig), "resnet", self.resnet,
+             "must be a ResNetConfig, a dict of its fields, or None")
         limits = {"in_chans": MAX_WIDTH, "width": MAX_WIDTH, "depth": MAX_DEPTH, "mlp_dim": MAX_MLP_DIM,
                   "num_heads": MAX_WIDTH}
         for name, limit in limits.items():
-            _check_positive(name, getattr(self, name), limit)
-        _check_classes(self.num_classes)
-        _check_eps("ln_eps", self.ln_eps)
+            need_int(name, getattr(self, name), 1, limit)
+        _need_classes(self.num_classes)
+        need_number("ln_eps", self.ln_eps, 0.0, below=1.0)
         for name in ("dynamic_img_size", "qkv_bias", "axial"):
-            _check_bool(name, getattr(self, name))
-        _check_name(self.name)
+            need_bool(name, getattr(self, name))
+        need(self.name is None or isinstance(self.name, str), "name", self.name, "must be a string or None")
         if self.width % self.num_heads:
             near = sorted((d for d in range(1, min(self.width, 4 * self.num_heads) + 1) if self.width % d == 0),
                           key=lambda d: (abs(d - self.num_heads), d))[:2]
@@ -287,15 +291,16 @@ class ViTConfig:
                 f"width={self.width} is not divisible by num_heads={self.num_heads}: each head needs width/num_heads "
                 f"channels; num_heads must divide {self.width} (nearest: {', '.join(map(str, sorted(near)))})"
             )
-        _check_choice("classifier", self.classifier, CLASSIFIERS)
-        _check_choice("posemb", self.posemb, POSEMB_KINDS)
-        _check_choice("posemb_place", self.posemb_place, POSEMB_PLACES)
-        _check_choice("posemb_resample", self.posemb_resample, RESAMPLE_MODES)
-        _check_choice("gelu", self.gelu, GELU_KINDS)
+        need_choice("classifier", self.classifier, CLASSIFIERS)
+        need_choice("posemb", self.posemb, POSEMB_KINDS)
+        need_choice("posemb_place", self.posemb_place, POSEMB_PLACES)
+        need_choice("posemb_resample", self.posemb_resample, RESAMPLE_MODES)
+        need_choice("gelu", self.gelu, GELU_KINDS)
         for name in ("dropout", "attention_dropout", "drop_path", "patch_dropout"):
-            _check_rate(name, getattr(self, name))
+            need(is_number(getattr(self, name)) and 0 <= getattr(self, name) < 1, name, getattr(self, name),
+                 "must be a probability in [0, 1)")
         if self.representation_size is not None:
-            _check_positive("representation_size", self.representation_size, MAX_WIDTH)
+            need_int("representation_size", self.representation_size, 1, MAX_WIDTH)
         if self.posemb == "relative" and self.posemb_place != "stem":
             raise ConfigError(
                 f"posemb_place={self.posemb_place!r} with posemb='relative': relative embeddings are a bias "
@@ -386,10 +391,10 @@ class ViTConfig:
         return 1 if self.classifier == "token" else 0
 
 
-ModelConfig = Union[ViTConfig, ResNetConfig]
+Architecture = Union[ViTConfig, ResNetConfig]  # what a model is built from
 
 
-def replace(config: ModelConfig, **overrides: Any) -> ModelConfig:
+def replace(config: Architecture, **overrides: Any) -> Architecture:
     """Return a copy of ``config`` with fields overridden; unknown fields are an error."""
     names = {f.name for f in dataclasses.fields(config)}
     unknown = sorted(set(overrides) - names)
@@ -405,14 +410,14 @@ def _tuples(d: dict) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
 
 
-def config_to_dict(config: ModelConfig) -> dict:
+def config_to_dict(config: Architecture) -> dict:
     """A JSON-serialisable dict that records the config's type."""
     d = dataclasses.asdict(config)
     d["type"] = type(config).__name__
     return d
 
 
-def config_from_dict(d: dict) -> ModelConfig:
+def config_from_dict(d: dict) -> Architecture:
     if not isinstance(d, dict):
         raise ConfigError(f"a saved config must be a JSON object of fields, not {type(d).__name__}")
     d = dict(d)
@@ -434,9 +439,9 @@ def config_from_dict(d: dict) -> ModelConfig:
     return cls(**_tuples(d))
 
 
-def config_to_json(config: ModelConfig) -> str:
+def config_to_json(config: Architecture) -> str:
     return json.dumps(config_to_dict(config), indent=2, sort_keys=True)
 
 
-def config_from_json(text: str) -> ModelConfig:
+def config_from_json(text: str) -> Architecture:
     return config_from_dict(json.loads(text))

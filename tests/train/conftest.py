@@ -1,7 +1,7 @@
 import pytest
 
-from vitlab.train.config import (AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig,
-                                 replace)
+from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+from vitlab.train.overrides import with_changes
 
 TINY_MODEL = dict(img_size=8, patch_size=4, width=16, depth=1, num_heads=2, mlp_dim=32, name="ViT-tiny/4")
 
@@ -10,7 +10,7 @@ def tiny_config(out, **changes) -> TrainConfig:
     """A ViT of ~5k parameters on the 8x8 digits: a step takes milliseconds.
 
     ``changes``: fields by their flat names (``steps=8``, ``crop="pad"``), which
-    ``config.LEGACY_NAMES`` maps onto the sections."""
+    ``legacy.LEGACY_NAMES`` maps onto the sections."""
     cfg = TrainConfig(
         recipe="test",
         model=ModelConfig(name="ViT-Ti/16", overrides=dict(TINY_MODEL)),
@@ -21,7 +21,7 @@ def tiny_config(out, **changes) -> TrainConfig:
         run=RunConfig(precision="fp32", eval_every=0, log_every=2, ckpt_every=0, keep_ckpts=2, threads=1,
                       out=str(out)),
     )
-    return replace(cfg, changes)
+    return with_changes(cfg, changes)
 
 
 @pytest.fixture(scope="session")

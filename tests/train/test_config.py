@@ -5,10 +5,14 @@ from pathlib import Path
 import pytest
 
 from vitlab.config import ConfigError
-from vitlab.data.transforms import TrainTransform
-from vitlab.train.config import (LEGACY_NAMES, SECTIONS, AugmentConfig, DataConfig, ModelConfig, OptimConfig,
-                                 RunConfig, TrainConfig, apply_overrides, check_can_run, field_names, from_dict,
-                                 list_recipes, load_recipe, replace, to_dict)
+from vitlab.configs import list_recipes, load_recipe
+from vitlab.data.transforms import Augmentation, TrainTransform
+from vitlab.train.build import architecture, check_can_run
+from vitlab.train.config import (SECTIONS, AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig,
+                                 from_dict, to_dict)
+from vitlab.train.legacy import LEGACY_NAMES
+from vitlab.train.overrides import apply_overrides, field_names, with_changes
+from vitlab.train.schedules import warmup_steps
 
 OK = TrainConfig(model=ModelConfig(name="ViT-Ti/16", img_size=32, overrides={"patch_size": 8}),
                  data=DataConfig(source="digits"))
@@ -69,16 +73,41 @@ def test_sections_check_themselves_when_built():
     refused("fsdp", lambda: TrainConfig(optim=OptimConfig(ema_decay=0.9), run=RunConfig(fsdp=True)))
     refused("optim", lambda: TrainConfig(optim={"lr": 0.1}))
     with pytest.raises(ConfigError, match="optim.lr"):  # replace builds the changed section anew
-        replace(OK, {"optim.lr": 0.0})
+        with_changes(OK, {"optim.lr": 0.0})
 
 
-def test_the_augmentation_section_is_train_transforms_fields():
+def test_the_augmentation_fields_are_declared_once():
+    # the section and the transform are both the one declaration, Augmentation, and share its checks
+    assert issubclass(AugmentConfig, Augmentation) and issubclass(TrainTransform, Augmentation)
     ours = {f.name: f.default for f in dataclasses.fields(AugmentConfig)}
     theirs = {f.name: f.default for f in dataclasses.fields(TrainTransform) if f.name not in ("num_classes",
                                                                                               "image_size")}
-    assert ours == theirs
+    assert ours == theirs == {f.name: f.default for f in dataclasses.fields(Augmentation)}
     transform = AugmentConfig(crop="pad", flip=False).transform(num_classes=3, image_size=(8, 8))
     assert (transform.crop, transform.flip, transform.num_classes, transform.image_size) == ("pad", False, 3, (8, 8))
+    refused("augment.flip='no'", lambda: AugmentConfig(flip="no"))  # the section names its fields
+    refused("^flip='no'", lambda: TrainTransform(num_classes=3, crop="none", flip="no"))  # the transform, its own
+
+
+def test_a_recipe_is_a_module_of_the_package_or_a_file(tmp_path):
+    import importlib
+
+    from vitlab.configs import recipe_module
+
+    assert recipe_module("demo") is importlib.import_module("vitlab.configs.demo")  # imported, not executed anew
+    own = tmp_path / "mine.py"
+    own.write_text("from vitlab.configs import load_recipe\n\n"
+                   "def get_config(lr='0.5'):\n"
+                   "    from vitlab.train.overrides import with_changes\n"
+                   "    return with_changes(load_recipe('demo'), {'recipe': 'mine', 'optim.lr': float(lr)})\n")
+    assert load_recipe(f"{own}:lr=0.25").optim.lr == 0.25 and load_recipe(str(own)).recipe == "mine"
+    with pytest.raises(ConfigError, match="no such recipe file"):
+        load_recipe(str(tmp_path / "missing.py"))
+    (tmp_path / "empty.py").write_text("x = 1\n")
+    with pytest.raises(ConfigError, match="defines no get_config"):
+        load_recipe(str(tmp_path / "empty.py"))
+    with pytest.raises(ConfigError, match="recipe 'demo:size=3'"):
+        load_recipe("demo:size=3")  # an option the recipe does not take
 
 
 def test_overrides_parse_types():
@@ -106,7 +135,7 @@ def test_an_old_flat_config_loads():
     cfg = from_dict(flat)
     recipe = load_recipe("cifar10_scratch")
     assert cfg.run.retain_freed_memory is True and cfg.data.decode_workers == 2  # the old defaults, as that run had
-    assert replace(cfg, {"run.retain_freed_memory": False, "data.decode_workers": "auto"}) == recipe
+    assert with_changes(cfg, {"run.retain_freed_memory": False, "data.decode_workers": "auto"}) == recipe
     assert cfg.data.progressive_sizes == ((24, 0.5),) and cfg.optim.betas == (0.9, 0.999)
     assert cfg.model.overrides["resnet"]["layers"] == (1, 3)
     for old, new in LEGACY_NAMES.items():
@@ -146,12 +175,10 @@ def test_every_recipe_loads_and_is_consistent():
     vtab = load_recipe("vtab1k")
     assert (vtab.optim.lr, vtab.optim.steps, vtab.data.train_examples, vtab.data.val_split) == (0.01, 2500, 1000, 200)
     assert load_recipe("vtab1k:final=true").data.val_split == 0
-    from vitlab.train.config import model_config
-
     for variant, tokens, norm in (("hybrid", 16, "batch"), ("hybrid_bit", 16, "group"), ("vit", 64, None)):
         cifar = load_recipe(f"cifar10_scratch:model={variant}")  # every CIFAR model builds, at 32 px
         check_can_run(cifar, need_data=False)
-        built = model_config(cifar, num_classes=10)
+        built = architecture(cifar, num_classes=10)
         assert built.num_patches == tokens
         assert (built.resnet.norm if built.resnet else None) == norm
     with pytest.raises(ConfigError, match="model='resnet'"):
@@ -193,7 +220,7 @@ def test_mallopt_and_the_fast_path_defaults():
 
 def test_changes_are_checked_together():
     # an intermediate combination may be impossible; only the result is checked
-    base = replace(OK, {"optim.batch_size": 96, "optim.accum_steps": 3})
+    base = with_changes(OK, {"optim.batch_size": 96, "optim.accum_steps": 3})
     changed = apply_overrides(base, ["optim.batch_size=100", "optim.accum_steps=4"])
     assert (changed.optim.batch_size, changed.optim.accum_steps) == (100, 4)
     changed = apply_overrides(OK, ["model.name=ViT-S/16", "model.num_heads=4", "model.width=256"])
@@ -203,20 +230,18 @@ def test_changes_are_checked_together():
 def test_a_shorter_run_scales_a_count_warmup():
     """The rule (docs/training.md): a fraction is a fraction of any schedule; a count is the
     recipe's warm-up for its steps, kept in proportion when --steps is shorter."""
-    from vitlab.train.config import warmup_steps
-
     finetune = load_recipe("paper_finetune")  # 500 of 10,000 steps
     assert (finetune.optim.warmup, finetune.optim.steps) == (500, 10_000)
-    assert replace(finetune, {"optim.steps": 10}).optim.warmup == 1  # at least one step
-    assert replace(finetune, {"optim.steps": 1000}).optim.warmup == 50
-    assert replace(finetune, {"optim.steps": 20_000}).optim.warmup == 500  # longer: the count stays
+    assert with_changes(finetune, {"optim.steps": 10}).optim.warmup == 1  # at least one step
+    assert with_changes(finetune, {"optim.steps": 1000}).optim.warmup == 50
+    assert with_changes(finetune, {"optim.steps": 20_000}).optim.warmup == 500  # longer: the count stays
     pretrain = apply_overrides(load_recipe("paper_pretrain"), ["optim.steps=5170"])  # 10k of 517k steps
     assert pretrain.optim.warmup == 100
-    demo = replace(load_recipe("demo"), {"optim.steps": 10})  # a fraction: untouched
+    demo = with_changes(load_recipe("demo"), {"optim.steps": 10})  # a fraction: untouched
     assert demo.optim.warmup == 0.1 and warmup_steps(demo.optim, 10) == 1
     # both set explicitly: taken as given, and an impossible pair is refused
-    assert replace(finetune, {"optim.steps": 100, "optim.warmup": 30}).optim.warmup == 30
-    refused("optim.warmup", lambda: replace(finetune, {"optim.steps": 100, "optim.warmup": 500}))
+    assert with_changes(finetune, {"optim.steps": 100, "optim.warmup": 30}).optim.warmup == 30
+    refused("optim.warmup", lambda: with_changes(finetune, {"optim.steps": 100, "optim.warmup": 500}))
     # a schedule fitted to a time limit, shorter than optim.steps, scales it too
     assert warmup_steps(finetune.optim, 10_000) == 500 and warmup_steps(finetune.optim, 200) == 10
 

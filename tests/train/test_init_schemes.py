@@ -8,7 +8,7 @@ from vitlab.config import ConfigError
 from vitlab.models.init import mimetic_attention_
 from vitlab.models.layers import Attention
 from vitlab.models.vit import ViTConfig
-from vitlab.train.config import replace
+from vitlab.train.overrides import with_changes
 
 WIDTH, HEADS = 24, 3
 
@@ -59,7 +59,7 @@ def test_mimetic_init_makes_tokens_attend_to_themselves():
 def test_mimetic_from_the_config_changes_only_attention(tiny):
     from vitlab.train.build import build
 
-    plain, mimetic = build(tiny()), build(replace(tiny("mimetic"), {"model.attn_init": "mimetic"}))
+    plain, mimetic = build(tiny()), build(with_changes(tiny("mimetic"), {"model.attn_init": "mimetic"}))
     for (name, a), (_, b) in zip(plain.model.named_parameters(), mimetic.model.named_parameters()):
         changed = not torch.equal(a, b)
         assert changed == (name.endswith(("attn.qkv.weight", "attn.proj.weight"))), name
@@ -67,9 +67,9 @@ def test_mimetic_from_the_config_changes_only_attention(tiny):
 
 def test_mimetic_is_refused_where_it_cannot_apply(tiny):
     with pytest.raises(ConfigError, match="model.attn_init"):
-        replace(tiny(), {"model.attn_init": "identity"})
+        with_changes(tiny(), {"model.attn_init": "identity"})
     with pytest.raises(ConfigError, match="model.attn_init"):
-        replace(tiny(), {"model.attn_init": "mimetic", "model.init": "weights.safetensors"})
+        with_changes(tiny(), {"model.attn_init": "mimetic", "model.init": "weights.safetensors"})
 
 
 def test_sincos_posemb_init_is_the_2d_table_behind_the_class_token(tiny):
@@ -77,7 +77,7 @@ def test_sincos_posemb_init_is_the_2d_table_behind_the_class_token(tiny):
     from vitlab.train.build import build
 
     plain = build(tiny())
-    sincos = build(replace(tiny("sincos"), {"model.posemb_init": "sincos"}))
+    sincos = build(with_changes(tiny("sincos"), {"model.posemb_init": "sincos"}))
     table = sincos.model.pos_embed.weight
     grid = sincos.model.pos_embed.grid
     assert torch.equal(table[0, 1:], posemb_sincos_2d(grid, table.shape[-1])[0])
@@ -90,6 +90,6 @@ def test_sincos_posemb_init_is_refused_where_it_cannot_apply(tiny):
     from vitlab.train.build import build
 
     with pytest.raises(ConfigError, match="model.posemb_init"):
-        replace(tiny(), {"model.posemb_init": "fourier"})
+        with_changes(tiny(), {"model.posemb_init": "fourier"})
     with pytest.raises(ConfigError, match="model.posemb_init"):
-        build(replace(tiny(), {"model.posemb_init": "sincos", "model.overrides.posemb": "learned_2d"}))
+        build(with_changes(tiny(), {"model.posemb_init": "sincos", "model.overrides.posemb": "learned_2d"}))

@@ -263,14 +263,14 @@ def record_input_sizes(monkeypatch) -> list[tuple[bool, int]]:
     """(training?, side) of every batch the model built by the loop is called on."""
     import vitlab.train.build as building
 
-    seen, build = [], building.build_model
+    seen, build = [], building.make_model
 
     def recording(cfg, num_classes):
         model = build(cfg, num_classes)
         model.register_forward_pre_hook(lambda module, args: seen.append((module.training, args[0].shape[-1])))
         return model
 
-    monkeypatch.setattr(building, "build_model", recording)
+    monkeypatch.setattr(building, "make_model", recording)
     return seen
 
 
@@ -413,7 +413,8 @@ def test_mallopt_is_opt_in(tiny, monkeypatch):
 def test_a_checkpoint_with_the_old_flat_config_resumes(tiny):
     # checkpoints written before the config had sections hold its flat dict
     from vitlab.config import ConfigError
-    from vitlab.train.config import LEGACY_NAMES, to_dict
+    from vitlab.train.config import to_dict
+    from vitlab.train.legacy import LEGACY_NAMES
 
     cfg = tiny("flat", steps=4, ckpt_every=2, keep_ckpts=3)
     full = train(cfg, verbose=False)

@@ -7,8 +7,9 @@ import pytest
 
 from vitlab.cli import main
 from vitlab.config import ConfigError, ResNetConfig
-from vitlab.train.config import (VIT_ONLY_FIELDS, apply_overrides, list_recipes, load_recipe, model_config,
-                                 replace)
+from vitlab.configs import list_recipes, load_recipe
+from vitlab.train.build import architecture
+from vitlab.train.overrides import VIT_ONLY_FIELDS, apply_overrides, with_changes
 
 # every recipe a ResNet trains with; mpp's masked patch prediction is a ViT's by nature
 BIT_RECIPES = ["paper_pretrain", "paper_pretrain:dataset=i21k", "paper_pretrain_imagenet", "paper_finetune",
@@ -22,13 +23,13 @@ def test_every_recipe_but_mpp_is_listed():
 @pytest.mark.parametrize("recipe", BIT_RECIPES)
 def test_a_bit_resnet_takes_every_recipe(recipe):
     vit = load_recipe(recipe)
-    cfg = replace(vit, {"model.name": "BiT-R50x1"})
-    built = model_config(cfg, num_classes=10)
+    cfg = with_changes(vit, {"model.name": "BiT-R50x1"})
+    built = architecture(cfg, num_classes=10)
     assert isinstance(built, ResNetConfig) and built.num_classes == 10
     for (section, key), off in VIT_ONLY_FIELDS.items():
         assert getattr(getattr(cfg, section), key) == off
     # what applies to both families stays: resolution, optimiser, schedule, augmentation
-    assert built.img_size == model_config(vit).img_size
+    assert built.img_size == architecture(vit).img_size
     assert (cfg.optim, cfg.augment) == (vit.optim, vit.augment)
 
 
@@ -39,16 +40,16 @@ def test_a_vit_field_set_explicitly_for_a_resnet_is_refused():
     with pytest.raises(ConfigError, match="model.pre_logits"):
         apply_overrides(recipe, ["model.name=BiT-R50x1", "model.pre_logits=true"])
     with pytest.raises(ConfigError, match="model.mpp"):
-        replace(load_recipe("mpp"), {"model.name": "BiT-R50x1"})
+        with_changes(load_recipe("mpp"), {"model.name": "BiT-R50x1"})
     # a ResNet's own fields are settable; the recipe's resolution still applies
     cfg = apply_overrides(load_recipe("demo"), ["model.name=BiT-R50x1", "model.width_factor=2", "model.layers=1,1"])
-    built = model_config(cfg, 10)
+    built = architecture(cfg, 10)
     assert (built.width_factor, built.layers, built.img_size) == (2, (1, 1), (16, 16))
 
 
 def test_clearing_the_recipes_overrides():
     cfg = apply_overrides(load_recipe("paper_pretrain:dataset=i21k"), ["model.overrides={}"])
-    assert cfg.model.overrides == {} and model_config(cfg).dropout == 0.0
+    assert cfg.model.overrides == {} and architecture(cfg).dropout == 0.0
     with pytest.raises(ConfigError, match="model.overrides"):
         apply_overrides(load_recipe("demo"), ["model.overrides=7"])
 

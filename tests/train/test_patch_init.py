@@ -5,7 +5,7 @@ from torch import nn
 
 from vitlab.config import ConfigError
 from vitlab.models.init import whiten_patch_embedding_
-from vitlab.train.config import replace
+from vitlab.train.overrides import with_changes
 
 
 def patch_rows(conv: nn.Conv2d, images: torch.Tensor) -> torch.Tensor:
@@ -30,13 +30,13 @@ def test_whitened_embeddings_are_decorrelated_with_unit_variance():
 def test_whiten_from_the_training_data_changes_only_the_patch_embedding(tiny):
     from vitlab.train.build import build
 
-    plain, whitened = build(tiny()), build(replace(tiny("whiten"), {"model.patch_init": "whiten"}))
+    plain, whitened = build(tiny()), build(with_changes(tiny("whiten"), {"model.patch_init": "whiten"}))
     for (name, a), (_, b) in zip(plain.model.named_parameters(), whitened.model.named_parameters()):
         assert torch.equal(a, b) != name.startswith("patch_embed"), name
 
 
 def test_whiten_is_refused_where_it_cannot_apply(tiny):
     with pytest.raises(ConfigError, match="model.patch_init"):
-        replace(tiny(), {"model.patch_init": "pca"})
+        with_changes(tiny(), {"model.patch_init": "pca"})
     with pytest.raises(ConfigError, match="model.patch_init"):
-        replace(tiny(), {"model.patch_init": "whiten", "model.init": "weights.safetensors"})
+        with_changes(tiny(), {"model.patch_init": "whiten", "model.init": "weights.safetensors"})

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ModelConfig, Pair, ResNetConfig, ViTConfig, to_pair
+from ..config import Architecture, Pair, ResNetConfig, ViTConfig, to_pair
 
 __all__ = [
     "model_flops", "flops_breakdown", "training_flops", "core_days", "count_flops",
@@ -96,7 +96,7 @@ def _add(total: dict[str, int], part: dict[str, int], times: int = 1) -> None:
         total[k] = total.get(k, 0) + times * v
 
 
-def flops_breakdown(cfg: ModelConfig, img_size: int | Pair | None = None) -> dict[str, int]:
+def flops_breakdown(cfg: Architecture, img_size: int | Pair | None = None) -> dict[str, int]:
     """Forward FLOPs of one image by component (multiply-add = 2), at ``img_size`` or cfg's.
 
     Keys: BiT: root, stage1.., head.  ViT: [stem_root, stem_stage1..], patch_embed, qkv,
@@ -130,7 +130,7 @@ def flops_breakdown(cfg: ModelConfig, img_size: int | Pair | None = None) -> dic
     return out
 
 
-def model_flops(cfg: ModelConfig, img_size: int | Pair | None = None) -> int:
+def model_flops(cfg: Architecture, img_size: int | Pair | None = None) -> int:
     """Forward FLOPs of one image (multiply-add = 2): matmuls and convolutions only.
 
     ``img_size`` defaults to the config's; any size works (the patch grid is floor(H/P)).
@@ -138,7 +138,7 @@ def model_flops(cfg: ModelConfig, img_size: int | Pair | None = None) -> int:
     return sum(flops_breakdown(cfg, img_size).values())
 
 
-def training_flops(cfg: ModelConfig, steps: int, batch: int, img_size: int | Pair | None = None) -> float:
+def training_flops(cfg: Architecture, steps: int, batch: int, img_size: int | Pair | None = None) -> float:
     """Compute of a training run in exaFLOPs (1e18): 3 x forward x steps x batch.
 
     The backward pass costs about twice the forward (a gradient for the activations and

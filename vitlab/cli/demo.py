@@ -22,8 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vitlab.configs import load_recipe
     from vitlab.train import train
-    from vitlab.train.config import apply_overrides, check_can_run, load_recipe, replace
+    from vitlab.train.build import check_can_run
+    from vitlab.train.overrides import apply_overrides, with_changes
 
     cfg = apply_overrides(load_recipe("demo"), args.overrides)
     changes = {"run.out": args.out}
@@ -31,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         changes["optim.steps"] = args.steps
     if args.seed is not None:
         changes["run.seed"] = args.seed
-    cfg = replace(cfg, changes)
+    cfg = with_changes(cfg, changes)
     check_can_run(cfg)
     summary = train(cfg, overwrite=True, verbose=not args.quiet)  # the demo's folder is its own: rerunning replaces it
     print(f"validation accuracy: {summary['val_top1']:.2%} (top-5 {summary['val_top5']:.2%}) on "

@@ -74,7 +74,7 @@ def load_checkpoint(source: str, img_size: int | None, device: str, fast: bool =
 
 def run_data(meta: dict) -> dict:
     """The data section of the checkpoint's training config (either layout; {} without one)."""
-    from vitlab.train.config import nested_dict
+    from vitlab.train.legacy import nested_dict
 
     recipe = meta.get("recipe")
     return dict(nested_dict(recipe).get("data") or {}) if isinstance(recipe, dict) else {}

@@ -45,11 +45,11 @@ def run(args: argparse.Namespace) -> int:
 
 def parse_settings(name: str, quick: bool, assignments: list[str]) -> dict:
     """``KEY=VALUE`` strings as experiment ``name``'s settings, each value read as the train
-    config reads ``--set`` (``vitlab.train.config.parse_value``): a value of the type of the
+    config reads ``--set`` (``vitlab.train.overrides.parse_value``): a value of the type of the
     setting's default.  A former name (``batch``, ``heads``...) is mapped to today's; an unknown
     one is refused."""
     from vitlab import experiments
-    from vitlab.train.config import parse_value
+    from vitlab.train.overrides import parse_value
 
     form, other = experiments.defaults(name, quick), experiments.defaults(name, not quick)
     changes = {}

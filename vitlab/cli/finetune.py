@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.train import train
-    from vitlab.train.config import check_can_run, to_dict
+    from vitlab.train.build import check_can_run
+    from vitlab.train.config import to_dict
     from vitlab.train.distributed import env_world_size
 
     cfg = resolve_config(args, extra={"model.init": args.init})

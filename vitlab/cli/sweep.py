@@ -49,8 +49,10 @@ def resolve_val_split(value: float | None) -> float | int:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.config import ConfigError
+    from vitlab.configs import load_recipe
     from vitlab.train import train
-    from vitlab.train.config import check_can_run, load_recipe, replace
+    from vitlab.train.build import check_can_run
+    from vitlab.train.overrides import with_changes
     from vitlab.train.distributed import env_world_size
 
     extra = {"model.init": args.init} if args.init else {}
@@ -60,11 +62,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("optim.lr_grid=(): the recipe has no learning-rate grid; pass --grid 0.001,0.003,...")
     holdout = sweep_holdout(args.holdout, load_recipe(args.recipe).data.val_split)
     base_out = Path(cfg.run.out)
-    runs = [replace(cfg, {"optim.lr": lr, "data.val_split": holdout, "run.out": str(base_out / f"lr_{lr:g}")})
+    runs = [with_changes(cfg, {"optim.lr": lr, "data.val_split": holdout, "run.out": str(base_out / f"lr_{lr:g}")})
             for lr in grid]
     # the final retrain: the full training set, unless --val-split holds some out (not the recipe's split)
     final_split = resolve_val_split(args.val_split)
-    final_cfg = replace(cfg, {"run.out": str(base_out / "final"), "data.val_split": final_split})
+    final_cfg = with_changes(cfg, {"run.out": str(base_out / "final"), "data.val_split": final_split})
     if args.show_config:  # the plan: the grid, its hold-out, and the final run's config
         from vitlab.train.config import to_dict
 
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         scores[f"{r.optim.lr:g}"] = summary["val_top1"]
         print(f"lr {r.optim.lr:g}: held-out top-1 {summary['val_top1']:.4f}", flush=True)
     best = max(grid, key=lambda lr: scores[f"{lr:g}"])
-    final = train(replace(final_cfg, {"optim.lr": best}), resume=args.resume, overwrite=args.overwrite,
+    final = train(with_changes(final_cfg, {"optim.lr": best}), resume=args.resume, overwrite=args.overwrite,
                   verbose=not args.quiet)
     report = {"holdout": holdout, "holdout_top1": scores, "best_lr": best, "final": final}
     if final.get("weights") is not None:

@@ -95,7 +95,8 @@ def process_started_at() -> float:
 
 def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     """Recipe -> --set overrides -> dedicated flags (the most specific wins)."""
-    from vitlab.train.config import load_recipe, parse_overrides, replace
+    from vitlab.configs import load_recipe
+    from vitlab.train.overrides import parse_overrides, with_changes
 
     cfg = load_recipe(args.recipe)
     changes = parse_overrides(cfg, args.overrides)  # checked together with the flags' changes, below
@@ -107,7 +108,7 @@ def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     if split is not None and float(split).is_integer() and split >= 1:
         changes["data.val_split"] = int(split)
     changes.update(extra or {})
-    return replace(cfg, changes)
+    return with_changes(cfg, changes)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -116,7 +117,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.train import train
-    from vitlab.train.config import check_can_run, to_dict
+    from vitlab.train.build import check_can_run
+    from vitlab.train.config import to_dict
     from vitlab.train.distributed import env_world_size
 
     cfg = resolve_config(args)  # the config checks its values as it is built

@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def base_config(args: argparse.Namespace):
     """The recipe with the command's flags: every run of the protocol starts from it."""
-    from vitlab.train.config import load_recipe, parse_overrides, replace
+    from vitlab.configs import load_recipe
+    from vitlab.train.overrides import parse_overrides, with_changes
 
     cfg = load_recipe(args.recipe)
     changes = parse_overrides(cfg, args.overrides)
@@ -70,7 +71,7 @@ def base_config(args: argparse.Namespace):
                        ("fast", "run.fast")):
         if getattr(args, flag) is not None:
             changes[name] = getattr(args, flag)
-    return replace(cfg, changes)
+    return with_changes(cfg, changes)
 
 
 def activation_bytes_per_example(cfg) -> int:
@@ -79,9 +80,9 @@ def activation_bytes_per_example(cfg) -> int:
     import torch
 
     from vitlab.analysis.cost import SavedForBackward
-    from vitlab.train.build import build_model, training_size
+    from vitlab.train.build import make_model, training_size
 
-    model = build_model(cfg, num_classes=2).train()
+    model = make_model(cfg, num_classes=2).train()
     size = training_size(cfg)
     x = torch.zeros(1, 3, *size)
     with SavedForBackward(model) as kept:
@@ -160,7 +161,8 @@ def _run(args: argparse.Namespace) -> int:
     from vitlab.config import ConfigError
     from vitlab.eval.vtab import find_tasks, format_table, split_task, summarize
     from vitlab.train import train
-    from vitlab.train.config import check_can_run, replace
+    from vitlab.train.build import check_can_run
+    from vitlab.train.overrides import with_changes
 
     groups = {}
     for item in args.group:
@@ -183,8 +185,8 @@ def _run(args: argparse.Namespace) -> int:
     grid = tuple(float(v) for v in args.grid.split(",")) if args.grid else tuple(cfg.optim.lr_grid) or (cfg.optim.lr,)
     device = cfg.run.device if cfg.run.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     accum = resolve_accum_steps(args, cfg, device)
-    cfg = replace(cfg, {"optim.accum_steps": accum})
-    check_can_run(replace(cfg, {"data.source": "digits"}))  # the weights and the batch, before any run
+    cfg = with_changes(cfg, {"optim.accum_steps": accum})
+    check_can_run(with_changes(cfg, {"data.source": "digits"}))  # the weights and the batch, before any run
     out = Path(args.out)
     say = (lambda text: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
     say(f"vtab: {len(tasks)} tasks, lr grid {', '.join(f'{lr:g}' for lr in grid)} ({args.select}), "
@@ -195,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
         done = run_out / "summary.json"
         if args.resume and done.is_file():
             return json.loads(done.read_text())
-        run_cfg = replace(cfg, {"data.source": str(source), "optim.lr": lr, "run.out": str(run_out)})
+        run_cfg = with_changes(cfg, {"data.source": str(source), "optim.lr": lr, "run.out": str(run_out)})
         check_can_run(run_cfg)
         return train(run_cfg, overwrite=True, verbose=not args.quiet)
 

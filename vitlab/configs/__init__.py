@@ -1,0 +1,65 @@
+"""The training recipes: plain Python modules of this package, each with a
+``get_config(**options) -> TrainConfig`` (big_vision style).
+
+    load_recipe("paper_finetune:dataset=cifar100")   # a recipe of this package, with its options
+    load_recipe("my/recipe.py:lr=0.01")              # a recipe file of one's own
+
+The recipes ship inside the package, so every install has them; ``vitlab train --recipe``
+reads its argument with ``load_recipe``.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+from vitlab.config import ConfigError
+from vitlab.train.config import TrainConfig
+
+
+def recipes_dir() -> Path:
+    """This package's folder: where the named recipes are."""
+    return Path(__file__).resolve().parent
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in recipes_dir().glob("*.py") if not p.stem.startswith("_"))
+
+
+def recipe_module(name: str) -> ModuleType:
+    """A named recipe's module (imported), or a ``.py`` file's (loaded from its path)."""
+    if not name.endswith(".py"):
+        if name not in list_recipes():
+            raise ConfigError(f"recipe={name!r}: no such recipe; known: {', '.join(list_recipes())} "
+                              "(or a path to a .py file)")
+        return importlib.import_module(f"{__name__}.{name}")
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"recipe={name!r}: no such recipe file; known recipes: {', '.join(list_recipes())}")
+    spec = importlib.util.spec_from_file_location(f"vitlab_recipe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_recipe(spec: str) -> TrainConfig:
+    """``NAME`` or ``path/to/file.py``, optionally ``:key=value,key=value`` passed to its
+    ``get_config`` as strings (e.g. ``paper_finetune:dataset=cifar100``)."""
+    name, _, arg_text = spec.partition(":")
+    module = recipe_module(name)
+    if not callable(getattr(module, "get_config", None)):
+        raise ConfigError(f"recipe {name!r}: defines no get_config() returning a TrainConfig")
+    kwargs = {}
+    for item in filter(None, arg_text.split(",")):
+        key, _, value = item.partition("=")
+        kwargs[key.strip()] = value.strip()
+    try:
+        cfg = module.get_config(**kwargs)
+    except (TypeError, ValueError) as err:  # an unknown or bad recipe argument
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"recipe {spec!r}: {err}") from None
+    if not isinstance(cfg, TrainConfig):
+        raise ConfigError(f"recipe {spec!r}: get_config() returned {type(cfg).__name__}, not TrainConfig")
+    return cfg

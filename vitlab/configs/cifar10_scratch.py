@@ -47,7 +47,8 @@ steps in batches of 2,500.  Unmeasured on a GPU so far (docs/results.md says so)
 """
 import math
 
-from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig, replace
+from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+from vitlab.train.overrides import with_changes
 
 ENCODER = dict(img_size=32, width=192, num_heads=3, mlp_dim=384, gelu="exact")
 HYBRID = dict(ENCODER, depth=3, patch_size=1)
@@ -81,9 +82,9 @@ def get_config(model: str = "hybrid", device: str = "auto") -> TrainConfig:
         return config
     batch = GPU_BATCH_SIZE
     lr = config.optim.lr * math.sqrt(batch / config.optim.batch_size)
-    return replace(config, {"recipe": f"cifar10_scratch:model={model},device=cuda", "optim.batch_size": batch,
-                           "optim.lr": lr, "data.progressive_sizes": (), "run.eval_every": 2000,
-                           "run.eval_batch_size": 2500, "run.compile": True, "run.device": "cuda"})
+    return with_changes(config, {"recipe": f"cifar10_scratch:model={model},device=cuda", "optim.batch_size": batch,
+                                "optim.lr": lr, "data.progressive_sizes": (), "run.eval_every": 2000,
+                                "run.eval_batch_size": 2500, "run.compile": True, "run.device": "cuda"})
 
 
 def cpu_config(model: str) -> TrainConfig:

@@ -19,6 +19,7 @@ from vitlab.data.sources import DataError, ImageFolderIndex, StreamSource, resol
 from vitlab.data.splits import few_per_class, stratified_split
 from vitlab.data.stream import StreamLoader, hold_out, open_source
 from vitlab.data.transforms import (
+    Augmentation,
     EvalTransform,
     TrainTransform,
     build_transform,
@@ -51,6 +52,7 @@ __all__ = [
     "mixup_cutmix",
     "one_hot_smooth",
     "random_erasing",
+    "Augmentation",
     "TrainTransform",
     "EvalTransform",
     "build_transform",

@@ -20,13 +20,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitlab.config import ConfigError, to_pair
+from vitlab.config import (ConfigError, is_number, need, need_bool, need_choice, need_int, need_number,
+                           to_pair)
 from vitlab.data.randaugment import rand_augment
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "mixup_cutmix",
     "one_hot_smooth",
     "random_erasing",
+    "Augmentation",
     "TrainTransform",
     "EvalTransform",
     "build_transform",
@@ -306,35 +308,34 @@ def random_erasing(
     return torch.where(mask, fill, images)
 
 
-def _check_range(name: str, pair: tuple[float, float], low: float, high: float) -> None:
-    if len(pair) != 2 or not low <= pair[0] <= pair[1] <= high:
-        raise ConfigError(f"{name}={pair!r}: expected (min, max) with {low} <= min <= max <= {high}")
-
-
 CROPS = ("inception", "pad", "none")
 
 
-@dataclass(frozen=True)
-class TrainTransform:
-    """Training augmentation, applied per batch by ``build_transform``.
+def _need_range(name: str, pair: Any, low: float, high: float) -> None:
+    need(isinstance(pair, tuple) and len(pair) == 2 and all(is_number(v) for v in pair)
+         and low <= pair[0] <= pair[1] <= high, name, pair, f"expected (min, max) with {low} <= min <= max <= {high}")
 
-    num_classes:  size of the soft targets.
-    image_size:   output (H, W); required for crop="inception"; for "pad"/"none" the batch
-                  is first resized to it if given.
+
+@dataclass(frozen=True)
+class Augmentation:
+    """What training augments, declared once: ``TrainTransform`` adds the class count and
+    the output size, the training config's ``augment`` section adds its name.
+
     crop:         "inception" (random_resized_crop, the official pipeline), "pad" (CIFAR
                   reflect-pad-and-crop by ``crop_pad`` pixels) or "none".
-    alternate_flip: with ``flip``, mirror each example in every other epoch instead of
-                  at random (``alternating_flip``); needs the stream's example ids.
+    crop_scale, crop_ratio: the inception crop's (min, max) area fraction and aspect ratio.
+    flip:         random left-right mirroring; with ``alternate_flip``, each example is
+                  mirrored in every other epoch instead (``alternating_flip``; needs the
+                  stream's example ids).
     randaug_ops:  RandAugment N (0 = off); ``randaug_magnitude`` is M on the 0-10 scale.
                   Not in the paper; used by the DeiT/AugReg recipes for ViT without
                   large-scale pre-training.
-    mixup_alpha, cutmix_alpha, mix_switch_prob: see ``mixup_cutmix`` (0 = off).
+    mixup_alpha, cutmix_alpha, mix_switch_prob: see ``mixup_cutmix`` (0 = off); with both,
+                  the probability of CutMix for a batch.
     label_smoothing: mass spread uniformly over classes (0 = plain one-hot).
     erase_prob:   random erasing probability per image (0 = off).
     """
 
-    num_classes: int
-    image_size: Optional[Size] = None
     crop: str = "inception"
     crop_scale: tuple[float, float] = (0.05, 1.0)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
@@ -350,32 +351,45 @@ class TrainTransform:
     erase_prob: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_classes, int) or self.num_classes < 1:
-            raise ConfigError(f"num_classes={self.num_classes!r}: must be a positive integer")
+        need_choice("crop", self.crop, CROPS)
+        for name in ("crop_scale", "crop_ratio"):  # a list from JSON: the tuple a frozen config holds
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        _need_range("crop_scale", self.crop_scale, 0.0, 1.0)
+        _need_range("crop_ratio", self.crop_ratio, 1e-6, math.inf)
+        need(self.crop_scale[1] > 0, "crop_scale", self.crop_scale, "the largest area must be > 0")
+        need_int("crop_pad", self.crop_pad, 0)
+        for name in ("flip", "alternate_flip"):
+            need_bool(name, getattr(self, name))
+        need_int("randaug_ops", self.randaug_ops, 0)
+        need_number("randaug_magnitude", self.randaug_magnitude)
+        for name in ("mixup_alpha", "cutmix_alpha"):
+            need_number(name, getattr(self, name))
+        for name in ("mix_switch_prob", "erase_prob"):
+            value = getattr(self, name)
+            need(is_number(value) and 0 <= value <= 1, name, value, "must be a probability in [0, 1]")
+        need_number("label_smoothing", self.label_smoothing, 0.0, below=1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainTransform(Augmentation):
+    """Training augmentation (``Augmentation``'s fields), applied per batch by ``build_transform``.
+
+    num_classes:  size of the soft targets.
+    image_size:   output (H, W); required for crop="inception"; for "pad"/"none" the batch
+                  is first resized to it if given.
+    """
+
+    num_classes: int
+    image_size: Optional[Size] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        need_int("num_classes", self.num_classes, 1)
         if self.image_size is not None:
             object.__setattr__(self, "image_size", to_pair(self.image_size, "image_size"))
-        if self.crop not in CROPS:
-            raise ConfigError(f"crop={self.crop!r}: allowed values are {', '.join(map(repr, CROPS))}")
         if self.crop == "inception" and self.image_size is None:
             raise ConfigError("crop='inception' needs image_size (the output size of the crop)")
-        _check_range("crop_scale", self.crop_scale, 0.0, 1.0)
-        _check_range("crop_ratio", self.crop_ratio, 1e-6, math.inf)
-        if self.crop_scale[1] <= 0:
-            raise ConfigError(f"crop_scale={self.crop_scale!r}: the largest area must be > 0")
-        if not isinstance(self.crop_pad, int) or self.crop_pad < 0:
-            raise ConfigError(f"crop_pad={self.crop_pad!r}: must be an integer >= 0")
-        if not isinstance(self.randaug_ops, int) or self.randaug_ops < 0:
-            raise ConfigError(f"randaug_ops={self.randaug_ops!r}: must be an integer >= 0 (0 = off)")
-        if self.randaug_magnitude < 0:
-            raise ConfigError(f"randaug_magnitude={self.randaug_magnitude!r}: must be >= 0 (0-10 scale)")
-        for name in ("mixup_alpha", "cutmix_alpha"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: must be >= 0 (0 = off)")
-        for name in ("mix_switch_prob", "erase_prob"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: must be a probability in [0, 1]")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ConfigError(f"label_smoothing={self.label_smoothing!r}: must lie in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -387,8 +401,7 @@ class EvalTransform:
     image_size: Optional[Size] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_classes, int) or self.num_classes < 1:
-            raise ConfigError(f"num_classes={self.num_classes!r}: must be a positive integer")
+        need_int("num_classes", self.num_classes, 1)
         if self.image_size is not None:
             object.__setattr__(self, "image_size", to_pair(self.image_size, "image_size"))
 

@@ -37,7 +37,7 @@ FORMER_NAMES = {"val": "val_split", "minutes": "time_limit", "batch": "batch_siz
 def recipe_data(recipe: str = DATA_RECIPE) -> str:
     """The data source a recipe trains on (for ``cifar10_scratch`` an archive path relative to the
     repository root, as the README runs it)."""
-    from vitlab.train.config import load_recipe
+    from vitlab.configs import load_recipe
 
     return load_recipe(recipe).data.source
 
@@ -158,8 +158,8 @@ def train_config(s: Settings, out: Path, seed: int, overrides: dict, changes: di
     Real data trains with ``precision="auto"``, as the recipes do (bf16 autocast where the CPU
     or GPU runs it faster than fp32, by the rule in ``vitlab.fast``), so a time-limited run
     gets the steps the hardware can give it; the digits of the quick forms train in fp32."""
-    from vitlab.train.config import (AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig,
-                                     replace)
+    from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+    from vitlab.train.overrides import with_changes
 
     cfg = TrainConfig(
         recipe="experiment",
@@ -173,14 +173,14 @@ def train_config(s: Settings, out: Path, seed: int, overrides: dict, changes: di
                       threads=s.threads, device=s.device, seed=seed, time_limit=s.time_limit, tensorboard=False,
                       fast=not s.digits, out=str(out)),
     )
-    return replace(cfg, changes or {})
+    return with_changes(cfg, changes or {})
 
 
 def train_vit(s: Settings, out: Path, seed: int, overrides: dict, changes: dict | None = None) -> dict:
     """Train one ViT (or hybrid) through ``vitlab.train.train``; the summary plus its FLOPs."""
     from vitlab.analysis.cost import training_flops
     from vitlab.train import train
-    from vitlab.train.config import model_config
+    from vitlab.train.build import architecture
 
     cfg = train_config(s, out, seed, overrides, changes)
     summary = finished_run(cfg) if s.resume else None
@@ -189,7 +189,7 @@ def train_vit(s: Settings, out: Path, seed: int, overrides: dict, changes: dict 
     else:
         s.reused.append(cfg.run.out)
     try:
-        mcfg = model_config(cfg, num_classes=10)
+        mcfg = architecture(cfg, num_classes=10)
         summary["train_eflops"] = (training_flops(mcfg, summary["steps"], cfg.optim.batch_size)
                                    + optimiser_flops_per_step(mcfg, cfg.optim.optimizer) * summary["steps"] / 1e18)
     except Exception:  # noqa: BLE001 (fine-tuned runs: the architecture is the checkpoint's)

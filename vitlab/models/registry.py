@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..config import ConfigError, ModelConfig, ResNetConfig, ViTConfig, replace
+from ..config import Architecture, ConfigError, ResNetConfig, ViTConfig, replace
 
 # Paper Table 1, plus Ti and S from the official code (width, depth, mlp_dim, num_heads).
 VIT_SIZES: dict[str, tuple[int, int, int, int]] = {
@@ -33,10 +33,10 @@ RESNET_DEPTHS: dict[int, tuple[int, ...]] = {
 }
 BIT_MODELS = ("R50x1", "R50x2", "R101x1", "R152x1", "R152x2", "R152x4", "R200x3")
 
-_REGISTRY: dict[str, Callable[[], ModelConfig]] = {}
+_REGISTRY: dict[str, Callable[[], Architecture]] = {}
 
 
-def register(name: str, make: Callable[[], ModelConfig]) -> None:
+def register(name: str, make: Callable[[], Architecture]) -> None:
     if name in _REGISTRY:
         raise ValueError(f"model {name!r} is registered twice")
     _REGISTRY[name] = make
@@ -117,7 +117,7 @@ def list_models() -> list[str]:
     return list(_REGISTRY)
 
 
-def get_config(name: str, **overrides: Any) -> ModelConfig:
+def get_config(name: str, **overrides: Any) -> Architecture:
     """The registered config for ``name`` with fields overridden."""
     if not isinstance(name, str):
         raise ConfigError(f"model name {name!r}: must be a string such as 'ViT-B/16'")
@@ -127,7 +127,7 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
     return replace(_REGISTRY[key](), **overrides) if overrides else _REGISTRY[key]()
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
+def build_model(cfg: Architecture) -> nn.Module:
     """Instantiate the module that ``cfg`` describes."""
     if isinstance(cfg, ResNetConfig):
         from .resnet import BiTResNet
@@ -142,7 +142,7 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     return VisionTransformer(cfg)
 
 
-def create_model(name_or_config: str | ModelConfig, **overrides: Any) -> nn.Module:
+def create_model(name_or_config: str | Architecture, **overrides: Any) -> nn.Module:
     """Build a model by registry name or from a config, e.g.
 
         create_model("ViT-B/16", num_classes=10, img_size=384)
@@ -155,7 +155,7 @@ def create_model(name_or_config: str | ModelConfig, **overrides: Any) -> nn.Modu
     return build_model(cfg)
 
 
-def count_parameters(cfg: ModelConfig) -> int:
+def count_parameters(cfg: Architecture) -> int:
     """Parameters of the model ``cfg`` describes, counted without allocating memory."""
     with torch.device("meta"):
         model = build_model(cfg)

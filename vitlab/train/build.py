@@ -4,24 +4,29 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
 from vitlab import fast
-from vitlab.config import ConfigError
+from vitlab.config import Architecture, ConfigError
 from vitlab.fast.kernels import KernelChoice, cpu_class, cpu_info
 from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.features import check_tta_shift
 
-from .config import TrainConfig, check_can_run, model_config, replace
+from .architecture import model_architecture
+from .config import TrainConfig
 from .distributed import World, init_world, wrap_model
 from .ema import EMA
 from .inputs import Splits, build_splits, decode_workers, resolve_data, stream_splits
 from .memory import retain_freed_memory
 from .numerics import make_scaler
 from .optim import build_optimizer
+from .overrides import with_changes
+
+BUILTIN_DATA = ("digits",)  # data sources that need no path (see vitlab/data/digits.py)
 
 
 @dataclass(frozen=True)
@@ -90,21 +95,53 @@ class Setup:
         return self.ema.module if self.ema else self.model
 
 
+def architecture(cfg: TrainConfig, num_classes: int | None = None) -> Architecture:
+    """The architecture this run trains from scratch (progressive resizing makes its input
+    size dynamic)."""
+    return model_architecture(cfg.model, num_classes, dynamic_img_size=bool(cfg.data.progressive_sizes))
+
+
+def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True) -> None:
+    """What the values alone cannot tell: the launch's process count, and that the data
+    and the initial weights exist.  ``build`` calls it before any work; the CLI earlier."""
+    per_process = cfg.optim.accum_steps * world_size
+    if cfg.optim.batch_size % per_process:
+        raise ConfigError(
+            f"optim.batch_size={cfg.optim.batch_size} is not divisible by optim.accum_steps={cfg.optim.accum_steps}"
+            f" x world_size={world_size} = {per_process}: every micro-batch must have the same size")
+    if cfg.run.fsdp and world_size < 2:
+        raise ConfigError("run.fsdp=True needs a distributed launch (torchrun --nproc_per_node=N); world_size is 1")
+    if need_data:
+        source = cfg.data.source
+        if source is None:
+            raise ConfigError("data.source=None: give a data path (--data PATH: an ImageFolder folder or "
+                              f".tar/.tar.gz) or a built-in source ({', '.join(BUILTIN_DATA)})")
+        for name, path in (("data.source", source), ("data.val_data", cfg.data.val_data)):
+            if path is not None and path not in BUILTIN_DATA and not any(c in path for c in "{*?[") and \
+                    not Path(path).expanduser().exists():
+                raise ConfigError(f"{name}={path!r}: no such file or folder")
+    if cfg.model.init is not None and not Path(cfg.model.init).expanduser().exists():
+        from vitlab.weights.hub import parse_hub_name
+
+        if parse_hub_name(cfg.model.init) is None:  # a Hub name is looked up when the weights are loaded
+            raise ConfigError(f"model.init={cfg.model.init!r}: no such file or folder")
+
+
 FINETUNE_MODEL_FIELDS = ("dropout", "attention_dropout", "drop_path", "patch_dropout")
 
 
-def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
+def make_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
     """A fresh model, or ``model.init`` adapted for fine-tuning (paper Sec. 3.2): position
     embeddings interpolated to ``model.img_size`` and a new zero-initialised head."""
-    from vitlab.models.registry import build_model as build
+    from vitlab.models.registry import build_model
 
     if cfg.model.mpp is not None:  # self-supervised: the ViT inside a masked-patch-prediction wrapper
         from vitlab.models.mpp import MaskedPatchPrediction
 
-        vit = build(model_config(cfg, num_classes)) if cfg.model.init is None else _fine_tuned(cfg, num_classes)
+        vit = build_model(architecture(cfg, num_classes)) if cfg.model.init is None else _fine_tuned(cfg, num_classes)
         return MaskedPatchPrediction(vit, target=cfg.model.mpp, rate=cfg.model.mpp_rate).train()
     if cfg.model.init is None:
-        return build(model_config(cfg, num_classes))
+        return build_model(architecture(cfg, num_classes))
     return _fine_tuned(cfg, num_classes)
 
 
@@ -126,7 +163,7 @@ def training_size(cfg: TrainConfig) -> tuple[int, int]:
     if cfg.model.img_size is not None:
         return (cfg.model.img_size,) * 2
     if cfg.model.init is None:
-        return tuple(model_config(cfg).img_size)
+        return tuple(architecture(cfg).img_size)
     from vitlab.weights import load_model
 
     return tuple(load_model(cfg.model.init, name=cfg.model.name).cfg.img_size)
@@ -259,7 +296,7 @@ def build(cfg: TrainConfig) -> Setup:
     splits = stream_splits(cfg, img_size, world) if streamed else build_splits(cfg, img_size, world)
     num_classes = len(splits.classes)
 
-    model = build_model(cfg, num_classes).to(world.device)
+    model = make_model(cfg, num_classes).to(world.device)
     if cfg.model.patch_init == "whiten":
         whiten_from_data(model, splits, cfg)
     if cfg.model.attn_init == "mimetic":
@@ -306,7 +343,7 @@ def build(cfg: TrainConfig) -> Setup:
 
         evaluator, final_evaluator = evaluator_with(0), evaluator_with(cfg.run.final_eval_shift)
     scaler = make_scaler(resolved.precision, world.device, cfg.run.loss_scale)
-    cfg = replace(cfg, data_values)  # config.json states the values the run used
+    cfg = with_changes(cfg, data_values)  # config.json states the values the run used
     resolved = dataclasses.replace(resolved, stream_workers=cfg.data.stream_workers,
                                    decode_workers=cfg.data.decode_workers)
     return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, evaluator, final_evaluator, micro_batch,

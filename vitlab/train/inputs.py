@@ -22,7 +22,8 @@ from vitlab.config import ConfigError, Pair
 from vitlab.data.sources import DataError
 from vitlab.data.splits import stratified_split
 
-from .config import TrainConfig, replace
+from .config import TrainConfig
+from .overrides import with_changes
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ def resolve_data(cfg: TrainConfig, image_size: Pair) -> tuple[TrainConfig, dict]
         "data.stream_workers": cores - 1 if data.stream_workers == "auto" else data.stream_workers,
         "data.decode_workers": cores if data.decode_workers == "auto" else data.decode_workers,
     }
-    return replace(cfg, resolved), resolved
+    return with_changes(cfg, resolved), resolved
 
 
 def stream_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:

@@ -27,13 +27,13 @@ from vitlab.fast.kernels import why_unavailable
 
 from . import checkpoint as ckpt
 from .build import Resolved, Setup, build
-from .config import TrainConfig, to_dict, warmup_steps
+from .config import TrainConfig, to_dict
 from .distributed import all_reduce_sum, barrier, elastic_restart_count, init_world, shutdown
 from .inputs import WaitTimed
 from .metrics import MetricsWriter, Progress, plot_curves
 from .numerics import NonFinite
-from .schedules import input_size_at, lr_at
-from .state import check_same_run, final_model, restore, rng_state, set_rng_state, sharded, training_state
+from .schedules import input_size_at, lr_at, warmup_steps
+from .state import check_same_run, final_model, restore_state, rng_state, set_rng_state, sharded, training_state
 from .step import StepResult, endless, train_step
 from .time_budget import TimeBudget
 
@@ -109,7 +109,7 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
         if state is not None:
             check_same_run(cfg, state.get("config", {}))
             adopt_resolved(s, state.get("resolved"), progress)
-            step, total_steps, records = restore(s, state)
+            step, total_steps, records = restore_state(s, state)
             nonfinite.load_state_dict(state.get("numerics"))
             budget.resume(state.get("clock", {}), step)
             progress.message(f"resumed from {last_saved} at step {step}/{total_steps}, "

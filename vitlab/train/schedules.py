@@ -6,7 +6,10 @@ The paper (Table 3, Table 4): linear warm-up over 10k steps (pre-training) or 50
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .config import OptimConfig
 
 
 def lr_at(step: int, *, base_lr: float, total_steps: int, warmup_steps: int,
@@ -31,6 +34,28 @@ def lr_at(step: int, *, base_lr: float, total_steps: int, warmup_steps: int,
     else:
         raise ValueError(f"decay={decay!r}: allowed values are 'cosine', 'linear', 'constant'")
     return min_lr + (base_lr - min_lr) * shape
+
+
+def scaled_warmup(warmup: float, steps: int, recipe_steps: int) -> float:
+    """The warm-up of a schedule of ``steps`` steps, given ``warmup`` for ``recipe_steps``.
+
+    The rule: a fraction (< 1) is a fraction of any schedule; a count (>= 1) is the
+    warm-up of ``recipe_steps`` steps and keeps its share of a shorter schedule, rounded
+    and at least one step (the paper's 500 fine-tuning warm-up steps of 10,000 are 5 of
+    100); a longer schedule keeps the count (the paper's 10k steps for any pre-training).
+    """
+    if warmup < 1 or steps >= recipe_steps:
+        return warmup
+    return max(1, int(round(warmup * steps / recipe_steps)))
+
+
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """``optim.warmup`` as a step count in a schedule of ``total_steps`` steps
+    (``scaled_warmup``: a fraction of it; a count scaled down with a schedule shorter than
+    ``optim.steps``, as one fitted to ``run.time_limit``)."""
+    if optim.warmup < 1:
+        return int(round(optim.warmup * total_steps))
+    return int(scaled_warmup(optim.warmup, total_steps, optim.steps))
 
 
 def fit_steps_to_time(*, budget_s: float, elapsed_s: float, step: int, sec_per_step: float,

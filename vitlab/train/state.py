@@ -1,7 +1,7 @@
 """What a training checkpoint holds, and how a run continues from one bit-exactly.
 
 ``training_state`` gathers the model, optimiser, EMA, data-stream position, RNG states,
-metric records and the run's clock; ``restore`` puts them back.  Under FSDP both are
+metric records and the run's clock; ``restore_state`` puts them back.  Under FSDP both are
 collective calls (every rank takes part) and the full, unsharded state lives on rank 0.
 """
 from __future__ import annotations
@@ -14,7 +14,8 @@ from torch import nn
 
 from vitlab.config import ConfigError
 
-from .config import TrainConfig, from_dict, get, to_dict
+from .config import TrainConfig, from_dict, to_dict
+from .overrides import field_value
 
 # fields that fix the data order, the model or the optimiser state: a resumed run must keep them
 RESUME_INVARIANTS = ("model.name", "model.overrides", "model.img_size", "model.init", "data.source",
@@ -43,9 +44,10 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
     if not saved:
         return
     before = from_dict(saved)
-    changed = [name for name in RESUME_INVARIANTS if get(before, name) != get(cfg, name)]
+    changed = [name for name in RESUME_INVARIANTS if field_value(before, name) != field_value(cfg, name)]
     if changed:
-        differences = ", ".join(f"{k}={get(cfg, k)!r} (checkpoint: {get(before, k)!r})" for k in changed)
+        differences = ", ".join(f"{k}={field_value(cfg, k)!r} (checkpoint: {field_value(before, k)!r})"
+                                for k in changed)
         raise ConfigError(f"--resume: {differences} differ from the checkpoint's run; an exact continuation needs "
                           "the same values")
 
@@ -72,7 +74,7 @@ def model_state(s) -> dict:
 
 def training_state(s, step: int, total_steps: int, records: list[dict], clock: dict,
                    numerics: dict | None = None) -> dict:
-    """Everything ``restore`` needs to continue bit-exactly (collective under FSDP).
+    """Everything ``restore_state`` needs to continue bit-exactly (collective under FSDP).
 
     ``clock``: the run's wall time so far and its measured evaluation time
     (``TimeBudget.state``), so that a resumed time-limited run keeps counting.
@@ -102,7 +104,7 @@ def training_state(s, step: int, total_steps: int, records: list[dict], clock: d
     }
 
 
-def restore(s, state: dict) -> tuple[int, int, list[dict]]:
+def restore_state(s, state: dict) -> tuple[int, int, list[dict]]:
     """Load a checkpoint into the set-up ``s``; returns (step, total_steps, metric records)."""
     if sharded(s):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
@@ -127,13 +129,13 @@ def final_model(s) -> nn.Module | None:
     if not sharded(s):
         model = s.ema.module if s.ema else s.model
         return model.vit if s.cfg.model.mpp is not None else model
-    from vitlab.models.registry import build_model as build
+    from vitlab.models.registry import build_model
 
     state = model_state(s)  # collective: every rank takes part
     if not s.world.is_main:
         return None
     if s.cfg.model.mpp is not None:
         state = {k[len("vit."):]: v for k, v in state.items() if k.startswith("vit.")}
-    model = build(s.model.cfg)
+    model = build_model(s.model.cfg)
     model.load_state_dict(state)
     return model

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import ConfigError, ModelConfig, Pair, ResNetConfig, ViTConfig, replace, to_pair
+from ..config import Architecture, ConfigError, Pair, ResNetConfig, ViTConfig, replace, to_pair
 from ..models.posemb import LearnedPosEmb1D, LearnedPosEmb2D, RelativePosBias, resample_grid, resample_table_1d
 from ..models.registry import PATCH_SIZES, VIT_SIZES, build_model, get_config
 
@@ -110,7 +110,7 @@ def load_checked(model: nn.Module, state_dict: Mapping[str, torch.Tensor], sourc
     return model
 
 
-def meta_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+def meta_shapes(cfg: Architecture) -> dict[str, torch.Size]:
     """The state-dict shapes of the model ``cfg`` describes, without allocating it."""
     with torch.device("meta"):
         model = build_model(cfg)
@@ -321,8 +321,8 @@ def _resized_posembs(cfg: ViTConfig, new_cfg: ViTConfig, state_dict: StateDict) 
 
 
 @torch.no_grad()
-def adapt_state_dict(state_dict: StateDict, cfg: ModelConfig, *, img_size: Pair | int | None = None,
-                     num_classes: int | None = None, keep_pre_logits: bool = False) -> tuple[StateDict, ModelConfig]:
+def adapt_state_dict(state_dict: StateDict, cfg: Architecture, *, img_size: Pair | int | None = None,
+                     num_classes: int | None = None, keep_pre_logits: bool = False) -> tuple[StateDict, Architecture]:
     """Weights of a ``cfg`` model adapted to a new resolution and/or a new classifier.
 
     img_size: position embeddings are resampled to the new patch grid ([class] kept),
@@ -359,7 +359,7 @@ def adapt_state_dict(state_dict: StateDict, cfg: ModelConfig, *, img_size: Pair 
     return out, new_cfg
 
 
-def build_loaded(state_dict: StateDict, cfg: ModelConfig, *, img_size: Pair | int | None = None,
+def build_loaded(state_dict: StateDict, cfg: Architecture, *, img_size: Pair | int | None = None,
                  num_classes: int | None = None, keep_pre_logits: bool = False,
                  source: str = "the weights") -> nn.Module:
     """Check ``state_dict`` against ``cfg``, adapt it, and return the loaded model in eval mode."""
@@ -397,7 +397,7 @@ def warn_conventions(lines: list[str], library: str) -> None:
                       ConventionWarning, stacklevel=3)
 
 
-def require_plain_vit(cfg: ModelConfig, library: str, *, hybrid: bool = True) -> ViTConfig:
+def require_plain_vit(cfg: Architecture, library: str, *, hybrid: bool = True) -> ViTConfig:
     """Refuse what ``library``'s ViT cannot hold, naming every reason at once."""
     if not isinstance(cfg, ViTConfig):
         raise WeightsError(f"{library} has no layout for a {type(cfg).__name__} model (a ViT is needed)")

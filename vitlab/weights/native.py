@@ -20,7 +20,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ..config import ConfigError, ModelConfig, Pair, ResNetConfig, config_from_json, config_to_json, replace
+from ..config import Architecture, ConfigError, Pair, ResNetConfig, config_from_json, config_to_json, replace
 from .core import WeightsError, atomic_write, build_loaded
 
 CONFIG_KEY = "vitlab_config"
@@ -150,14 +150,14 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
     return tensors, metadata
 
 
-def _parse_config(text: str, where: str) -> ModelConfig:
+def _parse_config(text: str, where: str) -> Architecture:
     try:
         return config_from_json(text)
     except (ValueError, TypeError) as e:  # json.JSONDecodeError and ConfigError are ValueErrors
         raise WeightsError(f"the vitlab config in {where} cannot be read: {e}") from e
 
 
-def read_native(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+def read_native(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Architecture]:
     """(state dict, config) of a file or directory written by ``save_model``.
 
     The config inside the weights file wins over ``config.json``: it cannot go stale, and

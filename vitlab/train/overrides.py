@@ -1,0 +1,221 @@
+"""Changing a ``TrainConfig`` by field name: ``with_changes`` and the ``--set`` language.
+
+    with_changes(cfg, {"optim.lr": 0.01, "model.width": 256})
+    apply_overrides(cfg, ["optim.lr=0.01", "model.width=256", "lr=0.01"])
+
+A name is ``section.field``, ``recipe``, or a flat name of earlier versions
+(``LEGACY_NAMES``); ``model.<ViTConfig or ResNetConfig field>`` changes one field of the
+architecture (``model.overrides``).  The changed sections are built anew, so they check
+themselves, all changes together.
+
+It lives in ``train/`` rather than ``cli/``: the experiments (``vitlab/experiments/``),
+the recipes and the trainer's own set-up change configs by name too, and they sit below the
+command line in the import order (the CLI uses everything; nothing imports the CLI).
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+from typing import Any
+
+from vitlab.config import ConfigError, ResNetConfig, ViTConfig, is_int
+
+from .config import SECTIONS, ModelConfig, TrainConfig
+from .legacy import LEGACY_NAMES
+from .schedules import scaled_warmup
+
+MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+# the architecture's fields, ``--set model.<field>=value``: a ViT's or a BiT ResNet's (their defaults give the type)
+ARCHITECTURE_FIELDS = {f.name: f.default for cls in (ResNetConfig, ViTConfig) for f in dataclasses.fields(cls)}
+# the type of the fields whose default is None, shown by an example value
+OPTIONAL_TYPES = {"model.init": "", "model.img_size": 0, "data.source": "", "data.val_data": "",
+                  "data.cache_dir": "", "optim.muon_adamw_lr": 0.0}
+# What a ViT recipe sets that a BiT ResNet has not: the value that leaves it out
+VIT_ONLY_FIELDS = {("model", "pre_logits"): False, ("model", "patch_init"): "lecun", ("model", "attn_init"): "xavier",
+                   ("model", "posemb_init"): "normal", ("data", "progressive_sizes"): ()}
+
+
+def field_names() -> list[str]:
+    """Every settable field as ``section.field`` (and ``recipe``)."""
+    return ["recipe"] + [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def resolve_name(name: str) -> str:
+    """``section.field`` for a new or an old flat name (ConfigError for neither)."""
+    names = field_names()
+    if name in names:
+        return name
+    if name in LEGACY_NAMES:
+        return LEGACY_NAMES[name]
+    close = difflib.get_close_matches(name, names + list(LEGACY_NAMES), n=3)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    raise ConfigError(f"unknown field {name!r}.{hint} Fields: {', '.join(names)}")
+
+
+def field_value(cfg: TrainConfig, name: str) -> Any:
+    """The value of ``section.field`` (or an old flat name)."""
+    path = resolve_name(name)
+    if path == "recipe":
+        return cfg.recipe
+    section, key = path.split(".", 1)
+    return getattr(getattr(cfg, section), key)
+
+
+def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
+    """``cfg`` with ``{"section.field": value}`` changed (old flat names accepted); the new
+    sections check themselves.
+
+    ``"model.<ViTConfig or ResNetConfig field>": value`` changes one field of the
+    architecture (``model.overrides``).  A ``model.name`` of another model family (a BiT
+    ResNet in a ViT recipe) leaves out what the recipe set for its own family and the new
+    one has not (``fit_model_family``); what ``changes`` sets explicitly is kept, and
+    refused when the model has no such field.  A shorter ``optim.steps`` without
+    ``optim.warmup`` scales a warm-up given in steps (``schedules.scaled_warmup``).
+    """
+    by_section: dict[str, dict] = {}
+    architecture: dict[str, Any] = {}
+    recipe = cfg.recipe
+    for name, value in changes.items():
+        key = name[len("model."):] if name.startswith("model.") else None
+        if key is not None and key not in MODEL_FIELDS and key in ARCHITECTURE_FIELDS:
+            architecture[key] = value
+            continue
+        path = resolve_name(name)
+        if path == "recipe":
+            recipe = value
+            continue
+        section, key = path.split(".", 1)
+        by_section.setdefault(section, {})[key] = value
+    by_section = fit_model_family(cfg, by_section)
+    optim = by_section.get("optim", {})
+    if "warmup" not in optim and is_int(optim.get("steps")) and optim["steps"] >= 1:  # a shorter run, same shape
+        by_section["optim"] = {**optim, "warmup": scaled_warmup(cfg.optim.warmup, optim["steps"], cfg.optim.steps)}
+    if architecture:
+        model = by_section.setdefault("model", {})
+        model["overrides"] = {**model.get("overrides", cfg.model.overrides), **architecture}
+    sections = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in by_section.items()}
+    return dataclasses.replace(cfg, recipe=recipe, **sections)
+
+
+def model_family(name: str) -> type | None:
+    """``ViTConfig`` or ``ResNetConfig``: the config class of a registry name (None: unknown)."""
+    from vitlab.models.registry import get_config
+
+    try:
+        return type(get_config(name))
+    except ConfigError:
+        return None
+
+
+def fit_model_family(cfg: TrainConfig, by_section: dict[str, dict]) -> dict[str, dict]:
+    """``with_changes``' changes by section, plus what a change of model family leaves out.
+
+    A recipe is written for one family (every recipe here: the ViT).  When ``model.name``
+    changes to another (``--model BiT-R50x1``), the recipe's architecture overrides that
+    the new family has no field for (dropout, patch size, a hybrid's ``resnet``, a
+    ``name``) and its ViT-only options (``VIT_ONLY_FIELDS``: the pre-logits layer, the
+    ViT's initialisations, progressive resizing) are left out, unless ``by_section`` sets
+    them: a value set explicitly is kept, and refused by the checks if the family has no
+    such field.  Masked patch prediction (``model.mpp``) is the purpose of its recipe, not
+    an option of it: it stays, and is refused for a ResNet.
+    """
+    model = by_section.get("model", {})
+    new, old = model_family(model.get("name", cfg.model.name)), model_family(cfg.model.name)
+    if new is None or old is None or new is old:
+        return by_section
+    by_section = {section: dict(values) for section, values in by_section.items()}
+    model = by_section.setdefault("model", {})
+    if "overrides" not in model:
+        fields = {f.name for f in dataclasses.fields(new)} - {"name"}  # the recipe's name is its own model's
+        model["overrides"] = {k: v for k, v in cfg.model.overrides.items() if k in fields}
+    if new is ResNetConfig:
+        for (section, key), off in VIT_ONLY_FIELDS.items():
+            if key not in by_section.get(section, {}) and getattr(getattr(cfg, section), key) != off:
+                by_section.setdefault(section, {})[key] = off
+    return by_section
+
+
+# ----------------------------------------------------------------------------- the --set language
+
+
+def parse_value(text: str, default: Any) -> Any:
+    """Turn command-line text into a value of the default's type."""
+    if isinstance(default, bool):
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("expected true or false")
+    if isinstance(default, str):
+        return text.strip()
+    if text.strip().lower() in ("none", "null"):
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text  # a bare word: a string
+    if isinstance(value, list):
+        value = tuple(value)
+    if isinstance(default, tuple):
+        if isinstance(value, str):
+            value = tuple(v.strip() for v in value.split(",") if v.strip())
+        elif isinstance(value, (list, tuple)):
+            value = tuple(value)
+        else:
+            value = (value,)
+    elif isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    return value
+
+
+def parse_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``section.field=value`` strings (old flat names too) as ``with_changes``' changes to
+    ``cfg``; ``model.<ViTConfig or ResNetConfig field>=value`` changes the architecture
+    (one entry of ``model.overrides``), ``model.overrides={}`` clears the recipe's.
+
+    Values are Python literals (``0.1``, ``(0.9, 0.95)``, ``None``) or bare words
+    (``cosine``); tuples also accept ``0.9,0.95``.  Nothing is checked but the names and
+    the types: the changes are checked together, when ``with_changes`` builds the sections.
+    """
+    changes: dict[str, Any] = {}
+    defaults = TrainConfig()
+    for item in assignments:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected field=value")
+        name, text = (s.strip() for s in item.split("=", 1))
+        key = name[len("model."):] if name.startswith("model.") else None
+        if key is not None and key not in MODEL_FIELDS:
+            if key not in ARCHITECTURE_FIELDS:
+                raise ConfigError(f"--set {name}: {key!r} is neither a model field ({', '.join(sorted(MODEL_FIELDS))})"
+                                  f" nor a field of the architecture; ViTConfig's and ResNetConfig's: "
+                                  f"{', '.join(ARCHITECTURE_FIELDS)}")
+            # sizes: "16" and "16,16" both mean (16, 16), which the configs accept as an int or a pair
+            default = None if key in ("img_size", "patch_size") else ARCHITECTURE_FIELDS[key]
+            changes[f"model.{key}"] = parse_value(text, default)
+            continue
+        path = resolve_name(name)
+        if path == "model.overrides":
+            value = parse_value(text, None)
+            if not isinstance(value, dict):
+                raise ConfigError(f"--set {name}={text!r}: expected a dict such as {{}} (no overrides) or "
+                                  "{'width': 256}; or set the fields one by one, --set model.<field>=value")
+            changes[path] = value
+            continue
+        default = field_value(defaults, path)
+        if default is None:  # optional fields: "none" clears them
+            if text.strip().lower() in ("none", "null"):
+                changes[path] = None
+                continue
+            default = OPTIONAL_TYPES[path]
+        try:
+            changes[path] = parse_value(text, default)
+        except ValueError as err:
+            raise ConfigError(f"{path}={text!r}: {err}") from None
+    return changes
+
+
+def apply_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) -> TrainConfig:
+    """``cfg`` with ``section.field=value`` strings applied (see ``parse_overrides``)."""
+    return with_changes(cfg, parse_overrides(cfg, assignments))

@@ -364,6 +364,22 @@ def test_bf16_inference_reads_the_parameters_and_never_writes_them(family, kerne
         assert p is param and p._version == version and torch.equal(fp32_bits(p), bits)
 
 
+def test_the_inference_commands_fast_model_never_writes_its_parameters(tmp_path):
+    from vitlab.cli.eval import load_checkpoint
+
+    cfg = tiny()
+    vitlab.save_model(with_random_head(cfg), tmp_path / "run")
+    saved = vitlab.load_model(tmp_path / "run").state_dict()
+    model, _ = load_checkpoint(str(tmp_path / "run"), None, "cpu", fast=True)  # as vitlab eval runs it
+    assert fast.is_optimized(model)
+    versions = {name: p._version for name, p in model.named_parameters()}
+    x = torch.randn(3, 3, *cfg.img_size)
+    first = bf16_infer(model, x)
+    assert {name: p._version for name, p in model.named_parameters()} == versions
+    assert all(torch.equal(fp32_bits(p), fp32_bits(saved[name])) for name, p in model.named_parameters())
+    assert torch.equal(bf16_infer(model, x), first)
+
+
 def test_a_bad_inference_weights_option_is_refused_with_the_allowed_ones():
     with pytest.raises(ValueError, match="inference_weights='pack': expected one of cast, hold"):
         fast.optimize(nn.Linear(2, 2), inference_weights="pack")

@@ -154,8 +154,8 @@ class FastLinear(nn.Linear):
         self.held_casts = HeldCasts()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _takes_over(x, self.fast_options.kernels):
-            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling() or not _takes_over(x, self.fast_options.kernels):
+            return F.linear(x, self.weight, self.bias)  # torch.compile traces the plain product
         return self.product(x)
 
     def product(self, x: torch.Tensor, gelu: str | None = None) -> torch.Tensor:
@@ -164,7 +164,7 @@ class FastLinear(nn.Linear):
         in CPU bf16 autocast on the weight rounded to bf16 (``inference_weights``), the bias
         and a GELU applied to oneDNN's fp32 accumulator."""
         kernels = self.fast_options.kernels
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if torch.is_grad_enabled():
             self.held_casts.clear()  # training changes the weights: drop what inference kept
             out = linear(x, self.weight, self.bias, kernels)
             return out if gelu is None else F.gelu(out, approximate=gelu)
@@ -376,7 +376,9 @@ def install(model: nn.Module, options: FastOptions) -> nn.Module:
 def uninstall(model: nn.Module) -> nn.Module:
     """Put the plain module back in the place of every installed one; returns the model (the
     plain module when ``model`` itself is an installed one)."""
-    plain = lambda module: _restored(module) if isinstance(module, _INSTALLED) else module  # noqa: E731
+    def plain(module: nn.Module) -> nn.Module:
+        return _restored(module) if isinstance(module, _INSTALLED) else module
+
     _replace(model, plain)
     return plain(model)
 

@@ -9,8 +9,8 @@ and bf16 autocast, with the bytes of activations each keeps for the backward.
 ``inference``: ViT-B/16 inference, plain against optimized, fp32 and bf16 autocast.
 ``inference_options``: ViT-B/16 inference of the optimized model with its block chunks
 as large as the batch (``CHUNK_ROWS`` unbounded) and, in bf16, with each weight held cast
-(``inference_weights="hold"``) or packed in place (``"pack"``), against the default (cast in
-every call), with the page faults per call of each.
+(``inference_weights="hold"``, what ``vitlab eval`` runs), against the default (cast in every
+call), with the page faults per call of each.
 Every core, wall time, interleaved.  Findings: benchmarks/NOTES.md.
 """
 from __future__ import annotations
@@ -108,7 +108,6 @@ def exp_inference_options() -> None:
     torch.manual_seed(0)
     model = build_model(vitlab_config("ViT-B/16")).eval()
     held = vitlab.fast.optimize(copy.deepcopy(model), inference_weights="hold")
-    packed = vitlab.fast.optimize(copy.deepcopy(model), inference_weights="pack")
     vitlab.fast.optimize(model)
     default_rows = modules.CHUNK_ROWS
     for batch, rounds in ((1, 11), (8, 5), (32, 3)):
@@ -130,7 +129,6 @@ def exp_inference_options() -> None:
                         "one chunk per batch": infer(model, "one chunk per batch", rows=1 << 30)}
             if amp:
                 variants["weights held cast"] = infer(held, "weights held cast")
-                variants["weights packed in place"] = infer(packed, "weights packed in place")
             compare(f"ViT-B/16 inference, batch {batch}, {'bf16 autocast' if amp else 'fp32'}", variants,
                     rounds=rounds)
             print("  page faults per call (median): "

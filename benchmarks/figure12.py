@@ -6,7 +6,7 @@ across input sizes, for ViTs and BiT ResNets.
     python benchmarks/figure12.py --device cuda --budget-gib 40    # batch 32, 224 to 512 px
 
 Speed is images/s at a fixed batch through the fast path (``vitlab.fast.optimize`` with the
-inference weights packed, as ``vitlab eval`` runs it), per core on a CPU, as the paper's
+bf16 inference weights held cast, as ``vitlab eval`` runs it), per core on a CPU, as the paper's
 "img/sec/core".  The largest batch is the largest whose forward pass fits a memory budget:
 
 - CUDA: the budget is device memory (default: all of it) and the batch is found by
@@ -244,7 +244,7 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
     cfg = config_from_dict(case["config"])
     size = cfg.img_size[0]
     torch.manual_seed(0)
-    model = vitlab.fast.optimize(build_model(cfg).to(device).eval(), inference_weights="pack")  # as vitlab eval runs it
+    model = vitlab.fast.optimize(build_model(cfg).to(device).eval(), inference_weights="hold")  # as vitlab eval runs it
     x = torch.randn(batch, 3, size, size, device=device)
 
     def forward():

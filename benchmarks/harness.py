@@ -170,8 +170,9 @@ def make_model(impl: str, spec: str, img_size: int | None = None):
 def optimize_if_default(impl: str, model, kind: str = "train"):
     """Apply the fast layer to 'vitlab' and 'vitlab-before' (after ``.to(device)``) as that vitlab
     runs it: the trainer's ``optimize(model)``, or for ``kind="inference"`` that of ``vitlab eval``
-    and ``vitlab predict``, with the bf16 weights packed in place (``inference_weights="pack"``)
-    where the revision has it.  A revision from before ``vitlab.fast`` runs its model as it is."""
+    and ``vitlab predict``, with the bf16 weights held cast (``inference_weights="hold"``), or
+    packed into the fp32 weights where the revision has that (its commands used it until
+    2026-11-26).  A revision from before ``vitlab.fast`` runs its model as it is."""
     if impl not in ("vitlab", "vitlab-before"):
         return model
     try:
@@ -180,7 +181,7 @@ def optimize_if_default(impl: str, model, kind: str = "train"):
         return model
     options = {}
     if kind == "inference" and "inference_weights" in inspect.signature(vitlab.fast.optimize).parameters:
-        options["inference_weights"] = "pack"
+        options["inference_weights"] = "pack" if "pack" in getattr(vitlab.fast, "INFERENCE_WEIGHTS", ()) else "hold"
     return vitlab.fast.optimize(model, **options)
 
 

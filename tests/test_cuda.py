@@ -73,7 +73,7 @@ def test_the_fast_path_on_the_gpu_equals_the_plain_model_there():
         assert torch.nn.functional.cosine_similarity(p.grad.flatten(), g.flatten(), dim=0) > 0.98 or g.norm() < 1e-6
     with torch.inference_mode(), torch.autocast("cuda", torch.bfloat16):
         logits = model.eval()(x)
-    assert all(m._held is None for m in model.modules() if isinstance(m, fast.FastLinear))  # no CPU cast cache
+    assert all(m.held_casts.key is None for m in model.modules() if isinstance(m, fast.FastLinear))  # no CPU cast
     with torch.inference_mode():
         fp32 = model(x)
     torch.testing.assert_close(logits.float(), fp32, rtol=0.05, atol=0.05)

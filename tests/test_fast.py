@@ -2,6 +2,7 @@
 reversible layer on top that computes what the plain model computes."""
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import io
@@ -98,16 +99,37 @@ def test_hooks_fire_on_every_layer_norm_and_dense_layer(mode, optimized):
     assert calls == {name: 1 for name in names}
 
 
-def test_a_global_module_hook_sees_every_call_of_the_fast_model():
-    model = fast.optimize(with_random_head(tiny())).train()
-    seen = []
-    handle = nn.modules.module.register_module_forward_hook(
-        lambda m, i, o: seen.append(type(m).__name__) if isinstance(m, DENSE_AND_NORM) else None)
+def calls_seen_by_a_global_hook(run) -> collections.Counter:
+    seen = collections.Counter()
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.update([type(m).__name__]))
     try:
-        model(torch.randn(2, 3, 16, 16)).sum().backward()
+        run()
     finally:
         handle.remove()
-    assert seen.count("LayerNorm") == 5 and seen.count("FastLinear") == 9
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["train", "inference"])
+def test_a_global_module_hook_sees_a_fused_block_as_one_call(mode):
+    # torch has no public way to see a hook registered for every module, so the fast path
+    # cannot step aside for one: a fused block computes its LayerNorm and dense layers,
+    # Attention and Mlp as functions; restore() gives such a hook every layer again
+    model = fast.optimize(with_random_head(tiny(depth=2)), KernelChoice())
+    x = torch.randn(2, 3, 16, 16)
+
+    def run():
+        if mode == "train":
+            model.train()(x).sum().backward()
+        else:
+            with torch.inference_mode():
+                model.eval()(x)
+
+    fused = calls_seen_by_a_global_hook(run)
+    assert fused["FastBlock"] == 2 and fused["LayerNorm"] == 1 and fused["FastLinear"] == 1  # final norm, head
+    assert fused["Dropout"] >= 2 and not {"Attention", "Mlp", "Linear", "Block"} & set(fused)
+    model = fast.restore(model)
+    plain = calls_seen_by_a_global_hook(run)
+    assert (plain["Block"], plain["Attention"], plain["Mlp"], plain["LayerNorm"], plain["Linear"]) == (2, 2, 2, 5, 9)
 
 
 class LoRA(nn.Module):
@@ -228,9 +250,9 @@ def test_inference_in_chunks_of_images_equals_the_plain_forward(family, monkeypa
 
     monkeypatch.setattr(modules, "CHUNK_ROWS", 40)  # a few images of 17 tokens per chunk
     chunk_sizes = []
-    real_chunk = modules.FastBlock.inference_chunk
-    monkeypatch.setattr(modules.FastBlock, "inference_chunk",
-                        lambda self, x, out=None: chunk_sizes.append(x.shape[0]) or real_chunk(self, x, out))
+    real_fused = modules.FastBlock.fused
+    monkeypatch.setattr(modules.FastBlock, "fused",
+                        lambda self, x, out=None: chunk_sizes.append(x.shape[0]) or real_fused(self, x, out))
     cfg = FAMILIES[family]
     model = with_random_head(cfg).eval()
     x = torch.randn(7, 3, *cfg.img_size)
@@ -253,7 +275,8 @@ def test_bf16_inference_equals_autocasts_rounding(kernels):
     x = torch.randn(2, 5, 64)
     exact = (x.bfloat16().double() @ dense.weight.bfloat16().double().t()
              + dense.bias.bfloat16().double())
-    fast.optimize(dense, kernels)
+    dense = fast.optimize(dense, kernels)  # a dense layer itself: the one standing in for it
+    assert type(dense) is fast.FastLinear
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         out = dense(x)
     assert out.dtype == torch.bfloat16
@@ -276,7 +299,7 @@ def test_autocast_inference_casts_weights_into_one_shared_buffer_by_default(kern
     torch.testing.assert_close(out.double(), bf16_autocast_linear(bf16_autocast_linear(x, model[0]).bfloat16(),
                                                                   model[1]), rtol=8e-3, atol=1e-3)
     options = fast.installed_options(model)
-    assert all(layer._held[1] is None for layer in model)  # no weight kept beside the parameter
+    assert all(layer.held_casts.weight is None for layer in model)  # no weight kept beside the parameter
     buffer = options.workspace._local.buffer  # one buffer, the size of the largest weight, for every layer
     assert buffer.numel() == 240 and buffer.dtype == (torch.bfloat16 if kernels.bf16 == "onednn" else torch.float32)
     torch.testing.assert_close(buffer[:160].view(4, 40).float(), model[1].weight.bfloat16().float(), rtol=0, atol=0)
@@ -293,67 +316,21 @@ def test_held_casts_are_kept_between_inference_calls_until_the_weights_change():
             return dense(x)
 
     torch.testing.assert_close(infer().double(), bf16_autocast_linear(x, dense), rtol=8e-3, atol=1e-3)
-    held = dense._held[1]
+    held = dense.held_casts.weight
     assert held.dtype == torch.bfloat16 and torch.equal(held, dense.weight.bfloat16())
     infer()
-    assert dense._held[1] is held  # cast once, not per call
+    assert dense.held_casts.weight is held  # cast once, not per call
     with torch.no_grad():
         dense.weight.add_(1.0)  # an optimiser step changes the weights in place
     out = infer()
-    assert dense._held[1] is not held
+    assert dense.held_casts.weight is not held
     torch.testing.assert_close(out.double(), bf16_autocast_linear(x, dense), rtol=8e-3, atol=1e-3)
     dense(x).sum().backward()  # a training forward drops the copy
-    assert dense._held is None
+    assert dense.held_casts.weight is None and dense.held_casts.key is None
 
 
 def fp32_bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().view(torch.int32)
-
-
-def nearest_even_bf16_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to(torch.bfloat16).view(torch.int16)
-
-
-@pytest.mark.parametrize("chunk", [7, 64, 1 << 16])  # many chunks, a short last one; one chunk
-def test_packing_rounds_to_nearest_and_restores_every_bit(chunk, monkeypatch):
-    from vitlab.fast import packing
-    from vitlab.fast.packing import pack_, packed_view, unpack_
-
-    monkeypatch.setattr(packing, "_CHUNK", chunk)
-
-    torch.manual_seed(0)
-    specials = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-40, -1e-40, 3.4028235e38, -3.4028235e38, 1.1754944e-38,
-                             1.0039062, 1.0078125, 1.01171875, 65504.0, -7.0e-20])
-    weight = torch.cat([torch.randn(4000), torch.rand(1000) * 1e-3, specials]).view(-1, 2)
-    bits = weight.view(torch.int32)
-    # ties, the one case where packing's rounding (away from zero) and autocast's (to even) part:
-    # low half exactly 0x8000 on an even and on an odd upper half
-    bits[:4, 0] = (bits[:4, 0] & ~0xFFFF) | 0x8000
-    bits[:2, 0] &= ~0x10000
-    bits[2:4, 0] |= 0x10000
-    original = fp32_bits(weight)
-    expected = nearest_even_bf16_bits(weight)
-    tie_even = ((original & 0xFFFF) == 0x8000) & ((original & 0x10000) == 0)
-
-    hi = pack_(weight)
-    assert hi.dtype == torch.bfloat16 and hi.shape == weight.shape and hi.data_ptr() == weight.data_ptr()
-    got = hi.view(torch.int16)
-    assert torch.equal(got[~tie_even], expected[~tie_even])
-    # at an even tie: one bf16 unit up in magnitude (the bit pattern's upper half + 1)
-    assert torch.equal(got[tie_even].int(), expected[tie_even].int() + 1)
-    assert not torch.equal(fp32_bits(weight), original)  # the bytes now hold the packed form
-    assert torch.equal(packed_view(weight), hi)
-    unpack_(weight)
-    assert torch.equal(fp32_bits(weight), original)
-
-
-def untied(model: nn.Module) -> nn.Module:
-    """The model with no fp32 weight exactly halfway between two bf16 values (module text of packing.py)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            bits = p.view(torch.int32)
-            bits[(bits & 0xFFFF) == 0x8000] += 1
-    return model
 
 
 def bf16_infer(model, x):
@@ -361,66 +338,51 @@ def bf16_infer(model, x):
         return model(x)
 
 
-@needs(ONEDNN_BF16)  # packing serves oneDNN's bf16 kernel
-@pytest.mark.parametrize("family", ["token", "posemb-2d-every-layer", "hybrid"])
-def test_packed_inference_equals_cast_inference_and_gives_the_weights_back(family, tmp_path):
+@pytest.mark.parametrize("inference_weights", ["cast", "hold"])
+@pytest.mark.parametrize("kernels", CASTING)
+@pytest.mark.parametrize("family", ["token", "hybrid"])
+def test_bf16_inference_reads_the_parameters_and_never_writes_them(family, kernels, inference_weights):
     cfg = FAMILIES[family]
-    model = untied(with_random_head(cfg)).eval()
-    original = {k: v.clone() for k, v in model.state_dict().items()}
+    model = with_random_head(cfg).eval()
     x = torch.randn(3, 3, *cfg.img_size)
-    kernels = ONEDNN_BF16
+    before = {name: (p, p._version, fp32_bits(p)) for name, p in model.named_parameters()}
     cast = bf16_infer(fast.optimize(copy.deepcopy(model), kernels), x)
-    fast.optimize(model, kernels, inference_weights="pack")
-    layers = [m for m in model.modules() if isinstance(m, fast.FastLinear)]
-
-    def packed() -> list[bool]:
-        return [getattr(layer, "_packed", False) for layer in layers]
-
-    first_bits = fp32_bits(layers[0].weight)
+    fast.optimize(model, kernels, inference_weights=inference_weights)
     assert torch.equal(bf16_infer(model, x), cast)
-    assert all(packed()) and not torch.equal(fp32_bits(layers[0].weight), first_bits)  # the bytes hold hi and lo
-    assert torch.equal(bf16_infer(model, x), cast)  # again, from the packed weights
-    # everything that goes through the module reads the exact fp32 weights
-    for read in (lambda m: m.state_dict(), lambda m: copy.deepcopy(m).state_dict(),
-                 lambda m: pickle.loads(pickle.dumps(m)).state_dict()):
-        bf16_infer(model, x)
-        assert all(torch.equal(v, original[k]) for k, v in read(model).items())
-        assert not any(packed())
-    bf16_infer(model, x)
-    vitlab.save_model(model, tmp_path / "m")
-    assert not any(packed())
-    assert all(torch.equal(v, original[k]) for k, v in vitlab.load_model(tmp_path / "m").state_dict().items())
-    for undo in (lambda m: m.train(), lambda m: m.float(), fast.unpack_weights, fast.restore):
-        model.eval()
-        fast.optimize(model, kernels, inference_weights="pack")
-        bf16_infer(model, x)
-        assert all(packed())
-        undo(model)
-        assert not any(packed()) and all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
-    fast.optimize(model, kernels, inference_weights="pack").eval()
-    bf16_infer(model, x)
-    with torch.no_grad():  # fp32 inference between bf16 calls unpacks first
+    assert torch.equal(bf16_infer(model, x), cast)  # again: from the held casts with "hold"
+    layers = [m for m in model.modules() if isinstance(m, fast.FastLinear)]
+    held = [layer.held_casts.weight for layer in layers]
+    if inference_weights == "hold":  # each layer holds its own rounded copy, as its attribute
+        assert all(torch.equal(h.bfloat16(), layer.weight.bfloat16()) for h, layer in zip(held, layers))
+    else:
+        assert held == [None] * len(layers)
+    assert list(model.state_dict()) == list(before)  # the held copies are no state
+    with torch.no_grad():
         torch.testing.assert_close(model(x), fast.restore(copy.deepcopy(model))(x), rtol=1e-5, atol=1e-6)
+    for name, p in fast.restore(model).named_parameters():
+        param, version, bits = before[name]
+        assert p is param and p._version == version and torch.equal(fp32_bits(p), bits)
 
 
-@needs(ONEDNN_BF16)  # packing serves oneDNN's bf16 kernel
-def test_a_shared_or_hooked_weight_is_never_packed():
-    torch.manual_seed(0)
-    first, second, hooked = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-    second.weight = first.weight  # tied
-    model = fast.optimize(nn.Sequential(first, second, hooked), ONEDNN_BF16,
-                          inference_weights="pack").eval()
-    seen = []
-    hooked.register_forward_hook(lambda m, i, o: seen.append(fp32_bits(m.weight)))
-    before = fp32_bits(hooked.weight)
-    bf16_infer(model, torch.randn(2, 8))
-    assert not first._packed and not second._packed and not hooked._packed
-    assert torch.equal(seen[0], before)
+def test_the_inference_commands_fast_model_never_writes_its_parameters(tmp_path):
+    from vitlab.cli.eval import load_checkpoint
+
+    cfg = tiny()
+    vitlab.save_model(with_random_head(cfg), tmp_path / "run")
+    saved = vitlab.load_model(tmp_path / "run").state_dict()
+    model, _ = load_checkpoint(str(tmp_path / "run"), None, "cpu", fast=True)  # as vitlab eval runs it
+    assert fast.is_optimized(model)
+    versions = {name: p._version for name, p in model.named_parameters()}
+    x = torch.randn(3, 3, *cfg.img_size)
+    first = bf16_infer(model, x)
+    assert {name: p._version for name, p in model.named_parameters()} == versions
+    assert all(torch.equal(fp32_bits(p), fp32_bits(saved[name])) for name, p in model.named_parameters())
+    assert torch.equal(bf16_infer(model, x), first)
 
 
 def test_a_bad_inference_weights_option_is_refused_with_the_allowed_ones():
-    with pytest.raises(ValueError, match="inference_weights='packed': expected one of cast, hold, pack"):
-        fast.optimize(nn.Linear(2, 2), inference_weights="packed")
+    with pytest.raises(ValueError, match="inference_weights='pack': expected one of cast, hold"):
+        fast.optimize(nn.Linear(2, 2), inference_weights="pack")
 
 
 @pytest.mark.parametrize("family", ["token", "relative", "axial"])
@@ -628,11 +590,51 @@ def test_restore_gives_back_the_plain_modules_with_the_same_parameters_and_hooks
     assert not fast.is_optimized(model)
 
 
+def test_optimize_puts_modules_in_place_of_the_plain_ones_and_restore_puts_those_back():
+    model = with_random_head(tiny(dropout=0.0))
+    block, qkv = model.blocks[0], model.blocks[0].attn.qkv
+    calls = []
+    handle = qkv.register_forward_hook(lambda m, i, o: calls.append(type(m).__name__))
+    x = torch.randn(2, 3, 16, 16)
+    fast.optimize(model, KernelChoice())
+    installed = model.blocks[0].attn.qkv
+    assert type(qkv) is nn.Linear and type(block) is Block  # the plain modules keep their class
+    assert type(installed) is fast.FastLinear and installed.weight is qkv.weight and installed.bias is qkv.bias
+    assert model.blocks[0].attn is block.attn  # the block's parts are the plain block's own
+    model.train()(x)
+    assert calls == ["FastLinear"]  # the hook carried over: the block steps aside for the hooked layer
+    handle.remove()  # its handle still removes it, from both
+    model(x)
+    assert calls == ["FastLinear"] and not qkv._forward_hooks
+    installed.register_forward_hook(lambda m, i, o: calls.append(type(m).__name__))
+    model.eval()
+    with torch.no_grad():
+        installed.weight.mul_(0.5)  # a change through the installed module is a change of the plain one
+    assert fast.restore(model) is model
+    assert model.blocks[0] is block and model.blocks[0].attn.qkv is qkv and not qkv.training  # its mode too
+    model(x)
+    assert calls == ["FastLinear", "Linear"]  # a hook added while installed stays
+    assert not any(isinstance(m, (fast.FastLinear, fast.FastBlock)) for m in model.modules())
+
+
+def test_a_shared_module_gets_one_module_in_its_place_under_every_name():
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    x = torch.randn(2, 4)
+    expected = model(x)
+    fast.optimize(model, KernelChoice())
+    assert type(model[0]) is fast.FastLinear and model[2] is model[0]
+    torch.testing.assert_close(model(x), expected)
+    fast.restore(model)
+    assert model[0] is shared and model[2] is shared
+
+
 def test_the_fast_models_state_round_trips_through_save_load_copy_and_pickle(tmp_path):
-    model = fast.optimize(with_random_head(tiny()), KernelChoice()).eval()
+    model = fast.optimize(with_random_head(tiny()), inference_weights="hold").eval()
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
-        bf16_logits = model(x)  # the dense layers now hold cast weights
+        bf16_logits = model(x)  # the dense layers now hold cast weights (with a bf16 kernel of their own)
     with torch.no_grad():
         logits = model(x)
     plain = fast.restore(copy.deepcopy(model))
@@ -641,9 +643,9 @@ def test_the_fast_models_state_round_trips_through_save_load_copy_and_pickle(tmp
     loaded = vitlab.load_model(tmp_path / "saved")
     assert not fast.is_optimized(loaded)  # weights carry no speed settings
     for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)),
-                   fast.optimize(loaded, KernelChoice())):
+                   fast.optimize(loaded, inference_weights="hold")):
         assert fast.installed_options(copied) == fast.installed_options(model)
-        assert all(m.__dict__.get("_held") is None for m in copied.modules())
+        assert all(m.held_casts.key is None for m in copied.modules() if isinstance(m, fast.FastLinear))
         with torch.no_grad():
             torch.testing.assert_close(copied(x), logits, rtol=1e-6, atol=1e-6)
             with torch.autocast("cpu", torch.bfloat16):
@@ -708,8 +710,8 @@ def test_the_fast_path_leaves_a_mode_it_loses_to_the_plain_forward(monkeypatch):
 
     model = fast.optimize(with_random_head(tiny()), KernelChoice(training=("bf16",), inference=()))
     fused = []
-    monkeypatch.setattr(modules, "layer_norm_dense", lambda *a: fused.append(1) or pytest.fail("fast path taken"))
-    monkeypatch.setattr(modules.FastBlock, "inference", lambda *a: pytest.fail("fast path taken"))
+    real_fused = modules.FastBlock.fused
+    monkeypatch.setattr(modules.FastBlock, "fused", lambda *a, **k: fused.append(1) or real_fused(*a, **k))
     x = torch.randn(2, 3, 16, 16)
     model.train()(x).sum().backward()  # fp32 training: plain
     with torch.no_grad():
@@ -717,11 +719,9 @@ def test_the_fast_path_leaves_a_mode_it_loses_to_the_plain_forward(monkeypatch):
         with torch.autocast("cpu", torch.bfloat16):
             model(x)
     assert fused == []
-    monkeypatch.setattr(modules, "layer_norm_dense", lambda *a: fused.append(1) or torch.zeros(2, 17, 96))
-    with pytest.raises(Exception):  # bf16 training: taken (the stub's zeros do not fit the block)
-        with torch.autocast("cpu", torch.bfloat16):
-            model.train()(x)
-    assert fused
+    with torch.autocast("cpu", torch.bfloat16):  # bf16 training: taken
+        model.train()(x)
+    assert fused == [1, 1]
     with pytest.raises(ValueError, match="KernelChoice.training='bf16'"):
         KernelChoice(training="bf16")
 

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.fast is not False:
         from vitlab import fast
 
-        fast.optimize(model, inference_weights="pack")  # inference only: bf16 weights packed in place
+        fast.optimize(model, inference_weights="hold")  # inference only: bf16 weights held cast
     classes = find_classes(checkpoint, args.classes)
     size = model.cfg.img_size
     for path in args.images:

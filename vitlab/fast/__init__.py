@@ -5,14 +5,14 @@
     vitlab.fast.restore(model)                   # the plain model again
     with vitlab.fast.optimized(model): ...       # optimised inside the block only
 
-``optimize`` gives the model's dense layers and encoder blocks subclasses with faster
-forwards (``modules.py``): CPU matmuls by the kernel a rule or a stored calibration
-chooses (``kernels.py``), LayerNorm and GELU outputs recomputed in the backward instead
-of stored, inference over chunks of images with the bf16 weights cast into one shared
-buffer, held, or packed into the fp32 weights' own bytes (``packing.py``).  Parameters,
-buffers, state-dict keys and hooks are untouched; outputs and gradients equal the plain
-model's up to floating-point rounding (``tests/test_fast.py``).
-The design and its measurements: ``docs/performance.md``.
+``optimize`` puts faster modules in the place of the model's dense layers and encoder
+blocks (``modules.py``): CPU matmuls by the kernel a rule or a stored calibration chooses
+(``kernels.py``), LayerNorm and GELU outputs recomputed in the backward instead of
+stored, inference over chunks of images with the bf16 weights cast into one shared
+buffer or held.  The installed modules share the plain ones' parameters, state-dict keys
+and hooks and keep their own state on themselves; nothing writes into a parameter.
+Outputs and gradients equal the plain model's up to floating-point rounding
+(``tests/test_fast.py``).  The design and its measurements: ``docs/performance.md``.
 """
 from __future__ import annotations
 
@@ -23,30 +23,29 @@ from torch import nn
 
 from .kernels import (KernelChoice, KernelUnavailable, auto_precision, bf16_is_faster, check_runnable, choose,
                       rule_choice)
-from .modules import (INFERENCE_WEIGHTS, FastBlock, FastLinear, FastOptions, install, installed, uninstall,
-                      unpack_weights)
+from .modules import INFERENCE_WEIGHTS, FastBlock, FastLinear, FastOptions, install, installed, uninstall
 
 
 def optimize(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True,
              inference_weights: str = "cast") -> nn.Module:
-    """Install the fast path on ``model`` in place and return it.
+    """Install the fast path on ``model`` in place and return it (``model`` itself, unless it is
+    a dense layer or an encoder block: then the module standing in for it).
 
     kernels: the CPU kernels (default ``choose()``: this CPU's stored calibration, else the rule);
         a choice this machine cannot run is refused (``KernelUnavailable``, naming the missing feature).
     recompute: recompute LayerNorm and GELU outputs in the backward (less memory, same gradients).
     inference_weights: how a dense layer gets its bf16 weight in CPU bf16 autocast inference:
-        "cast" it in every call into one buffer the layers share (the default: the parameters
-        always hold their fp32 values), "hold" a cast copy between calls (for half the weights'
-        memory again), or "pack" it into the fp32 weight's own bytes, exactly reversible, for
-        inference-only use such as ``vitlab eval`` and ``vitlab predict`` (``FastOptions``
-        says what reads the weights correctly while they are packed).
-    Optimising an optimised model replaces its options.
+        "cast" it in every call into one buffer the layers share (the default), or "hold" a
+        cast copy between calls, for half the dense weights' memory again (``vitlab eval`` and
+        ``vitlab predict``).  Either way the parameters are only read.
+    Optimising an optimised model replaces its options, on the same installed modules.
     """
     return install(model, FastOptions(check_runnable(kernels) if kernels else choose(), recompute, inference_weights))
 
 
 def restore(model: nn.Module) -> nn.Module:
-    """Undo ``optimize``: every module is the plain one again (same parameters and hooks)."""
+    """Undo ``optimize``: the plain modules back in their places (the same objects, parameters and
+    hooks); returns the model (the plain module when ``model`` itself is an installed one)."""
     return uninstall(model)
 
 
@@ -63,9 +62,10 @@ def is_optimized(model: nn.Module) -> bool:
 @contextlib.contextmanager
 def optimized(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True,
               inference_weights: str = "cast") -> Iterator[nn.Module]:
-    """``optimize`` for the ``with`` block; on exit the model is as it was (options included)."""
+    """``optimize`` for the ``with`` block, which gets the optimised model; on exit the model is as
+    it was (options included)."""
     before = installed(model)
-    optimize(model, kernels, recompute, inference_weights)
+    model = optimize(model, kernels, recompute, inference_weights)
     try:
         yield model
     finally:
@@ -77,4 +77,4 @@ def optimized(model: nn.Module, kernels: KernelChoice | None = None, recompute: 
 
 __all__ = ["INFERENCE_WEIGHTS", "FastBlock", "FastLinear", "FastOptions", "KernelChoice", "KernelUnavailable",
            "auto_precision", "bf16_is_faster", "check_runnable", "choose", "installed_options", "is_optimized", "optimize", "optimized", "restore",
-           "rule_choice", "unpack_weights"]
+           "rule_choice"]

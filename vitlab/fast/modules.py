@@ -1,35 +1,45 @@
 """The modules ``optimize`` installs, and how it installs and removes them.
 
-Installation changes the class of an existing module in place (as
-``torch.nn.utils.parametrize`` does), to a subclass that adds a faster forward:
+Installation puts a new module in the place of every plain ``nn.Linear`` and ``Block``
+of a model (as torchao's ``quantize_`` and IPEX's ``optimize`` do), and ``restore``
+puts the plain ones back.  The installed module stands in for the plain one: it shares
+its parameter, child and hook dictionaries (the same dictionary objects, so the same
+``Parameter`` objects, state-dict keys and hooks, and a hook's handle removes it from
+both), copies its other attributes, and keeps the plain module, unregistered, for
+``restore``.  Its own state is its own attributes: ``fast_options`` and, on a dense
+layer, ``held_casts``.  Nothing writes into a parameter.
 
 * ``nn.Linear`` -> ``FastLinear``: its matmuls take the chosen CPU kernel
   (``linear.py``).  In CPU inference under bf16 autocast the bf16 kernel runs as oneDNN's
   matmul with the bias, and a following GELU, applied to its fp32 accumulator, on the
   weight in bf16, obtained as ``FastOptions.inference_weights`` says: cast in every call
   into a buffer the model's layers share (``Workspace``; autocast would allocate a fresh
-  copy of every weight in every call), held as a cast copy between calls, or packed into
-  the fp32 weight's own bytes (``packing.py``) and unpacked before anything reads them.
-* ``Block`` -> ``FastBlock``: in training, LayerNorm and GELU outputs are recomputed in
-  the backward instead of stored (``recompute.py``).  On a CPU in bf16, attention is two
-  matmuls and a softmax: PyTorch's CPU flash-attention kernel has a slow bf16 backward;
-  in inference the heads are first copied into contiguous blocks (``contiguous_attention``),
-  since both the fused kernel and matmuls over strided head views are slower forwards at
-  ViT shapes.  Without autograd on a CPU the block runs over chunks of whole images of about
-  ``CHUNK_ROWS`` tokens (every part of a block acts on each image alone, so the values are
-  the same), each written into its rows of the output: its activations stay a few MB,
-  where the allocator reuses memory instead of mapping fresh pages (each faulting on
-  first touch) for every wide activation of a large batch.
-
-The module keeps its identity, parameters, buffers, hooks and state-dict keys, so a
-model can be optimised after weights are loaded, before or after DDP/FSDP wrapping, and
-saved either way.  The options live on each installed module (``fast_options``).
+  copy of every weight in every call), or held as a cast copy between calls.
+* ``Block`` -> ``FastBlock``: one forward, ``FastBlock.fused``, whose parts the mode
+  chooses.  With autograd, LayerNorm and GELU outputs are recomputed in the backward
+  instead of stored (``recompute.py``) and the dense products take ``linear.py``'s
+  kernels with their backward; without, each dense layer's inference product.  On a CPU
+  in bf16, attention is two matmuls and a softmax: PyTorch's CPU flash-attention kernel
+  has a slow bf16 backward; without autograd the heads are first copied into contiguous
+  blocks (``contiguous_attention``), since both the fused kernel and matmuls over strided
+  head views are slower forwards at ViT shapes.  Without autograd on a CPU the block runs
+  over chunks of whole images of about ``CHUNK_ROWS`` tokens (every part of a block acts
+  on each image alone, so the values are the same), each written into its rows of the
+  output: its activations stay a few MB, where the allocator reuses memory instead of
+  mapping fresh pages (each faulting on first touch) for every wide activation of a
+  large batch.
 
 A block takes its fused path only while its parts are the plain modules it was built
-with and none of them carries a hook: a user who wraps ``attn.qkv`` in an adapter, swaps
-``mlp.fc1`` for a quantised layer or hooks ``norm1`` gets the plain forward, calling
-every module, with the rest of the fast path (the kernels of the ``FastLinear`` layers
-it calls) still in place.  ``torch.compile`` traces the plain forward.
+with (and the installed dense layers) and none of them carries a hook: a user who wraps
+``attn.qkv`` in an adapter, swaps ``mlp.fc1`` for a quantised layer or hooks ``norm1``
+gets the plain forward, calling every module, with the rest of the fast path (the
+kernels of the ``FastLinear`` layers it calls) still in place.  A hook registered for
+every module (``torch.nn.modules.module.register_module_forward_hook`` and its kin)
+cannot be seen through torch's public API: inside the fused path the LayerNorm and dense
+layers, ``Attention`` and ``Mlp`` are computed as functions, so such a hook sees the
+block, its dropout and drop-path modules and a relative position bias, not them
+(``restore`` the model for a hook that must see every layer).  ``torch.compile`` traces
+the plain forward.
 """
 from __future__ import annotations
 
@@ -39,13 +49,10 @@ import threading
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as torch_module
 
-from ..models import layers
 from ..models.layers import Attention, Block, Mlp
 from .kernels import KernelChoice
 from .linear import linear, linear_forward, mode_for, onednn_linear
-from .packing import pack_, packable, packed_view, unpack_
 from .recompute import gelu_dense, layer_norm_dense, split_heads
 
 
@@ -71,12 +78,9 @@ class Workspace:
     def __reduce__(self):
         return Workspace, ()
 
-    def __deepcopy__(self, memo: dict) -> "Workspace":
-        return Workspace()
-
 
 # How a dense layer gets its bf16 weight in CPU bf16 autocast inference (FastOptions).
-INFERENCE_WEIGHTS = ("cast", "hold", "pack")
+INFERENCE_WEIGHTS = ("cast", "hold")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,15 +89,9 @@ class FastOptions:
     dense layer gets its bf16 weight in CPU bf16 autocast inference (``inference_weights``):
 
     * ``"cast"``: cast into the shared ``workspace`` in every call; nothing is kept;
-    * ``"hold"``: a cast copy kept between calls (recast when the parameter changes), for
-      the memory of half the fp32 weights again;
-    * ``"pack"``: the bf16 weight written into the fp32 parameter's own bytes with the
-      remainder that restores it exactly (``packing.py``): no per-call cast and no extra
-      memory, for inference-only use.  Between a bf16 inference call and the next thing that
-      goes through the module (``train()``, a forward with autograd or without autocast,
-      ``state_dict``, ``load_state_dict``, ``.to()``, copies, pickles, ``restore``) the
-      parameter's bytes hold the packed form: code that reads ``layer.weight`` directly then,
-      such as an EMA update of an evaluated model, must unpack first (``unpack_weights``).
+    * ``"hold"``: a cast copy kept on the layer between calls (``held_casts``; cast again
+      when the parameter changes), for the memory of half the fp32 dense weights again:
+      no cast per call, what ``vitlab eval`` and ``vitlab predict`` use.
     """
 
     kernels: KernelChoice
@@ -107,112 +105,100 @@ class FastOptions:
                              f"{', '.join(INFERENCE_WEIGHTS)}")
 
 
-class FastLinear(nn.Linear):
-    """``nn.Linear`` whose matmuls take the chosen kernels (installed by ``optimize``)."""
+class HeldCasts:
+    """A dense layer's bias, and with ``inference_weights="hold"`` its weight, rounded to
+    bf16 for CPU inference, with the key (storage and version of each parameter) they
+    were cast from.  A cache: copies and pickles of a model start empty."""
 
-    fast_options: FastOptions
-    _held: tuple | None = None  # (key, weight or None, bias) cast for inference under autocast
-    _packed: bool = False  # whether the weight's bytes hold the packed bf16 form
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.key: tuple | None = None
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def __reduce__(self):
+        return HeldCasts, ()
+
+
+# What an installed module adds to the plain module's attributes (``_stand_in``).
+_OWN_ATTRIBUTES = ("plain", "fast_options", "held_casts")
+
+
+def _stand_in(fast: nn.Module, plain: nn.Module) -> None:
+    """Make ``fast`` stand in for ``plain``: the same parameter, buffer, child and hook
+    dictionaries (a parameter replaced or a hook added or removed on either is so on
+    both), plain's other attributes, and plain itself kept for ``_restored`` (not as a
+    child: the parameters stay reachable by one path only)."""
+    vars(fast).update(vars(plain))
+    vars(fast)["plain"] = plain
+
+
+def _restored(fast: nn.Module) -> nn.Module:
+    """The plain module ``fast`` stands in for, given what changed on ``fast`` (its mode, attributes)."""
+    plain = vars(fast)["plain"]
+    vars(plain).update((k, v) for k, v in vars(fast).items() if k not in _OWN_ATTRIBUTES)
+    return plain
+
+
+class FastLinear(nn.Linear):
+    """``nn.Linear`` whose matmuls take the chosen kernels, standing in for ``plain`` (``optimize``)."""
+
+    def __init__(self, plain: nn.Linear, options: FastOptions) -> None:
+        _stand_in(self, plain)  # in place of nn.Linear's __init__: plain's parameters, not new ones
+        self.configure(options)
+
+    def configure(self, options: FastOptions) -> None:
+        self.fast_options = options
+        self.held_casts = HeldCasts()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _takes_over(x, self.fast_options.kernels):
-            self._held = None
-            self.unpack()
-            return F.linear(x, self.weight, self.bias)
-        if torch.is_grad_enabled() or x.device.type != "cpu" or torch.compiler.is_compiling():
-            self._held = None  # training changes the weights: drop what inference kept
-            self.unpack()
-            return linear(x, self.weight, self.bias, self.fast_options.kernels)
-        return self.inference(x)
+        if torch.compiler.is_compiling() or not _takes_over(x, self.fast_options.kernels):
+            return F.linear(x, self.weight, self.bias)  # torch.compile traces the plain product
+        return self.product(x)
 
-    def inference(self, x: torch.Tensor, gelu: str | None = None) -> torch.Tensor:
-        """``self(x)`` on a CPU without autograd, then GELU (``approximate=gelu``) when given."""
+    def product(self, x: torch.Tensor, gelu: str | None = None) -> torch.Tensor:
+        """``self(x)``, then GELU (``approximate=gelu``) when given, by the chosen kernels: with
+        autograd ``linear.py``'s products and their backward; without, the inference product,
+        in CPU bf16 autocast on the weight rounded to bf16 (``inference_weights``), the bias
+        and a GELU applied to oneDNN's fp32 accumulator."""
         kernels = self.fast_options.kernels
-        bf16_autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        if torch.is_grad_enabled():
+            self.held_casts.clear()  # training changes the weights: drop what inference kept
+            out = linear(x, self.weight, self.bias, kernels)
+            return out if gelu is None else F.gelu(out, approximate=gelu)
+        bf16_autocast = (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+                         and torch.get_autocast_dtype("cpu") == torch.bfloat16)
         if bf16_autocast and kernels.bf16 == "onednn":
-            weight, bias = self._bf16_weights()
+            weight, bias = self._rounded(torch.bfloat16)
             return onednn_linear(x.to(torch.bfloat16), weight, bias, gelu)
-        self.unpack()
         if bf16_autocast and kernels.bf16 == "widened":  # bf16 values held in fp32, for the fp32 GEMM
-            weight, bias = self._cast(torch.float32)
+            weight, bias = self._rounded(torch.float32)
             out = linear_forward(x, weight, bias, "widened", kernels, rounded=True)
         elif mode_for(x, kernels) == "onednn":
-            self._held = None
             return onednn_linear(x, self.weight, self.bias, gelu)
         else:
-            self._held = None
             out = F.linear(x, self.weight, self.bias)  # autocast (of another dtype) casts as usual
         return out if gelu is None else torch.ops.aten.gelu_(out, approximate=gelu)
 
-    def _bf16_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Weight and bias in bf16 for the bf16 kernel, the weight packed when the options say
-        so and nothing else can see it (no hook on this layer, a weight of its own)."""
-        if (self.fast_options.inference_weights == "pack" and getattr(self, "packs_weight", False)
-                and not self.training and not _hooked(self) and not _global_hooks()):
-            if not self._packed:
-                if not packable(self.weight):
-                    return self._cast(torch.bfloat16)
-                pack_(self.weight)
-                self._packed = True
-            return packed_view(self.weight), self._cast_bias()
-        self.unpack()
-        return self._cast(torch.bfloat16)
-
-    def unpack(self) -> None:
-        """Give the weight its exact fp32 bytes back if this layer packed it."""
-        if self._packed:
-            unpack_(self.weight)
-            self._packed = False
-
-    def _cast_bias(self) -> torch.Tensor | None:
-        """The bias in bf16, kept until the parameter changes (it is small)."""
-        if self.bias is None:
-            return None
-        key = ("bias", self.bias.data_ptr(), self.bias._version)
-        if self._held is None or self._held[0] != key:
-            self._held = (key, None, self.bias.detach().to(torch.bfloat16))
-        return self._held[2]
-
-    def _cast(self, hold_in: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _rounded(self, hold_in: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Weight and bias rounded to bf16, held in ``hold_in``: the weight cast into the
         workspace in every call (or kept, with ``inference_weights="hold"``), the bias kept
         (it is small); kept copies are cast again when their parameter changes."""
+        held, options = self.held_casts, self.fast_options
+        hold_weight = options.inference_weights == "hold"
         params = [p for p in (self.weight, self.bias) if p is not None]
-        hold_weight = self.fast_options.inference_weights == "hold"
         key = (hold_in, hold_weight, *((p.data_ptr(), p._version) for p in params))
-        if self._held is None or self._held[0] != key:
-            weight, bias = (None if p is None else p.detach().to(torch.bfloat16).to(hold_in)
-                            for p in (self.weight if hold_weight else None, self.bias))
-            self._held = (key, weight, bias)
-        weight = self._held[1]
+        if held.key != key:
+            held.weight, held.bias = (None if p is None else p.detach().to(torch.bfloat16).to(hold_in)
+                                      for p in (self.weight if hold_weight else None, self.bias))
+            held.key = key
+        weight = held.weight
         if weight is None:
-            weight = self.fast_options.workspace.take(self.weight.shape, hold_in)
+            weight = options.workspace.take(self.weight.shape, hold_in)
             weight.copy_(self.weight.detach() if hold_in == torch.bfloat16 else self.weight.detach().to(torch.bfloat16))
-        return weight, self._held[2]
-
-    # Everything that reads or replaces the parameters through the module sees the exact fp32 weight.
-    def train(self, mode: bool = True) -> "FastLinear":
-        self.unpack()
-        return super().train(mode)
-
-    def _apply(self, fn, recurse: bool = True):
-        self.unpack()
-        return super()._apply(fn, recurse)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        self.unpack()
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
-        self.unpack()
-        super()._load_from_state_dict(*args, **kwargs)
-
-    def __getstate__(self) -> dict:
-        self.unpack()
-        state = self.__dict__.copy()
-        for name in ("_held", "_packed"):
-            state.pop(name, None)  # a cache, remade at the next call that wants it
-        return state
+        return weight, held.bias
 
 
 def _takes_over(x: torch.Tensor, kernels: KernelChoice) -> bool:
@@ -230,72 +216,98 @@ def _hooked(module: nn.Module) -> bool:
                 or module._backward_hooks or module._backward_pre_hooks)
 
 
-def _global_hooks() -> bool:
-    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
-                or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
+# Tokens per chunk of a block's inference with fp32 dense layers (twice as many with 2-byte
+# ones): a chunk's widest activation (tokens x mlp_dim) then stays within ~12 MB for the
+# paper's widths, while its matmuls keep enough rows.
+CHUNK_ROWS = 1024
 
 
 class FastBlock(Block):
-    """``Block`` whose training forward recomputes LayerNorm and GELU outputs in the backward
-    (unless ``recompute=False``) and, on a CPU in bf16, attends by two matmuls and a softmax."""
+    """``Block`` with one fused forward whose parts the mode chooses (module text), standing
+    in for ``plain`` (``optimize``)."""
 
-    fast_options: FastOptions
+    def __init__(self, plain: Block, options: FastOptions) -> None:
+        _stand_in(self, plain)  # in place of Block's __init__: plain's parts, not new ones
+        self.configure(options)
+
+    def configure(self, options: FastOptions) -> None:
+        self.fast_options = options
 
     def fusable(self) -> bool:
-        """Whether the fused path computes exactly what the plain forward would, hooks included."""
+        """Whether the fused path computes exactly what the plain forward would, hooks on its parts included."""
         attn, mlp = self.attn, self.mlp
-        parts = (self.norm1, self.norm2, attn, mlp, attn.qkv, attn.proj, mlp.fc1, mlp.fc2)
+        dense = (attn.qkv, attn.proj, mlp.fc1, mlp.fc2)
         return (type(self.norm1) is nn.LayerNorm and type(self.norm2) is nn.LayerNorm
-                and type(attn) is Attention and type(mlp) is Mlp
-                and all(type(m) in (nn.Linear, FastLinear) for m in (attn.qkv, attn.proj, mlp.fc1, mlp.fc2))
-                and not any(_hooked(m) for m in parts) and not _global_hooks())
+                and type(attn) is Attention and type(mlp) is Mlp and all(type(m) is FastLinear for m in dense)
+                and not any(_hooked(m) for m in (self.norm1, self.norm2, attn, mlp, *dense)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() or not self.fusable() or not _takes_over(x, self.fast_options.kernels):
             return super().forward(x)
-        if not torch.is_grad_enabled():
-            return self.inference(x)
-        kernels, attn, mlp, recompute = self.fast_options.kernels, self.attn, self.mlp, self.fast_options.recompute
-        qkv = layer_norm_dense(x, self.norm1, attn.qkv, kernels) if recompute else attn.qkv(self.norm1(x))
-        # training attends over the strided head views (contiguous_attention's copies and its
-        # backward did not pay in a training step: benchmarks/NOTES.md, 2026-11-24 and -25)
-        q, k, v = split_heads(qkv, attn.num_heads)
-        x = x + self.drop_path(attn.proj_drop(attn.proj(attn.attend(q, k, v, explicit=_explicit(q, kernels)))))
-        if not recompute:
-            return x + self.drop_path(mlp(self.norm2(x)))
-        h = layer_norm_dense(x, self.norm2, mlp.fc1, kernels)
-        return x + self.drop_path(mlp.drop(gelu_dense(h, mlp.approximate, mlp.drop, mlp.fc2, kernels)))
-
-
-    def inference(self, x: torch.Tensor) -> torch.Tensor:
-        """The forward without autograd; on a CPU over chunks of about ``CHUNK_ROWS`` tokens
-        (module text: the allocator's fresh pages are a CPU cost, a GPU wants the whole batch),
-        each chunk's result written straight into its rows of the output."""
-        images, tokens = x.shape[0], x.shape[1]
-        dense_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
-        chunks = -(-images * tokens * dense_dtype.itemsize // (4 * CHUNK_ROWS))
-        if chunks <= 1 or images == 1 or x.device.type != "cpu":
-            return self.inference_chunk(x)
-        parts = x.split(-(-images // chunks))
-        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, dense_dtype), device=x.device)
+        chunks = _inference_chunks(x)
+        if chunks == 1:
+            return self.fused(x)
+        # Without autograd on a CPU (the allocator's fresh pages are a CPU cost; a GPU wants the
+        # whole batch): chunks of whole images, each one's result written into its rows of the output.
+        parts = x.split(-(-x.shape[0] // chunks))
+        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, _dense_dtype(x)), device=x.device)
         for part, rows in zip(parts, out.split(parts[0].shape[0])):
-            self.inference_chunk(part, out=rows)
+            self.fused(part, out=rows)
         return out
 
-    def inference_chunk(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The plain forward, each dense layer called for its inference product, the GELU
-        applied as the first MLP layer writes its output; the last residual sum into ``out``."""
-        attn, mlp = self.attn, self.mlp
-        qkv = _inference(attn.qkv, self.norm1(x))
-        if _contiguous_attention_applies(qkv, attn):
-            drop = attn.attn_drop if self.training else 0.0
-            heads = contiguous_attention(qkv, attn.num_heads, attn.head_dim**-0.5, drop)
+    def fused(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``Block.forward``'s values, the last residual sum written into ``out`` when given.
+
+        With autograd (and ``recompute``) the LayerNorm -> dense and GELU -> dense pairs store
+        their inputs, not the LayerNorm and GELU outputs; otherwise each dense layer's
+        ``product``, which without autograd is its inference product, the GELU applied as the
+        first MLP layer writes its output.
+        """
+        attn, mlp, kernels = self.attn, self.mlp, self.fast_options.kernels
+        recompute = self.fast_options.recompute and torch.is_grad_enabled()
+        if recompute:
+            qkv = layer_norm_dense(x, self.norm1, attn.qkv, kernels)
         else:
-            q, k, v = layers.split_heads(qkv, attn.num_heads)
-            heads = attn.attend(q, k, v, explicit=_explicit(q, self.fast_options.kernels))
-        x = x + self.drop_path(attn.proj_drop(_inference(attn.proj, heads)))
-        h = mlp.drop(_inference(mlp.fc1, self.norm2(x), gelu=mlp.approximate))
-        return torch.add(x, self.drop_path(mlp.drop(_inference(mlp.fc2, h))), out=out)
+            qkv = attn.qkv.product(_layer_norm(self.norm1, x))
+        x = x + self.drop_path(attn.proj_drop(attn.proj.product(self.attend(qkv))))
+        if recompute:
+            h = layer_norm_dense(x, self.norm2, mlp.fc1, kernels)
+            y = gelu_dense(h, mlp.approximate, mlp.drop, mlp.fc2, kernels)
+        else:
+            h = mlp.drop(mlp.fc1.product(_layer_norm(self.norm2, x), gelu=mlp.approximate))
+            y = mlp.fc2.product(h)
+        return torch.add(x, self.drop_path(mlp.drop(y)), out=out)
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Multi-head attention of the (B, L, 3D) qkv projection -> (B, L, D): over contiguous
+        copies of the heads in CPU bf16 without autograd (``contiguous_attention``), else over
+        strided views of them (their copies and backward did not pay in a training step:
+        benchmarks/NOTES.md, 2026-11-24 and -25), by two matmuls and a softmax where
+        ``_explicit`` says so."""
+        attn = self.attn
+        if not torch.is_grad_enabled() and _contiguous_attention_applies(qkv, attn):
+            drop = attn.attn_drop if attn.training else 0.0
+            return contiguous_attention(qkv, attn.num_heads, attn.head_dim**-0.5, drop)
+        q, k, v = split_heads(qkv, attn.num_heads)
+        return attn.attend(q, k, v, explicit=_explicit(q, self.fast_options.kernels))
+
+
+def _layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+def _dense_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the dense layers' outputs: autocast's on a CPU where it is on, else ``x``'s."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+
+
+def _inference_chunks(x: torch.Tensor) -> int:
+    """How many chunks of images a block's forward over ``x`` (B, L, D) runs in: without autograd
+    on a CPU, enough for chunks of about ``CHUNK_ROWS`` tokens of 4-byte dense outputs; else 1."""
+    images, tokens = x.shape[0], x.shape[1]
+    if torch.is_grad_enabled() or x.device.type != "cpu" or images == 1:
+        return 1
+    return max(1, -(-images * tokens * _dense_dtype(x).itemsize // (4 * CHUNK_ROWS)))
 
 
 def contiguous_attention(qkv: torch.Tensor, num_heads: int, scale: float, dropout: float = 0.0) -> torch.Tensor:
@@ -322,10 +334,6 @@ def contiguous_attention(qkv: torch.Tensor, num_heads: int, scale: float, dropou
     return heads.view(B, num_heads, L, head_dim).transpose(1, 2).reshape(B, L, num_heads * head_dim)
 
 
-def _cpu_bf16(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype == torch.bfloat16
-
-
 def _explicit(q: torch.Tensor, kernels: KernelChoice) -> bool:
     """Whether the block attends by two matmuls and a softmax: always in bf16 on a CPU
     (PyTorch's fused attention kernel is the slower one there, its backward most of all),
@@ -336,73 +344,59 @@ def _explicit(q: torch.Tensor, kernels: KernelChoice) -> bool:
 def _contiguous_attention_applies(qkv: torch.Tensor, attn: Attention) -> bool:
     """Whether the block attends by ``contiguous_attention``: bf16 on a CPU, and no relative
     position bias or recording of the attention weights, which ``Attention.attend`` handles."""
-    return _cpu_bf16(qkv) and attn.rel_pos is None and attn.recorded is None
+    return (qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16
+            and attn.rel_pos is None and attn.recorded is None)
 
 
-# Tokens per chunk of a block's inference with fp32 dense layers (twice as many with 2-byte
-# ones): a chunk's widest activation (tokens x mlp_dim) then stays within ~12 MB for the
-# paper's widths, while its matmuls keep enough rows.
-CHUNK_ROWS = 1024
-
-
-def _inference(layer: nn.Linear, x: torch.Tensor, gelu: str | None = None) -> torch.Tensor:
-    """``layer(x)`` (then GELU) without autograd, by the fast layer's inference product when it is one."""
-    if isinstance(layer, FastLinear):
-        return layer.inference(x, gelu)
-    out = layer(x)
-    return out if gelu is None else torch.ops.aten.gelu_(out, approximate=gelu)
-
-
-_INSTALLED = {nn.Linear: FastLinear, Block: FastBlock}
-_PLAIN = {fast: plain for plain, fast in _INSTALLED.items()}
+# The plain modules optimize replaces (exact types: a subclass may compute something else).
+_FAST = {nn.Linear: FastLinear, Block: FastBlock}
+_INSTALLED = (FastLinear, FastBlock)
 
 
 def install(model: nn.Module, options: FastOptions) -> nn.Module:
-    """Give every plain ``nn.Linear`` and ``Block`` of ``model`` (exact types) its fast class."""
-    unpack_weights(model)
-    shared = _shared_parameters(model)
-    for module in model.modules():
-        kind = type(module)
-        if kind in _INSTALLED or kind in _PLAIN:
-            module.__class__ = _INSTALLED.get(kind, kind)
-            module.fast_options = options
-            if isinstance(module, FastLinear):  # a weight another module also reads is never packed
-                module.packs_weight = id(module.weight) not in shared
-    return model
+    """Put a fast module in the place of every plain ``nn.Linear`` and ``Block`` of ``model``,
+    and give those already installed ``options``.  Returns the model: ``model`` itself,
+    unless it is a dense layer or a block, whose fast module is returned."""
+    stand_ins: dict[int, nn.Module] = {}  # one per plain module, wherever the model holds it
+
+    def fast(module: nn.Module) -> nn.Module:
+        if isinstance(module, _INSTALLED):
+            module.configure(options)
+            return module
+        if type(module) not in _FAST:
+            return module
+        if id(module) not in stand_ins:
+            stand_ins[id(module)] = _FAST[type(module)](module, options)
+        return stand_ins[id(module)]
+
+    _replace(model, fast)
+    return fast(model)
 
 
 def uninstall(model: nn.Module) -> nn.Module:
-    """Give every installed module its plain class back, dropping what the fast path held."""
-    unpack_weights(model)
-    for module in model.modules():
-        plain = _PLAIN.get(type(module))
-        if plain is not None:
-            module.__class__ = plain
-            for name in ("fast_options", "_held", "_packed", "packs_weight"):
-                module.__dict__.pop(name, None)
-    return model
+    """Put the plain module back in the place of every installed one; returns the model (the
+    plain module when ``model`` itself is an installed one)."""
+    def plain(module: nn.Module) -> nn.Module:
+        return _restored(module) if isinstance(module, _INSTALLED) else module
+
+    _replace(model, plain)
+    return plain(model)
 
 
-def unpack_weights(model: nn.Module) -> nn.Module:
-    """Give every weight that ``inference_weights="pack"`` packed its exact fp32 bytes back."""
-    for module in model.modules():
-        if isinstance(module, FastLinear):
-            module.unpack()
-    return model
-
-
-def _shared_parameters(model: nn.Module) -> set[int]:
-    """ids of the parameters that more than one place of ``model`` holds."""
-    seen: set[int] = set()
-    shared: set[int] = set()
-    for _, param in model.named_parameters(remove_duplicate=False):
-        (shared if id(param) in seen else seen).add(id(param))
-    return shared
+def _replace(model: nn.Module, new) -> None:
+    """Set every submodule of ``model``, under each name it has, to ``new(submodule)``."""
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if not name:
+            continue
+        replacement = new(module)
+        if replacement is not module:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, replacement)
 
 
 def installed(model: nn.Module) -> FastOptions | None:
     """The options of the first installed module of ``model``, or None when none is installed."""
     for module in model.modules():
-        if type(module) in _PLAIN:
+        if isinstance(module, _INSTALLED):
             return module.fast_options
     return None

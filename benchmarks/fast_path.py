@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import vitlab.fast
 from harness import compare, run_experiments, vitlab_config
 from vitlab.analysis.cost import SavedForBackward
+from vitlab.fast.calibration import training_step
 from vitlab.models.registry import build_model
 
 # label -> how the model is prepared: None leaves it plain, else optimize()'s keywords
@@ -67,15 +68,7 @@ def exp_recompute() -> None:
                   + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in kept.items()))
 
             def step(model: torch.nn.Module, amp: bool = amp) -> Callable[[], None]:
-                opt = torch.optim.AdamW(model.parameters())
-
-                def go() -> None:
-                    with torch.autocast("cpu", torch.bfloat16, enabled=amp):
-                        loss = F.cross_entropy(model(x).float(), y)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                return go
+                return training_step(model, model.parameters(), x, y, amp)
             compare(f"training step, {spec}, batch {batch}, {dtype} (AdamW)",
                     {label: step(m) for label, m in models.items()}, rounds=rounds)
 

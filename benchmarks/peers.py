@@ -18,9 +18,9 @@ import sys
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from harness import compare, make_model, optimize_if_default, run_case, run_experiments, vitlab_config
+from vitlab.fast.calibration import training_step
 
 IMPLS = ("vitlab", "vitlab-plain", "hf-sdpa", "hf-eager")
 
@@ -42,15 +42,7 @@ def _train_step(spec: str, batch: int, impl: str, amp: bool) -> Callable[[], Non
     x, y = _inputs(spec, batch)
     model, forward = _model(impl, spec)
     model.train()
-    opt = torch.optim.AdamW(model.parameters())
-
-    def step() -> None:
-        with torch.autocast("cpu", torch.bfloat16, enabled=amp):
-            loss = F.cross_entropy(forward(x).float(), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
+    return training_step(forward, model.parameters(), x, y, amp)
 
 
 def exp_training() -> None:

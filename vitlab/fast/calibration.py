@@ -64,6 +64,21 @@ def _model(mode: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, x, y
 
 
+def training_step(forward: Callable[[torch.Tensor], torch.Tensor], parameters, x: torch.Tensor, y: torch.Tensor,
+                  bf16: bool) -> Callable[[], None]:
+    """One training step as a call: ``forward(x)``'s logits (under CPU bf16 autocast when
+    ``bf16``), cross-entropy against ``y``, backward, AdamW (what the benchmarks time too)."""
+    optimizer = torch.optim.AdamW(parameters, lr=1e-4)
+
+    def train() -> None:
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(forward(x).float(), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return train
+
+
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, bf16: bool) -> Callable[[], None]:
     if mode == "inference":
         model.eval()
@@ -72,15 +87,7 @@ def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, bf16: b
             with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
                 model(x)
         return infer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def train() -> None:
-        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            loss = F.cross_entropy(model(x).float(), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return train
+    return training_step(model, model.parameters(), x, y, bf16)
 
 
 def time_steps(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:

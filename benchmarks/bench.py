@@ -176,12 +176,7 @@ def machine(args: argparse.Namespace) -> dict:
     cpu = kernels.cpu_info()
     info["cpu_class"] = kernels.cpu_class(cpu)  # what the kernel rule reads, with vendor and family/model
     info["cpu_vendor"] = cpu.vendor
-    try:
-        ids = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in open("/proc/cpuinfo"))
-               if k.strip() in ("cpu family", "model")}
-        info["cpu_family_model"] = f"{ids.get('cpu family', '?')}/{ids.get('model', '?')}"
-    except OSError:
-        pass
+    info["cpu_family_model"] = cpu.generation or "?"
     info["fast_kernels"] = kernels.choose().describe()
     info["torch"] = torch.__version__
     if args.device == "cuda":

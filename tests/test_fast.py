@@ -658,7 +658,9 @@ def test_the_fast_models_state_round_trips_through_save_load_copy_and_pickle(tmp
 
 # ----------------------------------------------------------------------------- kernel choice
 
-AMD_ZEN5 = CpuInfo("AuthenticAMD", "AMD EPYC", frozenset({"avx2", "avx512f", "avx512_bf16"}), "x86_64")
+AMD_ZEN5 = CpuInfo("AuthenticAMD", "AMD EPYC", frozenset({"avx2", "avx512f", "avx512_bf16"}), "x86_64", 26, 2)
+AMD_ZEN4 = dataclasses.replace(AMD_ZEN5, family=25, model_number=17)
+AMD_NEXT = dataclasses.replace(AMD_ZEN5, family=27, model_number=0)  # a family with no figures yet
 AMD_ZEN3 = CpuInfo("AuthenticAMD", "AMD EPYC 7B13", frozenset({"avx2", "fma"}), "x86_64")
 XEON_NO_AMX = CpuInfo("GenuineIntel", "Intel Xeon", frozenset({"avx2", "avx512f", "avx512_bf16"}), "x86_64")
 XEON_AMX = CpuInfo("GenuineIntel", "Intel Xeon", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}), "x86_64")
@@ -670,17 +672,32 @@ AVX2_ONEDNN = kernels_mod.OneDNNReport(available=True, bf16=False)
 
 @pytest.mark.parametrize("info, cls, expected, precision", [
     (AMD_ZEN5, "avx512_bf16", KernelChoice("onednn", "onednn"), "bf16"),
+    (AMD_ZEN4, "avx512_bf16", KernelChoice("onednn", "onednn", training=("bf16",)), "bf16"),
+    (AMD_NEXT, "avx512_bf16", KernelChoice(), "fp32"),
     (XEON_NO_AMX, "avx512_bf16", KernelChoice("aten", "widened"), "fp32"),
     (AMD_ZEN3, "avx2", KernelChoice("aten", "aten", "explicit"), "fp32"),
     (XEON_AMX, "amx", KernelChoice(), "fp32"),       # no figures: the plain model's arithmetic
     (SKYLAKE, "avx512", KernelChoice(), "fp32"),
     (GRAVITON, "aarch64", KernelChoice(), "fp32")],
-    ids=["zen5", "xeon", "zen3", "xeon-amx", "skylake", "aarch64"])
+    ids=["zen5", "zen4", "amd-next", "xeon", "zen3", "xeon-amx", "skylake", "aarch64"])
 def test_the_kernel_rule_follows_the_cpu_class_and_vendor(info, cls, expected, precision):
     assert kernels_mod.cpu_class(info) == cls
     assert kernels_mod.rule_choice(info, FULL_ONEDNN) == expected
     assert kernels_mod.rule_for(info).precision == precision
-    assert bool(kernels_mod.rule_for(info).measured) == (cls in ("avx512_bf16", "avx2"))
+    assert bool(kernels_mod.rule_for(info).measured) == (expected != KernelChoice())
+
+
+def test_cpu_info_reads_the_first_processors_family_and_model_numbers(tmp_path):
+    block = ("processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+             "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n")
+    (tmp_path / "cpuinfo").write_text(block.format(n=0) + block.format(n=1).replace(": 17", ": 99"))
+    info = kernels_mod.cpu_info(tmp_path / "cpuinfo")
+    assert (info.vendor, info.model, info.family, info.model_number) == ("AuthenticAMD", "AMD EPYC", 25, 17)
+    assert info.flags == {"fpu", "avx2", "avx512f", "avx512_bf16"}
+    assert info.generation == "25/17"
+    # two parts a VM names alike are told apart by their numbers, in the rule and in stored calibrations
+    assert kernels_mod.rule_for(AMD_ZEN4) != kernels_mod.rule_for(AMD_ZEN5)
+    assert kernels_mod.calibration_key(AMD_ZEN4) != kernels_mod.calibration_key(AMD_ZEN5)
 
 
 def test_the_rule_never_picks_a_kernel_onednn_says_it_cannot_build():

@@ -95,6 +95,13 @@ class CpuInfo:
     model: str
     flags: frozenset[str]
     machine: str = dataclasses.field(default_factory=lambda: platform.machine().lower())
+    family: int | None = None  # x86 "cpu family": AMD 25 is Zen 3/Zen 4, 26 is Zen 5
+    model_number: int | None = None  # x86 "model" within the family
+
+    @property
+    def generation(self) -> str:
+        """``family/model`` numbers, or "" where unknown: VMs often name every part "AMD EPYC"."""
+        return f"{self.family}/{self.model_number}" if self.family is not None else ""
 
     @property
     def x86(self) -> bool:
@@ -105,25 +112,29 @@ class CpuInfo:
         return self.machine in ("aarch64", "arm64")
 
 
-def cpu_info() -> CpuInfo:
-    """Vendor, model name and feature flags of this CPU (from /proc/cpuinfo on Linux)."""
+def cpu_info(path: Path = Path("/proc/cpuinfo")) -> CpuInfo:
+    """Vendor, model name, family/model numbers and feature flags of this CPU (from
+    /proc/cpuinfo on Linux)."""
     vendor, model, flags = "", platform.processor(), frozenset()
+    numbers: dict[str, int] = {}
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        text = path.read_text()
     except OSError:
         return CpuInfo(vendor, model, flags)
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key, value = key.strip(), value.strip()
+        if not key and (vendor or flags):  # the end of the first processor's block
+            break
         if key == "vendor_id" and not vendor:
             vendor = value
         elif key == "model name" and value:
             model = value
+        elif key in ("cpu family", "model") and value.isdigit():
+            numbers.setdefault(key, int(value))
         elif key in ("flags", "Features") and not flags:  # x86, aarch64
             flags = frozenset(value.split())
-        if vendor and flags and model:
-            break
-    return CpuInfo(vendor, model, flags)
+    return CpuInfo(vendor, model, flags, family=numbers.get("cpu family"), model_number=numbers.get("model"))
 
 
 # The classes the rule knows, from the most capable x86 part down; then Arm, then anything else.
@@ -201,28 +212,36 @@ class Rule:
 
 PLAIN = Rule(KernelChoice(), "fp32", "")
 
-# (class, vendor or "" for any) -> rule; the figures behind each: docs/performance.md.
-RULES: dict[tuple[str, str], Rule] = {
-    # oneDNN's fp32 matmul runs at about twice MKL's rate on AMD's AVX-512 parts (MKL keeps to
-    # AVX2 there) and its bf16 kernel at 2-4x fp32; the fast blocks win every bench row.
-    ("avx512_bf16", "AuthenticAMD"): Rule(KernelChoice("onednn", "onednn", "fused"), "bf16",
-                                          "Zen 4 and Zen 5 class, 2026-11-23 to 26"),
+# (class, vendor or "" for any, x86 family or None for any) -> rule; the figures behind
+# each: docs/performance.md.  An AMD part of a family not listed has no figures: plain.
+RULES: dict[tuple[str, str, int | None], Rule] = {
+    # oneDNN's fp32 matmul runs at about twice MKL's rate on Zen 5 (MKL keeps to AVX2 on AMD)
+    # and its bf16 kernel at 2-4x fp32; the fast blocks win every bench row.
+    ("avx512_bf16", "AuthenticAMD", 26): Rule(KernelChoice("onednn", "onednn", "fused"), "bf16",
+                                              "Zen 5 class, 2026-11-23 to 25"),
+    # Zen 4 runs 512-bit work as two 256-bit halves: oneDNN's fp32 matmul gains little over
+    # MKL's, enough for inference but not for an fp32 training step, which stays plain.
+    ("avx512_bf16", "AuthenticAMD", 25): Rule(KernelChoice("onednn", "onednn", "fused", training=("bf16",)),
+                                              "bf16", "Zen 4 class, 2026-11-26"),
     # Intel without AMX runs oneDNN's bf16 kernel at about half its fp32 rate: bf16 operands
     # go through the fp32 GEMM, and bf16 saves memory but not time.
-    ("avx512_bf16", "GenuineIntel"): Rule(KernelChoice("aten", "widened", "fused"), "fp32",
-                                          "Intel Xeon VM, AVX512-BF16, no AMX, 2026-11-22/23"),
+    ("avx512_bf16", "GenuineIntel", None): Rule(KernelChoice("aten", "widened", "fused"), "fp32",
+                                                "Intel Xeon VM, AVX512-BF16, no AMX, 2026-11-22/23"),
     # AVX2 only: every GEMM path runs at the same rate, and bf16 is emulated; at the CIFAR size
     # two matmuls and a softmax beat the fused attention kernel in a training step.
-    ("avx2", ""): Rule(KernelChoice("aten", "aten", "explicit"), "fp32",
-                       "AMD Zen 3 (issue 41), and Zen 4 with oneDNN and ATen held to AVX2, 2026-11-26"),
+    ("avx2", "", None): Rule(KernelChoice("aten", "aten", "explicit"), "fp32",
+                             "AMD Zen 3 (issue 41), and Zen 4 with oneDNN and ATen held to AVX2, 2026-11-26"),
 }
 
 
 def rule_for(info: CpuInfo | None = None) -> Rule:
-    """The rule of this CPU's class (and vendor, where the class's figures differ by vendor)."""
+    """The rule of this CPU's class (narrowed by vendor and x86 family where their figures differ)."""
     info = info or cpu_info()
     cls = cpu_class(info)
-    return RULES.get((cls, info.vendor)) or RULES.get((cls, "")) or PLAIN
+    for key in ((cls, info.vendor, info.family), (cls, info.vendor, None), (cls, "", None)):
+        if key in RULES:
+            return RULES[key]
+    return PLAIN
 
 
 def rule_choice(info: CpuInfo | None = None, report: OneDNNReport | None = None) -> KernelChoice:
@@ -244,11 +263,11 @@ def calibration_path() -> Path:
     return Path(root) / "vitlab" / "kernels.json"
 
 
-CALIBRATION_FORMAT = 2  # entries of other formats are ignored
+CALIBRATION_FORMAT = 3  # entries of other formats are ignored
 
 
 def calibration_key(info: CpuInfo) -> str:
-    return f"v{CALIBRATION_FORMAT} | {info.vendor} | {info.model} | torch {torch.__version__}"
+    return f"v{CALIBRATION_FORMAT} | {info.vendor} | {info.model} | {info.generation} | torch {torch.__version__}"
 
 
 def stored_entry(path: Path | None = None, info: CpuInfo | None = None) -> dict | None:

@@ -271,7 +271,8 @@ def resolve(cfg: TrainConfig, world: World, streamed: bool) -> Resolved:
     info = cpu_info()
     return Resolved(device=str(device), precision=precision, kernels=kernels, bf16_matmuls=auto_precision == "bf16",
                     threads=cfg.run.threads or torch.get_num_threads(), data="stream" if streamed else "memory",
-                    compile=compile_mode, cpu=f"{info.model or 'unknown'} ({cpu_class(info)})")
+                    compile=compile_mode, cpu=f"{info.model or 'unknown'} ({cpu_class(info)}"
+                    + (f", family/model {info.generation})" if info.generation else ")"))
 
 
 def build(cfg: TrainConfig) -> Setup:

@@ -11,6 +11,9 @@ and bf16 autocast, with the bytes of activations each keeps for the backward.
 as large as the batch (``CHUNK_ROWS`` unbounded) and, in bf16, with each weight held cast
 (``inference_weights="hold"``, what ``vitlab eval`` runs), against the default (cast in every
 call), with the page faults per call of each.
+``kernels``: the training step of the plain model, of the fast model with each kernel choice
+this CPU can run (fp32 matmul x attention x recompute; in bf16 the bf16 kernels), and of
+Hugging Face's ViT (sdpa, eager): what ``kernels.RULES`` rests on, per CPU class.
 Every core, wall time, interleaved.  Findings: benchmarks/NOTES.md.
 """
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import vitlab.fast
-from harness import compare, run_experiments, vitlab_config
+from harness import compare, make_model, run_experiments, vitlab_config
 from vitlab.analysis.cost import SavedForBackward
 from vitlab.fast.calibration import training_step
 from vitlab.models.registry import build_model
@@ -128,7 +131,36 @@ def exp_inference_options() -> None:
                   + ", ".join(f"{k} {sorted(v)[len(v) // 2]}" for k, v in faults.items()))
 
 
-EXPERIMENTS = {"recompute": exp_recompute, "inference": exp_inference, "inference_options": exp_inference_options}
+def exp_kernels() -> None:
+    from vitlab.fast.kernels import BF16_KERNELS, FP32_KERNELS, KernelChoice, why_unavailable
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    for spec, batch, rounds in (("ViT-CIFAR", 128, 9), ("ViT-S/16", 32, 5)):
+        cfg = vitlab_config(spec)
+        x, y = torch.randn(batch, 3, *cfg.img_size), torch.randint(0, cfg.num_classes, (batch,))
+        for amp in (False, True):
+            torch.manual_seed(0)
+            base = build_model(cfg).train()
+            plain = copy.deepcopy(base)
+            steps = {"plain": training_step(plain, plain.parameters(), x, y, amp)}
+            choices = ([KernelChoice(bf16=b) for b in BF16_KERNELS] if amp else
+                       [KernelChoice(fp32=k, attention=a) for k in FP32_KERNELS for a in ("fused", "explicit")])
+            for choice in choices:
+                if why_unavailable(choice) is not None:
+                    continue
+                for recompute in (True, False):
+                    model = vitlab.fast.optimize(copy.deepcopy(base), choice, recompute=recompute)
+                    label = (f"bf16 {choice.bf16}" if amp else f"fp32 {choice.fp32}, {choice.attention}")
+                    steps[f"{label}, {'recompute' if recompute else 'store'}"] = \
+                        training_step(model, model.parameters(), x, y, amp)
+            for peer in ("hf-sdpa", "hf-eager"):
+                model, forward = make_model(peer, spec)
+                steps[peer] = training_step(forward, model.train().parameters(), x, y, amp)
+            compare(f"training step, {spec}, batch {batch}, {'bf16 autocast' if amp else 'fp32'} (AdamW)",
+                    steps, rounds=rounds)
+
+
+EXPERIMENTS = {"kernels": exp_kernels, "recompute": exp_recompute, "inference": exp_inference, "inference_options": exp_inference_options}
 
 if __name__ == "__main__":
     sys.exit(run_experiments(EXPERIMENTS, sys.argv[1:], __doc__))

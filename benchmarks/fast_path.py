@@ -58,22 +58,29 @@ def _saved_for_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
     return kept.bytes
 
 
-def exp_recompute() -> None:
+def _training_cases(rounds: tuple[int, int]):
+    """(spec, batch, rounds, config, images, labels, bf16) for the two training rows of the
+    bench, fp32 then bf16 autocast, every core."""
     torch.set_num_threads(os.cpu_count() or 1)
-    for spec, batch, rounds in (("ViT-CIFAR", 128, 5), ("ViT-S/16", 32, 3)):
+    for (spec, batch), n in zip((("ViT-CIFAR", 128), ("ViT-S/16", 32)), rounds):
         cfg = vitlab_config(spec)
         x, y = torch.randn(batch, 3, *cfg.img_size), torch.randint(0, cfg.num_classes, (batch,))
         for amp in (False, True):
-            models = _variants(spec)
-            dtype = "bf16 autocast" if amp else "fp32"
-            kept = {label: _saved_for_backward(m, x, y, amp) for label, m in models.items()}
-            print(f"\n{spec}, batch {batch}, {dtype}: activations kept for the backward "
-                  + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in kept.items()))
+            yield spec, batch, n, cfg, x, y, amp
 
-            def step(model: torch.nn.Module, amp: bool = amp) -> Callable[[], None]:
-                return training_step(model, model.parameters(), x, y, amp)
-            compare(f"training step, {spec}, batch {batch}, {dtype} (AdamW)",
-                    {label: step(m) for label, m in models.items()}, rounds=rounds)
+
+def exp_recompute() -> None:
+    for spec, batch, rounds, cfg, x, y, amp in _training_cases((5, 3)):
+        models = _variants(spec)
+        dtype = "bf16 autocast" if amp else "fp32"
+        kept = {label: _saved_for_backward(m, x, y, amp) for label, m in models.items()}
+        print(f"\n{spec}, batch {batch}, {dtype}: activations kept for the backward "
+              + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in kept.items()))
+
+        def step(model: torch.nn.Module, amp: bool = amp) -> Callable[[], None]:
+            return training_step(model, model.parameters(), x, y, amp)
+        compare(f"training step, {spec}, batch {batch}, {dtype} (AdamW)",
+                {label: step(m) for label, m in models.items()}, rounds=rounds)
 
 
 def exp_inference() -> None:
@@ -134,33 +141,30 @@ def exp_inference_options() -> None:
 def exp_kernels() -> None:
     from vitlab.fast.kernels import BF16_KERNELS, FP32_KERNELS, KernelChoice, why_unavailable
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    for spec, batch, rounds in (("ViT-CIFAR", 128, 9), ("ViT-S/16", 32, 5)):
-        cfg = vitlab_config(spec)
-        x, y = torch.randn(batch, 3, *cfg.img_size), torch.randint(0, cfg.num_classes, (batch,))
-        for amp in (False, True):
-            torch.manual_seed(0)
-            base = build_model(cfg).train()
-            plain = copy.deepcopy(base)
-            steps = {"plain": training_step(plain, plain.parameters(), x, y, amp)}
-            choices = ([KernelChoice(bf16=b) for b in BF16_KERNELS] if amp else
-                       [KernelChoice(fp32=k, attention=a) for k in FP32_KERNELS for a in ("fused", "explicit")])
-            for choice in choices:
-                if why_unavailable(choice) is not None:
-                    continue
-                for recompute in (True, False):
-                    model = vitlab.fast.optimize(copy.deepcopy(base), choice, recompute=recompute)
-                    label = (f"bf16 {choice.bf16}" if amp else f"fp32 {choice.fp32}, {choice.attention}")
-                    steps[f"{label}, {'recompute' if recompute else 'store'}"] = \
-                        training_step(model, model.parameters(), x, y, amp)
-            for peer in ("hf-sdpa", "hf-eager"):
-                model, forward = make_model(peer, spec)
-                steps[peer] = training_step(forward, model.train().parameters(), x, y, amp)
-            compare(f"training step, {spec}, batch {batch}, {'bf16 autocast' if amp else 'fp32'} (AdamW)",
-                    steps, rounds=rounds)
+    for spec, batch, rounds, cfg, x, y, amp in _training_cases((9, 5)):
+        torch.manual_seed(0)
+        base = build_model(cfg).train()
+        plain = copy.deepcopy(base)
+        steps = {"plain": training_step(plain, plain.parameters(), x, y, amp)}
+        choices = ([KernelChoice(bf16=b) for b in BF16_KERNELS] if amp else
+                   [KernelChoice(fp32=k, attention=a) for k in FP32_KERNELS for a in ("fused", "explicit")])
+        for choice in choices:
+            if why_unavailable(choice) is not None:
+                continue
+            for recompute in (True, False):
+                model = vitlab.fast.optimize(copy.deepcopy(base), choice, recompute=recompute)
+                label = (f"bf16 {choice.bf16}" if amp else f"fp32 {choice.fp32}, {choice.attention}")
+                steps[f"{label}, {'recompute' if recompute else 'store'}"] = \
+                    training_step(model, model.parameters(), x, y, amp)
+        for peer in ("hf-sdpa", "hf-eager"):
+            model, forward = make_model(peer, spec)
+            steps[peer] = training_step(forward, model.train().parameters(), x, y, amp)
+        compare(f"training step, {spec}, batch {batch}, {'bf16 autocast' if amp else 'fp32'} (AdamW)",
+                steps, rounds=rounds)
 
 
-EXPERIMENTS = {"kernels": exp_kernels, "recompute": exp_recompute, "inference": exp_inference, "inference_options": exp_inference_options}
+EXPERIMENTS = {"kernels": exp_kernels, "recompute": exp_recompute, "inference": exp_inference,
+               "inference_options": exp_inference_options}
 
 if __name__ == "__main__":
     sys.exit(run_experiments(EXPERIMENTS, sys.argv[1:], __doc__))

@@ -146,3 +146,19 @@ def test_without_an_estimate_the_evaluation_is_timed_as_before():
     _, budget, _, _ = run_whole_command(0.4, setup_s=8.0, step_s=0.1, eval_s=3.0, final_views=1.0,
                                         eval_cost_steps=0.0)
     assert budget.evals_timed == 1
+
+
+def test_a_set_up_that_took_most_of_the_budget_shortens_the_timing():
+    """The first run on a dataset decodes it (issue 43: 18 s of a 24 s budget): the ten timed
+    steps and the final evaluation no longer fit, so the schedule is fitted after fewer
+    timed steps; past the budget only by what the set-up left too short for three steps."""
+    args = dict(step_s=1.0, eval_s=2.0, final_views=5.0, eval_cost_steps=2.0)
+    end, budget, _, steps = run_whole_command(0.4, setup_s=14.0, **args)
+    assert budget.fit_at < 12 and steps < 12
+    assert end <= 24.0
+    end, budget, _, steps = run_whole_command(0.4, setup_s=20.0, **args)
+    assert budget.fit_at == 3 and steps == 3  # one timed step, and the guard stops there
+    assert end == 20.0 + 3 * 1.0 + 2.0 + 1.0  # before: 20 + 12 timed steps + the evaluation
+    # with room, the ten steps are timed as before
+    _, budget, _, _ = run_whole_command(2.0, setup_s=14.0, **args)
+    assert budget.fit_at == 12

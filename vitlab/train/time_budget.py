@@ -8,6 +8,8 @@ total number of steps and ``out_of_time`` whether to stop now.  The plan:
 1. time the steps after the first two (which pay for allocation and compilation) over
    ``measure_steps`` steps, time one evaluation, and fit the schedule so that the decay
    ends, and the final evaluation is done, by the deadline (``schedules.fit_steps_to_time``);
+   fit after fewer steps (at least one) when the set-up left too little of the budget for
+   all of them and the final evaluation;
 2. time again over the rest of the warm-up (a steadier figure) and refit while the lr is
    still rising;
 3. refit halfway through the decay (the warm-up's rate can be off by several percent on a
@@ -77,6 +79,7 @@ class TimeBudget:
         self.fitted = not self.active  # whether the total is final
         self.first_mark = self.warm_mark = self.decay_mark = None  # (step, units, time, paused_s)
         self.warm_refit_at = self.decay_at = 0
+        self.fit_at = 2 + measure_steps  # the step after which the first fit is made
         self.decay_refits = 0
         self.remeasure_at: int | None = None
 
@@ -131,7 +134,11 @@ class TimeBudget:
         """Whether the first fit, due after this step, needs an evaluation timed first: not
         when the budget left is too short for it and the final one (estimated from the step
         time, which then stands in for the timing)."""
-        if self.fitted or self.first_mark is None or step != 2 + self.measure_steps:
+        if self.fitted or self.first_mark is None:
+            return False
+        if step < self.fit_at:
+            self._fit_early_if_short(step)
+        if step != self.fit_at:
             return False
         estimate = self.eval_cost_steps * self._first_rate()
         if estimate <= 0:
@@ -171,7 +178,7 @@ class TimeBudget:
             return total_steps
         if step == 2:
             self.first_mark = self._mark(step)
-        elif self.first_mark is not None and step == 2 + self.measure_steps:
+        elif self.first_mark is not None and step == self.fit_at:
             sec_per_step = self._first_rate() - self.last_eval_s / max(self.units - self.first_mark[1], 1e-9)
             total_steps = self._fit(step, sec_per_step)
             self.warm_mark = self._mark(step)
@@ -204,6 +211,21 @@ class TimeBudget:
         the first fit takes out)."""
         _, units0, t0, _ = self.first_mark
         return (self.clock() - t0) / max(self.units - units0, 1e-9)
+
+    def _fit_early_if_short(self, step: int) -> None:
+        """Move the first fit to this step when timing the remaining measure steps would run
+        past the deadline (a set-up that took most of a short
+        budget: the first run on a dataset decodes it).  All ranks decide alike."""
+        if step <= self.first_mark[0]:
+            return
+        # the evaluation's cost is not counted: its estimate from the step time can be far off
+        # (a step's optimiser and augmentation weigh nothing in an evaluation), and the fit
+        # that follows makes room for it
+        late = self.elapsed() + (self.fit_at - step) * self._first_rate() + self.reserve_s > self.deadline_s
+        if self.agree([float(late)])[0] > 0:
+            self.fit_at = step
+            self.say(f"time limit {self.minutes:g} min: {self.elapsed():.0f} s gone at step {step} "
+                     f"(set-up included): the schedule is fitted now, after {step - self.first_mark[0]} timed step(s)")
 
     def _final_ratio(self) -> float:
         """The final evaluation's planned cost in periodic evaluations."""

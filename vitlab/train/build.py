@@ -48,9 +48,7 @@ class Resolved:
     decode_workers: int = 0  # processes decoding a data set into memory
 
     def record(self) -> dict:
-        record = dataclasses.asdict(self)
-        record["kernels"] = dataclasses.asdict(self.kernels) if self.kernels else None
-        return record
+        return dataclasses.asdict(self)  # the kernels too: asdict converts nested dataclasses
 
     def line(self) -> str:
         kernels = self.kernels.describe() if self.kernels else "plain"

@@ -22,6 +22,19 @@ def test_decodes_folder_exactly(make_folder, fakes, tmp_path):
         assert torch.equal(data.images[i], expected)
 
 
+def test_auto_workers_decode_as_the_config_says_it(make_folder, tmp_path, monkeypatch):
+    """``data.decode_workers="auto"`` passes through as it is: every usable core."""
+    root = make_folder(classes=2, per_class=3, size=(6, 5))
+    asked = []
+    decode_all = memory._decode_all
+    monkeypatch.setattr(memory, "_decode_all", lambda sources, size, workers: asked.append(workers)
+                        or decode_all(sources, size, workers))
+    auto = load_in_memory(root, cache_dir=tmp_path / "auto", workers="auto")
+    one = load_in_memory(root, cache_dir=tmp_path / "one", workers=1)
+    assert asked == [memory.usable_cores(), 1]
+    assert torch.equal(auto.images, one.images) and torch.equal(auto.labels, one.labels)
+
+
 def test_second_call_reads_the_cache(make_folder, tmp_path, monkeypatch):
     root = make_folder()
     first = load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)

@@ -123,3 +123,15 @@ def test_vtab_end_to_end(tasks, tiny_checkpoint, tmp_path, capsys):
     assert all(p.stat().st_mtime_ns == stamp for p, stamp in stamps.items())
     best = max(("0.003", "0.03"), key=lambda lr: sum(r["val_top1"][lr] for r in tasks_.values()))
     assert {r["lr"] for r in shared["tasks"].values()} == {float(best)}
+
+
+def test_a_view_is_scored_with_the_configs_own_decode_workers(tasks, tiny_checkpoint, tmp_path):
+    """``evaluate_on`` with the recipe's ``data.decode_workers="auto"`` (the e2e test sets 0)."""
+    from vitlab.cli.vtab import evaluate_on
+    from vitlab.train.config import TrainConfig
+    from vitlab.train.overrides import with_changes
+
+    cfg = with_changes(TrainConfig(), {"data.cache_dir": str(tmp_path / "cache")})
+    assert cfg.data.decode_workers == "auto"
+    top1, n = evaluate_on(tiny_checkpoint, tasks / "cifar100" / "test", cfg, "cpu", "fp32")
+    assert n == 9 and 0.0 <= top1 <= 1.0

@@ -123,8 +123,9 @@ def resolve_accum_steps(args: argparse.Namespace, cfg, device: str) -> int:
     return auto_accum_steps(cfg.optim.batch_size, activation_bytes_per_example(cfg), available_bytes(device))
 
 
-def evaluate_on(weights: str, folder: Path, cfg, device: str) -> tuple[float, int]:
-    """(top-1, images) of the weights on an ImageFolder view, at the resolution they were trained at."""
+def evaluate_on(weights: str, folder: Path, cfg, device: str, precision: str) -> tuple[float, int]:
+    """(top-1, images) of the weights on an ImageFolder view, at the resolution they were trained
+    at, in the command's resolved ``precision``."""
     from vitlab.data.memory import load_in_memory
     from vitlab.eval.evaluator import Evaluator
     from vitlab.weights import load_model
@@ -133,7 +134,7 @@ def evaluate_on(weights: str, folder: Path, cfg, device: str) -> tuple[float, in
     data = load_in_memory(folder, image_size=model.cfg.img_size, cache_dir=cfg.data.cache_dir,
                           workers=cfg.data.decode_workers)
     result = Evaluator(data.images, data.labels, batch_size=cfg.run.eval_batch_size, device=device,
-                       precision=cfg.run.precision).run(model)
+                       precision=precision).run(model)
     return float(result["top1"]), int(result["n"])
 
 
@@ -158,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from vitlab import fast
     from vitlab.config import ConfigError
     from vitlab.eval.vtab import find_tasks, format_table, split_task, summarize
     from vitlab.train import train
@@ -185,6 +187,7 @@ def _run(args: argparse.Namespace) -> int:
     grid = tuple(float(v) for v in args.grid.split(",")) if args.grid else tuple(cfg.optim.lr_grid) or (cfg.optim.lr,)
     device = cfg.run.device if cfg.run.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     accum = resolve_accum_steps(args, cfg, device)
+    precision = fast.auto_precision(device) if cfg.run.precision == "auto" else cfg.run.precision  # decided once
     cfg = with_changes(cfg, {"optim.accum_steps": accum})
     check_can_run(with_changes(cfg, {"data.source": "digits"}))  # the weights and the batch, before any run
     out = Path(args.out)
@@ -209,7 +212,7 @@ def _run(args: argparse.Namespace) -> int:
             for lr in grid:
                 summary = fine_tune(splits[task.name].sweep_train, lr, out / task.name / f"lr_{lr:g}")
                 val[task.name][f"{lr:g}"], _ = evaluate_on(summary["weights"], splits[task.name].sweep_val, cfg,
-                                                           device)
+                                                           device, precision)
                 say(f"{task.name}: lr {lr:g}: top-1 {val[task.name][f'{lr:g}']:.4f} on its "
                     f"{splits[task.name].counts['val200']} validation examples")
     if args.select == "shared" and len(grid) > 1:
@@ -224,7 +227,7 @@ def _run(args: argparse.Namespace) -> int:
         else:
             lr = max(grid, key=lambda g: val[task.name][f"{g:g}"])
         final = fine_tune(views.train, lr, out / task.name / f"final_lr_{lr:g}")
-        top1, n = evaluate_on(final["weights"], views.test, cfg, device)
+        top1, n = evaluate_on(final["weights"], views.test, cfg, device, precision)
         results[task.name] = {"group": task.group, "lr": lr, "val_top1": val[task.name], "test_top1": top1,
                               "test_examples": n, "test_split": views.test_split,
                               "train_examples": views.counts["train1000"], "classes": len(views.classes),

@@ -7,7 +7,7 @@ a Hugging Face ``save_to_disk`` folder, parquet files, or the built-in "digits".
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 from vitlab.config import to_pair
 from vitlab.data.memory import InMemoryDataset, load_in_memory
@@ -16,7 +16,7 @@ from vitlab.data.sources import DataError, PathLike
 __all__ = ["load_labelled"]
 
 
-def load_labelled(source: str, image_size, cache_dir: Optional[PathLike] = None, workers: Optional[int] = None,
+def load_labelled(source: str, image_size, cache_dir: Optional[PathLike] = None, workers: Union[int, str, None] = None,
                   held_out: Optional[tuple[float, int]] = None) -> InMemoryDataset:
     """``source`` decoded at ``image_size`` (int or (H, W)); its ``key`` names the data and
     the size (what features computed from it can be cached under).

@@ -20,7 +20,7 @@ from .architecture import model_architecture
 from .config import TrainConfig
 from .distributed import World, init_world, wrap_model
 from .ema import EMA
-from .inputs import Splits, build_splits, decode_workers, resolve_data, stream_splits
+from .inputs import Splits, build_splits, resolve_data, stream_splits
 from .memory import retain_freed_memory
 from .numerics import make_scaler
 from .optim import build_optimizer
@@ -215,7 +215,7 @@ def streamed_sample(source, count: int, cfg: TrainConfig) -> torch.Tensor:
         _, source = hold_out(source, count, cfg.run.seed)
     except DataError:  # it would take every unit
         pass
-    return load_source_in_memory(source, training_size(cfg), cfg.data.cache_dir, decode_workers(cfg)).images
+    return load_source_in_memory(source, training_size(cfg), cfg.data.cache_dir, cfg.data.decode_workers).images
 
 
 def mimetic_init(model: nn.Module, seed: int) -> None:

@@ -54,16 +54,11 @@ def load_dataset(cfg: TrainConfig, image_size: Pair):
     from vitlab.data.labelled import load_labelled
 
     try:
-        return load_labelled(cfg.data.source, image_size, cfg.data.cache_dir, decode_workers(cfg))
+        return load_labelled(cfg.data.source, image_size, cfg.data.cache_dir, cfg.data.decode_workers)
     except DataError as err:
         if cfg.data.source == "digits":  # the one failure that is the config's, not the data's
             raise ConfigError(f"model.{err}") from None
         raise
-
-
-def decode_workers(cfg: TrainConfig) -> int | None:
-    """``data.decode_workers`` as ``load_in_memory`` takes it (None: every usable core)."""
-    return None if cfg.data.decode_workers == "auto" else cfg.data.decode_workers
 
 
 def select_classes(images: torch.Tensor, labels: torch.Tensor, classes: list[str], keep: tuple[str, ...]):
@@ -164,7 +159,7 @@ def stream_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
                               f"more than data.memory_limit_gb={data.memory_limit_gb}; hold out less or raise it")
         log.info("%s: %d of %d units (%d examples) held out for validation", data.source, len(held.units),
                  len(held.units) + len(source.units), held.num_samples)
-        val = decoded_once(lambda: load_source_in_memory(held, image_size, data.cache_dir, decode_workers(cfg)),
+        val = decoded_once(lambda: load_source_in_memory(held, image_size, data.cache_dir, data.decode_workers),
                            world)
         val_images, val_labels = val.images, val.labels
     if data.val_data:
@@ -179,7 +174,7 @@ def load_val_data(cfg: TrainConfig, image_size: Pair, classes: list[str], world=
     from vitlab.data.labelled import load_labelled
 
     data = cfg.data
-    val = decoded_once(lambda: load_labelled(data.val_data, image_size, data.cache_dir, decode_workers(cfg)), world)
+    val = decoded_once(lambda: load_labelled(data.val_data, image_size, data.cache_dir, data.decode_workers), world)
     if data.class_subset and set(data.class_subset) <= set(val.classes):
         return select_classes(val.images, val.labels, list(val.classes), tuple(data.class_subset))[:2]
     if list(val.classes) != list(classes):

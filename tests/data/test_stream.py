@@ -151,6 +151,8 @@ def test_multi_label_samples_give_multi_hot_targets(tmp_path):
     assert targets().tolist() == [[1, 0, 1, 0], [0, 1, 0, 0], [1, 1, 0, 1]]
     with pytest.raises(DataError, match="label_smoothing=0"):
         targets(label_smoothing=0.1)
+    with pytest.raises(DataError, match="mixup_alpha=0"):
+        targets(mixup_alpha=0.2)
 
 
 def test_too_few_shards_for_the_workers_asked_is_one_warning_saying_how_many(shards, caplog):

@@ -337,16 +337,14 @@ def _shuffle(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
     yield from buffer
 
 
-def multi_hot(labels: list, targets: torch.Tensor) -> torch.Tensor:
-    """(B, K) targets with a 1 for every label of each sample (for ``optim.loss='sigmoid_xent'``),
-    replacing the transform's one-hot targets of the first label; refused when the transform
-    smoothed or mixed them (those assume one label)."""
-    if not bool(((targets == 0) | (targets == 1)).all()):
-        raise DataError("multi-label samples (a .cls of several labels or a .json 'labels' list) need plain "
-                        "targets: set augment.label_smoothing=0, augment.mixup_alpha=0 and augment.cutmix_alpha=0")
-    hot = torch.zeros_like(targets)
-    for row, label in enumerate(labels):
-        hot[row, list(label) if isinstance(label, tuple) else [label]] = 1.0
+def multi_hot(labels: list, num_classes: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(B, K) host targets with a 1 for every label of each sample (for ``optim.loss='sigmoid_xent'``),
+    in place of the transform's one-hot targets of the first label; built on the host so that
+    no device value is read back."""
+    # a sample's labels: a tuple from the reader, a list once the DataLoader has converted it
+    every = [label if isinstance(label, (tuple, list)) else (label,) for label in labels]
+    hot = torch.zeros(len(labels), num_classes, dtype=dtype)
+    hot[[row for row, ids in enumerate(every) for _ in ids], [i for ids in every for i in ids]] = 1.0
     return hot
 
 
@@ -388,6 +386,9 @@ class StreamLoader:
                                      crop=reader_crop(augment, image_size, draft), seed=seed,
                                      shuffle_buffer=shuffle_buffer, rank=rank, world_size=world_size)
         self.transform = device_transform(augment)
+        # multi-hot targets replace one-hot ones: smoothed or mixed targets (which assume one label) cannot
+        self.plain_targets = augment is None or not (augment.label_smoothing or augment.mixup_alpha
+                                                     or augment.cutmix_alpha)
         self.seed, self.world_size, self.device = seed, world_size, torch.device(device or "cpu")
         self.positions: list[tuple[int, int]] = list(self.dataset.start)
         self.next_reader = 0  # whose batch comes next
@@ -430,9 +431,15 @@ class StreamLoader:
         reader = self.dataset.rank * self.dataset.workers + int(worker)
         part_seed = derive_seed(self.seed, epoch, consumed, reader, 7)
         generator = torch.Generator(device=self.device).manual_seed(part_seed)
-        x, y = self.transform(x, y, generator, example_ids=ids.to(self.device), epoch=int(epoch), seed=self.seed,
-                              **host_generator(self.device, part_seed))
-        return x, (multi_hot(multi, y) if multi is not None else y)
+        x, y = self.transform(x, y, generator, example_ids=ids.to(self.device, non_blocking=True), epoch=int(epoch),
+                              seed=self.seed, **host_generator(self.device, part_seed))
+        if multi is None:
+            return x, y
+        if not self.plain_targets:
+            raise DataError("multi-label samples (a .cls of several labels or a .json 'labels' list) need plain "
+                            "targets: set augment.label_smoothing=0, augment.mixup_alpha=0 and augment.cutmix_alpha=0")
+        hot = multi_hot(multi, y.shape[-1], y.dtype)
+        return x, (hot.pin_memory() if self.device.type == "cuda" else hot).to(self.device, non_blocking=True)
 
     def _batches(self, parts: Iterator) -> Iterator[tuple]:
         """(images, targets, the readers' positions after it, the reader next) per micro-batch:

@@ -107,8 +107,13 @@ def sample_boxes(
     False where no attempt fitted (those boxes are the whole image).
     """
     dev = generator.device
-    height = torch.as_tensor(height, dtype=torch.float32, device=dev).expand(batch)
-    width = torch.as_tensor(width, dtype=torch.float32, device=dev).expand(batch)
+
+    def per_image(size) -> torch.Tensor:  # one size for all: filled on the device, no copy from the host
+        if isinstance(size, torch.Tensor):
+            return size.to(dev, torch.float32).expand(batch)
+        return torch.full((batch,), float(size), device=dev)
+
+    height, width = per_image(height), per_image(width)
     area = _uniform((batch, attempts), generator, dev, scale[0], scale[1]) * (height * width)[:, None]
     aspect = torch.exp(_uniform((batch, attempts), generator, dev, math.log(ratio[0]), math.log(ratio[1])))
     w = torch.sqrt(area * aspect).round()

@@ -80,6 +80,15 @@ def test_sweep_final_retrain_uses_the_full_training_set(tmp_path, capsys):
     assert report["final"]["train_examples"] == 1697 and report["final"]["val_examples"] == 100
 
 
+def test_sweep_compares_on_its_hold_out_and_scores_the_final_run_on_val_data(tmp_path, capsys):
+    args = ["sweep", "--recipe", "demo", "--data", "digits", "--val-data", "digits", "--batch-size", "16", "--steps",
+            "1", "--grid", "0.01,0.1", "--out", str(tmp_path / "sweep"), *TINY]
+    assert main(args) == 0
+    report = last_json_line(capsys.readouterr().out)
+    assert set(report["holdout_top1"]) == {"0.01", "0.1"}  # each grid run scored on the 360 it held out
+    assert report["final"]["train_examples"] == 1797 and report["final"]["val_examples"] == 1797
+
+
 def test_vtab1k_documented_sweep_runs(tmp_path, capsys):
     # the command of vitlab/configs/vtab1k.py's docstring, on digits with a tiny model
     args = ["sweep", "--recipe", "vtab1k:final=true", "--holdout", "200", "--data", "digits", "--model", "ViT-Ti/16",

@@ -8,7 +8,8 @@
    the recipe's ``data.val_split``, which for ``paper_finetune`` is the appendix's share
    per dataset (10% Pets and Flowers, 2% CIFAR, 1% ImageNet); 10% for a recipe without one.
 2. Retrain with the best learning rate on the full training set (with ``--val-split``,
-   that many examples are still held out for a final number; the default holds out none).
+   that many examples are still held out for a final number; the default holds out none;
+   ``--val-data`` scores the final run on a separate set, and only the final run).
 3. Print one JSON line: every grid point's held-out accuracy, the chosen lr and the final
    run's summary (its weights' path included).
 Works with any recipe; ``--init`` makes it a fine-tuning sweep.
@@ -62,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("optim.lr_grid=(): the recipe has no learning-rate grid; pass --grid 0.001,0.003,...")
     holdout = sweep_holdout(args.holdout, load_recipe(args.recipe).data.val_split)
     base_out = Path(cfg.run.out)
-    runs = [with_changes(cfg, {"optim.lr": lr, "data.val_split": holdout, "run.out": str(base_out / f"lr_{lr:g}")})
+    # the grid is compared on its hold-out of the training set; a --val-data set scores the final run only
+    runs = [with_changes(cfg, {"optim.lr": lr, "data.val_split": holdout, "data.val_data": None,
+                               "run.out": str(base_out / f"lr_{lr:g}")})
             for lr in grid]
     # the final retrain: the full training set, unless --val-split holds some out (not the recipe's split)
     final_split = resolve_val_split(args.val_split)

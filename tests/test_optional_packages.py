@@ -67,6 +67,15 @@ def test_plots_import_without_matplotlib(monkeypatch):
         plots.plot_position_similarity(np.ones((2, 2, 2, 2)))
 
 
+def test_an_experiment_without_matplotlib_skips_its_figure_naming_the_extra(monkeypatch, tmp_path, capsys):
+    from vitlab.experiments import draw_figure, head
+
+    hide(monkeypatch, "matplotlib")
+    assert draw_figure(head, [{"classifier": "token", "lr": 0.001, "val_top1": 0.5}], tmp_path / "f.png") is None
+    assert one_line(capsys) == ('figure skipped: drawing figures needs matplotlib, which is not installed: '
+                                'pip install -e ".[plots]"')
+
+
 def test_demo_without_matplotlib_skips_the_report_in_one_line(monkeypatch, tmp_path, capsys):
     hide(monkeypatch, "matplotlib")
     assert main(["demo", "--out", str(tmp_path / "demo"), "--steps", "2", "--quiet",

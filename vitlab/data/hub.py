@@ -22,7 +22,7 @@ import logging
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from vitlab.data.sources import DataError, StreamSource, files_key
+from vitlab.data.sources import DataError, StreamSource, classes_beside, files_key
 
 __all__ = ["arrow_source", "is_hf_dataset", "parquet_source"]
 
@@ -70,13 +70,12 @@ def _columns(features: dict, where: str, names: Sequence[str]) -> tuple[str, str
 
 
 def _classes_beside(folder: Path, where: str) -> list[str]:
-    """Class names from ``classes.txt`` (one a line) or ``classes.json`` in ``folder``."""
-    if (folder / "classes.txt").is_file():
-        return [line.strip() for line in (folder / "classes.txt").read_text().splitlines() if line.strip()]
-    if (folder / "classes.json").is_file():
-        return list(json.loads((folder / "classes.json").read_text()))
-    raise DataError(f"{where}: the label column has no class names (not a ClassLabel feature); write them, one a "
-                    f"line in label order, into {folder / 'classes.txt'}")
+    """Class names written beside the data (``sources.classes_beside``), or a DataError."""
+    classes = classes_beside(folder)
+    if classes is None:
+        raise DataError(f"{where}: the label column has no class names (not a ClassLabel feature); write them, one "
+                        f"a line in label order, into {folder / 'classes.txt'}")
+    return classes
 
 
 def _rows(name: str, images, labels) -> Iterator[tuple[str, object, int]]:

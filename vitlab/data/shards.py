@@ -36,6 +36,7 @@ from vitlab.data.sources import (
     DataError,
     PathLike,
     StreamSource,
+    classes_beside,
     files_key,
     resolve_data_path,
     scan_image_folder,
@@ -307,7 +308,7 @@ def shard_source(source: str, paths: Sequence[Path]) -> StreamSource:
     counts from the shards' headers."""
     paths = [Path(p) for p in paths]
     folder = paths[0].parent
-    index, classes_txt, classes_json = folder / "index.json", folder / "classes.txt", folder / "classes.json"
+    index = folder / "index.json"
     counts: dict = {}
     if index.is_file():
         try:
@@ -319,11 +320,7 @@ def shard_source(source: str, paths: Sequence[Path]) -> StreamSource:
         except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
             raise DataError(f"{index}: not an index written by pack_shards (needs 'classes' and 'num_samples'): "
                             f"{type(e).__name__}: {e}") from e
-    elif classes_txt.is_file():
-        classes = [line.strip() for line in classes_txt.read_text().splitlines() if line.strip()]
-    elif classes_json.is_file():
-        classes = list(json.loads(classes_json.read_text()))
-    else:
+    elif (classes := classes_beside(folder)) is None:
         raise DataError(f"{source}: no index.json, classes.txt or classes.json beside the shards in {folder}; "
                         "write the class names, one a line in label order, into classes.txt")
     sizes = [counts[p.name] if p.name in counts else count_samples(p) for p in paths]

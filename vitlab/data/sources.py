@@ -17,6 +17,7 @@ read once per call, by the public functions, and only where their ``cache_dir`` 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -181,6 +182,16 @@ class StreamSource:
         return StreamSource([self.units[i] for i in indices], self.read, self.classes,
                             [self.unit_sizes[i] for i in indices], name=f"{self.name} ({part})",
                             key=self.key and f"{self.key}-{_short_hash(part + ':' + ','.join(map(str, indices)))}")
+
+
+def classes_beside(folder: Path) -> Optional[list[str]]:
+    """Class names from ``classes.txt`` (one a line) or ``classes.json`` in ``folder``, or None
+    where neither is there."""
+    if (folder / "classes.txt").is_file():
+        return [line.strip() for line in (folder / "classes.txt").read_text().splitlines() if line.strip()]
+    if (folder / "classes.json").is_file():
+        return list(json.loads((folder / "classes.json").read_text()))
+    return None
 
 
 def files_key(paths: Sequence[PathLike], name: str = "files") -> str:

@@ -98,9 +98,9 @@ def _encode_chunk(job: tuple[list[str], Optional[int], Optional[int]]) -> list[t
     for path in paths:
         data = Path(path).read_bytes()
         ext = os.path.splitext(path)[1].lower().replace(".jpeg", ".jpg")
-        small = max_side is not None and max(_stored_size(data)) <= max_side
-        if (max_side is None and quality is None) or (small and quality is None):
-            out.append((data, ext, ""))  # stored as it is: nothing decoded
+        # stored as it is (nothing decoded) unless re-encoded: a quality asked, or a side too long
+        if quality is None and (max_side is None or max(_stored_size(data)) <= max_side):
+            out.append((data, ext, ""))
             continue
         shrunk, reason = shrunk_jpeg(data, max_side, quality or DEFAULT_QUALITY)
         out.append((shrunk, ".jpg", reason))

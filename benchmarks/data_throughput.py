@@ -2,6 +2,7 @@
 
     python -m benchmarks.data_throughput --before 4ae3fb8      # from the repo root; about 3 minutes on 2 cores
     python -m benchmarks.data_throughput --rounds 1 --images 384 --batches 4   # a quick check of the machinery
+    python -m benchmarks.data_throughput --gather 15 --batch 128 --before REV    # the training process's cost per batch
 
 1. Writes ``--images`` ImageNet-like JPEGs (500x375, quality 90: smooth colour fields plus
    sensor noise; ImageNet's typical size and compression) of 100 classes and packs them into
@@ -92,6 +93,45 @@ print(json.dumps({"img_per_s": n / wall, "img_per_cpu_s": n / (own + readers),
 """
 
 
+# the training process's own cost per micro-batch gathered from ``parts`` readers: copying the
+# parts in and augmenting them (on a GPU this is host time on the step's critical path; here,
+# at 16 pixels, the per-pixel work is small and the per-call overhead shows)
+GATHER = r"""
+import inspect, json, sys, time
+import torch
+torch.set_num_threads(1)
+from vitlab.data.stream import StreamLoader, open_source
+from vitlab.data.transforms import TrainTransform
+
+shards, parts, batch, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+source = open_source(shards)
+augment = TrainTransform(num_classes=len(source.classes), image_size=(16, 16), crop="inception", flip=True)
+loader = StreamLoader(source, batch, augment=augment, workers=0)
+sizes = [batch // parts + (w < batch % parts) for w in range(parts)]
+made = [(torch.randint(0, 256, (n, 16, 16, 3), dtype=torch.uint8), torch.zeros(n, dtype=torch.int64), None,
+         torch.arange(n), w, 0, 64) for w, n in enumerate(sizes)]
+at_once = "parts" in inspect.signature(loader._on_device).parameters  # before: one part at a time, then a cat
+
+
+def gather():
+    if at_once:
+        return loader._on_device(made)
+    xs, ys = zip(*(loader._on_device(part) for part in made))
+    return torch.cat(xs), torch.cat(ys)
+
+
+for _ in range(5):
+    gather()
+best = float("inf")
+for _ in range(repeats):
+    t = time.perf_counter()
+    for _ in range(20):
+        gather()
+    best = min(best, (time.perf_counter() - t) / 20)
+print(json.dumps({"ms_per_batch": best * 1e3}))
+"""
+
+
 def photo_like(rng: np.random.Generator, h: int = 375, w: int = 500) -> np.ndarray:
     yy, xx = np.mgrid[0:h, 0:w] / max(h, w)
     base = np.stack([np.sin(6 * xx * rng.uniform(0.5, 2) + c) * np.cos(4 * yy * rng.uniform(0.5, 2) + c)
@@ -134,6 +174,15 @@ def measure(path: str, shards: Path, workers: int, args: argparse.Namespace) -> 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def gather_cost(path: str, shards: Path, parts: int, batch: int) -> float:
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", GATHER, str(shards), str(parts), str(batch), "5"],
+                          capture_output=True, text=True, env=env, cwd=path, timeout=600)
+    if done.returncode:
+        raise SystemExit(f"the gathering measurement at {path} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["ms_per_batch"]
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -153,6 +202,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="batches left out at the start of each measurement")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workers", default=None, help="worker counts >= 1, e.g. 1,2 (default: 1 and every usable core)")
+    p.add_argument("--gather", type=int, default=None, metavar="PARTS",
+                   help="time instead the training process's cost per micro-batch of --batch images gathered "
+                        "from PARTS readers (16 px: the per-call overhead), at each revision")
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     counts = [int(w) for w in args.workers.split(",")] if args.workers else sorted({1, cores})
@@ -161,6 +213,20 @@ def main() -> None:
         revisions = {"before": checkout(args.before), **revisions}
     print(f"{cpu_name()}, {cores} usable cores, load average {os.getloadavg()[0]:.1f}", flush=True)
     rows: dict = {(rev, w): [] for rev in revisions for w in counts}
+    if args.gather:
+        with tempfile.TemporaryDirectory(prefix="vitlab-data-") as tmp:
+            shards = write_shards(Path(tmp), 256)
+            costs = {rev: [] for rev in revisions}
+            for r in range(args.rounds):
+                for rev in (list(revisions) if r % 2 == 0 else list(reversed(revisions))):
+                    costs[rev].append(gather_cost(revisions[rev], shards, args.gather, args.batch))
+                    print(f"round {r + 1}, {rev:>6}: {costs[rev][-1]:.3f} ms per micro-batch", flush=True)
+        gathered = {"cpu": cpu_name(), "parts": args.gather, "batch": args.batch, "before": args.before,
+                    **{f"{rev}_ms_per_batch": round(min(c), 3) for rev, c in costs.items()}}
+        if args.before:
+            gathered["ratio_before_over_now"] = round(gathered["before_ms_per_batch"] / gathered["now_ms_per_batch"], 2)
+        print(json.dumps(gathered))
+        return
     with tempfile.TemporaryDirectory(prefix="vitlab-data-") as tmp:
         t = time.perf_counter()
         shards = write_shards(Path(tmp), args.images)

@@ -77,3 +77,32 @@ def test_the_fast_path_on_the_gpu_equals_the_plain_model_there():
     with torch.inference_mode():
         fp32 = model(x)
     torch.testing.assert_close(logits.float(), fp32, rtol=0.05, atol=0.05)
+
+
+def test_data_wait_on_the_gpu_counts_only_the_time_the_device_sat_idle():
+    import time
+
+    from vitlab.train.inputs import WaitTimed
+
+    def slow():
+        while True:
+            time.sleep(0.05)
+            yield 1
+
+    a = torch.randn(4096, 4096, device="cuda")
+    batches = WaitTimed(slow(), torch.device("cuda"))
+    torch.cuda.synchronize()
+    next(batches)  # the device is idle: the host's 50 ms are the device's wait
+    torch.cuda.synchronize()
+    idle = batches.take()
+    assert 0.04 < idle < 0.2
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(200):  # queue some 200 ms or more of work before the host waits for its batch
+        a = (a @ a).clamp_(-1, 1)
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    next(batches)
+    torch.cuda.synchronize()
+    assert start.elapsed_time(end) > 100  # the work outlasted the host's wait
+    assert batches.take() < 0.01  # the host waited while the device worked: no wait for the device

@@ -305,3 +305,39 @@ def test_mixup_and_cutmix_draw_their_batch_numbers_from_the_host_generator():
     # without one, the generator's own draws as before (a CPU's generator is already on the host)
     plain = mixup_cutmix(images, targets, 0.8, 1.0, 0.5, torch.Generator().manual_seed(5))[1]
     assert torch.equal(plain, mixed(99, 5))
+
+
+@pytest.mark.parametrize("crop", ["pad", "inception"])
+def test_a_batch_of_parts_draws_what_each_part_draws_alone(crop):
+    # the streamed path augments a micro-batch at once, each reader's part with its own
+    # generator: every per-image augmentation gives what augmenting the parts one by one gives
+    from vitlab.data.draws import PartGenerators
+
+    tf = build_transform(TrainTransform(num_classes=5, crop=crop, image_size=(12, 12), flip=True, randaug_ops=2,
+                                        erase_prob=0.5, label_smoothing=0.1))
+    sizes, seeds = (3, 5, 1), (11, 12, 13)
+    parts = [batch(n, 12, 12, seed=s) for n, s in zip(sizes, seeds)]
+    labels = [torch.arange(n) % 5 for n in sizes]
+    alone = [tf(x, y, gen(s), example_ids=torch.arange(len(y)), epoch=e)
+             for x, y, s, e in zip(parts, labels, seeds, (0, 1, 0))]
+    epochs = torch.cat([torch.full((n,), e) for n, e in zip(sizes, (0, 1, 0))])
+    together = tf(torch.cat(parts), torch.cat(labels), PartGenerators([gen(s) for s in seeds], sizes),
+                  example_ids=torch.cat([torch.arange(n) for n in sizes]), epoch=epochs, host_generator=gen(0))
+    assert torch.equal(together[0], torch.cat([x for x, _ in alone]))
+    assert torch.equal(together[1], torch.cat([y for _, y in alone]))
+    # alternating flips follow each example's own epoch: one example at epochs 0 and 1 is mirrored once
+    alternate = build_transform(TrainTransform(num_classes=5, crop="none", flip=True, alternate_flip=True))
+    image = batch(1, 12, 12).expand(8, -1, -1, -1)
+    x = alternate(image, torch.zeros(8, dtype=torch.long), PartGenerators([gen(1), gen(2)], sizes[:2]),
+                  example_ids=torch.zeros(8, dtype=torch.long), epoch=epochs[:8])[0]
+    assert torch.equal(x[:3], x[:1].expand(3, -1, -1, -1)) and torch.equal(x[3:], x[3:4].expand(5, -1, -1, -1))
+    assert torch.equal(x[0], x[3].flip(-1)) and not torch.equal(x[0], x[3])
+
+def test_per_batch_numbers_do_not_come_from_the_parts():
+    from vitlab.data.draws import PartGenerators
+
+    generators = PartGenerators([gen(1), gen(2)], (2, 3))
+    with pytest.raises(ValueError, match="host_generator"):
+        mixup_cutmix(torch.rand(5, 3, 4, 4), torch.eye(5), 0.8, 0.0, 0.5, generators)
+    with pytest.raises(ValueError, match="one per part"):
+        PartGenerators([gen(1)], (2, 3))

@@ -155,6 +155,22 @@ def test_multi_label_samples_give_multi_hot_targets(tmp_path):
         targets(mixup_alpha=0.2)
 
 
+def test_a_micro_batch_is_augmented_at_once_and_mixup_pairs_images_of_other_readers(shards):
+    augment = TrainTransform(num_classes=3, image_size=(8, 8), crop="none", flip=False, mixup_alpha=1.0)
+    loader = StreamLoader(open_source(str(shards)), 4, augment=augment, workers=2)
+
+    def part(worker, label):  # (images, labels, multi-labels, ids, worker, epoch, consumed)
+        return (torch.full((2, 8, 8, 3), 100 * label, dtype=torch.uint8), torch.full((2,), label), None,
+                torch.arange(2), worker, 0, 2)
+
+    x, y = loader._on_device([part(0, 0), part(1, 1)])
+    assert x.shape == (4, 3, 8, 8) and y.shape == (4, 3)
+    torch.testing.assert_close(y.sum(-1), torch.ones(4))
+    assert (y[:, :2] > 0).all()  # reader 0's class-0 images are mixed with reader 1's class-1 ones
+    again = loader._on_device([part(0, 0), part(1, 1)])
+    assert torch.equal(x, again[0]) and torch.equal(y, again[1])  # a function of the parts' places
+
+
 def test_too_few_shards_for_the_workers_asked_is_one_warning_saying_how_many(shards, caplog):
     source = open_source(str(shards))  # 10 shards
     with caplog.at_level("WARNING", logger="vitlab.data.stream"):

@@ -16,3 +16,22 @@ def test_class_subset_relabels_in_the_given_order():
     s = build_splits(TrainConfig(data=DataConfig(source="digits", class_subset=("7", "3"))), (8, 8))
     assert s.classes == ["7", "3"] and set(s.train_labels.tolist()) == {0, 1}
     assert s.val_labels is None
+
+
+def test_the_wait_for_batches_is_the_time_spent_in_next_and_counted_once():
+    import time
+
+    from vitlab.train.inputs import WaitTimed
+
+    def slow():
+        while True:
+            time.sleep(0.03)
+            yield 1
+
+    batches = WaitTimed(slow(), torch.device("cpu"))
+    for _ in range(3):
+        next(batches)
+    time.sleep(0.05)  # the step's own time is not a wait
+    waited = batches.take()
+    assert 0.09 <= waited < 0.09 + 0.05
+    assert batches.take() == 0.0  # taken once

@@ -26,6 +26,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from vitlab.data import draws
+
 __all__ = ["rand_augment", "RAND_AUGMENT_OPS"]
 
 RAND_AUGMENT_OPS = (
@@ -208,8 +210,8 @@ def rand_augment(
     b = images.shape[0]
     out = images.clone()
     for _ in range(num_ops):
-        choice = torch.randint(len(ops), (b,), generator=generator, device=generator.device).to(images.device)
-        sign = torch.rand(b, generator=generator, device=generator.device).to(images.device)
+        choice = draws.randint(0, len(ops), (b,), generator).to(images.device)
+        sign = draws.rand((b,), generator).to(images.device)
         sign = torch.where(sign < 0.5, -1.0, 1.0)
         for k, name in enumerate(ops):
             if name == "identity":

@@ -20,11 +20,13 @@ Each DataLoader worker is one reader.  It decodes each image straight to its cro
 training size (``decode.decode_crop``: the inception crop, or a resize; JPEGs at reduced
 DCT scale where that still covers the output) and hands over uint8 parts of a batch.
 The per-pixel rest of the augmentation (flip, pad-and-crop, RandAugment, scaling to
-[-1, 1], erasing, mixup/CutMix) runs in the training process, batched, on the training
-device, with the same code as the in-memory path (``transforms``), on each reader's part
-with the part's own seeded generator.  On CUDA the parts arrive in pinned memory, are
-copied without blocking and augmented on a side stream one batch ahead, so the next
-batch is on the device while the step runs.
+[-1, 1], erasing, mixup/CutMix) runs in the training process on the training device,
+with the same code as the in-memory path (``transforms``), once on the whole micro-batch:
+each reader's part draws its per-image numbers from its own seeded generator
+(``draws.PartGenerators``), so a part is augmented the same whichever process gathers
+it; mixup and CutMix pair images across the micro-batch.  On CUDA the parts arrive in
+pinned memory, are copied into one batch without blocking and augmented on a side stream
+one batch ahead, so the next batch is on the device while the step runs.
 
 A reader's sample sequence is a pure function of (seed, epoch, reader), and each reader
 runs epoch after epoch without end.  Every batch part carries its reader and how many
@@ -51,7 +53,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vitlab.config import to_pair
 from vitlab.data.decode import SampleCrop, decode_crops
-from vitlab.data.loader import DeviceStage, derive_seed, host_generator, one_ahead
+from vitlab.data.draws import PartGenerators
+from vitlab.data.loader import DeviceStage, derive_seed, one_ahead
 from vitlab.data.sources import DataError, StreamSource
 from vitlab.data.transforms import TrainTransform, build_transform
 
@@ -421,41 +424,55 @@ class StreamLoader:
         self.positions = [tuple(p) for p in state["ranks"][self.dataset.rank]]
         self.next_reader = int(state["next_reader"][self.dataset.rank])
 
-    def _on_device(self, part: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """One reader's part, copied to the device and augmented there with its own generator."""
-        images, labels, multi, ids, worker, epoch, consumed = part
-        x = images.to(self.device, non_blocking=True).permute(0, 3, 1, 2).contiguous()  # (n, 3, H, W) uint8
-        y = labels.to(self.device, non_blocking=True)
+    def _on_device(self, parts: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The readers' parts of one micro-batch, copied to the device into one batch and
+        augmented there at once; each part's per-image numbers still come from its own
+        generator (``PartGenerators``), seeded where the part starts."""
+        cuda = self.device.type == "cuda"
+        sizes = [part[0].shape[0] for part in parts]
+        if len(parts) == 1:
+            images = parts[0][0].to(self.device, non_blocking=True)
+        else:  # each pinned part straight into its rows of the batch: no gathering copy on the host
+            images = torch.empty((sum(sizes), *parts[0][0].shape[1:]), dtype=torch.uint8, device=self.device)
+            start = 0
+            for part, n in zip(parts, sizes):
+                images[start : start + n].copy_(part[0], non_blocking=True)
+                start += n
+
+        def to_device(host: torch.Tensor) -> torch.Tensor:
+            return (host.pin_memory() if cuda else host).to(self.device, non_blocking=True)
+
+        x = images.permute(0, 3, 1, 2).contiguous()  # (B, 3, H, W) uint8
+        y = to_device(torch.cat([part[1] for part in parts]))
         if self.transform is None:
             return x, y
-        reader = self.dataset.rank * self.dataset.workers + int(worker)
-        part_seed = derive_seed(self.seed, epoch, consumed, reader, 7)
-        generator = torch.Generator(device=self.device).manual_seed(part_seed)
-        x, y = self.transform(x, y, generator, example_ids=ids.to(self.device, non_blocking=True), epoch=int(epoch),
-                              seed=self.seed, **host_generator(self.device, part_seed))
-        if multi is None:
+        places = [(self.dataset.rank * self.dataset.workers + int(worker), int(epoch), int(consumed))
+                  for _, _, _, _, worker, epoch, consumed in parts]
+        generators = PartGenerators([torch.Generator(device=self.device).manual_seed(
+            derive_seed(self.seed, epoch, consumed, reader, 7)) for reader, epoch, consumed in places], sizes)
+        # the per-batch numbers (mixup's weight, CutMix's box) from the places of all the parts
+        batch = torch.Generator().manual_seed(derive_seed(self.seed, 8, *itertools.chain.from_iterable(places)))
+        epochs = torch.cat([torch.full((n,), epoch, dtype=torch.int64) for n, (_, epoch, _) in zip(sizes, places)])
+        x, y = self.transform(x, y, generators, example_ids=to_device(torch.cat([part[3] for part in parts])),
+                              epoch=to_device(epochs), seed=self.seed, host_generator=batch)
+        if all(part[2] is None for part in parts):
             return x, y
         if not self.plain_targets:
             raise DataError("multi-label samples (a .cls of several labels or a .json 'labels' list) need plain "
                             "targets: set augment.label_smoothing=0, augment.mixup_alpha=0 and augment.cutmix_alpha=0")
-        hot = multi_hot(multi, y.shape[-1], y.dtype)
-        return x, (hot.pin_memory() if self.device.type == "cuda" else hot).to(self.device, non_blocking=True)
+        labels = [label for part in parts for label in (part[2] if part[2] is not None else part[1].tolist())]
+        return x, to_device(multi_hot(labels, y.shape[-1], y.dtype))
 
     def _batches(self, parts: Iterator) -> Iterator[tuple]:
         """(images, targets, the readers' positions after it, the reader next) per micro-batch:
         one part from every worker of this rank, in turn."""
         positions, next_reader = list(self.positions), self.next_reader
         while True:
-            xs, ys = [], []
-            for _ in range(self.dataset.workers):
-                part = next(parts)
-                worker = int(part[4])
-                positions[worker] = (int(part[5]), int(part[6]))
-                next_reader = (worker + 1) % self.dataset.workers
-                x, y = self._on_device(part)
-                xs.append(x)
-                ys.append(y)
-            x, y = (torch.cat(xs), torch.cat(ys)) if len(xs) > 1 else (xs[0], ys[0])
+            taken = [next(parts) for _ in range(self.dataset.workers)]
+            for part in taken:
+                positions[int(part[4])] = (int(part[5]), int(part[6]))
+            next_reader = (int(taken[-1][4]) + 1) % self.dataset.workers
+            x, y = self._on_device(taken)
             yield x, y, list(positions), next_reader
 
     def __iter__(self):

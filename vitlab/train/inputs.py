@@ -198,18 +198,42 @@ def decoded_once(load, world=None):
 
 
 class WaitTimed:
-    """An iterator of batches that counts the seconds its consumer waited for them
-    (``waited``): the data path's share of a step (``data_wait`` in the training log)."""
+    """An iterator of batches that counts how long the steps waited for them: the data
+    path's share of a step (``data_wait`` in the training log).
 
-    def __init__(self, batches: Iterator) -> None:
-        self.batches, self.waited = batches, 0.0
+    On a CPU the step runs on the host, so the wait is the host's time in ``next``.  On a
+    GPU the host runs ahead of the device and its time in ``next`` is a wait only where the
+    device sat idle meanwhile (time the host spends blocked on a full launch queue is
+    not): events on the device's stream around ``next`` time the gap the device saw
+    between the step before and the batch being ready."""
+
+    def __init__(self, batches: Iterator, device: torch.device) -> None:
+        self.batches, self.on_gpu = batches, torch.device(device).type == "cuda"
+        self.marks: list = []  # (start, end) of each wait not yet counted
 
     def __iter__(self) -> "WaitTimed":
         return self
 
+    def _mark(self):
+        if not self.on_gpu:
+            return time.monotonic()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def __next__(self):
-        t = time.monotonic()
+        start = self._mark()
         try:
             return next(self.batches)
         finally:
-            self.waited += time.monotonic() - t
+            self.marks.append((start, self._mark()))
+
+    def take(self) -> float:
+        """The seconds waited since the last call; on a GPU call it once the device has done
+        the steps since (after a read of their numbers), else their events are not done."""
+        if self.on_gpu:
+            waited = sum(start.elapsed_time(end) for start, end in self.marks) / 1e3
+        else:
+            waited = sum(end - start for start, end in self.marks)
+        self.marks.clear()
+        return waited

@@ -119,7 +119,7 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
             progress.message(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
     writer = MetricsWriter(out, tensorboard=cfg.run.tensorboard, records=records) if main else None
 
-    batches = WaitTimed(endless(s.stream))  # counts the seconds the steps wait for their batches
+    batches = WaitTimed(endless(s.stream), s.world.device)  # counts the seconds the steps wait for their batches
     window = Window(s.world.device, batches)
     pending: list = []  # (step, result) since the last check: their flags are read in one go
     last_val: dict = {}
@@ -311,8 +311,8 @@ class Window:
         self.device = device
         self.rate, self.loss_shown, self.logged = 0.0, float("nan"), False
         self.grad_norm = torch.full((), float("nan"), device=device)
-        self.batches, self.waited_before = batches, 0.0
-        self.wait_s = self.step_s = self.total_wait_s = self.total_step_s = 0.0
+        self.batches = batches
+        self.step_s = self.total_wait_s = self.total_step_s = 0.0
         self.reset()
 
     def reset(self) -> None:
@@ -321,9 +321,7 @@ class Window:
         self.examples, self.t = 0, time.monotonic()  # every example the steps took (the rate)
 
     def add(self, result: StepResult, step_s: float = 0.0) -> None:
-        if self.batches is not None:
-            waited, self.waited_before = self.batches.waited - self.waited_before, self.batches.waited
-            self.wait_s, self.step_s = self.wait_s + waited, self.step_s + step_s
+        self.step_s += step_s
         applied = result.skipped == 0
         # no tensor made from a host number: on a GPU that copy would wait for the device
         self.sums += torch.where(applied, torch.stack([result.loss.float(), result.correct.float(),
@@ -336,8 +334,9 @@ class Window:
         device's sums); starts the next."""
         dt = time.monotonic() - self.t
         *sums, grad_norm = torch.cat([self.sums, self.grad_norm.view(1)]).tolist()
+        waited = self.batches.take() if self.batches is not None else 0.0  # after the read: the steps are done
         loss, correct, seen, steps, examples, wait_s, step_s = all_reduce_sum(
-            [*sums, float(self.examples), self.wait_s, self.step_s], s.world)
+            [*sums, float(self.examples), waited, self.step_s], s.world)
         record = {
             "step": step, "epoch": round(step * s.cfg.optim.batch_size / s.splits.train_count(), 3),
             "lr": lr, "loss": loss / steps if steps else float("nan"),
@@ -346,7 +345,7 @@ class Window:
             "data_wait": round(wait_s / step_s, 4) if step_s else None,
         }
         self.total_wait_s, self.total_step_s = self.total_wait_s + wait_s, self.total_step_s + step_s
-        self.wait_s = self.step_s = 0.0
+        self.step_s = 0.0
         self.rate, self.loss_shown, self.logged = record["img_per_s"], record["loss"], True
         self.reset()
         return record

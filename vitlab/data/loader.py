@@ -145,9 +145,14 @@ class BatchStream:
 
     def _make(self, order: torch.Tensor, epoch: int, position: int) -> Batch:
         idx = self._slice(order, position).to(self.images.device)
-        x, y = self.images[idx], self.labels[idx]
-        if self.device.type == "cuda" and x.device.type == "cpu":  # a copy from pinned memory does not block
-            x, y = x.pin_memory(), y.pin_memory()
+        if self.device.type == "cuda" and self.images.device.type == "cpu":
+            # gathered straight into pinned memory (one copy of the batch on the host, not two),
+            # whose copy to the device does not block
+            x = torch.empty((len(idx), *self.images.shape[1:]), dtype=self.images.dtype, pin_memory=True)
+            torch.index_select(self.images, 0, idx, out=x)
+            y = self.labels[idx].pin_memory()
+        else:
+            x, y = self.images[idx], self.labels[idx]
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         if self.transform is None:
             return x, y

@@ -2,7 +2,7 @@
 
     python -m benchmarks.data_throughput --before 4ae3fb8      # from the repo root; about 3 minutes on 2 cores
     python -m benchmarks.data_throughput --rounds 1 --images 384 --batches 4   # a quick check of the machinery
-    python -m benchmarks.data_throughput --gather 15 --batch 128 --before REV    # the training process's cost per batch
+    python -m benchmarks.data_throughput --gather 15 --batch 128 --before REV       # the training process's cost per batch
 
 1. Writes ``--images`` ImageNet-like JPEGs (500x375, quality 90: smooth colour fields plus
    sensor noise; ImageNet's typical size and compression) of 100 classes and packs them into

@@ -266,6 +266,7 @@ def test_worker_counts_are_auto_or_counts_and_val_data_comes_with_its_flag():
     args = build_parser().parse_args(["train", "--recipe", "cifar10_scratch", "--val-data", "val/"])
     cfg = resolve_config(args)
     assert cfg.data.val_data == "val/" and cfg.data.val_split == 0  # it replaces the recipe's 5000
+    assert with_changes(load_recipe("cifar10_scratch"), {"data.val_data": "val/"}).data.val_split == 0  # the library too
     args = build_parser().parse_args(["train", "--recipe", "cifar10_scratch", "--val-data", "val/", "--val-split", "9"])
     with pytest.raises(ConfigError, match="data.val_data"):
         resolve_config(args)

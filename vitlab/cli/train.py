@@ -102,8 +102,6 @@ def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     changes = parse_overrides(cfg, args.overrides)  # checked together with the flags' changes, below
     changes.update({field: getattr(args, flag) for flag, field in SHORTCUTS.items()
                     if getattr(args, flag, None) is not None})
-    if changes.get("data.val_data") and "data.val_split" not in changes:
-        changes["data.val_split"] = 0  # --val-data replaces the recipe's held-out split
     split = changes.get("data.val_split")
     if split is not None and float(split).is_integer() and split >= 1:
         changes["data.val_split"] = int(split)

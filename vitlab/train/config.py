@@ -123,9 +123,6 @@ class DataConfig(Section):
         need_choice("data.stream", self.stream, STREAM_MODES)
         for name in ("stream_workers", "decode_workers"):
             value = getattr(self, name)
-            if isinstance(value, str) and value.strip().isdigit():  # from the command line: --set data.x=3
-                object.__setattr__(self, name, int(value))
-            value = getattr(self, name)
             need(value == "auto" or (is_int(value) and value >= 0), self.path(name), value,
                  'expected "auto" or an integer >= 0')
         for name in ("shuffle_buffer", "split_seed", "train_examples"):

@@ -31,6 +31,9 @@ ARCHITECTURE_FIELDS = {f.name: f.default for cls in (ResNetConfig, ViTConfig) fo
 # the type of the fields whose default is None, shown by an example value
 OPTIONAL_TYPES = {"model.init": "", "model.img_size": 0, "data.source": "", "data.val_data": "",
                   "data.cache_dir": "", "optim.muon_adamw_lr": 0.0}
+# the fields that take "auto" or a count: the text "3" is the count
+AUTO_OR_COUNT = {f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+                 if f.type == "int | str" and f.default == "auto"}
 # What a ViT recipe sets that a BiT ResNet has not: the value that leaves it out
 VIT_ONLY_FIELDS = {("model", "pre_logits"): False, ("model", "patch_init"): "lecun", ("model", "attn_init"): "xavier",
                    ("model", "posemb_init"): "normal", ("data", "progressive_sizes"): ()}
@@ -71,7 +74,8 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
     ResNet in a ViT recipe) leaves out what the recipe set for its own family and the new
     one has not (``fit_model_family``); what ``changes`` sets explicitly is kept, and
     refused when the model has no such field.  A shorter ``optim.steps`` without
-    ``optim.warmup`` scales a warm-up given in steps (``schedules.scaled_warmup``).
+    ``optim.warmup`` scales a warm-up given in steps (``schedules.scaled_warmup``), and a
+    ``data.val_data`` without ``data.val_split`` holds nothing out of the training set.
     """
     by_section: dict[str, dict] = {}
     architecture: dict[str, Any] = {}
@@ -88,6 +92,9 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
         section, key = path.split(".", 1)
         by_section.setdefault(section, {})[key] = value
     by_section = fit_model_family(cfg, by_section)
+    data = by_section.get("data", {})
+    if data.get("val_data") and "val_split" not in data:  # a named validation set replaces the recipe's held-out split
+        by_section["data"] = {**data, "val_split": 0}
     optim = by_section.get("optim", {})
     if "warmup" not in optim and is_int(optim.get("steps")) and optim["steps"] >= 1:  # a shorter run, same shape
         by_section["optim"] = {**optim, "warmup": scaled_warmup(cfg.optim.warmup, optim["steps"], cfg.optim.steps)}
@@ -209,6 +216,9 @@ def parse_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) 
                 changes[path] = None
                 continue
             default = OPTIONAL_TYPES[path]
+        if path in AUTO_OR_COUNT and text.strip().isdigit():
+            changes[path] = int(text)
+            continue
         try:
             changes[path] = parse_value(text, default)
         except ValueError as err:

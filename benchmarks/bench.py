@@ -53,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import OWN_IMPLS, PEAK_KERNELS, peers_available, run_case
+from harness import OWN_IMPLS, PEAK_KERNELS, checkout, cpu_name, peers_available, run_case
 
 HERE = Path(__file__).resolve().parent
 INFER = [("ViT-B/16", b) for b in (1, 8, 32)]
@@ -131,20 +131,6 @@ def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     return peaks, cases
 
 
-def checkout(rev: str) -> str:
-    """The tree of git revision ``rev`` in a temporary folder (for ``--before``); its path."""
-    import subprocess
-    import tempfile
-
-    root = Path(tempfile.mkdtemp(prefix="vitlab-before-"))
-    archive = subprocess.run(["git", "-C", str(HERE.parent), "archive", rev, "vitlab"],
-                             capture_output=True, check=False)
-    if archive.returncode:
-        raise SystemExit(f"bench.py --before {rev}: git archive failed: {archive.stderr.decode().strip()}")
-    subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
-    return str(root)
-
-
 def onednn_available() -> bool:
     import torch
 
@@ -163,12 +149,7 @@ def bf16_wanted(args: argparse.Namespace) -> bool:
 
 def machine(args: argparse.Namespace) -> dict:
     info = {"host": socket.gethostname(), "python": platform.python_version(), "device": args.device,
-            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
-    try:
-        info["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                           if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+            "cpu": cpu_name(), "cpu_count": os.cpu_count()}
     import torch
 
     from vitlab.fast import kernels
@@ -338,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
-    args.before_path = checkout(args.before) if args.before else None
+    args.before_path = checkout(args.before, "bench.py") if args.before else None
     peak_cases, cases = build_cases(args)
     info = machine(args)
     timeout = 600 if args.quick else 1800

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.harness import checkout, cpu_name
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -154,16 +155,6 @@ def write_shards(folder: Path, images: int, classes: int = 100) -> Path:
     return folder / "shards"
 
 
-def checkout(rev: str) -> str:
-    """The ``vitlab/`` of git revision ``rev`` in a temporary folder; its path."""
-    root = Path(tempfile.mkdtemp(prefix="vitlab-before-"))
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "vitlab"], capture_output=True, check=False)
-    if archive.returncode:
-        raise SystemExit(f"data_throughput.py --before {rev}: git archive failed: {archive.stderr.decode().strip()}")
-    subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
-    return str(root)
-
-
 def measure(path: str, shards: Path, workers: int, args: argparse.Namespace) -> dict:
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", MEASURE, str(shards), str(workers), str(args.batch),
@@ -183,16 +174,6 @@ def gather_cost(path: str, shards: Path, parts: int, batch: int) -> float:
     return json.loads(done.stdout.strip().splitlines()[-1])["ms_per_batch"]
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--before", metavar="REV", help="also measure git revision REV, in the same run")
@@ -210,7 +191,7 @@ def main() -> None:
     counts = [int(w) for w in args.workers.split(",")] if args.workers else sorted({1, cores})
     revisions = {"now": str(ROOT)}
     if args.before:
-        revisions = {"before": checkout(args.before), **revisions}
+        revisions = {"before": checkout(args.before, "data_throughput.py"), **revisions}
     print(f"{cpu_name()}, {cores} usable cores, load average {os.getloadavg()[0]:.1f}", flush=True)
     rows: dict = {(rev, w): [] for rev in revisions for w in counts}
     if args.gather:

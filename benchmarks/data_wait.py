@@ -68,7 +68,7 @@ def device_name() -> str:
 
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    from benchmarks.data_throughput import cpu_name
+    from benchmarks.harness import cpu_name
 
     return cpu_name()
 

@@ -23,6 +23,35 @@ from pathlib import Path
 from typing import Any, Callable
 
 
+# ----------------------------------------------------------------------------- the machine and the code before
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what ``platform`` knows."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def checkout(rev: str, script: str) -> str:
+    """The ``vitlab/`` of git revision ``rev`` in a temporary folder (``script --before REV``); its path."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="vitlab-before-"))
+    archive = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent.parent), "archive", rev, "vitlab"],
+                             capture_output=True, check=False)
+    if archive.returncode:
+        raise SystemExit(f"{script} --before {rev}: git archive failed: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
+    return str(root)
+
+
 # ----------------------------------------------------------------------------- measuring tools
 
 

@@ -81,7 +81,6 @@ def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, num_bins: 
     correct = (probs.argmax(axis=1) == labels).astype(np.float64)
     # right-closed bins: ceil(c * M) - 1, with c = 0 placed in the first bin
     bins = np.clip(np.ceil(confidence * num_bins).astype(np.int64) - 1, 0, num_bins - 1)
-    count = np.bincount(bins, minlength=num_bins)
     acc_sum = np.bincount(bins, weights=correct, minlength=num_bins)
     conf_sum = np.bincount(bins, weights=confidence, minlength=num_bins)
     return float(np.sum(np.abs(acc_sum - conf_sum)) / len(labels))  # |B|*|acc-conf| = |sum acc - sum conf|

@@ -109,9 +109,11 @@ source = open_source(shards)
 augment = TrainTransform(num_classes=len(source.classes), image_size=(16, 16), crop="inception", flip=True)
 loader = StreamLoader(source, batch, augment=augment, workers=0)
 sizes = [batch // parts + (w < batch % parts) for w in range(parts)]
-made = [(torch.randint(0, 256, (n, 16, 16, 3), dtype=torch.uint8), torch.zeros(n, dtype=torch.int64), None,
-         torch.arange(n), w, 0, 64) for w, n in enumerate(sizes)]
 at_once = "parts" in inspect.signature(loader._on_device).parameters  # before: one part at a time, then a cat
+# a part as a worker hands it over: its labels and ids as tensors before, as lists since
+numbers = (lambda n: torch.zeros(n, dtype=torch.int64), torch.arange) if not at_once else (lambda n: [0] * n, range)
+made = [(torch.randint(0, 256, (n, 16, 16, 3), dtype=torch.uint8), numbers[0](n), None, numbers[1](n), w, 0, 64)
+        for w, n in enumerate(sizes)]
 
 
 def gather():
@@ -130,6 +132,49 @@ for _ in range(repeats):
         gather()
     best = min(best, (time.perf_counter() - t) / 20)
 print(json.dumps({"ms_per_batch": best * 1e3}))
+"""
+
+
+# the training process's CPU time to receive one reader's part of 9 images at 224 pixels from a
+# DataLoader worker (2 workers making parts without decoding): what each tensor a worker hands
+# over costs (a file descriptor passed over a socket, with a handshake)
+HANDOVER = r"""
+import json, resource, sys
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+from vitlab.data.stream import _Part
+
+torch.set_num_threads(1)
+size, parts = 9, int(sys.argv[1])
+pixels = np.zeros((224, 224, 3), dtype=np.uint8)
+
+
+class Parts(IterableDataset):
+    def __iter__(self):
+        while True:
+            part = _Part(size, (224, 224), 0)
+            for i in range(size):
+                part.add(pixels, i % 10, f"{i}.jpg")
+            yield part.handed_out(0, 0, size)
+
+
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+best = float("inf")
+for _ in range(3):
+    it = iter(DataLoader(Parts(), batch_size=None, num_workers=2))
+    for _ in range(10):
+        next(it)
+    start = cpu()
+    for _ in range(parts):
+        next(it)[0].view(-1)[::4096].sum()  # every page touched, as the copy to the device does
+    best = min(best, (cpu() - start) / parts)
+    del it
+print(json.dumps({"ms_per_part": best * 1e3}))
 """
 
 
@@ -165,6 +210,15 @@ def measure(path: str, shards: Path, workers: int, args: argparse.Namespace) -> 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def handover_cost(path: str) -> float:
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", HANDOVER, "300"], capture_output=True, text=True, env=env, cwd=path,
+                          timeout=600)
+    if done.returncode:
+        raise SystemExit(f"the handover measurement at {path} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["ms_per_part"]
+
+
 def gather_cost(path: str, shards: Path, parts: int, batch: int) -> float:
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", GATHER, str(shards), str(parts), str(batch), "5"],
@@ -185,7 +239,8 @@ def main() -> None:
     p.add_argument("--workers", default=None, help="worker counts >= 1, e.g. 1,2 (default: 1 and every usable core)")
     p.add_argument("--gather", type=int, default=None, metavar="PARTS",
                    help="time instead the training process's cost per micro-batch of --batch images gathered "
-                        "from PARTS readers (16 px: the per-call overhead), at each revision")
+                        "from PARTS readers (16 px: the per-call overhead) and its CPU time to receive one "
+                        "part from a worker, at each revision")
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     counts = [int(w) for w in args.workers.split(",")] if args.workers else sorted({1, cores})
@@ -198,14 +253,20 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="vitlab-data-") as tmp:
             shards = write_shards(Path(tmp), 256)
             costs = {rev: [] for rev in revisions}
+            handovers = {rev: [] for rev in revisions}
             for r in range(args.rounds):
                 for rev in (list(revisions) if r % 2 == 0 else list(reversed(revisions))):
                     costs[rev].append(gather_cost(revisions[rev], shards, args.gather, args.batch))
-                    print(f"round {r + 1}, {rev:>6}: {costs[rev][-1]:.3f} ms per micro-batch", flush=True)
+                    handovers[rev].append(handover_cost(revisions[rev]))
+                    print(f"round {r + 1}, {rev:>6}: {costs[rev][-1]:.3f} ms per micro-batch, {handovers[rev][-1]:.3f} "
+                          "ms to receive a part", flush=True)
         gathered = {"cpu": cpu_name(), "parts": args.gather, "batch": args.batch, "before": args.before,
-                    **{f"{rev}_ms_per_batch": round(min(c), 3) for rev, c in costs.items()}}
+                    **{f"{rev}_ms_per_batch": round(min(c), 3) for rev, c in costs.items()},
+                    **{f"{rev}_ms_per_part_received": round(min(c), 3) for rev, c in handovers.items()}}
         if args.before:
-            gathered["ratio_before_over_now"] = round(gathered["before_ms_per_batch"] / gathered["now_ms_per_batch"], 2)
+            for measure in ("ms_per_batch", "ms_per_part_received"):
+                gathered[f"{measure}_before_over_now"] = round(gathered[f"before_{measure}"] /
+                                                               gathered[f"now_{measure}"], 2)
         print(json.dumps(gathered))
         return
     with tempfile.TemporaryDirectory(prefix="vitlab-data-") as tmp:

@@ -234,9 +234,11 @@ class StreamDataset(IterableDataset):
     """Endless uint8 batch parts of one rank: each DataLoader worker is one reader (see the
     module doc).
 
-    Yields (images (n, H, W, 3) uint8, labels (n,) int64 (a multi-label sample's first),
-    the multi-label samples' labels (a list) or None, example ids (n,), reader-local worker
-    id, epoch, samples of that epoch handed out so far).
+    Yields (images (n, H, W, 3) uint8, labels (n ints: a multi-label sample's first), the
+    multi-label samples' labels (a list) or None, example ids (n ints), reader-local worker
+    id, epoch, samples of that epoch handed out so far).  Only the images travel through
+    shared memory: each tensor a worker hands over costs the training process a file
+    descriptor's transfer, so the numbers go as plain lists.
     """
 
     def __init__(self, source: StreamSource, part_sizes: list[int], *, crop: SampleCrop, seed: int = 0,
@@ -321,9 +323,8 @@ class _Part:
 
     def handed_out(self, worker: int, epoch: int, consumed: int) -> tuple:
         multi = self.labels if any(isinstance(label, tuple) for label in self.labels) else None
-        first = [label[0] if isinstance(label, tuple) else label for label in self.labels]
-        return (self.images, torch.tensor(first, dtype=torch.int64), multi, torch.tensor(self.ids, dtype=torch.int64),
-                worker, epoch, consumed)
+        first = [int(label[0] if isinstance(label, tuple) else label) for label in self.labels]
+        return self.images, first, multi, list(self.ids), worker, epoch, consumed
 
 
 def _shuffle(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
@@ -430,20 +431,20 @@ class StreamLoader:
         generator (``PartGenerators``), seeded where the part starts."""
         cuda = self.device.type == "cuda"
         sizes = [part[0].shape[0] for part in parts]
-        if len(parts) == 1:
-            images = parts[0][0].to(self.device, non_blocking=True)
-        else:  # each pinned part straight into its rows of the batch: no gathering copy on the host
-            images = torch.empty((sum(sizes), *parts[0][0].shape[1:]), dtype=torch.uint8, device=self.device)
-            start = 0
-            for part, n in zip(parts, sizes):
-                images[start : start + n].copy_(part[0], non_blocking=True)
-                start += n
+        height, width = parts[0][0].shape[1:3]
+        # each (pinned) part straight into its rows of the batch, then (B, 3, H, W) on the device
+        images = torch.empty((sum(sizes), height, width, 3), dtype=torch.uint8, device=self.device)
+        for part, rows in zip(parts, images.split(sizes)):
+            rows.copy_(part[0], non_blocking=True)
+        x = images.permute(0, 3, 1, 2).contiguous()
 
         def to_device(host: torch.Tensor) -> torch.Tensor:
             return (host.pin_memory() if cuda else host).to(self.device, non_blocking=True)
 
-        x = images.permute(0, 3, 1, 2).contiguous()  # (B, 3, H, W) uint8
-        y = to_device(torch.cat([part[1] for part in parts]))
+        def column(i: int) -> torch.Tensor:  # the parts' labels or example ids, as one (B,) int64 tensor
+            return torch.cat([torch.as_tensor(part[i], dtype=torch.int64) for part in parts])
+
+        y = to_device(column(1))
         if self.transform is None:
             return x, y
         places = [(self.dataset.rank * self.dataset.workers + int(worker), int(epoch), int(consumed))
@@ -453,14 +454,15 @@ class StreamLoader:
         # the per-batch numbers (mixup's weight, CutMix's box) from the places of all the parts
         batch = torch.Generator().manual_seed(derive_seed(self.seed, 8, *itertools.chain.from_iterable(places)))
         epochs = torch.cat([torch.full((n,), epoch, dtype=torch.int64) for n, (_, epoch, _) in zip(sizes, places)])
-        x, y = self.transform(x, y, generators, example_ids=to_device(torch.cat([part[3] for part in parts])),
+        x, y = self.transform(x, y, generators, example_ids=to_device(column(3)),
                               epoch=to_device(epochs), seed=self.seed, host_generator=batch)
         if all(part[2] is None for part in parts):
             return x, y
         if not self.plain_targets:
             raise DataError("multi-label samples (a .cls of several labels or a .json 'labels' list) need plain "
                             "targets: set augment.label_smoothing=0, augment.mixup_alpha=0 and augment.cutmix_alpha=0")
-        labels = [label for part in parts for label in (part[2] if part[2] is not None else part[1].tolist())]
+        labels = [label for part in parts
+                  for label in (part[2] if part[2] is not None else torch.as_tensor(part[1]).tolist())]
         return x, to_device(multi_hot(labels, y.shape[-1], y.dtype))
 
     def _batches(self, parts: Iterator) -> Iterator[tuple]:

@@ -432,11 +432,13 @@ class StreamLoader:
         cuda = self.device.type == "cuda"
         sizes = [part[0].shape[0] for part in parts]
         height, width = parts[0][0].shape[1:3]
-        # each (pinned) part straight into its rows of the batch, then (B, 3, H, W) on the device
-        images = torch.empty((sum(sizes), height, width, 3), dtype=torch.uint8, device=self.device)
-        for part, rows in zip(parts, images.split(sizes)):
-            rows.copy_(part[0], non_blocking=True)
-        x = images.permute(0, 3, 1, 2).contiguous()
+        if len(parts) == 1:
+            images = parts[0][0].to(self.device, non_blocking=True)
+        else:  # each (pinned) part straight into its rows of the batch
+            images = torch.empty((sum(sizes), height, width, 3), dtype=torch.uint8, device=self.device)
+            for part, rows in zip(parts, images.split(sizes)):
+                rows.copy_(part[0], non_blocking=True)
+        x = images.permute(0, 3, 1, 2).contiguous()  # (B, 3, H, W) on the device
 
         def to_device(host: torch.Tensor) -> torch.Tensor:
             return (host.pin_memory() if cuda else host).to(self.device, non_blocking=True)

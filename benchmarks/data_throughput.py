@@ -135,28 +135,39 @@ print(json.dumps({"ms_per_batch": best * 1e3}))
 """
 
 
-# the training process's CPU time to receive one reader's part of 9 images at 224 pixels from a
-# DataLoader worker (2 workers making parts without decoding): what each tensor a worker hands
-# over costs (a file descriptor passed over a socket, with a handshake)
+# the training process's CPU time per reader's part of 9 images at 224 pixels received from a
+# DataLoader worker (2 workers making parts without decoding, as the revision's readers hand
+# them over): what each tensor a worker hands over costs (a file descriptor passed over a
+# socket, with a handshake)
 HANDOVER = r"""
 import json, resource, sys
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
-from vitlab.data.stream import _Part
+import vitlab.data.stream as stream
 
 torch.set_num_threads(1)
 size, parts = 9, int(sys.argv[1])
 pixels = np.zeros((224, 224, 3), dtype=np.uint8)
+together = stream.parts_per_handover(size) if hasattr(stream, "parts_per_handover") else 1
 
 
 class Parts(IterableDataset):
     def __iter__(self):
         while True:
-            part = _Part(size, (224, 224), 0)
-            for i in range(size):
-                part.add(pixels, i % 10, f"{i}.jpg")
-            yield part.handed_out(0, 0, size)
+            if together == 1 and not hasattr(stream, "_Handover"):  # before: a part at a time
+                part = stream._Part(size, (224, 224), 0)
+                for i in range(size):
+                    part.add(pixels, i % 10, f"{i}.jpg")
+                yield part.handed_out(0, 0, size)
+                continue
+            handover = stream._Handover(together, size, (224, 224))
+            while not handover.full():
+                part = handover.next_part(0)
+                for i in range(size):
+                    part.add(pixels, i % 10, f"{i}.jpg")
+                handover.done(part, 0, size)
+            yield handover.images, handover.parts, 0
 
 
 def cpu():
@@ -170,9 +181,9 @@ for _ in range(3):
     for _ in range(10):
         next(it)
     start = cpu()
-    for _ in range(parts):
+    for _ in range(parts // together):
         next(it)[0].view(-1)[::4096].sum()  # every page touched, as the copy to the device does
-    best = min(best, (cpu() - start) / parts)
+    best = min(best, (cpu() - start) / (parts // together * together))
     del it
 print(json.dumps({"ms_per_part": best * 1e3}))
 """
@@ -264,9 +275,8 @@ def main() -> None:
                     **{f"{rev}_ms_per_batch": round(min(c), 3) for rev, c in costs.items()},
                     **{f"{rev}_ms_per_part_received": round(min(c), 3) for rev, c in handovers.items()}}
         if args.before:
-            for measure in ("ms_per_batch", "ms_per_part_received"):
-                gathered[f"{measure}_before_over_now"] = round(gathered[f"before_{measure}"] /
-                                                               gathered[f"now_{measure}"], 2)
+            for figure in ("ms_per_batch", "ms_per_part_received"):
+                gathered[f"{figure}_before_over_now"] = round(gathered[f"before_{figure}"] / gathered[f"now_{figure}"], 2)
         print(json.dumps(gathered))
         return
     with tempfile.TemporaryDirectory(prefix="vitlab-data-") as tmp:

@@ -12,7 +12,8 @@ from PIL import Image
 from vitlab.data.decode import SampleCrop
 from vitlab.data.shards import pack_shards
 from vitlab.data.sources import DataError
-from vitlab.data.stream import StreamDataset, StreamLoader, expand_braces, hold_out, is_stream_source, open_source
+from vitlab.data.stream import (StreamDataset, StreamLoader, expand_braces, hold_out, is_stream_source, open_source,
+                                parts_per_handover, split_handover)
 from vitlab.data.transforms import TrainTransform
 
 CROP = SampleCrop((8, 8))
@@ -98,11 +99,15 @@ def test_foreign_shards_with_json_labels_and_classes_txt(tmp_path):
     (out / "classes.txt").write_text("cat\ndog\n")
     source = open_source(str(out / "{0000..0001}.tar"))
     assert source.num_samples == 6 and source.classes == ["cat", "dog"]
-    part = next(iter(StreamDataset(source, [6], crop=CROP, shuffle_buffer=0)))
-    x, y = part[:2]
+    handover = next(iter(StreamDataset(source, [6], crop=CROP, shuffle_buffer=0)))
+    # each tensor a worker hands over costs the training process a file descriptor's transfer: one
+    # per handover, which holds the parts of the next 6 micro-batches (32 images at least)
+    assert [type(v) for v in handover if isinstance(v, torch.Tensor)] == [torch.Tensor]
+    parts = split_handover(handover)
+    assert len(parts) == parts_per_handover(6) == 6
+    x, y = parts[0][:2]
     assert x.shape == (6, 8, 8, 3) and x.dtype == torch.uint8 and sorted(y) == [0, 0, 0, 0, 1, 1]
-    # each tensor a worker hands over costs the training process a file descriptor's transfer: one per part
-    assert [type(v) for v in part if isinstance(v, torch.Tensor)] == [torch.Tensor]
+    assert [part[5:] for part in parts] == [(epoch, 6) for epoch in range(6)]  # each part a whole epoch here
 
 
 def test_resume_continues_sample_exactly(shards):

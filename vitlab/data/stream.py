@@ -18,7 +18,9 @@ units aside as a validation set.
 
 Each DataLoader worker is one reader.  It decodes each image straight to its crop at the
 training size (``decode.decode_crop``: the inception crop, or a resize; JPEGs at reduced
-DCT scale where that still covers the output) and hands over uint8 parts of a batch.
+DCT scale where that still covers the output) and hands over uint8 parts of a batch, the
+parts of several consecutive batches in one tensor where they are small (each tensor
+handed over costs the training process a file descriptor's transfer).
 The per-pixel rest of the augmentation (flip, pad-and-crop, RandAugment, scaling to
 [-1, 1], erasing, mixup/CutMix) runs in the training process on the training device,
 with the same code as the in-memory path (``transforms``), once on the whole micro-batch:
@@ -234,11 +236,13 @@ class StreamDataset(IterableDataset):
     """Endless uint8 batch parts of one rank: each DataLoader worker is one reader (see the
     module doc).
 
-    Yields (images (n, H, W, 3) uint8, labels (n ints: a multi-label sample's first), the
-    multi-label samples' labels (a list) or None, example ids (n ints), reader-local worker
-    id, epoch, samples of that epoch handed out so far).  Only the images travel through
-    shared memory: each tensor a worker hands over costs the training process a file
-    descriptor's transfer, so the numbers go as plain lists.
+    Yields a reader's parts of ``parts_per_handover`` consecutive micro-batches at once:
+    (images (count x n, H, W, 3) uint8, per part: its samples' labels (an int, or a tuple of
+    a multi-label sample's), their example ids (ints), (epoch, samples of that epoch handed
+    out once the part is full); reader-local worker id).  ``split_handover`` makes the
+    parts of it.  Each tensor a worker hands over costs the training process a file
+    descriptor's transfer with a handshake: so there is one per handover, and several
+    small parts travel together.
     """
 
     def __init__(self, source: StreamSource, part_sizes: list[int], *, crop: SampleCrop, seed: int = 0,
@@ -246,6 +250,7 @@ class StreamDataset(IterableDataset):
         self.source, self.part_sizes, self.crop = source, list(part_sizes), crop
         self.seed, self.shuffle_buffer = seed, shuffle_buffer
         self.rank, self.world_size, self.workers = rank, world_size, len(self.part_sizes)
+        self.parts_per_handover = parts_per_handover(min(self.part_sizes))
         self.start: list[tuple[int, int]] = [(0, 0)] * self.workers  # (epoch, consumed) per worker
         self.first = 0  # the reader DataLoader worker 0 plays
 
@@ -269,7 +274,8 @@ class StreamDataset(IterableDataset):
         epoch, consumed = self.start[worker]
         reader = self.rank * self.workers + worker
         size = self.part_sizes[worker]
-        part = _Part(size, self.crop.size, derive_seed(self.seed, epoch, consumed, reader, 5))
+        handover = _Handover(self.parts_per_handover, size, self.crop.size)
+        part = handover.next_part(derive_seed(self.seed, epoch, consumed, reader, 5))
         while True:
             samples = itertools.islice(self.keys(epoch, self.rank, self.world_size, worker, self.workers),
                                        consumed, None)
@@ -288,8 +294,11 @@ class StreamDataset(IterableDataset):
                     decoded = True
                     part.add(image, label, key)
                 if part.full():
-                    yield part.handed_out(worker, epoch, consumed)
-                    part = _Part(size, self.crop.size, derive_seed(self.seed, epoch, consumed, reader, 5))
+                    handover.done(part, epoch, consumed)
+                    if handover.full():
+                        yield handover.images, handover.parts, worker
+                        handover = _Handover(self.parts_per_handover, size, self.crop.size)
+                    part = handover.next_part(derive_seed(self.seed, epoch, consumed, reader, 5))
             if not any_sample:
                 raise DataError(f"{self.source.name}: reader {reader} (rank {self.rank}, worker {worker}) got no "
                                 f"samples in epoch {epoch}; use fewer workers or more shards")
@@ -299,13 +308,21 @@ class StreamDataset(IterableDataset):
             epoch, consumed = epoch + 1, 0
 
 
-class _Part:
-    """One reader's part of a micro-batch, filled sample by sample; its crops are drawn
-    from a generator seeded where the part starts, so a resumed reader draws the same."""
+HANDOVER_IMAGES = 32  # a reader hands over at least this many images at once, where its parts are smaller
 
-    def __init__(self, size: int, image_size: tuple[int, int], seed: int) -> None:
-        self.images = torch.empty((size, *image_size, 3), dtype=torch.uint8)  # what the DataLoader ships
-        self.pixels = self.images.numpy()
+
+def parts_per_handover(part_size: int) -> int:
+    """How many consecutive parts a reader of ``part_size`` images hands over together."""
+    return max(1, -(-HANDOVER_IMAGES // max(1, part_size)))
+
+
+class _Part:
+    """One reader's part of a micro-batch, filled sample by sample into its rows of a
+    handover; its crops are drawn from a generator seeded where the part starts, so a
+    resumed reader draws the same."""
+
+    def __init__(self, images: torch.Tensor, seed: int) -> None:
+        self.pixels = images.numpy()
         self.labels: list = []
         self.ids: list[int] = []
         self.generator = torch.Generator().manual_seed(seed)
@@ -316,15 +333,44 @@ class _Part:
         self.ids.append(zlib.crc32(key.encode("utf-8", "surrogateescape")))  # file names need not be UTF-8
 
     def missing(self) -> int:
-        return self.images.shape[0] - len(self.labels)
+        return self.pixels.shape[0] - len(self.labels)
 
     def full(self) -> bool:
         return self.missing() == 0
 
-    def handed_out(self, worker: int, epoch: int, consumed: int) -> tuple:
-        multi = self.labels if any(isinstance(label, tuple) for label in self.labels) else None
-        first = [int(label[0] if isinstance(label, tuple) else label) for label in self.labels]
-        return self.images, first, multi, list(self.ids), worker, epoch, consumed
+
+class _Handover:
+    """``count`` consecutive parts of one reader in one tensor: what the DataLoader ships."""
+
+    def __init__(self, count: int, size: int, image_size: tuple[int, int]) -> None:
+        self.images = torch.empty((count * size, *image_size, 3), dtype=torch.uint8)
+        self.size, self.count = size, count
+        self.parts: list[tuple] = []  # per full part: (labels, ids, (epoch, consumed))
+
+    def next_part(self, seed: int) -> _Part:
+        start = len(self.parts) * self.size
+        return _Part(self.images[start : start + self.size], seed)
+
+    def done(self, part: _Part, epoch: int, consumed: int) -> None:
+        self.parts.append((part.labels, part.ids, (epoch, consumed)))
+
+    def full(self) -> bool:
+        return len(self.parts) == self.count
+
+
+def split_handover(handover: tuple) -> list[tuple]:
+    """A reader's handover as its parts, in order: (images (n, H, W, 3) uint8, labels (n ints:
+    a multi-label sample's first), the part's labels where any sample has several, else
+    None, example ids (n ints), worker, epoch, samples of that epoch handed out)."""
+    images, parts, worker = handover
+    size = images.shape[0] // len(parts)
+    out = []
+    for i, (labels, ids, (epoch, consumed)) in enumerate(parts):
+        # a sample's labels: a tuple from the reader, a list once the DataLoader has converted it
+        multi = labels if any(isinstance(label, (tuple, list)) for label in labels) else None
+        first = [int(label[0] if isinstance(label, (tuple, list)) else label) for label in labels]
+        out.append((images[i * size : (i + 1) * size], first, multi, list(ids), worker, epoch, consumed))
+    return out
 
 
 def _shuffle(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
@@ -467,17 +513,19 @@ class StreamLoader:
                   for label in (part[2] if part[2] is not None else torch.as_tensor(part[1]).tolist())]
         return x, to_device(multi_hot(labels, y.shape[-1], y.dtype))
 
-    def _batches(self, parts: Iterator) -> Iterator[tuple]:
+    def _batches(self, handovers_in: Iterator) -> Iterator[tuple]:
         """(images, targets, the readers' positions after it, the reader next) per micro-batch:
         one part from every worker of this rank, in turn."""
         positions, next_reader = list(self.positions), self.next_reader
         while True:
-            taken = [next(parts) for _ in range(self.dataset.workers)]
-            for part in taken:
-                positions[int(part[4])] = (int(part[5]), int(part[6]))
-            next_reader = (int(taken[-1][4]) + 1) % self.dataset.workers
-            x, y = self._on_device(taken)
-            yield x, y, list(positions), next_reader
+            # one handover from every worker: the parts of the next parts_per_handover micro-batches
+            handovers = [split_handover(next(handovers_in)) for _ in range(self.dataset.workers)]
+            for taken in zip(*handovers):
+                for part in taken:
+                    positions[int(part[4])] = (int(part[5]), int(part[6]))
+                next_reader = (int(taken[-1][4]) + 1) % self.dataset.workers
+                x, y = self._on_device(list(taken))
+                yield x, y, list(positions), next_reader
 
     def __iter__(self):
         self.dataset.start, self.dataset.first = list(self.positions), self.next_reader

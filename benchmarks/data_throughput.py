@@ -155,7 +155,7 @@ together = stream.parts_per_handover(size) if hasattr(stream, "parts_per_handove
 class Parts(IterableDataset):
     def __iter__(self):
         while True:
-            if together == 1 and not hasattr(stream, "_Handover"):  # before: a part at a time
+            if not hasattr(stream, "_Handover"):  # before: a part at a time
                 part = stream._Part(size, (224, 224), 0)
                 for i in range(size):
                     part.add(pixels, i % 10, f"{i}.jpg")
@@ -211,32 +211,28 @@ def write_shards(folder: Path, images: int, classes: int = 100) -> Path:
     return folder / "shards"
 
 
-def measure(path: str, shards: Path, workers: int, args: argparse.Namespace) -> dict:
+def run_at(path: str, script: str, *argv, what: str) -> dict:
+    """``script`` run in a fresh process with the revision at ``path`` first on the path:
+    the JSON object of its last line."""
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", MEASURE, str(shards), str(workers), str(args.batch),
-                           str(args.batches), str(args.warmup)], capture_output=True, text=True, env=env, cwd=path,
-                          timeout=1800)
+    done = subprocess.run([sys.executable, "-c", script, *map(str, argv)], capture_output=True, text=True, env=env,
+                          cwd=path, timeout=1800)
     if done.returncode:
-        raise SystemExit(f"the measurement at {path} with {workers} worker(s) failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{what} at {path} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def measure(path: str, shards: Path, workers: int, args: argparse.Namespace) -> dict:
+    return run_at(path, MEASURE, shards, workers, args.batch, args.batches, args.warmup,
+                  what=f"the measurement with {workers} worker(s)")
+
+
 def handover_cost(path: str) -> float:
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", HANDOVER, "300"], capture_output=True, text=True, env=env, cwd=path,
-                          timeout=600)
-    if done.returncode:
-        raise SystemExit(f"the handover measurement at {path} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["ms_per_part"]
+    return run_at(path, HANDOVER, 300, what="the handover measurement")["ms_per_part"]
 
 
 def gather_cost(path: str, shards: Path, parts: int, batch: int) -> float:
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", GATHER, str(shards), str(parts), str(batch), "5"],
-                          capture_output=True, text=True, env=env, cwd=path, timeout=600)
-    if done.returncode:
-        raise SystemExit(f"the gathering measurement at {path} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["ms_per_batch"]
+    return run_at(path, GATHER, shards, parts, batch, 5, what="the gathering measurement")["ms_per_batch"]
 
 
 def main() -> None:

@@ -509,8 +509,7 @@ class StreamLoader:
         if not self.plain_targets:
             raise DataError("multi-label samples (a .cls of several labels or a .json 'labels' list) need plain "
                             "targets: set augment.label_smoothing=0, augment.mixup_alpha=0 and augment.cutmix_alpha=0")
-        labels = [label for part in parts
-                  for label in (part[2] if part[2] is not None else torch.as_tensor(part[1]).tolist())]
+        labels = [label for part in parts for label in (part[2] if part[2] is not None else part[1])]
         return x, to_device(multi_hot(labels, y.shape[-1], y.dtype))
 
     def _batches(self, handovers_in: Iterator) -> Iterator[tuple]:

@@ -170,6 +170,28 @@ def test_rand_augment_shapes_determinism_and_identity():
         rand_augment(x.float(), generator=gen())
 
 
+def test_rand_augment_takes_each_image_s_operation_from_the_host_generator():
+    # with solarize at full magnitude every pixel is inverted: the images that were are those
+    # whose drawn choice was solarize, drawn from the host generator where one is given
+    from vitlab.data.draws import PartGenerators
+
+    x = batch(64, 6, 6)
+    inverted = lambda out: (out == 255 - x).flatten(1).all(1)  # noqa: E731
+    for host in (None, gen(3)):
+        out = rand_augment(x, 1, 10, generator=gen(7), ops=("identity", "solarize"), host_generator=host)
+        expected = torch.randint(0, 2, (64,), generator=gen(7) if host is None else gen(3)) == 1
+        assert torch.equal(inverted(out), expected) and 0 < expected.sum() < 64
+    # a batch of parts, each with its host generator, chooses as each part does alone
+    sizes, seeds = (40, 24), (5, 6)
+    parts = PartGenerators([gen(1), gen(2)], sizes, hosts=[gen(s) for s in seeds])
+    together = rand_augment(x, 2, 9, generator=parts, host_generator=parts.hosts)
+    alone = [rand_augment(p, 2, 9, generator=gen(g), host_generator=gen(s))
+             for p, g, s in zip(x.split(sizes), (1, 2), seeds)]
+    assert torch.equal(together, torch.cat(alone))
+    with pytest.raises(ValueError, match="one CPU generator per part"):
+        PartGenerators([gen(1), gen(2)], sizes, hosts=[gen(5)])
+
+
 def _op(name, x, m, sign=1.0):
     return randaugment._OPS[name](x, m, torch.full((len(x),), sign))
 

@@ -59,3 +59,23 @@ def test_in_memory_batches_on_the_gpu_equal_the_cpus():
     transform = build_transform(TrainTransform(num_classes=10, crop="pad", image_size=8))
     x, y = next(iter(BatchStream(images, labels, 16, seed=2, transform=transform, device="cuda")))
     assert x.device.type == "cuda" and x.shape == (16, 3, 8, 8) and y.shape == (16, 10)
+
+
+def test_augmenting_on_the_gpu_never_waits_for_the_device(shards):
+    # every augmentation at once, in memory and streamed: an operation that reads a number back
+    # from the GPU (item, nonzero, a blocking copy) raises under the sync debug mode
+    augment = TrainTransform(num_classes=3, image_size=(16, 16), crop="inception", flip=True, alternate_flip=True,
+                             randaug_ops=2, erase_prob=0.5, mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1)
+    images = torch.randint(0, 256, (64, 3, 20, 20), dtype=torch.uint8)
+    memory = BatchStream(images, torch.arange(64) % 3, 16, seed=2, transform=build_transform(augment), device="cuda")
+    streamed = StreamLoader(shards, 8, augment=augment, seed=0, workers=2, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for loader in (memory, streamed):
+            batches = iter(loader)
+            for _ in range(3):
+                x, y = next(batches)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(x).all() and torch.allclose(y.sum(-1), torch.ones(8, device="cuda"))

@@ -3,7 +3,9 @@
 Each image gets ``num_ops`` operations, each drawn uniformly (with replacement) from the
 14 below, all at one global ``magnitude``.  Images that drew the same operation in the
 same slot are processed together, so a batch costs at most 14 * num_ops small calls
-and runs on whatever device the batch lives on.
+and runs on whatever device the batch lives on.  The grouping is done on the host: with a
+CPU ``host_generator`` for the choices, a batch on a GPU is augmented without the host
+waiting for the device.
 
 Magnitude is on the paper's 0-10 scale (M=9 for ImageNet in the paper) and maps to
 operation strengths as timm's "increasing" variant does (DeiT's ``rand-m9-n2-inc1``):
@@ -21,7 +23,7 @@ bilinearly about the image centre and fill uncovered pixels with grey (128).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -70,8 +72,8 @@ def _equalize(x: torch.Tensor, m: float, sign: torch.Tensor) -> torch.Tensor:
     """Histogram equalisation per image and channel with PIL's lookup-table rule."""
     b, c, h, w = x.shape
     flat = x.reshape(b * c, h * w).long()
-    rows = torch.arange(b * c, device=x.device).unsqueeze(1)
-    hist = torch.bincount((flat + 256 * rows).reshape(-1), minlength=b * c * 256).view(b * c, 256)
+    # scatter_add rather than bincount, which reads its input's maximum back from a GPU
+    hist = torch.zeros(b * c, 256, dtype=torch.int64, device=x.device).scatter_add_(1, flat, torch.ones_like(flat))
     # PIL spreads all pixels but those of the last occupied level over 255 steps.
     last = (hist > 0).long() * torch.arange(256, device=x.device)
     last_count = hist.gather(1, last.argmax(dim=1, keepdim=True))
@@ -190,6 +192,7 @@ def rand_augment(
     *,
     generator: torch.Generator,
     ops: tuple[str, ...] = RAND_AUGMENT_OPS,
+    host_generator: Optional[draws.Generator] = None,
 ) -> torch.Tensor:
     """Apply RandAugment to a batch.
 
@@ -198,6 +201,9 @@ def rand_augment(
     magnitude: M on the 0-10 scale (see the module docstring for the mapping).
     generator: source of all randomness; parameters are drawn on its device.
     ops:       the operations to choose from (default: all 14).
+    host_generator: CPU generator(s) for each image's choice of operation, which the host
+               reads to group the images; without one the choices come from ``generator``
+               (read back once per round where it is a GPU's).
 
     Returns a new (B, 3, H, W) uint8 tensor.
     """
@@ -208,15 +214,16 @@ def rand_augment(
         raise ValueError(f"ops: unknown operations {sorted(unknown)}; allowed: {RAND_AUGMENT_OPS}")
     m = magnitude / 10.0
     b = images.shape[0]
+    chooser = host_generator if host_generator is not None else generator
     out = images.clone()
     for _ in range(num_ops):
-        choice = draws.randint(0, len(ops), (b,), generator).to(images.device)
+        choice = draws.randint(0, len(ops), (b,), chooser).cpu()
         sign = draws.rand((b,), generator).to(images.device)
         sign = torch.where(sign < 0.5, -1.0, 1.0)
-        for k, name in enumerate(ops):
-            if name == "identity":
-                continue
-            idx = (choice == k).nonzero().squeeze(1)
-            if idx.numel():
+        # the images of each operation, grouped on the host: one copy of the order to the device
+        order = torch.argsort(choice, stable=True)
+        groups = torch.bincount(choice, minlength=len(ops)).tolist()
+        for name, idx in zip(ops, order.to(images.device, non_blocking=True).split(groups)):
+            if name != "identity" and idx.numel():
                 out[idx] = _OPS[name](out[idx], m, sign[idx])
     return out

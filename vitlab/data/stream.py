@@ -497,8 +497,9 @@ class StreamLoader:
             return x, y
         places = [(self.dataset.rank * self.dataset.workers + int(worker), int(epoch), int(consumed))
                   for _, _, _, _, worker, epoch, consumed in parts]
-        generators = PartGenerators([torch.Generator(device=self.device).manual_seed(
-            derive_seed(self.seed, epoch, consumed, reader, 7)) for reader, epoch, consumed in places], sizes)
+        seeds = [derive_seed(self.seed, epoch, consumed, reader, 7) for reader, epoch, consumed in places]
+        hosts = [torch.Generator().manual_seed(s) for s in seeds] if self.device.type != "cpu" else None
+        generators = PartGenerators([torch.Generator(device=self.device).manual_seed(s) for s in seeds], sizes, hosts)
         # the per-batch numbers (mixup's weight, CutMix's box) from the places of all the parts
         batch = torch.Generator().manual_seed(derive_seed(self.seed, 8, *itertools.chain.from_iterable(places)))
         epochs = torch.cat([torch.full((n,), epoch, dtype=torch.int64) for n, (_, epoch, _) in zip(sizes, places)])

@@ -433,7 +433,11 @@ def _train(cfg: TrainTransform, images: torch.Tensor, labels: torch.Tensor, gene
     elif cfg.flip:
         images = random_flip(images, generator)
     if cfg.randaug_ops:
-        images = rand_augment(images, cfg.randaug_ops, cfg.randaug_magnitude, generator=generator)
+        # each image's choice of operation from a host generator where the batch has one: the
+        # parts' own for a streamed batch (a part is augmented the same whoever gathers it)
+        hosts = generator.hosts if isinstance(generator, draws.PartGenerators) else host_generator
+        images = rand_augment(images, cfg.randaug_ops, cfg.randaug_magnitude, generator=generator,
+                              host_generator=hosts)
     x = to_float(images)
     if cfg.erase_prob > 0:
         x = random_erasing(x, cfg.erase_prob, generator)

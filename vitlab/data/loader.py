@@ -156,8 +156,8 @@ class BatchStream:
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         if self.transform is None:
             return x, y
-        if idx.device != self.device:  # the ids for alternating flips, copied without waiting for the device
-            idx = idx.pin_memory().to(self.device, non_blocking=True)
+        if idx.device.type == "cpu" and self.device.type == "cuda":  # the ids, for alternating flips
+            idx = idx.pin_memory().to(self.device, non_blocking=True)  # a blocking copy would wait for the GPU
         batch_seed = derive_seed(self.seed, epoch, position + 1, self.rank)
         generator = torch.Generator(device=self.device).manual_seed(batch_seed)
         return self.transform(x, y, generator, example_ids=idx, epoch=epoch, seed=self.seed,

@@ -67,12 +67,14 @@ def test_augmenting_on_the_gpu_never_waits_for_the_device(shards):
     augment = TrainTransform(num_classes=3, image_size=(16, 16), crop="inception", flip=True, alternate_flip=True,
                              randaug_ops=2, erase_prob=0.5, mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1)
     images = torch.randint(0, 256, (64, 3, 20, 20), dtype=torch.uint8)
-    memory = BatchStream(images, torch.arange(64) % 3, 16, seed=2, transform=build_transform(augment), device="cuda")
+    labels, transform = torch.arange(64) % 3, build_transform(augment)
+    memory = BatchStream(images, labels, 16, seed=2, transform=transform, device="cuda")
+    held_on_the_gpu = BatchStream(images.cuda(), labels.cuda(), 16, seed=2, transform=transform, device="cuda")
     streamed = StreamLoader(shards, 8, augment=augment, seed=0, workers=2, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for loader in (memory, streamed):
+        for loader in (memory, held_on_the_gpu, streamed):
             batches = iter(loader)
             for _ in range(3):
                 x, y = next(batches)

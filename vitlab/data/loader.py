@@ -144,7 +144,7 @@ class BatchStream:
         return order[position * g : (position + 1) * g][self.rank :: self.world_size]
 
     def _make(self, order: torch.Tensor, epoch: int, position: int) -> Batch:
-        idx = self._slice(order, position).to(self.images.device)
+        idx = _without_a_wait(self._slice(order, position), self.images.device)
         if self.device.type == "cuda" and self.images.device.type == "cpu":
             # gathered straight into pinned memory (one copy of the batch on the host, not two),
             # whose copy to the device does not block
@@ -156,8 +156,7 @@ class BatchStream:
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         if self.transform is None:
             return x, y
-        if idx.device.type == "cpu" and self.device.type == "cuda":  # the ids, for alternating flips
-            idx = idx.pin_memory().to(self.device, non_blocking=True)  # a blocking copy would wait for the GPU
+        idx = _without_a_wait(idx, self.device)  # the ids, for alternating flips
         batch_seed = derive_seed(self.seed, epoch, position + 1, self.rank)
         generator = torch.Generator(device=self.device).manual_seed(batch_seed)
         return self.transform(x, y, generator, example_ids=idx, epoch=epoch, seed=self.seed,
@@ -182,6 +181,14 @@ class BatchStream:
                 close()
         if self.epoch == epoch and self.position >= len(self):
             self.epoch, self.position = epoch + 1, 0
+
+
+def _without_a_wait(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``ids`` on ``device``; from the host to a GPU by a non-blocking copy, as a blocking one
+    would make the host wait for the GPU's queued work."""
+    if ids.device.type == "cpu" and device.type == "cuda":
+        return ids.pin_memory().to(device, non_blocking=True)
+    return ids.to(device)
 
 
 class DeviceStage:

@@ -110,9 +110,10 @@ def _brightness(x: torch.Tensor, m: float, sign: torch.Tensor) -> torch.Tensor:
 
 def _sharpness(x: torch.Tensor, m: float, sign: torch.Tensor) -> torch.Tensor:
     xf = x.float()
-    kernel = torch.ones(3, 3, device=x.device)
-    kernel[1, 1] = 5.0
-    kernel = (kernel / 13.0).expand(x.shape[1], 1, 3, 3)  # PIL's SMOOTH filter
+    # PIL's SMOOTH filter, 5 amid 1s, made on the device: writing the 5 into a GPU tensor
+    # would copy it from the host and wait for the GPU
+    kernel = F.pad(torch.full((1, 1), 5.0, device=x.device), (1, 1, 1, 1), value=1.0)
+    kernel = (kernel / 13.0).expand(x.shape[1], 1, 3, 3)
     smooth = F.conv2d(xf, kernel, groups=x.shape[1])
     degenerate = xf.clone()
     degenerate[:, :, 1:-1, 1:-1] = smooth  # PIL keeps the one-pixel border unfiltered

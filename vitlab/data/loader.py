@@ -144,7 +144,7 @@ class BatchStream:
         return order[position * g : (position + 1) * g][self.rank :: self.world_size]
 
     def _make(self, order: torch.Tensor, epoch: int, position: int) -> Batch:
-        idx = _without_a_wait(self._slice(order, position), self.images.device)
+        idx = copy_without_a_wait(self._slice(order, position), self.images.device)
         if self.device.type == "cuda" and self.images.device.type == "cpu":
             # gathered straight into pinned memory (one copy of the batch on the host, not two),
             # whose copy to the device does not block
@@ -156,7 +156,7 @@ class BatchStream:
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         if self.transform is None:
             return x, y
-        idx = _without_a_wait(idx, self.device)  # the ids, for alternating flips
+        idx = copy_without_a_wait(idx, self.device)  # the ids, for alternating flips
         batch_seed = derive_seed(self.seed, epoch, position + 1, self.rank)
         generator = torch.Generator(device=self.device).manual_seed(batch_seed)
         return self.transform(x, y, generator, example_ids=idx, epoch=epoch, seed=self.seed,
@@ -183,12 +183,12 @@ class BatchStream:
             self.epoch, self.position = epoch + 1, 0
 
 
-def _without_a_wait(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``ids`` on ``device``; from the host to a GPU by a non-blocking copy, as a blocking one
-    would make the host wait for the GPU's queued work."""
-    if ids.device.type == "cpu" and device.type == "cuda":
-        return ids.pin_memory().to(device, non_blocking=True)
-    return ids.to(device)
+def copy_without_a_wait(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; from the host to a GPU by a non-blocking copy from pinned
+    memory, as a blocking one would make the host wait for the GPU's queued work."""
+    if tensor.device.type == "cpu" and device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 class DeviceStage:

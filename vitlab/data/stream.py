@@ -56,7 +56,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from vitlab.config import to_pair
 from vitlab.data.decode import SampleCrop, decode_crops
 from vitlab.data.draws import PartGenerators
-from vitlab.data.loader import DeviceStage, derive_seed, one_ahead
+from vitlab.data.loader import DeviceStage, copy_without_a_wait, derive_seed, one_ahead
 from vitlab.data.sources import DataError, StreamSource
 from vitlab.data.transforms import TrainTransform, build_transform
 
@@ -475,7 +475,6 @@ class StreamLoader:
         """The readers' parts of one micro-batch, copied to the device into one batch and
         augmented there at once; each part's per-image numbers still come from its own
         generator (``PartGenerators``), seeded where the part starts."""
-        cuda = self.device.type == "cuda"
         sizes = [part[0].shape[0] for part in parts]
         height, width = parts[0][0].shape[1:3]
         if len(parts) == 1:
@@ -486,13 +485,10 @@ class StreamLoader:
                 rows.copy_(part[0], non_blocking=True)
         x = images.permute(0, 3, 1, 2).contiguous()  # (B, 3, H, W) on the device
 
-        def to_device(host: torch.Tensor) -> torch.Tensor:
-            return (host.pin_memory() if cuda else host).to(self.device, non_blocking=True)
-
         def column(i: int) -> torch.Tensor:  # the parts' labels or example ids, as one (B,) int64 tensor
             return torch.cat([torch.as_tensor(part[i], dtype=torch.int64) for part in parts])
 
-        y = to_device(column(1))
+        y = copy_without_a_wait(column(1), self.device)
         if self.transform is None:
             return x, y
         places = [(self.dataset.rank * self.dataset.workers + int(worker), int(epoch), int(consumed))
@@ -503,15 +499,15 @@ class StreamLoader:
         # the per-batch numbers (mixup's weight, CutMix's box) from the places of all the parts
         batch = torch.Generator().manual_seed(derive_seed(self.seed, 8, *itertools.chain.from_iterable(places)))
         epochs = torch.cat([torch.full((n,), epoch, dtype=torch.int64) for n, (_, epoch, _) in zip(sizes, places)])
-        x, y = self.transform(x, y, generators, example_ids=to_device(column(3)),
-                              epoch=to_device(epochs), seed=self.seed, host_generator=batch)
+        x, y = self.transform(x, y, generators, example_ids=copy_without_a_wait(column(3), self.device),
+                              epoch=copy_without_a_wait(epochs, self.device), seed=self.seed, host_generator=batch)
         if all(part[2] is None for part in parts):
             return x, y
         if not self.plain_targets:
             raise DataError("multi-label samples (a .cls of several labels or a .json 'labels' list) need plain "
                             "targets: set augment.label_smoothing=0, augment.mixup_alpha=0 and augment.cutmix_alpha=0")
         labels = [label for part in parts for label in (part[2] if part[2] is not None else part[1])]
-        return x, to_device(multi_hot(labels, y.shape[-1], y.dtype))
+        return x, copy_without_a_wait(multi_hot(labels, y.shape[-1], y.dtype), self.device)
 
     def _batches(self, handovers_in: Iterator) -> Iterator[tuple]:
         """(images, targets, the readers' positions after it, the reader next) per micro-batch:

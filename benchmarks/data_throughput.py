@@ -196,17 +196,30 @@ def photo_like(rng: np.random.Generator, h: int = 375, w: int = 500) -> np.ndarr
     return np.clip(128 + 100 * base + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
 
 
-def write_shards(folder: Path, images: int, classes: int = 100) -> Path:
-    """``images`` ImageNet-like JPEGs in ``classes`` class folders, packed into shards of 128."""
+def _write_image(job: tuple[int, str, int]) -> None:
     from PIL import Image
+
+    i, folder, classes = job
+    target = Path(folder) / f"class{i % classes:03d}"
+    target.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(photo_like(np.random.default_rng(i))).save(target / f"{i:06d}.jpg", quality=90)
+
+
+def write_shards(folder: Path, images: int, classes: int = 100, processes: int = 1) -> Path:
+    """``images`` ImageNet-like JPEGs in ``classes`` class folders of ``folder / "images"``
+    (image i seeded by i, written by ``processes`` processes), packed into shards of 128 in
+    ``folder / "shards"``; that path."""
+    from multiprocessing import Pool
 
     from vitlab.data.shards import pack_shards
 
-    rng = np.random.default_rng(0)
-    for i in range(images):
-        target = folder / "images" / f"class{i % classes:03d}"
-        target.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(photo_like(rng)).save(target / f"{i:06d}.jpg", quality=90)
+    jobs = [(i, str(folder / "images"), classes) for i in range(images)]
+    if processes > 1:
+        with Pool(processes) as pool:
+            pool.map(_write_image, jobs)
+    else:
+        for job in jobs:
+            _write_image(job)
     pack_shards(folder / "images", folder / "shards", samples_per_shard=128)
     return folder / "shards"
 
@@ -258,7 +271,7 @@ def main() -> None:
     rows: dict = {(rev, w): [] for rev in revisions for w in counts}
     if args.gather:
         with tempfile.TemporaryDirectory(prefix="vitlab-data-") as tmp:
-            shards = write_shards(Path(tmp), 256)
+            shards = write_shards(Path(tmp), 256, processes=cores)
             costs = {rev: [] for rev in revisions}
             handovers = {rev: [] for rev in revisions}
             for r in range(args.rounds):
@@ -277,7 +290,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="vitlab-data-") as tmp:
         t = time.perf_counter()
-        shards = write_shards(Path(tmp), args.images)
+        shards = write_shards(Path(tmp), args.images, processes=cores)
         print(f"{args.images} JPEGs of 500x375 at quality 90 in shards of 128 ({time.perf_counter() - t:.0f} s)",
               flush=True)
         for r in range(args.rounds):

@@ -3,8 +3,8 @@
     python -m benchmarks.data_wait                  # on a GPU: ViT-B/16 bf16 paper_pretrain, batch 128, 400 steps
     python -m benchmarks.data_wait --model ViT-Ti/16 --images 512 --steps 24 --log-every 8   # a CPU check
 
-1. Writes ``--images`` ImageNet-like JPEGs (500x375, quality 90, 100 classes; the images of
-   ``data_throughput.py``) and packs them with ``vitlab pack-shards`` into shards of 128.
+1. Writes ``--images`` ImageNet-like JPEGs (500x375, quality 90, 100 classes) and packs
+   them into shards of 128, as ``data_throughput.py`` does (its ``write_shards``).
 2. Trains ``vitlab train --recipe paper_pretrain:dataset=i21k`` twice on the same images:
    decoded into memory first (``--stream memory``), then streamed from the shards with the
    default (``auto``) workers.  Each run logs every ``--log-every`` steps.
@@ -26,23 +26,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from multiprocessing import Pool
 from pathlib import Path
+
+from benchmarks.data_throughput import write_shards
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-
-
-def write_image(args: tuple) -> None:
-    import numpy as np
-    from PIL import Image
-
-    from benchmarks.data_throughput import photo_like
-
-    i, folder = args
-    target = Path(folder) / f"class{i % 100:03d}"
-    target.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(photo_like(np.random.default_rng(i))).save(target / f"{i:06d}.jpg", quality=90)
 
 
 def train(name: str, data: list[str], out: Path, args: argparse.Namespace) -> dict:
@@ -90,10 +79,7 @@ def main() -> None:
         images, shards = root / "images", root / "shards"
         if not shards.is_dir():
             t = time.perf_counter()
-            with Pool(cores) as pool:
-                pool.map(write_image, [(i, str(images)) for i in range(args.images)])
-            subprocess.run([sys.executable, "-m", "vitlab", "pack-shards", str(images), str(shards), "--per-shard",
-                            "128"], check=True, capture_output=True, cwd=ROOT)
+            write_shards(root, args.images, processes=cores)
             print(f"{args.images} JPEGs of 500x375 at quality 90 in shards of 128 ({time.perf_counter() - t:.0f} s)",
                   flush=True)
         memory = train("memory", ["--data", str(images), "--stream", "memory"], root / "run-memory", args)

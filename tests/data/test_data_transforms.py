@@ -355,6 +355,7 @@ def test_a_batch_of_parts_draws_what_each_part_draws_alone(crop):
     assert torch.equal(x[:3], x[:1].expand(3, -1, -1, -1)) and torch.equal(x[3:], x[3:4].expand(5, -1, -1, -1))
     assert torch.equal(x[0], x[3].flip(-1)) and not torch.equal(x[0], x[3])
 
+
 def test_per_batch_numbers_do_not_come_from_the_parts():
     from vitlab.data.draws import PartGenerators
 

@@ -144,7 +144,8 @@ def test_bit_mismatches_are_listed_together():
 def test_a_misshaped_root_is_refused_like_a_misshaped_unit():
     """BiT's root is 7x7: a (3, 3, 3, 64) root kernel does not make a 3x3 root, it is an error."""
     ckpt = bit_checkpoint(4, (1, 1))
-    ckpt["resnet/root_block/standardized_conv2d/kernel"] = ckpt["resnet/root_block/standardized_conv2d/kernel"][2:5, 2:5]
+    root = "resnet/root_block/standardized_conv2d/kernel"
+    ckpt[root] = ckpt[root][2:5, 2:5]  # (3, 3, 3, 64)
     ckpt["resnet/block2/unit01/b/standardized_conv2d/kernel"] = np.zeros((1, 1, 128, 128), np.float32)
     with pytest.raises(WeightsError) as err:
         load_model(ckpt)

@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     written = save_model(model, args.out, format=args.format, class_names=names)
     print(f"wrote {written} ({args.format}) from {args.source}: {cfg.name or type(model).__name__}")
     if names and args.format == "official":
-        print(f"the {len(names)} class names are not written: a vit_jax .npz holds arrays only")
+        print(f"the {len(names)} class names are not written: an official .npz (vit_jax, big_transfer) holds "
+              "arrays only")
     if args.no_check:
         return 0
     # every export reads back: hf through its config.json, timm through its .timm.json

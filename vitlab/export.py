@@ -2,20 +2,26 @@
 
 Both take a model in eval mode and an image size, trace one forward pass, and write one
 file.  The batch dimension is left symbolic unless ``dynamic_batch=False``; the image
-size is fixed, because the position embeddings are laid out for one patch grid.
+size is fixed, because the position embeddings are laid out for one patch grid.  Class
+names, when given, travel with the file in Hugging Face's terms: ONNX metadata_props
+``id2label`` and ``label2id`` (JSON), and the extra files ``id2label.json`` and
+``label2id.json`` of a .pt2 archive (``program_class_names`` reads them back).
 """
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from .config import Pair, to_pair
+from .weights.labels import check_class_names, id2label, label2id, names_from_id2label
 
-__all__ = ["export_onnx", "export_program", "load_program", "model_img_size"]
+__all__ = ["export_onnx", "export_program", "load_program", "model_img_size", "program_class_names"]
 
 
 def model_img_size(model: nn.Module, img_size: int | Pair | None = None) -> Pair:
@@ -34,14 +40,25 @@ def _example(model: nn.Module, img_size: Pair, batch: int) -> torch.Tensor:
     return torch.randn(batch, in_chans, *img_size, device=param.device, dtype=param.dtype)
 
 
+def _label_maps(model: nn.Module, class_names: Sequence[str] | None) -> dict[str, str]:
+    """{"id2label": JSON, "label2id": JSON} of ``class_names`` (checked against the model's head), or {}."""
+    if class_names is None:
+        return {}
+    num_classes = getattr(getattr(model, "cfg", None), "num_classes", len(class_names))
+    names = check_class_names(class_names, num_classes, "class_names")
+    return {"id2label": json.dumps(id2label(names)), "label2id": json.dumps(label2id(names))}
+
+
 def export_program(model: nn.Module, path: str | os.PathLike, img_size: int | Pair | None = None,
-                   dynamic_batch: bool = True, batch: int = 2) -> torch.export.ExportedProgram:
+                   dynamic_batch: bool = True, batch: int = 2,
+                   class_names: Sequence[str] | None = None) -> torch.export.ExportedProgram:
     """Trace ``model`` with ``torch.export`` and save it with ``torch.export.save`` (a .pt2 file).
 
     Reload with ``load_program(path)``, which gives a callable module: images (B, C, H, W)
     -> logits (B, K).  ``batch`` is the batch of the traced example, and the only one
-    accepted when ``dynamic_batch`` is False.
+    accepted when ``dynamic_batch`` is False.  ``class_names`` are stored beside the program.
     """
+    labels = _label_maps(model, class_names)
     model = model.eval()
     size = model_img_size(model, img_size)
     x = _example(model, size, batch)
@@ -49,7 +66,7 @@ def export_program(model: nn.Module, path: str | os.PathLike, img_size: int | Pa
     with torch.no_grad():
         program = torch.export.export(model, (x,), dynamic_shapes=shapes)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    torch.export.save(program, path)
+    torch.export.save(program, path, extra_files={f"{k}.json": v for k, v in labels.items()})
     return program
 
 
@@ -58,16 +75,26 @@ def load_program(path: str | os.PathLike) -> nn.Module:
     return torch.export.load(path).module()
 
 
+def program_class_names(path: str | os.PathLike) -> list[str] | None:
+    """The class names saved with a program by ``export_program``, or None."""
+    extra = {"id2label.json": ""}
+    torch.export.load(path, extra_files=extra)
+    return names_from_id2label(json.loads(extra["id2label.json"])) if extra["id2label.json"] else None
+
+
 def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair | None = None,
-                dynamic_batch: bool = True, opset: int = 18, batch: int = 2) -> Path:
+                dynamic_batch: bool = True, opset: int = 18, batch: int = 2,
+                class_names: Sequence[str] | None = None) -> Path:
     """Write ``model`` as ONNX with input "images" (B, C, H, W) and output "logits" (B, K).
 
     Uses the torch.export-based exporter (``dynamo=True``), which keeps
     ``scaled_dot_product_attention`` as a few matmuls and a softmax.  Weights are stored
     inside the one file (no external data) when they fit under ONNX's 2 GB limit.  ``batch``
     is the batch of the traced example, fixed in the graph when ``dynamic_batch`` is False.
+    ``class_names`` go into the model's metadata (ONNX Runtime: ``custom_metadata_map``).
     """
     _require_onnx_packages()
+    labels = _label_maps(model, class_names)
     model = model.eval()
     size = model_img_size(model, img_size)
     x = _example(model, size, batch)
@@ -80,6 +107,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair 
             model, (x,), dynamo=True, input_names=["images"], output_names=["logits"],
             dynamic_shapes=shapes, opset_version=opset, verbose=False,
         )
+    program.model.metadata_props.update(labels)
     program.save(str(path), external_data=_too_big_for_one_file(model))
     return path
 

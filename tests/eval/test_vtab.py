@@ -10,7 +10,7 @@ from PIL import Image
 
 from vitlab.cli import main
 from vitlab.data.sources import DataError
-from vitlab.eval.vtab import TASK_GROUPS, canonical_task, find_tasks, split_task, summarize
+from vitlab.eval.vtab import TASK_GROUPS, canonical_task, find_tasks, select_tasks, split_task, summarize
 
 CLASSES = ("a", "b", "c")
 
@@ -53,6 +53,57 @@ def test_task_names_groups_and_layouts(tasks, tmp_path):
     with pytest.raises(DataError, match="not a VTAB task name.*--group"):
         find_tasks(tmp_path)
     assert find_tasks(tmp_path, {"mine": "structured"})[0].group == "structured"
+
+
+# the paper's Table 9 columns, as it spells them, and the VTAB task each names
+TABLE_9 = {"Caltech101": "caltech101", "CIFAR-100": "cifar100", "DTD": "dtd", "Flowers102": "oxford_flowers102",
+           "Pets": "oxford_iiit_pet", "Sun397": "sun397", "SVHN": "svhn", "Camelyon": "patch_camelyon",
+           "EuroSAT": "eurosat", "Resisc45": "resisc45", "Retinopathy": "diabetic_retinopathy",
+           "Clevr-Count": "clevr_count", "Clevr-Dist": "clevr_dist", "DMLab": "dmlab", "dSpr-Loc": "dsprites_loc",
+           "dSpr-Ori": "dsprites_ori", "KITTI-Dist": "kitti_dist", "sNORB-Azim": "smallnorb_azi",
+           "sNORB-Elev": "smallnorb_ele"}
+
+
+def test_the_papers_task_names_in_any_case_and_punctuation(tmp_path):
+    assert sorted(TABLE_9.values()) == sorted(TASK_GROUPS)  # all 19, each once
+    for paper, name in TABLE_9.items():
+        for spelling in (paper, paper.upper(), paper.lower(), paper.replace("-", "_"), paper.replace("-", " ")):
+            assert canonical_task(spelling) == name, spelling
+    for name in TASK_GROUPS:  # and today's names, likewise
+        assert canonical_task(name.upper().replace("_", "-")) == canonical_task(name) == name
+    for paper in ("CIFAR-100", "dSpr-Loc", "sNORB-Azim"):
+        (tmp_path / paper / "train" / "a").mkdir(parents=True)
+    found = find_tasks(tmp_path)
+    assert [t.name for t in found] == ["cifar100", "dsprites_loc", "smallnorb_azi"]
+    assert [t.name for t in select_tasks(found, ["snorb azim", "CIFAR100"], tmp_path)] == ["cifar100",
+                                                                                         "smallnorb_azi"]
+    with pytest.raises(DataError, match="--only dtd: no such task"):
+        select_tasks(found, ["dtd"], tmp_path)
+
+
+def test_every_tasks_folders_are_checked_before_any_training(tiny_checkpoint, tmp_path, capsys):
+    """A good task first, then two that cannot run: refused in one line, first for the folder that is
+    missing, then for the images that are; nothing trained either time."""
+    root = tmp_path / "tasks"
+    image_folder(root / "cifar100" / "train", 8, 0)
+    image_folder(root / "cifar100" / "test", 3, 1)
+    image_folder(root / "DTD" / "train800", 5, 2)   # VTAB-1k's own splits, but no test/
+    image_folder(root / "DTD" / "val200", 2, 3)
+    image_folder(root / "EuroSAT" / "train", 20 // 3, 4)  # 18 images: fewer than --examples 20
+    out = tmp_path / "vtab"
+    args = ["vtab", "--init", tiny_checkpoint, "--tasks", str(root), "--examples", "20", "--steps", "1",
+            "--batch-size", "8", "--img-size", "16", "--grid", "0.003,0.03", "--out", str(out), "--quiet",
+            "--set", "run.precision=fp32", "--set", "run.threads=1", "--set", "run.tensorboard=false",
+            "--set", "data.decode_workers=0"]
+    assert main(args) == 2
+    assert not list(out.rglob("summary.json")) and not list(out.glob("cifar100/lr_*"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "DTD/test/" in err[0], err
+    image_folder(root / "DTD" / "test", 3, 5)  # the folder given: now the image count of the other
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "EuroSAT/train: 18 training images, fewer than --examples 20" in err[0], err
+    assert "nothing was trained" in err[0] and not list(out.rglob("summary.json"))
 
 
 def test_the_split_is_fixed_disjoint_and_four_to_one(tasks, tmp_path):

@@ -105,8 +105,8 @@ def logits(model, x):
 @pytest.mark.parametrize("layers, size", [((1, 2), 32), ((2, 1, 1), 29)])
 def test_bit_npz_matches_big_transfer_forward(tmp_path, layers, size):
     ckpt = bit_checkpoint(0, layers)
-    np.savez(tmp_path / "BiT-M-R50x1.npz", **ckpt)
-    model = load_model(tmp_path / "BiT-M-R50x1.npz")
+    np.savez(tmp_path / "tiny-bit.npz", **ckpt)  # a name that names no model: the arrays decide
+    model = load_model(tmp_path / "tiny-bit.npz")
     cfg = model.cfg
     assert (cfg.layers, cfg.width_factor, cfg.num_classes, cfg.name) == (layers, 1, 5, f"BiT-R{3 * sum(layers) + 2}x1")
     assert (cfg.padding, cfg.ws_eps, cfg.ws_eps_inside_sqrt, cfg.gn_eps) == ("symmetric", 1e-10, True, 1e-5)
@@ -139,3 +139,35 @@ def test_bit_mismatches_are_listed_together():
     for key in ("body.block2.unit01.gn2.bias", "head.conv.bias", "resnet/block1/unit01/d/standardized_conv2d/kernel",
                 "shape mismatch for before_head.gn.weight"):
         assert key in msg, key
+
+
+def test_a_misshaped_root_is_refused_like_a_misshaped_unit():
+    """BiT's root is 7x7: a (3, 3, 3, 64) root kernel does not make a 3x3 root, it is an error."""
+    ckpt = bit_checkpoint(4, (1, 1))
+    root = "resnet/root_block/standardized_conv2d/kernel"
+    ckpt[root] = ckpt[root][2:5, 2:5]  # (3, 3, 3, 64)
+    ckpt["resnet/block2/unit01/b/standardized_conv2d/kernel"] = np.zeros((1, 1, 128, 128), np.float32)
+    with pytest.raises(WeightsError) as err:
+        load_model(ckpt)
+    msg = str(err.value)
+    assert "shape mismatch for root.conv.weight: weights (64, 3, 3, 3), model (64, 3, 7, 7)" in msg
+    assert "shape mismatch for body.block2.unit01.conv2.weight: weights (128, 128, 1, 1), model (128, 128, 3, 3)" in msg
+    assert "missing" not in msg and "unexpected" not in msg
+    ckpt["resnet/block2/unit01/b/standardized_conv2d/kernel"] = np.zeros((3, 3, 128, 128), np.float32)
+    assert load_model(ckpt, root_kernel=3).root.conv.weight.shape == (64, 3, 3, 3)  # asked for: then it is one
+
+
+def test_a_file_named_for_a_model_must_hold_it(tmp_path):
+    """``BiT-M-R50x1.npz`` names big_transfer's R50x1 (blocks 3, 4, 6, 3): arrays of another
+    model under that name are refused, every missing block named, not loaded as what they hold."""
+    np.savez(tmp_path / "BiT-M-R50x1.npz", **bit_checkpoint(5, (1, 2)))
+    with pytest.raises(WeightsError) as err:
+        load_model(tmp_path / "BiT-M-R50x1.npz")
+    msg = str(err.value)
+    assert "BiT-M-R50x1.npz do not match the model" in msg
+    for key in ("body.block1.unit03.conv1.weight", "body.block3.unit06.conv3.weight", "body.block4.unit03.gn3.bias"):
+        assert key in msg, key
+    from vitlab.weights.bit import named_model
+
+    assert [named_model(n) for n in ("BiT-M-R50x1.npz", "BiT-S-R152x4.npz", "BiT-M-R101x3-ILSVRC2012.npz",
+                                     "bit.npz", "BiT-M-R7x1.npz")] == ["R50x1", "R152x4", "R101x3", None, None]

@@ -125,10 +125,13 @@ def test_not_cached_is_downloaded_into_the_cache(hf_model, hub_env, tmp_path):
         assert cache_dir == str(tmp_path / "cache")
         return str(snapshot / filename)
 
+    asked = []  # the one quick request before downloading: is config.json there?
+    hub_env.setattr(hub, "get_hf_file_metadata", lambda url, timeout: asked.append((url, timeout)))
     hub_env.setattr(hub, "hf_hub_download", fake_download)
     hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     assert same_logits(load_model(REPO), hf_model)
     assert fetched == ["config.json", "model.safetensors"]
+    assert len(asked) == 1 and asked[0][0].endswith(f"{REPO}/resolve/main/config.json") and asked[0][1] <= 5
     hub_env.setenv("HF_HUB_OFFLINE", "1")
     assert same_logits(load_model(REPO), hf_model) and len(fetched) == 2  # from the cache now
 
@@ -141,3 +144,54 @@ def test_paths_and_registry_names_are_not_hub_names(tmp_path):
     assert parse_hub_name("runs/model.safetensors") is None and parse_hub_name("/abs/path") is None
     (tmp_path / "org").mkdir()
     assert parse_hub_name(str(tmp_path / "org")) is None
+
+
+NO_NETWORK = """
+import json, sys, time
+import huggingface_hub, torch, vitlab.weights, vitlab.data.memory  # noqa: E401,F401  (imports: before the clock)
+from vitlab.cli import main
+start = time.perf_counter()
+code = main(["predict", "--checkpoint", sys.argv[1], "x.png"])
+print(json.dumps({"code": code, "seconds": time.perf_counter() - start}))
+"""
+
+
+def test_not_cached_with_no_network_fails_at_once_in_one_line(tmp_path):
+    """huggingface_hub installed, the Hub unreachable (a closed port): one line, no retry lines,
+    and at once (huggingface_hub's own fallback retries for ~25 s, printing a line per try)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    pytest.importorskip("huggingface_hub")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                        "HF_HUB_ETAG_TIMEOUT")}
+    env.update(HF_HOME=str(tmp_path / "empty"), HF_ENDPOINT="http://127.0.0.1:9",
+               PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", NO_NETWORK, REPO], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    err = done.stderr.strip().splitlines()
+    assert result["code"] == 2 and len(err) == 1, done.stderr
+    assert REPO in err[0] and "Hugging Face cache" in err[0] and "Retry" not in done.stderr
+    assert result["seconds"] < 5, result
+
+
+def test_the_hub_logger_is_as_it_was_after_a_failed_download(hub_env, tmp_path):
+    import logging
+
+    hub = pytest.importorskip("huggingface_hub")
+
+    def unreachable(*args, **kwargs):
+        logging.getLogger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+        raise ConnectionError("[Errno 111] Connection refused")
+
+    hub_env.setattr(hub, "get_hf_file_metadata", unreachable)
+    hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    logger = logging.getLogger("huggingface_hub")
+    before = logger.level
+    with pytest.raises(WeightsError, match="ConnectionError"):
+        load_model(REPO)
+    assert logger.level == before

@@ -1,5 +1,9 @@
 """`vitlab convert`: read weights in any layout vitlab loads, write them in vitlab's, vit_jax's,
-Hugging Face's or timm's (``vitlab.weights.save_model``), with a check that the logits agree."""
+Hugging Face's or timm's (``vitlab.weights.save_model``), with a check that the logits agree.
+
+The source's class names (a run's ``classes.json``, an export's ``id2label``) go wherever
+the layout has a place for them (``vitlab.weights.labels``), unless ``--num-classes``
+gives the model a new head."""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from vitlab.weights import load_model, save_model
+    from vitlab.weights import WeightsError, load_model, read_class_names, save_model
 
     overrides = {}
     if args.num_heads is not None:
@@ -43,9 +47,18 @@ def run(args: argparse.Namespace) -> int:
         overrides["weights_img_size"] = args.weights_img_size
     model = load_model(args.source, name=args.name, img_size=args.img_size, num_classes=args.num_classes,
                        **overrides)
-    written = save_model(model, args.out, format=args.format)
     cfg = model.cfg
+    names = read_class_names(args.source)
+    if names is not None and len(names) != cfg.num_classes:
+        if args.num_classes is None:
+            raise WeightsError(f"{args.source}: its {len(names)} class names do not match the {cfg.num_classes} "
+                               "classes of its head (a classes.json from another run?)")
+        names = None  # --num-classes gave a new head: the source's names are not its classes
+    written = save_model(model, args.out, format=args.format, class_names=names)
     print(f"wrote {written} ({args.format}) from {args.source}: {cfg.name or type(model).__name__}")
+    if names and args.format == "official":
+        print(f"the {len(names)} class names are not written: an official .npz (vit_jax, big_transfer) holds "
+              "arrays only")
     if args.no_check:
         return 0
     # every export reads back: hf through its config.json, timm through its .timm.json

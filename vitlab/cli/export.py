@@ -2,6 +2,9 @@
 
     vitlab export runs/x --format onnx          # writes runs/x/model.onnx
     vitlab export runs/x/model.safetensors --format torch-export --out b16.pt2
+
+The class names kept with the weights (a run's ``classes.json``, an export's ``id2label``)
+travel into the file: ONNX metadata ``id2label``/``label2id``, or the .pt2's extra files.
 """
 from __future__ import annotations
 
@@ -51,6 +54,16 @@ def _load(source: str, name: str | None, img_size: int | None):
     return create_model(source, **({"img_size": img_size} if img_size else {}))
 
 
+def _class_names(source: str) -> list[str] | None:
+    """The class names kept with weights (None for a registry name's random model)."""
+    from vitlab.weights.hub import parse_hub_name
+    from vitlab.weights.load import read_class_names
+
+    if Path(source).exists() or parse_hub_name(source) is not None:
+        return read_class_names(source)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -63,10 +76,11 @@ def run(args: argparse.Namespace) -> int:
     model = _load(args.source, args.name, args.img_size).eval()
     size = model_img_size(model, args.img_size)
     batch = 2 if dynamic else int(args.batch)
+    names = _class_names(args.source)
     if args.format == "onnx":
-        export_onnx(model, out, size, dynamic_batch=dynamic, batch=batch)
+        export_onnx(model, out, size, dynamic_batch=dynamic, batch=batch, class_names=names)
     else:
-        export_program(model, out, size, dynamic_batch=dynamic, batch=batch)
+        export_program(model, out, size, dynamic_batch=dynamic, batch=batch, class_names=names)
     mb = out.stat().st_size / 2**20
     print(f"wrote {out} ({args.format}, {mb:.1f} MiB, input (B, C, {size[0]}, {size[1]}), "
           f"batch {'dynamic' if dynamic else args.batch})")

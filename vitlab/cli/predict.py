@@ -3,9 +3,9 @@
     vitlab predict --checkpoint runs/demo/model.safetensors cat.png dog.jpg
     vitlab predict --checkpoint google/vit-base-patch16-224 cat.png     # the Hugging Face cache
 
-Class names come from ``classes.json`` beside the weights (written by `train`), else from
-the ``id2label`` of a Hugging Face ``config.json``; without either the classes are printed
-as numbers.  Images are resized to the model's resolution
+Class names come from the weights file itself (a vitlab file's metadata, a timm export's
+``label_names``), else ``classes.json`` beside the weights (written by `train`), else the
+``id2label`` of a Hugging Face ``config.json``; without any the classes are printed as numbers.  Images are resized to the model's resolution
 and scaled to [-1, 1] as in training.
 """
 from __future__ import annotations
@@ -29,22 +29,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def find_classes(checkpoint: Path, explicit: str | None) -> list[str] | None:
-    """``--classes``, else ``classes.json`` beside the weights, else a Hugging Face config's ``id2label``."""
+    """``--classes``, else the names kept with the weights (``vitlab.weights.read_class_names``:
+    the file's own, ``classes.json`` beside it, a Hugging Face config's ``id2label``)."""
+    from vitlab.weights import read_class_names
+    from vitlab.weights.labels import names_from_json
+
     if explicit:
         if not Path(explicit).is_file():
             raise FileNotFoundError(f"{explicit}: no such file")
-        return list(json.loads(Path(explicit).read_text()))
-    folder = checkpoint if checkpoint.is_dir() else checkpoint.parent
-    if (folder / "classes.json").is_file():
-        return list(json.loads((folder / "classes.json").read_text()))
-    config = folder / "config.json"
-    labels = json.loads(config.read_text()).get("id2label") if config.is_file() else None
-    if isinstance(labels, dict) and labels:
-        try:
-            return [str(labels[str(i)]) for i in range(len(labels))]
-        except KeyError:  # not 0..K-1: numbers it is
-            return None
-    return None
+        return names_from_json(Path(explicit).read_text(errors="replace"), f"--classes {explicit}")
+    return read_class_names(checkpoint)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -98,7 +98,8 @@ def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     from vitlab.configs import load_recipe
     from vitlab.train.overrides import parse_overrides, with_changes
 
-    cfg = load_recipe(args.recipe)
+    model = getattr(args, "model", None)
+    cfg = load_recipe(args.recipe, model_name=model)  # a recipe whose rates are per model (Table 3): this one's
     changes = parse_overrides(cfg, args.overrides)  # checked together with the flags' changes, below
     changes.update({field: getattr(args, flag) for flag, field in SHORTCUTS.items()
                     if getattr(args, flag, None) is not None})
@@ -106,6 +107,8 @@ def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     if split is not None and float(split).is_integer() and split >= 1:
         changes["data.val_split"] = int(split)
     changes.update(extra or {})
+    if changes.get("model.name") and changes["model.name"] != model:  # named by --set model.name=
+        cfg = load_recipe(args.recipe, model_name=changes["model.name"])
     return with_changes(cfg, changes)
 
 

@@ -161,7 +161,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from vitlab import fast
     from vitlab.config import ConfigError
-    from vitlab.eval.vtab import find_tasks, format_table, split_task, summarize
+    from vitlab.eval.vtab import find_tasks, format_table, select_tasks, split_tasks, summarize
     from vitlab.train import train
     from vitlab.train.build import check_can_run
     from vitlab.train.overrides import with_changes
@@ -174,14 +174,10 @@ def _run(args: argparse.Namespace) -> int:
         groups[folder] = group
     tasks = find_tasks(args.tasks, groups)
     if args.only:
-        wanted = [t.strip() for t in args.only.split(",") if t.strip()]
-        unknown = [w for w in wanted if w not in {t.name for t in tasks}]
-        if unknown:
-            raise ConfigError(f"--only {', '.join(unknown)}: no such task in {args.tasks} "
-                              f"({', '.join(t.name for t in tasks)})")
-        tasks = [t for t in tasks if t.name in wanted]
+        tasks = select_tasks(tasks, [t.strip() for t in args.only.split(",") if t.strip()], args.tasks)
     if args.examples < 5:
         raise ConfigError(f"--examples={args.examples}: must be at least 5 (a 4:1 split)")
+    splits = split_tasks(tasks, args.out, args.examples, args.split_seed)  # every task's folders, before any run
 
     cfg = base_config(args)
     grid = tuple(float(v) for v in args.grid.split(",")) if args.grid else tuple(cfg.optim.lr_grid) or (cfg.optim.lr,)
@@ -204,9 +200,8 @@ def _run(args: argparse.Namespace) -> int:
         check_can_run(run_cfg)
         return train(run_cfg, overwrite=True, verbose=not args.quiet)
 
-    splits, val = {}, {}
+    val = {}
     for task in tasks:
-        splits[task.name] = split_task(task, out / task.name / "splits", args.examples, args.split_seed)
         val[task.name] = {}
         if len(grid) > 1:  # one learning rate needs no choosing
             for lr in grid:

@@ -3,6 +3,10 @@
 
     load_recipe("paper_finetune:dataset=cifar100")   # a recipe of this package, with its options
     load_recipe("my/recipe.py:lr=0.01")              # a recipe file of one's own
+    load_recipe("paper_pretrain", model_name="ViT-L/16")   # Table 3's row of that model
+
+A recipe whose settings depend on the model (the paper's pre-training, Table 3: a rate and
+epochs per model) takes a ``model_name`` option; ``--model`` passes it.
 
 The recipes ship inside the package, so every install has them; ``vitlab train --recipe``
 reads its argument with ``load_recipe``.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 from pathlib import Path
 from types import ModuleType
 
@@ -43,9 +48,10 @@ def recipe_module(name: str) -> ModuleType:
     return module
 
 
-def load_recipe(spec: str) -> TrainConfig:
+def load_recipe(spec: str, model_name: str | None = None) -> TrainConfig:
     """``NAME`` or ``path/to/file.py``, optionally ``:key=value,key=value`` passed to its
-    ``get_config`` as strings (e.g. ``paper_finetune:dataset=cifar100``)."""
+    ``get_config`` as strings (e.g. ``paper_finetune:dataset=cifar100``).  ``model_name``
+    (the run's ``--model``) goes to a ``get_config`` that takes it, ahead of the spec's."""
     name, _, arg_text = spec.partition(":")
     module = recipe_module(name)
     if not callable(getattr(module, "get_config", None)):
@@ -54,6 +60,8 @@ def load_recipe(spec: str) -> TrainConfig:
     for item in filter(None, arg_text.split(",")):
         key, _, value = item.partition("=")
         kwargs[key.strip()] = value.strip()
+    if model_name is not None and "model_name" in inspect.signature(module.get_config).parameters:
+        kwargs["model_name"] = model_name
     try:
         cfg = module.get_config(**kwargs)
     except (TypeError, ValueError) as err:  # an unknown or bad recipe argument

@@ -7,8 +7,9 @@ train and 200 to validate on (``train800`` / ``val200``); then on all 1000, and 
 its test set.  What is reported is the accuracy of each task, the mean of each group and
 the mean over the 19 tasks.  `vitlab vtab` runs it; this module holds what does not train.
 
-A task is a folder named after the task (``TASK_GROUPS``; the usual spellings are accepted),
-holding ImageFolder trees::
+A task is a folder named after the task (``TASK_GROUPS``; the usual spellings and the
+paper's, Table 9's ``CIFAR-100``, ``dSpr-Loc``, ``sNORB-Azim``, ..., in any case and with any
+punctuation, are accepted), holding ImageFolder trees::
 
     TASK/train/<class>/<image>   the training images (the first --examples, 1000, are used)
     TASK/test/<class>/<image>    the test images (optional)
@@ -19,7 +20,9 @@ From ``train/`` the split is fixed: the images in the ImageFolder order (classes
 paths, sorted), permuted by numpy's PCG64 generator seeded with ``seed``, then
 ``train[:800]`` trains the sweep, ``train[800:1000]`` validates it, ``train[:1000]``
 trains the final run (4:1 for any ``examples``).  Without ``test/`` the task's test set
-is the rest of its training set, ``train[1000:]``, which the results state.
+is the rest of its training set, ``train[1000:]``, which the results state.  Every task's
+folders are checked (``find_tasks``, ``split_tasks``) before any task is trained, and what
+is missing is named for all of them at once.
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ import numpy as np
 
 from vitlab.data.sources import DataError, ImageFolderIndex, scan_image_folder
 
-# the 19 tasks (the names VTAB's code gives them) and the spellings accepted for each
+# the 19 tasks (the names VTAB's code gives them) and the other spellings accepted for each: the
+# paper's (Table 9: CIFAR-100, dSpr-Loc, sNORB-Azim, Clevr-Count, ...) and tensorflow_datasets'
 TASK_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     # natural
     "caltech101": ("natural", ()),
@@ -53,21 +57,29 @@ TASK_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "clevr_count": ("structured", ("clevr_count_all",)),
     "clevr_dist": ("structured", ("clevr_closest_object_distance",)),
     "dmlab": ("structured", ()),
-    "dsprites_loc": ("structured", ("dsprites_label_x_position", "dsprites_xpos")),
-    "dsprites_ori": ("structured", ("dsprites_label_orientation", "dsprites_orientation")),
+    "dsprites_loc": ("structured", ("dspr_loc", "dsprites_label_x_position", "dsprites_xpos")),
+    "dsprites_ori": ("structured", ("dspr_ori", "dsprites_label_orientation", "dsprites_orientation")),
     "kitti_dist": ("structured", ("kitti", "kitti_closest_vehicle_distance")),
-    "smallnorb_azi": ("structured", ("smallnorb_label_azimuth", "smallnorb_azimuth")),
-    "smallnorb_ele": ("structured", ("smallnorb_label_elevation", "smallnorb_elevation")),
+    "smallnorb_azi": ("structured", ("snorb_azim", "smallnorb_azim", "smallnorb_label_azimuth", "smallnorb_azimuth")),
+    "smallnorb_ele": ("structured", ("snorb_elev", "smallnorb_elev", "smallnorb_label_elevation",
+                                     "smallnorb_elevation")),
 }
 GROUPS = ("natural", "specialized", "structured")
-ALIASES = {alias: name for name, (_, aliases) in TASK_GROUPS.items() for alias in (name, *aliases)}
 SWEEP_SHARE = 0.8  # train800 of 1000
 
 
+def _spelling_key(name: str) -> str:
+    """What two spellings of a task share: its letters and digits, lower case (CIFAR-100 = cifar100)."""
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+ALIASES = {_spelling_key(alias): name for name, (_, aliases) in TASK_GROUPS.items() for alias in (name, *aliases)}
+
+
 def canonical_task(folder_name: str) -> str | None:
-    """The VTAB name of a task folder (``Oxford-Flowers102`` -> ``oxford_flowers102``), or None."""
-    key = re.sub(r"[^a-z0-9]+", "_", folder_name.lower()).strip("_")
-    return ALIASES.get(key)
+    """The VTAB name of a task folder (``Oxford-Flowers102`` -> ``oxford_flowers102``,
+    ``sNORB-Azim`` -> ``smallnorb_azi``), or None."""
+    return ALIASES.get(_spelling_key(folder_name))
 
 
 @dataclass
@@ -85,12 +97,13 @@ class Task:
 
 def find_tasks(root: str | os.PathLike, groups: Mapping[str, str] | None = None) -> list[Task]:
     """The task folders under ``root`` (sorted by group, then name).  ``groups`` gives the
-    group of folders whose names are not VTAB's ({"my_task": "natural"})."""
+    group of folders whose names are not VTAB's ({"my_task": "natural"}).  A folder
+    without the splits it needs is named, with every other such folder, in one error."""
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"--tasks {root}: not a folder (expected a folder of task folders)")
     groups = dict(groups or {})
-    tasks, unknown = [], []
+    tasks, unknown, missing = [], [], []
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         name = canonical_task(folder.name)
         group = groups.get(folder.name) or (TASK_GROUPS[name][0] if name else None)
@@ -100,15 +113,20 @@ def find_tasks(root: str | os.PathLike, groups: Mapping[str, str] | None = None)
         if group not in GROUPS:
             raise DataError(f"--group {folder.name}={group}: allowed groups are {', '.join(GROUPS)}")
         parts = {p: folder / p for p in ("train", "train800", "val200", "test") if (folder / p).is_dir()}
-        if "train" not in parts and not {"train800", "val200"} <= set(parts):
-            raise DataError(f"{folder}: expected train/ (and optionally test/), or train800/ and val200/ "
-                            "(and test/), each an ImageFolder of class folders")
+        own_splits = {"train800", "val200"} <= set(parts)
+        if "train" not in parts and not own_splits:
+            missing.append(f"{folder.name}/train/ (or {folder.name}/train800/ and val200/)")
+        elif own_splits and "test" not in parts:
+            missing.append(f"{folder.name}/test/ (beside its train800/ and val200/)")
         tasks.append(Task(name or folder.name, group, folder, parts.get("train"), parts.get("train800"),
                           parts.get("val200"), parts.get("test")))
     if unknown:
         raise DataError(f"--tasks {root}: {', '.join(unknown)}: not a VTAB task name ({', '.join(TASK_GROUPS)}); "
                         "name the folder after its task, or give its group: --group NAME=natural|specialized|"
                         "structured")
+    if missing:
+        raise DataError(f"--tasks {root}: missing {'; '.join(missing)}: each task needs train/ (and optionally "
+                        "test/), or train800/, val200/ and test/, each an ImageFolder of class folders")
     if not tasks:
         raise DataError(f"--tasks {root}: no task folders in it")
     names = [t.name for t in tasks]
@@ -116,6 +134,15 @@ def find_tasks(root: str | os.PathLike, groups: Mapping[str, str] | None = None)
     if doubled:
         raise DataError(f"--tasks {root}: more than one folder for {', '.join(doubled)}")
     return sorted(tasks, key=lambda t: (GROUPS.index(t.group), t.name))
+
+
+def select_tasks(tasks: Sequence[Task], wanted: Sequence[str], root: str | os.PathLike) -> list[Task]:
+    """The tasks of ``wanted`` (``--only``; any spelling ``canonical_task`` knows), in ``tasks``' order."""
+    keys = {canonical_task(w) or w: w for w in wanted}
+    unknown = [w for key, w in keys.items() if key not in {t.name for t in tasks}]
+    if unknown:
+        raise DataError(f"--only {', '.join(unknown)}: no such task in {root} ({', '.join(t.name for t in tasks)})")
+    return [t for t in tasks if t.name in keys]
 
 
 @dataclass
@@ -193,6 +220,21 @@ def split_task(task: Task, work: str | os.PathLike, examples: int = 1000, seed: 
         "test": _write_view(views.test, classes, test_items),
     }
     return views
+
+
+def split_tasks(tasks: Sequence[Task], out: str | os.PathLike, examples: int = 1000,
+                seed: int = 0) -> dict[str, TaskSplits]:
+    """Every task's splits (``split_task``, under ``out/<task>/splits``), written before any
+    task is trained: what is wrong with any of them is named, for all of them, in one error."""
+    splits, problems = {}, []
+    for task in tasks:
+        try:
+            splits[task.name] = split_task(task, Path(out) / task.name / "splits", examples, seed)
+        except DataError as e:
+            problems.append(str(e))
+    if problems:
+        raise DataError("; ".join(problems) + ": nothing was trained")
+    return splits
 
 
 def summarize(results: Mapping[str, Mapping[str, object]]) -> dict:

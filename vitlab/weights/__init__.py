@@ -5,6 +5,7 @@
     save_model(model, "runs/b16")                                       # safetensors + config.json
     save_model(model, "hf/b16", format="hf")                            # ViTForImageClassification dir
     save_model(model, "b16.safetensors", format="timm")                 # timm state dict + .timm.json
+    save_model(model, "hf/b16", format="hf", class_names=read_class_names("runs/b16"))  # id2label too
     model = load_model("runs/b16")
     save_official_npz(model, "b16.npz")                                 # back to vit_jax's layout
 
@@ -15,7 +16,7 @@ from .bigvision import load_big_vision
 from .bit import load_bit, save_bit_npz
 from .core import ConventionWarning, WeightsError, adapt_state_dict, infer_config, load_checked
 from .huggingface import load_huggingface, save_huggingface
-from .load import detect_format, load_model
+from .load import detect_format, load_model, read_class_names
 from .native import load_native, save_model
 from .official import load_official_npz, save_official_npz
 from .timm import load_timm, save_timm
@@ -34,6 +35,7 @@ __all__ = [
     "load_native",
     "load_official_npz",
     "load_timm",
+    "read_class_names",
     "save_bit_npz",
     "save_huggingface",
     "save_model",

@@ -16,8 +16,12 @@ The names are those ``bit_pytorch/models.py`` reads in ``ResNetV2.load_from`` an
 
 Conventions (``registry.bit_config``, bit_pytorch's): symmetric padding, weight
 standardisation ``(w - mean) / sqrt(var + 1e-10)``, GroupNorm(32) eps 1e-5, root pool
-zero-pad 1 + VALID 3x3/2 max-pool.  The architecture is read from the arrays: units per
-block, width factor (root channels / 64), input channels, classes.
+zero-pad 1 + VALID 3x3/2 max-pool.  The architecture is the one the file names
+(big_transfer's release names its files ``BiT-M-R50x1.npz``, ``BiT-S-R101x3.npz``, ...), else
+the one the arrays imply: units per block, width factor (root channels / 64), with BiT's
+7x7 root.  Input channels and classes are read from the arrays.  Every array is then
+checked against that architecture, so that a mis-shaped root is refused like a
+mis-shaped unit, in one error naming every missing, unexpected and mis-shaped key.
 """
 from __future__ import annotations
 
@@ -30,11 +34,14 @@ import numpy as np
 from torch import nn
 
 from ..config import ConfigError, Pair, ResNetConfig, replace
-from ..models.registry import bit_config
+from ..models.registry import RESNET_DEPTHS, bit_config
 from .core import StateDict, WeightsError, atomic_write, build_loaded, to_tensor, width_factor_of
 from .official import read_npz
 
 PREFIX = "resnet/"
+ROOT = PREFIX + "root_block/standardized_conv2d/kernel"
+# big_transfer's released files: BiT-M-R50x1.npz, BiT-S-R152x4.npz, BiT-M-R50x1-ILSVRC2012.npz
+FILE_NAME = re.compile(r"BiT-[SML]-(?P<model>R(?P<depth>\d+)x\d+)(?:-[\w.]+)?\.npz")
 CONV: tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]] = (
     lambda a: a.transpose(3, 2, 0, 1), lambda a: a.transpose(2, 3, 1, 0))
 NORM: tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]] = (
@@ -57,7 +64,13 @@ UNIT_MAP = [
 
 
 def is_bit(keys: Any) -> bool:
-    return PREFIX + "root_block/standardized_conv2d/kernel" in set(keys)
+    return ROOT in set(keys)
+
+
+def named_model(file_name: str | os.PathLike) -> str | None:
+    """The model a big_transfer file name names (``BiT-M-R50x1.npz`` -> ``R50x1``), or None."""
+    match = FILE_NAME.fullmatch(Path(file_name).name)
+    return match["model"] if match and int(match["depth"]) in RESNET_DEPTHS else None
 
 
 def key_map(layers: tuple[int, ...]) -> list[tuple[str, str, Any]]:
@@ -80,29 +93,42 @@ def _layers(names: Any) -> tuple[int, ...]:
         layers.append(units)
 
 
-def from_bit(arrays: Mapping[str, Any], **fields: Any) -> tuple[StateDict, ResNetConfig]:
-    """big_transfer arrays -> (vitlab state dict, ResNetConfig with bit_pytorch's conventions)."""
+def from_bit(arrays: Mapping[str, Any], named: str | None = None,
+             **fields: Any) -> tuple[StateDict, ResNetConfig]:
+    """big_transfer arrays -> (vitlab state dict, ResNetConfig with bit_pytorch's conventions).
+
+    ``named``: the model the file names (``R50x1``); without it, the one the arrays imply.
+    The config is never read off a single array's shape where BiT fixes it (the 7x7 root),
+    so that ``check_state_dict`` holds every array against it.
+    """
     arrays = {k: np.asarray(v) for k, v in arrays.items()}
     if not is_bit(arrays):
-        raise WeightsError(f"not a big_transfer BiT checkpoint: no '{PREFIX}root_block/standardized_conv2d/kernel'")
-    layers = _layers(arrays)
+        raise WeightsError(f"not a big_transfer BiT checkpoint: no '{ROOT}'")
     out: StateDict = {}
     used = set()
+    layers = _layers(arrays)
     for theirs, ours, (to_torch, _) in key_map(layers):
         if theirs in arrays:
-            out[ours] = to_tensor(np.ascontiguousarray(to_torch(arrays[theirs])))
+            try:
+                out[ours] = to_tensor(np.ascontiguousarray(to_torch(arrays[theirs])))
+            except ValueError:  # not a 4-d kernel: kept as it is, and reported as mis-shaped
+                out[ours] = to_tensor(arrays[theirs])
             used.add(theirs)
     out.update({k: to_tensor(v) for k, v in arrays.items() if k not in used})  # reported as unexpected
-    root = arrays[PREFIX + "root_block/standardized_conv2d/kernel"]  # (7, 7, in, 64 * wf)
+    root = arrays[ROOT]  # (7, 7, in, 64 * wf)
+    if root.ndim != 4:
+        raise WeightsError(f"{ROOT} has shape {root.shape}; big_transfer's root kernel is (7, 7, in, 64 * width)")
     head = arrays.get(PREFIX + "head/conv2d/kernel")
-    units = 3 * sum(layers) + 2
-    wf = width_factor_of(root.shape[-1])
-    base = bit_config(f"R50x{wf}") if isinstance(wf, int) else bit_config("R50x1")
+    if named is not None:
+        base = bit_config(named)
+    else:
+        wf = width_factor_of(root.shape[-1])
+        base = bit_config(f"R50x{wf}") if isinstance(wf, int) else bit_config("R50x1")
+        base = replace(base, layers=layers, width_factor=wf, name=f"BiT-R{3 * sum(layers) + 2}x{wf}")
     try:
-        cfg = replace(base, layers=layers, width_factor=wf, in_chans=root.shape[2], root_kernel=root.shape[0],
-                      num_classes=head.shape[-1] if head is not None else 0, name=f"BiT-R{units}x{wf}", **fields)
+        cfg = replace(base, in_chans=root.shape[2], num_classes=head.shape[-1] if head is not None else 0, **fields)
     except ConfigError as e:
-        raise WeightsError(f"the BiT architecture read from the arrays (blocks {layers}, root {root.shape}) "
+        raise WeightsError(f"the BiT architecture {base.name} (blocks {base.layers}, root {root.shape}) "
                            f"with the fields given is not valid: {e}") from e
     return out, cfg
 
@@ -114,13 +140,15 @@ def load_bit(source: str | os.PathLike | Mapping[str, Any], img_size: Pair | int
 
     ``num_classes`` different from the checkpoint's gives a zero head (BiT's fine-tuning
     set-up); ``img_size`` only sets the config (a ResNet takes any size); ``overrides``
-    are ResNetConfig fields; ``file_name`` names arrays already read in errors.
+    are ResNetConfig fields; ``file_name`` names arrays already read in errors.  A file
+    named as big_transfer names its files (``BiT-M-R50x1.npz``) must hold that model.
     """
     arrays = read_npz(source) if isinstance(source, (str, os.PathLike)) else source
-    state_dict, cfg = from_bit(arrays, **overrides)
+    file_name = source if isinstance(source, (str, os.PathLike)) else file_name
+    named = named_model(file_name) if file_name is not None else None
+    state_dict, cfg = from_bit(arrays, named, **overrides)
     if num_classes is not None and cfg.num_classes == 0 and num_classes > 0:
         cfg = replace(cfg, num_classes=num_classes)  # a headless file given a head: fresh zeros
-    file_name = source if isinstance(source, (str, os.PathLike)) else file_name
     where = f"the BiT checkpoint {file_name}" if file_name is not None else "the BiT checkpoint"
     return build_loaded(state_dict, cfg, img_size=img_size, num_classes=num_classes, source=where)
 

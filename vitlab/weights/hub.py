@@ -14,16 +14,27 @@ is downloaded into that cache with ``huggingface_hub`` (the optional ``hub`` ext
 ``HF_HUB_OFFLINE`` is set: ``config.json`` and one weights file, safetensors when the
 repository has it.  The snapshot folder is then an ordinary Hugging Face folder, which
 ``load_model`` reads by its ``config.json``.
+
+Before downloading, one request asks the Hub for ``config.json``'s metadata, with a short
+timeout and no retries: with no network, huggingface_hub's own download retries a refused
+connection for some 25 s, a warning line per try, before it fails.  Its log lines are
+held back while vitlab downloads (its logger's level is restored afterwards).
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
 from pathlib import Path
+from typing import Any, Iterator
 
 from .core import WeightsError
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# seconds the Hub has to answer the first request before the name is refused (``HF_HUB_ETAG_TIMEOUT``
+# when set): a live Hub answers a HEAD in well under a second
+REACH_TIMEOUT_S = 3.0
 # org/name with the Hub's characters, an optional @revision (branch, tag or commit)
 _HUB_NAME = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
 
@@ -71,6 +82,25 @@ def cached_snapshot(repo_id: str, revision: str = "main", cache_dir: Path | None
     return snapshot if _has_weights(snapshot) else None
 
 
+@contextlib.contextmanager
+def _hub_logs_held_back() -> Iterator[None]:
+    """huggingface_hub's warnings (a line per retry) not printed; its logger as it was afterwards."""
+    logger = logging.getLogger("huggingface_hub")
+    level = logger.level
+    logger.setLevel(logging.ERROR + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _reach(hub: Any, repo_id: str, revision: str) -> None:
+    """One request for ``config.json``'s metadata, no retries: raises at once when the Hub
+    cannot be reached, or holds no such repository, revision or file."""
+    timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or REACH_TIMEOUT_S)
+    hub.get_hf_file_metadata(hub.hf_hub_url(repo_id, "config.json", revision=revision), timeout=timeout)
+
+
 def download_snapshot(repo_id: str, revision: str = "main", cache_dir: Path | None = None) -> Path:
     """Download ``config.json`` and one weights file of ``repo_id`` into the cache; the snapshot folder."""
     from vitlab.extras import require
@@ -82,14 +112,16 @@ def download_snapshot(repo_id: str, revision: str = "main", cache_dir: Path | No
         return Path(hub.hf_hub_download(repo_id, filename, revision=revision, cache_dir=str(cache_dir)))
 
     try:
-        config = fetch("config.json")
-        for i, name in enumerate(WEIGHT_FILES):
-            try:
-                fetch(name)
-                break
-            except Exception as err:  # the repository lacks this file: try the next format
-                if i == len(WEIGHT_FILES) - 1 or "EntryNotFound" not in type(err).__name__:
-                    raise
+        with _hub_logs_held_back():
+            _reach(hub, repo_id, revision)
+            config = fetch("config.json")
+            for i, name in enumerate(WEIGHT_FILES):
+                try:
+                    fetch(name)
+                    break
+                except Exception as err:  # the repository lacks this file: try the next format
+                    if i == len(WEIGHT_FILES) - 1 or "EntryNotFound" not in type(err).__name__:
+                        raise
     except Exception as err:  # no network, no such repository or revision, refused access
         reason = f"{type(err).__name__}: {str(err).splitlines()[0]}" if str(err) else type(err).__name__
         raise WeightsError(f"{repo_id}@{revision}: no such file or folder, nor a model in the Hugging Face cache "

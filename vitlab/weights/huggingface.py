@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import safetensors.torch
 import torch
@@ -51,6 +51,7 @@ from torch import nn
 from ..config import Pair, ViTConfig
 from .core import (StateDict, WeightsError, atomic_write, build_loaded, infer_config, require_plain_vit, to_tensor,
                    warn_conventions)
+from .labels import check_class_names, id2label, label2id
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-12, "posemb_resample": "bicubic"}
 
@@ -169,8 +170,13 @@ def _pair_or_int(pair: tuple[int, int]) -> int | list[int]:
     return pair[0] if pair[0] == pair[1] else list(pair)
 
 
-def to_huggingface(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(state dict with HF hub names, config.json dict) of a vitlab ViT for ViTForImageClassification."""
+def to_huggingface(model: nn.Module, class_names: Sequence[str] | None = None
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(state dict with HF hub names, config.json dict) of a vitlab ViT for ViTForImageClassification.
+
+    ``class_names`` become ``id2label`` and ``label2id``; without them, Hugging Face's
+    placeholders ``LABEL_0``, ``LABEL_1``, ...
+    """
     cfg = require_plain_vit(model.cfg, "Hugging Face ViTForImageClassification", hybrid=False)
     reasons = []
     if cfg.classifier != "token":
@@ -197,7 +203,10 @@ def to_huggingface(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
             out[hf] = sd.pop(ours).clone()
     if sd:
         raise WeightsError(f"no Hugging Face name for: {', '.join(sorted(sd))}")
-    labels = {str(i): f"LABEL_{i}" for i in range(cfg.num_classes)}
+    if class_names is not None:
+        names = check_class_names(class_names, cfg.num_classes, "class_names")
+    else:
+        names = [f"LABEL_{i}" for i in range(cfg.num_classes)]
     config = {
         "architectures": ["ViTForImageClassification"], "model_type": "vit",
         "hidden_size": cfg.width, "num_hidden_layers": cfg.depth, "num_attention_heads": cfg.num_heads,
@@ -205,7 +214,7 @@ def to_huggingface(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
         "image_size": _pair_or_int(cfg.img_size), "patch_size": _pair_or_int(cfg.patch_size),
         "num_channels": cfg.in_chans, "qkv_bias": cfg.qkv_bias, "encoder_stride": cfg.patch_size[0],
         "hidden_dropout_prob": cfg.dropout, "attention_probs_dropout_prob": cfg.attention_dropout,
-        "initializer_range": 0.02, "id2label": labels, "label2id": {v: int(k) for k, v in labels.items()},
+        "initializer_range": 0.02, "id2label": id2label(names), "label2id": label2id(names),
     }
     if cfg.posemb_resample != "bicubic":
         warn_conventions([f"posemb_resample: the model resamples position embeddings {cfg.posemb_resample!r}, "
@@ -214,9 +223,9 @@ def to_huggingface(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
     return out, config
 
 
-def save_huggingface(model: nn.Module, path: str | os.PathLike) -> Path:
+def save_huggingface(model: nn.Module, path: str | os.PathLike, class_names: Sequence[str] | None = None) -> Path:
     """Write ``path/config.json`` and ``path/model.safetensors`` for ``ViTForImageClassification.from_pretrained``."""
-    tensors, config = to_huggingface(model)
+    tensors, config = to_huggingface(model, class_names)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     data = safetensors.torch.save(tensors, metadata={"format": "pt"})

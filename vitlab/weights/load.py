@@ -40,6 +40,7 @@ from .bigvision import is_big_vision, load_big_vision
 from .bit import is_bit, load_bit
 from .hub import resolve_hub_name
 from .huggingface import is_huggingface, load_huggingface
+from .labels import CLASSES_KEY, CLASSES_NAME, names_from_id2label, names_from_json
 from .native import CONFIG_KEY, CONFIG_NAME, is_native, load_native, read_safetensors, read_safetensors_metadata
 from .official import KNOWN_PREFIXES, load_official_npz, read_npz
 from .timm import is_timm, load_timm
@@ -204,3 +205,48 @@ def load_model(source: str | os.PathLike | Mapping[str, Any], name: str | None =
             raise FileNotFoundError(f"no such file or directory: {path}")
         path = snapshot
     return _load_dir(path, **kw) if path.is_dir() else _load_file(path, **kw)
+
+
+def _names_in_file(path: Path) -> list[str] | None:
+    """The class names a weights file carries itself: a vitlab file's metadata, a timm export's sidecar."""
+    if path.suffix.lower() == ".safetensors":
+        metadata = read_safetensors_metadata(path)
+        if CLASSES_KEY in metadata:
+            return names_from_json(metadata[CLASSES_KEY], f"the {CLASSES_KEY} metadata of {path}")
+    sidecar = timm_sidecar(path)
+    if sidecar.is_file():
+        names = (_read_json(sidecar).get("pretrained_cfg_overlay") or {}).get("label_names")
+        if names is not None:
+            return names_from_json(json.dumps(names), f"label_names in {sidecar}")
+    return None
+
+
+def read_class_names(source: str | os.PathLike) -> list[str] | None:
+    """The class names kept with the weights at ``source`` (a file, a folder, or a Hugging
+    Face Hub name), or None where there are none (see ``labels`` for where each format keeps them).
+
+    In order: the weights file's own (a vitlab ``.safetensors``' metadata, a timm export's
+    ``label_names``), ``classes.json`` beside it (a training run's), the ``id2label`` of a
+    Hugging Face ``config.json`` beside it, the metadata of a folder's ``model.safetensors``.
+    """
+    path = Path(source)
+    if not path.exists():
+        path = resolve_hub_name(str(source)) or path  # a Hub name: its snapshot folder
+        if not path.exists():
+            return None
+    folder = path if path.is_dir() else path.parent
+    if path.is_file():
+        own = _names_in_file(path)
+        if own is not None:
+            return own
+    classes = folder / CLASSES_NAME
+    if classes.is_file():
+        return names_from_json(classes.read_text(errors="replace"), str(classes))
+    config = folder / CONFIG_NAME
+    if config.is_file():
+        names = names_from_id2label(_read_json(config).get("id2label"))
+        if names:
+            return names
+    if path.is_dir() and (path / HF_WEIGHTS[0]).is_file():
+        return _names_in_file(path / HF_WEIGHTS[0])
+    return None

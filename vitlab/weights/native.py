@@ -13,7 +13,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import safetensors
 import safetensors.torch
@@ -22,6 +22,7 @@ from torch import nn
 
 from ..config import Architecture, ConfigError, Pair, ResNetConfig, config_from_json, config_to_json, replace
 from .core import WeightsError, atomic_write, build_loaded
+from .labels import CLASSES_KEY, CLASSES_NAME, check_class_names
 
 CONFIG_KEY = "vitlab_config"
 # sha256 of the config text and every tensor byte: safetensors itself has no checksum, so
@@ -34,7 +35,8 @@ CONFIG_NAME = "config.json"
 FORMATS = ("vitlab", "official", "hf", "timm")
 
 
-def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab") -> Path:
+def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab",
+               class_names: Sequence[str] | None = None) -> Path:
     """Save ``model`` (any vitlab model, which carries ``.cfg``) and return the weights file.
 
     format="vitlab": ``path`` ending in ``.safetensors`` is the file; any other path is a
@@ -44,12 +46,17 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
     format="timm": timm's state dict (+ ``<stem>.timm.json``, the ``create_model`` arguments).
     Exports to libraries with other numerical conventions carry the conventions where the
     library takes them, and warn (``ConventionWarning``) where it cannot.
+    ``class_names`` (one per class) go where the format has a place for them (``labels``):
+    the vitlab file's metadata and a directory's ``classes.json``, Hugging Face's
+    ``id2label``, timm's ``label_names``; a vit_jax ``.npz`` has none.
     """
     cfg = getattr(model, "cfg", None)
     if cfg is None:
         raise TypeError(f"{type(model).__name__} has no .cfg: only vitlab models can be saved with their config")
     if format not in FORMATS:
         raise WeightsError(f"format={format!r}: allowed values are {', '.join(map(repr, FORMATS))}")
+    if class_names is not None:
+        class_names = check_class_names(class_names, cfg.num_classes, "class_names")
     if format == "official":
         if isinstance(cfg, ResNetConfig):
             from .bit import save_bit_npz
@@ -61,21 +68,23 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
     if format == "hf":
         from .huggingface import save_huggingface
 
-        return save_huggingface(model, path)
+        return save_huggingface(model, path, class_names)
     if format == "timm":
         from .timm import save_timm
 
-        return save_timm(model, path)
+        return save_timm(model, path, class_names)
     text = config_to_json(cfg)
     # clone: safetensors refuses tensors that share memory, and must not see views
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    data = _with_checksum(tensors, text)
+    data = _with_checksum(tensors, text, {CLASSES_KEY: json.dumps(class_names)} if class_names else {})
     path = Path(path)
     if path.suffix == ".safetensors":
         return atomic_write(path, lambda f: f.write(data))
     path.mkdir(parents=True, exist_ok=True)
     weights = atomic_write(path / WEIGHTS_NAME, lambda f: f.write(data))
     atomic_write(path / CONFIG_NAME, lambda f: f.write(text.encode()))
+    if class_names:  # where a training run keeps them, and `vitlab predict` looks
+        atomic_write(path / CLASSES_NAME, lambda f: f.write(json.dumps(class_names).encode()))
     return weights
 
 
@@ -91,11 +100,12 @@ def _digest(config_text: str, body: bytes | memoryview) -> str:
     return h.hexdigest()
 
 
-def _with_checksum(tensors: dict[str, torch.Tensor], text: str) -> bytes:
+def _with_checksum(tensors: dict[str, torch.Tensor], text: str, extra: dict[str, str] | None = None) -> bytes:
     # the tensor bytes do not depend on the metadata, so serialise, hash, then serialise again
     first = safetensors.torch.save(tensors, metadata={CONFIG_KEY: text})
     body = memoryview(first)[_data_offset(first):]
-    data = safetensors.torch.save(tensors, metadata={CONFIG_KEY: text, CHECKSUM_KEY: _digest(text, body)})
+    metadata = {**(extra or {}), CONFIG_KEY: text, CHECKSUM_KEY: _digest(text, body)}
+    data = safetensors.torch.save(tensors, metadata=metadata)
     assert memoryview(data)[_data_offset(data):] == body
     return data
 

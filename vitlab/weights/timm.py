@@ -55,7 +55,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import safetensors.torch
 import torch
@@ -65,6 +65,7 @@ from ..config import Pair, ViTConfig, to_pair
 from ..models.registry import VIT_SIZES
 from .core import (StateDict, WeightsError, atomic_write, build_loaded, convention_differences, infer_config,
                    require_plain_vit, to_tensor, warn_conventions)
+from .labels import check_class_names
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-6, "posemb_resample": "bicubic"}
 
@@ -245,8 +246,13 @@ def timm_model_name(cfg: ViTConfig) -> tuple[str | None, str | None]:
                     "and the pretrained_cfg_overlay")
 
 
-def to_timm(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(timm state dict, {"model_name", "kwargs", "notes"}) of a vitlab ViT."""
+def to_timm(model: nn.Module, class_names: Sequence[str] | None = None
+            ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(timm state dict, {"model_name", "kwargs", "pretrained_cfg_overlay", "notes"}) of a vitlab ViT.
+
+    ``class_names`` go into the overlay as ``label_names``, the field of timm's
+    ``PretrainedCfg`` that names the classes.
+    """
     cfg = require_plain_vit(model.cfg, "timm's VisionTransformer")
     reasons = []
     if cfg.representation_size is not None:
@@ -297,6 +303,8 @@ def to_timm(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     # pretrained_cfg (ImageNet mean and std for some) would otherwise replace in timm's data config
     overlay = {"num_classes": cfg.num_classes, "input_size": [cfg.in_chans, *cfg.img_size],
                "mean": [0.5] * cfg.in_chans, "std": [0.5] * cfg.in_chans}
+    if class_names is not None:
+        overlay["label_names"] = check_class_names(class_names, cfg.num_classes, "class_names")
     name, why = timm_model_name(cfg)
     if why is not None:
         notes.append(why)
@@ -309,10 +317,10 @@ def sidecar_path(path: str | os.PathLike) -> Path:
     return path.with_name(path.stem + ".timm.json")
 
 
-def save_timm(model: nn.Module, path: str | os.PathLike) -> Path:
+def save_timm(model: nn.Module, path: str | os.PathLike, class_names: Sequence[str] | None = None) -> Path:
     """Write timm's state dict to ``path`` (.safetensors, or a torch file for .pth/.bin) and
     ``<stem>.timm.json`` beside it; both atomically.  A directory gets ``model.safetensors``."""
-    tensors, spec = to_timm(model)
+    tensors, spec = to_timm(model, class_names)
     path = Path(path)
     if path.suffix not in (".safetensors", ".pth", ".bin", ".pt"):
         path.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,100 @@
+"""A run's class names travel into every export that has a place for them, and `vitlab predict`
+on the export prints them (not Hugging Face's LABEL_0 placeholders)."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import vitlab
+from vitlab.cli import main
+from vitlab.weights import WeightsError, read_class_names, save_model
+
+NAMES = ["tabby cat", "golden retriever", "goldfish"]
+pytestmark = pytest.mark.filterwarnings("ignore::vitlab.weights.ConventionWarning")
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A training run's folder as `vitlab train` leaves it: model.safetensors and classes.json."""
+    torch.manual_seed(0)
+    model = vitlab.create_model("ViT-Ti/16", img_size=16, patch_size=8, width=16, depth=1, num_heads=2, mlp_dim=32,
+                                num_classes=3)
+    with torch.no_grad():  # a zero head would tie every class
+        for p in model.parameters():
+            p.normal_(std=0.3)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    save_model(model, folder / "model.safetensors")
+    (folder / "classes.json").write_text(json.dumps(NAMES))
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(tmp_path / "x.png")
+    return folder
+
+
+def predicted(checkpoint, image, capsys) -> list[str]:
+    """The class names `vitlab predict` prints for one image, best first."""
+    assert main(["predict", "--checkpoint", str(checkpoint), str(image), "--json", "--no-fast"]) == 0
+    return [t["class"] for t in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["top"]]
+
+
+def test_convert_to_hf_writes_the_runs_names_and_predict_prints_them(run, tmp_path, capsys):
+    assert main(["convert", str(run), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    capsys.readouterr()
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["id2label"] == {"0": "tabby cat", "1": "golden retriever", "2": "goldfish"}
+    assert config["label2id"] == {"tabby cat": 0, "golden retriever": 1, "goldfish": 2}
+    own = predicted(run, tmp_path / "x.png", capsys)
+    assert sorted(own) == sorted(NAMES)
+    assert predicted(tmp_path / "hf", tmp_path / "x.png", capsys) == own
+
+
+def test_transformers_reads_the_names_of_the_hf_export(run, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    assert main(["convert", str(run), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    hf = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf")
+    assert [hf.config.id2label[i] for i in range(3)] == NAMES and hf.config.label2id["goldfish"] == 2
+
+
+@pytest.mark.parametrize("fmt, out", [("vitlab", "v"), ("vitlab", "v.safetensors"), ("timm", "t.safetensors"),
+                                      ("timm", "t.pth")])
+def test_every_layout_with_a_place_carries_the_names(run, tmp_path, capsys, fmt, out):
+    (tmp_path / out).parent.mkdir(exist_ok=True)
+    assert main(["convert", str(run), str(tmp_path / out), "--to", fmt]) == 0
+    capsys.readouterr()
+    assert read_class_names(tmp_path / out) == NAMES
+    assert sorted(predicted(tmp_path / out, tmp_path / "x.png", capsys)) == sorted(NAMES)
+    if fmt == "timm":
+        sidecar = json.loads((tmp_path / (out.split(".")[0] + ".timm.json")).read_text())
+        assert sidecar["pretrained_cfg_overlay"]["label_names"] == NAMES  # timm's PretrainedCfg field
+
+
+def test_an_npz_has_no_place_and_says_so(run, tmp_path, capsys):
+    assert main(["convert", str(run), str(tmp_path / "o.npz"), "--to", "official"]) == 0
+    assert "class names are not written" in capsys.readouterr().out
+
+
+def test_a_new_head_drops_the_names_and_a_mismatch_is_refused(run, tmp_path, capsys):
+    assert main(["convert", str(run), str(tmp_path / "hf"), "--to", "hf", "--num-classes", "5"]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["id2label"] == {str(i): f"LABEL_{i}" for i in range(5)}
+    (run / "classes.json").write_text(json.dumps(NAMES[:2]))
+    assert main(["convert", str(run), str(tmp_path / "hf2"), "--to", "hf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "2 class names" in err and "3 classes" in err
+    with pytest.raises(WeightsError, match="2 class names for a model of 3 classes"):
+        save_model(vitlab.load_model(run), tmp_path / "v", class_names=NAMES[:2])
+
+
+def test_export_onnx_and_torch_export_carry_the_names(run, tmp_path, capsys):
+    from vitlab.export import program_class_names
+
+    assert main(["export", str(run), "--format", "torch-export", "--out", str(tmp_path / "m.pt2")]) == 0
+    assert program_class_names(tmp_path / "m.pt2") == NAMES
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    assert main(["export", str(run), "--format", "onnx", "--out", str(tmp_path / "m.onnx")]) == 0
+    meta = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).get_modelmeta()
+    assert json.loads(meta.custom_metadata_map["id2label"]) == {"0": "tabby cat", "1": "golden retriever",
+                                                                "2": "goldfish"}
+    assert json.loads(meta.custom_metadata_map["label2id"])["goldfish"] == 2

@@ -1,0 +1,66 @@
+"""Class names: where a run keeps them, and where each export format has a place for them.
+
+A training run writes ``classes.json`` beside its weights: a JSON list, class id -> name.
+Exports carry the names wherever the target format has a place for them, so that the
+target's own tools (and ``vitlab predict``) print names, not ids:
+
+    format                                  place
+    vitlab directory (save_model)           classes.json beside model.safetensors, and as below
+    vitlab .safetensors                     the file's metadata "vitlab_classes" (a JSON list)
+    Hugging Face (format="hf")              config.json's id2label and label2id
+    timm (format="timm")                    label_names in the .timm.json's pretrained_cfg_overlay
+    ONNX (vitlab.export.export_onnx)        the model's metadata_props id2label and label2id
+    torch.export (export_program)           id2label.json and label2id.json, extra files of the .pt2
+    vit_jax or big_transfer .npz            none: those files hold arrays only
+
+``load.read_class_names`` reads them back from a file or folder of weights.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from .core import WeightsError
+
+CLASSES_NAME = "classes.json"
+CLASSES_KEY = "vitlab_classes"
+
+
+def check_class_names(names: Any, num_classes: int, where: str) -> list[str]:
+    """``names`` as a list of ``num_classes`` strings, else a one-line ``WeightsError`` naming ``where``."""
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise WeightsError(f"{where}: expected a list of class names (strings), one per class of the model")
+    if len(names) != num_classes:
+        raise WeightsError(f"{where}: {len(names)} class names for a model of {num_classes} classes")
+    return list(names)
+
+
+def id2label(names: Sequence[str]) -> dict[str, str]:
+    """Hugging Face's ``id2label``: the class id as a string -> its name."""
+    return {str(i): name for i, name in enumerate(names)}
+
+
+def label2id(names: Sequence[str]) -> dict[str, int]:
+    """Hugging Face's ``label2id``: a name -> its class id."""
+    return {name: i for i, name in enumerate(names)}
+
+
+def names_from_id2label(mapping: Any) -> list[str] | None:
+    """The names of an ``id2label`` mapping whose ids are 0..K-1 (strings or ints), else None."""
+    if not isinstance(mapping, dict) or not mapping:
+        return None
+    by_id = {str(k): v for k, v in mapping.items()}
+    if set(by_id) != {str(i) for i in range(len(by_id))}:
+        return None
+    return [str(by_id[str(i)]) for i in range(len(by_id))]
+
+
+def names_from_json(text: str, where: str) -> list[str]:
+    """The list of class names a JSON text holds (``classes.json``, metadata), or a one-line error."""
+    try:
+        names = json.loads(text)
+    except ValueError as e:
+        raise WeightsError(f"{where}: not valid JSON: {e}") from e
+    if not isinstance(names, list) or not all(isinstance(n, (str, int, float)) for n in names):
+        raise WeightsError(f"{where}: expected a JSON list of class names")
+    return [str(n) for n in names]

@@ -43,11 +43,19 @@ def test_eval_uses_the_run_split(run_dir, capsys):
     assert set(out["per_class_accuracy"]) == {str(i) for i in range(10)}
 
 
-def test_eval_whole_set_short_json(run_dir, capsys):
-    assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", "digits",
-                 "--val-split", "0"]) == 0
-    out = last_json(capsys)
-    assert set(out) == {"top1", "top5", "n", "flip", "shift"} and out["n"] == 1797 and out["flip"] is False
+def test_eval_prints_json_only_when_asked(run_dir, capsys):
+    base = ["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", "digits", "--val-split", "0"]
+    assert main(base) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    assert [line.split(" ", 1)[0] for line in lines] == ["top-1", "weakest"]  # the summary to read, no JSON
+    assert "1797 images, all examples" in captured.err
+    assert main(base + ["--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1  # the JSON line alone
+    out = json.loads(lines[0])
+    assert out["n"] == 1797 and out["flip"] is False and out["skipped_images"] == 0
+    assert out["top1"] == pytest.approx(float(captured.out.split()[1].rstrip("%")) / 100, abs=5e-5)
 
 
 def test_eval_flip_scores_the_mirrored_pair(run_dir, capsys):
@@ -57,7 +65,7 @@ def test_eval_flip_scores_the_mirrored_pair(run_dir, capsys):
     from vitlab.eval.features import predict_logits
 
     assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", "digits",
-                 "--val-split", "0", "--flip"]) == 0
+                 "--val-split", "0", "--flip", "--json"]) == 0
     out = last_json(capsys)
     model = weights.load_model(run_dir / "model.safetensors")
     data = load_digits_dataset(16)
@@ -71,7 +79,8 @@ def test_eval_shift_adds_translated_views_and_refuses_impossible_shifts(run_dir,
     from vitlab.eval.features import predict_logits
 
     ckpt = str(run_dir / "model.safetensors")
-    assert main(["eval", "--checkpoint", ckpt, "--data", "digits", "--val-split", "0", "--flip", "--shift", "2"]) == 0
+    assert main(["eval", "--checkpoint", ckpt, "--data", "digits", "--val-split", "0", "--flip", "--shift", "2",
+                 "--json"]) == 0
     out = last_json(capsys)
     model = weights.load_model(run_dir / "model.safetensors")
     data = load_digits_dataset(16)
@@ -110,7 +119,7 @@ def test_eval_runs_the_evaluator_the_trainer_runs(run_dir, capsys, monkeypatch):
     original = Evaluator.run
     monkeypatch.setattr(Evaluator, "run", lambda self, model: runs.append(self) or original(self, model))
     assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", "digits",
-                 "--val-split", "0"]) == 0
+                 "--val-split", "0", "--json"]) == 0
     out = last_json(capsys)
     assert len(runs) == 1 and runs[0].labels.shape[0] == out["n"] == 1797
 
@@ -122,7 +131,7 @@ def test_eval_and_predict_optimize_unless_no_fast(run_dir, capsys, monkeypatch):
     original = fast.optimize
     monkeypatch.setattr(fast, "optimize", lambda model, **kw: optimized.append(1) or original(model, **kw))
     ckpt = str(run_dir / "model.safetensors")
-    base = ["eval", "--checkpoint", ckpt, "--data", "digits", "--val-split", "0"]
+    base = ["eval", "--checkpoint", ckpt, "--data", "digits", "--val-split", "0", "--json"]
     assert main(base) == 0
     fast_top1 = last_json(capsys)["top1"]
     assert main(base + ["--no-fast"]) == 0
@@ -152,3 +161,13 @@ def test_predict_on_a_file_that_is_no_image_is_one_line_naming_it(tmp_path, caps
 
     with pytest.raises(DataError, match="notanimage.jpg"):  # --debug shows the traceback instead
         main(["--debug", "predict", "--checkpoint", str(weights), str(fake)])
+
+
+def test_fewshot_prints_its_table_and_json_only_when_asked(run_dir, capsys):
+    base = ["fewshot", str(run_dir / "model.safetensors"), "--shots", "1", "--seeds", "1", "--feature-cache", "none"]
+    assert main(base) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[0] == "shots" and lines[1].split()[0] == "1" and len(lines) == 2  # no JSON line
+    assert main(base + ["--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and set(json.loads(lines[0])["fewshot"]) == {"1"}

@@ -73,8 +73,35 @@ def test_fewshot_reads_a_brace_pattern(data, tmp_path, capsys):
     _, shards, run = data
     assert main(["fewshot", str(run / "model.safetensors"), "--data", str(shards / "shard-{000000..000004}.tar"),
                  "--val-split", "9", "--shots", "1", "2", "--seeds", "2", "--holdout-per-class", "2",
-                 "--feature-cache", "none", "--cache-dir", str(tmp_path)]) == 0
-    out = last_json(capsys)
-    assert set(out) == {"1shot", "2shot"} and all(0.0 <= v <= 1.0 for v in out.values())
+                 "--feature-cache", "none", "--cache-dir", str(tmp_path), "--json"]) == 0
+    out = last_json(capsys)["fewshot"]
+    assert set(out) == {"1", "2"} and all(0.0 <= v["mean"] <= 1.0 for v in out.values())
     assert main(["eval", "--checkpoint", str(run / "model.safetensors"), "--data", str(shards / "nothing-*.tar")]) == 2
     assert "the pattern matches no file" in capsys.readouterr().err
+
+
+def test_eval_and_fewshot_name_and_count_a_cut_shard(data, tmp_path, capsys, caplog):
+    import shutil
+
+    from vitlab.data.shards import read_shard
+
+    _, shards, run = data
+    bad = tmp_path / "shards_bad"
+    shutil.copytree(shards, bad)
+    cut = bad / "shard-000001.tar"
+    cut.write_bytes(cut.read_bytes()[:3000])
+    lost = 6 - sum(1 for _ in read_shard(cut, []))
+    assert lost > 0
+    ckpt = str(run / "model.safetensors")
+    assert main(["eval", "--checkpoint", ckpt, "--data", str(bad), "--val-split", "0", "--json",
+                 "--cache-dir", str(tmp_path / "cache")]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["n"] == 30 - lost and out["skipped_images"] == lost
+    assert f"{cut}: {lost} of its 6 images could not be read" in caplog.text  # a warning
+    assert f"{30 - lost} images, all examples; {lost} unreadable image(s) left out" in captured.err
+    caplog.clear()
+    assert main(["fewshot", ckpt, "--data", str(bad), "--val-split", "9", "--shots", "1", "--seeds", "1",
+                 "--holdout-per-class", "2", "--feature-cache", "none", "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert f"{cut}: {lost} of its 6 images could not be read" in caplog.text  # from the cache: named all the same
+    assert f"{lost} unreadable image(s) left out" in capsys.readouterr().err

@@ -158,7 +158,7 @@ def test_vtab_end_to_end(tasks, tiny_checkpoint, tmp_path, capsys):
     for name, r in tasks_.items():
         assert set(r["val_top1"]) == {"0.003", "0.03"}
         assert r["lr"] == float(max(r["val_top1"], key=r["val_top1"].get))  # the best on its 200 (here 4)
-        assert 0.0 <= r["test_top1"] <= 1.0 and r["classes"] == 3
+        assert 0.0 <= r["test_top1"] <= 1.0 and r["classes"] == 3 and r["skipped_images"] == 0
     assert (tasks_["cifar100"]["test_split"], tasks_["cifar100"]["test_examples"]) == ("test/", 9)
     assert (tasks_["eurosat"]["test_split"], tasks_["eurosat"]["test_examples"]) == ("train[20:]", 10)
     assert tasks_["dsprites_loc"]["train_examples"] == 3 * (5 + 2)  # train800/ + val200/ as given
@@ -184,5 +184,20 @@ def test_a_view_is_scored_with_the_configs_own_decode_workers(tasks, tiny_checkp
 
     cfg = with_changes(TrainConfig(), {"data.cache_dir": str(tmp_path / "cache")})
     assert cfg.data.decode_workers == "auto"
-    top1, n = evaluate_on(tiny_checkpoint, tasks / "cifar100" / "test", cfg, "cpu", "fp32")
+    top1, n, _ = evaluate_on(tiny_checkpoint, tasks / "cifar100" / "test", cfg, "cpu", "fp32")
     assert n == 9 and 0.0 <= top1 <= 1.0
+
+
+def test_an_unreadable_test_image_is_counted_in_the_tasks_result(tasks, tiny_checkpoint, tmp_path):
+    import shutil
+
+    from vitlab.cli.vtab import evaluate_on
+    from vitlab.train.config import TrainConfig
+    from vitlab.train.overrides import with_changes
+
+    test = tmp_path / "test"
+    shutil.copytree(tasks / "cifar100" / "test", test)
+    (test / "a" / "broken.png").write_bytes(b"not a png")
+    cfg = with_changes(TrainConfig(), {"data.cache_dir": str(tmp_path / "cache"), "data.decode_workers": 0})
+    top1, n, unread = evaluate_on(tiny_checkpoint, test, cfg, "cpu", "fp32")
+    assert (n, unread) == (9, 1) and 0.0 <= top1 <= 1.0

@@ -64,6 +64,32 @@ def test_train_cli_refuses_bad_config_before_work(tmp_path, capsys):
     assert "batch_size=10" in capsys.readouterr().err
 
 
+def test_an_empty_data_folder_is_named_before_the_output_folder(tmp_path, capsys, monkeypatch):
+    from vitlab.config import ConfigError
+    from vitlab.train import train
+    from vitlab.train.checkpoint import checkpoint_path
+
+    monkeypatch.chdir(tmp_path)
+    checkpoint_path(tmp_path / "runs" / "demo" / "checkpoints", 10).parent.mkdir(parents=True)
+    checkpoint_path(tmp_path / "runs" / "demo" / "checkpoints", 10).write_bytes(b"an earlier run's")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "classes" / "cat").mkdir(parents=True)
+    (tmp_path / "classes" / "dog").mkdir()
+    (tmp_path / "classes" / "dog" / "notes.txt").write_text("no image")
+    for folder, what in (("empty", "the folder holds no data"), ("classes", "its 2 class folder(s) hold no images")):
+        assert main(["train", "--recipe", "demo", "--data", folder]) == 2  # the default --out: runs/demo
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"vitlab train: error: data.source='{folder}' (--data): {what}; it takes an ImageFolder")
+        assert len(err.splitlines()) == 1 and "checkpoints" not in err
+    assert main(["train", "--recipe", "demo", "--data", "digits", "--val-data", "empty"]) == 2
+    assert "data.val_data='empty' (--val-data): the folder holds no data" in capsys.readouterr().err
+    from vitlab.configs import load_recipe
+    from vitlab.train.overrides import with_changes
+
+    with pytest.raises(ConfigError, match="data.source='empty' .*holds no data"):  # the library: the same order
+        train(with_changes(load_recipe("demo"), {"data.source": "empty"}), verbose=False)
+
+
 def test_demo_smoke(tmp_path, capsys):
     assert main(["demo", "--steps", "5", "--out", str(tmp_path / "demo"), "--quiet"]) == 0
     out = capsys.readouterr().out

@@ -480,3 +480,24 @@ def test_a_step_reads_nothing_back_from_the_device_between_log_steps(tiny, monke
     assert summary["steps"] == 10
     assert [r for r in reads if r[0] != "log step"] == []
     assert reads  # the log steps do read: the counting sees them
+
+
+def test_the_progress_line_shows_no_loss_before_the_first_read(tiny, capsys):
+    # the loss stays on the device between records (log_every): until one is read there is none to show
+    train(tiny("progress", steps=3, log_every=3, tensorboard=False), verbose=True)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert lines[0].startswith("[") and " 1/3 loss - " in lines[0]  # the first line comes at once
+    assert re.search(r" 3/3 loss \d+\.\d{4} ", lines[-1])  # the last step is read
+
+
+def test_a_non_finite_loss_read_shows_as_such():
+    import io
+
+    from vitlab.train.metrics import Progress
+
+    stream = io.StringIO()
+    progress = Progress(stream=stream, interval_s=0.0)
+    for step, loss in enumerate((None, float("nan"), float("inf"), 2.5), 1):
+        progress.update(step, 4, loss, 100.0, 1.0)
+    assert [line.split()[2:4] for line in stream.getvalue().splitlines()] == [
+        ["loss", "-"], ["loss", "nan"], ["loss", "inf"], ["loss", "2.5000"]]

@@ -95,6 +95,26 @@ def test_streamed_set_holds_out_whole_shards_and_states_what_it_resolved(tiny, s
         open_source(str(shard_set)), 12, 4)[1].units
 
 
+def test_a_cut_shard_counts_its_lost_images_in_the_summary_streamed_or_in_memory(tiny, shard_set, tmp_path, caplog):
+    from vitlab.data.shards import read_shard
+
+    cut = shard_set / "shard-000002.tar"
+    cut.write_bytes(cut.read_bytes()[:3000])  # of its 6 samples, what precedes the cut is read
+    lost = 6 - sum(1 for _ in read_shard(cut, []))
+    assert lost > 0
+    cfg = tiny("stream", data=str(shard_set), val_split=0, steps=2, batch_size=16, ckpt_every=2,
+               **{"data.stream_workers": 2})
+    with caplog.at_level("WARNING"):
+        summary = train(cfg, verbose=False)  # one batch: each worker reads all of its four shards
+    assert summary["train_examples"] == 48 and summary["skipped_images"] == lost
+    assert f"{cut}: {lost} of its 6 images could not be read" in caplog.text
+    state = load_checkpoint(list_checkpoints(tmp_path / "stream" / "checkpoints")[-1])
+    assert [where for where, *_ in state["stream"]["unread"]] == [str(cut)]  # a resumed run goes on counting it
+    summary = train(tiny("memory", data=str(shard_set), val_split=6, steps=2, cache_dir=str(tmp_path / "cache"),
+                         **{"data.stream": "memory"}), verbose=False)
+    assert summary["skipped_images"] == lost and summary["train_examples"] + summary["val_examples"] == 48 - lost
+
+
 def test_a_separate_validation_set(tiny, shard_set, tmp_path):
     val = write_folder(tmp_path / "val", classes=3, per_class=4)
     summary = train(tiny("run", data=str(shard_set), val_split=0, steps=2, cache_dir=str(tmp_path / "cache"),

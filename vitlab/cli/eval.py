@@ -5,7 +5,8 @@
 Without ``--val-split`` the split of the checkpoint's training run is used when the
 run's ``config.json`` sits beside the checkpoint and names the same data; otherwise the
 whole data set is evaluated.  The numbers come from ``vitlab.eval.Evaluator``, the
-evaluator the trainer runs.  The last line of output is JSON.
+evaluator the trainer runs.  The output is a few lines to read; with ``--json``, one JSON
+line of every metric instead.
 
 This module also holds the checkpoint/data helpers that ``fewshot`` and ``inspect`` share.
 """
@@ -22,7 +23,8 @@ from .train import add_fast_argument
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="weights: vitlab .safetensors/dir, official .npz, timm, HF")
     add_data_arguments(p, default_split="the training run's, else 0 (the whole set)")
-    p.add_argument("--json", action="store_true", help="put every metric (per class, confusion, ECE) in the JSON line")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON line of every metric (per class, confusion, ECE) instead of the summary")
     p.add_argument("--bins", type=int, default=15, help="confidence bins of the expected calibration error")
     p.add_argument("--flip", action="store_true",
                    help="test-time flip: average each image's predicted probabilities with its mirror image's")
@@ -81,8 +83,8 @@ def run_data(meta: dict) -> dict:
 
 
 def load_data(args: argparse.Namespace, meta: dict, image_size: tuple[int, int], held_out: tuple | None = None):
-    """(images uint8 (N, 3, H, W), labels (N,), class names, data key, same_as_run) for
-    ``args.data``; ``held_out``: only those held-out shards (``run_held_out``)."""
+    """(images uint8 (N, 3, H, W), labels (N,), class names, data key, same_as_run, images left out
+    as unreadable) for ``args.data``; ``held_out``: only those held-out shards (``run_held_out``)."""
     from vitlab.data.labelled import load_labelled
 
     recipe = run_data(meta)
@@ -97,7 +99,12 @@ def load_data(args: argparse.Namespace, meta: dict, image_size: tuple[int, int],
 
         images, labels, classes = select_classes(images, labels, classes, tuple(recipe["class_subset"]))
         key += "|" + ",".join(classes)
-    return images, labels, classes, key, same_as_run
+    return images, labels, classes, key, same_as_run, ds.skipped.images
+
+
+def unread_note(skipped: int) -> str:
+    """What a summary line adds where images were left out as unreadable (the warnings name them)."""
+    return f"; {skipped} unreadable image(s) left out (see the warnings)" if skipped else ""
 
 
 def run_held_out(args: argparse.Namespace, meta: dict) -> tuple | None:
@@ -152,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     size = model_input_size(model)
     check_tta_shift(args.shift, size, "--shift")
     held_out = run_held_out(args, meta)  # a streamed run's held-out shards: decode only those
-    images, labels, classes, _, same = load_data(args, meta, size, held_out)
+    images, labels, classes, _, same, skipped = load_data(args, meta, size, held_out)
     if held_out is not None:
         held, (split, seed) = torch.arange(len(labels)), held_out
     else:
@@ -169,18 +176,19 @@ def run(args: argparse.Namespace) -> int:
     where = "all examples" if split == 0 else f"held-out split ({split} examples, seed {seed})"
     if held_out is not None:
         where = f"the run's held-out shards (val_split {split}, seed {seed})"
-    print(f"{args.checkpoint}: {report['n']} images, {where}", file=sys.stderr)
+    print(f"{args.checkpoint}: {report['n']} images, {where}{unread_note(skipped)}", file=sys.stderr)
+    if args.json:
+        out: dict[str, Any] = {"top1": report["top1"], "top5": report["top5"], "n": report["n"], "flip": args.flip,
+                               "shift": args.shift, "ece": report["ece"], "classes": classes,
+                               "per_class_accuracy": dict(zip(classes, report["per_class_accuracy"])),
+                               "confusion_matrix": report["confusion_matrix"], "split": split, "split_seed": seed,
+                               "skipped_images": skipped}
+        print(json.dumps(out))
+        return 0
     print(f"top-1 {100 * report['top1']:.2f}%  top-5 {100 * report['top5']:.2f}%  "
           f"ECE ({args.bins} bins) {100 * report['ece']:.2f}%")
     worst = np.argsort([a if a is not None else 2.0 for a in report["per_class_accuracy"]])[:5]
     print("weakest classes: " + ", ".join(
         f"{classes[i]} {100 * report['per_class_accuracy'][i]:.1f}%" for i in worst
         if report["per_class_accuracy"][i] is not None))
-    out: dict[str, Any] = {"top1": report["top1"], "top5": report["top5"], "n": report["n"], "flip": args.flip,
-                           "shift": args.shift}
-    if args.json:
-        out.update(ece=report["ece"], classes=classes,
-                   per_class_accuracy=dict(zip(classes, report["per_class_accuracy"])),
-                   confusion_matrix=report["confusion_matrix"], split=split, split_seed=seed)
-    print(json.dumps(out))
     return 0

@@ -123,9 +123,9 @@ def resolve_accum_steps(args: argparse.Namespace, cfg, device: str) -> int:
     return auto_accum_steps(cfg.optim.batch_size, activation_bytes_per_example(cfg), available_bytes(device))
 
 
-def evaluate_on(weights: str, folder: Path, cfg, device: str, precision: str) -> tuple[float, int]:
-    """(top-1, images) of the weights on an ImageFolder view, at the resolution they were trained
-    at, in the command's resolved ``precision``."""
+def evaluate_on(weights: str, folder: Path, cfg, device: str, precision: str) -> tuple[float, int, int]:
+    """(top-1, images, images left out as unreadable) of the weights on an ImageFolder view, at the
+    resolution they were trained at, in the command's resolved ``precision``."""
     from vitlab.data.memory import load_in_memory
     from vitlab.eval.evaluator import Evaluator
     from vitlab.weights import load_model
@@ -135,7 +135,7 @@ def evaluate_on(weights: str, folder: Path, cfg, device: str, precision: str) ->
                           workers=cfg.data.decode_workers)
     result = Evaluator(data.images, data.labels, batch_size=cfg.run.eval_batch_size, device=device,
                        precision=precision).run(model)
-    return float(result["top1"]), int(result["n"])
+    return float(result["top1"]), int(result["n"]), data.skipped.images
 
 
 class _ViewsHaveEmptyClasses:
@@ -206,8 +206,8 @@ def _run(args: argparse.Namespace) -> int:
         if len(grid) > 1:  # one learning rate needs no choosing
             for lr in grid:
                 summary = fine_tune(splits[task.name].sweep_train, lr, out / task.name / f"lr_{lr:g}")
-                val[task.name][f"{lr:g}"], _ = evaluate_on(summary["weights"], splits[task.name].sweep_val, cfg,
-                                                           device, precision)
+                val[task.name][f"{lr:g}"], _, _ = evaluate_on(summary["weights"], splits[task.name].sweep_val, cfg,
+                                                              device, precision)
                 say(f"{task.name}: lr {lr:g}: top-1 {val[task.name][f'{lr:g}']:.4f} on its "
                     f"{splits[task.name].counts['val200']} validation examples")
     if args.select == "shared" and len(grid) > 1:
@@ -222,12 +222,16 @@ def _run(args: argparse.Namespace) -> int:
         else:
             lr = max(grid, key=lambda g: val[task.name][f"{g:g}"])
         final = fine_tune(views.train, lr, out / task.name / f"final_lr_{lr:g}")
-        top1, n = evaluate_on(final["weights"], views.test, cfg, device, precision)
+        top1, n, unread = evaluate_on(final["weights"], views.test, cfg, device, precision)
         results[task.name] = {"group": task.group, "lr": lr, "val_top1": val[task.name], "test_top1": top1,
                               "test_examples": n, "test_split": views.test_split,
+                              # images its final training run and its test set left out as unreadable
+                              "skipped_images": final.get("skipped_images", 0) + unread,
                               "train_examples": views.counts["train1000"], "classes": len(views.classes),
                               "weights": final["weights"]}
-        say(f"{task.name}: lr {lr:g}: test top-1 {top1:.4f} on {n} images ({views.test_split})")
+        say(f"{task.name}: lr {lr:g}: test top-1 {top1:.4f} on {n} images ({views.test_split})"
+            + (f"; {results[task.name]['skipped_images']} unreadable image(s) left out" if
+               results[task.name]["skipped_images"] else ""))
     summary = summarize(results)
     report = {"protocol": {"recipe": cfg.recipe, "init": args.init, "grid": list(grid), "select": args.select,
                            "steps": cfg.optim.steps, "batch_size": cfg.optim.batch_size, "accum_steps": accum,

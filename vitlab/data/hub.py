@@ -78,14 +78,19 @@ def _classes_beside(folder: Path, where: str) -> list[str]:
     return classes
 
 
-def _rows(name: str, images, labels) -> Iterator[tuple[str, object, int]]:
-    """(key, bytes or path, label) of a batch's image struct column and label column."""
+def _rows(name: str, images, labels, skipped: Optional[list] = None) -> Iterator[tuple[str, object, int]]:
+    """(key, bytes or path, label) of a batch's image struct column and label column; rows
+    without either go to ``skipped`` as (key, reason), or to a warning where it is None."""
     data = images.field("bytes").to_pylist()
     paths = images.field("path").to_pylist() if images.type.get_field_index("path") >= 0 else [None] * len(data)
     for row, (blob, path, label) in enumerate(zip(data, paths, labels.to_pylist())):
         key = f"{name}:{row}"
         if label is None or label < 0 or (blob is None and not path):
-            log.warning("%s: skipped (%s)", key, "no label" if label is None or label < 0 else "no image")
+            reason = "no label" if label is None or label < 0 else "no image"
+            if skipped is None:
+                log.warning("%s: skipped (%s)", key, reason)
+            else:
+                skipped.append((key, reason))
             continue
         yield key, blob if blob is not None else path, int(label)
 
@@ -93,15 +98,16 @@ def _rows(name: str, images, labels) -> Iterator[tuple[str, object, int]]:
 # ----------------------------------------------------------------------------- save_to_disk
 
 
-def read_arrow_batch(unit: tuple[str, int], image_column: str, label_column: str) -> Iterator[tuple[str, object, int]]:
-    """The samples of record batch ``unit[1]`` of the arrow file ``unit[0]``."""
+def read_arrow_batch(unit: tuple[str, int], skipped: Optional[list] = None, *, image_column: str,
+                     label_column: str) -> Iterator[tuple[str, object, int]]:
+    """The samples of record batch ``unit[1]`` of the arrow file ``unit[0]`` (``skipped``: as ``_rows``)."""
     path, index = unit
     pa = _pyarrow(path)
     with pa.memory_map(path) as mapped:
         for i, batch in enumerate(pa.ipc.open_stream(mapped)):
             if i == index:
                 yield from _rows(f"{Path(path).name}:{index}", batch.column(image_column),
-                                 batch.column(label_column))
+                                 batch.column(label_column), skipped)
                 return
 
 
@@ -138,13 +144,14 @@ def arrow_source(folder: Path, name: str) -> StreamSource:
 # ----------------------------------------------------------------------------- parquet
 
 
-def read_row_group(unit: tuple[str, int], image_column: str, label_column: str) -> Iterator[tuple[str, object, int]]:
-    """The samples of row group ``unit[1]`` of the parquet file ``unit[0]``."""
+def read_row_group(unit: tuple[str, int], skipped: Optional[list] = None, *, image_column: str,
+                   label_column: str) -> Iterator[tuple[str, object, int]]:
+    """The samples of row group ``unit[1]`` of the parquet file ``unit[0]`` (``skipped``: as ``_rows``)."""
     path, index = unit
     pa = _pyarrow(path)
     table = pa.parquet.ParquetFile(path).read_row_group(index, columns=[image_column, label_column])
     yield from _rows(f"{Path(path).name}:{index}", table.column(image_column).combine_chunks(),
-                     table.column(label_column).combine_chunks())
+                     table.column(label_column).combine_chunks(), skipped)
 
 
 def parquet_source(paths: Sequence[Path], name: str) -> StreamSource:

@@ -8,7 +8,9 @@ them).  The decoded arrays are cached as ``.npy`` files in the cache folder, key
 the source's key and the image size, so a second run costs one file read.
 
 Unreadable images never stop a run and are never dropped silently: each is left out,
-kept in ``InMemoryDataset.skipped`` with the reason, and counted in a warning.
+kept in ``InMemoryDataset.skipped`` (the ``Unread`` ledger every reader keeps) with the
+reason, and counted in a warning; so is each shard that breaks off early, with the number
+of images it took with it.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from vitlab.data.sources import (
     DataError,
     PathLike,
     StreamSource,
+    Unread,
     default_cache_dir,
     is_archive,
     read_image_archive,
@@ -46,7 +49,7 @@ __all__ = ["InMemoryDataset", "load_in_memory", "load_source_in_memory", "decode
 log = logging.getLogger(__name__)
 
 Size = Union[int, tuple[int, int], None]
-CACHE_VERSION = 1  # bump when the layout of the cached arrays changes
+CACHE_VERSION = 2  # bump when the layout of the cached arrays changes (2: the skipped list counts images)
 
 
 @dataclass
@@ -56,14 +59,16 @@ class InMemoryDataset:
     images:  (N, 3, H, W) uint8, RGB.
     labels:  (N,) int64 class ids, indices into ``classes``.
     classes: class names, sorted as the folders were.
-    skipped: (path, reason) of every image that could not be decoded and was left out.
+    skipped: the images that could not be read or decoded and were left out (``Unread``:
+             iterating gives (path, reason); ``skipped.images`` counts them, a shard that
+             broke off with every image it lost).
     key:     changes when the data does (what the cache holds it under); "" when unknown.
     """
 
     images: torch.Tensor
     labels: torch.Tensor
     classes: list[str]
-    skipped: list[tuple[str, str]] = field(default_factory=list)
+    skipped: Unread = field(default_factory=Unread)
     key: str = ""
 
     def __len__(self) -> int:
@@ -104,13 +109,19 @@ def _decode_all(
 
 
 def _stack(
-    decoded: list[tuple[Optional[np.ndarray], str]], paths: list[str], labels: np.ndarray, root: Path
-) -> tuple[np.ndarray, np.ndarray, list[tuple[str, str]]]:
-    """(N, 3, H, W) images, (N,) labels and the skipped list from per-image results."""
+    decoded: list[tuple[Optional[np.ndarray], str]], paths: list[str], labels: np.ndarray, root: Path,
+    skipped: Unread,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(N, 3, H, W) images and (N,) labels from per-image results; the images that could not be
+    decoded go to ``skipped`` (which may hold what could not be read before)."""
     keep = [i for i, (arr, _) in enumerate(decoded) if arr is not None]
-    skipped = [(paths[i], reason) for i, (arr, reason) in enumerate(decoded) if arr is None]
+    for i, (arr, reason) in enumerate(decoded):
+        if arr is None:
+            skipped.add(paths[i], 1, reason)
     if not keep:
-        raise DataError(f"{root}: none of the {len(paths)} images could be decoded (first: {skipped[0][1]})")
+        first = next(iter(skipped), ("", "no images"))
+        raise DataError(f"{root}: none of the {skipped.images} images could be read or decoded "
+                        f"(first: {first[0]}: {first[1]})")
     shape = decoded[keep[0]][0].shape
     for i in keep:
         if decoded[i][0].shape != shape:
@@ -121,7 +132,7 @@ def _stack(
     images = np.empty((len(keep), 3, shape[0], shape[1]), dtype=np.uint8)
     for row, i in enumerate(keep):
         images[row] = decoded[i][0].transpose(2, 0, 1)
-    return images, labels[keep], skipped
+    return images, labels[keep]
 
 
 def _cache_folder(key: str, size: Optional[tuple[int, int]], cache_dir: Optional[PathLike]) -> Path:
@@ -136,18 +147,19 @@ def _read_cache(folder: Path) -> InMemoryDataset:
         images=torch.from_numpy(np.load(folder / "images.npy")),
         labels=torch.from_numpy(np.load(folder / "labels.npy")),
         classes=list(meta["classes"]),
-        skipped=[tuple(s) for s in meta["skipped"]],
+        skipped=Unread(meta["skipped"]),
     )
 
 
-def _write_cache(folder: Path, images: np.ndarray, labels: np.ndarray, classes: list[str], skipped: list) -> None:
+def _write_cache(folder: Path, images: np.ndarray, labels: np.ndarray, classes: list[str], skipped: Unread) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=folder.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
     try:
         np.save(tmp / "images.npy", images)
         np.save(tmp / "labels.npy", labels)
-        (tmp / "meta.json").write_text(json.dumps({"classes": classes, "skipped": skipped, "shape": images.shape}))
+        (tmp / "meta.json").write_text(json.dumps({"classes": classes, "skipped": skipped.to_list(),
+                                                   "shape": images.shape}))
         try:
             os.rename(tmp, folder)  # all three files appear together or not at all
         except OSError:
@@ -202,7 +214,8 @@ def load_in_memory(
             index = scan_image_folder(resolve_data_path(path, cache_dir))
             sources = index.paths
         decoded = _decode_all(sources, size, workers)
-        images, labels, skipped = _stack(decoded, index.paths, index.labels, index.root)
+        skipped = Unread()
+        images, labels = _stack(decoded, index.paths, index.labels, index.root, skipped)
         _write_cache(folder, images, labels, index.classes, skipped)
         data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), index.classes, skipped)
     data.key = key
@@ -221,14 +234,14 @@ def load_source_in_memory(source: StreamSource, image_size: Size = None, cache_d
     if folder is not None and folder.is_dir():
         data = _read_cache(folder)
     else:
-        keys, payloads, labels = [], [], []
-        for key, payload, label in source.samples():
+        keys, payloads, labels, skipped = [], [], [], Unread()
+        for key, payload, label in source.samples(skipped):
             keys.append(key)
             payloads.append(payload)
             labels.append(label[0] if isinstance(label, tuple) else label)
         decoded = _decode_all(payloads, size, workers)
         del payloads
-        images, labels, skipped = _stack(decoded, keys, np.asarray(labels, dtype=np.int64), source.name)
+        images, labels = _stack(decoded, keys, np.asarray(labels, dtype=np.int64), source.name, skipped)
         if folder is not None:
             _write_cache(folder, images, labels, source.classes, skipped)
         data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), list(source.classes), skipped)
@@ -238,9 +251,12 @@ def load_source_in_memory(source: StreamSource, image_size: Size = None, cache_d
 
 
 def _warn_skipped(path, data: InMemoryDataset) -> None:
-    if data.skipped:
-        first_path, first_reason = data.skipped[0]
-        log.warning(
-            "%s: skipped %d unreadable image(s) of %d (first: %s: %s)",
-            path, len(data.skipped), len(data) + len(data.skipped), first_path, first_reason,
-        )
+    """A line for each shard that broke off, and one counting every image left out (from the
+    cache too: never silent)."""
+    for line in data.skipped.units():
+        log.warning(line)
+    if data.skipped.images:
+        first = next((f"{where}: {reason}" for where, (_, reason, of) in data.skipped.entries.items() if of is None),
+                     None)  # the first image's: the units are named above
+        log.warning("%s: skipped %d unreadable image(s) of %d%s", path, data.skipped.images,
+                    len(data) + data.skipped.images, f" (first: {first})" if first else "")

@@ -213,15 +213,17 @@ def read_members(path: Path, skipped: Optional[list] = None) -> Iterator[tuple[s
     member's bytes read once, in one sequential pass.
 
     A damaged shard (truncated, corrupt gzip, garbage) yields the samples before the
-    damage, then stops with a warning; the damage goes to ``skipped`` as (shard, reason).
-    A member declaring more than ``MAX_MEMBER_BYTES`` is skipped unread, and so is its sample.
+    damage, then stops; the damage goes to ``skipped`` as (shard, reason), or to a warning
+    where ``skipped`` is None.  A member declaring more than ``MAX_MEMBER_BYTES`` is
+    skipped unread, and so is its sample.
     """
     try:
         yield from _members(Path(path))
     except TAR_ERRORS as e:
         reason = f"unreadable from here on (truncated or corrupt?): {type(e).__name__}: {e}"
-        log.warning("%s: %s", path, reason)
-        if skipped is not None:
+        if skipped is None:
+            log.warning("%s: %s", path, reason)
+        else:
             skipped.append((Path(path).name, reason))
 
 
@@ -242,8 +244,14 @@ def _members(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
                 fields[OVERSIZED] = str(member.size).encode()  # never read: the sample is skipped
                 continue
             fields[ext.lower()] = tar.extractfile(member).read()
+        # tarfile ends its iteration quietly where a header is cut short: a tar that is whole ends
+        # with a block of zeros, read here in full
+        ended, where = tar.fileobj.pos - tar.offset >= tarfile.BLOCKSIZE, tar.offset
     if key is not None:
         yield key, fields
+    if not ended:
+        raise tarfile.ReadError(f"no end-of-archive block after {where:,} bytes of members "
+                                f"(the file holds {path.stat().st_size:,})")
 
 
 def sample_label(fields: dict[str, bytes]):
@@ -274,8 +282,8 @@ def sample_image(fields: dict[str, bytes]) -> tuple[Optional[bytes], str]:
 
 
 def read_shard(path: PathLike, skipped: Optional[list] = None) -> Iterator[tuple[str, bytes, object]]:
-    """(shard:key, image bytes, label) of one shard; unusable samples and damage are
-    logged, left out and appended to ``skipped`` as (name, reason)."""
+    """(shard:key, image bytes, label) of one shard; unusable samples and damage are left
+    out and appended to ``skipped`` as (name, reason), or logged where it is None."""
     name = Path(path).name
     for key, fields in read_members(Path(path), skipped):
         image, reason = sample_image(fields)
@@ -284,19 +292,24 @@ def read_shard(path: PathLike, skipped: Optional[list] = None) -> Iterator[tuple
         except (KeyError, ValueError, UnicodeDecodeError) as e:
             image, reason = None, f"bad or missing label: {type(e).__name__}: {e}"
         if image is None:
-            log.warning("%s:%s: skipped (%s)", name, key, reason)
-            if skipped is not None:
+            if skipped is None:
+                log.warning("%s:%s: skipped (%s)", name, key, reason)
+            else:
                 skipped.append((f"{name}:{key}", reason))
             continue
         yield f"{name}:{key}", image, label
 
 
 def count_samples(path: Path) -> int:
-    """Samples in a shard, from its member headers (tarfile seeks over the data)."""
+    """Samples in a shard, from its member headers (tarfile seeks over the data).  A shard cut
+    short is refused: what it held before the cut cannot be counted."""
     try:
         with tarfile.open(path, "r:") as tar:
-            return len({m.name.rsplit("/", 1)[-1].partition(".")[0] + m.name.rpartition("/")[0]
-                        for m in tar.getmembers() if m.isfile() and not m.name.endswith((".cls", ".json"))})
+            keys = {m.name.rsplit("/", 1)[-1].partition(".")[0] + m.name.rpartition("/")[0]
+                    for m in tar.getmembers() if m.isfile() and not m.name.endswith((".cls", ".json"))}
+            if Path(path).stat().st_size - tar.offset < tarfile.BLOCKSIZE:  # as in _members: no end block
+                raise tarfile.ReadError(f"no end-of-archive block after {tar.offset:,} bytes of members")
+            return len(keys)
     except TAR_ERRORS as e:
         raise DataError(f"{path}: not a readable tar shard (truncated or corrupt?): {type(e).__name__}: {e}") from e
 

@@ -34,10 +34,12 @@ __all__ = [
     "ArchiveLimits",
     "DataError",
     "StreamSource",
+    "Unread",
     "files_key",
     "ImageFolderIndex",
     "IMAGE_EXTENSIONS",
     "scan_image_folder",
+    "holds_class_images",
     "read_image_archive",
     "resolve_data_path",
     "default_cache_dir",
@@ -145,15 +147,84 @@ class ImageFolderIndex:
         return np.bincount(self.labels, minlength=len(self.classes))
 
 
+class Unread:
+    """The images of a data set that could not be read or decoded, and left out: per place
+    (an image, or a shard or other unit that broke off before its end), how many images and
+    why.  The one ledger every reader of a set keeps: ``load_in_memory`` and the streaming
+    readers in their worker processes alike (``vitlab.data.stream`` hands each worker's new
+    entries over with its batches).  A place counts once however often it is read (epochs, a
+    resumed run, several processes).
+
+    Iterating gives (where, reason); ``images`` is the count of images lost.
+    """
+
+    def __init__(self, entries: Sequence = ()) -> None:
+        self.entries: dict[str, tuple[int, str, Optional[int]]] = {}  # where -> (images, reason, the unit's size)
+        self._new: list[tuple] = []
+        self.update(entries)
+
+    def add(self, where: str, images: int, reason: str, of: Optional[int] = None) -> bool:
+        """Record ``images`` lost at ``where`` (a unit of ``of`` images, or one image: None);
+        True where the place is new."""
+        if where in self.entries:
+            return False
+        self.entries[where] = (int(images), reason, of)
+        self._new.append((where, int(images), reason, of))
+        return True
+
+    def update(self, entries: Sequence) -> list[tuple]:
+        """Add (where, images, reason, of) entries (another process's); those that were new."""
+        return [tuple(e) for e in entries if self.add(*e)]
+
+    def take_new(self) -> list[tuple]:
+        """The entries added since the last call (what a worker hands over)."""
+        new, self._new = self._new, []
+        return new
+
+    def to_list(self) -> list[tuple]:
+        return [(where, *entry) for where, entry in self.entries.items()]
+
+    @property
+    def images(self) -> int:
+        return sum(images for images, _, _ in self.entries.values())
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return ((where, reason) for where, (_, reason, _) in self.entries.items())
+
+    def units(self) -> list[str]:
+        """A line for each unit (shard) that broke off: what a warning says."""
+        return [describe_unread(where, *entry) for where, entry in self.entries.items() if entry[2] is not None]
+
+
+def describe_unread(where: str, images: int, reason: str, of: Optional[int]) -> str:
+    """The warning line of one ``Unread`` entry."""
+    if of is None:
+        return f"{where}: skipped unreadable image ({reason})"
+    if images == 0:
+        return f"{where}: damaged, though every image it was counted to hold was read ({reason})"
+    return f"{where}: {images} of its {of} images could not be read, left out ({reason})"
+
+
+def unit_name(unit) -> str:
+    """How a message names a unit: a shard's path, ``file:index`` of a record batch or row group."""
+    return ":".join(map(str, unit)) if isinstance(unit, tuple) else str(unit)
+
+
 @dataclass(frozen=True)
 class StreamSource:
     """A labelled set read unit by unit, never decoded as a whole: tar shards, the record
     batches of a Hugging Face dataset, the row groups of parquet files, chunks of a folder.
 
-    units:      what one reader reads in one go; ``read(unit)`` yields (key, payload, label)
-                in a fixed order: ``payload`` the encoded image (bytes) or its path, ``label``
-                an int, or a tuple of ints for a multi-label sample.
-    unit_sizes: samples per unit (as stored; unreadable ones are left out when read).
+    units:      what one reader reads in one go; ``read(unit, skipped)`` yields (key, payload,
+                label) in a fixed order: ``payload`` the encoded image (bytes) or its path,
+                ``label`` an int, or a tuple of ints for a multi-label sample.  What it leaves
+                out (a damaged sample, the rest of a damaged shard) goes to the list
+                ``skipped`` as (where, reason), logged by the reader only where that is None.
+    unit_sizes: samples per unit (as stored; unreadable ones are left out when read, and
+                counted by ``read_counted``).
     classes:    class names in label order.
     name:       the source as the user named it, for messages.
     key:        a string that changes when the data changes: what a decoded copy is
@@ -171,10 +242,31 @@ class StreamSource:
     def num_samples(self) -> int:
         return int(sum(self.unit_sizes))
 
-    def samples(self) -> Iterator[tuple[str, object, object]]:
-        """Every (key, payload, label), unit after unit in stored order."""
-        for unit in self.units:
-            yield from self.read(unit)
+    def read_counted(self, index: int, unread: Optional[Unread] = None) -> Iterator[tuple[str, object, object]]:
+        """``read`` of unit ``index``; the images it held but could not hand over (fewer
+        samples than ``unit_sizes`` says, or damage) go to ``unread`` (logged where that is None)."""
+        unit, size = self.units[index], self.unit_sizes[index]
+        skipped: list[tuple[str, str]] = []
+        count = 0
+        for sample in self.read(unit, skipped):
+            count += 1
+            yield sample
+        if count < size or skipped:
+            where = unit_name(unit)
+            place, reason = skipped[-1] if skipped else ("", "the unit ended early")
+            if place and place != Path(where).name:
+                reason = f"{place}: {reason}"
+            entry = (where, max(size - count, 0), reason, size)
+            if unread is None:
+                log.warning(describe_unread(*entry))
+            else:
+                unread.add(*entry)
+
+    def samples(self, unread: Optional[Unread] = None) -> Iterator[tuple[str, object, object]]:
+        """Every (key, payload, label), unit after unit in stored order; what could not be read
+        goes to ``unread`` (``read_counted``)."""
+        for index in range(len(self.units)):
+            yield from self.read_counted(index, unread)
 
     def subset(self, indices: Sequence[int], part: str) -> "StreamSource":
         """The units at ``indices`` (in that order) as a source of their own, named ``part``."""
@@ -245,6 +337,18 @@ def _index_tree(where: str, files: list[str], dirs: list[str]) -> tuple[str, lis
     if empty:
         log.warning("%s: %d class folder(s) hold no images: %s", where, len(empty), ", ".join(empty[:5]))
     return prefix, [prefix + f for f in ordered], labels, classes
+
+
+def holds_class_images(root: PathLike) -> bool:
+    """Whether the folder ``root`` holds an image in a (not hidden) folder below it, what
+    ``scan_image_folder`` needs at the least; found without listing the whole tree (the
+    walk stops at the first image)."""
+    top = os.fspath(root)
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        if dirpath != top and any(not f.startswith(".") and _is_image(f) for f in filenames):
+            return True
+    return False
 
 
 def scan_image_folder(root: PathLike) -> ImageFolderIndex:

@@ -36,6 +36,12 @@ samples of which epoch that reader has handed out; ``StreamLoader.state_dict()``
 these counts for the batches the trainer actually took.  Resuming skips exactly that
 many samples in each reader (their bytes are read, not decoded): sample-exact, with the
 same world size and worker count (anything else is refused).
+
+What a reader cannot read (the rest of a damaged shard) or decode is left out and
+counted in its ``Unread`` ledger (``vitlab.data.sources``, the one every reader of a set
+keeps), whose new entries travel with its handovers: the ``StreamLoader`` in the training
+process warns once per place and counts them (``unread_everywhere``: the run's
+``skipped_images``).
 """
 from __future__ import annotations
 
@@ -57,7 +63,7 @@ from vitlab.config import to_pair
 from vitlab.data.decode import SampleCrop, decode_crops
 from vitlab.data.draws import PartGenerators
 from vitlab.data.loader import DeviceStage, copy_without_a_wait, derive_seed, one_ahead
-from vitlab.data.sources import DataError, StreamSource
+from vitlab.data.sources import DataError, StreamSource, Unread, describe_unread
 from vitlab.data.transforms import TrainTransform, build_transform
 
 __all__ = ["expand_braces", "hold_out", "is_stream_source", "open_source", "StreamSource", "StreamDataset",
@@ -135,9 +141,9 @@ def is_stream_source(source: Optional[str]) -> bool:
 # ----------------------------------------------------------------------------- sources
 
 
-def _read_folder_chunk(unit: tuple[int, int], paths: list[str], labels: np.ndarray,
-                       order: np.ndarray) -> Iterator[tuple[str, object, int]]:
-    for i in order[unit[0] : unit[1]]:
+def _read_folder_chunk(unit: tuple[int, int], skipped: Optional[list] = None, *, paths: list[str],
+                       labels: np.ndarray, order: np.ndarray) -> Iterator[tuple[str, object, int]]:
+    for i in order[unit[0] : unit[1]]:  # nothing is left out here: an unreadable image fails its decoding
         yield str(paths[i]), str(paths[i]), int(labels[i])
 
 
@@ -239,8 +245,10 @@ class StreamDataset(IterableDataset):
     Yields a reader's parts of ``parts_per_handover`` consecutive micro-batches at once:
     (images (count x n, H, W, 3) uint8, per part: its samples' labels (an int, or a tuple of
     a multi-label sample's), their example ids (ints), (epoch, samples of that epoch handed
-    out once the part is full); reader-local worker id).  ``split_handover`` makes the
-    parts of it.  Each tensor a worker hands over costs the training process a file
+    out once the part is full); reader-local worker id; the entries its ``Unread`` ledger
+    gained since its last handover (images it could not read or decode), which the
+    ``StreamLoader`` in the training process gathers).  ``split_handover`` makes the parts
+    of it.  Each tensor a worker hands over costs the training process a file
     descriptor's transfer with a handshake: so there is one per handover, and several
     small parts travel together.
     """
@@ -253,14 +261,15 @@ class StreamDataset(IterableDataset):
         self.parts_per_handover = parts_per_handover(min(self.part_sizes))
         self.start: list[tuple[int, int]] = [(0, 0)] * self.workers  # (epoch, consumed) per worker
         self.first = 0  # the reader DataLoader worker 0 plays
+        self.unread = Unread()  # this reader's: each worker process has its own copy
 
     def keys(self, epoch: int, rank: int, world_size: int, worker: int, workers: int) -> Iterator[tuple]:
         """(key, payload, label) of reader (rank, worker) in ``epoch``, in the order it hands them out."""
         units = self.source.units
         order = np.random.Generator(np.random.PCG64(derive_seed(self.seed, epoch))).permutation(len(units))
         readers = world_size * workers
-        mine = [units[i] for i in order[rank * workers + worker :: readers]]
-        samples = itertools.chain.from_iterable(self.source.read(u) for u in mine)
+        mine = order[rank * workers + worker :: readers]
+        samples = itertools.chain.from_iterable(self.source.read_counted(int(i), self.unread) for i in mine)
         if self.shuffle_buffer > 0:
             rng = np.random.Generator(np.random.PCG64(derive_seed(self.seed, epoch, rank * workers + worker, 1)))
             samples = _shuffle(samples, self.shuffle_buffer, rng)
@@ -289,14 +298,14 @@ class StreamDataset(IterableDataset):
                 pixels = decode_crops([payload for _, payload, _ in taken], self.crop, part.generator)
                 for (key, _, label), image in zip(taken, pixels):
                     if isinstance(image, DataError):
-                        log.warning("%s: skipped unreadable image (%s)", key, image)
+                        self.unread.add(key, 1, str(image))
                         continue
                     decoded = True
                     part.add(image, label, key)
                 if part.full():
                     handover.done(part, epoch, consumed)
                     if handover.full():
-                        yield handover.images, handover.parts, worker
+                        yield handover.images, handover.parts, worker, self.unread.take_new()
                         handover = _Handover(self.parts_per_handover, size, self.crop.size)
                     part = handover.next_part(derive_seed(self.seed, epoch, consumed, reader, 5))
             if not any_sample:
@@ -362,7 +371,7 @@ def split_handover(handover: tuple) -> list[tuple]:
     """A reader's handover as its parts, in order: (images (n, H, W, 3) uint8, labels (n ints:
     a multi-label sample's first), the part's labels where any sample has several, else
     None, example ids (n ints), worker, epoch, samples of that epoch handed out)."""
-    images, parts, worker = handover
+    images, parts, worker = handover[:3]
     size = images.shape[0] // len(parts)
     out = []
     for i, (labels, ids, (epoch, consumed)) in enumerate(parts):
@@ -442,6 +451,22 @@ class StreamLoader:
         self.seed, self.world_size, self.device = seed, world_size, torch.device(device or "cpu")
         self.positions: list[tuple[int, int]] = list(self.dataset.start)
         self.next_reader = 0  # whose batch comes next
+        self.unread = Unread()  # what this rank's readers could not read, handed over with the batches
+
+    def unread_everywhere(self) -> Unread:
+        """The images every rank's readers could not read (a collective call under
+        torch.distributed): a place met by several ranks counts once."""
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return self.unread
+        ranks = [None] * self.world_size
+        dist.all_gather_object(ranks, self.unread.to_list())
+        return Unread([entry for rank in ranks for entry in rank])
+
+    def _note_unread(self, entries: list) -> None:
+        for entry in self.unread.update(entries):  # each place once, whichever reader met it
+            log.warning(describe_unread(*entry))
 
     def state_dict(self) -> dict:
         """Per rank, per reader: [epoch, samples of that epoch handed out]; a collective
@@ -458,7 +483,7 @@ class StreamLoader:
         else:
             nexts = [self.next_reader]
         return {"kind": "stream", "world_size": self.world_size, "workers": self.dataset.workers, "ranks": ranks,
-                "next_reader": nexts}
+                "next_reader": nexts, "unread": self.unread_everywhere().to_list()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "stream":
@@ -470,6 +495,7 @@ class StreamLoader:
                             "needs the same")
         self.positions = [tuple(p) for p in state["ranks"][self.dataset.rank]]
         self.next_reader = int(state["next_reader"][self.dataset.rank])
+        self.unread.update(state.get("unread", []))  # warned about by the run that met them
 
     def _on_device(self, parts: list) -> tuple[torch.Tensor, torch.Tensor]:
         """The readers' parts of one micro-batch, copied to the device into one batch and
@@ -515,7 +541,11 @@ class StreamLoader:
         positions, next_reader = list(self.positions), self.next_reader
         while True:
             # one handover from every worker: the parts of the next parts_per_handover micro-batches
-            handovers = [split_handover(next(handovers_in)) for _ in range(self.dataset.workers)]
+            handovers = []
+            for _ in range(self.dataset.workers):
+                handover = next(handovers_in)
+                self._note_unread(handover[3])
+                handovers.append(split_handover(handover))
             for taken in zip(*handovers):
                 for part in taken:
                     positions[int(part[4])] = (int(part[5]), int(part[6]))

@@ -110,19 +110,44 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
     if cfg.run.fsdp and world_size < 2:
         raise ConfigError("run.fsdp=True needs a distributed launch (torchrun --nproc_per_node=N); world_size is 1")
     if need_data:
-        source = cfg.data.source
-        if source is None:
-            raise ConfigError("data.source=None: give a data path (--data PATH: an ImageFolder folder or "
-                              f".tar/.tar.gz) or a built-in source ({', '.join(BUILTIN_DATA)})")
-        for name, path in (("data.source", source), ("data.val_data", cfg.data.val_data)):
-            if path is not None and path not in BUILTIN_DATA and not any(c in path for c in "{*?[") and \
-                    not Path(path).expanduser().exists():
-                raise ConfigError(f"{name}={path!r}: no such file or folder")
+        check_data(cfg)
     if cfg.model.init is not None and not Path(cfg.model.init).expanduser().exists():
         from vitlab.weights.hub import parse_hub_name
 
         if parse_hub_name(cfg.model.init) is None:  # a Hub name is looked up when the weights are loaded
             raise ConfigError(f"model.init={cfg.model.init!r}: no such file or folder")
+
+
+def check_data(cfg: TrainConfig) -> None:
+    """That the data is named and there: what a run checks first (before its output folder)."""
+    source = cfg.data.source
+    if source is None:
+        raise ConfigError("data.source=None: give a data path (--data PATH: an ImageFolder folder or "
+                          f".tar/.tar.gz) or a built-in source ({', '.join(BUILTIN_DATA)})")
+    for name, path in (("data.source", source), ("data.val_data", cfg.data.val_data)):
+        if path is not None and path not in BUILTIN_DATA and not any(c in path for c in "{*?[") and \
+                not Path(path).expanduser().exists():
+            raise ConfigError(f"{name}={path!r}: no such file or folder")
+        check_folder_holds_data(name, path)
+
+
+DATA_FORMS = ("an ImageFolder (FOLDER/CLASS/IMAGE, images .jpg, .png, ...), a .tar/.tar.gz archive of one, "
+              "tar shards (vitlab pack-shards), parquet files or a Hugging Face save_to_disk folder")
+
+
+def check_folder_holds_data(name: str, path: str | None) -> None:
+    """A folder named as data holds some: shards, parquet or a saved dataset, or an image in a
+    class folder (the first found ends the look; the rest is checked as the data is read)."""
+    from vitlab.data.sources import holds_class_images
+    from vitlab.data.stream import is_stream_source
+
+    folder = Path(path).expanduser() if path is not None else None
+    if folder is None or not folder.is_dir() or is_stream_source(path) or holds_class_images(folder):
+        return
+    classes = [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    what = f"its {len(classes)} class folder(s) hold no images" if classes else "the folder holds no data"
+    flag = {"data.source": "--data", "data.val_data": "--val-data"}[name]
+    raise ConfigError(f"{name}={path!r} ({flag}): {what}; it takes {DATA_FORMS}")
 
 
 FINETUNE_MODEL_FIELDS = ("dropout", "attention_dropout", "drop_path", "patch_dropout")

@@ -38,7 +38,7 @@ class Splits:
     val_images: torch.Tensor | None
     val_labels: torch.Tensor | None
     classes: list[str]
-    skipped: int  # unreadable images left out while decoding
+    skipped: int  # images left out of the decoded sets as unreadable (a streamed set's: its ``StreamLoader``'s)
     num_train: int | None = None  # a streamed training set's size (its images are not in memory)
     source: object = None         # a streamed run's ``vitlab.data.stream.StreamSource``
     # each training example's index in the decoded data set (class folders sorted, files
@@ -88,14 +88,16 @@ def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
         _, keep = stratified_split(labels, int(data.train_examples), data.split_seed + 1)
         images, labels, ids = images[keep], labels[keep], ids[keep]
     val_images = val_labels = None
+    skipped = dataset.skipped.images
     if data.val_split:  # held out of the pool: VTAB-1k's 800 + 200 of 1000
         val_size = int(data.val_split) if data.val_split >= 1 else float(data.val_split)
         train_idx, val_idx = stratified_split(labels, val_size, data.split_seed)
         val_images, val_labels = images[val_idx], labels[val_idx]
         images, labels, ids = images[train_idx], labels[train_idx], ids[train_idx]
     if data.val_data:
-        val_images, val_labels = load_val_data(cfg, image_size, classes, world)
-    return Splits(images, labels, val_images, val_labels, classes, len(dataset.skipped), train_ids=ids)
+        val_images, val_labels, val_skipped = load_val_data(cfg, image_size, classes, world)
+        skipped += val_skipped
+    return Splits(images, labels, val_images, val_labels, classes, skipped, train_ids=ids)
 
 
 def streams(cfg: TrainConfig, image_size: Pair) -> bool:
@@ -151,6 +153,7 @@ def stream_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
                               "or decode the data into memory (data.stream='memory')")
     source = open_source(data.source, data.cache_dir)
     val_images = val_labels = None
+    skipped = 0  # of the validation set: the training set's are counted as its readers meet them
     if data.val_split:
         source, held = hold_out(source, data.val_split, data.split_seed)
         decoded_gb = held.num_samples * 3 * image_size[0] * image_size[1] / 1e9
@@ -161,26 +164,27 @@ def stream_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
                  len(held.units) + len(source.units), held.num_samples)
         val = decoded_once(lambda: load_source_in_memory(held, image_size, data.cache_dir, data.decode_workers),
                            world)
-        val_images, val_labels = val.images, val.labels
+        val_images, val_labels, skipped = val.images, val.labels, val.skipped.images
     if data.val_data:
-        val_images, val_labels = load_val_data(cfg, image_size, list(source.classes), world)
-    return Splits(None, None, val_images, val_labels, list(source.classes), 0, num_train=source.num_samples,
+        val_images, val_labels, skipped = load_val_data(cfg, image_size, list(source.classes), world)
+    return Splits(None, None, val_images, val_labels, list(source.classes), skipped, num_train=source.num_samples,
                   source=source)
 
 
 def load_val_data(cfg: TrainConfig, image_size: Pair, classes: list[str], world=None) -> tuple:
-    """(images, labels) of ``data.val_data`` decoded into memory at ``image_size``; its class
-    names must be the training set's."""
+    """(images, labels, images left out as unreadable) of ``data.val_data`` decoded into memory
+    at ``image_size``; its class names must be the training set's."""
     from vitlab.data.labelled import load_labelled
 
     data = cfg.data
     val = decoded_once(lambda: load_labelled(data.val_data, image_size, data.cache_dir, data.decode_workers), world)
     if data.class_subset and set(data.class_subset) <= set(val.classes):
-        return select_classes(val.images, val.labels, list(val.classes), tuple(data.class_subset))[:2]
+        return (*select_classes(val.images, val.labels, list(val.classes), tuple(data.class_subset))[:2],
+                val.skipped.images)
     if list(val.classes) != list(classes):
         raise ConfigError(f"data.val_data={data.val_data!r}: its classes ({', '.join(val.classes[:5])}, ...) are not "
                           f"the training set's ({', '.join(classes[:5])}, ...)")
-    return val.images, val.labels
+    return val.images, val.labels, val.skipped.images
 
 
 def decoded_once(load, world=None):

@@ -26,7 +26,7 @@ from vitlab.eval.features import tta_view_count
 from vitlab.fast.kernels import why_unavailable
 
 from . import checkpoint as ckpt
-from .build import Resolved, Setup, build
+from .build import Resolved, Setup, build, check_data
 from .config import TrainConfig, to_dict
 from .distributed import all_reduce_sum, barrier, elastic_restart_count, init_world, shutdown
 from .inputs import WaitTimed
@@ -87,6 +87,7 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
     restarts = elastic_restart_count()
     if restarts:  # torchrun started the group again after a process died: continue, never start over
         resume, overwrite = True, False
+    check_data(cfg)  # an empty data folder is named as such, not as an output folder holding checkpoints
     out = Path(cfg.run.out)
     ckpt_dir = out / "checkpoints"
     stale = not resume and ckpt.latest_checkpoint(ckpt_dir) is not None
@@ -309,7 +310,7 @@ class Window:
 
     def __init__(self, device: torch.device, batches: WaitTimed | None = None) -> None:
         self.device = device
-        self.rate, self.loss_shown, self.logged = 0.0, float("nan"), False
+        self.rate, self.loss_shown, self.logged = 0.0, None, False  # no loss read yet: the progress line shows "-"
         self.grad_norm = torch.full((), float("nan"), device=device)
         self.batches = batches
         self.step_s = self.total_wait_s = self.total_step_s = 0.0
@@ -354,7 +355,7 @@ class Window:
         """The share of the recorded steps' time (all processes) spent waiting for batches."""
         return round(self.total_wait_s / self.total_step_s, 4) if self.total_step_s else None
 
-    def shown(self, world_size: int) -> tuple[float, float]:
+    def shown(self, world_size: int) -> tuple[float, float | None]:
         """(images/s, loss) for the progress line: the last record's; before the first one
         this process's rate and no loss yet (reading it would wait for the device)."""
         if not self.logged and self.examples:
@@ -371,6 +372,9 @@ def finish(s: Setup, step: int, total_steps: int, last_val: dict, wall: float, w
     model = final_model(s)
     records = writer.records if writer else []
     train_rows = [r for r in records if "img_per_s" in r]
+    skipped = s.splits.skipped  # decoded sets; a streamed training set's, as its readers (all ranks) met them
+    if s.splits.source is not None:
+        skipped += s.stream.unread_everywhere().images
     summary = {
         "recipe": cfg.recipe,
         "model": getattr(s.model.cfg, "name", None) or cfg.model.name,
@@ -383,7 +387,7 @@ def finish(s: Setup, step: int, total_steps: int, last_val: dict, wall: float, w
         "train_loss": train_rows[-1]["loss"] if train_rows else None,
         "train_examples": int(s.splits.train_count()),
         "val_examples": int(len(s.splits.val_labels)) if s.splits.val_labels is not None else 0,
-        "skipped_images": s.splits.skipped,
+        "skipped_images": skipped,
         "wall_s": round(wall, 2),
         "images_per_s": round(step * cfg.optim.batch_size / wall, 1),
         "data_wait": data_wait,  # the share of the steps' wall time spent waiting for their batches

@@ -125,9 +125,12 @@ class Progress:
         self.enabled = enabled
         self.tty = self.enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.interval_s = interval_s
-        self._last = 0.0
+        self._last = -math.inf  # the first line comes at once, however young the monotonic clock
 
-    def update(self, step: int, total: int, loss: float, img_per_s: float, eta_s: float, extra: str = "") -> None:
+    def update(self, step: int, total: int, loss: float | None, img_per_s: float, eta_s: float,
+               extra: str = "") -> None:
+        """``loss``: the last one read from the device, None before the first read ("loss -");
+        a non-finite one shows as nan or inf."""
         if not self.enabled:
             return
         now = time.monotonic()
@@ -137,7 +140,8 @@ class Progress:
         width = 24
         filled = int(width * step / max(total, 1))
         bar = "#" * filled + "." * (width - filled)
-        line = (f"[{bar}] {step}/{total} loss {loss:.4f} {img_per_s:,.0f} img/s "
+        shown = "-" if loss is None else f"{loss:.4f}"
+        line = (f"[{bar}] {step}/{total} loss {shown} {img_per_s:,.0f} img/s "
                 f"ETA {format_duration(eta_s)}{'  ' + extra if extra else ''}")
         if self.tty:
             self.stream.write("\r" + line + "\x1b[K")

@@ -31,6 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitlab.config import replace
+from vitlab.models.registry import build_model, get_config
+
 from .kernels import (BF16_KERNELS, FP32_KERNELS, KERNEL_PRECISIONS, KernelChoice, calibration_key, calibration_path,
                       cpu_info, onednn_report, why_unavailable)
 from .modules import FastOptions, install
@@ -52,9 +55,6 @@ def candidates(precision: str) -> list[KernelChoice]:
 
 
 def _model(mode: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    from vitlab.config import replace
-    from vitlab.models.registry import build_model, get_config
-
     _, name, overrides, batch = WORKLOADS[mode]
     cfg = replace(get_config(name), dropout=0.0, **overrides)
     generator = torch.Generator().manual_seed(0)

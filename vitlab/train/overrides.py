@@ -22,6 +22,7 @@ import typing
 from typing import Any
 
 from vitlab.config import ConfigError, ResNetConfig, ViTConfig, is_int
+from vitlab.models.registry import get_config
 
 from .config import SECTIONS, ModelConfig, TrainConfig
 from .legacy import LEGACY_NAMES
@@ -116,8 +117,6 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
 
 def model_family(name: str) -> type | None:
     """``ViTConfig`` or ``ResNetConfig``: the config class of a registry name (None: unknown)."""
-    from vitlab.models.registry import get_config
-
     try:
         return type(get_config(name))
     except ConfigError:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from vitlab.config import ConfigError
+from vitlab.models.registry import build_model
 
 from .config import TrainConfig, from_dict, to_dict
 from .overrides import field_value
@@ -129,8 +130,6 @@ def final_model(s) -> nn.Module | None:
     if not sharded(s):
         model = s.ema.module if s.ema else s.model
         return model.vit if s.cfg.model.mpp is not None else model
-    from vitlab.models.registry import build_model
-
     state = model_state(s)  # collective: every rank takes part
     if not s.world.is_main:
         return None

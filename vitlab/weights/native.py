@@ -21,7 +21,11 @@ import torch
 from torch import nn
 
 from ..config import Architecture, ConfigError, Pair, ResNetConfig, config_from_json, config_to_json, replace
+from .bit import save_bit_npz
 from .core import WeightsError, atomic_write, build_loaded
+from .huggingface import save_huggingface
+from .official import save_official_npz
+from .timm import save_timm
 
 CONFIG_KEY = "vitlab_config"
 # sha256 of the config text and every tensor byte: safetensors itself has no checksum, so
@@ -52,19 +56,11 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
         raise WeightsError(f"format={format!r}: allowed values are {', '.join(map(repr, FORMATS))}")
     if format == "official":
         if isinstance(cfg, ResNetConfig):
-            from .bit import save_bit_npz
-
             return save_bit_npz(model, path)
-        from .official import save_official_npz
-
         return save_official_npz(model, path)
     if format == "hf":
-        from .huggingface import save_huggingface
-
         return save_huggingface(model, path)
     if format == "timm":
-        from .timm import save_timm
-
         return save_timm(model, path)
     text = config_to_json(cfg)
     # clone: safetensors refuses tensors that share memory, and must not see views

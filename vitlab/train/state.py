@@ -18,6 +18,9 @@ from vitlab.models.registry import build_model
 from .config import TrainConfig, from_dict, to_dict
 from .overrides import field_value
 
+# torch.distributed.checkpoint is imported inside the FSDP paths below: it loads a large part of
+# torch.distributed (FSDP with it), which a single-process run never needs
+
 # fields that fix the data order, the model or the optimiser state: a resumed run must keep them
 RESUME_INVARIANTS = ("model.name", "model.overrides", "model.img_size", "model.init", "data.source",
                      "data.val_split", "data.split_seed", "data.train_examples", "data.class_subset",

@@ -118,12 +118,12 @@ def test_settings_carry_the_trainers_names_and_accept_the_former_ones(tmp_path, 
 
 
 def record_training(monkeypatch) -> list[str]:
-    """The output folders of the runs ``vitlab.train.train`` trains from now on, in order."""
-    import vitlab.train
+    """The output folders of the runs the experiments train (``vitlab.train.train``) from now on, in order."""
+    from vitlab.experiments import common
 
     trained = []
-    real_train = vitlab.train.train
-    monkeypatch.setattr(vitlab.train, "train", lambda cfg, **kw: trained.append(cfg.run.out) or real_train(cfg, **kw))
+    real_train = common.train
+    monkeypatch.setattr(common, "train", lambda cfg, **kw: trained.append(cfg.run.out) or real_train(cfg, **kw))
     return trained
 
 

@@ -20,6 +20,10 @@ from typing import Any, Union
 
 Pair = tuple[int, int]
 
+# The arithmetic a run or an evaluation computes in: fp32, or bf16 / fp16 autocast.  Training's
+# ``run.precision`` also takes "auto", which a run resolves to one of these when it is built.
+PRECISIONS = ("fp32", "bf16", "fp16")
+
 
 class ConfigError(ValueError):
     """A configuration field holds a value that cannot work."""

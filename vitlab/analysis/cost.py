@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..config import Architecture, Pair, ResNetConfig, ViTConfig, to_pair
 
@@ -163,14 +164,10 @@ def core_days(exaflops: float, flops_per_core: float = TPU_V3_CORE_BF16_FLOPS,
 
 
 def _sdpa_cpu_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    from torch.utils.flop_counter import sdpa_flop_count
-
     return sdpa_flop_count(query, key, value)
 
 
 def _sdpa_cpu_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-    from torch.utils.flop_counter import sdpa_backward_flop_count
-
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
@@ -182,8 +179,6 @@ def count_flops(model: nn.Module, *inputs: Any, backward: bool = False) -> int:
     and silently counts it as 0; the formulas it uses for the GPU kernels are added
     for it here.  With ``backward`` the sum of the output is back-propagated too.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     aten = torch.ops.aten
     mapping = {}
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):

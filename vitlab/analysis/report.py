@@ -11,21 +11,25 @@ from __future__ import annotations
 import base64
 import datetime
 import html
+import io
 import json
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
+import safetensors
 import torch
+from PIL import Image
 from torch import nn
 
+from vitlab.analysis.cost import model_flops
+from vitlab.data.memory import decode_image
 from vitlab.data.transforms import resize, to_float
 
 from . import attention as att
 from . import embeddings as emb
-
-# plots (matplotlib) is imported where a figure is drawn, so that reading run metadata stays light
+from . import plots  # matplotlib itself is imported where a figure is drawn: reading run metadata stays light
 
 __all__ = ["read_run_log", "read_run_meta", "model_card", "build_report", "write_report"]
 
@@ -68,8 +72,6 @@ def read_run_meta(checkpoint: str | os.PathLike) -> dict:
     meta: dict[str, Any] = {}
     if path.is_file() and path.suffix == ".safetensors":
         try:
-            import safetensors
-
             with safetensors.safe_open(str(path), framework="pt") as f:
                 extra = {k: v for k, v in (f.metadata() or {}).items() if k != "vitlab_config"}
             for k, v in extra.items():
@@ -106,8 +108,6 @@ def _load_images(images: Images) -> torch.Tensor:
         if x.dtype != torch.uint8 or x.ndim != 4 or x.shape[1] != 3:
             raise ValueError(f"expected uint8 images (B, 3, H, W), got {x.dtype} {tuple(x.shape)}")
         return x
-    from vitlab.data.memory import decode_image
-
     decoded = [torch.from_numpy(decode_image(p)).permute(2, 0, 1) for p in images]
     if not decoded:
         raise ValueError("no images given: the attention figures need at least one")
@@ -126,8 +126,6 @@ def model_card(model: nn.Module, meta: Mapping[str, Any] | None = None) -> list[
         rows.append(("checkpoint", str(meta["checkpoint"])))
     rows.append(("parameters", f"{sum(p.numel() for p in model.parameters()):,}"))
     try:
-        from vitlab.analysis.cost import model_flops
-
         rows.append(("forward GFLOPs / image", f"{model_flops(cfg) / 1e9:.3g}"))
     except Exception:  # noqa: BLE001 - the cost module is optional for the card
         rows.append(("forward GFLOPs / image", "n/a"))
@@ -198,8 +196,6 @@ def _png_tag(png: bytes, alt: str, width: int | None = None) -> str:
 
 
 def _figure(fig, alt: str, caption: str, width: int | None = None) -> str:
-    from . import plots
-
     return f"<figure>{_png_tag(plots.figure_png(fig), alt, width)}<figcaption>{caption}</figcaption></figure>"
 
 
@@ -228,9 +224,6 @@ def _note(text: str) -> str:
 
 
 def _image_png(image: torch.Tensor, size: int = 160) -> bytes:
-    from PIL import Image
-    import io
-
     arr = image.permute(1, 2, 0).numpy()
     img = Image.fromarray(arr)
     scale = max(1, size // max(arr.shape[:2]))
@@ -286,8 +279,6 @@ def _section_card(model: nn.Module, meta: Mapping[str, Any]) -> str:
 
 
 def _section_curves(run_dir: str | os.PathLike | None) -> str:
-    from . import plots
-
     if run_dir is None:
         return ""
     try:
@@ -339,8 +330,6 @@ def _attention_arrays(model: nn.Module, x: torch.Tensor) -> tuple[np.ndarray, np
 
 
 def _section_rollout(model: nn.Module, maps: np.ndarray, images: torch.Tensor) -> str:
-    from . import plots
-
     up = att.upsample_maps(maps, tuple(images.shape[-2:]))
     out_tok = "[class] token" if model.cfg.num_prefix_tokens else "average of the patch tokens (GAP)"
     caption = ("Attention rollout (Abnar &amp; Zuidema, 2020): in every layer the heads' attention "
@@ -353,8 +342,6 @@ def _section_rollout(model: nn.Module, maps: np.ndarray, images: torch.Tensor) -
 
 
 def _section_heads(maps: np.ndarray, images: torch.Tensor) -> str:
-    from . import plots
-
     caption = ("Raw attention of every layer (rows) and head (columns) for image 1: the attention "
                "weights from the output token to each patch, before any rollout, each cell scaled "
                "to its own maximum: which parts of the image single heads read, layer by layer.")
@@ -363,8 +350,6 @@ def _section_heads(maps: np.ndarray, images: torch.Tensor) -> str:
 
 
 def _section_distance(model: nn.Module, distance: np.ndarray, num_images: int) -> str:
-    from . import plots
-
     patch = att.effective_patch_size(model)
     caption = (f"For every head: the mean distance in pixels between a query patch and the patches it "
                f"attends to, weighted by the attention (patch tokens only, patch centres "
@@ -377,8 +362,6 @@ def _section_distance(model: nn.Module, distance: np.ndarray, num_images: int) -
 
 
 def _section_embeddings(model: nn.Module) -> str:
-    from . import plots
-
     cells = []
     try:
         comps, explained = emb.patch_embedding_pca(model, 28)

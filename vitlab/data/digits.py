@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from vitlab.data.memory import InMemoryDataset
+from vitlab.extras import require
 
 
 def load_digits_dataset(image_size: int = 24) -> InMemoryDataset:
@@ -25,8 +26,6 @@ def load_digits_dataset(image_size: int = 24) -> InMemoryDataset:
 @functools.lru_cache(maxsize=4)
 def _digits(image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoded once per process and size (scikit-learn's loader takes seconds)."""
-    from vitlab.extras import require
-
     digits = require("sklearn.datasets", "the digits data set").load_digits()
     x = torch.from_numpy(digits.images).float().unsqueeze(1) * (255.0 / 16.0)  # (N, 1, 8, 8) in [0, 255]
     if image_size != 8:

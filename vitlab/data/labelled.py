@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from vitlab.config import to_pair
-from vitlab.data.memory import InMemoryDataset, load_in_memory
+from vitlab.data.digits import load_digits_dataset
+from vitlab.data.memory import InMemoryDataset, load_in_memory, load_source_in_memory
 from vitlab.data.sources import DataError, PathLike
+from vitlab.data.stream import hold_out, open_source
 
 __all__ = ["load_labelled"]
 
@@ -30,17 +32,12 @@ def load_labelled(source: str, image_size, cache_dir: Optional[PathLike] = None,
     """
     size = to_pair(image_size, "image_size")
     if source == "digits":
-        from vitlab.data.digits import load_digits_dataset
-
         if size[0] != size[1]:
             raise DataError(f"img_size={size}: the digits source makes square images only")
         data = load_digits_dataset(size[0])
         data.key = f"digits@{size[0]}"
         return data
     if held_out is not None:
-        from vitlab.data.memory import load_source_in_memory
-        from vitlab.data.stream import hold_out, open_source
-
         _, part = hold_out(open_source(source, cache_dir), *held_out)
         data = load_source_in_memory(part, size, cache_dir, workers)
     else:

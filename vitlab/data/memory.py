@@ -42,6 +42,7 @@ from vitlab.data.sources import (
     scan_image_folder,
     source_key,
 )
+from vitlab.data.stream import is_stream_source, open_source
 
 __all__ = ["InMemoryDataset", "load_in_memory", "load_source_in_memory", "decode_image", "to_rgb",
            "usable_cores"]
@@ -197,8 +198,6 @@ def load_in_memory(
     Raises:
         DataError: no images, no class folders, sizes differ without ``image_size``.
     """
-    from vitlab.data.stream import is_stream_source, open_source
-
     if is_stream_source(str(path)):
         return load_source_in_memory(open_source(str(path), cache_dir), image_size, cache_dir, workers)
     size = None if image_size is None else to_pair(image_size, "image_size")

@@ -57,13 +57,16 @@ from typing import Iterator, Optional, Union
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vitlab.config import to_pair
 from vitlab.data.decode import SampleCrop, decode_crops
 from vitlab.data.draws import PartGenerators
+from vitlab.data.hub import arrow_source, is_hf_dataset, parquet_source
 from vitlab.data.loader import DeviceStage, copy_without_a_wait, derive_seed, one_ahead
-from vitlab.data.sources import DataError, StreamSource, Unread, describe_unread
+from vitlab.data.shards import shard_source
+from vitlab.data.sources import DataError, StreamSource, Unread, describe_unread, resolve_data_path, scan_image_folder
 from vitlab.data.transforms import TrainTransform, build_transform
 
 __all__ = ["expand_braces", "hold_out", "is_stream_source", "open_source", "StreamSource", "StreamDataset",
@@ -107,8 +110,6 @@ def _named_files(source: str) -> Optional[list[Path]]:
 def _streamed_kind(source: str) -> Optional[tuple[str, list[Path]]]:
     """("shards" | "parquet" | "hf", paths) for a source that streams, None for others
     (an ImageFolder or an archive of one)."""
-    from vitlab.data.hub import is_hf_dataset
-
     named = _named_files(source)
     if named is not None:
         kinds = {"parquet" if p.suffix == ".parquet" else "shards" for p in named}
@@ -150,8 +151,6 @@ def _read_folder_chunk(unit: tuple[int, int], skipped: Optional[list] = None, *,
 @functools.lru_cache(maxsize=4)
 def scan_folder(source: str, cache_dir=None):
     """``scan_image_folder`` of ``source``, listed once per process (14M files take a while)."""
-    from vitlab.data.sources import resolve_data_path, scan_image_folder
-
     return scan_image_folder(resolve_data_path(source, cache_dir))
 
 
@@ -174,9 +173,6 @@ def open_source(source: str, cache_dir=None) -> StreamSource:
     Raises:
         DataError: nothing usable there, or a reader's package is missing (its extra named).
     """
-    from vitlab.data.hub import arrow_source, parquet_source
-    from vitlab.data.shards import shard_source
-
     kind = _streamed_kind(source)
     if kind is None:
         return folder_source(source, cache_dir)
@@ -471,8 +467,6 @@ class StreamLoader:
     def state_dict(self) -> dict:
         """Per rank, per reader: [epoch, samples of that epoch handed out]; a collective
         call under torch.distributed (every rank's positions are gathered)."""
-        import torch.distributed as dist
-
         mine = [list(p) for p in self.positions]
         ranks = [mine]
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():

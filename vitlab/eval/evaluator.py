@@ -19,13 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitlab.config import PRECISIONS
 from vitlab.data.transforms import resize, to_float
 
 from .features import check_tta_shift, mean_probability, tta_views
 from .metrics import classification_report
-
-
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def autocast(device: torch.device, precision: str):

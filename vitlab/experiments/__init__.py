@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import json
 import shlex
 import sys
 import time
@@ -18,8 +19,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from vitlab.config import ConfigError
-from vitlab.experiments.common import FORMER_NAMES, Settings, recipe_data
+from vitlab.configs import load_recipe
+from vitlab.experiments.common import Settings
 from vitlab.experiments.tables import aggregate, machine, markdown_table, write_json
+from vitlab.train.legacy import FORMER_SETTING_NAMES
+
+DATA_RECIPE = "cifar10_scratch"  # the full-size forms' data: this recipe's data.source
 
 # name -> module
 EXPERIMENTS = {
@@ -46,12 +51,13 @@ def get(name: str):
 def defaults(name: str, quick: bool = False) -> dict:
     """Every setting of experiment ``name`` in its full-size or ``quick`` form, at its default:
     ``Settings``' fields, the experiment's ``OPTIONS``, then its ``DEFAULT`` or ``QUICK``.  The
-    full-size forms train on the data of ``common.DATA_RECIPE`` unless they name their own."""
+    full-size forms train on the data of ``DATA_RECIPE`` unless they name their own (for
+    ``cifar10_scratch`` an archive path relative to the repository root, as the README runs it)."""
     mod = get(name)
     values = Settings().as_dict()
     values["seeds"] = 1 if quick else 3
     if not quick:
-        values["data"] = recipe_data()
+        values["data"] = load_recipe(DATA_RECIPE).data.source
     values.update(getattr(mod, "OPTIONS", {}))
     values.update(mod.QUICK if quick else mod.DEFAULT)
     return values
@@ -60,7 +66,7 @@ def defaults(name: str, quick: bool = False) -> dict:
 def setting_name(name: str, key: str) -> str:
     """The setting ``key`` names in experiment ``name`` (a former name is mapped to today's); a
     ``ConfigError`` naming the close matches and every setting when it has none."""
-    key = FORMER_NAMES.get(key, key)
+    key = FORMER_SETTING_NAMES.get(key, key)
     known = set(defaults(name, quick=True)) | set(get(name).DEFAULT) | set(getattr(get(name), "OPTIONS", {}))
     if key not in known:
         close = difflib.get_close_matches(key, sorted(known), n=3)
@@ -140,8 +146,6 @@ def rows_of_earlier_seeds(name: str, out: Path, s: Settings, quick: bool) -> lis
     of that seed's run folders (``*-s<seed>``), as on a fresh checkout: where the folders are
     there, the run-by-run check (``finished_run``) decides, so a run retrained since still
     invalidates what was made from it."""
-    import json
-
     try:
         earlier = json.loads((out / "results.json").read_text())
         finished = min(int(earlier["settings"].get("seeds")), s.seeds)
@@ -158,11 +162,9 @@ def rows_of_earlier_seeds(name: str, out: Path, s: Settings, quick: bool) -> lis
 def same_size(name: str, quick: bool, recorded: dict, s: Settings) -> bool:
     """Whether settings a ``results.json`` recorded describe the experiment ``s`` describes, but
     for ``seeds`` and ``resume``.  They are read as today's: former names mapped
-    (``FORMER_NAMES``), a setting added since at its default (the value that run had), one the
+    (``FORMER_SETTING_NAMES``), a setting added since at its default (the value that run had), one the
     experiment no longer has left out."""
-    import json
-
-    recorded = {FORMER_NAMES.get(k, k): v for k, v in recorded.items()}
+    recorded = {FORMER_SETTING_NAMES.get(k, k): v for k, v in recorded.items()}
     now, default = s.as_dict(), defaults(name, quick)
     before = {k: recorded[k] if k in recorded else default.get(k) for k in now}
     for d in (before, now):

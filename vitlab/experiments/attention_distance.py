@@ -1,6 +1,8 @@
 """Mean attention distance per head against depth, for ViT and for the hybrid."""
 from __future__ import annotations
 
+from vitlab.analysis.attention import effective_patch_size, model_attention_distance, patch_distances
+from vitlab.analysis.plots import plot_distance_by_layer
 from vitlab.experiments.common import hybrid_overrides, load_images, load_trained, split, train_vit, vit_overrides
 
 TITLE = "mean attention distance per head against network depth"
@@ -16,8 +18,6 @@ DEFAULT = dict(img_size=32, val_split=5000, steps=100_000,
 
 
 def run(s, out):
-    from vitlab.analysis.attention import effective_patch_size, model_attention_distance, patch_distances
-
     images, labels, _ = load_images(s)
     _, val_idx = split(s, labels)
     probe = images[val_idx[: s.get("images", 64)]].float() / 127.5 - 1
@@ -38,8 +38,6 @@ def run(s, out):
 
 
 def plot(table):
-    from vitlab.analysis.plots import plot_distance_by_layer
-
     models = {}
     for name in ("ViT", "R+ViT"):
         rs = [r for r in table if r["model"] == name]

@@ -11,9 +11,9 @@ An experiment is a module of this package with
 
 The settings carry the trainer's names (``batch_size``, ``num_heads``, ``mlp_dim``,
 ``patch_size``, ``val_split``, ``time_limit``: the ``TrainConfig`` and ``ViTConfig`` fields
-they fill); ``FORMER_NAMES`` maps the names of earlier versions, which recorded commands and
-``results.json`` files hold.  The full-size forms train on the data of ``DATA_RECIPE``
-(CIFAR-10); ``--data`` overrides it.
+they fill); ``vitlab.train.legacy.FORMER_SETTING_NAMES`` maps the names of earlier versions,
+which recorded commands and ``results.json`` files hold.  The full-size forms train on the
+data of ``vitlab.experiments.DATA_RECIPE`` (CIFAR-10); ``--data`` overrides it.
 
 The runner (``vitlab.experiments.run_experiment``) writes ``out/results.json``,
 ``out/results.md`` (mean ± std over seeds), ``out/figure.png`` when matplotlib imports,
@@ -26,20 +26,23 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+import torch.nn.functional as F
+
+from vitlab.analysis.cost import training_flops
+from vitlab.config import ConfigError
+from vitlab.data import load_in_memory, stratified_split
+from vitlab.data.digits import load_digits_dataset
+from vitlab.models.registry import build_model
+from vitlab.train import train
+from vitlab.train.build import architecture
+from vitlab.train.config import (AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig,
+                                 from_dict, to_dict)
+from vitlab.train.optim import muon_step_flops
+from vitlab.train.overrides import with_changes
+from vitlab.weights import load_model
+
 DIGITS = "digits"
-DATA_RECIPE = "cifar10_scratch"  # the full-size forms' data: this recipe's data.source
-
-# the settings' names before they were the trainer's (results.json files and commands written then hold them)
-FORMER_NAMES = {"val": "val_split", "minutes": "time_limit", "batch": "batch_size", "heads": "num_heads",
-                "mlp": "mlp_dim", "patch": "patch_size"}
-
-
-def recipe_data(recipe: str = DATA_RECIPE) -> str:
-    """The data source a recipe trains on (for ``cifar10_scratch`` an archive path relative to the
-    repository root, as the README runs it)."""
-    from vitlab.configs import load_recipe
-
-    return load_recipe(recipe).data.source
 
 
 @dataclass
@@ -158,9 +161,6 @@ def train_config(s: Settings, out: Path, seed: int, overrides: dict, changes: di
     Real data trains with ``precision="auto"``, as the recipes do (bf16 autocast where the CPU
     or GPU runs it faster than fp32, by the rule in ``vitlab.fast``), so a time-limited run
     gets the steps the hardware can give it; the digits of the quick forms train in fp32."""
-    from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
-    from vitlab.train.overrides import with_changes
-
     cfg = TrainConfig(
         recipe="experiment",
         model=ModelConfig(name="ViT-Ti/16", overrides=dict(overrides)),
@@ -178,10 +178,6 @@ def train_config(s: Settings, out: Path, seed: int, overrides: dict, changes: di
 
 def train_vit(s: Settings, out: Path, seed: int, overrides: dict, changes: dict | None = None) -> dict:
     """Train one ViT (or hybrid) through ``vitlab.train.train``; the summary plus its FLOPs."""
-    from vitlab.analysis.cost import training_flops
-    from vitlab.train import train
-    from vitlab.train.build import architecture
-
     cfg = train_config(s, out, seed, overrides, changes)
     summary = finished_run(cfg) if s.resume else None
     if summary is None:
@@ -203,11 +199,6 @@ def optimiser_flops_per_step(model_cfg, optimizer: str) -> int:
     the paper's count (3 x forward) leaves out as well."""
     if optimizer != "muon":
         return 0
-    import torch
-
-    from vitlab.models.registry import build_model
-    from vitlab.train.optim import muon_step_flops
-
     with torch.device("meta"):  # shapes only
         model = build_model(model_cfg)
     return muon_step_flops(model)
@@ -222,9 +213,6 @@ def finished_run(cfg) -> dict | None:
     starts from other weights (``model.init``, a pre-training run's) counts only if those
     weights are older than its summary: a pre-training run trained again since invalidates
     the fine-tuning runs made from its previous weights."""
-    from vitlab.config import ConfigError
-    from vitlab.train.config import from_dict, to_dict
-
     def as_json(c) -> dict:
         return json.loads(json.dumps(to_dict(c)))
 
@@ -254,16 +242,10 @@ def load_images(s: Settings, size: int | None = None):
     """(images uint8 (N, 3, H, W), labels, classes) of the experiment's data at ``size``."""
     size = size or s.img_size
     if s.digits:
-        from vitlab.data.digits import load_digits_dataset
-
         d = load_digits_dataset(size)
     else:
-        from vitlab.data import load_in_memory
-
         d = load_in_memory(s.data)
         if d.images.shape[-1] != size:
-            import torch.nn.functional as F
-
             d.images = F.interpolate(d.images.float(), size=(size, size), mode="bilinear",
                                      antialias=True).round().clamp(0, 255).byte()
     return d.images, d.labels, d.classes
@@ -271,8 +253,6 @@ def load_images(s: Settings, size: int | None = None):
 
 def split(s: Settings, labels):
     """The engine's held-out split: ``stratified_split(labels, val, split_seed=0)``."""
-    from vitlab.data import stratified_split
-
     return stratified_split(labels, s.val_split, 0)
 
 
@@ -290,29 +270,6 @@ def train_resnet(s: Settings, out: Path, seed: int, resnet: dict, optimizer: str
     return train_vit(s, out, seed, {}, changes)
 
 
-def fewshot(model, s: Settings, shots: Sequence[int] = (5,), train_examples: int = 0) -> dict:
-    """Linear few-shot top-1 of frozen features: pool = the training split, evaluated on the held-out one."""
-    from vitlab.data import stratified_split
-    from vitlab.eval.features import extract_features
-    from vitlab.eval.fewshot import fewshot_evaluate
-
-    images, labels, _ = load_images(s)
-    if train_examples:
-        _, keep = stratified_split(labels, int(train_examples), 1)
-        images, labels = images[keep], labels[keep]
-    train_idx, val_idx = split(s, labels)
-    model.eval()
-    pool = extract_features(model, images[train_idx], image_size=s.img_size)
-    ev = extract_features(model, images[val_idx], image_size=s.img_size)
-    per_class = int(min(__import__("numpy").bincount(labels[train_idx].numpy())))
-    shots = [k for k in shots if k + 2 <= per_class] or [max(1, per_class // 3)]
-    r = fewshot_evaluate(pool, labels[train_idx].numpy(), ev, labels[val_idx].numpy(), shots=shots, seeds=(0,),
-                         holdout_per_class=min(10, max(1, per_class - max(shots) - 1)))
-    return {f"fewshot_{k}": float(sum(v) / len(v)) for k, v in r.accuracy.items()}
-
-
 def load_trained(summary: dict):
     """The model a ``train_vit``/``train_resnet`` run saved."""
-    from vitlab.weights import load_model
-
     return load_model(summary["weights"])

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from vitlab.analysis.cost import model_flops
+from vitlab.analysis.plots import plot_lines
+from vitlab.config import ResNetConfig, ViTConfig
+from vitlab.configs.cifar10_scratch import LEARNING_RATES, OPTIMIZERS, PATCH_INITS, POSEMB_INITS
 from vitlab.experiments.common import (hybrid_overrides, optimiser_flops_per_step, stem, train_resnet, train_vit,
                                        vit_overrides)
 from vitlab.experiments.tables import lines_of
@@ -30,8 +34,6 @@ OPTIONS = dict(resnet_layers=None)
 
 def architecture(overrides_or_resnet, resnet: bool = False):
     """The ViTConfig (or ResNetConfig) of an experiment model's overrides, for counting its FLOPs."""
-    from vitlab.config import ResNetConfig, ViTConfig
-
     if resnet:
         return ResNetConfig(**dict(overrides_or_resnet, num_classes=10))
     d = dict(overrides_or_resnet)
@@ -42,15 +44,11 @@ def architecture(overrides_or_resnet, resnet: bool = False):
 
 
 def forward_flops(overrides_or_resnet, resnet: bool = False) -> int:
-    from vitlab.analysis.cost import model_flops
-
     return model_flops(architecture(overrides_or_resnet, resnet))
 
 
 def vit_muon_changes() -> dict:
     """The plain-ViT recipe's optimiser, lr and starting points, as ``train_config`` changes."""
-    from vitlab.configs.cifar10_scratch import LEARNING_RATES, OPTIMIZERS, PATCH_INITS, POSEMB_INITS
-
     return {"optim.optimizer": OPTIMIZERS["vit"], "optim.lr": LEARNING_RATES["vit"],
             "model.patch_init": PATCH_INITS["vit"], "model.posemb_init": POSEMB_INITS["vit"]}
 
@@ -84,7 +82,5 @@ def run(s, out):
 
 
 def plot(table):
-    from vitlab.analysis.plots import plot_lines
-
     return plot_lines(lines_of(table, "train_eflops", "val_top1", "model"), "train_eflops", "val_top1",
                       "accuracy vs training exaFLOPs", logx=True)

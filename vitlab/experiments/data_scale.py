@@ -1,7 +1,16 @@
 """ViT against a BiT ResNet of similar cost, trained on growing subsets of the data."""
 from __future__ import annotations
 
-from vitlab.experiments.common import fewshot, load_trained, stem, train_resnet, train_vit, vit_overrides
+from typing import Sequence
+
+import numpy as np
+
+from vitlab.analysis.plots import plot_lines
+from vitlab.data import stratified_split
+from vitlab.eval.features import extract_features
+from vitlab.eval.fewshot import fewshot_evaluate
+from vitlab.experiments.common import (Settings, load_images, load_trained, split, stem, train_resnet, train_vit,
+                                       vit_overrides)
 from vitlab.experiments.tables import lines_of
 
 TITLE = "ViT vs ResNet against pre-training data size: fine-tuned and linear few-shot accuracy"
@@ -37,8 +46,23 @@ def run(s, out):
     return rows
 
 
-def plot(table):
-    from vitlab.analysis.plots import plot_lines
+def fewshot(model, s: Settings, shots: Sequence[int] = (5,), train_examples: int = 0) -> dict:
+    """Linear few-shot top-1 of frozen features: pool = the training split, evaluated on the held-out one."""
+    images, labels, _ = load_images(s)
+    if train_examples:
+        _, keep = stratified_split(labels, int(train_examples), 1)
+        images, labels = images[keep], labels[keep]
+    train_idx, val_idx = split(s, labels)
+    model.eval()
+    pool = extract_features(model, images[train_idx], image_size=s.img_size)
+    ev = extract_features(model, images[val_idx], image_size=s.img_size)
+    per_class = int(min(np.bincount(labels[train_idx].numpy())))
+    shots = [k for k in shots if k + 2 <= per_class] or [max(1, per_class // 3)]
+    r = fewshot_evaluate(pool, labels[train_idx].numpy(), ev, labels[val_idx].numpy(), shots=shots, seeds=(0,),
+                         holdout_per_class=min(10, max(1, per_class - max(shots) - 1)))
+    return {f"fewshot_{k}": float(sum(v) / len(v)) for k, v in r.accuracy.items()}
 
+
+def plot(table):
     return plot_lines(lines_of(table, "examples", "val_top1", "model"), "examples", "val_top1",
                       "accuracy vs training examples", logx=True)

@@ -1,6 +1,7 @@
 """[class] token against global average pooling, at two learning rates."""
 from __future__ import annotations
 
+from vitlab.analysis.plots import plot_bars
 from vitlab.experiments.common import train_vit, vit_overrides
 from vitlab.experiments.tables import bars_of
 
@@ -29,6 +30,4 @@ def run(s, out):
 
 
 def plot(table):
-    from vitlab.analysis.plots import plot_bars
-
     return plot_bars(*bars_of(table, ["classifier", "lr"], "val_top1"), ylabel="val_top1", title="[class] token vs GAP")

@@ -12,15 +12,16 @@ A budget of 0 is step-bounded (``steps``, the quick form).
 """
 from __future__ import annotations
 
+from vitlab.analysis.plots import plot_bars
 from vitlab.experiments.common import train_vit, vit_overrides
 from vitlab.experiments.tables import bars_of
+from vitlab.models.mpp import TARGETS
 
 TITLE = "masked patch prediction (self-supervised) pre-training vs training from scratch"
 PAPER = ("Sec. 4.6: MPP pre-training of ViT-B/16 on JFT gives 79.9% ImageNet, +2% over scratch "
          "but 4% below supervised pre-training")
 SUMMARY = ("budget_min", "run")
 METRICS = ("val_top1", "wall_s", "steps")
-TARGETS = ("color", "color4x4", "pixels")
 QUICK = dict(steps=20, budgets=(0,), seeds=1)
 # 2 seeds x (4 runs x 3 minutes + 2 runs x 9 minutes) = 60 minutes
 DEFAULT = dict(img_size=32, val_split=5000, steps=100_000, batch_size=128, lr=1e-3, width=192, depth=6,
@@ -79,7 +80,5 @@ def _init(s) -> dict:
 
 
 def plot(table):
-    from vitlab.analysis.plots import plot_bars
-
     return plot_bars(*bars_of(table, ["budget_min", "run"], "val_top1"), ylabel="val_top1",
                      title="MPP pre-training vs scratch, equal total time")

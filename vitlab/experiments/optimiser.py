@@ -1,6 +1,7 @@
 """Adam against SGD with momentum for the ResNet baseline."""
 from __future__ import annotations
 
+from vitlab.analysis.plots import plot_bars
 from vitlab.experiments.common import stem, train_resnet
 from vitlab.experiments.tables import bars_of
 
@@ -28,6 +29,4 @@ def run(s, out):
 
 
 def plot(table):
-    from vitlab.analysis.plots import plot_bars
-
     return plot_bars(*bars_of(table, ["optimizer", "lr"], "val_top1"), ylabel="val_top1", title="ResNet: Adam vs SGD")

@@ -1,6 +1,7 @@
 """Position embeddings: none / 1D / 2D / relative, added at the stem / every layer / every layer shared."""
 from __future__ import annotations
 
+from vitlab.analysis.plots import plot_bars
 from vitlab.experiments.common import train_vit, vit_overrides
 from vitlab.experiments.tables import bars_of
 
@@ -30,6 +31,4 @@ def run(s, out):
 
 
 def plot(table):
-    from vitlab.analysis.plots import plot_bars
-
     return plot_bars(*bars_of(table, ["posemb", "place"], "val_top1"), ylabel="val_top1", title="position embeddings")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from vitlab.analysis.embeddings import position_similarity
+from vitlab.analysis.plots import plot_bars, plot_position_similarity
 from vitlab.experiments.common import load_trained, train_vit, vit_overrides
 from vitlab.experiments.tables import bars_of
 
@@ -35,8 +37,6 @@ def locality(sim: np.ndarray) -> tuple[float, float]:
 
 
 def run(s, out):
-    from vitlab.analysis.embeddings import position_similarity
-
     rows = []
     for seed in s.new_seeds():
         for patch in s.get("patches"):
@@ -56,8 +56,6 @@ def run(s, out):
 
 def _figure(sim, paths, title: str):
     try:
-        from vitlab.analysis.plots import plot_position_similarity
-
         fig = plot_position_similarity(sim)
         fig.axes[0].set_title(f"Position embedding similarity: {title}", fontsize=10)
         for path in paths:
@@ -67,7 +65,5 @@ def _figure(sim, paths, title: str):
 
 
 def plot(table):
-    from vitlab.analysis.plots import plot_bars
-
     return plot_bars(*bars_of(table, ["patch", "lr"], "locality"), ylabel="locality",
                      title="near minus far position-embedding similarity")

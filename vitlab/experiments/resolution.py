@@ -8,6 +8,7 @@ experiment's second part, is a benchmark: ``python benchmarks/figure12.py``.  Th
 """
 from __future__ import annotations
 
+from vitlab.analysis.plots import plot_bars
 from vitlab.experiments.common import train_vit, vit_overrides
 from vitlab.experiments.tables import bars_of
 
@@ -48,7 +49,5 @@ def finetune(s, out) -> list[dict]:
 
 
 def plot(table):
-    from vitlab.analysis.plots import plot_bars
-
     return plot_bars(*bars_of(table, ["img_size"], "val_top1"), ylabel="val_top1",
                      title="fine-tuned at each size (px), pre-trained at the first")

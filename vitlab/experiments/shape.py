@@ -1,8 +1,12 @@
 """Depth, width, MLP size and patch size scaled from one base model."""
 from __future__ import annotations
 
+from vitlab.analysis.cost import model_flops
+from vitlab.analysis.plots import plot_lines
+from vitlab.config import ViTConfig
 from vitlab.experiments.common import train_vit, vit_overrides
 from vitlab.experiments.tables import lines_of
+from vitlab.models import create_model
 
 TITLE = "scaling the model's shape: depth, width, MLP size, patch size"
 PAPER = ("Fig. 8: depth helps most (up to 64 layers, diminishing after 16), width least; a smaller patch "
@@ -25,24 +29,19 @@ def variants(s):
 
 
 def run(s, out):
-    from vitlab.analysis.cost import model_flops
-    from vitlab.config import ViTConfig
-
     rows = []
     for seed in s.new_seeds():
         for dim, f, change in variants(s):
             over = vit_overrides(s, **change)
             cfg = ViTConfig(**{k: v for k, v in over.items() if k != "name"}, num_classes=10)
             r = train_vit(s, out / f"{dim}-{f}-s{seed}", seed, over)
-            params = sum(p.numel() for p in __import__("vitlab").create_model(cfg).parameters())
+            params = sum(p.numel() for p in create_model(cfg).parameters())
             rows.append(dict(dimension=dim, value=f, seed=seed, val_top1=r["val_top1"], gflops=model_flops(cfg) / 1e9,
                              params_m=params / 1e6, steps=r["steps"], wall_s=r["wall_s"]))
     return rows
 
 
 def plot(table):
-    from vitlab.analysis.plots import plot_lines
-
     base = [r for r in table if r["dimension"] == "base"]
     rows = table + [dict(b, dimension=d) for b in base for d in ("depth", "width", "mlp", "patch")]
     rows = [r for r in rows if r["dimension"] != "base"]

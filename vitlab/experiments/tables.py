@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Sequence
+
+import torch
+
+from vitlab.fast.kernels import cpu_info
 
 
 def aggregate(rows: list[dict], keys: Sequence[str], metrics: Sequence[str]) -> list[dict]:
@@ -71,22 +76,10 @@ def bars_of(table: list[dict], label_keys: Sequence[str], y: str) -> tuple[list[
 
 
 def machine() -> str:
-    """CPU model and core count (from /proc/cpuinfo) and the GPU when there is one."""
-    import os
-    import platform
-
-    name = platform.processor() or platform.machine()
+    """CPU model and core count (``vitlab.fast.kernels.cpu_info``) and the GPU when there is one."""
+    info = cpu_info()
+    text = f"{info.model or info.machine}, {os.cpu_count()} cores"
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    text = f"{name}, {os.cpu_count()} cores"
-    try:
-        import torch
-
         if torch.cuda.is_available():
             text += f", {torch.cuda.get_device_name(0)}"
     except Exception:  # noqa: BLE001

@@ -1,6 +1,7 @@
 """Pre-train on five classes, fine-tune on the other five at a higher resolution, against scratch."""
 from __future__ import annotations
 
+from vitlab.analysis.plots import plot_bars
 from vitlab.experiments.common import hybrid_overrides, train_vit
 from vitlab.experiments.tables import bars_of
 
@@ -49,7 +50,5 @@ def run(s, out):
 
 
 def plot(table):
-    from vitlab.analysis.plots import plot_bars
-
     return plot_bars(*bars_of(table, ["run", "img_size"], "val_top1"), ylabel="val_top1",
                      title="transfer to the other five classes")

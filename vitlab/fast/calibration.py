@@ -31,7 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import (BF16_KERNELS, FP32_KERNELS, PRECISIONS, KernelChoice, calibration_key, calibration_path,
+from vitlab.config import replace
+from vitlab.models.registry import build_model, get_config
+
+from .kernels import (BF16_KERNELS, FP32_KERNELS, KERNEL_PRECISIONS, KernelChoice, calibration_key, calibration_path,
                       cpu_info, onednn_report, why_unavailable)
 from .modules import FastOptions, install
 
@@ -52,9 +55,6 @@ def candidates(precision: str) -> list[KernelChoice]:
 
 
 def _model(mode: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    from vitlab.config import replace
-    from vitlab.models.registry import build_model, get_config
-
     _, name, overrides, batch = WORKLOADS[mode]
     cfg = replace(get_config(name), dropout=0.0, **overrides)
     generator = torch.Generator().manual_seed(0)
@@ -107,7 +107,7 @@ def time_steps(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, f
 def measure(rounds: int = 3, precisions: tuple[str, ...] | None = None,
             say: Callable[[str], None] = lambda line: None) -> dict[str, dict[str, dict[str, float]]]:
     """{precision: {mode: {"plain" or a choice's key: median seconds per step}}}."""
-    precisions = precisions or tuple(p for p in PRECISIONS if p == "fp32" or onednn_report().bf16)
+    precisions = precisions or tuple(p for p in KERNEL_PRECISIONS if p == "fp32" or onednn_report().bf16)
     results: dict[str, dict[str, dict[str, float]]] = {}
     for precision in precisions:
         results[precision] = {}
@@ -146,7 +146,7 @@ def decide(results: dict[str, dict[str, dict[str, float]]]) -> tuple[KernelChoic
                 fields[mode].append(precision)
             best_seconds[precision][mode] = min(seconds[best], seconds["plain"])
     for mode in ("training", "inference"):  # a precision not measured keeps the fast path
-        fields[mode] += [p for p in PRECISIONS if p not in results]
+        fields[mode] += [p for p in KERNEL_PRECISIONS if p not in results]
     bf16_faster = "bf16" in best_seconds and all(
         best_seconds["bf16"][m] < best_seconds["fp32"][m] for m in best_seconds["fp32"])
     return KernelChoice(**fields), "bf16" if bf16_faster else "fp32"

@@ -47,7 +47,7 @@ import torch
 FP32_KERNELS = ("aten", "onednn")
 BF16_KERNELS = ("aten", "onednn", "widened")
 ATTENTION = ("fused", "explicit")
-PRECISIONS = ("fp32", "bf16")
+KERNEL_PRECISIONS = ("fp32", "bf16")  # the precisions fast blocks have kernels for (fp16 runs the plain model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +63,10 @@ class KernelChoice:
     def __post_init__(self) -> None:
         for mode in ("training", "inference"):
             precisions = getattr(self, mode)
-            if isinstance(precisions, str) or not set(precisions) <= set(PRECISIONS):
-                raise ValueError(f"KernelChoice.{mode}={precisions!r}: expected a list of {', '.join(PRECISIONS)}")
-            object.__setattr__(self, mode, tuple(p for p in PRECISIONS if p in precisions))  # JSON gives lists
+            if isinstance(precisions, str) or not set(precisions) <= set(KERNEL_PRECISIONS):
+                raise ValueError(f"KernelChoice.{mode}={precisions!r}: expected a list of "
+                                 f"{', '.join(KERNEL_PRECISIONS)}")
+            object.__setattr__(self, mode, tuple(p for p in KERNEL_PRECISIONS if p in precisions))  # JSON gives lists
         for name, allowed in (("fp32", FP32_KERNELS), ("bf16", BF16_KERNELS), ("attention", ATTENTION)):
             value = getattr(self, name)
             if value not in allowed:
@@ -73,7 +74,8 @@ class KernelChoice:
 
     def describe(self) -> str:
         """One line for logs: ``fp32 onednn, bf16 onednn, attention fused``."""
-        plain = [f"{p} {mode}" for mode in ("training", "inference") for p in PRECISIONS if p not in getattr(self, mode)]
+        plain = [f"{p} {mode}" for mode in ("training", "inference") for p in KERNEL_PRECISIONS
+                 if p not in getattr(self, mode)]
         return (f"fp32 {self.fp32}, bf16 {self.bf16}, attention {self.attention}"
                 + (f", plain in {', '.join(plain)}" if plain else ""))
 
@@ -308,11 +310,6 @@ def auto_precision(device: torch.device | str, path: Path | None = None) -> str:
     if device.type != "cpu" or not onednn_report().bf16:
         return "fp32"
     entry = stored_entry(path)
-    if entry and entry.get("precision") in PRECISIONS:
+    if entry and entry.get("precision") in KERNEL_PRECISIONS:
         return entry["precision"]
     return rule_for().precision
-
-
-def bf16_is_faster(device: torch.device | str) -> bool:
-    """Whether ``precision="auto"`` means bf16 on ``device`` (``auto_precision``)."""
-    return auto_precision(device) == "bf16"

@@ -15,6 +15,9 @@ import torch
 from torch import nn
 
 from ..config import Architecture, ConfigError, ResNetConfig, ViTConfig, replace
+from .axial import AxialVisionTransformer
+from .resnet import BiTResNet
+from .vit import VisionTransformer
 
 # Paper Table 1, plus Ti and S from the official code (width, depth, mlp_dim, num_heads).
 VIT_SIZES: dict[str, tuple[int, int, int, int]] = {
@@ -130,15 +133,9 @@ def get_config(name: str, **overrides: Any) -> Architecture:
 def build_model(cfg: Architecture) -> nn.Module:
     """Instantiate the module that ``cfg`` describes."""
     if isinstance(cfg, ResNetConfig):
-        from .resnet import BiTResNet
-
         return BiTResNet(cfg)
     if cfg.axial:
-        from .axial import AxialVisionTransformer
-
         return AxialVisionTransformer(cfg)
-    from .vit import VisionTransformer
-
     return VisionTransformer(cfg)
 
 

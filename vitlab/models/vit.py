@@ -23,6 +23,7 @@ from ..config import Pair, ViTConfig
 from .init import lecun_normal_
 from .layers import Block
 from .posemb import LearnedPosEmb1D, LearnedPosEmb2D
+from .resnet import ResNetFeatures
 
 
 def make_posemb(cfg: ViTConfig) -> nn.Module | None:
@@ -56,8 +57,6 @@ class VisionTransformer(nn.Module):
         self.stem: nn.Module | None = None
         in_chans = cfg.in_chans
         if cfg.resnet is not None:
-            from .resnet import ResNetFeatures  # only hybrids need the ResNet code
-
             self.stem = ResNetFeatures(cfg.resnet)
             in_chans = self.stem.out_channels
         self.patch_embed = nn.Conv2d(in_chans, D, kernel_size=cfg.patch_size, stride=cfg.patch_size)

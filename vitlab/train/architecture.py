@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional, Protocol
 
 from vitlab.config import Architecture, ConfigError, ResNetConfig, ViTConfig, replace
+from vitlab.models.registry import get_config
 
 
 class ModelSection(Protocol):
@@ -27,8 +28,6 @@ def model_architecture(model: ModelSection, num_classes: int | None = None,
                        dynamic_img_size: bool = False) -> Architecture:
     """The architecture of a from-scratch model section: its registry name with its
     overrides, resolution and class count (ConfigError names a bad field)."""
-    from vitlab.models.registry import get_config
-
     overrides = dict(model.overrides)
     new_name = overrides.pop("name", None)
     if model.img_size is not None:

@@ -21,8 +21,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from vitlab.config import (ConfigError, is_int, is_number, need, need_bool, need_choice, need_count_or_fraction,
-                           need_int, need_number)
+from vitlab.config import (PRECISIONS, ConfigError, is_int, is_number, need, need_bool, need_choice,
+                           need_count_or_fraction, need_int, need_number)
 from vitlab.data.transforms import Augmentation, TrainTransform
 from vitlab.models.mpp import TARGETS as MPP_TARGETS
 from vitlab.models.registry import canonical_name, list_models
@@ -32,7 +32,6 @@ from .legacy import nested_dict
 
 OPTIMIZERS = ("adam", "sgd", "muon")
 DECAYS = ("cosine", "linear", "constant")
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 ON_NONFINITE = ("stop", "skip")
 LOSSES = ("softmax_xent", "sigmoid_xent")
 WD_SCOPES = ("kernels", "all")
@@ -246,7 +245,7 @@ class RunConfig(Section):
 
     def __post_init__(self) -> None:
         self.check_bools()
-        need_choice("run.precision", self.precision, PRECISIONS)
+        need_choice("run.precision", self.precision, ("auto", *PRECISIONS))
         need_choice("run.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         need(is_number(self.loss_scale) and self.loss_scale > 0, "run.loss_scale", self.loss_scale,
              "must be a number > 0, e.g. 65536")

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from vitlab.models.layers import Block
 
 
 @dataclass(frozen=True)
@@ -86,18 +89,16 @@ def wrap_model(model: nn.Module, world: World, fsdp: bool) -> nn.Module:
         # FSDP2 (fully_shard): every Transformer block is one unit whose parameters are
         # gathered for its forward and backward and sharded again after; it runs on
         # CPU (gloo) as well as on GPUs, unlike the older FullyShardedDataParallel.
+        # imported here: FSDP's modules load a good part of torch.distributed, which a
+        # single-process run (nearly every run) never needs
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-
-        from vitlab.models.layers import Block
 
         mesh = init_device_mesh(world.device.type, (world.size,))
         for module in model.modules():
             if isinstance(module, Block):
                 fully_shard(module, mesh=mesh)
         return fully_shard(model, mesh=mesh)  # the same object, its parameters now DTensor shards
-    from torch.nn.parallel import DistributedDataParallel
-
     return DistributedDataParallel(model, device_ids=[world.device] if world.device.type == "cuda" else None)
 
 

@@ -19,10 +19,14 @@ from typing import Iterator
 import torch
 
 from vitlab.config import ConfigError, Pair
+from vitlab.data.labelled import load_labelled
+from vitlab.data.memory import load_source_in_memory, usable_cores
 from vitlab.data.sources import DataError
 from vitlab.data.splits import stratified_split
+from vitlab.data.stream import hold_out, is_stream_source, open_source, scan_folder
 
 from .config import TrainConfig
+from .distributed import barrier
 from .overrides import with_changes
 
 log = logging.getLogger(__name__)
@@ -51,8 +55,6 @@ class Splits:
 
 def load_dataset(cfg: TrainConfig, image_size: Pair):
     """The whole labelled set as an ``InMemoryDataset``, resized to ``image_size``."""
-    from vitlab.data.labelled import load_labelled
-
     try:
         return load_labelled(cfg.data.source, image_size, cfg.data.cache_dir, cfg.data.decode_workers)
     except DataError as err:
@@ -103,8 +105,6 @@ def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
 def streams(cfg: TrainConfig, image_size: Pair) -> bool:
     """Whether the run streams its training set (``data.stream``; "auto": sets stored to be
     streamed, and folders whose decoded size exceeds ``data.memory_limit_gb``)."""
-    from vitlab.data.stream import is_stream_source, scan_folder
-
     data = cfg.data
     if data.source == "digits":
         if data.stream == "stream":
@@ -121,8 +121,6 @@ def streams(cfg: TrainConfig, image_size: Pair) -> bool:
 def cores_per_process() -> int:
     """This process's share of the cores: those it may use over the processes torchrun
     started on this machine (``LOCAL_WORLD_SIZE``)."""
-    from vitlab.data.memory import usable_cores
-
     return max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
@@ -143,9 +141,6 @@ def resolve_data(cfg: TrainConfig, image_size: Pair) -> tuple[TrainConfig, dict]
 def stream_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
     """A streamed training set: its classes and size, and ``data.val_split``'s whole units
     held out (``vitlab.data.stream.hold_out``) and decoded into memory for validation."""
-    from vitlab.data.memory import load_source_in_memory
-    from vitlab.data.stream import hold_out, open_source
-
     data = cfg.data
     for name, value in (("train_examples", data.train_examples), ("class_subset", data.class_subset)):
         if value:
@@ -174,8 +169,6 @@ def stream_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
 def load_val_data(cfg: TrainConfig, image_size: Pair, classes: list[str], world=None) -> tuple:
     """(images, labels, images left out as unreadable) of ``data.val_data`` decoded into memory
     at ``image_size``; its class names must be the training set's."""
-    from vitlab.data.labelled import load_labelled
-
     data = cfg.data
     val = decoded_once(lambda: load_labelled(data.val_data, image_size, data.cache_dir, data.decode_workers), world)
     if data.class_subset and set(data.class_subset) <= set(val.classes):
@@ -190,8 +183,6 @@ def load_val_data(cfg: TrainConfig, image_size: Pair, classes: list[str], world=
 def decoded_once(load, world=None):
     """``load()``, a decoding into the cache: under torch.distributed rank 0 decodes first
     and the other ranks then read what it cached."""
-    from .distributed import barrier
-
     main = world is None or world.is_main
     if not main:
         barrier(world)

@@ -1,8 +1,14 @@
-"""The flat field names of ``TrainConfig`` before it had sections.
+"""The names of earlier versions, and what they are called now.
 
+``LEGACY_NAMES``: the flat field names of ``TrainConfig`` before it had sections.
 Checkpoints and run folders written then hold a flat config dict (``{"lr": ..., "data":
 ...}``); ``from_dict`` reads it through ``nested_dict``, and ``--set lr=0.01`` still works
 through ``LEGACY_NAMES``.  The table is frozen: a new field gets no flat name.
+
+``FORMER_SETTING_NAMES``: the experiments' settings (``vitlab.experiments``) before they
+carried the trainer's names; recorded commands (``--set val=5000``) and ``results.json``
+files written then hold them.  A table of its own: ``val`` or ``minutes`` is no field name
+of the trainer's, and ``data`` means the data source in both (``data.source`` here).
 """
 from __future__ import annotations
 
@@ -25,6 +31,9 @@ LEGACY_NAMES = {
         "time_measure_steps", "eval_every", "eval_batch_size", "eval_flip", "final_eval_shift", "log_every",
         "tensorboard", "ckpt_every", "keep_ckpts", "out")},
 }
+
+FORMER_SETTING_NAMES = {"val": "val_split", "minutes": "time_limit", "batch": "batch_size", "heads": "num_heads",
+                        "mlp": "mlp_dim", "patch": "patch_size"}
 
 # the sections the flat names were spread over ("model" was a flat name too: the model's name)
 _SECTIONS = {path.split(".", 1)[0] for path in LEGACY_NAMES.values() if "." in path}

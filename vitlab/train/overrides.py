@@ -17,23 +17,33 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import types
+import typing
 from typing import Any
 
 from vitlab.config import ConfigError, ResNetConfig, ViTConfig, is_int
+from vitlab.models.registry import get_config
 
 from .config import SECTIONS, ModelConfig, TrainConfig
 from .legacy import LEGACY_NAMES
 from .schedules import scaled_warmup
 
+
+def members(annotation: Any) -> tuple:
+    """The types an annotation admits: a union's members (``Optional[str]``: str and NoneType), else itself."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return typing.get_args(annotation) if union else (annotation,)
+
+
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+# every field's annotation as a type (the sections declare them as text), by "section.field"
+FIELD_TYPES = {f"{name}.{f.name}": typing.get_type_hints(cls)[f.name]
+               for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+# the fields that take "auto" or a count (``int | str``, default "auto"): the text "3" is the count
+AUTO_OR_COUNT = {f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+                 if f.default == "auto" and set(members(FIELD_TYPES[f"{name}.{f.name}"])) == {int, str}}
 # the architecture's fields, ``--set model.<field>=value``: a ViT's or a BiT ResNet's (their defaults give the type)
 ARCHITECTURE_FIELDS = {f.name: f.default for cls in (ResNetConfig, ViTConfig) for f in dataclasses.fields(cls)}
-# the type of the fields whose default is None, shown by an example value
-OPTIONAL_TYPES = {"model.init": "", "model.img_size": 0, "data.source": "", "data.val_data": "",
-                  "data.cache_dir": "", "optim.muon_adamw_lr": 0.0}
-# the fields that take "auto" or a count: the text "3" is the count
-AUTO_OR_COUNT = {f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)
-                 if f.type == "int | str" and f.default == "auto"}
 # What a ViT recipe sets that a BiT ResNet has not: the value that leaves it out
 VIT_ONLY_FIELDS = {("model", "pre_logits"): False, ("model", "patch_init"): "lecun", ("model", "attn_init"): "xavier",
                    ("model", "posemb_init"): "normal", ("data", "progressive_sizes"): ()}
@@ -107,8 +117,6 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
 
 def model_family(name: str) -> type | None:
     """``ViTConfig`` or ``ResNetConfig``: the config class of a registry name (None: unknown)."""
-    from vitlab.models.registry import get_config
-
     try:
         return type(get_config(name))
     except ConfigError:
@@ -177,6 +185,13 @@ def parse_value(text: str, default: Any) -> Any:
     return value
 
 
+def example_of(path: str) -> Any:
+    """A value of the type an optional field (default None) holds when set, for ``parse_value``:
+    ``Optional[int]`` gives 0, ``Optional[str]`` ""."""
+    kind = next(t for t in members(FIELD_TYPES[path]) if t is not type(None))
+    return (typing.get_origin(kind) or kind)()
+
+
 def parse_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """``section.field=value`` strings (old flat names too) as ``with_changes``' changes to
     ``cfg``; ``model.<ViTConfig or ResNetConfig field>=value`` changes the architecture
@@ -215,7 +230,7 @@ def parse_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) 
             if text.strip().lower() in ("none", "null"):
                 changes[path] = None
                 continue
-            default = OPTIONAL_TYPES[path]
+            default = example_of(path)
         if path in AUTO_OR_COUNT and text.strip().isdigit():
             changes[path] = int(text)
             continue

@@ -13,9 +13,13 @@ import torch
 from torch import nn
 
 from vitlab.config import ConfigError
+from vitlab.models.registry import build_model
 
 from .config import TrainConfig, from_dict, to_dict
 from .overrides import field_value
+
+# torch.distributed.checkpoint is imported inside the FSDP paths below: it loads a large part of
+# torch.distributed (FSDP with it), which a single-process run never needs
 
 # fields that fix the data order, the model or the optimiser state: a resumed run must keep them
 RESUME_INVARIANTS = ("model.name", "model.overrides", "model.img_size", "model.init", "data.source",
@@ -129,8 +133,6 @@ def final_model(s) -> nn.Module | None:
     if not sharded(s):
         model = s.ema.module if s.ema else s.model
         return model.vit if s.cfg.model.mpp is not None else model
-    from vitlab.models.registry import build_model
-
     state = model_state(s)  # collective: every rank takes part
     if not s.world.is_main:
         return None

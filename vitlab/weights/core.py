@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Mapping
 
@@ -391,8 +392,6 @@ def convention_differences(cfg: ViTConfig, target: Mapping[str, Any], library: s
 def warn_conventions(lines: list[str], library: str) -> None:
     """Say, once per export, how the written model will compute differently in ``library``."""
     if lines:
-        import warnings
-
         warnings.warn(f"{library} will not reproduce this model's logits exactly: " + "; ".join(lines),
                       ConventionWarning, stacklevel=3)
 

@@ -21,8 +21,12 @@ import torch
 from torch import nn
 
 from ..config import Architecture, ConfigError, Pair, ResNetConfig, config_from_json, config_to_json, replace
+from .bit import save_bit_npz
 from .core import WeightsError, atomic_write, build_loaded
+from .huggingface import save_huggingface
 from .labels import CLASSES_KEY, CLASSES_NAME, check_class_names
+from .official import save_official_npz
+from .timm import save_timm
 
 CONFIG_KEY = "vitlab_config"
 # sha256 of the config text and every tensor byte: safetensors itself has no checksum, so
@@ -59,19 +63,11 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
         class_names = check_class_names(class_names, cfg.num_classes, "class_names")
     if format == "official":
         if isinstance(cfg, ResNetConfig):
-            from .bit import save_bit_npz
-
             return save_bit_npz(model, path)
-        from .official import save_official_npz
-
         return save_official_npz(model, path)
     if format == "hf":
-        from .huggingface import save_huggingface
-
         return save_huggingface(model, path, class_names)
     if format == "timm":
-        from .timm import save_timm
-
         return save_timm(model, path, class_names)
     text = config_to_json(cfg)
     # clone: safetensors refuses tensors that share memory, and must not see views

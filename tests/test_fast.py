@@ -365,12 +365,11 @@ def test_bf16_inference_reads_the_parameters_and_never_writes_them(family, kerne
 
 
 def test_the_inference_commands_fast_model_never_writes_its_parameters(tmp_path):
-    from vitlab.cli.eval import load_checkpoint
-
     cfg = tiny()
     vitlab.save_model(with_random_head(cfg), tmp_path / "run")
     saved = vitlab.load_model(tmp_path / "run").state_dict()
-    model, _ = load_checkpoint(str(tmp_path / "run"), None, "cpu", fast=True)  # as vitlab eval runs it
+    model = vitlab.load_model(tmp_path / "run").eval()
+    fast.optimize(model, inference_weights="hold")  # as vitlab eval and predict run it
     assert fast.is_optimized(model)
     versions = {name: p._version for name, p in model.named_parameters()}
     x = torch.randn(3, 3, *cfg.img_size)

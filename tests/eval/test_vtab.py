@@ -125,6 +125,45 @@ def test_the_split_is_fixed_disjoint_and_four_to_one(tasks, tmp_path):
         split_task(find_tasks(tasks)[1], tmp_path / "f", examples=40)
 
 
+def test_a_view_holds_its_empty_classes_quietly_and_other_trees_still_warn(tmp_path, caplog):
+    """The 200 validation examples may miss a class: its folder in the view is empty by design,
+    and marked so, so reading the view warns of nothing; an unmarked empty class folder (the
+    user's own) is still named."""
+    import logging
+
+    from vitlab.data.memory import load_in_memory
+
+    root = tmp_path / "tasks"
+    image_folder(root / "cifar100" / "train", 4, 0)
+    (root / "cifar100" / "train" / "d").mkdir()  # a class without images: the user's, warned of
+    with caplog.at_level(logging.WARNING):
+        views = split_task(find_tasks(root)[0], tmp_path / "splits", examples=5, seed=0)
+    assert "1 class folder(s) hold no images: d" in caplog.text
+    assert views.counts["val200"] == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        data = load_in_memory(views.sweep_val, image_size=16, cache_dir=tmp_path / "cache", workers=0)
+    assert data.classes == [*CLASSES, "d"] and len(data.labels) == 1  # every class folder, one image
+    assert "hold no images" not in caplog.text
+    from vitlab.data.sources import EMPTY_CLASS_MARK
+
+    marked = sorted(p.parent.name for p in views.sweep_val.glob(f"*/{EMPTY_CLASS_MARK}"))
+    assert len(marked) == 3 and "d" in marked  # the three classes the one image is not of
+    (views.sweep_val / marked[0] / EMPTY_CLASS_MARK).unlink()  # unmarked: told again
+    with caplog.at_level(logging.WARNING):
+        load_in_memory(views.sweep_val, image_size=16, cache_dir=tmp_path / "cache2", workers=0)
+    assert f"1 class folder(s) hold no images: {marked[0]}" in caplog.text
+
+
+def test_the_final_learning_rate_per_task_or_shared():
+    from vitlab.train.vtab import chosen_lrs
+
+    val = {"a": {"0.01": 0.9, "0.03": 0.5}, "b": {"0.01": 0.2, "0.03": 0.7}, "c": {"0.01": 0.1, "0.03": 0.5}}
+    assert chosen_lrs((0.01, 0.03), val, "per-task") == {"a": 0.01, "b": 0.03, "c": 0.03}
+    assert chosen_lrs((0.01, 0.03), val, "shared") == {"a": 0.03, "b": 0.03, "c": 0.03}  # 1.7 against 1.2
+    assert chosen_lrs((0.003,), {"a": {}, "b": {}}, "per-task") == {"a": 0.003, "b": 0.003}
+
+
 def test_means_are_per_group_and_over_tasks():
     results = {"cifar100": {"group": "natural", "test_top1": 0.9}, "dtd": {"group": "natural", "test_top1": 0.5},
                "eurosat": {"group": "specialized", "test_top1": 0.8}}
@@ -135,7 +174,7 @@ def test_means_are_per_group_and_over_tasks():
 
 
 def test_accumulation_fits_the_memory():
-    from vitlab.cli.vtab import auto_accum_steps
+    from vitlab.train.vtab import auto_accum_steps
 
     assert auto_accum_steps(512, per_example=10, available=1 << 30) == 1
     assert auto_accum_steps(512, per_example=100 << 20, available=16 << 30) == 8  # 64 x 100 MiB <= 8 GiB
@@ -178,7 +217,7 @@ def test_vtab_end_to_end(tasks, tiny_checkpoint, tmp_path, capsys):
 
 def test_a_view_is_scored_with_the_configs_own_decode_workers(tasks, tiny_checkpoint, tmp_path):
     """``evaluate_on`` with the recipe's ``data.decode_workers="auto"`` (the e2e test sets 0)."""
-    from vitlab.cli.vtab import evaluate_on
+    from vitlab.train.vtab import evaluate_on
     from vitlab.train.config import TrainConfig
     from vitlab.train.overrides import with_changes
 
@@ -191,7 +230,7 @@ def test_a_view_is_scored_with_the_configs_own_decode_workers(tasks, tiny_checkp
 def test_an_unreadable_test_image_is_counted_in_the_tasks_result(tasks, tiny_checkpoint, tmp_path):
     import shutil
 
-    from vitlab.cli.vtab import evaluate_on
+    from vitlab.train.vtab import evaluate_on
     from vitlab.train.config import TrainConfig
     from vitlab.train.overrides import with_changes
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from vitlab.cli.eval import add_data_arguments
+from vitlab.cli.eval import add_data_arguments, unread_note
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,46 +32,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    import numpy as np
-
-    from vitlab.cli.eval import load_checkpoint, load_data, model_input_size, pick_device, split_indices, unread_note
-    from vitlab.data.sources import default_cache_dir
-    from vitlab.eval.features import FeatureCache, extract_features, file_key
+    from vitlab.analysis.report import read_run_meta
+    from vitlab.data.labelled import load_held_out
+    from vitlab.eval.features import extract_features, file_key
     from vitlab.eval.fewshot import fewshot_evaluate
+    from vitlab.train.distributed import pick_device
+    from vitlab.train.legacy import recorded_section
+    from vitlab.weights import load_model
 
     if args.seeds < 1:
         raise ValueError(f"--seeds={args.seeds}: must be >= 1")
     device = pick_device(args.device)
-    model, meta = load_checkpoint(args.checkpoint, args.img_size, device)
-    size = model_input_size(model)
-    images, labels, classes, data_key, same, skipped = load_data(args, meta, size)
-    rest, held, (split, seed) = split_indices(labels, args, meta, same, default=0.1)
+    model = load_model(args.checkpoint, img_size=args.img_size).to(device).eval()
+    size = tuple(model.cfg.img_size)
+    data = load_held_out(recorded_section(read_run_meta(args.checkpoint).get("recipe"), "data"), size, args.data,
+                         args.val_split, args.split_seed, default_split=0.1, cache_dir=args.cache_dir)
+    rest, held = data.rest.numpy(), data.held.numpy()
     if len(rest) == 0:
         raise ValueError("--val-split=0 leaves no training pool; few-shot needs a held-out evaluation split")
 
-    if args.feature_cache == "none":
-        cache = FeatureCache()
-    else:
-        base = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
-        cache = FeatureCache(args.feature_cache or base / "features")
-    key = ("representation", file_key(args.checkpoint), size, data_key)
-    feats = cache.get(key, lambda: extract_features(model, images, args.batch_size, device=device))
-    source = "cache" if cache.hits else f"{len(images)} images"
+    cache = feature_cache(args)
+    key = ("representation", file_key(args.checkpoint), size, data.key)
+    feats = cache.get(key, lambda: extract_features(model, data.images, args.batch_size, device=device))
+    source = "cache" if cache.hits else f"{len(data.images)} images"
     print(f"features {feats.shape[1]}-d from {source}; pool {len(rest)}, evaluation {len(held)} "
-          f"(split {split}, seed {seed}), {len(classes)} classes{unread_note(skipped)}", file=sys.stderr)
-
-    y = labels.numpy()
-    result = fewshot_evaluate(feats[rest.numpy()], y[rest.numpy()], feats[held.numpy()], y[held.numpy()],
-                              shots=args.shots, seeds=range(args.seeds), holdout_per_class=args.holdout_per_class)
+          f"(split {data.split}, seed {data.seed}), {len(data.classes)} classes{unread_note(data.skipped)}",
+          file=sys.stderr)
+    y = data.labels.numpy()
+    result = fewshot_evaluate(feats[rest], y[rest], feats[held], y[held], shots=args.shots, seeds=range(args.seeds),
+                              holdout_per_class=args.holdout_per_class)
     if args.json:
-        print(json.dumps({"fewshot": result.to_dict(), "seeds": args.seeds, "split": split, "split_seed": seed,
-                          "feature_dim": int(feats.shape[1]), "skipped_images": skipped}))
+        print(json.dumps({"fewshot": result.to_dict(), "seeds": args.seeds, "split": data.split,
+                          "split_seed": data.seed, "feature_dim": int(feats.shape[1]), "skipped_images": data.skipped}))
         return 0
+    print_table(result)
+    return 0
+
+
+def feature_cache(args: argparse.Namespace):
+    """Where the features are kept: ``--feature-cache``, else <cache-dir>/features; in memory only for 'none'."""
+    from vitlab.data.sources import default_cache_dir
+    from vitlab.eval.features import FeatureCache
+
+    if args.feature_cache == "none":
+        return FeatureCache()
+    base = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
+    return FeatureCache(args.feature_cache or base / "features")
+
+
+def print_table(result) -> None:
+    """Accuracy (mean ± sd over the seeds) per shot count, each seed's, and the regularisers chosen."""
+    import numpy as np
+
     print(f"{'shots':>5}  {'accuracy (mean ± sd)':>20}  per seed   [l2 chosen on held-out training examples]")
     for k in result.shots:
         per_seed = " ".join(f"{100 * a:.1f}" for a in result.accuracy[k])
         l2s = " ".join(f"2^{np.log2(v):.0f}" for v in result.l2[k])
         print(f"{k:>5}  {100 * result.mean(k):11.2f} ± {100 * result.std(k):5.2f}%  {per_seed}   [{l2s}]")
-    return 0

@@ -17,13 +17,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vitlab.analysis.report import write_report
-    from vitlab.cli.eval import load_checkpoint
+    from vitlab.analysis.report import read_run_meta, write_report
     from vitlab.extras import require
+    from vitlab.weights import load_model
 
     require("matplotlib", "the inspection report")  # before the model is loaded and analysed
 
-    model, meta = load_checkpoint(args.checkpoint, args.img_size, "cpu")
+    model = load_model(args.checkpoint, img_size=args.img_size).eval()
+    meta = read_run_meta(args.checkpoint)
     meta.setdefault("checkpoint", args.checkpoint)
     out = write_report(model, args.images, args.out, run_dir=args.run_dir, meta=meta)
     print(f"wrote {out}")

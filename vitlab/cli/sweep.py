@@ -48,16 +48,14 @@ def resolve_val_split(value: float | None) -> float | int:
     return int(value) if float(value).is_integer() and value >= 1 else value
 
 
-def run(args: argparse.Namespace) -> int:
+def sweep_plan(args: argparse.Namespace):
+    """(the grid, one config per learning rate of it, the final run's config, the hold-out the
+    grid is compared on) from the command's flags."""
     from vitlab.config import ConfigError
     from vitlab.configs import load_recipe
-    from vitlab.train import train
-    from vitlab.train.build import check_can_run
     from vitlab.train.overrides import with_changes
-    from vitlab.train.distributed import env_world_size
 
-    extra = {"model.init": args.init} if args.init else {}
-    cfg = resolve_config(args, extra=extra)
+    cfg = resolve_config(args, extra={"model.init": args.init} if args.init else {})
     grid = tuple(float(v) for v in args.grid.split(",")) if args.grid else tuple(cfg.optim.lr_grid)
     if not grid:
         raise ConfigError("optim.lr_grid=(): the recipe has no learning-rate grid; pass --grid 0.001,0.003,...")
@@ -68,8 +66,17 @@ def run(args: argparse.Namespace) -> int:
                                "run.out": str(base_out / f"lr_{lr:g}")})
             for lr in grid]
     # the final retrain: the full training set, unless --val-split holds some out (not the recipe's split)
-    final_split = resolve_val_split(args.val_split)
-    final_cfg = with_changes(cfg, {"run.out": str(base_out / "final"), "data.val_split": final_split})
+    final = with_changes(cfg, {"run.out": str(base_out / "final"), "data.val_split": resolve_val_split(args.val_split)})
+    return grid, runs, final, holdout
+
+
+def run(args: argparse.Namespace) -> int:
+    from vitlab.train import train
+    from vitlab.train.build import check_can_run
+    from vitlab.train.distributed import env_world_size
+    from vitlab.train.overrides import with_changes
+
+    grid, runs, final_cfg, holdout = sweep_plan(args)
     if args.show_config:  # the plan: the grid, its hold-out, and the final run's config
         from vitlab.train.config import to_dict
 
@@ -88,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
                   verbose=not args.quiet)
     report = {"holdout": holdout, "holdout_top1": scores, "best_lr": best, "final": final}
     if final.get("weights") is not None:
-        (base_out / "sweep.json").write_text(json.dumps(report, indent=2))
+        # beside the runs' folders, in the folder the command was given
+        (Path(final_cfg.run.out).parent / "sweep.json").write_text(json.dumps(report, indent=2))
         print(json.dumps(report), flush=True)
     return 0

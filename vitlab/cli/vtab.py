@@ -2,8 +2,9 @@
 
     vitlab vtab --init runs/b16/model.safetensors --tasks vtab/ --out runs/vtab
 
-For each task (``vitlab.eval.vtab``: a folder named after the task, with train/ and test/,
-or VTAB-1k's own train800/ and val200/ with test/):
+The protocol is ``vitlab.train.vtab.run_vtab``; the tasks and their splits are
+``vitlab.eval.vtab``'s.  For each task (a folder named after the task, with train/ and
+test/, or VTAB-1k's own train800/ and val200/ with test/):
 
 1. fine-tune on ``train[:800]`` with every learning rate of the grid (``--grid``; default
    the recipe's, Table 4's {0.001, 0.003, 0.01, 0.03}) and score each on ``train[800:1000]``;
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from .train import add_fast_argument
@@ -74,171 +74,30 @@ def base_config(args: argparse.Namespace):
     return with_changes(cfg, changes)
 
 
-def activation_bytes_per_example(cfg) -> int:
-    """Bytes a backward keeps per training example of the model ``cfg`` fine-tunes, measured on
-    one example of the plain model (the fast path keeps less)."""
-    import torch
-
-    from vitlab.analysis.cost import SavedForBackward
-    from vitlab.train.build import make_model, training_size
-
-    model = make_model(cfg, num_classes=2).train()
-    size = training_size(cfg)
-    x = torch.zeros(1, 3, *size)
-    with SavedForBackward(model) as kept:
-        model(x).float().logsumexp(-1).sum()
-    return kept.bytes
-
-
-def available_bytes(device: str) -> int:
-    """Free memory of ``device``: the GPU's, or the host's MemAvailable."""
-    import torch
-
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free)
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
-
-
-def auto_accum_steps(batch: int, per_example: int, available: int, share: float = 0.5) -> int:
-    """The fewest micro-batches, a divisor of ``batch``, whose activations fit in ``share`` of
-    ``available`` bytes (the rest: weights, gradients, optimiser state, temporaries)."""
-    for accum in (k for k in range(1, batch + 1) if batch % k == 0):
-        if (batch // accum) * per_example <= share * available:
-            return accum
-    return batch
-
-
-def resolve_accum_steps(args: argparse.Namespace, cfg, device: str) -> int:
-    if args.accum_steps != "auto":
-        if not args.accum_steps.isdigit() or int(args.accum_steps) < 1:
-            raise ValueError(f"--accum-steps={args.accum_steps!r}: expected a positive integer or auto")
-        return int(args.accum_steps)
-    return auto_accum_steps(cfg.optim.batch_size, activation_bytes_per_example(cfg), available_bytes(device))
-
-
-def evaluate_on(weights: str, folder: Path, cfg, device: str, precision: str) -> tuple[float, int, int]:
-    """(top-1, images, images left out as unreadable) of the weights on an ImageFolder view, at the
-    resolution they were trained at, in the command's resolved ``precision``."""
-    from vitlab.data.memory import load_in_memory
-    from vitlab.eval.evaluator import Evaluator
-    from vitlab.weights import load_model
-
-    model = load_model(weights).to(device).eval()
-    data = load_in_memory(folder, image_size=model.cfg.img_size, cache_dir=cfg.data.cache_dir,
-                          workers=cfg.data.decode_workers)
-    result = Evaluator(data.images, data.labels, batch_size=cfg.run.eval_batch_size, device=device,
-                       precision=precision).run(model)
-    return float(result["top1"]), int(result["n"]), data.skipped.images
-
-
-class _ViewsHaveEmptyClasses:
-    """A logging filter: a split view holds every class folder of its task, some empty by design."""
-
-    def filter(self, record) -> bool:
-        return "/splits/" not in str(record.args[0] if record.args else "") or "hold no images" not in record.msg
-
-
-def run(args: argparse.Namespace) -> int:
-    import logging
-
-    quiet_views = _ViewsHaveEmptyClasses()
-    logging.getLogger("vitlab.data.sources").addFilter(quiet_views)
-    try:
-        return _run(args)
-    finally:
-        logging.getLogger("vitlab.data.sources").removeFilter(quiet_views)
-
-
-def _run(args: argparse.Namespace) -> int:
-    import torch
-
-    from vitlab import fast
+def task_groups(items: list[str]) -> dict[str, str]:
+    """``--group FOLDER=GROUP`` flags as {folder: group}."""
     from vitlab.config import ConfigError
-    from vitlab.eval.vtab import find_tasks, format_table, select_tasks, split_tasks, summarize
-    from vitlab.train import train
-    from vitlab.train.build import check_can_run
-    from vitlab.train.overrides import with_changes
 
     groups = {}
-    for item in args.group:
+    for item in items:
         folder, _, group = item.partition("=")
         if not group:
             raise ConfigError(f"--group {item!r}: expected FOLDER=natural|specialized|structured")
         groups[folder] = group
-    tasks = find_tasks(args.tasks, groups)
+    return groups
+
+
+def run(args: argparse.Namespace) -> int:
+    from vitlab.eval.vtab import find_tasks, format_table, select_tasks
+    from vitlab.train.vtab import run_vtab
+
+    tasks = find_tasks(args.tasks, task_groups(args.group))
     if args.only:
         tasks = select_tasks(tasks, [t.strip() for t in args.only.split(",") if t.strip()], args.tasks)
-    if args.examples < 5:
-        raise ConfigError(f"--examples={args.examples}: must be at least 5 (a 4:1 split)")
-    splits = split_tasks(tasks, args.out, args.examples, args.split_seed)  # every task's folders, before any run
-
-    cfg = base_config(args)
-    grid = tuple(float(v) for v in args.grid.split(",")) if args.grid else tuple(cfg.optim.lr_grid) or (cfg.optim.lr,)
-    device = cfg.run.device if cfg.run.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    accum = resolve_accum_steps(args, cfg, device)
-    precision = fast.auto_precision(device) if cfg.run.precision == "auto" else cfg.run.precision  # decided once
-    cfg = with_changes(cfg, {"optim.accum_steps": accum})
-    check_can_run(with_changes(cfg, {"data.source": "digits"}))  # the weights and the batch, before any run
-    out = Path(args.out)
-    say = (lambda text: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
-    say(f"vtab: {len(tasks)} tasks, lr grid {', '.join(f'{lr:g}' for lr in grid)} ({args.select}), "
-        f"{cfg.optim.steps} steps at batch {cfg.optim.batch_size} ({accum} micro-batches of "
-        f"{cfg.optim.batch_size // accum}), {args.examples} examples per task")
-
-    def fine_tune(source: Path, lr: float, run_out: Path) -> dict:
-        done = run_out / "summary.json"
-        if args.resume and done.is_file():
-            return json.loads(done.read_text())
-        run_cfg = with_changes(cfg, {"data.source": str(source), "optim.lr": lr, "run.out": str(run_out)})
-        check_can_run(run_cfg)
-        return train(run_cfg, overwrite=True, verbose=not args.quiet)
-
-    val = {}
-    for task in tasks:
-        val[task.name] = {}
-        if len(grid) > 1:  # one learning rate needs no choosing
-            for lr in grid:
-                summary = fine_tune(splits[task.name].sweep_train, lr, out / task.name / f"lr_{lr:g}")
-                val[task.name][f"{lr:g}"], _, _ = evaluate_on(summary["weights"], splits[task.name].sweep_val, cfg,
-                                                              device, precision)
-                say(f"{task.name}: lr {lr:g}: top-1 {val[task.name][f'{lr:g}']:.4f} on its "
-                    f"{splits[task.name].counts['val200']} validation examples")
-    if args.select == "shared" and len(grid) > 1:
-        shared = max(grid, key=lambda lr: sum(v[f"{lr:g}"] for v in val.values()))
-    results = {}
-    for task in tasks:
-        views = splits[task.name]
-        if len(grid) == 1:
-            lr = grid[0]
-        elif args.select == "shared":
-            lr = shared
-        else:
-            lr = max(grid, key=lambda g: val[task.name][f"{g:g}"])
-        final = fine_tune(views.train, lr, out / task.name / f"final_lr_{lr:g}")
-        top1, n, unread = evaluate_on(final["weights"], views.test, cfg, device, precision)
-        results[task.name] = {"group": task.group, "lr": lr, "val_top1": val[task.name], "test_top1": top1,
-                              "test_examples": n, "test_split": views.test_split,
-                              # images its final training run and its test set left out as unreadable
-                              "skipped_images": final.get("skipped_images", 0) + unread,
-                              "train_examples": views.counts["train1000"], "classes": len(views.classes),
-                              "weights": final["weights"]}
-        say(f"{task.name}: lr {lr:g}: test top-1 {top1:.4f} on {n} images ({views.test_split})"
-            + (f"; {results[task.name]['skipped_images']} unreadable image(s) left out" if
-               results[task.name]["skipped_images"] else ""))
-    summary = summarize(results)
-    report = {"protocol": {"recipe": cfg.recipe, "init": args.init, "grid": list(grid), "select": args.select,
-                           "steps": cfg.optim.steps, "batch_size": cfg.optim.batch_size, "accum_steps": accum,
-                           "img_size": cfg.model.img_size, "examples": args.examples, "split_seed": args.split_seed},
-              "tasks": results, **summary}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "vtab.json").write_text(json.dumps(report, indent=2))
-    print(format_table(results, summary))
+    grid = tuple(float(v) for v in args.grid.split(",")) if args.grid else ()
+    report = run_vtab(base_config(args), tasks, args.out, examples=args.examples, split_seed=args.split_seed,
+                      grid=grid, select=args.select, accum_steps=args.accum_steps, resume=args.resume,
+                      verbose=not args.quiet)
+    print(format_table(report["tasks"], report))
     print(json.dumps(report), flush=True)
     return 0

@@ -4,18 +4,25 @@ in memory, its validation set), `eval` and `fewshot` read.
 ``source`` takes every form the data may come in: an ImageFolder folder or archive,
 tar shards (a folder, a brace pattern ``shards/shard-{000000..000009}.tar``, a glob),
 a Hugging Face ``save_to_disk`` folder, parquet files, or the built-in "digits".
+
+``load_held_out`` is what a trained model is scored on: a set split as its training run
+split it, from the data section that run recorded.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+import torch
 
 from vitlab.config import to_pair
 from vitlab.data.digits import load_digits_dataset
 from vitlab.data.memory import InMemoryDataset, load_in_memory, load_source_in_memory
 from vitlab.data.sources import DataError, PathLike
+from vitlab.data.splits import select_classes, stratified_split
 from vitlab.data.stream import hold_out, open_source
 
-__all__ = ["load_labelled"]
+__all__ = ["load_labelled", "HeldOutSet", "load_held_out", "check_run_classes"]
 
 
 def load_labelled(source: str, image_size, cache_dir: Optional[PathLike] = None, workers: Union[int, str, None] = None,
@@ -44,3 +51,74 @@ def load_labelled(source: str, image_size, cache_dir: Optional[PathLike] = None,
         data = load_in_memory(source, image_size=size, cache_dir=cache_dir, workers=workers)
     data.key = f"{data.key}@{size[0]}x{size[1]}"
     return data
+
+
+@dataclass
+class HeldOutSet:
+    """A labelled set in memory and the part of it held out: what a trained model is scored on."""
+
+    images: torch.Tensor   # uint8 (N, 3, H, W)
+    labels: torch.Tensor   # int64 (N,)
+    classes: list[str]
+    key: str               # names the data, the size and any class subset (what features are cached under)
+    skipped: int           # images left out as unreadable (the warnings name them)
+    rest: torch.Tensor     # indices of the examples not held out (the few-shot pool)
+    held: torch.Tensor     # indices of the held-out examples
+    split: float | int     # what was held out: a count, a fraction, or 0 (everything)
+    seed: int              # the seed of the split
+    run_shards: bool = False  # only the shards a streamed run held out were decoded (``rest`` is empty)
+
+
+def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = None,
+                  val_split: Optional[float] = None, split_seed: Optional[int] = None, default_split: float = 0.0,
+                  cache_dir: Optional[PathLike] = None, pool: bool = True) -> HeldOutSet:
+    """``source`` (default: the run's data) at ``image_size``, split as the run split it.
+
+    run: the data section of the config the model's training run recorded ({} without one).
+    val_split, split_seed: the split (``stratified_split``: a count, a fraction, or 0 to hold
+        out everything); None: the run's where ``source`` is the run's data, else
+        ``default_split`` and seed 0.  The run's ``class_subset`` applies to the run's data.
+    pool: whether the examples not held out are wanted; without, a streamed run's held-out
+        shards are decoded alone (``hold_out``), not the whole set.
+    """
+    source = source or run.get("source")
+    if not source:
+        raise ValueError("--data is needed: the checkpoint's run does not name its data")
+    same_as_run = bool(run) and str(source) == str(run.get("source"))
+    if split_seed is None:
+        split_seed = int(run.get("split_seed", 0)) if same_as_run else 0
+    run_shards = (not pool and same_as_run and val_split is None and run.get("stream") == "stream"
+                  and bool(run.get("val_split")))
+    data = load_labelled(source, image_size, cache_dir=cache_dir,
+                         held_out=(run["val_split"], split_seed) if run_shards else None)
+    images, labels, classes, key = data.images, data.labels, list(data.classes), data.key
+    if same_as_run and run.get("class_subset"):
+        images, labels, classes = select_classes(images, labels, classes, tuple(run["class_subset"]))
+        key += "|" + ",".join(classes)
+    if run_shards:
+        rest, held, split = torch.arange(0), torch.arange(len(labels)), run["val_split"]
+    else:
+        if val_split is None:
+            val_split = float(run["val_split"]) if same_as_run and run.get("val_split") else default_split
+        rest, held, split = _split(labels, val_split, split_seed)
+    return HeldOutSet(images, labels, classes, key, data.skipped.images, rest, held, split, split_seed, run_shards)
+
+
+def _split(labels: torch.Tensor, val_split: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, float | int]:
+    """(rest, held, split): ``val_split`` examples held out (a count or a fraction), or all for 0."""
+    if val_split < 0 or (val_split >= 1 and not float(val_split).is_integer()):
+        raise ValueError(f"--val-split={val_split}: a count (integer >= 1), a fraction in (0, 1), or 0 for all")
+    if val_split == 0:
+        return torch.arange(0), torch.arange(len(labels)), 0
+    size = int(val_split) if val_split >= 1 else float(val_split)
+    return (*stratified_split(labels, size, seed), size)
+
+
+def check_run_classes(classes: list[str], run_classes: Any, num_outputs: int) -> None:
+    """That a model trained on ``run_classes`` (its run's ``classes.json``; None: unknown) with
+    ``num_outputs`` outputs can be scored on a set of ``classes``."""
+    if isinstance(run_classes, list) and run_classes != classes:
+        raise ValueError(f"the data's classes ({', '.join(classes[:5])}, ...) differ from the ones the checkpoint "
+                         f"was trained on ({', '.join(map(str, run_classes[:5]))}, ...)")
+    if num_outputs != len(classes):
+        raise ValueError(f"the model has {num_outputs} outputs but the data has {len(classes)} classes")

@@ -2,7 +2,9 @@
 
 ``scan_image_folder`` lists an ImageFolder tree (``<root>/<class>/<image>``) into paths
 and integer labels, classes sorted by name as torchvision's ImageFolder sorts them, so
-label ids agree with other code that reads the same folder.
+label ids agree with other code that reads the same folder.  A class folder without an
+image is warned of, unless it holds the file ``EMPTY_CLASS_MARK``: a tree written to hold
+every class of a task, some of them empty by design (a VTAB split, ``vitlab.eval.vtab``).
 
 ``resolve_data_path`` turns a ``.tar``/``.tar.gz``/``.tgz`` archive into a folder by
 extracting it once into a cache.  The cache key is cheap (absolute path, size, mtime),
@@ -51,6 +53,7 @@ log = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
 
+EMPTY_CLASS_MARK = ".empty-class"  # in a class folder: it holds no image by design (not warned of)
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".ppm", ".pgm", ".tif", ".tiff", ".webp"})
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
@@ -304,11 +307,13 @@ def _hidden(relpath: str) -> bool:
     return any(part.startswith(".") for part in relpath.split("/"))
 
 
-def _index_tree(where: str, files: list[str], dirs: list[str]) -> tuple[str, list[str], np.ndarray, list[str]]:
+def _index_tree(where: str, files: list[str], dirs: list[str],
+                meant_empty: Sequence[str] = ()) -> tuple[str, list[str], np.ndarray, list[str]]:
     """Apply the ImageFolder rules to relative POSIX paths of image files and folders.
 
     Files directly in the root are ignored; if the root holds exactly one folder, with
-    no images directly in it but with sub-folders, that folder is the class root.
+    no images directly in it but with sub-folders, that folder is the class root.  A class
+    folder without an image is warned of, unless it is one of ``meant_empty`` (folders).
 
     Returns (prefix of the class root, image paths sorted by class then path, labels,
     classes).  ``where`` names the tree in error messages.
@@ -333,7 +338,8 @@ def _index_tree(where: str, files: list[str], dirs: list[str]) -> tuple[str, lis
         exts = ", ".join(sorted(IMAGE_EXTENSIONS))
         raise DataError(f"{where}: no images found in its {len(classes)} class folders (extensions: {exts})")
     labels = np.asarray([label_of[first(f)] for f in ordered], dtype=np.int64)
-    empty = [c for c, n in zip(classes, np.bincount(labels, minlength=len(classes))) if n == 0]
+    empty = [c for c, n in zip(classes, np.bincount(labels, minlength=len(classes)))
+             if n == 0 and prefix + c not in meant_empty]
     if empty:
         log.warning("%s: %d class folder(s) hold no images: %s", where, len(empty), ", ".join(empty[:5]))
     return prefix, [prefix + f for f in ordered], labels, classes
@@ -363,7 +369,7 @@ def scan_image_folder(root: PathLike) -> ImageFolderIndex:
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"{root}: not a folder (expected an ImageFolder tree or a .tar/.tar.gz/.tgz archive)")
-    files, dirs, ignored = [], [], []
+    files, dirs, ignored, meant_empty = [], [], [], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
@@ -371,7 +377,9 @@ def scan_image_folder(root: PathLike) -> ImageFolderIndex:
         dirs.extend(rel + d for d in dirnames)
         files.extend(rel + f for f in filenames if not f.startswith(".") and _is_image(f))
         ignored.extend(rel + f for f in filenames if not f.startswith(".") and not _is_image(f) and rel)
-    prefix, relpaths, labels, classes = _index_tree(str(root), files, dirs)
+        if EMPTY_CLASS_MARK in filenames:
+            meant_empty.append(rel.rstrip("/"))
+    prefix, relpaths, labels, classes = _index_tree(str(root), files, dirs, meant_empty)
     if ignored:
         exts = ", ".join(sorted(IMAGE_EXTENSIONS))
         log.warning("%s: ignored %d file(s) that are not images by their extension (first: %s; images: %s)",

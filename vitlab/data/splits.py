@@ -3,9 +3,10 @@
 ``stratified_split`` holds out a validation set whose class proportions match the whole
 set (the paper picks fine-tuning hyper-parameters on a small held-out part of each
 training set, Appendix B.1.1).  ``few_per_class`` draws k examples per class, the training sets of the
-few-shot evaluation and of VTAB-1k.
+few-shot evaluation and of VTAB-1k.  ``select_classes`` keeps the classes a run names
+(``data.class_subset``).
 
-Both use numpy's PCG64 generator seeded with ``seed``, whose streams are fixed across
+Both draws use numpy's PCG64 generator seeded with ``seed``, whose streams are fixed across
 platforms and versions, so a split can be named by its seed in a paper.
 """
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Union
 import numpy as np
 import torch
 
+from vitlab.config import ConfigError
 from vitlab.data.sources import DataError
 
-__all__ = ["stratified_split", "few_per_class"]
+__all__ = ["stratified_split", "few_per_class", "select_classes"]
 
 Labels = Union[torch.Tensor, np.ndarray, list]
 
@@ -106,3 +108,16 @@ def few_per_class(labels: Labels, k: int, seed: int) -> torch.Tensor:
     rng = np.random.Generator(np.random.PCG64(seed))
     picked = [np.flatnonzero(y == c)[rng.permutation(n)[:k]] for c, n in zip(classes, counts)]
     return torch.from_numpy(np.sort(np.concatenate(picked)))
+
+
+def select_classes(images: torch.Tensor, labels: torch.Tensor, classes: list[str], keep: tuple[str, ...]):
+    """Only the classes named in ``keep``, relabelled 0..len(keep)-1 in that order."""
+    missing = [c for c in keep if c not in classes]
+    if missing:
+        raise ConfigError(f"data.class_subset={keep!r}: no class(es) {', '.join(map(repr, missing))}; "
+                          f"the data has {', '.join(classes)}")
+    old_ids = torch.tensor([classes.index(c) for c in keep])
+    mask = torch.isin(labels, old_ids)
+    remap = torch.full((len(classes),), -1, dtype=torch.long)
+    remap[old_ids] = torch.arange(len(keep))
+    return images[mask], remap[labels[mask]], list(keep)

@@ -5,7 +5,8 @@ The benchmark: 19 tasks of 1000 training examples each, in three groups.  Each t
 fine-tuned with the learning rate chosen on a fixed split of its 1000 examples, 800 to
 train and 200 to validate on (``train800`` / ``val200``); then on all 1000, and scored on
 its test set.  What is reported is the accuracy of each task, the mean of each group and
-the mean over the 19 tasks.  `vitlab vtab` runs it; this module holds what does not train.
+the mean over the 19 tasks.  ``vitlab.train.vtab.run_vtab`` runs it (`vitlab vtab`); this
+module holds what does not train.
 
 A task is a folder named after the task (``TASK_GROUPS``; the usual spellings and the
 paper's, Table 9's ``CIFAR-100``, ``dSpr-Loc``, ``sNORB-Azim``, ..., in any case and with any
@@ -23,6 +24,11 @@ trains the final run (4:1 for any ``examples``).  Without ``test/`` the task's t
 is the rest of its training set, ``train[1000:]``, which the results state.  Every task's
 folders are checked (``find_tasks``, ``split_tasks``) before any task is trained, and what
 is missing is named for all of them at once.
+
+The splits are written as ImageFolder views (links to the task's images) that hold every
+class folder of the task, so that their labels agree; a class the 200 validation examples
+miss is an empty folder there by design, marked so (``EMPTY_CLASS_MARK``: reading the
+view warns of no empty class).
 """
 from __future__ import annotations
 
@@ -35,7 +41,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from vitlab.data.sources import DataError, ImageFolderIndex, scan_image_folder
+from vitlab.config import ConfigError
+from vitlab.data.sources import EMPTY_CLASS_MARK, DataError, ImageFolderIndex, scan_image_folder
 
 # the 19 tasks (the names VTAB's code gives them) and the other spellings accepted for each: the
 # paper's (Table 9: CIFAR-100, dSpr-Loc, sNORB-Azim, Clevr-Count, ...) and tensorflow_datasets'
@@ -168,11 +175,14 @@ def _link(source: str, target: Path) -> None:
 
 def _write_view(folder: Path, classes: Sequence[str], items: Sequence[tuple[str, int]]) -> int:
     """``folder/<class>/<n><suffix>`` linking to each (path, label); every class gets a folder,
-    so every view of a task has the same class list (and label ids)."""
+    so every view of a task has the same class list (and label ids); one without an image of
+    the view is marked empty by design."""
     if folder.exists():
         shutil.rmtree(folder)
     for name in classes:
         (folder / name).mkdir(parents=True)
+    for name in set(classes) - {classes[label] for _, label in items}:
+        (folder / name / EMPTY_CLASS_MARK).touch()
     for n, (path, label) in enumerate(items):
         _link(path, folder / classes[label] / f"{n:07d}{Path(path).suffix.lower()}")
     return len(items)
@@ -226,6 +236,8 @@ def split_tasks(tasks: Sequence[Task], out: str | os.PathLike, examples: int = 1
                 seed: int = 0) -> dict[str, TaskSplits]:
     """Every task's splits (``split_task``, under ``out/<task>/splits``), written before any
     task is trained: what is wrong with any of them is named, for all of them, in one error."""
+    if examples < 5:
+        raise ConfigError(f"--examples={examples}: must be at least 5 (a 4:1 split)")
     splits, problems = {}, []
     for task in tasks:
         try:

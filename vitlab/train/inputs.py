@@ -22,7 +22,7 @@ from vitlab.config import ConfigError, Pair
 from vitlab.data.labelled import load_labelled
 from vitlab.data.memory import load_source_in_memory, usable_cores
 from vitlab.data.sources import DataError
-from vitlab.data.splits import stratified_split
+from vitlab.data.splits import select_classes, stratified_split
 from vitlab.data.stream import hold_out, is_stream_source, open_source, scan_folder
 
 from .config import TrainConfig
@@ -61,19 +61,6 @@ def load_dataset(cfg: TrainConfig, image_size: Pair):
         if cfg.data.source == "digits":  # the one failure that is the config's, not the data's
             raise ConfigError(f"model.{err}") from None
         raise
-
-
-def select_classes(images: torch.Tensor, labels: torch.Tensor, classes: list[str], keep: tuple[str, ...]):
-    """Only the classes named in ``keep``, relabelled 0..len(keep)-1 in that order."""
-    missing = [c for c in keep if c not in classes]
-    if missing:
-        raise ConfigError(f"data.class_subset={keep!r}: no class(es) {', '.join(map(repr, missing))}; "
-                          f"the data has {', '.join(classes)}")
-    old_ids = torch.tensor([classes.index(c) for c in keep])
-    mask = torch.isin(labels, old_ids)
-    remap = torch.full((len(classes),), -1, dtype=torch.long)
-    remap[old_ids] = torch.arange(len(keep))
-    return images[mask], remap[labels[mask]], list(keep)
 
 
 def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:

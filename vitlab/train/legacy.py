@@ -2,8 +2,9 @@
 
 ``LEGACY_NAMES``: the flat field names of ``TrainConfig`` before it had sections.
 Checkpoints and run folders written then hold a flat config dict (``{"lr": ..., "data":
-...}``); ``from_dict`` reads it through ``nested_dict``, and ``--set lr=0.01`` still works
-through ``LEGACY_NAMES``.  The table is frozen: a new field gets no flat name.
+...}``); ``from_dict`` reads it through ``nested_dict``, and so does ``recorded_section``
+(what `eval` and `fewshot` read of a run), and ``--set lr=0.01`` still works through
+``LEGACY_NAMES``.  The table is frozen: a new field gets no flat name.
 
 ``FORMER_SETTING_NAMES``: the experiments' settings (``vitlab.experiments``) before they
 carried the trainer's names; recorded commands (``--set val=5000``) and ``results.json``
@@ -11,6 +12,8 @@ files written then hold them.  A table of its own: ``val`` or ``minutes`` is no 
 of the trainer's, and ``data`` means the data source in both (``data.source`` here).
 """
 from __future__ import annotations
+
+from typing import Any
 
 LEGACY_NAMES = {
     "recipe": "recipe",
@@ -57,3 +60,9 @@ def nested_dict(d: dict) -> dict:
         else:
             nested[path] = value
     return nested
+
+
+def recorded_section(recorded: Any, name: str) -> dict:
+    """Section ``name`` ("data", "optim", ...) of a config a run recorded (its ``config.json``,
+    either layout, unchecked); {} where there is none."""
+    return dict(nested_dict(recorded).get(name) or {}) if isinstance(recorded, dict) else {}

@@ -1,0 +1,53 @@
+"""``load_held_out``: what a trained model is scored on, split as its run split it (the data
+section of its recorded config, either layout, read by ``train.legacy.recorded_section``)."""
+
+import pytest
+import torch
+
+from vitlab.data.digits import load_digits_dataset
+from vitlab.data.labelled import check_run_classes, load_held_out
+from vitlab.data.splits import stratified_split
+from vitlab.train.legacy import recorded_section
+
+FLAT = {"recipe": "test", "data": "digits", "val_split": 100, "split_seed": 1, "class_subset": ["5", "3"]}
+NESTED = {"recipe": "test", "data": {"source": "digits", "val_split": 100, "split_seed": 1, "class_subset": ["5", "3"]}}
+
+
+def test_a_runs_record_is_read_in_either_layout():
+    assert recorded_section(FLAT, "data") == recorded_section(NESTED, "data") == NESTED["data"]
+    assert recorded_section(None, "data") == recorded_section({"recipe": "x"}, "data") == {}
+
+
+def test_the_runs_data_is_split_as_the_run_split_it():
+    data = load_held_out(recorded_section(FLAT, "data"), 8)
+    assert data.classes == ["5", "3"] and data.key == "digits@8|5,3"  # the run's classes, relabelled 0, 1
+    digits = load_digits_dataset(8)
+    keep = (digits.labels == 5) | (digits.labels == 3)
+    assert torch.equal(data.images, digits.images[keep]) and torch.equal(data.labels, (digits.labels[keep] == 3).long())
+    rest, held = stratified_split(data.labels, 100, 1)
+    assert torch.equal(data.rest, rest) and torch.equal(data.held, held)
+    assert (data.split, data.seed, data.run_shards) == (100, 1, False)
+
+
+def test_flags_win_and_other_data_takes_the_defaults():
+    run = NESTED["data"]
+    everything = load_held_out(run, 8, val_split=0, split_seed=4)
+    assert (everything.split, everything.seed, len(everything.rest)) == (0, 4, 0)
+    assert torch.equal(everything.held, torch.arange(len(everything.labels)))
+    fraction = load_held_out(run, 8, val_split=0.5)
+    assert fraction.split == 0.5 and len(fraction.held) == len(fraction.labels) // 2
+    other = load_held_out({**run, "source": "elsewhere"}, 8, source="digits", default_split=0.1)
+    assert len(other.classes) == 10 and (other.split, other.seed) == (0.1, 0)  # not the run's data: nothing of its
+    with pytest.raises(ValueError, match=r"--val-split=2.5: a count \(integer >= 1\)"):
+        load_held_out(run, 8, val_split=2.5)
+    with pytest.raises(ValueError, match="--data is needed"):
+        load_held_out({}, 8)
+
+
+def test_the_classes_of_the_run_must_be_the_datas():
+    check_run_classes(["a", "b"], ["a", "b"], 2)
+    check_run_classes(["a", "b"], None, 2)
+    with pytest.raises(ValueError, match=r"differ from the ones the checkpoint was trained on \(b, a"):
+        check_run_classes(["a", "b"], ["b", "a"], 2)
+    with pytest.raises(ValueError, match="the model has 3 outputs but the data has 2 classes"):
+        check_run_classes(["a", "b"], None, 3)

@@ -1,0 +1,203 @@
+"""The VTAB-1k protocol (paper Sec. 4.2, Appendix B.1.1): fine-tune on each task, choose the
+learning rate on its fixed 200 validation examples, fine-tune again on all 1000, score on test.
+
+    cfg = with_changes(load_recipe("vtab1k"), {"model.init": "ViT-B_16.npz", "run.out": "runs/vtab"})
+    report = run_vtab(cfg, find_tasks("vtab/"), "runs/vtab")   # also in runs/vtab/vtab.json
+
+For each task (``vitlab.eval.vtab``: its folders, its fixed splits, the group means):
+
+1. fine-tune on ``train[:800]`` with every learning rate of the grid (default the config's
+   ``optim.lr_grid``) and score each on ``train[800:1000]``;
+2. fine-tune on all 1000 with the best one (``select="per-task"``), or with the one whose
+   mean over the tasks' validation sets is best (``select="shared"``: the paper used one
+   setting for all tasks, chosen so);
+3. score the final model on the task's test set.
+
+Every run is ``cfg`` with the task's data, the learning rate and its own folder under
+``out``.  The batch is accumulated over ``accum_steps`` micro-batches, by default
+(``"auto"``) the fewest whose activations, measured on the model, fit in half of the
+device's free memory.  The protocol trains, so it lives in ``train`` (above ``eval``, which
+holds what does not train: docs/layout.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from vitlab import fast
+from vitlab.analysis.cost import SavedForBackward
+from vitlab.config import ConfigError
+from vitlab.data.memory import load_in_memory
+from vitlab.eval.evaluator import Evaluator
+from vitlab.eval.vtab import Task, TaskSplits, split_tasks, summarize
+from vitlab.weights import load_model
+
+from .build import check_can_run, make_model, training_size
+from .config import TrainConfig
+from .distributed import pick_device
+from .loop import train
+from .metrics import Progress
+from .overrides import with_changes
+
+__all__ = ["run_vtab", "evaluate_on", "auto_accum_steps", "SELECTIONS"]
+
+SELECTIONS = ("per-task", "shared")
+
+
+def activation_bytes_per_example(cfg: TrainConfig) -> int:
+    """Bytes a backward keeps per training example of the model ``cfg`` fine-tunes, measured on
+    one example of the plain model (the fast path keeps less)."""
+    model = make_model(cfg, num_classes=2).train()
+    x = torch.zeros(1, 3, *training_size(cfg))
+    with SavedForBackward(model) as kept:
+        model(x).float().logsumexp(-1).sum()
+    return kept.bytes
+
+
+def available_bytes(device: torch.device | str) -> int:
+    """Free memory of ``device``: the GPU's, or the host's MemAvailable."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def auto_accum_steps(batch: int, per_example: int, available: int, share: float = 0.5) -> int:
+    """The fewest micro-batches, a divisor of ``batch``, whose activations fit in ``share`` of
+    ``available`` bytes (the rest: weights, gradients, optimiser state, temporaries)."""
+    for accum in (k for k in range(1, batch + 1) if batch % k == 0):
+        if (batch // accum) * per_example <= share * available:
+            return accum
+    return batch
+
+
+def accum_steps_for(cfg: TrainConfig, device: torch.device, accum_steps: int | str) -> int:
+    """``accum_steps`` as a count: a positive integer as given, "auto" by ``auto_accum_steps``."""
+    if accum_steps != "auto":
+        if not str(accum_steps).isdigit() or int(accum_steps) < 1:
+            raise ValueError(f"--accum-steps={accum_steps!r}: expected a positive integer or auto")
+        return int(accum_steps)
+    return auto_accum_steps(cfg.optim.batch_size, activation_bytes_per_example(cfg), available_bytes(device))
+
+
+def evaluate_on(weights: str, folder: Path, cfg: TrainConfig, device: torch.device | str,
+                precision: str) -> tuple[float, int, int]:
+    """(top-1, images, images left out as unreadable) of the weights on an ImageFolder view, at the
+    resolution they were trained at, in the protocol's resolved ``precision``."""
+    model = load_model(weights).to(device).eval()
+    data = load_in_memory(folder, image_size=model.cfg.img_size, cache_dir=cfg.data.cache_dir,
+                          workers=cfg.data.decode_workers)
+    result = Evaluator(data.images, data.labels, batch_size=cfg.run.eval_batch_size, device=device,
+                       precision=precision).run(model)
+    return float(result["top1"]), int(result["n"]), data.skipped.images
+
+
+@dataclass(frozen=True)
+class Runs:
+    """How every run of the protocol trains and is scored: ``cfg`` with the run's data and
+    learning rate, into its folder under ``out``, scored on ``device`` in ``precision``."""
+
+    cfg: TrainConfig
+    out: Path
+    device: torch.device
+    precision: str
+    resume: bool = False   # a run that finished (its summary.json) is read back, not run again
+    verbose: bool = True
+
+    def fine_tune(self, source: Path, lr: float, folder: str) -> dict:
+        """The summary of ``cfg`` trained on ``source`` at ``lr`` into ``out/folder``."""
+        done = self.out / folder / "summary.json"
+        if self.resume and done.is_file():
+            return json.loads(done.read_text())
+        run_cfg = with_changes(self.cfg, {"data.source": str(source), "optim.lr": lr,
+                                          "run.out": str(self.out / folder)})
+        check_can_run(run_cfg)
+        return train(run_cfg, overwrite=True, verbose=self.verbose)
+
+    def score(self, weights: str, folder: Path) -> tuple[float, int, int]:
+        return evaluate_on(weights, folder, self.cfg, self.device, self.precision)
+
+
+def sweep_scores(runs: Runs, task: Task, views: TaskSplits, grid: Sequence[float], say) -> dict[str, float]:
+    """{lr: top-1 on the task's validation examples} of a run on its sweep split per learning
+    rate; {} for a grid of one (one learning rate needs no choosing)."""
+    scores: dict[str, float] = {}
+    for lr in grid if len(grid) > 1 else ():
+        summary = runs.fine_tune(views.sweep_train, lr, f"{task.name}/lr_{lr:g}")
+        scores[f"{lr:g}"], _, _ = runs.score(summary["weights"], views.sweep_val)
+        say(f"{task.name}: lr {lr:g}: top-1 {scores[f'{lr:g}']:.4f} on its {views.counts['val200']} validation "
+            "examples")
+    return scores
+
+
+def chosen_lrs(grid: Sequence[float], val: Mapping[str, Mapping[str, float]], select: str) -> dict[str, float]:
+    """The learning rate of each task's final run: the only one of a grid of one, else the best
+    on its validation examples (``per-task``) or on their mean over the tasks (``shared``)."""
+    if len(grid) == 1:
+        return {name: grid[0] for name in val}
+    if select == "shared":
+        shared = max(grid, key=lambda lr: sum(v[f"{lr:g}"] for v in val.values()))
+        return {name: shared for name in val}
+    return {name: max(grid, key=lambda lr: scores[f"{lr:g}"]) for name, scores in val.items()}
+
+
+def final_result(runs: Runs, task: Task, views: TaskSplits, lr: float, val: dict[str, float], say) -> dict:
+    """One task's final run on all its training examples at ``lr``, scored on its test set."""
+    final = runs.fine_tune(views.train, lr, f"{task.name}/final_lr_{lr:g}")
+    top1, n, unread = runs.score(final["weights"], views.test)
+    skipped = final.get("skipped_images", 0) + unread  # left out as unreadable by its final run and its test set
+    say(f"{task.name}: lr {lr:g}: test top-1 {top1:.4f} on {n} images ({views.test_split})"
+        + (f"; {skipped} unreadable image(s) left out" if skipped else ""))
+    return {"group": task.group, "lr": lr, "val_top1": val, "test_top1": top1, "test_examples": n,
+            "test_split": views.test_split, "skipped_images": skipped, "train_examples": views.counts["train1000"],
+            "classes": len(views.classes), "weights": final["weights"]}
+
+
+def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, examples: int = 1000,
+             split_seed: int = 0, grid: Sequence[float] = (), select: str = "per-task",
+             accum_steps: int | str = "auto", resume: bool = False, verbose: bool = True) -> dict:
+    """The protocol over ``tasks`` (see the module docstring), every run ``cfg``'s, into ``out``.
+
+    Returns the report, also written to ``out/vtab.json``: ``protocol`` (the settings),
+    ``tasks`` (per task: its group, the validation top-1 of each learning rate, the one
+    chosen, the test top-1 and its images) and ``summarize``'s group means and mean.
+    ``resume``: the runs that finished in ``out`` are read back, not run again.  ``verbose``:
+    a line per run on stderr, and the training runs' progress.
+    """
+    if select not in SELECTIONS:
+        raise ConfigError(f"select={select!r}: expected one of {', '.join(SELECTIONS)}")
+    out = Path(out)
+    splits = split_tasks(tasks, out, examples, split_seed)  # every task's folders, before any run
+    grid = tuple(float(lr) for lr in grid) or tuple(cfg.optim.lr_grid) or (cfg.optim.lr,)
+    device = pick_device(cfg.run.device)
+    accum = accum_steps_for(cfg, device, accum_steps)
+    precision = fast.auto_precision(device) if cfg.run.precision == "auto" else cfg.run.precision  # decided once
+    cfg = with_changes(cfg, {"optim.accum_steps": accum})
+    check_can_run(with_changes(cfg, {"data.source": "digits"}))  # the weights and the batch, before any run
+    runs, say = Runs(cfg, out, device, precision, resume, verbose), Progress(enabled=verbose).message
+    say(f"vtab: {len(tasks)} tasks, lr grid {', '.join(f'{lr:g}' for lr in grid)} ({select}), "
+        f"{cfg.optim.steps} steps at batch {cfg.optim.batch_size} ({accum} micro-batches of "
+        f"{cfg.optim.batch_size // accum}), {examples} examples per task")
+    val = {task.name: sweep_scores(runs, task, splits[task.name], grid, say) for task in tasks}
+    lrs = chosen_lrs(grid, val, select)
+    results = {task.name: final_result(runs, task, splits[task.name], lrs[task.name], val[task.name], say)
+               for task in tasks}
+    report = {"protocol": {"recipe": cfg.recipe, "init": cfg.model.init, "grid": list(grid), "select": select,
+                           "steps": cfg.optim.steps, "batch_size": cfg.optim.batch_size, "accum_steps": accum,
+                           "img_size": cfg.model.img_size, "examples": examples, "split_seed": split_seed},
+              "tasks": results, **summarize(results)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vtab.json").write_text(json.dumps(report, indent=2))
+    return report

@@ -14,3 +14,30 @@ def test_help_renders(command, capsys):
     assert out.startswith("usage: vitlab")
     if command is None:
         assert all(c in out for c, _, _ in COMMANDS)
+
+
+def test_version_prints_the_installed_packages_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"vitlab {version('vitlab')}\n"
+
+
+def test_the_package_takes_its_version_and_license_from_one_place_each():
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parent.parent
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    project = pyproject["project"]
+    # no number of its own in pyproject.toml: the metadata's version is vitlab.__version__
+    assert "version" not in project and "version" in project["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "vitlab.__version__"}
+    # the license pyproject names ships with the package, in its full text
+    assert project["license"] == "Apache-2.0"
+    assert all((root / name).is_file() for name in project["license-files"])
+    license_text = (root / "LICENSE").read_text()
+    assert "Apache License\n                           Version 2.0, January 2004" in license_text
+    assert "END OF TERMS AND CONDITIONS" in license_text

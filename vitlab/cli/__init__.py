@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+import vitlab
+
 # (command, module, one-line help)
 COMMANDS: list[tuple[str, str, str]] = [
     ("models", "models", "list the registered models with parameters and GFLOPs"),
@@ -36,6 +38,8 @@ COMMANDS: list[tuple[str, str, str]] = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitlab", description="Vision Transformers, as in the paper.")
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
+    # the version of the code that runs; pyproject.toml reads the same attribute into the package's metadata
+    parser.add_argument("--version", action="version", version=f"%(prog)s {vitlab.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module, help_text in COMMANDS:
         mod = importlib.import_module(f"vitlab.cli.{module}")

@@ -117,12 +117,18 @@ class CpuInfo:
 def cpu_info(path: Path = Path("/proc/cpuinfo")) -> CpuInfo:
     """Vendor, model name, family/model numbers and feature flags of this CPU (from
     /proc/cpuinfo on Linux)."""
-    vendor, model, flags = "", platform.processor(), frozenset()
-    numbers: dict[str, int] = {}
     try:
         text = path.read_text()
     except OSError:
-        return CpuInfo(vendor, model, flags)
+        return CpuInfo("", platform.processor(), frozenset())
+    return parse_cpuinfo(text)
+
+
+def parse_cpuinfo(text: str, machine: str | None = None) -> CpuInfo:
+    """The first processor of /proc/cpuinfo ``text``.  ``machine`` is the architecture that
+    wrote it (``platform.machine()``, this one's, by default): the text does not say."""
+    vendor, model, flags = "", platform.processor(), frozenset()
+    numbers: dict[str, int] = {}
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key, value = key.strip(), value.strip()
@@ -136,7 +142,8 @@ def cpu_info(path: Path = Path("/proc/cpuinfo")) -> CpuInfo:
             numbers.setdefault(key, int(value))
         elif key in ("flags", "Features") and not flags:  # x86, aarch64
             flags = frozenset(value.split())
-    return CpuInfo(vendor, model, flags, family=numbers.get("cpu family"), model_number=numbers.get("model"))
+    machine = (machine or platform.machine()).lower()
+    return CpuInfo(vendor, model, flags, machine, family=numbers.get("cpu family"), model_number=numbers.get("model"))
 
 
 # The classes the rule knows, from the most capable x86 part down; then Arm, then anything else.

@@ -59,8 +59,7 @@ def pick_device(name: str) -> str:
 
 
 def load_checkpoint(source: str, img_size: int | None, device: str, fast: bool = False):
-    """(model in eval mode on ``device``, run metadata dict); ``fast``: ``vitlab.fast.optimize``d for
-    inference only (bf16 weights held cast)."""
+    """(model in eval mode on ``device``, run metadata dict); ``fast``: ``vitlab.fast.optimize``d."""
     from vitlab.analysis.report import read_run_meta
     from vitlab.weights import load_model
 
@@ -68,7 +67,7 @@ def load_checkpoint(source: str, img_size: int | None, device: str, fast: bool =
     if fast:
         from vitlab import fast as fast_path
 
-        fast_path.optimize(model, inference_weights="hold")
+        fast_path.optimize(model)
     return model, read_run_meta(source)
 
 

@@ -273,7 +273,7 @@ def test_inference_in_chunks_of_images_equals_the_plain_forward(family, monkeypa
 def test_a_block_run_in_chunks_casts_each_weight_once_for_all_its_chunks(kernels, monkeypatch):
     from vitlab.fast import modules
 
-    monkeypatch.setattr(modules, "CHUNK_ROWS", 40)  # 7 images of 17 tokens: 2 chunks per block in bf16
+    monkeypatch.setattr(modules, "CHUNK_ROWS", 40)  # 7 images of 17 tokens: chunks of 2 images in bf16
     cfg = FAMILIES["token"]
     model = with_random_head(cfg).eval()
     x = torch.randn(7, 3, *cfg.img_size)
@@ -290,10 +290,15 @@ def test_a_block_run_in_chunks_casts_each_weight_once_for_all_its_chunks(kernels
         return real_cast(self, weight, dtype)
 
     monkeypatch.setattr(modules.Workspace, "cast", cast)
+    chunks = []
+    real_fused = modules.FastBlock.fused
+    monkeypatch.setattr(modules.FastBlock, "fused", lambda self, x, out=None: chunks.append(x.shape[0])
+                        or real_fused(self, x, out))
     shared = bf16_infer(model, x)
+    assert chunks == [2, 2, 2, 1] * cfg.depth
     blocks_dense = 4 * cfg.depth
     assert len(casts) == blocks_dense + 1  # every dense layer of the blocks once, then the head
-    assert len(reused) == blocks_dense and all(any(w is c for c in casts) for w in reused)
+    assert len(reused) == 3 * blocks_dense and all(any(w is c for c in casts) for w in reused)
     monkeypatch.setattr(modules.Workspace, "casts_shared_by_chunks", lambda self: contextlib.nullcontext())
     assert torch.equal(bf16_infer(model, x), shared)  # the same as casting again for every chunk
     assert (shared.float() - plain).norm() < 3e-2 * plain.norm()

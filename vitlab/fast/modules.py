@@ -24,11 +24,11 @@ layer, ``held_casts``.  Nothing writes into a parameter.
   has a slow bf16 backward; without autograd the heads are first copied into contiguous
   blocks (``contiguous_attention``), since both the fused kernel and matmuls over strided
   head views are slower forwards at ViT shapes.  Without autograd on a CPU the block runs
-  over chunks of whole images of about ``CHUNK_ROWS`` tokens (every part of a block acts
-  on each image alone, so the values are the same), each written into its rows of the
-  output: its activations stay a few MB, where the allocator reuses memory instead of
-  mapping fresh pages (each faulting on first touch) for every wide activation of a
-  large batch.
+  over chunks of whole images of about ``CHUNK_ROWS`` tokens, half as many in bf16 (every
+  part of a block acts on each image alone, so the values are the same), each written into
+  its rows of the output: its activations stay a few MB, where the allocator reuses memory
+  instead of mapping fresh pages (each faulting on first touch) for every wide activation
+  of a large batch, and keeps little of it.
 
 A block takes its fused path only while its parts are the plain modules it was built
 with (and the installed dense layers) and none of them carries a hook: a user who wraps
@@ -248,9 +248,12 @@ def _hooked(module: nn.Module) -> bool:
                 or module._backward_hooks or module._backward_pre_hooks)
 
 
-# Tokens per chunk of a block's inference with fp32 dense layers (twice as many with 2-byte
-# ones): a chunk's widest activation (tokens x mlp_dim) then stays within ~12 MB for the
-# paper's widths, while its matmuls keep enough rows.
+# Tokens per chunk of a block's inference with fp32 dense layers, half as many with bf16 ones:
+# a chunk's widest activation (tokens x mlp_dim) then stays within ~12 MB (fp32) and ~3 MB
+# (bf16) for the paper's widths, while its matmuls keep enough rows.  In bf16 the smaller
+# chunks are for the allocator: glibc keeps a block's freed temporaries in its heap, up to
+# about twice the widest of them at its top and more in the holes between them, which at
+# 2048-token chunks held ViT-B/16's bf16 batch-8 inference at twice a peer's peak memory.
 CHUNK_ROWS = 1024
 
 
@@ -336,11 +339,13 @@ def _dense_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _inference_chunks(x: torch.Tensor) -> int:
     """How many chunks of images a block's forward over ``x`` (B, L, D) runs in: without autograd
-    on a CPU, enough for chunks of about ``CHUNK_ROWS`` tokens of 4-byte dense outputs; else 1."""
+    on a CPU, enough for chunks of about ``CHUNK_ROWS`` tokens of 4-byte dense outputs, half as
+    many of 2-byte ones; else 1."""
     images, tokens = x.shape[0], x.shape[1]
     if torch.is_grad_enabled() or x.device.type != "cpu" or images == 1:
         return 1
-    return max(1, -(-images * tokens * _dense_dtype(x).itemsize // (4 * CHUNK_ROWS)))
+    per_chunk = CHUNK_ROWS * _dense_dtype(x).itemsize // 4
+    return max(1, -(-images * tokens // per_chunk))
 
 
 def contiguous_attention(qkv: torch.Tensor, num_heads: int, scale: float, dropout: float = 0.0) -> torch.Tensor:

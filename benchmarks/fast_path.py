@@ -9,8 +9,8 @@ and bf16 autocast, with the bytes of activations each keeps for the backward.
 ``inference``: ViT-B/16 inference, plain against optimized, fp32 and bf16 autocast.
 ``inference_options``: ViT-B/16 inference of the optimized model with its block chunks
 as large as the batch (``CHUNK_ROWS`` unbounded) and, in bf16, with each weight held cast
-(``inference_weights="hold"``, what ``vitlab eval`` runs), against the default (cast in every
-call), with the page faults per call of each.
+(``inference_weights="hold"``), against the default (cast in every call, what ``vitlab eval``
+runs), with the page faults per call of each.
 ``kernels``: the training step of the plain model, of the fast model with each kernel choice
 this CPU can run (fp32 matmul x attention x recompute; in bf16 the bf16 kernels), and of
 Hugging Face's ViT (sdpa, eager): what ``kernels.RULES`` rests on, per CPU class.

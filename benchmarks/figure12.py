@@ -244,7 +244,7 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
     cfg = config_from_dict(case["config"])
     size = cfg.img_size[0]
     torch.manual_seed(0)
-    model = vitlab.fast.optimize(build_model(cfg).to(device).eval(), inference_weights="hold")  # as vitlab eval runs it
+    model = vitlab.fast.optimize(build_model(cfg).to(device).eval())  # as vitlab eval runs it
     x = torch.randn(batch, 3, size, size, device=device)
 
     def forward():

@@ -12,7 +12,6 @@ edits ``sys.path``.
 """
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import statistics
@@ -198,10 +197,10 @@ def make_model(impl: str, spec: str, img_size: int | None = None):
 
 def optimize_if_default(impl: str, model, kind: str = "train"):
     """Apply the fast layer to 'vitlab' and 'vitlab-before' (after ``.to(device)``) as that vitlab
-    runs it: the trainer's ``optimize(model)``, or for ``kind="inference"`` that of ``vitlab eval``
-    and ``vitlab predict``, with the bf16 weights held cast (``inference_weights="hold"``), or
-    packed into the fp32 weights where the revision has that (its commands used it until
-    2026-11-26).  A revision from before ``vitlab.fast`` runs its model as it is."""
+    runs it: ``optimize(model)``, what the trainer, ``vitlab eval`` and ``vitlab predict`` run (bf16
+    inference weights cast in every call into a shared buffer), or for ``kind="inference"`` of a
+    revision that has it ``inference_weights="pack"`` (bf16 weights packed into the fp32 ones, what
+    its commands ran until 2026-11-26).  A revision from before ``vitlab.fast`` runs its model as it is."""
     if impl not in ("vitlab", "vitlab-before"):
         return model
     try:
@@ -209,8 +208,8 @@ def optimize_if_default(impl: str, model, kind: str = "train"):
     except ImportError:
         return model
     options = {}
-    if kind == "inference" and "inference_weights" in inspect.signature(vitlab.fast.optimize).parameters:
-        options["inference_weights"] = "pack" if "pack" in getattr(vitlab.fast, "INFERENCE_WEIGHTS", ()) else "hold"
+    if kind == "inference" and "pack" in getattr(vitlab.fast, "INFERENCE_WEIGHTS", ()):
+        options["inference_weights"] = "pack"
     return vitlab.fast.optimize(model, **options)
 
 
@@ -394,7 +393,11 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
         step = lambda: session.run(None, feed)  # noqa: E731
     else:
         model, forward = make_model(impl, spec, img)
-        model = optimize_if_default(impl, model.to(device), case["kind"])
+        model = model.to(device)
+        # The baseline: the model as built, before vitlab's fast layer, so that whatever the layer
+        # allocates (at optimize or at its first call) counts, as every peer's own allocations do.
+        memory.reset()
+        model = optimize_if_default(impl, model, case["kind"])
         if case.get("compile"):
             forward = torch.compile(forward)
         if case["kind"] == "inference":
@@ -403,7 +406,6 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
             def step():
                 with torch.inference_mode(), torch.autocast(device, torch.bfloat16, enabled=amp):
                     return forward(x)
-            memory.reset()
         else:
             model.train()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
@@ -415,7 +417,6 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            memory.reset()  # after the model, before the optimizer state appears
 
     faults_when_warm = []
     times, calls = time_loop(step, sync, case["warmup"], case["repeats"], case["min_seconds"],

@@ -3,6 +3,7 @@ reversible layer on top that computes what the plain model computes."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import io
@@ -269,6 +270,42 @@ def test_inference_in_chunks_of_images_equals_the_plain_forward(family, kernels,
     assert (fast_bf16 - bf16_logits).norm() < 3e-2 * bf16_logits.norm()
 
 
+@pytest.mark.parametrize("kernels", CASTING)
+def test_a_block_run_in_chunks_casts_each_weight_once_for_all_its_chunks(kernels, monkeypatch):
+    from vitlab.fast import modules
+
+    monkeypatch.setattr(modules, "CHUNK_ROWS", 40)  # 7 images of 17 tokens: chunks of 2 images in bf16
+    cfg = FAMILIES["token"]
+    model = with_random_head(cfg).eval()
+    x = torch.randn(7, 3, *cfg.img_size)
+    before = {name: fp32_bits(p) for name, p in model.named_parameters()}
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        plain = model(x).float()
+    fast.optimize(model, kernels)
+    casts, reused = [], []
+    real_cast = modules.Workspace.cast
+
+    def cast(self, weight, dtype):
+        shared = getattr(self._local, "shared", None)
+        (reused if shared is not None and id(weight) in shared else casts).append(weight)
+        return real_cast(self, weight, dtype)
+
+    monkeypatch.setattr(modules.Workspace, "cast", cast)
+    chunks = []
+    real_fused = modules.FastBlock.fused
+    monkeypatch.setattr(modules.FastBlock, "fused", lambda self, x, out=None: chunks.append(x.shape[0])
+                        or real_fused(self, x, out))
+    shared = bf16_infer(model, x)
+    assert chunks == [2, 2, 2, 1] * cfg.depth
+    blocks_dense = 4 * cfg.depth
+    assert len(casts) == blocks_dense + 1  # every dense layer of the blocks once, then the head
+    assert len(reused) == 3 * blocks_dense and all(any(w is c for c in casts) for w in reused)
+    monkeypatch.setattr(modules.Workspace, "casts_shared_by_chunks", lambda self: contextlib.nullcontext())
+    assert torch.equal(bf16_infer(model, x), shared)  # the same as casting again for every chunk
+    assert (shared.float() - plain).norm() < 3e-2 * plain.norm()
+    assert all(torch.equal(fp32_bits(p), before[name]) for name, p in fast.restore(model).named_parameters())
+
+
 @pytest.mark.parametrize("kernels", CHOICES)
 def test_bf16_inference_equals_autocasts_rounding(kernels):
     torch.manual_seed(0)
@@ -365,12 +402,12 @@ def test_bf16_inference_reads_the_parameters_and_never_writes_them(family, kerne
         assert p is param and p._version == version and torch.equal(fp32_bits(p), bits)
 
 
-def test_the_inference_commands_fast_model_never_writes_its_parameters(tmp_path):
+def test_the_inference_commands_fast_model_never_writes_its_parameters_nor_keeps_a_copy(tmp_path):
     cfg = tiny()
     vitlab.save_model(with_random_head(cfg), tmp_path / "run")
     saved = vitlab.load_model(tmp_path / "run").state_dict()
     model = vitlab.load_model(tmp_path / "run").eval()
-    fast.optimize(model, inference_weights="hold")  # as vitlab eval and predict run it
+    fast.optimize(model)  # as vitlab eval and predict run it
     assert fast.is_optimized(model)
     versions = {name: p._version for name, p in model.named_parameters()}
     x = torch.randn(3, 3, *cfg.img_size)
@@ -378,6 +415,9 @@ def test_the_inference_commands_fast_model_never_writes_its_parameters(tmp_path)
     assert {name: p._version for name, p in model.named_parameters()} == versions
     assert all(torch.equal(fp32_bits(p), fp32_bits(saved[name])) for name, p in model.named_parameters())
     assert torch.equal(bf16_infer(model, x), first)
+    # no bf16 copy of the weights kept beside the model: the command's memory is the model's
+    assert fast.installed_options(model).inference_weights == "cast"
+    assert all(m.held_casts.weight is None for m in model.modules() if isinstance(m, fast.FastLinear))
 
 
 def test_a_bad_inference_weights_option_is_refused_with_the_allowed_ones():

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.fast is not False:
         from vitlab import fast
 
-        fast.optimize(model, inference_weights="hold")  # inference only: bf16 weights held cast
+        fast.optimize(model)
     classes = find_classes(checkpoint, args.classes)
     size = model.cfg.img_size
     for path in args.images:

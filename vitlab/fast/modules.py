@@ -14,7 +14,8 @@ layer, ``held_casts``.  Nothing writes into a parameter.
   matmul with the bias, and a following GELU, applied to its fp32 accumulator, on the
   weight in bf16, obtained as ``FastOptions.inference_weights`` says: cast in every call
   into a buffer the model's layers share (``Workspace``; autocast would allocate a fresh
-  copy of every weight in every call), or held as a cast copy between calls.
+  copy of every weight in every call; a block run in chunks casts its weights once for
+  all of them), or held as a cast copy between calls.
 * ``Block`` -> ``FastBlock``: one forward, ``FastBlock.fused``, whose parts the mode
   chooses.  With autograd, LayerNorm and GELU outputs are recomputed in the backward
   instead of stored (``recompute.py``) and the dense products take ``linear.py``'s
@@ -23,11 +24,11 @@ layer, ``held_casts``.  Nothing writes into a parameter.
   has a slow bf16 backward; without autograd the heads are first copied into contiguous
   blocks (``contiguous_attention``), since both the fused kernel and matmuls over strided
   head views are slower forwards at ViT shapes.  Without autograd on a CPU the block runs
-  over chunks of whole images of about ``CHUNK_ROWS`` tokens (every part of a block acts
-  on each image alone, so the values are the same), each written into its rows of the
-  output: its activations stay a few MB, where the allocator reuses memory instead of
-  mapping fresh pages (each faulting on first touch) for every wide activation of a
-  large batch.
+  over chunks of whole images of about ``CHUNK_ROWS`` tokens, half as many in bf16 (every
+  part of a block acts on each image alone, so the values are the same), each written into
+  its rows of the output: its activations stay a few MB, where the allocator reuses memory
+  instead of mapping fresh pages (each faulting on first touch) for every wide activation
+  of a large batch, and keeps little of it.
 
 A block takes its fused path only while its parts are the plain modules it was built
 with (and the installed dense layers) and none of them carries a hook: a user who wraps
@@ -43,8 +44,10 @@ the plain forward.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -56,24 +59,53 @@ from .linear import linear, linear_forward, mode_for, onednn_linear
 from .recompute import gelu_dense, layer_norm_dense, split_heads
 
 
-class Workspace:
-    """Scratch memory the installed layers of one model share, one buffer per thread.
+_ALIGN = 64  # elements: a shared cast's place in the workspace starts on a cache line
 
-    A layer casts its weight into it right before its matmul reads it, so one buffer of
-    the largest weight's size serves every layer; threads running the same model each
-    get their own.  Copies and pickles of a model start with an empty one.
+
+class Workspace:
+    """Scratch memory the installed layers of one model share, per thread.
+
+    A layer casts its weight into it right before its matmul reads it (``cast``), so one
+    buffer of the largest weight's size serves every layer; threads running the same model
+    each get their own.  While a block runs its inference over chunks of images
+    (``casts_shared_by_chunks``), each weight the block casts gets its own place in the
+    buffer and is cast once for every chunk, not once per chunk: the buffer then grows to
+    one block's dense weights.  Copies and pickles of a model start with an empty one.
     """
 
     def __init__(self) -> None:
         self._local = threading.local()
 
-    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """A tensor of ``shape`` and ``dtype`` over this thread's buffer, valid until the next ``take``."""
-        numel = shape.numel()
-        buffer = getattr(self._local, "buffer", None)
-        if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
-            buffer = self._local.buffer = torch.empty(numel, dtype=dtype)
-        return buffer[:numel].view(shape)
+    def cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``weight`` rounded to bf16 and held in ``dtype``, over this thread's buffer: valid until
+        the next ``cast``, or inside ``casts_shared_by_chunks`` until the block's chunks are done."""
+        local = self._local
+        shared = getattr(local, "shared", None)  # {id(weight): cast} while a block's chunks share casts
+        key = id(weight)
+        if shared is not None and key in shared:
+            return shared[key]
+        start = local.used if shared is not None else 0
+        end = start + weight.numel()
+        buffer = getattr(local, "buffer", None)
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < end:
+            # a cast already handed out keeps the old buffer alive through its own view
+            buffer = local.buffer = torch.empty(end, dtype=dtype, device=weight.device)
+        out = buffer[start:end].view(weight.shape)
+        weight = weight.detach()  # keyed above by the parameter itself: a detached view is new in every call
+        out.copy_(weight if dtype == torch.bfloat16 else weight.to(torch.bfloat16))
+        if shared is not None:
+            shared[key], local.used = out, -(-end // _ALIGN) * _ALIGN
+        return out
+
+    @contextlib.contextmanager
+    def casts_shared_by_chunks(self) -> Iterator[None]:
+        """Inside the block, each weight is cast once and its cast reused by every chunk."""
+        local = self._local
+        local.shared, local.used = {}, 0
+        try:
+            yield
+        finally:
+            local.shared = None
 
     def __reduce__(self):
         return Workspace, ()
@@ -88,10 +120,11 @@ class FastOptions:
     """What ``optimize`` installed: the CPU kernels, whether training recomputes, and how a
     dense layer gets its bf16 weight in CPU bf16 autocast inference (``inference_weights``):
 
-    * ``"cast"``: cast into the shared ``workspace`` in every call; nothing is kept;
+    * ``"cast"``: cast into the shared ``workspace`` in every call (once per block call where
+      the block runs in chunks); nothing is kept: what ``vitlab eval`` and ``vitlab predict`` use;
     * ``"hold"``: a cast copy kept on the layer between calls (``held_casts``; cast again
       when the parameter changes), for the memory of half the fp32 dense weights again:
-      no cast per call, what ``vitlab eval`` and ``vitlab predict`` use.
+      no cast per call, which pays at small batches only.
     """
 
     kernels: KernelChoice
@@ -196,8 +229,7 @@ class FastLinear(nn.Linear):
             held.key = key
         weight = held.weight
         if weight is None:
-            weight = options.workspace.take(self.weight.shape, hold_in)
-            weight.copy_(self.weight.detach() if hold_in == torch.bfloat16 else self.weight.detach().to(torch.bfloat16))
+            weight = options.workspace.cast(self.weight, hold_in)
         return weight, held.bias
 
 
@@ -216,9 +248,12 @@ def _hooked(module: nn.Module) -> bool:
                 or module._backward_hooks or module._backward_pre_hooks)
 
 
-# Tokens per chunk of a block's inference with fp32 dense layers (twice as many with 2-byte
-# ones): a chunk's widest activation (tokens x mlp_dim) then stays within ~12 MB for the
-# paper's widths, while its matmuls keep enough rows.
+# Tokens per chunk of a block's inference with fp32 dense layers, half as many with bf16 ones:
+# a chunk's widest activation (tokens x mlp_dim) then stays within ~12 MB (fp32) and ~3 MB
+# (bf16) for the paper's widths, while its matmuls keep enough rows.  In bf16 the smaller
+# chunks are for the allocator: glibc keeps a block's freed temporaries in its heap, up to
+# about twice the widest of them at its top and more in the holes between them, which at
+# 2048-token chunks held ViT-B/16's bf16 batch-8 inference at twice a peer's peak memory.
 CHUNK_ROWS = 1024
 
 
@@ -251,8 +286,9 @@ class FastBlock(Block):
         # whole batch): chunks of whole images, each one's result written into its rows of the output.
         parts = x.split(-(-x.shape[0] // chunks))
         out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, _dense_dtype(x)), device=x.device)
-        for part, rows in zip(parts, out.split(parts[0].shape[0])):
-            self.fused(part, out=rows)
+        with self.fast_options.workspace.casts_shared_by_chunks():
+            for part, rows in zip(parts, out.split(parts[0].shape[0])):
+                self.fused(part, out=rows)
         return out
 
     def fused(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -303,11 +339,13 @@ def _dense_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _inference_chunks(x: torch.Tensor) -> int:
     """How many chunks of images a block's forward over ``x`` (B, L, D) runs in: without autograd
-    on a CPU, enough for chunks of about ``CHUNK_ROWS`` tokens of 4-byte dense outputs; else 1."""
+    on a CPU, enough for chunks of about ``CHUNK_ROWS`` tokens of 4-byte dense outputs, half as
+    many of 2-byte ones; else 1."""
     images, tokens = x.shape[0], x.shape[1]
     if torch.is_grad_enabled() or x.device.type != "cpu" or images == 1:
         return 1
-    return max(1, -(-images * tokens * _dense_dtype(x).itemsize // (4 * CHUNK_ROWS)))
+    per_chunk = CHUNK_ROWS * _dense_dtype(x).itemsize // 4
+    return max(1, -(-images * tokens // per_chunk))
 
 
 def contiguous_attention(qkv: torch.Tensor, num_heads: int, scale: float, dropout: float = 0.0) -> torch.Tensor:

@@ -3,6 +3,8 @@ and shard readers, and the weight loaders (``tests/helpers/fuzz.py`` runs the sa
 longer).  A mutated input is decoded, loaded or refused with vitlab's own error, never
 anything else; every input that once broke a reader is replayed."""
 
+import logging
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,7 +20,10 @@ FAST = settings(deadline=None, derandomize=True, database=None, suppress_health_
 
 @pytest.fixture(autouse=True, scope="module")
 def _quiet():
+    level = logging.getLogger("vitlab").level
     fuzz.quiet()
+    yield
+    logging.getLogger("vitlab").setLevel(level)  # the tests after these read vitlab's warnings
 
 
 @pytest.mark.parametrize("target", list(TARGETS))

@@ -19,7 +19,7 @@ as printed in Table 6.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from ..config import Architecture, Pair, ResNetConfig, ViTConfig, to_pair
 
 __all__ = [
-    "model_flops", "flops_breakdown", "training_flops", "core_days", "count_flops",
+    "model_flops", "resnet_layers", "ResNetLayer", "flops_breakdown", "training_flops", "core_days", "count_flops",
     "SavedForBackward", "TPU_V3_CORE_BF16_FLOPS", "JFT_IMAGES",
 ]
 
@@ -43,38 +43,54 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _conv(h: int, w: int, cin: int, cout: int, k: int, stride: int = 1) -> tuple[int, int, int]:
-    """FLOPs of a k x k convolution; returns (flops, out_h, out_w).
+class ResNetLayer(NamedTuple):
+    """One convolution (or the root's max-pool) of a ResNet, with the size of its output."""
+
+    part: str    # "root", "stage1", ...
+    kind: str    # "conv" or "pool"
+    out_h: int
+    out_w: int
+    cin: int
+    cout: int
+    kernel: int
+
+
+def resnet_layers(cfg: ResNetConfig, h: int, w: int) -> Iterator[ResNetLayer]:
+    """The convolutions of the ResNet ``cfg`` on an (h, w) input, in order (the root's
+    max-pool too), as FLOP counting and memory estimates walk them.
 
     Every convolution in vitlab's ResNets keeps ceil(size / stride) positions (SAME
     padding, or PyTorch's k//2 padding, which gives the same size for odd k).
     """
-    oh, ow = _ceil_div(h, stride), _ceil_div(w, stride)
-    return 2 * oh * ow * cin * cout * k * k, oh, ow
+    root = cfg.root_width  # int(64 * width_factor), as the models build it
+    h, w = _ceil_div(h, cfg.root_stride), _ceil_div(w, cfg.root_stride)
+    yield ResNetLayer("root", "conv", h, w, cfg.in_chans, root, cfg.root_kernel)
+    if cfg.root_pool:
+        h, w = _ceil_div(h, 2), _ceil_div(w, 2)  # 3x3/2 max-pool
+        yield ResNetLayer("root", "pool", h, w, root, root, 3)
+    cin = root
+    for i, units in enumerate(cfg.layers):
+        mid, part = root * 2**i, f"stage{i + 1}"
+        for u in range(units):
+            stride = 2 if i > 0 and u == 0 else 1
+            oh, ow = _ceil_div(h, stride), _ceil_div(w, stride)
+            yield ResNetLayer(part, "conv", h, w, cin, mid, 1)
+            yield ResNetLayer(part, "conv", oh, ow, mid, mid, 3)
+            yield ResNetLayer(part, "conv", oh, ow, mid, 4 * mid, 1)
+            if stride != 1 or cin != 4 * mid:  # projection shortcut
+                yield ResNetLayer(part, "conv", oh, ow, cin, 4 * mid, 1)
+            h, w, cin = oh, ow, 4 * mid
 
 
 def _resnet_flops(cfg: ResNetConfig, h: int, w: int, head: bool) -> dict[str, int]:
     """Root conv, each stage, and (for BiT) the 1x1-conv head on pooled features."""
-    root = cfg.root_width  # int(64 * width_factor), as the models build it
     out: dict[str, int] = {}
-    out["root"], h, w = _conv(h, w, cfg.in_chans, root, cfg.root_kernel, cfg.root_stride)
-    if cfg.root_pool:
-        h, w = _ceil_div(h, 2), _ceil_div(w, 2)  # 3x3/2 max-pool
-    cin = root
-    for i, units in enumerate(cfg.layers):
-        mid, total = root * 2**i, 0
-        for u in range(units):
-            stride = 2 if i > 0 and u == 0 else 1
-            f1, _, _ = _conv(h, w, cin, mid, 1)
-            f2, oh, ow = _conv(h, w, mid, mid, 3, stride)
-            f3, _, _ = _conv(oh, ow, mid, 4 * mid, 1)
-            total += f1 + f2 + f3
-            if stride != 1 or cin != 4 * mid:  # projection shortcut
-                total += _conv(h, w, cin, 4 * mid, 1, stride)[0]
-            h, w, cin = oh, ow, 4 * mid
-        out[f"stage{i + 1}"] = total
+    for layer in resnet_layers(cfg, h, w):
+        if layer.kind == "conv":
+            flops = 2 * layer.out_h * layer.out_w * layer.cin * layer.cout * layer.kernel**2
+            out[layer.part] = out.get(layer.part, 0) + flops
     if head and cfg.num_classes:
-        out["head"] = 2 * cin * cfg.num_classes
+        out["head"] = 2 * cfg.out_channels * cfg.num_classes
     return out
 
 

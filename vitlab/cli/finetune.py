@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .train import add_common_arguments, process_started_at, resolve_config
+from .train import add_common_arguments, process_started_at, resolve_config, show_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,12 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from vitlab.train import train
     from vitlab.train.build import check_can_run
-    from vitlab.train.config import to_dict
     from vitlab.train.distributed import env_world_size
 
     cfg = resolve_config(args, extra={"model.init": args.init})
-    if args.show_config:  # showing a config needs no data, weights or processes
-        print(json.dumps(to_dict(cfg), indent=2))
+    if args.show_config:  # no processes, no decoded data; the data counted and the init's config read
+        show_config(cfg)
         return 0
     check_can_run(cfg, env_world_size())
     summary = train(cfg, resume=args.resume, overwrite=args.overwrite, verbose=not args.quiet,

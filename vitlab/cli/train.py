@@ -18,6 +18,8 @@ import os
 import time
 from pathlib import Path
 
+from vitlab.config import PRECISIONS
+
 # flag -> TrainConfig field
 SHORTCUTS = {
     "model": "model.name", "data": "data.source", "val_split": "data.val_split", "time_limit": "run.time_limit",
@@ -47,11 +49,18 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
                    help="fit warm-up, decay and the final evaluation into this wall-clock budget")
     p.add_argument("--steps", type=int, help="optimiser steps (the ceiling under --time-limit)")
     p.add_argument("--batch-size", type=int, help="global batch size")
-    p.add_argument("--accum-steps", type=int, help="gradient accumulation: micro-batches per step")
+    p.add_argument("--accum-steps", type=count_or_auto,
+                   help="gradient accumulation: micro-batches per step, or auto (the fewest whose micro-batch fits in "
+                        "memory; the run's config.json records the number)")
     p.add_argument("--lr", type=float, help="base learning rate")
     p.add_argument("--img-size", type=int, help="training resolution")
-    p.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"),
+    p.add_argument("--precision", choices=("auto", *PRECISIONS),
                    help="auto: bf16 autocast where it is faster than fp32 (GPUs; CPUs whose bf16 matmul kernel beats the fp32 GEMM), else fp32; fp16: autocast with a gradient scaler (run.loss_scale)")
+    add_run_arguments(p)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """How the run is carried out: seed, output, arithmetic, resuming, overrides."""
     p.add_argument("--seed", type=int)
     p.add_argument("--out", help="output folder (metrics, checkpoints, weights)")
     p.add_argument("--fsdp", action="store_true", default=None, help="shard the model with FSDP (multi-process)")
@@ -66,8 +75,33 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override any TrainConfig field, SECTION.FIELD=VALUE (repeatable); model.FIELD=VALUE for a "
                         "ViTConfig field")
-    p.add_argument("--show-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.add_argument("--show-config", action="store_true",
+                   help="print the resolved config as JSON, with the run's estimated peak memory (memory_estimate), "
+                        "and exit")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def count_or_auto(text: str) -> int | str:
+    """An argparse type: a positive integer, or "auto"."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer or auto")
+    return int(text)
+
+
+def show_config(cfg) -> None:
+    """--show-config: the config as the run would state it (a fine-tune names its init's model,
+    "auto" resolutions as numbers) and its memory estimate on this machine, as one JSON object;
+    an init that cannot be read yet leaves the config as given and the estimate out."""
+    from vitlab.train.build import memory_preview, resolve_model
+    from vitlab.train.config import to_dict
+
+    try:
+        shown, memory = resolve_model(cfg), memory_preview(cfg)
+    except (OSError, ValueError) as err:  # a missing init (FileNotFoundError), unreadable weights (WeightsError)
+        shown, memory = cfg, {"not_estimated": str(err)}
+    print(json.dumps(to_dict(shown) | {"memory_estimate": memory}, indent=2))
 
 
 def add_fast_argument(p: argparse.ArgumentParser) -> None:
@@ -119,12 +153,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from vitlab.train import train
     from vitlab.train.build import check_can_run
-    from vitlab.train.config import to_dict
     from vitlab.train.distributed import env_world_size
 
     cfg = resolve_config(args)  # the config checks its values as it is built
-    if args.show_config:  # showing a config needs no data, weights or processes
-        print(json.dumps(to_dict(cfg), indent=2))
+    if args.show_config:  # no processes, no decoded data; the data counted and an init's config read
+        show_config(cfg)
         return 0
     check_can_run(cfg, env_world_size())  # the machine's side, before any data is read
     summary = train(cfg, resume=args.resume, overwrite=args.overwrite, verbose=not args.quiet,

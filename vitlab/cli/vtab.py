@@ -14,8 +14,9 @@ test/, or VTAB-1k's own train800/ and val200/ with test/):
 3. score the final model on the task's test set.
 
 Every run is the ``vtab1k`` recipe's: SGD with momentum 0.9, 2500 steps (``--steps``),
-batch 512, cosine decay, no weight decay, clipping at norm 1, resolution 384
-(``--img-size``).  The batch of 512 is accumulated over ``--accum-steps`` micro-batches,
+batch 512, cosine decay, no weight decay, clipping at norm 1, resolution 384 for a 224-px
+init (scaled from another init's as ``vitlab/configs/paper_finetune.py`` says;
+``--img-size``).  The batch of 512 is accumulated over ``--accum-steps`` micro-batches,
 by default as many as the memory of the device needs (``auto``: measured on the model).
 The output: a table of each task's accuracy, its group's mean (Natural, Specialized,
 Structured) and the mean over tasks, in ``OUT/vtab.json`` and as the last line of JSON.
@@ -49,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, help="global batch (default: the recipe's 512)")
     p.add_argument("--accum-steps", default="auto",
                    help="micro-batches per step: a number, or auto (as many as the device's memory needs)")
-    p.add_argument("--img-size", type=int, help="fine-tuning resolution (default: the recipe's 384)")
+    p.add_argument("--img-size", type=int, help="fine-tuning resolution (default: the recipe's, 384 for a 224-px init)")
     p.add_argument("--out", default="runs/vtab", help="output folder (default runs/vtab)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a field of the recipe, SECTION.FIELD=VALUE (repeatable)")
@@ -61,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def base_config(args: argparse.Namespace):
     """The recipe with the command's flags: every run of the protocol starts from it."""
     from vitlab.configs import load_recipe
+    from vitlab.train.build import resolve_model
     from vitlab.train.overrides import parse_overrides, with_changes
 
     cfg = load_recipe(args.recipe)
@@ -71,7 +73,7 @@ def base_config(args: argparse.Namespace):
                        ("fast", "run.fast")):
         if getattr(args, flag) is not None:
             changes[name] = getattr(args, flag)
-    return with_changes(cfg, changes)
+    return resolve_model(with_changes(cfg, changes))  # the init's model, the resolution "auto" comes to
 
 
 def task_groups(items: list[str]) -> dict[str, str]:

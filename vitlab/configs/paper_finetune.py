@@ -1,8 +1,15 @@
 """Fine-tuning as in the paper, Table 4 and Sec. 3.2 / Appendix B.1.1.
 
 SGD with momentum 0.9, batch 512, cosine decay, no weight decay, clipping at global
-norm 1, resolution 384 (higher than pre-training; position embeddings are interpolated
-in 2D, Sec. 3.2), the pre-trained head replaced by a zero-initialised linear layer.
+norm 1, the pre-trained head replaced by a zero-initialised linear layer.
+
+Resolution: higher than pre-training, with the position embeddings interpolated in 2D
+(Sec. 3.2).  The paper fine-tunes at 384 the models it pre-trained at 224, and the recipe
+follows the init by the same rule (``model.img_size="auto"``, ``build.finetune_size``):
+the init's resolution times 384/224, at most 384 and never below the init's own, to the
+nearest multiple of the patch size.  A 224-px init fine-tunes at 384 as in the paper; a
+32-px one (CIFAR, 16-px patches) at 48; the demo's 16-px model (4-px patches) at 28; an
+init at 384 or more keeps its own.  ``--img-size`` overrides the rule.
 Warm-up: 500 steps, as the official fine-tuning code (vit_jax) does.
 Pre-processing: inception crop + flip for training, a plain resize for evaluation.
 
@@ -40,7 +47,7 @@ def get_config(dataset: str = "cifar10") -> TrainConfig:
     steps, grid, holdout = DATASETS[dataset]
     return TrainConfig(
         recipe=f"paper_finetune:dataset={dataset}",
-        model=ModelConfig(name="ViT-B/16", img_size=384),
+        model=ModelConfig(name="ViT-B/16", img_size="auto"),  # 384 for a 224-px init (module text)
         data=DataConfig(val_split=holdout),
         augment=AugmentConfig(crop="inception", crop_scale=(0.05, 1.0), flip=True),
         optim=OptimConfig(optimizer="sgd", momentum=0.9, lr=grid[2], lr_grid=grid, weight_decay=0.0, batch_size=512,

@@ -7,9 +7,11 @@ the learning rate per task, the final run, the test accuracy, the group means an
 mean over the 19 tasks.  For one task on its own, ``vtab1k`` (a class-stratified 800/200
 of a seeded 1000) and ``vtab1k:final=true`` (all 1000) train as any recipe.  The paper
 uses one setting for all 19 tasks: SGD momentum 0.9, lr 0.01, 2500 steps, batch 512,
-cosine decay, no weight decay, clipping at norm 1, resolution 384.  It chose lr 0.01 "by
-running a small sweep" on the 200-example validation sets; ``lr_grid`` is the paper's
-fine-tuning grid (Table 4: 0.001, 0.003, 0.01, 0.03), which `vitlab sweep` tries.
+cosine decay, no weight decay, clipping at norm 1, resolution 384 (for the paper's
+224-px inits; an init at another resolution is scaled as paper_finetune.py says).  It
+chose lr 0.01 "by running a small sweep" on the 200-example validation sets; ``lr_grid``
+is the paper's fine-tuning grid (Table 4: 0.001, 0.003, 0.01, 0.03), which `vitlab
+sweep` tries.
 """
 from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
@@ -20,7 +22,7 @@ def get_config(final: str = "false") -> TrainConfig:
     final_run = str(final).lower() in ("1", "true", "yes")
     return TrainConfig(
         recipe=f"vtab1k:final={str(final_run).lower()}",
-        model=ModelConfig(name="ViT-B/16", img_size=384),
+        model=ModelConfig(name="ViT-B/16", img_size="auto"),  # 384 for a 224-px init (paper_finetune.py)
         # 800 train + 200 validation, or all 1000
         data=DataConfig(train_examples=1000, val_split=0 if final_run else 200),
         augment=AugmentConfig(crop="inception", crop_scale=(0.05, 1.0), flip=True),

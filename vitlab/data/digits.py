@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from vitlab.data.memory import InMemoryDataset
 from vitlab.extras import require
 
+NUM_DIGITS = 1797  # the images of the set: what a memory estimate counts without loading it
+
 
 def load_digits_dataset(image_size: int = 24) -> InMemoryDataset:
     """The 1,797 digits upsampled to ``image_size`` (bilinear) as 3-channel uint8 images.

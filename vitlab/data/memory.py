@@ -142,6 +142,15 @@ def _cache_folder(key: str, size: Optional[tuple[int, int]], cache_dir: Optional
     return base / "arrays" / f"{key}-{tag}-v{CACHE_VERSION}"
 
 
+def is_decoded(path: PathLike, image_size: Size, cache_dir: Optional[PathLike] = None) -> bool:
+    """Whether ``load_in_memory(path, image_size, cache_dir)`` finds the set decoded at that
+    size in the cache, and reads it instead of decoding (what a memory estimate needs to know)."""
+    from vitlab.data.stream import is_stream_source, open_source
+
+    key = open_source(str(path), cache_dir).key if is_stream_source(str(path)) else source_key(path)
+    return bool(key) and _cache_folder(key, to_pair(image_size, "image_size"), cache_dir).is_dir()
+
+
 def _read_cache(folder: Path) -> InMemoryDataset:
     meta = json.loads((folder / "meta.json").read_text())
     return InMemoryDataset(

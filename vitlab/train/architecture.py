@@ -20,7 +20,7 @@ class ModelSection(Protocol):
     overrides: dict
     init: Optional[str]
     pre_logits: bool
-    img_size: Optional[int]
+    img_size: Optional[int | str]
     mpp: Optional[str]
 
 
@@ -30,7 +30,7 @@ def model_architecture(model: ModelSection, num_classes: int | None = None,
     overrides, resolution and class count (ConfigError names a bad field)."""
     overrides = dict(model.overrides)
     new_name = overrides.pop("name", None)
-    if model.img_size is not None:
+    if model.img_size not in (None, "auto"):  # "auto" from scratch: the model's own (build.training_size)
         overrides["img_size"] = model.img_size
     if num_classes is not None:
         overrides["num_classes"] = num_classes

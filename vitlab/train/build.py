@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,17 +13,19 @@ import torch
 from torch import nn
 
 from vitlab import fast
-from vitlab.config import Architecture, ConfigError
+from vitlab.config import Architecture, ConfigError, ResNetConfig, ViTConfig, replace
 from vitlab.fast.kernels import KernelChoice, cpu_class, cpu_info
 from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.features import check_tta_shift
 
 from .architecture import model_architecture
 from .config import TrainConfig
-from .distributed import World, init_world, wrap_model
+from .distributed import World, env_world_size, init_world, pick_device, wrap_model
 from .ema import EMA
-from .inputs import Splits, build_splits, resolve_data, stream_splits
+from .inputs import HeldImages, Splits, build_splits, held_images, resolve_data, stream_splits
 from .memory import retain_freed_memory
+from .memory_estimate import (GB, Available, MemoryEstimate, RunShape, available_memory, estimate_memory,
+                              fitting_settings, refusal, smallest_fitting_accum)
 from .numerics import make_scaler
 from .optim import build_optimizer
 from .overrides import with_changes
@@ -82,6 +86,7 @@ class Setup:
     img_size: tuple           # (H, W) the run evaluates at and, after any progressive_sizes, trains at
     resolved: Resolved        # the "auto" settings as decided for this run
     scaler: torch.amp.GradScaler | None = None  # fp16's gradient scaler (numerics.make_scaler)
+    memory: MemoryEstimate | None = None  # the peak memory estimated before the run was built
 
     @property
     def precision(self) -> str:
@@ -102,7 +107,7 @@ def architecture(cfg: TrainConfig, num_classes: int | None = None) -> Architectu
 def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True) -> None:
     """What the values alone cannot tell: the launch's process count, and that the data
     and the initial weights exist.  ``build`` calls it before any work; the CLI earlier."""
-    per_process = cfg.optim.accum_steps * world_size
+    per_process = (1 if cfg.optim.accum_steps == "auto" else cfg.optim.accum_steps) * world_size
     if cfg.optim.batch_size % per_process:
         raise ConfigError(
             f"optim.batch_size={cfg.optim.batch_size} is not divisible by optim.accum_steps={cfg.optim.accum_steps}"
@@ -175,21 +180,169 @@ def _fine_tuned(cfg: TrainConfig, num_classes: int) -> nn.Module:
     regularisation = {k: v for k, v in cfg.model.overrides.items() if k in FINETUNE_MODEL_FIELDS}
     if cfg.data.progressive_sizes:
         regularisation["dynamic_img_size"] = True
-    model = load_model(cfg.model.init, name=cfg.model.name, img_size=cfg.model.img_size, num_classes=num_classes,
+    model = load_model(cfg.model.init, name=cfg.model.name, img_size=training_size(cfg), num_classes=num_classes,
                        keep_pre_logits=cfg.model.keep_pre_logits, **regularisation)
     model.reset_classifier(num_classes)  # always a fresh zero-initialised head (Sec. 3.2)
     return model.train()
 
 
+# The paper fine-tunes at 384 px the models it pre-trained at 224 (Sec. 3.2, Table 4)
+PAPER_PRETRAIN_SIZE, PAPER_FINETUNE_SIZE = 224, 384
+
+
+def finetune_size(init_size: int, step: int) -> int:
+    """The resolution of a fine-tune whose ``model.img_size`` is "auto", from an init trained at
+    ``init_size``: the init's size times 384/224, as the paper goes from its 224-px pre-training
+    to 384, at most 384 and never below the init's own, to the nearest multiple of ``step``
+    (what the model cuts into patches: the patch size, times a hybrid's stem reduction).
+    224 -> 384; 32 -> 48 (16-px patches); 16 -> 28 (4-px patches); 384 and up: its own."""
+    scaled = min(PAPER_FINETUNE_SIZE, init_size * PAPER_FINETUNE_SIZE / PAPER_PRETRAIN_SIZE)
+    return max(init_size, step * max(1, round(scaled / step)))
+
+
+def size_step(arch: Architecture) -> int:
+    """The multiple of pixels a model's input side must be: its patch size (times a hybrid's
+    stem reduction); a ResNet's total stride."""
+    if isinstance(arch, ResNetConfig):
+        return arch.reduction
+    return arch.patch_size[0] * (arch.resnet.reduction if arch.resnet is not None else 1)
+
+
+@functools.lru_cache(maxsize=4)
+def _init_architecture(init: str, name: str) -> Architecture:
+    from vitlab.weights import load_config
+
+    return load_config(init, name=name)
+
+
+def init_architecture(cfg: TrainConfig) -> Architecture:
+    """The architecture of ``model.init`` (at its own size, with its own head), read once per process."""
+    return _init_architecture(cfg.model.init, cfg.model.name)
+
+
 def training_size(cfg: TrainConfig) -> tuple[int, int]:
-    """(H, W) the run trains at: ``model.img_size``, else the model's (or the checkpoint's)."""
-    if cfg.model.img_size is not None:
-        return (cfg.model.img_size,) * 2
+    """(H, W) the run trains at: ``model.img_size``; None: the model's (or the checkpoint's);
+    "auto": a fine-tune's ``finetune_size`` of its checkpoint's (a non-square one keeps its
+    own), from scratch the model's."""
+    size = cfg.model.img_size
+    if size not in (None, "auto"):
+        return (size, size)
     if cfg.model.init is None:
         return tuple(architecture(cfg).img_size)
-    from vitlab.weights import load_model
+    arch = init_architecture(cfg)
+    h, w = arch.img_size
+    if size is None or h != w:
+        return (h, w)
+    side = finetune_size(h, size_step(arch))
+    return (side, side)
 
-    return tuple(load_model(cfg.model.init, name=cfg.model.name).cfg.img_size)
+
+def resolve_model(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with what its model section leaves to the init or to "auto" stated: a
+    fine-tune's ``model.name`` is its init's model (the architecture is the checkpoint's,
+    whatever the recipe names), and ``model.img_size="auto"`` the resolution it comes to
+    (``training_size``).  What --show-config and the run's config.json state."""
+    changes = {}
+    if cfg.model.init is not None:
+        name = getattr(init_architecture(cfg), "name", None)
+        if name and name != cfg.model.name:
+            changes["model.name"] = name
+    if cfg.model.img_size == "auto":
+        h, w = training_size(cfg)
+        changes["model.img_size"] = h if h == w else None
+    return with_changes(cfg, changes) if changes else cfg
+
+
+def trained_architecture(cfg: TrainConfig) -> Architecture:
+    """The architecture the run trains, from the config alone (a fine-tune: its init's, with
+    the run's regularisation); its head and size are the init's, which a memory estimate
+    need not follow (``memory_estimate.RunShape`` carries the training size)."""
+    if cfg.model.init is None:
+        return architecture(cfg)
+    arch = init_architecture(cfg)
+    regularisation = {k: v for k, v in cfg.model.overrides.items() if k in FINETUNE_MODEL_FIELDS}
+    return replace(arch, **regularisation) if regularisation and isinstance(arch, ViTConfig) else arch
+
+
+def run_shape(cfg: TrainConfig, img_size: tuple, resolved: Resolved, world_size: int = 1,
+              held: HeldImages | None = None) -> RunShape:
+    """What the memory of ``cfg``'s run depends on, as ``resolve`` decided it for this machine
+    (``held``: the images it holds, default counted from its sources)."""
+    streamed = resolved.data == "stream"
+    held = held if held is not None else held_images(cfg, streamed, img_size)
+    accum = 1 if cfg.optim.accum_steps == "auto" else cfg.optim.accum_steps
+    kernels = resolved.kernels
+    on_gpu = resolved.device.startswith("cuda")
+    # the fast path takes over training on a GPU, and on a CPU where its kernel choice says so
+    fast_path = cfg.run.fast and (on_gpu or bool(kernels and kernels.takes_over(True, resolved.precision == "bf16")))
+    evaluated = held.val and cfg.model.mpp is None
+    return RunShape(
+        trained_architecture(cfg), micro_batch=max(1, cfg.optim.batch_size // (accum * world_size)),
+        accum_steps=accum, img_size=tuple(img_size), precision=resolved.precision, device=resolved.device,
+        fast=fast_path, explicit_attention_fp32=bool(kernels and kernels.attention == "explicit"),
+        optimizer=cfg.optim.optimizer, momentum=cfg.optim.momentum, ema=cfg.optim.ema_decay > 0,
+        mpp=cfg.model.mpp, mpp_rate=cfg.model.mpp_rate, train_images=held.train, val_images=held.val,
+        decoded_images=held.decoded, data_copies=held.copies, decoded_from_source=held.from_source,
+        eval_batch=min(cfg.run.eval_batch_size, held.val) if evaluated else 0, streamed=streamed,
+        stream_workers=int(cfg.data.stream_workers) if streamed and cfg.data.stream_workers != "auto" else 0,
+        shuffle_buffer=cfg.data.shuffle_buffer if streamed else 0)
+
+
+def memory_preview(cfg: TrainConfig, available: Available | None = None) -> dict:
+    """What --show-config states of ``cfg``'s run on this machine, without joining a process
+    group, decoding data or building the model: its memory estimate's record, with the
+    accumulation "auto" would choose, the memory available and whether the run fits.  The
+    data is counted where it can be (else the record says why it is left out)."""
+    world = World(rank=0, size=env_world_size(), local_rank=0, device=pick_device(cfg.run.device))
+    cfg = resolve_model(cfg)
+    img_size = training_size(cfg)
+    held, note = HeldImages(0, 0, 0, 1), None
+    streamed = False
+    if cfg.data.source is None:
+        note = "not counted: no data.source"
+    else:
+        try:
+            cfg, _ = resolve_data(cfg, img_size)
+            streamed = cfg.data.stream == "stream"
+            held = held_images(cfg, streamed, img_size)
+        except (ConfigError, OSError, ValueError) as err:  # DataError is a ValueError
+            note = f"not counted: {err}"
+    resolved = resolve(cfg, world, streamed)
+    available = available or machine_memory(resolved.device)
+    shape = run_shape(cfg, img_size, resolved, world.size, held)
+    _, estimate = plan_memory(with_changes(cfg, {"run.memory_check": False}), shape, available, world.size)
+    record = estimate.record()
+    if note:
+        record["data"] = note
+    record["available_gb"] = {k: round(v / GB, 3) for k, v in (("host", available.host), ("gpu", available.gpu))
+                              if v is not None}
+    record["fits"] = available.fits(estimate)
+    return record
+
+
+def machine_memory(device: str) -> Available:
+    """What this machine has free for a run on ``device``, shared by the processes torchrun
+    started on it."""
+    host, gpu = available_memory(device)
+    return Available(host, gpu, processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def plan_memory(cfg: TrainConfig, shape: RunShape, available: Available, world_size: int = 1
+                ) -> tuple[TrainConfig, MemoryEstimate]:
+    """``cfg`` with ``optim.accum_steps="auto"`` decided (the largest micro-batch that fits),
+    and its run's memory estimate; ``run.memory_check`` refuses a run that cannot fit, in
+    one line naming settings that would (ConfigError)."""
+    batch = cfg.optim.batch_size // world_size
+    if cfg.optim.accum_steps == "auto":
+        accum = smallest_fitting_accum(shape, batch, available)
+        if accum is None:  # not even one image per micro-batch: the refusal below names what fits
+            accum = batch if cfg.run.memory_check else 1
+        cfg = with_changes(cfg, {"optim.accum_steps": accum})
+        shape = shape.with_(micro_batch=batch // accum, accum_steps=accum)
+    estimate = estimate_memory(shape)
+    if cfg.run.memory_check and not available.fits(estimate):
+        raise refusal(estimate, available, fitting_settings(shape, available, size_step(shape.arch), world_size))
+    return cfg, estimate
 
 
 def check_progressive_sizes(cfg: TrainConfig, img_size: tuple, model_cfg) -> None:
@@ -312,11 +465,15 @@ def build(cfg: TrainConfig) -> Setup:
         retain_freed_memory()
     seed_everything(cfg.run.seed)
 
+    cfg = resolve_model(cfg)  # the init's model and the "auto" resolution, as config.json states them
     img_size = training_size(cfg)
     check_tta_shift(cfg.run.final_eval_shift, img_size, "run.final_eval_shift")
     cfg, data_values = resolve_data(cfg, img_size)  # the data's "auto" values, decided once for the run
     streamed = cfg.data.stream == "stream"
     resolved = resolve(cfg, world, streamed)
+    # before any data is decoded or any model built: the accumulation that fits, or a refusal
+    cfg, memory = plan_memory(cfg, run_shape(cfg, img_size, resolved, world.size),
+                              machine_memory(resolved.device), world.size)
     splits = stream_splits(cfg, img_size, world) if streamed else build_splits(cfg, img_size, world)
     num_classes = len(splits.classes)
 
@@ -371,4 +528,4 @@ def build(cfg: TrainConfig) -> Setup:
     resolved = dataclasses.replace(resolved, stream_workers=cfg.data.stream_workers,
                                    decode_workers=cfg.data.decode_workers)
     return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, evaluator, final_evaluator, micro_batch,
-                 tuple(img_size), resolved, scaler)
+                 tuple(img_size), resolved, scaler, memory)

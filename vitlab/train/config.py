@@ -65,7 +65,8 @@ class ModelConfig(Section):
     init: Optional[str] = None              # weights to fine-tune from (a file, folder or Hub name); None: scratch
     keep_pre_logits: bool = False           # with init: keep its pre-logits layer (the paper removes it, Sec. 3.2)
     pre_logits: bool = False                # from scratch: a pre-logits layer in the head (Sec. 3.1)
-    img_size: Optional[int] = None          # training resolution (None: the model's); init's posembs interpolated
+    img_size: Optional[int | str] = None    # training resolution (None: the model's or init's; "auto": the paper's
+                                            # fine-tuning rule, build.finetune_size); init's posembs interpolated
     mpp: Optional[str] = None               # masked patch prediction's target (Sec. 4.6); None trains the classifier
     mpp_rate: float = 0.5                   # the fraction of each image's patches corrupted
     patch_init: str = "lecun"               # "lecun" (official) or "whiten" (the data's patches; not in the paper)
@@ -86,8 +87,9 @@ class ModelConfig(Section):
                  f"{value!r} initialises a model trained from scratch; with model.init the weights are loaded")
         need(isinstance(self.overrides, dict), "model.overrides", self.overrides, "expected a dict of ViTConfig fields")
         need(self.init is None or isinstance(self.init, str), "model.init", self.init, "expected a path or None")
-        if self.img_size is not None:
-            need_int("model.img_size", self.img_size, 1)
+        if self.img_size not in (None, "auto"):
+            need(is_int(self.img_size) and self.img_size >= 1, "model.img_size", self.img_size,
+                 'expected a positive number of pixels, "auto" (a fine-tune: scaled from its init) or None')
         if self.init is None:  # with init the checkpoint's own config is checked when it is loaded
             try:  # unknown model, bad model field, img_size not divisible by the patch size
                 model_architecture(self)
@@ -176,7 +178,7 @@ class OptimConfig(Section):
     weight_decay: float = 0.0               # AdamW semantics: each step multiplies by (1 - lr_t * weight_decay)
     wd_scope: str = "kernels"               # "kernels": weight matrices and conv kernels decay (official); "all"
     batch_size: int = 512                   # global batch per optimiser step
-    accum_steps: int = 1                    # micro-batches per optimiser step (gradient accumulation)
+    accum_steps: int | str = 1              # micro-batches per step (gradient accumulation); "auto": fewest that fit
     steps: int = 1000                       # optimiser steps; a ceiling under run.time_limit
     warmup: float = 0                       # linear warm-up: a fraction of the steps (< 1) or a step count
     decay: str = "cosine"                   # "cosine", "linear" or "constant" after the warm-up
@@ -189,8 +191,10 @@ class OptimConfig(Section):
         self.check_bools()
         for name, allowed in (("optimizer", OPTIMIZERS), ("decay", DECAYS), ("loss", LOSSES), ("wd_scope", WD_SCOPES)):
             need_choice(self.path(name), getattr(self, name), allowed)
-        for name in ("batch_size", "accum_steps", "steps"):
+        for name in ("batch_size", "steps"):
             need_int(self.path(name), getattr(self, name), 1)
+        need(self.accum_steps == "auto" or (is_int(self.accum_steps) and self.accum_steps >= 1), "optim.accum_steps",
+             self.accum_steps, 'expected a positive integer, or "auto" (the fewest micro-batches that fit in memory)')
         for name in ("lr", "min_lr", "weight_decay", "clip_norm"):
             need_number(self.path(name), getattr(self, name))
         need(self.lr > 0, "optim.lr", self.lr, "must be > 0")
@@ -210,7 +214,7 @@ class OptimConfig(Section):
                                                             "in [0, 1)")
         need(self.warmup < 1 or self.warmup <= self.steps, "optim.warmup", self.warmup,
              f"exceeds optim.steps={self.steps}")
-        if self.batch_size % self.accum_steps:
+        if self.accum_steps != "auto" and self.batch_size % self.accum_steps:
             raise ConfigError(f"optim.batch_size={self.batch_size} is not divisible by optim.accum_steps="
                               f"{self.accum_steps}: every micro-batch must have the same size")
 
@@ -231,6 +235,7 @@ class RunConfig(Section):
     device: str = "auto"                    # "auto", "cpu", "cuda", "cuda:1", ...
     threads: int = 0                        # CPU threads of this process (0: PyTorch's default)
     retain_freed_memory: bool = False       # CPU: malloc keeps freed memory for the next step (process-wide)
+    memory_check: bool = True               # refuse a run whose estimated peak memory exceeds what is available
     time_limit: float = 0.0                 # minutes of wall time for the whole run (0: no limit)
     time_measure_steps: int = 10            # steps timed before the schedule is fitted to time_limit
     eval_every: int = 0                     # evaluate every this many steps (0: at the end only)
@@ -287,6 +292,10 @@ class TrainConfig:
                               "implemented; use 'bf16'")
 
 
+# what a run's config.json records beside its config (build.Resolved, memory_estimate.MemoryEstimate)
+RECORDS = ("resolved", "memory_estimate")
+
+
 def _tuples(value: Any) -> Any:
     """JSON's lists back to the tuples the config holds, inside dicts (model overrides) too."""
     if isinstance(value, (list, tuple)):
@@ -304,7 +313,7 @@ def to_dict(cfg: TrainConfig) -> dict:
 def from_dict(d: dict) -> TrainConfig:
     """A ``TrainConfig`` from ``to_dict``'s output, or from an old flat config (``legacy.py``)."""
     nested = nested_dict(d)
-    unknown = [k for k in nested if k not in SECTIONS and k not in ("recipe", "resolved")]  # "resolved": a record
+    unknown = [k for k in nested if k not in SECTIONS and k not in ("recipe",) + RECORDS]
     for name, cls in SECTIONS.items():
         known = {f.name for f in dataclasses.fields(cls)}
         unknown += [f"{name}.{k}" for k in nested.get(name, {}) if k not in known]

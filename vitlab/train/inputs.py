@@ -10,10 +10,13 @@ decoded into memory.  ``resolve_data`` decides the data's "auto" values once, fo
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import tarfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -103,6 +106,68 @@ def streams(cfg: TrainConfig, image_size: Pair) -> bool:
         return True
     n = len(scan_folder(data.source, data.cache_dir))
     return n * 3 * image_size[0] * image_size[1] > data.memory_limit_gb * 1e9
+
+
+@functools.lru_cache(maxsize=8)
+def count_images(source: str, cache_dir=None) -> int:
+    """The images of a data source, counted without decoding one: the digits' count, a
+    streamed source's samples, a folder's image files, an archive's image members (one pass
+    over its headers; nothing extracted)."""
+    from vitlab.data.digits import NUM_DIGITS
+    from vitlab.data.sources import IMAGE_EXTENSIONS, is_archive
+    from vitlab.data.stream import is_stream_source, open_source, scan_folder
+
+    if source == "digits":
+        return NUM_DIGITS
+    if is_stream_source(source):
+        return open_source(source, cache_dir).num_samples
+    path = Path(source).expanduser()
+    if path.is_file() and is_archive(path):
+        try:
+            with tarfile.open(path) as tar:
+                return sum(1 for m in tar if m.isfile() and Path(m.name).suffix.lower() in IMAGE_EXTENSIONS)
+        except (tarfile.TarError, OSError, EOFError) as err:
+            raise DataError(f"{source}: the archive cannot be read ({err})") from None
+    return len(scan_folder(source, cache_dir))
+
+
+@dataclass(frozen=True)
+class HeldImages:
+    """The decoded uint8 images a run holds in memory (counts, before any is decoded)."""
+
+    train: int    # the training set held in memory (0 when streamed)
+    val: int      # the validation set
+    decoded: int  # the whole set as decoded, before the split (what decoding holds twice)
+    copies: int = 1           # copies the process keeps (the digits: its cache too)
+    from_source: bool = False  # decoded from its files in this run (not read from the cache)
+
+
+def held_images(cfg: TrainConfig, streamed: bool, image_size: Pair | None = None) -> HeldImages:
+    """How many images ``cfg``'s run holds in memory, counted from its sources; with
+    ``image_size``, whether the run decodes them (else reads them from the cache)."""
+    from vitlab.data.memory import is_decoded
+
+    data = cfg.data
+    if streamed and not data.val_data:  # held-out shards: their part of the source, decoded in this run
+        from_source = image_size is not None
+    else:
+        decoded = data.val_data if streamed else data.source
+        from_source = (image_size is not None and decoded != "digits"
+                       and not is_decoded(decoded, image_size, data.cache_dir))
+    total = count_images(data.source, data.cache_dir)
+    if data.train_examples:
+        total = min(total, data.train_examples)
+    split = data.val_split
+    val = 0 if not split else int(split) if split >= 1 else int(round(split * total))
+    val = min(val, total)
+    if data.val_data:
+        val = count_images(data.val_data, data.cache_dir)
+        return HeldImages(train=0 if streamed else total, val=val, decoded=max(0 if streamed else total, val),
+                          copies=2 if data.source == "digits" else 1, from_source=from_source)
+    if streamed:
+        return HeldImages(train=0, val=val, decoded=val, from_source=from_source)
+    return HeldImages(train=total - val, val=val, decoded=total, copies=2 if data.source == "digits" else 1,
+                      from_source=from_source)
 
 
 def cores_per_process() -> int:

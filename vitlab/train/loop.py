@@ -108,7 +108,7 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
     if resume:
         last_saved, state = resume_point(s, ckpt_dir, restarts)
         if state is not None:
-            check_same_run(cfg, state.get("config", {}))
+            check_same_run(s.cfg, state.get("config", {}))  # as resolved: the init's model, "auto"s decided
             adopt_resolved(s, state.get("resolved"), progress)
             step, total_steps, records = restore_state(s, state)
             nonfinite.load_state_dict(state.get("numerics"))
@@ -269,8 +269,12 @@ def adopt_resolved(s: Setup, saved: dict | None, progress: Progress) -> None:
 
 
 def write_config(s: Setup, out: Path) -> None:
-    """The run's config.json: its configuration, and what its "auto" settings resolved to."""
-    (out / "config.json").write_text(json.dumps(to_dict(s.cfg) | {"resolved": s.resolved.record()}, indent=2))
+    """The run's config.json: its configuration, what its "auto" settings resolved to, and
+    the peak memory estimated for it before it was built."""
+    records = {"resolved": s.resolved.record()}
+    if s.memory is not None:
+        records["memory_estimate"] = s.memory.record()
+    (out / "config.json").write_text(json.dumps(to_dict(s.cfg) | records, indent=2))
 
 
 def start_output_folder(s: Setup, out: Path, clear_checkpoints: bool) -> None:

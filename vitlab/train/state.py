@@ -48,7 +48,10 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
     if not saved:
         return
     before = from_dict(saved)
-    changed = [name for name in RESUME_INVARIANTS if field_value(before, name) != field_value(cfg, name)]
+    # a fine-tune's architecture is its init's, named by model.init (and by its own model name
+    # only in checkpoints of this version)
+    compared = [n for n in RESUME_INVARIANTS if not (n == "model.name" and cfg.model.init and before.model.init)]
+    changed = [name for name in compared if field_value(before, name) != field_value(cfg, name)]
     if changed:
         differences = ", ".join(f"{k}={field_value(cfg, k)!r} (checkpoint: {field_value(before, k)!r})"
                                 for k in changed)

@@ -41,6 +41,7 @@ from .build import check_can_run, make_model, training_size
 from .config import TrainConfig
 from .distributed import pick_device
 from .loop import train
+from .memory_estimate import available_memory
 from .metrics import Progress
 from .overrides import with_changes
 
@@ -60,18 +61,9 @@ def activation_bytes_per_example(cfg: TrainConfig) -> int:
 
 
 def available_bytes(device: torch.device | str) -> int:
-    """Free memory of ``device``: the GPU's, or the host's MemAvailable."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
+    """Free memory of ``device``: the GPU's, or the host's MemAvailable (8 GiB where unknown)."""
+    host, gpu = available_memory(str(device))
+    return gpu if gpu is not None else host if host is not None else 8 << 30
 
 
 def auto_accum_steps(batch: int, per_example: int, available: int, share: float = 0.5) -> int:

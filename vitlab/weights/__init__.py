@@ -16,7 +16,7 @@ from .bigvision import load_big_vision
 from .bit import load_bit, save_bit_npz
 from .core import ConventionWarning, WeightsError, adapt_state_dict, infer_config, load_checked
 from .huggingface import load_huggingface, save_huggingface
-from .load import detect_format, load_model, read_class_names
+from .load import detect_format, load_config, load_model, read_class_names
 from .native import load_native, save_model
 from .official import load_official_npz, save_official_npz
 from .timm import load_timm, save_timm
@@ -30,6 +30,7 @@ __all__ = [
     "load_big_vision",
     "load_bit",
     "load_checked",
+    "load_config",
     "load_huggingface",
     "load_model",
     "load_native",

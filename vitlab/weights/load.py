@@ -34,14 +34,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import Pair
+from ..config import Architecture, Pair
 from .core import WeightsError, build_loaded, infer_config, to_tensor
 from .bigvision import is_big_vision, load_big_vision
 from .bit import is_bit, load_bit
 from .hub import resolve_hub_name
 from .huggingface import is_huggingface, load_huggingface
 from .labels import CLASSES_KEY, CLASSES_NAME, names_from_id2label, names_from_json
-from .native import CONFIG_KEY, CONFIG_NAME, is_native, load_native, read_safetensors, read_safetensors_metadata
+from .native import (CONFIG_KEY, CONFIG_NAME, WEIGHTS_NAME, is_native, load_native, read_native_config,
+                     read_safetensors, read_safetensors_metadata)
 from .official import KNOWN_PREFIXES, load_official_npz, read_npz
 from .timm import is_timm, load_timm
 from .timm import sidecar_path as timm_sidecar
@@ -250,3 +251,16 @@ def read_class_names(source: str | os.PathLike) -> list[str] | None:
     if path.is_dir() and (path / HF_WEIGHTS[0]).is_file():
         return _names_in_file(path / HF_WEIGHTS[0])
     return None
+
+
+def load_config(source: str | os.PathLike, name: str | None = None) -> Architecture:
+    """The architecture ``load_model(source, name=name)`` builds, at the weights' own size and
+    head: read from the config alone where vitlab's format stores one (no tensor is read),
+    else from the loaded weights."""
+    path = Path(source)
+    weights = path / WEIGHTS_NAME if path.is_dir() else path
+    if weights.suffix.lower() == ".safetensors" and weights.is_file():
+        cfg = read_native_config(weights)
+        if cfg is not None:
+            return cfg
+    return load_model(source, name=name).cfg

@@ -188,6 +188,13 @@ def read_native(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Archi
     return tensors, cfg
 
 
+def read_native_config(path: str | os.PathLike) -> Architecture | None:
+    """The config a safetensors file written by ``save_model`` carries, reading its header
+    only (no tensor is read); None for a file without one."""
+    metadata = read_safetensors_metadata(path)
+    return _parse_config(metadata[CONFIG_KEY], f"the metadata of {path}") if CONFIG_KEY in metadata else None
+
+
 def is_native(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a directory or safetensors file written by ``save_model``."""
     path = Path(path)

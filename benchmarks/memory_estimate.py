@@ -12,7 +12,8 @@ processes: the streamed configuration reads in the training process (``stream_wo
 
 The configurations cover what the estimate counts: a plain ViT and a hybrid, fp32 and bf16
 (the fast path's explicit attention), training from scratch and fine-tuning, a data set
-decoded into memory and one streamed from disk.  The first run decodes CIFAR-10 into
+decoded into memory and one streamed from disk, small models whose activations dominate and
+a ViT-B/16 whose weights and optimiser state do.  The first run decodes CIFAR-10 into
 ``WORK/cache`` (a few minutes); the fine-tunes start from weights trained here first.
 Prints a Markdown table: measured, estimated, and their ratio.
 """
@@ -34,7 +35,7 @@ CIFAR_HYBRID = ["train", "--recipe", "cifar10_scratch", "--time-limit", "0", "--
 
 def cases(data: str, work: Path) -> dict[str, dict]:
     """name -> {"args": the command's arguments, "setup": arguments of a run that makes its init, "what": ...}."""
-    demo, hybrid = str(work / "demo"), str(work / "hybrid")
+    demo, hybrid, mpp = str(work / "demo"), str(work / "hybrid"), str(work / "mpp")
     return {
         "vit-fp32-train-memory": {
             "what": "ViT-CIFAR/4 from scratch, fp32, CIFAR-10 in memory (batch 128)",
@@ -58,6 +59,12 @@ def cases(data: str, work: Path) -> dict[str, dict]:
             "what": "the hybrid fine-tuned at its default size (56 px), fp32, CIFAR-10 in memory (batch 64)",
             "setup": CIFAR_HYBRID + ["--data", data, "--steps", "2", "--out", hybrid, "--quiet", "--overwrite"],
             "args": ["finetune", "--init", hybrid, "--data", data, "--batch-size", "64", "--precision", "fp32"]},
+        "vitb16-bf16-finetune-memory": {
+            "what": "ViT-B/16 after masked patch prediction at 32 px, fine-tuned at its default size (48 px), bf16, "
+                    "CIFAR-10 in memory (batch 64)",
+            "setup": ["train", "--recipe", "mpp", "--data", data, "--img-size", "32", "--batch-size", "64",
+                      "--steps", "2", "--out", mpp, "--quiet", "--overwrite"],
+            "args": ["finetune", "--init", mpp, "--data", data, "--batch-size", "64"]},
     }
 
 

@@ -128,7 +128,8 @@ def test_every_optional_field_is_set_and_cleared_by_name():
     assert "model.mpp" in optional and "optim.muon_adamw_lr" in optional
     for path, annotation in optional.items():
         value = parse_overrides(TrainConfig(), [f"{path}=7"])[path]
-        assert annotation == f"Optional[{type(value).__name__}]", (path, value)
+        assert annotation.startswith("Optional[") and type(value).__name__ in annotation[9:-1].split(" | "), \
+            (path, value)  # an "auto or a count" field (Optional[int | str]) takes the count
         assert parse_overrides(TrainConfig(), [f"{path}=none"]) == {path: None}
     assert apply_overrides(TrainConfig(), ["model.mpp=color"]).model.mpp == "color"
 
@@ -283,3 +284,15 @@ def test_worker_counts_are_auto_or_counts_and_val_data_comes_with_its_flag():
     args = build_parser().parse_args(["train", "--recipe", "cifar10_scratch", "--val-data", "val/", "--val-split", "9"])
     with pytest.raises(ConfigError, match="data.val_data"):
         resolve_config(args)
+
+
+def test_an_auto_or_count_field_reads_a_count_whatever_order_its_union_comes_in(monkeypatch):
+    """model.img_size (``Optional[int | str]``) reads "48" as the count 48 and "auto" as the word,
+    with its union's members in either order (a whole CI run once read "48" as text)."""
+    from vitlab.train import overrides
+
+    for annotation in (int | str | None, str | int | None):
+        monkeypatch.setitem(overrides.FIELD_TYPES, "model.img_size", annotation)
+        assert parse_overrides(TrainConfig(), ["model.img_size=48"]) == {"model.img_size": 48}
+        assert parse_overrides(TrainConfig(), ["model.img_size=auto"]) == {"model.img_size": "auto"}
+    assert "model.img_size" in overrides.AUTO_OR_COUNT and "data.stream_workers" in overrides.AUTO_OR_COUNT

@@ -27,10 +27,12 @@ What a step holds, by what holds it (bytes):
   split, two copies of it, three when it is decoded from its files in this run rather than
   read from the cache (the heap keeps the per-image arrays decoding made);
 * an evaluation: the evaluation batch and one block's working set at a time;
+* saving the weights at the end: three copies of them (``weights.save_model`` clones the
+  state dict and serialises it twice, to checksum it), beside what the steps left in the heap;
 * what any training process loads beyond an idle interpreter (``RUNTIME_BYTES``).
 
-The peak is the largest of three moments: decoding the data (before the model exists), a
-training step and an evaluation.  On a GPU the model's side is counted against the GPU's
+The peak is the largest of four moments: decoding the data (before the model exists), a
+training step, an evaluation and saving the weights.  On a GPU the model's side is counted against the GPU's
 memory and the data against the host's.  The interpreter's own baseline (Python, PyTorch
 and its libraries: 0.24 GB here) is not counted: it is in use before the run starts, so
 the memory available then is what the run can still take.
@@ -138,7 +140,7 @@ class MemoryEstimate:
     """The estimated peak and what holds it, in bytes (``parts`` of the peak's moment)."""
 
     peak: int
-    at: str                     # "the training step", "an evaluation", "decoding the data"
+    at: str                     # "the training step", "an evaluation", "decoding the data", "saving the weights"
     parts: dict                 # bytes by holder, of the moment of the peak
     host_peak: int              # what the host's memory holds at its peak (all of it on a CPU)
     device_peak: int            # what the GPU's memory holds at its peak (0 on a CPU)
@@ -377,6 +379,7 @@ def estimate_memory(shape: RunShape) -> MemoryEstimate:
         "the training step": (model | step, host | workers),
         "an evaluation": (model | {"evaluation": evaluation_bytes(shape)}, host | workers),
         "decoding the data": ({}, decoding),
+        "saving the weights": _saving(shape, model, step, host, weights),
     }
     totals = {}
     for at, (device_side, host_side) in moments.items():
@@ -388,6 +391,17 @@ def estimate_memory(shape: RunShape) -> MemoryEstimate:
     parts = {k: v for k, v in (moments[at][0] | moments[at][1]).items() if v}
     peak = sum(totals[at]) if not shape.on_gpu else device_peak + host_peak
     return MemoryEstimate(peak, at, parts, host_peak, device_peak, shape)
+
+
+def _saving(shape: RunShape, model: dict, step: dict, host: dict, weights: int) -> tuple[dict, dict]:
+    """(device side, host side) of the moment the final weights are saved: ``save_model``
+    clones the state dict and serialises it twice in memory (to checksum it).  On a CPU the
+    steps' small blocks stay in malloc's heap, and the clone takes its place there."""
+    if shape.on_gpu:
+        return model, host | {"weights_saved": 3 * weights}
+    small = widest_activation(shape) < MMAP_THRESHOLD_MAX
+    retained = {k: v for k, v in step.items() if k != "activations" or small}
+    return model | retained, host | {"weights_saved": 2 * weights + max(0, weights - sum(retained.values()))}
 
 
 def _data_bytes(shape: RunShape) -> int:

@@ -39,9 +39,8 @@ MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 # every field's annotation as a type (the sections declare them as text), by "section.field"
 FIELD_TYPES = {f"{name}.{f.name}": typing.get_type_hints(cls)[f.name]
                for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-# the fields that take "auto" or a count (``int | str``, default "auto"): the text "3" is the count
-AUTO_OR_COUNT = {f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)
-                 if f.default == "auto" and set(members(FIELD_TYPES[f"{name}.{f.name}"])) == {int, str}}
+# the fields that take "auto" or a count (``int | str``, optional or not): the text "3" is the count
+AUTO_OR_COUNT = {path for path, kind in FIELD_TYPES.items() if set(members(kind)) - {type(None)} == {int, str}}
 # the architecture's fields, ``--set model.<field>=value``: a ViT's or a BiT ResNet's (their defaults give the type)
 ARCHITECTURE_FIELDS = {f.name: f.default for cls in (ResNetConfig, ViTConfig) for f in dataclasses.fields(cls)}
 # What a ViT recipe sets that a BiT ResNet has not: the value that leaves it out
@@ -188,6 +187,10 @@ def parse_value(text: str, default: Any) -> Any:
 def example_of(path: str) -> Any:
     """A value of the type an optional field (default None) holds when set, for ``parse_value``:
     ``Optional[int]`` gives 0, ``Optional[str]`` ""."""
+    if path in AUTO_OR_COUNT:  # a count is read before this; what is left is a word ("auto")
+        return ""
+    # not members' first: typing caches a union under any order of its members, so ``int | str``
+    # can come back as ``str | int`` once another module has spelled it so
     kind = next(t for t in members(FIELD_TYPES[path]) if t is not type(None))
     return (typing.get_origin(kind) or kind)()
 

@@ -43,6 +43,14 @@ def targets(folder: Path) -> set[str]:
     return {os.path.realpath(p) for p in folder.rglob("*.png")}
 
 
+
+def tiny_vtab(checkpoint: str, tasks, out, steps: int) -> list[str]:
+    """`vitlab vtab` of the tiny checkpoint over ``tasks``: 20 examples, two learning rates, fp32."""
+    return ["vtab", "--init", checkpoint, "--tasks", str(tasks), "--examples", "20", "--steps", str(steps),
+            "--batch-size", "8", "--img-size", "16", "--grid", "0.003,0.03", "--out", str(out), "--quiet",
+            "--set", "run.precision=fp32", "--set", "run.threads=1", "--set", "run.tensorboard=false",
+            "--set", "data.decode_workers=0"]
+
 def test_task_names_groups_and_layouts(tasks, tmp_path):
     assert canonical_task("Oxford-Flowers102") == "oxford_flowers102" and canonical_task("kitti") == "kitti_dist"
     assert sum(g == "natural" for g, _ in TASK_GROUPS.values()) == 7 and len(TASK_GROUPS) == 19
@@ -91,10 +99,7 @@ def test_every_tasks_folders_are_checked_before_any_training(tiny_checkpoint, tm
     image_folder(root / "DTD" / "val200", 2, 3)
     image_folder(root / "EuroSAT" / "train", 20 // 3, 4)  # 18 images: fewer than --examples 20
     out = tmp_path / "vtab"
-    args = ["vtab", "--init", tiny_checkpoint, "--tasks", str(root), "--examples", "20", "--steps", "1",
-            "--batch-size", "8", "--img-size", "16", "--grid", "0.003,0.03", "--out", str(out), "--quiet",
-            "--set", "run.precision=fp32", "--set", "run.threads=1", "--set", "run.tensorboard=false",
-            "--set", "data.decode_workers=0"]
+    args = tiny_vtab(tiny_checkpoint, root, out, steps=1)
     assert main(args) == 2
     assert not list(out.rglob("summary.json")) and not list(out.glob("cifar100/lr_*"))
     err = capsys.readouterr().err.strip().splitlines()
@@ -183,10 +188,7 @@ def test_accumulation_fits_the_memory():
 
 def test_vtab_end_to_end(tasks, tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "vtab"
-    args = ["vtab", "--init", tiny_checkpoint, "--tasks", str(tasks), "--examples", "20", "--steps", "3",
-            "--batch-size", "8", "--img-size", "16", "--grid", "0.003,0.03", "--out", str(out), "--quiet",
-            "--set", "run.precision=fp32", "--set", "run.threads=1", "--set", "run.tensorboard=false",
-            "--set", "data.decode_workers=0"]
+    args = tiny_vtab(tiny_checkpoint, tasks, out, steps=3)
     assert main(args) == 0
     printed = capsys.readouterr().out
     report = json.loads(printed.strip().splitlines()[-1])

@@ -272,10 +272,7 @@ MEASURED = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(strict=False, reason=(
-    "over by 26-27% since the merge with the bf16 inference change (0.896 GB estimated, 0.70-0.71 measured, "
-    "AMD EPYC Zen 5 class, 2026-11-26): the hybrid's activations are counted too high"))) if name == "hybrid-bf16-train-memory"
-    else name for name in MEASURED])
+@pytest.mark.parametrize("name", MEASURED)
 def test_the_estimate_is_within_a_quarter_of_the_measured_peak(name, tmp_path, demo_init):
     # the peak resident set of a run of a few steps in its own process, less that of an idle one
     # that imported the same (scikit-learn's loader of the digits too), against what the run

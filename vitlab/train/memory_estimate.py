@@ -265,11 +265,13 @@ def activation_bytes(shape: RunShape) -> tuple[int, int]:
     if isinstance(arch, ResNetConfig):
         kept, per_step, largest = _resnet_saved(shape, arch, (h, w))
         return B * kept + per_step, B * 3 * largest
-    kept, per_step, transient = 3 * h * w * a, 0, 0  # the image the patch embedding reads
+    kept, per_step, stem_peak = 3 * h * w * a, 0, 0  # the image the patch embedding reads
     if arch.resnet is not None:              # the hybrid's stem
         stem, per_step, largest = _resnet_saved(shape, arch.resnet, (h, w))
         kept += stem
-        transient = 3 * largest
+        # its backward comes last, when the encoder's tensors are gone: what it keeps and the
+        # gradients of its largest feature maps
+        stem_peak = B * (stem + 3 * largest) + per_step
     L, D, M, H = tokens_per_image(arch, (h, w)), arch.width, arch.mlp_dim, arch.num_heads
     if arch.axial:  # each layer: a block over the rows, then one over the columns, of the patch grid
         gh, gw = (s // p for s, p in zip(arch.feature_size_of((h, w)), arch.patch_size))
@@ -289,10 +291,21 @@ def activation_bytes(shape: RunShape) -> tuple[int, int]:
     # at the peak, besides the kept tensors: the gradients flowing back through the last block
     # (its MLP's widest tensors in fp32), and with explicit attention the probabilities'
     # gradient and the softmax's (the forward's logits and probabilities: one tensor less)
-    transient = max(transient, L * (2 * FP32 * M + 4 * FP32 * D))
+    transient = L * (2 * FP32 * M + 4 * FP32 * D)
     if _explicit_attention(shape):
         transient += 2 * a * H * seq * seq * (L // seq if arch.axial else 1)
-    return B * kept + per_step, B * transient
+    kept, transient = B * kept + per_step, B * transient
+    return kept, max(transient, stem_peak - kept)
+
+
+def stem_bytes(shape: RunShape) -> tuple[int, int]:
+    """(bytes of ``activation_bytes``' kept ones that are a hybrid's ResNet stem's, the size of
+    its largest feature map for the micro-batch); (0, 0) without a stem."""
+    arch = shape.arch
+    if isinstance(arch, ResNetConfig) or arch.resnet is None:
+        return 0, 0
+    per_image, per_step, largest = _resnet_saved(shape, arch.resnet, tuple(shape.img_size))
+    return shape.micro_batch * per_image + per_step, shape.micro_batch * largest
 
 
 def attention_probability_bytes(shape: RunShape) -> tuple[int, int]:
@@ -352,8 +365,11 @@ def estimate_memory(shape: RunShape) -> MemoryEstimate:
     model = {"weights": weights, "optimizer": optimizer_state_bytes(shape, params, matrices),
              "weight_average": weights if shape.ema else 0}
     kept, transient = activation_bytes(shape)
+    # each kind of tensor with the allocator's slack for its size
     tables, table = attention_probability_bytes(shape)
-    activations = int((kept + transient - tables) * shape.slack(widest_activation(shape)) + tables * shape.slack(table))
+    stem, feature_map = stem_bytes(shape)
+    activations = int((kept + transient - tables - stem) * shape.slack(widest_activation(shape))
+                      + tables * shape.slack(table) + stem * shape.slack(feature_map))
     gradients = FP32 * params
     casts = 2 * params if shape.half else 0
     # the backward frees the activations block by block as it fills the gradients: the step's

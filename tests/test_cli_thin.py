@@ -38,7 +38,7 @@ def test_no_command_touches_a_logger():
 
 
 def test_no_command_decides_the_device():
-    """A device named "auto" is decided by the library (``vitlab.train.distributed.pick_device``)."""
+    """A device named "auto" is decided by the library (``vitlab.train.resolve.resolve_device``)."""
     asked = [f"{path.name}:{node.lineno}" for path in sorted(CLI.glob("*.py"))
              for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.Attribute) and node.attr == "is_available"]

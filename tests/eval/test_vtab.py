@@ -178,14 +178,6 @@ def test_means_are_per_group_and_over_tasks():
     assert len(s["missing"]) == 16 and "dtd" not in s["missing"]
 
 
-def test_accumulation_fits_the_memory():
-    from vitlab.train.vtab import auto_accum_steps
-
-    assert auto_accum_steps(512, per_example=10, available=1 << 30) == 1
-    assert auto_accum_steps(512, per_example=100 << 20, available=16 << 30) == 8  # 64 x 100 MiB <= 8 GiB
-    assert auto_accum_steps(512, per_example=1 << 40, available=1 << 30) == 512
-
-
 def test_vtab_end_to_end(tasks, tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "vtab"
     args = tiny_vtab(tiny_checkpoint, tasks, out, steps=3)

@@ -16,7 +16,7 @@ from vitlab.cli import main
 from vitlab.config import ConfigError
 from vitlab.fast.kernels import KernelChoice
 from vitlab.models.registry import create_model
-from vitlab.train import build
+from vitlab.train import resolve
 from vitlab.train.config import OptimConfig
 from vitlab.train.overrides import with_changes
 from vitlab.train.memory_estimate import (GB, RUNTIME_BYTES, Available, RunShape, activation_bytes, available_memory,
@@ -146,14 +146,6 @@ def test_accum_steps_takes_auto_or_a_positive_integer():
         main(["train", "--recipe", "demo", "--accum-steps", "0", "--show-config"])
 
 
-def test_finetune_size_scales_the_papers_384_by_the_inits_resolution():
-    assert build.finetune_size(224, 16) == 384  # the paper: 224-px pre-training, 384-px fine-tuning
-    assert build.finetune_size(32, 16) == 48    # 54.9 to the nearest multiple of 16
-    assert build.finetune_size(16, 4) == 28     # the demo's model
-    assert build.finetune_size(160, 16) == 272
-    assert build.finetune_size(384, 16) == 384 and build.finetune_size(512, 16) == 512  # its own
-
-
 @pytest.fixture
 def demo_init(tmp_path):
     """A saved model as `vitlab demo` writes it: ViT-demo/4, 16 px, 4-px patches."""
@@ -189,7 +181,7 @@ def test_an_img_size_given_overrides_the_finetune_rule(demo_init, capsys):
 
 
 def test_a_run_that_cannot_fit_is_refused_before_any_work_in_one_line(demo_init, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(build, "machine_memory", lambda device: Available(host=4 * GB))
+    monkeypatch.setattr(resolve, "machine_memory", lambda *where: Available(host=4 * GB))
     out = tmp_path / "run"
     command = ["finetune", "--init", demo_init, "--data", "digits", "--steps", "10", "--batch-size", "32",
                "--img-size", "384", "--out", str(out)]
@@ -223,7 +215,7 @@ class MicroBatchesUpTo(Available):
 def test_auto_accumulation_is_recorded_and_the_check_can_be_skipped(tiny, monkeypatch):
     from vitlab.train import train
 
-    monkeypatch.setattr(build, "machine_memory", lambda device: MicroBatchesUpTo(8))
+    monkeypatch.setattr(resolve, "machine_memory", lambda *where: MicroBatchesUpTo(8))
     cfg = tiny(batch_size=32, steps=1, accum_steps="auto", tensorboard=False)
     train(cfg, verbose=False)
     written = json.loads((Path(cfg.run.out) / "config.json").read_text())
@@ -231,7 +223,7 @@ def test_auto_accumulation_is_recorded_and_the_check_can_be_skipped(tiny, monkey
     with pytest.raises(ConfigError, match="run.memory_check: .*--accum-steps 4 \\(micro-batch 8\\)"):
         train(tiny("refused", steps=1, tensorboard=False), verbose=False)
     assert not (Path(cfg.run.out).parent / "refused").exists()
-    monkeypatch.setattr(build, "machine_memory", lambda device: Available(host=1 << 20))
+    monkeypatch.setattr(resolve, "machine_memory", lambda *where: Available(host=1 << 20))
     train(with_changes(tiny("skipped", steps=1, tensorboard=False), {"run.memory_check": False}), verbose=False)
 
 

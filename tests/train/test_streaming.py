@@ -16,7 +16,7 @@ from vitlab.config import ConfigError
 from vitlab.data.shards import pack_shards
 from vitlab.train import train
 from vitlab.train.checkpoint import list_checkpoints, load_checkpoint
-from vitlab.train.inputs import cores_per_process
+from vitlab.machine import Machine
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,7 +86,7 @@ def test_streamed_set_holds_out_whole_shards_and_states_what_it_resolved(tiny, s
     assert all(0.0 <= r["data_wait"] < 1.0 for r in records)
     # the run's config.json states the values "auto" took on this machine
     data = json.loads((tmp_path / "run" / "config.json").read_text())["data"]
-    assert data["stream"] == "stream" and data["stream_workers"] == max(0, min(cores_per_process() - 1, 6))
+    assert data["stream"] == "stream" and data["stream_workers"] == max(0, min(Machine.here().cores - 1, 6))
     assert isinstance(data["decode_workers"], int)
     # the held-out shards are a seeded choice, never read for training
     train_part, held = hold_out(open_source(str(shard_set)), 12, 3)

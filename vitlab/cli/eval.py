@@ -63,20 +63,22 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.data.labelled import check_run_classes, load_held_out
     from vitlab.eval import Evaluator
     from vitlab.eval.features import check_tta_shift
-    from vitlab.train.distributed import pick_device
     from vitlab.train.legacy import recorded_section
+    from vitlab.train.resolve import resolve_scoring
     from vitlab.weights import load_model
 
-    device = pick_device(args.device)
+    resolved = resolve_scoring(args.device, fast_path=args.fast is not False)
+    device = resolved.device
     model = load_model(args.checkpoint, img_size=args.img_size).to(device).eval()
-    if args.fast is not False:
-        fast.optimize(model)  # bf16 weights cast in each call: no copy held beside the model
+    if resolved.kernels is not None:
+        fast.optimize(model, resolved.kernels)  # bf16 weights cast in each call: no copy held beside the model
     meta = read_run_meta(args.checkpoint)
     size = tuple(model.cfg.img_size)
     check_tta_shift(args.shift, size, "--shift")
     # a streamed run's held-out shards (pool=False): only those are decoded
     data = load_held_out(recorded_section(meta.get("recipe"), "data"), size, args.data, args.val_split,
-                         args.split_seed, default_split=0.0, cache_dir=args.cache_dir, pool=False)
+                         args.split_seed, default_split=0.0, cache_dir=args.cache_dir, pool=False,
+                         workers=resolved.decode_workers)
     check_run_classes(data.classes, meta.get("classes"), model.cfg.num_classes)
     evaluator = Evaluator(data.images[data.held], data.labels[data.held], batch_size=args.batch_size, device=device,
                           flip=args.flip, shift=args.shift, image_size=size, report_bins=args.bins)

@@ -36,17 +36,19 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.data.labelled import load_held_out
     from vitlab.eval.features import extract_features, file_key
     from vitlab.eval.fewshot import fewshot_evaluate
-    from vitlab.train.distributed import pick_device
     from vitlab.train.legacy import recorded_section
+    from vitlab.train.resolve import resolve_scoring
     from vitlab.weights import load_model
 
     if args.seeds < 1:
         raise ValueError(f"--seeds={args.seeds}: must be >= 1")
-    device = pick_device(args.device)
+    resolved = resolve_scoring(args.device, fast_path=False)  # features of the plain model
+    device = resolved.device
     model = load_model(args.checkpoint, img_size=args.img_size).to(device).eval()
     size = tuple(model.cfg.img_size)
     data = load_held_out(recorded_section(read_run_meta(args.checkpoint).get("recipe"), "data"), size, args.data,
-                         args.val_split, args.split_seed, default_split=0.1, cache_dir=args.cache_dir)
+                         args.val_split, args.split_seed, default_split=0.1, cache_dir=args.cache_dir,
+                         workers=resolved.decode_workers)
     rest, held = data.rest.numpy(), data.held.numpy()
     if len(rest) == 0:
         raise ValueError("--val-split=0 leaves no training pool; few-shot needs a held-out evaluation split")

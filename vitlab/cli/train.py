@@ -91,17 +91,11 @@ def count_or_auto(text: str) -> int | str:
 
 
 def show_config(cfg) -> None:
-    """--show-config: the config as the run would state it (a fine-tune names its init's model,
-    "auto" resolutions as numbers) and its memory estimate on this machine, as one JSON object;
-    an init that cannot be read yet leaves the config as given and the estimate out."""
-    from vitlab.train.build import memory_preview, resolve_model
-    from vitlab.train.config import to_dict
+    """--show-config: the config as the run would state it, how its "auto" settings resolve
+    on this machine and its memory estimate, as one JSON object (``vitlab.train.resolve.preview``)."""
+    from vitlab.train.resolve import preview
 
-    try:
-        shown, memory = resolve_model(cfg), memory_preview(cfg)
-    except (OSError, ValueError) as err:  # a missing init (FileNotFoundError), unreadable weights (WeightsError)
-        shown, memory = cfg, {"not_estimated": str(err)}
-    print(json.dumps(to_dict(shown) | {"memory_estimate": memory}, indent=2))
+    print(json.dumps(preview(cfg), indent=2))
 
 
 def add_fast_argument(p: argparse.ArgumentParser) -> None:

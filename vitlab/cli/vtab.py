@@ -28,7 +28,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .train import add_fast_argument
+from .train import add_fast_argument, count_or_auto
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-seed", type=int, default=0, help="seed of the fixed order the splits are cut from")
     p.add_argument("--steps", type=int, help="optimiser steps of every run (default: the recipe's 2500)")
     p.add_argument("--batch-size", type=int, help="global batch (default: the recipe's 512)")
-    p.add_argument("--accum-steps", default="auto",
-                   help="micro-batches per step: a number, or auto (as many as the device's memory needs)")
+    p.add_argument("--accum-steps", type=count_or_auto, default="auto",
+                   help="micro-batches per step: a number, or auto (the fewest that fit in memory)")
     p.add_argument("--img-size", type=int, help="fine-tuning resolution (default: the recipe's, 384 for a 224-px init)")
     p.add_argument("--out", default="runs/vtab", help="output folder (default runs/vtab)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
@@ -62,7 +62,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def base_config(args: argparse.Namespace):
     """The recipe with the command's flags: every run of the protocol starts from it."""
     from vitlab.configs import load_recipe
-    from vitlab.train.build import resolve_model
     from vitlab.train.overrides import parse_overrides, with_changes
 
     cfg = load_recipe(args.recipe)
@@ -73,7 +72,7 @@ def base_config(args: argparse.Namespace):
                        ("fast", "run.fast")):
         if getattr(args, flag) is not None:
             changes[name] = getattr(args, flag)
-    return resolve_model(with_changes(cfg, changes))  # the init's model, the resolution "auto" comes to
+    return with_changes(cfg, changes)
 
 
 def task_groups(items: list[str]) -> dict[str, str]:

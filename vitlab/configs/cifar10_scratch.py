@@ -69,22 +69,28 @@ GPU_BATCH_SIZE = 256
 
 
 def get_config(model: str = "hybrid", device: str = "auto") -> TrainConfig:
+    """The recipe for ``model``; ``device="auto"`` declares both settings and the run takes the
+    GPU's if it resolves to one (``run.on_device``); "cpu" or "cuda" fixes them."""
     if model not in MODELS:
         raise ValueError(f"model={model!r}: allowed values are {', '.join(MODELS)}")
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device={device!r}: allowed values are auto, cpu, cuda")
-    if device == "auto":  # decided once, as the run is built
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     config = cpu_config(model)
+    on_gpu = gpu_changes(config)
     if device == "cpu":
         return config
+    if device == "cuda":
+        return with_changes(config, on_gpu | {"recipe": f"cifar10_scratch:model={model},device=cuda",
+                                              "run.device": "cuda"})
+    return with_changes(config, {"run.on_device": {"cuda": on_gpu}})
+
+
+def gpu_changes(config: TrainConfig) -> dict:
+    """The CPU recipe's changes on a GPU: a larger batch (the learning rate scaled by its square
+    root), no progressive resizing (one CUDA graph), fewer, larger evaluations, compiled."""
     batch = GPU_BATCH_SIZE
-    lr = config.optim.lr * math.sqrt(batch / config.optim.batch_size)
-    return with_changes(config, {"recipe": f"cifar10_scratch:model={model},device=cuda", "optim.batch_size": batch,
-                                "optim.lr": lr, "data.progressive_sizes": (), "run.eval_every": 2000,
-                                "run.eval_batch_size": 2500, "run.compile": True, "run.device": "cuda"})
+    return {"optim.batch_size": batch, "optim.lr": config.optim.lr * math.sqrt(batch / config.optim.batch_size),
+            "data.progressive_sizes": (), "run.eval_every": 2000, "run.eval_batch_size": 2500, "run.compile": True}
 
 
 def cpu_config(model: str) -> TrainConfig:

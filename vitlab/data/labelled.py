@@ -71,7 +71,8 @@ class HeldOutSet:
 
 def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = None,
                   val_split: Optional[float] = None, split_seed: Optional[int] = None, default_split: float = 0.0,
-                  cache_dir: Optional[PathLike] = None, pool: bool = True) -> HeldOutSet:
+                  cache_dir: Optional[PathLike] = None, pool: bool = True,
+                  workers: Optional[int] = None) -> HeldOutSet:
     """``source`` (default: the run's data) at ``image_size``, split as the run split it.
 
     run: the data section of the config the model's training run recorded ({} without one).
@@ -80,6 +81,7 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         ``default_split`` and seed 0.  The run's ``class_subset`` applies to the run's data.
     pool: whether the examples not held out are wanted; without, a streamed run's held-out
         shards are decoded alone (``hold_out``), not the whole set.
+    workers: decoding processes (None: ``load_in_memory``'s default).
     """
     source = source or run.get("source")
     if not source:
@@ -89,7 +91,7 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         split_seed = int(run.get("split_seed", 0)) if same_as_run else 0
     run_shards = (not pool and same_as_run and val_split is None and run.get("stream") == "stream"
                   and bool(run.get("val_split")))
-    data = load_labelled(source, image_size, cache_dir=cache_dir,
+    data = load_labelled(source, image_size, cache_dir=cache_dir, workers=workers,
                          held_out=(run["val_split"], split_seed) if run_shards else None)
     images, labels, classes, key = data.images, data.labels, list(data.classes), data.key
     if same_as_run and run.get("class_subset"):

@@ -69,7 +69,7 @@ from vitlab.data.shards import shard_source
 from vitlab.data.sources import DataError, StreamSource, Unread, describe_unread, resolve_data_path, scan_image_folder
 from vitlab.data.transforms import TrainTransform, build_transform
 
-__all__ = ["expand_braces", "hold_out", "is_stream_source", "open_source", "StreamSource", "StreamDataset",
+__all__ = ["expand_braces", "fitting_workers", "hold_out", "is_stream_source", "open_source", "StreamSource", "StreamDataset",
            "StreamLoader"]
 
 log = logging.getLogger(__name__)
@@ -407,6 +407,21 @@ def _worker_init(_):
     torch.set_num_threads(1)
 
 
+def fitting_workers(source: StreamSource, workers: int, world_size: int, batch_size: int) -> tuple[int, str]:
+    """(the DataLoader workers per process ``source`` can feed, at most ``workers``; a line
+    saying why fewer, or ""): each reader needs a unit (shard) of its own and a share of the
+    micro-batch."""
+    units = len(source.units)
+    fitting = max(0, min(workers, units // world_size, batch_size))
+    if fitting == workers:
+        return fitting, ""
+    readers = world_size * workers
+    return fitting, (f"{source.name}: {units} unit(s) (shards) for {world_size} process(es) x {workers} workers, "
+                     f"micro-batch {batch_size}: {fitting} DataLoader worker(s) per process instead of {workers}; to "
+                     f"use them all, write at least {readers} shards (vitlab pack-shards --per-shard "
+                     f"{max(1, source.num_samples // (4 * readers))})")
+
+
 class StreamLoader:
     """What the trainer iterates: endless (images, targets) micro-batches of this rank, resumable.
 
@@ -429,13 +444,9 @@ class StreamLoader:
         if units < world_size:
             raise DataError(f"{source.name}: {units} shard(s) for {world_size} processes; every process needs "
                             "at least one (pack more, smaller shards)")
-        self.workers = max(0, min(workers, units // world_size, batch_size))
-        if self.workers < workers:
-            readers = world_size * workers
-            log.warning("%s: %d unit(s) (shards) for %d process(es) x %d workers, micro-batch %d: %d DataLoader "
-                        "worker(s) per process instead of %d; to use them all, write at least %d shards (vitlab "
-                        "pack-shards --per-shard %d)", source.name, units, world_size, workers, batch_size,
-                        self.workers, workers, readers, max(1, source.num_samples // (4 * readers)))
+        self.workers, why_fewer = fitting_workers(source, workers, world_size, batch_size)
+        if why_fewer:
+            log.warning("%s", why_fewer)
         readers_here = max(1, self.workers)
         self.dataset = StreamDataset(source, part_sizes(batch_size, readers_here),
                                      crop=reader_crop(augment, image_size, draft), seed=seed,

@@ -35,7 +35,8 @@ from vitlab.data import load_in_memory, stratified_split
 from vitlab.data.digits import load_digits_dataset
 from vitlab.models.registry import build_model
 from vitlab.train import train
-from vitlab.train.build import architecture, resolve_model
+from vitlab.train.build import architecture
+from vitlab.train.resolve import stated_model
 from vitlab.train.config import (AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig,
                                  from_dict, to_dict)
 from vitlab.train.optim import muon_step_flops
@@ -225,7 +226,7 @@ def finished_run(cfg) -> dict | None:
             return None
         if cfg.model.init is not None and Path(cfg.model.init).stat().st_mtime >= finished:
             return None
-        asked = resolve_model(cfg)  # as the run's config.json states it: the init's model, its resolution
+        asked = stated_model(cfg)  # as the run's config.json states it: the init's model, its resolution
     except (OSError, ValueError, KeyError, TypeError, ConfigError):
         return None
     return summary if same_values(as_json(asked), as_json(saved)) else None

@@ -3,7 +3,7 @@ or for the BiT baselines a ``ResNetConfig`` (``vitlab.config.Architecture``).
 
 ``ModelConfig`` checks itself by deriving it, so this module imports nothing of
 ``train/config.py`` (that would be a circle): ``ModelSection`` names what it reads.
-``build.architecture`` gives a whole run's.
+``architecture`` gives a whole run's.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def model_architecture(model: ModelSection, num_classes: int | None = None,
     overrides, resolution and class count (ConfigError names a bad field)."""
     overrides = dict(model.overrides)
     new_name = overrides.pop("name", None)
-    if model.img_size not in (None, "auto"):  # "auto" from scratch: the model's own (build.training_size)
+    if isinstance(model.img_size, int):  # None, or "auto" not yet resolved: the model's own size
         overrides["img_size"] = model.img_size
     if num_classes is not None:
         overrides["num_classes"] = num_classes
@@ -52,3 +52,9 @@ def model_architecture(model: ModelSection, num_classes: int | None = None,
     if not isinstance(built, ViTConfig):
         raise ConfigError(f"model.name={model.name!r}: the training engine trains ViTConfig and BiT ResNet models only")
     return built
+
+
+def architecture(cfg, num_classes: int | None = None) -> Architecture:
+    """The architecture a run (a ``TrainConfig``) trains from scratch: progressive resizing
+    makes its input size dynamic."""
+    return model_architecture(cfg.model, num_classes, dynamic_img_size=bool(cfg.data.progressive_sizes))

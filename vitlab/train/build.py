@@ -1,9 +1,7 @@
-"""Everything a run builds once, before its first step: ``build(cfg) -> Setup``."""
+"""Everything a run builds once, before its first step: ``build(cfg) -> Setup``; what its "auto"
+settings come to is decided before, once, by ``resolve.resolve``."""
 from __future__ import annotations
 
-import dataclasses
-import functools
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,66 +11,29 @@ import torch
 from torch import nn
 
 from vitlab import fast
-from vitlab.config import Architecture, ConfigError, ResNetConfig, ViTConfig, replace
-from vitlab.fast.kernels import KernelChoice, cpu_class, cpu_info
+from vitlab.config import ConfigError
 from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.features import check_tta_shift
+from vitlab.machine import Machine
 
-from .architecture import model_architecture
+from .architecture import architecture
 from .config import TrainConfig
-from .distributed import World, env_world_size, init_world, pick_device, wrap_model
+from .distributed import World, init_world, local_rank, wrap_model
 from .ema import EMA
-from .inputs import HeldImages, Splits, build_splits, held_images, resolve_data, stream_splits
-from .memory import retain_freed_memory
-from .memory_estimate import (GB, Available, MemoryEstimate, RunShape, available_memory, estimate_memory,
-                              fitting_settings, refusal, smallest_fitting_accum)
+from .inputs import Splits, build_splits, stream_splits
 from .numerics import make_scaler
 from .optim import build_optimizer
-from .overrides import with_changes
+from .resolve import FINETUNE_MODEL_FIELDS, Resolved, resolve, resolve_device, training_size
+from .state import process_state, rng_state, set_process_state
 
 BUILTIN_DATA = ("digits",)  # data sources that need no path (see vitlab/data/digits.py)
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """What the run's "auto" settings came to on this machine, decided once when the run is
-    built and never read from the machine (or a stored calibration) again: the step and the
-    evaluators use these values.  Written to the run's config.json and its first log line;
-    a resumed run takes its checkpoint's, so that its arithmetic is the one it started with."""
-
-    device: str
-    precision: str        # "fp32", "bf16" or "fp16"
-    kernels: KernelChoice | None  # the fast path's CPU kernels (None: plain model, or a GPU)
-    bf16_matmuls: bool    # bf16 matmuls are the faster ones here (Muon's orthogonalisation)
-    threads: int          # CPU threads of the process
-    data: str             # "memory" or "stream"
-    compile: str          # "off", or torch.compile's mode
-    cpu: str              # the CPU's model name and class (what the kernel rule read)
-    stream_workers: int = 0  # DataLoader workers per process reading a streamed training set
-    decode_workers: int = 0  # processes decoding a data set into memory
-
-    def record(self) -> dict:
-        return dataclasses.asdict(self)  # the kernels too: asdict converts nested dataclasses
-
-    def line(self) -> str:
-        kernels = self.kernels.describe() if self.kernels else "plain"
-        workers = (f"{self.stream_workers} stream workers" if self.data == "stream"
-                   else f"{self.decode_workers} decode workers")
-        return (f"resolved: device {self.device}, precision {self.precision}, kernels {kernels}, "
-                f"threads {self.threads}, data {self.data} ({workers}), compile {self.compile}, cpu {self.cpu}")
-
-    @staticmethod
-    def from_record(record: dict) -> "Resolved":
-        fields = dict(record)
-        fields["kernels"] = KernelChoice(**fields["kernels"]) if fields.get("kernels") else None
-        return Resolved(**{f.name: fields[f.name] for f in dataclasses.fields(Resolved) if f.name in fields})
 
 
 @dataclass
 class Setup:
     """Everything the loop needs, built once."""
 
-    cfg: TrainConfig
+    cfg: TrainConfig          # as resolved: every "auto" stated
     world: World
     splits: Splits
     model: nn.Module          # the bare model (what is saved)
@@ -85,23 +46,22 @@ class Setup:
     micro_batch: int
     img_size: tuple           # (H, W) the run evaluates at and, after any progressive_sizes, trains at
     resolved: Resolved        # the "auto" settings as decided for this run
+    rng: dict                 # the random state the steps start from (state.rng_state)
     scaler: torch.amp.GradScaler | None = None  # fp16's gradient scaler (numerics.make_scaler)
-    memory: MemoryEstimate | None = None  # the peak memory estimated before the run was built
 
     @property
     def precision(self) -> str:
         return self.resolved.precision
 
     @property
+    def memory(self):
+        """The peak memory estimated before the run was built (``memory_estimate.MemoryEstimate``)."""
+        return self.resolved.memory
+
+    @property
     def evaluated(self) -> nn.Module:
         """What the evaluators score: the weight average if on (under FSDP the sharded model)."""
         return self.ema.module if self.ema else self.model
-
-
-def architecture(cfg: TrainConfig, num_classes: int | None = None) -> Architecture:
-    """The architecture this run trains from scratch (progressive resizing makes its input
-    size dynamic)."""
-    return model_architecture(cfg.model, num_classes, dynamic_img_size=bool(cfg.data.progressive_sizes))
 
 
 def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True) -> None:
@@ -155,10 +115,7 @@ def check_folder_holds_data(name: str, path: str | None) -> None:
     raise ConfigError(f"{name}={path!r} ({flag}): {what}; it takes {DATA_FORMS}")
 
 
-FINETUNE_MODEL_FIELDS = ("dropout", "attention_dropout", "drop_path", "patch_dropout")
-
-
-def make_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
+def make_model(cfg: TrainConfig, num_classes: int, img_size: tuple) -> nn.Module:
     """A fresh model, or ``model.init`` adapted for fine-tuning (paper Sec. 3.2): position
     embeddings interpolated to ``model.img_size`` and a new zero-initialised head."""
     from vitlab.models.registry import build_model
@@ -166,183 +123,25 @@ def make_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
     if cfg.model.mpp is not None:  # self-supervised: the ViT inside a masked-patch-prediction wrapper
         from vitlab.models.mpp import MaskedPatchPrediction
 
-        vit = build_model(architecture(cfg, num_classes)) if cfg.model.init is None else _fine_tuned(cfg, num_classes)
+        vit = (build_model(architecture(cfg, num_classes)) if cfg.model.init is None
+               else _fine_tuned(cfg, num_classes, img_size))
         return MaskedPatchPrediction(vit, target=cfg.model.mpp, rate=cfg.model.mpp_rate).train()
     if cfg.model.init is None:
         return build_model(architecture(cfg, num_classes))
-    return _fine_tuned(cfg, num_classes)
+    return _fine_tuned(cfg, num_classes, img_size)
 
 
-def _fine_tuned(cfg: TrainConfig, num_classes: int) -> nn.Module:
+def _fine_tuned(cfg: TrainConfig, num_classes: int, img_size: tuple) -> nn.Module:
     from vitlab.weights import load_model
 
     # the architecture is the checkpoint's; only the regularisation of the overrides applies
     regularisation = {k: v for k, v in cfg.model.overrides.items() if k in FINETUNE_MODEL_FIELDS}
     if cfg.data.progressive_sizes:
         regularisation["dynamic_img_size"] = True
-    model = load_model(cfg.model.init, name=cfg.model.name, img_size=training_size(cfg), num_classes=num_classes,
+    model = load_model(cfg.model.init, name=cfg.model.name, img_size=img_size, num_classes=num_classes,
                        keep_pre_logits=cfg.model.keep_pre_logits, **regularisation)
     model.reset_classifier(num_classes)  # always a fresh zero-initialised head (Sec. 3.2)
     return model.train()
-
-
-# The paper fine-tunes at 384 px the models it pre-trained at 224 (Sec. 3.2, Table 4)
-PAPER_PRETRAIN_SIZE, PAPER_FINETUNE_SIZE = 224, 384
-
-
-def finetune_size(init_size: int, step: int) -> int:
-    """The resolution of a fine-tune whose ``model.img_size`` is "auto", from an init trained at
-    ``init_size``: the init's size times 384/224, as the paper goes from its 224-px pre-training
-    to 384, at most 384 and never below the init's own, to the nearest multiple of ``step``
-    (what the model cuts into patches: the patch size, times a hybrid's stem reduction).
-    224 -> 384; 32 -> 48 (16-px patches); 16 -> 28 (4-px patches); 384 and up: its own."""
-    scaled = min(PAPER_FINETUNE_SIZE, init_size * PAPER_FINETUNE_SIZE / PAPER_PRETRAIN_SIZE)
-    return max(init_size, step * max(1, round(scaled / step)))
-
-
-def size_step(arch: Architecture) -> int:
-    """The multiple of pixels a model's input side must be: its patch size (times a hybrid's
-    stem reduction); a ResNet's total stride."""
-    if isinstance(arch, ResNetConfig):
-        return arch.reduction
-    return arch.patch_size[0] * (arch.resnet.reduction if arch.resnet is not None else 1)
-
-
-@functools.lru_cache(maxsize=4)
-def _init_architecture(init: str, name: str) -> Architecture:
-    from vitlab.weights import load_config
-
-    return load_config(init, name=name)
-
-
-def init_architecture(cfg: TrainConfig) -> Architecture:
-    """The architecture of ``model.init`` (at its own size, with its own head), read once per process."""
-    return _init_architecture(cfg.model.init, cfg.model.name)
-
-
-def training_size(cfg: TrainConfig) -> tuple[int, int]:
-    """(H, W) the run trains at: ``model.img_size``; None: the model's (or the checkpoint's);
-    "auto": a fine-tune's ``finetune_size`` of its checkpoint's (a non-square one keeps its
-    own), from scratch the model's."""
-    size = cfg.model.img_size
-    if size not in (None, "auto"):
-        return (size, size)
-    if cfg.model.init is None:
-        return tuple(architecture(cfg).img_size)
-    arch = init_architecture(cfg)
-    h, w = arch.img_size
-    if size is None or h != w:
-        return (h, w)
-    side = finetune_size(h, size_step(arch))
-    return (side, side)
-
-
-def resolve_model(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with what its model section leaves to the init or to "auto" stated: a
-    fine-tune's ``model.name`` is its init's model (the architecture is the checkpoint's,
-    whatever the recipe names), and ``model.img_size="auto"`` the resolution it comes to
-    (``training_size``).  What --show-config and the run's config.json state."""
-    changes = {}
-    if cfg.model.init is not None:
-        name = getattr(init_architecture(cfg), "name", None)
-        if name and name != cfg.model.name:
-            changes["model.name"] = name
-    if cfg.model.img_size == "auto":
-        h, w = training_size(cfg)
-        changes["model.img_size"] = h if h == w else None
-    return with_changes(cfg, changes) if changes else cfg
-
-
-def trained_architecture(cfg: TrainConfig) -> Architecture:
-    """The architecture the run trains, from the config alone (a fine-tune: its init's, with
-    the run's regularisation); its head and size are the init's, which a memory estimate
-    need not follow (``memory_estimate.RunShape`` carries the training size)."""
-    if cfg.model.init is None:
-        return architecture(cfg)
-    arch = init_architecture(cfg)
-    regularisation = {k: v for k, v in cfg.model.overrides.items() if k in FINETUNE_MODEL_FIELDS}
-    return replace(arch, **regularisation) if regularisation and isinstance(arch, ViTConfig) else arch
-
-
-def run_shape(cfg: TrainConfig, img_size: tuple, resolved: Resolved, world_size: int = 1,
-              held: HeldImages | None = None) -> RunShape:
-    """What the memory of ``cfg``'s run depends on, as ``resolve`` decided it for this machine
-    (``held``: the images it holds, default counted from its sources)."""
-    streamed = resolved.data == "stream"
-    held = held if held is not None else held_images(cfg, streamed, img_size)
-    accum = 1 if cfg.optim.accum_steps == "auto" else cfg.optim.accum_steps
-    kernels = resolved.kernels
-    on_gpu = resolved.device.startswith("cuda")
-    # the fast path takes over training on a GPU, and on a CPU where its kernel choice says so
-    fast_path = cfg.run.fast and (on_gpu or bool(kernels and kernels.takes_over(True, resolved.precision == "bf16")))
-    evaluated = held.val and cfg.model.mpp is None
-    return RunShape(
-        trained_architecture(cfg), micro_batch=max(1, cfg.optim.batch_size // (accum * world_size)),
-        accum_steps=accum, img_size=tuple(img_size), precision=resolved.precision, device=resolved.device,
-        fast=fast_path, explicit_attention_fp32=bool(kernels and kernels.attention == "explicit"),
-        optimizer=cfg.optim.optimizer, momentum=cfg.optim.momentum, ema=cfg.optim.ema_decay > 0,
-        mpp=cfg.model.mpp, mpp_rate=cfg.model.mpp_rate, train_images=held.train, val_images=held.val,
-        decoded_images=held.decoded, data_copies=held.copies, decoded_from_source=held.from_source,
-        eval_batch=min(cfg.run.eval_batch_size, held.val) if evaluated else 0, streamed=streamed,
-        stream_workers=int(cfg.data.stream_workers) if streamed and cfg.data.stream_workers != "auto" else 0,
-        shuffle_buffer=cfg.data.shuffle_buffer if streamed else 0)
-
-
-def memory_preview(cfg: TrainConfig, available: Available | None = None) -> dict:
-    """What --show-config states of ``cfg``'s run on this machine, without joining a process
-    group, decoding data or building the model: its memory estimate's record, with the
-    accumulation "auto" would choose, the memory available and whether the run fits.  The
-    data is counted where it can be (else the record says why it is left out)."""
-    world = World(rank=0, size=env_world_size(), local_rank=0, device=pick_device(cfg.run.device))
-    cfg = resolve_model(cfg)
-    img_size = training_size(cfg)
-    held, note = HeldImages(0, 0, 0, 1), None
-    streamed = False
-    if cfg.data.source is None:
-        note = "not counted: no data.source"
-    else:
-        try:
-            cfg, _ = resolve_data(cfg, img_size)
-            streamed = cfg.data.stream == "stream"
-            held = held_images(cfg, streamed, img_size)
-        except (ConfigError, OSError, ValueError) as err:  # DataError is a ValueError
-            note = f"not counted: {err}"
-    resolved = resolve(cfg, world, streamed)
-    available = available or machine_memory(resolved.device)
-    shape = run_shape(cfg, img_size, resolved, world.size, held)
-    _, estimate = plan_memory(with_changes(cfg, {"run.memory_check": False}), shape, available, world.size)
-    record = estimate.record()
-    if note:
-        record["data"] = note
-    record["available_gb"] = {k: round(v / GB, 3) for k, v in (("host", available.host), ("gpu", available.gpu))
-                              if v is not None}
-    record["fits"] = available.fits(estimate)
-    return record
-
-
-def machine_memory(device: str) -> Available:
-    """What this machine has free for a run on ``device``, shared by the processes torchrun
-    started on it."""
-    host, gpu = available_memory(device)
-    return Available(host, gpu, processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
-
-def plan_memory(cfg: TrainConfig, shape: RunShape, available: Available, world_size: int = 1
-                ) -> tuple[TrainConfig, MemoryEstimate]:
-    """``cfg`` with ``optim.accum_steps="auto"`` decided (the largest micro-batch that fits),
-    and its run's memory estimate; ``run.memory_check`` refuses a run that cannot fit, in
-    one line naming settings that would (ConfigError)."""
-    batch = cfg.optim.batch_size // world_size
-    if cfg.optim.accum_steps == "auto":
-        accum = smallest_fitting_accum(shape, batch, available)
-        if accum is None:  # not even one image per micro-batch: the refusal below names what fits
-            accum = batch if cfg.run.memory_check else 1
-        cfg = with_changes(cfg, {"optim.accum_steps": accum})
-        shape = shape.with_(micro_batch=batch // accum, accum_steps=accum)
-    estimate = estimate_memory(shape)
-    if cfg.run.memory_check and not available.fits(estimate):
-        raise refusal(estimate, available, fitting_settings(shape, available, size_step(shape.arch), world_size))
-    return cfg, estimate
 
 
 def check_progressive_sizes(cfg: TrainConfig, img_size: tuple, model_cfg) -> None:
@@ -428,62 +227,41 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
-def resolve(cfg: TrainConfig, world: World, streamed: bool) -> Resolved:
-    """Every "auto" of ``cfg`` decided for this machine (the only place the run reads the
-    CPU's features or a stored calibration)."""
-    device = world.device
-    auto_precision = fast.auto_precision(device)
-    precision = auto_precision if cfg.run.precision == "auto" else cfg.run.precision
-    kernels = None
-    if cfg.run.fast:  # a GPU keeps PyTorch's kernels: the plain choice
-        kernels = fast.choose() if device.type == "cpu" else KernelChoice()
-    compile_mode = "off"
-    if cfg.run.compile:
-        # CUDA graphs replay a fixed-shape step without the host launching each kernel; a
-        # run that changes its input size (progressive resizing) or spans processes keeps
-        # the default mode
-        graphs = device.type == "cuda" and not cfg.data.progressive_sizes and world.size == 1
-        compile_mode = "reduce-overhead" if graphs else "default"
-    info = cpu_info()
-    return Resolved(device=str(device), precision=precision, kernels=kernels, bf16_matmuls=auto_precision == "bf16",
-                    threads=cfg.run.threads or torch.get_num_threads(), data="stream" if streamed else "memory",
-                    compile=compile_mode, cpu=f"{info.model or 'unknown'} ({cpu_class(info)}"
-                    + (f", family/model {info.generation})" if info.generation else ")"))
+def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None = None,
+          saved: dict | None = None) -> Setup:
+    """The run's set-up: ``cfg`` resolved once for ``machine`` (default: this host) and the
+    launch ``world`` (default: joined here), with a resumed run's ``saved`` record kept
+    (``resolve``), then its data, model, optimiser, loader and evaluators.
 
-
-def build(cfg: TrainConfig) -> Setup:
-    """The run's set-up.  It sets this process's thread count and seeds; ``train`` gives the
-    caller's back when the run ends."""
+    It leaves the process's thread count and random streams as it found them: the run's
+    own are ``setup.resolved.threads`` and ``setup.rng`` (the random state after the model
+    was initialised from ``run.seed``), which ``train`` takes up for its steps."""
     from vitlab.data.loader import BatchStream
     from vitlab.data.transforms import build_transform
 
-    world = init_world(cfg.run.device)
+    machine = machine or Machine.here()
+    world = world or init_world(resolve_device(cfg.run.device, machine, local_rank()))
     check_can_run(cfg, world.size)
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    if cfg.run.retain_freed_memory and world.device.type == "cpu":
-        retain_freed_memory()
-    seed_everything(cfg.run.seed)
-
-    cfg = resolve_model(cfg)  # the init's model and the "auto" resolution, as config.json states them
-    img_size = training_size(cfg)
+    # every "auto" decided, the memory planned, before any data is decoded or any model built
+    resolved = resolve(cfg, world, machine, saved)
+    cfg, img_size = resolved.config, resolved.img_size
     check_tta_shift(cfg.run.final_eval_shift, img_size, "run.final_eval_shift")
-    cfg, data_values = resolve_data(cfg, img_size)  # the data's "auto" values, decided once for the run
-    streamed = cfg.data.stream == "stream"
-    resolved = resolve(cfg, world, streamed)
-    # before any data is decoded or any model built: the accumulation that fits, or a refusal
-    cfg, memory = plan_memory(cfg, run_shape(cfg, img_size, resolved, world.size),
-                              machine_memory(resolved.device), world.size)
-    splits = stream_splits(cfg, img_size, world) if streamed else build_splits(cfg, img_size, world)
-    num_classes = len(splits.classes)
-
-    model = make_model(cfg, num_classes).to(world.device)
-    if cfg.model.patch_init == "whiten":
-        whiten_from_data(model, splits, cfg)
-    if cfg.model.attn_init == "mimetic":
-        mimetic_init(model, cfg.run.seed)
-    if cfg.model.posemb_init == "sincos":
-        sincos_posemb_init(model)
+    caller = process_state()
+    try:
+        torch.set_num_threads(resolved.threads)
+        seed_everything(cfg.run.seed)
+        splits = stream_splits(cfg, img_size, world) if resolved.data == "stream" else build_splits(cfg, img_size, world)
+        num_classes = len(splits.classes)
+        model = make_model(cfg, num_classes, img_size).to(world.device)
+        if cfg.model.patch_init == "whiten":
+            whiten_from_data(model, splits, cfg)
+        if cfg.model.attn_init == "mimetic":
+            mimetic_init(model, cfg.run.seed)
+        if cfg.model.posemb_init == "sincos":
+            sincos_posemb_init(model)
+        rng = rng_state()
+    finally:
+        set_process_state(caller)
     check_progressive_sizes(cfg, img_size, model.cfg)
     model.train()
     if cfg.run.fast:  # in place and before any wrapper: DDP, FSDP and compile see the fast modules
@@ -497,19 +275,18 @@ def build(cfg: TrainConfig) -> Setup:
         # channels-last output after a size change (tests/test_compile.py)
         trained = torch.compile(trained, dynamic=False, mode=resolved.compile)
 
-    batch, accum = cfg.optim.batch_size, cfg.optim.accum_steps
-    if splits.train_count() < batch // accum:
-        raise ConfigError(f"optim.batch_size={batch}: the training split has only {splits.train_count()} "
-                          f"examples, fewer than one micro-batch step of {batch // accum}")
-    micro_batch = batch // (accum * world.size)
+    micro_batch = resolved.micro_batch
+    if splits.train_count() < micro_batch * world.size:
+        raise ConfigError(f"optim.batch_size={cfg.optim.batch_size}: the training split has only "
+                          f"{splits.train_count()} examples, fewer than one micro-batch step of "
+                          f"{micro_batch * world.size}")
     augment = cfg.augment.transform(num_classes, img_size)
-    if streamed:  # readers make the crops; the rest of the augmentation runs on the device, as in memory
+    if resolved.data == "stream":  # readers make the crops; the rest of the augmentation runs on the device
         from vitlab.data.stream import StreamLoader
 
         stream = StreamLoader(splits.source, micro_batch, augment=augment, seed=cfg.run.seed,
                               shuffle_buffer=cfg.data.shuffle_buffer, rank=world.rank, world_size=world.size,
-                              workers=cfg.data.stream_workers, device=world.device, draft=cfg.data.draft)
-        data_values["data.stream_workers"] = stream.workers  # fewer where the shards are too few (a warning says so)
+                              workers=resolved.stream_workers, device=world.device, draft=cfg.data.draft)
     else:
         stream = BatchStream(
             splits.train_images, splits.train_labels, micro_batch, shuffle=True, seed=cfg.run.seed, drop_last=True,
@@ -524,8 +301,5 @@ def build(cfg: TrainConfig) -> Setup:
 
         evaluator, final_evaluator = evaluator_with(0), evaluator_with(cfg.run.final_eval_shift)
     scaler = make_scaler(resolved.precision, world.device, cfg.run.loss_scale)
-    cfg = with_changes(cfg, data_values)  # config.json states the values the run used
-    resolved = dataclasses.replace(resolved, stream_workers=cfg.data.stream_workers,
-                                   decode_workers=cfg.data.decode_workers)
     return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, evaluator, final_evaluator, micro_batch,
-                 tuple(img_size), resolved, scaler, memory)
+                 tuple(img_size), resolved, rng, scaler)

@@ -36,6 +36,7 @@ ON_NONFINITE = ("stop", "skip")
 LOSSES = ("softmax_xent", "sigmoid_xent")
 WD_SCOPES = ("kernels", "all")
 STREAM_MODES = ("auto", "memory", "stream")
+DEVICE_TYPES = ("cpu", "cuda")
 # ModelConfig's initialisations of a model trained from scratch: the official one first
 FROM_SCRATCH_INITS = {"patch_init": ("lecun", "whiten"), "attn_init": ("xavier", "mimetic"),
                       "posemb_init": ("normal", "sincos")}
@@ -233,6 +234,8 @@ class RunConfig(Section):
     fast: bool = True                       # vitlab.fast.optimize the model (the saved weights are the same)
     seed: int = 0                           # initialisation, dropout, data order and augmentation
     device: str = "auto"                    # "auto", "cpu", "cuda", "cuda:1", ...
+    on_device: dict = field(default_factory=dict)  # a recipe's changes for a kind of device it resolves to:
+                                            # {"cuda": {"optim.batch_size": 256, ...}} (applied once, by resolve)
     threads: int = 0                        # CPU threads of this process (0: PyTorch's default)
     retain_freed_memory: bool = False       # CPU: malloc keeps freed memory for the next step (process-wide)
     memory_check: bool = True               # refuse a run whose estimated peak memory exceeds what is available
@@ -260,6 +263,9 @@ class RunConfig(Section):
             need_int(self.path(name), getattr(self, name), 0)
         need_number("run.time_limit", self.time_limit)
         need(isinstance(self.out, str) and self.out != "", "run.out", self.out, "expected a folder")
+        need(isinstance(self.on_device, dict) and set(self.on_device) <= set(DEVICE_TYPES)
+             and all(isinstance(changes, dict) for changes in self.on_device.values()), "run.on_device",
+             self.on_device, f"expected {{device type: {{field: value}}}}, device types {', '.join(DEVICE_TYPES)}")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "augment": AugmentConfig, "optim": OptimConfig,

@@ -32,6 +32,7 @@ class World:
     local_rank: int
     device: torch.device
     owns_group: bool = False
+    processes_here: int = 1  # the processes on this host, which share its cores and memory
 
     @property
     def is_main(self) -> bool:
@@ -42,27 +43,34 @@ class World:
         return all_reduce_sum(values, self)
 
 
-def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    if name == "auto":
-        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device(f"cuda:{local_rank}")
-    return device
-
-
 def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_world(device_name: str = "auto") -> World:
-    """Join the process group if torchrun (or a test) set the environment; else 1 process.
-    The group joined here is the returned world's to end (``shutdown``); when one exists
-    already, this process's place in it, which ``shutdown`` leaves alone."""
+def local_rank() -> int:
+    """This process's rank on its host (which of the host's GPUs it takes)."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+
+
+def processes_here() -> int:
+    """The processes torchrun started on this host (``LOCAL_WORLD_SIZE``): they share its cores and memory."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def local_world(device: torch.device) -> World:
+    """The world of a process that joins no group: a command that scores, or a preview."""
+    return World(rank=0, size=env_world_size(), local_rank=local_rank(), device=device,
+                 processes_here=processes_here())
+
+
+def init_world(device: torch.device) -> World:
+    """Join the process group on ``device`` (``resolve.resolve_device``'s) if torchrun (or a test)
+    set the environment; else 1 process.  The group joined here is the returned world's to end
+    (``shutdown``); when one exists already, this process's place in it, which ``shutdown``
+    leaves alone."""
     size = env_world_size()
     rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    device = pick_device(device_name, local_rank)
+    device = torch.device(device)
     joined = size > 1 and not dist.is_initialized()
     if joined:
         if device.type == "cuda":
@@ -78,7 +86,8 @@ def init_world(device_name: str = "auto") -> World:
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size)
         else:
             dist.init_process_group(backend=backend, rank=rank, world_size=size)
-    return World(rank=rank, size=size, local_rank=local_rank, device=device, owns_group=joined)
+    return World(rank=rank, size=size, local_rank=local_rank(), device=device, owns_group=joined,
+                 processes_here=processes_here())
 
 
 def wrap_model(model: nn.Module, world: World, fsdp: bool) -> nn.Module:

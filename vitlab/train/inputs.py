@@ -3,16 +3,15 @@
 Training reads batches from an in-memory uint8 tensor (``vitlab.data.BatchStream``),
 which suits the paper's transfer data sets (CIFAR, Pets, Flowers, VTAB-1k) and the
 small experiments here.  Data larger than memory (tar shards, Hugging Face datasets,
-parquet files, large ImageFolders) is streamed instead: ``streams`` decides,
-``stream_splits`` opens it (holding out whole shards for validation) and
-``vitlab.data.stream.StreamLoader`` reads it in DataLoader workers.  Validation sets are
-decoded into memory.  ``resolve_data`` decides the data's "auto" values once, for the run.
+parquet files, large ImageFolders) is streamed instead: ``resolve.streams`` decides
+(with the data's other "auto" values, once, for the run), ``stream_splits`` opens it
+(holding out whole shards for validation) and ``vitlab.data.stream.StreamLoader`` reads it
+in DataLoader workers.  Validation sets are decoded into memory.
 """
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import tarfile
 import time
 from dataclasses import dataclass
@@ -23,14 +22,13 @@ import torch
 
 from vitlab.config import ConfigError, Pair
 from vitlab.data.labelled import load_labelled
-from vitlab.data.memory import load_source_in_memory, usable_cores
+from vitlab.data.memory import load_source_in_memory
 from vitlab.data.sources import DataError
 from vitlab.data.splits import select_classes, stratified_split
-from vitlab.data.stream import hold_out, is_stream_source, open_source, scan_folder
+from vitlab.data.stream import hold_out, open_source
 
 from .config import TrainConfig
 from .distributed import barrier
-from .overrides import with_changes
 
 log = logging.getLogger(__name__)
 
@@ -92,20 +90,11 @@ def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
     return Splits(images, labels, val_images, val_labels, classes, skipped, train_ids=ids)
 
 
-def streams(cfg: TrainConfig, image_size: Pair) -> bool:
-    """Whether the run streams its training set (``data.stream``; "auto": sets stored to be
-    streamed, and folders whose decoded size exceeds ``data.memory_limit_gb``)."""
-    data = cfg.data
-    if data.source == "digits":
-        if data.stream == "stream":
-            raise ConfigError("data.stream='stream': the built-in digits source is in memory only; use 'auto'")
-        return False
-    if data.stream != "auto":
-        return data.stream == "stream"
-    if is_stream_source(data.source):
-        return True
-    n = len(scan_folder(data.source, data.cache_dir))
-    return n * 3 * image_size[0] * image_size[1] > data.memory_limit_gb * 1e9
+@functools.lru_cache(maxsize=8)
+def opened_source(source: str, cache_dir=None):
+    """``vitlab.data.stream.open_source`` once per process: resolving a run counts its shards,
+    and its loader then reads the same index."""
+    return open_source(source, cache_dir)
 
 
 @functools.lru_cache(maxsize=8)
@@ -115,12 +104,12 @@ def count_images(source: str, cache_dir=None) -> int:
     over its headers; nothing extracted)."""
     from vitlab.data.digits import NUM_DIGITS
     from vitlab.data.sources import IMAGE_EXTENSIONS, is_archive
-    from vitlab.data.stream import is_stream_source, open_source, scan_folder
+    from vitlab.data.stream import is_stream_source, scan_folder
 
     if source == "digits":
         return NUM_DIGITS
     if is_stream_source(source):
-        return open_source(source, cache_dir).num_samples
+        return opened_source(source, cache_dir).num_samples
     path = Path(source).expanduser()
     if path.is_file() and is_archive(path):
         try:
@@ -170,26 +159,6 @@ def held_images(cfg: TrainConfig, streamed: bool, image_size: Pair | None = None
                       from_source=from_source)
 
 
-def cores_per_process() -> int:
-    """This process's share of the cores: those it may use over the processes torchrun
-    started on this machine (``LOCAL_WORLD_SIZE``)."""
-    return max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
-
-def resolve_data(cfg: TrainConfig, image_size: Pair) -> tuple[TrainConfig, dict]:
-    """``cfg`` with the data's "auto" values decided for this machine and launch, once, and
-    those values: whether the training set streams (``data.stream``: "memory" or
-    "stream"), and the worker counts (``data.stream_workers``: the cores per process
-    less one; ``data.decode_workers``: the cores per process)."""
-    data, cores = cfg.data, cores_per_process()
-    resolved = {
-        "data.stream": "stream" if streams(cfg, image_size) else "memory",
-        "data.stream_workers": cores - 1 if data.stream_workers == "auto" else data.stream_workers,
-        "data.decode_workers": cores if data.decode_workers == "auto" else data.decode_workers,
-    }
-    return with_changes(cfg, resolved), resolved
-
-
 def stream_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
     """A streamed training set: its classes and size, and ``data.val_split``'s whole units
     held out (``vitlab.data.stream.hold_out``) and decoded into memory for validation."""
@@ -198,7 +167,7 @@ def stream_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
         if value:
             raise ConfigError(f"data.{name}={value!r}: a streamed training set has none here; set it to 0 or () "
                               "or decode the data into memory (data.stream='memory')")
-    source = open_source(data.source, data.cache_dir)
+    source = opened_source(data.source, data.cache_dir)
     val_images = val_labels = None
     skipped = 0  # of the validation set: the training set's are counted as its readers meet them
     if data.val_split:

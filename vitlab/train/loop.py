@@ -11,7 +11,6 @@ bit-exactly (``state.py``), after a kill too.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import shutil
@@ -20,20 +19,22 @@ from pathlib import Path
 
 import torch
 
-from vitlab import fast
 from vitlab.config import ConfigError
 from vitlab.eval.features import tta_view_count
-from vitlab.fast.kernels import why_unavailable
+from vitlab.machine import Machine
 
 from . import checkpoint as ckpt
-from .build import Resolved, Setup, build, check_data
+from .build import Setup, build, check_data
 from .config import TrainConfig, to_dict
-from .distributed import all_reduce_sum, barrier, elastic_restart_count, init_world, shutdown
+from .distributed import World, all_reduce_sum, barrier, elastic_restart_count, init_world, local_rank, shutdown
 from .inputs import WaitTimed
 from .metrics import MetricsWriter, Progress, plot_curves
 from .numerics import NonFinite
 from .schedules import input_size_at, lr_at, warmup_steps
-from .state import check_same_run, final_model, restore_state, rng_state, set_rng_state, sharded, training_state
+from .memory import retain_freed_memory
+from .resolve import resolve_device
+from .state import (check_same_run, final_model, process_state, restore_state, set_process_state, set_rng_state,
+                    sharded, training_state)
 from .step import StepResult, endless, train_step
 from .time_budget import TimeBudget
 
@@ -58,12 +59,12 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     counting (default: now); the CLI passes its process's start, so that the budget is the
     command's whole wall time.
     """
-    # the group joined here is ended here; ``build`` finds it joined and takes its place in it
-    world = init_world(cfg.run.device)
+    machine = Machine.here()  # the host, read once for the run
+    world = init_world(resolve_device(cfg.run.device, machine, local_rank()))  # the group joined here is ended here
     succeeded = False
     caller = process_state()
     try:
-        summary = _train(cfg, resume, verbose, overwrite, started_at)
+        summary = _train(cfg, world, machine, resume, verbose, overwrite, started_at)
         succeeded = True
     finally:
         shutdown(world, wait_for_others=succeeded)
@@ -71,17 +72,8 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     return summary
 
 
-def process_state() -> dict:
-    """What a run changes in its process: the thread count and the random generators."""
-    return {"threads": torch.get_num_threads(), "rng": rng_state()}
-
-
-def set_process_state(state: dict) -> None:
-    torch.set_num_threads(state["threads"])
-    set_rng_state(state["rng"])
-
-
-def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, started_at: float | None) -> dict:
+def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbose: bool, overwrite: bool,
+           started_at: float | None) -> dict:
     """The body of ``train``; returns with the model out of scope, so the process group can go."""
     t_start = time.monotonic() if started_at is None else min(started_at, time.monotonic())
     restarts = elastic_restart_count()
@@ -95,43 +87,48 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
         # a fresh run would rotate that run's checkpoints away and overwrite its weights
         raise ConfigError(f"run.out={str(out)!r} holds the checkpoints of an earlier run; continue it with "
                           "--resume, start afresh there with --overwrite, or choose another --out")
-    s = build(cfg)
-    main = s.world.is_main
+    # a resumed run's checkpoint is read first: its record of how the run was resolved goes into the build
+    last_saved, state = resume_point(world, ckpt_dir, restarts) if resume else (None, None)
+    if cfg.run.retain_freed_memory and world.device.type == "cpu":
+        retain_freed_memory()  # process-wide, for the rest of the process: the run's own choice
+    setup = build(cfg, world, machine, saved=state.get("resolved") if state else None)
+    cfg = setup.cfg  # as resolved: the recipe's settings for this device, every "auto" stated
+    torch.set_num_threads(setup.resolved.threads)  # the caller's come back when ``train`` returns
+    set_rng_state(setup.rng)
+    main = setup.world.is_main
     progress = Progress(enabled=verbose and main)
-    progress.message(s.resolved.line())
-    start_output_folder(s, out, clear_checkpoints=stale)
-    budget = time_budget(s, t_start, progress)
+    for note in setup.resolved.notes:
+        progress.message(note)
+    progress.message(setup.resolved.line())
+    start_output_folder(setup, out, clear_checkpoints=stale)
+    budget = time_budget(setup, t_start, progress)
     nonfinite = NonFinite(cfg.run.on_nonfinite, cfg.run.max_skipped_steps)
 
     step, total_steps, records = 0, cfg.optim.steps, []
-    last_saved = None  # the newest checkpoint known good: what a failure message names
-    if resume:
-        last_saved, state = resume_point(s, ckpt_dir, restarts)
-        if state is not None:
-            check_same_run(s.cfg, state.get("config", {}))  # as resolved: the init's model, "auto"s decided
-            adopt_resolved(s, state.get("resolved"), progress)
-            step, total_steps, records = restore_state(s, state)
-            nonfinite.load_state_dict(state.get("numerics"))
-            budget.resume(state.get("clock", {}), step)
-            progress.message(f"resumed from {last_saved} at step {step}/{total_steps}, "
-                             f"{budget.elapsed() / 60:.1f} min into the run")
-            del state
-        else:
-            progress.message(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
+    if state is not None:
+        check_same_run(setup.cfg, state.get("config", {}))  # as resolved: the init's model, "auto"s decided
+        step, total_steps, records = restore_state(setup, state)
+        nonfinite.load_state_dict(state.get("numerics"))
+        budget.resume(state.get("clock", {}), step)
+        progress.message(f"resumed from {last_saved} at step {step}/{total_steps}, "
+                         f"{budget.elapsed() / 60:.1f} min into the run")
+        del state
+    elif resume:
+        progress.message(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
     writer = MetricsWriter(out, tensorboard=cfg.run.tensorboard, records=records) if main else None
 
-    batches = WaitTimed(endless(s.stream), s.world.device)  # counts the seconds the steps wait for their batches
-    window = Window(s.world.device, batches)
+    batches = WaitTimed(endless(setup.stream), setup.world.device)  # counts the seconds the steps wait for their batches
+    window = Window(setup.world.device, batches)
     pending: list = []  # (step, result) since the last check: their flags are read in one go
     last_val: dict = {}
     phases = tuple(tuple(p) for p in cfg.data.progressive_sizes)
-    s.trained.train()
+    setup.trained.train()
     while step < total_steps:
         lr = lr_at(step, base_lr=cfg.optim.lr, total_steps=total_steps,
                    warmup_steps=warmup_steps(cfg.optim, total_steps), decay=cfg.optim.decay, min_lr=cfg.optim.min_lr)
-        size = input_size_at(step, total_steps, phases, s.img_size)
+        size = input_size_at(step, total_steps, phases, setup.img_size)
         t_step = time.monotonic()
-        result = train_step(s, batches, lr, size)  # nothing read back: its numbers stay on the device
+        result = train_step(setup, batches, lr, size)  # nothing read back: its numbers stay on the device
         step_s = time.monotonic() - t_step
         pending.append((step + 1, result))
         window.add(result, step_s)
@@ -140,67 +137,67 @@ def _train(cfg: TrainConfig, resume: bool, verbose: bool, overwrite: bool, start
 
         if budget.wants_evaluation(step):  # the first fit plans with an evaluation's duration
             with budget.paused():
-                nonfinite.check(s, pending, last_saved)
-                last_val = evaluate(s, budget)
+                nonfinite.check(setup, pending, last_saved)
+                last_val = evaluate(setup, budget)
         total_steps = budget.plan(step, total_steps)
         if budget.out_of_time(step, total_steps):
             total_steps = step
 
         is_last = step >= total_steps
         with budget.paused():  # evaluations, logging, checkpoints: not training time
-            do_eval = s.evaluator is not None and (is_last or (cfg.run.eval_every and step % cfg.run.eval_every == 0))
+            do_eval = setup.evaluator is not None and (is_last or (cfg.run.eval_every and step % cfg.run.eval_every == 0))
             do_save = (cfg.run.ckpt_every and step % cfg.run.ckpt_every == 0) or is_last
             do_log = is_last or do_eval or step % cfg.run.log_every == 0
             if do_log or do_save:  # the steps' flags are read here: a bad one stops the run, or is counted
-                nonfinite.check(s, pending, last_saved)
+                nonfinite.check(setup, pending, last_saved)
             if do_eval:  # the last one with the final views, unless a short time limit has no room for them
-                last_val = evaluate(s, budget, final=is_last and budget.final_views_fit())
+                last_val = evaluate(setup, budget, final=is_last and budget.final_views_fit())
             if do_log:
-                record = (window.record(s, step, lr, budget.elapsed()) | nonfinite.record(s.scaler)
+                record = (window.record(setup, step, lr, budget.elapsed()) | nonfinite.record(setup.scaler)
                           | (last_val if do_eval else {}))
                 if writer is not None:
                     writer.log(record)
                 if do_eval:
                     progress.message(f"step {step}: val top-1 {last_val['val_top1']:.4f} "
                                      f"top-5 {last_val['val_top5']:.4f} loss {last_val['val_loss']:.4f}")
-            rate, shown_loss = window.shown(s.world.size)
+            rate, shown_loss = window.shown(setup.world.size)
             eta = (total_steps - step) * cfg.optim.batch_size / rate if rate else 0.0
             progress.update(step, total_steps, shown_loss, rate, eta)
             if do_save:
-                state = training_state(s, step, total_steps, writer.records if writer else [], budget.state(),
+                state = training_state(setup, step, total_steps, writer.records if writer else [], budget.state(),
                                        nonfinite.state_dict())
-                last_saved = save_checkpoint(s, state, ckpt_dir, step)
+                last_saved = save_checkpoint(setup, state, ckpt_dir, step)
 
-    if not last_val and s.evaluator is not None:  # resumed a finished run: its summary still reports the metrics
-        last_val = evaluate(s, budget, final=True)
+    if not last_val and setup.evaluator is not None:  # resumed a finished run: its summary still reports the metrics
+        last_val = evaluate(setup, budget, final=True)
     progress.close()
-    return finish(s, step, total_steps, last_val, budget.elapsed(), writer, nonfinite, window.data_wait())
+    return finish(setup, step, total_steps, last_val, budget.elapsed(), writer, nonfinite, window.data_wait())
 
 
 # ----------------------------------------------------------------------------- the loop's helpers
 
 
-def evaluate(s: Setup, budget: TimeBudget, final: bool = False) -> dict:
+def evaluate(setup: Setup, budget: TimeBudget, final: bool = False) -> dict:
     """The validation metrics as ``val_*`` (none without a validation split); the periodic
     evaluations' durations go to the time budget."""
-    evaluator = s.final_evaluator if final else s.evaluator
+    evaluator = setup.final_evaluator if final else setup.evaluator
     if evaluator is None:
         return {}
     t_eval = time.monotonic()
-    result = evaluator.run(s.evaluated)
-    if sharded(s):  # a forward without backward leaves FSDP's root parameters gathered
-        s.model.reshard()
+    result = evaluator.run(setup.evaluated)
+    if sharded(setup):  # a forward without backward leaves FSDP's root parameters gathered
+        setup.model.reshard()
     if not final:
         budget.evaluated(time.monotonic() - t_eval)
     return {f"val_{k}": v for k, v in result.items() if k != "n"}
 
 
-def resume_point(s: Setup, ckpt_dir: Path, restarts: int) -> tuple[Path | None, dict | None]:
+def resume_point(world: World, ckpt_dir: Path, restarts: int) -> tuple[Path | None, dict | None]:
     """The newest intact checkpoint and its state, (None, None) for none.  Every process
     reads it; newer damaged ones (a failed checksum) are named in a warning and, once all
     have chosen, renamed to ``*.damaged`` by rank 0 so that they leave the rotation."""
     path, state, damaged = ckpt.load_latest_intact(ckpt_dir)
-    if restarts and s.world.is_main:
+    if restarts and world.is_main:
         log.warning("torchrun restart %d: resuming from %s", restarts, path or "step 0 (no checkpoint yet)")
     if not damaged:
         return path, state
@@ -208,8 +205,8 @@ def resume_point(s: Setup, ckpt_dir: Path, restarts: int) -> tuple[Path | None, 
         names = "; ".join(f"{p.name}: {why}" for p, why in damaged)
         raise ckpt.CheckpointError(f"--resume: no intact checkpoint in {ckpt_dir} ({names}); start afresh with "
                                    "--overwrite")
-    barrier(s.world)
-    if s.world.is_main:
+    barrier(world)
+    if world.is_main:
         for bad, why in damaged:
             aside = ckpt.set_aside(bad)
             log.warning("--resume: %s is damaged (%s), moved to %s; resuming from the previous checkpoint, %s",
@@ -217,16 +214,16 @@ def resume_point(s: Setup, ckpt_dir: Path, restarts: int) -> tuple[Path | None, 
     return path, state
 
 
-def save_checkpoint(s: Setup, state: dict, ckpt_dir: Path, step: int) -> Path:
+def save_checkpoint(setup: Setup, state: dict, ckpt_dir: Path, step: int) -> Path:
     """Rank 0 writes ``state``; every process learns whether it could, and all stop
     together with the same ``CheckpointError`` if it could not (a full disk)."""
     error = None
-    if s.world.is_main:
+    if setup.world.is_main:
         try:
-            ckpt.save_checkpoint(state, ckpt_dir, step, s.cfg.run.keep_ckpts)
+            ckpt.save_checkpoint(state, ckpt_dir, step, setup.cfg.run.keep_ckpts)
         except ckpt.CheckpointError as err:
             error = err
-    failed = all_reduce_sum([1.0 if error is not None else 0.0], s.world)[0]  # also the barrier after the write
+    failed = all_reduce_sum([1.0 if error is not None else 0.0], setup.world)[0]  # also the barrier after the write
     if error is not None:
         raise error
     if failed:
@@ -235,75 +232,42 @@ def save_checkpoint(s: Setup, state: dict, ckpt_dir: Path, step: int) -> Path:
     return ckpt.checkpoint_path(ckpt_dir, step)
 
 
-def adopt_resolved(s: Setup, saved: dict | None, progress: Progress) -> None:
-    """A resumed run computes as it started: its checkpoint's precision and CPU kernels (a
-    calibration stored since then, or another machine's rule, would change the arithmetic),
-    where this machine can run them."""
-    if not saved:
-        return
-    before = Resolved.from_record(saved)
-    kept = dataclasses.replace(s.resolved, precision=before.precision, kernels=before.kernels,
-                               bf16_matmuls=before.bf16_matmuls)
-    if before.kernels is not None and s.resolved.kernels is not None and before.kernels != s.resolved.kernels:
-        reason = why_unavailable(before.kernels)
-        if reason is not None:
-            progress.message(f"--resume: the checkpoint's kernels cannot run here ({reason}); continuing with "
-                             f"{s.resolved.kernels.describe()}")
-            kept = dataclasses.replace(kept, kernels=s.resolved.kernels)
-        else:
-            fast.optimize(s.model, before.kernels)  # in place: the wrappers around it see the same modules
-    if before.precision != s.resolved.precision and (before.precision == "fp16") != (s.scaler is not None):
-        raise ConfigError(f"--resume: the checkpoint's run trained in {before.precision}, this one resolves to "
-                          f"{s.resolved.precision}; set --precision {before.precision}")
-    if kept.bf16_matmuls != s.resolved.bf16_matmuls and hasattr(s.optimizer, "ns_dtype"):
-        s.optimizer.ns_dtype = torch.bfloat16 if kept.bf16_matmuls else torch.float32
-    if kept == s.resolved:
-        return
-    s.resolved = kept
-    for evaluator in (s.evaluator, s.final_evaluator):
-        if evaluator is not None:
-            evaluator.precision = kept.precision
-    progress.message(f"--resume: as the checkpoint's run: {kept.line()}")
-    if s.world.is_main:
-        write_config(s, Path(s.cfg.run.out))
-
-
-def write_config(s: Setup, out: Path) -> None:
+def write_config(setup: Setup, out: Path) -> None:
     """The run's config.json: its configuration, what its "auto" settings resolved to, and
     the peak memory estimated for it before it was built."""
-    records = {"resolved": s.resolved.record()}
-    if s.memory is not None:
-        records["memory_estimate"] = s.memory.record()
-    (out / "config.json").write_text(json.dumps(to_dict(s.cfg) | records, indent=2))
+    records = {"resolved": setup.resolved.record()}
+    if setup.memory is not None:
+        records["memory_estimate"] = setup.memory.record()
+    (out / "config.json").write_text(json.dumps(to_dict(setup.cfg) | records, indent=2))
 
 
-def start_output_folder(s: Setup, out: Path, clear_checkpoints: bool) -> None:
+def start_output_folder(setup: Setup, out: Path, clear_checkpoints: bool) -> None:
     """The run's folder with its config and class names (rank 0); an earlier run's
     checkpoints removed when ``clear_checkpoints`` (``--overwrite``), and the temporary
     file of a checkpoint write that was killed removed in any case."""
-    if s.world.is_main and clear_checkpoints:
+    if setup.world.is_main and clear_checkpoints:
         shutil.rmtree(out / "checkpoints")
-    if s.world.is_main:
+    if setup.world.is_main:
         for partial in ckpt.remove_partial_writes(out / "checkpoints"):
             log.warning("removed %s, left by a checkpoint write that was killed", partial)
-    barrier(s.world)
-    if s.world.is_main:
+    barrier(setup.world)
+    if setup.world.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        write_config(s, out)
-        (out / "classes.json").write_text(json.dumps(s.splits.classes))
+        write_config(setup, out)
+        (out / "classes.json").write_text(json.dumps(setup.splits.classes))
 
 
-def time_budget(s: Setup, t_start: float, progress: Progress) -> TimeBudget:
-    run = s.cfg.run
+def time_budget(setup: Setup, t_start: float, progress: Progress) -> TimeBudget:
+    run = setup.cfg.run
     return TimeBudget(
-        run.time_limit, t_start, max_steps=s.cfg.optim.steps, measure_steps=run.time_measure_steps,
+        run.time_limit, t_start, max_steps=setup.cfg.optim.steps, measure_steps=run.time_measure_steps,
         eval_every=run.eval_every,
         final_eval_views=tta_view_count(run.eval_flip, run.final_eval_shift) / tta_view_count(run.eval_flip),
-        warmup=lambda total: warmup_steps(s.cfg.optim, total), phases=s.cfg.data.progressive_sizes,
+        warmup=lambda total: warmup_steps(setup.cfg.optim, total), phases=setup.cfg.data.progressive_sizes,
         # a forward is about a third of a training step's work per image
-        eval_cost_steps=(0 if s.evaluator is None else len(s.splits.val_labels))
-        * tta_view_count(run.eval_flip) / (3 * s.cfg.optim.batch_size),
-        full_size=s.img_size, agree=lambda values: [v / s.world.size for v in all_reduce_sum(values, s.world)],
+        eval_cost_steps=(0 if setup.evaluator is None else len(setup.splits.val_labels))
+        * tta_view_count(run.eval_flip) / (3 * setup.cfg.optim.batch_size),
+        full_size=setup.img_size, agree=lambda values: [v / setup.world.size for v in all_reduce_sum(values, setup.world)],
         say=progress.message)
 
 
@@ -334,16 +298,16 @@ class Window:
         self.grad_norm = torch.where(applied, result.grad_norm.float(), self.grad_norm)  # a skipped step's is NaN
         self.examples += result.seen
 
-    def record(self, s: Setup, step: int, lr: float, elapsed_s: float) -> dict:
+    def record(self, setup: Setup, step: int, lr: float, elapsed_s: float) -> dict:
         """The metrics record of this window over all ranks (a collective call; the read of the
         device's sums); starts the next."""
         dt = time.monotonic() - self.t
         *sums, grad_norm = torch.cat([self.sums, self.grad_norm.view(1)]).tolist()
         waited = self.batches.take() if self.batches is not None else 0.0  # after the read: the steps are done
         loss, correct, seen, steps, examples, wait_s, step_s = all_reduce_sum(
-            [*sums, float(self.examples), waited, self.step_s], s.world)
+            [*sums, float(self.examples), waited, self.step_s], setup.world)
         record = {
-            "step": step, "epoch": round(step * s.cfg.optim.batch_size / s.splits.train_count(), 3),
+            "step": step, "epoch": round(step * setup.cfg.optim.batch_size / setup.splits.train_count(), 3),
             "lr": lr, "loss": loss / steps if steps else float("nan"),
             "train_top1": correct / max(seen, 1), "grad_norm": grad_norm,
             "img_per_s": examples / max(dt, 1e-9), "elapsed_s": elapsed_s,
@@ -360,28 +324,28 @@ class Window:
         return round(self.total_wait_s / self.total_step_s, 4) if self.total_step_s else None
 
     def shown(self, world_size: int) -> tuple[float, float | None]:
-        """(images/s, loss) for the progress line: the last record's; before the first one
+        """(images/setup, loss) for the progress line: the last record's; before the first one
         this process's rate and no loss yet (reading it would wait for the device)."""
         if not self.logged and self.examples:
             self.rate = self.examples * world_size / max(time.monotonic() - self.t, 1e-9)
         return self.rate, self.loss_shown
 
 
-def finish(s: Setup, step: int, total_steps: int, last_val: dict, wall: float, writer, nonfinite: NonFinite,
+def finish(setup: Setup, step: int, total_steps: int, last_val: dict, wall: float, writer, nonfinite: NonFinite,
            data_wait: float | None = None) -> dict:
     """Save the final weights and the summary (rank 0); every rank returns the summary."""
     from vitlab.weights import save_model
 
-    cfg, out = s.cfg, Path(s.cfg.run.out)
-    model = final_model(s)
+    cfg, out = setup.cfg, Path(setup.cfg.run.out)
+    model = final_model(setup)
     records = writer.records if writer else []
     train_rows = [r for r in records if "img_per_s" in r]
-    skipped = s.splits.skipped  # decoded sets; a streamed training set's, as its readers (all ranks) met them
-    if s.splits.source is not None:
-        skipped += s.stream.unread_everywhere().images
+    skipped = setup.splits.skipped  # decoded sets; a streamed training set's, as its readers (all ranks) met them
+    if setup.splits.source is not None:
+        skipped += setup.stream.unread_everywhere().images
     summary = {
         "recipe": cfg.recipe,
-        "model": getattr(s.model.cfg, "name", None) or cfg.model.name,
+        "model": getattr(setup.model.cfg, "name", None) or cfg.model.name,
         "steps": step,
         "planned_steps": total_steps,
         "val_top1": last_val.get("val_top1"),
@@ -389,17 +353,17 @@ def finish(s: Setup, step: int, total_steps: int, last_val: dict, wall: float, w
         "val_loss": last_val.get("val_loss"),
         **{k: last_val[k] for k in ("val_top1_flip", "val_top1_single") if k in last_val},
         "train_loss": train_rows[-1]["loss"] if train_rows else None,
-        "train_examples": int(s.splits.train_count()),
-        "val_examples": int(len(s.splits.val_labels)) if s.splits.val_labels is not None else 0,
+        "train_examples": int(setup.splits.train_count()),
+        "val_examples": int(len(setup.splits.val_labels)) if setup.splits.val_labels is not None else 0,
         "skipped_images": skipped,
         "wall_s": round(wall, 2),
         "images_per_s": round(step * cfg.optim.batch_size / wall, 1),
         "data_wait": data_wait,  # the share of the steps' wall time spent waiting for their batches
-        "world_size": s.world.size,
-        **nonfinite.record(s.scaler),
+        "world_size": setup.world.size,
+        **nonfinite.record(setup.scaler),
         "weights": None,
     }
-    if s.world.is_main:
+    if setup.world.is_main:
         weights = save_model(model, out / "model.safetensors")
         summary["weights"] = str(weights)
         summary["classes"] = str(out / "classes.json")

@@ -42,6 +42,16 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def process_state() -> dict:
+    """What a run changes in its process: the thread count and the random generators."""
+    return {"threads": torch.get_num_threads(), "rng": rng_state()}
+
+
+def set_process_state(state: dict) -> None:
+    torch.set_num_threads(state["threads"])
+    set_rng_state(state["rng"])
+
+
 def check_same_run(cfg: TrainConfig, saved: dict) -> None:
     """Refuse to continue a checkpoint whose run differs in a ``RESUME_INVARIANTS`` field
     (``saved``: its config dict, sectioned or of the old flat layout)."""

@@ -15,8 +15,8 @@ For each task (``vitlab.eval.vtab``: its folders, its fixed splits, the group me
 
 Every run is ``cfg`` with the task's data, the learning rate and its own folder under
 ``out``.  The batch is accumulated over ``accum_steps`` micro-batches, by default
-(``"auto"``) the fewest whose activations, measured on the model, fit in half of the
-device's free memory.  The protocol trains, so it lives in ``train`` (above ``eval``, which
+(``"auto"``) the fewest that fit in the memory available, by the run's memory estimate
+(``resolve``), decided once for all the runs.  The protocol trains, so it lives in ``train`` (above ``eval``, which
 holds what does not train: docs/layout.md).
 """
 from __future__ import annotations
@@ -29,59 +29,24 @@ from typing import Mapping, Sequence
 
 import torch
 
-from vitlab import fast
-from vitlab.analysis.cost import SavedForBackward
 from vitlab.config import ConfigError
 from vitlab.data.memory import load_in_memory
 from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.vtab import Task, TaskSplits, split_tasks, summarize
+from vitlab.machine import Machine
 from vitlab.weights import load_model
 
-from .build import check_can_run, make_model, training_size
+from .build import check_can_run
 from .config import TrainConfig
-from .distributed import pick_device
+from .distributed import local_rank, local_world
 from .loop import train
-from .memory_estimate import available_memory
 from .metrics import Progress
 from .overrides import with_changes
+from .resolve import resolve, resolve_device
 
-__all__ = ["run_vtab", "evaluate_on", "auto_accum_steps", "SELECTIONS"]
+__all__ = ["run_vtab", "evaluate_on", "SELECTIONS"]
 
 SELECTIONS = ("per-task", "shared")
-
-
-def activation_bytes_per_example(cfg: TrainConfig) -> int:
-    """Bytes a backward keeps per training example of the model ``cfg`` fine-tunes, measured on
-    one example of the plain model (the fast path keeps less)."""
-    model = make_model(cfg, num_classes=2).train()
-    x = torch.zeros(1, 3, *training_size(cfg))
-    with SavedForBackward(model) as kept:
-        model(x).float().logsumexp(-1).sum()
-    return kept.bytes
-
-
-def available_bytes(device: torch.device | str) -> int:
-    """Free memory of ``device``: the GPU's, or the host's MemAvailable (8 GiB where unknown)."""
-    host, gpu = available_memory(str(device))
-    return gpu if gpu is not None else host if host is not None else 8 << 30
-
-
-def auto_accum_steps(batch: int, per_example: int, available: int, share: float = 0.5) -> int:
-    """The fewest micro-batches, a divisor of ``batch``, whose activations fit in ``share`` of
-    ``available`` bytes (the rest: weights, gradients, optimiser state, temporaries)."""
-    for accum in (k for k in range(1, batch + 1) if batch % k == 0):
-        if (batch // accum) * per_example <= share * available:
-            return accum
-    return batch
-
-
-def accum_steps_for(cfg: TrainConfig, device: torch.device, accum_steps: int | str) -> int:
-    """``accum_steps`` as a count: a positive integer as given, "auto" by ``auto_accum_steps``."""
-    if accum_steps != "auto":
-        if not str(accum_steps).isdigit() or int(accum_steps) < 1:
-            raise ValueError(f"--accum-steps={accum_steps!r}: expected a positive integer or auto")
-        return int(accum_steps)
-    return auto_accum_steps(cfg.optim.batch_size, activation_bytes_per_example(cfg), available_bytes(device))
 
 
 def evaluate_on(weights: str, folder: Path, cfg: TrainConfig, device: torch.device | str,
@@ -173,11 +138,14 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
     out = Path(out)
     splits = split_tasks(tasks, out, examples, split_seed)  # every task's folders, before any run
     grid = tuple(float(lr) for lr in grid) or tuple(cfg.optim.lr_grid) or (cfg.optim.lr,)
-    device = pick_device(cfg.run.device)
-    accum = accum_steps_for(cfg, device, accum_steps)
-    precision = fast.auto_precision(device) if cfg.run.precision == "auto" else cfg.run.precision  # decided once
-    cfg = with_changes(cfg, {"optim.accum_steps": accum})
+    # decided once for every run of the protocol, on the first task's sweep split: the device,
+    # the precision, the init's model and resolution, the micro-batch that fits (or a refusal)
+    cfg = with_changes(cfg, {"optim.accum_steps": accum_steps})
     check_can_run(with_changes(cfg, {"data.source": "digits"}))  # the weights and the batch, before any run
+    machine = Machine.here()
+    world = local_world(resolve_device(cfg.run.device, machine, local_rank()))
+    resolved = resolve(with_changes(cfg, {"data.source": str(splits[tasks[0].name].sweep_train)}), world, machine)
+    cfg, device, precision, accum = resolved.config, world.device, resolved.precision, resolved.accum_steps
     runs, say = Runs(cfg, out, device, precision, resume, verbose), Progress(enabled=verbose).message
     say(f"vtab: {len(tasks)} tasks, lr grid {', '.join(f'{lr:g}' for lr in grid)} ({select}), "
         f"{cfg.optim.steps} steps at batch {cfg.optim.batch_size} ({accum} micro-batches of "

@@ -1,0 +1,147 @@
+"""``resolve``: every "auto" of a run decided once, from the config and a described machine."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from vitlab.config import ConfigError
+from vitlab.machine import Gpu, Machine
+from vitlab.train.config import to_dict
+from vitlab.train.distributed import World
+from vitlab.train.overrides import with_changes
+from vitlab.train.resolve import Resolved, finetune_size, resolve, resolve_device
+
+from .conftest import tiny_config
+
+H100 = Gpu("NVIDIA H100 80GB HBM3", total_bytes=80 << 30, free_bytes=79 << 30, bf16=True)
+OLD_GPU = Gpu("Tesla V100", total_bytes=16 << 30, free_bytes=15 << 30, bf16=False)
+
+
+def world(device="cpu", size=1, processes_here=1) -> World:
+    return World(rank=0, size=size, local_rank=0, device=torch.device(device), processes_here=processes_here)
+
+
+def described(cores=8, gpus=(), memory=24 << 30) -> Machine:
+    return Machine.described(cores=cores, memory_available=memory, gpus=gpus)
+
+
+def auto_config(tmp_path, **changes):
+    return with_changes(tiny_config(tmp_path / "run", **changes),
+                        {"run.precision": "auto", "run.device": "auto", "data.decode_workers": "auto",
+                         "data.stream_workers": "auto", "data.stream": "auto", "optim.accum_steps": "auto"})
+
+
+def autos(record) -> list[str]:
+    """The dotted names of the fields still holding "auto" in a config's dict."""
+    found = []
+    for section, values in record.items():
+        if isinstance(values, dict):
+            found += [f"{section}.{k}" for k, v in values.items() if v == "auto"]
+    return found
+
+
+def test_the_device_is_the_processs_gpu_where_the_machine_has_one():
+    assert resolve_device("auto", described(gpus=(H100, H100)), local_rank=1) == torch.device("cuda:1")
+    assert resolve_device("auto", described()) == torch.device("cpu")
+    assert resolve_device("cuda", described(gpus=(H100,)), local_rank=0) == torch.device("cuda:0")
+    assert resolve_device("cpu", described(gpus=(H100,))) == torch.device("cpu")
+
+
+def test_every_auto_is_stated_and_the_asked_config_is_left_as_it_was(tmp_path):
+    cfg = auto_config(tmp_path)
+    asked = to_dict(cfg)
+    resolved = resolve(cfg, world(), described(cores=8))
+    assert to_dict(cfg) == asked  # nothing written back into the config given
+    assert autos(to_dict(resolved.config)) == []
+    assert set(autos(asked)) == {"data.decode_workers", "data.stream", "data.stream_workers", "optim.accum_steps",
+                                 "run.precision", "run.device"}
+    stated = resolved.config
+    assert stated.run.device == "cpu" and stated.run.precision == resolved.precision
+    assert stated.data.stream == "memory" and stated.data.stream_workers == 0  # the digits are held in memory
+    assert stated.data.decode_workers == 8 == resolved.decode_workers
+    assert stated.optim.accum_steps == resolved.accum_steps == 1  # a tiny model fits at once
+    assert resolved.micro_batch == cfg.optim.batch_size and resolved.img_size == (8, 8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        resolved.precision = "fp16"
+
+
+def test_processes_on_one_host_share_its_cores(tmp_path):
+    resolved = resolve(auto_config(tmp_path), world(size=2, processes_here=2), described(cores=8))
+    assert resolved.decode_workers == 4 and resolved.micro_batch == 16  # batch 32 over two processes
+
+
+def test_a_gpu_takes_bf16_where_it_has_it_and_the_recipes_settings_for_it(tmp_path):
+    from vitlab.configs.cifar10_scratch import get_config
+
+    recipe = with_changes(get_config("vit"), {"data.source": "digits", "data.val_split": 100,
+                                              "run.out": str(tmp_path / "run")})
+    on_gpu = resolve(recipe, world("cuda:0"), described(gpus=(H100,)))
+    assert on_gpu.precision == "bf16" and on_gpu.bf16_matmuls and on_gpu.kernels is not None
+    assert on_gpu.config.optim.batch_size == 256 and on_gpu.config.data.progressive_sizes == ()
+    assert on_gpu.compile == "reduce-overhead"  # one input shape: CUDA graphs
+    assert resolve(recipe, world("cuda:0"), described(gpus=(OLD_GPU,))).precision == "fp32"
+    on_cpu = resolve(recipe, world("cpu"), described())
+    assert on_cpu.config.optim.batch_size == 128 and on_cpu.config.data.progressive_sizes == ((24, 0.5),)
+    assert on_cpu.compile == "off"  # the plain ViT recipe compiles only on a GPU
+
+
+def test_a_recipe_never_probes_the_machine(monkeypatch):
+    from vitlab.configs import load_recipe
+
+    def probe():
+        raise AssertionError("a recipe asked whether a GPU is present")
+
+    monkeypatch.setattr(torch.cuda, "is_available", probe)
+    monkeypatch.setattr(torch.cuda, "device_count", probe)
+    cfg = load_recipe("cifar10_scratch:model=vit")
+    assert cfg.run.device == "auto" and cfg.run.on_device["cuda"]["optim.batch_size"] == 256
+
+
+def test_a_resumed_run_keeps_the_arithmetic_and_layout_it_started_with(tmp_path):
+    cfg = auto_config(tmp_path)
+    first = resolve(cfg, world(), described(cores=8))
+    saved = dict(first.record(), precision="bf16", bf16_matmuls=True, accum_steps=2, decode_workers=3)
+    again = resolve(cfg, world(), described(cores=2), saved=json.loads(json.dumps(saved)))
+    assert again.precision == "bf16" == again.config.run.precision and again.bf16_matmuls
+    assert again.accum_steps == 2 == again.config.optim.accum_steps and again.micro_batch == 16
+    assert again.kernels == first.kernels
+    with pytest.raises(ConfigError, match="--resume: the checkpoint's run trained in fp16.*--precision fp16"):
+        resolve(cfg, world(), described(), saved=dict(saved, precision="fp16"))
+
+
+def test_the_record_round_trips_through_json(tmp_path):
+    resolved = resolve(auto_config(tmp_path), world(), described())
+    record = json.loads(json.dumps(resolved.record()))
+    assert set(record) == set(Resolved.RECORDED)
+    assert record["kernels"] == (dataclasses.asdict(resolved.kernels) if resolved.kernels else None)
+
+
+def test_a_run_that_cannot_fit_is_refused_by_the_machine_it_is_given(tmp_path):
+    cfg = with_changes(auto_config(tmp_path), {"optim.accum_steps": 1})
+    with pytest.raises(ConfigError, match="run.memory_check"):
+        resolve(cfg, world(), described(memory=1 << 20))
+    assert resolve(cfg, world(), described(memory=1 << 20), preview=True).memory.peak > 1 << 20
+
+
+def test_finetune_size_scales_the_papers_384_by_the_inits_resolution():
+    assert finetune_size(224, 16) == 384  # the paper: 224-px pre-training, 384-px fine-tuning
+    assert finetune_size(32, 16) == 48    # 54.9 to the nearest multiple of 16
+    assert finetune_size(16, 4) == 28     # the demo's model
+    assert finetune_size(160, 16) == 272
+    assert finetune_size(384, 16) == 384 and finetune_size(512, 16) == 512  # its own
+
+
+def test_build_leaves_the_processs_threads_and_random_streams_as_it_found_them(tmp_path):
+    from vitlab.train.build import build
+
+    threads = torch.get_num_threads()
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    setup = build(with_changes(tiny_config(tmp_path / "run"), {"run.threads": max(1, threads - 1) if threads > 1
+                                                                 else 2}))
+    assert torch.get_num_threads() == threads
+    assert torch.equal(torch.rand(3), expected)  # the caller's stream, untouched by the model's initialisation
+    torch.manual_seed(0)  # the run's seed: the state it starts its steps from follows the model's initialisation
+    assert not torch.equal(setup.rng["torch"], torch.get_rng_state())

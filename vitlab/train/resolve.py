@@ -1,0 +1,427 @@
+"""Every "auto" of a run decided once, before anything is built: ``resolve(cfg, world, machine)``.
+
+    machine = Machine.here()                                   # the host, read once
+    world = init_world(resolve_device(cfg.run.device, machine, local_rank()))
+    resolved = resolve(cfg, world, machine)                    # frozen: nothing changes it after
+    resolved.config        # cfg with every "auto" stated: what the run reads and config.json records
+    resolved.line()        # the run's first log line
+
+What is decided here, and by which rule:
+
+* the device (``run.device="auto"``: this process's GPU where there is one, else the CPU);
+* the precision (``run.precision="auto"``: bf16 on a GPU that supports it; on a CPU the
+  kernel rule's or the stored calibration's answer, ``vitlab.fast.cpu_precision``), the
+  fast path's CPU kernels (``vitlab.fast.choose``) and torch.compile's mode;
+* the model a fine-tune trains (its init's) and its resolution (``model.img_size="auto"``:
+  the init's size x 384/224, ``finetune_size``);
+* whether the training set streams (``data.stream="auto"``: sets stored to be streamed, and
+  folders that decode to more than ``data.memory_limit_gb``), the DataLoader workers
+  (``data.stream_workers="auto"``: this process's cores less one, then as many as the
+  shards can feed) and the decoding processes (``data.decode_workers="auto"``: this
+  process's cores);
+* the micro-batch (``optim.accum_steps="auto"``: the largest that fits) and the run's peak
+  memory estimate, refusing a run that cannot fit (``run.memory_check``).
+
+A resumed run passes its checkpoint's record (``saved``): it keeps the precision, CPU
+kernels, worker count and accumulation it started with, where this machine can run them, so
+that its arithmetic and its data order are the ones it started with.
+
+The machine is read only through ``machine`` (``vitlab.machine.Machine``): tests pass a
+described one.  Recipes declare what they want per kind of device (``run.on_device``); they
+never probe the machine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from vitlab import fast
+from vitlab.config import Architecture, ConfigError, Pair, ResNetConfig, ViTConfig, replace
+from vitlab.fast.kernels import KernelChoice, why_unavailable
+from vitlab.machine import Machine
+
+from .architecture import architecture
+from .config import RunConfig, TrainConfig, to_dict
+from .distributed import World, local_rank, local_world
+from .inputs import HeldImages, count_images, held_images, opened_source
+from .memory_estimate import (GB, Available, MemoryEstimate, RunShape, estimate_memory, fitting_settings, refusal,
+                              smallest_fitting_accum)
+from .overrides import with_changes
+
+log = logging.getLogger(__name__)
+
+FINETUNE_MODEL_FIELDS = ("dropout", "attention_dropout", "drop_path", "patch_dropout")
+# The paper fine-tunes at 384 px the models it pre-trained at 224 (Sec. 3.2, Table 4)
+PAPER_PRETRAIN_SIZE, PAPER_FINETUNE_SIZE = 224, 384
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a run's "auto" settings came to on this machine, decided once when the run is
+    built and never read from the machine (or a stored calibration) again.  Its record goes
+    to the run's config.json and its checkpoints; a resumed run passes that record back to
+    ``resolve``, so that its arithmetic is the one it started with."""
+
+    config: TrainConfig   # the run's config with every "auto" stated (what the run reads)
+    device: str
+    precision: str        # "fp32", "bf16" or "fp16"
+    kernels: KernelChoice | None  # the fast path's CPU kernels (None: plain model)
+    bf16_matmuls: bool    # bf16 matmuls are the faster ones here (Muon's orthogonalisation)
+    threads: int          # CPU threads of the process
+    data: str             # "memory" or "stream"
+    compile: str          # "off", or torch.compile's mode
+    cpu: str              # the CPU's model name and class (what the kernel rule read)
+    stream_workers: int = 0  # DataLoader workers per process reading a streamed training set
+    decode_workers: int = 0  # processes decoding a data set into memory
+    img_size: Pair | None = None  # (H, W) the run trains at (None: a command that trains nothing)
+    accum_steps: int = 1          # micro-batches per step
+    micro_batch: int = 0          # images per process per micro-batch
+    memory: MemoryEstimate | None = None  # the run's peak memory, estimated before anything is built
+    notes: tuple[str, ...] = ()   # what the run says about its resolution (a resumed run's)
+    uncounted: str = ""           # a preview's data the memory estimate leaves out, and why
+
+    RECORDED = ("device", "precision", "kernels", "bf16_matmuls", "threads", "data", "compile", "cpu",
+                "stream_workers", "decode_workers", "accum_steps")
+
+    def record(self) -> dict:
+        return {name: (dataclasses.asdict(self.kernels) if name == "kernels" and self.kernels else
+                       getattr(self, name)) for name in self.RECORDED}
+
+    def line(self) -> str:
+        kernels = self.kernels.describe() if self.kernels else "plain"
+        workers = (f"{self.stream_workers} stream workers" if self.data == "stream"
+                   else f"{self.decode_workers} decode workers")
+        return (f"resolved: device {self.device}, precision {self.precision}, kernels {kernels}, "
+                f"threads {self.threads}, data {self.data} ({workers}), compile {self.compile}, cpu {self.cpu}")
+
+
+def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None = None, *,
+            preview: bool = False) -> Resolved:
+    """Every "auto" of ``cfg`` decided for ``machine`` and the launch ``world`` (whose device
+    ``resolve_device`` chose), and ``saved`` (a resumed run's ``Resolved.record()``) kept.
+
+    A config without ``data.source`` is a command that scores rather than trains (eval,
+    fewshot): its device, precision, kernels and worker counts are resolved, nothing else.
+    ``preview`` (--show-config): a data source that cannot be counted is left out of the
+    memory estimate, with a note in its record, and no run is refused.
+
+    Raises ConfigError: a run that cannot fit (``run.memory_check``), a resumed fp16 run asked
+    to continue without its loss scaler or the other way round.
+    """
+    saved = saved or {}
+    device = world.device
+    auto_precision = precision_rule(device, machine)
+    precision = auto_precision if cfg.run.precision == "auto" else cfg.run.precision
+    kernels = (fast.choose(info=machine.cpu) if device.type == "cpu" else KernelChoice()) if cfg.run.fast else None
+    bf16_matmuls, notes = auto_precision == "bf16", []
+    if saved:
+        precision, kernels, bf16_matmuls = kept_arithmetic(saved, precision, kernels, bf16_matmuls, machine, notes)
+    changes = dict(cfg.run.on_device.get(device.type, {}))  # the recipe's settings for this kind of device
+    changes |= {"run.device": str(device), "run.precision": precision}
+    cores = max(1, machine.cores // world.processes_here)  # this process's share of the host's cores
+    workers = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}
+    if cfg.data.source is None:
+        config = with_changes(cfg, changes | workers)
+        return Resolved(config, str(device), precision, kernels, bf16_matmuls, cfg.run.threads or torch.get_num_threads(),
+                        "memory", "off", machine.cpu_line(), decode_workers=workers["data.decode_workers"],
+                        notes=tuple(notes))
+    cfg = with_changes(cfg, changes)
+    cfg = with_changes(cfg, model_changes(cfg))
+    img_size = training_size(cfg)
+
+    streamed, held, note = False, HeldImages(0, 0, 0, 1), ""
+    try:
+        streamed = streams(cfg, img_size)
+        changes = workers | {"data.stream": "stream" if streamed else "memory"}
+        if streamed:
+            changes["data.stream_workers"] = stream_workers(cfg, world, cores, saved)
+        elif cfg.data.stream_workers == "auto":
+            changes["data.stream_workers"] = 0  # nothing streams: no DataLoader workers
+        cfg = with_changes(cfg, changes)
+        held = held_images(cfg, streamed, img_size)
+    except (ConfigError, OSError, ValueError) as err:  # DataError is a ValueError
+        if not preview:
+            raise
+        note = f"not counted: {err}"
+        cfg = with_changes(cfg, workers | {"data.stream": "memory", "data.stream_workers": 0})
+    if cfg.optim.accum_steps == "auto" and "accum_steps" in saved:
+        cfg = with_changes(cfg, {"optim.accum_steps": saved["accum_steps"]})
+    resolved = Resolved(cfg, str(device), precision, kernels, bf16_matmuls, cfg.run.threads or torch.get_num_threads(),
+                        "stream" if streamed else "memory", compile_mode(cfg, world), machine.cpu_line(),
+                        stream_workers=cfg.data.stream_workers, decode_workers=cfg.data.decode_workers,
+                        img_size=img_size, notes=tuple(notes), uncounted=note)
+    available = machine_memory(machine, resolved.device, world)
+    accum, memory = plan_memory(cfg, run_shape(resolved, world.size, held), available, world.size,
+                                check=cfg.run.memory_check and not preview)
+    return dataclasses.replace(resolved, config=with_changes(cfg, {"optim.accum_steps": accum}), memory=memory,
+                               accum_steps=accum, micro_batch=cfg.optim.batch_size // (accum * world.size))
+
+
+def preview(cfg: TrainConfig, machine: Machine | None = None) -> dict:
+    """What --show-config prints: ``cfg`` as its run would state it (every "auto" resolved for
+    this machine), the resolution's record and the memory estimate, as one JSON-ready dict;
+    no process group joined, no data decoded, no model built.  An init that cannot be read
+    yet leaves the config as given and the estimate out."""
+    machine = machine or Machine.here()
+    world = local_world(resolve_device(cfg.run.device, machine, local_rank()))
+    try:
+        resolved = resolve(cfg, world, machine, preview=True)
+    except (OSError, ValueError) as err:  # a missing init (FileNotFoundError), unreadable weights (WeightsError)
+        return to_dict(cfg) | {"memory_estimate": {"not_estimated": str(err)}}
+    return to_dict(resolved.config) | {"resolved": resolved.record(),
+                                       "memory_estimate": memory_record(resolved, machine, world)}
+
+
+def resolve_scoring(device: str = "auto", fast_path: bool = True, machine: Machine | None = None) -> Resolved:
+    """How a command that scores a model (eval, fewshot) runs: its device, CPU kernels and
+    decoding processes, resolved as a run's are (in fp32)."""
+    machine = machine or Machine.here()
+    world = local_world(resolve_device(device, machine, local_rank()))
+    return resolve(TrainConfig(run=RunConfig(device=device, fast=fast_path)), world, machine)
+
+
+# ----------------------------------------------------------------------------- the device and its arithmetic
+
+
+def resolve_device(name: str, machine: Machine, local_rank: int = 0) -> torch.device:
+    """``run.device`` (or ``--device``) as a device: "auto" is this process's GPU (``local_rank``)
+    where the machine has one, else the CPU; "cuda" is this process's GPU."""
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}") if machine.gpus else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device(f"cuda:{local_rank}")
+    return device
+
+
+def precision_rule(device: torch.device, machine: Machine) -> str:
+    """What ``precision="auto"`` means on ``device``: bf16 on a GPU that supports it, on a CPU
+    the kernel rule's or the stored calibration's answer; fp32 anywhere else."""
+    if device.type == "cuda":
+        gpu = machine.gpu(device)
+        return "bf16" if gpu is not None and gpu.bf16 else "fp32"
+    return fast.cpu_precision(machine.cpu) if device.type == "cpu" else "fp32"
+
+
+def kept_arithmetic(saved: dict, precision: str, kernels: KernelChoice | None, bf16_matmuls: bool,
+                    machine: Machine, notes: list) -> tuple[str, KernelChoice | None, bool]:
+    """A resumed run's (precision, kernels, bf16_matmuls): its checkpoint's (a calibration stored
+    since, or another machine's rule, would change its arithmetic), where they can run here."""
+    before = saved.get("precision", precision)
+    if before != precision and "fp16" in (before, precision):  # the loss scaler's state cannot follow
+        raise ConfigError(f"--resume: the checkpoint's run trained in {before}, this one resolves to {precision}; "
+                          f"set --precision {before}")
+    if saved.get("kernels") and kernels is not None:
+        stored = KernelChoice(**saved["kernels"])
+        reason = why_unavailable(stored, machine.cpu)
+        if reason is None:
+            kernels = stored
+        elif stored != kernels:
+            notes.append(f"--resume: the checkpoint's kernels cannot run here ({reason}); continuing with "
+                         f"{kernels.describe()}")
+    return before, kernels, saved.get("bf16_matmuls", bf16_matmuls)
+
+
+def compile_mode(cfg: TrainConfig, world: World) -> str:
+    """torch.compile's mode: CUDA graphs replay a fixed-shape step without the host launching
+    each kernel; a run that changes its input size (progressive resizing) or spans processes
+    keeps the default mode."""
+    if not cfg.run.compile:
+        return "off"
+    graphs = world.device.type == "cuda" and not cfg.data.progressive_sizes and world.size == 1
+    return "reduce-overhead" if graphs else "default"
+
+
+# ----------------------------------------------------------------------------- the model and its size
+
+
+def finetune_size(init_size: int, step: int) -> int:
+    """The resolution of a fine-tune whose ``model.img_size`` is "auto", from an init trained at
+    ``init_size``: the init's size times 384/224, as the paper goes from its 224-px pre-training
+    to 384, at most 384 and never below the init's own, to the nearest multiple of ``step``
+    (what the model cuts into patches: the patch size, times a hybrid's stem reduction).
+    224 -> 384; 32 -> 48 (16-px patches); 16 -> 28 (4-px patches); 384 and up: its own."""
+    scaled = min(PAPER_FINETUNE_SIZE, init_size * PAPER_FINETUNE_SIZE / PAPER_PRETRAIN_SIZE)
+    return max(init_size, step * max(1, round(scaled / step)))
+
+
+def size_step(arch: Architecture) -> int:
+    """The multiple of pixels a model's input side must be: its patch size (times a hybrid's
+    stem reduction); a ResNet's total stride."""
+    if isinstance(arch, ResNetConfig):
+        return arch.reduction
+    return arch.patch_size[0] * (arch.resnet.reduction if arch.resnet is not None else 1)
+
+
+@functools.lru_cache(maxsize=4)
+def _init_architecture(init: str, name: str) -> Architecture:
+    from vitlab.weights import load_config
+
+    return load_config(init, name=name)
+
+
+def init_architecture(cfg: TrainConfig) -> Architecture:
+    """The architecture of ``model.init`` (at its own size, with its own head), read once per process."""
+    return _init_architecture(cfg.model.init, cfg.model.name)
+
+
+def training_size(cfg: TrainConfig) -> Pair:
+    """(H, W) the run trains at: ``model.img_size``; None or "auto" from scratch: the model's;
+    a fine-tune's None: its checkpoint's; a fine-tune's "auto": ``finetune_size`` of its
+    checkpoint's (a non-square one keeps its own)."""
+    size = cfg.model.img_size
+    if isinstance(size, int):
+        return (size, size)
+    if cfg.model.init is None:
+        return tuple(architecture(cfg).img_size)
+    arch = init_architecture(cfg)
+    h, w = arch.img_size
+    if size is None or h != w:
+        return (h, w)
+    side = finetune_size(h, size_step(arch))
+    return (side, side)
+
+
+def model_changes(cfg: TrainConfig) -> dict:
+    """What the model section leaves to the init or to "auto", stated: a fine-tune's
+    ``model.name`` is its init's model (the architecture is the checkpoint's, whatever the
+    recipe names), and ``model.img_size="auto"`` the resolution it comes to."""
+    changes = {}
+    if cfg.model.init is not None:
+        name = getattr(init_architecture(cfg), "name", None)
+        if name and name != cfg.model.name:
+            changes["model.name"] = name
+    if cfg.model.img_size == "auto":
+        h, w = training_size(cfg)
+        changes["model.img_size"] = h if h == w else None
+    return changes
+
+
+def stated_model(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with its model section stated as a run would (``model_changes``), nothing else
+    resolved: how an experiment compares what it asks with what a finished run recorded."""
+    changes = model_changes(cfg)
+    return with_changes(cfg, changes) if changes else cfg
+
+
+def trained_architecture(cfg: TrainConfig) -> Architecture:
+    """The architecture the run trains, from the config alone (a fine-tune: its init's, with
+    the run's regularisation); its head and size are the init's, which a memory estimate
+    need not follow (``RunShape`` carries the training size)."""
+    if cfg.model.init is None:
+        return architecture(cfg)
+    arch = init_architecture(cfg)
+    regularisation = {k: v for k, v in cfg.model.overrides.items() if k in FINETUNE_MODEL_FIELDS}
+    return replace(arch, **regularisation) if regularisation and isinstance(arch, ViTConfig) else arch
+
+
+# ----------------------------------------------------------------------------- the data
+
+
+def streams(cfg: TrainConfig, image_size: Pair) -> bool:
+    """Whether the run streams its training set (``data.stream``; "auto": sets stored to be
+    streamed, and folders whose decoded size exceeds ``data.memory_limit_gb``)."""
+    from vitlab.data.stream import is_stream_source
+
+    data = cfg.data
+    if data.source == "digits":
+        if data.stream == "stream":
+            raise ConfigError("data.stream='stream': the built-in digits source is in memory only; use 'auto'")
+        return False
+    if data.stream != "auto":
+        return data.stream == "stream"
+    if is_stream_source(data.source):
+        return True
+    return count_images(data.source, data.cache_dir) * 3 * image_size[0] * image_size[1] > data.memory_limit_gb * 1e9
+
+
+def stream_workers(cfg: TrainConfig, world: World, cores: int, saved: dict) -> int:
+    """DataLoader workers per process for a streamed training set: as asked ("auto": this
+    process's cores less one; a resumed run's own count, which its data order depends on),
+    then as many as the training shards can feed (``data.stream.fitting_workers``)."""
+    from vitlab.data.stream import fitting_workers, hold_out
+
+    data = cfg.data
+    if data.stream_workers != "auto":
+        asked = data.stream_workers
+    else:
+        asked = saved.get("stream_workers", cores - 1)
+    source = opened_source(data.source, data.cache_dir)
+    if data.val_split:
+        source, _ = hold_out(source, data.val_split, data.split_seed)
+    accum = 1 if cfg.optim.accum_steps == "auto" else cfg.optim.accum_steps
+    count, why_fewer = fitting_workers(source, asked, world.size, max(1, cfg.optim.batch_size // (accum * world.size)))
+    if why_fewer:
+        log.warning("%s", why_fewer)
+    return count
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def run_shape(resolved: Resolved, world_size: int = 1, held: HeldImages | None = None) -> RunShape:
+    """What the memory of ``resolved``'s run depends on (``held``: the images it holds, default
+    counted from its sources)."""
+    cfg = resolved.config
+    streamed = resolved.data == "stream"
+    held = held if held is not None else held_images(cfg, streamed, resolved.img_size)
+    accum = 1 if cfg.optim.accum_steps == "auto" else cfg.optim.accum_steps
+    kernels = resolved.kernels
+    on_gpu = resolved.device.startswith("cuda")
+    # the fast path takes over training on a GPU, and on a CPU where its kernel choice says so
+    fast_path = cfg.run.fast and (on_gpu or bool(kernels and kernels.takes_over(True, resolved.precision == "bf16")))
+    evaluated = held.val and cfg.model.mpp is None
+    return RunShape(
+        trained_architecture(cfg), micro_batch=max(1, cfg.optim.batch_size // (accum * world_size)),
+        accum_steps=accum, img_size=tuple(resolved.img_size), precision=resolved.precision, device=resolved.device,
+        fast=fast_path, explicit_attention_fp32=bool(kernels and kernels.attention == "explicit"),
+        optimizer=cfg.optim.optimizer, momentum=cfg.optim.momentum, ema=cfg.optim.ema_decay > 0,
+        mpp=cfg.model.mpp, mpp_rate=cfg.model.mpp_rate, train_images=held.train, val_images=held.val,
+        decoded_images=held.decoded, data_copies=held.copies, decoded_from_source=held.from_source,
+        eval_batch=min(cfg.run.eval_batch_size, held.val) if evaluated else 0, streamed=streamed,
+        stream_workers=resolved.stream_workers if streamed else 0,
+        shuffle_buffer=cfg.data.shuffle_buffer if streamed else 0)
+
+
+def machine_memory(machine: Machine, device: str, world: World) -> Available:
+    """What ``machine`` has free for a run on ``device``, the host's shared by the processes
+    torchrun started on it."""
+    gpu = machine.gpu(torch.device(device))
+    return Available(machine.memory_available, gpu.free_bytes if gpu is not None else None,
+                     processes=world.processes_here)
+
+
+def plan_memory(cfg: TrainConfig, shape: RunShape, available: Available, world_size: int = 1,
+                check: bool = True) -> tuple[int, MemoryEstimate]:
+    """(``optim.accum_steps`` with "auto" decided: the largest micro-batch that fits, the run's
+    memory estimate); with ``check``, a run that cannot fit is refused in one line naming
+    settings that would (ConfigError)."""
+    batch = cfg.optim.batch_size // world_size
+    accum = cfg.optim.accum_steps
+    if accum == "auto":
+        accum = smallest_fitting_accum(shape, batch, available)
+        if accum is None:  # not even one image per micro-batch: the refusal below names what fits
+            accum = batch if check else 1
+        shape = shape.with_(micro_batch=batch // accum, accum_steps=accum)
+    estimate = estimate_memory(shape)
+    if check and not available.fits(estimate):
+        raise refusal(estimate, available, fitting_settings(shape, available, size_step(shape.arch), world_size))
+    return accum, estimate
+
+
+def memory_record(resolved: Resolved, machine: Machine, world: World) -> dict:
+    """What --show-config states of the run's memory: the estimate's record, the memory
+    available here and whether the run fits."""
+    available = machine_memory(machine, resolved.device, world)
+    record = resolved.memory.record()
+    if resolved.uncounted:
+        record["data"] = resolved.uncounted
+    record["available_gb"] = {k: round(v / GB, 3) for k, v in (("host", available.host), ("gpu", available.gpu))
+                              if v is not None}
+    record["fits"] = available.fits(resolved.memory)
+    return record
+

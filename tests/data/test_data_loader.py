@@ -1,10 +1,13 @@
 """Tests for vitlab.data.loader: reproducible, resumable, rank-sharded batch streams."""
+import inspect
 import itertools
+from typing import get_type_hints
 
 import pytest
 import torch
 
-from vitlab.data.loader import BatchStream
+from vitlab.data.loader import Batches, BatchStream
+from vitlab.data.stream import StreamLoader
 from vitlab.data.transforms import TrainTransform, build_transform
 
 N = 50
@@ -132,3 +135,26 @@ def test_alternate_flip_shows_every_example_both_ways_in_consecutive_epochs():
         seen.append(mirrored)
     assert all(seen[0][i] != seen[1][i] and seen[0][i] == seen[2][i] for i in range(N))
     assert 0 < sum(seen[0].values()) < N
+
+
+@pytest.mark.parametrize("loader", [BatchStream, StreamLoader])
+def test_both_loaders_are_the_batches_the_trainer_uses(loader):
+    """In memory or streamed, the trainer iterates micro-batches and saves and restores the
+    position: each loader has every method of ``Batches``, with its parameters and types."""
+    assert issubclass(loader, Batches)
+    for name in ("__iter__", "state_dict", "load_state_dict"):
+        wanted, given = getattr(Batches, name), getattr(loader, name)
+        assert list(inspect.signature(given).parameters) == list(inspect.signature(wanted).parameters), name
+        assert get_type_hints(given) == get_type_hints(wanted), name
+    assert isinstance(raw(), Batches)
+
+
+def test_an_iterable_that_cannot_resume_is_not_batches():
+    class Plain:
+        def __iter__(self):
+            yield from ()
+
+        def state_dict(self) -> dict:
+            return {}
+
+    assert not isinstance(Plain(), Batches) and not isinstance([(IMAGES, LABELS)], Batches)

@@ -20,7 +20,7 @@ def blobs(n_per_class, num_classes, dim, seed, spread=1.0):
     return x, y
 
 
-@pytest.mark.parametrize("form,n,d", [("primal", 60, 8), ("dual", 12, 40), ("auto", 12, 40), ("auto", 60, 8)])
+@pytest.mark.parametrize("form,n,d", [("primal", 60, 8), ("dual", 12, 40), (None, 12, 40), (None, 60, 8)])
 @pytest.mark.parametrize("l2", [1e-3, 0.5, 30.0])
 def test_matches_sklearn_ridge(form, n, d, l2):
     rng = np.random.default_rng(n + d)
@@ -41,6 +41,16 @@ def test_primal_and_dual_agree():
     b = RidgeSolver(x, signed_targets(y, 5), "dual").fit(0.1)
     np.testing.assert_allclose(a.weights, b.weights, atol=1e-8)
     np.testing.assert_allclose(a.bias, b.bias, atol=1e-8)
+
+
+def test_the_form_left_open_decomposes_the_smaller_gram_matrix_and_no_other_is_read():
+    x, y = blobs(3, 5, 30, seed=1)  # n = 15 < d = 30
+    tall_x, tall_y = blobs(10, 5, 6, seed=1)  # n = 50 > d = 6
+    targets = signed_targets(y, 5)
+    assert RidgeSolver(x, targets).form == "dual"
+    assert RidgeSolver(tall_x, signed_targets(tall_y, 5)).form == "primal"
+    with pytest.raises(ValueError, match="form='auto': allowed values are 'primal', 'dual' and None"):
+        RidgeSolver(x, targets, "auto")
 
 
 def test_l2_chosen_on_holdout_only():

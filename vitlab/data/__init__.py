@@ -12,7 +12,7 @@ Typical use for a CIFAR-size set::
     for images, targets in stream: ...   # float (256, 3, 32, 32) in [-1, 1], (256, 10)
 """
 from vitlab.data.cifar import download_cifar10
-from vitlab.data.loader import BatchStream
+from vitlab.data.loader import Batches, BatchStream
 from vitlab.data.memory import InMemoryDataset, load_in_memory
 from vitlab.data.shards import pack_shards
 from vitlab.data.sources import DataError, ImageFolderIndex, StreamSource, resolve_data_path, scan_image_folder
@@ -56,6 +56,7 @@ __all__ = [
     "TrainTransform",
     "EvalTransform",
     "build_transform",
+    "Batches",
     "BatchStream",
     "pack_shards",
     "StreamSource",

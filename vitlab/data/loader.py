@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Protocol, Union, runtime_checkable
 
 import numpy as np
 import torch
 
 from vitlab.data.transforms import BatchTransform
 
-__all__ = ["BatchStream", "DeviceStage", "derive_seed", "one_ahead"]
+__all__ = ["Batches", "BatchStream", "DeviceStage", "derive_seed", "one_ahead"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 _DONE = object()
@@ -41,6 +41,20 @@ def derive_seed(*numbers: int) -> int:
     epoch=1) share a stream.
     """
     return int(np.random.SeedSequence(list(numbers)).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+@runtime_checkable
+class Batches(Protocol):
+    """What the trainer uses of its micro-batches, in memory (``BatchStream``) or streamed
+    (``vitlab.data.stream.StreamLoader``): iterating yields this process's (images, targets)
+    micro-batches; ``state_dict()``, saved in a checkpoint, and ``load_state_dict`` make a
+    resumed run go on with the batch after the last one taken before the checkpoint."""
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class BatchStream:

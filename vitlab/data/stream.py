@@ -558,7 +558,7 @@ class StreamLoader:
                 x, y = self._on_device(list(taken))
                 yield x, y, list(positions), next_reader
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self.dataset.start, self.dataset.first = list(self.positions), self.next_reader
         loader = DataLoader(self.dataset, batch_size=None, num_workers=self.workers,
                             worker_init_fn=_worker_init if self.workers else None,

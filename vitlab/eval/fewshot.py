@@ -79,18 +79,18 @@ class RidgeSolver:
     """One eigendecomposition of X, then a closed-form fit for any regulariser.
 
     features (n, d), targets (n, K).  form: "primal" decomposes Xc^T Xc (d x d), "dual"
-    decomposes Xc Xc^T (n x n); "auto" picks the smaller.
+    decomposes Xc Xc^T (n x n); None the smaller of the two.
     """
 
-    def __init__(self, features: np.ndarray, targets: np.ndarray, form: str = "auto") -> None:
+    def __init__(self, features: np.ndarray, targets: np.ndarray, form: str | None = None) -> None:
         x = np.asarray(features, dtype=np.float64)
         t = np.asarray(targets, dtype=np.float64)
         if x.ndim != 2 or t.ndim != 2 or len(x) != len(t) or len(x) == 0:
             raise ValueError(f"expected features (n, d) and targets (n, K), got {x.shape} and {t.shape}")
-        if form not in ("auto", "primal", "dual"):
-            raise ValueError(f"form={form!r}: allowed values are 'auto', 'primal', 'dual'")
+        if form not in (None, "primal", "dual"):
+            raise ValueError(f"form={form!r}: allowed values are 'primal', 'dual' and None (the smaller)")
         n, d = x.shape
-        self.form = ("dual" if n < d else "primal") if form == "auto" else form
+        self.form = form or ("dual" if n < d else "primal")
         self.x_mean, self.t_mean = x.mean(axis=0), t.mean(axis=0)
         self.xc, tc = x - self.x_mean, t - self.t_mean
         gram = self.xc.T @ self.xc if self.form == "primal" else self.xc @ self.xc.T
@@ -109,7 +109,7 @@ class RidgeSolver:
 
 
 def fit_ridge(features: np.ndarray, labels: np.ndarray, num_classes: int, l2: float,
-              form: str = "auto") -> RidgeFit:
+              form: str | None = None) -> RidgeFit:
     """Least squares from features (n, d) to {-1, 1}^K targets of ``labels``, with an unpenalised bias."""
     return RidgeSolver(features, signed_targets(labels, num_classes), form).fit(l2)
 
@@ -150,7 +150,7 @@ class FewShotResult:
 def fewshot_evaluate(
     pool_x: np.ndarray, pool_y: np.ndarray, eval_x: np.ndarray, eval_y: np.ndarray,
     shots: Sequence[int] = (1, 5, 10, 25), seeds: Sequence[int] = (0, 1, 2),
-    l2_grid: Sequence[float] = DEFAULT_L2_GRID, holdout_per_class: int = 10, form: str = "auto",
+    l2_grid: Sequence[float] = DEFAULT_L2_GRID, holdout_per_class: int = 10, form: str | None = None,
 ) -> FewShotResult:
     """k-shot linear accuracy on the evaluation split for every k in ``shots`` and seed.
 

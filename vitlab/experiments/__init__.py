@@ -137,7 +137,7 @@ def draw_figure(mod, table: list[dict], path: Path) -> Path | None:
     return path
 
 
-def rows_of_earlier_seeds(name: str, out: Path, s: Settings, quick: bool) -> list[dict]:
+def rows_of_earlier_seeds(name: str, out: Path, settings: Settings, quick: bool) -> list[dict]:
     """The rows ``--resume`` takes from ``out/results.json`` instead of training again.
 
     An earlier invocation's file counts only if it ran the same experiment size in the same
@@ -148,8 +148,8 @@ def rows_of_earlier_seeds(name: str, out: Path, s: Settings, quick: bool) -> lis
     invalidates what was made from it."""
     try:
         earlier = json.loads((out / "results.json").read_text())
-        finished = min(int(earlier["settings"].get("seeds")), s.seeds)
-        same = earlier.get("quick") == quick and same_size(name, quick, earlier["settings"], s)
+        finished = min(int(earlier["settings"].get("seeds")), settings.seeds)
+        same = earlier.get("quick") == quick and same_size(name, quick, earlier["settings"], settings)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []
     if not same:
@@ -159,13 +159,13 @@ def rows_of_earlier_seeds(name: str, out: Path, s: Settings, quick: bool) -> lis
     return [r for r in earlier.get("rows", []) if r.get("seed") in missing]
 
 
-def same_size(name: str, quick: bool, recorded: dict, s: Settings) -> bool:
-    """Whether settings a ``results.json`` recorded describe the experiment ``s`` describes, but
+def same_size(name: str, quick: bool, recorded: dict, settings: Settings) -> bool:
+    """Whether settings a ``results.json`` recorded describe the experiment ``settings`` describes, but
     for ``seeds`` and ``resume``.  They are read as today's: former names mapped
     (``FORMER_SETTING_NAMES``), a setting added since at its default (the value that run had), one the
     experiment no longer has left out."""
     recorded = {FORMER_SETTING_NAMES.get(k, k): v for k, v in recorded.items()}
-    now, default = s.as_dict(), defaults(name, quick)
+    now, default = settings.as_dict(), defaults(name, quick)
     before = {k: recorded[k] if k in recorded else default.get(k) for k in now}
     for d in (before, now):
         for key in ("seeds", "resume"):

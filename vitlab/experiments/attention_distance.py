@@ -17,14 +17,14 @@ DEFAULT = dict(img_size=32, val_split=5000, steps=100_000,
                images=512)
 
 
-def run(s, out):
-    images, labels, _ = load_images(s)
-    _, val_idx = split(s, labels)
-    probe = images[val_idx[: s.get("images", 64)]].float() / 127.5 - 1
+def run(settings, out):
+    images, labels, _ = load_images(settings)
+    _, val_idx = split(settings, labels)
+    probe = images[val_idx[: settings.get("images", 64)]].float() / 127.5 - 1
     rows = []
-    for seed in s.new_seeds():
-        for name, over in (("ViT", vit_overrides(s)), ("R+ViT", hybrid_overrides(s))):
-            r = train_vit(s, out / f"{name}-s{seed}", seed, over)
+    for seed in settings.new_seeds():
+        for name, over in (("ViT", vit_overrides(settings)), ("R+ViT", hybrid_overrides(settings))):
+            r = train_vit(settings, out / f"{name}-s{seed}", seed, over)
             model = load_trained(r)
             dist = model_attention_distance(model, probe)  # (layers, heads) in pixels
             # the distance of a head that attends to every patch alike: the yardstick for "local" and "global"

@@ -5,9 +5,9 @@ An experiment is a module of this package with
     TITLE, PAPER   one line each: what it asks and which figure/table of the paper it mirrors
     DEFAULT, QUICK plain dicts of settings (``Settings`` fields plus the experiment's own)
     OPTIONS        optional: the experiment's other settings and their defaults
-    run(s, out) -> rows   trains/measures through the library, one row per (setting, seed)
+    run(settings, out) -> rows  trains/measures through the library, one row per (setting, seed)
     SUMMARY        the columns rows are grouped by; METRICS the columns averaged over seeds
-    plot(table) -> Figure optional: a figure of the aggregated table (``vitlab.analysis.plots``)
+    plot(table) -> Figure       optional: a figure of the aggregated table (``vitlab.analysis.plots``)
 
 The settings carry the trainer's names (``batch_size``, ``num_heads``, ``mlp_dim``,
 ``patch_size``, ``val_split``, ``time_limit``: the ``TrainConfig`` and ``ViTConfig`` fields
@@ -131,32 +131,34 @@ class Settings:
 # ----------------------------------------------------------------------------- models
 
 
-def vit_overrides(s: Settings, **changes: Any) -> dict:
+def vit_overrides(settings: Settings, **changes: Any) -> dict:
     """The base ViT of an experiment as ``ViTConfig`` overrides (changes win)."""
-    d = dict(img_size=s.img_size, patch_size=s.patch_size, width=s.width, depth=s.depth, num_heads=s.num_heads,
-             mlp_dim=s.mlp_dim, gelu="exact", name=f"ViT-w{s.width}d{s.depth}/{s.patch_size}")
+    d = dict(img_size=settings.img_size, patch_size=settings.patch_size, width=settings.width, depth=settings.depth,
+             num_heads=settings.num_heads, mlp_dim=settings.mlp_dim, gelu="exact",
+             name=f"ViT-w{settings.width}d{settings.depth}/{settings.patch_size}")
     d.update(changes)
     return d
 
 
-def stem(s: Settings, layers: Sequence[int] = (1,), width_factor: float | None = None) -> dict:
+def stem(settings: Settings, layers: Sequence[int] = (1,), width_factor: float | None = None) -> dict:
     """A small BiT-layout ResNet (BatchNorm) for the hybrid's stem / the ResNet baseline.
 
     Root 7x7/2 + max-pool /2, then ``layers`` units (each later stage /2): 16 px -> 4x4,
     32 px with (1, 3) -> 4x4, as the cifar10_scratch recipe's hybrid."""
-    wf = width_factor if width_factor is not None else (0.5 if s.digits else 1)
-    return dict(layers=tuple(layers), width_factor=wf, img_size=s.img_size, norm="batch")
+    wf = width_factor if width_factor is not None else (0.5 if settings.digits else 1)
+    return dict(layers=tuple(layers), width_factor=wf, img_size=settings.img_size, norm="batch")
 
 
-def hybrid_overrides(s: Settings, layers: Sequence[int] | None = None, **changes: Any) -> dict:
-    layers = layers if layers is not None else ((1,) if s.digits else (1, 3))
-    return vit_overrides(s, patch_size=1, resnet=stem(s, layers), name=f"R+ViT-w{s.width}d{s.depth}/1", **changes)
+def hybrid_overrides(settings: Settings, layers: Sequence[int] | None = None, **changes: Any) -> dict:
+    layers = layers if layers is not None else ((1,) if settings.digits else (1, 3))
+    return vit_overrides(settings, patch_size=1, resnet=stem(settings, layers),
+                         name=f"R+ViT-w{settings.width}d{settings.depth}/1", **changes)
 
 
 # ----------------------------------------------------------------------------- training
 
 
-def train_config(s: Settings, out: Path, seed: int, overrides: dict, changes: dict | None = None):
+def train_config(settings: Settings, out: Path, seed: int, overrides: dict, changes: dict | None = None):
     """A ``TrainConfig`` for one run of an experiment: AdamW, cosine, pad-and-crop on CIFAR.
 
     Real data trains with ``precision="auto"``, as the recipes do (bf16 autocast where the CPU
@@ -165,26 +167,27 @@ def train_config(s: Settings, out: Path, seed: int, overrides: dict, changes: di
     cfg = TrainConfig(
         recipe="experiment",
         model=ModelConfig(name="ViT-Ti/16", overrides=dict(overrides)),
-        data=DataConfig(source=s.data, val_split=s.val_split, split_seed=0),
-        augment=AugmentConfig(crop="none" if s.digits else "pad", flip=not s.digits),
-        optim=OptimConfig(optimizer="adam", lr=s.lr, weight_decay=0.05, batch_size=s.batch_size, steps=s.steps,
-                          warmup=0.05 if s.steps >= 20 else 1, decay="cosine", clip_norm=1.0),
-        run=RunConfig(precision="fp32" if s.digits else "auto", eval_every=0, log_every=max(1, s.steps // 10),
-                      ckpt_every=0, keep_ckpts=1,
-                      threads=s.threads, device=s.device, seed=seed, time_limit=s.time_limit, tensorboard=False,
-                      fast=not s.digits, out=str(out)),
+        data=DataConfig(source=settings.data, val_split=settings.val_split, split_seed=0),
+        augment=AugmentConfig(crop="none" if settings.digits else "pad", flip=not settings.digits),
+        optim=OptimConfig(optimizer="adam", lr=settings.lr, weight_decay=0.05, batch_size=settings.batch_size,
+                          steps=settings.steps, warmup=0.05 if settings.steps >= 20 else 1, decay="cosine",
+                          clip_norm=1.0),
+        run=RunConfig(precision="fp32" if settings.digits else "auto", eval_every=0,
+                      log_every=max(1, settings.steps // 10), ckpt_every=0, keep_ckpts=1,
+                      threads=settings.threads, device=settings.device, seed=seed, time_limit=settings.time_limit,
+                      tensorboard=False, fast=not settings.digits, out=str(out)),
     )
     return with_changes(cfg, changes or {})
 
 
-def train_vit(s: Settings, out: Path, seed: int, overrides: dict, changes: dict | None = None) -> dict:
+def train_vit(settings: Settings, out: Path, seed: int, overrides: dict, changes: dict | None = None) -> dict:
     """Train one ViT (or hybrid) through ``vitlab.train.train``; the summary plus its FLOPs."""
-    cfg = train_config(s, out, seed, overrides, changes)
-    summary = finished_run(cfg) if s.resume else None
+    cfg = train_config(settings, out, seed, overrides, changes)
+    summary = finished_run(cfg) if settings.resume else None
     if summary is None:
         summary = train(cfg, verbose=False, overwrite=True)
     else:
-        s.reused.append(cfg.run.out)
+        settings.reused.append(cfg.run.out)
     try:
         mcfg = architecture(cfg, num_classes=10)
         summary["train_eflops"] = (training_flops(mcfg, summary["steps"], cfg.optim.batch_size)
@@ -240,36 +243,37 @@ def same_values(asked, saved) -> bool:
     return asked == saved or asked == "auto"
 
 
-def load_images(s: Settings, size: int | None = None):
+def load_images(settings: Settings, size: int | None = None):
     """(images uint8 (N, 3, H, W), labels, classes) of the experiment's data at ``size``."""
-    size = size or s.img_size
-    if s.digits:
+    size = size or settings.img_size
+    if settings.digits:
         d = load_digits_dataset(size)
     else:
-        d = load_in_memory(s.data)
+        d = load_in_memory(settings.data)
         if d.images.shape[-1] != size:
             d.images = F.interpolate(d.images.float(), size=(size, size), mode="bilinear",
                                      antialias=True).round().clamp(0, 255).byte()
     return d.images, d.labels, d.classes
 
 
-def split(s: Settings, labels):
+def split(settings: Settings, labels):
     """The engine's held-out split: ``stratified_split(labels, val, split_seed=0)``."""
-    return stratified_split(labels, s.val_split, 0)
+    return stratified_split(labels, settings.val_split, 0)
 
 
-def train_resnet(s: Settings, out: Path, seed: int, resnet: dict, optimizer: str = "adam", lr: float | None = None,
-                 train_examples: int = 0) -> dict:
+def train_resnet(settings: Settings, out: Path, seed: int, resnet: dict, optimizer: str = "adam",
+                 lr: float | None = None, train_examples: int = 0) -> dict:
     """Train a BiT-layout ResNet classifier through the same engine, data, split, augmentation
     and schedule as ``train_vit``: the paper's ResNet baselines (``resnet`` as ``stem`` builds it).
     SGD runs with momentum 0.9 and L2 weight decay 5e-4, the CIFAR ResNet standard."""
     layers = "x".join(str(n) for n in resnet.get("layers", ()))
+    default_lr = settings.lr if optimizer == "adam" else 0.1
     changes = {"model.name": "BiT-R50x1", "model.overrides": dict(resnet, name=f"BiT-R[{layers}]"),
-               "optim.optimizer": optimizer, "optim.lr": lr if lr is not None else (s.lr if optimizer == "adam" else 0.1),
+               "optim.optimizer": optimizer, "optim.lr": lr if lr is not None else default_lr,
                "data.train_examples": int(train_examples)}
     if optimizer == "sgd":
         changes.update({"optim.weight_decay": 5e-4, "optim.wd_scope": "all"})
-    return train_vit(s, out, seed, {}, changes)
+    return train_vit(settings, out, seed, {}, changes)
 
 
 def load_trained(summary: dict):

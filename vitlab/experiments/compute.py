@@ -53,22 +53,22 @@ def vit_muon_changes() -> dict:
             "model.patch_init": PATCH_INITS["vit"], "model.posemb_init": POSEMB_INITS["vit"]}
 
 
-def run(s, out):
-    vit, hybrid = vit_overrides(s), hybrid_overrides(s, depth=max(1, s.depth // 2))
-    resnet = stem(s, s.get("resnet_layers") or ((1, 1) if s.digits else (1, 3, 2)))
+def run(settings, out):
+    vit, hybrid = vit_overrides(settings), hybrid_overrides(settings, depth=max(1, settings.depth // 2))
+    resnet = stem(settings, settings.get("resnet_layers") or ((1, 1) if settings.digits else (1, 3, 2)))
     forward = {"ViT": forward_flops(vit), "ViT+Muon": forward_flops(vit), "R+ViT": forward_flops(hybrid),
                "ResNet": forward_flops(resnet, True)}
     # training FLOPs per image: 3 x forward (the paper's count), plus Muon's orthogonalisation
     cost = {model: 3 * f for model, f in forward.items()}
-    cost["ViT+Muon"] += optimiser_flops_per_step(architecture(vit), "muon") / s.batch_size
+    cost["ViT+Muon"] += optimiser_flops_per_step(architecture(vit), "muon") / settings.batch_size
     rows = []
-    for seed in range(s.seeds):
-        for budget in s.get("budgets"):
+    for seed in range(settings.seeds):
+        for budget in settings.get("budgets"):
             for model, c in cost.items():
-                if s.has_row(model=model, budget=budget, seed=seed):
+                if settings.has_row(model=model, budget=budget, seed=seed):
                     continue
                 steps = max(1, round(budget * cost["ViT"] / c))
-                sub = dataclasses.replace(s, steps=steps, time_limit=0.0)  # shares reused and earlier_rows
+                sub = dataclasses.replace(settings, steps=steps, time_limit=0.0)  # shares reused and earlier_rows
                 folder = out / f"{model}-{budget}-s{seed}"
                 if model == "ResNet":
                     r = train_resnet(sub, folder, seed, resnet)

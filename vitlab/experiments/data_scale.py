@@ -28,34 +28,35 @@ DEFAULT = dict(img_size=32, val_split=5000, total=50000, seeds=2,
 OPTIONS = dict(resnet_layers=None, resnet_width=None)
 
 
-def run(s, out):
+def run(settings, out):
     rows = []
-    for seed in s.new_seeds():
-        for n in s.get("sizes"):
-            take = 0 if n + s.val_split >= s.get("total", 0) else n + s.val_split
+    for seed in settings.new_seeds():
+        for n in settings.get("sizes"):
+            take = 0 if n + settings.val_split >= settings.get("total", 0) else n + settings.val_split
             for model in ("ViT", "ResNet"):
                 folder = out / f"{model}-{n}-s{seed}"
                 if model == "ViT":
-                    r = train_vit(s, folder, seed, vit_overrides(s), {"data.train_examples": take})
+                    r = train_vit(settings, folder, seed, vit_overrides(settings), {"data.train_examples": take})
                 else:
-                    layers = s.get("resnet_layers") or ((1,) if s.digits else (1, 1, 1))
-                    r = train_resnet(s, folder, seed, stem(s, layers, s.get("resnet_width")), train_examples=take)
-                shots = fewshot(load_trained(r), s, s.get("shots", [5]), take)
+                    layers = settings.get("resnet_layers") or ((1,) if settings.digits else (1, 1, 1))
+                    r = train_resnet(settings, folder, seed, stem(settings, layers, settings.get("resnet_width")),
+                                     train_examples=take)
+                shots = fewshot(load_trained(r), settings, settings.get("shots", [5]), take)
                 rows.append(dict(model=model, examples=n, seed=seed, val_top1=r["val_top1"], steps=r["steps"],
                                  wall_s=r["wall_s"], train_eflops=r["train_eflops"], **shots))
     return rows
 
 
-def fewshot(model, s: Settings, shots: Sequence[int] = (5,), train_examples: int = 0) -> dict:
+def fewshot(model, settings: Settings, shots: Sequence[int] = (5,), train_examples: int = 0) -> dict:
     """Linear few-shot top-1 of frozen features: pool = the training split, evaluated on the held-out one."""
-    images, labels, _ = load_images(s)
+    images, labels, _ = load_images(settings)
     if train_examples:
         _, keep = stratified_split(labels, int(train_examples), 1)
         images, labels = images[keep], labels[keep]
-    train_idx, val_idx = split(s, labels)
+    train_idx, val_idx = split(settings, labels)
     model.eval()
-    pool = extract_features(model, images[train_idx], image_size=s.img_size)
-    ev = extract_features(model, images[val_idx], image_size=s.img_size)
+    pool = extract_features(model, images[train_idx], image_size=settings.img_size)
+    ev = extract_features(model, images[val_idx], image_size=settings.img_size)
     per_class = int(min(np.bincount(labels[train_idx].numpy())))
     shots = [k for k in shots if k + 2 <= per_class] or [max(1, per_class // 3)]
     r = fewshot_evaluate(pool, labels[train_idx].numpy(), ev, labels[val_idx].numpy(), shots=shots, seeds=(0,),

@@ -17,13 +17,13 @@ DEFAULT = dict(img_size=32, val_split=5000, steps=100_000,
                lrs=[8e-4, 3e-4])
 
 
-def run(s, out):
+def run(settings, out):
     rows = []
-    for seed in s.new_seeds():
-        for lr in s.get("lrs"):
+    for seed in settings.new_seeds():
+        for lr in settings.get("lrs"):
             for classifier in ("token", "gap"):
-                r = train_vit(s, out / f"{classifier}-{lr}-s{seed}", seed, vit_overrides(s, classifier=classifier),
-                              {"optim.lr": lr})
+                r = train_vit(settings, out / f"{classifier}-{lr}-s{seed}", seed,
+                              vit_overrides(settings, classifier=classifier), {"optim.lr": lr})
                 rows.append(dict(classifier=classifier, lr=lr, seed=seed, val_top1=r["val_top1"],
                                  steps=r["steps"], wall_s=r["wall_s"]))
     return rows

@@ -31,52 +31,52 @@ DEFAULT = dict(img_size=32, val_split=5000, steps=100_000, batch_size=128, lr=1e
 OPTIONS = dict(targets=None, all_targets=False)
 
 
-def targets_at(s, budget) -> tuple:
-    chosen = s.get("targets")
+def targets_at(settings, budget) -> tuple:
+    chosen = settings.get("targets")
     if chosen is not None:
         chosen = tuple(t.strip() for t in chosen.split(",")) if isinstance(chosen, str) else tuple(chosen)
         unknown = [t for t in chosen if t not in TARGETS]
         if unknown or not chosen:
             raise ValueError(f"targets={','.join(chosen)!r}: allowed targets are {', '.join(TARGETS)}")
         return chosen
-    budgets = tuple(s.get("budgets", (0,)))
-    return TARGETS if s.get("all_targets", False) or budget == min(budgets) else ("color",)
+    budgets = tuple(settings.get("budgets", (0,)))
+    return TARGETS if settings.get("all_targets", False) or budget == min(budgets) else ("color",)
 
 
-def run(s, out):
+def run(settings, out):
     rows = []
-    for budget in s.get("budgets", (0,)):
-        for seed in s.new_seeds():
-            rows += [mpp_then_finetune(s, out, budget, seed, target) for target in targets_at(s, budget)]
-            rows.append(scratch(s, out, budget, seed))
+    for budget in settings.get("budgets", (0,)):
+        for seed in settings.new_seeds():
+            rows += [mpp_then_finetune(settings, out, budget, seed, target) for target in targets_at(settings, budget)]
+            rows.append(scratch(settings, out, budget, seed))
     return rows
 
 
-def mpp_then_finetune(s, out, budget, seed, target) -> dict:
+def mpp_then_finetune(settings, out, budget, seed, target) -> dict:
     """One row: MPP pre-training for ``pretrain_share`` of the budget, then fine-tuning."""
-    share = float(s.get("pretrain_share", 0.6))
-    pre_steps = max(1, int(s.steps * share))  # ceilings; a budget's time limit decides
+    share = float(settings.get("pretrain_share", 0.6))
+    pre_steps = max(1, int(settings.steps * share))  # ceilings; a budget's time limit decides
     tag = f"{budget:g}min"
-    pre = train_vit(s, out / f"{tag}-mpp-{target}-s{seed}", seed, vit_overrides(s), dict(
-        _init(s), **{"model.mpp": target, "model.mpp_rate": 0.5, "optim.steps": pre_steps,
+    pre = train_vit(settings, out / f"{tag}-mpp-{target}-s{seed}", seed, vit_overrides(settings), dict(
+        _init(settings), **{"model.mpp": target, "model.mpp_rate": 0.5, "optim.steps": pre_steps,
                      "run.time_limit": budget * share}))
-    ft = train_vit(s, out / f"{tag}-finetune-{target}-s{seed}", seed, vit_overrides(s), {
-        "model.init": pre["weights"], "model.overrides": {}, "optim.steps": s.steps - pre_steps,
+    ft = train_vit(settings, out / f"{tag}-finetune-{target}-s{seed}", seed, vit_overrides(settings), {
+        "model.init": pre["weights"], "model.overrides": {}, "optim.steps": settings.steps - pre_steps,
         "run.time_limit": budget * (1 - share)})
     return dict(budget_min=budget, run=f"mpp:{target}+finetune", seed=seed, val_top1=ft["val_top1"],
                 wall_s=pre["wall_s"] + ft["wall_s"], steps=pre["steps"] + ft["steps"])
 
 
-def scratch(s, out, budget, seed) -> dict:
+def scratch(settings, out, budget, seed) -> dict:
     """One row: the same ViT trained on the labels for the whole budget."""
-    trained = train_vit(s, out / f"{budget:g}min-scratch-s{seed}", seed, vit_overrides(s),
-                        dict(_init(s), **{"run.time_limit": budget}))
+    trained = train_vit(settings, out / f"{budget:g}min-scratch-s{seed}", seed, vit_overrides(settings),
+                        dict(_init(settings), **{"run.time_limit": budget}))
     return dict(budget_min=budget, run="scratch", seed=seed, val_top1=trained["val_top1"],
                 wall_s=trained["wall_s"], steps=trained["steps"])
 
 
-def _init(s) -> dict:
-    return {"model.patch_init": s.get("patch_init", "lecun")}
+def _init(settings) -> dict:
+    return {"model.patch_init": settings.get("patch_init", "lecun")}
 
 
 def plot(table):

@@ -18,12 +18,12 @@ DEFAULT = dict(img_size=32, val_split=5000, steps=100_000,
 OPTIONS = dict(resnet_layers=None)
 
 
-def run(s, out):
-    resnet = stem(s, s.get("resnet_layers") or ((1, 1) if s.digits else (1, 3, 2)))
+def run(settings, out):
+    resnet = stem(settings, settings.get("resnet_layers") or ((1, 1) if settings.digits else (1, 3, 2)))
     rows = []
-    for seed in s.new_seeds():
-        for opt, lr in s.get("settings"):
-            r = train_resnet(s, out / f"{opt}-{lr}-s{seed}", seed, resnet, optimizer=opt, lr=lr)
+    for seed in settings.new_seeds():
+        for opt, lr in settings.get("settings"):
+            r = train_resnet(settings, out / f"{opt}-{lr}-s{seed}", seed, resnet, optimizer=opt, lr=lr)
             rows.append(dict(optimizer=opt, lr=lr, seed=seed, val_top1=r["val_top1"], wall_s=r["wall_s"]))
     return rows
 

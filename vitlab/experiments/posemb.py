@@ -19,12 +19,12 @@ SETTINGS = [("none", "stem")] + [(p, place) for p in ("learned_1d", "learned_2d"
                                  for place in ("stem", "every_layer", "every_layer_shared")] + [("relative", "stem")]
 
 
-def run(s, out):
+def run(settings, out):
     rows = []
-    for seed in s.new_seeds():
+    for seed in settings.new_seeds():
         for posemb, place in SETTINGS:
-            over = vit_overrides(s, posemb=posemb, posemb_place=place)
-            r = train_vit(s, out / f"{posemb}-{place}-s{seed}", seed, over)
+            over = vit_overrides(settings, posemb=posemb, posemb_place=place)
+            r = train_vit(settings, out / f"{posemb}-{place}-s{seed}", seed, over)
             rows.append(dict(posemb=posemb, place=place, seed=seed, val_top1=r["val_top1"], steps=r["steps"],
                              wall_s=r["wall_s"]))
     return rows

@@ -36,13 +36,13 @@ def locality(sim: np.ndarray) -> tuple[float, float]:
     return float(np.mean(near)), float(np.mean(far)) if far else float("nan")
 
 
-def run(s, out):
+def run(settings, out):
     rows = []
-    for seed in s.new_seeds():
-        for patch in s.get("patches"):
-            for lr in s.get("lrs"):
+    for seed in settings.new_seeds():
+        for patch in settings.get("patches"):
+            for lr in settings.get("lrs"):
                 folder = out / f"p{patch}-lr{lr}-s{seed}"
-                r = train_vit(s, folder, seed, vit_overrides(s, patch_size=patch), {"optim.lr": lr})
+                r = train_vit(settings, folder, seed, vit_overrides(settings, patch_size=patch), {"optim.lr": lr})
                 sim = position_similarity(load_trained(r))
                 np.save(folder / "position_similarity.npy", sim)
                 # seed 0's map is also kept beside the table: runs/ is scratch, not kept in git

@@ -24,27 +24,27 @@ DEFAULT = dict(img_size=32, val_split=5000, steps=100_000, batch_size=128, lr=2e
 OPTIONS = dict(finetune_size=None, parts="finetune")
 
 
-def run(s, out):
-    parts = s.get("parts")
+def run(settings, out):
+    parts = settings.get("parts")
     if (parts.split(",") if isinstance(parts, str) else list(parts)) != ["finetune"]:
         raise ValueError(f"parts={parts!r}: the resolution experiment is its fine-tuning part alone; Figure 12's "
                          "speed sweep is python benchmarks/figure12.py")
-    return finetune(s, out)
+    return finetune(settings, out)
 
 
-def finetune(s, out) -> list[dict]:
+def finetune(settings, out) -> list[dict]:
     rows = []
-    big = s.get("finetune_size") or s.img_size * 3 // 2
-    for seed in s.new_seeds():
-        pre = train_vit(s, out / f"pretrain-s{seed}", seed, vit_overrides(s),
-                        {"optim.steps": s.steps, "run.time_limit": s.get("pretrain_minutes", 0.0)})
-        for size in (s.img_size, big):
-            r = train_vit(s, out / f"finetune-{size}-s{seed}", seed, vit_overrides(s), {
+    big = settings.get("finetune_size") or settings.img_size * 3 // 2
+    for seed in settings.new_seeds():
+        pre = train_vit(settings, out / f"pretrain-s{seed}", seed, vit_overrides(settings),
+                        {"optim.steps": settings.steps, "run.time_limit": settings.get("pretrain_minutes", 0.0)})
+        for size in (settings.img_size, big):
+            r = train_vit(settings, out / f"finetune-{size}-s{seed}", seed, vit_overrides(settings), {
                 "model.init": pre["weights"], "model.overrides": {}, "model.img_size": size,
                 "optim.optimizer": "sgd", "optim.momentum": 0.9, "optim.lr": 0.01, "optim.weight_decay": 0.0,
-                "optim.steps": max(1, s.steps // 2), "run.time_limit": s.get("finetune_minutes", 0.0)})
-            rows.append(dict(part="finetune", model=f"ViT/{s.patch_size} from {s.img_size}px", img_size=size, seed=seed,
-                             method="SGD fine-tune, held-out top-1", val_top1=r["val_top1"]))
+                "optim.steps": max(1, settings.steps // 2), "run.time_limit": settings.get("finetune_minutes", 0.0)})
+            rows.append(dict(part="finetune", model=f"ViT/{settings.patch_size} from {settings.img_size}px",
+                             img_size=size, seed=seed, method="SGD fine-tune, held-out top-1", val_top1=r["val_top1"]))
     return rows
 
 

@@ -19,22 +19,22 @@ DEFAULT = dict(img_size=32, val_split=5000, steps=100_000,
                time_limit=2.0, batch_size=128, lr=1e-3, width=128, depth=4, num_heads=2, mlp_dim=256, patch_size=4)
 
 
-def variants(s):
+def variants(settings):
     yield "base", 1, {}
     for f in (0.5, 2):
-        yield "depth", f, dict(depth=max(1, int(s.depth * f)))
-        yield "width", f, dict(width=int(s.width * f), num_heads=max(1, int(s.num_heads * f)))
-        yield "mlp", f, dict(mlp_dim=int(s.mlp_dim * f))
-    yield "patch", 0.5, dict(patch_size=s.patch_size // 2)
+        yield "depth", f, dict(depth=max(1, int(settings.depth * f)))
+        yield "width", f, dict(width=int(settings.width * f), num_heads=max(1, int(settings.num_heads * f)))
+        yield "mlp", f, dict(mlp_dim=int(settings.mlp_dim * f))
+    yield "patch", 0.5, dict(patch_size=settings.patch_size // 2)
 
 
-def run(s, out):
+def run(settings, out):
     rows = []
-    for seed in s.new_seeds():
-        for dim, f, change in variants(s):
-            over = vit_overrides(s, **change)
+    for seed in settings.new_seeds():
+        for dim, f, change in variants(settings):
+            over = vit_overrides(settings, **change)
             cfg = ViTConfig(**{k: v for k, v in over.items() if k != "name"}, num_classes=10)
-            r = train_vit(s, out / f"{dim}-{f}-s{seed}", seed, over)
+            r = train_vit(settings, out / f"{dim}-{f}-s{seed}", seed, over)
             params = sum(p.numel() for p in create_model(cfg).parameters())
             rows.append(dict(dimension=dim, value=f, seed=seed, val_top1=r["val_top1"], gflops=model_flops(cfg) / 1e9,
                              params_m=params / 1e6, steps=r["steps"], wall_s=r["wall_s"]))

@@ -23,26 +23,27 @@ CIFAR_FIRST = ("airplane", "automobile", "bird", "cat", "deer")
 CIFAR_SECOND = ("dog", "frog", "horse", "ship", "truck")
 
 
-def run(s, out):
-    first, second = (("0", "1", "2", "3", "4"), ("5", "6", "7", "8", "9")) if s.digits else (CIFAR_FIRST, CIFAR_SECOND)
-    big = s.get("finetune_size") or s.img_size * 3 // 2
-    model = s.get("model") or hybrid_overrides(s)
-    pre_min, ft_min = s.get("pretrain_minutes", 0.0), s.get("finetune_minutes", 0.0)
-    ft_steps = max(1, s.steps // 2) if not ft_min else s.steps
-    crop = {} if s.digits else {"augment.crop": "pad", "augment.crop_pad": 6}
+def run(settings, out):
+    digits = (("0", "1", "2", "3", "4"), ("5", "6", "7", "8", "9"))
+    first, second = digits if settings.digits else (CIFAR_FIRST, CIFAR_SECOND)
+    big = settings.get("finetune_size") or settings.img_size * 3 // 2
+    model = settings.get("model") or hybrid_overrides(settings)
+    pre_min, ft_min = settings.get("pretrain_minutes", 0.0), settings.get("finetune_minutes", 0.0)
+    ft_steps = max(1, settings.steps // 2) if not ft_min else settings.steps
+    crop = {} if settings.digits else {"augment.crop": "pad", "augment.crop_pad": 6}
     rows = []
-    for seed in s.new_seeds():
-        pre = train_vit(s, out / f"pretrain-s{seed}", seed, model,
+    for seed in settings.new_seeds():
+        pre = train_vit(settings, out / f"pretrain-s{seed}", seed, model,
                         {"data.class_subset": first, "run.time_limit": pre_min})
-        ft = train_vit(s, out / f"finetune-s{seed}", seed, model, {
+        ft = train_vit(settings, out / f"finetune-s{seed}", seed, model, {
             "data.class_subset": second, "model.img_size": big, "model.overrides": {},
             "model.init": pre["weights"], "optim.optimizer": "sgd", "optim.momentum": 0.9,
-            "optim.lr": s.get("finetune_lr", 0.01 if not s.digits else 0.03), "optim.weight_decay": 0.0,
+            "optim.lr": settings.get("finetune_lr", 0.01 if not settings.digits else 0.03), "optim.weight_decay": 0.0,
             "optim.steps": ft_steps, "run.time_limit": ft_min, **crop})
-        scratch = train_vit(s, out / f"scratch-s{seed}", seed, model, {
+        scratch = train_vit(settings, out / f"scratch-s{seed}", seed, model, {
             "data.class_subset": second, "model.img_size": big, "optim.steps": ft_steps, "run.time_limit": ft_min,
             **crop})
-        for name, r, classes, size in (("pretrain", pre, first, s.img_size), ("finetune", ft, second, big),
+        for name, r, classes, size in (("pretrain", pre, first, settings.img_size), ("finetune", ft, second, big),
                                        ("scratch", scratch, second, big)):
             rows.append(dict(run=name, classes=",".join(classes), img_size=size, seed=seed, val_top1=r["val_top1"],
                              steps=r["steps"], wall_s=r["wall_s"]))

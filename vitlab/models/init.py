@@ -1,9 +1,15 @@
-"""The official Flax initialisers, written for PyTorch tensors.
+"""The official Flax initialisers, written for PyTorch tensors, and the schemes not in the
+paper that start a model trained from scratch elsewhere.
 
 The paper's code initialises dense kernels with Xavier-uniform (attention and MLP),
 MLP biases with N(0, 1e-6), convolutions and the pre-logits layer with Flax's default
 LeCun-normal (a truncated normal), position embeddings with N(0, 0.02), and the
 [class] token and the classification head with zeros.
+
+The schemes of a whole built model (``model.patch_init``, ``model.attn_init`` and
+``model.posemb_init`` of a training config): ``whiten_patches_``,
+``mimetic_attention_init_`` and ``sincos_posemb_init_``.  Each refuses a model it cannot
+apply to with a ``ConfigError`` naming that setting.
 """
 from __future__ import annotations
 
@@ -11,6 +17,9 @@ import math
 
 import torch
 from torch import nn
+
+from ..config import ConfigError
+from .posemb import LearnedPosEmb1D, posemb_sincos_2d
 
 # std of a standard normal truncated to [-2, 2]; Flax divides by it so that the
 # truncated distribution has the requested variance.
@@ -108,3 +117,53 @@ def mimetic_attention_(attn: nn.Module, qk: float = 0.7, vo: float = 0.4,
     v_rows.copy_((u * s.sqrt()).T.to(qkv))
     proj.copy_((s.sqrt()[:, None] * vt).T.to(proj))
     return attn
+
+
+def backbone(model: nn.Module) -> nn.Module:
+    """The ViT of ``model``: itself, or the one inside the MPP wrapper."""
+    return getattr(model, "vit", model)
+
+
+@torch.no_grad()
+def whiten_patches_(model: nn.Module, images: torch.Tensor) -> nn.Module:
+    """``model.patch_init="whiten"``: the patch embedding of ``model`` (a plain ViT, or one
+    inside the MPP wrapper) whitens the patches of ``images``, float (B, C, H, W) as the model
+    reads them (``vitlab.data.transforms.to_float`` of uint8 images); see
+    ``whiten_patch_embedding_``."""
+    vit = backbone(model)
+    if getattr(vit, "stem", None) is not None or not hasattr(vit, "patch_embed"):
+        raise ConfigError("model.patch_init='whiten': only a plain ViT's patch embedding reads image patches "
+                          "(a hybrid's reads ResNet features); use 'lecun'")
+    if not images.is_floating_point():
+        raise ValueError(f"images: {images.dtype}, not the float images the model reads; "
+                         "convert uint8 images with vitlab.data.transforms.to_float")
+    whiten_patch_embedding_(vit.patch_embed, images.to(vit.patch_embed.weight.device))
+    return model
+
+
+@torch.no_grad()
+def mimetic_attention_init_(model: nn.Module, generator: torch.Generator | None = None) -> nn.Module:
+    """``model.attn_init="mimetic"``: every attention layer of ``model`` starts as trained
+    ViTs' attention looks (``mimetic_attention_``), their noise drawn in turn from ``generator``."""
+    from .layers import Attention  # layers imports this module's initialisers
+
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if not layers:
+        raise ConfigError("model.attn_init='mimetic': the model has no ViT attention layer; use 'xavier'")
+    for attn in layers:
+        mimetic_attention_(attn, generator=generator)
+    return model
+
+
+@torch.no_grad()
+def sincos_posemb_init_(model: nn.Module) -> nn.Module:
+    """``model.posemb_init="sincos"``: the learned 1D position table of ``model`` (a ViT, or
+    one inside the MPP wrapper) starts as the 2D sin-cos table; the [class] token's row keeps
+    its draw."""
+    posemb = getattr(backbone(model), "pos_embed", None)
+    if not isinstance(posemb, LearnedPosEmb1D):
+        raise ConfigError("model.posemb_init='sincos': needs one learned 1D position embedding at the stem "
+                          "(model posemb='learned_1d', posemb_place='stem'); use 'normal'")
+    table = posemb.weight[0, posemb.num_prefix:]
+    table.copy_(posemb_sincos_2d(posemb.grid, table.shape[-1])[0].to(table))
+    return model

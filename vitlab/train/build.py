@@ -12,18 +12,20 @@ from torch import nn
 
 from vitlab import fast
 from vitlab.config import ConfigError
+from vitlab.data.loader import Batches
 from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.features import check_tta_shift
 from vitlab.machine import Machine
+from vitlab.models.init import mimetic_attention_init_, sincos_posemb_init_, whiten_patches_
 
 from .architecture import architecture
 from .config import TrainConfig
 from .distributed import World, init_world, local_rank, wrap_model
 from .ema import EMA
-from .inputs import Splits, build_splits, stream_splits
+from .inputs import Splits, build_splits, stream_splits, whitening_sample
 from .numerics import make_scaler
 from .optim import build_optimizer
-from .resolve import FINETUNE_MODEL_FIELDS, Resolved, resolve, resolve_device, training_size
+from .resolve import FINETUNE_MODEL_FIELDS, Resolved, resolve, resolve_device
 from .state import process_state, rng_state, set_process_state
 
 BUILTIN_DATA = ("digits",)  # data sources that need no path (see vitlab/data/digits.py)
@@ -40,7 +42,7 @@ class Setup:
     trained: nn.Module        # what the loop calls: DDP/FSDP/compiled around ``model``
     optimizer: torch.optim.Optimizer
     ema: EMA | None
-    stream: object            # vitlab.data.BatchStream of micro-batches
+    stream: Batches           # the micro-batches: a BatchStream in memory, a StreamLoader streamed
     evaluator: Evaluator | None        # the periodic evaluations (None: no validation split)
     final_evaluator: Evaluator | None  # the last one, with ``run.final_eval_shift``'s views
     micro_batch: int
@@ -161,66 +163,6 @@ def check_progressive_sizes(cfg: TrainConfig, img_size: tuple, model_cfg) -> Non
             refuse(f"size {size} does not divide into the model's {patch[0]}x{patch[1]} patches")
 
 
-WHITEN_SAMPLE = 5000  # images whose patches estimate the covariance (48x48 for 4x4 RGB patches)
-
-
-def whiten_from_data(model: nn.Module, splits, cfg: TrainConfig) -> None:
-    """``model.patch_init="whiten"``: the patch embedding whitens the training images' patches."""
-    from vitlab.data.transforms import to_float
-    from vitlab.models.init import whiten_patch_embedding_
-
-    vit = getattr(model, "vit", model)  # inside the MPP wrapper
-    if getattr(vit, "stem", None) is not None or not hasattr(vit, "patch_embed"):
-        raise ConfigError("model.patch_init='whiten': only a plain ViT's patch embedding reads image patches "
-                          "(a hybrid's reads ResNet features); use 'lecun'")
-    images = splits.train_images
-    if images is None:  # streamed: the images of whole units (shards) drawn by the seed
-        images = streamed_sample(splits.source, WHITEN_SAMPLE, cfg)
-    generator = torch.Generator().manual_seed(cfg.run.seed)
-    sample = torch.randperm(len(images), generator=generator)[:WHITEN_SAMPLE]
-    whiten_patch_embedding_(vit.patch_embed, to_float(images[sample]).to(vit.patch_embed.weight.device))
-
-
-def streamed_sample(source, count: int, cfg: TrainConfig) -> torch.Tensor:
-    """uint8 images of whole units of a streamed ``source`` holding at least ``count`` samples
-    (all of it when smaller), drawn by the run's seed and decoded at the training size."""
-    from vitlab.data.memory import load_source_in_memory
-    from vitlab.data.sources import DataError
-    from vitlab.data.stream import hold_out
-
-    try:
-        _, source = hold_out(source, count, cfg.run.seed)
-    except DataError:  # it would take every unit
-        pass
-    return load_source_in_memory(source, training_size(cfg), cfg.data.cache_dir, cfg.data.decode_workers).images
-
-
-def mimetic_init(model: nn.Module, seed: int) -> None:
-    """``model.attn_init="mimetic"``: every attention layer starts as trained ViTs' attention looks."""
-    from vitlab.models.init import mimetic_attention_
-    from vitlab.models.layers import Attention
-
-    generator = torch.Generator().manual_seed(seed)
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    if not layers:
-        raise ConfigError("model.attn_init='mimetic': the model has no ViT attention layer; use 'xavier'")
-    for attn in layers:
-        mimetic_attention_(attn, generator=generator)
-
-
-@torch.no_grad()
-def sincos_posemb_init(model: nn.Module) -> None:
-    """``model.posemb_init="sincos"``: the learned 1D table starts as the 2D sin-cos table."""
-    from vitlab.models.posemb import LearnedPosEmb1D, posemb_sincos_2d
-
-    posemb = getattr(getattr(model, "vit", model), "pos_embed", None)
-    if not isinstance(posemb, LearnedPosEmb1D):
-        raise ConfigError("model.posemb_init='sincos': needs one learned 1D position embedding at the stem "
-                          "(model posemb='learned_1d', posemb_place='stem'); use 'normal'")
-    table = posemb.weight[0, posemb.num_prefix:]
-    table.copy_(posemb_sincos_2d(posemb.grid, table.shape[-1])[0].to(table))
-
-
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # model initialisation and dropout; identical on every rank
     np.random.seed(seed)
@@ -254,11 +196,11 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
         num_classes = len(splits.classes)
         model = make_model(cfg, num_classes, img_size).to(world.device)
         if cfg.model.patch_init == "whiten":
-            whiten_from_data(model, splits, cfg)
+            whiten_patches_(model, whitening_sample(splits, cfg, img_size))
         if cfg.model.attn_init == "mimetic":
-            mimetic_init(model, cfg.run.seed)
+            mimetic_attention_init_(model, torch.Generator().manual_seed(cfg.run.seed))
         if cfg.model.posemb_init == "sincos":
-            sincos_posemb_init(model)
+            sincos_posemb_init_(model)
         rng = rng_state()
     finally:
         set_process_state(caller)

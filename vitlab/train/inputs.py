@@ -253,3 +253,30 @@ class WaitTimed:
             waited = sum(end - start for start, end in self.marks)
         self.marks.clear()
         return waited
+
+
+WHITEN_SAMPLE = 5000  # images whose patches estimate the covariance (48x48 for 4x4 RGB patches)
+
+
+def whitening_sample(splits: Splits, cfg: TrainConfig, image_size: Pair) -> torch.Tensor:
+    """``model.patch_init="whiten"``'s images, float as the model reads them: ``WHITEN_SAMPLE``
+    training images drawn by the run's seed (all of them when fewer).  A streamed training set
+    gives the images of whole units (shards) drawn by the seed, decoded at ``image_size``."""
+    from vitlab.data.transforms import to_float
+
+    images = splits.train_images
+    if images is None:
+        images = streamed_sample(splits.source, WHITEN_SAMPLE, cfg, image_size)
+    generator = torch.Generator().manual_seed(cfg.run.seed)
+    sample = torch.randperm(len(images), generator=generator)[:WHITEN_SAMPLE]
+    return to_float(images[sample])
+
+
+def streamed_sample(source, count: int, cfg: TrainConfig, image_size: Pair) -> torch.Tensor:
+    """uint8 images of whole units of a streamed ``source`` holding at least ``count`` samples
+    (all of it when smaller), drawn by the run's seed and decoded at ``image_size``."""
+    try:
+        _, source = hold_out(source, count, cfg.run.seed)
+    except DataError:  # it would take every unit
+        pass
+    return load_source_in_memory(source, image_size, cfg.data.cache_dir, cfg.data.decode_workers).images

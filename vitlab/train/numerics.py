@@ -60,7 +60,7 @@ class NonFinite:
             counts |= {"overflow_steps": self.overflow_steps, "loss_scale": float(scaler.get_scale())}
         return counts
 
-    def check(self, s, pending: list[tuple[int, StepResult]], last_checkpoint: Path | None) -> None:
+    def check(self, setup, pending: list[tuple[int, StepResult]], last_checkpoint: Path | None) -> None:
         """Read the flags of the ``(step, result)`` pairs since the last check (one read) and
         apply the policy to each step that was left out; empties ``pending``.  Raises
         ``NonFiniteError`` if the run must stop; a collective call when a step was bad
@@ -72,15 +72,15 @@ class NonFinite:
         self.overflow_steps += sum(1 for _, overflow in flags if overflow)
         pending.clear()
         for step, result in bad:
-            self.check_step(s, result.read(), step, last_checkpoint)
+            self.check_step(setup, result.read(), step, last_checkpoint)
 
-    def check_step(self, s, result: CheckedStep, step: int, last_checkpoint: Path | None) -> None:
+    def check_step(self, setup, result: CheckedStep, step: int, last_checkpoint: Path | None) -> None:
         """Count one step that was not applied; raise ``NonFiniteError`` if the run must stop."""
         if result.overflow or result.nonfinite is None:
             return
         what = (f"the training loss is not finite ({result.loss})" if result.nonfinite == "loss"
                 else f"the gradients are not finite (norm {result.grad_norm})")
-        where = f"step {step}: {what} on {describe_examples(s, result)}"
+        where = f"step {step}: {what} on {describe_examples(setup, result)}"
         saved = (f"the last good checkpoint is {last_checkpoint}" if last_checkpoint is not None
                  else "no checkpoint was written before it (run.ckpt_every)")
         if self.on_nonfinite == "stop":
@@ -91,32 +91,32 @@ class NonFinite:
         if self.skipped_steps > self.max_skipped:
             raise NonFiniteError(f"{where}; {self.skipped_steps} steps skipped, more than "
                                  f"run.max_skipped_steps={self.max_skipped}: the run has diverged; {saved}")
-        if s.world.is_main:
+        if setup.world.is_main:
             log.warning("%s; step skipped (%d so far, at most run.max_skipped_steps=%d)", where, self.skipped_steps,
                         self.max_skipped)
 
 
-def describe_examples(s, result: CheckedStep) -> str:
+def describe_examples(setup, result: CheckedStep) -> str:
     """The examples of a bad step: those whose own loss is not finite when the loss is, or
     else the whole batch; in-memory data by their indices in the decoded data set,
     streamed data by the readers' positions.  A collective call (every process's share)."""
-    mine = _examples(s, result)
-    if s.world.size > 1:
-        shares = all_gather_objects(mine, s.world)
-        bad = set(result.bad_ranks) if result.nonfinite == "loss" else set(range(s.world.size))
+    mine = _examples(setup, result)
+    if setup.world.size > 1:
+        shares = all_gather_objects(mine, setup.world)
+        bad = set(result.bad_ranks) if result.nonfinite == "loss" else set(range(setup.world.size))
         mine = [item for rank, share in enumerate(shares) if rank in bad for item in share]
     kind, values = _merge(mine)
     if kind == "stream":
         return f"a streamed batch (readers at (epoch, samples read) {values})"
     shown = ", ".join(map(str, values[:LISTED])) + (f", ... ({len(values)} in all)" if len(values) > LISTED else "")
-    every = f"all {len(values)} " if len(values) == s.cfg.optim.batch_size and len(values) > 1 else ""
-    return (f"{every}examples [{shown}] of data.source={s.cfg.data.source!r} (indices in the data set as loaded: "
+    every = f"all {len(values)} " if len(values) == setup.cfg.optim.batch_size and len(values) > 1 else ""
+    return (f"{every}examples [{shown}] of data.source={setup.cfg.data.source!r} (indices in the data set as loaded: "
             "classes, then files, sorted)")
 
 
-def _examples(s, result: CheckedStep) -> list:
+def _examples(setup, result: CheckedStep) -> list:
     """This process's bad examples: [("memory", index), ...] or [("stream", positions)]."""
-    if result.nonfinite == "loss" and s.world.rank not in result.bad_ranks:
+    if result.nonfinite == "loss" and setup.world.rank not in result.bad_ranks:
         return []
     rows_known = result.nonfinite == "loss" and any(rows for _, rows in result.origins)
     found = []
@@ -125,9 +125,9 @@ def _examples(s, result: CheckedStep) -> list:
             found.append(("stream", position[1]))
             continue
         _, epoch, batch = position
-        indices = s.stream.batch_indices(epoch, batch)
-        if s.splits.train_ids is not None:
-            indices = s.splits.train_ids[indices]
+        indices = setup.stream.batch_indices(epoch, batch)
+        if setup.splits.train_ids is not None:
+            indices = setup.splits.train_ids[indices]
         if rows_known:
             indices = indices[rows or []]
         found += [("memory", int(i)) for i in indices.tolist()]

@@ -69,8 +69,8 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
                           "the same values")
 
 
-def sharded(s) -> bool:
-    return s.cfg.run.fsdp and s.world.size > 1
+def sharded(setup) -> bool:
+    return setup.cfg.run.fsdp and setup.world.size > 1
 
 
 def _full(options_only: bool = False):
@@ -79,17 +79,17 @@ def _full(options_only: bool = False):
     return StateDictOptions(full_state_dict=True, cpu_offload=not options_only)
 
 
-def model_state(s) -> dict:
+def model_state(setup) -> dict:
     """The full (unsharded) state dict of the model; with FSDP a collective call whose
     result is complete on rank 0 only."""
-    if sharded(s):
+    if sharded(setup):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(s.model, options=_full())
-    return s.model.state_dict()
+        return get_model_state_dict(setup.model, options=_full())
+    return setup.model.state_dict()
 
 
-def training_state(s, step: int, total_steps: int, records: list[dict], clock: dict,
+def training_state(setup, step: int, total_steps: int, records: list[dict], clock: dict,
                    numerics: dict | None = None) -> dict:
     """Everything ``restore_state`` needs to continue bit-exactly (collective under FSDP).
 
@@ -97,60 +97,60 @@ def training_state(s, step: int, total_steps: int, records: list[dict], clock: d
     (``TimeBudget.state``), so that a resumed time-limited run keeps counting.
     ``numerics``: the counts of skipped and overflowed steps (``numerics.NonFinite``).
     """
-    if sharded(s):
+    if sharded(setup):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        optim_state = get_optimizer_state_dict(s.model, s.optimizer, options=_full())
+        optim_state = get_optimizer_state_dict(setup.model, setup.optimizer, options=_full())
     else:
-        optim_state = s.optimizer.state_dict()
+        optim_state = setup.optimizer.state_dict()
     return {
         "step": step,
         "total_steps": total_steps,
-        "config": to_dict(s.cfg),
-        "resolved": s.resolved.record(),
-        "model": model_state(s),
+        "config": to_dict(setup.cfg),
+        "resolved": setup.resolved.record(),
+        "model": model_state(setup),
         "optimizer": optim_state,
-        "ema": s.ema.state_dict() if s.ema else None,
-        "stream": s.stream.state_dict(),
+        "ema": setup.ema.state_dict() if setup.ema else None,
+        "stream": setup.stream.state_dict(),
         "rng": rng_state(),
         "records": records,
-        "classes": s.splits.classes,
+        "classes": setup.splits.classes,
         "clock": clock,
         "numerics": numerics or {},
-        "scaler": s.scaler.state_dict() if s.scaler is not None else None,  # fp16: the loss scale and its count
+        "scaler": setup.scaler.state_dict() if setup.scaler is not None else None,  # fp16: the loss scale and its count
     }
 
 
-def restore_state(s, state: dict) -> tuple[int, int, list[dict]]:
-    """Load a checkpoint into the set-up ``s``; returns (step, total_steps, metric records)."""
-    if sharded(s):
+def restore_state(setup, state: dict) -> tuple[int, int, list[dict]]:
+    """Load a checkpoint into ``setup``; returns (step, total_steps, metric records)."""
+    if sharded(setup):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        set_model_state_dict(s.model, state["model"], options=_full(options_only=True))
-        set_optimizer_state_dict(s.model, s.optimizer, state["optimizer"], options=_full(options_only=True))
+        set_model_state_dict(setup.model, state["model"], options=_full(options_only=True))
+        set_optimizer_state_dict(setup.model, setup.optimizer, state["optimizer"], options=_full(options_only=True))
     else:
-        s.model.load_state_dict(state["model"])
-        s.optimizer.load_state_dict(state["optimizer"])
-    if s.ema is not None and state.get("ema"):
-        s.ema.load_state_dict(state["ema"])
-    if s.scaler is not None and state.get("scaler"):
-        s.scaler.load_state_dict(state["scaler"])
-    s.stream.load_state_dict(state["stream"])
+        setup.model.load_state_dict(state["model"])
+        setup.optimizer.load_state_dict(state["optimizer"])
+    if setup.ema is not None and state.get("ema"):
+        setup.ema.load_state_dict(state["ema"])
+    if setup.scaler is not None and state.get("scaler"):
+        setup.scaler.load_state_dict(state["scaler"])
+    setup.stream.load_state_dict(state["stream"])
     set_rng_state(state["rng"])
     return int(state["step"]), int(state["total_steps"]), list(state.get("records", []))
 
 
-def final_model(s) -> nn.Module | None:
+def final_model(setup) -> nn.Module | None:
     """The model to save: the EMA if on; under FSDP a fresh unsharded copy (rank 0 only).
     After masked patch prediction, the ViT inside it: what fine-tuning starts from."""
-    if not sharded(s):
-        model = s.ema.module if s.ema else s.model
-        return model.vit if s.cfg.model.mpp is not None else model
-    state = model_state(s)  # collective: every rank takes part
-    if not s.world.is_main:
+    if not sharded(setup):
+        model = setup.ema.module if setup.ema else setup.model
+        return model.vit if setup.cfg.model.mpp is not None else model
+    state = model_state(setup)  # collective: every rank takes part
+    if not setup.world.is_main:
         return None
-    if s.cfg.model.mpp is not None:
+    if setup.cfg.model.mpp is not None:
         state = {k[len("vit."):]: v for k, v in state.items() if k.startswith("vit.")}
-    model = build_model(s.model.cfg)
+    model = build_model(setup.model.cfg)
     model.load_state_dict(state)
     return model

@@ -104,24 +104,24 @@ class CheckedStep:
         return self.nonfinite is None and not self.overflow
 
 
-def accumulate(s, batches: Iterator, size: int) -> tuple[torch.Tensor, torch.Tensor, int, list]:
+def accumulate(setup, batches: Iterator, size: int) -> tuple[torch.Tensor, torch.Tensor, int, list]:
     """Forward and backward of ``optim.accum_steps`` micro-batches: (mean loss, correct,
     examples, origins), the first two as device tensors; ``origins`` holds, per micro-batch,
     where the stream took it from and which of its rows had a finite loss (on the device)."""
-    cfg, K = s.cfg, s.cfg.optim.accum_steps
-    loss_sum = torch.zeros((), device=s.world.device)
-    correct = torch.zeros((), device=s.world.device)
+    cfg, K = setup.cfg, setup.cfg.optim.accum_steps
+    loss_sum = torch.zeros((), device=setup.world.device)
+    correct = torch.zeros((), device=setup.world.device)
     seen = 0
     origins = []
     for micro in range(K):
         x, targets = next(batches)
-        position = stream_position(s.stream)
+        position = stream_position(setup.stream)
         if size != x.shape[-1]:
             x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
-        sync = micro == K - 1 or s.world.size == 1
-        with (nullcontext() if sync or not hasattr(s.trained, "no_sync") else s.trained.no_sync()):
-            with autocast(s.world.device, s.precision):
-                out = s.trained(x)
+        sync = micro == K - 1 or setup.world.size == 1
+        with (nullcontext() if sync or not hasattr(setup.trained, "no_sync") else setup.trained.no_sync()):
+            with autocast(setup.world.device, setup.precision):
+                out = setup.trained(x)
             finite_rows = None
             if cfg.model.mpp is None:
                 losses = example_losses(out, targets, cfg.optim.loss)
@@ -132,7 +132,7 @@ def accumulate(s, batches: Iterator, size: int) -> tuple[torch.Tensor, torch.Ten
                 loss = out.loss
                 correct += x.shape[0] * mpp_accuracy(out)
             # fp16: the loss is scaled up so that small gradients do not flush to zero in half precision
-            ((s.scaler.scale(loss) if s.scaler is not None else loss) / K).backward()
+            ((setup.scaler.scale(loss) if setup.scaler is not None else loss) / K).backward()
         loss_sum += loss.detach().float() / K
         origins.append((position, finite_rows))
         seen += x.shape[0]
@@ -160,8 +160,8 @@ def endless(stream) -> Iterator:
         yield from stream
 
 
-def train_step(s, batches: Iterator, lr: float, size: int) -> StepResult:
-    """One optimiser step of the set-up ``s`` at learning rate ``lr`` on images of ``size`` pixels.
+def train_step(setup, batches: Iterator, lr: float, size: int) -> StepResult:
+    """One optimiser step of ``setup`` at learning rate ``lr`` on images of ``size`` pixels.
 
     A step whose loss (on any process) or gradients are not finite numbers is not applied:
     the optimiser is told so on the device (``found_inf``) and moves nothing, the EMA is not
@@ -174,55 +174,55 @@ def train_step(s, batches: Iterator, lr: float, size: int) -> StepResult:
     a new input size) is given up with a warning: the step is redone eagerly on the same
     micro-batches, and the run goes on eager.
     """
-    cfg = s.cfg
-    for group in s.optimizer.param_groups:
+    cfg = setup.cfg
+    for group in setup.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
-    compiled = hasattr(s.trained, "_orig_mod")  # torch.compile's wrapper
+    compiled = hasattr(setup.trained, "_orig_mod")  # torch.compile's wrapper
     taken: list = []
     try:
-        loss_sum, correct, seen, origins = accumulate(s, _kept(batches, taken) if compiled else batches, size)
+        loss_sum, correct, seen, origins = accumulate(setup, _kept(batches, taken) if compiled else batches, size)
     except Exception as err:  # noqa: BLE001 - any failure of the compiled step: eager decides
         if not compiled:
             raise
         first_line = (str(err).strip().splitlines() or [""])[0][:200]
         warnings.warn(f"torch.compile failed ({type(err).__name__}: {first_line}); training continues eager",
                       RuntimeWarning, stacklevel=2)
-        s.trained = s.trained._orig_mod
-        s.optimizer.zero_grad(set_to_none=True)
-        loss_sum, correct, seen, origins = accumulate(s, itertools.chain(list(taken), batches), size)
+        setup.trained = setup.trained._orig_mod
+        setup.optimizer.zero_grad(set_to_none=True)
+        loss_sum, correct, seen, origins = accumulate(setup, itertools.chain(list(taken), batches), size)
 
     # every process must take the same decision, and another's loss may be the bad one
-    bad_ranks = torch.zeros(s.world.size, device=s.world.device)
-    bad_ranks[s.world.rank] = (~torch.isfinite(loss_sum)).float()
-    bad_ranks = all_reduce_tensor(bad_ranks, s.world)
-    if s.scaler is not None:
-        s.scaler.unscale_(s.optimizer)  # the clipping and the check below see the true gradients
-    grad_norm = gradient_norm(s, cfg.optim.clip_norm)  # the same on every process: the gradients are reduced
+    bad_ranks = torch.zeros(setup.world.size, device=setup.world.device)
+    bad_ranks[setup.world.rank] = (~torch.isfinite(loss_sum)).float()
+    bad_ranks = all_reduce_tensor(bad_ranks, setup.world)
+    if setup.scaler is not None:
+        setup.scaler.unscale_(setup.optimizer)  # the clipping and the check below see the true gradients
+    grad_norm = gradient_norm(setup, cfg.optim.clip_norm)  # the same on every process: the gradients are reduced
     grads_bad = ~torch.isfinite(grad_norm)
     skipped = ((bad_ranks.sum() > 0) | grads_bad).float()
     overflow = None
-    if s.scaler is not None:  # the scaler's own finding (an overflow of the scaled gradients) halves its scale
+    if setup.scaler is not None:  # the scaler's own finding (an overflow of the scaled gradients) halves its scale
         overflow = (grads_bad & (bad_ranks.sum() == 0)).float()
-    if skips_on_device(s.optimizer):
-        s.optimizer.found_inf = skipped
+    if skips_on_device(setup.optimizer):
+        setup.optimizer.found_inf = skipped
         try:
-            s.optimizer.step()
+            setup.optimizer.step()
         finally:
-            del s.optimizer.found_inf
+            del setup.optimizer.found_inf
     elif not bool(skipped):  # an optimiser that cannot leave a step out on the device: the one host read
-        s.optimizer.step()
-    if s.scaler is not None:
-        s.scaler.update()
-    s.optimizer.zero_grad(set_to_none=True)
-    if s.ema is not None:
-        s.ema.update(s.model, weight=1.0 - skipped)
+        setup.optimizer.step()
+    if setup.scaler is not None:
+        setup.scaler.update()
+    setup.optimizer.zero_grad(set_to_none=True)
+    if setup.ema is not None:
+        setup.ema.update(setup.model, weight=1.0 - skipped)
     return StepResult(loss_sum, correct, seen, grad_norm, bad_ranks, skipped, overflow, origins)
 
 
-def gradient_norm(s, clip_norm: float) -> torch.Tensor:
+def gradient_norm(setup, clip_norm: float) -> torch.Tensor:
     """() the global gradient norm, the gradients clipped to ``clip_norm`` first when it is > 0
     (on the device: nothing is read back)."""
-    params = [p for p in s.trained.parameters() if p.requires_grad]
+    params = [p for p in setup.trained.parameters() if p.requires_grad]
     # max_norm=inf measures without clipping (the gradients are multiplied by 1)
     norm = torch.nn.utils.clip_grad_norm_(params, clip_norm if clip_norm > 0 else float("inf"))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over all shards

@@ -14,9 +14,10 @@ from torch import nn
 
 from vitlab import fast
 from vitlab.config import Architecture, ConfigError, ResNetConfig, ViTConfig, replace
-from vitlab.fast.kernels import KernelChoice, cpu_class, cpu_info
+from vitlab.fast.kernels import KernelChoice
 from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.features import check_tta_shift
+from vitlab.machine import Machine, cpu_info, memory_available, usable_cores
 
 from .architecture import model_architecture
 from .config import TrainConfig
@@ -432,7 +433,8 @@ def resolve(cfg: TrainConfig, world: World, streamed: bool) -> Resolved:
     """Every "auto" of ``cfg`` decided for this machine (the only place the run reads the
     CPU's features or a stored calibration)."""
     device = world.device
-    auto_precision = fast.auto_precision(device)
+    auto_precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else \
+        fast.cpu_precision() if device.type == "cpu" else "fp32"
     precision = auto_precision if cfg.run.precision == "auto" else cfg.run.precision
     kernels = None
     if cfg.run.fast:  # a GPU keeps PyTorch's kernels: the plain choice
@@ -444,11 +446,10 @@ def resolve(cfg: TrainConfig, world: World, streamed: bool) -> Resolved:
         # the default mode
         graphs = device.type == "cuda" and not cfg.data.progressive_sizes and world.size == 1
         compile_mode = "reduce-overhead" if graphs else "default"
-    info = cpu_info()
     return Resolved(device=str(device), precision=precision, kernels=kernels, bf16_matmuls=auto_precision == "bf16",
                     threads=cfg.run.threads or torch.get_num_threads(), data="stream" if streamed else "memory",
-                    compile=compile_mode, cpu=f"{info.model or 'unknown'} ({cpu_class(info)}"
-                    + (f", family/model {info.generation})" if info.generation else ")"))
+                    compile=compile_mode,  # the host less its GPUs: Machine.here() opens a CUDA context on each
+                    cpu=Machine(cpu_info(), usable_cores(), memory_available()).cpu_line())
 
 
 def build(cfg: TrainConfig) -> Setup:

@@ -23,10 +23,11 @@ import torch
 
 from vitlab.config import ConfigError, Pair
 from vitlab.data.labelled import load_labelled
-from vitlab.data.memory import load_source_in_memory, usable_cores
+from vitlab.data.memory import load_source_in_memory
 from vitlab.data.sources import DataError
 from vitlab.data.splits import select_classes, stratified_split
 from vitlab.data.stream import hold_out, is_stream_source, open_source, scan_folder
+from vitlab.machine import usable_cores
 
 from .config import TrainConfig
 from .distributed import barrier

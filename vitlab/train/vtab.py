@@ -175,7 +175,8 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
     grid = tuple(float(lr) for lr in grid) or tuple(cfg.optim.lr_grid) or (cfg.optim.lr,)
     device = pick_device(cfg.run.device)
     accum = accum_steps_for(cfg, device, accum_steps)
-    precision = fast.auto_precision(device) if cfg.run.precision == "auto" else cfg.run.precision  # decided once
+    precision = cfg.run.precision if cfg.run.precision != "auto" else "bf16" if device.type == "cuda" and \
+        torch.cuda.is_bf16_supported() else fast.cpu_precision() if device.type == "cpu" else "fp32"  # decided once
     cfg = with_changes(cfg, {"optim.accum_steps": accum})
     check_can_run(with_changes(cfg, {"data.source": "digits"}))  # the weights and the batch, before any run
     runs, say = Runs(cfg, out, device, precision, resume, verbose), Progress(enabled=verbose).message

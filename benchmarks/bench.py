@@ -155,9 +155,10 @@ def machine(args: argparse.Namespace) -> dict:
     import torch
 
     from vitlab.fast import kernels
+    from vitlab.machine import cpu_class, cpu_info
 
-    cpu = kernels.cpu_info()
-    info["cpu_class"] = kernels.cpu_class(cpu)  # what the kernel rule reads, with vendor and family/model
+    cpu = cpu_info()
+    info["cpu_class"] = cpu_class(cpu)  # what the kernel rule reads, with vendor and family/model
     info["cpu_vendor"] = cpu.vendor
     info["cpu_family_model"] = cpu.generation or "?"
     info["fast_kernels"] = kernels.choose().describe()

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.harness import checkout, cpu_name
+from vitlab.machine import usable_cores
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -262,7 +263,7 @@ def main() -> None:
                         "from PARTS readers (16 px: the per-call overhead) and its CPU time to receive one "
                         "part from a worker, at each revision")
     args = p.parse_args()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     counts = [int(w) for w in args.workers.split(",")] if args.workers else sorted({1, cores})
     revisions = {"now": str(ROOT)}
     if args.before:

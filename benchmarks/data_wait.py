@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from benchmarks.data_throughput import write_shards
+from vitlab.machine import usable_cores
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -72,7 +73,7 @@ def main() -> None:
     p.add_argument("--keep", metavar="FOLDER", help="write the images and shards here and keep them (default: a "
                                                      "temporary folder)")
     args = p.parse_args()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     print(f"{device_name()}, {cores} usable cores", flush=True)
     with tempfile.TemporaryDirectory(prefix="vitlab-wait-") as tmp:
         root = Path(args.keep or tmp)

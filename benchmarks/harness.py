@@ -26,16 +26,12 @@ from typing import Any, Callable
 
 
 def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what ``platform`` knows."""
+    """The CPU's model name (``vitlab.machine.cpu_info``), else the architecture."""
     import platform
 
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from vitlab.machine import cpu_info
+
+    return cpu_info().model or platform.machine()
 
 
 def checkout(rev: str, script: str) -> str:

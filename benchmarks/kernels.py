@@ -80,14 +80,15 @@ def exp_dense_layers() -> None:
 def exp_choice() -> None:
     """What ``vitlab.fast`` would use here: the rule, a stored calibration, and the final choice."""
     from vitlab.fast import kernels
+    from vitlab.machine import cpu_class, cpu_info
 
-    info = kernels.cpu_info()
+    info = cpu_info()
     rule = kernels.rule_for(info)
-    print(f"\n{info.vendor} {info.model}: class {kernels.cpu_class(info)}; oneDNN reports {kernels.onednn_report()}")
+    print(f"\n{info.vendor} {info.model}: class {cpu_class(info)}; oneDNN reports {kernels.onednn_report()}")
     print(f"  rule: {kernels.rule_choice(info).describe()}; --precision auto {rule.precision} "
           f"(figures: {rule.measured or 'none, the plain arithmetic'})")
-    print(f"  stored ({kernels.calibration_path()}): {kernels.stored_choice()}")
-    print(f"  chosen: {kernels.choose()}")
+    print(f"  stored ({kernels.calibration_path()}): {kernels.stored_choice(info=info)}")
+    print(f"  chosen: {kernels.choose(info=info)}")
 
 
 def exp_packing() -> None:

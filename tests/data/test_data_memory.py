@@ -6,6 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
+from vitlab import machine
 from vitlab.data import memory
 from vitlab.data.memory import load_in_memory
 from vitlab.data.sources import DataError
@@ -31,7 +32,7 @@ def test_auto_workers_decode_as_the_config_says_it(make_folder, tmp_path, monkey
                         or decode_all(sources, size, workers))
     auto = load_in_memory(root, cache_dir=tmp_path / "auto", workers="auto")
     one = load_in_memory(root, cache_dir=tmp_path / "one", workers=1)
-    assert asked == [memory.usable_cores(), 1]
+    assert asked == [machine.usable_cores(), 1]
     assert torch.equal(auto.images, one.images) and torch.equal(auto.labels, one.labels)
 
 

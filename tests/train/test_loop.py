@@ -318,7 +318,7 @@ def test_auto_is_resolved_once_when_the_run_is_built_and_recorded(tiny, monkeypa
     from vitlab.train.step import autocast
 
     asked, lines = [], []
-    monkeypatch.setattr(fast, "auto_precision", lambda device: asked.append(str(device)) or auto)
+    monkeypatch.setattr(fast, "cpu_precision", lambda: asked.append("cpu") or auto)
     chosen = kernels.KernelChoice(fp32="aten", attention="explicit")
     monkeypatch.setattr(fast, "choose", lambda: asked.append("kernels") or chosen)
     monkeypatch.setattr(Progress, "message", lambda self, text: lines.append(text))
@@ -343,13 +343,13 @@ def test_a_resumed_run_keeps_the_precision_and_kernels_it_started_with(tiny, mon
     from vitlab import fast
     from vitlab.fast import kernels
 
-    monkeypatch.setattr(fast, "auto_precision", lambda device: "bf16")
+    monkeypatch.setattr(fast, "cpu_precision", lambda: "bf16")
     monkeypatch.setattr(fast, "choose", lambda: kernels.KernelChoice(attention="explicit"))
     cfg = tiny("resumed", precision="auto", steps=4, **{"run.ckpt_every": 2})
     train(cfg, verbose=False)
     list_checkpoints(Path(cfg.run.out) / "checkpoints")[-1].unlink()  # as if killed after step 2's checkpoint
     # the machine's answer changes (a calibration stored meanwhile): the run continues as it began
-    monkeypatch.setattr(fast, "auto_precision", lambda device: "fp32")
+    monkeypatch.setattr(fast, "cpu_precision", lambda: "fp32")
     monkeypatch.setattr(fast, "choose", lambda: kernels.KernelChoice())
     train(cfg, resume=True, verbose=False)
     resolved = json.loads((Path(cfg.run.out) / "config.json").read_text())["resolved"]

@@ -25,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vitlab.data.memory import usable_cores
     from vitlab.data.shards import pack_shards
+    from vitlab.machine import usable_cores
 
     workers = usable_cores() if args.workers is None else args.workers
     shards = pack_shards(args.source, args.out, args.per_shard, seed=args.seed, cache_dir=args.cache_dir,

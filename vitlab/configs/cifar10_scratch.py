@@ -107,7 +107,7 @@ def cpu_config(model: str) -> TrainConfig:
         run=RunConfig(
             # bf16 where it is faster than fp32 (AMX, a Zen 4's AVX-512 BF16, GPUs): "auto" means
             # fp32 where bf16 is emulated or its kernel is slower than the fp32 GEMM
-            # (vitlab.fast.auto_precision)
+            # (vitlab.fast.cpu_precision)
             precision="auto",
             time_limit=30.0,
             eval_every=500, eval_batch_size=500, eval_flip=True, final_eval_shift=2,

@@ -43,9 +43,9 @@ from vitlab.data.sources import (
     source_key,
 )
 from vitlab.data.stream import is_stream_source, open_source
+from vitlab.machine import usable_cores
 
-__all__ = ["InMemoryDataset", "load_in_memory", "load_source_in_memory", "decode_image", "to_rgb",
-           "usable_cores"]
+__all__ = ["InMemoryDataset", "load_in_memory", "load_source_in_memory", "decode_image", "to_rgb"]
 
 log = logging.getLogger(__name__)
 
@@ -178,14 +178,6 @@ def _write_cache(folder: Path, images: np.ndarray, labels: np.ndarray, classes: 
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask, where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def load_in_memory(

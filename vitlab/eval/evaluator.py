@@ -28,11 +28,11 @@ from .metrics import classification_report
 
 def autocast(device: torch.device, precision: str):
     """bf16 or fp16 autocast on CPU and GPU; fp32 runs plain.  ``precision`` is a resolved one:
-    "auto" is decided once, when a run or command is built (``vitlab.fast.auto_precision``),
+    "auto" is decided once, when a run or command is built (``vitlab.fast.cpu_precision`` on a CPU),
     never here, at every batch."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)} (resolve 'auto' "
-                         "when the run is built: vitlab.fast.auto_precision)")
+                         "when the run is built: vitlab.fast.cpu_precision on a CPU)")
     if precision in ("bf16", "fp16"):
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
     return nullcontext()

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from vitlab.fast.kernels import cpu_info
+from vitlab.machine import cpu_info
 
 
 def aggregate(rows: list[dict], keys: Sequence[str], metrics: Sequence[str]) -> list[dict]:
@@ -76,7 +76,7 @@ def bars_of(table: list[dict], label_keys: Sequence[str], y: str) -> tuple[list[
 
 
 def machine() -> str:
-    """CPU model and core count (``vitlab.fast.kernels.cpu_info``) and the GPU when there is one."""
+    """CPU model and core count (``vitlab.machine.cpu_info``) and the GPU when there is one."""
     info = cpu_info()
     text = f"{info.model or info.machine}, {os.cpu_count()} cores"
     try:

@@ -21,7 +21,7 @@ from typing import Iterator
 
 from torch import nn
 
-from .kernels import KernelChoice, KernelUnavailable, auto_precision, check_runnable, choose, rule_choice
+from .kernels import KernelChoice, KernelUnavailable, check_runnable, choose, cpu_precision, rule_choice
 from .modules import INFERENCE_WEIGHTS, FastBlock, FastLinear, FastOptions, install, installed, uninstall
 
 
@@ -76,5 +76,5 @@ def optimized(model: nn.Module, kernels: KernelChoice | None = None, recompute: 
 
 
 __all__ = ["INFERENCE_WEIGHTS", "FastBlock", "FastLinear", "FastOptions", "KernelChoice", "KernelUnavailable",
-           "auto_precision", "check_runnable", "choose", "installed_options", "is_optimized", "optimize", "optimized",
+           "check_runnable", "choose", "cpu_precision", "installed_options", "is_optimized", "optimize", "optimized",
            "restore", "rule_choice"]

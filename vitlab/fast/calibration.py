@@ -15,7 +15,7 @@ modes (the sum of the two steps' times relative to the plain model's), and leave
 of a precision to the plain model where even that choice was slower than plain.
 ``precision="auto"`` then means bf16 where the best bf16 steps beat the best fp32 steps
 in both modes.  Nothing is timed inside a run: a run reads the stored answer once, when it
-is built (``kernels.choose``, ``kernels.auto_precision``).
+is built (``kernels.choose``, ``kernels.cpu_precision``).
 """
 from __future__ import annotations
 
@@ -32,10 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitlab.config import replace
+from vitlab.machine import cpu_info
 from vitlab.models.registry import build_model, get_config
 
 from .kernels import (BF16_KERNELS, FP32_KERNELS, KERNEL_PRECISIONS, KernelChoice, calibration_key, calibration_path,
-                      cpu_info, onednn_report, why_unavailable)
+                      onednn_report, why_unavailable)
 from .modules import FastOptions, install
 
 # (name, registry model, overrides, batch): one workload per mode

@@ -26,23 +26,24 @@ Whether a kernel *can* run is decided from the CPU's features and oneDNN's own r
 primitive, such as on an AVX2-only CPU), never by trying it; ``check_runnable`` refuses
 a forced kernel that cannot run with one line naming the missing feature.
 
-Which kernels *win* is decided by the CPU's class (``cpu_class``) and a table of what was
-measured on each (``RULES``; the figures: docs/performance.md).  A class with no figures
-gets the plain model's arithmetic.  ``vitlab calibrate`` (``vitlab.fast.calibration``)
-times whole training and inference steps of the plain and fast models once and stores
-what wins, keyed by the CPU model and the torch version; ``choose()`` prefers a stored
-calibration to the rule.  Nothing is ever timed inside a run, and a run reads the choice
-once, when it is built.
+Which kernels *win* is decided by the CPU's class (``vitlab.machine.cpu_class``; that
+module reads the CPU) and a table of what was measured on each (``RULES``; the figures:
+docs/performance.md).  A class with no figures gets the plain model's arithmetic.
+``vitlab calibrate`` (``vitlab.fast.calibration``) times whole training and inference steps
+of the plain and fast models once and stores what wins, keyed by the CPU model and the
+torch version; ``choose()`` and ``cpu_precision()`` prefer a stored calibration to the
+rule.  Nothing is ever timed inside a run, and a run reads the choice once, when it is built.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import platform
 from pathlib import Path
 
 import torch
+
+from vitlab.machine import CpuInfo, cpu_class, cpu_info
 
 FP32_KERNELS = ("aten", "onednn")
 BF16_KERNELS = ("aten", "onednn", "widened")
@@ -88,80 +89,7 @@ class KernelUnavailable(ValueError):
     """A kernel was asked for that this machine cannot run."""
 
 
-# ----------------------------------------------------------------------------- the machine
-
-
-@dataclasses.dataclass(frozen=True)
-class CpuInfo:
-    vendor: str  # "AuthenticAMD", "GenuineIntel", or "" where unknown
-    model: str
-    flags: frozenset[str]
-    machine: str = dataclasses.field(default_factory=lambda: platform.machine().lower())
-    family: int | None = None  # x86 "cpu family": AMD 25 is Zen 3/Zen 4, 26 is Zen 5
-    model_number: int | None = None  # x86 "model" within the family
-
-    @property
-    def generation(self) -> str:
-        """``family/model`` numbers, or "" where unknown: VMs often name every part "AMD EPYC"."""
-        return f"{self.family}/{self.model_number}" if self.family is not None else ""
-
-    @property
-    def x86(self) -> bool:
-        return self.machine in ("x86_64", "amd64", "i686", "x86")
-
-    @property
-    def arm(self) -> bool:
-        return self.machine in ("aarch64", "arm64")
-
-
-def cpu_info(path: Path = Path("/proc/cpuinfo")) -> CpuInfo:
-    """Vendor, model name, family/model numbers and feature flags of this CPU (from
-    /proc/cpuinfo on Linux)."""
-    try:
-        text = path.read_text()
-    except OSError:
-        return CpuInfo("", platform.processor(), frozenset())
-    return parse_cpuinfo(text)
-
-
-def parse_cpuinfo(text: str, machine: str | None = None) -> CpuInfo:
-    """The first processor of /proc/cpuinfo ``text``.  ``machine`` is the architecture that
-    wrote it (``platform.machine()``, this one's, by default): the text does not say."""
-    vendor, model, flags = "", platform.processor(), frozenset()
-    numbers: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key, value = key.strip(), value.strip()
-        if not key and (vendor or flags):  # the end of the first processor's block
-            break
-        if key == "vendor_id" and not vendor:
-            vendor = value
-        elif key == "model name" and value:
-            model = value
-        elif key in ("cpu family", "model") and value.isdigit():
-            numbers.setdefault(key, int(value))
-        elif key in ("flags", "Features") and not flags:  # x86, aarch64
-            flags = frozenset(value.split())
-    machine = (machine or platform.machine()).lower()
-    return CpuInfo(vendor, model, flags, machine, family=numbers.get("cpu family"), model_number=numbers.get("model"))
-
-
-# The classes the rule knows, from the most capable x86 part down; then Arm, then anything else.
-CPU_CLASSES = ("amx", "avx512_bf16", "avx512", "avx2", "aarch64", "other")
-
-
-def cpu_class(info: CpuInfo) -> str:
-    """The class of a CPU by its features: ``amx`` (AMX-BF16), ``avx512_bf16`` (AVX-512 with
-    AVX512-BF16, no AMX), ``avx512`` (AVX-512 without BF16), ``avx2`` (AVX2, no AVX-512),
-    ``aarch64``, or ``other``."""
-    if info.arm:
-        return "aarch64"
-    if not info.x86:
-        return "other"
-    for cls, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
-        if flag in info.flags:
-            return cls
-    return "other"
+# ----------------------------------------------------------------------------- what can run here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,24 +227,22 @@ def stored_choice(path: Path | None = None, info: CpuInfo | None = None) -> Kern
     return choice if choice is not None and why_unavailable(choice, info) is None else None
 
 
-def choose(path: Path | None = None) -> KernelChoice:
-    """This CPU's kernels: its stored calibration where there is one, else the rule."""
-    return stored_choice(path) or rule_choice()
+def choose(path: Path | None = None, info: CpuInfo | None = None) -> KernelChoice:
+    """The kernels of this CPU (``info``, default ``cpu_info()``): its stored calibration where
+    there is one, else the rule."""
+    info = info or cpu_info()
+    return stored_choice(path, info) or rule_choice(info)
 
 
-def auto_precision(device: torch.device | str, path: Path | None = None) -> str:
-    """What ``precision="auto"`` resolves to on ``device``: "bf16" where bf16 steps are faster.
-
-    On a GPU: bf16 where the card supports it.  On a CPU: the stored calibration's measured
-    answer, else the rule's (bf16 only on the classes where it was measured faster), and
-    never bf16 where oneDNN has no bf16 kernel.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    if device.type != "cpu" or not onednn_report().bf16:
+def cpu_precision(info: CpuInfo | None = None, path: Path | None = None) -> str:
+    """What ``precision="auto"`` means on this CPU (``info``, default ``cpu_info()``): the stored
+    calibration's measured answer, else the rule's ("bf16" only on the classes where bf16 steps
+    were measured faster), and never "bf16" where oneDNN has no bf16 kernel.  (A GPU's answer
+    is the card's: bf16 where it supports it; that is for the run to decide, not the CPU's rule.)"""
+    if not onednn_report().bf16:
         return "fp32"
-    entry = stored_entry(path)
+    info = info or cpu_info()
+    entry = stored_entry(path, info)
     if entry and entry.get("precision") in KERNEL_PRECISIONS:
         return entry["precision"]
-    return rule_for().precision
+    return rule_for(info).precision

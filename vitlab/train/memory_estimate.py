@@ -47,10 +47,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 from vitlab.config import Architecture, ConfigError, ResNetConfig
+from vitlab.machine import memory_available
 
 GB = 1e9
 FP32 = 4
@@ -438,17 +438,11 @@ def _worker_bytes(shape: RunShape) -> int:
 # ----------------------------------------------------------------------------- what is available
 
 
-def available_memory(device: str, meminfo: str = "/proc/meminfo") -> tuple[Optional[int], Optional[int]]:
+def available_memory(device: str, meminfo: Optional[str] = None) -> tuple[Optional[int], Optional[int]]:
     """(bytes the host can still give, bytes free on the GPU or None on a CPU): the host's
-    ``MemAvailable`` (None where there is no /proc/meminfo), ``torch.cuda.mem_get_info``."""
-    host = None
-    try:
-        for line in Path(meminfo).read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                host = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    gpu = None
+    ``MemAvailable`` (``vitlab.machine.memory_available``, which reads the host's meminfo, or
+    the file ``meminfo``; None where it is unknown), ``torch.cuda.mem_get_info``."""
+    host, gpu = memory_available(meminfo) if meminfo else memory_available(), None
     if device.startswith("cuda"):
         import torch
 

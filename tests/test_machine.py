@@ -1,0 +1,92 @@
+"""``vitlab.machine``: the host described from /proc/cpuinfo and /proc/meminfo texts, its
+cores and its GPUs; a described machine is the same on every host."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from vitlab.machine import CPU_CLASSES, CpuInfo, Gpu, Machine, cpu_class, cpu_info, memory_available, parse_cpuinfo
+
+ZEN4_BLOCK = ("processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+              "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n")
+INTEL_AVX2 = ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 63\n"
+              "model name\t: Intel(R) Xeon(R) CPU E5-2676 v3 @ 2.40GHz\nflags\t\t: fpu sse sse2 avx fma avx2\n\n")
+GRAVITON = ("processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd sve bf16 i8mm\nCPU implementer\t: 0x41\n\n"
+            "processor\t: 1\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd\n\n")
+H100 = Gpu("NVIDIA H100 80GB HBM3", 80 << 30, 79 << 30, True)
+T4 = Gpu("Tesla T4", 15 << 30, 14 << 30, False)
+
+
+def test_cpu_info_reads_the_first_processors_family_and_model_numbers(tmp_path):
+    (tmp_path / "cpuinfo").write_text(ZEN4_BLOCK.format(n=0) + ZEN4_BLOCK.format(n=1).replace(": 17", ": 99"))
+    info = cpu_info(tmp_path / "cpuinfo")
+    assert (info.vendor, info.model, info.family, info.model_number) == ("AuthenticAMD", "AMD EPYC", 25, 17)
+    assert info.flags == {"fpu", "avx2", "avx512f", "avx512_bf16"}
+    assert info.generation == "25/17"
+
+
+def test_parse_cpuinfo_reads_arm_features_and_has_no_family_there():
+    info = parse_cpuinfo(GRAVITON, machine="aarch64")
+    assert info.flags == {"fp", "asimd", "sve", "bf16", "i8mm"}  # the first processor's, not the second's
+    assert info.arm and not info.x86 and info.family is None and info.generation == ""
+    assert cpu_class(info) == "aarch64"
+
+
+@pytest.mark.parametrize("text, arch, cls", [
+    (ZEN4_BLOCK.format(n=0), "x86_64", "avx512_bf16"),
+    (INTEL_AVX2, "x86_64", "avx2"),
+    (INTEL_AVX2.replace(" avx2", ""), "x86_64", "other"),
+    (ZEN4_BLOCK.format(n=0).replace("avx512_bf16", "amx_bf16"), "x86_64", "amx"),
+    (ZEN4_BLOCK.format(n=0).replace(" avx512_bf16", ""), "x86_64", "avx512"),
+    (ZEN4_BLOCK.format(n=0), "riscv64", "other"),  # x86 flags on another architecture say nothing
+])
+def test_cpu_class_from_the_flags_and_the_architecture(text, arch, cls):
+    assert cpu_class(parse_cpuinfo(text, machine=arch)) == cls and cls in CPU_CLASSES
+
+
+def test_cpu_line_names_the_model_the_class_and_the_family_and_model_numbers():
+    assert Machine.described(ZEN4_BLOCK.format(n=0)).cpu_line() == "AMD EPYC (avx512_bf16, family/model 25/17)"
+    assert Machine.described(GRAVITON, arch="aarch64").cpu_line().endswith(" (aarch64)")  # no numbers on Arm
+    unnamed = Machine(CpuInfo("", "", frozenset(), "x86_64"), 1, None)
+    assert unnamed.cpu_line() == "unknown (other)"
+
+
+def test_a_described_machine_is_what_it_was_told():
+    machine = Machine.described(INTEL_AVX2, cores=8, memory_available=None, gpus=[H100, T4])
+    assert machine.cpu.vendor == "GenuineIntel" and machine.cpu.x86 and machine.cpu.generation == "6/63"
+    assert (machine.cores, machine.memory_available, machine.gpus) == (8, None, (H100, T4))
+    default = Machine.described()
+    assert (default.cores, default.memory_available, default.gpus) == (2, 24 << 30, ())
+    with pytest.raises(AttributeError):  # frozen: a machine read once stays as it was read
+        default.cores = 4
+
+
+def test_gpu_looks_a_device_up_by_its_index():
+    machine = Machine.described(ZEN4_BLOCK.format(n=0), gpus=(H100, T4))
+    assert machine.gpu("cuda") is H100 and machine.gpu("cuda:0") is H100  # "cuda" is card 0
+    assert machine.gpu(torch.device("cuda", 1)) is T4 and machine.gpu("cuda:1").bf16 is False
+    assert machine.gpu("cuda:2") is None  # a card this machine lacks
+    assert machine.gpu("cpu") is None and machine.gpu(torch.device("cpu")) is None
+    assert Machine.described().gpu("cuda") is None
+
+
+def test_memory_available_reads_memavailable_in_bytes(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n")
+    assert memory_available(str(meminfo)) == 20000000 * 1024
+    assert memory_available(str(tmp_path / "none")) is None  # no /proc: unknown
+    meminfo.write_text("MemTotal:       24000000 kB\n")  # a kernel too old to write it
+    assert memory_available(str(meminfo)) is None
+
+
+def test_here_is_this_process_on_this_host():
+    machine = Machine.here()
+    if hasattr(os, "sched_getaffinity"):
+        assert machine.cores == len(os.sched_getaffinity(0))
+    assert machine.cores >= 1 and machine.cpu == cpu_info()
+    assert machine.memory_available is None or machine.memory_available > 0
+    assert len(machine.gpus) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    for gpu in machine.gpus:
+        assert 0 < gpu.free_bytes <= gpu.total_bytes

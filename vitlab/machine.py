@@ -1,0 +1,173 @@
+"""The host a process runs on: its CPU, the cores it may use, the memory left, its GPUs.
+
+    machine = Machine.here()        # read once: /proc/cpuinfo, the affinity mask, /proc/meminfo, CUDA
+    machine.cpu_line()              # "AMD EPYC (avx512_bf16, family/model 26/2)"
+    machine.gpu("cuda:1")           # that card's name, memory and bf16 support, or None
+
+This module is the only reader of /proc/cpuinfo, /proc/meminfo and the affinity mask; what
+depends on the host (the fast path's kernel rule, a run's "auto" settings, the memory
+estimate, a record's machine line) asks it.  ``Machine.described`` builds a machine from a
+/proc/cpuinfo text, so that a test can hold a decision to any CPU on any host.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+# ----------------------------------------------------------------------------- the CPU
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuInfo:
+    vendor: str  # "AuthenticAMD", "GenuineIntel", or "" where unknown
+    model: str
+    flags: frozenset[str]
+    machine: str = dataclasses.field(default_factory=lambda: platform.machine().lower())
+    family: int | None = None  # x86 "cpu family": AMD 25 is Zen 3/Zen 4, 26 is Zen 5
+    model_number: int | None = None  # x86 "model" within the family
+
+    @property
+    def generation(self) -> str:
+        """``family/model`` numbers, or "" where unknown: VMs often name every part "AMD EPYC"."""
+        return f"{self.family}/{self.model_number}" if self.family is not None else ""
+
+    @property
+    def x86(self) -> bool:
+        return self.machine in ("x86_64", "amd64", "i686", "x86")
+
+    @property
+    def arm(self) -> bool:
+        return self.machine in ("aarch64", "arm64")
+
+
+def cpu_info(path: Path = Path("/proc/cpuinfo")) -> CpuInfo:
+    """Vendor, model name, family/model numbers and feature flags of this CPU (from
+    /proc/cpuinfo on Linux)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return CpuInfo("", platform.processor(), frozenset())
+    return parse_cpuinfo(text)
+
+
+def parse_cpuinfo(text: str, machine: str | None = None) -> CpuInfo:
+    """The first processor of /proc/cpuinfo ``text``.  ``machine`` is the architecture that
+    wrote it (``platform.machine()``, this one's, by default): the text does not say."""
+    vendor, model, flags = "", platform.processor(), frozenset()
+    numbers: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if not key and (vendor or flags):  # the end of the first processor's block
+            break
+        if key == "vendor_id" and not vendor:
+            vendor = value
+        elif key == "model name" and value:
+            model = value
+        elif key in ("cpu family", "model") and value.isdigit():
+            numbers.setdefault(key, int(value))
+        elif key in ("flags", "Features") and not flags:  # x86, aarch64
+            flags = frozenset(value.split())
+    machine = (machine or platform.machine()).lower()
+    return CpuInfo(vendor, model, flags, machine, family=numbers.get("cpu family"), model_number=numbers.get("model"))
+
+
+# The classes the fast path's kernel rule knows, from the most capable x86 part down; then
+# Arm, then anything else.
+CPU_CLASSES = ("amx", "avx512_bf16", "avx512", "avx2", "aarch64", "other")
+
+
+def cpu_class(info: CpuInfo) -> str:
+    """The class of a CPU by its features: ``amx`` (AMX-BF16), ``avx512_bf16`` (AVX-512 with
+    AVX512-BF16, no AMX), ``avx512`` (AVX-512 without BF16), ``avx2`` (AVX2, no AVX-512),
+    ``aarch64``, or ``other``."""
+    if info.arm:
+        return "aarch64"
+    if not info.x86:
+        return "other"
+    for cls, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
+        if flag in info.flags:
+            return cls
+    return "other"
+
+
+# ----------------------------------------------------------------------------- cores and memory
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def memory_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """The bytes of memory the host can still give (``MemAvailable``), or None where it is
+    unknown (no /proc/meminfo, or no such line)."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the kernel writes kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+# ----------------------------------------------------------------------------- the machine
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    name: str
+    total_bytes: int
+    free_bytes: int  # torch.cuda.mem_get_info at the time the machine was described
+    bf16: bool       # torch.cuda.is_bf16_supported() for that device
+
+
+def _gpu(index: int) -> Gpu:
+    """CUDA device ``index`` as it is now."""
+    free, total = torch.cuda.mem_get_info(index)
+    with torch.cuda.device(index):  # is_bf16_supported asks about the current device
+        bf16 = torch.cuda.is_bf16_supported()
+    return Gpu(torch.cuda.get_device_name(index), int(total), int(free), bool(bf16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """A host as one process sees it."""
+
+    cpu: CpuInfo
+    cores: int                    # usable by this process (affinity)
+    memory_available: int | None  # host bytes (MemAvailable), None where unknown
+    gpus: tuple[Gpu, ...] = ()
+
+    @staticmethod
+    def here() -> Machine:
+        """This host, read once (CUDA is queried only where ``torch.cuda.is_available()``)."""
+        gpus = tuple(_gpu(i) for i in range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
+        return Machine(cpu_info(), usable_cores(), memory_available(), gpus)
+
+    @staticmethod
+    def described(cpuinfo: str = "", cores: int = 2, memory_available: int | None = 24 << 30,
+                  gpus: tuple = (), arch: str = "x86_64") -> Machine:
+        """A machine whose /proc/cpuinfo says ``cpuinfo`` (written on an ``arch`` host), on any host."""
+        return Machine(parse_cpuinfo(cpuinfo, machine=arch), cores, memory_available, tuple(gpus))
+
+    def cpu_line(self) -> str:
+        """The CPU in one line for logs and records: "AMD EPYC (avx512_bf16, family/model 26/2)"."""
+        generation = self.cpu.generation
+        return (f"{self.cpu.model or 'unknown'} ({cpu_class(self.cpu)}"
+                + (f", family/model {generation})" if generation else ")"))
+
+    def gpu(self, device: torch.device | str) -> Gpu | None:
+        """The GPU of ``device`` ("cuda" is card 0), or None for a CPU or a card this machine lacks."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return None
+        index = device.index or 0
+        return self.gpus[index] if index < len(self.gpus) else None

@@ -125,16 +125,16 @@ def memory_available(meminfo: str = "/proc/meminfo") -> int | None:
 class Gpu:
     name: str
     total_bytes: int
-    free_bytes: int  # torch.cuda.mem_get_info at the time the machine was described
-    bf16: bool       # torch.cuda.is_bf16_supported() for that device
+    free_bytes: int | None  # torch.cuda.mem_get_info when the machine was described; None: not measured
+    bf16: bool              # the card computes in bf16 (compute capability 8.0 or later)
 
 
-def _gpu(index: int) -> Gpu:
-    """CUDA device ``index`` as it is now."""
-    free, total = torch.cuda.mem_get_info(index)
-    with torch.cuda.device(index):  # is_bf16_supported asks about the current device
-        bf16 = torch.cuda.is_bf16_supported()
-    return Gpu(torch.cuda.get_device_name(index), int(total), int(free), bool(bf16))
+def _gpu(index: int, measure_free: bool) -> Gpu:
+    """CUDA device ``index`` as it is now.  Its free memory is measured only where asked:
+    ``mem_get_info`` opens a CUDA context on the card, which a process keeps for its life."""
+    props = torch.cuda.get_device_properties(index)
+    free = int(torch.cuda.mem_get_info(index)[0]) if measure_free else None
+    return Gpu(props.name, int(props.total_memory), free, props.major >= 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,9 +147,13 @@ class Machine:
     gpus: tuple[Gpu, ...] = ()
 
     @staticmethod
-    def here() -> Machine:
-        """This host, read once (CUDA is queried only where ``torch.cuda.is_available()``)."""
-        gpus = tuple(_gpu(i) for i in range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
+    def here(gpu_index: int = 0) -> Machine:
+        """This host, read once.  CUDA is queried only where ``torch.cuda.is_available()``,
+        and the free memory of one card only, ``gpu_index`` (this process's: torchrun's
+        ``LOCAL_RANK``), so that no process opens a context on another's card."""
+        gpus = ()
+        if torch.cuda.is_available():
+            gpus = tuple(_gpu(i, measure_free=i == gpu_index) for i in range(torch.cuda.device_count()))
         return Machine(cpu_info(), usable_cores(), memory_available(), gpus)
 
     @staticmethod

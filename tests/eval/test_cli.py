@@ -129,7 +129,7 @@ def test_eval_and_predict_optimize_unless_no_fast(run_dir, capsys, monkeypatch):
 
     optimized = []
     original = fast.optimize
-    monkeypatch.setattr(fast, "optimize", lambda model, **kw: optimized.append(1) or original(model, **kw))
+    monkeypatch.setattr(fast, "optimize", lambda model, *args, **kw: optimized.append(1) or original(model, *args, **kw))
     ckpt = str(run_dir / "model.safetensors")
     base = ["eval", "--checkpoint", ckpt, "--data", "digits", "--val-split", "0", "--json"]
     assert main(base) == 0

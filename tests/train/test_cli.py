@@ -153,7 +153,7 @@ def test_show_config_takes_section_names_old_flat_names_and_the_fast_flags(capsy
     assert main(["train", "--recipe", "demo", "--show-config", "--set", "lr=0.5", "--set", "run.threads=2",
                  "--set", "model.width=32"]) == 0
     cfg = json.loads(capsys.readouterr().out)
-    assert set(cfg) == {"recipe", "model", "data", "augment", "optim", "run", "memory_estimate"}
+    assert set(cfg) == {"recipe", "model", "data", "augment", "optim", "run", "resolved", "memory_estimate"}
     assert cfg["optim"]["lr"] == 0.5 and cfg["run"]["threads"] == 2 and cfg["model"]["overrides"]["width"] == 32
     assert cfg["run"]["fast"] is True and cfg["run"]["retain_freed_memory"] is False  # the defaults
     assert main(["train", "--recipe", "demo", "--show-config", "--no-fast", "--retain-freed-memory"]) == 0

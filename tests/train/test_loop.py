@@ -265,8 +265,8 @@ def record_input_sizes(monkeypatch) -> list[tuple[bool, int]]:
 
     seen, build = [], building.make_model
 
-    def recording(cfg, num_classes):
-        model = build(cfg, num_classes)
+    def recording(cfg, num_classes, img_size):
+        model = build(cfg, num_classes, img_size)
         model.register_forward_pre_hook(lambda module, args: seen.append((module.training, args[0].shape[-1])))
         return model
 
@@ -318,9 +318,9 @@ def test_auto_is_resolved_once_when_the_run_is_built_and_recorded(tiny, monkeypa
     from vitlab.train.step import autocast
 
     asked, lines = [], []
-    monkeypatch.setattr(fast, "cpu_precision", lambda: asked.append("cpu") or auto)
+    monkeypatch.setattr(fast, "cpu_precision", lambda *cpu: asked.append("cpu") or auto)
     chosen = kernels.KernelChoice(fp32="aten", attention="explicit")
-    monkeypatch.setattr(fast, "choose", lambda: asked.append("kernels") or chosen)
+    monkeypatch.setattr(fast, "choose", lambda **cpu: asked.append("kernels") or chosen)
     monkeypatch.setattr(Progress, "message", lambda self, text: lines.append(text))
     cfg = tiny("resolved", precision="auto", steps=4, eval_every=2, **{"run.threads": 1})
     summary = train(cfg, verbose=True)
@@ -343,14 +343,14 @@ def test_a_resumed_run_keeps_the_precision_and_kernels_it_started_with(tiny, mon
     from vitlab import fast
     from vitlab.fast import kernels
 
-    monkeypatch.setattr(fast, "cpu_precision", lambda: "bf16")
-    monkeypatch.setattr(fast, "choose", lambda: kernels.KernelChoice(attention="explicit"))
+    monkeypatch.setattr(fast, "cpu_precision", lambda *cpu: "bf16")
+    monkeypatch.setattr(fast, "choose", lambda **cpu: kernels.KernelChoice(attention="explicit"))
     cfg = tiny("resumed", precision="auto", steps=4, **{"run.ckpt_every": 2})
     train(cfg, verbose=False)
     list_checkpoints(Path(cfg.run.out) / "checkpoints")[-1].unlink()  # as if killed after step 2's checkpoint
     # the machine's answer changes (a calibration stored meanwhile): the run continues as it began
-    monkeypatch.setattr(fast, "cpu_precision", lambda: "fp32")
-    monkeypatch.setattr(fast, "choose", lambda: kernels.KernelChoice())
+    monkeypatch.setattr(fast, "cpu_precision", lambda *cpu: "fp32")
+    monkeypatch.setattr(fast, "choose", lambda **cpu: kernels.KernelChoice())
     train(cfg, resume=True, verbose=False)
     resolved = json.loads((Path(cfg.run.out) / "config.json").read_text())["resolved"]
     assert resolved["precision"] == "bf16" and resolved["kernels"]["attention"] == "explicit"
@@ -400,10 +400,10 @@ def test_the_fast_path_is_applied_by_default_and_no_fast_saves_the_same_weights(
 
 
 def test_mallopt_is_opt_in(tiny, monkeypatch):
-    import vitlab.train.build as building
+    import vitlab.train.loop as looping
 
     calls = []
-    monkeypatch.setattr(building, "retain_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(looping, "retain_freed_memory", lambda: calls.append(1) or True)
     train(tiny("default"), verbose=False)
     assert calls == []
     train(tiny("retain", retain_freed_memory=True), verbose=False)

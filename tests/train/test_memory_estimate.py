@@ -19,7 +19,7 @@ from vitlab.models.registry import create_model
 from vitlab.train import resolve
 from vitlab.train.config import OptimConfig
 from vitlab.train.overrides import with_changes
-from vitlab.train.memory_estimate import (GB, RUNTIME_BYTES, Available, RunShape, activation_bytes, available_memory,
+from vitlab.train.memory_estimate import (GB, RUNTIME_BYTES, Available, RunShape, activation_bytes,
                                           estimate_memory, smallest_fitting_accum)
 from vitlab.train.step import autocast
 from vitlab.weights import save_model
@@ -102,15 +102,6 @@ def test_the_peak_is_the_largest_moment_and_a_gpu_counts_its_own_memory():
 
 
 # ----------------------------------------------------------------------------- what is available
-
-
-def test_available_memory_reads_memavailable_and_the_gpus_free_memory(tmp_path, monkeypatch):
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n")
-    assert available_memory("cpu", str(meminfo)) == (20000000 * 1024, None)
-    assert available_memory("cpu", str(tmp_path / "none")) == (None, None)  # no /proc: unknown, never refused
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 30, 80 << 30))
-    assert available_memory("cuda:0", str(meminfo)) == (20000000 * 1024, 3 << 30)
 
 
 def test_a_gpu_run_is_held_against_the_gpus_free_memory():

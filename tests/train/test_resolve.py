@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vitlab.config import ConfigError
+from vitlab.fast.kernels import KernelChoice
 from vitlab.machine import Gpu, Machine
 from vitlab.train.config import to_dict
 from vitlab.train.distributed import World
@@ -114,7 +115,7 @@ def test_the_record_round_trips_through_json(tmp_path):
     resolved = resolve(auto_config(tmp_path), world(), described())
     record = json.loads(json.dumps(resolved.record()))
     assert set(record) == set(Resolved.RECORDED)
-    assert record["kernels"] == (dataclasses.asdict(resolved.kernels) if resolved.kernels else None)
+    assert KernelChoice(**record["kernels"]) == resolved.kernels
 
 
 def test_a_run_that_cannot_fit_is_refused_by_the_machine_it_is_given(tmp_path):

@@ -59,7 +59,7 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     counting (default: now); the CLI passes its process's start, so that the budget is the
     command's whole wall time.
     """
-    machine = Machine.here()  # the host, read once for the run
+    machine = Machine.here(gpu_index=local_rank())  # the host, read once for the run
     world = init_world(resolve_device(cfg.run.device, machine, local_rank()))  # the group joined here is ended here
     succeeded = False
     caller = process_state()

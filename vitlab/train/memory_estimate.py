@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from vitlab.config import Architecture, ConfigError, ResNetConfig
-from vitlab.machine import memory_available
 
 GB = 1e9
 FP32 = 4
@@ -436,18 +435,6 @@ def _worker_bytes(shape: RunShape) -> int:
 
 
 # ----------------------------------------------------------------------------- what is available
-
-
-def available_memory(device: str, meminfo: Optional[str] = None) -> tuple[Optional[int], Optional[int]]:
-    """(bytes the host can still give, bytes free on the GPU or None on a CPU): the host's
-    ``MemAvailable`` (``vitlab.machine.memory_available``, which reads the host's meminfo, or
-    the file ``meminfo``; None where it is unknown), ``torch.cuda.mem_get_info``."""
-    host, gpu = memory_available(meminfo) if meminfo else memory_available(), None
-    if device.startswith("cuda"):
-        import torch
-
-        gpu = int(torch.cuda.mem_get_info(torch.device(device))[0])
-    return host, gpu
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,8 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     ``resolve_device`` chose), and ``saved`` (a resumed run's ``Resolved.record()``) kept.
 
     A config without ``data.source`` is a command that scores rather than trains (eval,
-    fewshot): its device, precision, kernels and worker counts are resolved, nothing else.
+    fewshot): its device, precision, kernels and worker counts are resolved, nothing else
+    (a preview still estimates the run's memory, the data left out).
     ``preview`` (--show-config): a data source that cannot be counted is left out of the
     memory estimate, with a note in its record, and no run is refused.
 
@@ -124,7 +125,7 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     changes |= {"run.device": str(device), "run.precision": precision}
     cores = max(1, machine.cores // world.processes_here)  # this process's share of the host's cores
     workers = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}
-    if cfg.data.source is None:
+    if cfg.data.source is None and not preview:  # a command that scores a model
         config = with_changes(cfg, changes | workers)
         return Resolved(config, str(device), precision, kernels, bf16_matmuls, cfg.run.threads or torch.get_num_threads(),
                         "memory", "off", machine.cpu_line(), decode_workers=workers["data.decode_workers"],
@@ -135,6 +136,8 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
 
     streamed, held, note = False, HeldImages(0, 0, 0, 1), ""
     try:
+        if cfg.data.source is None:
+            raise ConfigError("no data.source")
         streamed = streams(cfg, img_size)
         changes = workers | {"data.stream": "stream" if streamed else "memory"}
         if streamed:

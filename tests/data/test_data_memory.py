@@ -23,14 +23,15 @@ def test_decodes_folder_exactly(make_folder, fakes, tmp_path):
         assert torch.equal(data.images[i], expected)
 
 
-def test_auto_workers_decode_as_the_config_says_it(make_folder, tmp_path, monkeypatch):
-    """``data.decode_workers="auto"`` passes through as it is: every usable core."""
+def test_no_worker_count_decodes_on_every_usable_core(make_folder, tmp_path, monkeypatch):
+    """None (a library call that names no count) decodes on every usable core; a run passes the
+    count its resolution decided (``train/resolve.py``)."""
     root = make_folder(classes=2, per_class=3, size=(6, 5))
     asked = []
     decode_all = memory._decode_all
     monkeypatch.setattr(memory, "_decode_all", lambda sources, size, workers: asked.append(workers)
                         or decode_all(sources, size, workers))
-    auto = load_in_memory(root, cache_dir=tmp_path / "auto", workers="auto")
+    auto = load_in_memory(root, cache_dir=tmp_path / "auto", workers=None)
     one = load_in_memory(root, cache_dir=tmp_path / "one", workers=1)
     assert asked == [machine.usable_cores(), 1]
     assert torch.equal(auto.images, one.images) and torch.equal(auto.labels, one.labels)

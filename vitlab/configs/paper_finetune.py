@@ -5,7 +5,7 @@ norm 1, the pre-trained head replaced by a zero-initialised linear layer.
 
 Resolution: higher than pre-training, with the position embeddings interpolated in 2D
 (Sec. 3.2).  The paper fine-tunes at 384 the models it pre-trained at 224, and the recipe
-follows the init by the same rule (``model.img_size="auto"``, ``build.finetune_size``):
+follows the init by the same rule (``model.img_size="auto"``, ``resolve.finetune_size``):
 the init's resolution times 384/224, at most 384 and never below the init's own, to the
 nearest multiple of the patch size.  A 224-px init fine-tunes at 384 as in the paper; a
 32-px one (CIFAR, 16-px patches) at 48; the demo's 16-px model (4-px patches) at 28; an

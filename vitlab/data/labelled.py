@@ -11,7 +11,7 @@ split it, from the data section that run recorded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -25,7 +25,7 @@ from vitlab.data.stream import hold_out, open_source
 __all__ = ["load_labelled", "HeldOutSet", "load_held_out", "check_run_classes"]
 
 
-def load_labelled(source: str, image_size, cache_dir: Optional[PathLike] = None, workers: Union[int, str, None] = None,
+def load_labelled(source: str, image_size, cache_dir: Optional[PathLike] = None, workers: Optional[int] = None,
                   held_out: Optional[tuple[float, int]] = None) -> InMemoryDataset:
     """``source`` decoded at ``image_size`` (int or (H, W)); its ``key`` names the data and
     the size (what features computed from it can be cached under).

@@ -181,7 +181,7 @@ def _write_cache(folder: Path, images: np.ndarray, labels: np.ndarray, classes: 
 
 
 def load_in_memory(
-    path: PathLike, image_size: Size = None, cache_dir: Optional[PathLike] = None, workers: Union[int, str, None] = None
+    path: PathLike, image_size: Size = None, cache_dir: Optional[PathLike] = None, workers: Optional[int] = None
 ) -> InMemoryDataset:
     """Decode every image of a data set into RAM, caching the result.
 
@@ -193,8 +193,8 @@ def load_in_memory(
                 Required when the images differ in size; None keeps their common size.
     cache_dir:  where decoded arrays (and extracted archives) live (default
                 ``$VITLAB_CACHE`` or ``~/.cache/vitlab``).
-    workers:    decoding processes (None or "auto": every usable core, as ``data.decode_workers``
-                says it); 1 or 0 decodes in this process.
+    workers:    decoding processes (None: every usable core; a run passes its resolved
+                ``data.decode_workers``); 1 or 0 decodes in this process.
 
     Raises:
         DataError: no images, no class folders, sizes differ without ``image_size``.
@@ -202,7 +202,7 @@ def load_in_memory(
     if is_stream_source(str(path)):
         return load_source_in_memory(open_source(str(path), cache_dir), image_size, cache_dir, workers)
     size = None if image_size is None else to_pair(image_size, "image_size")
-    workers = usable_cores() if workers in (None, "auto") else workers
+    workers = usable_cores() if workers is None else workers
     key = source_key(path)
     folder = _cache_folder(key, size, cache_dir)
     if folder.is_dir():
@@ -224,12 +224,12 @@ def load_in_memory(
 
 
 def load_source_in_memory(source: StreamSource, image_size: Size = None, cache_dir: Optional[PathLike] = None,
-                          workers: Union[int, str, None] = None) -> InMemoryDataset:
+                          workers: Optional[int] = None) -> InMemoryDataset:
     """Decode every sample of a streamed source (or of a part of one, ``hold_out``) into
     RAM, cached under ``source.key`` (when it has one); each sample's bytes are read once.  A multi-label
     sample keeps its first label.  Arguments and errors as ``load_in_memory``'s."""
     size = None if image_size is None else to_pair(image_size, "image_size")
-    workers = usable_cores() if workers in (None, "auto") else workers
+    workers = usable_cores() if workers is None else workers
     folder = _cache_folder(source.key, size, cache_dir) if source.key else None
     if folder is not None and folder.is_dir():
         data = _read_cache(folder)

@@ -69,7 +69,8 @@ class Setup:
 def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True) -> None:
     """What the values alone cannot tell: the launch's process count, and that the data
     and the initial weights exist.  ``build`` calls it before any work; the CLI earlier."""
-    per_process = (1 if cfg.optim.accum_steps == "auto" else cfg.optim.accum_steps) * world_size
+    # every process needs whole micro-batches (an accumulation left to resolve is one that divides)
+    per_process = (cfg.optim.accum_steps if isinstance(cfg.optim.accum_steps, int) else 1) * world_size
     if cfg.optim.batch_size % per_process:
         raise ConfigError(
             f"optim.batch_size={cfg.optim.batch_size} is not divisible by optim.accum_steps={cfg.optim.accum_steps}"

@@ -67,7 +67,7 @@ class ModelConfig(Section):
     keep_pre_logits: bool = False           # with init: keep its pre-logits layer (the paper removes it, Sec. 3.2)
     pre_logits: bool = False                # from scratch: a pre-logits layer in the head (Sec. 3.1)
     img_size: Optional[int | str] = None    # training resolution (None: the model's or init's; "auto": the paper's
-                                            # fine-tuning rule, build.finetune_size); init's posembs interpolated
+                                            # fine-tuning rule, resolve.finetune_size); init's posembs interpolated
     mpp: Optional[str] = None               # masked patch prediction's target (Sec. 4.6); None trains the classifier
     mpp_rate: float = 0.5                   # the fraction of each image's patches corrupted
     patch_init: str = "lecun"               # "lecun" (official) or "whiten" (the data's patches; not in the paper)
@@ -298,7 +298,7 @@ class TrainConfig:
                               "implemented; use 'bf16'")
 
 
-# what a run's config.json records beside its config (build.Resolved, memory_estimate.MemoryEstimate)
+# what a run's config.json records beside its config (resolve.Resolved, memory_estimate.MemoryEstimate)
 RECORDS = ("resolved", "memory_estimate")
 
 

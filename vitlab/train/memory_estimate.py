@@ -81,7 +81,7 @@ RUNTIME_BYTES = 100_000_000
 @dataclass(frozen=True)
 class RunShape:
     """What a run's memory depends on, all known before its data is read or its model built
-    (``vitlab.train.build.run_shape`` makes it from a config)."""
+    (``vitlab.train.resolve.run_shape`` makes it from a resolved config)."""
 
     arch: Architecture          # the model trained, at its training size and with its head
     micro_batch: int            # examples of one forward and backward in one process

@@ -115,10 +115,10 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     """
     saved = saved or {}
     device = world.device
-    auto_precision = precision_rule(device, machine)
-    precision = auto_precision if cfg.run.precision == "auto" else cfg.run.precision
+    rule = precision_rule(device, machine)
+    precision = rule if cfg.run.precision == "auto" else cfg.run.precision
     kernels = (fast.choose(info=machine.cpu) if device.type == "cpu" else KernelChoice()) if cfg.run.fast else None
-    bf16_matmuls, notes = auto_precision == "bf16", []
+    bf16_matmuls, notes = rule == "bf16", []
     if saved:
         precision, kernels, bf16_matmuls = kept_arithmetic(saved, precision, kernels, bf16_matmuls, machine, notes)
     changes = dict(cfg.run.on_device.get(device.type, {}))  # the recipe's settings for this kind of device

@@ -210,13 +210,13 @@ def test_vtab_end_to_end(tasks, tiny_checkpoint, tmp_path, capsys):
 
 
 def test_a_view_is_scored_with_the_configs_own_decode_workers(tasks, tiny_checkpoint, tmp_path):
-    """``evaluate_on`` with the recipe's ``data.decode_workers="auto"`` (the e2e test sets 0)."""
+    """``evaluate_on`` with a resolved config's decoding processes (``run_vtab`` passes its
+    resolution's; the e2e test sets 0)."""
     from vitlab.train.vtab import evaluate_on
     from vitlab.train.config import TrainConfig
     from vitlab.train.overrides import with_changes
 
-    cfg = with_changes(TrainConfig(), {"data.cache_dir": str(tmp_path / "cache")})
-    assert cfg.data.decode_workers == "auto"
+    cfg = with_changes(TrainConfig(), {"data.cache_dir": str(tmp_path / "cache"), "data.decode_workers": 2})
     top1, n, _ = evaluate_on(tiny_checkpoint, tasks / "cifar100" / "test", cfg, "cpu", "fp32")
     assert n == 9 and 0.0 <= top1 <= 1.0
 

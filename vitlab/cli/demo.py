@@ -57,11 +57,13 @@ def write_demo_report(cfg, summary: dict):
     from pathlib import Path
 
     from vitlab.analysis.report import read_run_meta, write_report
+    from vitlab.train.config import from_dict
     from vitlab.train.inputs import build_splits
     from vitlab.weights import load_model
 
     model = load_model(summary["weights"])
-    splits = build_splits(cfg, model.cfg.img_size)
+    ran = from_dict(json.loads((Path(cfg.run.out) / "config.json").read_text()))  # as the run resolved it
+    splits = build_splits(ran, model.cfg.img_size)
     # one example of each of the first eight classes, so the maps show different digits
     picks = [int((splits.val_labels == c).nonzero()[0]) for c in range(8)]
     meta = read_run_meta(summary["weights"])

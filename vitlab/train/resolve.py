@@ -115,53 +115,52 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     """
     saved = saved or {}
     device = world.device
-    rule = precision_rule(device, machine)
-    precision = rule if cfg.run.precision == "auto" else cfg.run.precision
-    kernels = (fast.choose(info=machine.cpu) if device.type == "cpu" else KernelChoice()) if cfg.run.fast else None
-    bf16_matmuls, notes = rule == "bf16", []
-    if saved:
-        precision, kernels, bf16_matmuls = kept_arithmetic(saved, precision, kernels, bf16_matmuls, machine, notes)
-    changes = dict(cfg.run.on_device.get(device.type, {}))  # the recipe's settings for this kind of device
-    changes |= {"run.device": str(device), "run.precision": precision}
+    precision, kernels, bf16_matmuls, notes = arithmetic(cfg, device, machine, saved)
+    threads = cfg.run.threads or torch.get_num_threads()
     cores = max(1, machine.cores // world.processes_here)  # this process's share of the host's cores
-    workers = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}
+    decode = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}
+    changes = dict(cfg.run.on_device.get(device.type, {}))  # the recipe's settings for this kind of device
+    cfg = with_changes(cfg, changes | decode | {"run.device": str(device), "run.precision": precision})
     if cfg.data.source is None and not preview:  # a command that scores a model
-        config = with_changes(cfg, changes | workers)
-        return Resolved(config, str(device), precision, kernels, bf16_matmuls, cfg.run.threads or torch.get_num_threads(),
-                        "memory", "off", machine.cpu_line(), decode_workers=workers["data.decode_workers"],
-                        notes=tuple(notes))
-    cfg = with_changes(cfg, changes)
+        return Resolved(cfg, str(device), precision, kernels, bf16_matmuls, threads, "memory", "off",
+                        machine.cpu_line(), decode_workers=cfg.data.decode_workers, notes=notes)
+
     cfg = with_changes(cfg, model_changes(cfg))
     img_size = training_size(cfg)
+    cfg, held, uncounted = data_decisions(cfg, world, cores, img_size, saved, preview)
+    if cfg.optim.accum_steps == "auto" and "accum_steps" in saved:
+        cfg = with_changes(cfg, {"optim.accum_steps": saved["accum_steps"]})
+    resolved = Resolved(cfg, str(device), precision, kernels, bf16_matmuls, threads, cfg.data.stream,
+                        compile_mode(cfg, world), machine.cpu_line(), stream_workers=cfg.data.stream_workers,
+                        decode_workers=cfg.data.decode_workers, img_size=img_size, notes=notes, uncounted=uncounted)
+    accum, memory = plan_memory(cfg, run_shape(resolved, world.size, held),
+                                machine_memory(machine, resolved.device, world), world.size,
+                                check=cfg.run.memory_check and not preview)
+    return dataclasses.replace(resolved, config=with_changes(cfg, {"optim.accum_steps": accum}), memory=memory,
+                               accum_steps=accum, micro_batch=cfg.optim.batch_size // (accum * world.size))
 
-    streamed, held, note = False, HeldImages(0, 0, 0, 1), ""
+
+def data_decisions(cfg: TrainConfig, world: World, cores: int, img_size: Pair, saved: dict,
+                   preview: bool) -> tuple[TrainConfig, HeldImages, str]:
+    """(``cfg`` with memory or stream and the DataLoader workers decided, the images the run
+    holds in memory, why a preview could not count them or "").  Reads the data's index, never
+    an image."""
     try:
         if cfg.data.source is None:
             raise ConfigError("no data.source")
         streamed = streams(cfg, img_size)
-        changes = workers | {"data.stream": "stream" if streamed else "memory"}
+        changes = {"data.stream": "stream" if streamed else "memory"}
         if streamed:
             changes["data.stream_workers"] = stream_workers(cfg, world, cores, saved)
         elif cfg.data.stream_workers == "auto":
             changes["data.stream_workers"] = 0  # nothing streams: no DataLoader workers
         cfg = with_changes(cfg, changes)
-        held = held_images(cfg, streamed, img_size)
+        return cfg, held_images(cfg, streamed, img_size), ""
     except (ConfigError, OSError, ValueError) as err:  # DataError is a ValueError
         if not preview:
             raise
-        note = f"not counted: {err}"
-        cfg = with_changes(cfg, workers | {"data.stream": "memory", "data.stream_workers": 0})
-    if cfg.optim.accum_steps == "auto" and "accum_steps" in saved:
-        cfg = with_changes(cfg, {"optim.accum_steps": saved["accum_steps"]})
-    resolved = Resolved(cfg, str(device), precision, kernels, bf16_matmuls, cfg.run.threads or torch.get_num_threads(),
-                        "stream" if streamed else "memory", compile_mode(cfg, world), machine.cpu_line(),
-                        stream_workers=cfg.data.stream_workers, decode_workers=cfg.data.decode_workers,
-                        img_size=img_size, notes=tuple(notes), uncounted=note)
-    available = machine_memory(machine, resolved.device, world)
-    accum, memory = plan_memory(cfg, run_shape(resolved, world.size, held), available, world.size,
-                                check=cfg.run.memory_check and not preview)
-    return dataclasses.replace(resolved, config=with_changes(cfg, {"optim.accum_steps": accum}), memory=memory,
-                               accum_steps=accum, micro_batch=cfg.optim.batch_size // (accum * world.size))
+        cfg = with_changes(cfg, {"data.stream": "memory", "data.stream_workers": 0})
+        return cfg, HeldImages(0, 0, 0, 1), f"not counted: {err}"
 
 
 def preview(cfg: TrainConfig, machine: Machine | None = None) -> dict:
@@ -210,11 +209,18 @@ def precision_rule(device: torch.device, machine: Machine) -> str:
     return fast.cpu_precision(machine.cpu) if device.type == "cpu" else "fp32"
 
 
-def kept_arithmetic(saved: dict, precision: str, kernels: KernelChoice | None, bf16_matmuls: bool,
-                    machine: Machine, notes: list) -> tuple[str, KernelChoice | None, bool]:
-    """A resumed run's (precision, kernels, bf16_matmuls): its checkpoint's (a calibration stored
-    since, or another machine's rule, would change its arithmetic), where they can run here."""
-    before = saved.get("precision", precision)
+def arithmetic(cfg: TrainConfig, device: torch.device, machine: Machine, saved: dict
+               ) -> tuple[str, KernelChoice | None, bool, tuple[str, ...]]:
+    """(precision, the fast path's CPU kernels, whether bf16 matmuls are the faster ones, what a
+    resumed run says): ``precision_rule`` for "auto", ``fast.choose`` for the kernels; a resumed
+    run keeps its checkpoint's (a calibration stored since, or another machine's rule, would
+    change its arithmetic), where they can run here."""
+    rule = precision_rule(device, machine)
+    precision = rule if cfg.run.precision == "auto" else cfg.run.precision
+    kernels = (fast.choose(info=machine.cpu) if device.type == "cpu" else KernelChoice()) if cfg.run.fast else None
+    if not saved:
+        return precision, kernels, rule == "bf16", ()
+    before, notes = saved.get("precision", precision), []
     if before != precision and "fp16" in (before, precision):  # the loss scaler's state cannot follow
         raise ConfigError(f"--resume: the checkpoint's run trained in {before}, this one resolves to {precision}; "
                           f"set --precision {before}")
@@ -226,7 +232,7 @@ def kept_arithmetic(saved: dict, precision: str, kernels: KernelChoice | None, b
         elif stored != kernels:
             notes.append(f"--resume: the checkpoint's kernels cannot run here ({reason}); continuing with "
                          f"{kernels.describe()}")
-    return before, kernels, saved.get("bf16_matmuls", bf16_matmuls)
+    return before, kernels, saved.get("bf16_matmuls", rule == "bf16"), tuple(notes)
 
 
 def compile_mode(cfg: TrainConfig, world: World) -> str:

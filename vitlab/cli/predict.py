@@ -44,8 +44,10 @@ def find_classes(checkpoint: Path, explicit: str | None) -> list[str] | None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from vitlab import fast
     from vitlab.data.memory import decode_image
     from vitlab.data.transforms import to_float
+    from vitlab.train.resolve import resolve_scoring
     from vitlab.weights import load_model
     from vitlab.weights.hub import resolve_hub_name
 
@@ -53,10 +55,9 @@ def run(args: argparse.Namespace) -> int:
     if not checkpoint.exists():  # a Hub name: its snapshot folder, which holds config.json
         checkpoint = resolve_hub_name(args.checkpoint) or checkpoint
     model = load_model(checkpoint).eval()
-    if args.fast is not False:
-        from vitlab import fast
-
-        fast.optimize(model)
+    kernels = resolve_scoring("cpu", fast_path=args.fast is not False).kernels  # on this CPU, as a run resolves them
+    if kernels is not None:
+        fast.optimize(model, kernels)
     classes = find_classes(checkpoint, args.classes)
     size = model.cfg.img_size
     for path in args.images:

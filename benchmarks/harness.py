@@ -50,7 +50,7 @@ def checkout(rev: str, script: str) -> str:
 # ----------------------------------------------------------------------------- measuring tools
 
 
-def _status(field: str) -> int:
+def proc_status(field: str) -> int:
     """A /proc/self/status field in bytes (Linux)."""
     with open("/proc/self/status") as f:
         for line in f:
@@ -72,7 +72,7 @@ def reset_peak(device: str) -> int:
             f.write("5")
     except OSError:
         pass  # then the mark may include the model's build
-    return _status("VmRSS")
+    return proc_status("VmRSS")
 
 
 def peak(device: str) -> int:
@@ -80,7 +80,7 @@ def peak(device: str) -> int:
     every allocation (torch's, oneDNN's scratch pads) where torch's own counters do not."""
     import torch
 
-    return torch.cuda.max_memory_allocated() if device == "cuda" else _status("VmHWM")
+    return torch.cuda.max_memory_allocated() if device == "cuda" else proc_status("VmHWM")
 
 
 def time_loop(step: Callable[[], Any], sync: Callable[[], None], warmup: int, repeats: int,

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import cpu_name, run_worker
+from harness import cpu_name, proc_status, run_worker
 
 CIFAR = "/work/shared/data/cifar10/cifar10-train.tar.gz"
 FEW = ["--steps", "4", "--quiet", "--overwrite"]
@@ -79,7 +79,7 @@ def child(args: list[str]) -> None:
         rc = main(args)
     out = Path(args[args.index("--out") + 1])
     estimate = json.loads((out / "config.json").read_text())["memory_estimate"]
-    print("RESULT " + json.dumps({"rc": rc, "peak": status("VmHWM"), "estimate": estimate}))
+    print("RESULT " + json.dumps({"rc": rc, "peak": proc_status("VmHWM"), "estimate": estimate}))
 
 
 def baseline(digits: bool) -> None:
@@ -95,15 +95,7 @@ def baseline(digits: bool) -> None:
         import sklearn.datasets  # noqa: F401
 
     torch.ones(256, 256) @ torch.ones(256, 256)
-    print("RESULT " + json.dumps({"peak": status("VmHWM")}))
-
-
-def status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
+    print("RESULT " + json.dumps({"peak": proc_status("VmHWM")}))
 
 
 def main() -> None:

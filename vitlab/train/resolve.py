@@ -67,22 +67,24 @@ class Resolved:
     ``resolve``, so that its arithmetic is the one it started with."""
 
     config: TrainConfig   # the run's config with every "auto" stated (what the run reads)
-    device: str
-    precision: str        # "fp32", "bf16" or "fp16"
     kernels: KernelChoice | None  # the fast path's CPU kernels (None: plain model)
     bf16_matmuls: bool    # bf16 matmuls are the faster ones here (Muon's orthogonalisation)
     threads: int          # CPU threads of the process
-    data: str             # "memory" or "stream"
     compile: str          # "off", or torch.compile's mode
     cpu: str              # the CPU's model name and class (what the kernel rule read)
-    stream_workers: int = 0  # DataLoader workers per process reading a streamed training set
-    decode_workers: int = 0  # processes decoding a data set into memory
     img_size: Pair | None = None  # (H, W) the run trains at (None: a command that trains nothing)
-    accum_steps: int = 1          # micro-batches per step
     micro_batch: int = 0          # images per process per micro-batch
     memory: MemoryEstimate | None = None  # the run's peak memory, estimated before anything is built
     notes: tuple[str, ...] = ()   # what the run says about its resolution (a resumed run's)
     uncounted: str = ""           # a preview's data the memory estimate leaves out, and why
+
+    # what the config states, by the names the record and the run's first line use
+    device = property(lambda self: self.config.run.device)
+    precision = property(lambda self: self.config.run.precision)  # "fp32", "bf16" or "fp16"
+    data = property(lambda self: self.config.data.stream)          # "memory" or "stream"
+    stream_workers = property(lambda self: self.config.data.stream_workers)  # per process, streaming
+    decode_workers = property(lambda self: self.config.data.decode_workers)  # decoding into memory
+    accum_steps = property(lambda self: self.config.optim.accum_steps)      # micro-batches per step
 
     RECORDED = ("device", "precision", "kernels", "bf16_matmuls", "threads", "data", "compile", "cpu",
                 "stream_workers", "decode_workers", "accum_steps")
@@ -121,23 +123,22 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     decode = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}
     changes = dict(cfg.run.on_device.get(device.type, {}))  # the recipe's settings for this kind of device
     cfg = with_changes(cfg, changes | decode | {"run.device": str(device), "run.precision": precision})
-    if cfg.data.source is None and not preview:  # a command that scores a model
-        return Resolved(cfg, str(device), precision, kernels, bf16_matmuls, threads, "memory", "off",
-                        machine.cpu_line(), decode_workers=cfg.data.decode_workers, notes=notes)
+    if cfg.data.source is None and not preview:  # a command that scores a model: its data in memory
+        cfg = with_changes(cfg, {"data.stream": "memory", "data.stream_workers": 0})
+        return Resolved(cfg, kernels, bf16_matmuls, threads, "off", machine.cpu_line(), notes=notes)
 
     cfg = with_changes(cfg, model_changes(cfg))
     img_size = training_size(cfg)
     cfg, held, uncounted = data_decisions(cfg, world, cores, img_size, saved, preview)
     if cfg.optim.accum_steps == "auto" and "accum_steps" in saved:
         cfg = with_changes(cfg, {"optim.accum_steps": saved["accum_steps"]})
-    resolved = Resolved(cfg, str(device), precision, kernels, bf16_matmuls, threads, cfg.data.stream,
-                        compile_mode(cfg, world), machine.cpu_line(), stream_workers=cfg.data.stream_workers,
-                        decode_workers=cfg.data.decode_workers, img_size=img_size, notes=notes, uncounted=uncounted)
+    resolved = Resolved(cfg, kernels, bf16_matmuls, threads, compile_mode(cfg, world), machine.cpu_line(),
+                        img_size=img_size, notes=notes, uncounted=uncounted)
     accum, memory = plan_memory(cfg, run_shape(resolved, world.size, held),
                                 machine_memory(machine, resolved.device, world), world.size,
                                 check=cfg.run.memory_check and not preview)
     return dataclasses.replace(resolved, config=with_changes(cfg, {"optim.accum_steps": accum}), memory=memory,
-                               accum_steps=accum, micro_batch=cfg.optim.batch_size // (accum * world.size))
+                               micro_batch=cfg.optim.batch_size // (accum * world.size))
 
 
 def data_decisions(cfg: TrainConfig, world: World, cores: int, img_size: Pair, saved: dict,
@@ -145,9 +146,10 @@ def data_decisions(cfg: TrainConfig, world: World, cores: int, img_size: Pair, s
     """(``cfg`` with memory or stream and the DataLoader workers decided, the images the run
     holds in memory, why a preview could not count them or "").  Reads the data's index, never
     an image."""
+    if cfg.data.source is None:  # a preview of a run whose data is not named yet
+        return with_changes(cfg, {"data.stream": "memory", "data.stream_workers": 0}), HeldImages(0, 0, 0, 1), \
+            "not counted: no data.source"
     try:
-        if cfg.data.source is None:
-            raise ConfigError("no data.source")
         streamed = streams(cfg, img_size)
         changes = {"data.stream": "stream" if streamed else "memory"}
         if streamed:
@@ -372,12 +374,10 @@ def stream_workers(cfg: TrainConfig, world: World, cores: int, saved: dict) -> i
 # ----------------------------------------------------------------------------- memory
 
 
-def run_shape(resolved: Resolved, world_size: int = 1, held: HeldImages | None = None) -> RunShape:
-    """What the memory of ``resolved``'s run depends on (``held``: the images it holds, default
-    counted from its sources)."""
+def run_shape(resolved: Resolved, world_size: int, held: HeldImages) -> RunShape:
+    """What the memory of ``resolved``'s run depends on (``held``: the images it holds in memory)."""
     cfg = resolved.config
     streamed = resolved.data == "stream"
-    held = held if held is not None else held_images(cfg, streamed, resolved.img_size)
     accum = 1 if cfg.optim.accum_steps == "auto" else cfg.optim.accum_steps
     kernels = resolved.kernels
     on_gpu = resolved.device.startswith("cuda")

@@ -90,6 +90,10 @@ def time_loop(step: Callable[[], Any], sync: Callable[[], None], warmup: int, re
     ``warmup`` untimed calls come first (compilation, allocator and oneDNN caches); the
     last warm-up call sets how many calls make a repeat last ``min_seconds``.  ``warm()``
     is called between the warm-ups and the timed repeats.
+
+    ``vitlab.analysis.utilization.matmul_peak`` (``measure_matmul``) times its products the same
+    way; this loop stays here because a model row of ``bench.py --before`` runs under an older
+    vitlab, which may not have that function.
     """
     last = 0.0
     for _ in range(warmup):
@@ -339,13 +343,16 @@ def matmul_product(dtype: str, kernel: str, n: int, device: str) -> Callable[[],
 
 def measure_matmul(case: dict[str, Any]) -> dict[str, Any]:
     """Best FLOP/s of an n x n x n matmul of ``case['dtype']`` by ``case['kernel']``: the
-    machine's practical peak for that dtype and kernel."""
+    machine's practical peak for that dtype and kernel, timed by the library's
+    ``matmul_peak``, which a training run's summary divides by on a GPU."""
+    # imported here: a model row of bench.py --before imports this module under an older vitlab
+    from vitlab.analysis.utilization import matmul_peak
+
     n, device = case["size"], case["device"]
-    product = matmul_product(case["dtype"], case.get("kernel", "aten"), n, device)
-    times, calls = time_loop(product, _sync(device), case["warmup"], case["repeats"], case["min_seconds"])
-    best = min(times)
-    return {"flops_per_s": 2 * n**3 / best, "median_flops_per_s": 2 * n**3 / statistics.median(times),
-            "calls": calls}
+    peak = matmul_peak(device, size=n, warmup=case["warmup"], repeats=case["repeats"],
+                       min_seconds=case["min_seconds"],
+                       product=matmul_product(case["dtype"], case.get("kernel", "aten"), n, device))
+    return {"flops_per_s": peak.best, "median_flops_per_s": peak.median, "calls": peak.calls}
 
 
 def _onnx_session(case: dict[str, Any]):

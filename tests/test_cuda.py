@@ -106,3 +106,27 @@ def test_data_wait_on_the_gpu_counts_only_the_time_the_device_sat_idle():
     torch.cuda.synchronize()
     assert start.elapsed_time(end) > 100  # the work outlasted the host's wait
     assert batches.take() < 0.01  # the host waited while the device worked: no wait for the device
+
+
+def test_the_matmul_peak_on_the_gpu_times_the_device_and_leaves_its_random_streams():
+    from vitlab.analysis.utilization import matmul_peak
+
+    streams = torch.get_rng_state(), torch.cuda.get_rng_state()
+    peak = matmul_peak("cuda", size=2048, warmup=2, repeats=3, min_seconds=0.05)
+    assert peak.best >= peak.median > 1e12 and peak.calls > 1  # a GPU does 2048^3 in well under 50 ms
+    assert all(torch.equal(a, b) for a, b in zip(streams, (torch.get_rng_state(), torch.cuda.get_rng_state())))
+
+
+def test_a_training_run_on_the_gpu_reports_its_mfu(tmp_path):
+    import json
+
+    from vitlab.configs import load_recipe
+    from vitlab.train import train, with_changes
+
+    cfg = with_changes(load_recipe("demo"), {"run.device": "cuda", "optim.steps": 12, "run.eval_every": 0,
+                                              "run.tensorboard": False, "run.out": str(tmp_path / "run")})
+    summary = train(cfg, verbose=False)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
+    assert 0 < summary["mfu"] < 1 and summary["peak_bf16_tflops"] > 0
+    assert summary["achieved_tflops"] == pytest.approx(
+        summary["train_flops_per_image"] * summary["step_images_per_s"] / 1e12, rel=1e-2)

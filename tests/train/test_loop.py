@@ -275,11 +275,21 @@ def record_input_sizes(monkeypatch) -> list[tuple[bool, int]]:
 
 
 def test_progressive_sizes_shrink_the_early_training_batches(tiny, monkeypatch):
+    from vitlab.train import loop
+
     seen = record_input_sizes(monkeypatch)
-    summary = train(tiny("progressive", steps=8, progressive_sizes=((4, 0.5),)), verbose=False)
+    rates, real = [], loop.utilization
+    monkeypatch.setattr(loop, "utilization", lambda setup, rate: rates.append(rate) or real(setup, rate))
+    cfg = tiny("progressive", steps=8, progressive_sizes=((4, 0.5),))
+    summary = train(cfg, verbose=False)
     assert [side for training, side in seen if training] == [4] * 4 + [8] * 4
     assert {side for training, side in seen if not training} == {8}  # evaluation at the model's size
     assert load_model(summary["weights"]).cfg.img_size == (8, 8)
+    # the MFU's rate times the full-size steps that neither compile nor change size: steps 6, 7 and 8
+    assert rates[0].images == 3 * 32 and rates[0].seconds > 0
+    # on a CPU the summary has no MFU, printed or written
+    written = json.loads((Path(cfg.run.out) / "summary.json").read_text())
+    assert not {"mfu", "peak_bf16_tflops", "achieved_tflops"} & (summary.keys() | written.keys())
 
 
 def test_progressive_sizes_the_model_cannot_take_are_refused(tiny):

@@ -1,1 +1,1 @@
-"""Analysis of trained models: cost, attention, embeddings."""
+"""Analysis of trained models: cost, utilisation of a device, attention, embeddings."""

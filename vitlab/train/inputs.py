@@ -213,6 +213,38 @@ def decoded_once(load, world=None):
     return dataset
 
 
+class Spans:
+    """Spans of time on the clock that sees a step's work: the host's on a CPU; on a GPU, whose
+    host runs ahead of it, events on the device's stream, so that a span is the time the
+    device saw between its two marks."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.on_gpu = torch.device(device).type == "cuda"
+        self.marks: list = []  # (start, end) of each span not yet counted
+
+    def mark(self):
+        """Now, on the host's clock or the device's stream: a span's start."""
+        if not self.on_gpu:
+            return time.monotonic()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def close(self, start) -> None:
+        """The span from ``start`` (a ``mark``) to now."""
+        self.marks.append((start, self.mark()))
+
+    def take(self) -> float:
+        """The seconds of the spans closed since the last call; on a GPU call it once the device
+        has done the work since (after a read of its numbers), else their events are not done."""
+        if self.on_gpu:
+            seconds = sum(start.elapsed_time(end) for start, end in self.marks) / 1e3
+        else:
+            seconds = sum(end - start for start, end in self.marks)
+        self.marks.clear()
+        return seconds
+
+
 class WaitTimed:
     """An iterator of batches that counts how long the steps waited for them: the data
     path's share of a step (``data_wait`` in the training log).
@@ -220,39 +252,26 @@ class WaitTimed:
     On a CPU the step runs on the host, so the wait is the host's time in ``next``.  On a
     GPU the host runs ahead of the device and its time in ``next`` is a wait only where the
     device sat idle meanwhile (time the host spends blocked on a full launch queue is
-    not): events on the device's stream around ``next`` time the gap the device saw
-    between the step before and the batch being ready."""
+    not): events on the device's stream around ``next`` (``Spans``) time the gap the device
+    saw between the step before and the batch being ready."""
 
     def __init__(self, batches: Iterator, device: torch.device) -> None:
-        self.batches, self.on_gpu = batches, torch.device(device).type == "cuda"
-        self.marks: list = []  # (start, end) of each wait not yet counted
+        self.batches, self.waits = batches, Spans(device)
 
     def __iter__(self) -> "WaitTimed":
         return self
 
-    def _mark(self):
-        if not self.on_gpu:
-            return time.monotonic()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     def __next__(self):
-        start = self._mark()
+        start = self.waits.mark()
         try:
             return next(self.batches)
         finally:
-            self.marks.append((start, self._mark()))
+            self.waits.close(start)
 
     def take(self) -> float:
-        """The seconds waited since the last call; on a GPU call it once the device has done
-        the steps since (after a read of their numbers), else their events are not done."""
-        if self.on_gpu:
-            waited = sum(start.elapsed_time(end) for start, end in self.marks) / 1e3
-        else:
-            waited = sum(end - start for start, end in self.marks)
-        self.marks.clear()
-        return waited
+        """The seconds waited since the last call (``Spans.take``: on a GPU once the device
+        has done the steps since)."""
+        return self.waits.take()
 
 
 WHITEN_SAMPLE = 5000  # images whose patches estimate the covariance (48x48 for 4x4 RGB patches)

@@ -16,9 +16,12 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from vitlab.analysis.cost import model_flops
+from vitlab.analysis.utilization import matmul_peak, mfu
 from vitlab.config import ConfigError
 from vitlab.eval.features import tta_view_count
 from vitlab.machine import Machine
@@ -27,7 +30,7 @@ from . import checkpoint as ckpt
 from .build import Setup, build, check_data
 from .config import TrainConfig, to_dict
 from .distributed import World, all_reduce_sum, barrier, elastic_restart_count, init_world, local_rank, shutdown
-from .inputs import WaitTimed
+from .inputs import Spans, WaitTimed
 from .metrics import MetricsWriter, Progress, plot_curves
 from .numerics import NonFinite
 from .schedules import input_size_at, lr_at, warmup_steps
@@ -118,7 +121,8 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     writer = MetricsWriter(out, tensorboard=cfg.run.tensorboard, records=records) if main else None
 
     batches = WaitTimed(endless(setup.stream), setup.world.device)  # counts the seconds the steps wait for their batches
-    window = Window(setup.world.device, batches)
+    full_size_rate = StepRate(setup.world.device, setup.img_size[0])  # the summary's MFU reads its rate
+    window = Window(setup.world.device, batches, full_size_rate)
     pending: list = []  # (step, result) since the last check: their flags are read in one go
     last_val: dict = {}
     phases = tuple(tuple(p) for p in cfg.data.progressive_sizes)
@@ -127,9 +131,11 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
         lr = lr_at(step, base_lr=cfg.optim.lr, total_steps=total_steps,
                    warmup_steps=warmup_steps(cfg.optim, total_steps), decay=cfg.optim.decay, min_lr=cfg.optim.min_lr)
         size = input_size_at(step, total_steps, phases, setup.img_size)
+        timed = full_size_rate.start(size)
         t_step = time.monotonic()
         result = train_step(setup, batches, lr, size)  # nothing read back: its numbers stay on the device
         step_s = time.monotonic() - t_step
+        full_size_rate.stop(timed, result.seen)
         pending.append((step + 1, result))
         window.add(result, step_s)
         budget.step_done(size, step_s)
@@ -171,7 +177,8 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     if not last_val and setup.evaluator is not None:  # resumed a finished run: its summary still reports the metrics
         last_val = evaluate(setup, budget, final=True)
     progress.close()
-    return finish(setup, step, total_steps, last_val, budget.elapsed(), writer, nonfinite, window.data_wait())
+    return finish(setup, step, total_steps, last_val, budget.elapsed(), writer, nonfinite, window.data_wait(),
+                  full_size_rate)
 
 
 # ----------------------------------------------------------------------------- the loop's helpers
@@ -271,13 +278,48 @@ def time_budget(setup: Setup, t_start: float, progress: Progress) -> TimeBudget:
         say=progress.message)
 
 
+class StepRate:
+    """Images per second of this process's steps at the full training size, each step timed
+    from its start to its end on the clock that sees its work (``Spans``: on a GPU the device's
+    stream), its wait for its batch included: the rate the summary's model-FLOPs utilisation
+    reads.  Evaluations, logging and checkpoints fall between steps and are not timed.  Left out
+    as the time budget leaves them out: this process's first two steps (allocation,
+    compilation) and a step at another size than the one before (a compiled model compiles
+    again); and the steps of a progressive-resizing phase below the full size, whose images
+    cost fewer FLOPs."""
+
+    def __init__(self, device: torch.device, full_size: int) -> None:
+        self.spans, self.full_size = Spans(device), full_size
+        self.begun, self.size_before = 0, None  # steps begun in this process; the last one's size
+        self.images, self.seconds = 0, 0.0
+
+    def start(self, size: int):
+        """A step at ``size`` begins: its start mark, or None when it is not timed."""
+        timed = self.begun >= 2 and size == self.size_before == self.full_size
+        self.begun, self.size_before = self.begun + 1, size
+        return self.spans.mark() if timed else None
+
+    def stop(self, start, images: int) -> None:
+        """The step whose mark is ``start`` (None: untimed) is done, having taken ``images`` images."""
+        if start is not None:
+            self.spans.close(start)
+            self.images += images
+
+    def take(self) -> None:
+        """Count the timed steps' seconds; on a GPU once the device has done them (``Spans.take``)."""
+        self.seconds += self.spans.take()
+
+
 class Window:
     """The training numbers since the last record, summed on the device (the record reads
     them), and those the progress line shows; ``batches``' waits give ``data_wait``, the
-    share of the steps' time spent waiting for data."""
+    share of the steps' time spent waiting for data; ``full_size_rate``'s steps are counted at each
+    record, when the device has done them."""
 
-    def __init__(self, device: torch.device, batches: WaitTimed | None = None) -> None:
+    def __init__(self, device: torch.device, batches: WaitTimed | None = None,
+                 full_size_rate: StepRate | None = None) -> None:
         self.device = device
+        self.full_size_rate = full_size_rate
         self.rate, self.loss_shown, self.logged = 0.0, None, False  # no loss read yet: the progress line shows "-"
         self.grad_norm = torch.full((), float("nan"), device=device)
         self.batches = batches
@@ -304,6 +346,8 @@ class Window:
         dt = time.monotonic() - self.t
         *sums, grad_norm = torch.cat([self.sums, self.grad_norm.view(1)]).tolist()
         waited = self.batches.take() if self.batches is not None else 0.0  # after the read: the steps are done
+        if self.full_size_rate is not None:
+            self.full_size_rate.take()
         loss, correct, seen, steps, examples, wait_s, step_s = all_reduce_sum(
             [*sums, float(self.examples), waited, self.step_s], setup.world)
         record = {
@@ -332,8 +376,10 @@ class Window:
 
 
 def finish(setup: Setup, step: int, total_steps: int, last_val: dict, wall: float, writer, nonfinite: NonFinite,
-           data_wait: float | None = None) -> dict:
-    """Save the final weights and the summary (rank 0); every rank returns the summary."""
+           data_wait: float | None = None, full_size_rate: StepRate | None = None) -> dict:
+    """Save the final weights and the summary (rank 0); every rank returns the summary, on a
+    GPU with the steps' model-FLOPs utilisation (``utilization``), measured once the weights
+    are saved."""
     from vitlab.weights import save_model
 
     cfg, out = setup.cfg, Path(setup.cfg.run.out)
@@ -367,9 +413,55 @@ def finish(setup: Setup, step: int, total_steps: int, last_val: dict, wall: floa
         weights = save_model(model, out / "model.safetensors")
         summary["weights"] = str(weights)
         summary["classes"] = str(out / "classes.json")
+    if full_size_rate is not None:
+        summary |= utilization(setup, full_size_rate)
+    if setup.world.is_main:
         if writer is not None:
             writer.close()
             plot = plot_curves(records, out / "curves.png")
             summary["curves"] = str(plot) if plot else None
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def utilization(setup: Setup, rate: StepRate) -> dict:
+    """The run's fields of ``utilization_summary``: the training FLOPs of one full-size image,
+    the timed steps' images per second per device (all processes' images over all their
+    seconds) and, on a GPU, the device's bf16 matmul peak measured now.  A collective call."""
+    images, seconds = all_reduce_sum([float(rate.images), rate.seconds], setup.world)
+    device = setup.world.device
+    return utilization_summary(device, 3 * model_flops(setup.model.cfg, setup.img_size),
+                               images / seconds if seconds > 0 else None, lambda: device_peak(device))
+
+
+def device_peak(device: torch.device) -> float | None:
+    """The device's bf16 matmul peak in FLOP/s (``matmul_peak``: 8192^3, the best of ten
+    repeats of a tenth of a second each); None when the device has no memory left for it,
+    which leaves the run's summary without MFU rather than failing a finished run."""
+    try:
+        return matmul_peak(device, torch.bfloat16, size=8192, warmup=3, repeats=10, min_seconds=0.1).best
+    except torch.OutOfMemoryError:
+        log.warning("no memory left on %s to measure its matmul peak: the summary gives no MFU", device)
+        return None
+
+
+def utilization_summary(device: torch.device, train_flops_per_image: float, images_per_s: float | None,
+                        measure_peak: Callable[[], float | None]) -> dict:
+    """The summary's model-FLOPs utilisation on a GPU: ``train_flops_per_image`` (3x the
+    forward, multiply-add = 2), the steps' ``step_images_per_s`` per device, the
+    ``achieved_tflops`` they amount to, the bf16 matmul peak ``measure_peak()`` gives
+    (``peak_bf16_tflops``; not measured without a rate to divide) and ``mfu`` = achieved / peak,
+    None where a figure is missing.  Nothing on a CPU: measuring its peak well would hold the
+    cores the run has just used for a while."""
+    if device.type != "cuda":
+        return {}
+    peak = measure_peak() if images_per_s else None
+    achieved = train_flops_per_image * images_per_s if images_per_s else None
+    shown = lambda value: float(f"{value:.4g}")  # noqa: E731  four figures: a small model's MFU is a fraction of 1%
+    return {
+        "train_flops_per_image": int(train_flops_per_image),
+        "step_images_per_s": round(images_per_s, 1) if images_per_s else None,
+        "achieved_tflops": shown(achieved / 1e12) if achieved else None,
+        "peak_bf16_tflops": shown(peak / 1e12) if peak else None,
+        "mfu": shown(mfu(train_flops_per_image, images_per_s, peak)) if achieved and peak else None,
+    }

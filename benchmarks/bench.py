@@ -3,11 +3,13 @@
     python benchmarks/bench.py                 # everything, CPU (about 40 minutes on 2 cores)
     python benchmarks/bench.py --quick         # one round, few repeats: checks the machinery
     python benchmarks/bench.py --rounds 1 --only 'infer/ViT-B/16/b8/'
-    python benchmarks/bench.py --only infer/ViT-B/16/b8 --device cuda --compile
+    python benchmarks/bench.py --only infer/ViT-B/16/b64 --device cuda --compile
+    python benchmarks/bench.py --device cuda --only '^infer/' --list   # the rows' ids, nothing run
 
 Rows (paper architectures from ``vitlab.models.registry``, random weights, the same for
 every implementation):
-  infer  ViT-B/16 at 224, batch 1, 8, 32: images/s of a forward pass (inference mode)
+  infer  ViT-B/16 at 224, batch 1, 8, 32 (on a GPU 1, 64, 256): images/s of a forward pass
+         (inference mode)
   train  ViT-S/16 at 224, batch 32; the CIFAR-size ViT (ViT-Ti's width, heads and MLP at
          depth 6, 32 px in 4 px patches, 10 classes) at batch 128; on a GPU also ViT-B/16
          at 224, batch 128: images/s of forward + backward + AdamW
@@ -59,6 +61,7 @@ from harness import OWN_IMPLS, PEAK_KERNELS, checkout, cpu_name, peers_available
 
 HERE = Path(__file__).resolve().parent
 INFER = [("ViT-B/16", b) for b in (1, 8, 32)]
+INFER_GPU = [("ViT-B/16", b) for b in (1, 64, 256)]  # the GPU goal's rows: a GPU's batches are larger
 TRAIN = [("ViT-S/16", 32), ("ViT-CIFAR", 128)]
 TRAIN_GPU = [("ViT-B/16", 128)]  # the GPU goal's row: ViT-B/16 training, bf16 model-FLOPs utilisation
 DTYPES = ("fp32", "bf16")
@@ -85,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bf16 rows: 'auto' runs them where the hardware has bf16 (CUDA, or a CPU "
                         "with AVX512-BF16/AMX); elsewhere bf16 is emulated and 10-100x slower")
     p.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON and latest.md")
+    p.add_argument("--list", action="store_true", help="print the ids of the peaks and rows this command would "
+                   "run (after --only) and exit, measuring nothing")
     return p.parse_args(argv)
 
 
@@ -111,7 +116,8 @@ def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     dtypes = DTYPES if bf16_wanted(args) else ("fp32",)
     cases = []
     train = TRAIN + (TRAIN_GPU if args.device == "cuda" else [])
-    for kind, rows in (("infer", INFER), ("train", train)):
+    infer = INFER_GPU if args.device == "cuda" else INFER
+    for kind, rows in (("infer", infer), ("train", train)):
         for model, batch in rows:
             for dtype in dtypes:
                 before = ["vitlab-before"] if args.before else []
@@ -334,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds = 1 if args.quick else 3
     args.before_path = checkout(args.before, "bench.py") if args.before else None
     peak_cases, cases = build_cases(args)
+    if args.list:
+        print("\n".join(c["id"] for c in peak_cases + cases))
+        return 0
     info = machine(args)
     timeout = 600 if args.quick else 1800
     print(f"{info.get('gpu') or info['cpu']} ({info['cpu_class']}, family/model {info.get('cpu_family_model')}), "

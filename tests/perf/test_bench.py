@@ -121,6 +121,30 @@ def test_a_gpu_run_adds_the_vit_b16_training_row_and_no_cpu_serving_columns(monk
     assert [p["id"] for p in gpu_peaks] == ["peak/float32/aten", "peak/bfloat16/bf16"]
 
 
+def test_inference_rows_take_the_devices_batches_and_timm_is_a_peer_on_a_gpu(monkeypatch):
+    """CPU: ViT-B/16 at batch 1, 8 and 32; a GPU: 1, 64 and 256 (issue 51), with timm among the
+    peers where it imports."""
+    monkeypatch.setattr(bench, "peers_available", lambda device: ["hf-sdpa", "timm"])
+
+    def batches(argv):
+        return sorted({c["batch"] for c in bench.build_cases(bench.parse_args(argv + ["--only", "^infer/"]))[1]})
+
+    assert batches(["--bf16", "no"]) == [1, 8, 32]
+    assert batches(["--device", "cuda"]) == [1, 64, 256]
+    rows = "infer/ViT-B/16/b(1|64|256)/bf16/(vitlab|timm)$"  # what benchmarks/gpu_check.sh's part B runs
+    _, gpu = bench.build_cases(bench.parse_args(["--device", "cuda", "--compile", "--only", rows]))
+    assert [(c["batch"], c["impl"]) for c in gpu] == [(b, impl) for b in (1, 64, 256) for impl in ("vitlab", "timm")]
+    assert all(c["compile"] and c["dtype"] == "bf16" and c["kind"] == "inference" for c in gpu)
+
+
+def test_list_prints_the_ids_and_measures_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "peers_available", lambda device: ["timm"])
+    monkeypatch.setattr(bench, "run_case", lambda case, timeout: pytest.fail("--list measured " + case["id"]))
+    assert bench.main(["--device", "cuda", "--list", "--only", "infer/ViT-B/16/b64/bf16"]) == 0
+    assert capsys.readouterr().out.split() == ["peak/float32/aten", "peak/bfloat16/bf16",
+                                               *(f"infer/ViT-B/16/b64/bf16/{impl}" for impl in ("vitlab", "timm", "vitlab-plain"))]
+
+
 def test_model_sizes_come_from_the_registry():
     from vitlab.models.registry import get_config
 

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One prepared GPU check for a lent device machine (see the device tool's README), run from the project's root.
+# Adapted from ../shared/tools/gpu_check.sh: part B adds issue 51's inference rows, part C prints the run's MFU.
+#
+#   bash benchmarks/gpu_check.sh prepare      # here, no GPU: fills .gpu/ (git-ignored) with this script and the
+#                                             # CIFAR-10 archive (../shared does not travel to the device machine)
+#   device run: command="PARTS=ABC bash .gpu/gpu_check.sh run 2>&1", carry=[".gpu"], timeout_s=590
+#
+# Parts (each with its own timeout; results land in $OUT as they come, the summary prints last):
+#   A  the CUDA tests
+#   B  one bench.py run, compiled, vitlab vs timm, bf16: ViT-B/16 training at batch 128 and inference at batch
+#      1, 64 and 256 (a fresh process per row, each compiling its model)
+#   C  the CIFAR-10 plain-ViT recipe, PART_C_MIN minutes, on the GPU; prints its summary's MFU line
+#   D  ViT-B/16 pre-training recipe from memory vs streamed JPEG shards
+# PARTS=ABC (the default) with PART_C_MIN=3 is meant to fit one 10-minute call: A under a minute, B about
+# 4-5 (its two training rows took 90 s on an H200 before the six inference rows were added; the whole
+# part is not timed yet), C about 4.  Trim PARTS to fit the device time left (a fresh machine takes 1-2
+# minutes to start); D needs a call of its own.
+set -u
+mode=${1:-run}
+if [ "$mode" = prepare ]; then
+  top=$(git rev-parse --show-toplevel) && cd "$top" || exit 1
+  exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file: ask git where its exclude is
+  mkdir -p "$(dirname "$exclude")" && { grep -q '^/.gpu/' "$exclude" 2>/dev/null || echo "/.gpu/" >> "$exclude"; }
+  mkdir -p .gpu && cp "$0" .gpu/gpu_check.sh && cp ../shared/data/cifar10/cifar10-train.tar.gz .gpu/
+  du -sh .gpu; exit 0
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"; PARTS=${PARTS:-ABC}; PART_C_MIN=${PART_C_MIN:-3}
+t0=$(date +%s); say() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
+case $PARTS in *A*) say "A CUDA tests"
+  timeout 150 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider 2>&1 | tail -n 5 | tee "$OUT/A.txt";; esac
+case $PARTS in *B*) say "B ViT-B/16 bf16, compiled, vitlab vs timm: training b128, inference b1, b64, b256"
+  rows='train/ViT-B/16/b128/bf16/(vitlab|timm)$|infer/ViT-B/16/b(1|64|256)/bf16/(vitlab|timm)$'
+  timeout 330 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --only "$rows" --out "$OUT/B" \
+    > "$OUT/B.log" 2>&1
+  tail -n 12 "$OUT/B.log" | tee "$OUT/B.txt";; esac
+case $PARTS in *C*) say "C CIFAR-10 plain ViT, $PART_C_MIN min"
+  timeout "$(python3 -c "print(int(float('$PART_C_MIN') * 60 + 150))")" python3 -m vitlab train --recipe cifar10_scratch:model=vit \
+    --data .gpu/cifar10-train.tar.gz --time-limit "$PART_C_MIN" --out /tmp/run-c --overwrite > "$OUT/C.log" 2>&1
+  grep '^{' "$OUT/C.log" | tail -n 1 | cut -c1-300
+  # the MFU line: from this run's printed summary (a summary.json left by an earlier call could be stale)
+  python3 - "$OUT/C.log" <<'PY' 2>&1 | tee "$OUT/C.txt"
+import json, sys
+printed = [line for line in open(sys.argv[1]) if line.startswith("{")]
+if not printed:
+    sys.exit("C MFU: no summary printed (see C.log)")
+s = json.loads(printed[-1])
+keys = ("train_flops_per_image", "step_images_per_s", "achieved_tflops", "peak_bf16_tflops", "mfu")
+print("C MFU:", " ".join(f"{k}={s.get(k)}" for k in keys), f"(model {s.get('model')}, {s.get('steps')} steps)")
+PY
+  ;; esac
+case $PARTS in *D*) say "D ViT-B/16 paper_pretrain: memory vs shards"
+  python3 - <<'PY'
+import os, numpy as np
+from multiprocessing import Pool
+from PIL import Image
+def one(i):  # ImageNet-like photographs: 500x375, quality 90
+    rng = np.random.default_rng(i); h, w = 375, 500
+    yy, xx = np.mgrid[0:h, 0:w] / max(h, w)
+    base = np.stack([np.sin(6*xx*rng.uniform(.5, 2)+c)*np.cos(4*yy*rng.uniform(.5, 2)+c) for c in range(3)], -1)
+    px = np.clip(128+100*base+rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
+    d = f"/tmp/imgs-d/c{i % 100:03d}"; os.makedirs(d, exist_ok=True); Image.fromarray(px).save(f"{d}/{i}.jpg", quality=90)
+with Pool(os.cpu_count()) as p: p.map(one, range(4096))
+PY
+  python3 -m vitlab pack-shards /tmp/imgs-d /tmp/shards-d --per-shard 128 > /dev/null 2>&1
+  common="--recipe paper_pretrain:dataset=i21k --model ViT-B/16 --val-split 0 --batch-size 128 --steps 150 --set optim.warmup=10"
+  timeout 100 python3 -m vitlab train $common --data /tmp/imgs-d --stream memory --out /tmp/run-dm --overwrite > "$OUT/D-memory.log" 2>&1
+  timeout 120 python3 -m vitlab train $common --data /tmp/shards-d --out /tmp/run-ds --overwrite > "$OUT/D-shards.log" 2>&1
+  for f in D-memory D-shards; do echo "$f: $(grep -o '[0-9,]* img/s' "$OUT/$f.log" | tail -n 1)"; done | tee "$OUT/D.txt";; esac
+say "done"

@@ -5,6 +5,7 @@
     python benchmarks/bench.py --rounds 1 --only 'infer/ViT-B/16/b8/'
     python benchmarks/bench.py --only infer/ViT-B/16/b64 --device cuda --compile
     python benchmarks/bench.py --device cuda --only '^infer/' --list   # the rows' ids, nothing run
+    python benchmarks/bench.py --device cuda --only '^train/.*/bf16/' --fp8 tensorwise,rowwise
 
 Rows (paper architectures from ``vitlab.models.registry``, random weights, the same for
 every implementation):
@@ -18,7 +19,10 @@ each in fp32 and in bf16 autocast.  "vitlab" is the default path, the model unde
 attn_implementation "sdpa" and "eager", and timm when importable.  Two more columns are
 references, not peers, and the ratio leaves them out: "vitlab-plain", the same model
 without the fast layer (what ``--no-fast`` runs), and ONNX Runtime (CPU, fp32 inference)
-running vitlab's export.
+running vitlab's export.  With ``--fp8`` (a GPU only) the bf16 training rows also run
+"vitlab-fp8-tensorwise" and "vitlab-fp8-rowwise": the default path with the encoder blocks'
+dense layers in fp8 (``vitlab.fast.install_fp8``, what ``run.fp8`` trains), each a column with
+its ratio to the best peer; they are vitlab's own, never the best peer.
 
 Every (row, implementation) runs in a fresh subprocess (harness.py); warm-up calls are
 excluded.  The list runs R times (--rounds, default 3), a row's implementations back to
@@ -57,7 +61,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import OWN_IMPLS, PEAK_KERNELS, checkout, cpu_name, peers_available, run_case
+from harness import FP8_IMPL_PREFIX, FP8_IMPLS, OWN_IMPLS, PEAK_KERNELS, checkout, cpu_name, peers_available, run_case
 
 HERE = Path(__file__).resolve().parent
 INFER = [("ViT-B/16", b) for b in (1, 8, 32)]
@@ -87,10 +91,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bf16", choices=("auto", "yes", "no"), default="auto",
                    help="bf16 rows: 'auto' runs them where the hardware has bf16 (CUDA, or a CPU "
                         "with AVX512-BF16/AMX); elsewhere bf16 is emulated and 10-100x slower")
+    p.add_argument("--fp8", type=fp8_scalings, default=(), metavar="SCALINGS",
+                   help="GPU: add the bf16 training rows' fp8 columns, e.g. tensorwise,rowwise "
+                        "(vitlab.fast.install_fp8)")
     p.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON and latest.md")
     p.add_argument("--list", action="store_true", help="print the ids of the peaks and rows this command would "
                    "run (after --only) and exit, measuring nothing")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.fp8 and args.device != "cuda":  # the CPU only emulates fp8 matmuls: nothing to measure
+        raise SystemExit(f"bench.py --fp8 {','.join(args.fp8)}: fp8 matmuls are measured on a GPU of compute "
+                         f"capability 8.9 or higher; add --device cuda (this run is on {args.device})")
+    return args
+
+
+def fp8_scalings(text: str) -> tuple[str, ...]:
+    """An argparse type: a comma-separated list of fp8 scalings ("tensorwise,rowwise")."""
+    allowed = tuple(impl[len(FP8_IMPL_PREFIX):] for impl in FP8_IMPLS)
+    scalings = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    if not scalings or any(s not in allowed for s in scalings):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected scalings among {', '.join(allowed)}, comma-separated")
+    return scalings
 
 
 def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
@@ -121,7 +141,9 @@ def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
         for model, batch in rows:
             for dtype in dtypes:
                 before = ["vitlab-before"] if args.before else []
-                for impl in ["vitlab"] + peers + ["vitlab-plain"] + before:
+                # fp8 matmuls run inside bf16 autocast, and only in training (vitlab.fast.fp8)
+                fp8 = [FP8_IMPL_PREFIX + s for s in args.fp8] if kind == "train" and dtype == "bf16" else []
+                for impl in ["vitlab"] + fp8 + peers + ["vitlab-plain"] + before:
                     serving = impl == "onnxruntime"  # vitlab's export: fp32 CPU inference only
                     if serving and (kind == "train" or dtype != "fp32" or args.device != "cpu"):
                         continue
@@ -202,9 +224,9 @@ def best_peer(by_impl: dict[str, dict]) -> dict | None:
     return max(ok, key=lambda r: r["median"], default=None)
 
 
-def round_ratios(by_impl: dict[str, dict], against: str | None = None) -> list[float]:
-    """Each round's vitlab / best peer (or / the implementation ``against``), for rounds where both
-    have a figure.
+def round_ratios(by_impl: dict[str, dict], against: str | None = None, ours: str = "vitlab") -> list[float]:
+    """Each round's vitlab (or the implementation ``ours``) / best peer (or / the implementation
+    ``against``), for rounds where both have a figure.
 
     The peer is the same in every round: the best over all rounds.  Taking each round's
     fastest peer instead would compare vitlab with the maximum of two noisy figures, which
@@ -212,9 +234,9 @@ def round_ratios(by_impl: dict[str, dict], against: str | None = None) -> list[f
     rows): three level implementations with 10% noise would give vitlab about 0.95x.
     """
     best = by_impl.get(against) if against else best_peer(by_impl)
-    ours = by_impl.get("vitlab", {}).get("round_medians", [])
+    mine = by_impl.get(ours, {}).get("round_medians", [])
     theirs = best.get("round_medians", []) if best else []
-    return [mine / peer for mine, peer in zip(ours, theirs) if mine is not None and peer is not None]
+    return [m / peer for m, peer in zip(mine, theirs) if m is not None and peer is not None]
 
 
 def memory_ratio(ours: dict, best: dict | None) -> str:
@@ -243,6 +265,8 @@ def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> lis
     with_before = "vitlab-before" in impls
     if with_before:
         header.append("vitlab/before")
+    fp8 = [i for i in impls if i in FP8_IMPLS]
+    header += [f"{i}/best peer" for i in fp8]
     lines = [header]
     for key, by_impl in rows.items():
         ours = by_impl.get("vitlab", {})
@@ -263,6 +287,10 @@ def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> lis
         if with_before:
             then = round_ratios(by_impl, against="vitlab-before")
             lines[-1].append(f"{statistics.median(then):.2f}x ({min(then):.2f}-{max(then):.2f})" if then else "-")
+        for impl in fp8:  # "-" on the rows without fp8 columns (inference, fp32)
+            ratios = round_ratios(by_impl, ours=impl)
+            lines[-1].append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+                             if ratios else "-")
     return lines
 
 

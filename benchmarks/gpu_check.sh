@@ -8,8 +8,9 @@
 #
 # Parts (each with its own timeout; results land in $OUT as they come, the summary prints last):
 #   A  the CUDA tests
-#   B  one bench.py run, compiled, vitlab vs timm, bf16: ViT-B/16 training at batch 128 and inference at batch
-#      1, 64 and 256 (a fresh process per row, each compiling its model)
+#   B  one bench.py run, compiled, vitlab vs timm, bf16: ViT-B/16 training at batch 128 (with vitlab's fp8
+#      columns, tensorwise and rowwise) and inference at batch 1, 64 and 256 (a fresh process per row, each
+#      compiling its model)
 #   C  the CIFAR-10 plain-ViT recipe, PART_C_MIN minutes, on the GPU; prints its summary's MFU line
 #   D  ViT-B/16 pre-training recipe from memory vs streamed JPEG shards
 # PARTS=ABC (the default) with PART_C_MIN=3 is meant to fit one 10-minute call: A under a minute, B about
@@ -33,8 +34,8 @@ python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', 
 case $PARTS in *A*) say "A CUDA tests"
   timeout 150 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider 2>&1 | tail -n 5 | tee "$OUT/A.txt";; esac
 case $PARTS in *B*) say "B ViT-B/16 bf16, compiled, vitlab vs timm: training b128, inference b1, b64, b256"
-  rows='train/ViT-B/16/b128/bf16/(vitlab|timm)$|infer/ViT-B/16/b(1|64|256)/bf16/(vitlab|timm)$'
-  timeout 330 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --only "$rows" --out "$OUT/B" \
+  rows='train/ViT-B/16/b128/bf16/(vitlab|vitlab-fp8-tensorwise|vitlab-fp8-rowwise|timm)$|infer/ViT-B/16/b(1|64|256)/bf16/(vitlab|timm)$'
+  timeout 330 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --fp8 tensorwise,rowwise --only "$rows" --out "$OUT/B" \
     > "$OUT/B.log" 2>&1
   tail -n 12 "$OUT/B.log" | tee "$OUT/B.txt";; esac
 case $PARTS in *C*) say "C CIFAR-10 plain ViT, $PART_C_MIN min"

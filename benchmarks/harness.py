@@ -135,8 +135,11 @@ def run_worker(cmd: list[str], threads: int | None = None, pythonpath: str | Non
 
 # Implementations of vitlab's own model: "vitlab" is the default path (``vitlab.fast.optimize``),
 # "vitlab-plain" the model as written, "vitlab-before" an earlier revision's (bench.py --before), "onnxruntime"
-# its ONNX export.  Every other one is a peer.
-OWN_IMPLS = ("vitlab", "vitlab-plain", "vitlab-before", "onnxruntime")
+# its ONNX export, "vitlab-fp8-SCALING" the default path with the blocks' dense layers in fp8 (bench.py --fp8,
+# what ``run.fp8`` trains).  Every other one is a peer.
+FP8_IMPL_PREFIX = "vitlab-fp8-"
+FP8_IMPLS = tuple(FP8_IMPL_PREFIX + scaling for scaling in ("tensorwise", "rowwise"))  # vitlab.fast.FP8_SCALINGS
+OWN_IMPLS = ("vitlab", "vitlab-plain", "vitlab-before", "onnxruntime", *FP8_IMPLS)
 
 
 # ----------------------------------------------------------------------------- models
@@ -170,7 +173,7 @@ def make_model(impl: str, spec: str, img_size: int | None = None):
     the trainer, ``vitlab eval`` and ``vitlab predict`` run) once it is on its device.
     """
     cfg = vitlab_config(spec, img_size)
-    if impl in ("vitlab", "vitlab-plain", "vitlab-before"):  # "before": another checkout's, as it runs
+    if impl in ("vitlab", "vitlab-plain", "vitlab-before", *FP8_IMPLS):  # "before": another checkout's, as it runs
         from vitlab.models.registry import build_model
 
         model = build_model(cfg)
@@ -191,8 +194,8 @@ def make_model(impl: str, spec: str, img_size: int | None = None):
         model = VisionTransformer(img_size=img, patch_size=patch, embed_dim=width, depth=depth,
                                   num_heads=heads, mlp_ratio=mlp / width, num_classes=classes)
         return model, model
-    raise ValueError(f"impl={impl!r}: allowed values are vitlab, vitlab-plain, hf-sdpa, hf-eager, timm, "
-                     "onnxruntime")
+    raise ValueError(f"impl={impl!r}: allowed values are vitlab, vitlab-plain, {', '.join(FP8_IMPLS)}, hf-sdpa, "
+                     "hf-eager, timm, onnxruntime")
 
 
 def optimize_if_default(impl: str, model, kind: str = "train"):
@@ -200,13 +203,17 @@ def optimize_if_default(impl: str, model, kind: str = "train"):
     runs it: ``optimize(model)``, what the trainer, ``vitlab eval`` and ``vitlab predict`` run (bf16
     inference weights cast in every call into a shared buffer), or for ``kind="inference"`` of a
     revision that has it ``inference_weights="pack"`` (bf16 weights packed into the fp32 ones, what
-    its commands ran until 2026-11-26).  A revision from before ``vitlab.fast`` runs its model as it is."""
-    if impl not in ("vitlab", "vitlab-before"):
+    its commands ran until 2026-11-26).  A revision from before ``vitlab.fast`` runs its model as it is.
+    'vitlab-fp8-SCALING': the blocks' dense layers swapped to fp8 first, then ``optimize``, as the
+    trainer builds a ``run.fp8`` run."""
+    if impl not in ("vitlab", "vitlab-before", *FP8_IMPLS):
         return model
     try:
         import vitlab.fast
     except ImportError:
         return model
+    if impl in FP8_IMPLS:
+        vitlab.fast.install_fp8(model, impl[len(FP8_IMPL_PREFIX):])
     options = {}
     if kind == "inference" and "pack" in getattr(vitlab.fast, "INFERENCE_WEIGHTS", ()):
         options["inference_weights"] = "pack"

@@ -15,8 +15,8 @@ INTEL_AVX2 = ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel
               "model name\t: Intel(R) Xeon(R) CPU E5-2676 v3 @ 2.40GHz\nflags\t\t: fpu sse sse2 avx fma avx2\n\n")
 GRAVITON = ("processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd sve bf16 i8mm\nCPU implementer\t: 0x41\n\n"
             "processor\t: 1\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd\n\n")
-H100 = Gpu("NVIDIA H100 80GB HBM3", 80 << 30, 79 << 30, True)
-T4 = Gpu("Tesla T4", 15 << 30, 14 << 30, False)
+H100 = Gpu("NVIDIA H100 80GB HBM3", 80 << 30, 79 << 30, True, (9, 0))
+T4 = Gpu("Tesla T4", 15 << 30, 14 << 30, False, (7, 5))
 
 
 def test_cpu_info_reads_the_first_processors_family_and_model_numbers(tmp_path):
@@ -70,6 +70,23 @@ def test_gpu_looks_a_device_up_by_its_index():
     assert machine.gpu("cuda:2") is None  # a card this machine lacks
     assert machine.gpu("cpu") is None and machine.gpu(torch.device("cpu")) is None
     assert Machine.described().gpu("cuda") is None
+
+
+def test_fp8_tensor_cores_come_with_compute_capability_8_9(monkeypatch):
+    import types
+
+    import vitlab.machine as machine_module
+
+    assert H100.fp8 and not T4.fp8
+    assert Gpu("NVIDIA L4", 24 << 30, None, True, (8, 9)).fp8
+    assert not Gpu("NVIDIA A100", 80 << 30, None, True, (8, 0)).fp8
+    assert not Gpu("unknown card", 1 << 30, None, True).fp8  # described without its capability: not assumed
+    assert T4.capability_line() == "Tesla T4 (compute capability 7.5)"
+    # a card read from CUDA carries its capability (the properties faked: no GPU needed)
+    props = types.SimpleNamespace(name="NVIDIA L40S", total_memory=48 << 30, major=8, minor=9)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    card = machine_module._gpu(0, measure_free=False)
+    assert card == Gpu("NVIDIA L40S", 48 << 30, None, True, (8, 9)) and card.fp8
 
 
 def test_memory_available_reads_memavailable_in_bytes(tmp_path):

@@ -2,7 +2,7 @@
 
     machine = Machine.here()        # read once: /proc/cpuinfo, the affinity mask, /proc/meminfo, CUDA
     machine.cpu_line()              # "AMD EPYC (avx512_bf16, family/model 26/2)"
-    machine.gpu("cuda:1")           # that card's name, memory and bf16 support, or None
+    machine.gpu("cuda:1")           # that card's name, memory, bf16 support and compute capability, or None
 
 This module is the only reader of /proc/cpuinfo, /proc/meminfo and the affinity mask; what
 depends on the host (the fast path's kernel rule, a run's "auto" settings, the memory
@@ -121,12 +121,27 @@ def memory_available(meminfo: str = "/proc/meminfo") -> int | None:
 # ----------------------------------------------------------------------------- the machine
 
 
+# The lowest compute capability with fp8 tensor cores: Ada (8.9: L4, L40, RTX 40); Hopper (9.0: H100, H200) and later
+FP8_CAPABILITY = (8, 9)
+
+
 @dataclasses.dataclass(frozen=True)
 class Gpu:
     name: str
     total_bytes: int
     free_bytes: int | None  # torch.cuda.mem_get_info when the machine was described; None: not measured
     bf16: bool              # the card computes in bf16 (compute capability 8.0 or later)
+    capability: tuple[int, int] | None = None  # CUDA compute capability (major, minor); None: not known
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the card has fp8 tensor cores (compute capability 8.9 or later); unknown counts as no."""
+        return self.capability is not None and tuple(self.capability) >= FP8_CAPABILITY
+
+    def capability_line(self) -> str:
+        """"NVIDIA A100-SXM4-80GB (compute capability 8.0)", for messages."""
+        known = ".".join(map(str, self.capability)) if self.capability is not None else "unknown"
+        return f"{self.name} (compute capability {known})"
 
 
 def _gpu(index: int, measure_free: bool) -> Gpu:
@@ -134,7 +149,7 @@ def _gpu(index: int, measure_free: bool) -> Gpu:
     ``mem_get_info`` opens a CUDA context on the card, which a process keeps for its life."""
     props = torch.cuda.get_device_properties(index)
     free = int(torch.cuda.mem_get_info(index)[0]) if measure_free else None
-    return Gpu(props.name, int(props.total_memory), free, props.major >= 8)
+    return Gpu(props.name, int(props.total_memory), free, props.major >= 8, (props.major, props.minor))
 
 
 @dataclasses.dataclass(frozen=True)

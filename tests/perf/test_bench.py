@@ -242,3 +242,44 @@ def test_ratio_is_not_biased_by_picking_each_rounds_fastest_peer():
     assert bench.best_peer(by_impl)["impl"] == "hf-sdpa"  # level medians: the first listed
     assert bench.round_ratios(by_impl) == [10 / 11, 10 / 9, 1.0]
     assert bench.table(results, {}, ["vitlab", "hf-sdpa", "hf-eager"])[1][4] == "1.00x (0.91-1.11) vs hf-sdpa"
+
+
+def test_fp8_adds_columns_to_the_gpus_bf16_training_rows_only(monkeypatch):
+    monkeypatch.setattr(harness, "peers_available", lambda device: ["hf-sdpa", "timm"])
+    monkeypatch.setattr(bench, "peers_available", harness.peers_available)
+    _, plain = bench.build_cases(bench.parse_args(["--device", "cuda"]))
+    _, with_fp8 = bench.build_cases(bench.parse_args(["--device", "cuda", "--fp8", "tensorwise,rowwise"]))
+    added = [c for c in with_fp8 if c not in plain]
+    assert [c for c in with_fp8 if c in plain] == plain  # the other cases as they were, in their order
+    train_rows = {f"train/{model}/b{batch}/bf16" for model, batch in bench.TRAIN + bench.TRAIN_GPU}
+    assert {c["id"] for c in added} == {f"{row}/vitlab-fp8-{scaling}" for row in train_rows
+                                        for scaling in ("tensorwise", "rowwise")}
+    assert all(c["kind"] == "train" and c["dtype"] == "bf16" and c["device"] == "cuda" for c in added)
+    row = [c["impl"] for c in with_fp8 if c["id"].startswith("train/ViT-B/16/b128/bf16/")]
+    assert row[:3] == ["vitlab", "vitlab-fp8-tensorwise", "vitlab-fp8-rowwise"]  # beside the default path
+
+    with pytest.raises(SystemExit, match=r"--fp8 tensorwise: fp8 matmuls are measured on a GPU .*--device cuda"):
+        bench.parse_args(["--fp8", "tensorwise"])  # the CPU only emulates them
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cuda", "--fp8", "blockwise"])  # argparse names the scalings
+
+
+def test_fp8_columns_are_vitlabs_own_with_their_ratio_to_the_best_peer():
+    def result(impl, median):
+        return {"id": f"train/x/b8/bf16/{impl}", "impl": impl, "median": median, "min": median, "max": median,
+                "achieved_flops_per_s": median * 1e9, "peak_bytes": 2**20, "round_medians": [median]}
+
+    fake = [result("vitlab", 30.0), result("vitlab-fp8-tensorwise", 45.0), result("vitlab-fp8-rowwise", 40.0),
+            result("timm", 20.0)]
+    assert bench.best_peer({r["impl"]: r for r in fake})["impl"] == "timm"
+    lines = bench.table(fake, {"bfloat16": 100e9}, ["vitlab", "vitlab-fp8-tensorwise", "vitlab-fp8-rowwise", "timm"])
+    assert lines[0][-2:] == ["vitlab-fp8-tensorwise/best peer", "vitlab-fp8-rowwise/best peer"]
+    assert lines[1][5] == "1.50x vs timm" and lines[1][-2:] == ["2.25x (2.25-2.25)", "2.00x (2.00-2.00)"]
+
+
+def test_an_fp8_impl_is_the_model_with_its_blocks_swapped_then_optimized():
+    import vitlab.fast
+
+    model, _ = harness.make_model("vitlab-fp8-rowwise", "ViT-CIFAR")
+    model = harness.optimize_if_default("vitlab-fp8-rowwise", model)
+    assert vitlab.fast.fp8_scaling(model) == "rowwise" and vitlab.fast.is_optimized(model)

@@ -229,3 +229,13 @@ def test_sweep_holds_out_the_papers_share_per_dataset(dataset, share, capsys):
     assert json.loads(capsys.readouterr().out)["holdout"] == 0.25
     assert main(["sweep", "--recipe", recipe, "--init", "W", "--holdout", "500", "--show-config"]) == 0
     assert json.loads(capsys.readouterr().out)["holdout"] == 500
+
+
+def test_fp8_is_a_flag_whose_refusal_on_this_cpu_is_one_line(capsys):
+    assert main(["train", "--recipe", "demo", "--show-config", "--precision", "bf16", "--fp8", "off"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["fp8"] == "off"
+    for asked, field in ((["--precision", "bf16", "--fp8", "rowwise"], "needs a CUDA GPU of compute capability 8.9"),
+                         (["--precision", "fp32", "--fp8", "tensorwise"], "set run.precision to 'bf16' or 'auto'")):
+        assert main(["train", "--recipe", "demo", "--show-config", "--set", "run.device=cpu", *asked]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("vitlab train: error: run.fp8=") and field in err and len(err.strip().splitlines()) == 1

@@ -177,3 +177,26 @@ def test_fp16_gradient_scaler_recovers_from_an_overflowing_loss_scale(tiny):
         p.grad /= huge
     s.optimizer.step()
     assert not all(torch.isfinite(p).all() for p in s.model.parameters())
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_an_fp8_run_swaps_its_blocks_keeps_plain_weights_and_catches_a_nan_as_bf16_does(tiny, monkeypatch, scaling):
+    """The run's own path, built on the CPU: the refusal (resolve.check_fp8) is set aside, since
+    the CPU emulates the fp8 products the test needs."""
+    import vitlab.train.resolve as resolve_module
+    from vitlab.fast import Float8Linear
+
+    monkeypatch.setattr(resolve_module, "check_fp8", lambda *args: None)
+    s = build(tiny(precision="bf16", **{"run.fp8": scaling}))
+    assert s.fp8.scaling == scaling and s.fp8.kept == ()
+    assert s.fp8.swapped == ("blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc1", "blocks.0.mlp.fc2")
+    assert all(isinstance(s.model.get_submodule(name), Float8Linear) for name in s.fp8.swapped)
+    assert list(s.model.state_dict()) == list(build(tiny(precision="bf16")).model.state_dict())
+    assert train_step(s, endless(s.stream), lr=1e-2, size=s.img_size[0]).read().applied
+
+    fc1 = s.model.blocks[0].mlp.fc1
+    fc1.register_forward_pre_hook(lambda module, args: (torch.full_like(args[0], float("nan")),))
+    before = {k: v.clone() for k, v in s.model.state_dict().items()}
+    result = train_step(s, endless(s.stream), lr=1e-2, size=s.img_size[0]).read()
+    assert result.nonfinite == "loss" and not result.applied
+    assert all(torch.equal(before[k], v) for k, v in s.model.state_dict().items())

@@ -15,8 +15,9 @@ from vitlab.train.resolve import Resolved, finetune_size, resolve, resolve_devic
 
 from .conftest import tiny_config
 
-H100 = Gpu("NVIDIA H100 80GB HBM3", total_bytes=80 << 30, free_bytes=79 << 30, bf16=True)
-OLD_GPU = Gpu("Tesla V100", total_bytes=16 << 30, free_bytes=15 << 30, bf16=False)
+H100 = Gpu("NVIDIA H100 80GB HBM3", total_bytes=80 << 30, free_bytes=79 << 30, bf16=True, capability=(9, 0))
+A100 = Gpu("NVIDIA A100-SXM4-80GB", total_bytes=80 << 30, free_bytes=79 << 30, bf16=True, capability=(8, 0))
+OLD_GPU = Gpu("Tesla V100", total_bytes=16 << 30, free_bytes=15 << 30, bf16=False, capability=(7, 0))
 
 
 def world(device="cpu", size=1, processes_here=1) -> World:
@@ -146,3 +147,59 @@ def test_build_leaves_the_processs_threads_and_random_streams_as_it_found_them(t
     assert torch.equal(torch.rand(3), expected)  # the caller's stream, untouched by the model's initialisation
     torch.manual_seed(0)  # the run's seed: the state it starts its steps from follows the model's initialisation
     assert not torch.equal(setup.rng["torch"], torch.get_rng_state())
+
+
+# ----------------------------------------------------------------------------- fp8 matmuls (run.fp8)
+
+
+def test_fp8_is_refused_without_fp8_tensor_cores_and_taken_on_a_gpu_that_has_them(tmp_path):
+    cfg = with_changes(auto_config(tmp_path), {"run.fp8": "tensorwise"})
+    with pytest.raises(ConfigError) as refused:
+        resolve(cfg, world("cpu"), described())
+    message = str(refused.value)
+    assert message.startswith("run.fp8='tensorwise' needs a CUDA GPU of compute capability 8.9 or higher")
+    assert "this run resolves to cpu: set run.fp8='off'" in message and "\n" not in message
+    with pytest.raises(ConfigError, match=r"resolves to cuda:0, NVIDIA A100-SXM4-80GB \(compute capability 8.0\)"):
+        resolve(cfg, world("cuda:0"), described(gpus=(A100,)))
+    unknown = dataclasses.replace(H100, capability=None)  # a card described without its capability: not assumed
+    with pytest.raises(ConfigError, match=r"compute capability unknown"):
+        resolve(cfg, world("cuda:0"), described(gpus=(unknown,)))
+    with pytest.raises(ConfigError, match="resolves to cuda:1, a GPU this machine lacks"):
+        resolve(cfg, world("cuda:1"), described(gpus=(H100,)))
+
+    on_h100 = resolve(with_changes(cfg, {"run.fp8": "rowwise"}), world("cuda:0"), described(gpus=(H100,)))
+    assert on_h100.config.run.fp8 == "rowwise" and on_h100.precision == "bf16"  # auto: bf16 around the fp8 layers
+    assert "precision bf16 with fp8 rowwise matmuls" in on_h100.line()
+    assert on_h100.memory.shape.fast is False  # the blocks take the plain forward: the estimate keeps their outputs
+    assert resolve(auto_config(tmp_path), world("cuda:0"), described(gpus=(H100,))).memory.shape.fast is True
+
+
+def test_fp8_runs_inside_bf16_autocast_and_names_its_choices(tmp_path):
+    from vitlab.train.config import RunConfig
+
+    for precision in ("fp32", "fp16"):
+        with pytest.raises(ConfigError, match=f"run.fp8='rowwise'.*set run.precision to 'bf16' or 'auto' "
+                                              f"\\(here '{precision}'\\)"):
+            RunConfig(precision=precision, fp8="rowwise")
+    with pytest.raises(ConfigError, match="run.fp8='blockwise'.*'off', 'tensorwise', 'rowwise'"):
+        RunConfig(precision="bf16", fp8="blockwise")
+    assert RunConfig().fp8 == "off"
+
+
+def test_a_recipes_fp8_for_gpus_is_checked_only_where_it_applies(tmp_path):
+    cfg = with_changes(auto_config(tmp_path), {"run.on_device": {"cuda": {"run.fp8": "tensorwise"}}})
+    assert resolve(cfg, world("cpu"), described()).config.run.fp8 == "off"
+    assert resolve(cfg, world("cuda:0"), described(gpus=(H100,))).config.run.fp8 == "tensorwise"
+    with pytest.raises(ConfigError, match="run.fp8='tensorwise' needs a CUDA GPU"):
+        resolve(cfg, world("cuda:0"), described(gpus=(A100,)))
+
+
+def test_show_config_states_fp8_on_a_gpu_that_has_it_and_refuses_it_elsewhere(tmp_path):
+    from vitlab.train.resolve import preview
+
+    cfg = with_changes(auto_config(tmp_path), {"run.fp8": "tensorwise"})
+    shown = json.loads(json.dumps(preview(cfg, described(gpus=(H100,)))))
+    assert shown["run"]["fp8"] == "tensorwise" and shown["run"]["precision"] == "bf16"
+    assert shown["resolved"]["device"] == "cuda:0" and shown["memory_estimate"]["fast"] is False
+    with pytest.raises(ConfigError, match="run.fp8='tensorwise' needs a CUDA GPU .* resolves to cpu"):
+        preview(cfg, described())

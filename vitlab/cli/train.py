@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from vitlab.config import PRECISIONS
+from vitlab.fast import FP8_SCALINGS
 
 # flag -> TrainConfig field
 SHORTCUTS = {
@@ -26,7 +27,7 @@ SHORTCUTS = {
     "steps": "optim.steps", "batch_size": "optim.batch_size", "lr": "optim.lr", "out": "run.out",
     "precision": "run.precision", "accum_steps": "optim.accum_steps", "seed": "run.seed", "img_size": "model.img_size",
     "fsdp": "run.fsdp", "compile": "run.compile", "fast": "run.fast", "retain_freed_memory": "run.retain_freed_memory",
-    "stream": "data.stream", "val_data": "data.val_data",
+    "stream": "data.stream", "val_data": "data.val_data", "fp8": "run.fp8",
 }
 
 
@@ -55,7 +56,10 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
     p.add_argument("--lr", type=float, help="base learning rate")
     p.add_argument("--img-size", type=int, help="training resolution")
     p.add_argument("--precision", choices=("auto", *PRECISIONS),
-                   help="auto: bf16 autocast where it is faster than fp32 (GPUs; CPUs whose bf16 matmul kernel beats the fp32 GEMM), else fp32; fp16: autocast with a gradient scaler (run.loss_scale)")
+                   help="auto: bf16 autocast where it is faster than fp32 (GPUs; CPUs whose bf16 matmul kernel beats the fp32 GEMM), else fp32; fp16: autocast with a gradient scaler (run.loss_scale); fp8 matmuls: --fp8")
+    p.add_argument("--fp8", choices=("off", *FP8_SCALINGS),
+                   help="the encoder blocks' dense layers in fp8, scaled per tensor or per row, the rest in bf16 "
+                        "(needs --precision bf16 or auto and a GPU of compute capability 8.9+: H100, H200, L4, RTX 40)")
     add_run_arguments(p)
 
 

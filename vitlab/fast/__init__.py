@@ -13,6 +13,10 @@ buffer or held.  The installed modules share the plain ones' parameters, state-d
 and hooks and keep their own state on themselves; nothing writes into a parameter.
 Outputs and gradients equal the plain model's up to floating-point rounding
 (``tests/test_fast.py``).  The design and its measurements: ``docs/performance.md``.
+
+FP8 matmuls for training on GPUs that have them are a separate opt-in swap of the encoder
+blocks' dense layers (``fp8.py``: ``install_fp8``, ``uninstall_fp8``), installed before
+``optimize``; ``vitlab train --fp8`` asks for it.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from typing import Iterator
 
 from torch import nn
 
+from .fp8 import FP8_SCALINGS, Float8Linear, Fp8Swap, fp8_scaling, install_fp8, uninstall_fp8
 from .kernels import KernelChoice, KernelUnavailable, check_runnable, choose, cpu_precision, rule_choice
 from .modules import INFERENCE_WEIGHTS, FastBlock, FastLinear, FastOptions, install, installed, uninstall
 
@@ -75,6 +80,7 @@ def optimized(model: nn.Module, kernels: KernelChoice | None = None, recompute: 
             install(model, before)
 
 
-__all__ = ["INFERENCE_WEIGHTS", "FastBlock", "FastLinear", "FastOptions", "KernelChoice", "KernelUnavailable",
-           "check_runnable", "choose", "cpu_precision", "installed_options", "is_optimized", "optimize", "optimized",
-           "restore", "rule_choice"]
+__all__ = ["FP8_SCALINGS", "INFERENCE_WEIGHTS", "FastBlock", "FastLinear", "FastOptions", "Float8Linear", "Fp8Swap",
+           "KernelChoice", "KernelUnavailable", "check_runnable", "choose", "cpu_precision", "fp8_scaling",
+           "install_fp8", "installed_options", "is_optimized", "optimize", "optimized", "restore", "rule_choice",
+           "uninstall_fp8"]

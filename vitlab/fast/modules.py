@@ -168,10 +168,11 @@ def _stand_in(fast: nn.Module, plain: nn.Module) -> None:
     vars(fast)["plain"] = plain
 
 
-def _restored(fast: nn.Module) -> nn.Module:
-    """The plain module ``fast`` stands in for, given what changed on ``fast`` (its mode, attributes)."""
+def _restored(fast: nn.Module, own_attributes: tuple[str, ...] = _OWN_ATTRIBUTES) -> nn.Module:
+    """The plain module ``fast`` stands in for, given what changed on ``fast`` (its mode, attributes)
+    but for the installed module's ``own_attributes``."""
     plain = vars(fast)["plain"]
-    vars(plain).update((k, v) for k, v in vars(fast).items() if k not in _OWN_ATTRIBUTES)
+    vars(plain).update((k, v) for k, v in vars(fast).items() if k not in own_attributes)
     return plain
 
 

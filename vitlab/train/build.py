@@ -50,6 +50,7 @@ class Setup:
     resolved: Resolved        # the "auto" settings as decided for this run
     rng: dict                 # the random state the steps start from (state.rng_state)
     scaler: torch.amp.GradScaler | None = None  # fp16's gradient scaler (numerics.make_scaler)
+    fp8: fast.Fp8Swap | None = None  # the dense layers run.fp8 put in fp8 (None: off)
 
     @property
     def precision(self) -> str:
@@ -207,6 +208,9 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
         set_process_state(caller)
     check_progressive_sizes(cfg, img_size, model.cfg)
     model.train()
+    # before the fast layer, whose blocks then leave the fp8 layers to themselves (vitlab.fast.fp8);
+    # the swapped layers share the plain ones' parameters: the checkpoints hold the plain weights
+    fp8 = fast.install_fp8(model, cfg.run.fp8) if cfg.run.fp8 != "off" else None
     if cfg.run.fast:  # in place and before any wrapper: DDP, FSDP and compile see the fast modules
         fast.optimize(model, resolved.kernels)
     ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None
@@ -245,4 +249,4 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
         evaluator, final_evaluator = evaluator_with(0), evaluator_with(cfg.run.final_eval_shift)
     scaler = make_scaler(resolved.precision, world.device, cfg.run.loss_scale)
     return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, evaluator, final_evaluator, micro_batch,
-                 tuple(img_size), resolved, rng, scaler)
+                 tuple(img_size), resolved, rng, scaler, fp8)

@@ -24,6 +24,7 @@ from typing import Any, Optional
 from vitlab.config import (PRECISIONS, ConfigError, is_int, is_number, need, need_bool, need_choice,
                            need_count_or_fraction, need_int, need_number)
 from vitlab.data.transforms import Augmentation, TrainTransform
+from vitlab.fast.fp8 import FP8_SCALINGS
 from vitlab.models.mpp import TARGETS as MPP_TARGETS
 from vitlab.models.registry import canonical_name, list_models
 
@@ -37,6 +38,7 @@ LOSSES = ("softmax_xent", "sigmoid_xent")
 WD_SCOPES = ("kernels", "all")
 STREAM_MODES = ("auto", "memory", "stream")
 DEVICE_TYPES = ("cpu", "cuda")
+FP8_MODES = ("off", *FP8_SCALINGS)  # run.fp8: off, or one of vitlab.fast.fp8's scalings
 # ModelConfig's initialisations of a model trained from scratch: the official one first
 FROM_SCRATCH_INITS = {"patch_init": ("lecun", "whiten"), "attn_init": ("xavier", "mimetic"),
                       "posemb_init": ("normal", "sincos")}
@@ -226,6 +228,8 @@ class RunConfig(Section):
 
     prefix = "run"
     precision: str = "fp32"                 # "fp32", "bf16", "fp16" (with a gradient scaler) or "auto"
+    fp8: str = "off"                        # "tensorwise" or "rowwise": the blocks' dense layers in fp8 (GPUs of
+                                            # compute capability 8.9+, under bf16; vitlab.fast.fp8); "off"
     loss_scale: float = 65536.0             # fp16: the gradient scaler's first loss scale
     on_nonfinite: str = "stop"              # a NaN/inf step is never applied: "stop" the run, or "skip" it
     max_skipped_steps: int = 10             # with "skip": stop all the same after more skipped steps than this
@@ -254,6 +258,10 @@ class RunConfig(Section):
     def __post_init__(self) -> None:
         self.check_bools()
         need_choice("run.precision", self.precision, ("auto", *PRECISIONS))
+        need_choice("run.fp8", self.fp8, FP8_MODES)
+        need(self.fp8 == "off" or self.precision in ("bf16", "auto"), "run.fp8", self.fp8,
+             f"fp8 matmuls run inside bf16 autocast: set run.precision to 'bf16' or 'auto' (here {self.precision!r}), "
+             "or run.fp8='off'")
         need_choice("run.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         need(is_number(self.loss_scale) and self.loss_scale > 0, "run.loss_scale", self.loss_scale,
              "must be a number > 0, e.g. 65536")

@@ -103,6 +103,8 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     for note in setup.resolved.notes:
         progress.message(note)
     progress.message(setup.resolved.line())
+    if setup.fp8 is not None:
+        progress.message(setup.fp8.line())
     start_output_folder(setup, out, clear_checkpoints=stale)
     budget = time_budget(setup, t_start, progress)
     nonfinite = NonFinite(cfg.run.on_nonfinite, cfg.run.max_skipped_steps)

@@ -11,7 +11,8 @@ What is decided here, and by which rule:
 * the device (``run.device="auto"``: this process's GPU where there is one, else the CPU);
 * the precision (``run.precision="auto"``: bf16 on a GPU that supports it; on a CPU the
   kernel rule's or the stored calibration's answer, ``vitlab.fast.cpu_precision``), the
-  fast path's CPU kernels (``vitlab.fast.choose``) and torch.compile's mode;
+  fast path's CPU kernels (``vitlab.fast.choose``) and torch.compile's mode; fp8 matmuls
+  (``run.fp8``) are refused on a device without fp8 tensor cores (``check_fp8``);
 * the model a fine-tune trains (its init's) and its resolution (``model.img_size="auto"``:
   the init's size x 384/224, ``finetune_size``);
 * whether the training set streams (``data.stream="auto"``: sets stored to be streamed, and
@@ -97,7 +98,8 @@ class Resolved:
         kernels = self.kernels.describe() if self.kernels else "plain"
         workers = (f"{self.stream_workers} stream workers" if self.data == "stream"
                    else f"{self.decode_workers} decode workers")
-        return (f"resolved: device {self.device}, precision {self.precision}, kernels {kernels}, "
+        fp8 = f" with fp8 {self.config.run.fp8} matmuls" if self.config.run.fp8 != "off" else ""
+        return (f"resolved: device {self.device}, precision {self.precision}{fp8}, kernels {kernels}, "
                 f"threads {self.threads}, data {self.data} ({workers}), compile {self.compile}, cpu {self.cpu}")
 
 
@@ -112,7 +114,8 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     ``preview`` (--show-config): a data source that cannot be counted is left out of the
     memory estimate, with a note in its record, and no run is refused.
 
-    Raises ConfigError: a run that cannot fit (``run.memory_check``), a resumed fp16 run asked
+    Raises ConfigError: a run that cannot fit (``run.memory_check``), fp8 matmuls asked of a
+    device without them (``check_fp8``, a preview too), a resumed fp16 run asked
     to continue without its loss scaler or the other way round.
     """
     saved = saved or {}
@@ -122,6 +125,7 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     cores = max(1, machine.cores // world.processes_here)  # this process's share of the host's cores
     decode = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}
     changes = dict(cfg.run.on_device.get(device.type, {}))  # the recipe's settings for this kind of device
+    check_fp8(cfg, device, machine)
     cfg = with_changes(cfg, changes | decode | {"run.device": str(device), "run.precision": precision})
     if cfg.data.source is None and not preview:  # a command that scores a model: its data in memory
         cfg = with_changes(cfg, {"data.stream": "memory", "data.stream_workers": 0})
@@ -172,6 +176,7 @@ def preview(cfg: TrainConfig, machine: Machine | None = None) -> dict:
     yet leaves the config as given and the estimate out."""
     machine = machine or Machine.here()
     world = local_world(resolve_device(cfg.run.device, machine, local_rank()))
+    check_fp8(cfg, world.device, machine)  # refused as the run would be, not left out of the estimate below
     try:
         resolved = resolve(cfg, world, machine, preview=True)
     except (OSError, ValueError) as err:  # a missing init (FileNotFoundError), unreadable weights (WeightsError)
@@ -209,6 +214,25 @@ def precision_rule(device: torch.device, machine: Machine) -> str:
         gpu = machine.gpu(device)
         return "bf16" if gpu is not None and gpu.bf16 else "fp32"
     return fast.cpu_precision(machine.cpu) if device.type == "cpu" else "fp32"
+
+
+def check_fp8(cfg: TrainConfig, device: torch.device, machine: Machine) -> None:
+    """Refuse ``run.fp8`` (other than "off", the recipe's setting for this kind of device
+    included) on a device without fp8 tensor cores: a CPU, where ``torch._scaled_mm`` only
+    emulates them, or a GPU of compute capability below 8.9, where it fails (ConfigError, one
+    line naming the field, what it needs and what the run resolves to)."""
+    fp8 = cfg.run.on_device.get(device.type, {}).get("run.fp8", cfg.run.fp8)
+    if fp8 == "off":
+        return
+    gpu = machine.gpu(device)
+    if gpu is not None and gpu.fp8:
+        return
+    if gpu is not None:
+        here = f"{device}, {gpu.capability_line()}"
+    else:
+        here = str(device) if device.type != "cuda" else f"{device}, a GPU this machine lacks"
+    raise ConfigError(f"run.fp8={fp8!r} needs a CUDA GPU of compute capability 8.9 or higher (H100, H200, L4, "
+                      f"RTX 40); this run resolves to {here}: set run.fp8='off' (--fp8 off) to train in bf16")
 
 
 def arithmetic(cfg: TrainConfig, device: torch.device, machine: Machine, saved: dict
@@ -381,8 +405,10 @@ def run_shape(resolved: Resolved, world_size: int, held: HeldImages) -> RunShape
     accum = 1 if cfg.optim.accum_steps == "auto" else cfg.optim.accum_steps
     kernels = resolved.kernels
     on_gpu = resolved.device.startswith("cuda")
-    # the fast path takes over training on a GPU, and on a CPU where its kernel choice says so
-    fast_path = cfg.run.fast and (on_gpu or bool(kernels and kernels.takes_over(True, resolved.precision == "bf16")))
+    # the fast path takes over training on a GPU, and on a CPU where its kernel choice says so; with fp8
+    # matmuls its blocks take the plain forward (vitlab.fast.fp8), which keeps what a plain block keeps
+    fast_path = cfg.run.fast and cfg.run.fp8 == "off" and (
+        on_gpu or bool(kernels and kernels.takes_over(True, resolved.precision == "bf16")))
     evaluated = held.val and cfg.model.mpp is None
     return RunShape(
         trained_architecture(cfg), micro_batch=max(1, cfg.optim.batch_size // (accum * world_size)),

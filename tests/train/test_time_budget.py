@@ -81,6 +81,20 @@ def test_the_guard_stops_a_run_that_slowed_down_after_the_last_refit():
     assert run.now <= 60.0 - (5.0 + 0.005 * 60.0) / 2 + 1.0
 
 
+def test_a_run_the_guard_stopped_keeps_its_final_views():
+    """The guard stops a step early enough for the final evaluation's extra views: it fired,
+    and then the views were dropped as not fitting, on a CPU shared for part of a run."""
+    run = FakeRun(final_eval_views=5.0)
+    run.run(0.1, until=5, eval_s=1.0)
+    while run.step < run.total and len([m for m in run.messages if "over steps" in m]) < 3:
+        run.run(0.1, until=run.step + 1)
+    planned = run.total
+    run.run(0.3, until=10**9)  # three times slower after the last refit
+    assert run.step < planned and any("time limit reached" in m for m in run.messages)
+    assert run.budget.final_views_fit() and not any("do not fit" in m for m in run.messages)
+    assert run.now + 5 * 1.0 <= 60.0  # the final evaluation with its views ends by the deadline
+
+
 def test_a_resumed_budget_keeps_the_clock_and_times_again():
     run = FakeRun()
     run.run(0.1, until=30)

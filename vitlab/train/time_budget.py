@@ -76,6 +76,7 @@ class TimeBudget:
         self.eval_s, self.evals_timed = 0.0, 0  # mean duration of the periodic evaluations, and their count
         self.last_eval_s = 0.0
         self.units, self.paused_s, self.size_before = 0.0, 0.0, None  # full-size steps done; seconds paused
+        self.last_step_s = 0.0  # the latest step's duration: the guard looks one step ahead
         self.fitted = not self.active  # whether the total is final
         self.first_mark = self.warm_mark = self.decay_mark = None  # (step, units, time, paused_s)
         self.warm_refit_at = self.decay_at = 0
@@ -95,7 +96,7 @@ class TimeBudget:
             self.paused_s += seconds
         else:
             self.units += step_cost(size, self.full_size)
-        self.size_before = size
+        self.size_before, self.last_step_s = size, seconds
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -156,7 +157,8 @@ class TimeBudget:
         loop then evaluates with the periodic views.  Says so once."""
         if not self.active or self.final_eval_ratio <= self.reduced_final_ratio:
             return True
-        late = self.elapsed() + self.final_eval_ratio * self.eval_s + self.reserve_s / 2 > self.deadline_s
+        # a quarter of the reserve, where the guard keeps half: a run the guard stopped keeps its views
+        late = self.elapsed() + self.final_eval_ratio * self.eval_s + self.reserve_s / 4 > self.deadline_s
         if self.agree([float(late)])[0] > 0 and not self.final_reduced:
             self.final_reduced = True
             self._say_reduced()
@@ -193,11 +195,13 @@ class TimeBudget:
         return total_steps
 
     def out_of_time(self, step: int, total_steps: int) -> bool:
-        """Slower than planned (a busy machine): stop after this step, keeping half the reserve
-        for the final evaluation and checkpoint.  All ranks answer alike."""
+        """Slower than planned (a busy machine): stop after this step when the next one would
+        leave less than the final evaluation and half the reserve, so that the final evaluation
+        keeps its views (``final_views_fit``).  All ranks answer alike."""
         if not self.active or not (self.fitted or self.warm_mark is not None) or step >= total_steps:
             return False
-        late = self.elapsed() > self.deadline_s - self._final_ratio() * self.eval_s - self.reserve_s / 2
+        left_after_next = self.deadline_s - self.elapsed() - self.last_step_s
+        late = left_after_next < self._final_ratio() * self.eval_s + self.reserve_s / 2
         if self.agree([float(late)])[0] <= 0:
             return False
         self.say(f"time limit reached at step {step}/{total_steps}: stopping before the schedule's end")

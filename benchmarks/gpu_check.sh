@@ -11,7 +11,9 @@
 #   B  one bench.py run, compiled, vitlab vs timm, bf16: ViT-B/16 training at batch 128 (with vitlab's fp8
 #      columns, tensorwise and rowwise) and inference at batch 1, 64 and 256 (a fresh process per row, each
 #      compiling its model)
-#   C  the CIFAR-10 plain-ViT recipe, PART_C_MIN minutes, on the GPU; prints its summary's MFU line
+#   C  the CIFAR-10 plain-ViT recipe, PART_C_MIN minutes, on the GPU, once per variant of PART_C_SETS
+#      ('|'-separated extra arguments, e.g. PART_C_SETS="|--set model.attn_bias=distance|--fp8 tensorwise");
+#      prints each run's accuracy and MFU
 #   D  ViT-B/16 pre-training recipe from memory vs streamed JPEG shards
 # PARTS=ABC (the default) with PART_C_MIN=3 is meant to fit one 10-minute call: A under a minute, B about
 # 4-5 (its two training rows took 90 s on an H200 before the six inference rows were added; the whole
@@ -38,21 +40,28 @@ case $PARTS in *B*) say "B ViT-B/16 bf16, compiled, vitlab vs timm: training b12
   timeout 330 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --fp8 tensorwise,rowwise --only "$rows" --out "$OUT/B" \
     > "$OUT/B.log" 2>&1
   tail -n 12 "$OUT/B.log" | tee "$OUT/B.txt";; esac
-case $PARTS in *C*) say "C CIFAR-10 plain ViT, $PART_C_MIN min"
-  timeout "$(python3 -c "print(int(float('$PART_C_MIN') * 60 + 150))")" python3 -m vitlab train --recipe cifar10_scratch:model=vit \
-    --data .gpu/cifar10-train.tar.gz --time-limit "$PART_C_MIN" --out /tmp/run-c --overwrite > "$OUT/C.log" 2>&1
-  grep '^{' "$OUT/C.log" | tail -n 1 | cut -c1-300
-  # the MFU line: from this run's printed summary (a summary.json left by an earlier call could be stale)
-  python3 - "$OUT/C.log" <<'PY' 2>&1 | tee "$OUT/C.txt"
+case $PARTS in *C*) say "C CIFAR-10 plain ViT, $PART_C_MIN min per variant"
+  # PART_C_SETS: the variants, '|'-separated, each extra arguments to the recipe's command ('' = the recipe)
+  IFS='|' read -r -a variants <<< "${PART_C_SETS:-}"; [ ${#variants[@]} -eq 0 ] && variants=("")
+  i=0
+  for extra in "${variants[@]}"; do
+    i=$((i + 1)); say "C$i: the recipe $extra"
+    # shellcheck disable=SC2086  # the variant's arguments are meant to split
+    timeout "$(python3 -c "print(int(float('$PART_C_MIN') * 60 + 150))")" python3 -m vitlab train \
+      --recipe cifar10_scratch:model=vit --data .gpu/cifar10-train.tar.gz --time-limit "$PART_C_MIN" $extra \
+      --out "/tmp/run-c$i" --overwrite > "$OUT/C$i.log" 2>&1
+    # the accuracy and MFU line: from this run's printed summary (a summary.json of an earlier call could be stale)
+    python3 - "$OUT/C$i.log" "C$i ($extra)" <<'PY' 2>&1 | tee -a "$OUT/C.txt"
 import json, sys
 printed = [line for line in open(sys.argv[1]) if line.startswith("{")]
 if not printed:
-    sys.exit("C MFU: no summary printed (see C.log)")
+    sys.exit(f"{sys.argv[2]}: no summary printed (see its log)")
 s = json.loads(printed[-1])
-keys = ("train_flops_per_image", "step_images_per_s", "achieved_tflops", "peak_bf16_tflops", "mfu")
-print("C MFU:", " ".join(f"{k}={s.get(k)}" for k in keys), f"(model {s.get('model')}, {s.get('steps')} steps)")
+keys = ("steps", "val_top1", "val_top1_flip", "val_top1_single", "wall_s", "train_flops_per_image",
+        "step_images_per_s", "achieved_tflops", "peak_bf16_tflops", "mfu")
+print(sys.argv[2] + ":", " ".join(f"{k}={s.get(k)}" for k in keys), f"(model {s.get('model')})")
 PY
-  ;; esac
+  done;; esac
 case $PARTS in *D*) say "D ViT-B/16 paper_pretrain: memory vs shards"
   python3 - <<'PY'
 import os, numpy as np

@@ -1,6 +1,8 @@
 """The model package: registry, parameter counts, position embeddings, attention capture."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -178,6 +180,48 @@ def test_relative_bias_is_query_times_offset_embedding():
         for j in range(5):
             expected = torch.einsum("bhd,hd->bh", q[:, :, i], table[i - j + 4])
             torch.testing.assert_close(bias[:, :, i, j], expected)
+
+
+def test_distance_bias_is_minus_slope_times_patch_distance():
+    """A 2x3 grid after one [class] token: every head's bias is -slope x the Euclidean distance
+    between the two patches, and 0 to and from [class]."""
+    attn = Attention(tiny(img_size=(8, 12), patch_size=4, attn_bias="distance"))
+    slopes = attn.distance_bias.log_slope.exp()
+    torch.testing.assert_close(slopes, torch.tensor([2.0, 2.0 ** (-1 / 3), 2.0 ** (-5 / 3), 0.125]))
+    bias = attn.distance_bias(torch.zeros(1, 4, 7, 8))
+    where = [(y, x) for y in range(2) for x in range(3)]
+    for i, (yi, xi) in enumerate(where):
+        for j, (yj, xj) in enumerate(where):
+            expected = -slopes * math.hypot(yi - yj, xi - xj)
+            torch.testing.assert_close(bias[0, :, 1 + i, 1 + j], expected)
+    assert bias[0, :, 0].abs().sum() == 0 and bias[0, :, :, 0].abs().sum() == 0
+    # a square grid of another size (progressive resizing) gets its own distances; others are refused
+    assert attn.distance_bias(torch.zeros(1, 4, 1 + 9, 8))[0, 0, 1, 9] == -2.0 * math.hypot(2, 2)
+    with pytest.raises(ValueError, match="not the model's grid"):
+        attn.distance_bias(torch.zeros(1, 4, 1 + 8, 8))
+
+
+def test_distance_bias_slopes_learn_and_follow_the_input_size():
+    torch.manual_seed(0)
+    model = vitlab.create_model(tiny(attn_bias="distance", dynamic_img_size=True))
+    with torch.no_grad():  # the zero-initialised head would stop every gradient behind it
+        model.head.weight.normal_(std=0.5)
+    for size in (16, 12):
+        model.zero_grad()
+        model(torch.randn(2, 3, size, size)).square().sum().backward()
+        first, last = (b.attn.distance_bias.log_slope.grad for b in model.blocks)
+        # the last block's patch tokens are never read ([class] is, and it attends without a penalty)
+        assert first.abs().min() > 0 and last.abs().max() == 0
+    with vitlab.capture_attention(model.eval()) as maps:  # the explicit path adds the same bias
+        explicit = model(torch.randn(1, 3, 16, 16))
+    assert maps[0].shape == (1, 4, 17, 17) and torch.isfinite(explicit).all()
+
+
+@pytest.mark.parametrize("fields", [dict(posemb="relative"), dict(patch_dropout=0.5),
+                                    dict(axial=True, classifier="gap", posemb="learned_2d")])
+def test_distance_bias_refuses_what_breaks_its_grid(fields):
+    with pytest.raises(ConfigError, match="attn_bias='distance'"):
+        ViTConfig(**{"attn_bias": "distance", **fields})
 
 
 @pytest.mark.parametrize("posemb", ["none", "learned_1d", "learned_2d", "relative"])

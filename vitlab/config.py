@@ -203,6 +203,7 @@ class ResNetConfig:
 
 POSEMB_KINDS = ("none", "learned_1d", "learned_2d", "relative")
 POSEMB_PLACES = ("stem", "every_layer", "every_layer_shared")
+ATTN_BIASES = ("none", "distance")
 CLASSIFIERS = ("token", "gap")
 GELU_KINDS = ("tanh", "exact")
 RESAMPLE_MODES = ("bilinear", "bicubic")
@@ -224,6 +225,9 @@ class ViTConfig:
         "every_layer" adds a separate embedding before each block; "every_layer_shared"
         adds one embedding before each block.  Relative embeddings live inside every
         attention layer and only accept "stem" (the paper's "default" column).
+    attn_bias: "distance" adds a learned 2D locality prior to every attention layer: each
+        head's logits get -slope x the distance between the two patches on the grid, its
+        slope learned (``posemb.DistanceBias``).  Not in the paper; "none" (default).
     posemb_resample: how the patch grid of position embeddings is resized to a new
         grid: "bilinear" with aligned corners is what the official code does
         (scipy.ndimage.zoom, order 1); "bicubic" is what Hugging Face does on the fly.
@@ -260,6 +264,7 @@ class ViTConfig:
     posemb: str = "learned_1d"
     posemb_place: str = "stem"
     posemb_resample: str = "bilinear"
+    attn_bias: str = "none"
     dynamic_img_size: bool = False
     dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -299,6 +304,7 @@ class ViTConfig:
         need_choice("posemb", self.posemb, POSEMB_KINDS)
         need_choice("posemb_place", self.posemb_place, POSEMB_PLACES)
         need_choice("posemb_resample", self.posemb_resample, RESAMPLE_MODES)
+        need_choice("attn_bias", self.attn_bias, ATTN_BIASES)
         need_choice("gelu", self.gelu, GELU_KINDS)
         for name in ("dropout", "attention_dropout", "drop_path", "patch_dropout"):
             need(is_number(getattr(self, name)) and 0 <= getattr(self, name) < 1, name, getattr(self, name),
@@ -309,6 +315,11 @@ class ViTConfig:
             raise ConfigError(
                 f"posemb_place={self.posemb_place!r} with posemb='relative': relative embeddings are a bias "
                 "inside every attention layer; only the default 'stem' setting exists (paper Table 8)"
+            )
+        if self.attn_bias == "distance" and (self.posemb == "relative" or self.patch_dropout or self.axial):
+            raise ConfigError(
+                "attn_bias='distance': needs the whole patch grid in raster order and no other attention bias: "
+                "posemb other than 'relative', patch_dropout=0 and axial=False"
             )
         if self.posemb == "learned_2d" and self.width % 2:
             raise ConfigError(f"width={self.width} must be even for posemb='learned_2d' (two tables of width/2)")

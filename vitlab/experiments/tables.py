@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from vitlab.machine import cpu_info
+from vitlab.machine import cpu_info, usable_cores
 
 
 def aggregate(rows: list[dict], keys: Sequence[str], metrics: Sequence[str]) -> list[dict]:
@@ -76,9 +75,9 @@ def bars_of(table: list[dict], label_keys: Sequence[str], y: str) -> tuple[list[
 
 
 def machine() -> str:
-    """CPU model and core count (``vitlab.machine.cpu_info``) and the GPU when there is one."""
+    """CPU model and the cores this process may use (``vitlab.machine``) and the GPU when there is one."""
     info = cpu_info()
-    text = f"{info.model or info.machine}, {os.cpu_count()} cores"
+    text = f"{info.model or info.machine}, {usable_cores()} cores"
     try:
         if torch.cuda.is_available():
             text += f", {torch.cuda.get_device_name(0)}"

@@ -381,10 +381,11 @@ def _explicit(q: torch.Tensor, kernels: KernelChoice) -> bool:
 
 
 def _contiguous_attention_applies(qkv: torch.Tensor, attn: Attention) -> bool:
-    """Whether the block attends by ``contiguous_attention``: bf16 on a CPU, and no relative
-    position bias or recording of the attention weights, which ``Attention.attend`` handles."""
+    """Whether the block attends by ``contiguous_attention``: bf16 on a CPU, and no attention
+    bias (relative or distance) or recording of the attention weights, which ``Attention.attend``
+    handles."""
     return (qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16
-            and attn.rel_pos is None and attn.recorded is None)
+            and attn.rel_pos is None and attn.distance_bias is None and attn.recorded is None)
 
 
 # The plain modules optimize replaces (exact types: a subclass may compute something else).

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..config import ViTConfig
 from .init import xavier_uniform_chunks_
-from .posemb import RelativePosBias
+from .posemb import DistanceBias, RelativePosBias
 
 
 class DropPath(nn.Module):
@@ -60,6 +60,9 @@ class Attention(nn.Module):
         self.rel_pos = (
             RelativePosBias(seq_len, cfg.num_heads, cfg.head_dim) if cfg.posemb == "relative" else None
         )
+        self.distance_bias = (
+            DistanceBias(cfg.num_heads, cfg.num_prefix_tokens, cfg.grid_size) if cfg.attn_bias == "distance" else None
+        )
         # When a list, every forward appends its attention probabilities (B, H, L, L).
         self.recorded: list[torch.Tensor] | None = None
         xavier_uniform_chunks_(self.qkv.weight, 3)
@@ -76,6 +79,8 @@ class Attention(nn.Module):
         """
         B, H, L, _ = q.shape
         bias = self.rel_pos(q * self.head_dim**-0.5) if self.rel_pos is not None else None
+        if self.distance_bias is not None:
+            bias = self.distance_bias(q)
         if self.recorded is None and not explicit:
             drop = self.attn_drop if self.training else 0.0
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)

@@ -6,6 +6,8 @@ function that adapts a learned grid to another resolution (paper Sec. 3.2).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -124,6 +126,57 @@ class RelativePosBias(nn.Module):
         pos = torch.arange(L, device=q.device)
         offset = pos[:, None] - pos[None, :] + (L - 1)  # (L, L) index of q - k
         return logits.gather(-1, offset.expand(*logits.shape[:2], L, L))
+
+
+class DistanceBias(nn.Module):
+    """A learned 2D locality prior on attention: each head adds ``-slope_h * distance`` to its
+    logits, where ``distance`` is the Euclidean distance between the query's and the key's
+    patches on the patch grid, in patches (ALiBi's linear distance penalty, Press et al. 2022,
+    over two dimensions).  Not in the paper.
+
+    Each layer learns its heads' slopes (as logarithms, so they stay positive); they start
+    log-spaced from 2 (a head that mostly sees a patch's neighbours) to 1/8 (a nearly global
+    head), the spread that lets a small model on little data use locality from its first
+    steps, as a convolution would, and unlearn it where the data says otherwise.  Prefix
+    tokens ([class]) attend and are attended to without a penalty.  The penalty is a function
+    of the grid, so it follows the input size (progressive resizing, a fine-tune at a higher
+    resolution) with nothing to resample.
+    """
+
+    def __init__(self, num_heads: int, num_prefix: int, grid: Pair) -> None:
+        super().__init__()
+        self.num_prefix, self.grid = num_prefix, tuple(grid)
+        slopes = torch.logspace(1, -3, num_heads, base=2.0) if num_heads > 1 else torch.tensor([0.5])
+        self.log_slope = nn.Parameter(slopes.log())
+        self.distances: dict[tuple, torch.Tensor] = {}  # per (grid, device): computed once, not state
+
+    def grid_of(self, tokens: int) -> Pair:
+        """The patch grid of a sequence of ``tokens``: the model's, or a square one (progressive
+        resizing and dynamic sizes keep square inputs square)."""
+        patches = tokens - self.num_prefix
+        if patches == self.grid[0] * self.grid[1]:
+            return self.grid
+        side = math.isqrt(patches)
+        if side * side != patches:
+            raise ValueError(f"attn_bias='distance': a sequence of {patches} patches is not the model's grid "
+                             f"{self.grid} nor a square one")
+        return side, side
+
+    def distance(self, grid: Pair, device: torch.device) -> torch.Tensor:
+        """(L, L): the distance between the patches of every pair of tokens, 0 for a prefix token."""
+        key = (tuple(grid), device)
+        if key not in self.distances:
+            ys, xs = torch.meshgrid(torch.arange(grid[0], device=device), torch.arange(grid[1], device=device),
+                                    indexing="ij")
+            where = torch.stack([ys.flatten(), xs.flatten()], dim=1).double()
+            between = torch.cdist(where, where).float()  # (N, N)
+            self.distances[key] = F.pad(between, (self.num_prefix, 0, self.num_prefix, 0))
+        return self.distances[key]
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        """q: (B, H, L, hd) -> additive bias (1, H, L, L) in q's dtype."""
+        distance = self.distance(self.grid_of(q.shape[2]), q.device)
+        return (-self.log_slope.exp()[:, None, None] * distance).unsqueeze(0).to(q.dtype)
 
 
 def posemb_sincos_2d(grid: Pair, width: int, temperature: float = 10_000.0) -> torch.Tensor:

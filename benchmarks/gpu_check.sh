@@ -12,7 +12,9 @@
 #      columns, tensorwise and rowwise) and inference at batch 1, 64 and 256 (a fresh process per row, each
 #      compiling its model)
 #   C  the CIFAR-10 plain-ViT recipe, PART_C_MIN minutes, on the GPU, once per variant of PART_C_SETS
-#      ('|'-separated extra arguments, e.g. PART_C_SETS="|--set model.attn_bias=distance|--fp8 tensorwise");
+#      ('|'-separated extra arguments; '' is the recipe; later arguments win), e.g. the recipe against its
+#      form before the distance penalty, and fp8 at the steps S the bf16 run took:
+#        PART_C_SETS="|--set model.attn_bias=none --set model.num_heads=3|--fp8 tensorwise --time-limit 0 --steps S";
 #      prints each run's accuracy and MFU
 #   D  ViT-B/16 pre-training recipe from memory vs streamed JPEG shards
 # PARTS=ABC (the default) with PART_C_MIN=3 is meant to fit one 10-minute call: A under a minute, B about

@@ -29,7 +29,8 @@ def _with_random_head(cfg: ViTConfig) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("fields", [dict(), dict(classifier="gap", posemb="learned_2d"),
-                                    dict(posemb="relative"), dict(axial=True, classifier="gap")])
+                                    dict(posemb="relative"), dict(axial=True, classifier="gap"),
+                                    dict(attn_bias="distance")])
 def test_fp32_inference_on_the_gpu_equals_the_cpu(fields):
     cpu = _with_random_head(small(**fields)).eval()
     gpu = copy.deepcopy(cpu).cuda()
@@ -41,8 +42,9 @@ def test_fp32_inference_on_the_gpu_equals_the_cpu(fields):
     torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
 
 
-def test_a_bf16_training_step_on_the_gpu_follows_the_fp32_cpu_step():
-    cpu = _with_random_head(small()).train()
+@pytest.mark.parametrize("fields", [dict(), dict(attn_bias="distance")])  # the distance penalty: SDPA's float mask
+def test_a_bf16_training_step_on_the_gpu_follows_the_fp32_cpu_step(fields):
+    cpu = _with_random_head(small(**fields)).train()
     gpu = copy.deepcopy(cpu).cuda()
     x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 3, 5, 6])
     torch.nn.functional.cross_entropy(cpu(x), y).backward()

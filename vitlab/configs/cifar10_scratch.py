@@ -18,15 +18,17 @@ reads it as 1x1 patches.
 ``model=hybrid_bit``: the same with the paper's BiT stem (GroupNorm, weight-standardised
     convolutions).
 ``model=vit``: the plain ViT, no convolutional stem: 4x4 patches (64 tokens + [class]), 6
-    blocks.  Its patch embedding starts as a whitening of the training images' patches
-    (``model.patch_init="whiten"``) and its learned position table as the 2D sin-cos table
-    (``model.posemb_init="sincos"``); each attention head penalises its logits by a learned
-    slope times the 2D distance between the patches (``model.attn_bias="distance"``: a
-    locality prior without convolution, which the hybrids' stem provides), it trains at batch 128 with Muon on the blocks' dense
-    layers and AdamW on the rest (``optim.optimizer="muon"``, lr 3e-3 for both, the Muon
-    update scaled to AdamW's RMS), and, as the hybrid, the first half of its steps on 24x24
-    images (36 tokens; the position embeddings are resampled).  Each of these was a measured
-    gain in probes and 30-minute runs (docs/results.md).
+    blocks of 6 heads of 32 channels.  Each attention head penalises its logits by a learned
+    slope times the 2D distance between the two patches (``model.attn_bias="distance"``: a
+    locality prior without convolution, where the hybrids have their stem); six heads spread
+    six slopes from local to global where three spread three.  Its patch embedding starts as
+    a whitening of the training images' patches (``model.patch_init="whiten"``) and its
+    learned position table as the 2D sin-cos table (``model.posemb_init="sincos"``); it
+    trains at batch 128 with Muon on the blocks' dense layers and AdamW on the rest
+    (``optim.optimizer="muon"``, lr 3e-3 for both, the Muon update scaled to AdamW's RMS),
+    and, as the hybrid, the first half of its steps on 24x24 images (36 tokens; the position
+    embeddings are resampled).  Each of these was a measured gain in probes and 30-minute
+    runs (docs/results.md).
 
 For a short budget on little data: AdamW (the hybrids; the plain ViT's non-matrix
 parameters) with weight decay 0.05 (the paper: 0.1 with 10k
@@ -57,7 +59,7 @@ HYBRID = dict(ENCODER, depth=3, patch_size=1)
 MODELS = {
     "hybrid": dict(HYBRID, resnet=dict(layers=(1, 3), img_size=32, norm="batch"), name="R14x1-BN+ViT-CIFAR/1"),
     "hybrid_bit": dict(HYBRID, resnet=dict(layers=(1, 3), img_size=32, norm="group"), name="R14x1+ViT-CIFAR/1"),
-    "vit": dict(ENCODER, depth=6, patch_size=4, attn_bias="distance", name="ViT-CIFAR/4"),
+    "vit": dict(ENCODER, depth=6, num_heads=6, patch_size=4, attn_bias="distance", name="ViT-CIFAR/4"),
 }
 OPTIMIZERS = {"hybrid": "adam", "hybrid_bit": "adam", "vit": "muon"}
 LEARNING_RATES = {"hybrid": 2e-3, "hybrid_bit": 1e-3, "vit": 3e-3}

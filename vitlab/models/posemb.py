@@ -148,7 +148,8 @@ class DistanceBias(nn.Module):
         self.num_prefix, self.grid = num_prefix, tuple(grid)
         slopes = torch.logspace(1, -3, num_heads, base=2.0) if num_heads > 1 else torch.tensor([0.5])
         self.log_slope = nn.Parameter(slopes.log())
-        self.distances: dict[tuple, torch.Tensor] = {}  # per (grid, device): computed once, not state
+        # the model's own grid's distances, moved with the model; not state (they follow from the grid)
+        self.register_buffer("grid_distance", self.distance(self.grid, torch.device("cpu")), persistent=False)
 
     def grid_of(self, tokens: int) -> Pair:
         """The patch grid of a sequence of ``tokens``: the model's, or a square one (progressive
@@ -164,18 +165,17 @@ class DistanceBias(nn.Module):
 
     def distance(self, grid: Pair, device: torch.device) -> torch.Tensor:
         """(L, L): the distance between the patches of every pair of tokens, 0 for a prefix token."""
-        key = (tuple(grid), device)
-        if key not in self.distances:
-            ys, xs = torch.meshgrid(torch.arange(grid[0], device=device), torch.arange(grid[1], device=device),
-                                    indexing="ij")
-            where = torch.stack([ys.flatten(), xs.flatten()], dim=1).double()
-            between = torch.cdist(where, where).float()  # (N, N)
-            self.distances[key] = F.pad(between, (self.num_prefix, 0, self.num_prefix, 0))
-        return self.distances[key]
+        ys, xs = torch.meshgrid(torch.arange(grid[0], device=device), torch.arange(grid[1], device=device),
+                                indexing="ij")
+        where = torch.stack([ys.flatten(), xs.flatten()], dim=1).double()
+        between = torch.cdist(where, where).float()  # (N, N)
+        return F.pad(between, (self.num_prefix, 0, self.num_prefix, 0))
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
-        """q: (B, H, L, hd) -> additive bias (1, H, L, L) in q's dtype."""
-        distance = self.distance(self.grid_of(q.shape[2]), q.device)
+        """q: (B, H, L, hd) -> additive bias (1, H, L, L) in q's dtype; another grid than the
+        model's (progressive resizing) has its distances computed for the call."""
+        grid = self.grid_of(q.shape[2])
+        distance = self.grid_distance if grid == self.grid else self.distance(grid, q.device)
         return (-self.log_slope.exp()[:, None, None] * distance).unsqueeze(0).to(q.dtype)
 
 

@@ -132,3 +132,49 @@ def test_a_training_run_on_the_gpu_reports_its_mfu(tmp_path):
     assert 0 < summary["mfu"] < 1 and summary["peak_bf16_tflops"] > 0
     assert summary["achieved_tflops"] == pytest.approx(
         summary["train_flops_per_image"] * summary["step_images_per_s"] / 1e12, rel=1e-2)
+
+
+def test_auto_accumulation_on_the_gpu_takes_the_largest_micro_batch_a_forced_budget_holds_by_measurement(tmp_path):
+    import dataclasses
+    import json
+
+    from vitlab.configs import load_recipe
+    from vitlab.machine import Machine
+    from vitlab.train import train, with_changes
+    from vitlab.train.distributed import World
+    from vitlab.train.memory_estimate import resident_state_bytes
+    from vitlab.train.memory_probe import SAFETY, step_probe
+    from vitlab.train.resolve import resolve, trained_architecture
+
+    cfg = with_changes(load_recipe("demo"), {"run.device": "cuda", "run.precision": "auto", "model.img_size": 32,
+                                              "optim.batch_size": 256, "optim.steps": 2, "run.eval_every": 0,
+                                              "run.tensorboard": False, "run.out": str(tmp_path / "run")})
+    world, machine = World(0, 1, 0, torch.device("cuda:0")), Machine.here()
+    fixed = resolve(with_changes(cfg, {"optim.accum_steps": 1}), world, machine)  # nothing measured
+    assert fixed.measured is None
+    run = fixed.config
+    with step_probe(run, trained_architecture(run), fixed.img_size, fixed.precision, fixed.kernels,
+                    world.device) as step_peak:
+        half, full = step_peak(128), step_peak(256)
+    assert full > half > 0
+    state = resident_state_bytes(fixed.memory.shape)
+    budget = int(((half + full) / 2 + state) / SAFETY)  # micro-batch 128 fits, 256 does not
+    card = dataclasses.replace(machine.gpus[0], free_bytes=budget)
+    forced = dataclasses.replace(machine, gpus=(card, *machine.gpus[1:]))
+    allocated, streams = torch.cuda.memory_allocated(), (torch.get_rng_state(), torch.cuda.get_rng_state())
+
+    resolved = resolve(with_changes(cfg, {"optim.accum_steps": "auto"}), world, forced)
+    measured = resolved.measured
+    assert resolved.accum_steps == 2 == measured.accum_steps and resolved.micro_batch == 128
+    assert measured.needs <= SAFETY * budget < measured.tried[256] + state
+    assert measured.proposed_accum is not None and 256 in measured.tried  # from the estimate's choice, upward
+    # the probe's model, gradients and cache are gone, and the random streams are the caller's
+    assert torch.cuda.memory_allocated() == allocated
+    assert all(torch.equal(a, b) for a, b in zip(streams, (torch.get_rng_state(), torch.cuda.get_rng_state())))
+
+    # a real run on the whole card: measured, recorded beside the estimate, and it trains
+    train(with_changes(cfg, {"optim.accum_steps": "auto"}), verbose=False)
+    written = json.loads((tmp_path / "run" / "config.json").read_text())
+    record = written["memory_estimate"]["measured"]
+    assert written["optim"]["accum_steps"] == record["accum_steps"] == 1  # batch 256 of a tiny model fits at once
+    assert record["micro_batch"] == 256 and record["step_peak_gb"] > 0

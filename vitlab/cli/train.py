@@ -52,7 +52,7 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
     p.add_argument("--batch-size", type=int, help="global batch size")
     p.add_argument("--accum-steps", type=count_or_auto,
                    help="gradient accumulation: micro-batches per step, or auto (the fewest whose micro-batch fits in "
-                        "memory; the run's config.json records the number)")
+                        "memory: measured on a GPU, estimated on a CPU; the run's config.json records the number)")
     p.add_argument("--lr", type=float, help="base learning rate")
     p.add_argument("--img-size", type=int, help="training resolution")
     p.add_argument("--precision", choices=("auto", *PRECISIONS),

@@ -35,7 +35,7 @@ from .metrics import MetricsWriter, Progress, plot_curves
 from .numerics import NonFinite
 from .schedules import input_size_at, lr_at, warmup_steps
 from .memory import retain_freed_memory
-from .resolve import resolve_device
+from .resolve import run_memory_record, resolve_device
 from .state import (check_same_run, final_model, process_state, restore_state, set_process_state, set_rng_state,
                     sharded, training_state)
 from .step import StepResult, endless, train_step
@@ -245,8 +245,8 @@ def write_config(setup: Setup, out: Path) -> None:
     """The run's config.json: its configuration, what its "auto" settings resolved to, and
     the peak memory estimated for it before it was built."""
     records = {"resolved": setup.resolved.record()}
-    if setup.memory is not None:
-        records["memory_estimate"] = setup.memory.record()
+    if setup.memory is not None:  # with the measurement that chose a GPU's micro-batch, where there was one
+        records["memory_estimate"] = run_memory_record(setup.resolved)
     (out / "config.json").write_text(json.dumps(to_dict(setup.cfg) | records, indent=2))
 
 

@@ -203,6 +203,13 @@ def optimizer_state_bytes(shape: RunShape, params: int, block_matrices: int) -> 
     return FP32 * block_matrices + 2 * FP32 * (params - block_matrices)
 
 
+def resident_state_bytes(shape: RunShape) -> int:
+    """What a run keeps on its device across steps beyond the weights and a step's own
+    tensors: the optimiser's state and the weight average (a GPU's measured step has neither)."""
+    params, matrices = parameter_counts(shape.arch)
+    return optimizer_state_bytes(shape, params, matrices) + (FP32 * params if shape.ema else 0)
+
+
 def _block_saved_per_token(shape: RunShape, seq_len: int) -> int:
     """Bytes one pre-LN encoder block keeps for its backward, per token (module text)."""
     arch, a = shape.arch, shape.act_bytes

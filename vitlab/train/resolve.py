@@ -21,7 +21,10 @@ What is decided here, and by which rule:
   shards can feed) and the decoding processes (``data.decode_workers="auto"``: this
   process's cores);
 * the micro-batch (``optim.accum_steps="auto"``: the largest that fits) and the run's peak
-  memory estimate, refusing a run that cannot fit (``run.memory_check``).
+  memory estimate, refusing a run that cannot fit (``run.memory_check``).  On a CUDA device
+  (one process) the estimate proposes and a measurement decides: a throwaway model's training
+  step is run at candidate micro-batches (``memory_probe``, ``step_measurement``); on a CPU
+  the estimate is the rule.
 
 A resumed run passes its checkpoint's record (``saved``): it keeps the precision, CPU
 kernels, worker count and accumulation it started with, where this machine can run them, so
@@ -36,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +53,9 @@ from .architecture import architecture
 from .config import RunConfig, TrainConfig, to_dict
 from .distributed import World, local_rank, local_world
 from .inputs import HeldImages, count_images, held_images, opened_source
-from .memory_estimate import (GB, Available, MemoryEstimate, RunShape, estimate_memory, fitting_settings, refusal,
-                              smallest_fitting_accum)
+from .memory_estimate import (GB, Available, MemoryEstimate, RunShape, estimate_memory, fitting_settings, gb, refusal,
+                              resident_state_bytes, smallest_fitting_accum)
+from .memory_probe import MeasuredChoice, StepPeak, fewest_fitting_accum, step_probe
 from .overrides import with_changes
 
 log = logging.getLogger(__name__)
@@ -76,6 +81,7 @@ class Resolved:
     img_size: Pair | None = None  # (H, W) the run trains at (None: a command that trains nothing)
     micro_batch: int = 0          # images per process per micro-batch
     memory: MemoryEstimate | None = None  # the run's peak memory, estimated before anything is built
+    measured: MeasuredChoice | None = None  # a GPU's auto micro-batch, chosen by measuring its step
     notes: tuple[str, ...] = ()   # what the run says about its resolution (a resumed run's)
     uncounted: str = ""           # a preview's data the memory estimate leaves out, and why
 
@@ -138,11 +144,17 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
         cfg = with_changes(cfg, {"optim.accum_steps": saved["accum_steps"]})
     resolved = Resolved(cfg, kernels, bf16_matmuls, threads, compile_mode(cfg, world), machine.cpu_line(),
                         img_size=img_size, notes=notes, uncounted=uncounted)
-    accum, memory = plan_memory(cfg, run_shape(resolved, world.size, held),
-                                machine_memory(machine, resolved.device, world), world.size,
-                                check=cfg.run.memory_check and not preview)
+    available = machine_memory(machine, resolved.device, world)
+    with step_measurement(resolved, world) as step_peak:  # None: the estimate decides
+        if step_peak is not None and available.gpu is None:  # a card whose free memory was not read
+            available = dataclasses.replace(available, gpu=int(torch.cuda.mem_get_info(world.device)[0]))
+        accum, memory, measured = plan_memory(cfg, run_shape(resolved, world.size, held), available, world.size,
+                                              check=cfg.run.memory_check and not preview, step_peak=step_peak)
+    if measured is not None:
+        notes += (measured_line(measured),)
     return dataclasses.replace(resolved, config=with_changes(cfg, {"optim.accum_steps": accum}), memory=memory,
-                               micro_batch=cfg.optim.batch_size // (accum * world.size))
+                               measured=measured, micro_batch=cfg.optim.batch_size // (accum * world.size),
+                               notes=notes)
 
 
 def data_decisions(cfg: TrainConfig, world: World, cores: int, img_size: Pair, saved: dict,
@@ -431,32 +443,83 @@ def machine_memory(machine: Machine, device: str, world: World) -> Available:
 
 
 def plan_memory(cfg: TrainConfig, shape: RunShape, available: Available, world_size: int = 1,
-                check: bool = True) -> tuple[int, MemoryEstimate]:
+                check: bool = True, step_peak: StepPeak | None = None
+                ) -> tuple[int, MemoryEstimate, MeasuredChoice | None]:
     """(``optim.accum_steps`` with "auto" decided: the largest micro-batch that fits, the run's
-    memory estimate); with ``check``, a run that cannot fit is refused in one line naming
-    settings that would (ConfigError)."""
+    memory estimate, the measurement that decided it or None); with ``check``, a run that
+    cannot fit is refused in one line naming settings that would (ConfigError).
+
+    ``step_peak`` (a GPU's, ``step_measurement``): the peak bytes of one training step at a
+    micro-batch.  With it, the estimate's choice is where the measurement starts, and the
+    measurement decides (``memory_probe.fewest_fitting_accum``): the GPU's side is held to the
+    measured peak, the host's to the estimate."""
     batch = cfg.optim.batch_size // world_size
-    accum = cfg.optim.accum_steps
+    accum, measured = cfg.optim.accum_steps, None
     if accum == "auto":
-        accum = smallest_fitting_accum(shape, batch, available)
+        proposed = smallest_fitting_accum(shape, batch, available)
+        if step_peak is not None and available.gpu is not None:
+            one = shape.with_(micro_batch=1, accum_steps=batch)
+            sizes = [s for s in fitting_settings(one, available, size_step(shape.arch), world_size)
+                     if s.startswith("--img-size")]  # at micro-batch 1 only a smaller image can help
+            measured = fewest_fitting_accum(batch, proposed, step_peak, available.gpu, resident_state_bytes(shape),
+                                            check, tuple(sizes))
+            accum = measured.accum_steps
+            available = dataclasses.replace(available, gpu=None)  # the GPU's side is measured: the host's is left
+        else:
+            accum = proposed
         if accum is None:  # not even one image per micro-batch: the refusal below names what fits
             accum = batch if check else 1
         shape = shape.with_(micro_batch=batch // accum, accum_steps=accum)
     estimate = estimate_memory(shape)
     if check and not available.fits(estimate):
         raise refusal(estimate, available, fitting_settings(shape, available, size_step(shape.arch), world_size))
-    return accum, estimate
+    return accum, estimate, measured
+
+
+def step_measurement(resolved: Resolved, world: World) -> AbstractContextManager[StepPeak | None]:
+    """What decides ``optim.accum_steps="auto"`` on this run's device: on a CUDA GPU, for a
+    run of one process, a measured training step (``memory_probe.step_probe``, on a
+    throwaway model; the process's GPU memory emptied on leaving); else None, the estimate.
+    Runs of several processes keep the estimate: their processes would have to agree on one
+    count, and DDP's buckets and FSDP's shards are not what one model's step holds."""
+    cfg = resolved.config
+    if (cfg.optim.accum_steps != "auto" or world.device.type != "cuda" or world.size > 1
+            or not torch.cuda.is_available()):
+        return nullcontext()
+    return step_probe(cfg, trained_architecture(cfg), resolved.img_size, resolved.precision, resolved.kernels,
+                      world.device)
+
+
+def measured_line(measured: MeasuredChoice) -> str:
+    """The run's note on its measured micro-batch."""
+    proposed = measured.proposed_accum if measured.proposed_accum is not None else "none that fits"
+    return (f"optim.accum_steps=auto: {measured.accum_steps} (micro-batch {measured.micro_batch}), measured "
+            f"on the GPU (step peak {gb(measured.step_peak or 0)} + optimiser state {gb(measured.state)}, of "
+            f"{gb(measured.free)} free; the estimate proposed {proposed})")
+
+
+def run_memory_record(resolved: Resolved) -> dict:
+    """The run's memory as config.json and --show-config state it: the estimate's record, with
+    the measurement that chose the micro-batch as ``measured`` where there was one."""
+    record = resolved.memory.record()
+    if resolved.measured is not None:
+        record["measured"] = resolved.measured.record()
+    return record
 
 
 def memory_record(resolved: Resolved, machine: Machine, world: World) -> dict:
     """What --show-config states of the run's memory: the estimate's record, the memory
     available here and whether the run fits."""
     available = machine_memory(machine, resolved.device, world)
-    record = resolved.memory.record()
+    record = run_memory_record(resolved)
     if resolved.uncounted:
         record["data"] = resolved.uncounted
     record["available_gb"] = {k: round(v / GB, 3) for k, v in (("host", available.host), ("gpu", available.gpu))
                               if v is not None}
-    record["fits"] = available.fits(resolved.memory)
+    if resolved.measured is not None:  # the GPU's side as measured, the host's as estimated
+        host = dataclasses.replace(available, gpu=None)
+        record["fits"] = resolved.measured.fits and host.fits(resolved.memory)
+    else:
+        record["fits"] = available.fits(resolved.memory)
     return record
 

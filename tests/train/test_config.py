@@ -120,6 +120,17 @@ def test_overrides_parse_types():
     assert cfg.model.overrides == {"width": 384} and cfg.model.init is None and cfg.data.val_split == 0.1
 
 
+def test_a_field_of_auto_or_a_bool_takes_either_word():
+    for text, value in (("auto", "auto"), ("true", True), ("off", False), ("False", False)):
+        assert apply_overrides(TrainConfig(), [f"run.compile_optimizer={text}"]).run.compile_optimizer == value
+    with pytest.raises(ConfigError, match=r"run.compile_optimizer='maybe': expected true or false"):
+        apply_overrides(TrainConfig(), ["run.compile_optimizer=maybe"])
+    with pytest.raises(ConfigError, match=r"run.compile_optimizer=1: expected \"auto\", True or False"):
+        TrainConfig(run=RunConfig(compile_optimizer=1))  # a config file's 1 is not read as true
+    with pytest.raises(ConfigError, match=r"run.compile_optimizer=True: not with run.fsdp=True \(FSDP's"):
+        RunConfig(compile_optimizer=True, fsdp=True)
+
+
 def test_every_optional_field_is_set_and_cleared_by_name():
     """A field whose default is None (``Optional[X]``) takes a value of type X from ``--set``, and
     "none" clears it: all of them, model.mpp too (the hand-kept list of their types had left it out)."""

@@ -339,6 +339,8 @@ def test_auto_is_resolved_once_when_the_run_is_built_and_recorded(tiny, monkeypa
     record = json.loads((Path(cfg.run.out) / "config.json").read_text())["resolved"]
     assert record["precision"] == auto and record["device"] == "cpu" and record["threads"] == 1
     assert record["kernels"]["attention"] == "explicit" and record["data"] == "memory" and record["compile"] == "off"
+    stated = json.loads((Path(cfg.run.out) / "config.json").read_text())["run"]
+    assert record["compile_optimizer"] == "off" and stated["compile_optimizer"] is False  # "auto", stated
     assert lines[0].startswith(f"resolved: device cpu, precision {auto}, kernels fp32 aten, bf16 aten, "
                                "attention explicit")
     with pytest.raises(ValueError, match="precision='auto'.*resolve 'auto' when the run is built"):

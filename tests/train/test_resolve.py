@@ -57,7 +57,7 @@ def test_every_auto_is_stated_and_the_asked_config_is_left_as_it_was(tmp_path):
     assert to_dict(cfg) == asked  # nothing written back into the config given
     assert autos(to_dict(resolved.config)) == []
     assert set(autos(asked)) == {"data.decode_workers", "data.stream", "data.stream_workers", "optim.accum_steps",
-                                 "run.precision", "run.device"}
+                                 "run.precision", "run.device", "run.compile_optimizer"}
     stated = resolved.config
     assert stated.run.device == "cpu" and stated.run.precision == resolved.precision
     assert stated.data.stream == "memory" and stated.data.stream_workers == 0  # the digits are held in memory
@@ -86,6 +86,28 @@ def test_a_gpu_takes_bf16_where_it_has_it_and_the_recipes_settings_for_it(tmp_pa
     on_cpu = resolve(recipe, world("cpu"), described())
     assert on_cpu.config.optim.batch_size == 128 and on_cpu.config.data.progressive_sizes == ((24, 0.5),)
     assert on_cpu.compile == "off"  # the plain ViT recipe compiles only on a GPU
+
+
+def test_the_optimizer_step_is_compiled_where_the_model_is_cuda_graphed(tmp_path):
+    def resolved(device="cuda:0", size=1, **changes):
+        cfg = with_changes(auto_config(tmp_path), {"run.compile": True, **changes})
+        return resolve(cfg, world(device, size=size, processes_here=size), described(gpus=(H100, H100)))
+
+    graphed = resolved()
+    assert graphed.compile == "reduce-overhead" and graphed.compile_optimizer == "reduce-overhead"
+    assert graphed.config.run.compile_optimizer is True and graphed.record()["compile_optimizer"] == "reduce-overhead"
+    assert "compile reduce-overhead (optimizer step reduce-overhead)" in graphed.line()
+    # auto: not where the model is not CUDA-graphed (a CPU, two processes, progressive resizing,
+    # no compile), nor under fp16, whose gradient scaler works on the host around the step
+    for not_graphed in (resolved("cpu"), resolved(size=2), resolved(**{"data.progressive_sizes": ((4, 0.5),)}),
+                        resolved(**{"run.compile": False}), resolved(**{"run.precision": "fp16"})):
+        assert not_graphed.config.run.compile_optimizer is False and not_graphed.compile_optimizer == "off"
+    assert resolved(**{"run.compile_optimizer": False}).compile_optimizer == "off"  # turned off
+    # asked for: in the model's mode, or torch.compile's default where the model stays eager
+    assert resolved("cpu", **{"run.compile_optimizer": True}).compile_optimizer == "default"
+    assert resolved(**{"run.compile": False, "run.compile_optimizer": True}).compile_optimizer == "default"
+    with pytest.raises(ConfigError, match=r"run.compile_optimizer=True: not with run.precision='fp16'"):
+        resolved(**{"run.precision": "fp16", "run.compile_optimizer": True})
 
 
 def test_a_recipe_never_probes_the_machine(monkeypatch):

@@ -27,6 +27,7 @@ from .numerics import make_scaler
 from .optim import build_optimizer
 from .resolve import FINETUNE_MODEL_FIELDS, Resolved, resolve, resolve_device
 from .state import process_state, rng_state, set_process_state
+from .step import Update
 
 BUILTIN_DATA = ("digits",)  # data sources that need no path (see vitlab/data/digits.py)
 
@@ -49,6 +50,7 @@ class Setup:
     img_size: tuple           # (H, W) the run evaluates at and, after any progressive_sizes, trains at
     resolved: Resolved        # the "auto" settings as decided for this run
     rng: dict                 # the random state the steps start from (state.rng_state)
+    update: Update            # what follows the backward: clipping, the optimiser, the EMA (eager or compiled)
     scaler: torch.amp.GradScaler | None = None  # fp16's gradient scaler (numerics.make_scaler)
     fp8: fast.Fp8Swap | None = None  # the dense layers run.fp8 put in fp8 (None: off)
 
@@ -248,5 +250,6 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
 
         evaluator, final_evaluator = evaluator_with(0), evaluator_with(cfg.run.final_eval_shift)
     scaler = make_scaler(resolved.precision, world.device, cfg.run.loss_scale)
+    update = Update(trained.parameters(), optimizer, ema, model, cfg.optim.clip_norm, resolved.compile_optimizer)
     return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, evaluator, final_evaluator, micro_batch,
-                 tuple(img_size), resolved, rng, scaler, fp8)
+                 tuple(img_size), resolved, rng, update, scaler, fp8)

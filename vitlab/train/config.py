@@ -234,6 +234,8 @@ class RunConfig(Section):
     on_nonfinite: str = "stop"              # a NaN/inf step is never applied: "stop" the run, or "skip" it
     max_skipped_steps: int = 10             # with "skip": stop all the same after more skipped steps than this
     compile: bool = False                   # torch.compile the model
+    compile_optimizer: bool | str = "auto"  # compile what follows the backward (clipping, the optimiser, EMA)
+                                            # into one graph; "auto": where the model is CUDA-graphed
     fsdp: bool = False                      # shard the model with FSDP (multi-process runs)
     fast: bool = True                       # vitlab.fast.optimize the model (the saved weights are the same)
     seed: int = 0                           # initialisation, dropout, data order and augmentation
@@ -263,6 +265,13 @@ class RunConfig(Section):
              f"fp8 matmuls run inside bf16 autocast: set run.precision to 'bf16' or 'auto' (here {self.precision!r}), "
              "or run.fp8='off'")
         need_choice("run.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        need(self.compile_optimizer == "auto" or isinstance(self.compile_optimizer, bool), "run.compile_optimizer",
+             self.compile_optimizer, 'expected "auto", True or False')
+        for name, value, clash, why in (
+                ("run.precision", self.precision, "fp16", "fp16's gradient scaler works on the host around the step"),
+                ("run.fsdp", self.fsdp, True, "FSDP's gradients and parameters are shards")):
+            need(self.compile_optimizer is not True or value != clash, "run.compile_optimizer", True,
+                 f"not with {name}={clash!r} ({why}): set run.compile_optimizer to 'auto' or False")
         need(is_number(self.loss_scale) and self.loss_scale > 0, "run.loss_scale", self.loss_scale,
              "must be a number > 0, e.g. 65536")
         for name in ("eval_batch_size", "log_every", "keep_ckpts", "time_measure_steps"):

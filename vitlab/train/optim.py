@@ -204,32 +204,13 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _muon(self, params, group, found_inf: torch.Tensor | None):
-        """Momentum, Nesterov update, orthogonalisation and the step, batched over the matrices
-        of each shape; with ``found_inf`` set, nothing moves (decided on the device)."""
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        by_shape: dict[tuple, list] = {}
+        """``muon_update`` with this group's settings and this optimiser's momentum buffers."""
         for p in params:
-            state = self.state[p]
-            if not state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            by_shape.setdefault((tuple(p.shape), p.device), []).append(p)
-        for (shape, device), same in by_shape.items():
-            bufs = [self.state[p]["momentum_buffer"] for p in same]
-            grads = torch.stack([p.grad for p in same])  # (n, rows, cols)
-            momentum = torch.stack(bufs)
-            if found_inf is not None:
-                skip = found_inf.to(device).bool()
-                grads = torch.where(skip, 0.0, grads)  # a NaN gradient must not reach the arithmetic
-            new_momentum = momentum.lerp(grads, 1 - mu)
-            updates = orthogonalise(grads.lerp(new_momentum, mu), group["ns_steps"], dtype=self.ns_dtype)  # Nesterov
-            decay = 1 - lr * wd
-            if found_inf is not None:
-                new_momentum = torch.where(skip, momentum, new_momentum)
-                updates = torch.where(skip, 0.0, updates)
-                decay = torch.where(skip, 1.0, decay)
-            torch._foreach_copy_(bufs, list(new_momentum.unbind(0)))
-            torch._foreach_mul_(same, decay)
-            torch._foreach_add_(same, list(updates.to(same[0].dtype).unbind(0)), alpha=-lr * 0.2 * math.sqrt(max(shape)))
+            if not self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        muon_update(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
+                    lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
+                    ns_steps=group["ns_steps"], ns_dtype=self.ns_dtype, skip=found_inf)
 
     def _adamw(self, params, group, found_inf: torch.Tensor | None):
         """torch's own AdamW update, through its functional form: the same arithmetic as
@@ -249,3 +230,159 @@ class MuonAdamW(torch.optim.Optimizer):
               [s["step"] for s in states], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
               weight_decay=group["weight_decay"], eps=group["eps"], maximize=False, fused=fused or None,
               found_inf=found_inf)
+
+
+def muon_update(params: list, grads: list, bufs: list, *, lr: float | torch.Tensor, weight_decay: float,
+                momentum: float, ns_steps: int, ns_dtype: torch.dtype, skip: torch.Tensor | None = None) -> None:
+    """Muon's step (``MuonAdamW``): momentum, the Nesterov update, its orthogonalisation and the
+    step, batched over the matrices of each shape; ``bufs`` (the momentum) and ``params`` are
+    updated in place.  With ``skip`` set (a device flag), nothing moves.  ``lr``: a number, or a
+    device tensor (``TracedStep``'s)."""
+    by_shape: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        by_shape.setdefault((tuple(p.shape), p.device), []).append(i)
+    for (shape, device), which in by_shape.items():
+        same, same_bufs = [params[i] for i in which], [bufs[i] for i in which]
+        grad = torch.stack([grads[i] for i in which])  # (n, rows, cols)
+        buf = torch.stack(same_bufs)
+        if skip is not None:
+            skip_here = skip.to(device).bool()
+            grad = torch.where(skip_here, 0.0, grad)  # a NaN gradient must not reach the arithmetic
+        new_buf = buf.lerp(grad, 1 - momentum)
+        updates = orthogonalise(grad.lerp(new_buf, momentum), ns_steps, dtype=ns_dtype)  # Nesterov
+        decay = 1 - lr * weight_decay
+        if skip is not None:
+            new_buf = torch.where(skip_here, buf, new_buf)
+            updates = torch.where(skip_here, 0.0, updates)
+            decay = torch.where(skip_here, 1.0, decay)
+        torch._foreach_copy_(same_bufs, list(new_buf.unbind(0)))
+        torch._foreach_mul_(same, decay)
+        step = -lr * 0.2 * math.sqrt(max(shape))
+        updates = updates.to(same[0].dtype)
+        if isinstance(step, torch.Tensor):  # a rate on the device has no number to give as ``alpha``
+            torch._foreach_add_(same, list((updates * step).unbind(0)))
+        else:
+            torch._foreach_add_(same, list(updates.unbind(0)), alpha=step)
+
+
+# ----------------------------------------------------------------------------- the step compiled
+
+
+def init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create now the state each parameter's first step would create, as it would (zeros; AdamW's
+    step count a 0 on the parameter's device, as its fused form keeps it): a compiled step
+    (``TracedStep``) then finds every tensor it updates in place, and the eager step takes them
+    over as its own.  Parameters that already have their state keep it."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if optimizer.state.get(p):
+                continue
+            if isinstance(optimizer, torch.optim.SGD) or group.get("muon"):
+                if group["momentum"]:
+                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            else:
+                optimizer.state[p].update(step=torch.zeros((), dtype=torch.float32, device=p.device),
+                                          exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+
+
+def _write_unless(skip: torch.Tensor, pairs) -> None:
+    """Each (tensor, new value): the tensor takes its new value, unless ``skip`` is set."""
+    for old, new in pairs:
+        old.copy_(torch.where(skip, old, new))
+
+
+def adamw_update(params: list, grads: list, states: list[dict], *, lr: torch.Tensor, betas: tuple, eps: float,
+                 weight_decay: float, skip: torch.Tensor) -> None:
+    """torch's AdamW step in plain tensor operations (torch.compile traces them; it does not trace
+    the fused kernel the eager step runs), its scalars in float64 as the fused kernels compute
+    them; ``states``: each parameter's step count and moments, updated in place with it.  Where
+    ``skip`` is set, no parameter, moment or count moves."""
+    beta1, beta2 = betas
+    for p, grad, state in zip(params, grads, states):
+        count = state["step"] + 1
+        bias1 = 1 - beta1 ** count.double()
+        bias2_sqrt = (1 - beta2 ** count.double()).sqrt()
+        exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"] * beta2 + (1 - beta2) * grad * grad
+        new = p * (1 - lr * weight_decay) - (lr / bias1) * exp_avg / (exp_avg_sq.sqrt() / bias2_sqrt + eps)
+        _write_unless(skip, ((p, new), (state["exp_avg"], exp_avg), (state["exp_avg_sq"], exp_avg_sq),
+                             (state["step"], count)))
+
+
+def sgd_update(params: list, grads: list, states: list[dict], *, lr: torch.Tensor, momentum: float,
+               weight_decay: float, dampening: float, nesterov: bool, skip: torch.Tensor) -> None:
+    """torch's SGD step in plain tensor operations (weight decay added to the gradient, then the
+    momentum buffer, ``init_state``'s zeros at first); where ``skip`` is set, nothing moves."""
+    for p, grad, state in zip(params, grads, states):
+        if weight_decay:
+            grad = grad + weight_decay * p
+        if momentum:
+            buf = state["momentum_buffer"] * momentum + (1 - dampening) * grad
+            _write_unless(skip, ((state["momentum_buffer"], buf),))
+            grad = grad + momentum * buf if nesterov else buf
+        _write_unless(skip, ((p, p - lr * grad),))
+
+
+class TracedStep:
+    """``optimizer``'s step (AdamW, SGD or ``MuonAdamW``) as plain tensor operations, for
+    ``torch.compile`` to trace into one graph: it traces neither torch's fused kernels nor
+    ``Optimizer.step``, which breaks the graph on purpose.  It updates the optimiser's own state
+    tensors (``init_state``), so a checkpoint or the eager step takes over where it stops.
+    Unlike the eager step it
+
+    - reads each group's learning rate from a device tensor, which ``prepare`` fills from the
+      group's ``lr`` before each call: a new rate is a new value, not a new graph;
+    - reads the gradients and writes none (``grad_scale``, the clipping's factor, is applied as
+      they are read): a CUDA graph writes only tensors of a fixed address, and a step's
+      gradients are new tensors;
+    - leaves every parameter and state tensor as it was where ``skip`` (a device flag) is set,
+      as the fused kernels' ``found_inf`` does.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        for group in optimizer.param_groups:
+            if any(group.get(flag) for flag in ("amsgrad", "maximize", "nesterov", "dampening", "differentiable")):
+                raise ValueError("TracedStep: amsgrad, maximize, nesterov, dampening and differentiable are not "
+                                 "implemented")
+        if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.SGD, MuonAdamW)):
+            raise TypeError(f"TracedStep: no traced form of {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.rates = [torch.zeros((), dtype=torch.float64, device=group["params"][0].device)
+                      for group in optimizer.param_groups]
+        self.state = None  # the optimiser's state dict the groups below hold the tensors of
+        self.groups: list[tuple] = []
+        self.prepare()
+
+    def prepare(self) -> None:
+        """Before each call, eagerly: the groups' learning rates into the tensors the graph reads,
+        and the state tensors taken again where ``load_state_dict`` replaced them."""
+        if self.optimizer.state is not self.state:
+            init_state(self.optimizer)
+            self.state = self.optimizer.state
+            self.groups = [self._group(group) for group in self.optimizer.param_groups]
+            for rate, (_, params, states, _) in zip(self.rates, self.groups):
+                for t in [rate, *params, *(v for s in states for v in s.values())]:
+                    torch._dynamo.mark_static_address(t)  # updated in place: one address for the CUDA graph
+        for rate, group in zip(self.rates, self.optimizer.param_groups):
+            rate.fill_(group["lr"])
+
+    def _group(self, group: dict) -> tuple:
+        """(update, params, their states, the group's settings but the lr): what a call reads."""
+        states = [self.optimizer.state.get(p, {}) for p in group["params"]]  # {}: SGD without momentum
+        if group.get("muon"):
+            settings = {k: group[k] for k in ("weight_decay", "momentum", "ns_steps")}
+            return muon_update, group["params"], states, settings | {"ns_dtype": self.optimizer.ns_dtype}
+        if isinstance(self.optimizer, torch.optim.SGD):
+            return sgd_update, group["params"], states, {k: group[k] for k in ("momentum", "weight_decay",
+                                                                                 "dampening", "nesterov")}
+        return adamw_update, group["params"], states, {k: group[k] for k in ("betas", "eps", "weight_decay")}
+
+    def __call__(self, skip: torch.Tensor, grad_scale: torch.Tensor | None = None) -> None:
+        for rate, (update, params, states, settings) in zip(self.rates, self.groups):
+            live = [i for i, p in enumerate(params) if p.grad is not None]
+            grads = [params[i].grad if grad_scale is None else params[i].grad * grad_scale for i in live]
+            if update is muon_update:
+                bufs = [states[i]["momentum_buffer"] for i in live]
+                update([params[i] for i in live], grads, bufs, lr=rate, skip=skip, **settings)
+            else:
+                update([params[i] for i in live], grads, [states[i] for i in live], lr=rate, skip=skip, **settings)

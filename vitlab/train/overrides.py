@@ -41,6 +41,8 @@ FIELD_TYPES = {f"{name}.{f.name}": typing.get_type_hints(cls)[f.name]
                for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 # the fields that take "auto" or a count (``int | str``, optional or not): the text "3" is the count
 AUTO_OR_COUNT = {path for path, kind in FIELD_TYPES.items() if set(members(kind)) - {type(None)} == {int, str}}
+# the fields that take "auto" or a bool (``bool | str``): any word but "auto" is read as a bool
+AUTO_OR_BOOL = {path for path, kind in FIELD_TYPES.items() if set(members(kind)) == {bool, str}}
 # the architecture's fields, ``--set model.<field>=value``: a ViT's or a BiT ResNet's (their defaults give the type)
 ARCHITECTURE_FIELDS = {f.name: f.default for cls in (ResNetConfig, ViTConfig) for f in dataclasses.fields(cls)}
 # What a ViT recipe sets that a BiT ResNet has not: the value that leaves it out
@@ -237,6 +239,8 @@ def parse_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) 
         if path in AUTO_OR_COUNT and text.strip().isdigit():
             changes[path] = int(text)
             continue
+        if path in AUTO_OR_BOOL and text.strip().lower() != "auto":
+            default = False
         try:
             changes[path] = parse_value(text, default)
         except ValueError as err:

@@ -11,7 +11,8 @@ What is decided here, and by which rule:
 * the device (``run.device="auto"``: this process's GPU where there is one, else the CPU);
 * the precision (``run.precision="auto"``: bf16 on a GPU that supports it; on a CPU the
   kernel rule's or the stored calibration's answer, ``vitlab.fast.cpu_precision``), the
-  fast path's CPU kernels (``vitlab.fast.choose``) and torch.compile's mode; fp8 matmuls
+  fast path's CPU kernels (``vitlab.fast.choose``), torch.compile's mode and whether the step
+  after the backward is compiled too (``compiles_optimizer``); fp8 matmuls
   (``run.fp8``) are refused on a device without fp8 tensor cores (``check_fp8``);
 * the model a fine-tune trains (its init's) and its resolution (``model.img_size="auto"``:
   the init's size x 384/224, ``finetune_size``);
@@ -92,9 +93,12 @@ class Resolved:
     stream_workers = property(lambda self: self.config.data.stream_workers)  # per process, streaming
     decode_workers = property(lambda self: self.config.data.decode_workers)  # decoding into memory
     accum_steps = property(lambda self: self.config.optim.accum_steps)      # micro-batches per step
+    # the step after the backward compiled (run.compile_optimizer): "off", or the model's mode ("default" if eager)
+    compile_optimizer = property(lambda self: "off" if self.config.run.compile_optimizer is not True
+                                 else self.compile if self.compile != "off" else "default")
 
-    RECORDED = ("device", "precision", "kernels", "bf16_matmuls", "threads", "data", "compile", "cpu",
-                "stream_workers", "decode_workers", "accum_steps")
+    RECORDED = ("device", "precision", "kernels", "bf16_matmuls", "threads", "data", "compile", "compile_optimizer",
+                "cpu", "stream_workers", "decode_workers", "accum_steps")
 
     def record(self) -> dict:
         return {name: (dataclasses.asdict(self.kernels) if name == "kernels" and self.kernels else
@@ -106,7 +110,8 @@ class Resolved:
                    else f"{self.decode_workers} decode workers")
         fp8 = f" with fp8 {self.config.run.fp8} matmuls" if self.config.run.fp8 != "off" else ""
         return (f"resolved: device {self.device}, precision {self.precision}{fp8}, kernels {kernels}, "
-                f"threads {self.threads}, data {self.data} ({workers}), compile {self.compile}, cpu {self.cpu}")
+                f"threads {self.threads}, data {self.data} ({workers}), compile {self.compile} "
+                f"(optimizer step {self.compile_optimizer}), cpu {self.cpu}")
 
 
 def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None = None, *,
@@ -134,7 +139,7 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     check_fp8(cfg, device, machine)
     cfg = with_changes(cfg, changes | decode | {"run.device": str(device), "run.precision": precision})
     if cfg.data.source is None and not preview:  # a command that scores a model: its data in memory
-        cfg = with_changes(cfg, {"data.stream": "memory", "data.stream_workers": 0})
+        cfg = with_changes(cfg, {"data.stream": "memory", "data.stream_workers": 0, "run.compile_optimizer": False})
         return Resolved(cfg, kernels, bf16_matmuls, threads, "off", machine.cpu_line(), notes=notes)
 
     cfg = with_changes(cfg, model_changes(cfg))
@@ -142,7 +147,9 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     cfg, held, uncounted = data_decisions(cfg, world, cores, img_size, saved, preview)
     if cfg.optim.accum_steps == "auto" and "accum_steps" in saved:
         cfg = with_changes(cfg, {"optim.accum_steps": saved["accum_steps"]})
-    resolved = Resolved(cfg, kernels, bf16_matmuls, threads, compile_mode(cfg, world), machine.cpu_line(),
+    mode = compile_mode(cfg, world)
+    cfg = with_changes(cfg, {"run.compile_optimizer": compiles_optimizer(cfg, mode)})
+    resolved = Resolved(cfg, kernels, bf16_matmuls, threads, mode, machine.cpu_line(),
                         img_size=img_size, notes=notes, uncounted=uncounted)
     available = machine_memory(machine, resolved.device, world)
     with step_measurement(resolved, world) as step_peak:  # None: the estimate decides
@@ -281,6 +288,16 @@ def compile_mode(cfg: TrainConfig, world: World) -> str:
         return "off"
     graphs = world.device.type == "cuda" and not cfg.data.progressive_sizes and world.size == 1
     return "reduce-overhead" if graphs else "default"
+
+
+def compiles_optimizer(cfg: TrainConfig, mode: str) -> bool:
+    """``run.compile_optimizer``: "auto" compiles the step after the backward (clipping, the
+    optimiser, the EMA) exactly where the model is CUDA-graphed (``mode`` "reduce-overhead"):
+    there the host's launches of the eager update are what is left to save; never under fp16,
+    whose gradient scaler works on the host around the step."""
+    if cfg.run.compile_optimizer != "auto":
+        return cfg.run.compile_optimizer
+    return mode == "reduce-overhead" and cfg.run.precision != "fp16"
 
 
 # ----------------------------------------------------------------------------- the model and its size

@@ -3,10 +3,14 @@
     K times: next micro-batch -> forward (autocast) -> loss / K (fp16: x the loss scale)
              -> backward (DDP all-reduces the gradients on the K-th only)
     fp16: unscale the gradients
-    clip the global gradient norm
-    skip = the loss on any process, or the gradient norm, is not finite   (a device flag)
-    optimiser step with ``found_inf = skip``: a skipped step moves no parameter and no
-    optimiser state -> zero grads -> EMA update, weighted by ``1 - skip``
+    ``Update``: clip the global gradient norm
+                skip = the loss on any process, or the gradient norm, is not finite   (a device flag)
+                optimiser step told ``skip``: a skipped step moves no parameter and no optimiser state
+                EMA update, weighted by ``1 - skip``
+    zero grads
+
+``Update`` runs eagerly, or as one compiled graph (``run.compile_optimizer``): where the model
+is CUDA-graphed, a step is then the model's graphs and this one, replayed.
 
 Every number the step produces (loss, correct predictions, gradient norm, the flags) stays
 on the device; ``StepResult.read`` brings them back, and the loop calls it every
@@ -27,9 +31,9 @@ import torch.nn.functional as F
 from vitlab.eval.evaluator import autocast
 
 from .distributed import all_reduce_tensor
-from .optim import skips_on_device
+from .optim import TracedStep, skips_on_device
 
-__all__ = ["StepResult", "autocast", "endless", "example_losses", "loss_fn", "train_step"]
+__all__ = ["StepResult", "Update", "autocast", "endless", "example_losses", "loss_fn", "train_step"]
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor, kind: str) -> torch.Tensor:
@@ -172,9 +176,8 @@ def train_step(setup, batches: Iterator, lr: float, size: int) -> StepResult:
 
     A compiled model whose step fails (a compiler error, or a compiled kernel that refuses
     a new input size) is given up with a warning: the step is redone eagerly on the same
-    micro-batches, and the run goes on eager.
+    micro-batches, and the run goes on eager.  So is a compiled update (``Update``), alone.
     """
-    cfg = setup.cfg
     for group in setup.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
     compiled = hasattr(setup.trained, "_orig_mod")  # torch.compile's wrapper
@@ -184,9 +187,7 @@ def train_step(setup, batches: Iterator, lr: float, size: int) -> StepResult:
     except Exception as err:  # noqa: BLE001 - any failure of the compiled step: eager decides
         if not compiled:
             raise
-        first_line = (str(err).strip().splitlines() or [""])[0][:200]
-        warnings.warn(f"torch.compile failed ({type(err).__name__}: {first_line}); training continues eager",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(f"torch.compile failed ({summary(err)}); training continues eager", RuntimeWarning, stacklevel=2)
         setup.trained = setup.trained._orig_mod
         setup.optimizer.zero_grad(set_to_none=True)
         loss_sum, correct, seen, origins = accumulate(setup, itertools.chain(list(taken), batches), size)
@@ -197,32 +198,97 @@ def train_step(setup, batches: Iterator, lr: float, size: int) -> StepResult:
     bad_ranks = all_reduce_tensor(bad_ranks, setup.world)
     if setup.scaler is not None:
         setup.scaler.unscale_(setup.optimizer)  # the clipping and the check below see the true gradients
-    grad_norm = gradient_norm(setup, cfg.optim.clip_norm)  # the same on every process: the gradients are reduced
-    grads_bad = ~torch.isfinite(grad_norm)
-    skipped = ((bad_ranks.sum() > 0) | grads_bad).float()
+    grad_norm, skipped = setup.update(bad_ranks)  # the same on every process: the gradients are reduced
     overflow = None
     if setup.scaler is not None:  # the scaler's own finding (an overflow of the scaled gradients) halves its scale
-        overflow = (grads_bad & (bad_ranks.sum() == 0)).float()
-    if skips_on_device(setup.optimizer):
-        setup.optimizer.found_inf = skipped
-        try:
-            setup.optimizer.step()
-        finally:
-            del setup.optimizer.found_inf
-    elif not bool(skipped):  # an optimiser that cannot leave a step out on the device: the one host read
-        setup.optimizer.step()
-    if setup.scaler is not None:
+        overflow = (~torch.isfinite(grad_norm) & (bad_ranks.sum() == 0)).float()
         setup.scaler.update()
     setup.optimizer.zero_grad(set_to_none=True)
-    if setup.ema is not None:
-        setup.ema.update(setup.model, weight=1.0 - skipped)
     return StepResult(loss_sum, correct, seen, grad_norm, bad_ranks, skipped, overflow, origins)
 
 
-def gradient_norm(setup, clip_norm: float) -> torch.Tensor:
-    """() the global gradient norm, the gradients clipped to ``clip_norm`` first when it is > 0
-    (on the device: nothing is read back)."""
-    params = [p for p in setup.trained.parameters() if p.requires_grad]
+def summary(err: Exception) -> str:
+    """An exception's type and the first line of its message (for a warning line)."""
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
+
+
+class Update:
+    """What a step does after its backward, on the device and reading nothing back: the global
+    gradient norm, the gradients clipped to ``clip_norm`` (when > 0); ``skip`` = a non-finite
+    loss on any process (``bad_ranks``) or gradient norm; the optimiser's step, left out where
+    ``skip`` is set; the EMA's, weighted by ``1 - skip``.
+
+    ``mode`` "off": eagerly, with torch's fused optimiser kernels (told ``found_inf``).  Else
+    (``Resolved.compile_optimizer``) one function compiled in that mode, the optimiser's
+    arithmetic traced (``optim.TracedStep``): under "reduce-overhead" one CUDA graph replayed,
+    with no launch per parameter from the host; the learning rates are device tensors it reads,
+    so a new rate compiles nothing.  It writes no gradient: the clipping's factor is applied
+    as the gradients are read.  A compiled update that fails (it is compiled whole, before it
+    runs) is given up with a warning and done eagerly, then and from then on.
+    """
+
+    def __init__(self, params, optimizer: torch.optim.Optimizer, ema, model: torch.nn.Module, clip_norm: float,
+                 mode: str = "off"):
+        self.params = [p for p in params if p.requires_grad]
+        self.optimizer, self.ema, self.model, self.clip_norm = optimizer, ema, model, clip_norm
+        self.compiled = None if mode == "off" else torch.compile(self.traced, mode=mode, fullgraph=True,
+                                                                 dynamic=False)
+        self.traced_step: TracedStep | None = None  # made at the first compiled call (a failure falls back)
+
+    def __call__(self, bad_ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the gradient norm before clipping, 1 where the step was left out), device tensors."""
+        if self.compiled is not None:
+            try:
+                return self.compiled_update(bad_ranks)
+            except Exception as err:  # noqa: BLE001 - any failure of the compiled update: eager decides
+                warnings.warn(f"torch.compile of the optimizer step failed ({summary(err)}); the optimizer step "
+                              "continues eager", RuntimeWarning, stacklevel=3)
+                self.compiled = None
+        return self.eager(bad_ranks)
+
+    def eager(self, bad_ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        grad_norm = gradient_norm(self.params, self.clip_norm)
+        skipped = ((bad_ranks.sum() > 0) | ~torch.isfinite(grad_norm)).float()
+        if skips_on_device(self.optimizer):
+            self.optimizer.found_inf = skipped
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+        elif not bool(skipped):  # an optimiser that cannot leave a step out on the device: the one host read
+            self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update(self.model, weight=1.0 - skipped)
+        return grad_norm, skipped
+
+    def compiled_update(self, bad_ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.traced_step is None:
+            self.traced_step = TracedStep(self.optimizer)
+            for t in [*self.ema.module.parameters(), *self.ema.module.buffers()] if self.ema is not None else ():
+                torch._dynamo.mark_static_address(t)  # updated in place: one address for the CUDA graph
+        self.traced_step.prepare()  # this step's learning rates, on the device
+        with torch.no_grad():  # an inference graph: the updates are not recorded for autograd
+            numbers = self.compiled(bad_ranks)
+        # a CUDA graph's outputs live in its memory, which its next replay overwrites, and the
+        # loop reads a step's numbers some steps later
+        grad_norm, skipped = numbers.clone().unbind()
+        return grad_norm, skipped
+
+    def traced(self, bad_ranks: torch.Tensor) -> torch.Tensor:
+        """What ``torch.compile`` traces: (2,) [the gradient norm, skipped]."""
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        skip = (bad_ranks.sum() > 0) | ~torch.isfinite(grad_norm)
+        # torch's clip_grad_norm_'s factor, which it multiplies the gradients by in place
+        factor = torch.clamp(self.clip_norm / (grad_norm + 1e-6), max=1.0) if self.clip_norm > 0 else None
+        self.traced_step(skip, grad_scale=factor)
+        if self.ema is not None:
+            self.ema.update(self.model, weight=1.0 - skip.float())
+        return torch.stack([grad_norm, skip.float()])
+
+
+def gradient_norm(params: list, clip_norm: float) -> torch.Tensor:
+    """() the global gradient norm of ``params``, their gradients clipped to ``clip_norm`` first
+    when it is > 0 (on the device: nothing is read back)."""
     # max_norm=inf measures without clipping (the gradients are multiplied by 1)
     norm = torch.nn.utils.clip_grad_norm_(params, clip_norm if clip_norm > 0 else float("inf"))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over all shards

@@ -179,6 +179,7 @@ def test_auto_accumulation_on_the_gpu_takes_the_largest_micro_batch_a_forced_bud
     assert written["optim"]["accum_steps"] == record["accum_steps"] == 1  # batch 256 of a tiny model fits at once
     assert record["micro_batch"] == 256 and record["step_peak_gb"] > 0
 
+
 def _run_on_the_gpu(tmp_path, name: str, **changes):
     """The demo's ViT on one GPU, compiled: the model in CUDA graphs (mode reduce-overhead)."""
     from vitlab.configs import load_recipe

@@ -197,6 +197,7 @@ FAMILIES = {
     "posemb-2d-every-layer": tiny(posemb="learned_2d", posemb_place="every_layer"),
     "relative": tiny(posemb="relative", qkv_bias=False),
     "distance": tiny(attn_bias="distance"),
+    "distance_no_self": tiny(attn_bias="distance_no_self"),
     "tanh-gelu": tiny(gelu="tanh", ln_eps=1e-6),
     "axial": tiny(axial=True, classifier="gap", posemb="learned_2d"),
     "hybrid": tiny(img_size=32, patch_size=1, resnet=ResNetConfig(layers=(1,), img_size=32, root_kernel=3,
@@ -232,7 +233,7 @@ def test_fast_logits_and_gradients_equal_the_plain_models(family, kernels):
 
 
 @pytest.mark.parametrize("kernels", CHOICES)
-@pytest.mark.parametrize("family", ["token", "relative", "distance", "axial"])
+@pytest.mark.parametrize("family", ["token", "relative", "distance", "distance_no_self", "axial"])
 def test_fast_bf16_training_agrees_with_plain_autocast(family, kernels):
     cfg = FAMILIES[family]
     model = with_random_head(cfg).train()
@@ -428,7 +429,7 @@ def test_a_bad_inference_weights_option_is_refused_with_the_allowed_ones():
 
 
 @pytest.mark.parametrize("kernels", CHOICES)
-@pytest.mark.parametrize("family", ["token", "relative", "distance", "axial"])
+@pytest.mark.parametrize("family", ["token", "relative", "distance", "distance_no_self", "axial"])
 def test_contiguous_attention_equals_the_plain_bf16_inference(family, kernels, monkeypatch):
     from vitlab.fast import modules
 
@@ -442,7 +443,7 @@ def test_contiguous_attention_equals_the_plain_bf16_inference(family, kernels, m
     fast.optimize(model, kernels)
     torch.testing.assert_close(bf16_infer(model, x).float(), plain, rtol=3e-2, atol=3e-2 * plain.abs().max().item())
     # an attention bias needs Attention.attend; the other families attend over contiguous heads
-    assert (len(calls) > 0) == (family not in ("relative", "distance"))
+    assert (len(calls) > 0) == (family not in ("relative", "distance", "distance_no_self"))
 
 
 @pytest.mark.parametrize("images", [1, 3])  # one image: the head reshape is a view, copied after

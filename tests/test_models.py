@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import vitlab
-from vitlab.config import ConfigError, ViTConfig
+from vitlab.config import ConfigError, ViTConfig, replace
 from vitlab.models.layers import Attention
 from vitlab.models.posemb import resample_grid
 from vitlab.models.registry import count_parameters, get_config, list_models
@@ -217,11 +217,36 @@ def test_distance_bias_slopes_learn_and_follow_the_input_size():
     assert maps[0].shape == (1, 4, 17, 17) and torch.isfinite(explicit).all()
 
 
+def test_distance_bias_without_self_masks_each_patch_diagonal_only():
+    """attn_bias="distance_no_self": the distance penalty, with -inf where a patch meets itself;
+    [class] still attends to itself, and the slopes' gradient stays finite."""
+    torch.manual_seed(0)
+    cfg = tiny(img_size=(8, 12), patch_size=4, attn_bias="distance_no_self")
+    attn = Attention(cfg)
+    bias = attn.distance_bias(torch.zeros(1, 4, 7, 8))[0]
+    reference = Attention(replace(cfg, attn_bias="distance")).distance_bias(torch.zeros(1, 4, 7, 8))[0]
+    masked = torch.zeros(7, 7, dtype=torch.bool)
+    masked[range(1, 7), range(1, 7)] = True
+    assert torch.isneginf(bias[:, masked]).all() and torch.isfinite(bias[:, ~masked]).all()
+    torch.testing.assert_close(bias[:, ~masked], reference[:, ~masked])
+    model = vitlab.create_model(replace(cfg, img_size=16))
+    with torch.no_grad():
+        model.head.weight.normal_(std=0.5)
+    model(torch.randn(2, 3, 16, 16)).square().sum().backward()
+    grad = model.blocks[0].attn.distance_bias.log_slope.grad
+    assert torch.isfinite(grad).all() and grad.abs().min() > 0
+    with vitlab.capture_attention(model.eval()) as maps:
+        model(torch.randn(1, 3, 16, 16))
+    diagonal = maps[0][0].diagonal(dim1=-2, dim2=-1)  # (H, L)
+    assert diagonal[:, 1:].abs().max() == 0 and (diagonal[:, 0] > 0).all()
+
+
+@pytest.mark.parametrize("attn_bias", ["distance", "distance_no_self"])
 @pytest.mark.parametrize("fields", [dict(posemb="relative"), dict(patch_dropout=0.5),
                                     dict(axial=True, classifier="gap", posemb="learned_2d")])
-def test_distance_bias_refuses_what_breaks_its_grid(fields):
-    with pytest.raises(ConfigError, match="attn_bias='distance'"):
-        ViTConfig(**{"attn_bias": "distance", **fields})
+def test_distance_bias_refuses_what_breaks_its_grid(fields, attn_bias):
+    with pytest.raises(ConfigError, match=f"attn_bias='{attn_bias}'"):
+        ViTConfig(**{"attn_bias": attn_bias, **fields})
 
 
 @pytest.mark.parametrize("posemb", ["none", "learned_1d", "learned_2d", "relative"])

@@ -203,7 +203,7 @@ class ResNetConfig:
 
 POSEMB_KINDS = ("none", "learned_1d", "learned_2d", "relative")
 POSEMB_PLACES = ("stem", "every_layer", "every_layer_shared")
-ATTN_BIASES = ("none", "distance")
+ATTN_BIASES = ("none", "distance", "distance_no_self")
 CLASSIFIERS = ("token", "gap")
 GELU_KINDS = ("tanh", "exact")
 RESAMPLE_MODES = ("bilinear", "bicubic")
@@ -227,7 +227,9 @@ class ViTConfig:
         attention layer and only accept "stem" (the paper's "default" column).
     attn_bias: "distance" adds a learned 2D locality prior to every attention layer: each
         head's logits get -slope x the distance between the two patches on the grid, its
-        slope learned (``posemb.DistanceBias``).  Not in the paper; "none" (default).
+        slope learned (``posemb.DistanceBias``); "distance_no_self" also keeps each patch from
+        attending to itself (the diagonal masking of Lee et al. 2021's locality self-attention:
+        the residual already carries a token's own value).  Not in the paper; "none" (default).
     posemb_resample: how the patch grid of position embeddings is resized to a new
         grid: "bilinear" with aligned corners is what the official code does
         (scipy.ndimage.zoom, order 1); "bicubic" is what Hugging Face does on the fly.
@@ -316,9 +318,9 @@ class ViTConfig:
                 f"posemb_place={self.posemb_place!r} with posemb='relative': relative embeddings are a bias "
                 "inside every attention layer; only the default 'stem' setting exists (paper Table 8)"
             )
-        if self.attn_bias == "distance" and (self.posemb == "relative" or self.patch_dropout or self.axial):
+        if self.attn_bias != "none" and (self.posemb == "relative" or self.patch_dropout or self.axial):
             raise ConfigError(
-                "attn_bias='distance': needs the whole patch grid in raster order and no other attention bias: "
+                f"attn_bias={self.attn_bias!r}: needs the whole patch grid in raster order and no other attention bias: "
                 "posemb other than 'relative', patch_dropout=0 and axial=False"
             )
         if self.posemb == "learned_2d" and self.width % 2:

@@ -141,11 +141,16 @@ class DistanceBias(nn.Module):
     tokens ([class]) attend and are attended to without a penalty.  The penalty is a function
     of the grid, so it follows the input size (progressive resizing, a fine-tune at a higher
     resolution) with nothing to resample.
+
+    ``mask_self``: a patch does not attend to itself (the diagonal masking of Lee et al.
+    2021's locality self-attention): the residual already carries a token's own value, and
+    the steepest heads would otherwise spend most of their weight there.  [class] still
+    attends to itself.
     """
 
-    def __init__(self, num_heads: int, num_prefix: int, grid: Pair) -> None:
+    def __init__(self, num_heads: int, num_prefix: int, grid: Pair, mask_self: bool = False) -> None:
         super().__init__()
-        self.num_prefix, self.grid = num_prefix, tuple(grid)
+        self.num_prefix, self.grid, self.mask_self = num_prefix, tuple(grid), mask_self
         slopes = torch.logspace(1, -3, num_heads, base=2.0) if num_heads > 1 else torch.tensor([0.5])
         self.log_slope = nn.Parameter(slopes.log())
         # the model's own grid's distances, moved with the model; not state (they follow from the grid)
@@ -159,7 +164,7 @@ class DistanceBias(nn.Module):
             return self.grid
         side = math.isqrt(patches)
         if side * side != patches:
-            raise ValueError(f"attn_bias='distance': a sequence of {patches} patches is not the model's grid "
+            raise ValueError(f"attn_bias (distance penalty): a sequence of {patches} patches is not the model's grid "
                              f"{self.grid} nor a square one")
         return side, side
 
@@ -176,7 +181,11 @@ class DistanceBias(nn.Module):
         model's (progressive resizing) has its distances computed for the call."""
         grid = self.grid_of(q.shape[2])
         distance = self.grid_distance if grid == self.grid else self.distance(grid, q.device)
-        return (-self.log_slope.exp()[:, None, None] * distance).unsqueeze(0).to(q.dtype)
+        bias = -self.log_slope.exp()[:, None, None] * distance
+        if self.mask_self:  # masked_fill, not an infinite distance: the slopes' gradient stays finite
+            patch = torch.arange(distance.shape[0], device=q.device) >= self.num_prefix
+            bias = bias.masked_fill(torch.diag(patch), float("-inf"))
+        return bias.unsqueeze(0).to(q.dtype)
 
 
 def posemb_sincos_2d(grid: Pair, width: int, temperature: float = 10_000.0) -> torch.Tensor:

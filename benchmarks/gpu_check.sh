@@ -15,7 +15,8 @@
 #      ('|'-separated extra arguments; '' is the recipe; later arguments win), e.g. the recipe against its
 #      form before the distance penalty, and fp8 at the steps S the bf16 run took:
 #        PART_C_SETS="|--set model.attn_bias=none --set model.num_heads=3|--fp8 tensorwise --time-limit 0 --steps S";
-#      prints each run's accuracy and MFU
+#      the optimiser step compiled into its own CUDA graph, which the recipe leaves off: add
+#        "|--set run.compile_optimizer=true"; prints each run's accuracy and MFU
 #   D  ViT-B/16 pre-training recipe from memory vs streamed JPEG shards
 # PARTS=ABC (the default) with PART_C_MIN=3 is meant to fit one 10-minute call: A under a minute, B about
 # 4-5 (its two training rows took 90 s on an H200 before the six inference rows were added; the whole

@@ -91,10 +91,14 @@ def get_config(model: str = "hybrid", device: str = "auto") -> TrainConfig:
 
 def gpu_changes(config: TrainConfig) -> dict:
     """The CPU recipe's changes on a GPU: a larger batch (the learning rate scaled by its square
-    root), no progressive resizing (one CUDA graph), fewer, larger evaluations, compiled."""
+    root), no progressive resizing (one CUDA graph), fewer, larger evaluations, compiled.  The
+    optimiser step stays eager (``run.compile_optimizer=false``): compiling it costs time at the
+    start of a run of a few minutes, against a few launches a step saved (the trade is what
+    ``benchmarks/gpu_check.sh`` part C measures, ``--set run.compile_optimizer=true``)."""
     batch = GPU_BATCH_SIZE
     return {"optim.batch_size": batch, "optim.lr": config.optim.lr * math.sqrt(batch / config.optim.batch_size),
-            "data.progressive_sizes": (), "run.eval_every": 2000, "run.eval_batch_size": 2500, "run.compile": True}
+            "data.progressive_sizes": (), "run.eval_every": 2000, "run.eval_batch_size": 2500, "run.compile": True,
+            "run.compile_optimizer": False}
 
 
 def cpu_config(model: str) -> TrainConfig:

@@ -30,7 +30,7 @@ def _with_random_head(cfg: ViTConfig) -> torch.nn.Module:
 
 @pytest.mark.parametrize("fields", [dict(), dict(classifier="gap", posemb="learned_2d"),
                                     dict(posemb="relative"), dict(axial=True, classifier="gap"),
-                                    dict(attn_bias="distance")])
+                                    dict(attn_bias="distance"), dict(attn_bias="distance_no_self")])
 def test_fp32_inference_on_the_gpu_equals_the_cpu(fields):
     cpu = _with_random_head(small(**fields)).eval()
     gpu = copy.deepcopy(cpu).cuda()
@@ -42,7 +42,8 @@ def test_fp32_inference_on_the_gpu_equals_the_cpu(fields):
     torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("fields", [dict(), dict(attn_bias="distance")])  # the distance penalty: SDPA's float mask
+# the distance penalty: SDPA's float mask (with -inf on the diagonal where no patch attends to itself)
+@pytest.mark.parametrize("fields", [dict(), dict(attn_bias="distance"), dict(attn_bias="distance_no_self")])
 def test_a_bf16_training_step_on_the_gpu_follows_the_fp32_cpu_step(fields):
     cpu = _with_random_head(small(**fields)).train()
     gpu = copy.deepcopy(cpu).cuda()

@@ -119,6 +119,10 @@ class RelativePosBias(nn.Module):
         flat = resample_grid(flat, (2 * seq_len - 1, 1), "bilinear").squeeze(1)
         return flat.view(2 * seq_len - 1, *self.weight.shape[1:])
 
+    def self_mask(self, tokens: int, device: torch.device) -> torch.Tensor:
+        """(L, L) bool: True where a patch token meets itself (a prefix token's diagonal stays False)."""
+        return torch.diag(torch.arange(tokens, device=device) >= self.num_prefix)
+
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         """q: (B, H, L, hd), already scaled -> additive bias (B, H, L, L)."""
         L = q.shape[2]
@@ -155,6 +159,9 @@ class DistanceBias(nn.Module):
         self.log_slope = nn.Parameter(slopes.log())
         # the model's own grid's distances, moved with the model; not state (they follow from the grid)
         self.register_buffer("grid_distance", self.distance(self.grid, torch.device("cpu")), persistent=False)
+        if mask_self:  # the same grid's diagonal of patches, where the penalty puts -inf
+            self.register_buffer("grid_self_mask", self.self_mask(self.grid_distance.shape[0], torch.device("cpu")),
+                                 persistent=False)
 
     def grid_of(self, tokens: int) -> Pair:
         """The patch grid of a sequence of ``tokens``: the model's, or a square one (progressive
@@ -176,6 +183,10 @@ class DistanceBias(nn.Module):
         between = torch.cdist(where, where).float()  # (N, N)
         return F.pad(between, (self.num_prefix, 0, self.num_prefix, 0))
 
+    def self_mask(self, tokens: int, device: torch.device) -> torch.Tensor:
+        """(L, L) bool: True where a patch token meets itself (a prefix token's diagonal stays False)."""
+        return torch.diag(torch.arange(tokens, device=device) >= self.num_prefix)
+
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         """q: (B, H, L, hd) -> additive bias (1, H, L, L) in q's dtype; another grid than the
         model's (progressive resizing) has its distances computed for the call."""
@@ -183,8 +194,8 @@ class DistanceBias(nn.Module):
         distance = self.grid_distance if grid == self.grid else self.distance(grid, q.device)
         bias = -self.log_slope.exp()[:, None, None] * distance
         if self.mask_self:  # masked_fill, not an infinite distance: the slopes' gradient stays finite
-            patch = torch.arange(distance.shape[0], device=q.device) >= self.num_prefix
-            bias = bias.masked_fill(torch.diag(patch), float("-inf"))
+            mask = self.grid_self_mask if grid == self.grid else self.self_mask(distance.shape[0], q.device)
+            bias = bias.masked_fill(mask, float("-inf"))
         return bias.unsqueeze(0).to(q.dtype)
 
 

@@ -46,6 +46,7 @@ from vitlab.config import Architecture, ConfigError, replace
 from vitlab.eval.evaluator import autocast
 
 from .memory_estimate import gb
+from .step import example_losses
 
 # the share of the GPU's free memory a measured plan may use (module text)
 SAFETY = 0.9
@@ -199,8 +200,6 @@ def probe_model(cfg, arch: Architecture, img_size: tuple, kernels, device: torch
 
 
 def _forward_backward(model: nn.Module, images: torch.Tensor, cfg, precision: str, device: torch.device) -> None:
-    from .step import example_losses
-
     with autocast(device, precision):
         out = model(images)
     if cfg.model.mpp is not None:

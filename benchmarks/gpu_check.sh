@@ -12,9 +12,12 @@
 #      columns, tensorwise and rowwise) and inference at batch 1, 64 and 256 (a fresh process per row, each
 #      compiling its model)
 #   C  the CIFAR-10 plain-ViT recipe, PART_C_MIN minutes, on the GPU, once per variant of PART_C_SETS
-#      ('|'-separated extra arguments; '' is the recipe; later arguments win), e.g. the recipe against its
-#      form before the distance penalty, and fp8 at the steps S the bf16 run took:
-#        PART_C_SETS="|--set model.attn_bias=none --set model.num_heads=3|--fp8 tensorwise --time-limit 0 --steps S";
+#      ('|'-separated extra arguments; '' is the recipe; later arguments win), e.g. the recipe's GPU model
+#      (width 384, 7 blocks) against the CPU's (width 192, 6 blocks) at the CPU's batch rule, and fp8 at the
+#      steps S the bf16 run took:
+#        PART_C_SETS="|$CPU_MODEL|--fp8 tensorwise --time-limit 0 --steps S", with
+#        CPU_MODEL="--set model.width=192 --set model.depth=6 --set model.num_heads=8 --set model.mlp_dim=384
+#                   --batch-size 256 --lr 4.24e-3";
 #      the optimiser step compiled into its own CUDA graph, which the recipe leaves off: add
 #        "|--set run.compile_optimizer=true"; prints each run's accuracy and MFU
 #   D  ViT-B/16 pre-training recipe from memory vs streamed JPEG shards

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from vitlab.analysis.cost import model_flops
 from vitlab.config import ConfigError
 from vitlab.configs import list_recipes, load_recipe
 from vitlab.data.transforms import Augmentation, TrainTransform
@@ -214,15 +215,15 @@ def test_every_recipe_loads_and_is_consistent():
         load_recipe("paper_pretrian")
 
 
-def test_the_cifar_recipe_fits_its_batch_and_cadence_to_the_device():
+def test_the_cifar_recipe_fits_its_batch_cadence_and_model_to_the_device():
     import math
 
     for variant in ("hybrid", "vit"):
         cpu = load_recipe(f"cifar10_scratch:model={variant},device=cpu")
         gpu = load_recipe(f"cifar10_scratch:model={variant},device=cuda")
-        assert gpu.optim.batch_size == 256 and gpu.run.device == "cuda" and gpu.run.compile
+        assert gpu.optim.batch_size == 512 and gpu.run.device == "cuda" and gpu.run.compile
         # the stated rule: lr scaled by the square root of the batch ratio
-        assert gpu.optim.lr == pytest.approx(cpu.optim.lr * math.sqrt(256 / cpu.optim.batch_size))
+        assert gpu.optim.lr == pytest.approx(cpu.optim.lr * math.sqrt(512 / cpu.optim.batch_size))
         assert gpu.data.progressive_sizes == ()  # one input shape: a step captured once as a CUDA graph
         assert gpu.run.eval_every == 2000 and gpu.optim.optimizer == cpu.optim.optimizer
         # device=auto (the default) declares both: the CPU's settings, and the GPU's for a run that
@@ -231,6 +232,18 @@ def test_the_cifar_recipe_fits_its_batch_and_cadence_to_the_device():
         assert with_changes(auto, {"run.on_device": {}}) == cpu
         on_gpu = with_changes(cpu, auto.run.on_device["cuda"])
         assert on_gpu.optim == gpu.optim and on_gpu.data == gpu.data and on_gpu.run.compile
+        assert on_gpu.model == gpu.model
+    # the hybrids keep their model; the plain ViT is wider and deeper on a GPU, with the same kind
+    # of locality prior, and its docstring's figures are the built models'
+    assert load_recipe("cifar10_scratch:model=hybrid,device=cuda").model == load_recipe("cifar10_scratch:model=hybrid").model
+    sizes = {}
+    for device in ("cpu", "cuda"):
+        cfg = load_recipe(f"cifar10_scratch:model=vit,device={device}")
+        built = architecture(cfg, num_classes=10)
+        assert built.patch_size == (4, 4) and built.attn_bias == "distance_no_self" and built.num_patches == 64
+        sizes[device] = (built.width, built.depth, built.num_heads, built.mlp_dim, model_flops(built))
+    assert sizes["cpu"][:4] == (192, 6, 8, 384) and sizes["cuda"][:4] == (384, 7, 12, 1536)
+    assert round(3 * sizes["cpu"][4] / 1e9, 2) == 0.75 and round(3 * sizes["cuda"][4] / 1e9, 1) == 5.0
     with pytest.raises(ConfigError, match="device='tpu'"):
         load_recipe("cifar10_scratch:device=tpu")
 

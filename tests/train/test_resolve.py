@@ -80,11 +80,13 @@ def test_a_gpu_takes_bf16_where_it_has_it_and_the_recipes_settings_for_it(tmp_pa
                                               "run.out": str(tmp_path / "run")})
     on_gpu = resolve(recipe, world("cuda:0"), described(gpus=(H100,)))
     assert on_gpu.precision == "bf16" and on_gpu.bf16_matmuls and on_gpu.kernels is not None
-    assert on_gpu.config.optim.batch_size == 256 and on_gpu.config.data.progressive_sizes == ()
+    assert on_gpu.config.optim.batch_size == 512 and on_gpu.config.data.progressive_sizes == ()
+    assert on_gpu.config.model.overrides["width"] == 384  # the GPU's larger plain ViT
     assert on_gpu.compile == "reduce-overhead"  # one input shape: CUDA graphs
     assert resolve(recipe, world("cuda:0"), described(gpus=(OLD_GPU,))).precision == "fp32"
     on_cpu = resolve(recipe, world("cpu"), described())
     assert on_cpu.config.optim.batch_size == 128 and on_cpu.config.data.progressive_sizes == ((24, 0.5),)
+    assert on_cpu.config.model.overrides["width"] == 192
     assert on_cpu.compile == "off"  # the plain ViT recipe compiles only on a GPU
 
 
@@ -119,7 +121,7 @@ def test_a_recipe_never_probes_the_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", probe)
     monkeypatch.setattr(torch.cuda, "device_count", probe)
     cfg = load_recipe("cifar10_scratch:model=vit")
-    assert cfg.run.device == "auto" and cfg.run.on_device["cuda"]["optim.batch_size"] == 256
+    assert cfg.run.device == "auto" and cfg.run.on_device["cuda"]["optim.batch_size"] == 512
 
 
 def test_a_resumed_run_keeps_the_arithmetic_and_layout_it_started_with(tmp_path):

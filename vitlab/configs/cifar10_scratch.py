@@ -57,8 +57,8 @@ CPU model's locality prior with more slopes), 7 blocks, MLP 1536 (the paper's 4x
 parameters and 4.9 GFLOP per training image against 1.8M and 0.74, in matmuls 2-4x as wide
 (``GPU_MODELS``).  Seven blocks of 4x4 patches is ViT-Lite-7/4's shape (91.38% on CIFAR-10
 from scratch, Hassani et al. 2021), and seven blocks of width 384 omihub777/ViT-CIFAR's (91.01%
-at 200 epochs).  Unmeasured on a GPU so
-far (docs/results.md says so); ``benchmarks/gpu_check.sh`` part C compares it with the CPU model.
+at 200 epochs).  Unmeasured on a GPU so far (docs/results.md says so);
+``benchmarks/gpu_check.sh`` part C compares it with the CPU's model.
 """
 import math
 

@@ -119,10 +119,6 @@ class RelativePosBias(nn.Module):
         flat = resample_grid(flat, (2 * seq_len - 1, 1), "bilinear").squeeze(1)
         return flat.view(2 * seq_len - 1, *self.weight.shape[1:])
 
-    def self_mask(self, tokens: int, device: torch.device) -> torch.Tensor:
-        """(L, L) bool: True where a patch token meets itself (a prefix token's diagonal stays False)."""
-        return torch.diag(torch.arange(tokens, device=device) >= self.num_prefix)
-
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         """q: (B, H, L, hd), already scaled -> additive bias (B, H, L, L)."""
         L = q.shape[2]

@@ -13,9 +13,9 @@
 #      compiling its model)
 #   C  the CIFAR-10 plain-ViT recipe, PART_C_MIN minutes, on the GPU, once per variant of PART_C_SETS
 #      ('|'-separated extra arguments; '' is the recipe; later arguments win), e.g. the recipe's GPU model
-#      (width 384, 7 blocks) against the CPU's (width 192, 6 blocks) at the CPU's batch rule, and fp8 at the
-#      steps S the bf16 run took:
-#        PART_C_SETS="|$CPU_MODEL|--fp8 tensorwise --time-limit 0 --steps S", with
+#      (width 384, 7 blocks) against the CPU's (width 192, 6 blocks) at the CPU's batch rule, its RandAugment
+#      against none, and fp8 at the steps S the bf16 run took:
+#        PART_C_SETS="|$CPU_MODEL|--set augment.randaug_ops=0|--fp8 tensorwise --time-limit 0 --steps S", with
 #        CPU_MODEL="--set model.width=192 --set model.depth=6 --set model.num_heads=8 --set model.mlp_dim=384
 #                   --batch-size 256 --lr 4.24e-3";
 #      the optimiser step compiled into its own CUDA graph, which the recipe leaves off: add

@@ -244,6 +244,12 @@ def test_the_cifar_recipe_fits_its_batch_cadence_and_model_to_the_device():
         sizes[device] = (built.width, built.depth, built.num_heads, built.mlp_dim, model_flops(built))
     assert sizes["cpu"][:4] == (192, 6, 8, 384) and sizes["cuda"][:4] == (384, 7, 12, 1536)
     assert round(3 * sizes["cpu"][4] / 1e9, 2) == 0.74 and round(3 * sizes["cuda"][4] / 1e9, 1) == 4.9
+    # the many more epochs of a GPU run: the plain ViT adds RandAugment there, the hybrids keep the CPU's augmentation
+    assert load_recipe("cifar10_scratch:model=vit").augment.randaug_ops == 0
+    gpu_augment = load_recipe("cifar10_scratch:model=vit,device=cuda").augment
+    assert (gpu_augment.randaug_ops, gpu_augment.randaug_magnitude) == (2, 5.0)
+    assert gpu_augment.crop == "pad" and gpu_augment.flip and gpu_augment.label_smoothing == 0.1
+    assert load_recipe("cifar10_scratch:model=hybrid,device=cuda").augment == load_recipe("cifar10_scratch").augment
     with pytest.raises(ConfigError, match="device='tpu'"):
         load_recipe("cifar10_scratch:device=tpu")
 

@@ -82,11 +82,12 @@ def test_a_gpu_takes_bf16_where_it_has_it_and_the_recipes_settings_for_it(tmp_pa
     assert on_gpu.precision == "bf16" and on_gpu.bf16_matmuls and on_gpu.kernels is not None
     assert on_gpu.config.optim.batch_size == 512 and on_gpu.config.data.progressive_sizes == ()
     assert on_gpu.config.model.overrides["width"] == 384  # the GPU's larger plain ViT
+    assert on_gpu.config.augment.randaug_ops == 2  # ... for its many more epochs
     assert on_gpu.compile == "reduce-overhead"  # one input shape: CUDA graphs
     assert resolve(recipe, world("cuda:0"), described(gpus=(OLD_GPU,))).precision == "fp32"
     on_cpu = resolve(recipe, world("cpu"), described())
     assert on_cpu.config.optim.batch_size == 128 and on_cpu.config.data.progressive_sizes == ((24, 0.5),)
-    assert on_cpu.config.model.overrides["width"] == 192
+    assert on_cpu.config.model.overrides["width"] == 192 and on_cpu.config.augment.randaug_ops == 0
     assert on_cpu.compile == "off"  # the plain ViT recipe compiles only on a GPU
 
 

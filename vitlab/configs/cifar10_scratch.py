@@ -57,8 +57,12 @@ CPU model's locality prior with more slopes), 7 blocks, MLP 1536 (the paper's 4x
 parameters and 4.9 GFLOP per training image against 1.8M and 0.74, in matmuls 2-4x as wide
 (``GPU_MODELS``).  Seven blocks of 4x4 patches is ViT-Lite-7/4's shape (91.38% on CIFAR-10
 from scratch, Hassani et al. 2021), and seven blocks of width 384 omihub777/ViT-CIFAR's (91.01%
-at 200 epochs).  Unmeasured on a GPU so far (docs/results.md says so);
-``benchmarks/gpu_check.sh`` part C compares it with the CPU's model.
+at 200 epochs).  There it also trains with RandAugment, 2 operations at magnitude 5
+(``GPU_AUGMENT``): a GPU run sees 3-10x the CPU's 20 epochs (63 in 2.5 minutes on an H200 for
+the CPU's model, which then stopped at 82.70%, where its 30-minute CPU run stopped), and each
+of those anchors above 90% trains with AutoAugment or RandAugment; on the CPU, at 20 epochs,
+RandAugment cost 2 points (docs/results.md).  Unmeasured on a GPU so far (docs/results.md says
+so); ``benchmarks/gpu_check.sh`` part C compares it with the CPU's model.
 """
 import math
 
@@ -85,6 +89,8 @@ EVAL_EVERY = {"hybrid": 500, "hybrid_bit": 500, "vit": 2000}
 GPU_BATCH_SIZE = 512
 # The plain ViT on a GPU: wider and deeper, so that its matmuls fill the device (docstring).
 GPU_MODELS = {"vit": dict(MODELS["vit"], width=384, depth=7, num_heads=12, mlp_dim=1536, name="ViT-CIFAR-7/4")}
+# ... and augmented more strongly, for the many more epochs a GPU run sees (docstring).
+GPU_AUGMENT = {"vit": dict(randaug_ops=2, randaug_magnitude=5.0)}
 
 
 def get_config(model: str = "hybrid", device: str = "auto") -> TrainConfig:
@@ -106,8 +112,8 @@ def get_config(model: str = "hybrid", device: str = "auto") -> TrainConfig:
 
 def gpu_changes(config: TrainConfig, model: str) -> dict:
     """The CPU recipe's changes on a GPU: a larger batch (the learning rate scaled by its square
-    root), the plain ViT larger (``GPU_MODELS``), no progressive resizing (one CUDA graph), fewer,
-    larger evaluations, compiled.  The optimiser step stays eager (``run.compile_optimizer=false``):
+    root), the plain ViT larger (``GPU_MODELS``) and augmented with RandAugment (``GPU_AUGMENT``),
+    no progressive resizing (one CUDA graph), fewer, larger evaluations, compiled.  The optimiser step stays eager (``run.compile_optimizer=false``):
     compiling it costs time at the start of a run of a few minutes, against a few launches a step
     saved (the trade is what ``benchmarks/gpu_check.sh`` part C measures, ``--set
     run.compile_optimizer=true``)."""
@@ -117,6 +123,8 @@ def gpu_changes(config: TrainConfig, model: str) -> dict:
                "run.compile_optimizer": False}
     if model in GPU_MODELS:
         changes["model.overrides"] = GPU_MODELS[model]
+    for field, value in GPU_AUGMENT.get(model, {}).items():
+        changes[f"augment.{field}"] = value
     return changes
 
 

@@ -31,10 +31,8 @@ reads it as 1x1 patches.
     trains at batch 128 with Muon on the blocks' dense layers and AdamW on the rest
     (``optim.optimizer="muon"``, lr 3e-3 for both, the Muon update scaled to AdamW's RMS),
     and, as the hybrid, the first half of its steps on 24x24 images (36 tokens; the position
-    embeddings are resampled).  It evaluates and saves a running average of its weights
-    (``optim.ema_decay=0.999``, the paper's Polyak averaging at a horizon of 1,000 steps): the
-    training is the same, and the average scores higher at the end.  Each of these was a
-    measured gain in probes and 30-minute runs (docs/results.md).
+    embeddings are resampled).  Each of these was a measured gain in probes and 30-minute
+    runs (docs/results.md).
 
 For a short budget on little data: AdamW (the hybrids; the plain ViT's non-matrix
 parameters) with weight decay 0.05 (the paper: 0.1 with 10k
@@ -86,7 +84,6 @@ PROGRESSIVE_SIZES = {"hybrid": ((24, 0.5),), "hybrid_bit": (), "vit": ((24, 0.5)
 PATCH_INITS = {"hybrid": "lecun", "hybrid_bit": "lecun", "vit": "whiten"}
 POSEMB_INITS = {"hybrid": "normal", "hybrid_bit": "normal", "vit": "sincos"}
 EVAL_EVERY = {"hybrid": 500, "hybrid_bit": 500, "vit": 2000}
-EMA_DECAYS = {"hybrid": 0.0, "hybrid_bit": 0.0, "vit": 0.999}
 
 
 GPU_BATCH_SIZE = 512
@@ -141,7 +138,7 @@ def cpu_config(model: str) -> TrainConfig:
         augment=AugmentConfig(crop="pad", crop_pad=4, flip=True, label_smoothing=0.1),
         optim=OptimConfig(optimizer=OPTIMIZERS[model], betas=(0.9, 0.999), lr=LEARNING_RATES[model], weight_decay=0.05,
                           wd_scope="kernels", batch_size=BATCH_SIZES[model], steps=100_000, warmup=0.05, decay="cosine",
-                          clip_norm=1.0, ema_decay=EMA_DECAYS[model]),
+                          clip_norm=1.0),
         run=RunConfig(
             # bf16 where it is faster than fp32 (AMX, a Zen 4's AVX-512 BF16, GPUs): "auto" means
             # fp32 where bf16 is emulated or its kernel is slower than the fp32 GEMM

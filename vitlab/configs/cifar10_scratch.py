@@ -113,10 +113,10 @@ def get_config(model: str = "hybrid", device: str = "auto") -> TrainConfig:
 def gpu_changes(config: TrainConfig, model: str) -> dict:
     """The CPU recipe's changes on a GPU: a larger batch (the learning rate scaled by its square
     root), the plain ViT larger (``GPU_MODELS``) and augmented with RandAugment (``GPU_AUGMENT``),
-    no progressive resizing (one CUDA graph), fewer, larger evaluations, compiled.  The optimiser step stays eager (``run.compile_optimizer=false``):
-    compiling it costs time at the start of a run of a few minutes, against a few launches a step
-    saved (the trade is what ``benchmarks/gpu_check.sh`` part C measures, ``--set
-    run.compile_optimizer=true``)."""
+    no progressive resizing (one CUDA graph), fewer, larger evaluations, compiled.  The optimiser
+    step stays eager (``run.compile_optimizer=false``): compiling it costs time at the start of a
+    run of a few minutes, against a few launches a step saved (the trade is what
+    ``benchmarks/gpu_check.sh`` part C measures, ``--set run.compile_optimizer=true``)."""
     batch = GPU_BATCH_SIZE
     changes = {"optim.batch_size": batch, "optim.lr": config.optim.lr * math.sqrt(batch / config.optim.batch_size),
                "data.progressive_sizes": (), "run.eval_every": 2000, "run.eval_batch_size": 2500, "run.compile": True,

@@ -59,9 +59,10 @@ parameters and 4.9 GFLOP per training image against 1.8M and 0.74, in matmuls 2-
 from scratch, Hassani et al. 2021), and seven blocks of width 384 omihub777/ViT-CIFAR's (91.01%
 at 200 epochs).  There it also trains with RandAugment, 2 operations at magnitude 5
 (``GPU_AUGMENT``): a GPU run sees 3-10x the CPU's 20 epochs (63 in 2.5 minutes on an H200 for
-the CPU's model, which then stopped at 82.70%, where its 30-minute CPU run stopped), and each
-of those anchors above 90% trains with AutoAugment or RandAugment; on the CPU, at 20 epochs,
-RandAugment cost 2 points (docs/results.md).  Unmeasured on a GPU so far (docs/results.md says
+the CPU's model, which then stopped at 82.70%, where its 30-minute CPU run stopped), and
+omihub777/ViT-CIFAR's 91.01% trains with AutoAugment and label smoothing (a port without
+AutoAugment reports about 76%); on the CPU, at 20 epochs, RandAugment cost 2 points
+(docs/results.md).  Unmeasured on a GPU so far (docs/results.md says
 so); ``benchmarks/gpu_check.sh`` part C compares it with the CPU's model.
 """
 import math

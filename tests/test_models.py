@@ -241,6 +241,48 @@ def test_distance_bias_without_self_masks_each_patch_diagonal_only():
     assert diagonal[:, 1:].abs().max() == 0 and (diagonal[:, 0] > 0).all()
 
 
+def test_offset_bias_adds_one_learned_value_per_head_and_2d_offset():
+    """attn_offsets=True: on top of the distance penalty, each head adds its table's value for the
+    offset (dy, dx) between the two patches; zero to and from [class]; a smaller grid (progressive
+    resizing) reads the same entries, and a larger one clamps its offsets to the table's edge."""
+    cfg = tiny(img_size=(8, 12), patch_size=4, attn_bias="distance", attn_offsets=True)
+    attn = Attention(cfg)
+    table = attn.distance_bias.offset_bias  # (H, (2*2-1) * (2*3-1)), zero at the start
+    assert table.shape == (4, 3 * 5) and table.abs().sum() == 0
+    reference = Attention(replace(cfg, attn_offsets=False)).distance_bias
+    q = torch.zeros(1, 4, 7, 8)
+    torch.testing.assert_close(attn.distance_bias(q), reference(q))  # the same model until it learns
+    with torch.no_grad():
+        table.copy_(torch.randn_like(table))
+    bias = attn.distance_bias(q) - reference(q)
+    where = [(y, x) for y in range(2) for x in range(3)]
+    for i, (yi, xi) in enumerate(where):
+        for j, (yj, xj) in enumerate(where):
+            torch.testing.assert_close(bias[0, :, 1 + i, 1 + j], table[:, (yi - yj + 1) * 5 + (xi - xj + 2)])
+    assert bias[0, :, 0].abs().sum() == 0 and bias[0, :, :, 0].abs().sum() == 0
+    square = Attention(tiny(img_size=12, patch_size=4, attn_bias="distance", attn_offsets=True)).distance_bias
+    with torch.no_grad():
+        square.offset_bias.copy_(torch.randn_like(square.offset_bias))
+    plain = Attention(tiny(img_size=12, patch_size=4, attn_bias="distance")).distance_bias
+    small, large = (square(torch.zeros(1, 4, 1 + n * n, 8)) - plain(torch.zeros(1, 4, 1 + n * n, 8)) for n in (2, 5))
+    assert torch.equal(small[0, :, 1, 4], square.offset_bias[:, (0 - 1 + 2) * 5 + (0 - 1 + 2)])  # (0,0) to (1,1)
+    assert torch.equal(large[0, :, 1, 25], square.offset_bias[:, 0])  # (0,0) to (4,4): clamped to (-2,-2)
+
+
+def test_offset_bias_learns_and_needs_the_distance_penalty():
+    torch.manual_seed(0)
+    model = vitlab.create_model(tiny(attn_bias="distance_no_self", attn_offsets=True, dynamic_img_size=True))
+    with torch.no_grad():
+        model.head.weight.normal_(std=0.5)
+    for size in (16, 12):
+        model.zero_grad()
+        model(torch.randn(2, 3, size, size)).square().sum().backward()
+        grad = model.blocks[0].attn.distance_bias.offset_bias.grad
+        assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    with pytest.raises(ConfigError, match="attn_offsets=True"):
+        ViTConfig(attn_offsets=True)
+
+
 @pytest.mark.parametrize("attn_bias", ["distance", "distance_no_self"])
 @pytest.mark.parametrize("fields", [dict(posemb="relative"), dict(patch_dropout=0.5),
                                     dict(axial=True, classifier="gap", posemb="learned_2d")])

@@ -230,6 +230,10 @@ class ViTConfig:
         slope learned (``posemb.DistanceBias``); "distance_no_self" also keeps each patch from
         attending to itself (the diagonal masking of Lee et al. 2021's locality self-attention:
         the residual already carries a token's own value).  Not in the paper; "none" (default).
+    attn_offsets: with a distance penalty, each head also adds a learned value for every 2D
+        offset (dy, dx) between two patches, starting at zero (Swin's relative position bias,
+        Liu et al. 2021): the penalty is the same in every direction, the offsets let a head
+        prefer one.  Offsets beyond the model's grid (a larger input) take the table's edge.
     posemb_resample: how the patch grid of position embeddings is resized to a new
         grid: "bilinear" with aligned corners is what the official code does
         (scipy.ndimage.zoom, order 1); "bicubic" is what Hugging Face does on the fly.
@@ -267,6 +271,7 @@ class ViTConfig:
     posemb_place: str = "stem"
     posemb_resample: str = "bilinear"
     attn_bias: str = "none"
+    attn_offsets: bool = False
     dynamic_img_size: bool = False
     dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -292,7 +297,7 @@ class ViTConfig:
             need_int(name, getattr(self, name), 1, limit)
         _need_classes(self.num_classes)
         need_number("ln_eps", self.ln_eps, 0.0, below=1.0)
-        for name in ("dynamic_img_size", "qkv_bias", "axial"):
+        for name in ("dynamic_img_size", "qkv_bias", "axial", "attn_offsets"):
             need_bool(name, getattr(self, name))
         need(self.name is None or isinstance(self.name, str), "name", self.name, "must be a string or None")
         if self.width % self.num_heads:
@@ -323,6 +328,9 @@ class ViTConfig:
                 f"attn_bias={self.attn_bias!r}: needs the whole patch grid in raster order and no other attention bias: "
                 "posemb other than 'relative', patch_dropout=0 and axial=False"
             )
+        if self.attn_offsets and self.attn_bias == "none":
+            raise ConfigError("attn_offsets=True: the offsets' bias is part of the distance penalty; "
+                              "needs attn_bias 'distance' or 'distance_no_self'")
         if self.posemb == "learned_2d" and self.width % 2:
             raise ConfigError(f"width={self.width} must be even for posemb='learned_2d' (two tables of width/2)")
         if self.patch_dropout and (self.axial or self.posemb == "relative" or self.posemb_place != "stem"):

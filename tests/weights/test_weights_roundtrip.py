@@ -37,13 +37,15 @@ ALL_KINDS = [
     ViTConfig(**{**TINY.__dict__, "classifier": "gap", "representation_size": 7, "gelu": "exact"}),
     ViTConfig(**{**TINY.__dict__, "posemb": "learned_2d", "posemb_place": "every_layer", "img_size": (16, 24)}),
     ViTConfig(**{**TINY.__dict__, "posemb": "relative"}),
+    ViTConfig(**{**TINY.__dict__, "attn_bias": "distance_no_self", "attn_offsets": True, "classifier": "gap"}),
     ViTConfig(**{**TINY.__dict__, "axial": True, "classifier": "gap", "posemb": "learned_2d"}),
     ResNetConfig(layers=(1, 1), num_classes=4, img_size=32),
 ]
 
 
 @pytest.mark.parametrize("cfg, as_dir", [(cfg, True) for cfg in ALL_KINDS] + [(TINY, False)],
-                         ids=["vit", "gap-prelogits", "2d-every-layer", "relative", "axial", "bit", "vit-file"])
+                         ids=["vit", "gap-prelogits", "2d-every-layer", "relative", "distance-offsets", "axial", "bit",
+                              "vit-file"])
 def test_save_model_round_trip(tmp_path, cfg, as_dir):
     model = random_model(cfg)
     target = tmp_path / ("run" if as_dir else "model.safetensors")
@@ -63,6 +65,27 @@ def test_native_resize_and_new_head(tmp_path):
     expected = resample_table_1d(model.pos_embed.weight, 1, (4, 4), (6, 6), "bilinear")
     assert torch.equal(big.pos_embed.weight, expected)
     assert not big.head.weight.any() and big.head.weight.shape == (3, 32)
+
+
+@pytest.mark.parametrize("size, new_size", [(16, 28), (28, 16), (16, (24, 20))])
+def test_resized_offset_bias_attends_as_the_original_at_the_new_size(tmp_path, size, new_size):
+    """The distance penalty's offset table, adapted to another grid (cropped, or extended with its
+    edge values), gives the bias the original model gives that grid (it clamps its offsets)."""
+    cfg = ViTConfig(**{**TINY.__dict__, "img_size": size, "attn_bias": "distance_no_self", "attn_offsets": True})
+    model = random_model(cfg)
+    save_model(model, tmp_path / "m.safetensors")
+    resized = load_model(tmp_path / "m.safetensors", img_size=new_size)
+    new_grid = resized.cfg.grid_size
+    q = torch.zeros(1, 2, 1 + new_grid[0] * new_grid[1], 16)
+    for old, new in zip(model.blocks, resized.blocks):
+        expected = old.attn.distance_bias(q) if new_grid[0] == new_grid[1] else None
+        got = new.attn.distance_bias(q)
+        if expected is not None:  # the original takes another grid only when square
+            assert torch.equal(got, expected)
+        table = new.attn.distance_bias.offset_bias.view(2, 2 * new_grid[0] - 1, 2 * new_grid[1] - 1)
+        centre = old.attn.distance_bias.offset_bias.view(2, 2 * cfg.grid_size[0] - 1, 2 * cfg.grid_size[1] - 1)
+        assert torch.equal(table[:, new_grid[0] - 1, new_grid[1] - 1], centre[:, cfg.grid_size[0] - 1,
+                                                                            cfg.grid_size[1] - 1])
 
 
 def test_official_round_trip_of_a_vitlab_model(tmp_path):

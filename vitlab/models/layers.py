@@ -61,7 +61,8 @@ class Attention(nn.Module):
             RelativePosBias(seq_len, cfg.num_heads, cfg.head_dim) if cfg.posemb == "relative" else None
         )
         self.distance_bias = (
-            DistanceBias(cfg.num_heads, cfg.num_prefix_tokens, cfg.grid_size, mask_self=cfg.attn_bias == "distance_no_self")
+            DistanceBias(cfg.num_heads, cfg.num_prefix_tokens, cfg.grid_size, mask_self=cfg.attn_bias == "distance_no_self",
+                         offsets=cfg.attn_offsets)
             if cfg.attn_bias != "none" else None
         )
         # When a list, every forward appends its attention probabilities (B, H, L, L).

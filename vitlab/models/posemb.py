@@ -146,9 +146,17 @@ class DistanceBias(nn.Module):
     2021's locality self-attention): the residual already carries a token's own value, and
     the steepest heads would otherwise spend most of their weight there.  [class] still
     attends to itself.
+
+    ``offsets``: each head also adds a learned value for every 2D offset between two patches
+    (``offset_bias``, one row of (2h-1)(2w-1) values per head for the model's h x w grid, zero
+    at the start: the penalty alone), as Swin's relative position bias does: the penalty is
+    the same in every direction, the offsets let a head prefer one, as a convolution's taps
+    do.  A smaller grid reads the entries of its offsets; a larger one clamps its offsets to
+    the table's edge.
     """
 
-    def __init__(self, num_heads: int, num_prefix: int, grid: Pair, mask_self: bool = False) -> None:
+    def __init__(self, num_heads: int, num_prefix: int, grid: Pair, mask_self: bool = False,
+                 offsets: bool = False) -> None:
         super().__init__()
         self.num_prefix, self.grid, self.mask_self = num_prefix, tuple(grid), mask_self
         slopes = torch.logspace(1, -3, num_heads, base=2.0) if num_heads > 1 else torch.tensor([0.5])
@@ -158,6 +166,11 @@ class DistanceBias(nn.Module):
         if mask_self:  # the same grid's diagonal of patches, where the penalty puts -inf
             self.register_buffer("grid_self_mask", self.self_mask(self.grid_distance.shape[0], torch.device("cpu")),
                                  persistent=False)
+        self.offset_bias = None
+        if offsets:
+            span = (2 * self.grid[0] - 1) * (2 * self.grid[1] - 1)
+            self.offset_bias = nn.Parameter(torch.zeros(num_heads, span))
+            self.register_buffer("grid_offset_index", self.offset_index(self.grid, torch.device("cpu")), persistent=False)
 
     def grid_of(self, tokens: int) -> Pair:
         """The patch grid of a sequence of ``tokens``: the model's, or a square one (progressive
@@ -179,6 +192,19 @@ class DistanceBias(nn.Module):
         between = torch.cdist(where, where).float()  # (N, N)
         return F.pad(between, (self.num_prefix, 0, self.num_prefix, 0))
 
+    def offset_index(self, grid: Pair, device: torch.device) -> torch.Tensor:
+        """(L, L) long: each pair of patches' place in ``offset_bias`` (its offset, clamped to the
+        model's grid), and one past the table's end for a pair with a prefix token (no bias)."""
+        gh, gw = self.grid
+        ys, xs = torch.meshgrid(torch.arange(grid[0], device=device), torch.arange(grid[1], device=device),
+                                indexing="ij")
+        ys, xs = ys.flatten(), xs.flatten()
+        dy = (ys[:, None] - ys[None, :]).clamp(-(gh - 1), gh - 1) + gh - 1
+        dx = (xs[:, None] - xs[None, :]).clamp(-(gw - 1), gw - 1) + gw - 1
+        index = dy * (2 * gw - 1) + dx
+        outside = (2 * gh - 1) * (2 * gw - 1)
+        return F.pad(index, (self.num_prefix, 0, self.num_prefix, 0), value=outside)
+
     def self_mask(self, tokens: int, device: torch.device) -> torch.Tensor:
         """(L, L) bool: True where a patch token meets itself (a prefix token's diagonal stays False)."""
         return torch.diag(torch.arange(tokens, device=device) >= self.num_prefix)
@@ -189,6 +215,9 @@ class DistanceBias(nn.Module):
         grid = self.grid_of(q.shape[2])
         distance = self.grid_distance if grid == self.grid else self.distance(grid, q.device)
         bias = -self.log_slope.exp()[:, None, None] * distance
+        if self.offset_bias is not None:
+            index = self.grid_offset_index if grid == self.grid else self.offset_index(grid, q.device)
+            bias = bias + F.pad(self.offset_bias, (0, 1))[:, index]
         if self.mask_self:  # masked_fill, not an infinite distance: the slopes' gradient stays finite
             mask = self.grid_self_mask if grid == self.grid else self.self_mask(distance.shape[0], q.device)
             bias = bias.masked_fill(mask, float("-inf"))

@@ -265,8 +265,8 @@ def test_offset_bias_adds_one_learned_value_per_head_and_2d_offset():
         square.offset_bias.copy_(torch.randn_like(square.offset_bias))
     plain = Attention(tiny(img_size=12, patch_size=4, attn_bias="distance")).distance_bias
     small, large = (square(torch.zeros(1, 4, 1 + n * n, 8)) - plain(torch.zeros(1, 4, 1 + n * n, 8)) for n in (2, 5))
-    assert torch.equal(small[0, :, 1, 4], square.offset_bias[:, (0 - 1 + 2) * 5 + (0 - 1 + 2)])  # (0,0) to (1,1)
-    assert torch.equal(large[0, :, 1, 25], square.offset_bias[:, 0])  # (0,0) to (4,4): clamped to (-2,-2)
+    torch.testing.assert_close(small[0, :, 1, 4], square.offset_bias[:, (0 - 1 + 2) * 5 + (0 - 1 + 2)])  # (0,0)-(1,1)
+    torch.testing.assert_close(large[0, :, 1, 25], square.offset_bias[:, 0])  # (0,0)-(4,4): clamped to (-2,-2)
 
 
 def test_offset_bias_learns_and_needs_the_distance_penalty():

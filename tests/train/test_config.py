@@ -240,7 +240,8 @@ def test_the_cifar_recipe_fits_its_batch_cadence_and_model_to_the_device():
     for device in ("cpu", "cuda"):
         cfg = load_recipe(f"cifar10_scratch:model=vit,device={device}")
         built = architecture(cfg, num_classes=10)
-        assert built.patch_size == (4, 4) and built.attn_bias == "distance_no_self" and built.num_patches == 64
+        assert built.patch_size == (4, 4) and built.num_patches == 64
+        assert built.attn_bias == "distance_no_self" and built.attn_offsets
         sizes[device] = (built.width, built.depth, built.num_heads, built.mlp_dim, model_flops(built))
     assert sizes["cpu"][:4] == (192, 6, 8, 384) and sizes["cuda"][:4] == (384, 7, 12, 1536)
     assert round(3 * sizes["cpu"][4] / 1e9, 2) == 0.74 and round(3 * sizes["cuda"][4] / 1e9, 1) == 4.9

@@ -22,7 +22,8 @@ reads it as 1x1 patches.
     the 2D distance between the two patches, and no patch attends to itself
     (``model.attn_bias="distance_no_self"``: a locality prior without convolution, where the
     hybrids have their stem; the residual carries a patch's own value); eight heads spread
-    eight slopes from local to global.  The head reads the mean of the patch tokens
+    eight slopes from local to global, and each head adds a learned value for every 2D offset
+    between two patches (``model.attn_offsets=True``), so that it can prefer a direction.  The head reads the mean of the patch tokens
     (``model.classifier="gap"``, the paper's alternative to [class], Appendix D.3), so every
     patch's output is trained by the loss.  It evaluates every 2,000 steps rather than 500: the
     time the periodic evaluations took goes to training steps.  Its patch embedding starts as
@@ -75,8 +76,8 @@ HYBRID = dict(ENCODER, depth=3, patch_size=1)
 MODELS = {
     "hybrid": dict(HYBRID, resnet=dict(layers=(1, 3), img_size=32, norm="batch"), name="R14x1-BN+ViT-CIFAR/1"),
     "hybrid_bit": dict(HYBRID, resnet=dict(layers=(1, 3), img_size=32, norm="group"), name="R14x1+ViT-CIFAR/1"),
-    "vit": dict(ENCODER, depth=6, num_heads=8, patch_size=4, attn_bias="distance_no_self", classifier="gap",
-                name="ViT-CIFAR/4"),
+    "vit": dict(ENCODER, depth=6, num_heads=8, patch_size=4, attn_bias="distance_no_self", attn_offsets=True,
+                classifier="gap", name="ViT-CIFAR/4"),
 }
 OPTIMIZERS = {"hybrid": "adam", "hybrid_bit": "adam", "vit": "muon"}
 LEARNING_RATES = {"hybrid": 2e-3, "hybrid_bit": 1e-3, "vit": 3e-3}

@@ -25,8 +25,9 @@ reads it as 1x1 patches.
     eight slopes from local to global, and each head adds a learned value for every 2D offset
     between two patches (``model.attn_offsets=True``), so that it can prefer a direction.  The
     head reads the mean of the patch tokens (``model.classifier="gap"``, the paper's
-    alternative to [class], Appendix D.3), so every patch's output is trained by the loss.  It evaluates every 2,000 steps rather than 500: the
-    time the periodic evaluations took goes to training steps.  Its patch embedding starts as
+    alternative to [class], Appendix D.3), so every patch's output is trained by the loss.  It
+    evaluates every 2,000 steps rather than 500: the time the periodic evaluations took goes
+    to training steps.  Its patch embedding starts as
     a whitening of the training images' patches (``model.patch_init="whiten"``) and its
     learned position table as the 2D sin-cos table (``model.posemb_init="sincos"``); it
     trains at batch 128 with Muon on the blocks' dense layers and AdamW on the rest

@@ -195,14 +195,11 @@ class DistanceBias(nn.Module):
     def offset_index(self, grid: Pair, device: torch.device) -> torch.Tensor:
         """(L, L) long: each pair of patches' place in ``offset_bias`` (its offset, clamped to the
         model's grid), and one past the table's end for a pair with a prefix token (no bias)."""
-        gh, gw = self.grid
         ys, xs = torch.meshgrid(torch.arange(grid[0], device=device), torch.arange(grid[1], device=device),
                                 indexing="ij")
         ys, xs = ys.flatten(), xs.flatten()
-        dy = (ys[:, None] - ys[None, :]).clamp(-(gh - 1), gh - 1) + gh - 1
-        dx = (xs[:, None] - xs[None, :]).clamp(-(gw - 1), gw - 1) + gw - 1
-        index = dy * (2 * gw - 1) + dx
-        outside = (2 * gh - 1) * (2 * gw - 1)
+        index = offset_table_index(self.grid, ys[:, None] - ys[None, :], xs[:, None] - xs[None, :])
+        outside = (2 * self.grid[0] - 1) * (2 * self.grid[1] - 1)
         return F.pad(index, (self.num_prefix, 0, self.num_prefix, 0), value=outside)
 
     def self_mask(self, tokens: int, device: torch.device) -> torch.Tensor:
@@ -222,6 +219,23 @@ class DistanceBias(nn.Module):
             mask = self.grid_self_mask if grid == self.grid else self.self_mask(distance.shape[0], q.device)
             bias = bias.masked_fill(mask, float("-inf"))
         return bias.unsqueeze(0).to(q.dtype)
+
+
+def offset_table_index(grid: Pair, dy: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
+    """The place of the offsets (dy, dx) in the offset table of a ``grid`` model's
+    ``DistanceBias`` (row-major over dy, dx), offsets beyond the grid clamped to the table's edge."""
+    gh, gw = grid
+    return (dy.clamp(-(gh - 1), gh - 1) + gh - 1) * (2 * gw - 1) + dx.clamp(-(gw - 1), gw - 1) + gw - 1
+
+
+def resize_offset_table(table: torch.Tensor, grid: Pair, new_grid: Pair) -> torch.Tensor:
+    """A ``DistanceBias`` offset table (H, (2h-1)(2w-1)) of a ``grid`` model for a ``new_grid``
+    model: each of the new grid's offsets takes the value the original gives it (the entry of
+    that offset, clamped to the original table's edge), so the adapted model attends as the
+    original does at that size."""
+    dy, dx = torch.meshgrid(torch.arange(1 - new_grid[0], new_grid[0], device=table.device),
+                            torch.arange(1 - new_grid[1], new_grid[1], device=table.device), indexing="ij")
+    return table[:, offset_table_index(grid, dy.flatten(), dx.flatten())]
 
 
 def posemb_sincos_2d(grid: Pair, width: int, temperature: float = 10_000.0) -> torch.Tensor:

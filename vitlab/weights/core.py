@@ -23,7 +23,7 @@ from torch import nn
 
 from ..config import Architecture, ConfigError, Pair, ResNetConfig, ViTConfig, replace, to_pair
 from ..models.posemb import (DistanceBias, LearnedPosEmb1D, LearnedPosEmb2D, RelativePosBias, resample_grid,
-                             resample_table_1d)
+                             resample_table_1d, resize_offset_table)
 from ..models.registry import PATCH_SIZES, VIT_SIZES, build_model, get_config
 
 StateDict = dict[str, torch.Tensor]
@@ -320,24 +320,8 @@ def _resized_posembs(cfg: ViTConfig, new_cfg: ViTConfig, state_dict: StateDict) 
             rel.weight.data = state_dict[key + "weight"]
             out[key + "weight"] = rel.table(seq_len).detach()
         elif isinstance(m, DistanceBias) and m.offset_bias is not None:
-            out[key + "offset_bias"] = resized_offset_table(state_dict[key + "offset_bias"], m.grid, grid)
+            out[key + "offset_bias"] = resize_offset_table(state_dict[key + "offset_bias"], m.grid, grid)
     return out
-
-
-def resized_offset_table(table: torch.Tensor, grid: Pair, new_grid: Pair) -> torch.Tensor:
-    """A ``DistanceBias`` offset table (H, (2h-1)(2w-1)) for ``new_grid``: cropped to a smaller
-    grid's offsets, or extended with its edge values to a larger one's, which is the value the
-    model gives those offsets (it clamps them), so the adapted model attends as the original."""
-    spans = [2 * n - 1 for n in grid]
-    grow = [n_new - n for n, n_new in zip(grid, new_grid)]
-    square = table.view(table.shape[0], *spans)
-    for dim, g in ((1, grow[0]), (2, grow[1])):
-        if g < 0:
-            square = square.narrow(dim, -g, square.shape[dim] + 2 * g)
-        elif g > 0:
-            first, last = square.narrow(dim, 0, 1), square.narrow(dim, square.shape[dim] - 1, 1)
-            square = torch.cat([first.repeat_interleave(g, dim), square, last.repeat_interleave(g, dim)], dim)
-    return square.reshape(table.shape[0], -1).contiguous()
 
 
 @torch.no_grad()

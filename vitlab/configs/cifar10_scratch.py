@@ -40,9 +40,8 @@ For a short budget on little data: AdamW (the hybrids; the plain ViT's non-matri
 parameters) with weight decay on the dense kernels (``WEIGHT_DECAYS``): 0.05 for the hybrids,
 and for the plain ViT 0.2, between the paper's values for JFT-300M (0.1) and for ImageNet
 alone (0.3); with Muon it measured better than 0.1, and 0.1 better than 0.05, at equal steps
-(docs/results.md); label
-smoothing 0.1, pad-and-crop + flip (the CIFAR
-standard instead of the inception crop), warm-up over 5% of the steps, cosine decay, and
+(docs/results.md); label smoothing 0.1, pad-and-crop + flip (the CIFAR standard instead of
+the inception crop), warm-up over 5% of the steps, cosine decay, and
 test-time augmentation (mirror pair in the periodic evaluations; the final one also over
 the four 2-pixel translations, 10 views, which the time limit budgets for).  The hybrids
 train under ``torch.compile`` (it needs a C++ compiler; ``--set run.compile=false`` runs

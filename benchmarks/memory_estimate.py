@@ -30,7 +30,7 @@ from harness import cpu_name, proc_status, run_worker
 CIFAR = "/work/shared/data/cifar10/cifar10-train.tar.gz"
 FEW = ["--steps", "4", "--quiet", "--overwrite"]
 CIFAR_VIT = ["train", "--recipe", "cifar10_scratch:model=vit", "--time-limit", "0", "--set", "run.compile=false"]
-CIFAR_HYBRID = ["train", "--recipe", "cifar10_scratch", "--time-limit", "0", "--set", "run.compile=false"]
+CIFAR_HYBRID = ["train", "--recipe", "cifar10_scratch:model=hybrid", "--time-limit", "0", "--set", "run.compile=false"]
 
 
 def cases(data: str, work: Path) -> dict[str, dict]:

@@ -243,7 +243,7 @@ MEASURED = {
                               "--precision", "fp32", *SMALL],
     "vit-bf16-train-streamed": ["train", "--recipe", "demo", "--img-size", "96", "--batch-size", "96",
                                 "--precision", "bf16", "--stream", "stream", "--set", "data.stream_workers=0", *SMALL],
-    "hybrid-bf16-train-memory": ["train", "--recipe", "cifar10_scratch", "--img-size", "64", "--batch-size", "128",
+    "hybrid-bf16-train-memory": ["train", "--recipe", "cifar10_scratch:model=hybrid", "--img-size", "64", "--batch-size", "128",
                                  "--precision", "bf16", "--time-limit", "0", "--val-split", "200",
                                  "--set", "run.compile=false", "--set", "run.tensorboard=false",
                                  "--set", "data.decode_workers=0", "--set", "run.eval_batch_size=100", "--steps", "3",

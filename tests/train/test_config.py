@@ -255,7 +255,8 @@ def test_the_cifar_recipe_fits_its_batch_cadence_and_model_to_the_device():
             for m in ("hybrid", "hybrid_bit", "vit") for d in ("cpu", "cuda")} == {
         ("hybrid", "cpu"): 0.05, ("hybrid", "cuda"): 0.05, ("hybrid_bit", "cpu"): 0.05, ("hybrid_bit", "cuda"): 0.05,
         ("vit", "cpu"): 0.2, ("vit", "cuda"): 0.2}
-    assert load_recipe("cifar10_scratch:model=hybrid,device=cuda").augment == load_recipe("cifar10_scratch:model=hybrid").augment
+    assert (load_recipe("cifar10_scratch:model=hybrid,device=cuda").augment
+            == load_recipe("cifar10_scratch:model=hybrid").augment)
     # the plain ViT is the default model (it measured ahead of the hybrid in 30 minutes)
     assert load_recipe("cifar10_scratch") == load_recipe("cifar10_scratch:model=vit")
     with pytest.raises(ConfigError, match="device='tpu'"):

@@ -34,7 +34,10 @@ best over all rounds), with their range.  Peak memory is the rise of the process
 resident set above its level after the model was built, before vitlab's fast layer is
 applied (CPU; VmHWM), or torch.cuda.max_memory_allocated above the allocation then (CUDA),
 so that whatever the fast layer keeps counts; the table gives it as vitlab / best peer
-beside the speed ratio, and in MiB.
+beside the speed ratio, and in MiB.  A compiled row on a GPU takes its peak over the timed
+calls, after the warm-up: compiling allocates for autotuning, which a process that finds its
+graph in inductor's cache skips: vitlab's and timm's compiled ViT-B/16 inference is one graph
+(the same FX-graph key, in separate caches).
 
 "% peak" is the achieved FLOP/s (analytic model FLOPs, multiply-add = 2, training = 3x
 forward) over the machine's practical peak for the dtype: the best 4096^3 matmul (8192^3 on

@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # One prepared GPU check for a lent device machine (see the device tool's README), run from the project's root.
-# Adapted from ../shared/tools/gpu_check.sh: part B adds issue 51's inference rows, part C prints the run's MFU.
+# Adapted from ../shared/tools/gpu_check.sh: parts B and I measure issue 51's bench rows, part P maps the CIFAR
+# recipe's step, part C prints the run's MFU.
 #
 #   bash benchmarks/gpu_check.sh prepare      # here, no GPU: fills .gpu/ (git-ignored) with this script and the
 #                                             # CIFAR-10 archive (../shared does not travel to the device machine)
-#   device run: command="PARTS=ABC bash .gpu/gpu_check.sh run 2>&1", carry=[".gpu"], timeout_s=590
+#   device run: command="PARTS=APB bash .gpu/gpu_check.sh run 2>&1", carry=[".gpu"], timeout_s=590
 #
 # Parts (each with its own timeout; results land in $OUT as they come, the summary prints last):
-#   A  the CUDA tests
-#   B  one bench.py run, compiled, vitlab vs timm, bf16: ViT-B/16 training at batch 128 (with vitlab's fp8
-#      columns, tensorwise and rowwise) and inference at batch 1, 64 and 256 (a fresh process per row, each
-#      compiling its model)
+#   A  the CUDA tests; a failing test's short traceback, without the debug log lines (about 75 s)
+#   P  benchmarks/step_profile.py on the CIFAR-10 GPU recipe: the step's host and device time, the data path
+#      alone, the model and optimiser alone, the profiler's kernels (about 2 minutes: one compilation);
+#      P_ARGS adds step_profile.py arguments (a CPU try of the script: P_ARGS="--warmup 2 --steps 3")
+#   B  bench.py, compiled, bf16, ViT-B/16 training at batch 128: vitlab, its fp8 columns (tensorwise, rowwise)
+#      and timm (four fresh processes, each compiling its model: about 4 minutes)
+#   I  bench.py, compiled, bf16, ViT-B/16 inference, vitlab and timm: batch 1 in three rounds (the order of the
+#      two rotates), batch 64 and 256 in one (ten fresh processes: about 5 minutes)
 #   C  the CIFAR-10 plain-ViT recipe, PART_C_MIN minutes, on the GPU, once per variant of PART_C_SETS
 #      ('|'-separated extra arguments; '' is the recipe; later arguments win), e.g. the recipe's GPU model
 #      (width 384, 7 blocks) against the CPU's (width 192, 6 blocks) at the CPU's batch rule, its RandAugment
@@ -19,12 +24,12 @@
 #        CPU_MODEL="--set model.width=192 --set model.depth=6 --set model.num_heads=8 --set model.mlp_dim=384
 #                   --batch-size 256 --lr 4.24e-3";
 #      the optimiser step compiled into its own CUDA graph, which the recipe leaves off: add
-#        "|--set run.compile_optimizer=true"; prints each run's accuracy and MFU
+#        "|--set run.compile_optimizer=true"; prints each run's accuracy and MFU.  A call runs 10 minutes at
+#      most, the machine's start not counted: the 10-minute goal runs as PARTS=C PART_C_MIN=9.7 in a call of
+#      its own (timeout_s=600), a session's device time nearly whole
 #   D  ViT-B/16 pre-training recipe from memory vs streamed JPEG shards
-# PARTS=ABC (the default) with PART_C_MIN=3 is meant to fit one 10-minute call: A under a minute, B about
-# 4-5 (its two training rows took 90 s on an H200 before the six inference rows were added; the whole
-# part is not timed yet), C about 4.  Trim PARTS to fit the device time left (a fresh machine takes 1-2
-# minutes to start); D needs a call of its own.
+# A session has 15 device minutes, a fresh machine's start (1-2 minutes) included: PARTS=APB fits one call of
+# about 8 minutes, then PARTS=C PART_C_MIN=3 a second (about 5); I and D need calls of their own.
 set -u
 mode=${1:-run}
 if [ "$mode" = prepare ]; then
@@ -35,17 +40,30 @@ if [ "$mode" = prepare ]; then
   du -sh .gpu; exit 0
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"; PARTS=${PARTS:-ABC}; PART_C_MIN=${PART_C_MIN:-3}
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"; PARTS=${PARTS:-APB}; PART_C_MIN=${PART_C_MIN:-3}
+# whole logs beside $OUT, which brings back 8 files at most: the parts' summaries there, the logs in one archive
+LOGS=/tmp/gpu-logs; mkdir -p "$LOGS"; trap 'tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null' EXIT
 t0=$(date +%s); say() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
 case $PARTS in *A*) say "A CUDA tests"
-  timeout 150 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider 2>&1 | tail -n 5 | tee "$OUT/A.txt";; esac
-case $PARTS in *B*) say "B ViT-B/16 bf16, compiled, vitlab vs timm: training b128, inference b1, b64, b256"
-  rows='train/ViT-B/16/b128/bf16/(vitlab|vitlab-fp8-tensorwise|vitlab-fp8-rowwise|timm)$|infer/ViT-B/16/b(1|64|256)/bf16/(vitlab|timm)$'
-  timeout 330 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --fp8 tensorwise,rowwise --only "$rows" --out "$OUT/B" \
-    > "$OUT/B.log" 2>&1
-  tail -n 12 "$OUT/B.log" | tee "$OUT/B.txt";; esac
+  # a test turns on torch's debug log: its lines would push the failure out of the tail
+  timeout 150 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -rf --tb=short 2>&1 | grep -v DEBUG \
+    > "$LOGS/A.log"; tail -n 40 "$LOGS/A.log" | tee "$OUT/A.txt";; esac
+case $PARTS in *P*) say "P the CIFAR-10 GPU recipe's step: host, device, data path"
+  timeout 240 python3 benchmarks/step_profile.py --recipe cifar10_scratch:model=vit --data .gpu/cifar10-train.tar.gz \
+    ${P_ARGS:-} > "$LOGS/P.log" 2>&1
+  grep -v DEBUG "$LOGS/P.log" | tail -n 32 | tee "$OUT/P.txt";; esac
+case $PARTS in *B*) say "B ViT-B/16 bf16 training b128, compiled: vitlab, its fp8 columns, timm"
+  timeout 300 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --fp8 tensorwise,rowwise \
+    --only 'train/ViT-B/16/b128/bf16/(vitlab|vitlab-fp8-tensorwise|vitlab-fp8-rowwise|timm)$' --out "$LOGS/B" > "$LOGS/B.log" 2>&1
+  tail -n 10 "$LOGS/B.log" | tee "$OUT/B.txt";; esac
+case $PARTS in *I*) say "I ViT-B/16 bf16 inference, compiled, vitlab vs timm: b1 (3 rounds), b64, b256"
+  timeout 200 python3 benchmarks/bench.py --device cuda --compile --rounds 3 --only 'infer/ViT-B/16/b1/bf16/(vitlab|timm)$' \
+    --out "$LOGS/I1" > "$LOGS/I.log" 2>&1
+  timeout 200 python3 benchmarks/bench.py --device cuda --compile --rounds 1 \
+    --only 'infer/ViT-B/16/b(64|256)/bf16/(vitlab|timm)$' --out "$LOGS/I2" >> "$LOGS/I.log" 2>&1
+  grep -E "^\| infer|img/s" "$LOGS/I.log" | tail -n 12 | tee "$OUT/I.txt";; esac
 case $PARTS in *C*) say "C CIFAR-10 plain ViT, $PART_C_MIN min per variant"
   # PART_C_SETS: the variants, '|'-separated, each extra arguments to the recipe's command ('' = the recipe)
   IFS='|' read -r -a variants <<< "${PART_C_SETS:-}"; [ ${#variants[@]} -eq 0 ] && variants=("")
@@ -53,11 +71,11 @@ case $PARTS in *C*) say "C CIFAR-10 plain ViT, $PART_C_MIN min per variant"
   for extra in "${variants[@]}"; do
     i=$((i + 1)); say "C$i: the recipe $extra"
     # shellcheck disable=SC2086  # the variant's arguments are meant to split
-    timeout "$(python3 -c "print(int(float('$PART_C_MIN') * 60 + 150))")" python3 -m vitlab train \
+    timeout "$(python3 -c "print(int(float('$PART_C_MIN') * 60 + 90))")" python3 -m vitlab train \
       --recipe cifar10_scratch:model=vit --data .gpu/cifar10-train.tar.gz --time-limit "$PART_C_MIN" $extra \
-      --out "/tmp/run-c$i" --overwrite > "$OUT/C$i.log" 2>&1
+      --out "/tmp/run-c$i" --overwrite > "$LOGS/C$i.log" 2>&1
     # the accuracy and MFU line: from this run's printed summary (a summary.json of an earlier call could be stale)
-    python3 - "$OUT/C$i.log" "C$i ($extra)" <<'PY' 2>&1 | tee -a "$OUT/C.txt"
+    python3 - "$LOGS/C$i.log" "C$i ($extra)" <<'PY' 2>&1 | tee -a "$OUT/C.txt"
 import json, sys
 printed = [line for line in open(sys.argv[1]) if line.startswith("{")]
 if not printed:
@@ -83,7 +101,7 @@ with Pool(os.cpu_count()) as p: p.map(one, range(4096))
 PY
   python3 -m vitlab pack-shards /tmp/imgs-d /tmp/shards-d --per-shard 128 > /dev/null 2>&1
   common="--recipe paper_pretrain:dataset=i21k --model ViT-B/16 --val-split 0 --batch-size 128 --steps 150 --set optim.warmup=10"
-  timeout 100 python3 -m vitlab train $common --data /tmp/imgs-d --stream memory --out /tmp/run-dm --overwrite > "$OUT/D-memory.log" 2>&1
-  timeout 120 python3 -m vitlab train $common --data /tmp/shards-d --out /tmp/run-ds --overwrite > "$OUT/D-shards.log" 2>&1
-  for f in D-memory D-shards; do echo "$f: $(grep -o '[0-9,]* img/s' "$OUT/$f.log" | tail -n 1)"; done | tee "$OUT/D.txt";; esac
+  timeout 100 python3 -m vitlab train $common --data /tmp/imgs-d --stream memory --out /tmp/run-dm --overwrite > "$LOGS/D-memory.log" 2>&1
+  timeout 120 python3 -m vitlab train $common --data /tmp/shards-d --out /tmp/run-ds --overwrite > "$LOGS/D-shards.log" 2>&1
+  for f in D-memory D-shards; do echo "$f: $(grep -o '[0-9,]* img/s' "$LOGS/$f.log" | tail -n 1)"; done | tee "$OUT/D.txt";; esac
 say "done"

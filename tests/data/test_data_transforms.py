@@ -192,6 +192,20 @@ def test_rand_augment_takes_each_image_s_operation_from_the_host_generator():
         PartGenerators([gen(1), gen(2)], sizes, hosts=[gen(5)])
 
 
+def test_rand_augment_gives_each_image_its_own_operation_though_the_geometric_ones_warp_together():
+    # one round over the five geometric operations and two others: every image is what its drawn
+    # operation, at its drawn sign, makes of it alone
+    ops = ("rotate", "shear_x", "shear_y", "translate_x", "translate_y", "solarize", "brightness")
+    x = batch(48, 12, 10)
+    out = rand_augment(x, 1, 7, generator=gen(4), ops=ops, host_generator=gen(9))
+    choice = torch.randint(0, len(ops), (48,), generator=gen(9))
+    sign = torch.where(torch.rand(48, generator=gen(4)) < 0.5, -1.0, 1.0)
+    assert set(choice.tolist()) == set(range(len(ops)))  # every operation drawn at least once
+    for i in range(48):
+        alone = randaugment._OPS[ops[choice[i]]](x[i:i + 1], 0.7, sign[i:i + 1])
+        assert torch.equal(out[i:i + 1], alone), (i, ops[choice[i]])
+
+
 def _op(name, x, m, sign=1.0):
     return randaugment._OPS[name](x, m, torch.full((len(x),), sign))
 

@@ -16,6 +16,23 @@ def test_help_renders(command, capsys):
         assert all(c in out for c, _, _ in COMMANDS)
 
 
+@pytest.mark.parametrize("argv, named", [(["flops", "ViT-B/16", "--model", "x"], "vitlab flops"),
+                                          (["train", "--recipe", "demo", "stray"], "vitlab train"),
+                                          (["--bogus"], "vitlab")])
+def test_an_unknown_argument_is_refused_by_the_command_it_was_given_to(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"{named}: error: unrecognized arguments: ") and last.endswith(argv[-1])
+
+
+def test_a_models_filter_that_matches_nothing_says_so(capsys):
+    assert main(["models", "--filter", "ViT-Q"]) == 2
+    assert capsys.readouterr().err.startswith("vitlab models: error: --filter 'ViT-Q': no registered model's name")
+    assert main(["models", "--filter", "B/16"]) == 0 and "ViT-B/16" in capsys.readouterr().out
+
+
 def test_version_prints_the_installed_packages_version(capsys):
     from importlib.metadata import version
 

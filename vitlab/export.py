@@ -9,7 +9,9 @@ names, when given, travel with the file in Hugging Face's terms: ONNX metadata_p
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -101,7 +103,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair 
     shapes = ({0: torch.export.Dim("batch", min=1, max=4096)},) if dynamic_batch else None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), _quiet(TORCHVISION_NOTICES):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             model, (x,), dynamo=True, input_names=["images"], output_names=["logits"],
@@ -110,6 +112,23 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair 
     program.model.metadata_props.update(labels)
     program.save(str(path), external_data=_too_big_for_one_file(model))
     return path
+
+
+# Where torchvision is absent (vitlab never needs it), the exporter warns once per torchvision operator it
+# cannot register, none of which a vitlab model uses.
+TORCHVISION_NOTICES = "torch.onnx._internal.exporter._registration"
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    """Only errors from the logger ``logger_name`` inside the block; its level as it was after."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _require_onnx_packages() -> None:

@@ -20,10 +20,18 @@ def _random_model(cfg):
     return model
 
 
-def test_onnx_runtime_matches_pytorch(tmp_path):
+def test_onnx_runtime_matches_pytorch(tmp_path, caplog):
+    import logging
+
+    from vitlab.export import TORCHVISION_NOTICES
+
     ort = pytest.importorskip("onnxruntime")
     model = _random_model(TINY)
+    level = logging.getLogger(TORCHVISION_NOTICES).level
     path = export_onnx(model, tmp_path / "vit.onnx")
+    # no notice of torchvision's operators, which no vitlab model uses; the exporter's logger as it was
+    assert not [r for r in caplog.records if "torchvision" in r.getMessage()]
+    assert logging.getLogger(TORCHVISION_NOTICES).level == level
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for batch in (1, 3):  # the batch is dynamic
         x = torch.randn(batch, 3, 32, 32)

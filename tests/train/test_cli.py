@@ -62,6 +62,11 @@ def test_train_cli_refuses_bad_config_before_work(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
     assert main(["train", "--recipe", "demo", "--set", "optim.batch_size=10", "--set", "optim.accum_steps=3"]) == 2
     assert "batch_size=10" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("kept")  # --out naming a file: refused, the file left as it was
+    assert main(["train", "--recipe", "demo", "--steps", "2", "--out", str(tmp_path / "a-file")]) == 2
+    assert capsys.readouterr().err.strip() == (f"vitlab train: error: run.out={str(tmp_path / 'a-file')!r} is a file; "
+                                              "expected a folder (a new one, or a run's)")
+    assert (tmp_path / "a-file").read_text() == "kept"
 
 
 def test_an_empty_data_folder_is_named_before_the_output_folder(tmp_path, capsys, monkeypatch):

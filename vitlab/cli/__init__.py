@@ -46,12 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text.replace("%%", "%"))
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
+    parser.commands = sub.choices  # each command's parser, which names the command in its errors
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse's own message would name "vitlab", not the command they were given to
+        (parser.commands[args.command] if args.command else parser).error(
+            f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2

@@ -23,6 +23,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = get_config(name)
         gflops = f"{model_flops(cfg) / 1e9:.1f}" if model_flops else "-"
         rows.append((name, f"{count_parameters(cfg):,}", f"{cfg.img_size[0]}", gflops))
+    if not rows:
+        raise ValueError(f"--filter {args.filter!r}: no registered model's name contains it; `vitlab models` lists "
+                         f"all {len(list_models())}")
     header = ("model", "parameters", "resolution", "GFLOPs")
     if args.markdown:
         print("| " + " | ".join(header) + " |")

@@ -84,6 +84,8 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
         resume, overwrite = True, False
     check_data(cfg)  # an empty data folder is named as such, not as an output folder holding checkpoints
     out = Path(cfg.run.out)
+    if out.exists() and not out.is_dir():  # found now, before the data and the model are built
+        raise ConfigError(f"run.out={str(out)!r} is a file; expected a folder (a new one, or a run's)")
     ckpt_dir = out / "checkpoints"
     stale = not resume and ckpt.latest_checkpoint(ckpt_dir) is not None
     if stale and not overwrite:

@@ -103,6 +103,25 @@ def test_fewshot_caches_features(run_dir, tmp_path, capsys):
     assert last_json(capsys) == out
 
 
+def test_fewshot_refuses_shots_the_pool_cannot_give_before_extracting_features(run_dir, tmp_path, capsys, monkeypatch):
+    import vitlab.eval.features
+
+    def never(*args, **kwargs):
+        raise AssertionError("features extracted for a sweep that cannot run")
+
+    monkeypatch.setattr(vitlab.eval.features, "extract_features", never)
+    base = ["fewshot", str(run_dir / "model.safetensors"), "--feature-cache", str(tmp_path / "feats")]
+    for extra, message in ((["--shots", "0"], "--shots 0: each must be a positive integer"),
+                           (["--shots", "1", "10000"], "--shots 10000: with --holdout-per-class 10, every class needs "
+                                                       "10010 examples in the training pool"),
+                           (["--holdout-per-class", "0"], "--holdout-per-class 0: must be a positive integer")):
+        assert main(base + extra) == 2
+        assert f"vitlab fewshot: error: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "feats").exists()
+    assert main(["predict", "--checkpoint", str(run_dir / "model.safetensors"), "--top", "0", "x.png"]) == 2
+    assert "vitlab predict: error: --top 0: must be a positive integer" in capsys.readouterr().err
+
+
 def test_wrong_classes_are_refused(run_dir, capsys):
     assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", str(run_dir)]) == 2
 

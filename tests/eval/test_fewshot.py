@@ -81,5 +81,9 @@ def test_fewshot_evaluate_on_separable_blobs():
 
 def test_too_few_examples_is_a_clear_error():
     x, y = blobs(3, 2, 4, seed=0)
-    with pytest.raises(ValueError, match="fewer than k"):
+    with pytest.raises(ValueError, match=r"shots 5: with holdout_per_class 10, every class needs 15 examples in the "
+                                         r"training pool; 2 class\(es\) have fewer \(class 0: 3, class 1: 3\)"):
         fewshot_evaluate(x, y, x, y, shots=(5,), seeds=(0,))
+    with pytest.raises(ValueError, match="shots 2 0: each must be a positive integer"):
+        fewshot_evaluate(x, y, x, y, shots=(2, 0), seeds=(0,), holdout_per_class=1)
+    fewshot_evaluate(x, y, x, y, shots=(2,), seeds=(0,), holdout_per_class=1)  # 3 a class: 2 shots + 1 held out

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.report import read_run_meta
     from vitlab.data.labelled import load_held_out
     from vitlab.eval.features import extract_features, file_key
-    from vitlab.eval.fewshot import fewshot_evaluate
+    from vitlab.eval.fewshot import check_shots, fewshot_evaluate
     from vitlab.train.legacy import recorded_section
     from vitlab.train.resolve import resolve_scoring
     from vitlab.weights import load_model
@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     rest, held = data.rest.numpy(), data.held.numpy()
     if len(rest) == 0:
         raise ValueError("--val-split=0 leaves no training pool; few-shot needs a held-out evaluation split")
+    check_shots(data.labels.numpy()[rest], args.shots, args.holdout_per_class, ("--shots", "--holdout-per-class"))
 
     cache = feature_cache(args)
     key = ("representation", file_key(args.checkpoint), size, data.key)

@@ -51,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.weights import load_model
     from vitlab.weights.hub import resolve_hub_name
 
+    if args.top < 1:
+        raise ValueError(f"--top {args.top}: must be a positive integer (how many classes to show)")
     checkpoint = Path(args.checkpoint)
     if not checkpoint.exists():  # a Hub name: its snapshot folder, which holds config.json
         checkpoint = resolve_hub_name(args.checkpoint) or checkpoint

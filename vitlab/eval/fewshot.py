@@ -147,6 +147,26 @@ class FewShotResult:
         }
 
 
+def check_shots(pool_y: np.ndarray, shots: Sequence[int], holdout_per_class: int,
+                names: tuple[str, str] = ("shots", "holdout_per_class")) -> None:
+    """Refuse, before any work, shot counts that are not positive integers and a pool in which some
+    class has fewer than the largest k plus ``holdout_per_class`` examples (each draw takes both
+    from it); ``names`` are the two settings' names for the message."""
+    shots_name, holdout_name = names
+    bad = [k for k in shots if not isinstance(k, (int, np.integer)) or k < 1]
+    if not shots or bad:
+        raise ValueError(f"{shots_name} {' '.join(map(str, shots)) or '(none)'}: each must be a positive integer")
+    if not isinstance(holdout_per_class, (int, np.integer)) or holdout_per_class < 1:
+        raise ValueError(f"{holdout_name} {holdout_per_class}: must be a positive integer")
+    need = max(shots) + holdout_per_class
+    classes, counts = np.unique(np.asarray(pool_y), return_counts=True)
+    short = [(int(c), int(n)) for c, n in zip(classes, counts) if n < need]
+    if short:
+        listed = ", ".join(f"class {c}: {n}" for c, n in short[:5])
+        raise ValueError(f"{shots_name} {max(shots)}: with {holdout_name} {holdout_per_class}, every class needs {need} "
+                         f"examples in the training pool; {len(short)} class(es) have fewer ({listed})")
+
+
 def fewshot_evaluate(
     pool_x: np.ndarray, pool_y: np.ndarray, eval_x: np.ndarray, eval_y: np.ndarray,
     shots: Sequence[int] = (1, 5, 10, 25), seeds: Sequence[int] = (0, 1, 2),
@@ -161,6 +181,7 @@ def fewshot_evaluate(
     """
     pool_x, eval_x = np.asarray(pool_x, np.float64), np.asarray(eval_x, np.float64)
     pool_y, eval_y = np.asarray(pool_y, np.int64), np.asarray(eval_y, np.int64)
+    check_shots(pool_y, shots, holdout_per_class)
     num_classes = int(max(pool_y.max(), eval_y.max())) + 1
     result = FewShotResult(shots=[int(k) for k in shots], seeds=[int(s) for s in seeds])
     for k in result.shots:

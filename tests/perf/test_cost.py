@@ -130,3 +130,17 @@ def test_saved_for_backward_counts_activation_storages_once_and_no_parameters():
         loss = (out * out[:, :1]).sum()  # keeps out and a view of it: one storage
     assert kept.bytes == (4 * 8 + 4 * 16) * 4
     loss.backward()
+
+
+def test_the_flops_command_refuses_sizes_and_counts_the_model_cannot_take(capsys):
+    from vitlab.cli import main
+
+    assert main(["flops", "ViT-B/16", "--img-size", "384"]) == 0
+    assert capsys.readouterr().out.startswith("ViT-B/16 at 384x384")
+    for extra, message in ((["--img-size", "225"], "img_size=(225, 225): the image (225x225) is not divisible by "
+                                                   "patch_size=(16, 16) along height; allowed: a multiple of 16, "
+                                                   "such as 224, 240"),
+                           (["--img-size", "0"], "img_size=0: sizes must be positive"),
+                           (["--batch", "0", "--steps", "10"], "--batch 0: must be a positive integer")):
+        assert main(["flops", "ViT-B/16", *extra]) == 2
+        assert capsys.readouterr().err.strip() == f"vitlab flops: error: {message}"

@@ -25,3 +25,18 @@ def test_convert_errors_are_one_line(tmp_path, capsys):
     np.savez(tmp_path / "g.npz", **ckpt)
     assert main(["convert", str(tmp_path / "g.npz"), str(tmp_path / "hf"), "--to", "hf"]) == 2
     assert "classifier='gap'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("out, layout, written", [
+    ("w.npz", "timm", "a folder, or a .safetensors, .pth, .bin or .pt file"),
+    ("w.pth", "vitlab", "a folder, or a .safetensors file"),
+    ("w", "official", "a .npz file"),
+    ("w.safetensors", "hf", "a folder"),
+])
+def test_convert_refuses_an_output_named_as_another_layout_s_file_before_reading(out, layout, written, tmp_path,
+                                                                                 capsys):
+    # the source does not exist: the output is checked first, so the message is the output's
+    assert main(["convert", str(tmp_path / "absent.npz"), str(tmp_path / out), "--to", layout]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"vitlab convert: error: out={str(tmp_path / out)!r}: --to {layout} writes {written}"
+    assert not (tmp_path / out).exists()

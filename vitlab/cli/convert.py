@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def _size(text: str) -> int | tuple[int, int]:
@@ -35,11 +36,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip reading the written file back and comparing logits on random images")
 
 
+# The file suffixes each layout writes ("" for a folder), and those it must not be given: another
+# layout's file, which a folder of that name would be mistaken for.
+OUT_SUFFIXES = {"vitlab": ("", ".safetensors"), "hf": ("",), "official": (".npz",),
+                "timm": ("", ".safetensors", ".pth", ".bin", ".pt")}
+WEIGHT_FILE_SUFFIXES = (".npz", ".safetensors", ".pth", ".bin", ".pt")
+
+
+def check_out(out: str, layout: str) -> None:
+    """Refuse an output path whose suffix names a file of another layout (``--to timm`` into ``x.npz``)."""
+    suffix = Path(out).suffix.lower()
+    allowed = OUT_SUFFIXES[layout]
+    if suffix in allowed or (suffix not in WEIGHT_FILE_SUFFIXES and "" in allowed):
+        return
+    files = [s for s in allowed if s]
+    parts = ["a folder"] if "" in allowed else []
+    if files:
+        parts.append(f"a {', '.join(files[:-1])} or {files[-1]} file" if len(files) > 1 else f"a {files[0]} file")
+    raise ValueError(f"out={out!r}: --to {layout} writes {', or '.join(parts)}")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from vitlab.weights import WeightsError, load_model, read_class_names, save_model
 
+    check_out(args.out, args.format)  # before the source is read, which can take a while
     overrides = {}
     if args.num_heads is not None:
         overrides["num_heads"] = args.num_heads

@@ -16,10 +16,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.cost import core_days, flops_breakdown, training_flops
+    from vitlab.config import replace
     from vitlab.models.registry import get_config
 
     cfg = get_config(args.model)
-    size = args.img_size or cfg.img_size[0]
+    if args.img_size is not None:  # the model's own checks: a positive size that cuts into whole patches
+        cfg = replace(cfg, img_size=args.img_size)
+    for flag, value in (("--batch", args.batch), ("--steps", args.steps)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be a positive integer")
+    size = cfg.img_size[0]
     parts = flops_breakdown(cfg, size)
     flops = sum(parts.values())
     print(f"{args.model} at {size}x{size}, forward, one image (matmuls and convolutions):")

@@ -122,6 +122,8 @@ def test_wrong_input_is_a_clear_error():
         model(torch.randn(1, 3, 20, 20))
     with pytest.raises(ValueError, match=r"\(B, 3, H, W\)"):
         model(torch.randn(1, 1, 16, 16))
+    with pytest.raises(ValueError, match=r"expected floating-point images .*, got torch.uint8"):
+        model(torch.zeros(1, 3, 16, 16, dtype=torch.uint8))
 
 
 def test_non_square_images_and_patches():

@@ -109,6 +109,9 @@ class VisionTransformer(nn.Module):
             raise ValueError(
                 f"expected images of shape (B, {self.cfg.in_chans}, H, W), got {tuple(x.shape)}"
             )
+        if not x.is_floating_point():  # torch's own message would speak of the patch embedding's bias
+            raise ValueError(f"expected floating-point images (pixels scaled to [-1, 1], as "
+                             f"vitlab.data.transforms.to_float scales uint8 ones), got {x.dtype}")
         size = tuple(x.shape[-2:])
         if not self.cfg.dynamic_img_size and size != self.cfg.img_size:
             raise ValueError(

@@ -25,8 +25,9 @@
 #                   --batch-size 256 --lr 4.24e-3";
 #      the optimiser step compiled into its own CUDA graph, which the recipe leaves off: add
 #        "|--set run.compile_optimizer=true"; prints each run's accuracy and MFU.  A call runs 10 minutes at
-#      most, the machine's start not counted: the 10-minute goal runs as PARTS=C PART_C_MIN=9.7 in a call of
-#      its own (timeout_s=600), a session's device time nearly whole
+#      most, the machine's start not counted: the 10-minute goal runs as PARTS=C PART_C_MIN=9.5 in a call of
+#      its own (timeout_s=600; the half minute short of 10 is for the script's own seconds around the run, which
+#      the call's limit counts), a session's device time nearly whole
 #   D  ViT-B/16 pre-training recipe from memory vs streamed JPEG shards
 # A session has 15 device minutes, a fresh machine's start (1-2 minutes) included: PARTS=APB fits one call of
 # about 8 minutes, then PARTS=C PART_C_MIN=3 a second (about 5); I and D need calls of their own.

@@ -67,6 +67,17 @@ def test_train_cli_refuses_bad_config_before_work(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (f"vitlab train: error: run.out={str(tmp_path / 'a-file')!r} is a file; "
                                               "expected a folder (a new one, or a run's)")
     assert (tmp_path / "a-file").read_text() == "kept"
+    # a sweep's runs lie under its --out, an experiment's under its own: each refused before its first run
+    assert main(["sweep", "--recipe", "demo", "--grid", "0.01", "--steps", "2", "--out", str(tmp_path / "a-file")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vitlab sweep: error: run.out={str(tmp_path / 'a-file' / 'lr_0.01')!r} lies under {str(tmp_path / 'a-file')!r}, "
+        "a file; expected a folder (a new one, or a run's)")
+    assert main(["experiment", "head", "--steps", "2", "--out", str(tmp_path / "a-file")]) == 2
+    assert f"out={str(tmp_path / 'a-file')!r} is a file" in capsys.readouterr().err
+    assert (tmp_path / "a-file").read_text() == "kept"
+    assert main(["sweep", "--recipe", "demo", "--grid", "0.01,abc", "--out", str(tmp_path / "s")]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab sweep: error: --grid '0.01,abc': expected comma-separated "
+                                              "learning rates, e.g. 0.001,0.003,0.01")
 
 
 def test_an_empty_data_folder_is_named_before_the_output_folder(tmp_path, capsys, monkeypatch):

@@ -48,6 +48,14 @@ def resolve_val_split(value: float | None) -> float | int:
     return int(value) if float(value).is_integer() and value >= 1 else value
 
 
+def parse_grid(text: str) -> tuple[float, ...]:
+    """``--grid``'s comma-separated learning rates."""
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--grid {text!r}: expected comma-separated learning rates, e.g. 0.001,0.003,0.01") from None
+
+
 def sweep_plan(args: argparse.Namespace):
     """(the grid, one config per learning rate of it, the final run's config, the hold-out the
     grid is compared on) from the command's flags."""
@@ -56,7 +64,7 @@ def sweep_plan(args: argparse.Namespace):
     from vitlab.train.overrides import with_changes
 
     cfg = resolve_config(args, extra={"model.init": args.init} if args.init else {})
-    grid = tuple(float(v) for v in args.grid.split(",")) if args.grid else tuple(cfg.optim.lr_grid)
+    grid = parse_grid(args.grid) if args.grid else tuple(cfg.optim.lr_grid)
     if not grid:
         raise ConfigError("optim.lr_grid=(): the recipe has no learning-rate grid; pass --grid 0.001,0.003,...")
     holdout = sweep_holdout(args.holdout, load_recipe(args.recipe).data.val_split)

@@ -82,11 +82,23 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
         raise ConfigError("run.fsdp=True needs a distributed launch (torchrun --nproc_per_node=N); world_size is 1")
     if need_data:
         check_data(cfg)
+    check_output_folder(cfg.run.out)
     if cfg.model.init is not None and not Path(cfg.model.init).expanduser().exists():
         from vitlab.weights.hub import parse_hub_name
 
         if parse_hub_name(cfg.model.init) is None:  # a Hub name is looked up when the weights are loaded
             raise ConfigError(f"model.init={cfg.model.init!r}: no such file or folder")
+
+
+def check_output_folder(out: str | Path, field: str = "run.out") -> None:
+    """That ``out`` can be a folder: the nearest part of it that exists is one (not a file)."""
+    out = Path(out)
+    for part in (out, *out.parents):
+        if part.exists():
+            if not part.is_dir():
+                what = "is a file" if part == out else f"lies under {str(part)!r}, a file"
+                raise ConfigError(f"{field}={str(out)!r} {what}; expected a folder (a new one, or a run's)")
+            return
 
 
 def check_data(cfg: TrainConfig) -> None:

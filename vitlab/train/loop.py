@@ -27,7 +27,7 @@ from vitlab.eval.features import tta_view_count
 from vitlab.machine import Machine
 
 from . import checkpoint as ckpt
-from .build import Setup, build, check_data
+from .build import Setup, build, check_data, check_output_folder
 from .config import TrainConfig, to_dict
 from .distributed import World, all_reduce_sum, barrier, elastic_restart_count, init_world, local_rank, shutdown
 from .inputs import Spans, WaitTimed
@@ -83,9 +83,8 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     if restarts:  # torchrun started the group again after a process died: continue, never start over
         resume, overwrite = True, False
     check_data(cfg)  # an empty data folder is named as such, not as an output folder holding checkpoints
+    check_output_folder(cfg.run.out)  # before the data and the model are built
     out = Path(cfg.run.out)
-    if out.exists() and not out.is_dir():  # found now, before the data and the model are built
-        raise ConfigError(f"run.out={str(out)!r} is a file; expected a folder (a new one, or a run's)")
     ckpt_dir = out / "checkpoints"
     stale = not resume and ckpt.latest_checkpoint(ckpt_dir) is not None
     if stale and not overwrite:

@@ -5,12 +5,13 @@
 #
 #   bash benchmarks/gpu_check.sh prepare      # here, no GPU: fills .gpu/ (git-ignored) with this script and the
 #                                             # CIFAR-10 archive (../shared does not travel to the device machine)
-#   device run: command="PARTS=APB bash .gpu/gpu_check.sh run 2>&1", carry=[".gpu"], timeout_s=590
+#   device run: command="PARTS=AB bash .gpu/gpu_check.sh run 2>&1", carry=[".gpu"], timeout_s=590
 #
 # Parts (each with its own timeout; results land in $OUT as they come, the summary prints last):
 #   A  the CUDA tests; a failing test's short traceback, without the debug log lines (about 75 s)
-#   P  benchmarks/step_profile.py on the CIFAR-10 GPU recipe: the step's host and device time, the data path
-#      alone, the model and optimiser alone, the profiler's kernels (about 2 minutes: one compilation);
+#   P  benchmarks/step_profile.py on the CIFAR-10 GPU recipe, then on the trainer's ViT-B/16 at batch 128 (bench's
+#      training row): the step's host and device time, the data path alone, the model and optimiser alone, the
+#      profiler's kernels (about 3-4 minutes: two compilations);
 #      P_ARGS adds step_profile.py arguments (a CPU try of the script: P_ARGS="--warmup 2 --steps 3")
 #   B  bench.py, compiled, bf16, ViT-B/16 training at batch 128: vitlab, its fp8 columns (tensorwise, rowwise)
 #      and timm (four fresh processes, each compiling its model: about 4 minutes)
@@ -29,8 +30,9 @@
 #      its own (timeout_s=600; the half minute short of 10 is for the script's own seconds around the run, which
 #      the call's limit counts), a session's device time nearly whole
 #   D  ViT-B/16 pre-training recipe from memory vs streamed JPEG shards
-# A session has 15 device minutes, a fresh machine's start (1-2 minutes) included: PARTS=APB fits one call of
-# about 8 minutes, then PARTS=C PART_C_MIN=3 a second (about 5); I and D need calls of their own.
+# A session has 15 device minutes, a fresh machine's start (1-2 minutes) included: PARTS=AB (the default) fits one
+# call of about 6 minutes, then PARTS=C PART_C_MIN=3 a second (about 5); P, I and D take a session's calls of
+# their own.
 set -u
 mode=${1:-run}
 if [ "$mode" = prepare ]; then
@@ -41,7 +43,7 @@ if [ "$mode" = prepare ]; then
   du -sh .gpu; exit 0
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"; PARTS=${PARTS:-APB}; PART_C_MIN=${PART_C_MIN:-3}
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"; PARTS=${PARTS:-AB}; PART_C_MIN=${PART_C_MIN:-3}
 # whole logs beside $OUT, which brings back 8 files at most: the parts' summaries there, the logs in one archive
 LOGS=/tmp/gpu-logs; mkdir -p "$LOGS"; trap 'tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null' EXIT
 t0=$(date +%s); say() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
@@ -51,10 +53,16 @@ case $PARTS in *A*) say "A CUDA tests"
   # a test turns on torch's debug log: its lines would push the failure out of the tail
   timeout 150 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -rf --tb=short 2>&1 | grep -v DEBUG \
     > "$LOGS/A.log"; tail -n 40 "$LOGS/A.log" | tee "$OUT/A.txt";; esac
-case $PARTS in *P*) say "P the CIFAR-10 GPU recipe's step: host, device, data path"
+case $PARTS in *P*) say "P the step's host, device and data time: the CIFAR-10 GPU recipe, then ViT-B/16 b128"
   timeout 240 python3 benchmarks/step_profile.py --recipe cifar10_scratch:model=vit --data .gpu/cifar10-train.tar.gz \
     ${P_ARGS:-} > "$LOGS/P.log" 2>&1
-  grep -v DEBUG "$LOGS/P.log" | tail -n 32 | tee "$OUT/P.txt";; esac
+  grep -v DEBUG "$LOGS/P.log" | tail -n 32 | tee "$OUT/P.txt"
+  # the trainer's ViT-B/16 step as bench.py's training row has it (bf16, compiled, batch 128), on the digits
+  # resized to 224 px: its rate against the bench's, and where its time goes
+  timeout 200 python3 benchmarks/step_profile.py --recipe paper_pretrain:dataset=i21k --data digits \
+    --set model.name=ViT-B/16 --set optim.batch_size=128 --set data.val_split=0 --warmup 20 --steps 50 \
+    ${P_ARGS:-} > "$LOGS/P-b16.log" 2>&1
+  grep -v DEBUG "$LOGS/P-b16.log" | tail -n 32 | tee -a "$OUT/P.txt";; esac
 case $PARTS in *B*) say "B ViT-B/16 bf16 training b128, compiled: vitlab, its fp8 columns, timm"
   timeout 300 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --fp8 tensorwise,rowwise \
     --only 'train/ViT-B/16/b128/bf16/(vitlab|vitlab-fp8-tensorwise|vitlab-fp8-rowwise|timm)$' --out "$LOGS/B" > "$LOGS/B.log" 2>&1

@@ -96,6 +96,9 @@ def test_error_names_the_file(tmp_path):
         decode_image(str(tmp_path / "x.jpg"))
     with pytest.raises(DataError, match=r"missing\.png: no such file"):
         decode_image(str(tmp_path / "missing.png"))
+    (tmp_path / "pictures").mkdir()
+    with pytest.raises(DataError, match=r"pictures: a folder, not an image file \(a shell pattern names its images: "):
+        decode_image(str(tmp_path / "pictures"))
 
 
 def _png(path, value, mode="RGB", size=(4, 4)):

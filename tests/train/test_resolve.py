@@ -50,6 +50,17 @@ def test_the_device_is_the_processs_gpu_where_the_machine_has_one():
     assert resolve_device("cpu", described(gpus=(H100,))) == torch.device("cpu")
 
 
+@pytest.mark.parametrize("name, machine_gpus, message", [
+    ("cuda", (), r"run.device='cuda': no CUDA GPU here \(torch .*\); use cpu, or auto for a GPU where there is one"),
+    ("cuda:2", (H100, H100), r"run.device='cuda:2': this machine has 2 GPU\(s\): cuda:0 to cuda:1; use cpu"),
+    ("tpu", (), r"run.device='tpu': expected auto, cpu, cuda or cuda:N"),
+    ("meta", (), r"run.device='meta': expected auto, cpu, cuda or cuda:N"),
+])
+def test_a_device_the_machine_does_not_have_is_refused_by_name(name, machine_gpus, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_device(name, described(gpus=machine_gpus))
+
+
 def test_every_auto_is_stated_and_the_asked_config_is_left_as_it_was(tmp_path):
     cfg = auto_config(tmp_path)
     asked = to_dict(cfg)

@@ -140,6 +140,9 @@ def test_paths_and_registry_names_are_not_hub_names(tmp_path):
     from vitlab.weights.hub import parse_hub_name
 
     assert parse_hub_name("google/vit-base-patch16-224") == ("google/vit-base-patch16-224", "main")
+    assert parse_hub_name("hf-hub:timm/vit_base_patch16_224.augreg_in21k") == ("timm/vit_base_patch16_224.augreg_in21k",
+                                                                              "main")  # timm's spelling
+    assert parse_hub_name("hf_hub:timm/vit_tiny_patch16_224@v2") == ("timm/vit_tiny_patch16_224", "v2")
     assert parse_hub_name("ViT-B/16") is None and parse_hub_name("R50+ViT-B_16") is None
     assert parse_hub_name("runs/model.safetensors") is None and parse_hub_name("/abs/path") is None
     (tmp_path / "org").mkdir()

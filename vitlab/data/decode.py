@@ -70,6 +70,8 @@ def decode_errors(source) -> Iterator[None]:
             yield
     except FileNotFoundError as e:
         raise DataError(f"{where}no such file") from e
+    except IsADirectoryError as e:
+        raise DataError(f"{where}a folder, not an image file (a shell pattern names its images: {source}/*.jpg)") from e
     except DECODE_ERRORS as e:
         reason = str(e).splitlines()[0] if str(e) else ""
         if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):

@@ -208,21 +208,32 @@ def resolve_scoring(device: str = "auto", fast_path: bool = True, machine: Machi
     """How a command that scores a model (eval, fewshot) runs: its device, CPU kernels and
     decoding processes, resolved as a run's are (in fp32)."""
     machine = machine or Machine.here()
-    world = local_world(resolve_device(device, machine, local_rank()))
+    world = local_world(resolve_device(device, machine, local_rank(), field="--device"))
     return resolve(TrainConfig(run=RunConfig(device=device, fast=fast_path)), world, machine)
 
 
 # ----------------------------------------------------------------------------- the device and its arithmetic
 
 
-def resolve_device(name: str, machine: Machine, local_rank: int = 0) -> torch.device:
-    """``run.device`` (or ``--device``) as a device: "auto" is this process's GPU (``local_rank``)
-    where the machine has one, else the CPU; "cuda" is this process's GPU."""
+def resolve_device(name: str, machine: Machine, local_rank: int = 0, field: str = "run.device") -> torch.device:
+    """``run.device`` (or ``--device``, named ``field`` in errors) as a device: "auto" is this
+    process's GPU (``local_rank``) where the machine has one, else the CPU; "cuda" is this
+    process's GPU.  A device the machine does not have is refused (ConfigError)."""
     if name == "auto":
         return torch.device(f"cuda:{local_rank}") if machine.gpus else torch.device("cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{field}={name!r}: expected auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and device.index is None:
         device = torch.device(f"cuda:{local_rank}")
+    if device.type == "cuda" and device.index >= len(machine.gpus):
+        why = (f"this machine has {len(machine.gpus)} GPU(s): cuda:0 to cuda:{len(machine.gpus) - 1}" if machine.gpus
+               else f"no CUDA GPU here (torch {torch.__version__}"
+               + ("" if torch.backends.cuda.is_built() else ", a build without CUDA") + ")")
+        raise ConfigError(f"{field}={name!r}: {why}; use cpu, or auto for a GPU where there is one")
     return device
 
 

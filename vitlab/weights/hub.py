@@ -36,11 +36,12 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # when set): a live Hub answers a HEAD in well under a second
 REACH_TIMEOUT_S = 3.0
 # org/name with the Hub's characters, an optional @revision (branch, tag or commit)
-_HUB_NAME = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+# timm spells a Hub name with a prefix, "hf-hub:org/name" (formerly "hf_hub:"): taken as the name
+_HUB_NAME = re.compile(r"^(?:hf[-_]hub:)?(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
 
 
 def parse_hub_name(text: str) -> tuple[str, str] | None:
-    """``(repo_id, revision)`` of ``org/name[@revision]``, or None for anything else
+    """``(repo_id, revision)`` of ``org/name[@revision]`` (or timm's ``hf-hub:org/name``), or None for anything else
     (a path that exists, a file name with a weights suffix, a registry name such as ViT-B/16)."""
     text = str(text)
     match = _HUB_NAME.match(text)

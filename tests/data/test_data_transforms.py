@@ -168,6 +168,11 @@ def test_rand_augment_shapes_determinism_and_identity():
     assert torch.equal(rand_augment(x, 3, 9, generator=gen(7), ops=("identity",)), x)
     with pytest.raises(ValueError):
         rand_augment(x.float(), generator=gen())
+    for magnitude in (-1, 10.5):  # the paper's 0-10 scale: beyond it the strengths extrapolate past any meaning
+        with pytest.raises(ValueError, match=r"magnitude=.*: must be in \[0, 10\]"):
+            rand_augment(x, 2, magnitude, generator=gen())
+    with pytest.raises(ConfigError, match=r"randaug_magnitude=100: must be a number in \[0, 10\]"):
+        TrainTransform(num_classes=10, randaug_ops=2, randaug_magnitude=100)
 
 
 def test_rand_augment_takes_each_image_s_operation_from_the_host_generator():

@@ -224,6 +224,8 @@ def rand_augment(
     """
     if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"rand_augment expects a (B, 3, H, W) uint8 batch, got {tuple(images.shape)} {images.dtype}")
+    if not 0 <= magnitude <= 10:
+        raise ValueError(f"magnitude={magnitude}: must be in [0, 10], RandAugment's scale")
     unknown = set(ops) - set(RAND_AUGMENT_OPS)
     if unknown:
         raise ValueError(f"ops: unknown operations {sorted(unknown)}; allowed: {RAND_AUGMENT_OPS}")

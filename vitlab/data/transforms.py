@@ -372,7 +372,8 @@ class Augmentation:
         for name in ("flip", "alternate_flip"):
             need_bool(name, getattr(self, name))
         need_int("randaug_ops", self.randaug_ops, 0)
-        need_number("randaug_magnitude", self.randaug_magnitude)
+        need(is_number(self.randaug_magnitude) and 0 <= self.randaug_magnitude <= 10, "randaug_magnitude",
+             self.randaug_magnitude, "must be a number in [0, 10], RandAugment's scale (9 is the paper's for ImageNet)")
         for name in ("mixup_alpha", "cutmix_alpha"):
             need_number(name, getattr(self, name))
         for name in ("mix_switch_prob", "erase_prob"):

@@ -97,10 +97,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", type=fp8_scalings, default=(), metavar="SCALINGS",
                    help="GPU: add the bf16 training rows' fp8 columns, e.g. tensorwise,rowwise "
                         "(vitlab.fast.install_fp8)")
+    p.add_argument("--fp8-layers", type=fp8_layers, default=None, metavar="LAYERS",
+                   help="with --fp8: which of each block's dense layers the fp8 columns swap, e.g. mlp.fc1,mlp.fc2 "
+                        "(default all four: attn.qkv,attn.proj,mlp.fc1,mlp.fc2; run.fp8_layers)")
     p.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON and latest.md")
     p.add_argument("--list", action="store_true", help="print the ids of the peaks and rows this command would "
                    "run (after --only) and exit, measuring nothing")
     args = p.parse_args(argv)
+    if args.fp8_layers and not args.fp8:
+        p.error("--fp8-layers chooses the layers of the fp8 columns: add --fp8 SCALINGS")
     if args.fp8 and args.device != "cuda":  # the CPU only emulates fp8 matmuls: nothing to measure
         raise SystemExit(f"bench.py --fp8 {','.join(args.fp8)}: fp8 matmuls are measured on a GPU of compute "
                          f"capability 8.9 or higher; add --device cuda (this run is on {args.device})")
@@ -114,6 +119,16 @@ def fp8_scalings(text: str) -> tuple[str, ...]:
     if not scalings or any(s not in allowed for s in scalings):
         raise argparse.ArgumentTypeError(f"{text!r}: expected scalings among {', '.join(allowed)}, comma-separated")
     return scalings
+
+
+def fp8_layers(text: str) -> tuple[str, ...]:
+    """An argparse type: a comma-separated list of block dense layers ("mlp.fc1,mlp.fc2")."""
+    from vitlab.fast.fp8 import check_fp8_layers
+
+    try:
+        return check_fp8_layers(tuple(v.strip() for v in text.split(",") if v.strip()), "--fp8-layers")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
@@ -159,6 +174,8 @@ def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                     ))
                     if impl == "vitlab-before":
                         cases[-1].update(pythonpath=args.before_path)
+                    if impl in fp8 and args.fp8_layers:
+                        cases[-1].update(fp8_layers=list(args.fp8_layers))
     if args.only:
         cases = [c for c in cases if re.search(args.only, c["id"])]
     return peaks, cases

@@ -198,14 +198,14 @@ def make_model(impl: str, spec: str, img_size: int | None = None):
                      "hf-eager, timm, onnxruntime")
 
 
-def optimize_if_default(impl: str, model, kind: str = "train"):
+def optimize_if_default(impl: str, model, kind: str = "train", fp8_layers: tuple[str, ...] | None = None):
     """Apply the fast layer to 'vitlab' and 'vitlab-before' (after ``.to(device)``) as that vitlab
     runs it: ``optimize(model)``, what the trainer, ``vitlab eval`` and ``vitlab predict`` run (bf16
     inference weights cast in every call into a shared buffer), or for ``kind="inference"`` of a
     revision that has it ``inference_weights="pack"`` (bf16 weights packed into the fp32 ones, what
     its commands ran until 2026-11-26).  A revision from before ``vitlab.fast`` runs its model as it is.
-    'vitlab-fp8-SCALING': the blocks' dense layers swapped to fp8 first, then ``optimize``, as the
-    trainer builds a ``run.fp8`` run."""
+    'vitlab-fp8-SCALING': the blocks' dense layers (``fp8_layers`` of them, default all four) swapped
+    to fp8 first, then ``optimize``, as the trainer builds a ``run.fp8`` run."""
     if impl not in ("vitlab", "vitlab-before", *FP8_IMPLS):
         return model
     try:
@@ -213,7 +213,8 @@ def optimize_if_default(impl: str, model, kind: str = "train"):
     except ImportError:
         return model
     if impl in FP8_IMPLS:
-        vitlab.fast.install_fp8(model, impl[len(FP8_IMPL_PREFIX):])
+        layers = {"layers": tuple(fp8_layers)} if fp8_layers else {}
+        vitlab.fast.install_fp8(model, impl[len(FP8_IMPL_PREFIX):], **layers)
     options = {}
     if kind == "inference" and "pack" in getattr(vitlab.fast, "INFERENCE_WEIGHTS", ()):
         options["inference_weights"] = "pack"
@@ -407,7 +408,7 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
         # The baseline: the model as built, before vitlab's fast layer, so that whatever the layer
         # allocates (at optimize or at its first call) counts, as every peer's own allocations do.
         memory.reset()
-        model = optimize_if_default(impl, model, case["kind"])
+        model = optimize_if_default(impl, model, case["kind"], case.get("fp8_layers"))
         if case.get("compile"):
             forward = torch.compile(forward)
         if case["kind"] == "inference":

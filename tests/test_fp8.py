@@ -229,6 +229,29 @@ def test_install_then_uninstall_gives_back_the_same_modules_and_parameters():
     assert fast.fp8_scaling(model) is None
 
 
+def test_only_the_layers_asked_for_go_to_fp8_and_the_others_come_back_plain():
+    model = model_of(tiny())
+    plain = {name: m for name, m in model.named_modules()}
+    swap = fast.install_fp8(model, "tensorwise", layers=("mlp.fc2", "mlp.fc1"))
+    assert swap.layers == ("mlp.fc1", "mlp.fc2") and not swap.kept
+    assert swap.swapped == tuple(f"blocks.{i}.mlp.{fc}" for i in range(len(model.blocks)) for fc in ("fc1", "fc2"))
+    assert "dense layers of the encoder blocks (fc1, fc2)" in swap.line()
+    assert all(type(b.attn.qkv) is nn.Linear and type(b.mlp.fc1) is Float8Linear for b in model.blocks)
+    every = fast.install_fp8(model, "rowwise")  # all four now; the MLP's the same stand-ins
+    assert len(every.swapped) == 4 * len(model.blocks) and fast.fp8_scaling(model) == "rowwise"
+    attention = fast.install_fp8(model, "rowwise", layers=("attn.qkv",))  # the others given back plain
+    assert all(type(b.attn.qkv) is Float8Linear for b in model.blocks) and len(attention.swapped) == len(model.blocks)
+    assert all(model.get_submodule(name) is plain[name] for name in plain if not name.endswith("attn.qkv"))
+    for bad in ((), ("mlp.fc3",), "fc1"):
+        with pytest.raises(ValueError, match=r"layers=.*: expected some of attn.qkv, attn.proj, mlp.fc1, mlp.fc2"):
+            fast.install_fp8(model, "tensorwise", layers=bad)
+    from vitlab.config import ConfigError
+    from vitlab.train.config import RunConfig
+
+    with pytest.raises(ConfigError, match=r"run.fp8_layers=\('mlp',\): expected some of"):
+        RunConfig(fp8="tensorwise", fp8_layers=("mlp",))
+
+
 def test_fp8_goes_under_the_fast_layer_which_leaves_its_blocks_to_the_plain_forward():
     model = model_of(tiny())
     fast.install_fp8(model, "tensorwise")

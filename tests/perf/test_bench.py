@@ -263,6 +263,14 @@ def test_fp8_adds_columns_to_the_gpus_bf16_training_rows_only(monkeypatch):
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cuda", "--fp8", "blockwise"])  # argparse names the scalings
 
+    # --fp8-layers: the fp8 columns swap only those layers (the rest stay bf16); no other case changes
+    _, mlp_only = bench.build_cases(bench.parse_args(["--device", "cuda", "--fp8", "tensorwise",
+                                                      "--fp8-layers", "mlp.fc2,mlp.fc1"]))
+    assert {tuple(c.get("fp8_layers", ())) for c in mlp_only if "fp8" in c["impl"]} == {("mlp.fc1", "mlp.fc2")}
+    assert not any("fp8_layers" in c for c in mlp_only if "fp8" not in c["impl"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cuda", "--fp8-layers", "mlp.fc1"])  # without --fp8 it chooses nothing
+
 
 def test_fp8_columns_are_vitlabs_own_with_their_ratio_to_the_best_peer():
     def result(impl, median):

@@ -207,21 +207,26 @@ class Fp8Swap:
     scaling: str
     swapped: tuple[str, ...]
     kept: tuple[tuple[str, str], ...] = ()
+    layers: tuple[str, ...] = BLOCK_DENSE  # the block layers asked for (``install_fp8``'s ``layers``)
 
     def line(self) -> str:
         """"fp8 tensorwise: 8 dense layers of the encoder blocks (qkv, proj, fc1, fc2); bf16: ...", for logs."""
         kept = "".join(f", {name} ({why})" for name, why in self.kept)
-        return (f"fp8 {self.scaling}: {len(self.swapped)} dense layers of the encoder blocks (qkv, proj, fc1, fc2); "
+        kinds = ", ".join(path.rpartition(".")[2] for path in self.layers)
+        return (f"fp8 {self.scaling}: {len(self.swapped)} dense layers of the encoder blocks ({kinds}); "
                 f"bf16: the patch embedding, head and every other layer{kept}")
 
 
-def install_fp8(model: nn.Module, scaling: str = "tensorwise") -> Fp8Swap:
-    """Put a ``Float8Linear`` in the place of every encoder block's qkv, proj, fc1 and fc2 of
+def install_fp8(model: nn.Module, scaling: str = "tensorwise", layers: tuple[str, ...] = BLOCK_DENSE) -> Fp8Swap:
+    """Put a ``Float8Linear`` in the place of every encoder block's dense layers named in
+    ``layers`` (of qkv, proj, fc1 and fc2: ``BLOCK_DENSE``'s paths, all four by default) of
     ``model`` whose features are multiples of 16, in place; layers swapped already take
-    ``scaling``.  Returns what was swapped and what was not.  Raises ValueError for an unknown
-    scaling, or a model ``vitlab.fast.optimize`` has installed itself on (install fp8 first)."""
+    ``scaling``, and those no longer named get their plain layer back.  Returns what was
+    swapped and what was not.  Raises ValueError for an unknown scaling or layer, or a model
+    ``vitlab.fast.optimize`` has installed itself on (install fp8 first)."""
     if scaling not in FP8_SCALINGS:
         raise ValueError(f"install_fp8: scaling={scaling!r}: expected one of {', '.join(FP8_SCALINGS)}")
+    layers = check_fp8_layers(layers)
     stand_ins: dict[int, nn.Module] = {}  # one per plain layer, wherever the model holds it
     swapped, kept = [], []
     for name, block in model.named_modules():
@@ -232,6 +237,10 @@ def install_fp8(model: nn.Module, scaling: str = "tensorwise") -> Fp8Swap:
             if isinstance(layer, FastLinear):
                 raise ValueError(f"install_fp8: {full} is vitlab.fast's; install fp8 before vitlab.fast.optimize "
                                  "(vitlab.fast.restore the model first)")
+            if path not in layers:  # left in bf16 as asked: a layer swapped before gets its plain one back
+                if isinstance(layer, Float8Linear):
+                    stand_ins.setdefault(id(layer), _restored(layer, _OWN_ATTRIBUTES))
+                continue
             if isinstance(layer, Float8Linear):
                 layer.fp8_scaling = scaling
             elif type(layer) is not nn.Linear:  # an adapter or a quantised layer computes something else
@@ -244,7 +253,15 @@ def install_fp8(model: nn.Module, scaling: str = "tensorwise") -> Fp8Swap:
                 stand_ins.setdefault(id(layer), Float8Linear(layer, scaling))
             swapped.append(full)
     _replace(model, lambda module: stand_ins.get(id(module), module))
-    return Fp8Swap(scaling, tuple(swapped), tuple(kept))
+    return Fp8Swap(scaling, tuple(swapped), tuple(kept), layers)
+
+
+def check_fp8_layers(layers, name: str = "layers") -> tuple[str, ...]:
+    """``layers`` as a tuple of ``BLOCK_DENSE``'s paths, in their order; ValueError otherwise."""
+    given = (layers,) if isinstance(layers, str) else tuple(layers) if isinstance(layers, (tuple, list)) else None
+    if not given or any(path not in BLOCK_DENSE for path in given):
+        raise ValueError(f"{name}={layers!r}: expected some of {', '.join(BLOCK_DENSE)}, e.g. mlp.fc1,mlp.fc2")
+    return tuple(path for path in BLOCK_DENSE if path in given)
 
 
 def uninstall_fp8(model: nn.Module) -> nn.Module:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 from vitlab.config import (PRECISIONS, ConfigError, is_int, is_number, need, need_bool, need_choice,
                            need_count_or_fraction, need_int, need_number)
 from vitlab.data.transforms import Augmentation, TrainTransform
-from vitlab.fast.fp8 import FP8_SCALINGS
+from vitlab.fast.fp8 import BLOCK_DENSE, FP8_SCALINGS, check_fp8_layers
 from vitlab.models.mpp import TARGETS as MPP_TARGETS
 from vitlab.models.registry import canonical_name, list_models
 
@@ -230,6 +230,7 @@ class RunConfig(Section):
     precision: str = "fp32"                 # "fp32", "bf16", "fp16" (with a gradient scaler) or "auto"
     fp8: str = "off"                        # "tensorwise" or "rowwise": the blocks' dense layers in fp8 (GPUs of
                                             # compute capability 8.9+, under bf16; vitlab.fast.fp8); "off"
+    fp8_layers: tuple = BLOCK_DENSE         # which of each block's dense layers run.fp8 puts in fp8 (the rest bf16)
     loss_scale: float = 65536.0             # fp16: the gradient scaler's first loss scale
     on_nonfinite: str = "stop"              # a NaN/inf step is never applied: "stop" the run, or "skip" it
     max_skipped_steps: int = 10             # with "skip": stop all the same after more skipped steps than this
@@ -261,6 +262,10 @@ class RunConfig(Section):
         self.check_bools()
         need_choice("run.precision", self.precision, ("auto", *PRECISIONS))
         need_choice("run.fp8", self.fp8, FP8_MODES)
+        try:
+            check_fp8_layers(self.fp8_layers, "run.fp8_layers")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         need(self.fp8 == "off" or self.precision in ("bf16", "auto"), "run.fp8", self.fp8,
              f"fp8 matmuls run inside bf16 autocast: set run.precision to 'bf16' or 'auto' (here {self.precision!r}), "
              "or run.fp8='off'")

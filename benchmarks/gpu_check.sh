@@ -65,11 +65,12 @@ case $PARTS in *P*) say "P the step's host, device and data time: the CIFAR-10 G
   grep -v DEBUG "$LOGS/P-b16.log" | tail -n 32 | tee -a "$OUT/P.txt";; esac
 case $PARTS in *B*) say "B ViT-B/16 bf16 training b128, compiled: vitlab, its fp8 columns, timm"
   timeout 300 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --fp8 tensorwise,rowwise \
-    --only 'train/ViT-B/16/b128/bf16/(vitlab|vitlab-fp8-tensorwise|vitlab-fp8-rowwise|timm)$' --out "$LOGS/B" > "$LOGS/B.log" 2>&1
+    --only 'train/ViT-B/16/b128/bf16/(vitlab|vitlab-fp8-tensorwise|vitlab-fp8-rowwise|timm)$' \
+    --out "$LOGS/B" > "$LOGS/B.log" 2>&1
   tail -n 10 "$LOGS/B.log" | tee "$OUT/B.txt";; esac
 case $PARTS in *I*) say "I ViT-B/16 bf16 inference, compiled, vitlab vs timm: b1 (3 rounds), b64, b256"
-  timeout 200 python3 benchmarks/bench.py --device cuda --compile --rounds 3 --only 'infer/ViT-B/16/b1/bf16/(vitlab|timm)$' \
-    --out "$LOGS/I1" > "$LOGS/I.log" 2>&1
+  timeout 200 python3 benchmarks/bench.py --device cuda --compile --rounds 3 \
+    --only 'infer/ViT-B/16/b1/bf16/(vitlab|timm)$' --out "$LOGS/I1" > "$LOGS/I.log" 2>&1
   timeout 200 python3 benchmarks/bench.py --device cuda --compile --rounds 1 \
     --only 'infer/ViT-B/16/b(64|256)/bf16/(vitlab|timm)$' --out "$LOGS/I2" >> "$LOGS/I.log" 2>&1
   grep -E "^\| infer|img/s" "$LOGS/I.log" | tail -n 12 | tee "$OUT/I.txt";; esac

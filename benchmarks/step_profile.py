@@ -92,7 +92,8 @@ def measure(setup, batches, steps: int, size: int, train: bool = True) -> dict:
     wall = time.perf_counter() - start
     batch = setup.cfg.optim.batch_size
     return {"ms_per_step": round(1e3 * wall / steps, 3), "img_per_s": round(steps * batch / wall, 1),
-            "host_ms_per_step": round(1e3 * host / steps, 3), "data_host_ms_per_step": round(1e3 * timed.seconds / steps, 3)}
+            "host_ms_per_step": round(1e3 * host / steps, 3),
+            "data_host_ms_per_step": round(1e3 * timed.seconds / steps, 3)}
 
 
 def profile(setup, batches, steps: int, size: int, rows: int) -> dict:

@@ -69,9 +69,9 @@ def test_train_cli_refuses_bad_config_before_work(tmp_path, capsys):
     assert (tmp_path / "a-file").read_text() == "kept"
     # a sweep's runs lie under its --out, an experiment's under its own: each refused before its first run
     assert main(["sweep", "--recipe", "demo", "--grid", "0.01", "--steps", "2", "--out", str(tmp_path / "a-file")]) == 2
-    assert capsys.readouterr().err.strip() == (
-        f"vitlab sweep: error: run.out={str(tmp_path / 'a-file' / 'lr_0.01')!r} lies under {str(tmp_path / 'a-file')!r}, "
-        "a file; expected a folder (a new one, or a run's)")
+    run_out, a_file = str(tmp_path / "a-file" / "lr_0.01"), str(tmp_path / "a-file")
+    assert capsys.readouterr().err.strip() == (f"vitlab sweep: error: run.out={run_out!r} lies under {a_file!r}, "
+                                              "a file; expected a folder (a new one, or a run's)")
     assert main(["experiment", "head", "--steps", "2", "--out", str(tmp_path / "a-file")]) == 2
     assert f"out={str(tmp_path / 'a-file')!r} is a file" in capsys.readouterr().err
     assert (tmp_path / "a-file").read_text() == "kept"

@@ -163,8 +163,8 @@ def check_shots(pool_y: np.ndarray, shots: Sequence[int], holdout_per_class: int
     short = [(int(c), int(n)) for c, n in zip(classes, counts) if n < need]
     if short:
         listed = ", ".join(f"class {c}: {n}" for c, n in short[:5])
-        raise ValueError(f"{shots_name} {max(shots)}: with {holdout_name} {holdout_per_class}, every class needs {need} "
-                         f"examples in the training pool; {len(short)} class(es) have fewer ({listed})")
+        raise ValueError(f"{shots_name} {max(shots)}: with {holdout_name} {holdout_per_class}, every class needs "
+                         f"{need} examples in the training pool; {len(short)} class(es) have fewer ({listed})")
 
 
 def fewshot_evaluate(

@@ -75,6 +75,11 @@ def test_train_cli_refuses_bad_config_before_work(tmp_path, capsys):
     assert main(["experiment", "head", "--steps", "2", "--out", str(tmp_path / "a-file")]) == 2
     assert f"out={str(tmp_path / 'a-file')!r} is a file" in capsys.readouterr().err
     assert (tmp_path / "a-file").read_text() == "kept"
+    # a held-out split that leaves no training image is named by its field (the library said "val_size")
+    assert main(["train", "--recipe", "demo", "--val-split", "1797", "--steps", "2", "--out", str(tmp_path / "v")]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab train: error: data.val_split=1797: takes 1797 of the 1797 "
+                                              "examples; it must leave some on either side (1 to 1796, or a fraction "
+                                              "in (0, 1))")
     assert main(["sweep", "--recipe", "demo", "--grid", "0.01,abc", "--out", str(tmp_path / "s")]) == 2
     assert capsys.readouterr().err.strip() == ("vitlab sweep: error: --grid '0.01,abc': expected comma-separated "
                                               "learning rates, e.g. 0.001,0.003,0.01")

@@ -48,12 +48,14 @@ def _proportional_counts(counts: np.ndarray, total: int) -> np.ndarray:
     return alloc
 
 
-def stratified_split(labels: Labels, val_size: Union[int, float], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def stratified_split(labels: Labels, val_size: Union[int, float], seed: int,
+                     name: str = "val_size") -> tuple[torch.Tensor, torch.Tensor]:
     """Split indices into train and validation sets with matching class proportions.
 
     labels:   (N,) integer class ids.
     val_size: number of validation examples (int) or a fraction of N in (0, 1).
     seed:     the split is a pure function of (labels, val_size, seed).
+    name:     what the errors call ``val_size`` (the setting it came from, e.g. "data.val_split").
 
     Returns (train_idx, val_idx): sorted int64 tensors that partition range(N).  Each
     class gives round(val_size * count / N) examples (largest-remainder rounding), e.g.
@@ -66,14 +68,15 @@ def stratified_split(labels: Labels, val_size: Union[int, float], seed: int) -> 
     n = len(y)
     if isinstance(val_size, float) and not isinstance(val_size, bool):
         if not 0.0 < val_size < 1.0:
-            raise DataError(f"val_size={val_size}: a fraction must lie in (0, 1)")
+            raise DataError(f"{name}={val_size}: a fraction must lie in (0, 1)")
         n_val = int(round(val_size * n))
     elif isinstance(val_size, (int, np.integer)) and not isinstance(val_size, bool):
         n_val = int(val_size)
     else:
-        raise DataError(f"val_size={val_size!r}: expected a count (int) or a fraction (float)")
+        raise DataError(f"{name}={val_size!r}: expected a count (int) or a fraction (float)")
     if not 0 < n_val < n:
-        raise DataError(f"val_size={val_size}: gives {n_val} validation examples; need 1..{n - 1} of {n}")
+        raise DataError(f"{name}={val_size}: takes {n_val} of the {n} examples; it must leave some on either side "
+                        f"(1 to {n - 1}, or a fraction in (0, 1))")
 
     classes, counts = np.unique(y, return_counts=True)
     n_val_per_class = _proportional_counts(counts, n_val)

@@ -75,13 +75,13 @@ def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
         images, labels, classes = select_classes(images, labels, classes, tuple(data.class_subset))
     if data.train_examples and data.train_examples < len(labels):
         # the training pool: a class-stratified sample (the held-out part of a stratified split)
-        _, keep = stratified_split(labels, int(data.train_examples), data.split_seed + 1)
+        _, keep = stratified_split(labels, int(data.train_examples), data.split_seed + 1, "data.train_examples")
         images, labels, ids = images[keep], labels[keep], ids[keep]
     val_images = val_labels = None
     skipped = dataset.skipped.images
     if data.val_split:  # held out of the pool: VTAB-1k's 800 + 200 of 1000
         val_size = int(data.val_split) if data.val_split >= 1 else float(data.val_split)
-        train_idx, val_idx = stratified_split(labels, val_size, data.split_seed)
+        train_idx, val_idx = stratified_split(labels, val_size, data.split_seed, "data.val_split")
         val_images, val_labels = images[val_idx], labels[val_idx]
         images, labels, ids = images[train_idx], labels[train_idx], ids[train_idx]
     if data.val_data:

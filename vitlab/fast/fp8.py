@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..config import ConfigError
 from ..models.layers import Block
 from .modules import FastLinear, _replace, _restored, _stand_in
 
@@ -257,10 +258,11 @@ def install_fp8(model: nn.Module, scaling: str = "tensorwise", layers: tuple[str
 
 
 def check_fp8_layers(layers, name: str = "layers") -> tuple[str, ...]:
-    """``layers`` as a tuple of ``BLOCK_DENSE``'s paths, in their order; ValueError otherwise."""
-    given = (layers,) if isinstance(layers, str) else tuple(layers) if isinstance(layers, (tuple, list)) else None
-    if not given or any(path not in BLOCK_DENSE for path in given):
-        raise ValueError(f"{name}={layers!r}: expected some of {', '.join(BLOCK_DENSE)}, e.g. mlp.fc1,mlp.fc2")
+    """``layers`` (one path, or several) as a tuple of ``BLOCK_DENSE``'s paths, in their order;
+    ConfigError (a ValueError) otherwise."""
+    given = (layers,) if isinstance(layers, str) else layers
+    if not isinstance(given, (tuple, list)) or not given or any(path not in BLOCK_DENSE for path in given):
+        raise ConfigError(f"{name}={layers!r}: expected some of {', '.join(BLOCK_DENSE)}, e.g. mlp.fc1,mlp.fc2")
     return tuple(path for path in BLOCK_DENSE if path in given)
 
 

@@ -262,10 +262,7 @@ class RunConfig(Section):
         self.check_bools()
         need_choice("run.precision", self.precision, ("auto", *PRECISIONS))
         need_choice("run.fp8", self.fp8, FP8_MODES)
-        try:
-            check_fp8_layers(self.fp8_layers, "run.fp8_layers")
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        check_fp8_layers(self.fp8_layers, "run.fp8_layers")
         need(self.fp8 == "off" or self.precision in ("bf16", "auto"), "run.fp8", self.fp8,
              f"fp8 matmuls run inside bf16 autocast: set run.precision to 'bf16' or 'auto' (here {self.precision!r}), "
              "or run.fp8='off'")

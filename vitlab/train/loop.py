@@ -83,7 +83,9 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     if restarts:  # torchrun started the group again after a process died: continue, never start over
         resume, overwrite = True, False
     check_data(cfg)  # an empty data folder is named as such, not as an output folder holding checkpoints
-    check_output_folder(cfg.run.out)  # before the data and the model are built
+    # before the checkpoint folder is looked into and the process-wide memory setting below (build's
+    # check_can_run repeats it for build's other callers)
+    check_output_folder(cfg.run.out)
     out = Path(cfg.run.out)
     ckpt_dir = out / "checkpoints"
     stale = not resume and ckpt.latest_checkpoint(ckpt_dir) is not None

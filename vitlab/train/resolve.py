@@ -230,9 +230,11 @@ def resolve_device(name: str, machine: Machine, local_rank: int = 0, field: str 
     if device.type == "cuda" and device.index is None:
         device = torch.device(f"cuda:{local_rank}")
     if device.type == "cuda" and device.index >= len(machine.gpus):
-        why = (f"this machine has {len(machine.gpus)} GPU(s): cuda:0 to cuda:{len(machine.gpus) - 1}" if machine.gpus
-               else f"no CUDA GPU here (torch {torch.__version__}"
-               + ("" if torch.backends.cuda.is_built() else ", a build without CUDA") + ")")
+        if machine.gpus:
+            why = f"this machine has {len(machine.gpus)} GPU(s): cuda:0 to cuda:{len(machine.gpus) - 1}"
+        else:
+            build = "" if torch.backends.cuda.is_built() else ", a build without CUDA"
+            why = f"no CUDA GPU here (torch {torch.__version__}{build})"
         raise ConfigError(f"{field}={name!r}: {why}; use cpu, or auto for a GPU where there is one")
     return device
 

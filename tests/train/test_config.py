@@ -107,8 +107,12 @@ def test_a_recipe_is_a_module_of_the_package_or_a_file(tmp_path):
     (tmp_path / "empty.py").write_text("x = 1\n")
     with pytest.raises(ConfigError, match="defines no get_config"):
         load_recipe(str(tmp_path / "empty.py"))
-    with pytest.raises(ConfigError, match="recipe 'demo:size=3'"):
+    with pytest.raises(ConfigError, match="recipe 'demo:size=3': unknown option 'size'; demo takes no options"):
         load_recipe("demo:size=3")  # an option the recipe does not take
+    with pytest.raises(ConfigError, match="unknown option 'modle'; cifar10_scratch takes model, device"):
+        load_recipe("cifar10_scratch:modle=vit")  # named in the recipe's words, not Python's TypeError
+    with pytest.raises(ConfigError, match=r"unknown option 'size'; \S*mine\.py takes lr$"):
+        load_recipe(f"{own}:size=3")
 
 
 def test_overrides_parse_types():

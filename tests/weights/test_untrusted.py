@@ -59,9 +59,14 @@ def test_malicious_pickle_in_a_hugging_face_folder(tmp_path):
 def test_pickled_object_array_in_npz_is_refused(tmp_path):
     marker = tmp_path / "pwned"
     np.savez(tmp_path / "evil.npz", a=np.array([Payload(marker)], dtype=object))
-    with pytest.raises(WeightsError, match=r"evil\.npz is not a readable \.npz file"):
+    with pytest.raises(WeightsError, match=r"evil\.npz is not a readable \.npz file") as refused:
         load_model(tmp_path / "evil.npz")
     assert not marker.exists()
+    assert "never unpickled" in str(refused.value) and "allow_pickle" not in str(refused.value)
+    (tmp_path / "text.npz").write_text("not an archive")  # numpy would try it as a pickle and advise doing so
+    with pytest.raises(WeightsError, match=r"text\.npz .*: not a zip archive of arrays") as refused:
+        load_model(tmp_path / "text.npz")
+    assert "allow_pickle" not in str(refused.value)
 
 
 def _save(model, path):

@@ -60,7 +60,14 @@ def load_recipe(spec: str, model_name: str | None = None) -> TrainConfig:
     for item in filter(None, arg_text.split(",")):
         key, _, value = item.partition("=")
         kwargs[key.strip()] = value.strip()
-    if model_name is not None and "model_name" in inspect.signature(module.get_config).parameters:
+    parameters = inspect.signature(module.get_config).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    unknown = [key for key in kwargs if key not in parameters and not takes_any]
+    if unknown:
+        options = [key for key, p in parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+        raise ConfigError(f"recipe {spec!r}: unknown option {unknown[0]!r}; {name} takes "
+                          f"{', '.join(options) or 'no options'}")
+    if model_name is not None and "model_name" in parameters:
         kwargs["model_name"] = model_name
     try:
         cfg = module.get_config(**kwargs)

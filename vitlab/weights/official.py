@@ -195,7 +195,13 @@ def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
     except FileNotFoundError:
         raise
     except Exception as e:  # zipfile.BadZipFile, ValueError (pickled object arrays), EOFError ...
-        raise WeightsError(f"{path} is not a readable .npz file (truncated or corrupt?): {e}") from e
+        # numpy's own text for pickled data advises loading it unsafely, which is not ours to advise
+        reason = str(e)
+        if "Object arrays" in reason:
+            reason = "an array in it holds Python objects, which are never unpickled"
+        elif "pickle" in reason:
+            reason = "not a zip archive of arrays (and pickled data is never loaded)"
+        raise WeightsError(f"{path} is not a readable .npz file (truncated or corrupt?): {reason}") from e
 
 
 def official_config(state_dict: StateDict, heads: int, **overrides: Any) -> ViTConfig:

@@ -254,11 +254,12 @@ def test_the_cifar_recipe_fits_its_batch_cadence_and_model_to_the_device():
     gpu_augment = load_recipe("cifar10_scratch:model=vit,device=cuda").augment
     assert (gpu_augment.randaug_ops, gpu_augment.randaug_magnitude) == (2, 5.0)
     assert gpu_augment.crop == "pad" and gpu_augment.flip and gpu_augment.label_smoothing == 0.1
-    # the plain ViT's weight decay on both devices (0.2, measured above the paper's 0.1), the hybrids' 0.05
+    # the plain ViT's weight decay: 0.3 on a CPU (measured above 0.2 at equal steps), 0.2 on a GPU (its measured
+    # value there); the hybrids' 0.05 on both
     assert {(m, d): load_recipe(f"cifar10_scratch:model={m},device={d}").optim.weight_decay
             for m in ("hybrid", "hybrid_bit", "vit") for d in ("cpu", "cuda")} == {
         ("hybrid", "cpu"): 0.05, ("hybrid", "cuda"): 0.05, ("hybrid_bit", "cpu"): 0.05, ("hybrid_bit", "cuda"): 0.05,
-        ("vit", "cpu"): 0.2, ("vit", "cuda"): 0.2}
+        ("vit", "cpu"): 0.3, ("vit", "cuda"): 0.2}
     assert (load_recipe("cifar10_scratch:model=hybrid,device=cuda").augment
             == load_recipe("cifar10_scratch:model=hybrid").augment)
     # the plain ViT is the default model (it measured ahead of the hybrid in 30 minutes)

@@ -37,7 +37,10 @@ so that whatever the fast layer keeps counts; the table gives it as vitlab / bes
 beside the speed ratio, and in MiB.  A compiled row on a GPU takes its peak over the timed
 calls, after the warm-up: compiling allocates for autotuning, which a process that finds its
 graph in inductor's cache skips: vitlab's and timm's compiled ViT-B/16 inference is one graph
-(the same FX-graph key, in separate caches).
+(the same FX-graph key, in separate caches).  So vitlab's compiled inference column runs what vitlab
+offers for it, ``vitlab.fast.compile_for_inference`` (frozen weights, under CUDA graphs on a
+GPU), and the peers and "vitlab-plain" ``torch.compile`` in its default mode; compiled training
+is ``torch.compile`` for all.
 
 "% peak" is the achieved FLOP/s (analytic model FLOPs, multiply-add = 2, training = 3x
 forward) over the machine's practical peak for the dtype: the best 4096^3 matmul (8192^3 on

@@ -15,8 +15,9 @@
 #      P_ARGS adds step_profile.py arguments (a CPU try of the script: P_ARGS="--warmup 2 --steps 3")
 #   B  bench.py, compiled, bf16, ViT-B/16 training at batch 128: vitlab, its fp8 columns (tensorwise, rowwise)
 #      and timm (four fresh processes, each compiling its model: about 4 minutes)
-#   I  bench.py, compiled, bf16, ViT-B/16 inference, vitlab and timm: batch 1 in three rounds (the order of the
-#      two rotates), batch 64 and 256 in one (ten fresh processes: about 5 minutes)
+#   I  bench.py, compiled, bf16, ViT-B/16 inference, vitlab (vitlab.fast.compile_for_inference: frozen weights
+#      under CUDA graphs) and timm (torch.compile): batch 1 in three rounds (the order of the two rotates), batch 64
+#      and 256 in one (ten fresh processes: about 5 minutes)
 #   C  the CIFAR-10 plain-ViT recipe, PART_C_MIN minutes, on the GPU, once per variant of PART_C_SETS
 #      ('|'-separated extra arguments; '' is the recipe; later arguments win), e.g. the recipe's GPU model
 #      (width 384, 7 blocks) against the CPU's (width 192, 6 blocks) at the CPU's batch rule, its RandAugment

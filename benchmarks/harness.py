@@ -221,6 +221,21 @@ def optimize_if_default(impl: str, model, kind: str = "train", fp8_layers: tuple
     return vitlab.fast.optimize(model, **options)
 
 
+def compiled(impl: str, model, forward, case: dict[str, Any]):
+    """``forward`` compiled as each implementation's own documentation has it: ``torch.compile``
+    (default mode) for the peers, for "vitlab-plain" and for training; vitlab's inference through its
+    own ``vitlab.fast.compile_for_inference`` (frozen weights, under CUDA graphs on a GPU, one batch
+    size), where the revision has it."""
+    import torch
+
+    if impl == "vitlab" and case["kind"] == "inference":
+        import vitlab.fast
+
+        if hasattr(vitlab.fast, "compile_for_inference"):
+            return vitlab.fast.compile_for_inference(model, case["dtype"], batch_size=case["batch"])
+    return torch.compile(forward)
+
+
 def peers_available(device: str) -> list[str]:
     """Peer implementations importable here (and ONNX Runtime, a way to serve vitlab, on CPU)."""
     peers = []
@@ -410,7 +425,7 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
         memory.reset()
         model = optimize_if_default(impl, model, case["kind"], case.get("fp8_layers"))
         if case.get("compile"):
-            forward = torch.compile(forward)
+            forward = compiled(impl, model, forward, case)
         if case["kind"] == "inference":
             model.eval()
 

@@ -17,6 +17,9 @@ Outputs and gradients equal the plain model's up to floating-point rounding
 FP8 matmuls for training on GPUs that have them are a separate opt-in swap of the encoder
 blocks' dense layers (``fp8.py``: ``install_fp8``, ``uninstall_fp8``), installed before
 ``optimize``; ``vitlab train --fp8`` asks for it.
+
+Compiled inference with frozen weights, under CUDA graphs on a GPU, is a third opt-in
+(``compiled.py``: ``compile_for_inference``), for weights that no longer change.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from typing import Iterator
 
 from torch import nn
 
+from .compiled import CompiledInference, compile_for_inference
 from .fp8 import FP8_SCALINGS, Float8Linear, Fp8Swap, fp8_scaling, install_fp8, uninstall_fp8
 from .kernels import KernelChoice, KernelUnavailable, check_runnable, choose, cpu_precision, rule_choice
 from .modules import INFERENCE_WEIGHTS, FastBlock, FastLinear, FastOptions, install, installed, uninstall
@@ -80,7 +84,7 @@ def optimized(model: nn.Module, kernels: KernelChoice | None = None, recompute: 
             install(model, before)
 
 
-__all__ = ["FP8_SCALINGS", "INFERENCE_WEIGHTS", "FastBlock", "FastLinear", "FastOptions", "Float8Linear", "Fp8Swap",
-           "KernelChoice", "KernelUnavailable", "check_runnable", "choose", "cpu_precision", "fp8_scaling",
-           "install_fp8", "installed_options", "is_optimized", "optimize", "optimized", "restore", "rule_choice",
-           "uninstall_fp8"]
+__all__ = ["CompiledInference", "FP8_SCALINGS", "INFERENCE_WEIGHTS", "FastBlock", "FastLinear", "FastOptions",
+           "Float8Linear", "Fp8Swap", "KernelChoice", "KernelUnavailable", "check_runnable", "choose",
+           "compile_for_inference", "cpu_precision", "fp8_scaling", "install_fp8", "installed_options", "is_optimized",
+           "optimize", "optimized", "restore", "rule_choice", "uninstall_fp8"]

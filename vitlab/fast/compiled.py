@@ -1,0 +1,105 @@
+"""Compiled inference: a frozen model as one graph, replayed without the host launching each kernel.
+
+    infer = vitlab.fast.compile_for_inference(model, precision="bf16", batch_size=64)
+    logits = infer(images)            # float images (N, C, H, W) on the model's device, any N
+
+What a GPU serving loop or a repeated evaluation wants once the weights are final.  Two things
+set it apart from ``torch.compile(model)``, which is what the peers' documentation offers:
+
+* **Freezing** (inductor's ``freezing``): the weights become constants of the graph, so that
+  what depends on them alone, above all the bf16 copies of the fp32 dense weights that autocast
+  would cast again in every call, is computed once at compilation.
+* **CUDA graphs** (inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` turns on)
+  when the model is on a GPU: a call replays the recorded kernels in one launch.  At small
+  batches a ViT's call is bound by the host launching its few hundred kernels, not by the GPU.
+
+Both are set for this model's compilation only: the caller's inductor settings are as they were
+after each call.  The model is only read: its parameters, buffers and modules are
+untouched, and ``model(x)`` still runs eagerly.  The price of freezing: the graph keeps what it
+computed from the weights at its first call (their bf16 copies, say), so compile again after
+changing them.
+
+With ``batch_size``, every call runs that one shape: a shorter batch is padded with zero
+images (a ViT scores each image on its own, so the real images' outputs are unchanged) and a
+longer one is scored in chunks, so that an evaluation's last, short batch does not compile a
+second graph.  Without it, each new batch size compiles its own.  The outputs are copied out
+of the CUDA graph's memory, which the next replay writes over.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch._inductor.config as inductor_config
+from torch import nn
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class CompiledInference:
+    """``model`` frozen and compiled for inference (``compile_for_inference``): call it on a float
+    batch; it returns the model's output for each image, outside any graph's memory."""
+
+    def __init__(self, model: nn.Module, precision: str = "fp32", batch_size: int | None = None) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                       or batch_size < 1):
+            raise ValueError(f"batch_size={batch_size!r}: expected a positive integer, or None for each call's own")
+        self.model, self.precision, self.batch_size = model, precision, batch_size
+        self.device = next(model.parameters()).device
+        self.cuda_graphs = self.device.type == "cuda"
+        # CUDA graphs are an option of this compilation alone; freezing is read while dynamo traces,
+        # before a compilation's options apply, so each call sets it and puts the caller's back
+        self.graph = torch.compile(model, dynamic=False, options={"triton.cudagraphs": self.cuda_graphs})
+
+    def _autocast(self):
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, torch.bfloat16 if self.precision == "bf16" else torch.float16)
+
+    def _replay(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # each call a new replay: the last outputs were copied
+        return self.graph(x).clone()
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if images.ndim != 4 or not images.is_floating_point():
+            raise ValueError(f"expected float images (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
+        if images.device != self.device:
+            raise ValueError(f"images on {images.device}, the model on {self.device}: move them first")
+        was_training, freezing = self.model.training, inductor_config.freezing
+        self.model.eval()
+        inductor_config.freezing = True
+        try:
+            # Plain tensors in, whether or not the caller is in inference mode: the graph's guards tell
+            # an inference tensor from a plain one, and one kind means one graph.
+            with torch.inference_mode(False), torch.no_grad(), self._autocast():
+                if images.is_inference():
+                    images = images.clone()
+                if self.batch_size is None or images.shape[0] == self.batch_size:
+                    return self._replay(images)
+                return torch.cat([self._padded(chunk) for chunk in images.split(self.batch_size)])
+        finally:
+            inductor_config.freezing = freezing
+            self.model.train(was_training)
+
+    def _padded(self, chunk: torch.Tensor) -> torch.Tensor:
+        n = chunk.shape[0]
+        if n < self.batch_size:
+            chunk = torch.cat([chunk, chunk.new_zeros((self.batch_size - n, *chunk.shape[1:]))])
+        return self._replay(chunk)[:n]
+
+
+def compile_for_inference(model: nn.Module, precision: str = "fp32",
+                          batch_size: int | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``model`` frozen and compiled for inference: a function float images (N, C, H, W) -> outputs.
+
+    precision: "fp32", or "bf16"/"fp16" autocast around each call.
+    batch_size: the one batch every call runs (short batches padded, long ones chunked); None
+        compiles each batch size met.
+    Compilation happens at the first call of each shape; what it computes from the weights then (their
+    bf16 copies, say) the graph keeps: compile again after changing them.
+    """
+    return CompiledInference(model, precision, batch_size)

@@ -11,6 +11,7 @@ import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 
 import vitlab
+import vitlab.fast
 from vitlab.config import ViTConfig
 from vitlab.fast import compile_for_inference
 
@@ -59,12 +60,15 @@ def test_scores_as_the_eager_model_in_one_graph_for_every_batch_and_leaves_all_a
     assert (inductor_config.freezing, inductor_config.triton.cudagraphs) == settings
 
 
-def test_bf16_matches_the_eager_model_under_autocast_and_keeps_the_weights_bf16_copies():
+@pytest.mark.parametrize("optimized", [False, True], ids=["plain", "fast"])
+def test_bf16_matches_the_eager_model_under_autocast_and_keeps_the_weights_bf16_copies(optimized):
     torch._dynamo.reset()
     model = tiny_model().eval()
     images = torch.randn(3, 3, 16, 16)
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         want = model(images)
+    if optimized:  # the fast layer steps aside under compilation: the graph is the plain model's
+        vitlab.fast.optimize(model)
     infer = compile_for_inference(model, "bf16")
     got = infer(images)
     assert got.dtype == want.dtype == torch.bfloat16

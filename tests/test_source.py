@@ -13,3 +13,15 @@ def test_the_package_uses_no_undefined_name_and_imports_nothing_unused():
     checkRecursive([str(PACKAGE)], Reporter(out, err))
     problems = (out.getvalue() + err.getvalue()).strip()
     assert not problems, problems
+
+
+def test_importing_the_package_and_its_commands_loads_no_compiler():
+    # torch's compiler stack (dynamo, inductor) adds tens of MB to every process that imports it; vitlab
+    # imports it only where something is compiled, so that an eager run's memory is its own
+    import subprocess
+    import sys
+
+    code = ("import sys, vitlab, vitlab.fast, vitlab.cli.train, vitlab.cli.eval, vitlab.train.loop; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -31,7 +31,6 @@ import contextlib
 from typing import Callable
 
 import torch
-import torch._inductor.config as inductor_config
 from torch import nn
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -48,6 +47,10 @@ class CompiledInference:
                                        or batch_size < 1):
             raise ValueError(f"batch_size={batch_size!r}: expected a positive integer, or None for each call's own")
         self.model, self.precision, self.batch_size = model, precision, batch_size
+        # imported here: torch's compiler stack costs an importer of vitlab.fast tens of MB it may never use
+        import torch._inductor.config as inductor_config
+
+        self.inductor_config = inductor_config
         self.device = next(model.parameters()).device
         self.cuda_graphs = self.device.type == "cuda"
         # CUDA graphs are an option of this compilation alone; freezing is read while dynamo traces,
@@ -69,9 +72,9 @@ class CompiledInference:
             raise ValueError(f"expected float images (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
         if images.device != self.device:
             raise ValueError(f"images on {images.device}, the model on {self.device}: move them first")
-        was_training, freezing = self.model.training, inductor_config.freezing
+        was_training, freezing = self.model.training, self.inductor_config.freezing
         self.model.eval()
-        inductor_config.freezing = True
+        self.inductor_config.freezing = True
         try:
             # Plain tensors in, whether or not the caller is in inference mode: the graph's guards tell
             # an inference tensor from a plain one, and one kind means one graph.
@@ -82,7 +85,7 @@ class CompiledInference:
                     return self._replay(images)
                 return torch.cat([self._padded(chunk) for chunk in images.split(self.batch_size)])
         finally:
-            inductor_config.freezing = freezing
+            self.inductor_config.freezing = freezing
             self.model.train(was_training)
 
     def _padded(self, chunk: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,6 @@ scaled to [-1, 1] (``vitlab.data.transforms``), as training and ``predict_logits
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -21,21 +19,10 @@ from torch import nn
 
 from vitlab.config import PRECISIONS
 from vitlab.data.transforms import resize, to_float
+from vitlab.fast.kernels import autocast
 
 from .features import check_tta_shift, mean_probability, tta_views
 from .metrics import classification_report
-
-
-def autocast(device: torch.device, precision: str):
-    """bf16 or fp16 autocast on CPU and GPU; fp32 runs plain.  ``precision`` is a resolved one:
-    "auto" is decided once, when a run or command is built (``vitlab.fast.cpu_precision`` on a CPU),
-    never here, at every batch."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)} (resolve 'auto' "
-                         "when the run is built: vitlab.fast.cpu_precision on a CPU)")
-    if precision in ("bf16", "fp16"):
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
-    return nullcontext()
 
 
 class Evaluator:

@@ -27,13 +27,13 @@ of the CUDA graph's memory, which the next replay writes over.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
 from torch import nn
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+from ..config import PRECISIONS
+from .kernels import autocast
 
 
 class CompiledInference:
@@ -57,11 +57,6 @@ class CompiledInference:
         # before a compilation's options apply, so each call sets it and puts the caller's back
         self.graph = torch.compile(model, dynamic=False, options={"triton.cudagraphs": self.cuda_graphs})
 
-    def _autocast(self):
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, torch.bfloat16 if self.precision == "bf16" else torch.float16)
-
     def _replay(self, x: torch.Tensor) -> torch.Tensor:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # each call a new replay: the last outputs were copied
@@ -73,12 +68,13 @@ class CompiledInference:
         if images.device != self.device:
             raise ValueError(f"images on {images.device}, the model on {self.device}: move them first")
         was_training, freezing = self.model.training, self.inductor_config.freezing
-        self.model.eval()
+        if was_training:  # a model already in eval mode is not walked again at every call
+            self.model.eval()
         self.inductor_config.freezing = True
         try:
             # Plain tensors in, whether or not the caller is in inference mode: the graph's guards tell
             # an inference tensor from a plain one, and one kind means one graph.
-            with torch.inference_mode(False), torch.no_grad(), self._autocast():
+            with torch.inference_mode(False), torch.no_grad(), autocast(self.device, self.precision):
                 if images.is_inference():
                     images = images.clone()
                 if self.batch_size is None or images.shape[0] == self.batch_size:
@@ -86,7 +82,8 @@ class CompiledInference:
                 return torch.cat([self._padded(chunk) for chunk in images.split(self.batch_size)])
         finally:
             self.inductor_config.freezing = freezing
-            self.model.train(was_training)
+            if was_training:
+                self.model.train()
 
     def _padded(self, chunk: torch.Tensor) -> torch.Tensor:
         n = chunk.shape[0]

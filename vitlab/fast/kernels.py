@@ -39,10 +39,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
+from vitlab.config import PRECISIONS
 from vitlab.machine import CpuInfo, cpu_class, cpu_info
 
 FP32_KERNELS = ("aten", "onednn")
@@ -246,3 +248,15 @@ def cpu_precision(info: CpuInfo | None = None, path: Path | None = None) -> str:
     if entry and entry.get("precision") in KERNEL_PRECISIONS:
         return entry["precision"]
     return rule_for(info).precision
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 or fp16 autocast on CPU and GPU; fp32 runs plain.  ``precision`` is a resolved one:
+    "auto" is decided once, when a run or command is built (``vitlab.fast.cpu_precision`` on a CPU),
+    never here, at every batch."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)} (resolve 'auto' "
+                         "when the run is built: vitlab.fast.cpu_precision on a CPU)")
+    if precision in ("bf16", "fp16"):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    return nullcontext()

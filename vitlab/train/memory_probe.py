@@ -43,7 +43,7 @@ from torch import nn
 
 from vitlab import fast
 from vitlab.config import Architecture, ConfigError, replace
-from vitlab.eval.evaluator import autocast
+from vitlab.fast.kernels import autocast
 
 from .memory_estimate import gb
 from .step import example_losses

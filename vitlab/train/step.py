@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from vitlab.eval.evaluator import autocast
+from vitlab.fast.kernels import autocast
 
 from .distributed import all_reduce_tensor
 from .optim import TracedStep, skips_on_device

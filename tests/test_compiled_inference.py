@@ -98,3 +98,29 @@ def test_refuses_images_it_cannot_score_before_compiling():
         infer(torch.zeros(2, 3, 16, 16, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"got torch.float32 \(3, 16, 16\)"):
         infer(torch.zeros(3, 16, 16))
+
+
+def test_a_failed_compilation_is_the_callers_error_unless_eager_was_asked_for():
+    def failing_backend(graph, example_inputs):
+        raise RuntimeError("no compiler here\nsecond line")
+
+    model = tiny_model().eval()
+    images = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        want = model(images)
+    strict = compile_for_inference(model, batch_size=4)
+    strict.graph = torch.compile(model, backend=failing_backend)
+    with pytest.raises(Exception, match="no compiler here"):
+        strict(images)
+
+    lenient = compile_for_inference(model, batch_size=4, eager_on_failure=True)
+    lenient.graph = torch.compile(model, backend=failing_backend)
+    with pytest.warns(RuntimeWarning, match=r"torch.compile failed \(.*no compiler here\); inference continues eager"):
+        got = lenient(images)
+    torch.testing.assert_close(got, want)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # given up once: no second attempt, no second warning
+        torch.testing.assert_close(lenient(images), want)
+    assert lenient.graph is None

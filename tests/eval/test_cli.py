@@ -91,6 +91,35 @@ def test_eval_shift_adds_translated_views_and_refuses_impossible_shifts(run_dir,
         assert f"--shift={bad}" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_eval_compile_scores_every_view_as_eager_in_one_graph(run_dir, capsys, monkeypatch):
+    # 1,797 images in batches of 128, each scored in 10 views: the last, short batch is padded to the
+    # one compiled shape, and the scores are eager's
+    import shutil
+
+    from torch._dynamo.utils import counters
+
+    from vitlab import fast
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("inductor needs a C++ compiler on a CPU")
+    compiled = []
+    original = fast.compile_for_inference
+    monkeypatch.setattr(fast, "compile_for_inference", lambda *a, **kw: compiled.append(kw) or original(*a, **kw))
+    base = ["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", "digits", "--val-split", "0",
+            "--flip", "--shift", "2", "--json"]
+    assert main(base) == 0
+    eager = last_json(capsys)
+    torch._dynamo.reset()
+    counters.clear()
+    assert main(base + ["--compile"]) == 0
+    got = last_json(capsys)
+    assert compiled == [{"batch_size": 128, "eager_on_failure": True}]
+    assert counters["stats"]["unique_graphs"] == 1
+    assert got["top1"] == pytest.approx(eager["top1"], abs=1 / 1797)  # float rounding may move one image
+    assert got["per_class_accuracy"].keys() == eager["per_class_accuracy"].keys()
+
+
 def test_fewshot_caches_features(run_dir, tmp_path, capsys):
     args = ["fewshot", str(run_dir / "model.safetensors"), "--shots", "1", "5", "--seeds", "2",
             "--feature-cache", str(tmp_path / "feats"), "--json"]
@@ -136,7 +165,8 @@ def test_eval_runs_the_evaluator_the_trainer_runs(run_dir, capsys, monkeypatch):
     assert vitlab.train.build.Evaluator is vitlab.eval.Evaluator is Evaluator
     runs = []
     original = Evaluator.run
-    monkeypatch.setattr(Evaluator, "run", lambda self, model: runs.append(self) or original(self, model))
+    monkeypatch.setattr(Evaluator, "run", lambda self, model, forward=None: runs.append(self)
+                        or original(self, model, forward))
     assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", "digits",
                  "--val-split", "0", "--json"]) == 0
     out = last_json(capsys)

@@ -72,8 +72,13 @@ class Evaluator:
         return mine, valid
 
     @torch.no_grad()
-    def run(self, model: nn.Module) -> dict:
-        """The metrics of ``model`` (left in the train/eval mode it came in)."""
+    def run(self, model: nn.Module, forward=None) -> dict:
+        """The metrics of ``model`` (left in the train/eval mode it came in).
+
+        forward: what scores a batch in its place, the same function of the same weights
+            (``vitlab.fast.compile_for_inference(model)``, say); None: ``model`` itself.
+        """
+        forward = model if forward is None else forward
         size = self.image_size or tuple(model.cfg.img_size)
         was_training = model.training
         model.eval()
@@ -87,7 +92,7 @@ class Evaluator:
                 x = to_float(resize(self.images[idx].to(self.device), size))
                 y = self.labels[idx].to(self.device)
                 with autocast(self.device, self.precision):
-                    views = [model(view).float() for view in tta_views(x, self.flip, self.shift)]
+                    views = [forward(view).float() for view in tta_views(x, self.flip, self.shift)]
                 logits = views[0]
                 single = flip_pair = torch.zeros((), device=self.device)
                 if len(views) > 1:

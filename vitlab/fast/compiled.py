@@ -24,9 +24,14 @@ images (a ViT scores each image on its own, so the real images' outputs are unch
 longer one is scored in chunks, so that an evaluation's last, short batch does not compile a
 second graph.  Without it, each new batch size compiles its own.  The outputs are copied out
 of the CUDA graph's memory, which the next replay writes over.
+
+With ``eager_on_failure`` (what `vitlab eval --compile` asks), a compilation that fails (no C++
+compiler on a CPU, say) is given up with a warning and the model runs eagerly from then on, as
+the trainer does with its compiled step; without it, the error is the caller's.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -40,13 +45,15 @@ class CompiledInference:
     """``model`` frozen and compiled for inference (``compile_for_inference``): call it on a float
     batch; it returns the model's output for each image, outside any graph's memory."""
 
-    def __init__(self, model: nn.Module, precision: str = "fp32", batch_size: int | None = None) -> None:
+    def __init__(self, model: nn.Module, precision: str = "fp32", batch_size: int | None = None,
+                 eager_on_failure: bool = False) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                        or batch_size < 1):
             raise ValueError(f"batch_size={batch_size!r}: expected a positive integer, or None for each call's own")
         self.model, self.precision, self.batch_size = model, precision, batch_size
+        self.eager_on_failure = eager_on_failure
         # imported here: torch's compiler stack costs an importer of vitlab.fast tens of MB it may never use
         import torch._inductor.config as inductor_config
 
@@ -58,9 +65,19 @@ class CompiledInference:
         self.graph = torch.compile(model, dynamic=False, options={"triton.cudagraphs": self.cuda_graphs})
 
     def _replay(self, x: torch.Tensor) -> torch.Tensor:
+        if self.graph is None:  # given up (eager_on_failure)
+            return self.model(x)
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # each call a new replay: the last outputs were copied
-        return self.graph(x).clone()
+        try:
+            return self.graph(x).clone()
+        except Exception as err:  # noqa: BLE001 - any failure of the compiler: the caller chose eager
+            if not self.eager_on_failure:
+                raise
+            warnings.warn(f"torch.compile failed ({failure_summary(err)}); inference continues eager",
+                          RuntimeWarning, stacklevel=3)
+            self.graph = None
+            return self.model(x)
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         if images.ndim != 4 or not images.is_floating_point():
@@ -77,6 +94,8 @@ class CompiledInference:
             with torch.inference_mode(False), torch.no_grad(), autocast(self.device, self.precision):
                 if images.is_inference():
                     images = images.clone()
+                # one memory layout too: a strided view (a translated test-time view, say) would compile anew
+                images = images.contiguous()
                 if self.batch_size is None or images.shape[0] == self.batch_size:
                     return self._replay(images)
                 return torch.cat([self._padded(chunk) for chunk in images.split(self.batch_size)])
@@ -92,14 +111,27 @@ class CompiledInference:
         return self._replay(chunk)[:n]
 
 
-def compile_for_inference(model: nn.Module, precision: str = "fp32",
-                          batch_size: int | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+def compile_for_inference(model: nn.Module, precision: str = "fp32", batch_size: int | None = None,
+                          eager_on_failure: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """``model`` frozen and compiled for inference: a function float images (N, C, H, W) -> outputs.
 
     precision: "fp32", or "bf16"/"fp16" autocast around each call.
     batch_size: the one batch every call runs (short batches padded, long ones chunked); None
         compiles each batch size met.
+    eager_on_failure: a compilation that fails is given up with a warning, and the model runs eagerly.
     Compilation happens at the first call of each shape; what it computes from the weights then (their
     bf16 copies, say) the graph keeps: compile again after changing them.
     """
-    return CompiledInference(model, precision, batch_size)
+    return CompiledInference(model, precision, batch_size, eager_on_failure)
+
+
+def failure_summary(err: BaseException) -> str:
+    """A failure's type and the first line of its message (for a warning line): those of the error
+    behind it, where a wrapper raised it from one (dynamo's ``BackendCompilerFailed`` says only that a
+    backend raised, on its first line)."""
+    for _ in range(8):  # a chain's root, with a bound against a cycle
+        inner = err.__cause__ or getattr(err, "inner_exception", None)
+        if not isinstance(inner, BaseException):
+            break
+        err = inner
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"

@@ -28,6 +28,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from vitlab.fast.compiled import failure_summary
 from vitlab.fast.kernels import autocast
 
 from .distributed import all_reduce_tensor
@@ -187,7 +188,7 @@ def train_step(setup, batches: Iterator, lr: float, size: int) -> StepResult:
     except Exception as err:  # noqa: BLE001 - any failure of the compiled step: eager decides
         if not compiled:
             raise
-        warnings.warn(f"torch.compile failed ({summary(err)}); training continues eager", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"torch.compile failed ({failure_summary(err)}); training continues eager", RuntimeWarning, stacklevel=2)
         setup.trained = setup.trained._orig_mod
         setup.optimizer.zero_grad(set_to_none=True)
         loss_sum, correct, seen, origins = accumulate(setup, itertools.chain(list(taken), batches), size)
@@ -205,11 +206,6 @@ def train_step(setup, batches: Iterator, lr: float, size: int) -> StepResult:
         setup.scaler.update()
     setup.optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum, correct, seen, grad_norm, bad_ranks, skipped, overflow, origins)
-
-
-def summary(err: Exception) -> str:
-    """An exception's type and the first line of its message (for a warning line)."""
-    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
 
 
 class Update:
@@ -241,7 +237,7 @@ class Update:
             try:
                 return self.compiled_update(bad_ranks)
             except Exception as err:  # noqa: BLE001 - any failure of the compiled update: eager decides
-                warnings.warn(f"torch.compile of the optimizer step failed ({summary(err)}); the optimizer step "
+                warnings.warn(f"torch.compile of the optimizer step failed ({failure_summary(err)}); the optimizer step "
                               "continues eager", RuntimeWarning, stacklevel=3)
                 self.compiled = None
         return self.eager(bad_ranks)

@@ -111,6 +111,28 @@ def test_an_empty_data_folder_is_named_before_the_output_folder(tmp_path, capsys
         train(with_changes(load_recipe("demo"), {"data.source": "empty"}), verbose=False)
 
 
+def test_one_class_is_refused_before_a_model_is_built(tmp_path, capsys):
+    # with one class every prediction is right: the run would report 100% having learned nothing
+    data = tmp_path / "images"
+    make_image_folder(data, classes=("cat", "dog"), per_class=6)
+    for path in (data / "dog").iterdir():
+        path.unlink()
+    (data / "dog").rmdir()
+    out = tmp_path / "run"
+    assert main(["train", "--recipe", "demo", "--data", str(data), "--val-split", "2", "--batch-size", "2",
+                 "--steps", "1", "--out", str(out), *TINY]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vitlab train: error: data.source={str(data)!r} (--data): it has 1 class ('cat'); training a classifier "
+        "needs at least 2 class folders (FOLDER/CLASS/IMAGE)")
+    assert not out.exists()
+    # a subset of one class: named by its field
+    assert main(["train", "--recipe", "demo", "--data", "digits", "--set", "data.class_subset=('3',)",
+                 "--val-split", "10", "--batch-size", "4", "--steps", "1", "--out", str(out), *TINY]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab train: error: data.class_subset=('3',): keeps 1 class ('3'); "
+                                              "training a classifier needs at least 2")
+    assert not out.exists()
+
+
 def test_demo_smoke(tmp_path, capsys):
     assert main(["demo", "--steps", "5", "--out", str(tmp_path / "demo"), "--quiet"]) == 0
     out = capsys.readouterr().out

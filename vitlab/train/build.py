@@ -133,6 +133,20 @@ def check_folder_holds_data(name: str, path: str | None) -> None:
     raise ConfigError(f"{name}={path!r} ({flag}): {what}; it takes {DATA_FORMS}")
 
 
+def check_class_count(cfg: TrainConfig, classes: list[str]) -> None:
+    """A classifier is trained on two classes or more: with one, every prediction is right and
+    the loss is 0 from the first step, so a run would report 100% while learning nothing.
+    Masked patch prediction has no classifier: one folder of images is its data."""
+    if cfg.model.mpp is not None or len(classes) >= 2:
+        return
+    named = ", ".join(repr(c) for c in classes) or "none"
+    if cfg.data.class_subset:
+        raise ConfigError(f"data.class_subset={cfg.data.class_subset!r}: keeps {len(classes)} class ({named}); "
+                          "training a classifier needs at least 2")
+    raise ConfigError(f"data.source={cfg.data.source!r} (--data): it has {len(classes)} class ({named}); training "
+                      "a classifier needs at least 2 class folders (FOLDER/CLASS/IMAGE)")
+
+
 def make_model(cfg: TrainConfig, num_classes: int, img_size: tuple) -> nn.Module:
     """A fresh model, or ``model.init`` adapted for fine-tuning (paper Sec. 3.2): position
     embeddings interpolated to ``model.img_size`` and a new zero-initialised head."""
@@ -209,6 +223,7 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
         torch.set_num_threads(resolved.threads)
         seed_everything(cfg.run.seed)
         splits = stream_splits(cfg, img_size, world) if resolved.data == "stream" else build_splits(cfg, img_size, world)
+        check_class_count(cfg, splits.classes)
         num_classes = len(splits.classes)
         model = make_model(cfg, num_classes, img_size).to(world.device)
         if cfg.model.patch_init == "whiten":

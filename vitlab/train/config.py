@@ -38,6 +38,7 @@ LOSSES = ("softmax_xent", "sigmoid_xent")
 WD_SCOPES = ("kernels", "all")
 STREAM_MODES = ("auto", "memory", "stream")
 DEVICE_TYPES = ("cpu", "cuda")
+MAX_SEED = 2**32 - 1  # run.seed: numpy's global generator (np.random.seed) takes 32 bits
 FP8_MODES = ("off", *FP8_SCALINGS)  # run.fp8: off, or one of vitlab.fast.fp8's scalings
 # ModelConfig's initialisations of a model trained from scratch: the official one first
 FROM_SCRATCH_INITS = {"patch_init": ("lecun", "whiten"), "attn_init": ("xavier", "mimetic"),
@@ -280,6 +281,9 @@ class RunConfig(Section):
             need_int(self.path(name), getattr(self, name), 1)
         for name in ("seed", "threads", "eval_every", "final_eval_shift", "ckpt_every", "max_skipped_steps"):
             need_int(self.path(name), getattr(self, name), 0)
+        # the seed also seeds numpy's global generator, which takes 32 bits (beyond them the run would fail
+        # at its start with numpy's or torch's own overflow message, which names no field)
+        need(self.seed <= MAX_SEED, "run.seed", self.seed, f"must be an integer in [0, 2**32 - 1 = {MAX_SEED}]")
         need_number("run.time_limit", self.time_limit)
         need(isinstance(self.out, str) and self.out != "", "run.out", self.out, "expected a folder")
         need(isinstance(self.on_device, dict) and set(self.on_device) <= set(DEVICE_TYPES)

@@ -111,6 +111,22 @@ def test_an_empty_data_folder_is_named_before_the_output_folder(tmp_path, capsys
         train(with_changes(load_recipe("demo"), {"data.source": "empty"}), verbose=False)
 
 
+def test_resume_and_overwrite_together_are_refused_and_the_run_is_kept(tmp_path, capsys):
+    # --resume won and --overwrite was dropped without a word: a run meant to start afresh continued
+    from vitlab.train.checkpoint import checkpoint_path
+
+    kept = checkpoint_path(tmp_path / "run" / "checkpoints", 10)
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"an earlier run's")
+    for command in (["train"], ["sweep", "--grid", "0.01"]):
+        assert main([*command, "--recipe", "demo", "--steps", "2", "--out", str(tmp_path / "run"), "--resume",
+                     "--overwrite", *TINY]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"vitlab {command[0]}: error: resume=True and overwrite=True (--resume, --overwrite): one continues the run "
+            "in run.out, the other deletes its checkpoints and starts afresh; give one of them")
+    assert kept.read_bytes() == b"an earlier run's"
+
+
 def test_one_class_is_refused_before_a_model_is_built(tmp_path, capsys):
     # with one class every prediction is right: the run would report 100% having learned nothing
     data = tmp_path / "images"

@@ -111,6 +111,22 @@ def test_an_empty_data_folder_is_named_before_the_output_folder(tmp_path, capsys
         train(with_changes(load_recipe("demo"), {"data.source": "empty"}), verbose=False)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no folder can be made")
+def test_an_unwritable_output_folder_is_refused_before_the_data_is_decoded(tmp_path, capsys, monkeypatch):
+    # it failed at the first write, once the data was decoded and the model built, with a bare
+    # "[Errno 2] No such file or directory: '/proc/x'" (root passes any permission check: /proc does not)
+    import vitlab.train.inputs as inputs
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("the data was decoded before the output folder was checked")
+
+    monkeypatch.setattr(inputs, "load_labelled", no_decoding)
+    assert main(["train", "--recipe", "demo", "--steps", "2", "--out", "/proc/x/run", *TINY]) == 2
+    err = capsys.readouterr().err.strip()  # the reason is the OS's: "No such file or directory" as root
+    assert err.startswith("vitlab train: error: run.out='/proc/x/run': nothing can be written in '/proc' (")
+    assert err.endswith("); expected a writable folder") and len(err.splitlines()) == 1
+
+
 def test_resume_and_overwrite_together_are_refused_and_the_run_is_kept(tmp_path, capsys):
     # --resume won and --overwrite was dropped without a word: a run meant to start afresh continued
     from vitlab.train.checkpoint import checkpoint_path

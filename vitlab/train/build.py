@@ -2,7 +2,9 @@
 settings come to is decided before, once, by ``resolve.resolve``."""
 from __future__ import annotations
 
+import os
 import random
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,13 +93,20 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
 
 
 def check_output_folder(out: str | Path, field: str = "run.out") -> None:
-    """That ``out`` can be a folder: the nearest part of it that exists is one (not a file)."""
+    """That ``out`` can be a folder: the nearest part of it that exists is one (not a file), and
+    a folder can be made in it (an unwritable place failed only once the data had been decoded
+    and the model built, with the bare OSError of the first write)."""
     out = Path(out)
     for part in (out, *out.parents):
         if part.exists():
             if not part.is_dir():
                 what = "is a file" if part == out else f"lies under {str(part)!r}, a file"
                 raise ConfigError(f"{field}={str(out)!r} {what}; expected a folder (a new one, or a run's)")
+            try:  # the one sure test of writing there (permissions, a read-only or virtual file system)
+                os.rmdir(tempfile.mkdtemp(prefix=".vitlab-check-", dir=part))
+            except OSError as err:
+                raise ConfigError(f"{field}={str(out)!r}: nothing can be written in {str(part)!r} "
+                                  f"({err.strerror}); expected a writable folder") from None
             return
 
 

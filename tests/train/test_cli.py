@@ -83,6 +83,15 @@ def test_train_cli_refuses_bad_config_before_work(tmp_path, capsys):
     assert main(["sweep", "--recipe", "demo", "--grid", "0.01,abc", "--out", str(tmp_path / "s")]) == 2
     assert capsys.readouterr().err.strip() == ("vitlab sweep: error: --grid '0.01,abc': expected comma-separated "
                                               "learning rates, e.g. 0.001,0.003,0.01")
+    # a rate given twice met its own run's folder (lr_0.1) and was refused after the first run
+    assert main(["sweep", "--recipe", "demo", "--grid", "0.1,0.10", "--out", str(tmp_path / "s")]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab sweep: error: --grid=(0.1, 0.1): 0.1 given more than once; "
+                                              "each rate is one run")
+    assert not (tmp_path / "s").exists()
+    # vtab reads --grid as sweep does, before its tasks ("abc" was float's "could not convert string to float")
+    assert main(["vtab", "--init", str(tmp_path / "w"), "--tasks", str(tmp_path / "t"), "--grid", "abc"]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab vtab: error: --grid 'abc': expected comma-separated "
+                                              "learning rates, e.g. 0.001,0.003,0.01")
 
 
 def test_an_empty_data_folder_is_named_before_the_output_folder(tmp_path, capsys, monkeypatch):

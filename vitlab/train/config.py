@@ -59,6 +59,15 @@ class Section:
                 need_bool(self.path(f.name), getattr(self, f.name))
 
 
+def check_lr_grid(grid: Any, name: str = "optim.lr_grid") -> None:
+    """Positive learning rates, each once: a sweep's run of a rate is its folder ``lr_<rate>``, so a
+    rate given twice (0.1,0.10) met its own finished run and was refused after the first one."""
+    need(isinstance(grid, tuple) and all(is_number(v) and v > 0 for v in grid), name, grid,
+         "expected positive learning rates, e.g. 0.001,0.003,0.01")
+    twice = sorted({v for v in grid if grid.count(v) > 1})
+    need(not twice, name, grid, f"{', '.join(f'{v:g}' for v in twice)} given more than once; each rate is one run")
+
+
 @dataclass(frozen=True)
 class ModelConfig(Section):
     """What is trained: a registry model, changed by ``overrides``, from scratch or from ``init``."""
@@ -209,8 +218,7 @@ class OptimConfig(Section):
         need(self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"must not exceed optim.lr={self.lr}")
         for name in ("momentum", "muon_momentum", "ema_decay"):
             need_number(self.path(name), getattr(self, name), 0.0, below=1.0)
-        need(isinstance(self.lr_grid, tuple) and all(is_number(v) and v > 0 for v in self.lr_grid),
-             "optim.lr_grid", self.lr_grid, "expected positive learning rates, e.g. 0.001,0.003,0.01")
+        check_lr_grid(self.lr_grid)
         need(isinstance(self.betas, tuple) and len(self.betas) == 2 and all(is_number(b) and 0 <= b < 1
                                                                             for b in self.betas),
              "optim.betas", self.betas, "expected two numbers in [0, 1), e.g. 0.9,0.999")

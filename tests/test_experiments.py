@@ -1,5 +1,6 @@
 """Every experiment's --quick form runs on the digits and writes its table, JSON and section."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,20 @@ def test_settings_carry_the_trainers_names_and_accept_the_former_ones(tmp_path, 
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("vitlab experiment: error: experiment data-scale: unknown setting 'sizez'. Did you mean sizes")
     assert not (tmp_path / "x").exists()
+
+
+def test_no_seeds_or_a_findings_folder_are_refused_before_any_run(tmp_path, capsys):
+    # --seeds 0 ran nothing and wrote an empty table over the folder's results; a --findings
+    # folder was refused only after every run, as "[Errno 21] Is a directory"
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "results.md").write_text("kept")
+    for seeds in ("0", "-1"):
+        assert main(["experiment", "head", "--quick", "--out", str(tmp_path / "x"), "--seeds", seeds]) == 2
+        assert capsys.readouterr().err.strip() == f"vitlab experiment: error: seeds={seeds}: must be a positive integer"
+    assert main(["experiment", "head", "--quick", "--out", str(tmp_path / "x"), "--findings", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"vitlab experiment: error: --findings {tmp_path}: a folder; expected "
+                                              "a markdown file (e.g. docs/findings.md)")
+    assert os.listdir(tmp_path / "x") == ["results.md"] and (tmp_path / "x" / "results.md").read_text() == "kept"
 
 
 def record_training(monkeypatch) -> list[str]:

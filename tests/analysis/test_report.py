@@ -111,3 +111,23 @@ def test_every_figure_renders_in_chromium(report):
 
     pixels = np.asarray(Image.open(shot).convert("L"), dtype=float)
     assert pixels.shape == (3000, 1200) and pixels.std() > 10  # a rendered page, not a blank one
+
+
+def test_inspect_refuses_a_run_dir_without_a_training_log(tmp_path, capsys):
+    # a mistyped --run-dir gave a report without curves and exit 0
+    from PIL import Image
+
+    from vitlab.cli import main
+    from vitlab.weights import save_model
+
+    save_model(create_model(TINY), tmp_path / "model.safetensors")
+    Image.fromarray(images(1)[0].permute(1, 2, 0).numpy()).save(tmp_path / "x.png")
+    (tmp_path / "a-file").write_text("kept")
+    (tmp_path / "empty").mkdir()
+    for run_dir, what in (("missing", "no such folder; expected a training run's folder (with metrics.jsonl)"),
+                          ("a-file", "a file; expected a training run's folder (with metrics.jsonl)"),
+                          ("empty", "holds no metrics.jsonl; expected a training run's folder (`vitlab train --out`)")):
+        assert main(["inspect", str(tmp_path / "model.safetensors"), "--images", str(tmp_path / "x.png"),
+                     "--run-dir", str(tmp_path / run_dir), "--out", str(tmp_path / "r.html")]) == 2
+        assert capsys.readouterr().err.strip() == f"vitlab inspect: error: --run-dir {tmp_path / run_dir}: {what}"
+    assert not (tmp_path / "r.html").exists()

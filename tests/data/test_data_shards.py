@@ -155,3 +155,10 @@ def test_pack_shards_command_resizes_and_refuses_bad_options(tmp_path, make_fold
     assert main(["pack-shards", str(root), str(tmp_path / "t"), "--quality", "101"]) == 2
     assert capsys.readouterr().err.strip() == ("vitlab pack-shards: error: quality=101: a JPEG quality in 1..100 "
                                                "(ImageNet's files are about 90)")
+    # a negative seed was numpy's "expected non-negative integer"; negative workers were taken without a word
+    assert main(["pack-shards", str(root), str(tmp_path / "u"), "--seed", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "vitlab pack-shards: error: seed=-1: must be an integer >= 0"
+    assert main(["pack-shards", str(root), str(tmp_path / "u"), "--workers", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab pack-shards: error: workers=-1: must be a number of processes "
+                                               ">= 0 (0 or 1: this process alone)")
+    assert not (tmp_path / "u").exists()

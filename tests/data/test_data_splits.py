@@ -40,6 +40,9 @@ def test_split_errors():
         stratified_split(CIFAR_LABELS, 50000, seed=0)
     with pytest.raises(DataError, match="val_size"):
         stratified_split(CIFAR_LABELS, 1.5, seed=0)
+    # numpy's own refusal of a negative seed ("expected non-negative integer") named neither
+    with pytest.raises(DataError, match=r"^seed=-1: must be an integer >= 0$"):
+        stratified_split(CIFAR_LABELS, 5000, seed=-1)
 
 
 def test_few_per_class():
@@ -56,3 +59,5 @@ def test_few_per_class_errors_on_small_class():
         few_per_class([0, 0, 0, 1, 1], 3, seed=0)
     with pytest.raises(DataError, match="k="):
         few_per_class([0, 1], 0, seed=0)
+    with pytest.raises(DataError, match=r"^seed=-3: must be an integer >= 0$"):
+        few_per_class([0, 1], 1, seed=-3)

@@ -44,6 +44,24 @@ def test_flags_win_and_other_data_takes_the_defaults():
         load_held_out({}, 8)
 
 
+def test_the_flags_are_checked_before_the_data_is_decoded(monkeypatch):
+    import vitlab.data.labelled as labelled
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("the data was decoded before the flags were checked")
+
+    monkeypatch.setattr(labelled, "load_labelled", no_decoding)
+    run = NESTED["data"]
+    # NaN compares false with everything: it went on to the split, which named "val_size"
+    with pytest.raises(ValueError, match=r"^--val-split=nan: a count \(integer >= 1\)"):
+        load_held_out(run, 8, val_split=float("nan"))
+    with pytest.raises(ValueError, match=r"^--val-split=inf: a count"):
+        load_held_out(run, 8, val_split=float("inf"))
+    # numpy's refusal of a negative seed named neither the flag nor the value
+    with pytest.raises(ValueError, match=r"^--split-seed=-1: must be an integer >= 0$"):
+        load_held_out(run, 8, split_seed=-1)
+
+
 def test_the_classes_of_the_run_must_be_the_datas():
     check_run_classes(["a", "b"], ["a", "b"], 2)
     check_run_classes(["a", "b"], None, 2)

@@ -82,3 +82,19 @@ def test_softmax_and_report():
 def test_shape_errors_are_clear():
     with pytest.raises(ValueError, match="labels"):
         topk_accuracy(np.zeros((2, 3)), np.array([0, 3]))
+
+
+def test_bins_are_a_positive_integer_refused_before_any_scoring():
+    # numpy's bincount said "'list' argument must have no negative elements" for 0 bins, and
+    # `vitlab eval --bins 0` said it only after the whole set had been scored
+    import torch
+
+    from vitlab.eval import Evaluator
+
+    probs = np.array([[0.75, 0.25], [0.75, 0.25]])
+    for bins in (0, -3, 2.5):
+        with pytest.raises(ValueError, match=rf"^num_bins={bins}: must be a positive integer"):
+            expected_calibration_error(probs, np.array([0, 1]), num_bins=bins)
+    images, labels = torch.zeros(2, 3, 8, 8, dtype=torch.uint8), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=r"^report_bins=0: must be a positive integer \(confidence bins"):
+        Evaluator(images, labels, report_bins=0)

@@ -141,6 +141,12 @@ def test_the_flops_command_refuses_sizes_and_counts_the_model_cannot_take(capsys
                                                    "patch_size=(16, 16) along height; allowed: a multiple of 16, "
                                                    "such as 224, 240"),
                            (["--img-size", "0"], "img_size=0: sizes must be positive"),
-                           (["--batch", "0", "--steps", "10"], "--batch 0: must be a positive integer")):
+                           (["--batch", "0", "--steps", "10"], "--batch 0: must be a positive integer"),
+                           # these came after the forward FLOPs were printed: half a report beside the error
+                           (["--batch", "10"], "--batch and --steps go together: the cost of a run is steps x "
+                                               "batch images"),
+                           (["--batch", "10", "--steps", "10", "--utilization", "2"],
+                            "utilization=2.0: must be in (0, 1]")):
         assert main(["flops", "ViT-B/16", *extra]) == 2
-        assert capsys.readouterr().err.strip() == f"vitlab flops: error: {message}"
+        captured = capsys.readouterr()
+        assert captured.err.strip() == f"vitlab flops: error: {message}" and captured.out == ""

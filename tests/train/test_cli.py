@@ -83,6 +83,15 @@ def test_train_cli_refuses_bad_config_before_work(tmp_path, capsys):
     assert main(["sweep", "--recipe", "demo", "--grid", "0.01,abc", "--out", str(tmp_path / "s")]) == 2
     assert capsys.readouterr().err.strip() == ("vitlab sweep: error: --grid '0.01,abc': expected comma-separated "
                                               "learning rates, e.g. 0.001,0.003,0.01")
+    # a rate given twice met its own run's folder (lr_0.1) and was refused after the first run
+    assert main(["sweep", "--recipe", "demo", "--grid", "0.1,0.10", "--out", str(tmp_path / "s")]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab sweep: error: --grid=(0.1, 0.1): 0.1 given more than once; "
+                                              "each rate is one run")
+    assert not (tmp_path / "s").exists()
+    # vtab reads --grid as sweep does, before its tasks ("abc" was float's "could not convert string to float")
+    assert main(["vtab", "--init", str(tmp_path / "w"), "--tasks", str(tmp_path / "t"), "--grid", "abc"]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab vtab: error: --grid 'abc': expected comma-separated "
+                                              "learning rates, e.g. 0.001,0.003,0.01")
 
 
 def test_an_empty_data_folder_is_named_before_the_output_folder(tmp_path, capsys, monkeypatch):
@@ -109,6 +118,60 @@ def test_an_empty_data_folder_is_named_before_the_output_folder(tmp_path, capsys
 
     with pytest.raises(ConfigError, match="data.source='empty' .*holds no data"):  # the library: the same order
         train(with_changes(load_recipe("demo"), {"data.source": "empty"}), verbose=False)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no folder can be made")
+def test_an_unwritable_output_folder_is_refused_before_the_data_is_decoded(tmp_path, capsys, monkeypatch):
+    # it failed at the first write, once the data was decoded and the model built, with a bare
+    # "[Errno 2] No such file or directory: '/proc/x'" (root passes any permission check: /proc does not)
+    import vitlab.train.inputs as inputs
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("the data was decoded before the output folder was checked")
+
+    monkeypatch.setattr(inputs, "load_labelled", no_decoding)
+    assert main(["train", "--recipe", "demo", "--steps", "2", "--out", "/proc/x/run", *TINY]) == 2
+    err = capsys.readouterr().err.strip()  # the reason is the OS's: "No such file or directory" as root
+    assert err.startswith("vitlab train: error: run.out='/proc/x/run': nothing can be written in '/proc' (")
+    assert err.endswith("); expected a writable folder") and len(err.splitlines()) == 1
+
+
+def test_resume_and_overwrite_together_are_refused_and_the_run_is_kept(tmp_path, capsys):
+    # --resume won and --overwrite was dropped without a word: a run meant to start afresh continued
+    from vitlab.train.checkpoint import checkpoint_path
+
+    kept = checkpoint_path(tmp_path / "run" / "checkpoints", 10)
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"an earlier run's")
+    for command in (["train"], ["sweep", "--grid", "0.01"]):
+        assert main([*command, "--recipe", "demo", "--steps", "2", "--out", str(tmp_path / "run"), "--resume",
+                     "--overwrite", *TINY]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"vitlab {command[0]}: error: resume=True and overwrite=True (--resume, --overwrite): one continues the run "
+            "in run.out, the other deletes its checkpoints and starts afresh; give one of them")
+    assert kept.read_bytes() == b"an earlier run's"
+
+
+def test_one_class_is_refused_before_a_model_is_built(tmp_path, capsys):
+    # with one class every prediction is right: the run would report 100% having learned nothing
+    data = tmp_path / "images"
+    make_image_folder(data, classes=("cat", "dog"), per_class=6)
+    for path in (data / "dog").iterdir():
+        path.unlink()
+    (data / "dog").rmdir()
+    out = tmp_path / "run"
+    assert main(["train", "--recipe", "demo", "--data", str(data), "--val-split", "2", "--batch-size", "2",
+                 "--steps", "1", "--out", str(out), *TINY]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vitlab train: error: data.source={str(data)!r} (--data): it has 1 class ('cat'); training a classifier "
+        "needs at least 2 class folders (FOLDER/CLASS/IMAGE)")
+    assert not out.exists()
+    # a subset of one class: named by its field
+    assert main(["train", "--recipe", "demo", "--data", "digits", "--set", "data.class_subset=('3',)",
+                 "--val-split", "10", "--batch-size", "4", "--steps", "1", "--out", str(out), *TINY]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab train: error: data.class_subset=('3',): keeps 1 class ('3'); "
+                                              "training a classifier needs at least 2")
+    assert not out.exists()
 
 
 def test_demo_smoke(tmp_path, capsys):

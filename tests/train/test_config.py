@@ -70,6 +70,10 @@ def test_sections_check_themselves_when_built():
     refused("run.on_nonfinite='ignore': allowed values are 'stop', 'skip'", lambda: RunConfig(on_nonfinite="ignore"))
     refused("run.loss_scale=0", lambda: RunConfig(loss_scale=0))
     refused("run.max_skipped_steps=-1", lambda: RunConfig(max_skipped_steps=-1))
+    refused(r"optim.lr_grid=\(0.1, 0.1, 0.3\): 0.1 given more than once", lambda: OptimConfig(lr_grid=(0.1, 0.1, 0.3)))
+    # numpy's global seed takes 32 bits: beyond them the run failed at its start with an overflow naming no field
+    refused(r"run.seed=4294967296: must be an integer in \[0, 2\*\*32 - 1", lambda: RunConfig(seed=2**32))
+    assert RunConfig(seed=2**32 - 1).seed == 2**32 - 1
     refused("fp16.*fsdp", lambda: TrainConfig(run=RunConfig(precision="fp16", fsdp=True)))
     refused("fsdp", lambda: TrainConfig(optim=OptimConfig(ema_decay=0.9), run=RunConfig(fsdp=True)))
     refused("optim", lambda: TrainConfig(optim={"lr": 0.1}))

@@ -98,3 +98,20 @@ def test_export_onnx_and_torch_export_carry_the_names(run, tmp_path, capsys):
     assert json.loads(meta.custom_metadata_map["id2label"]) == {"0": "tabby cat", "1": "golden retriever",
                                                                 "2": "goldfish"}
     assert json.loads(meta.custom_metadata_map["label2id"])["goldfish"] == 2
+
+
+def test_predict_refuses_class_names_that_do_not_match_the_heads_outputs(run, tmp_path, capsys):
+    # a list shorter than the head failed on the first image with an IndexError traceback
+    (tmp_path / "two.json").write_text(json.dumps(NAMES[:2]))
+    assert main(["predict", "--checkpoint", str(run), str(tmp_path / "x.png"), "--classes",
+                 str(tmp_path / "two.json")]) == 2
+    assert capsys.readouterr().err.strip() == (f"vitlab predict: error: --classes {tmp_path / 'two.json'}: "
+                                              "2 class names for a model of 3 classes")
+    (run / "classes.json").write_text(json.dumps(NAMES[:2]))  # the names beside the weights: the same check
+    assert main(["predict", "--checkpoint", str(run), str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.strip() == (f"vitlab predict: error: the class names kept with {run}: "
+                                              "2 class names for a model of 3 classes")
+    # a folder was "no such file"
+    assert main(["predict", "--checkpoint", str(run), str(tmp_path / "x.png"), "--classes", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"vitlab predict: error: --classes {tmp_path}: a folder; expected a "
+                                              "JSON file of class names")

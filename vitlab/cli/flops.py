@@ -22,10 +22,17 @@ def run(args: argparse.Namespace) -> int:
     cfg = get_config(args.model)
     if args.img_size is not None:  # the model's own checks: a positive size that cuts into whole patches
         cfg = replace(cfg, img_size=args.img_size)
+    size = cfg.img_size[0]
+    # every flag is checked before the first line is printed: a refusal after the forward FLOPs
+    # left half a report on stdout beside the error
     for flag, value in (("--batch", args.batch), ("--steps", args.steps)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: must be a positive integer")
-    size = cfg.img_size[0]
+    if (args.batch is None) != (args.steps is None):
+        raise ValueError("--batch and --steps go together: the cost of a run is steps x batch images")
+    if args.batch is not None:
+        exa = training_flops(cfg, args.steps, args.batch, size)
+        days = core_days(exa, utilization=args.utilization)
     parts = flops_breakdown(cfg, size)
     flops = sum(parts.values())
     print(f"{args.model} at {size}x{size}, forward, one image (matmuls and convolutions):")
@@ -34,12 +41,9 @@ def run(args: argparse.Namespace) -> int:
     if args.breakdown:
         for name, value in parts.items():
             print(f"    {name:18s} {value / 1e9:10.3f} GFLOPs  {100 * value / flops:5.1f}%")
-    if (args.batch is None) != (args.steps is None):
-        raise ValueError("--batch and --steps go together: the cost of a run is steps x batch images")
     if args.batch is not None:
-        exa = training_flops(cfg, args.steps, args.batch, size)
         print(f"training, {args.steps:,} steps x {args.batch:,} images (forward + backward = 3x forward):")
         print(f"  {exa:10.2f} exaFLOPs")
-        print(f"  {core_days(exa, utilization=args.utilization):10.1f} TPUv3-core-days "
+        print(f"  {days:10.1f} TPUv3-core-days "
               f"at {args.utilization:.0%} of the 61.5 TFLOP/s bf16 peak per core")
     return 0

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,12 +17,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--img-size", type=int, default=None, help="input resolution (default: the model's)")
 
 
+def check_run_dir(run_dir: str | None) -> None:
+    """A --run-dir given holds a training log: a mistyped one gave a report without curves and exit 0
+    (the library notes a missing log in the page; here the folder was named on purpose)."""
+    if run_dir is None:
+        return
+    if not Path(run_dir).is_dir():
+        what = "a file" if Path(run_dir).exists() else "no such folder"
+        raise ValueError(f"--run-dir {run_dir}: {what}; expected a training run's folder (with metrics.jsonl)")
+    if not (Path(run_dir) / "metrics.jsonl").is_file():
+        raise ValueError(f"--run-dir {run_dir}: holds no metrics.jsonl; expected a training run's folder "
+                         "(`vitlab train --out`)")
+
+
 def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.report import read_run_meta, write_report
     from vitlab.extras import require
     from vitlab.weights import load_model
 
     require("matplotlib", "the inspection report")  # before the model is loaded and analysed
+    check_run_dir(args.run_dir)
 
     model = load_model(args.checkpoint, img_size=args.img_size).eval()
     meta = read_run_meta(args.checkpoint)

@@ -28,17 +28,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_fast_argument(p)
 
 
-def find_classes(checkpoint: Path, explicit: str | None) -> list[str] | None:
+def find_classes(checkpoint: Path, explicit: str | None, num_classes: int) -> list[str] | None:
     """``--classes``, else the names kept with the weights (``vitlab.weights.read_class_names``:
-    the file's own, ``classes.json`` beside it, a Hugging Face config's ``id2label``)."""
+    the file's own, ``classes.json`` beside it, a Hugging Face config's ``id2label``); either
+    one name per output of the model (a shorter list failed on the first image with an IndexError)."""
     from vitlab.weights import read_class_names
-    from vitlab.weights.labels import names_from_json
+    from vitlab.weights.labels import check_class_names, names_from_json
 
     if explicit:
+        if Path(explicit).is_dir():
+            raise IsADirectoryError(f"--classes {explicit}: a folder; expected a JSON file of class names")
         if not Path(explicit).is_file():
-            raise FileNotFoundError(f"{explicit}: no such file")
-        return names_from_json(Path(explicit).read_text(errors="replace"), f"--classes {explicit}")
-    return read_class_names(checkpoint)
+            raise FileNotFoundError(f"--classes {explicit}: no such file")
+        names = names_from_json(Path(explicit).read_text(errors="replace"), f"--classes {explicit}")
+        return check_class_names(names, num_classes, f"--classes {explicit}")
+    names = read_class_names(checkpoint)
+    return None if names is None else check_class_names(names, num_classes, f"the class names kept with {checkpoint}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     kernels = resolve_scoring("cpu", fast_path=args.fast is not False).kernels  # on this CPU, as a run resolves them
     if kernels is not None:
         fast.optimize(model, kernels)
-    classes = find_classes(checkpoint, args.classes)
+    classes = find_classes(checkpoint, args.classes, model.cfg.num_classes)
     size = model.cfg.img_size
     for path in args.images:
         array = decode_image(path, size)  # (H, W, 3) uint8

@@ -49,11 +49,15 @@ def resolve_val_split(value: float | None) -> float | int:
 
 
 def parse_grid(text: str) -> tuple[float, ...]:
-    """``--grid``'s comma-separated learning rates."""
+    """``--grid``'s comma-separated learning rates (``sweep`` and ``vtab``), each positive and once."""
+    from vitlab.train.config import check_lr_grid
+
     try:
-        return tuple(float(v) for v in text.split(","))
+        grid = tuple(float(v) for v in text.split(","))
     except ValueError:
         raise ValueError(f"--grid {text!r}: expected comma-separated learning rates, e.g. 0.001,0.003,0.01") from None
+    check_lr_grid(grid, "--grid")
+    return grid
 
 
 def sweep_plan(args: argparse.Namespace):

@@ -28,6 +28,7 @@ import argparse
 import json
 from pathlib import Path
 
+from .sweep import parse_grid
 from .train import add_fast_argument, count_or_auto
 
 
@@ -92,10 +93,10 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.eval.vtab import find_tasks, format_table, select_tasks
     from vitlab.train.vtab import run_vtab
 
+    grid = parse_grid(args.grid) if args.grid else ()  # "abc" was float's own "could not convert string to float"
     tasks = find_tasks(args.tasks, task_groups(args.group))
     if args.only:
         tasks = select_tasks(tasks, [t.strip() for t in args.only.split(",") if t.strip()], args.tasks)
-    grid = tuple(float(v) for v in args.grid.split(",")) if args.grid else ()
     report = run_vtab(base_config(args), tasks, args.out, examples=args.examples, split_seed=args.split_seed,
                       grid=grid, select=args.select, accum_steps=args.accum_steps, resume=args.resume,
                       verbose=not args.quiet)

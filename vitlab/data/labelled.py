@@ -10,6 +10,7 @@ split it, from the data section that run recorded.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -19,7 +20,7 @@ from vitlab.config import to_pair
 from vitlab.data.digits import load_digits_dataset
 from vitlab.data.memory import InMemoryDataset, load_in_memory, load_source_in_memory
 from vitlab.data.sources import DataError, PathLike
-from vitlab.data.splits import select_classes, stratified_split
+from vitlab.data.splits import check_seed, select_classes, stratified_split
 from vitlab.data.stream import hold_out, open_source
 
 __all__ = ["load_labelled", "HeldOutSet", "load_held_out", "check_run_classes"]
@@ -89,6 +90,10 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
     same_as_run = bool(run) and str(source) == str(run.get("source"))
     if split_seed is None:
         split_seed = int(run.get("split_seed", 0)) if same_as_run else 0
+    # the flags are checked before the data is decoded, which can take minutes
+    check_seed(split_seed, "--split-seed")
+    if val_split is not None:
+        _check_val_split(val_split)
     run_shards = (not pool and same_as_run and val_split is None and run.get("stream") == "stream"
                   and bool(run.get("val_split")))
     data = load_labelled(source, image_size, cache_dir=cache_dir, workers=workers,
@@ -106,10 +111,15 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
     return HeldOutSet(images, labels, classes, key, data.skipped.images, rest, held, split, split_seed, run_shards)
 
 
+def _check_val_split(val_split: float) -> None:
+    # NaN compares false with everything: without isfinite it reached the split, which named "val_size"
+    if not math.isfinite(val_split) or val_split < 0 or (val_split >= 1 and not float(val_split).is_integer()):
+        raise ValueError(f"--val-split={val_split}: a count (integer >= 1), a fraction in (0, 1), or 0 for all")
+
+
 def _split(labels: torch.Tensor, val_split: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, float | int]:
     """(rest, held, split): ``val_split`` examples held out (a count or a fraction), or all for 0."""
-    if val_split < 0 or (val_split >= 1 and not float(val_split).is_integer()):
-        raise ValueError(f"--val-split={val_split}: a count (integer >= 1), a fraction in (0, 1), or 0 for all")
+    _check_val_split(val_split)
     if val_split == 0:
         return torch.arange(0), torch.arange(len(labels)), 0
     size = int(val_split) if val_split >= 1 else float(val_split)

@@ -41,6 +41,7 @@ from vitlab.data.sources import (
     resolve_data_path,
     scan_image_folder,
 )
+from vitlab.data.splits import check_seed
 
 __all__ = ["SHARD_PATTERN", "pack_shards", "read_shard", "shard_source"]
 
@@ -160,6 +161,9 @@ def pack_shards(
         raise DataError(f"max_side={max_side}: must be a positive number of pixels")
     if quality is not None and not 1 <= quality <= 100:
         raise DataError(f"quality={quality}: a JPEG quality in 1..100 (ImageNet's files are about 90)")
+    if workers < 0:  # a count of processes (a negative one was taken without a word)
+        raise DataError(f"workers={workers}: must be a number of processes >= 0 (0 or 1: this process alone)")
+    check_seed(seed)
     index = scan_image_folder(resolve_data_path(image_folder, cache_dir))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ import torch
 from vitlab.config import ConfigError
 from vitlab.data.sources import DataError
 
-__all__ = ["stratified_split", "few_per_class", "select_classes"]
+__all__ = ["stratified_split", "few_per_class", "select_classes", "check_seed"]
 
 Labels = Union[torch.Tensor, np.ndarray, list]
 
@@ -31,6 +31,13 @@ def _as_labels(labels: Labels) -> np.ndarray:
     if not np.issubdtype(array.dtype, np.integer) or array.min() < 0:
         raise DataError("labels: expected non-negative integer class ids")
     return array.astype(np.int64)
+
+
+def check_seed(seed, name: str = "seed") -> None:
+    """A seed of PCG64, an integer >= 0 (numpy's own refusal, "expected non-negative integer",
+    names neither the setting nor the value)."""
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+        raise DataError(f"{name}={seed!r}: must be an integer >= 0")
 
 
 def _proportional_counts(counts: np.ndarray, total: int) -> np.ndarray:
@@ -62,8 +69,9 @@ def stratified_split(labels: Labels, val_size: Union[int, float], seed: int,
     exactly 500 per class for CIFAR-10 with val_size=5000.
 
     Raises:
-        DataError: val_size out of range, or a class would have no training example left.
+        DataError: val_size out of range, a negative seed, or a class would have no training example left.
     """
+    check_seed(seed)
     y = _as_labels(labels)
     n = len(y)
     if isinstance(val_size, float) and not isinstance(val_size, bool):
@@ -98,10 +106,11 @@ def few_per_class(labels: Labels, k: int, seed: int) -> torch.Tensor:
     """Sorted int64 indices of ``k`` examples of every class present in ``labels``.
 
     Raises:
-        DataError: k < 1, or some class has fewer than k examples.
+        DataError: k < 1, a negative seed, or some class has fewer than k examples.
     """
     if not isinstance(k, (int, np.integer)) or k < 1:
         raise DataError(f"k={k!r}: must be a positive integer")
+    check_seed(seed)
     y = _as_labels(labels)
     classes, counts = np.unique(y, return_counts=True)
     short = [(int(c), int(n)) for c, n in zip(classes, counts) if n < k]

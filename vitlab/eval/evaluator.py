@@ -22,7 +22,7 @@ from vitlab.data.transforms import resize, to_float
 from vitlab.fast.kernels import autocast
 
 from .features import check_tta_shift, mean_probability, tta_views
-from .metrics import classification_report
+from .metrics import check_num_bins, classification_report
 
 
 class Evaluator:
@@ -50,6 +50,8 @@ class Evaluator:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
+        if report_bins is not None:
+            check_num_bins(report_bins, "report_bins")  # before the model is scored, not after
         if report_bins is not None and world is not None and world.size > 1:
             raise ValueError("report_bins: the full report is computed in one process only")
         self.images, self.labels = images, labels

@@ -68,6 +68,13 @@ def per_class_accuracy(confusion: np.ndarray) -> np.ndarray:
         return np.where(support > 0, np.diag(confusion) / np.maximum(support, 1), np.nan)
 
 
+def check_num_bins(num_bins, name: str = "num_bins") -> None:
+    """ECE's bins: a positive integer (numpy's bincount refused 0 and negatives with a message
+    about its own arguments, and only after every example had been scored)."""
+    if not isinstance(num_bins, (int, np.integer)) or isinstance(num_bins, bool) or num_bins < 1:
+        raise ValueError(f"{name}={num_bins!r}: must be a positive integer (confidence bins of the calibration error)")
+
+
 def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> float:
     """ECE with ``num_bins`` equal-width confidence bins (Guo et al. 2017; Naeini et al. 2015).
 
@@ -76,6 +83,7 @@ def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, num_bins: 
 
         ECE = sum_b |B_b| / N * | mean(correct in B_b) - mean(confidence in B_b) |.
     """
+    check_num_bins(num_bins)
     probs, labels = _check(probs, labels)
     confidence = probs.max(axis=1)
     correct = (probs.argmax(axis=1) == labels).astype(np.float64)

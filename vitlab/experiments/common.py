@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from vitlab.analysis.cost import training_flops
-from vitlab.config import ConfigError
+from vitlab.config import ConfigError, need_int
 from vitlab.data import load_in_memory, stratified_split
 from vitlab.data.digits import load_digits_dataset
 from vitlab.models.registry import build_model
@@ -92,6 +92,11 @@ class Settings:
     earlier_rows: tuple = ()
 
     INTERNAL = ("extra", "reused", "earlier_rows")
+
+    def __post_init__(self) -> None:
+        # the one setting no run's TrainConfig checks: 0 or fewer ran nothing and wrote an empty
+        # table over the folder's results.md and results.json
+        need_int("seeds", self.seeds, 1)
 
     @classmethod
     def names(cls) -> list[str]:

@@ -2,7 +2,9 @@
 settings come to is decided before, once, by ``resolve.resolve``."""
 from __future__ import annotations
 
+import os
 import random
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,13 +93,20 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
 
 
 def check_output_folder(out: str | Path, field: str = "run.out") -> None:
-    """That ``out`` can be a folder: the nearest part of it that exists is one (not a file)."""
+    """That ``out`` can be a folder: the nearest part of it that exists is one (not a file), and
+    a folder can be made in it (an unwritable place failed only once the data had been decoded
+    and the model built, with the bare OSError of the first write)."""
     out = Path(out)
     for part in (out, *out.parents):
         if part.exists():
             if not part.is_dir():
                 what = "is a file" if part == out else f"lies under {str(part)!r}, a file"
                 raise ConfigError(f"{field}={str(out)!r} {what}; expected a folder (a new one, or a run's)")
+            try:  # the one sure test of writing there (permissions, a read-only or virtual file system)
+                os.rmdir(tempfile.mkdtemp(prefix=".vitlab-check-", dir=part))
+            except OSError as err:
+                raise ConfigError(f"{field}={str(out)!r}: nothing can be written in {str(part)!r} "
+                                  f"({err.strerror}); expected a writable folder") from None
             return
 
 
@@ -131,6 +140,20 @@ def check_folder_holds_data(name: str, path: str | None) -> None:
     what = f"its {len(classes)} class folder(s) hold no images" if classes else "the folder holds no data"
     flag = {"data.source": "--data", "data.val_data": "--val-data"}[name]
     raise ConfigError(f"{name}={path!r} ({flag}): {what}; it takes {DATA_FORMS}")
+
+
+def check_class_count(cfg: TrainConfig, classes: list[str]) -> None:
+    """A classifier is trained on two classes or more: with one, every prediction is right and
+    the loss is 0 from the first step, so a run would report 100% while learning nothing.
+    Masked patch prediction has no classifier: one folder of images is its data."""
+    if cfg.model.mpp is not None or len(classes) >= 2:
+        return
+    named = ", ".join(repr(c) for c in classes) or "none"
+    if cfg.data.class_subset:
+        raise ConfigError(f"data.class_subset={cfg.data.class_subset!r}: keeps {len(classes)} class ({named}); "
+                          "training a classifier needs at least 2")
+    raise ConfigError(f"data.source={cfg.data.source!r} (--data): it has {len(classes)} class ({named}); training "
+                      "a classifier needs at least 2 class folders (FOLDER/CLASS/IMAGE)")
 
 
 def make_model(cfg: TrainConfig, num_classes: int, img_size: tuple) -> nn.Module:
@@ -209,6 +232,7 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
         torch.set_num_threads(resolved.threads)
         seed_everything(cfg.run.seed)
         splits = stream_splits(cfg, img_size, world) if resolved.data == "stream" else build_splits(cfg, img_size, world)
+        check_class_count(cfg, splits.classes)
         num_classes = len(splits.classes)
         model = make_model(cfg, num_classes, img_size).to(world.device)
         if cfg.model.patch_init == "whiten":

@@ -38,6 +38,7 @@ LOSSES = ("softmax_xent", "sigmoid_xent")
 WD_SCOPES = ("kernels", "all")
 STREAM_MODES = ("auto", "memory", "stream")
 DEVICE_TYPES = ("cpu", "cuda")
+MAX_SEED = 2**32 - 1  # run.seed: numpy's global generator (np.random.seed) takes 32 bits
 FP8_MODES = ("off", *FP8_SCALINGS)  # run.fp8: off, or one of vitlab.fast.fp8's scalings
 # ModelConfig's initialisations of a model trained from scratch: the official one first
 FROM_SCRATCH_INITS = {"patch_init": ("lecun", "whiten"), "attn_init": ("xavier", "mimetic"),
@@ -56,6 +57,15 @@ class Section:
         for f in dataclasses.fields(self):  # a recipe's "no" would otherwise read as true
             if isinstance(f.default, bool):
                 need_bool(self.path(f.name), getattr(self, f.name))
+
+
+def check_lr_grid(grid: Any, name: str = "optim.lr_grid") -> None:
+    """Positive learning rates, each once: a sweep's run of a rate is its folder ``lr_<rate>``, so a
+    rate given twice (0.1,0.10) met its own finished run and was refused after the first one."""
+    need(isinstance(grid, tuple) and all(is_number(v) and v > 0 for v in grid), name, grid,
+         "expected positive learning rates, e.g. 0.001,0.003,0.01")
+    twice = sorted({v for v in grid if grid.count(v) > 1})
+    need(not twice, name, grid, f"{', '.join(f'{v:g}' for v in twice)} given more than once; each rate is one run")
 
 
 @dataclass(frozen=True)
@@ -208,8 +218,7 @@ class OptimConfig(Section):
         need(self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"must not exceed optim.lr={self.lr}")
         for name in ("momentum", "muon_momentum", "ema_decay"):
             need_number(self.path(name), getattr(self, name), 0.0, below=1.0)
-        need(isinstance(self.lr_grid, tuple) and all(is_number(v) and v > 0 for v in self.lr_grid),
-             "optim.lr_grid", self.lr_grid, "expected positive learning rates, e.g. 0.001,0.003,0.01")
+        check_lr_grid(self.lr_grid)
         need(isinstance(self.betas, tuple) and len(self.betas) == 2 and all(is_number(b) and 0 <= b < 1
                                                                             for b in self.betas),
              "optim.betas", self.betas, "expected two numbers in [0, 1), e.g. 0.9,0.999")
@@ -280,6 +289,9 @@ class RunConfig(Section):
             need_int(self.path(name), getattr(self, name), 1)
         for name in ("seed", "threads", "eval_every", "final_eval_shift", "ckpt_every", "max_skipped_steps"):
             need_int(self.path(name), getattr(self, name), 0)
+        # the seed also seeds numpy's global generator, which takes 32 bits (beyond them the run would fail
+        # at its start with numpy's or torch's own overflow message, which names no field)
+        need(self.seed <= MAX_SEED, "run.seed", self.seed, f"must be an integer in [0, 2**32 - 1 = {MAX_SEED}]")
         need_number("run.time_limit", self.time_limit)
         need(isinstance(self.out, str) and self.out != "", "run.out", self.out, "expected a folder")
         need(isinstance(self.on_device, dict) and set(self.on_device) <= set(DEVICE_TYPES)

@@ -62,6 +62,7 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     counting (default: now); the CLI passes its process's start, so that the budget is the
     command's whole wall time.
     """
+    check_resume_or_overwrite(resume, overwrite)  # before a process group is joined
     machine = Machine.here(gpu_index=local_rank())  # the host, read once for the run
     world = init_world(resolve_device(cfg.run.device, machine, local_rank()))  # the group joined here is ended here
     succeeded = False
@@ -73,6 +74,14 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
         shutdown(world, wait_for_others=succeeded)
         set_process_state(caller)  # a library call leaves its caller's threads and random streams as it found them
     return summary
+
+
+def check_resume_or_overwrite(resume: bool, overwrite: bool) -> None:
+    """One of the two: with both, ``resume`` won and ``overwrite`` was dropped without a word,
+    so a run meant to start afresh continued an old one."""
+    if resume and overwrite:
+        raise ConfigError("resume=True and overwrite=True (--resume, --overwrite): one continues the run in "
+                          "run.out, the other deletes its checkpoints and starts afresh; give one of them")
 
 
 def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbose: bool, overwrite: bool,

@@ -37,7 +37,7 @@ from vitlab.machine import Machine
 from vitlab.weights import load_model
 
 from .build import check_can_run
-from .config import TrainConfig
+from .config import TrainConfig, check_lr_grid
 from .distributed import local_rank, local_world
 from .loop import train
 from .metrics import Progress
@@ -138,6 +138,7 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
     out = Path(out)
     splits = split_tasks(tasks, out, examples, split_seed)  # every task's folders, before any run
     grid = tuple(float(lr) for lr in grid) or tuple(cfg.optim.lr_grid) or (cfg.optim.lr,)
+    check_lr_grid(grid, "grid")
     # decided once for every run of the protocol, on the first task's sweep split: the device,
     # the precision, the init's model and resolution, the micro-batch that fits (or a refusal)
     cfg = with_changes(cfg, {"optim.accum_steps": accum_steps})

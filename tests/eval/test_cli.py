@@ -151,6 +151,11 @@ def test_fewshot_refuses_shots_the_pool_cannot_give_before_extracting_features(r
     assert "vitlab predict: error: --top 0: must be a positive integer" in capsys.readouterr().err
 
 
+def test_eval_names_bins_it_cannot_use(run_dir, capsys):
+    assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", "digits", "--bins", "0"]) == 2
+    assert "--bins=0: must be a positive integer" in capsys.readouterr().err
+
+
 def test_wrong_classes_are_refused(run_dir, capsys):
     assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", str(run_dir)]) == 2
 

@@ -152,6 +152,22 @@ def test_resume_and_overwrite_together_are_refused_and_the_run_is_kept(tmp_path,
     assert kept.read_bytes() == b"an earlier run's"
 
 
+def test_the_weights_of_a_run_that_kept_no_checkpoints_are_not_written_over(tmp_path, capsys):
+    # only the checkpoints were looked for: a run without them (run.ckpt_every=0, or removed by hand)
+    # lost its model.safetensors to the next run into the same folder
+    kept = tmp_path / "run" / "model.safetensors"
+    kept.parent.mkdir()
+    kept.write_bytes(b"an earlier run's")
+    command = ["train", "--recipe", "demo", "--steps", "2", "--out", str(kept.parent), *TINY]
+    assert main(command) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vitlab train: error: run.out='{kept.parent}' holds the weights of an earlier run; start afresh there "
+        "with --overwrite, or choose another --out")
+    assert kept.read_bytes() == b"an earlier run's"
+    assert main(command + ["--overwrite"]) == 0
+    assert kept.read_bytes() != b"an earlier run's"
+
+
 def test_one_class_is_refused_before_a_model_is_built(tmp_path, capsys):
     # with one class every prediction is right: the run would report 100% having learned nothing
     data = tmp_path / "images"

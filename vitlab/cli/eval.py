@@ -67,10 +67,12 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.data.labelled import check_run_classes, load_held_out
     from vitlab.eval import Evaluator
     from vitlab.eval.features import check_tta_shift
+    from vitlab.eval.metrics import check_num_bins
     from vitlab.train.legacy import recorded_section
     from vitlab.train.resolve import resolve_scoring
     from vitlab.weights import load_model
 
+    check_num_bins(args.bins, "--bins")  # before the checkpoint and the data are read
     resolved = resolve_scoring(args.device, fast_path=args.fast is not False)
     device = resolved.device
     model = load_model(args.checkpoint, img_size=args.img_size).to(device).eval()

@@ -25,6 +25,7 @@ from vitlab.analysis.utilization import matmul_peak, mfu
 from vitlab.config import ConfigError
 from vitlab.eval.features import tta_view_count
 from vitlab.machine import Machine
+from vitlab.weights.native import WEIGHTS_NAME
 
 from . import checkpoint as ckpt
 from .build import Setup, build, check_data, check_output_folder
@@ -97,11 +98,14 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     check_output_folder(cfg.run.out)
     out = Path(cfg.run.out)
     ckpt_dir = out / "checkpoints"
-    stale = not resume and ckpt.latest_checkpoint(ckpt_dir) is not None
-    if stale and not overwrite:
-        # a fresh run would rotate that run's checkpoints away and overwrite its weights
-        raise ConfigError(f"run.out={str(out)!r} holds the checkpoints of an earlier run; continue it with "
-                          "--resume, start afresh there with --overwrite, or choose another --out")
+    # a fresh run would rotate an earlier run's checkpoints away and write over its weights; a run
+    # that kept no checkpoints (run.ckpt_every=0, or removed by hand) has its weights to lose
+    held = "checkpoints" if ckpt.latest_checkpoint(ckpt_dir) is not None else \
+        "weights" if (out / WEIGHTS_NAME).exists() else None
+    if held and not resume and not overwrite:
+        options = "continue it with --resume, start" if held == "checkpoints" else "start"
+        raise ConfigError(f"run.out={str(out)!r} holds the {held} of an earlier run; {options} afresh there with "
+                          "--overwrite, or choose another --out")
     # a resumed run's checkpoint is read first: its record of how the run was resolved goes into the build
     last_saved, state = resume_point(world, ckpt_dir, restarts) if resume else (None, None)
     if cfg.run.retain_freed_memory and world.device.type == "cpu":
@@ -117,7 +121,7 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     progress.message(setup.resolved.line())
     if setup.fp8 is not None:
         progress.message(setup.fp8.line())
-    start_output_folder(setup, out, clear_checkpoints=stale)
+    start_output_folder(setup, out, clear_checkpoints=held == "checkpoints" and not resume)
     budget = time_budget(setup, t_start, progress)
     nonfinite = NonFinite(cfg.run.on_nonfinite, cfg.run.max_skipped_steps)
 
@@ -424,7 +428,7 @@ def finish(setup: Setup, step: int, total_steps: int, last_val: dict, wall: floa
         "weights": None,
     }
     if setup.world.is_main:
-        weights = save_model(model, out / "model.safetensors")
+        weights = save_model(model, out / WEIGHTS_NAME)
         summary["weights"] = str(weights)
         summary["classes"] = str(out / "classes.json")
     if full_size_rate is not None:

@@ -15,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Union
 
 Pair = tuple[int, int]
@@ -72,6 +75,39 @@ def need_number(name: str, value: Any, minimum: float = 0.0, below: float | None
 def need_count_or_fraction(name: str, value: Any, allowed: str) -> None:
     """A count (an integer >= 1) or a fraction in [0, 1)."""
     need(is_number(value) and value >= 0 and (value < 1 or float(value).is_integer()), name, value, allowed)
+
+
+def need_output_folder(name: str, path: str | os.PathLike) -> None:
+    """That ``path`` can be a folder to write into: the nearest part of it that exists is a folder
+    (not a file), and something can be made in it.  Checked before any work: an unwritable place
+    failed only at the first write, with the OS's bare error naming neither the setting nor the
+    work lost."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{name}={str(path)!r} is a file; expected a folder (a new one, or a run's)")
+    _need_writable_under(name, path, path, "a folder (a new one, or a run's)")
+
+
+def need_output_file(name: str, path: str | os.PathLike) -> None:
+    """That ``path`` can be a file to write: not a folder, and in a folder something can be made in."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{name}={str(path)!r} is a folder; expected a file to write")
+    _need_writable_under(name, path, path.parent, "a file in a folder")
+
+
+def _need_writable_under(name: str, path: Path, start: Path, expected: str) -> None:
+    """The nearest existing part of ``start`` (``path`` or its folder) is a folder one can write in."""
+    for part in (start, *start.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise ConfigError(f"{name}={str(path)!r} lies under {str(part)!r}, a file; expected {expected}")
+            try:  # the one sure test of writing there (permissions, a read-only or virtual file system)
+                os.rmdir(tempfile.mkdtemp(prefix=".vitlab-check-", dir=part))
+            except OSError as err:
+                raise ConfigError(f"{name}={str(path)!r}: nothing can be written in {str(part)!r} "
+                                  f"({err.strerror}); expected a writable folder") from None
+            return
 
 
 def to_pair(value: Any, name: str) -> Pair:

@@ -59,9 +59,14 @@ def check_out(out: str, layout: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from vitlab.config import need_output_file, need_output_folder
     from vitlab.weights import WeightsError, load_model, read_class_names, save_model
 
     check_out(args.out, args.format)  # before the source is read, which can take a while
+    if Path(args.out).suffix.lower() in WEIGHT_FILE_SUFFIXES:
+        need_output_file("out", args.out)
+    else:
+        need_output_folder("out", args.out)
     overrides = {}
     if args.num_heads is not None:
         overrides["num_heads"] = args.num_heads

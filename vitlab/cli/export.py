@@ -67,12 +67,14 @@ def _class_names(source: str) -> list[str] | None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from vitlab.config import need_output_file
     from vitlab.export import export_onnx, export_program, load_program, model_img_size
 
     if args.batch != "dynamic" and not (args.batch.isdigit() and int(args.batch) > 0):
         raise ValueError(f"--batch={args.batch!r}: expected 'dynamic' or a positive integer")
     dynamic = args.batch == "dynamic"
     out = Path(args.out) if args.out else default_out(args.source, args.format)
+    need_output_file("--out", out)  # before the model is loaded and traced
     model = _load(args.source, args.name, args.img_size).eval()
     size = model_img_size(model, args.img_size)
     batch = 2 if dynamic else int(args.batch)

@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.report import read_run_meta
+    from vitlab.config import need_output_folder
     from vitlab.data.labelled import load_held_out
     from vitlab.eval.features import extract_features, file_key
     from vitlab.eval.fewshot import check_shots, fewshot_evaluate
@@ -42,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.seeds < 1:
         raise ValueError(f"--seeds={args.seeds}: must be >= 1")
+    if args.feature_cache not in (None, "none"):  # checked before the features are extracted, not after
+        need_output_folder("--feature-cache", args.feature_cache)
     resolved = resolve_scoring(args.device, fast_path=False)  # features of the plain model
     device = resolved.device
     model = load_model(args.checkpoint, img_size=args.img_size).to(device).eval()

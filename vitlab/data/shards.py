@@ -41,6 +41,7 @@ from vitlab.data.sources import (
     resolve_data_path,
     scan_image_folder,
 )
+from vitlab.config import need_output_folder
 from vitlab.data.splits import check_seed
 
 __all__ = ["SHARD_PATTERN", "pack_shards", "read_shard", "shard_source"]
@@ -164,11 +165,13 @@ def pack_shards(
     if workers < 0:  # a count of processes (a negative one was taken without a word)
         raise DataError(f"workers={workers}: must be a number of processes >= 0 (0 or 1: this process alone)")
     check_seed(seed)
-    index = scan_image_folder(resolve_data_path(image_folder, cache_dir))
+    # the output first: reading the source (an archive is extracted) can take long
+    need_output_folder("out_dir", out_dir)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if any(out.glob("shard-*.tar")):
         raise DataError(f"{out}: already holds shards; pack into an empty folder")
+    index = scan_image_folder(resolve_data_path(image_folder, cache_dir))
+    out.mkdir(parents=True, exist_ok=True)
 
     order = np.random.Generator(np.random.PCG64(seed)).permutation(len(index))
     encoded = _encoded([index.paths[i] for i in order], max_side, quality, workers)

@@ -18,11 +18,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from vitlab.config import ConfigError
+from vitlab.config import ConfigError, need_output_folder
 from vitlab.configs import load_recipe
 from vitlab.experiments.common import Settings
 from vitlab.experiments.tables import aggregate, machine, markdown_table, write_json
-from vitlab.train.build import check_output_folder
 from vitlab.train.legacy import FORMER_SETTING_NAMES
 
 DATA_RECIPE = "cifar10_scratch"  # the full-size forms' data: this recipe's data.source
@@ -88,7 +87,7 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
     """Run experiment ``name`` into ``out``; returns {"rows", "table", "wall_s", "files"}."""
     mod = get(name)
     s = settings(name, quick, **changes)
-    check_output_folder(out, "out")
+    need_output_folder("out", out)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     earlier_rows = rows_of_earlier_seeds(name, out, s, quick) if s.resume else []

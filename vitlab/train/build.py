@@ -2,9 +2,7 @@
 settings come to is decided before, once, by ``resolve.resolve``."""
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import torch
 from torch import nn
 
 from vitlab import fast
-from vitlab.config import ConfigError
+from vitlab.config import ConfigError, need_output_folder
 from vitlab.data.loader import Batches
 from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.features import check_tta_shift
@@ -84,30 +82,12 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
         raise ConfigError("run.fsdp=True needs a distributed launch (torchrun --nproc_per_node=N); world_size is 1")
     if need_data:
         check_data(cfg)
-    check_output_folder(cfg.run.out)
+    need_output_folder("run.out", cfg.run.out)
     if cfg.model.init is not None and not Path(cfg.model.init).expanduser().exists():
         from vitlab.weights.hub import parse_hub_name
 
         if parse_hub_name(cfg.model.init) is None:  # a Hub name is looked up when the weights are loaded
             raise ConfigError(f"model.init={cfg.model.init!r}: no such file or folder")
-
-
-def check_output_folder(out: str | Path, field: str = "run.out") -> None:
-    """That ``out`` can be a folder: the nearest part of it that exists is one (not a file), and
-    a folder can be made in it (an unwritable place failed only once the data had been decoded
-    and the model built, with the bare OSError of the first write)."""
-    out = Path(out)
-    for part in (out, *out.parents):
-        if part.exists():
-            if not part.is_dir():
-                what = "is a file" if part == out else f"lies under {str(part)!r}, a file"
-                raise ConfigError(f"{field}={str(out)!r} {what}; expected a folder (a new one, or a run's)")
-            try:  # the one sure test of writing there (permissions, a read-only or virtual file system)
-                os.rmdir(tempfile.mkdtemp(prefix=".vitlab-check-", dir=part))
-            except OSError as err:
-                raise ConfigError(f"{field}={str(out)!r}: nothing can be written in {str(part)!r} "
-                                  f"({err.strerror}); expected a writable folder") from None
-            return
 
 
 def check_data(cfg: TrainConfig) -> None:

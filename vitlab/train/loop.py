@@ -22,13 +22,13 @@ import torch
 
 from vitlab.analysis.cost import model_flops
 from vitlab.analysis.utilization import matmul_peak, mfu
-from vitlab.config import ConfigError
+from vitlab.config import ConfigError, need_output_folder
 from vitlab.eval.features import tta_view_count
 from vitlab.machine import Machine
 from vitlab.weights.native import WEIGHTS_NAME
 
 from . import checkpoint as ckpt
-from .build import Setup, build, check_data, check_output_folder
+from .build import Setup, build, check_data
 from .config import TrainConfig, to_dict
 from .distributed import World, all_reduce_sum, barrier, elastic_restart_count, init_world, local_rank, shutdown
 from .inputs import Spans, WaitTimed
@@ -95,7 +95,7 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     check_data(cfg)  # an empty data folder is named as such, not as an output folder holding checkpoints
     # before the checkpoint folder is looked into and the process-wide memory setting below (build's
     # check_can_run repeats it for build's other callers)
-    check_output_folder(cfg.run.out)
+    need_output_folder("run.out", cfg.run.out)
     out = Path(cfg.run.out)
     ckpt_dir = out / "checkpoints"
     # a fresh run would rotate an earlier run's checkpoints away and write over its weights; a run

@@ -308,6 +308,15 @@ def test_calibrate_prints_the_chosen_kernels_the_auto_precision_and_the_file(tmp
     assert report["precision"] == "fp32" and report["seconds_per_step"] == seconds and report["path"] == str(path)
     assert main(["calibrate", "--rounds", "0"]) == 2
     assert capsys.readouterr().err.strip() == "vitlab calibrate: error: --rounds=0: must be >= 1"
+    from vitlab.machine import usable_cores
+
+    cores = usable_cores()
+    for threads in (-1, cores + 1):  # far above the cores, OpenMP's thread pool crashed the process
+        assert main(["calibrate", "--threads", str(threads)]) == 2
+        assert capsys.readouterr().err.strip() == (f"vitlab calibrate: error: --threads={threads}: this process may "
+                                                   f"use {cores} core(s) here; give 1 to {cores}, or 0 for PyTorch's "
+                                                   "default")
+    assert calls == [2, 3]  # neither refusal timed anything
 
 
 def test_show_config_needs_no_data(capsys):

@@ -65,6 +65,9 @@ def test_sections_check_themselves_when_built():
     refused(r"data.progressive_sizes=\(24, 0.5\)", lambda: DataConfig(progressive_sizes=(24, 0.5)))
     refused("model.overrides", lambda: ModelConfig(overrides=[("width", 3)]))
     refused("model.name='ViT-Q/16'", lambda: ModelConfig(name="ViT-Q/16"))
+    # the model the overrides make is named, not only the registry entry they change
+    refused(r"^model \('ViT-demo/4': model.name='ViT-Ti/16' with model.overrides, model.img_size\): img_size=\(30, 30\)",
+            lambda: ModelConfig(name="ViT-Ti/16", overrides={"patch_size": 4, "name": "ViT-demo/4"}, img_size=30))
     refused("run.time_measure_steps=0", lambda: RunConfig(time_measure_steps=0))
     refused("run.precision='fp8'", lambda: RunConfig(precision="fp8"))
     refused("run.on_nonfinite='ignore': allowed values are 'stop', 'skip'", lambda: RunConfig(on_nonfinite="ignore"))

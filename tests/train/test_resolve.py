@@ -84,6 +84,14 @@ def test_processes_on_one_host_share_its_cores(tmp_path):
     assert resolved.decode_workers == 4 and resolved.micro_batch == 16  # batch 32 over two processes
 
 
+def test_more_threads_than_the_process_may_use_cores_are_refused(tmp_path):
+    # torch.set_num_threads(100000) then crashed the process at its first matmul, without a word
+    assert resolve(with_changes(auto_config(tmp_path), {"run.threads": 8}), world(), described(cores=8)).threads == 8
+    with pytest.raises(ConfigError, match=r"^run.threads=9: this process may use 8 core\(s\) here; give at most 8, "
+                                          r"or 0 for PyTorch's default$"):
+        resolve(with_changes(auto_config(tmp_path), {"run.threads": 9}), world(), described(cores=8))
+
+
 def test_a_gpu_takes_bf16_where_it_has_it_and_the_recipes_settings_for_it(tmp_path):
     from vitlab.configs.cifar10_scratch import get_config
 

@@ -27,11 +27,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from vitlab.fast import calibration, kernels
+    from vitlab.machine import usable_cores
 
     if args.rounds < 1:
         raise ValueError(f"--rounds={args.rounds}: must be >= 1")
-    if args.threads < 0:
-        raise ValueError(f"--threads={args.threads}: must be >= 0")
+    cores = usable_cores()
+    if not 0 <= args.threads <= cores:  # far above the cores, OpenMP's thread pool crashes the process
+        raise ValueError(f"--threads={args.threads}: this process may use {cores} core(s) here; give 1 to {cores}, "
+                         "or 0 for PyTorch's default")
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)

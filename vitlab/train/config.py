@@ -109,7 +109,10 @@ class ModelConfig(Section):
             except ConfigError as err:
                 if canonical_name(self.name) not in list_models():
                     raise ConfigError(f"model.name={self.name!r}: {err}") from None
-                raise ConfigError(f"model (name={self.name!r}, overrides, img_size): {err}") from None
+                # a recipe's overrides may rename the model (the demo's ViT-demo/4 is ViT-Ti/16's changed)
+                built = f"{self.overrides['name']!r}: " if isinstance(self.overrides.get("name"), str) else ""
+                raise ConfigError(f"model ({built}model.name={self.name!r} with model.overrides, model.img_size): "
+                                  f"{err}") from None
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,9 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     saved = saved or {}
     device = world.device
     precision, kernels, bf16_matmuls, notes = arithmetic(cfg, device, machine, saved)
+    if cfg.run.threads > machine.cores:  # far above, OpenMP's thread pool crashes the process (a segfault)
+        raise ConfigError(f"run.threads={cfg.run.threads}: this process may use {machine.cores} core(s) here; give "
+                          f"at most {machine.cores}, or 0 for PyTorch's default")
     threads = cfg.run.threads or torch.get_num_threads()
     cores = max(1, machine.cores // world.processes_here)  # this process's share of the host's cores
     decode = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}

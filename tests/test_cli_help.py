@@ -16,15 +16,29 @@ def test_help_renders(command, capsys):
         assert all(c in out for c, _, _ in COMMANDS)
 
 
-@pytest.mark.parametrize("argv, named", [(["flops", "ViT-B/16", "--model", "x"], "vitlab flops"),
-                                          (["train", "--recipe", "demo", "stray"], "vitlab train"),
-                                          (["--bogus"], "vitlab")])
-def test_an_unknown_argument_is_refused_by_the_command_it_was_given_to(argv, named, capsys):
+@pytest.mark.parametrize("argv, named, unknown", [(["flops", "ViT-B/16", "--model", "x"], "vitlab flops", "--model x"),
+                                                   (["train", "--recipe", "demo", "stray"], "vitlab train", "stray"),
+                                                   (["--bogus"], "vitlab", "--bogus")])
+def test_an_unknown_argument_is_refused_by_the_command_it_was_given_to(argv, named, unknown, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith(f"{named}: error: unrecognized arguments: ") and last.endswith(argv[-1])
+    err = capsys.readouterr().err  # one line, as every refusal: no usage block before it
+    assert err == f"{named}: error: unrecognized arguments: {unknown} (see {named} --help)\n"
+
+
+@pytest.mark.parametrize("argv, named, message", [
+    (["train", "--recipe", "demo", "--steps", "abc"], "vitlab train", "argument --steps: invalid int value: 'abc'"),
+    (["train"], "vitlab train", "the following arguments are required: --recipe"),
+    (["traim"], "vitlab", "argument COMMAND: invalid choice: 'traim' (choose from "),
+])
+def test_argparses_own_refusals_are_one_line(argv, named, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{named}: error: {message}") and err.endswith(f" (see {named} --help)\n")
+    assert err.count("\n") == 1
 
 
 def test_a_models_filter_that_matches_nothing_says_so(capsys):

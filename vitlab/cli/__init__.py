@@ -35,8 +35,16 @@ COMMANDS: list[tuple[str, str, str]] = [
 ]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's refusals in one line, as every other refusal of the command: argparse prints the
+    usage block first (ten lines for `train`), and ``--help`` is where that belongs."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vitlab", description="Vision Transformers, as in the paper.")
+    parser = OneLineParser(prog="vitlab", description="Vision Transformers, as in the paper.")
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     # the version of the code that runs; pyproject.toml reads the same attribute into the package's metadata
     parser.add_argument("--version", action="version", version=f"%(prog)s {vitlab.__version__}")

@@ -33,7 +33,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.report import read_run_meta
-    from vitlab.config import need_output_folder
     from vitlab.data.labelled import load_held_out
     from vitlab.eval.features import extract_features, file_key
     from vitlab.eval.fewshot import check_shots, fewshot_evaluate
@@ -41,10 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.train.resolve import resolve_scoring
     from vitlab.weights import load_model
 
-    if args.seeds < 1:
-        raise ValueError(f"--seeds={args.seeds}: must be >= 1")
-    if args.feature_cache not in (None, "none"):  # checked before the features are extracted, not after
-        need_output_folder("--feature-cache", args.feature_cache)
+    check_flags(args)
     resolved = resolve_scoring(args.device, fast_path=False)  # features of the plain model
     device = resolved.device
     model = load_model(args.checkpoint, img_size=args.img_size).to(device).eval()
@@ -73,6 +69,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print_table(result)
     return 0
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """What can be refused before the model is loaded and the features extracted."""
+    from vitlab.config import need_output_folder
+
+    if args.seeds < 1:
+        raise ValueError(f"--seeds={args.seeds}: must be >= 1")
+    if args.feature_cache not in (None, "none"):
+        need_output_folder("--feature-cache", args.feature_cache)
 
 
 def feature_cache(args: argparse.Namespace):

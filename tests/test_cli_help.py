@@ -72,3 +72,21 @@ def test_the_package_takes_its_version_and_license_from_one_place_each():
     license_text = (root / "LICENSE").read_text()
     assert "Apache License\n                           Version 2.0, January 2004" in license_text
     assert "END OF TERMS AND CONDITIONS" in license_text
+
+
+def test_a_warning_shows_as_one_line_naming_the_command_and_the_format_is_given_back(capsys, monkeypatch):
+    import sys
+    import warnings
+
+    import vitlab.cli.models
+
+    def warns(args):  # pytest records warnings rather than showing them: format one as Python would show it
+        print(warnings.formatwarning("inference continues eager", RuntimeWarning, "vitlab/x.py", 7), end="",
+              file=sys.stderr)
+        return 0
+
+    monkeypatch.setattr(vitlab.cli.models, "run", warns)
+    python_format = warnings.formatwarning
+    assert main(["models"]) == 0
+    assert capsys.readouterr().err == "vitlab models: RuntimeWarning: inference continues eager\n"
+    assert warnings.formatwarning is python_format

@@ -7,8 +7,10 @@ inside ``run`` so that ``vitlab --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
+import warnings
 
 import vitlab
 
@@ -43,6 +45,18 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+@contextlib.contextmanager
+def one_line_warnings(command: str):
+    """A warning shown as one line naming the command, as its refusals are: Python's own format adds
+    the file, line and source of the code that warned, which tell a user nothing."""
+    previous = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *where, **_: f"vitlab {command}: {category.__name__}: {message}\n"
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="vitlab", description="Vision Transformers, as in the paper.")
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
@@ -68,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args._run(args) or 0)
+        with one_line_warnings(args.command):
+            return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -217,6 +217,22 @@ def test_predict_on_a_file_that_is_no_image_is_one_line_naming_it(tmp_path, caps
         main(["--debug", "predict", "--checkpoint", str(weights), str(fake)])
 
 
+def test_predict_names_a_missing_image_before_scoring_any(tmp_path, capsys):
+    # a mistyped name among many stopped the command there, after the images before it were printed
+    from PIL import Image
+
+    import vitlab
+
+    weights = vitlab.save_model(vitlab.create_model(vitlab.ViTConfig(
+        img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=4, num_classes=3)), tmp_path / "m")
+    image = tmp_path / "red.png"
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(image)
+    for missing, what in ((tmp_path / "typo.png", "no such file"), (tmp_path, "a folder; predict takes image files")):
+        assert main(["predict", "--checkpoint", str(weights), str(image), str(missing)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err == f"vitlab predict: error: {missing}: {what}\n"
+
+
 def test_fewshot_prints_its_table_and_json_only_when_asked(run_dir, capsys):
     base = ["fewshot", str(run_dir / "model.safetensors"), "--shots", "1", "--seeds", "1", "--feature-cache", "none"]
     assert main(base) == 0

@@ -46,6 +46,15 @@ def find_classes(checkpoint: Path, explicit: str | None, num_classes: int) -> li
     return None if names is None else check_class_names(names, num_classes, f"the class names kept with {checkpoint}")
 
 
+def check_images(paths: list[str]) -> None:
+    """Every image named is a file, checked before the model is loaded: a mistyped name among many
+    stopped the command there, after the images before it had been scored."""
+    for path in paths:
+        if not Path(path).is_file():
+            what = "a folder; predict takes image files" if Path(path).is_dir() else "no such file"
+            raise FileNotFoundError(f"{path}: {what}")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -58,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.top < 1:
         raise ValueError(f"--top {args.top}: must be a positive integer (how many classes to show)")
+    check_images(args.images)
     checkpoint = Path(args.checkpoint)
     if not checkpoint.exists():  # a Hub name: its snapshot folder, which holds config.json
         checkpoint = resolve_hub_name(args.checkpoint) or checkpoint

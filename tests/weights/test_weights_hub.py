@@ -86,12 +86,19 @@ def test_predict_by_hub_name_prints_the_hub_labels(hf_model, hub_env, tmp_path, 
     assert (snapshot / "config.json").is_file()
 
 
+def an_image(folder) -> str:
+    """An image to predict on: predict refuses a missing one before it looks for the weights."""
+    path = folder / "x.png"
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(path)
+    return str(path)
+
+
 def test_not_cached_and_offline_is_one_error(hub_env, tmp_path, capsys):
     hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
     hub_env.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(WeightsError, match="HF_HUB_OFFLINE"):
         load_model(REPO)
-    assert main(["predict", "--checkpoint", REPO, "x.png"]) == 2
+    assert main(["predict", "--checkpoint", REPO, an_image(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and REPO in err and "Hugging Face cache" in err
 
@@ -99,7 +106,7 @@ def test_not_cached_and_offline_is_one_error(hub_env, tmp_path, capsys):
 def test_not_cached_without_huggingface_hub_names_the_extra(hub_env, tmp_path, capsys):
     hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
     hub_env.setitem(sys.modules, "huggingface_hub", None)  # not installed
-    assert main(["predict", "--checkpoint", REPO, "x.png"]) == 2
+    assert main(["predict", "--checkpoint", REPO, an_image(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "huggingface_hub" in err and 'pip install -e ".[hub]"' in err
 
@@ -173,6 +180,7 @@ def test_not_cached_with_no_network_fails_at_once_in_one_line(tmp_path):
                         "HF_HUB_ETAG_TIMEOUT")}
     env.update(HF_HOME=str(tmp_path / "empty"), HF_ENDPOINT="http://127.0.0.1:9",
                PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]))
+    an_image(tmp_path)  # x.png in the command's folder
     done = subprocess.run([sys.executable, "-c", NO_NETWORK, REPO], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -404,7 +404,6 @@ def build_report(model: nn.Module, images: Images, run_dir: str | os.PathLike | 
     meta = dict(meta or {})
     if run_dir is None and meta.get("run_dir") and (Path(meta["run_dir"]) / "metrics.jsonl").is_file():
         run_dir = meta["run_dir"]
-    model.eval()
     raw = _load_images(images)
     size = tuple(model.cfg.img_size)
     shown = resize(raw, size)  # uint8 (B, 3, H, W) at the model's resolution
@@ -412,19 +411,27 @@ def build_report(model: nn.Module, images: Images, run_dir: str | os.PathLike | 
     name = getattr(model.cfg, "name", None) or type(model).__name__
     classes = meta.get("classes") if isinstance(meta.get("classes"), list) else None
     is_vit = hasattr(model.cfg, "patch_size")
-    sections = [_section_card(model, meta), _section_curves(run_dir)]
-    sections.append(_guarded(lambda: _section_predictions(model, x, shown, classes), "predictions", "Predictions"))
-    if is_vit:
-        try:
-            rollout, distance, heads = _attention_arrays(model, x)
-            sections += [_section_rollout(model, rollout, shown), _section_distance(model, distance, len(x)),
-                         _section_heads(heads, shown)]
-        except ValueError as err:  # e.g. Axial-ViT: no attention over the whole grid
-            sections.append(_card("rollout", "Attention", "", _note(_esc(err))))
-        sections.append(_guarded(lambda: _section_embeddings(model), "embeddings", "Embeddings"))
-    else:
-        sections.append(_card("vit", "Inspection", "", _note("This is not a Vision Transformer: "
-                                                          "the attention and embedding figures do not apply.")))
+    # inspected in eval mode (no dropout); given back in the mode it came in, as the evaluators do:
+    # a model inspected between training steps goes on training
+    was_training = model.training
+    model.eval()
+    try:
+        sections = [_section_card(model, meta), _section_curves(run_dir)]
+        sections.append(_guarded(lambda: _section_predictions(model, x, shown, classes), "predictions",
+                                 "Predictions"))
+        if is_vit:
+            try:
+                rollout, distance, heads = _attention_arrays(model, x)
+                sections += [_section_rollout(model, rollout, shown), _section_distance(model, distance, len(x)),
+                             _section_heads(heads, shown)]
+            except ValueError as err:  # e.g. Axial-ViT: no attention over the whole grid
+                sections.append(_card("rollout", "Attention", "", _note(_esc(err))))
+            sections.append(_guarded(lambda: _section_embeddings(model), "embeddings", "Embeddings"))
+        else:
+            sections.append(_card("vit", "Inspection", "", _note("This is not a Vision Transformer: "
+                                                              "the attention and embedding figures do not apply.")))
+    finally:
+        model.train(was_training)
     links = [("card", "Model card"), ("curves", "Training"), ("predictions", "Predictions"),
              ("rollout", "Rollout"), ("distance", "Attention distance"), ("heads", "Heads"),
              ("embeddings", "Embeddings")]

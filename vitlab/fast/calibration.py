@@ -59,7 +59,8 @@ def _model(mode: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     _, name, overrides, batch = WORKLOADS[mode]
     cfg = replace(get_config(name), dropout=0.0, **overrides)
     generator = torch.Generator().manual_seed(0)
-    model = build_model(cfg)
+    with torch.random.fork_rng(devices=[]):  # any weights time alike: the caller's random stream is left as it was
+        model = build_model(cfg)
     x = torch.randn(batch, 3, *cfg.img_size, generator=generator)
     y = torch.randint(0, cfg.num_classes, (batch,), generator=generator)
     return model, x, y

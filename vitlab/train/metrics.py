@@ -72,11 +72,10 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 def plot_curves(records: list[dict], path: str | Path) -> Path | None:
     """Loss (train, val) and accuracy (train, val top-1/top-5) against step, as a PNG."""
+    # a Figure of its own, not pyplot: matplotlib.use("Agg") and pyplot's figures are the process's,
+    # and a caller's notebook or GUI backend would be switched to Agg by a training run
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         return None
 
@@ -84,7 +83,8 @@ def plot_curves(records: list[dict], path: str | Path) -> Path | None:
         rows = [r for r in records if isinstance(r.get(key), (int, float))]
         return [r["step"] for r in rows], [r[key] for r in rows]
 
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    ax_loss, ax_acc = fig.subplots(1, 2)
     for key, label in (("loss", "train"), ("val_loss", "validation")):
         xs, ys = series(key)
         if xs:
@@ -102,7 +102,6 @@ def plot_curves(records: list[dict], path: str | Path) -> Path | None:
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
 
 

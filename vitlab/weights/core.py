@@ -370,7 +370,10 @@ def build_loaded(state_dict: StateDict, cfg: Architecture, *, img_size: Pair | i
     check_state_dict(meta_shapes(cfg), state_dict, source)
     state_dict, cfg = adapt_state_dict(state_dict, cfg, img_size=img_size, num_classes=num_classes,
                                        keep_pre_logits=keep_pre_logits)
-    model = build_model(cfg)
+    # the weights replace every initial value drawn here (a new head is zeros): drawn from the caller's
+    # random stream, they would change what the caller draws next, by the size of the model loaded
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(cfg)
     fresh = {k: v for k, v in model.state_dict().items() if k.startswith("head.") and k not in state_dict}
     return load_checked(model, {**state_dict, **fresh}, source).eval()
 

@@ -2,7 +2,8 @@
 CLI's parser (and a training command's configuration is built and checked), every
 ``pip install -e ".[extra]"`` names an extra of pyproject.toml, every file it runs exists,
 and every ``vitlab.name`` of its Python examples exists.  `vitlab demo` itself runs in
-tests/train/test_cli.py; the README cannot drift from the CLI unnoticed."""
+tests/train/test_cli.py; the README cannot drift from the CLI unnoticed.  The checks of a command
+are tests/helpers/doc_commands.py's, which tests/test_docs_commands.py applies to docs/."""
 import re
 import shlex
 import tomllib
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import vitlab
-from vitlab.cli import build_parser
+from helpers.doc_commands import check_vitlab, vitlab_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -40,15 +41,6 @@ def shell_commands() -> list[list[str]]:
     return [c for c in commands if c]
 
 
-def vitlab_argv(command: list[str]) -> list[str] | None:
-    """The arguments of ``vitlab ...`` and ``... -m vitlab ...`` (torchrun, python)."""
-    if command[0] == "vitlab":
-        return command[1:]
-    if "-m" in command and command[command.index("-m") + 1] == "vitlab":
-        return command[command.index("-m") + 2:]
-    return None
-
-
 COMMANDS = shell_commands()
 VITLAB = [argv for argv in map(vitlab_argv, COMMANDS) if argv is not None]
 
@@ -68,16 +60,7 @@ def test_the_readme_shows_the_commands_it_should():
 
 @pytest.mark.parametrize("argv", VITLAB, ids=[" ".join(a)[:60] for a in VITLAB])
 def test_every_vitlab_command_parses_and_configures(argv):
-    args = build_parser().parse_args(argv)  # argparse exits (the test fails) on any bad flag
-    if args.command in ("train", "finetune", "sweep"):
-        from vitlab.cli.train import resolve_config
-
-        extra = {"model.init": args.init} if getattr(args, "init", None) else None
-        resolve_config(args, extra)  # the recipe, its arguments and every flag build a valid config
-    if args.command == "flops":
-        from vitlab.models.registry import get_config
-
-        get_config(args.model)
+    check_vitlab(argv)  # it parses; a training command's recipe and flags build a valid config; flops' model exists
 
 
 def test_every_extra_and_file_the_readme_names_exists():

@@ -1,0 +1,124 @@
+"""Every command docs/*.md and benchmarks/NOTES.md show works as written today, the standard being
+that every figure comes with the command that reproduces it; tests/test_readme.py holds the README
+to the same checks (tests/helpers/doc_commands.py).  Nothing is run, nothing is imported from
+benchmarks/.  The commands: every line of a ```bash block (and a ``$ ``-prompted line of any
+block), and every inline span that starts with ``vitlab``, ``python``, ``bash`` or ``torchrun``
+(a bare ```vitlab eval``` names a command, which must exist; ```vitlab train: error ...``` is a
+message).  Each is parametrized by its file and line:
+
+* ``vitlab ...`` (also under ``torchrun``/``python -m``) parses with ``vitlab.cli.build_parser``;
+  a train/finetune/sweep command's recipe exists and its ``--set FIELD=VALUE`` fields build a
+  valid config (``vitlab.cli.train.resolve_config``); an experiment's name and ``--set`` keys
+  exist.  An inline span may show a flag without the command's required arguments
+  (```vitlab eval --compile```); a bash line may not;
+* ``python benchmarks/X.py ...`` / ``python -m benchmarks.X ...``: the script exists and its
+  argparse flags (read from its source) or its A/B experiment names accept the words;
+* ``bash FILE``, ``.ci/run``, ``python FILE.py``, ``python -m pytest PATH``: the files exist;
+* no command leaves parentheses unquoted (``--only 'infer/(a|b)$'``: a shell reads them as syntax).
+
+Placeholders (``W``, ``DATA``, ``N``, ``REV``, ``NAME``, ``<trained weights>``, ``...``) are fine
+as values; a placeholder recipe or experiment is not looked up.  ``[--seed 1]`` is checked as if
+given; ``{a,b}`` and ``a|b`` are alternatives, each checked.
+
+**Historical commands.**  A figure measured with a script or a flag that has since gone keeps
+the command that measured it, marked with the revision it ran at: ``(at REV)`` right after the
+inline span (```python benchmarks/ab.py peers` (at 78d71ee)``), or in the comment of its line in
+a bash block (``# (at 78d71ee)``); REV is the last revision the command worked at.  Such a
+command is left out of today's checks; instead REV must be a commit and a benchmark script's
+arguments are checked against that script as it was at REV (read with git; skipped outside a
+complete git checkout), and a marked command that works today must lose its mark.  A
+``--before REV`` of a benchmark must be a commit too.
+"""
+import subprocess
+from functools import cache
+
+import pytest
+
+from helpers.doc_commands import (ROOT, benchmark_of, check, check_benchmark, is_placeholder, kind_of,
+                                  named_commands, shell_commands, unquoted_parentheses)
+
+FILES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")) + ["benchmarks/NOTES.md"]
+TEXTS = {f: (ROOT / f).read_text() for f in FILES}
+COMMANDS = [c for f in FILES for c in shell_commands(TEXTS[f], f)]
+TODAY = [c for c in COMMANDS if c.rev is None]
+HISTORICAL = [c for c in COMMANDS if c.rev is not None]
+NAMED = [(f, line, name) for f in FILES for line, name in named_commands(TEXTS[f])]
+
+
+def test_the_docs_show_commands():
+    assert {c.file for c in COMMANDS} >= {"docs/results.md", "docs/performance.md", "docs/training.md",
+                                          "docs/scale.md", "docs/findings.md", "benchmarks/NOTES.md"}
+    assert {kind_of(c.argv) for c in TODAY} >= {"vitlab", "benchmark", "file"}
+
+
+@pytest.mark.parametrize("command", TODAY, ids=[c.id for c in TODAY])
+def test_every_command_works_as_written(command):
+    assert not unquoted_parentheses(command.text), f"unquoted parentheses: {command.text}"
+    check(command.argv, partial=command.inline)
+
+
+@pytest.mark.parametrize("where", NAMED, ids=[f"{f}:{line}:{name}" for f, line, name in NAMED])
+def test_every_command_the_docs_name_exists(where):
+    from vitlab.cli import COMMANDS as CLI
+
+    assert where[2] in {name for name, _, _ in CLI}
+
+
+def git(*args: str, stdin: str | None = None) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(ROOT), *args], input=stdin, capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+@pytest.fixture(scope="module")
+def history():
+    """The repository's history, or a skip where there is none to read (no git, a shallow clone)."""
+    if (git("rev-parse", "--is-shallow-repository") or "").strip() != "false":
+        pytest.skip("not a complete git checkout: the revisions cannot be read")
+    return git
+
+
+def named_revisions() -> set[str]:
+    """The revisions the commands name: their ``(at REV)`` marks and the benchmarks' ``--before REV``."""
+    revs = {c.rev for c in HISTORICAL}
+    for c in TODAY:
+        if benchmark_of(c.argv) and "--before" in c.argv[:-1]:
+            revs.add(c.argv[c.argv.index("--before") + 1])
+    return {rev for rev in revs if not is_placeholder(rev)}
+
+
+def test_every_revision_the_commands_name_is_a_commit(history):
+    revs = sorted(named_revisions())
+    found = history("cat-file", "--batch-check", stdin="".join(f"{rev}^{{commit}}\n" for rev in revs))
+    assert found is not None
+    missing = [rev for rev, line in zip(revs, found.splitlines()) if line.endswith("missing")]
+    assert not missing, f"no such commit: {missing}"
+
+
+@pytest.mark.parametrize("command", HISTORICAL, ids=[c.id for c in HISTORICAL])
+def test_every_historical_command_worked_at_its_revision(command, history):
+    if benchmark_of(command.argv):  # the script as it was then accepts the words (vitlab's own parser is not rebuilt)
+        path = benchmark_of(command.argv)[0]
+        source = source_at(command.rev, path)
+        assert source is not None, f"{path} is not in {command.rev}"
+        check_benchmark(command.argv, source)
+
+
+@cache
+def source_at(rev: str, path: str) -> str | None:
+    return git("show", f"{rev}:{path}")
+
+
+def test_historical_commands_are_history():
+    """A command marked historical that works today should lose its mark."""
+    today = []
+    for command in HISTORICAL:
+        try:
+            check(command.argv, partial=command.inline)
+        except Exception:
+            continue
+        today.append(command.id)
+    assert not today, f"marked (at REV) yet they work today: {today}"

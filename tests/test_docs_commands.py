@@ -1,10 +1,10 @@
 """Every command docs/*.md and benchmarks/NOTES.md show works as written today, the standard being
 that every figure comes with the command that reproduces it; tests/test_readme.py holds the README
 to the same checks (tests/helpers/doc_commands.py).  Nothing is run, nothing is imported from
-benchmarks/.  The commands: every line of a ```bash block (and a ``$ ``-prompted line of any
-block), and every inline span that starts with ``vitlab``, ``python``, ``bash`` or ``torchrun``
-(a bare ```vitlab eval``` names a command, which must exist; ```vitlab train: error ...``` is a
-message).  Each is parametrized by its file and line:
+benchmarks/.  The commands: every line of a ```bash block; every line of a plain fenced block or
+an indented (4-space) block, and every inline span, that starts with ``vitlab``, ``python``,
+``bash`` or ``torchrun`` (``$ `` prompts dropped; a bare ```vitlab eval``` names a command, which
+must exist; ``vitlab train: error ...`` is output).  Each is parametrized by its file and line:
 
 * ``vitlab ...`` (also under ``torchrun``/``python -m``) parses with ``vitlab.cli.build_parser``;
   a train/finetune/sweep command's recipe exists and its ``--set FIELD=VALUE`` fields build a

@@ -112,45 +112,67 @@ def kind_of(argv: list[str]) -> str | None:
     return None
 
 
+COMMAND_WORDS = ("vitlab", "python", "python3", "bash", "torchrun")
+
+
+def starts_a_command(text: str) -> bool:
+    """Whether shell text starts with a command word (after ``NAME=value`` prefixes) and is no
+    message (``vitlab train: error: ...`` is the command's output)."""
+    first = text.split()
+    while first and re.fullmatch(r"\w+=\S*", first[0]):
+        first.pop(0)
+    return bool(first) and first[0] in COMMAND_WORDS and not (first[0] == "vitlab" and first[1:2]
+                                                               and first[1].endswith(":"))
+
+
+def block_commands(lines: list[str], first: int, file: str, shell: bool = False) -> list[Command]:
+    """The commands of consecutive code lines, the first numbered ``first``: ``\\`` continues a
+    line, a ``$ `` prompt is dropped; a line that starts no command (output) is skipped, but in a
+    ``shell`` block (```bash) every line is shell (``cd x && vitlab ...``)."""
+    commands, number, pending = [], first, ""
+    for i, line in enumerate(lines):
+        if not pending:
+            number = first + i
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        line, pending = (pending + line).strip().removeprefix("$ "), ""
+        if not (shell or starts_a_command(line)):
+            continue
+        comment = line.split("#", 1)[1] if "#" in line else ""
+        rev = AT_REV.search(comment)
+        commands += [Command(file, number, argv, rev and rev.group(1), text=line) for argv in split_commands(line)]
+    return commands
+
+
 def shell_commands(text: str, file: str, inline: bool = True) -> list[Command]:
-    """Every command of ``text``'s bash blocks (and its ``$ ``-prompted lines in any block), and of
-    its inline spans that start with a command (``vitlab``, ``python``, ``bash``, ``torchrun``), with
-    its line; a bare ``vitlab eval`` names a command and is left to :func:`named_commands`; a span
-    that is a message (``vitlab train: error``) is no command.  A command marked ``(at REV)``
-    carries the revision."""
+    """Every command of ``text``'s code, each with its line: the lines of its fenced blocks and
+    indented (4-space) blocks that start with a command (``vitlab``, ``python``, ``bash``,
+    ``torchrun``), ``$ `` prompts dropped; and its inline spans that start with one (a bare
+    ``vitlab eval`` names a command and is left to :func:`named_commands`).  A command marked
+    ``(at REV)`` carries the revision."""
     commands = []
-    outside = text.splitlines(keepends=True)  # the text with its blocks blanked, for the spans
+    outside = text.splitlines(keepends=True)  # the text with its fenced blocks blanked
     for start, block in fenced(text, r"\w*"):
-        bash = text.splitlines()[start - 2].startswith("```bash")
         outside[start - 2:start + block.count("\n")] = ["\n"] * (block.count("\n") + 2)
-        number, pending = start, ""
-        for i, line in enumerate(block.splitlines()):
-            if not bash and not line.startswith("$ "):
-                continue
-            if not pending:
-                number = start + i
-            if line.rstrip().endswith("\\"):
-                pending += line.rstrip()[:-1] + " "
-                continue
-            line, pending = pending + line.removeprefix("$ "), ""
-            comment = line.split("#", 1)[1] if "#" in line else ""
-            rev = AT_REV.search(comment)
-            for argv in split_commands(line):
-                commands.append(Command(file, number, argv, rev and rev.group(1), text=line))
+        language = text.splitlines()[start - 2].removeprefix("```")
+        if language in ("bash", "sh", "shell", "console", ""):
+            commands += block_commands(block.splitlines(), start, file, shell=language in ("bash", "sh", "shell"))
+    indented, previous = [], "\n"
+    for number, line in enumerate(outside + ["\n"], 1):
+        if line.startswith("    ") and (indented or not previous.strip()):
+            indented.append(line)
+        elif indented:
+            commands += block_commands(indented, number - len(indented), file)
+            indented = []
+        previous = line
     outside = "".join(outside)
     for m in re.finditer(r"`((?:[^`\n]|\n(?!\s*\n))+)`(\s*\(at ([0-9a-f]{7,40})\))?", outside if inline else ""):
         span = " ".join(m.group(1).split())
+        if not starts_a_command(span) or span.split()[0] == "vitlab" and len(span.split()) < 3:
+            continue
         number = outside.count("\n", 0, m.start()) + 1
-        first = span.split()
-        while first and re.fullmatch(r"\w+=\S*", first[0]):
-            first.pop(0)
-        if not first or first[0] not in ("vitlab", "python", "python3", "bash", "torchrun"):
-            continue
-        if first[0] == "vitlab" and (len(first) < 3 or first[1].endswith(":")):
-            continue
-        for argv in split_commands(span):
-            if is_command(argv):
-                commands.append(Command(file, number, argv, m.group(3), inline=True, text=span))
+        commands += [Command(file, number, argv, m.group(3), inline=True, text=span) for argv in split_commands(span)]
     return sorted((c for c in commands if is_command(c.argv)), key=lambda c: c.line)
 
 

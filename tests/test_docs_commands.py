@@ -10,7 +10,8 @@ must exist; ``vitlab train: error ...`` is output).  Each is parametrized by its
   a train/finetune/sweep command's recipe exists and its ``--set FIELD=VALUE`` fields build a
   valid config (``vitlab.cli.train.resolve_config``); an experiment's name and ``--set`` keys
   exist.  An inline span may show a flag without the command's required arguments
-  (```vitlab eval --compile```); a bash line may not;
+  (```vitlab eval --compile```); a bash line may not.  A flag is spelled out (argparse would take
+  ``--seed`` for ``--seeds``, a flag other than the one shown);
 * ``python benchmarks/X.py ...`` / ``python -m benchmarks.X ...``: the script exists and its
   argparse flags (read from its source) or its A/B experiment names accept the words;
 * ``bash FILE``, ``.ci/run``, ``python FILE.py``, ``python -m pytest PATH``: the files exist;

@@ -227,9 +227,10 @@ def typed_or_placeholder(kind):
 
 
 def lenient(parser: argparse.ArgumentParser, partial: bool) -> argparse.ArgumentParser:
-    """``parser`` (and its commands') taking placeholders as values; ``partial``: no argument required
-    (`vitlab eval --compile` shows a flag)."""
+    """``parser`` (and its commands') taking placeholders as values and refusing abbreviated flags
+    (`--seed` for `--seeds`); ``partial``: no argument required (`vitlab eval --compile` shows a flag)."""
     for sub in [parser, *getattr(parser, "commands", {}).values()]:
+        sub.allow_abbrev = False  # `--seed` for `--seeds` works, but names another flag than it shows
         for action in sub._actions:
             if action.type is not None and action.type is not str:
                 action.type = typed_or_placeholder(action.type)
@@ -297,7 +298,7 @@ def parser_of_source(source: str, name: str) -> argparse.ArgumentParser:
     an A/B script (a module-level ``EXPERIMENTS`` dict, its keys the arguments:
     ``run_experiments(EXPERIMENTS, sys.argv[1:])``), a choice among the keys of ``EXPERIMENTS``."""
     tree = ast.parse(source)
-    parser = ScriptParser(prog=name, add_help=True)
+    parser = ScriptParser(prog=name, add_help=True, allow_abbrev=False)
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)]
     add_argument = [c for c in calls if isinstance(c.func, ast.Attribute) and c.func.attr == "add_argument"]
     experiments = [node.value for node in tree.body if isinstance(node, ast.Assign)

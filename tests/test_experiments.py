@@ -127,8 +127,8 @@ def test_no_seeds_or_a_findings_folder_are_refused_before_any_run(tmp_path, caps
         assert main(["experiment", "head", "--quick", "--out", str(tmp_path / "x"), "--seeds", seeds]) == 2
         assert capsys.readouterr().err.strip() == f"vitlab experiment: error: seeds={seeds}: must be a positive integer"
     assert main(["experiment", "head", "--quick", "--out", str(tmp_path / "x"), "--findings", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == (f"vitlab experiment: error: --findings {tmp_path}: a folder; expected "
-                                              "a markdown file (e.g. docs/findings.md)")
+    assert capsys.readouterr().err.strip() == (f"vitlab experiment: error: --findings='{tmp_path}' is a folder; "
+                                              "expected a file to write")
     assert os.listdir(tmp_path / "x") == ["results.md"] and (tmp_path / "x" / "results.md").read_text() == "kept"
 
 

@@ -50,7 +50,8 @@ def one_line_warnings(command: str):
     """A warning shown as one line naming the command, as its refusals are: Python's own format adds
     the file, line and source of the code that warned, which tell a user nothing."""
     previous = warnings.formatwarning
-    warnings.formatwarning = lambda message, category, *where, **_: f"vitlab {command}: {category.__name__}: {message}\n"
+    warnings.formatwarning = lambda message, category, *where, **_: \
+        f"vitlab {command}: {category.__name__}: {message}\n"
     try:
         yield
     finally:

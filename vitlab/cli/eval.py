@@ -6,7 +6,8 @@ Without ``--val-split`` the split of the checkpoint's training run is used when 
 run's ``config.json`` sits beside the checkpoint and names the same data; otherwise the
 whole data set is evaluated.  The numbers come from ``vitlab.eval.Evaluator``, the
 evaluator the trainer runs.  The output is a few lines to read; with ``--json``, one JSON
-line of every metric instead.  ``--compile`` scores through ``vitlab.fast.compile_for_inference``.  The data and its split come from ``vitlab.data.labelled.load_held_out``.
+line of every metric instead.  ``--compile`` scores through ``vitlab.fast.compile_for_inference``.
+The data and its split come from ``vitlab.data.labelled.load_held_out``.
 
 ``fewshot`` shares this command's data flags (``add_data_arguments``) and its note on unreadable images.
 """

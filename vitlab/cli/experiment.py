@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab import experiments
+    from vitlab.config import need_output_file
 
     if args.list or not args.name:
         for name, title, paper in experiments.describe():
@@ -37,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
                    device=args.device, threads=args.threads, resume=args.resume or None)
     changes.update(parse_settings(args.name, args.quick, args.set))
     out = args.out or f"results/{args.name}" + ("-quick" if args.quick else "")
-    if args.findings and Path(args.findings).is_dir():  # refused after the runs, it cost them all
-        raise ValueError(f"--findings {args.findings}: a folder; expected a markdown file (e.g. docs/findings.md)")
+    if args.findings:  # refused after the runs, it cost them all
+        need_output_file("--findings", args.findings)
     result = experiments.run_experiment(args.name, out, quick=args.quick,
                                         command=command_of(args), **changes)
     if args.findings:

@@ -10,13 +10,12 @@ split it, from the data section that run recorded.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch
 
-from vitlab.config import to_pair
+from vitlab.config import need_count_or_fraction, to_pair
 from vitlab.data.digits import load_digits_dataset
 from vitlab.data.memory import InMemoryDataset, load_in_memory, load_source_in_memory
 from vitlab.data.sources import DataError, PathLike
@@ -112,9 +111,8 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
 
 
 def _check_val_split(val_split: float) -> None:
-    # NaN compares false with everything: without isfinite it reached the split, which named "val_size"
-    if not math.isfinite(val_split) or val_split < 0 or (val_split >= 1 and not float(val_split).is_integer()):
-        raise ValueError(f"--val-split={val_split}: a count (integer >= 1), a fraction in (0, 1), or 0 for all")
+    # a finite number: NaN compares false with everything, and reached the split, which named "val_size"
+    need_count_or_fraction("--val-split", val_split, "a count (integer >= 1), a fraction in (0, 1), or 0 for all")
 
 
 def _split(labels: torch.Tensor, val_split: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, float | int]:

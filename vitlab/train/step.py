@@ -188,7 +188,8 @@ def train_step(setup, batches: Iterator, lr: float, size: int) -> StepResult:
     except Exception as err:  # noqa: BLE001 - any failure of the compiled step: eager decides
         if not compiled:
             raise
-        warnings.warn(f"torch.compile failed ({failure_summary(err)}); training continues eager", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"torch.compile failed ({failure_summary(err)}); training continues eager", RuntimeWarning,
+                      stacklevel=2)
         setup.trained = setup.trained._orig_mod
         setup.optimizer.zero_grad(set_to_none=True)
         loss_sum, correct, seen, origins = accumulate(setup, itertools.chain(list(taken), batches), size)
@@ -237,8 +238,8 @@ class Update:
             try:
                 return self.compiled_update(bad_ranks)
             except Exception as err:  # noqa: BLE001 - any failure of the compiled update: eager decides
-                warnings.warn(f"torch.compile of the optimizer step failed ({failure_summary(err)}); the optimizer step "
-                              "continues eager", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"torch.compile of the optimizer step failed ({failure_summary(err)}); the optimizer "
+                              "step continues eager", RuntimeWarning, stacklevel=3)
                 self.compiled = None
         return self.eager(bad_ranks)
 

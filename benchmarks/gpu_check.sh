@@ -26,7 +26,9 @@
 #        CPU_MODEL="--set model.width=192 --set model.depth=6 --set model.num_heads=8 --set model.mlp_dim=384
 #                   --batch-size 256 --lr 4.24e-3";
 #      the optimiser step compiled into its own CUDA graph, which the recipe leaves off: add
-#        "|--set run.compile_optimizer=true"; prints each run's accuracy and MFU.  A call runs 10 minutes at
+#        "|--set run.compile_optimizer=true"; the batches augmented one at a time, as before the recipe grouped
+#        them by 8 (the 93.08% run of 2026-11-28): add "|--set data.augment_batches=1"; prints each run's
+#        accuracy, MFU and data_wait.  A call runs 10 minutes at
 #      most, the machine's start not counted: the 10-minute goal runs as PARTS=C PART_C_MIN=9.5 in a call of
 #      its own (timeout_s=600; the half minute short of 10 is for the script's own seconds around the run, which
 #      the call's limit counts), a session's device time nearly whole
@@ -93,7 +95,7 @@ if not printed:
     sys.exit(f"{sys.argv[2]}: no summary printed (see its log)")
 s = json.loads(printed[-1])
 keys = ("steps", "val_top1", "val_top1_flip", "val_top1_single", "wall_s", "train_flops_per_image",
-        "step_images_per_s", "achieved_tflops", "peak_bf16_tflops", "mfu")
+        "step_images_per_s", "achieved_tflops", "peak_bf16_tflops", "mfu", "data_wait")
 print(sys.argv[2] + ":", " ".join(f"{k}={s.get(k)}" for k in keys), f"(model {s.get('model')})")
 PY
   done;; esac

@@ -6,7 +6,7 @@ from typing import get_type_hints
 import pytest
 import torch
 
-from vitlab.data.loader import Batches, BatchStream
+from vitlab.data.loader import Batches, BatchStream, derive_seed
 from vitlab.data.stream import StreamLoader
 from vitlab.data.transforms import TrainTransform, build_transform
 
@@ -158,3 +158,90 @@ def test_an_iterable_that_cannot_resume_is_not_batches():
             return {}
 
     assert not isinstance(Plain(), Batches) and not isinstance([(IMAGES, LABELS)], Batches)
+
+
+# ----------------------------------------------------------------------------- batches augmented in groups
+
+GROUPABLE = build_transform(TrainTransform(num_classes=5, crop="pad", crop_pad=2, randaug_ops=2, label_smoothing=0.1))
+
+
+def expected_batches(transform, seed: int, epoch: int, k: int, drop_last: bool = True, batch: int = 8):
+    """The stream's documented draws, made by hand: batches in the epoch's order, each group of
+    ``k`` augmented in one call seeded by the group's first batch (its position + 1)."""
+    stream = BatchStream(IMAGES, LABELS, batch, seed=seed, drop_last=drop_last)
+    order, out = stream._order(epoch), []
+    for first in range(0, len(stream), k):
+        slices = [stream.batch_indices(epoch, p) for p in range(first, min(first + k, len(stream)))]
+        idx = torch.cat(slices)
+        generator = torch.Generator().manual_seed(derive_seed(seed, epoch, first + 1, 0))
+        x, t = transform(IMAGES[idx], LABELS[idx], generator, example_ids=idx, epoch=epoch, seed=seed)
+        out += list(zip(x.split([len(s) for s in slices]), t.split([len(s) for s in slices])))
+    assert torch.equal(order[:8], stream.batch_indices(epoch, 0))
+    return out
+
+
+@pytest.mark.parametrize("k, drop_last", [(1, True), (3, True), (4, False), (10, True)])
+def test_grouped_batches_are_the_documented_draws(k, drop_last):
+    """k = 1 is every batch drawn on its own seed, as before groups existed; k > 1 draws a group
+    in one call on its first batch's seed and splits it, the last group shorter."""
+    stream = BatchStream(IMAGES, LABELS, 8, seed=4, transform=GROUPABLE, drop_last=drop_last, augment_batches=k)
+    for epoch in range(2):
+        got, want = list(stream), expected_batches(GROUPABLE, 4, epoch, k, drop_last)
+        assert len(got) == len(want) == len(stream)
+        for (x, t), (x2, t2) in zip(got, want):
+            assert torch.equal(x, x2) and torch.equal(t, t2)
+
+
+def test_groups_change_the_draws_not_the_examples():
+    """Grouping keeps each batch's examples and their order (only the augmentation's draws are
+    the group's), on every rank of a sharded run."""
+    for rank in range(2):
+        kwargs = dict(seed=5, drop_last=False, rank=rank, world_size=2)
+        assert ids_of(raw(augment_batches=4, **kwargs), 2) == ids_of(raw(**kwargs), 2)
+    plain = list(BatchStream(IMAGES, LABELS, 8, seed=5, transform=GROUPABLE))
+    grouped = list(BatchStream(IMAGES, LABELS, 8, seed=5, transform=GROUPABLE, augment_batches=3))
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(plain, grouped))  # the same labels, batch by batch
+    assert not torch.equal(plain[1][0], grouped[1][0])  # batch 1 is drawn on batch 0's seed now
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 3, 7])
+def test_a_stream_resumed_inside_a_group_is_bit_identical(stop_after):
+    def stream():
+        return BatchStream(IMAGES, LABELS, 8, seed=3, transform=GROUPABLE, augment_batches=3)
+
+    straight = [b for s in [stream()] for _ in range(2) for b in s]
+    first = stream()
+    consumed = list(itertools.islice(itertools.chain.from_iterable(first for _ in range(2)), stop_after))
+    resumed = stream()
+    resumed.load_state_dict(first.state_dict())
+    rest = []
+    while len(consumed) + len(rest) < len(straight):
+        rest.extend(resumed)
+    for (x, t), (x2, t2) in zip(consumed + rest, straight):
+        assert torch.equal(x, x2) and torch.equal(t, t2)
+
+
+def test_a_group_launches_the_augmentation_once():
+    """What grouping is for: the host dispatches the augmentation's operators once per group, so a
+    GPU step bound by launches gets its batches for a k-th of them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for k in (1, 6):
+        Count.calls = 0
+        with Count():
+            assert len(list(BatchStream(IMAGES, LABELS, 8, seed=1, transform=GROUPABLE, augment_batches=k))) == 6
+        counts[k] = Count.calls
+    assert counts[6] < counts[1] / 3, counts
+
+
+def test_augment_batches_must_be_a_positive_count():
+    with pytest.raises(ValueError, match="augment_batches=0"):
+        BatchStream(IMAGES, LABELS, 8, augment_batches=0)

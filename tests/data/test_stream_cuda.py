@@ -1,6 +1,8 @@
 """The data path on a GPU: pinned memory, non-blocking copies and the next batch made on a side
 stream hand over the same batches as the CPU path.  Skipped without a GPU (CI has none); run
 them on a lent machine with ``python3 -m pytest -q tests/data/test_stream_cuda.py``."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -54,8 +56,9 @@ def test_in_memory_batches_on_the_gpu_equal_the_cpus():
     labels = torch.arange(64) % 10
     cpu = BatchStream(images, labels, 16, seed=2)
     gpu = BatchStream(images, labels, 16, seed=2, device="cuda")
-    for (xc, yc), (xg, yg) in zip(take(cpu, 4), take(gpu, 4)):
-        assert torch.equal(xc, xg) and torch.equal(yc, yg)
+    grouped = BatchStream(images, labels, 16, seed=2, device="cuda", augment_batches=3)  # split on the side stream
+    for (xc, yc), (xg, yg), (xs, ys) in zip(take(cpu, 4), take(gpu, 4), take(grouped, 4)):
+        assert torch.equal(xc, xg) and torch.equal(yc, yg) and torch.equal(xc, xs) and torch.equal(yc, ys)
     transform = build_transform(TrainTransform(num_classes=10, crop="pad", image_size=8))
     x, y = next(iter(BatchStream(images, labels, 16, seed=2, transform=transform, device="cuda")))
     assert x.device.type == "cuda" and x.shape == (16, 3, 8, 8) and y.shape == (16, 10)
@@ -71,10 +74,12 @@ def test_augmenting_on_the_gpu_never_waits_for_the_device(shards):
     memory = BatchStream(images, labels, 16, seed=2, transform=transform, device="cuda")
     held_on_the_gpu = BatchStream(images.cuda(), labels.cuda(), 16, seed=2, transform=transform, device="cuda")
     streamed = StreamLoader(shards, 8, augment=augment, seed=0, workers=2, device="cuda")
+    unmixed = build_transform(dataclasses.replace(augment, mixup_alpha=0.0, cutmix_alpha=0.0))
+    grouped = BatchStream(images, labels, 8, seed=2, transform=unmixed, device="cuda", augment_batches=3)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for loader in (memory, held_on_the_gpu, streamed):
+        for loader in (memory, held_on_the_gpu, streamed, grouped):
             batches = iter(loader)
             for _ in range(3):
                 x, y = next(batches)

@@ -36,11 +36,12 @@ def test_accumulation_equals_one_big_batch(tiny):
     assert one["train_loss"] == __import__("pytest").approx(four["train_loss"], rel=1e-5)
 
 
-def test_resume_is_bit_exact(tiny):
+@pytest.mark.parametrize("augment_batches", [1, 3])  # 3: the restart at step 4 falls inside a group
+def test_resume_is_bit_exact(tiny, augment_batches):
     # dropout, augmentation and EMA all consume or carry state that must survive a restart
     cfg = tiny("run", steps=8, ckpt_every=4, keep_ckpts=3, crop="pad", crop_pad=2, flip=True, ema_decay=0.9,
                model_overrides={"img_size": 8, "patch_size": 4, "width": 16, "depth": 1, "num_heads": 2,
-                                "mlp_dim": 32, "dropout": 0.1})
+                                "mlp_dim": 32, "dropout": 0.1}, **{"data.augment_batches": augment_batches})
     full = train(cfg, verbose=False)
     logged = read_jsonl(f"{cfg.run.out}/metrics.jsonl")
     ckpts = list_checkpoints(f"{cfg.run.out}/checkpoints")

@@ -60,6 +60,9 @@ def test_streamed_resume_is_bit_exact(tiny, shard_set):
 def test_stream_choice_and_refusals(tiny, shard_set, tmp_path):
     with pytest.raises(ConfigError, match="data.train_examples"):
         train(tiny("a", data=str(shard_set), val_split=0, train_examples=10), verbose=False)
+    # groups of batches augmented in one call are made from data held in memory
+    with pytest.raises(ConfigError, match="data.augment_batches=2: groups batches of data held in memory"):
+        train(tiny("a", data=str(shard_set), val_split=0, **{"data.augment_batches": 2}), verbose=False)
     # shards decoded into memory on request: an in-memory run, with a stratified split
     summary = train(tiny("b", data=str(shard_set), val_split=6, steps=2, cache_dir=str(tmp_path / "cache"),
                          **{"data.stream": "memory"}), verbose=False)

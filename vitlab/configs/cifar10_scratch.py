@@ -68,7 +68,10 @@ AutoAugment reports about 76%); on the CPU, at 20 epochs, RandAugment cost 2 poi
 (docs/results.md).  Its weight decay stays at 0.2 (``GPU_WEIGHT_DECAYS``), the value its H200
 run trained with; the CPU's 0.3 is unmeasured there.  On one H200 it reached 93.08% on the held-out
 images with ``--time-limit 9.5``, 246 epochs, with the device idle a third of each step waiting on the
-host (docs/results.md); ``benchmarks/gpu_check.sh`` part C runs it.
+host (docs/results.md), which launched about 420 operators a step to augment the next batch: so a GPU
+run augments 8 batches in one call (``data.augment_batches``, ``GPU_AUGMENT_BATCHES``: the same work on
+the device for an eighth of the launches, each group drawn on the seed of its first batch); its effect
+on the step is unmeasured.  ``benchmarks/gpu_check.sh`` part C runs it.
 """
 import math
 
@@ -100,6 +103,8 @@ GPU_MODELS = {"vit": dict(MODELS["vit"], width=384, depth=7, num_heads=12, mlp_d
 GPU_AUGMENT = {"vit": dict(randaug_ops=2, randaug_magnitude=5.0)}
 # ... and its weight decay where a GPU run measured it (docstring).
 GPU_WEIGHT_DECAYS = {"vit": 0.2}
+# Batches augmented in one call on a GPU: the host launches the augmentation once per group (docstring).
+GPU_AUGMENT_BATCHES = 8
 
 
 def get_config(model: str = "vit", device: str = "auto") -> TrainConfig:
@@ -129,8 +134,8 @@ def gpu_changes(config: TrainConfig, model: str) -> dict:
     ``benchmarks/gpu_check.sh`` part C measures, ``--set run.compile_optimizer=true``)."""
     batch = GPU_BATCH_SIZE
     changes = {"optim.batch_size": batch, "optim.lr": config.optim.lr * math.sqrt(batch / config.optim.batch_size),
-               "data.progressive_sizes": (), "run.eval_every": 2000, "run.eval_batch_size": 2500, "run.compile": True,
-               "run.compile_optimizer": False}
+               "data.progressive_sizes": (), "data.augment_batches": GPU_AUGMENT_BATCHES, "run.eval_every": 2000,
+               "run.eval_batch_size": 2500, "run.compile": True, "run.compile_optimizer": False}
     if model in GPU_MODELS:
         changes["model.overrides"] = GPU_MODELS[model]
     for field, value in GPU_AUGMENT.get(model, {}).items():

@@ -77,6 +77,13 @@ class BatchStream:
     prefetch:   batches prepared ahead in a background thread (0 = none).  On a 2-core
                 CPU this did not pay (see benchmarks/data_throughput.py); with a GPU
                 it overlaps CPU-side work with the device's.
+    augment_batches: consecutive batches gathered and augmented in one call of ``transform``,
+                then split: the same work on the device in a k-th of the launches from the host,
+                for a GPU step that is bound by them.  The group of batches ``g*k .. g*k+k-1``
+                takes the seed of its first batch, so 1 gives every batch its own draws, as
+                before, and a stream resumed inside a group makes the group again and goes on
+                where it stopped.  A transform that works on the batch as a whole (mixup,
+                CutMix) would see the group instead: the trainer refuses that pair.
 
     Iterating yields the rest of the current epoch and then advances to the next
     epoch, so ``for epoch ...: for x, y in stream: ...`` walks the epochs in turn.
@@ -96,6 +103,7 @@ class BatchStream:
         rank: int = 0,
         world_size: int = 1,
         prefetch: int = 0,
+        augment_batches: int = 1,
     ) -> None:
         if images.shape[0] != labels.shape[0]:
             raise ValueError(f"images ({images.shape[0]}) and labels ({labels.shape[0]}) differ in length")
@@ -105,6 +113,8 @@ class BatchStream:
             raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
         if seed < 0:
             raise ValueError(f"seed={seed}: must be >= 0")
+        if augment_batches < 1:
+            raise ValueError(f"augment_batches={augment_batches}: must be >= 1")
         global_batch = batch_size * world_size
         if drop_last and images.shape[0] < global_batch:
             raise ValueError(
@@ -122,6 +132,7 @@ class BatchStream:
         self.rank = rank
         self.world_size = world_size
         self.prefetch = prefetch
+        self.augment_batches = augment_batches
         self.epoch = 0
         self.position = 0  # batches of ``epoch`` already handed out
 
@@ -157,8 +168,11 @@ class BatchStream:
         g = self.batch_size * self.world_size
         return order[position * g : (position + 1) * g][self.rank :: self.world_size]
 
-    def _make(self, order: torch.Tensor, epoch: int, position: int) -> Batch:
-        idx = copy_without_a_wait(self._slice(order, position), self.images.device)
+    def _make(self, order: torch.Tensor, epoch: int, position: int, count: int = 1) -> list[Batch]:
+        """Batches ``position .. position + count - 1``, gathered and augmented in one go."""
+        slices = [self._slice(order, p) for p in range(position, position + count)]
+        sizes = [len(one) for one in slices]
+        idx = copy_without_a_wait(torch.cat(slices), self.images.device)
         if self.device.type == "cuda" and self.images.device.type == "cpu":
             # gathered straight into pinned memory (one copy of the batch on the host, not two),
             # whose copy to the device does not block
@@ -168,20 +182,28 @@ class BatchStream:
         else:
             x, y = self.images[idx], self.labels[idx]
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        if self.transform is None:
-            return x, y
-        idx = copy_without_a_wait(idx, self.device)  # the ids, for alternating flips
-        batch_seed = derive_seed(self.seed, epoch, position + 1, self.rank)
-        generator = torch.Generator(device=self.device).manual_seed(batch_seed)
-        return self.transform(x, y, generator, example_ids=idx, epoch=epoch, seed=self.seed,
-                              **host_generator(self.device, batch_seed))
+        if self.transform is not None:
+            idx = copy_without_a_wait(idx, self.device)  # the ids, for alternating flips
+            batch_seed = derive_seed(self.seed, epoch, position + 1, self.rank)
+            generator = torch.Generator(device=self.device).manual_seed(batch_seed)
+            x, y = self.transform(x, y, generator, example_ids=idx, epoch=epoch, seed=self.seed,
+                                  **host_generator(self.device, batch_seed))
+        return list(zip(x.split(sizes), y.split(sizes)))
+
+    def _batches(self, order: torch.Tensor, epoch: int, start: int) -> Iterator[Batch]:
+        """Batches ``start ..`` of the epoch, made a group of ``augment_batches`` at a time; a
+        group that began before ``start`` is made whole and its earlier batches passed over."""
+        k = self.augment_batches
+        for first in range(start - start % k, len(self), k):
+            group = self._make(order, epoch, first, min(k, len(self) - first))
+            yield from group[max(start - first, 0):]
 
     def __iter__(self) -> Iterator[Batch]:
         if self.position >= len(self):  # state taken after the last batch of an epoch
             self.epoch, self.position = self.epoch + 1, 0
         epoch, order = self.epoch, self._order(self.epoch)
         positions = range(self.position, len(self))
-        batches = (self._make(order, epoch, p) for p in positions)
+        batches = self._batches(order, epoch, self.position)
         if self.prefetch > 0:
             batches = _prefetched(batches, self.prefetch)
         batches = one_ahead(batches, DeviceStage(self.device))

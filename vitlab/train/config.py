@@ -134,6 +134,7 @@ class DataConfig(Section):
     shuffle_buffer: int = 1000              # samples each streaming worker holds for shuffling (0: in order)
     memory_limit_gb: float = 8.0            # the decoded size above which "auto" streams a folder
     draft: bool = True                      # streaming: decode a JPEG at 1/2, 1/4 or 1/8 scale when that suffices
+    augment_batches: int = 1                # in memory: batches augmented in one call (a GPU's launches per batch / k)
 
     def __post_init__(self) -> None:
         self.check_bools()
@@ -144,6 +145,7 @@ class DataConfig(Section):
                  'expected "auto" or an integer >= 0')
         for name in ("shuffle_buffer", "split_seed", "train_examples"):
             need_int(self.path(name), getattr(self, name), 0)
+        need_int("data.augment_batches", self.augment_batches, 1)
         need(is_number(self.memory_limit_gb) and self.memory_limit_gb > 0, "data.memory_limit_gb",
              self.memory_limit_gb, "expected a positive number of GB")
         for name in ("source", "val_data", "cache_dir"):
@@ -327,6 +329,10 @@ class TrainConfig:
         if self.run.fsdp and self.optim.optimizer == "muon":
             raise ConfigError("optim.optimizer='muon' with run.fsdp=True: Muon orthogonalises whole weight matrices, "
                               "FSDP shards them; use 'adam', or DDP (run.fsdp=false)")
+        if self.data.augment_batches > 1 and (self.augment.mixup_alpha > 0 or self.augment.cutmix_alpha > 0):
+            raise ConfigError(f"data.augment_batches={self.data.augment_batches} with mixup or CutMix "
+                              "(augment.mixup_alpha, augment.cutmix_alpha): they mix images within one call's "
+                              "batch, which would be the group of batches; set data.augment_batches=1")
         if self.run.fsdp and self.run.precision == "fp16":
             raise ConfigError("run.precision='fp16' with run.fsdp=True: the gradient scaler of a sharded model is not "
                               "implemented; use 'bf16'")

@@ -177,6 +177,10 @@ def data_decisions(cfg: TrainConfig, world: World, cores: int, img_size: Pair, s
             "not counted: no data.source"
     try:
         streamed = streams(cfg, img_size)
+        if streamed and cfg.data.augment_batches > 1:
+            raise ConfigError(f"data.augment_batches={cfg.data.augment_batches}: groups batches of data held in "
+                              "memory, and this run streams its data (data.stream); set data.augment_batches=1 "
+                              "or data.stream=memory")
         changes = {"data.stream": "stream" if streamed else "memory"}
         if streamed:
             changes["data.stream_workers"] = stream_workers(cfg, world, cores, saved)

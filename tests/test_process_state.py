@@ -32,6 +32,7 @@ from PIL import Image
 
 import vitlab
 from vitlab import fast
+from vitlab.modes import evaluating
 
 TINY = vitlab.ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2, num_classes=3)
 
@@ -167,12 +168,17 @@ def caller():
 
 
 def tiny_model() -> torch.nn.Module:
-    """A model as a caller hands it over between training steps: in training mode, one parameter frozen."""
+    """A model as a caller hands it over between training steps: in training mode but for one frozen
+    normalisation held in eval mode, one parameter frozen."""
     model = vitlab.create_model(TINY)
     with torch.no_grad():  # the zero-initialised head would make every output 0
         model.head.weight.normal_(std=0.1)
     model.cls_token.requires_grad_(False)  # a frozen parameter, which a call must leave frozen
-    return model.train()
+    model.train()
+    # modes mixed, as a caller fine-tuning around a frozen part holds them: a call that gives back
+    # the root's mode to every module (model.train(was_training)) would set this one training
+    model.blocks[0].norm1.eval()
+    return model
 
 
 def tiny_images(n: int = 12) -> torch.Tensor:
@@ -189,6 +195,10 @@ def test_the_snapshot_sees_a_change(caller):
     with pytest.raises(AssertionError):
         with leaves_process_as_found(model):
             model.eval()
+    model = tiny_model()
+    with pytest.raises(AssertionError):
+        with leaves_process_as_found(model):
+            model.train(model.training)  # the root's mode given to all: the frozen normalisation trains
     with pytest.raises(AssertionError), warnings.catch_warnings():
         with leaves_process_as_found():
             warnings.simplefilter("ignore")
@@ -236,9 +246,8 @@ def test_fast_optimize_and_restore(caller):
     with leaves_process_as_found(model):
         fast.optimize(model)
         model(x).sum().backward()
-        with torch.no_grad():  # inference too, as a caller runs it (and puts the model back in training mode)
-            model.eval()(x)
-        model.train()
+        with torch.no_grad(), evaluating(model):  # inference too, as a caller runs it (its modes given back)
+            model(x)
         fast.restore(model)
         with fast.optimized(model) as optimised:
             optimised(x)

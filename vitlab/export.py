@@ -1,12 +1,12 @@
 """Export a model for serving: ONNX (for ONNX Runtime and others) or a torch.export program.
 
 Both take a model and an image size, trace one forward pass in eval mode (the model is
-given back in the mode it came in), and write one file.  The batch dimension is left
-symbolic unless ``dynamic_batch=False``; the image size is fixed, because the position
-embeddings are laid out for one patch grid.  Class
-names, when given, travel with the file in Hugging Face's terms: ONNX metadata_props
-``id2label`` and ``label2id`` (JSON), and the extra files ``id2label.json`` and
-``label2id.json`` of a .pt2 archive (``program_class_names`` reads them back).
+given back in the modes it came in, module by module), and write one file.  The batch
+dimension is left symbolic unless ``dynamic_batch=False``; the image size is fixed, because
+the position embeddings are laid out for one patch grid.  Class names, when given, travel
+with the file in Hugging Face's terms: ONNX metadata_props ``id2label`` and ``label2id``
+(JSON), and the extra files ``id2label.json`` and ``label2id.json`` of a .pt2 archive
+(``program_class_names`` reads them back).
 """
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from .config import Pair, to_pair
+from .modes import evaluating
 from .weights.labels import check_class_names, id2label, label2id, names_from_id2label
 
 __all__ = ["export_onnx", "export_program", "load_program", "model_img_size", "program_class_names"]
@@ -43,18 +44,6 @@ def _example(model: nn.Module, img_size: Pair, batch: int) -> torch.Tensor:
     # from a generator of its own: drawn from the global stream, an export would change what the caller draws next
     numbers = torch.Generator().manual_seed(0)
     return torch.randn(batch, in_chans, *img_size, generator=numbers).to(device=param.device, dtype=param.dtype)
-
-
-@contextlib.contextmanager
-def _traced_in_eval_mode(model: nn.Module) -> Iterator[None]:
-    """``model`` in eval mode inside the block (no dropout in the traced graph), and in the mode
-    it came in after: the caller's model is the caller's to train on."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 def _label_maps(model: nn.Module, class_names: Sequence[str] | None) -> dict[str, str]:
@@ -79,7 +68,7 @@ def export_program(model: nn.Module, path: str | os.PathLike, img_size: int | Pa
     size = model_img_size(model, img_size)
     x = _example(model, size, batch)
     shapes = ({0: torch.export.Dim("batch", min=1, max=4096)},) if dynamic_batch else None
-    with torch.no_grad(), _traced_in_eval_mode(model):
+    with torch.no_grad(), evaluating(model):
         program = torch.export.export(model, (x,), dynamic_shapes=shapes)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     torch.export.save(program, path, extra_files={f"{k}.json": v for k, v in labels.items()})
@@ -116,7 +105,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair 
     shapes = ({0: torch.export.Dim("batch", min=1, max=4096)},) if dynamic_batch else None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad(), _traced_in_eval_mode(model), warnings.catch_warnings(), _quiet(TORCHVISION_NOTICES):
+    with torch.no_grad(), evaluating(model), warnings.catch_warnings(), _quiet(TORCHVISION_NOTICES):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             model, (x,), dynamo=True, input_names=["images"], output_names=["logits"],

@@ -23,6 +23,7 @@ from torch import nn
 
 from vitlab.config import Pair
 from vitlab.models import capture_attention
+from vitlab.modes import evaluating
 
 __all__ = [
     "effective_patch_size",
@@ -62,17 +63,12 @@ def collect_attention(model: nn.Module, images: torch.Tensor) -> np.ndarray:
     """Attention probabilities of every layer: (layers, B, heads, L, L) float32.
 
     images: (B, C, H, W) float, preprocessed for the model.  The model runs in eval mode
-    (no dropout) and is restored to its previous mode.
+    (no dropout) and is given back in its previous modes, module by module.
     """
     _check_vit(model)
-    was_training = model.training
-    model.eval()
-    try:
-        with capture_attention(model) as maps:
-            model.forward_features(images)
-            attn = torch.stack(list(maps)).float().cpu().numpy()
-    finally:
-        model.train(was_training)
+    with evaluating(model), capture_attention(model) as maps:
+        model.forward_features(images)
+        attn = torch.stack(list(maps)).float().cpu().numpy()
     return attn
 
 

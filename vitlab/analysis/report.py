@@ -26,6 +26,7 @@ from torch import nn
 from vitlab.analysis.cost import model_flops
 from vitlab.data.memory import decode_image
 from vitlab.data.transforms import resize, to_float
+from vitlab.modes import evaluating
 
 from . import attention as att
 from . import embeddings as emb
@@ -411,11 +412,9 @@ def build_report(model: nn.Module, images: Images, run_dir: str | os.PathLike | 
     name = getattr(model.cfg, "name", None) or type(model).__name__
     classes = meta.get("classes") if isinstance(meta.get("classes"), list) else None
     is_vit = hasattr(model.cfg, "patch_size")
-    # inspected in eval mode (no dropout); given back in the mode it came in, as the evaluators do:
-    # a model inspected between training steps goes on training
-    was_training = model.training
-    model.eval()
-    try:
+    # inspected in eval mode (no dropout); given back in the modes it came in, as the evaluators do:
+    # a model inspected between training steps goes on training, its frozen parts still frozen
+    with evaluating(model):
         sections = [_section_card(model, meta), _section_curves(run_dir)]
         sections.append(_guarded(lambda: _section_predictions(model, x, shown, classes), "predictions",
                                  "Predictions"))
@@ -430,8 +429,6 @@ def build_report(model: nn.Module, images: Images, run_dir: str | os.PathLike | 
         else:
             sections.append(_card("vit", "Inspection", "", _note("This is not a Vision Transformer: "
                                                               "the attention and embedding figures do not apply.")))
-    finally:
-        model.train(was_training)
     links = [("card", "Model card"), ("curves", "Training"), ("predictions", "Predictions"),
              ("rollout", "Rollout"), ("distance", "Attention distance"), ("heads", "Heads"),
              ("embeddings", "Embeddings")]

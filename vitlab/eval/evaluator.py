@@ -20,6 +20,7 @@ from torch import nn
 from vitlab.config import PRECISIONS
 from vitlab.data.transforms import resize, to_float
 from vitlab.fast.kernels import autocast
+from vitlab.modes import evaluating
 
 from .features import check_tta_shift, mean_probability, tta_views
 from .metrics import check_num_bins, classification_report
@@ -75,20 +76,18 @@ class Evaluator:
 
     @torch.no_grad()
     def run(self, model: nn.Module, forward=None) -> dict:
-        """The metrics of ``model`` (left in the train/eval mode it came in).
+        """The metrics of ``model`` (left in the train/eval modes it came in, module by module).
 
         forward: what scores a batch in its place, the same function of the same weights
             (``vitlab.fast.compile_for_inference(model)``, say); None: ``model`` itself.
         """
         forward = model if forward is None else forward
         size = self.image_size or tuple(model.cfg.img_size)
-        was_training = model.training
-        model.eval()
         mine, valid = self._my_examples()
         names = ("loss", "top1", "top5", "top1_single", "top1_flip")
         sums = torch.zeros(len(names), dtype=torch.float64, device=self.device)  # read once, at the end
         all_logits = []
-        try:
+        with evaluating(model):
             for start in range(0, len(mine), self.batch_size):
                 idx, ok = mine[start:start + self.batch_size], valid[start:start + self.batch_size].to(self.device)
                 x = to_float(resize(self.images[idx].to(self.device), size))
@@ -107,8 +106,6 @@ class Evaluator:
                                      (hit.any(-1) & ok).sum(), single, flip_pair]).double()
                 if self.report_bins is not None:
                     all_logits.append(logits.cpu().numpy())
-        finally:
-            model.train(was_training)
         sums = dict(zip(names, sums.tolist()))
         if self.world is not None:
             sums = dict(zip(sums, self.world.all_reduce_sum(list(sums.values()))))

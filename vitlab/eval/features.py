@@ -24,6 +24,7 @@ from torch import nn
 
 from vitlab.config import ConfigError, Pair, to_pair
 from vitlab.data.transforms import resize, to_float
+from vitlab.modes import evaluating
 
 __all__ = ["extract_features", "predict_logits", "tta_views", "tta_view_count", "check_tta_shift", "tta_averaged",
            "mean_probability", "FeatureCache", "file_key"]
@@ -44,15 +45,11 @@ def _batched(model: nn.Module, images: torch.Tensor, fn: Callable[[torch.Tensor]
         raise ValueError(f"batch_size={batch_size}: must be >= 1")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     size = _input_size(model, image_size)
-    was_training = model.training
-    model.eval()
-    try:
-        out = []
+    out = []
+    with evaluating(model):
         for start in range(0, images.shape[0], batch_size):
             x = to_float(resize(images[start:start + batch_size].to(device), size))  # (b, C, h, w) in [-1, 1]
             out.append(fn(x).float().cpu().numpy())
-    finally:
-        model.train(was_training)
     return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
 
 

@@ -31,6 +31,7 @@ the trainer does with its compiled step; without it, the error is the caller's.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Callable
 
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from ..config import PRECISIONS
+from ..modes import evaluating
 from .kernels import autocast
 
 
@@ -84,14 +86,14 @@ class CompiledInference:
             raise ValueError(f"expected float images (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
         if images.device != self.device:
             raise ValueError(f"images on {images.device}, the model on {self.device}: move them first")
-        was_training, freezing = self.model.training, self.inductor_config.freezing
-        if was_training:  # a model already in eval mode is not walked again at every call
-            self.model.eval()
+        # a model already in eval mode is not walked at every call (the evaluators hand it over so)
+        modes = evaluating(self.model) if self.model.training else contextlib.nullcontext()
+        freezing = self.inductor_config.freezing
         self.inductor_config.freezing = True
         try:
             # Plain tensors in, whether or not the caller is in inference mode: the graph's guards tell
             # an inference tensor from a plain one, and one kind means one graph.
-            with torch.inference_mode(False), torch.no_grad(), autocast(self.device, self.precision):
+            with modes, torch.inference_mode(False), torch.no_grad(), autocast(self.device, self.precision):
                 if images.is_inference():
                     images = images.clone()
                 # one memory layout too: a strided view (a translated test-time view, say) would compile anew
@@ -101,8 +103,6 @@ class CompiledInference:
                 return torch.cat([self._padded(chunk) for chunk in images.split(self.batch_size)])
         finally:
             self.inductor_config.freezing = freezing
-            if was_training:
-                self.model.train()
 
     def _padded(self, chunk: torch.Tensor) -> torch.Tensor:
         n = chunk.shape[0]

@@ -233,6 +233,8 @@ def test_the_optimizer_step_in_a_cuda_graph_trains_as_the_eager_step(tmp_path):
     eager = _run_on_the_gpu(tmp_path, "eager", **{"run.compile_optimizer": False})
     assert graphed.resolved.compile == "reduce-overhead" == graphed.resolved.compile_optimizer
     assert eager.resolved.compile == "reduce-overhead" and eager.resolved.compile_optimizer == "off"
+    # the compiled update, a compiled call after the backward, would free the graphed backward's gradients
+    assert graphed.held_gradients is not None and eager.held_gradients is None
 
     def steps(s):
         batches, results = endless(s.stream), []
@@ -261,3 +263,31 @@ def test_the_optimizer_step_in_a_cuda_graph_trains_as_the_eager_step(tmp_path):
     for mine, theirs in ((graphed.model, eager.model), (graphed.ema.module, eager.ema.module)):
         for (name, v), w in zip(theirs.state_dict().items(), mine.state_dict().values()):
             torch.testing.assert_close(w, v, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_gradient_accumulation_under_cuda_graphs_trains_as_the_eager_model(tmp_path):
+    """Two micro-batches a step with the model CUDA-graphed: the second forward, a compiled call
+    after the first backward, frees that backward's gradients in torch's graph memory
+    (pytorch/pytorch#169545) unless the run holds them (``step.HeldGradients``): the steps then
+    give the eager model's losses and weights, and the model stays compiled (no fallback)."""
+    from vitlab.train.step import endless, train_step
+
+    torch._dynamo.reset()
+    # fp32 and SGD: the compiled and eager models round differently, which Adam would magnify
+    changes = {"optim.accum_steps": 2, "run.compile_optimizer": False, "run.precision": "fp32", "optim.optimizer": "sgd",
+               "optim.momentum": 0.9}
+    graphed = _run_on_the_gpu(tmp_path, "graphed", **changes)
+    eager = _run_on_the_gpu(tmp_path, "eager", **changes, **{"run.compile": False})
+    assert graphed.resolved.compile == "reduce-overhead" and graphed.resolved.accum_steps == 2
+    assert graphed.held_gradients is not None and eager.held_gradients is None
+    results = {}
+    for s in (graphed, eager):
+        batches = endless(s.stream)
+        results[id(s)] = [train_step(s, batches, lr=lr, size=s.img_size[0]).read() for lr in (0.1, 0.3, 0.2, 0.1)]
+    assert hasattr(graphed.trained, "_orig_mod")  # still the compiled model: no step fell back to eager
+    for got, expected in zip(results[id(graphed)], results[id(eager)]):
+        assert got.applied and expected.applied
+        assert got.loss == pytest.approx(expected.loss, rel=1e-4)
+        assert got.grad_norm == pytest.approx(expected.grad_norm, rel=1e-3)
+    for (name, v), w in zip(eager.model.state_dict().items(), graphed.model.state_dict().values()):
+        torch.testing.assert_close(w, v, rtol=1e-4, atol=1e-5, msg=name)

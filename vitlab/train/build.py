@@ -27,7 +27,7 @@ from .numerics import make_scaler
 from .optim import build_optimizer
 from .resolve import FINETUNE_MODEL_FIELDS, Resolved, resolve, resolve_device
 from .state import process_state, rng_state, set_process_state
-from .step import Update
+from .step import HeldGradients, Update
 
 BUILTIN_DATA = ("digits",)  # data sources that need no path (see vitlab/data/digits.py)
 
@@ -53,6 +53,7 @@ class Setup:
     update: Update            # what follows the backward: clipping, the optimiser, the EMA (eager or compiled)
     scaler: torch.amp.GradScaler | None = None  # fp16's gradient scaler (numerics.make_scaler)
     fp8: fast.Fp8Swap | None = None  # the dense layers run.fp8 put in fp8 (None: off)
+    held_gradients: HeldGradients | None = None  # the gradients out of a CUDA graph's memory (step.HeldGradients)
 
     @property
     def precision(self) -> str:
@@ -268,5 +269,9 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
         evaluator, final_evaluator = evaluator_with(0), evaluator_with(cfg.run.final_eval_shift)
     scaler = make_scaler(resolved.precision, world.device, cfg.run.loss_scale)
     update = Update(trained.parameters(), optimizer, ema, model, cfg.optim.clip_norm, resolved.compile_optimizer)
+    # a compiled call after a CUDA-graphed backward frees its gradients: the compiled update's, or
+    # the next micro-batch's forward
+    held = (HeldGradients(trained.parameters()) if resolved.compile == "reduce-overhead"
+            and (resolved.compile_optimizer != "off" or resolved.accum_steps > 1) else None)
     return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, evaluator, final_evaluator, micro_batch,
-                 tuple(img_size), resolved, rng, update, scaler, fp8)
+                 tuple(img_size), resolved, rng, update, scaler, fp8, held)

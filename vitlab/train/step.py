@@ -2,6 +2,8 @@
 
     K times: next micro-batch -> forward (autocast) -> loss / K (fp16: x the loss scale)
              -> backward (DDP all-reduces the gradients on the K-th only)
+             -> under CUDA graphs, where a compiled call follows: the gradients copied out of
+                the graph's memory (``HeldGradients``)
     fp16: unscale the gradients
     ``Update``: clip the global gradient norm
                 skip = the loss on any process, or the gradient norm, is not finite   (a device flag)
@@ -34,7 +36,7 @@ from vitlab.fast.kernels import autocast
 from .distributed import all_reduce_tensor
 from .optim import TracedStep, skips_on_device
 
-__all__ = ["StepResult", "Update", "autocast", "endless", "example_losses", "loss_fn", "train_step"]
+__all__ = ["HeldGradients", "StepResult", "Update", "autocast", "endless", "example_losses", "loss_fn", "train_step"]
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor, kind: str) -> torch.Tensor:
@@ -138,6 +140,8 @@ def accumulate(setup, batches: Iterator, size: int) -> tuple[torch.Tensor, torch
                 correct += x.shape[0] * mpp_accuracy(out)
             # fp16: the loss is scaled up so that small gradients do not flush to zero in half precision
             ((setup.scaler.scale(loss) if setup.scaler is not None else loss) / K).backward()
+        if setup.held_gradients is not None:
+            setup.held_gradients.take()
         loss_sum += loss.detach().float() / K
         origins.append((position, finite_rows))
         seen += x.shape[0]
@@ -281,6 +285,38 @@ class Update:
         if self.ema is not None:
             self.ema.update(self.model, weight=1.0 - skip.float())
         return torch.stack([grad_norm, skip.float()])
+
+
+class HeldGradients:
+    """The gradients moved, after each backward, into buffers of the run's own, one per
+    parameter at a fixed address.
+
+    Under CUDA graphs (torch.compile's "reduce-overhead") a backward's gradients are outputs of
+    a CUDA graph, in torch's graph memory pool, and the next call of a compiled function after a
+    backward starts a new "generation" of torch's CUDA-graph trees, which frees the previous
+    one's outputs: the gradients too.  Two calls come after a backward: the update compiled on
+    its own (``Update``, ``run.compile_optimizer``) and, under gradient accumulation, the next
+    micro-batch's forward.  Copied here first (one foreach copy), the gradients outlive the
+    pool; the next micro-batch's backward adds to them in place, and each buffer, marked static,
+    is read by the compiled update where it lies, with no copy into the graph's inputs.
+    ``zero_grad(set_to_none=True)`` lets go of them as before: the next step's first backward
+    gives new gradients, copied in again."""
+
+    def __init__(self, params):
+        self.params = [p for p in params if p.requires_grad]
+        self.buffers = [torch.zeros_like(p) for p in self.params]
+        for buffer in self.buffers:
+            torch._dynamo.mark_static_address(buffer)
+
+    def take(self) -> None:
+        """Each new gradient copied into its buffer, which becomes the parameter's gradient."""
+        moved = [i for i, p in enumerate(self.params) if p.grad is not None and p.grad is not self.buffers[i]]
+        if not moved:
+            return
+        with torch.no_grad():
+            torch._foreach_copy_([self.buffers[i] for i in moved], [self.params[i].grad for i in moved])
+        for i in moved:
+            self.params[i].grad = self.buffers[i]
 
 
 def gradient_norm(params: list, clip_norm: float) -> torch.Tensor:

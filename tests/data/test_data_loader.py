@@ -174,19 +174,22 @@ def expected_batches(transform, seed: int, epoch: int, k: int, drop_last: bool =
         slices = [stream.batch_indices(epoch, p) for p in range(first, min(first + k, len(stream)))]
         idx = torch.cat(slices)
         generator = torch.Generator().manual_seed(derive_seed(seed, epoch, first + 1, 0))
-        x, t = transform(IMAGES[idx], LABELS[idx], generator, example_ids=idx, epoch=epoch, seed=seed)
+        group = {"batch_sizes": [len(one) for one in slices]} if len(slices) > 1 else {}
+        x, t = transform(IMAGES[idx], LABELS[idx], generator, example_ids=idx, epoch=epoch, seed=seed, **group)
         out += list(zip(x.split([len(s) for s in slices]), t.split([len(s) for s in slices])))
     assert torch.equal(order[:8], stream.batch_indices(epoch, 0))
     return out
 
 
 @pytest.mark.parametrize("k, drop_last", [(1, True), (3, True), (4, False), (10, True)])
-def test_grouped_batches_are_the_documented_draws(k, drop_last):
+@pytest.mark.parametrize("transform", [GROUPABLE, AUGMENT], ids=["unmixed", "mixed"])
+def test_grouped_batches_are_the_documented_draws(k, drop_last, transform):
     """k = 1 is every batch drawn on its own seed, as before groups existed; k > 1 draws a group
-    in one call on its first batch's seed and splits it, the last group shorter."""
-    stream = BatchStream(IMAGES, LABELS, 8, seed=4, transform=GROUPABLE, drop_last=drop_last, augment_batches=k)
+    in one call on its first batch's seed, told the group's batch sizes, and splits it, the last
+    group shorter."""
+    stream = BatchStream(IMAGES, LABELS, 8, seed=4, transform=transform, drop_last=drop_last, augment_batches=k)
     for epoch in range(2):
-        got, want = list(stream), expected_batches(GROUPABLE, 4, epoch, k, drop_last)
+        got, want = list(stream), expected_batches(transform, 4, epoch, k, drop_last)
         assert len(got) == len(want) == len(stream)
         for (x, t), (x2, t2) in zip(got, want):
             assert torch.equal(x, x2) and torch.equal(t, t2)
@@ -202,6 +205,27 @@ def test_groups_change_the_draws_not_the_examples():
     grouped = list(BatchStream(IMAGES, LABELS, 8, seed=5, transform=GROUPABLE, augment_batches=3))
     assert all(torch.equal(a[1], b[1]) for a, b in zip(plain, grouped))  # the same labels, batch by batch
     assert not torch.equal(plain[1][0], grouped[1][0])  # batch 1 is drawn on batch 0's seed now
+
+
+def test_a_group_mixes_each_batch_within_itself_on_draws_of_its_own():
+    """Mixup and CutMix pair each image with the one at the mirrored position of its own batch,
+    one weight per batch, in a group as alone: each batch's targets are lam x its smoothed labels
+    + (1 - lam) x the same flipped, and the batches of a group drew different weights."""
+    mixup_only = build_transform(TrainTransform(num_classes=5, crop="none", flip=False, mixup_alpha=1.0,
+                                                label_smoothing=0.1))
+    stream = BatchStream(IMAGES, LABELS, 8, seed=6, transform=mixup_only, augment_batches=4)
+    weights = []
+    for position, (x, t) in enumerate(stream):
+        labels = LABELS[stream.batch_indices(0, position)]
+        smooth = torch.nn.functional.one_hot(labels, 5).float() * 0.9 + 0.02
+        row = next(j for j in range(8) if labels[j] != labels[7 - j])  # a pair of two labels tells the weight
+        lam = float(t[row, labels[row]] - smooth[7 - row, labels[row]]) / float(smooth[row, labels[row]]
+                                                                              - smooth[7 - row, labels[row]])
+        torch.testing.assert_close(t, lam * smooth + (1 - lam) * smooth.flip(0))
+        plain = IMAGES[stream.batch_indices(0, position)].float() / 127.5 - 1
+        torch.testing.assert_close(x, lam * plain + (1 - lam) * plain.flip(0), atol=1e-5, rtol=1e-5)
+        weights.append(round(lam, 6))
+    assert len(weights) == len(stream) and len(set(weights[:4])) == 4  # one draw per batch of the first group
 
 
 @pytest.mark.parametrize("stop_after", [1, 2, 3, 7])

@@ -81,10 +81,9 @@ def test_sections_check_themselves_when_built():
     refused("fsdp", lambda: TrainConfig(optim=OptimConfig(ema_decay=0.9), run=RunConfig(fsdp=True)))
     refused("optim", lambda: TrainConfig(optim={"lr": 0.1}))
     refused("data.augment_batches=0: must be a positive integer", lambda: DataConfig(augment_batches=0))
-    # mixup and CutMix pair images within one call of the augmentation, which a group would widen
-    refused(r"data.augment_batches=4 with mixup or CutMix", lambda: apply_overrides(
-        OK, ["data.augment_batches=4", "augment.cutmix_alpha=1.0"]))
     assert apply_overrides(OK, ["data.augment_batches=4"]).data.augment_batches == 4
+    # mixup and CutMix mix each batch of a group within itself (tests/data/test_data_loader.py)
+    assert apply_overrides(OK, ["data.augment_batches=4", "augment.cutmix_alpha=1.0"]).augment.cutmix_alpha == 1.0
     with pytest.raises(ConfigError, match="optim.lr"):  # replace builds the changed section anew
         with_changes(OK, {"optim.lr": 0.0})
 

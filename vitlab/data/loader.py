@@ -82,8 +82,9 @@ class BatchStream:
                 for a GPU step that is bound by them.  The group of batches ``g*k .. g*k+k-1``
                 takes the seed of its first batch, so 1 gives every batch its own draws, as
                 before, and a stream resumed inside a group makes the group again and goes on
-                where it stopped.  A transform that works on the batch as a whole (mixup,
-                CutMix) would see the group instead: the trainer refuses that pair.
+                where it stopped.  The transform is told the group's batch sizes
+                (``batch_sizes``), so that what works on a batch as a whole (mixup, CutMix)
+                mixes each batch within itself, on draws of its own.
 
     Iterating yields the rest of the current epoch and then advances to the next
     epoch, so ``for epoch ...: for x, y in stream: ...`` walks the epochs in turn.
@@ -186,8 +187,10 @@ class BatchStream:
             idx = copy_without_a_wait(idx, self.device)  # the ids, for alternating flips
             batch_seed = derive_seed(self.seed, epoch, position + 1, self.rank)
             generator = torch.Generator(device=self.device).manual_seed(batch_seed)
+            # a group's batch sizes, for what works on a batch as a whole (mixup, CutMix)
+            group = {"batch_sizes": sizes} if count > 1 else {}
             x, y = self.transform(x, y, generator, example_ids=idx, epoch=epoch, seed=self.seed,
-                                  **host_generator(self.device, batch_seed))
+                                  **host_generator(self.device, batch_seed), **group)
         return list(zip(x.split(sizes), y.split(sizes)))
 
     def _batches(self, order: torch.Tensor, epoch: int, start: int) -> Iterator[Batch]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -419,7 +419,8 @@ class EvalTransform:
 
 def _train(cfg: TrainTransform, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator, *,
            example_ids: Optional[torch.Tensor] = None, epoch: int = 0, seed: int = 0,
-           host_generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+           host_generator: Optional[torch.Generator] = None,
+           batch_sizes: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     if cfg.crop == "inception":
         images = random_resized_crop(images, cfg.image_size, cfg.crop_scale, cfg.crop_ratio, generator=generator)
     else:
@@ -443,7 +444,14 @@ def _train(cfg: TrainTransform, images: torch.Tensor, labels: torch.Tensor, gene
     if cfg.erase_prob > 0:
         x = random_erasing(x, cfg.erase_prob, generator)
     targets = one_hot_smooth(labels.to(x.device), cfg.num_classes, cfg.label_smoothing)
-    return mixup_cutmix(x, targets, cfg.mixup_alpha, cfg.cutmix_alpha, cfg.mix_switch_prob, generator, host_generator)
+    if batch_sizes is None or (cfg.mixup_alpha <= 0 and cfg.cutmix_alpha <= 0):
+        return mixup_cutmix(x, targets, cfg.mixup_alpha, cfg.cutmix_alpha, cfg.mix_switch_prob, generator,
+                            host_generator)
+    # a group of batches made in one call (BatchStream's augment_batches): each batch mixed within
+    # itself, on its own draws (in turn from the group's generators), as a batch made alone is
+    mixed = [mixup_cutmix(xb, tb, cfg.mixup_alpha, cfg.cutmix_alpha, cfg.mix_switch_prob, generator, host_generator)
+             for xb, tb in zip(x.split(list(batch_sizes)), targets.split(list(batch_sizes)))]
+    return torch.cat([xb for xb, _ in mixed]), torch.cat([tb for _, tb in mixed])
 
 
 def _eval(cfg: EvalTransform, images: torch.Tensor, labels: torch.Tensor,

@@ -329,10 +329,6 @@ class TrainConfig:
         if self.run.fsdp and self.optim.optimizer == "muon":
             raise ConfigError("optim.optimizer='muon' with run.fsdp=True: Muon orthogonalises whole weight matrices, "
                               "FSDP shards them; use 'adam', or DDP (run.fsdp=false)")
-        if self.data.augment_batches > 1 and (self.augment.mixup_alpha > 0 or self.augment.cutmix_alpha > 0):
-            raise ConfigError(f"data.augment_batches={self.data.augment_batches} with mixup or CutMix "
-                              "(augment.mixup_alpha, augment.cutmix_alpha): they mix images within one call's "
-                              "batch, which would be the group of batches; set data.augment_batches=1")
         if self.run.fsdp and self.run.precision == "fp16":
             raise ConfigError("run.precision='fp16' with run.fsdp=True: the gradient scaler of a sharded model is not "
                               "implemented; use 'bf16'")

@@ -11,7 +11,8 @@
 #   A  the CUDA tests; a failing test's short traceback, without the debug log lines (about 75 s)
 #   P  benchmarks/step_profile.py on the CIFAR-10 GPU recipe, then on the trainer's ViT-B/16 at batch 128 (bench's
 #      training row): the step's host and device time, the data path alone, the model and optimiser alone, the
-#      profiler's kernels (about 3-4 minutes: two compilations);
+#      update alone, the profiler's kernels and their time by kind (matmul, attention, normalisation, fused
+#      element-wise, optimiser, copies) (about 3-4 minutes: two compilations);
 #      P_ARGS adds step_profile.py arguments (a CPU try of the script: P_ARGS="--warmup 2 --steps 3")
 #   B  bench.py, compiled, bf16, ViT-B/16 training at batch 128: vitlab, its fp8 columns (tensorwise, rowwise)
 #      and timm (four fresh processes, each compiling its model: about 4 minutes)

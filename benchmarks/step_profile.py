@@ -13,19 +13,25 @@ Builds the run as ``vitlab train`` would (``--set`` changes it), takes ``--warmu
    optimiser, the EMA);
 2. ``one_batch``: the same steps on one batch used again and again: the model and the
    optimiser alone;
-3. ``data_only``: batches drawn and nothing trained: the data path alone.
+3. ``update_only``: what follows the backward alone (clipping, the optimiser, the EMA:
+   ``step.Update``), called again and again on one step's gradients: ``one_batch`` less this
+   is the model's forward and backward;
+4. ``data_only``: batches drawn and nothing trained: the data path alone.
 
 A rate bounded by the host shows as ``trained``'s host seconds close to its wall seconds;
 one bounded by the device as host seconds well under them.  Then ``torch.profiler`` over
 ``--profile-steps`` steps prints the device's kernels (CUDA) or the host's operators (CPU)
-by total time, and the device's kernel time per step.  One JSON line last.  Not a benchmark
-against a peer: a map of the step, for deciding what to make faster.
+by total time, the device's kernel time per step, and that time by kind of kernel
+(``KERNEL_KINDS``: matmuls, attention, normalisation, inductor's fused element-wise kernels,
+the optimiser's multi-tensor kernels, copies).  One JSON line last.  Not a benchmark against a
+peer: a map of the step, for deciding what to make faster.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import re
 import sys
 import time
 
@@ -34,7 +40,18 @@ import torch
 from vitlab.configs import load_recipe
 from vitlab.train.build import build
 from vitlab.train.overrides import apply_overrides, with_changes
-from vitlab.train.step import endless, train_step
+from vitlab.train.step import accumulate, endless, train_step
+
+# A CUDA kernel's kind, by its name: the first pattern that matches (searched in the lowercased
+# name; inductor names a fused kernel after the operators it holds, "triton_per_fused_native_layer_norm_0")
+KERNEL_KINDS = (
+    ("attention", r"flash|fmha|attention"),
+    ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|s16816|h16816|matmul|^triton_tem_"),  # tem: a Triton template
+    ("normalisation", r"layer_norm|layernorm|group_norm|batch_norm"),
+    ("optimiser (multi-tensor)", r"multi_tensor|foreach|fused_adam|adam"),
+    ("fused element-wise (inductor)", r"^triton_"),
+    ("copies and fills", r"memcpy|memset|copy|fill|cat"),
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,6 +113,40 @@ def measure(setup, batches, steps: int, size: int, train: bool = True) -> dict:
             "data_host_ms_per_step": round(1e3 * timed.seconds / steps, 3)}
 
 
+def kernel_kind(name: str) -> str:
+    """The ``KERNEL_KINDS`` entry a kernel's name matches, or "other"."""
+    lowered = name.lower()
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, lowered)), "other")
+
+
+def by_kind(kernels: list[tuple[str, float]], steps: int) -> dict[str, float]:
+    """Milliseconds per step of each kind of kernel, from (name, microseconds) pairs; the largest first."""
+    totals: dict[str, float] = {}
+    for name, us in kernels:
+        kind = kernel_kind(name)
+        totals[kind] = totals.get(kind, 0.0) + us
+    return {kind: round(us / 1e3 / steps, 3) for kind, us in sorted(totals.items(), key=lambda item: -item[1])}
+
+
+def measure_update(setup, batches, steps: int, size: int) -> dict:
+    """Wall milliseconds per call of what follows the backward (``setup.update``), on one step's
+    gradients used again and again (each call moves the weights; the numbers do not matter here)."""
+    sync = torch.cuda.synchronize if setup.world.device.type == "cuda" else (lambda: None)
+    setup.optimizer.zero_grad(set_to_none=True)
+    accumulate(setup, batches, size)
+    bad_ranks = torch.zeros(setup.world.size, device=setup.world.device)
+    setup.update(bad_ranks)  # a compiled update's first call compiles
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        setup.update(bad_ranks)
+    host = time.perf_counter() - start
+    sync()
+    wall = time.perf_counter() - start
+    setup.optimizer.zero_grad(set_to_none=True)
+    return {"ms_per_step": round(1e3 * wall / steps, 3), "host_ms_per_step": round(1e3 * host / steps, 3)}
+
+
 def profile(setup, batches, steps: int, size: int, rows: int) -> dict:
     """The profiler's table over ``steps`` steps, printed; the device's kernel time per step."""
     cuda = setup.world.device.type == "cuda"
@@ -114,7 +165,10 @@ def profile(setup, batches, steps: int, size: int, rows: int) -> dict:
     # microseconds of kernels and copies, summed (work on the data path's side stream overlapping the
     # step's counts twice)
     busy = sum(e.time_range.elapsed_us() for e in kernels)
-    return {"device_kernel_ms_per_step": round(busy / 1e3 / steps, 3), "device_events_per_step": len(kernels) // steps}
+    kinds = by_kind([(e.name, e.time_range.elapsed_us()) for e in kernels], steps)
+    print("device ms per step by kind of kernel:", ", ".join(f"{kind} {ms}" for kind, ms in kinds.items()))
+    return {"device_kernel_ms_per_step": round(busy / 1e3 / steps, 3), "device_events_per_step": len(kernels) // steps,
+            "device_ms_by_kind": kinds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     print("trained  ", report["trained"], flush=True)
     report["one_batch"] = measure(setup, itertools.repeat(next(batches)), args.steps, size)
     print("one_batch", report["one_batch"], flush=True)
+    report["update_only"] = measure_update(setup, batches, args.steps, size)
+    print("update_only", report["update_only"], flush=True)
     report["data_only"] = measure(setup, batches, args.steps, size, train=False)
     print("data_only", report["data_only"], flush=True)
     if args.profile_steps:

@@ -13,7 +13,8 @@
 #      training row): the step's host and device time, the data path alone, the model and optimiser alone, the
 #      update alone, the profiler's kernels and their time by kind (matmul, attention, normalisation, fused
 #      element-wise, optimiser, copies) (about 3-4 minutes: two compilations);
-#      P_ARGS adds step_profile.py arguments (a CPU try of the script: P_ARGS="--warmup 2 --steps 3")
+#      P_ARGS adds step_profile.py arguments (a CPU try of the script: P_ARGS="--warmup 2 --steps 3");
+#      P_B16=0 leaves out the ViT-B/16 half (about 2 minutes for the CIFAR recipe's alone)
 #   B  bench.py, compiled, bf16, ViT-B/16 training at batch 128: vitlab, its fp8 columns (tensorwise, rowwise)
 #      and timm (four fresh processes, each compiling its model: about 4 minutes)
 #   I  bench.py, compiled, bf16, ViT-B/16 inference, vitlab (vitlab.fast.compile_for_inference: frozen weights
@@ -63,10 +64,12 @@ case $PARTS in *P*) say "P the step's host, device and data time: the CIFAR-10 G
   grep -v DEBUG "$LOGS/P.log" | tail -n 32 | tee "$OUT/P.txt"
   # the trainer's ViT-B/16 step as bench.py's training row has it (bf16, compiled, batch 128), on the digits
   # resized to 224 px: its rate against the bench's, and where its time goes
-  timeout 200 python3 benchmarks/step_profile.py --recipe paper_pretrain:dataset=i21k --data digits \
-    --set model.name=ViT-B/16 --set optim.batch_size=128 --set data.val_split=0 --warmup 20 --steps 50 \
-    ${P_ARGS:-} > "$LOGS/P-b16.log" 2>&1
-  grep -v DEBUG "$LOGS/P-b16.log" | tail -n 32 | tee -a "$OUT/P.txt";; esac
+  if [ "${P_B16:-1}" != 0 ]; then
+    timeout 200 python3 benchmarks/step_profile.py --recipe paper_pretrain:dataset=i21k --data digits \
+      --set model.name=ViT-B/16 --set optim.batch_size=128 --set data.val_split=0 --warmup 20 --steps 50 \
+      ${P_ARGS:-} > "$LOGS/P-b16.log" 2>&1
+    grep -v DEBUG "$LOGS/P-b16.log" | tail -n 32 | tee -a "$OUT/P.txt"
+  fi;; esac
 case $PARTS in *B*) say "B ViT-B/16 bf16 training b128, compiled: vitlab, its fp8 columns, timm"
   timeout 300 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --fp8 tensorwise,rowwise \
     --only 'train/ViT-B/16/b128/bf16/(vitlab|vitlab-fp8-tensorwise|vitlab-fp8-rowwise|timm)$' \

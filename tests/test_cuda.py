@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -291,3 +292,25 @@ def test_gradient_accumulation_under_cuda_graphs_trains_as_the_eager_model(tmp_p
         assert got.grad_norm == pytest.approx(expected.grad_norm, rel=1e-3)
     for (name, v), w in zip(eager.model.state_dict().items(), graphed.model.state_dict().values()):
         torch.testing.assert_close(w, v, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_progressive_resizing_under_cuda_graphs_records_a_graph_per_size(tmp_path):
+    """A compiled run on one GPU keeps CUDA graphs ("reduce-overhead") under progressive resizing:
+    the model compiles again at the change of size, for the new fixed shape, and both sizes' steps
+    run as CUDA graphs (inductor counts none it could not capture), none falling back to eager."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from vitlab.train.step import endless, train_step
+
+    torch._dynamo.reset()
+    s = _run_on_the_gpu(tmp_path, "progressive", **{"data.progressive_sizes": ((8, 0.5),)})
+    assert s.resolved.compile == "reduce-overhead"
+    skips = counters["inductor"]["cudagraph_skips"]
+    batches = endless(s.stream)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager warns
+        results = [train_step(s, batches, lr=1e-3, size=size).read() for size in (8, 8, 8, 16, 16, 16, 8, 16)]
+    assert hasattr(s.trained, "_orig_mod") and counters["inductor"]["cudagraph_skips"] == skips
+    assert all(r.applied and math.isfinite(r.loss) for r in results)

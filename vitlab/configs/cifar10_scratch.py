@@ -51,9 +51,10 @@ The probes behind each choice and every run's figure: docs/results.md, "The CIFA
 recipe fitted to a GPU, whose step at the CPU's batch and model is bound by launching kernels,
 not by arithmetic (the CPU's plain ViT ran at a few percent of an H200's bf16 matmul peak).
 Batch 512 for every model, the learning rate scaled by the square root of the batch ratio (the
-rule for Adam-type updates; Muon's orthogonalised update takes the same scale), no progressive
-resizing (one input shape, so the compiled step is captured once as a CUDA graph and replayed:
-``run.compile``, which resolves to torch.compile's "reduce-overhead" mode on a GPU), and
+rule for Adam-type updates; Muon's orthogonalised update takes the same scale), compiled
+(``run.compile``, which resolves to torch.compile's "reduce-overhead" mode on a GPU: the step is
+captured as a CUDA graph and replayed), no progressive resizing (which would record a graph per
+size; unmeasured on a GPU: ``--set 'data.progressive_sizes=[[24,0.5]]'``), and
 evaluations every 2,000 steps in batches of 2,500.  The plain ViT is larger there, because the
 time budget, not the arithmetic, decides the model: width 384 (12 heads of 32 channels, the
 CPU model's locality prior with more slopes), 7 blocks, MLP 1536 (the paper's 4x): 12.5M
@@ -128,8 +129,8 @@ def get_config(model: str = "vit", device: str = "auto") -> TrainConfig:
 def gpu_changes(config: TrainConfig, model: str) -> dict:
     """The CPU recipe's changes on a GPU: a larger batch (the learning rate scaled by its square
     root), the plain ViT larger (``GPU_MODELS``), augmented with RandAugment (``GPU_AUGMENT``) and at
-    the weight decay measured there (``GPU_WEIGHT_DECAYS``), no progressive resizing (one CUDA
-    graph), fewer, larger evaluations, compiled.  The optimiser
+    the weight decay measured there (``GPU_WEIGHT_DECAYS``), no progressive resizing (one input
+    size, unmeasured with it), fewer, larger evaluations, compiled.  The optimiser
     step stays eager (``run.compile_optimizer=false``): compiling it costs time at the start of a
     run of a few minutes, against a few launches a step saved (the trade is what
     ``benchmarks/gpu_check.sh`` part C measures, ``--set run.compile_optimizer=true``)."""

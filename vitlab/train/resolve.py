@@ -301,12 +301,13 @@ def arithmetic(cfg: TrainConfig, device: torch.device, machine: Machine, saved: 
 
 
 def compile_mode(cfg: TrainConfig, world: World) -> str:
-    """torch.compile's mode: CUDA graphs replay a fixed-shape step without the host launching
-    each kernel; a run that changes its input size (progressive resizing) or spans processes
-    keeps the default mode."""
+    """torch.compile's mode: on one GPU, CUDA graphs replay the step without the host launching
+    each kernel (a progressive-resizing run records one graph per size: the model compiles
+    again, for a fixed shape, at each change); a run that spans processes keeps the default
+    mode."""
     if not cfg.run.compile:
         return "off"
-    graphs = world.device.type == "cuda" and not cfg.data.progressive_sizes and world.size == 1
+    graphs = world.device.type == "cuda" and world.size == 1
     return "reduce-overhead" if graphs else "default"
 
 

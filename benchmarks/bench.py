@@ -39,8 +39,11 @@ calls, after the warm-up: compiling allocates for autotuning, which a process th
 graph in inductor's cache skips: vitlab's and timm's compiled ViT-B/16 inference is one graph
 (the same FX-graph key, in separate caches).  So vitlab's compiled inference column runs what vitlab
 offers for it, ``vitlab.fast.compile_for_inference`` (frozen weights, under CUDA graphs on a
-GPU), and the peers and "vitlab-plain" ``torch.compile`` in its default mode; compiled training
-is ``torch.compile`` for all.
+GPU), and the peers and "vitlab-plain" ``torch.compile`` in its default mode.  Compiled training
+is ``torch.compile`` in its default mode and torch's AdamW for the peers and "vitlab-plain"; on a
+GPU vitlab's columns take the step ``vitlab train --compile`` takes there
+(``harness.graphed_training_step``: the model under CUDA graphs, the update compiled into a CUDA
+graph of its own, the same arithmetic plus the non-finite check).
 
 "% peak" is the achieved FLOP/s (analytic model FLOPs, multiply-add = 2, training = 3x
 forward) over the machine's practical peak for the dtype: the best 4096^3 matmul (8192^3 on

@@ -16,7 +16,8 @@
 #      P_ARGS adds step_profile.py arguments (a CPU try of the script: P_ARGS="--warmup 2 --steps 3");
 #      P_B16=0 leaves out the ViT-B/16 half (about 2 minutes for the CIFAR recipe's alone)
 #   B  bench.py, compiled, bf16, ViT-B/16 training at batch 128: vitlab, its fp8 columns (tensorwise, rowwise)
-#      and timm (four fresh processes, each compiling its model: about 4 minutes)
+#      and timm (four fresh processes, each compiling its model, vitlab's also its update as the trainer does:
+#      about 5-6 minutes; B_IMPLS narrows the columns, e.g. B_IMPLS='vitlab|timm')
 #   I  bench.py, compiled, bf16, ViT-B/16 inference, vitlab (vitlab.fast.compile_for_inference: frozen weights
 #      under CUDA graphs) and timm (torch.compile): batch 1 in three rounds (the order of the two rotates), batch 64
 #      and 256 in one (ten fresh processes: about 5 minutes)
@@ -36,7 +37,7 @@
 #      the call's limit counts), a session's device time nearly whole
 #   D  ViT-B/16 pre-training recipe from memory vs streamed JPEG shards
 # A session has 15 device minutes, a fresh machine's start (1-2 minutes) included: PARTS=AB (the default) fits one
-# call of about 6 minutes, then PARTS=C PART_C_MIN=3 a second (about 5); P, I and D take a session's calls of
+# call of about 7-8 minutes, then PARTS=C PART_C_MIN=3 a second (about 5); P, I and D take a session's calls of
 # their own.
 set -u
 mode=${1:-run}
@@ -71,8 +72,8 @@ case $PARTS in *P*) say "P the step's host, device and data time: the CIFAR-10 G
     grep -v DEBUG "$LOGS/P-b16.log" | tail -n 32 | tee -a "$OUT/P.txt"
   fi;; esac
 case $PARTS in *B*) say "B ViT-B/16 bf16 training b128, compiled: vitlab, its fp8 columns, timm"
-  timeout 300 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --fp8 tensorwise,rowwise \
-    --only 'train/ViT-B/16/b128/bf16/(vitlab|vitlab-fp8-tensorwise|vitlab-fp8-rowwise|timm)$' \
+  timeout 420 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --fp8 tensorwise,rowwise \
+    --only "train/ViT-B/16/b128/bf16/(${B_IMPLS:-vitlab|vitlab-fp8-tensorwise|vitlab-fp8-rowwise|timm})\$" \
     --out "$LOGS/B" > "$LOGS/B.log" 2>&1
   tail -n 10 "$LOGS/B.log" | tee "$OUT/B.txt";; esac
 case $PARTS in *I*) say "I ViT-B/16 bf16 inference, compiled, vitlab vs timm: b1 (3 rounds), b64, b256"

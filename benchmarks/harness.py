@@ -223,9 +223,10 @@ def optimize_if_default(impl: str, model, kind: str = "train", fp8_layers: tuple
 
 def compiled(impl: str, model, forward, case: dict[str, Any]):
     """``forward`` compiled as each implementation's own documentation has it: ``torch.compile``
-    (default mode) for the peers, for "vitlab-plain" and for training; vitlab's inference through its
-    own ``vitlab.fast.compile_for_inference`` (frozen weights, under CUDA graphs on a GPU, one batch
-    size), where the revision has it."""
+    (default mode) for the peers and for "vitlab-plain"; vitlab's inference through its own
+    ``vitlab.fast.compile_for_inference`` (frozen weights, under CUDA graphs on a GPU, one batch
+    size), where the revision has it; vitlab's training on a GPU as ``vitlab train --compile``
+    compiles it there, in mode "reduce-overhead" (CUDA graphs; ``graphed_training_step``)."""
     import torch
 
     if impl == "vitlab" and case["kind"] == "inference":
@@ -233,7 +234,49 @@ def compiled(impl: str, model, forward, case: dict[str, Any]):
 
         if hasattr(vitlab.fast, "compile_for_inference"):
             return vitlab.fast.compile_for_inference(model, case["dtype"], batch_size=case["batch"])
+    if trains_as_the_trainer(impl, case):
+        return torch.compile(forward, mode="reduce-overhead")
     return torch.compile(forward)
+
+
+def trains_as_the_trainer(impl: str, case: dict[str, Any]) -> bool:
+    """Whether a compiled training row runs vitlab's whole step in CUDA graphs, as its trainer does on
+    one GPU (``graphed_training_step``): vitlab's own columns, on a GPU, at a revision that has it."""
+    if impl not in ("vitlab", *FP8_IMPLS) or case["kind"] != "train" or not case.get("compile"):
+        return False
+    if case["device"] != "cuda":
+        return False
+    import vitlab.train.step
+
+    return hasattr(vitlab.train.step, "HeldGradients")
+
+
+def graphed_training_step(model, forward, x, labels, amp: bool, lr: float = 1e-4, weight_decay: float = 0.1):
+    """A training step as ``vitlab train --compile`` takes it on one GPU (``forward`` compiled in mode
+    "reduce-overhead"): the forward and backward replayed as CUDA graphs, the gradients held at
+    fixed addresses (``step.HeldGradients``), and what follows the backward (the global gradient
+    norm and the non-finite check, AdamW's update) compiled into a CUDA graph of its own
+    (``step.Update``, ``run.compile_optimizer``): no launch per parameter from the host.  The
+    arithmetic is the peers' step's (no clipping), plus the norm and the check."""
+    import torch
+
+    from vitlab.fast.kernels import autocast
+    from vitlab.train.step import HeldGradients, Update
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    update = Update(model.parameters(), optimizer, None, model, clip_norm=0.0, mode="reduce-overhead")
+    held = HeldGradients(model.parameters())
+    no_bad_rank = torch.zeros(1, device=x.device)
+
+    def step():
+        with autocast(x.device, "bf16" if amp else "fp32"):
+            loss = torch.nn.functional.cross_entropy(forward(x), labels)
+        loss.backward()
+        held.take()
+        update(no_bad_rank)
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
 
 
 def peers_available(device: str) -> list[str]:
@@ -432,6 +475,10 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
             def step():
                 with torch.inference_mode(), torch.autocast(device, torch.bfloat16, enabled=amp):
                     return forward(x)
+        elif trains_as_the_trainer(impl, case):
+            model.train()
+            labels = torch.randint(0, vitlab_config(spec).num_classes, (batch,), device=device)
+            step = graphed_training_step(model, forward, x, labels, amp)
         else:
             model.train()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)

@@ -1,6 +1,7 @@
 """The benchmark machinery: subprocess protocol, timing, memory, tables."""
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -291,3 +292,43 @@ def test_an_fp8_impl_is_the_model_with_its_blocks_swapped_then_optimized():
     model, _ = harness.make_model("vitlab-fp8-rowwise", "ViT-CIFAR")
     model = harness.optimize_if_default("vitlab-fp8-rowwise", model)
     assert vitlab.fast.fp8_scaling(model) == "rowwise" and vitlab.fast.is_optimized(model)
+
+
+def test_vitlabs_compiled_gpu_training_row_runs_the_trainers_step():
+    """On a GPU, vitlab's compiled training columns take the trainer's step (the whole step in CUDA
+    graphs); every other column, and every CPU row, the plain step."""
+    gpu_train = {"kind": "train", "compile": True, "device": "cuda"}
+    assert harness.trains_as_the_trainer("vitlab", gpu_train)
+    assert harness.trains_as_the_trainer("vitlab-fp8-rowwise", gpu_train)
+    for impl in ("timm", "hf-sdpa", "vitlab-plain"):
+        assert not harness.trains_as_the_trainer(impl, gpu_train)
+    for other in ({"device": "cpu"}, {"compile": False}, {"kind": "inference"}):
+        assert not harness.trains_as_the_trainer("vitlab", gpu_train | other)
+
+
+@pytest.mark.slow  # compiles
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="inductor needs a C++ compiler on a CPU")
+def test_the_trainers_step_trains_as_the_peers_step():
+    """``graphed_training_step`` (tried on a CPU, where inductor captures no CUDA graph) moves the
+    weights as the plain step of forward, backward and torch's AdamW does, to rounding."""
+    import copy
+
+    import torch
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, _ = harness.make_model("vitlab", "ViT-CIFAR")
+    twin, start = copy.deepcopy(model), copy.deepcopy(model.state_dict())
+    x, labels = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    step = harness.graphed_training_step(model, torch.compile(model, mode="reduce-overhead"), x, labels, amp=False)
+    opt = torch.optim.AdamW(twin.parameters(), lr=1e-4, weight_decay=0.1)
+    for _ in range(3):
+        step()
+        torch.nn.functional.cross_entropy(twin(x), labels).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for (name, got), expected in zip(model.state_dict().items(), twin.state_dict().values()):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6, msg=name)
+    assert any(not torch.equal(v, start[k]) for k, v in model.state_dict().items())  # the steps moved weights
+    torch._dynamo.reset()

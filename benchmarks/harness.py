@@ -263,7 +263,8 @@ def graphed_training_step(model, forward, x, labels, amp: bool, lr: float = 1e-4
     from vitlab.fast.kernels import autocast
     from vitlab.train.step import HeldGradients, Update
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    # fused on a GPU, as the trainer builds it: the eager update a failed compilation falls back to
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=x.device.type == "cuda")
     update = Update(model.parameters(), optimizer, None, model, clip_norm=0.0, mode="reduce-overhead")
     held = HeldGradients(model.parameters())
     no_bad_rank = torch.zeros(1, device=x.device)

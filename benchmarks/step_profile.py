@@ -93,20 +93,24 @@ class TimedBatches:
             self.seconds += time.perf_counter() - t
 
 
-def measure(setup, batches, steps: int, size: int, train: bool = True) -> dict:
-    """Wall and host seconds per step of ``steps`` steps (or batches drawn, ``train=False``)."""
+def timed_calls(setup, call, steps: int) -> tuple[float, float]:
+    """(host seconds, wall seconds) of ``steps`` calls of ``call``: the host's until its last
+    launch, the wall's until the device has finished too."""
     sync = torch.cuda.synchronize if setup.world.device.type == "cuda" else (lambda: None)
-    timed = TimedBatches(batches)
     sync()
     start = time.perf_counter()
     for _ in range(steps):
-        if train:
-            train_step(setup, timed, 1e-4, size)
-        else:
-            next(timed)
+        call()
     host = time.perf_counter() - start
     sync()
-    wall = time.perf_counter() - start
+    return host, time.perf_counter() - start
+
+
+def measure(setup, batches, steps: int, size: int, train: bool = True) -> dict:
+    """Wall and host seconds per step of ``steps`` steps (or batches drawn, ``train=False``)."""
+    timed = TimedBatches(batches)
+    host, wall = timed_calls(setup, (lambda: train_step(setup, timed, 1e-4, size)) if train else (lambda: next(timed)),
+                             steps)
     batch = setup.cfg.optim.batch_size
     return {"ms_per_step": round(1e3 * wall / steps, 3), "img_per_s": round(steps * batch / wall, 1),
             "host_ms_per_step": round(1e3 * host / steps, 3),
@@ -131,18 +135,11 @@ def by_kind(kernels: list[tuple[str, float]], steps: int) -> dict[str, float]:
 def measure_update(setup, batches, steps: int, size: int) -> dict:
     """Wall milliseconds per call of what follows the backward (``setup.update``), on one step's
     gradients used again and again (each call moves the weights; the numbers do not matter here)."""
-    sync = torch.cuda.synchronize if setup.world.device.type == "cuda" else (lambda: None)
     setup.optimizer.zero_grad(set_to_none=True)
     accumulate(setup, batches, size)
     bad_ranks = torch.zeros(setup.world.size, device=setup.world.device)
     setup.update(bad_ranks)  # a compiled update's first call compiles
-    sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        setup.update(bad_ranks)
-    host = time.perf_counter() - start
-    sync()
-    wall = time.perf_counter() - start
+    host, wall = timed_calls(setup, lambda: setup.update(bad_ranks), steps)
     setup.optimizer.zero_grad(set_to_none=True)
     return {"ms_per_step": round(1e3 * wall / steps, 3), "host_ms_per_step": round(1e3 * host / steps, 3)}
 

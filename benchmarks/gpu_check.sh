@@ -99,7 +99,7 @@ printed = [line for line in open(sys.argv[1]) if line.startswith("{")]
 if not printed:
     sys.exit(f"{sys.argv[2]}: no summary printed (see its log)")
 s = json.loads(printed[-1])
-keys = ("steps", "val_top1", "val_top1_flip", "val_top1_single", "wall_s", "train_flops_per_image",
+keys = ("steps", "val_top1", "val_top1_flip", "val_top1_single", "val_top1_views", "wall_s", "train_flops_per_image",
         "step_images_per_s", "achieved_tflops", "peak_bf16_tflops", "mfu", "data_wait")
 print(sys.argv[2] + ":", " ".join(f"{k}={s.get(k)}" for k in keys), f"(model {s.get('model')})")
 PY

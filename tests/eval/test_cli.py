@@ -91,6 +91,35 @@ def test_eval_shift_adds_translated_views_and_refuses_impossible_shifts(run_dir,
         assert f"--shift={bad}" in capsys.readouterr().err
 
 
+def test_eval_diagonal_shifts_report_each_nested_set_and_refuse_bad_sizes(run_dir, capsys):
+    from vitlab.data.digits import load_digits_dataset
+    from vitlab.eval.features import predict_logits
+
+    ckpt = str(run_dir / "model.safetensors")
+    assert main(["eval", "--checkpoint", ckpt, "--data", "digits", "--val-split", "0", "--flip", "--shift", "2,1",
+                 "--diagonal", "--json"]) == 0
+    out = last_json(capsys)
+    model = weights.load_model(run_dir / "model.safetensors")
+    data = load_digits_dataset(16)
+    labels = data.labels.numpy()
+    top1 = lambda **views: (predict_logits(model, data.images, **views).argmax(-1) == labels).mean()
+    assert out["top1"] == pytest.approx(top1(flip=True, shift=(2, 1), diagonal=True))
+    assert out["top1_views"]["10"] == pytest.approx(top1(flip=True, shift=2))
+    assert out["top1_views"]["18"] == pytest.approx(top1(flip=True, shift=2, diagonal=True))
+    assert out["top1_views"]["1"] == pytest.approx(top1())
+    assert main(["eval", "--checkpoint", ckpt, "--data", "digits", "--val-split", "0", "--shift", "1",
+                 "--diagonal"]) == 0
+    assert "top-1 by test-time views: 1 " in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # argparse's usage error, one line
+        main(["eval", "--checkpoint", ckpt, "--data", "digits", "--shift", "2,x"])
+    assert "argument --shift: '2,x': expected pixels" in capsys.readouterr().err
+    for args, message in ((["--shift", "2,2"], "--shift=(2, 2)"), (["--shift", "1,16"], "--shift=(1, 16)"),
+                          (["--diagonal"], "--diagonal adds diagonal translations")):
+        assert main(["eval", "--checkpoint", ckpt, "--data", "digits", *args]) != 0
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+
 @pytest.mark.slow
 def test_eval_compile_scores_every_view_as_eager_in_one_graph(run_dir, capsys, monkeypatch):
     # 1,797 images in batches of 128, each scored in 10 views: the last, short batch is padded to the

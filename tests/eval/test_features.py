@@ -100,3 +100,37 @@ def test_shifted_prediction_is_the_mean_over_the_ten_views():
         probs = torch.stack([model(v).softmax(-1) for v in tta_views(floats, flip=True, shift=2)])
     np.testing.assert_allclose(averaged, probs.mean(0).numpy(), atol=1e-6)
     assert not np.allclose(averaged, np.exp(predict_logits(model, x, flip=True)), atol=1e-3)
+
+
+def test_diagonal_and_several_shift_sizes_make_the_nested_grid_of_translations():
+    from vitlab.config import ConfigError
+    from vitlab.eval.features import check_tta_shift, tta_view_prefixes
+
+    x = torch.randn(2, 3, 7, 9)
+    padded = {s: np.pad(x.numpy(), ((0, 0), (0, 0), (s, s), (s, s)), mode="reflect") for s in (1, 2)}
+
+    def crop(dy, dx):  # the image's content moved by (dy, dx), reflection filling the border
+        s = max(abs(dy), abs(dx))
+        return x.numpy() if s == 0 else padded[s][..., s - dy:s - dy + 7, s - dx:s - dx + 9]
+
+    views = [v.numpy() for v in tta_views(x, flip=True, shift=(2, 1), diagonal=True)]
+    assert len(views) == tta_view_count(True, (2, 1), True) == 34
+    assert tta_view_prefixes(True, (2, 1), True) == [1, 2, 10, 18, 26, 34]
+    assert tta_view_prefixes(False, 2, True) == [1, 5, 9] and tta_view_prefixes(True) == [1, 2]
+    rings = [[(0, 0)], [(0, 2), (0, -2), (2, 0), (-2, 0)], [(2, 2), (2, -2), (-2, 2), (-2, -2)],
+             [(0, 1), (0, -1), (1, 0), (-1, 0)], [(1, 1), (1, -1), (-1, 1), (-1, -1)]]
+    start = 0
+    for ring in rings:  # each prefix adds exactly its ring of positions, each once, each with its mirror
+        plain = views[start:start + 2 * len(ring)][::2]
+        for dy, dx in ring:
+            assert sum(np.array_equal(v, crop(dy, dx)) for v in plain) == 1, (dy, dx)
+        for a, b in zip(views[start::2][:len(ring)], views[start + 1::2][:len(ring)]):
+            np.testing.assert_array_equal(b, a[..., ::-1])
+        start += 2 * len(ring)
+    # the first ten are the ten views of shift 2 alone, in their order: one pass scores both sets
+    for a, b in zip(views[:10], tta_views(x, flip=True, shift=2)):
+        np.testing.assert_array_equal(a, b.numpy())
+    for bad in ((), (2, 2), (0, 1), (1, 7), 7, True, (1.5,)):
+        with pytest.raises(ConfigError, match="shift="):
+            check_tta_shift(bad, (7, 9))
+    check_tta_shift((6, 1), (7, 9))

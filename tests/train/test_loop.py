@@ -249,6 +249,35 @@ def test_final_evaluation_adds_shifted_views_and_the_periodic_ones_do_not(tiny):
         train(tiny("shift8", final_eval_shift=8), verbose=False)
 
 
+def test_final_evaluation_scores_every_nested_set_of_views_in_one_pass(tiny):
+    from vitlab.config import ConfigError
+    from vitlab.eval.features import predict_logits
+    from vitlab.train.inputs import build_splits
+
+    summary = train(tiny("grid", eval_flip=True, final_eval_shift=[2, 1], steps=20, tensorboard=False,
+                         **{"run.final_eval_diagonal": True}), verbose=False)
+    model = load_model(summary["weights"]).eval()
+    splits = build_splits(tiny("grid"), (8, 8))
+    labels = splits.val_labels.numpy()
+    protocols = {1: {}, 2: dict(flip=True), 10: dict(flip=True, shift=2), 18: dict(flip=True, shift=2, diagonal=True),
+                 34: dict(flip=True, shift=(2, 1), diagonal=True)}
+    top1 = {k: (predict_logits(model, splits.val_images, **views).argmax(-1) == labels).mean()
+            for k, views in protocols.items()}
+    assert len(set(top1.values())) >= 3  # the protocols score differently here, so a mix-up shows
+    assert list(summary["val_top1_views"]) == [1, 2, 10, 18, 26, 34]
+    for k, want in top1.items():
+        assert summary["val_top1_views"][k] == pytest.approx(want), k
+    assert summary["val_top1"] == pytest.approx(top1[34])
+    saved = json.loads((Path(tiny("grid").run.out) / "summary.json").read_text())
+    assert saved["val_top1_views"]["10"] == summary["val_top1_views"][10]
+    with pytest.raises(ConfigError, match="run.final_eval_diagonal"):
+        tiny("diag_alone", **{"run.final_eval_diagonal": True})
+    with pytest.raises(ConfigError, match=r"run.final_eval_shift=\(2, 2\)"):
+        tiny("twice", final_eval_shift=(2, 2))
+    with pytest.raises(ConfigError, match=r"final_eval_shift=\(2, 8\)"):  # the 8x8 input cannot shift by 8
+        train(tiny("shift28", final_eval_shift=(2, 8)), verbose=False)
+
+
 def test_train_leaves_alone_a_process_group_it_did_not_create(tiny, tmp_path):
     import torch.distributed as dist
 

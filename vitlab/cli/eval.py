@@ -29,14 +29,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bins", type=int, default=15, help="confidence bins of the expected calibration error")
     p.add_argument("--flip", action="store_true",
                    help="test-time flip: average each image's predicted probabilities with its mirror image's")
-    p.add_argument("--shift", type=int, default=0, metavar="PIXELS",
+    p.add_argument("--shift", type=shift_pixels, default=0, metavar="PIXELS",
                    help="test-time translations: also average over each view shifted by PIXELS along each axis, "
-                        "both ways (reflection fills the border, as the training pad-and-crop); 0: none")
+                        "both ways (reflection fills the border, as the training pad-and-crop); several sizes "
+                        "comma-separated (2,1); 0: none")
+    p.add_argument("--diagonal", action="store_true",
+                   help="with --shift: also the four diagonal translations of each size (the 3x3 grid of positions); "
+                        "the summary gives the top-1 of each smaller set of views the larger one holds")
     p.add_argument("--compile", action="store_true",
                    help="score through vitlab.fast.compile_for_inference (frozen weights; CUDA graphs on a GPU): "
                         "the same scores, faster on a large set after a compilation of tens of seconds; a failed "
                         "compilation warns and runs eager")
     add_fast_argument(p)
+
+
+def shift_pixels(text: str) -> int | tuple[int, ...]:
+    """--shift's value: a number of pixels, or several comma-separated (checked against the
+    images' size once the model is read)."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected pixels, e.g. 2, or sizes such as 2,1") from None
+    return sizes[0] if len(sizes) == 1 else sizes
 
 
 def add_data_arguments(p: argparse.ArgumentParser, default_split: str) -> None:
@@ -65,6 +79,7 @@ def unread_note(skipped: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from vitlab import fast
     from vitlab.analysis.report import read_run_meta
+    from vitlab.config import ConfigError
     from vitlab.data.labelled import check_run_classes, load_held_out
     from vitlab.eval import Evaluator
     from vitlab.eval.features import check_tta_shift
@@ -74,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.weights import load_model
 
     check_num_bins(args.bins, "--bins")  # before the checkpoint and the data are read
+    if args.diagonal and not args.shift:
+        raise ConfigError("--diagonal adds diagonal translations of --shift's sizes: give --shift too, e.g. --shift 2")
     resolved = resolve_scoring(args.device, fast_path=args.fast is not False)
     device = resolved.device
     model = load_model(args.checkpoint, img_size=args.img_size).to(device).eval()
@@ -88,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
                          workers=resolved.decode_workers)
     check_run_classes(data.classes, meta.get("classes"), model.cfg.num_classes)
     evaluator = Evaluator(data.images[data.held], data.labels[data.held], batch_size=args.batch_size, device=device,
-                          flip=args.flip, shift=args.shift, image_size=size, report_bins=args.bins)
+                          flip=args.flip, shift=args.shift, diagonal=args.diagonal, image_size=size,
+                          report_bins=args.bins)
     # one batch shape (the last batch padded), compiled once; the views of test-time augmentation share it
     forward = fast.compile_for_inference(model, batch_size=args.batch_size, eager_on_failure=True) \
         if args.compile else None
@@ -108,13 +126,17 @@ def print_report(args: argparse.Namespace, report: dict[str, Any], data) -> None
     classes = data.classes
     if args.json:
         print(json.dumps({"top1": report["top1"], "top5": report["top5"], "n": report["n"], "flip": args.flip,
-                          "shift": args.shift, "ece": report["ece"], "classes": classes,
+                          "shift": args.shift, "diagonal": args.diagonal, "top1_views": report.get("top1_views"),
+                          "ece": report["ece"], "classes": classes,
                           "per_class_accuracy": dict(zip(classes, report["per_class_accuracy"])),
                           "confusion_matrix": report["confusion_matrix"], "split": data.split,
                           "split_seed": data.seed, "skipped_images": data.skipped}))
         return
     print(f"top-1 {100 * report['top1']:.2f}%  top-5 {100 * report['top5']:.2f}%  "
           f"ECE ({args.bins} bins) {100 * report['ece']:.2f}%")
+    if "top1_views" in report:
+        print("top-1 by test-time views: " + ", ".join(
+            f"{count} {100 * top1:.2f}%" for count, top1 in report["top1_views"].items()))
     worst = np.argsort([a if a is not None else 2.0 for a in report["per_class_accuracy"]])[:5]
     print("weakest classes: " + ", ".join(
         f"{classes[i]} {100 * report['per_class_accuracy'][i]:.1f}%" for i in worst

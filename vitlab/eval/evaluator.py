@@ -22,17 +22,20 @@ from vitlab.data.transforms import resize, to_float
 from vitlab.fast.kernels import autocast
 from vitlab.modes import evaluating
 
-from .features import check_tta_shift, mean_probability, tta_views
+from .features import Shift, check_tta_shift, mean_probability, tta_view_prefixes, tta_views
 from .metrics import check_num_bins, classification_report
 
 
 class Evaluator:
     """Loss, top-1 and top-5 of a model on one labelled set.
 
-    flip, shift: score the mean of the predicted probabilities of each image's test-time
-        views (``vitlab.eval.features.tta_views``: its mirror image; its four translations
-        by ``shift`` pixels).  With more than one view ``top1_single`` keeps the top-1 of
-        the image alone, and with both ``top1_flip`` that of image + mirror.
+    flip, shift, diagonal: score the mean of the predicted probabilities of each image's
+        test-time views (``vitlab.eval.features.tta_views``: its mirror image; its
+        translations by ``shift`` pixels, one size or several, along the axes and with
+        ``diagonal`` along both at once).  With more than one view ``top1_single`` keeps the
+        top-1 of the image alone, with both ``top1_flip`` that of image + mirror, and
+        ``top1_views`` the top-1 of every smaller set the views nest
+        (``tta_view_prefixes``: {1: ..., 2: ..., 10: ..., 18: ...}), scored in the same pass.
     report_bins: also the full ``classification_report`` (per-class accuracy, confusion
         matrix, ECE with this many bins), as `vitlab eval` prints it; one process only.
     precision: "fp32", "bf16" or "fp16" (autocast), as the caller resolved it.
@@ -43,7 +46,8 @@ class Evaluator:
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, batch_size: int = 128,
-                 device: str | torch.device = "cpu", precision: str = "fp32", flip: bool = False, shift: int = 0,
+                 device: str | torch.device = "cpu", precision: str = "fp32", flip: bool = False, shift: Shift = 0,
+                 diagonal: bool = False,
                  image_size: tuple[int, int] | None = None, report_bins: int | None = None, world=None) -> None:
         if images.dtype != torch.uint8 or images.ndim != 4:
             raise ValueError(f"expected uint8 images (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
@@ -57,7 +61,8 @@ class Evaluator:
             raise ValueError("report_bins: the full report is computed in one process only")
         self.images, self.labels = images, labels
         self.batch_size, self.device, self.precision = batch_size, torch.device(device), precision
-        self.flip, self.shift = flip, shift
+        self.flip, self.shift, self.diagonal = flip, shift, diagonal
+        self.view_sets = tta_view_prefixes(flip, shift, diagonal)
         self.image_size, self.report_bins, self.world = image_size, report_bins, world
         if shift:
             check_tta_shift(shift, image_size or tuple(images.shape[-2:]), "shift")
@@ -84,7 +89,7 @@ class Evaluator:
         forward = model if forward is None else forward
         size = self.image_size or tuple(model.cfg.img_size)
         mine, valid = self._my_examples()
-        names = ("loss", "top1", "top5", "top1_single", "top1_flip")
+        names = ("loss", "top1", "top5", "top1_single", "top1_flip", *(f"views_{k}" for k in self.view_sets))
         sums = torch.zeros(len(names), dtype=torch.float64, device=self.device)  # read once, at the end
         all_logits = []
         with evaluating(model):
@@ -93,17 +98,18 @@ class Evaluator:
                 x = to_float(resize(self.images[idx].to(self.device), size))
                 y = self.labels[idx].to(self.device)
                 with autocast(self.device, self.precision):
-                    views = [forward(view).float() for view in tta_views(x, self.flip, self.shift)]
+                    views = [forward(view).float() for view in tta_views(x, self.flip, self.shift, self.diagonal)]
                 logits = views[0]
                 single = flip_pair = torch.zeros((), device=self.device)
+                nested = [((mean_probability(*views[:k]).argmax(-1) == y) & ok).sum() for k in self.view_sets]
                 if len(views) > 1:
-                    single = ((views[0].argmax(-1) == y) & ok).sum()
+                    single = nested[0]
                     if self.flip and self.shift:  # views[1] is the mirror image
-                        flip_pair = ((mean_probability(*views[:2]).argmax(-1) == y) & ok).sum()
+                        flip_pair = nested[1]
                     logits = mean_probability(*views)
                 hit = logits.topk(min(5, logits.shape[-1]), dim=-1).indices == y[:, None]
                 sums += torch.stack([(F.cross_entropy(logits, y, reduction="none") * ok).sum(), (hit[:, 0] & ok).sum(),
-                                     (hit.any(-1) & ok).sum(), single, flip_pair]).double()
+                                     (hit.any(-1) & ok).sum(), single, flip_pair, *nested]).double()
                 if self.report_bins is not None:
                     all_logits.append(logits.cpu().numpy())
         sums = dict(zip(names, sums.tolist()))
@@ -115,6 +121,8 @@ class Evaluator:
             result["top1_single"] = sums["top1_single"] / n
         if self.flip and self.shift:
             result["top1_flip"] = sums["top1_flip"] / n
+        if len(self.view_sets) > 2:  # sets beyond the image and its mirror
+            result["top1_views"] = {k: sums[f"views_{k}"] / n for k in self.view_sets}
         if self.report_bins is not None:
             report = classification_report(np.concatenate(all_logits), self.labels.numpy(), num_bins=self.report_bins)
             result.update({k: report[k] for k in ("ece", "per_class_accuracy", "confusion_matrix")})

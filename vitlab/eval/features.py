@@ -26,8 +26,8 @@ from vitlab.config import ConfigError, Pair, to_pair
 from vitlab.data.transforms import resize, to_float
 from vitlab.modes import evaluating
 
-__all__ = ["extract_features", "predict_logits", "tta_views", "tta_view_count", "check_tta_shift", "tta_averaged",
-           "mean_probability", "FeatureCache", "file_key"]
+__all__ = ["extract_features", "predict_logits", "tta_views", "tta_view_count", "tta_view_prefixes", "check_tta_shift",
+           "shift_sizes", "tta_averaged", "mean_probability", "FeatureCache", "file_key"]
 
 
 def _input_size(model: nn.Module, image_size: int | Pair | None) -> Pair:
@@ -65,45 +65,85 @@ def extract_features(model: nn.Module, images: torch.Tensor, batch_size: int = 1
                     batch_size, image_size, device)
 
 
-def check_tta_shift(shift: int, size: Pair, name: str = "shift") -> None:
-    """Refuse a translation that reflection cannot fill: an integer in [0, min(size)).
+Shift = int | tuple[int, ...]  # test-time translations: 0 (none), a number of pixels, or several numbers
+
+
+def shift_sizes(shift: Shift) -> tuple[int, ...]:
+    """The translation sizes ``shift`` names, in its order: () for 0, (s,) for s, or the tuple."""
+    if isinstance(shift, (tuple, list)):
+        return tuple(shift)
+    return (shift,) if shift else ()
+
+
+def check_tta_shift(shift: Shift, size: Pair, name: str = "shift") -> None:
+    """Refuse a translation that reflection cannot fill: an integer in [0, min(size)), or a
+    list of distinct integers in [1, min(size)).
 
     ``name`` is the option as the caller's user spells it (``--shift``, ``final_eval_shift``).
     """
-    if not (isinstance(shift, int) and 0 <= shift < min(size)):
-        raise ConfigError(f"{name}={shift!r}: must be an integer in [0, {min(size)}) for {size[0]}x{size[1]} "
-                          "images (reflection fills at most size - 1 pixels)")
+    limit = min(size)
+    allowed = (f"an integer in [0, {limit}), or distinct integers in [1, {limit}), for {size[0]}x{size[1]} images "
+               "(reflection fills at most size - 1 pixels)")
+    if isinstance(shift, (tuple, list)):
+        ok = (len(shift) > 0 and len(set(shift)) == len(shift)
+              and all(isinstance(s, int) and not isinstance(s, bool) and 0 < s < limit for s in shift))
+    else:
+        ok = isinstance(shift, int) and not isinstance(shift, bool) and 0 <= shift < limit
+    if not ok:
+        raise ConfigError(f"{name}={shift!r}: must be {allowed}")
 
 
-def tta_view_count(flip: bool = False, shift: int = 0) -> int:
-    """How many views ``tta_views`` makes: 1, 2, 5 or 10 (the cost of an evaluation, in passes)."""
-    return (5 if shift else 1) * (2 if flip else 1)
+def tta_view_count(flip: bool = False, shift: Shift = 0, diagonal: bool = False) -> int:
+    """How many views ``tta_views`` makes (the cost of an evaluation, in passes): 1, 2, 5 or 10
+    for one shift along the axes; 4 more positions per shift size, 4 more again with ``diagonal``."""
+    return (1 + len(shift_sizes(shift)) * (8 if diagonal else 4)) * (2 if flip else 1)
 
 
-def tta_views(x: torch.Tensor, flip: bool = False, shift: int = 0) -> list[torch.Tensor]:
+def tta_view_prefixes(flip: bool = False, shift: Shift = 0, diagonal: bool = False) -> list[int]:
+    """The view counts at which ``tta_views``'s list closes a set of its own: the image (1),
+    with its mirror image (2), then after each shift size's axis translations and after its
+    diagonal ones, e.g. [1, 2, 10, 18] for flip, shift 2 and diagonal.  The first k views of
+    the list are each of these sets, so one pass scores all of them."""
+    per_position = 2 if flip else 1
+    counts, positions = [1, per_position], 1
+    for _ in shift_sizes(shift):
+        for _ in range(2 if diagonal else 1):
+            positions += 4
+            counts.append(positions * per_position)
+    return sorted(set(counts))
+
+
+def tta_views(x: torch.Tensor, flip: bool = False, shift: Shift = 0, diagonal: bool = False) -> list[torch.Tensor]:
     """The views of a test-time augmentation ensemble of a float batch (B, C, H, W).
 
-    The batch itself comes first.  shift > 0 adds its four translations by ``shift``
-    pixels (along each axis, both ways), the uncovered border filled by reflection as the
-    training pad-and-crop fills it.  flip puts each view's mirror image (left-right)
-    right after it: ``tta_view_count(flip, shift)`` views.
+    The batch itself comes first.  Each shift size s (``shift``: one, or several in order)
+    adds the four translations by s pixels along each axis, both ways, and with ``diagonal``
+    then the four by s along both axes at once (the 3x3 grid of positions s apart); the
+    uncovered border is filled by reflection, as the training pad-and-crop fills it.  flip
+    puts each view's mirror image (left-right) right after it: ``tta_view_count(flip, shift,
+    diagonal)`` views, whose leading ones are the smaller sets (``tta_view_prefixes``).
     """
     views = [x]
+    h, w = x.shape[-2:]
     if shift:
-        h, w = x.shape[-2:]
         check_tta_shift(shift, (h, w))
-        s = shift
+    for s in shift_sizes(shift):
         padded = F.pad(x, (s, s, s, s), mode="reflect")
-        views += [padded[..., s:s + h, :w], padded[..., s:s + h, 2 * s:],
-                  padded[..., :h, s:s + w], padded[..., 2 * s:, s:s + w]]
+
+        def moved(dy: int, dx: int) -> torch.Tensor:  # the content moves by (dy, dx)
+            return padded[..., s - dy:s - dy + h, s - dx:s - dx + w]
+
+        views += [moved(0, s), moved(0, -s), moved(s, 0), moved(-s, 0)]
+        if diagonal:
+            views += [moved(s, s), moved(s, -s), moved(-s, s), moved(-s, -s)]
     if flip:
         views = [v for view in views for v in (view, view.flip(-1))]
     return views
 
 
 def tta_averaged(fn: Callable[[torch.Tensor], torch.Tensor], flip: bool = False,
-                 shift: int = 0) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> log of the mean of softmax(fn(view)) over ``tta_views(x, flip, shift)``.
+                 shift: Shift = 0, diagonal: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> log of the mean of softmax(fn(view)) over ``tta_views(x, flip, shift, diagonal)``.
 
     The result is a log-probability, so its argmax, top-k and cross-entropy are those of
     the ensemble.  One forward pass per view; with a single view, ``fn`` itself.
@@ -112,7 +152,7 @@ def tta_averaged(fn: Callable[[torch.Tensor], torch.Tensor], flip: bool = False,
         return fn
 
     def averaged(x: torch.Tensor) -> torch.Tensor:
-        return mean_probability(*(fn(view) for view in tta_views(x, flip, shift)))
+        return mean_probability(*(fn(view) for view in tta_views(x, flip, shift, diagonal)))
 
     return averaged
 
@@ -125,14 +165,14 @@ def mean_probability(*logits: torch.Tensor) -> torch.Tensor:
 
 def predict_logits(model: nn.Module, images: torch.Tensor, batch_size: int = 128,
                    image_size: int | Pair | None = None, device: str | torch.device | None = None,
-                   flip: bool = False, shift: int = 0) -> np.ndarray:
+                   flip: bool = False, shift: Shift = 0, diagonal: bool = False) -> np.ndarray:
     """uint8 images (N, C, H, W) -> float32 logits (N, K), preprocessed as ``extract_features``.
 
-    flip, shift: average the predictions of each image's test-time views (``tta_averaged``:
-          its mirror image; its four translations by ``shift`` pixels); the result is then
-          log-probabilities rather than raw logits.
+    flip, shift, diagonal: average the predictions of each image's test-time views
+          (``tta_averaged``: its mirror image; its translations by ``shift`` pixels); the
+          result is then log-probabilities rather than raw logits.
     """
-    return _batched(model, images, tta_averaged(model, flip, shift), batch_size, image_size, device)
+    return _batched(model, images, tta_averaged(model, flip, shift, diagonal), batch_size, image_size, device)
 
 
 def file_key(path: str | os.PathLike) -> str:

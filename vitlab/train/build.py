@@ -45,7 +45,7 @@ class Setup:
     ema: EMA | None
     stream: Batches           # the micro-batches: a BatchStream in memory, a StreamLoader streamed
     evaluator: Evaluator | None        # the periodic evaluations (None: no validation split)
-    final_evaluator: Evaluator | None  # the last one, with ``run.final_eval_shift``'s views
+    final_evaluator: Evaluator | None  # the last one, with ``run.final_eval_shift``'s (and diagonal's) views
     micro_batch: int
     img_size: tuple           # (H, W) the run evaluates at and, after any progressive_sizes, trains at
     resolved: Resolved        # the "auto" settings as decided for this run
@@ -261,12 +261,13 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
         )
     evaluator = final_evaluator = None
     if splits.val_labels is not None and cfg.model.mpp is None:  # MPP has no classifier to score
-        def evaluator_with(shift: int) -> Evaluator:
+        def evaluator_with(shift, diagonal: bool = False) -> Evaluator:
             return Evaluator(splits.val_images, splits.val_labels, batch_size=cfg.run.eval_batch_size,
                              device=world.device, precision=resolved.precision, flip=cfg.run.eval_flip, shift=shift,
-                             image_size=img_size, world=world)
+                             diagonal=diagonal, image_size=img_size, world=world)
 
-        evaluator, final_evaluator = evaluator_with(0), evaluator_with(cfg.run.final_eval_shift)
+        evaluator = evaluator_with(0)
+        final_evaluator = evaluator_with(cfg.run.final_eval_shift, cfg.run.final_eval_diagonal)
     scaler = make_scaler(resolved.precision, world.device, cfg.run.loss_scale)
     update = Update(trained.parameters(), optimizer, ema, model, cfg.optim.clip_norm, resolved.compile_optimizer)
     # a compiled call after a CUDA-graphed backward frees its gradients: the compiled update's, or

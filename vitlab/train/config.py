@@ -265,7 +265,9 @@ class RunConfig(Section):
     eval_every: int = 0                     # evaluate every this many steps (0: at the end only)
     eval_batch_size: int = 256              # the evaluation's batch size
     eval_flip: bool = False                 # score each image with its mirror image (twice the cost)
-    final_eval_shift: int = 0               # the final evaluation also averages four shifts by this many pixels
+    final_eval_shift: int | tuple = 0       # the final evaluation also averages four shifts by this many pixels
+                                            # (several sizes: a list, e.g. [2, 1])
+    final_eval_diagonal: bool = False       # ... and four more per size, along both axes at once
     log_every: int = 10                     # steps between metric records
     tensorboard: bool = True                # also write TensorBoard events (when installed)
     ckpt_every: int = 0                     # steps between checkpoints (0: at the end only)
@@ -292,8 +294,14 @@ class RunConfig(Section):
              "must be a number > 0, e.g. 65536")
         for name in ("eval_batch_size", "log_every", "keep_ckpts", "time_measure_steps"):
             need_int(self.path(name), getattr(self, name), 1)
-        for name in ("seed", "threads", "eval_every", "final_eval_shift", "ckpt_every", "max_skipped_steps"):
+        for name in ("seed", "threads", "eval_every", "ckpt_every", "max_skipped_steps"):
             need_int(self.path(name), getattr(self, name), 0)
+        shift = self.final_eval_shift
+        need(is_int(shift) and shift >= 0 or isinstance(shift, (tuple, list)) and len(shift) > 0
+             and all(is_int(s) and s > 0 for s in shift) and len(set(shift)) == len(shift),
+             "run.final_eval_shift", shift, "expected pixels: an integer >= 0, or distinct integers > 0, e.g. [2, 1]")
+        need(not self.final_eval_diagonal or shift, "run.final_eval_diagonal", True,
+             "adds diagonal translations of run.final_eval_shift's sizes: set run.final_eval_shift too")
         # the seed also seeds numpy's global generator, which takes 32 bits (beyond them the run would fail
         # at its start with numpy's or torch's own overflow message, which names no field)
         need(self.seed <= MAX_SEED, "run.seed", self.seed, f"must be an integer in [0, 2**32 - 1 = {MAX_SEED}]")

@@ -287,7 +287,8 @@ def time_budget(setup: Setup, t_start: float, progress: Progress) -> TimeBudget:
     return TimeBudget(
         run.time_limit, t_start, max_steps=setup.cfg.optim.steps, measure_steps=run.time_measure_steps,
         eval_every=run.eval_every,
-        final_eval_views=tta_view_count(run.eval_flip, run.final_eval_shift) / tta_view_count(run.eval_flip),
+        final_eval_views=tta_view_count(run.eval_flip, run.final_eval_shift, run.final_eval_diagonal)
+        / tta_view_count(run.eval_flip),
         warmup=lambda total: warmup_steps(setup.cfg.optim, total), phases=setup.cfg.data.progressive_sizes,
         # a forward is about a third of a training step's work per image
         eval_cost_steps=(0 if setup.evaluator is None else len(setup.splits.val_labels))
@@ -415,7 +416,7 @@ def finish(setup: Setup, step: int, total_steps: int, last_val: dict, wall: floa
         "val_top1": last_val.get("val_top1"),
         "val_top5": last_val.get("val_top5"),
         "val_loss": last_val.get("val_loss"),
-        **{k: last_val[k] for k in ("val_top1_flip", "val_top1_single") if k in last_val},
+        **{k: last_val[k] for k in ("val_top1_flip", "val_top1_single", "val_top1_views") if k in last_val},
         "train_loss": train_rows[-1]["loss"] if train_rows else None,
         "train_examples": int(setup.splits.train_count()),
         "val_examples": int(len(setup.splits.val_labels)) if setup.splits.val_labels is not None else 0,

@@ -146,6 +146,34 @@ def test_a_recipe_never_probes_the_machine(monkeypatch):
     assert cfg.run.device == "auto" and cfg.run.on_device["cuda"]["optim.batch_size"] == 512
 
 
+def test_a_users_changes_win_over_the_recipes_settings_for_the_device(tmp_path):
+    from vitlab.configs import load_recipe
+    from vitlab.train.overrides import apply_overrides
+
+    recipe = with_changes(load_recipe("cifar10_scratch"), {"data.source": "digits", "data.val_split": 100,
+                                                           "run.out": str(tmp_path / "run")})
+    mine = ["augment.randaug_magnitude=9", "optim.batch_size=256", "model.width=512", "model.num_heads=16",
+            "run.compile_optimizer=true", "run.final_eval_shift=2"]
+    changed = apply_overrides(recipe, mine)
+    on_gpu = resolve(changed, world("cuda:0"), described(gpus=(H100,))).config
+    untouched = resolve(recipe, world("cuda:0"), described(gpus=(H100,))).config
+    assert on_gpu.augment.randaug_magnitude == 9 and on_gpu.optim.batch_size == 256 and on_gpu.run.compile_optimizer
+    assert on_gpu.run.final_eval_shift == 2
+    assert (on_gpu.model.overrides["width"], on_gpu.model.overrides["num_heads"]) == (512, 16)
+    # what the user left alone is still the recipe's GPU setting: its model's other fields, RandAugment's
+    # operations, the learning rate scaled for the GPU's batch
+    for name in ("depth", "mlp_dim", "attn_bias", "classifier"):
+        assert on_gpu.model.overrides[name] == untouched.model.overrides[name]
+    assert untouched.model.overrides["width"] == 384 and untouched.optim.batch_size == 512
+    assert on_gpu.augment.randaug_ops == untouched.augment.randaug_ops == 2 and on_gpu.optim.lr == untouched.optim.lr
+    on_cpu = resolve(changed, world("cpu"), described()).config
+    assert on_cpu.augment.randaug_magnitude == 9 and on_cpu.optim.batch_size == 256
+    assert on_cpu.model.overrides["width"] == 512 and on_cpu.model.overrides["depth"] == 6  # the CPU's model, changed
+    # a model given whole replaces the device's one
+    whole = with_changes(recipe, {"model.overrides": dict(recipe.model.overrides, depth=2)})
+    assert resolve(whole, world("cuda:0"), described(gpus=(H100,))).config.model.overrides["depth"] == 2
+
+
 def test_a_resumed_run_keeps_the_arithmetic_and_layout_it_started_with(tmp_path):
     cfg = auto_config(tmp_path)
     first = resolve(cfg, world(), described(cores=8))

@@ -87,6 +87,9 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
     refused when the model has no such field.  A shorter ``optim.steps`` without
     ``optim.warmup`` scales a warm-up given in steps (``schedules.scaled_warmup``), and a
     ``data.val_data`` without ``data.val_split`` holds nothing out of the training set.
+    What ``changes`` sets also wins over the recipe's settings for a kind of device
+    (``run.on_device``), field by field: they are the recipe's, a change is its user's
+    (``explicit_over_device``).
     """
     by_section: dict[str, dict] = {}
     architecture: dict[str, Any] = {}
@@ -109,11 +112,41 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
     optim = by_section.get("optim", {})
     if "warmup" not in optim and is_int(optim.get("steps")) and optim["steps"] >= 1:  # a shorter run, same shape
         by_section["optim"] = {**optim, "warmup": scaled_warmup(cfg.optim.warmup, optim["steps"], cfg.optim.steps)}
+    if cfg.run.on_device and "on_device" not in by_section.get("run", {}):
+        on_device = explicit_over_device(cfg.run.on_device, by_section, architecture)
+        if on_device != cfg.run.on_device:
+            by_section.setdefault("run", {})["on_device"] = on_device
     if architecture:
         model = by_section.setdefault("model", {})
         model["overrides"] = {**model.get("overrides", cfg.model.overrides), **architecture}
     sections = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in by_section.items()}
     return dataclasses.replace(cfg, recipe=recipe, **sections)
+
+
+def explicit_over_device(on_device: dict, by_section: dict[str, dict], architecture: dict) -> dict:
+    """A recipe's settings per kind of device (``run.on_device``) less the fields changed now
+    (``by_section``: {section: {field: value}}; ``architecture``: model fields), which would
+    otherwise be set back to the recipe's values when the run resolves to that device: a
+    ``--set augment.randaug_magnitude=9`` trained at the recipe's GPU magnitude on a GPU.  The
+    changed model fields go into the device's own ``model.overrides`` (its larger model keeps
+    the fields not changed); a change of ``model.overrides`` as a whole replaces them."""
+    changed = {f"{section}.{key}" for section, values in by_section.items() for key in values}
+
+    def overridden(name: str) -> bool:
+        key = name[len("model."):] if name.startswith("model.") else None
+        if key is not None and key not in MODEL_FIELDS and key in ARCHITECTURE_FIELDS:
+            return key in architecture
+        try:
+            return resolve_name(name) in changed
+        except ConfigError:  # not a field: the run's resolution names it when it applies the changes
+            return False
+
+    kept = {}
+    for kind, changes in on_device.items():
+        kept[kind] = {name: value for name, value in changes.items() if not overridden(name)}
+        if architecture and isinstance(kept[kind].get("model.overrides"), dict):
+            kept[kind]["model.overrides"] = {**kept[kind]["model.overrides"], **architecture}
+    return kept
 
 
 def model_family(name: str) -> type | None:

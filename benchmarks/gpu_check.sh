@@ -22,7 +22,8 @@
 #      under CUDA graphs) and timm (torch.compile): batch 1 in three rounds (the order of the two rotates), batch 64
 #      and 256 in one (ten fresh processes: about 5 minutes)
 #   C  the CIFAR-10 plain-ViT recipe, PART_C_MIN minutes, on the GPU, once per variant of PART_C_SETS
-#      ('|'-separated extra arguments; '' is the recipe; later arguments win), e.g. the recipe's GPU model
+#      ('|'-separated extra arguments; '' is the recipe; later arguments win, over the recipe's GPU settings too:
+#      before 8419e4f a run set those back), e.g. the recipe's GPU model
 #      (width 384, 7 blocks) against the CPU's (width 192, 6 blocks) at the CPU's batch rule, its RandAugment
 #      against none, and fp8 at the steps S the bf16 run took:
 #        PART_C_SETS="|$CPU_MODEL|--set augment.randaug_ops=0|--fp8 tensorwise --time-limit 0 --steps S", with

@@ -53,6 +53,14 @@ def shift_pixels(text: str) -> int | tuple[int, ...]:
     return sizes[0] if len(sizes) == 1 else sizes
 
 
+def check_diagonal(args: argparse.Namespace) -> None:
+    """--diagonal names translations of --shift's sizes: refused without them, before any work."""
+    from vitlab.config import ConfigError
+
+    if args.diagonal and not args.shift:
+        raise ConfigError("--diagonal adds diagonal translations of --shift's sizes: give --shift too, e.g. --shift 2")
+
+
 def add_data_arguments(p: argparse.ArgumentParser, default_split: str) -> None:
     p.add_argument("--data", help="ImageFolder folder, .tar/.tar.gz archive, tar shards (a folder, "
                                   "'shards/shard-{000000..000009}.tar' or 'shards/*.tar'), a Hugging Face save_to_disk "
@@ -79,7 +87,6 @@ def unread_note(skipped: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from vitlab import fast
     from vitlab.analysis.report import read_run_meta
-    from vitlab.config import ConfigError
     from vitlab.data.labelled import check_run_classes, load_held_out
     from vitlab.eval import Evaluator
     from vitlab.eval.features import check_tta_shift
@@ -89,8 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.weights import load_model
 
     check_num_bins(args.bins, "--bins")  # before the checkpoint and the data are read
-    if args.diagonal and not args.shift:
-        raise ConfigError("--diagonal adds diagonal translations of --shift's sizes: give --shift too, e.g. --shift 2")
+    check_diagonal(args)
     resolved = resolve_scoring(args.device, fast_path=args.fast is not False)
     device = resolved.device
     model = load_model(args.checkpoint, img_size=args.img_size).to(device).eval()

@@ -44,7 +44,8 @@ def report(tmp_path_factory):
         json.dumps({"step": s, "loss": 1.0 / (s + 1), "lr": 1e-3, **({"val_top1": 0.1 * s} if s % 2 else {})}) + "\n"
         for s in range(6)) + '{"step": 7, "loss"')  # a half-written last line is skipped
     (run / "config.json").write_text(json.dumps({"recipe": "tiny", "lr": 0.001, "steps": 6}))
-    (run / "summary.json").write_text(json.dumps({"val_top1": 0.5, "steps": 6}))
+    summary = {"val_top1": 0.5, "steps": 6, "val_top1_views": {"1": 0.4, "10": 0.5}}
+    (run / "summary.json").write_text(json.dumps(summary))
     (run / "classes.json").write_text(json.dumps(["cat", "dog", "emu"]))
     meta = read_run_meta(run / "model.safetensors")
     assert meta["recipe"]["recipe"] == "tiny" and meta["classes"] == ["cat", "dog", "emu"]
@@ -62,6 +63,7 @@ def test_report_is_self_contained_and_complete(report):
     assert "<script" not in page and "<link" not in page
     assert len(re.findall(r'src="data:image/png;base64,', page)) >= 7
     assert "emu" in page and "ViT-tiny/4" in page
+    assert "1=0.4, 10=0.5" in page  # the summary's top-1 by test-time views
 
 
 def test_models_without_the_figures_say_why():

@@ -262,7 +262,7 @@ def _section_card(model: nn.Module, meta: Mapping[str, Any]) -> str:
     results = meta.get("results")
     if isinstance(results, dict):
         keep = [(k, _fmt(v)) for k, v in results.items()
-                if isinstance(v, (int, float, str)) and k not in ("weights", "classes", "curves")]
+                if isinstance(v, (int, float, str, dict)) and k not in ("weights", "classes", "curves")]
         right.append(f"<h3>Results</h3>{_kv_table(keep)}")
     recipe = meta.get("recipe")
     recipe = _dotted(recipe) if isinstance(recipe, Mapping) else recipe

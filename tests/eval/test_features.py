@@ -130,7 +130,7 @@ def test_diagonal_and_several_shift_sizes_make_the_nested_grid_of_translations()
     # the first ten are the ten views of shift 2 alone, in their order: one pass scores both sets
     for a, b in zip(views[:10], tta_views(x, flip=True, shift=2)):
         np.testing.assert_array_equal(a, b.numpy())
-    for bad in ((), (2, 2), (0, 1), (1, 7), 7, True, (1.5,)):
+    for bad in ((), (2, 2), (0, 1), (1, 7), 7, True, (1.5,), ([1],)):
         with pytest.raises(ConfigError, match="shift="):
             check_tta_shift(bad, (7, 9))
     check_tta_shift((6, 1), (7, 9))

@@ -85,8 +85,8 @@ def check_tta_shift(shift: Shift, size: Pair, name: str = "shift") -> None:
     allowed = (f"an integer in [0, {limit}), or distinct integers in [1, {limit}), for {size[0]}x{size[1]} images "
                "(reflection fills at most size - 1 pixels)")
     if isinstance(shift, (tuple, list)):
-        ok = (len(shift) > 0 and len(set(shift)) == len(shift)
-              and all(isinstance(s, int) and not isinstance(s, bool) and 0 < s < limit for s in shift))
+        ok = (len(shift) > 0 and all(isinstance(s, int) and not isinstance(s, bool) and 0 < s < limit for s in shift)
+              and len(set(shift)) == len(shift))
     else:
         ok = isinstance(shift, int) and not isinstance(shift, bool) and 0 <= shift < limit
     if not ok:

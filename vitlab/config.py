@@ -45,6 +45,15 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_shift(value: Any, limit: int | None = None) -> bool:
+    """Test-time translations: an integer >= 0 (0: none), or distinct integers > 0 (several
+    sizes); each below ``limit`` when given (reflection fills at most size - 1 pixels)."""
+    sizes = value if isinstance(value, (tuple, list)) else (value,)
+    lowest = 1 if isinstance(value, (tuple, list)) else 0
+    return (len(sizes) > 0 and all(is_int(s) and lowest <= s and (limit is None or s < limit) for s in sizes)
+            and len(set(sizes)) == len(sizes))
+
+
 def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 

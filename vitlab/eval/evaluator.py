@@ -101,12 +101,14 @@ class Evaluator:
                     views = [forward(view).float() for view in tta_views(x, self.flip, self.shift, self.diagonal)]
                 logits = views[0]
                 single = flip_pair = torch.zeros((), device=self.device)
-                nested = [((mean_probability(*views[:k]).argmax(-1) == y) & ok).sum() for k in self.view_sets]
+                # each nested set's ensemble; the last set is all the views
+                ensembles = [mean_probability(*views[:k]) for k in self.view_sets]
+                nested = [((ensemble.argmax(-1) == y) & ok).sum() for ensemble in ensembles]
                 if len(views) > 1:
                     single = nested[0]
                     if self.flip and self.shift:  # views[1] is the mirror image
                         flip_pair = nested[1]
-                    logits = mean_probability(*views)
+                    logits = ensembles[-1]
                 hit = logits.topk(min(5, logits.shape[-1]), dim=-1).indices == y[:, None]
                 sums += torch.stack([(F.cross_entropy(logits, y, reduction="none") * ok).sum(), (hit[:, 0] & ok).sum(),
                                      (hit.any(-1) & ok).sum(), single, flip_pair, *nested]).double()

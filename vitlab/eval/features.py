@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitlab.config import ConfigError, Pair, to_pair
+from vitlab.config import ConfigError, Pair, is_shift, to_pair
 from vitlab.data.transforms import resize, to_float
 from vitlab.modes import evaluating
 
@@ -82,15 +82,9 @@ def check_tta_shift(shift: Shift, size: Pair, name: str = "shift") -> None:
     ``name`` is the option as the caller's user spells it (``--shift``, ``final_eval_shift``).
     """
     limit = min(size)
-    allowed = (f"an integer in [0, {limit}), or distinct integers in [1, {limit}), for {size[0]}x{size[1]} images "
-               "(reflection fills at most size - 1 pixels)")
-    if isinstance(shift, (tuple, list)):
-        ok = (len(shift) > 0 and all(isinstance(s, int) and not isinstance(s, bool) and 0 < s < limit for s in shift)
-              and len(set(shift)) == len(shift))
-    else:
-        ok = isinstance(shift, int) and not isinstance(shift, bool) and 0 <= shift < limit
-    if not ok:
-        raise ConfigError(f"{name}={shift!r}: must be {allowed}")
+    if not is_shift(shift, limit):
+        raise ConfigError(f"{name}={shift!r}: must be an integer in [0, {limit}), or distinct integers in "
+                          f"[1, {limit}), for {size[0]}x{size[1]} images (reflection fills at most size - 1 pixels)")
 
 
 def tta_view_count(flip: bool = False, shift: Shift = 0, diagonal: bool = False) -> int:

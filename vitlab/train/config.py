@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from vitlab.config import (PRECISIONS, ConfigError, is_int, is_number, need, need_bool, need_choice,
+from vitlab.config import (PRECISIONS, ConfigError, is_int, is_number, is_shift, need, need_bool, need_choice,
                            need_count_or_fraction, need_int, need_number)
 from vitlab.data.transforms import Augmentation, TrainTransform
 from vitlab.fast.fp8 import BLOCK_DENSE, FP8_SCALINGS, check_fp8_layers
@@ -297,9 +297,8 @@ class RunConfig(Section):
         for name in ("seed", "threads", "eval_every", "ckpt_every", "max_skipped_steps"):
             need_int(self.path(name), getattr(self, name), 0)
         shift = self.final_eval_shift
-        need(is_int(shift) and shift >= 0 or isinstance(shift, (tuple, list)) and len(shift) > 0
-             and all(is_int(s) and s > 0 for s in shift) and len(set(shift)) == len(shift),
-             "run.final_eval_shift", shift, "expected pixels: an integer >= 0, or distinct integers > 0, e.g. [2, 1]")
+        need(is_shift(shift), "run.final_eval_shift", shift,
+             "expected pixels: an integer >= 0, or distinct integers > 0, e.g. [2, 1]")
         need(not self.final_eval_diagonal or shift, "run.final_eval_diagonal", True,
              "adds diagonal translations of run.final_eval_shift's sizes: set run.final_eval_shift too")
         # the seed also seeds numpy's global generator, which takes 32 bits (beyond them the run would fail

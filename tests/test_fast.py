@@ -233,6 +233,27 @@ def test_fast_logits_and_gradients_equal_the_plain_models(family, kernels):
 
 
 @pytest.mark.parametrize("kernels", CHOICES)
+def test_fast_training_with_patch_dropout_and_the_distance_penalty_equals_the_plain_models(kernels):
+    """The fused block takes the kept patches' places to the distance penalty as the plain one does."""
+    cfg = tiny(img_size=(16, 20), attn_bias="distance_no_self", attn_offsets=True, patch_dropout=0.25)
+    model = with_random_head(cfg).train()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.distance_bias.offset_bias.normal_()
+    x = torch.randn(3, 3, *cfg.img_size)
+    torch.manual_seed(1)  # the same patches dropped in both runs
+    loss, grads = loss_and_grads(model, x, bf16=False)
+    fast.optimize(model, kernels)
+    torch.manual_seed(1)
+    fast_loss, fast_grads = loss_and_grads(model, x, bf16=False)
+    torch.testing.assert_close(fast_loss, loss, rtol=1e-5, atol=1e-7)
+    for g, h in zip(grads, fast_grads):
+        torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-5 * float(g.abs().max()) + 1e-7)
+    offsets = model.blocks[0].attn.distance_bias.offset_bias.grad
+    assert offsets.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kernels", CHOICES)
 @pytest.mark.parametrize("family", ["token", "relative", "distance", "distance_no_self", "axial"])
 def test_fast_bf16_training_agrees_with_plain_autocast(family, kernels):
     cfg = FAMILIES[family]

@@ -285,9 +285,65 @@ def test_offset_bias_learns_and_needs_the_distance_penalty():
         ViTConfig(attn_offsets=True)
 
 
+@pytest.mark.parametrize("grid_side", [None, 3])
+def test_distance_bias_of_kept_patches_is_the_whole_grids_bias_at_their_places(grid_side):
+    """``positions`` (patch dropout): for any subset of the patches in any order, the bias among
+    [class] and those patches is the whole grid's bias read at their places, on the model's grid
+    and on a smaller square one (progressive resizing), -inf self-masks and offsets included."""
+    torch.manual_seed(0)
+    cfg = tiny(img_size=16, patch_size=4, attn_bias="distance_no_self", attn_offsets=True)
+    bias = Attention(cfg).distance_bias
+    with torch.no_grad():
+        bias.offset_bias.normal_()
+        bias.log_slope.add_(torch.randn_like(bias.log_slope))
+    side = grid_side or 4
+    whole = bias(torch.zeros(1, 4, 1 + side * side, 8))[0]  # (H, L, L)
+    kept = torch.stack([torch.randperm(side * side)[:5] for _ in range(3)])  # (B, K): 3 images, 5 patches each
+    positions = torch.stack([kept // side, kept % side], dim=-1)
+    got = bias(torch.zeros(3, 4, 1 + 5, 8), positions)
+    assert got.shape == (3, 4, 6, 6)
+    for b in range(3):
+        tokens = torch.cat([torch.tensor([0]), 1 + kept[b]])
+        expected = whole[:, tokens][:, :, tokens]
+        assert torch.equal(torch.isneginf(got[b]), torch.isneginf(expected))
+        torch.testing.assert_close(got[b].masked_fill(got[b].isinf(), 0), expected.masked_fill(expected.isinf(), 0))
+
+
+def test_patch_dropout_with_the_distance_penalty_attends_as_on_the_whole_grid_with_dropped_keys_masked():
+    """A training forward with patch dropout gives each kept token what the model without it gives
+    that token when the dropped patches are hidden from every attention (their keys at -inf):
+    the penalty and the offsets act between the kept patches as at their places on the grid."""
+    torch.manual_seed(0)
+    cfg = tiny(img_size=16, patch_size=4, attn_bias="distance_no_self", attn_offsets=True, classifier="gap",
+               patch_dropout=0.5)
+    model = vitlab.create_model(cfg).train()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.distance_bias.offset_bias.normal_()
+    x = torch.randn(2, 3, 16, 16)
+    tokens, grid, positions = model.embed(x)
+    assert tokens.shape == (2, 8, 32) and positions.shape == (2, 8, 2) and grid == (4, 4)
+    got = model.run_blocks(tokens, grid, positions=positions)
+
+    twin = vitlab.create_model(replace(cfg, patch_dropout=0.0)).eval()
+    twin.load_state_dict(model.state_dict())
+    kept = positions[..., 0] * 4 + positions[..., 1]  # (B, K) raster index
+    hidden = torch.full((2, 1, 1, 16), float("-inf")).scatter(3, kept[:, None, None, :], 0.0)
+    for block in twin.blocks:
+        whole = block.attn.distance_bias.forward
+        block.attn.distance_bias.forward = lambda q, positions=None, whole=whole: whole(q) + hidden
+    full, _, none = twin.embed(x)
+    assert none is None
+    expected = torch.gather(twin.run_blocks(full, grid), 1, kept[..., None].expand(-1, -1, 32))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    larger = vitlab.create_model(replace(cfg, dynamic_img_size=True)).train()  # its offsets would need a wider table
+    with pytest.raises(ValueError, match=r"patch grid \(5, 5\) of a training input is larger than the model's \(4, 4\)"):
+        larger(torch.randn(1, 3, 20, 20))
+    assert larger(torch.randn(1, 3, 12, 12)).shape == (1, 5)  # a smaller grid (progressive resizing) trains
+
+
 @pytest.mark.parametrize("attn_bias", ["distance", "distance_no_self"])
-@pytest.mark.parametrize("fields", [dict(posemb="relative"), dict(patch_dropout=0.5),
-                                    dict(axial=True, classifier="gap", posemb="learned_2d")])
+@pytest.mark.parametrize("fields", [dict(posemb="relative"), dict(axial=True, classifier="gap", posemb="learned_2d")])
 def test_distance_bias_refuses_what_breaks_its_grid(fields, attn_bias):
     with pytest.raises(ConfigError, match=f"attn_bias='{attn_bias}'"):
         ViTConfig(**{"attn_bias": attn_bias, **fields})
@@ -365,14 +421,16 @@ def test_patch_dropout_trains_on_a_subset_of_the_same_tokens():
     model = vitlab.create_model(cfg)
     x = torch.randn(3, 3, 32, 32)
     model.eval()
-    full, _ = model.embed(x)
+    full, _, everywhere = model.embed(x)
     model.train()
-    kept, _ = model.embed(x)
+    kept, _, positions = model.embed(x)
+    assert everywhere is None and positions.shape == (3, 48, 2)
     assert kept.shape == (3, 1 + 48, 32)
     assert torch.equal(kept[:, 0], full[:, 0])  # the [class] token always stays
     for b in range(3):  # every kept token is one of this image's own patch tokens, none twice
         match = (kept[b, 1:, None, :] == full[b, None, 1:, :]).all(-1)
         assert match.sum(1).eq(1).all() and match.sum(0).le(1).all()
+        assert torch.equal(match.float().argmax(1), positions[b, :, 0] * 8 + positions[b, :, 1])  # its place
     twin = vitlab.create_model(vitlab.config.replace(cfg, patch_dropout=0.0))
     twin.load_state_dict(model.state_dict())
     model.eval(), twin.eval()

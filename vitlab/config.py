@@ -368,10 +368,10 @@ class ViTConfig:
                 f"posemb_place={self.posemb_place!r} with posemb='relative': relative embeddings are a bias "
                 "inside every attention layer; only the default 'stem' setting exists (paper Table 8)"
             )
-        if self.attn_bias != "none" and (self.posemb == "relative" or self.patch_dropout or self.axial):
+        if self.attn_bias != "none" and (self.posemb == "relative" or self.axial):
             raise ConfigError(
-                f"attn_bias={self.attn_bias!r}: needs the whole patch grid in raster order and no other attention bias: "
-                "posemb other than 'relative', patch_dropout=0 and axial=False"
+                f"attn_bias={self.attn_bias!r}: needs the patches' places on the grid and no other attention bias: "
+                "posemb other than 'relative' and axial=False"
             )
         if self.attn_offsets and self.attn_bias == "none":
             raise ConfigError("attn_offsets=True: the offsets' bias is part of the distance penalty; "

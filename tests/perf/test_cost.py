@@ -81,6 +81,18 @@ def test_other_resolution(name):
     assert measured == 2 * model_flops(cfg, (48, 64))
 
 
+@pytest.mark.parametrize("rate", [0.25, 0.5, 0.9])
+def test_a_training_step_with_patch_dropout_counts_the_kept_patches(rate):
+    """``training=True``: the forward of a training step, whose encoder sees the kept patches only
+    (the summary's MFU reads it); evaluation, and the default, count every patch."""
+    cfg = ViTConfig(**{**TINY, "patch_size": 4}, attn_bias="distance_no_self", patch_dropout=rate)
+    model = build_model(cfg)
+    with torch.no_grad():
+        assert count_flops(model.train(), _images(cfg)) == 2 * model_flops(cfg, training=True)
+        assert count_flops(model.eval(), _images(cfg)) == 2 * model_flops(cfg)
+    assert model_flops(cfg, training=True) < model_flops(cfg) == model_flops(cfg, training=False)
+
+
 def test_backward_is_about_twice_forward():
     cfg = CASES["token"]
     model = build_model(cfg)

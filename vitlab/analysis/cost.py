@@ -113,8 +113,9 @@ def _add(total: dict[str, int], part: dict[str, int], times: int = 1) -> None:
         total[k] = total.get(k, 0) + times * v
 
 
-def flops_breakdown(cfg: Architecture, img_size: int | Pair | None = None) -> dict[str, int]:
-    """Forward FLOPs of one image by component (multiply-add = 2), at ``img_size`` or cfg's.
+def flops_breakdown(cfg: Architecture, img_size: int | Pair | None = None, training: bool = False) -> dict[str, int]:
+    """Forward FLOPs of one image by component (multiply-add = 2), at ``img_size`` or cfg's;
+    ``training``: in a training step, whose encoder sees only the patches ``patch_dropout`` keeps.
 
     Keys: BiT: root, stage1.., head.  ViT: [stem_root, stem_stage1..], patch_embed, qkv,
     attention, proj, mlp, [relative_posemb], [pre_logits], [head].
@@ -137,7 +138,10 @@ def flops_breakdown(cfg: Architecture, img_size: int | Pair | None = None) -> di
         _add(out, _block_flops(gh, gw, cfg, relative), cfg.depth)
         _add(out, _block_flops(gw, gh, cfg, relative), cfg.depth)
     else:
-        _add(out, _block_flops(1, cfg.num_prefix_tokens + gh * gw, cfg, relative), cfg.depth)
+        patches = gh * gw
+        if training and cfg.patch_dropout > 0:  # as VisionTransformer.drop_patches keeps them
+            patches = max(1, round(patches * (1.0 - cfg.patch_dropout)))
+        _add(out, _block_flops(1, cfg.num_prefix_tokens + patches, cfg, relative), cfg.depth)
     features = D
     if cfg.representation_size:
         out["pre_logits"] = 2 * D * cfg.representation_size
@@ -147,12 +151,13 @@ def flops_breakdown(cfg: Architecture, img_size: int | Pair | None = None) -> di
     return out
 
 
-def model_flops(cfg: Architecture, img_size: int | Pair | None = None) -> int:
+def model_flops(cfg: Architecture, img_size: int | Pair | None = None, training: bool = False) -> int:
     """Forward FLOPs of one image (multiply-add = 2): matmuls and convolutions only.
 
     ``img_size`` defaults to the config's; any size works (the patch grid is floor(H/P)).
+    ``training``: the forward of a training step (fewer tokens with ``patch_dropout``).
     """
-    return sum(flops_breakdown(cfg, img_size).values())
+    return sum(flops_breakdown(cfg, img_size, training).values())
 
 
 def training_flops(cfg: Architecture, steps: int, batch: int, img_size: int | Pair | None = None) -> float:

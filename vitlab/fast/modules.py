@@ -277,9 +277,11 @@ class FastBlock(Block):
                 and type(attn) is Attention and type(mlp) is Mlp and all(type(m) is FastLinear for m in dense)
                 and not any(_hooked(m) for m in (self.norm1, self.norm2, attn, mlp, *dense)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling() or not self.fusable() or not _takes_over(x, self.fast_options.kernels):
-            return super().forward(x)
+            return super().forward(x, positions)
+        if positions is not None:  # patch dropout: a training step, in one piece
+            return self.fused(x, positions=positions)
         chunks = _inference_chunks(x)
         if chunks == 1:
             return self.fused(x)
@@ -292,8 +294,9 @@ class FastBlock(Block):
                 self.fused(part, out=rows)
         return out
 
-    def fused(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``Block.forward``'s values, the last residual sum written into ``out`` when given.
+    def fused(self, x: torch.Tensor, out: torch.Tensor | None = None,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``Block.forward(x, positions)``'s values, the last residual sum written into ``out`` when given.
 
         With autograd (and ``recompute``) the LayerNorm -> dense and GELU -> dense pairs store
         their inputs, not the LayerNorm and GELU outputs; otherwise each dense layer's
@@ -306,7 +309,7 @@ class FastBlock(Block):
             qkv = layer_norm_dense(x, self.norm1, attn.qkv, kernels)
         else:
             qkv = attn.qkv.product(_layer_norm(self.norm1, x))
-        x = x + self.drop_path(attn.proj_drop(attn.proj.product(self.attend(qkv))))
+        x = x + self.drop_path(attn.proj_drop(attn.proj.product(self.attend(qkv, positions))))
         if recompute:
             h = layer_norm_dense(x, self.norm2, mlp.fc1, kernels)
             y = gelu_dense(h, mlp.approximate, mlp.drop, mlp.fc2, kernels)
@@ -315,7 +318,7 @@ class FastBlock(Block):
             y = mlp.fc2.product(h)
         return torch.add(x, self.drop_path(mlp.drop(y)), out=out)
 
-    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Multi-head attention of the (B, L, 3D) qkv projection -> (B, L, D): over contiguous
         copies of the heads in CPU bf16 without autograd (``contiguous_attention``), else over
         strided views of them (their copies and backward did not pay in a training step:
@@ -326,7 +329,7 @@ class FastBlock(Block):
             drop = attn.attn_drop if attn.training else 0.0
             return contiguous_attention(qkv, attn.num_heads, attn.head_dim**-0.5, drop)
         q, k, v = split_heads(qkv, attn.num_heads)
-        return attn.attend(q, k, v, explicit=_explicit(q, self.fast_options.kernels))
+        return attn.attend(q, k, v, explicit=_explicit(q, self.fast_options.kernels), positions=positions)
 
 
 def _layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:

@@ -62,10 +62,12 @@ class AxialVisionTransformer(VisionTransformer):
     def make_block(self, cfg: ViTConfig, drop_path: float) -> nn.Module:
         return AxialBlock(cfg, drop_path)
 
-    def run_blocks(self, x: torch.Tensor, grid: Pair, keep: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def run_blocks(self, x: torch.Tensor, grid: Pair, keep: list[torch.Tensor] | None = None,
+                   positions: None = None) -> torch.Tensor:
         """Tokens (B, gh*gw, D) in raster order -> (B, gh*gw, D) after every axial layer.
 
-        Appends each layer's output (B, gh*gw, D) to ``keep`` when given.
+        Appends each layer's output (B, gh*gw, D) to ``keep`` when given.  ``positions`` is
+        always None: the rows and columns need every patch (the config refuses patch dropout).
         """
         B, N, D = x.shape
         x = x.reshape(B, grid[0], grid[1], D)

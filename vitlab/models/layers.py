@@ -73,16 +73,19 @@ class Attention(nn.Module):
         if self.qkv.bias is not None:
             nn.init.zeros_(self.qkv.bias)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, explicit: bool = False) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, explicit: bool = False,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + bias) v over (B, H, L, D/H) heads -> (B, L, D).
 
         explicit: two matmuls and a softmax instead of the fused kernel (the same values);
-        always so while ``capture_attention`` records.
+        always so while ``capture_attention`` records.  positions: the patch tokens' (row,
+        column), (B, K, 2), when they are not the whole grid in raster order (patch dropout),
+        for the distance penalty.
         """
         B, H, L, _ = q.shape
         bias = self.rel_pos(q * self.head_dim**-0.5) if self.rel_pos is not None else None
         if self.distance_bias is not None:
-            bias = self.distance_bias(q)
+            bias = self.distance_bias(q, positions)
         if self.recorded is None and not explicit:
             drop = self.attn_drop if self.training else 0.0
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)
@@ -96,9 +99,9 @@ class Attention(nn.Module):
             out = F.dropout(probs, self.attn_drop, self.training) @ v
         return out.transpose(1, 2).reshape(B, L, H * self.head_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = split_heads(self.qkv(x), self.num_heads)
-        return self.proj_drop(self.proj(self.attend(q, k, v)))
+        return self.proj_drop(self.proj(self.attend(q, k, v, positions=positions)))
 
 
 class Mlp(nn.Module):
@@ -123,7 +126,9 @@ class Block(nn.Module):
     """Pre-LN encoder block: x + MSA(LN(x)), then x + MLP(LN(x)).
 
     Acts on any (B, L, D) sequence, so Axial-ViT reuses it for rows and columns.
-    ``seq_len`` is needed only for relative position embeddings.
+    ``seq_len`` is needed only for relative position embeddings; ``positions`` (B, K, 2),
+    the patch tokens' places on the grid, only for a distance penalty on a sequence that is
+    not the whole grid in raster order (patch dropout).
     """
 
     def __init__(self, cfg: ViTConfig, drop_path: float = 0.0, seq_len: int | None = None) -> None:
@@ -134,8 +139,8 @@ class Block(nn.Module):
         self.mlp = Mlp(cfg)
         self.drop_path = DropPath(drop_path)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x), positions))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 

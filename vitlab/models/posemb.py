@@ -206,9 +206,13 @@ class DistanceBias(nn.Module):
         """(L, L) bool: True where a patch token meets itself (a prefix token's diagonal stays False)."""
         return torch.diag(torch.arange(tokens, device=device) >= self.num_prefix)
 
-    def forward(self, q: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """q: (B, H, L, hd) -> additive bias (1, H, L, L) in q's dtype; another grid than the
-        model's (progressive resizing) has its distances computed for the call."""
+        model's (progressive resizing) has its distances computed for the call.  With
+        ``positions``, the (row, column) of each patch token (B, L - prefix, 2) when they are
+        not the whole grid in raster order (patch dropout): the bias of those tokens, (B, H, L, L)."""
+        if positions is not None:
+            return self.between(positions).to(q.dtype)  # the table in float32, as the offsets' gradient sums
         grid = self.grid_of(q.shape[2])
         distance = self.grid_distance if grid == self.grid else self.distance(grid, q.device)
         bias = -self.log_slope.exp()[:, None, None] * distance
@@ -219,6 +223,41 @@ class DistanceBias(nn.Module):
             mask = self.grid_self_mask if grid == self.grid else self.self_mask(distance.shape[0], q.device)
             bias = bias.masked_fill(mask, float("-inf"))
         return bias.unsqueeze(0).to(q.dtype)
+
+
+    def between(self, positions: torch.Tensor) -> torch.Tensor:
+        """The bias (B, H, L, L) among the prefix tokens and the patch tokens at ``positions``,
+        (B, K, 2) long (row, column) on a grid no larger than the model's, K = L - prefix: the
+        forward's values for those tokens, in any order, the places distinct.
+
+        Between two patches the penalty, the offsets and the self-mask are all functions of
+        the offset (dy, dx) alone (a patch meets itself at (0, 0) and nowhere else), so each
+        head's whole bias is one value per offset (``bias_by_offset``), read once per pair.
+        """
+        dy = positions[:, :, None, 0] - positions[:, None, :, 0]  # (B, K, K)
+        dx = positions[:, :, None, 1] - positions[:, None, :, 1]
+        span = (2 * self.grid[0] - 1) * (2 * self.grid[1] - 1)
+        prefix = (self.num_prefix, 0, self.num_prefix, 0)
+        index = F.pad(offset_table_index(self.grid, dy, dx), prefix, value=span)  # (B, L, L); prefix: no bias
+        B, L = index.shape[0], index.shape[1]
+        table = self.bias_by_offset()  # (H, span + 1)
+        H = table.shape[0]
+        # gathered from the table expanded over the batch: the backward sums each image's pairs apart
+        return table.expand(B, H, span + 1).gather(2, index.view(B, 1, L * L).expand(B, H, L * L)).view(B, H, L, L)
+
+    def bias_by_offset(self) -> torch.Tensor:
+        """(H, S + 1): each head's bias between two patches at each offset of the model's grid
+        (S of them, ``offset_table_index``'s order), then 0 (a pair with a prefix token)."""
+        gh, gw = self.grid
+        dy, dx = torch.meshgrid(torch.arange(1 - gh, gh, device=self.log_slope.device),
+                                torch.arange(1 - gw, gw, device=self.log_slope.device), indexing="ij")
+        distance = (dy * dy + dx * dx).flatten().double().sqrt().float()  # as ``distance``: float64, then float32
+        table = -self.log_slope.exp()[:, None] * distance
+        if self.offset_bias is not None:
+            table = table + self.offset_bias
+        if self.mask_self:  # offset (0, 0): a patch and itself
+            table = table.masked_fill(((dy == 0) & (dx == 0)).flatten(), float("-inf"))
+        return F.pad(table, (0, 1))
 
 
 def offset_table_index(grid: Pair, dy: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:

@@ -135,49 +135,63 @@ class VisionTransformer(nn.Module):
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         if self.pos_embed is not None:
             x = x + self.pos_embed(grid)
-        if self.training and self.cfg.patch_dropout > 0:
-            x = self.drop_patches(x)
         return self.pos_drop(x)
 
-    def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, Pair]:
-        """Images (B, C, H, W) -> tokens (B, prefix + N, D) with position embeddings, and the patch grid."""
+    def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, Pair, torch.Tensor | None]:
+        """Images (B, C, H, W) -> tokens (B, prefix + K, D) with position embeddings, the patch grid,
+        and where the K patch tokens lie on it: None when they are the whole grid in raster order
+        (K = N), else their (row, column), (B, K, 2) (training with ``patch_dropout``)."""
         patches, grid = self.patchify(x)
-        return self.embed_patches(patches, grid), grid
+        tokens = self.embed_patches(patches, grid)
+        if self.training and self.cfg.patch_dropout > 0:
+            tokens, positions = self.drop_patches(tokens, grid)
+            return tokens, grid, positions
+        return tokens, grid, None
 
-    def drop_patches(self, x: torch.Tensor) -> torch.Tensor:
-        """Keep a random ``1 - patch_dropout`` of each sequence's patch tokens (prefix tokens stay).
+    def drop_patches(self, x: torch.Tensor, grid: Pair) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep a random ``1 - patch_dropout`` of each sequence's patch tokens (prefix tokens stay),
+        and give the kept ones' (row, column) on ``grid``, (B, K, 2).
 
-        The kept tokens carry their position embeddings, so order does not matter; the
-        encoder then costs less in proportion.
+        The kept tokens carry their position embeddings, and an attention bias of the grid
+        (``attn_bias``) takes their positions, so their order does not matter; the encoder
+        then costs less in proportion.
         """
+        if self.cfg.attn_bias != "none" and any(g > m for g, m in zip(grid, self.cfg.grid_size)):
+            raise ValueError(f"patch_dropout with attn_bias={self.cfg.attn_bias!r}: the patch grid {grid} of a training "
+                             f"input is larger than the model's {self.cfg.grid_size}; train at img_size or below")
         prefix, patches = x[:, :self.cfg.num_prefix_tokens], x[:, self.cfg.num_prefix_tokens:]
         B, N, D = patches.shape
         keep = max(1, round(N * (1.0 - self.cfg.patch_dropout)))
-        idx = torch.rand(B, N, device=x.device).argsort(dim=1)[:, :keep]
-        patches = torch.gather(patches, 1, idx.unsqueeze(-1).expand(B, keep, D))
-        return torch.cat([prefix, patches], dim=1)
+        index = torch.rand(B, N, device=x.device).argsort(dim=1)[:, :keep]
+        patches = torch.gather(patches, 1, index.unsqueeze(-1).expand(B, keep, D))
+        positions = torch.stack([index.div(grid[1], rounding_mode="floor"), index.remainder(grid[1])], dim=-1)
+        return torch.cat([prefix, patches], dim=1), positions
 
-    def run_blocks(self, x: torch.Tensor, grid: Pair, keep: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """The encoder blocks; appends each block's output to ``keep`` when given."""
+    def run_blocks(self, x: torch.Tensor, grid: Pair, keep: list[torch.Tensor] | None = None,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The encoder blocks; appends each block's output to ``keep`` when given.  ``positions``:
+        the patch tokens' places on the grid when not all of it in raster order (``embed``)."""
         shared = self.pos_embed if self.cfg.posemb_place == "every_layer_shared" else None
         for i, block in enumerate(self.blocks):
             if self.layer_pos_embeds is not None:
                 x = x + self.layer_pos_embeds[i](grid)
             elif shared is not None and i > 0:  # block 0 received it in embed()
                 x = x + shared(grid)
-            x = block(x)
+            x = block(x, positions)
             if keep is not None:
                 keep.append(x)
         return x
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> encoder output after the final LayerNorm, (B, prefix + N, D)."""
-        return self.norm(self.run_blocks(*self.embed(x)))
+        tokens, grid, positions = self.embed(x)
+        return self.norm(self.run_blocks(tokens, grid, positions=positions))
 
     def forward_intermediates(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The token sequence (B, prefix + N, D) after every block, before the final LayerNorm."""
         keep: list[torch.Tensor] = []
-        self.run_blocks(*self.embed(x), keep=keep)
+        tokens, grid, positions = self.embed(x)
+        self.run_blocks(tokens, grid, keep=keep, positions=positions)
         return keep
 
     def pool(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -444,12 +444,13 @@ def finish(setup: Setup, step: int, total_steps: int, last_val: dict, wall: floa
 
 
 def utilization(setup: Setup, rate: StepRate) -> dict:
-    """The run's fields of ``utilization_summary``: the training FLOPs of one full-size image,
-    the timed steps' images per second per device (all processes' images over all their
-    seconds) and, on a GPU, the device's bf16 matmul peak measured now.  A collective call."""
+    """The run's fields of ``utilization_summary``: the training FLOPs of one full-size image (of
+    the patches it keeps, with ``patch_dropout``), the timed steps' images per second per device
+    (all processes' images over all their seconds) and, on a GPU, the device's bf16 matmul peak
+    measured now.  A collective call."""
     images, seconds = all_reduce_sum([float(rate.images), rate.seconds], setup.world)
     device = setup.world.device
-    return utilization_summary(device, 3 * model_flops(setup.model.cfg, setup.img_size),
+    return utilization_summary(device, 3 * model_flops(setup.model.cfg, setup.img_size, training=True),
                                images / seconds if seconds > 0 else None, lambda: device_peak(device))
 
 

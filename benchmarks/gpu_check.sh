@@ -31,7 +31,9 @@
 #                   --batch-size 256 --lr 4.24e-3";
 #      the optimiser step compiled into its own CUDA graph, which the recipe leaves off: add
 #        "|--set run.compile_optimizer=true"; the batches augmented one at a time, as before the recipe grouped
-#        them by 8 (the 93.08% run of 2026-11-28): add "|--set data.augment_batches=1"; prints each run's
+#        them by 8 (the 93.08% run of 2026-11-28): add "|--set data.augment_batches=1"; a quarter of each image's
+#        patches dropped in training (fewer tokens a step, with the distance penalty since f351236): add
+#        "|--set model.patch_dropout=0.25"; prints each run's
 #        accuracy, MFU and data_wait.  A call runs 10 minutes at
 #      most, the machine's start not counted: the 10-minute goal runs as PARTS=C PART_C_MIN=9.5 in a call of
 #      its own (timeout_s=600; the half minute short of 10 is for the script's own seconds around the run, which

@@ -294,7 +294,8 @@ class ViTConfig:
     patch_dropout: fraction of patch tokens removed at random from each training image
         after the position embeddings are added (PatchDropout, Liu et al. 2022; FLIP):
         the encoder then runs on fewer tokens, so training is faster by about that
-        fraction; evaluation always sees every patch.  Not in the paper; off by default.
+        fraction; evaluation always sees every patch.  With ``attn_bias`` the kept patches
+        keep their places' bias.  Not in the paper; off by default.
     axial: Axial-ViT (paper Appendix D.6): each block is row attention + MLP, then
         column attention + MLP.  Needs the "gap" classifier (a [class] token has no row
         or column) and position embeddings added at the stem ("none", "learned_1d" or

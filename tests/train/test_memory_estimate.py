@@ -20,7 +20,7 @@ from vitlab.train import resolve
 from vitlab.train.config import OptimConfig
 from vitlab.train.overrides import with_changes
 from vitlab.train.memory_estimate import (GB, RUNTIME_BYTES, Available, RunShape, activation_bytes,
-                                          estimate_memory, smallest_fitting_accum)
+                                          estimate_memory, resident_state_bytes, smallest_fitting_accum)
 from vitlab.train.step import autocast
 from vitlab.weights import save_model
 
@@ -88,6 +88,23 @@ def test_the_optimiser_state_follows_the_optimiser():
     assert state["adam"] == 8 * params and state["sgd"] == 4 * params
     assert 4 * params < state["muon"] < 8 * params
     assert "optimizer" not in estimate_memory(base.with_(optimizer="sgd", momentum=0.0)).parts
+
+
+def test_gradients_held_out_of_cuda_graphs_are_counted_where_the_run_holds_them():
+    """``step.HeldGradients`` keeps a float32 buffer per parameter for the whole run, under CUDA graphs
+    when a compiled call follows the backward; the trainer builds them by the estimate's rule."""
+    arch = create_model("ViT-Ti/16", **VIT).cfg
+    params = sum(p.numel() for p in create_model("ViT-Ti/16", **VIT).parameters())
+    graphed = RunShape(arch, micro_batch=64, img_size=(32, 32), device="cuda:0", cuda_graphs=True)
+    holding = [graphed.with_(update_compiled=True), graphed.with_(accum_steps=2)]
+    not_holding = [graphed, graphed.with_(cuda_graphs=False, update_compiled=True, accum_steps=2)]
+    assert all(s.holds_gradients for s in holding) and not any(s.holds_gradients for s in not_holding)
+    for shape in holding:
+        estimate, without = estimate_memory(shape), estimate_memory(shape.with_(cuda_graphs=False))
+        assert estimate.parts["held_gradients"] == 4 * params
+        assert estimate.device_peak - without.device_peak == 4 * params
+        assert resident_state_bytes(shape) - resident_state_bytes(shape.with_(cuda_graphs=False)) == 4 * params
+    assert "held_gradients" not in estimate_memory(graphed).parts
 
 
 def test_the_peak_is_the_largest_moment_and_a_gpu_counts_its_own_memory():

@@ -8,7 +8,9 @@ What a step holds, by what holds it (bytes):
 
 * the weights (fp32 master copies, also under autocast), their gradients, the optimiser's
   state (AdamW two moments, SGD its momentum, Muon a momentum per block matrix and AdamW's
-  moments for the rest), the weight average (``optim.ema_decay``);
+  moments for the rest), the weight average (``optim.ema_decay``); under CUDA graphs with a
+  compiled call after the backward, the buffers the gradients are copied into
+  (``step.HeldGradients``), kept for the whole run beside the graphs' own gradients;
 * under bf16/fp16 autocast, a half-precision copy of every weight: autocast casts each one
   once per forward and keeps the casts until the backward has used them;
 * the activations a backward keeps, counted layer by layer as the code stores them
@@ -105,6 +107,8 @@ class RunShape:
     streamed: bool = False
     stream_workers: int = 0     # DataLoader worker processes reading a streamed training set
     shuffle_buffer: int = 0     # samples each streaming reader holds
+    cuda_graphs: bool = False   # the model's step under CUDA graphs (torch.compile "reduce-overhead")
+    update_compiled: bool = False  # the step after the backward compiled on its own (run.compile_optimizer)
 
     @property
     def on_gpu(self) -> bool:
@@ -115,6 +119,13 @@ class RunShape:
         if self.on_gpu:
             return GPU_SLACK
         return MAPPED_SLACK if tensor_bytes >= MMAP_THRESHOLD_MAX else HEAP_SLACK
+
+    @property
+    def holds_gradients(self) -> bool:
+        """Whether the run copies each backward's gradients into buffers of its own, one per
+        parameter, kept for the whole run (``step.HeldGradients``): under CUDA graphs, when a
+        compiled call follows the backward (the update compiled apart, or the next micro-batch)."""
+        return self.cuda_graphs and (self.update_compiled or self.accum_steps > 1)
 
     @property
     def half(self) -> bool:
@@ -205,9 +216,11 @@ def optimizer_state_bytes(shape: RunShape, params: int, block_matrices: int) -> 
 
 def resident_state_bytes(shape: RunShape) -> int:
     """What a run keeps on its device across steps beyond the weights and a step's own
-    tensors: the optimiser's state and the weight average (a GPU's measured step has neither)."""
+    tensors: the optimiser's state, the weight average and the held gradients (a GPU's
+    measured step has none of them)."""
     params, matrices = parameter_counts(shape.arch)
-    return optimizer_state_bytes(shape, params, matrices) + (FP32 * params if shape.ema else 0)
+    return (optimizer_state_bytes(shape, params, matrices) + (FP32 * params if shape.ema else 0)
+            + (FP32 * params if shape.holds_gradients else 0))
 
 
 def _block_saved_per_token(shape: RunShape, seq_len: int) -> int:
@@ -369,7 +382,8 @@ def estimate_memory(shape: RunShape) -> MemoryEstimate:
     params, matrices = parameter_counts(shape.arch)
     weights = FP32 * params
     model = {"weights": weights, "optimizer": optimizer_state_bytes(shape, params, matrices),
-             "weight_average": weights if shape.ema else 0}
+             "weight_average": weights if shape.ema else 0,
+             "held_gradients": FP32 * params if shape.holds_gradients else 0}
     kept, transient = activation_bytes(shape)
     # each kind of tensor with the allocator's slack for its size
     tables, table = attention_probability_bytes(shape)

@@ -469,7 +469,8 @@ def run_shape(resolved: Resolved, world_size: int, held: HeldImages) -> RunShape
         decoded_images=held.decoded, data_copies=held.copies, decoded_from_source=held.from_source,
         eval_batch=min(cfg.run.eval_batch_size, held.val) if evaluated else 0, streamed=streamed,
         stream_workers=resolved.stream_workers if streamed else 0,
-        shuffle_buffer=cfg.data.shuffle_buffer if streamed else 0)
+        shuffle_buffer=cfg.data.shuffle_buffer if streamed else 0,
+        cuda_graphs=resolved.compile == "reduce-overhead", update_compiled=resolved.compile_optimizer != "off")
 
 
 def machine_memory(machine: Machine, device: str, world: World) -> Available:

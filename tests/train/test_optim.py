@@ -77,11 +77,14 @@ def test_muon_adamw_is_muon_on_block_matrices_and_adamw_elsewhere(monkeypatch):
                                    {"params": ref_groups[2], "weight_decay": 0.0}], lr=1e-2, fused=True)
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
     for _ in range(3):
-        for m, optimisers in ((model, [opt]), (ref, [ref_muon, ref_adamw])):
-            torch.nn.functional.cross_entropy(m(x), y).backward()
-            for o in optimisers:
-                o.step()
-                o.zero_grad()
+        # both take the same gradients (model's): an Adam step on a near-zero gradient follows its
+        # sign, so the forward of weights a rounding apart would part the two by more than rounding
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            by_name[names[id(p)]].grad = p.grad.clone()
+        for o in (opt, ref_muon, ref_adamw):
+            o.step()
+            o.zero_grad()
     moved = 0
     for n, p in model.named_parameters():
         assert torch.allclose(p, by_name[n], atol=1e-6, rtol=1e-5), n
@@ -93,6 +96,22 @@ def test_muon_adamw_is_muon_on_block_matrices_and_adamw_elsewhere(monkeypatch):
     again.load_state_dict(opt.state_dict())
     first = next(iter(opt.param_groups[0]["params"]))
     assert torch.equal(again.state[first]["momentum_buffer"], opt.state[first]["momentum_buffer"])
+
+
+def test_muon_orthogonalises_each_shape_up_to_a_transpose_in_one_batch(monkeypatch):
+    """A block's fc1 (mlp x width) and fc2 (width x mlp) go in one batch, fc1 as its transpose:
+    three batches for a ViT's four matrices per block (qkv, proj, the MLP pair).  Their values:
+    the test above, against torch's Muon matrix by matrix."""
+    from vitlab.train import optim
+
+    batches = []
+    real = optim.orthogonalise
+    monkeypatch.setattr(optim, "orthogonalise", lambda g, *a, **k: batches.append(tuple(g.shape)) or real(g, *a, **k))
+    model = create_model("ViT-Ti/16", img_size=32, patch_size=8, width=24, depth=2, num_heads=2, mlp_dim=48)
+    opt = build_optimizer(model, OptimConfig(optimizer="muon", lr=1e-2))
+    model(torch.randn(2, 3, 32, 32)).square().sum().backward()
+    opt.step()
+    assert sorted(batches) == [(2, 24, 24), (2, 24, 72), (4, 24, 48)]
 
 
 def test_muon_adamw_lr_sets_the_adamw_part_apart_from_the_muon_part(tiny):

@@ -174,8 +174,8 @@ class MuonAdamW(torch.optim.Optimizer):
     update is its nearest semi-orthogonal matrix (``orthogonalise``), scaled by
     0.2 * sqrt(max(rows, cols)) so that its RMS matches a typical AdamW update's and the AdamW
     learning rate and weight decay carry over (``torch.optim.Muon``'s "match_rms_adamw").
-    Matrices of one shape are orthogonalised together, as one batch: a ViT's blocks give a
-    few large batched products in place of many small ones.  The AdamW groups are exactly
+    Matrices of one shape up to a transpose are orthogonalised together, as one batch: a ViT's
+    blocks give a few large batched products in place of many small ones.  The AdamW groups are exactly
     ``torch.optim.AdamW``; both decay decoupled, as ``w *= 1 - lr * weight_decay``.  Sharded
     (FSDP) parameters are not supported: the orthogonalisation needs whole matrices.
     """
@@ -235,16 +235,20 @@ class MuonAdamW(torch.optim.Optimizer):
 def muon_update(params: list, grads: list, bufs: list, *, lr: float | torch.Tensor, weight_decay: float,
                 momentum: float, ns_steps: int, ns_dtype: torch.dtype, skip: torch.Tensor | None = None) -> None:
     """Muon's step (``MuonAdamW``): momentum, the Nesterov update, its orthogonalisation and the
-    step, batched over the matrices of each shape; ``bufs`` (the momentum) and ``params`` are
-    updated in place.  With ``skip`` set (a device flag), nothing moves.  ``lr``: a number, or a
-    device tensor (``TracedStep``'s)."""
+    step, batched over the matrices of each shape up to a transpose (a block's two MLP layers
+    together: ``orthogonalise`` iterates on a tall matrix's transpose anyway, so each matrix gets
+    the same arithmetic); ``bufs`` (the momentum) and ``params`` are updated in place.  With
+    ``skip`` set (a device flag), nothing moves.  ``lr``: a number, or a device tensor
+    (``TracedStep``'s)."""
     by_shape: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
-        by_shape.setdefault((tuple(p.shape), p.device), []).append(i)
-    for (shape, device), which in by_shape.items():
+        by_shape.setdefault((min(p.shape), max(p.shape), p.device), []).append(i)
+    for (rows, cols, device), which in by_shape.items():
         same, same_bufs = [params[i] for i in which], [bufs[i] for i in which]
-        grad = torch.stack([grads[i] for i in which])  # (n, rows, cols)
-        buf = torch.stack(same_bufs)
+        tall = [p.shape[0] > p.shape[1] for p in same]
+        wide = lambda ts: [t.mT if t_tall else t for t, t_tall in zip(ts, tall)]  # noqa: E731  (rows, cols) views
+        grad = torch.stack(wide([grads[i] for i in which]))  # (n, rows, cols)
+        buf = torch.stack(wide(same_bufs))
         if skip is not None:
             skip_here = skip.to(device).bool()
             grad = torch.where(skip_here, 0.0, grad)  # a NaN gradient must not reach the arithmetic
@@ -255,14 +259,14 @@ def muon_update(params: list, grads: list, bufs: list, *, lr: float | torch.Tens
             new_buf = torch.where(skip_here, buf, new_buf)
             updates = torch.where(skip_here, 0.0, updates)
             decay = torch.where(skip_here, 1.0, decay)
-        torch._foreach_copy_(same_bufs, list(new_buf.unbind(0)))
+        torch._foreach_copy_(same_bufs, wide(new_buf.unbind(0)))
         torch._foreach_mul_(same, decay)
-        step = -lr * 0.2 * math.sqrt(max(shape))
+        step = -lr * 0.2 * math.sqrt(cols)
         updates = updates.to(same[0].dtype)
         if isinstance(step, torch.Tensor):  # a rate on the device has no number to give as ``alpha``
-            torch._foreach_add_(same, list((updates * step).unbind(0)))
+            torch._foreach_add_(same, wide((updates * step).unbind(0)))
         else:
-            torch._foreach_add_(same, list(updates.unbind(0)), alpha=step)
+            torch._foreach_add_(same, wide(updates.unbind(0)), alpha=step)
 
 
 # ----------------------------------------------------------------------------- the step compiled

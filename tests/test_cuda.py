@@ -316,3 +316,38 @@ def test_progressive_resizing_under_cuda_graphs_records_a_graph_per_size(tmp_pat
     assert not fallbacks and s.update.compiled is not None
     assert hasattr(s.trained, "_orig_mod") and counters["inductor"]["cudagraph_skips"] == skips
     assert all(r.applied and math.isfinite(r.loss) for r in results)
+
+
+def test_patch_dropout_with_the_distance_penalty_trains_in_cuda_graphs(tmp_path):
+    """The kept patches' bias (``DistanceBias.between``, per image) compiles into the step's CUDA
+    graphs: no graph skipped, no fallback to eager, every step applied and finite; and the compiled
+    bias equals the eager one."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from vitlab.train.step import endless, train_step
+
+    torch._dynamo.reset()
+    s = _run_on_the_gpu(tmp_path, "patch-dropout", **{"model.attn_bias": "distance_no_self",
+                                                      "model.attn_offsets": True, "model.patch_dropout": 0.25})
+    assert s.resolved.compile == "reduce-overhead" and s.model.cfg.patch_dropout == 0.25
+    skips = counters["inductor"]["cudagraph_skips"]
+    batches = endless(s.stream)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = [train_step(s, batches, lr=1e-3, size=s.img_size[0]).read() for _ in range(6)]
+    assert not [str(w.message) for w in caught if "torch.compile" in str(w.message)]
+    assert counters["inductor"]["cudagraph_skips"] == skips
+    assert all(r.applied and math.isfinite(r.loss) for r in results)
+
+    bias = s.model.blocks[0].attn.distance_bias
+    with torch.no_grad():
+        bias.offset_bias.normal_()
+    kept = torch.stack([torch.randperm(16, device="cuda")[:12] for _ in range(5)])
+    positions = torch.stack([kept // 4, kept % 4], dim=-1)
+    q = torch.zeros(5, 4, 1 + 12, 16, device="cuda", dtype=torch.bfloat16)
+    eager = bias(q, positions)
+    compiled = torch.compile(bias)(q, positions)
+    assert torch.equal(torch.isneginf(compiled), torch.isneginf(eager))
+    torch.testing.assert_close(compiled.masked_fill(compiled.isinf(), 0), eager.masked_fill(eager.isinf(), 0))

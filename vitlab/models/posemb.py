@@ -224,7 +224,6 @@ class DistanceBias(nn.Module):
             bias = bias.masked_fill(mask, float("-inf"))
         return bias.unsqueeze(0).to(q.dtype)
 
-
     def between(self, positions: torch.Tensor) -> torch.Tensor:
         """The bias (B, H, L, L) among the prefix tokens and the patch tokens at ``positions``,
         (B, K, 2) long (row, column) on a grid no larger than the model's, K = L - prefix: the

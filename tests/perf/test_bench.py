@@ -51,7 +51,9 @@ def test_what_the_fast_layer_allocates_when_applied_counts_in_vitlabs_peak(kind,
                 repeats=1, min_seconds=0.0)
     peak = harness.measure_model(case)["peak_bytes"]
     kept[0].close()
-    assert peak > size
+    # the block and the step's own, less what the process freed after the baseline (a collection of
+    # earlier tests' objects: 37 KB in one order of the suite); the block not counted would leave a few MB
+    assert peak > 0.9 * size
 
 
 def test_time_loop_and_summary():

@@ -183,7 +183,8 @@ class VisionTransformer(nn.Module):
         return x
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, C, H, W) -> encoder output after the final LayerNorm, (B, prefix + N, D)."""
+        """Images (B, C, H, W) -> encoder output after the final LayerNorm, (B, prefix + N, D)
+        (K kept patches instead of N in training with ``patch_dropout``)."""
         tokens, grid, positions = self.embed(x)
         return self.norm(self.run_blocks(tokens, grid, positions=positions))
 

@@ -272,7 +272,8 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
     update = Update(trained.parameters(), optimizer, ema, model, cfg.optim.clip_norm, resolved.compile_optimizer)
     # a compiled call after a CUDA-graphed backward frees its gradients: the compiled update's, or
     # the next micro-batch's forward (the memory estimate counts the buffers by the same rule)
-    holds = resolved.memory is not None and resolved.memory.shape.holds_gradients  # None: a command that trains nothing
+    # (no memory estimate: a command that trains nothing)
+    holds = resolved.memory is not None and resolved.memory.shape.holds_gradients
     held = HeldGradients(trained.parameters()) if holds else None
     return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, evaluator, final_evaluator, micro_batch,
                  tuple(img_size), resolved, rng, update, scaler, fp8, held)

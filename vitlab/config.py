@@ -461,6 +461,11 @@ class ViTConfig:
     def num_prefix_tokens(self) -> int:
         return 1 if self.classifier == "token" else 0
 
+    def kept_patches(self, patches: int) -> int:
+        """How many of an image's ``patches`` patch tokens a training step keeps: all, or
+        ``1 - patch_dropout`` of them, rounded, at least one."""
+        return max(1, round(patches * (1.0 - self.patch_dropout))) if self.patch_dropout > 0 else patches
+
 
 Architecture = Union[ViTConfig, ResNetConfig]  # what a model is built from
 

@@ -138,9 +138,7 @@ def flops_breakdown(cfg: Architecture, img_size: int | Pair | None = None, train
         _add(out, _block_flops(gh, gw, cfg, relative), cfg.depth)
         _add(out, _block_flops(gw, gh, cfg, relative), cfg.depth)
     else:
-        patches = gh * gw
-        if training and cfg.patch_dropout > 0:  # as VisionTransformer.drop_patches keeps them
-            patches = max(1, round(patches * (1.0 - cfg.patch_dropout)))
+        patches = cfg.kept_patches(gh * gw) if training else gh * gw
         _add(out, _block_flops(1, cfg.num_prefix_tokens + patches, cfg, relative), cfg.depth)
     features = D
     if cfg.representation_size:

@@ -161,7 +161,7 @@ class VisionTransformer(nn.Module):
                              f"input is larger than the model's {self.cfg.grid_size}; train at img_size or below")
         prefix, patches = x[:, :self.cfg.num_prefix_tokens], x[:, self.cfg.num_prefix_tokens:]
         B, N, D = patches.shape
-        keep = max(1, round(N * (1.0 - self.cfg.patch_dropout)))
+        keep = self.cfg.kept_patches(N)
         index = torch.rand(B, N, device=x.device).argsort(dim=1)[:, :keep]
         patches = torch.gather(patches, 1, index.unsqueeze(-1).expand(B, keep, D))
         positions = torch.stack([index.div(grid[1], rounding_mode="floor"), index.remainder(grid[1])], dim=-1)

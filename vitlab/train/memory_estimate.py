@@ -39,8 +39,9 @@ memory and the data against the host's.  The interpreter's own baseline (Python,
 and its libraries: 0.24 GB here) is not counted: it is in use before the run starts, so
 the memory available then is what the run can still take.
 
-The estimate does not follow every option: ``patch_dropout`` (fewer tokens) and
-progressive resizing (smaller images first) are counted at the full size.  Its agreement
+The estimate does not follow every option: progressive resizing (smaller images first) is
+counted at the full size.  A training step's blocks are counted on the patches
+``patch_dropout`` keeps.  Its agreement
 with measured peaks, within 25% on the configurations of ``benchmarks/memory_estimate.py``:
 docs/training.md ("Memory").
 """
@@ -185,12 +186,14 @@ def gb(size: float) -> str:
 # ----------------------------------------------------------------------------- the model's side
 
 
-def tokens_per_image(arch: Architecture, img_size: tuple) -> int:
-    """The encoder's sequence length at ``img_size`` (0 for a ResNet)."""
+def tokens_per_image(arch: Architecture, img_size: tuple, training: bool = False) -> int:
+    """The encoder's sequence length at ``img_size`` (0 for a ResNet); ``training``: in a
+    training step, which keeps the patches ``patch_dropout`` keeps."""
     if isinstance(arch, ResNetConfig):
         return 0
     (h, w), (ph, pw) = arch.feature_size_of(tuple(img_size)), arch.patch_size
-    return arch.num_prefix_tokens + (h // ph) * (w // pw)
+    patches = (h // ph) * (w // pw)
+    return arch.num_prefix_tokens + (arch.kept_patches(patches) if training else patches)
 
 
 @functools.lru_cache(maxsize=16)
@@ -234,13 +237,16 @@ def _block_saved_per_token(shape: RunShape, seq_len: int) -> int:
         kept += a * M                    # the GELU output (recomputed too)
     kept += a * M                        # the first MLP layer's output
     kept += a * D                        # the heads' output, into the projection
-    kept += 3 * a * D                    # q, k and v (views of the projection, or the heads' copies)
+    b = _attention_bytes(shape)
+    kept += 3 * b * D                    # q, k and v (views of the projection, or the heads' copies)
     if explicit:
-        kept += a * H * seq_len          # the attention probabilities, (heads, tokens, tokens) per image
+        kept += b * H * seq_len          # the attention probabilities, (heads, tokens, tokens) per image
     else:
         kept += FP32 * H                 # fused attention: one log-sum-exp per head
     if arch.attention_dropout and explicit:
         kept += H * seq_len              # the dropout mask (bool)
+    if arch.patch_dropout and arch.attn_bias != "none":
+        kept += 8 * seq_len              # the kept patches' bias: its gather's int64 index, (tokens, tokens) per image
     if arch.dropout:                     # dropout masks after attention, GELU and the MLP (the
         kept += 2 * a * D + (M if shape.fast else a * M)  # fast path's GELU mask: bool)
     return kept
@@ -248,10 +254,27 @@ def _block_saved_per_token(shape: RunShape, seq_len: int) -> int:
 
 def _explicit_attention(shape: RunShape) -> bool:
     """Whether attention is two matmuls and a softmax that keeps its probabilities: the fast
-    path on a CPU in bf16, or in fp32 where its kernel choice says so; else the fused kernel."""
-    if not shape.fast or shape.on_gpu or isinstance(shape.arch, ResNetConfig):
+    path on a CPU in bf16, or in fp32 where its kernel choice says so; on a CPU any attention
+    with a learned bias (the distance penalty, relative position embeddings), whose float mask
+    with a gradient torch's CPU kernel takes by its math path; else the fused kernel."""
+    if shape.on_gpu or isinstance(shape.arch, ResNetConfig):
         return False
-    return shape.precision == "bf16" or shape.explicit_attention_fp32
+    if _learned_attention_bias(shape.arch):
+        return True
+    return shape.fast and (shape.precision == "bf16" or shape.explicit_attention_fp32)
+
+
+def _attention_bytes(shape: RunShape) -> int:
+    """Bytes per element of the q, k and v attention keeps and of its probabilities: fp32 where
+    the blocks attend by torch's CPU kernel given a learned bias (its math path, which computes
+    in fp32 whatever the autocast; not the fast path's explicit form), else the activations'."""
+    fast_explicit = shape.fast and (shape.precision == "bf16" or shape.explicit_attention_fp32)
+    math_path = not shape.on_gpu and _learned_attention_bias(shape.arch) and not fast_explicit
+    return FP32 if math_path else shape.act_bytes
+
+
+def _learned_attention_bias(arch: Architecture) -> bool:
+    return not isinstance(arch, ResNetConfig) and (arch.attn_bias != "none" or arch.posemb == "relative")
 
 
 def _resnet_saved(shape: RunShape, cfg: ResNetConfig, img_size: tuple) -> tuple[int, int, int]:
@@ -291,7 +314,8 @@ def activation_bytes(shape: RunShape) -> tuple[int, int]:
         # its backward comes last, when the encoder's tensors are gone: what it keeps and the
         # gradients of its largest feature maps
         stem_peak = B * (stem + 3 * largest) + per_step
-    L, D, M, H = tokens_per_image(arch, (h, w)), arch.width, arch.mlp_dim, arch.num_heads
+    # the blocks' sequence: the patches patch_dropout keeps
+    L, D, M, H = tokens_per_image(arch, (h, w), training=True), arch.width, arch.mlp_dim, arch.num_heads
     if arch.axial:  # each layer: a block over the rows, then one over the columns, of the patch grid
         gh, gw = (s // p for s, p in zip(arch.feature_size_of((h, w)), arch.patch_size))
         kept += arch.depth * (L * _block_saved_per_token(shape, gw) + L * _block_saved_per_token(shape, gh))
@@ -302,8 +326,8 @@ def activation_bytes(shape: RunShape) -> tuple[int, int]:
     kept += FP32 * L * D                     # the last block's output, into the final LayerNorm
     if arch.classifier == "token" and not shape.half:
         kept += FP32 * L * D                 # the LayerNorm's output, whose [class] row the head reads (a view)
-    if arch.dropout:
-        kept += FP32 * L * D                 # the mask of the dropout after the position embeddings
+    if arch.dropout:                         # the mask of the dropout after the position embeddings, before any is dropped
+        kept += FP32 * tokens_per_image(arch, (h, w)) * D
     if shape.mpp is not None:                # the prediction head on the corrupted patches
         outputs = {"color": 512, "color4x4": 16 * 512}.get(shape.mpp, 3 * arch.patch_size[0] * arch.patch_size[1])
         kept += int(shape.mpp_rate * L) * outputs * (a + 2 * FP32)
@@ -312,7 +336,7 @@ def activation_bytes(shape: RunShape) -> tuple[int, int]:
     # gradient and the softmax's (the forward's logits and probabilities: one tensor less)
     transient = L * (2 * FP32 * M + 4 * FP32 * D)
     if _explicit_attention(shape):
-        transient += 2 * a * H * seq * seq * (L // seq if arch.axial else 1)
+        transient += 2 * _attention_bytes(shape) * H * seq * seq * (L // seq if arch.axial else 1)
     kept, transient = B * kept + per_step, B * transient
     return kept, max(transient, stem_peak - kept)
 
@@ -333,8 +357,8 @@ def attention_probability_bytes(shape: RunShape) -> tuple[int, int]:
     arch = shape.arch
     if not _explicit_attention(shape):
         return 0, 0
-    a, H = shape.act_bytes, arch.num_heads
-    L = tokens_per_image(arch, shape.img_size)
+    a, H = _attention_bytes(shape), arch.num_heads
+    L = tokens_per_image(arch, shape.img_size, training=True)
     if arch.axial:
         gh, gw = (s // p for s, p in zip(arch.feature_size_of(tuple(shape.img_size)), arch.patch_size))
         tables, kept = L // max(gh, gw) * max(gh, gw) ** 2, arch.depth * H * (gh * gw * gw + gw * gh * gh)
@@ -350,7 +374,8 @@ def widest_activation(shape: RunShape) -> int:
     arch = shape.arch
     if isinstance(arch, ResNetConfig):
         return shape.micro_batch * _resnet_saved(shape, arch, shape.img_size)[2]
-    return shape.micro_batch * tokens_per_image(arch, shape.img_size) * max(arch.mlp_dim, 3 * arch.width) * FP32
+    return (shape.micro_batch * tokens_per_image(arch, shape.img_size, training=True)
+            * max(arch.mlp_dim, 3 * arch.width) * FP32)
 
 
 def input_bytes(shape: RunShape) -> int:

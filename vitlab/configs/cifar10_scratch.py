@@ -78,6 +78,11 @@ Its final evaluation takes the 3x3 grids of translations by 2 and by 1 pixel wit
 (``GPU_FINAL_EVAL``: about a second a view there, 2% of a 10-minute run's steps), which scored 0.14 and
 0.52 points above the 10 views on two CPU models (unmeasured on a GPU model); the 1, 2, 10 and 18 view
 sets are scored in the same pass and reported beside it (``val_top1_views``).
+Token dropping (``--set model.patch_dropout=0.25``: a quarter of each training image's patches
+left out, the kept ones keeping their places' penalties and offsets) stays off in both forms: on a
+CPU it gave 1.42x the steps and lost 2 points in 30 minutes, the dropped patches taking what an
+underfitting run has too little of (docs/results.md); on a GPU, where the run fits its training
+images, it is unmeasured.
 ``benchmarks/gpu_check.sh`` part C runs it.
 """
 import math

@@ -32,6 +32,7 @@ HYBRID_GN = dict(HYBRID_BN, resnet=dict(layers=(1, 2), img_size=32, norm="group"
 ARCHITECTURES = {"vit": VIT, "vit-dropout": dict(VIT, dropout=0.1), "vit-gap": dict(VIT, classifier="gap"),
                  "vit-patch-dropout": dict(VIT, patch_dropout=0.5, dropout=0.1),
                  "vit-distance": dict(VIT, classifier="gap", attn_bias="distance_no_self", attn_offsets=True),
+                 "vit-relative": dict(VIT, posemb="relative"),
                  "vit-distance-patch-dropout": dict(VIT, patch_dropout=0.25, classifier="gap", attn_bias="distance_no_self",
                                                     attn_offsets=True),
                  "hybrid-batchnorm": HYBRID_BN, "hybrid-groupnorm": HYBRID_GN}

@@ -245,6 +245,8 @@ def _block_saved_per_token(shape: RunShape, seq_len: int) -> int:
         kept += FP32 * H                 # fused attention: one log-sum-exp per head
     if arch.attention_dropout and explicit:
         kept += H * seq_len              # the dropout mask (bool)
+    if arch.posemb == "relative":        # the bias's einsum: the scaled query and its (heads, tokens, 2 tokens - 1)
+        kept += 2 * a * D + a * H * (2 * seq_len - 1)  # logits against the offsets, and a copy of the query
     if arch.patch_dropout and arch.attn_bias != "none":
         kept += 8 * seq_len              # the kept patches' bias: its gather's int64 index, (tokens, tokens) per image
     if arch.dropout:                     # dropout masks after attention, GELU and the MLP (the

@@ -271,8 +271,8 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
     scaler = make_scaler(resolved.precision, world.device, cfg.run.loss_scale)
     update = Update(trained.parameters(), optimizer, ema, model, cfg.optim.clip_norm, resolved.compile_optimizer)
     # a compiled call after a CUDA-graphed backward frees its gradients: the compiled update's, or
-    # the next micro-batch's forward (the memory estimate counts the buffers by the same rule)
-    # (no memory estimate: a command that trains nothing)
+    # the next micro-batch's forward; the memory estimate counts the buffers by the same rule
+    # (a command that trains nothing has no estimate)
     holds = resolved.memory is not None and resolved.memory.shape.holds_gradients
     held = HeldGradients(trained.parameters()) if holds else None
     return Setup(cfg, world, splits, model, trained, optimizer, ema, stream, evaluator, final_evaluator, micro_batch,

@@ -256,23 +256,30 @@ def _block_saved_per_token(shape: RunShape, seq_len: int) -> int:
 
 def _explicit_attention(shape: RunShape) -> bool:
     """Whether attention is two matmuls and a softmax that keeps its probabilities: the fast
-    path on a CPU in bf16, or in fp32 where its kernel choice says so; on a CPU any attention
-    with a learned bias (the distance penalty, relative position embeddings), whose float mask
-    with a gradient torch's CPU kernel takes by its math path; else the fused kernel."""
-    if shape.on_gpu or isinstance(shape.arch, ResNetConfig):
-        return False
-    if _learned_attention_bias(shape.arch):
-        return True
-    return shape.fast and (shape.precision == "bf16" or shape.explicit_attention_fp32)
+    path's explicit form (``_fast_explicit_attention``), or torch's CPU kernel given a learned
+    bias (``_math_path_attention``); else the fused kernel."""
+    return _fast_explicit_attention(shape) or _math_path_attention(shape)
+
+
+def _fast_explicit_attention(shape: RunShape) -> bool:
+    """The fast path's attention by two matmuls: on a CPU in bf16, or in fp32 where its kernel
+    choice says so."""
+    return (shape.fast and not shape.on_gpu and not isinstance(shape.arch, ResNetConfig)
+            and (shape.precision == "bf16" or shape.explicit_attention_fp32))
+
+
+def _math_path_attention(shape: RunShape) -> bool:
+    """torch's CPU attention kernel given a learned bias (the distance penalty, relative position
+    embeddings): a float mask with a gradient takes its math path, which computes and keeps q, k,
+    v and the probabilities in fp32 whatever the autocast (where the fast path does not attend
+    explicitly)."""
+    return not shape.on_gpu and _learned_attention_bias(shape.arch) and not _fast_explicit_attention(shape)
 
 
 def _attention_bytes(shape: RunShape) -> int:
-    """Bytes per element of the q, k and v attention keeps and of its probabilities: fp32 where
-    the blocks attend by torch's CPU kernel given a learned bias (its math path, which computes
-    in fp32 whatever the autocast; not the fast path's explicit form), else the activations'."""
-    fast_explicit = shape.fast and (shape.precision == "bf16" or shape.explicit_attention_fp32)
-    math_path = not shape.on_gpu and _learned_attention_bias(shape.arch) and not fast_explicit
-    return FP32 if math_path else shape.act_bytes
+    """Bytes per element of the q, k and v attention keeps and of its probabilities: fp32 on the
+    math path, else the activations'."""
+    return FP32 if _math_path_attention(shape) else shape.act_bytes
 
 
 def _learned_attention_bias(arch: Architecture) -> bool:

@@ -32,7 +32,8 @@ with the min-max over all repeats, and the ratio vitlab / best peer is the media
 rounds' ratios (each round's vitlab against the same round's figure of the peer that is
 best over all rounds), with their range.  Peak memory is the rise of the process's
 resident set above its level after the model was built, before vitlab's fast layer is
-applied (CPU; VmHWM), or torch.cuda.max_memory_allocated above the allocation then (CUDA),
+applied (CPU; VmHWM), or torch.cuda.max_memory_reserved above the reservation then (CUDA: a
+CUDA graph's pool is reserved for its life and allocates nothing when replayed),
 so that whatever the fast layer keeps counts; the table gives it as vitlab / best peer
 beside the speed ratio, and in MiB.  A compiled row on a GPU takes its peak over the timed
 calls, after the warm-up: compiling allocates for autotuning, which a process that finds its

@@ -33,7 +33,9 @@
 #        "|--set run.compile_optimizer=true"; the batches augmented one at a time, as before the recipe grouped
 #        them by 8 (the 93.08% run of 2026-11-28): add "|--set data.augment_batches=1"; a quarter of each image's
 #        patches dropped in training (fewer tokens a step, with the distance penalty since f351236): add
-#        "|--set model.patch_dropout=0.25"; prints each run's
+#        "|--set model.patch_dropout=0.25"; the recipe without its mixup/CutMix (in its GPU form since the
+#        95.18% run of 2026-11-28; 93.06% at 3 minutes without): "|--set augment.mixup_alpha=0 --set
+#        augment.cutmix_alpha=0"; prints each run's
 #        accuracy, MFU and data_wait.  A call runs 10 minutes at
 #      most, the machine's start not counted: the 10-minute goal runs as PARTS=C PART_C_MIN=9.5 in a call of
 #      its own (timeout_s=600; the half minute short of 10 is for the script's own seconds around the run, which

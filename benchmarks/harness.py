@@ -60,13 +60,18 @@ def proc_status(field: str) -> int:
 
 
 def reset_peak(device: str) -> int:
-    """Start a new peak-memory window; the bytes in use now."""
+    """Start a new peak-memory window; the bytes in use now.  On a GPU that is the memory torch
+    reserves from the device once its cache of free blocks is given back: a CUDA graph's memory
+    pool stays reserved for the graph's life, while its replays allocate nothing, so that torch's
+    count of allocated bytes would miss a graphed step's activations (the peers' steps allocate
+    theirs afresh each call, which the reserved count sees as well)."""
     import torch
 
     if device == "cuda":
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
+        return torch.cuda.memory_reserved()
     try:  # 5 resets the resident set's high-water mark (VmHWM) to the current resident set
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -80,7 +85,7 @@ def peak(device: str) -> int:
     every allocation (torch's, oneDNN's scratch pads) where torch's own counters do not."""
     import torch
 
-    return torch.cuda.max_memory_allocated() if device == "cuda" else proc_status("VmHWM")
+    return torch.cuda.max_memory_reserved() if device == "cuda" else proc_status("VmHWM")
 
 
 def time_loop(step: Callable[[], Any], sync: Callable[[], None], warmup: int, repeats: int,
@@ -313,7 +318,7 @@ class PeakMemory:
     CPU: the resident set's high-water mark (VmHWM), which sees torch's and ONNX
     Runtime's allocations alike (tracemalloc does not); writing 5 to
     /proc/self/clear_refs resets the mark to the current RSS.  CUDA:
-    torch.cuda.max_memory_allocated.
+    torch.cuda.max_memory_reserved, CUDA graphs' pools included (``reset_peak``).
     """
 
     def __init__(self, device: str) -> None:
@@ -498,9 +503,9 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
         faults_when_warm.append(_page_faults())
         if case.get("compile") and device == "cuda":
             # the peak from here on: compiling afresh allocates for autotuning, which a process that
-            # found the same graph in inductor's cache (a peer's identical model, compiled first) skips
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            # found the same graph in inductor's cache (a peer's identical model, compiled first) skips;
+            # the baseline stays the model's, so that the CUDA graphs' pools, made while warming, count
+            reset_peak(device)
 
     times, calls = time_loop(step, sync, case["warmup"], case["repeats"], case["min_seconds"], warm=warm)
     result = summarize(times, batch)

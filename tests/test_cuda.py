@@ -351,3 +351,33 @@ def test_patch_dropout_with_the_distance_penalty_trains_in_cuda_graphs(tmp_path)
     compiled = torch.compile(bias)(q, positions)
     assert torch.equal(torch.isneginf(compiled), torch.isneginf(eager))
     torch.testing.assert_close(compiled.masked_fill(compiled.isinf(), 0), eager.masked_fill(eager.isinf(), 0))
+
+
+def test_the_benchs_peak_counts_what_a_cuda_graph_holds(monkeypatch):
+    # A graphed step's replays allocate nothing: its intermediates live in the graph's pool,
+    # reserved since the capture. The bench's peak over the timed calls must still see them.
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import harness
+
+    x = torch.randn(1024, 1024, device="cuda")
+    memory = harness.PeakMemory("cuda")
+    memory.reset()
+
+    def step():
+        return (x @ x).relu().sum()  # two 4 MiB intermediates live at once
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    harness.reset_peak("cuda")  # the window of the timed calls, as measure_model's warm() opens it
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.item() > 0
+    assert memory.peak() >= 8 * 2**20

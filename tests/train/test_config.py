@@ -266,6 +266,10 @@ def test_the_cifar_recipe_fits_its_batch_cadence_and_model_to_the_device():
     assert load_recipe("cifar10_scratch:model=vit").augment.randaug_ops == 0
     gpu_augment = load_recipe("cifar10_scratch:model=vit,device=cuda").augment
     assert (gpu_augment.randaug_ops, gpu_augment.randaug_magnitude) == (2, 5.0)
+    # ... and mixup/CutMix (DeiT's alphas, one or the other per batch), where a run fits its training images
+    assert (gpu_augment.mixup_alpha, gpu_augment.cutmix_alpha, gpu_augment.mix_switch_prob) == (0.8, 1.0, 0.5)
+    cpu_augment = load_recipe("cifar10_scratch:model=vit,device=cpu").augment
+    assert cpu_augment.mixup_alpha == cpu_augment.cutmix_alpha == 0
     assert gpu_augment.crop == "pad" and gpu_augment.flip and gpu_augment.label_smoothing == 0.1
     # the plain ViT's weight decay: 0.3 on a CPU (measured above 0.2 at equal steps), 0.2 on a GPU (its measured
     # value there); the hybrids' 0.05 on both

@@ -176,3 +176,24 @@ def test_a_set_up_that_took_most_of_the_budget_shortens_the_timing():
     # with room, the ten steps are timed as before
     _, budget, _, _ = run_whole_command(2.0, setup_s=14.0, **args)
     assert budget.fit_at == 12
+
+
+def test_no_fit_before_a_full_size_step_was_timed():
+    """Progressive resizing: a step that changes the size is a pause (it compiles again), so a short run
+    (``--steps 3`` under the recipe's time limit) may reach the early-fit check with no step timed since
+    the mark. The rate is unknown then, not a division by nothing: no fit, and no figure said."""
+    now, messages = [0.0], []
+    budget = TimeBudget(30.0, 0.0, max_steps=3, measure_steps=10, eval_every=2000, final_eval_views=5.0,
+                        warmup=lambda total: 0, eval_cost_steps=2.0, phases=((24, 0.5),), full_size=(32, 32),
+                        say=messages.append, clock=lambda: now[0])
+    total = 3
+    for step, size in ((1, 24), (2, 24), (3, 32)):
+        now[0] += 1.0
+        budget.step_done(size, 1.0)
+        assert not budget.wants_evaluation(step)
+        total = budget.plan(step, total)
+    assert total == 3 and messages == [] and budget.eval_s == 0.0
+    # the next full-size step is timed, and the early fit may use it
+    now[0] += 1.0
+    budget.step_done(32, 1.0)
+    assert budget._first_rate() == 2.0  # two seconds since the mark (the pause included), one full-size step

@@ -220,8 +220,8 @@ class TimeBudget:
         """Move the first fit to this step when timing the remaining measure steps would run
         past the deadline (a set-up that took most of a short
         budget: the first run on a dataset decodes it).  All ranks decide alike."""
-        if step <= self.first_mark[0]:
-            return
+        if step <= self.first_mark[0] or self.units <= self.first_mark[1]:
+            return  # no full-size step timed since the mark (a size change is a pause): no rate yet
         # the evaluation's cost is not counted: its estimate from the step time can be far off
         # (a step's optimiser and augmentation weigh nothing in an evaluation), and the fit
         # that follows makes room for it

@@ -6,6 +6,7 @@
     python benchmarks/bench.py --only infer/ViT-B/16/b64 --device cuda --compile
     python benchmarks/bench.py --device cuda --only '^infer/' --list   # the rows' ids, nothing run
     python benchmarks/bench.py --device cuda --only '^train/.*/bf16/' --fp8 tensorwise,rowwise
+    python benchmarks/bench.py --device cuda --compile --only '/bf16/' --attention cudnn
 
 Rows (paper architectures from ``vitlab.models.registry``, random weights, the same for
 every implementation):
@@ -21,8 +22,10 @@ references, not peers, and the ratio leaves them out: "vitlab-plain", the same m
 without the fast layer (what ``--no-fast`` runs), and ONNX Runtime (CPU, fp32 inference)
 running vitlab's export.  With ``--fp8`` (a GPU only) the bf16 training rows also run
 "vitlab-fp8-tensorwise" and "vitlab-fp8-rowwise": the default path with the encoder blocks'
-dense layers in fp8 (``vitlab.fast.install_fp8``, what ``run.fp8`` trains), each a column with
-its ratio to the best peer; they are vitlab's own, never the best peer.
+dense layers in fp8 (``vitlab.fast.install_fp8``, what ``run.fp8`` trains), and with
+``--attention cudnn`` (a GPU only) every bf16 row runs "vitlab-cudnn", the default path with
+cuDNN's fused attention put ahead of PyTorch's own order (what ``run.gpu_attention=cudnn``
+trains with); each is a column with its ratio to the best peer, vitlab's own, never the best peer.
 
 Every (row, implementation) runs in a fresh subprocess (harness.py); warm-up calls are
 excluded.  The list runs R times (--rounds, default 3), a row's implementations back to
@@ -71,7 +74,8 @@ import sys
 import time
 from pathlib import Path
 
-from harness import FP8_IMPL_PREFIX, FP8_IMPLS, OWN_IMPLS, PEAK_KERNELS, checkout, cpu_name, peers_available, run_case
+from harness import (CUDNN_IMPL, FP8_IMPL_PREFIX, FP8_IMPLS, OWN_IMPLS, PEAK_KERNELS, VARIANT_IMPLS, checkout, cpu_name,
+                     peers_available, run_case)
 
 HERE = Path(__file__).resolve().parent
 INFER = [("ViT-B/16", b) for b in (1, 8, 32)]
@@ -107,12 +111,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8-layers", type=fp8_layers, default=None, metavar="LAYERS",
                    help="with --fp8: which of each block's dense layers the fp8 columns swap, e.g. mlp.fc1,mlp.fc2 "
                         "(default all four: attn.qkv,attn.proj,mlp.fc1,mlp.fc2; run.fp8_layers)")
+    p.add_argument("--attention", choices=("torch", "cudnn"), default="torch",
+                   help="GPU: 'cudnn' adds the bf16 rows' column vitlab-cudnn, vitlab with cuDNN's fused attention "
+                        "put first (run.gpu_attention=cudnn; vitlab.fast.kernels.attention_backends)")
     p.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON and latest.md")
     p.add_argument("--list", action="store_true", help="print the ids of the peaks and rows this command would "
                    "run (after --only) and exit, measuring nothing")
     args = p.parse_args(argv)
     if args.fp8_layers and not args.fp8:
         p.error("--fp8-layers chooses the layers of the fp8 columns: add --fp8 SCALINGS")
+    if args.attention != "torch" and args.device != "cuda":
+        raise SystemExit(f"bench.py --attention {args.attention}: a GPU's attention backends; add --device cuda "
+                         f"(this run is on {args.device})")
     if args.fp8 and args.device != "cuda":  # the CPU only emulates fp8 matmuls: nothing to measure
         raise SystemExit(f"bench.py --fp8 {','.join(args.fp8)}: fp8 matmuls are measured on a GPU of compute "
                          f"capability 8.9 or higher; add --device cuda (this run is on {args.device})")
@@ -168,7 +178,8 @@ def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                 before = ["vitlab-before"] if args.before else []
                 # fp8 matmuls run inside bf16 autocast, and only in training (vitlab.fast.fp8)
                 fp8 = [FP8_IMPL_PREFIX + s for s in args.fp8] if kind == "train" and dtype == "bf16" else []
-                for impl in ["vitlab"] + fp8 + peers + ["vitlab-plain"] + before:
+                cudnn = [CUDNN_IMPL] if args.attention == "cudnn" and dtype == "bf16" else []  # cuDNN: 16-bit only
+                for impl in ["vitlab"] + fp8 + cudnn + peers + ["vitlab-plain"] + before:
                     serving = impl == "onnxruntime"  # vitlab's export: fp32 CPU inference only
                     if serving and (kind == "train" or dtype != "fp32" or args.device != "cpu"):
                         continue
@@ -292,8 +303,8 @@ def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> lis
     with_before = "vitlab-before" in impls
     if with_before:
         header.append("vitlab/before")
-    fp8 = [i for i in impls if i in FP8_IMPLS]
-    header += [f"{i}/best peer" for i in fp8]
+    variants = [i for i in impls if i in VARIANT_IMPLS]
+    header += [f"{i}/best peer" for i in variants]
     lines = [header]
     for key, by_impl in rows.items():
         ours = by_impl.get("vitlab", {})
@@ -314,7 +325,7 @@ def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> lis
         if with_before:
             then = round_ratios(by_impl, against="vitlab-before")
             lines[-1].append(f"{statistics.median(then):.2f}x ({min(then):.2f}-{max(then):.2f})" if then else "-")
-        for impl in fp8:  # "-" on the rows without fp8 columns (inference, fp32)
+        for impl in variants:  # "-" on the rows without them (fp8: inference; both: fp32)
             ratios = round_ratios(by_impl, ours=impl)
             lines[-1].append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
                              if ratios else "-")

@@ -17,10 +17,11 @@
 #      P_B16=0 leaves out the ViT-B/16 half (about 2 minutes for the CIFAR recipe's alone)
 #   B  bench.py, compiled, bf16, ViT-B/16 training at batch 128: vitlab, its fp8 columns (tensorwise, rowwise)
 #      and timm (four fresh processes, each compiling its model, vitlab's also its update as the trainer does:
-#      about 5-6 minutes; B_IMPLS narrows the columns, e.g. B_IMPLS='vitlab|timm')
+#      about 5-6 minutes; B_IMPLS narrows or widens the columns, e.g. B_IMPLS='vitlab|timm', or
+#      B_IMPLS='vitlab|vitlab-cudnn|timm' for vitlab with cuDNN's fused attention first, run.gpu_attention=cudnn)
 #   I  bench.py, compiled, bf16, ViT-B/16 inference, vitlab (vitlab.fast.compile_for_inference: frozen weights
 #      under CUDA graphs) and timm (torch.compile): batch 1 in three rounds (the order of the two rotates), batch 64
-#      and 256 in one (ten fresh processes: about 5 minutes)
+#      and 256 in one (ten fresh processes: about 5 minutes); I_IMPLS='vitlab|vitlab-cudnn|timm' adds the cuDNN column
 #   C  the CIFAR-10 plain-ViT recipe, PART_C_MIN minutes, on the GPU, once per variant of PART_C_SETS
 #      ('|'-separated extra arguments; '' is the recipe; later arguments win, over the recipe's GPU settings too:
 #      before 8419e4f a run set those back), e.g. the recipe's GPU model
@@ -77,15 +78,15 @@ case $PARTS in *P*) say "P the step's host, device and data time: the CIFAR-10 G
     grep -v DEBUG "$LOGS/P-b16.log" | tail -n 32 | tee -a "$OUT/P.txt"
   fi;; esac
 case $PARTS in *B*) say "B ViT-B/16 bf16 training b128, compiled: vitlab, its fp8 columns, timm"
-  timeout 420 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --fp8 tensorwise,rowwise \
+  timeout 420 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --fp8 tensorwise,rowwise --attention cudnn \
     --only "train/ViT-B/16/b128/bf16/(${B_IMPLS:-vitlab|vitlab-fp8-tensorwise|vitlab-fp8-rowwise|timm})\$" \
     --out "$LOGS/B" > "$LOGS/B.log" 2>&1
   tail -n 10 "$LOGS/B.log" | tee "$OUT/B.txt";; esac
 case $PARTS in *I*) say "I ViT-B/16 bf16 inference, compiled, vitlab vs timm: b1 (3 rounds), b64, b256"
-  timeout 200 python3 benchmarks/bench.py --device cuda --compile --rounds 3 \
-    --only 'infer/ViT-B/16/b1/bf16/(vitlab|timm)$' --out "$LOGS/I1" > "$LOGS/I.log" 2>&1
-  timeout 200 python3 benchmarks/bench.py --device cuda --compile --rounds 1 \
-    --only 'infer/ViT-B/16/b(64|256)/bf16/(vitlab|timm)$' --out "$LOGS/I2" >> "$LOGS/I.log" 2>&1
+  timeout 200 python3 benchmarks/bench.py --device cuda --compile --rounds 3 --attention cudnn \
+    --only "infer/ViT-B/16/b1/bf16/(${I_IMPLS:-vitlab|timm})\$" --out "$LOGS/I1" > "$LOGS/I.log" 2>&1
+  timeout 200 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --attention cudnn \
+    --only "infer/ViT-B/16/b(64|256)/bf16/(${I_IMPLS:-vitlab|timm})\$" --out "$LOGS/I2" >> "$LOGS/I.log" 2>&1
   grep -E "^\| infer|img/s" "$LOGS/I.log" | tail -n 12 | tee "$OUT/I.txt";; esac
 case $PARTS in *C*) say "C CIFAR-10 plain ViT, $PART_C_MIN min per variant"
   # PART_C_SETS: the variants, '|'-separated, each extra arguments to the recipe's command ('' = the recipe)

@@ -141,10 +141,13 @@ def run_worker(cmd: list[str], threads: int | None = None, pythonpath: str | Non
 # Implementations of vitlab's own model: "vitlab" is the default path (``vitlab.fast.optimize``),
 # "vitlab-plain" the model as written, "vitlab-before" an earlier revision's (bench.py --before), "onnxruntime"
 # its ONNX export, "vitlab-fp8-SCALING" the default path with the blocks' dense layers in fp8 (bench.py --fp8,
-# what ``run.fp8`` trains).  Every other one is a peer.
+# what ``run.fp8`` trains), "vitlab-cudnn" the default path with cuDNN's fused attention put first
+# (bench.py --attention cudnn, what ``run.gpu_attention=cudnn`` trains with).  Every other one is a peer.
 FP8_IMPL_PREFIX = "vitlab-fp8-"
 FP8_IMPLS = tuple(FP8_IMPL_PREFIX + scaling for scaling in ("tensorwise", "rowwise"))  # vitlab.fast.FP8_SCALINGS
-OWN_IMPLS = ("vitlab", "vitlab-plain", "vitlab-before", "onnxruntime", *FP8_IMPLS)
+CUDNN_IMPL = "vitlab-cudnn"
+VARIANT_IMPLS = (*FP8_IMPLS, CUDNN_IMPL)  # vitlab's default path changed in one way: columns with their own ratio
+OWN_IMPLS = ("vitlab", "vitlab-plain", "vitlab-before", "onnxruntime", *VARIANT_IMPLS)
 
 
 # ----------------------------------------------------------------------------- models
@@ -178,7 +181,7 @@ def make_model(impl: str, spec: str, img_size: int | None = None):
     the trainer, ``vitlab eval`` and ``vitlab predict`` run) once it is on its device.
     """
     cfg = vitlab_config(spec, img_size)
-    if impl in ("vitlab", "vitlab-plain", "vitlab-before", *FP8_IMPLS):  # "before": another checkout's, as it runs
+    if impl in ("vitlab", "vitlab-plain", "vitlab-before", *VARIANT_IMPLS):  # "before": another checkout's, as it runs
         from vitlab.models.registry import build_model
 
         model = build_model(cfg)
@@ -199,7 +202,7 @@ def make_model(impl: str, spec: str, img_size: int | None = None):
         model = VisionTransformer(img_size=img, patch_size=patch, embed_dim=width, depth=depth,
                                   num_heads=heads, mlp_ratio=mlp / width, num_classes=classes)
         return model, model
-    raise ValueError(f"impl={impl!r}: allowed values are vitlab, vitlab-plain, {', '.join(FP8_IMPLS)}, hf-sdpa, "
+    raise ValueError(f"impl={impl!r}: allowed values are vitlab, vitlab-plain, {', '.join(VARIANT_IMPLS)}, hf-sdpa, "
                      "hf-eager, timm, onnxruntime")
 
 
@@ -211,7 +214,7 @@ def optimize_if_default(impl: str, model, kind: str = "train", fp8_layers: tuple
     its commands ran until 2026-11-26).  A revision from before ``vitlab.fast`` runs its model as it is.
     'vitlab-fp8-SCALING': the blocks' dense layers (``fp8_layers`` of them, default all four) swapped
     to fp8 first, then ``optimize``, as the trainer builds a ``run.fp8`` run."""
-    if impl not in ("vitlab", "vitlab-before", *FP8_IMPLS):
+    if impl not in ("vitlab", "vitlab-before", *VARIANT_IMPLS):
         return model
     try:
         import vitlab.fast
@@ -234,7 +237,7 @@ def compiled(impl: str, model, forward, case: dict[str, Any]):
     compiles it there, in mode "reduce-overhead" (CUDA graphs; ``graphed_training_step``)."""
     import torch
 
-    if impl == "vitlab" and case["kind"] == "inference":
+    if impl in ("vitlab", CUDNN_IMPL) and case["kind"] == "inference":
         import vitlab.fast
 
         if hasattr(vitlab.fast, "compile_for_inference"):
@@ -247,7 +250,7 @@ def compiled(impl: str, model, forward, case: dict[str, Any]):
 def trains_as_the_trainer(impl: str, case: dict[str, Any]) -> bool:
     """Whether a compiled training row runs vitlab's whole step in CUDA graphs, as its trainer does on
     one GPU (``graphed_training_step``): vitlab's own columns, on a GPU, at a revision that has it."""
-    if impl not in ("vitlab", *FP8_IMPLS) or case["kind"] != "train" or not case.get("compile"):
+    if impl not in ("vitlab", *VARIANT_IMPLS) or case["kind"] != "train" or not case.get("compile"):
         return False
     if case["device"] != "cuda":
         return False
@@ -371,7 +374,12 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
     if kind == "matmul":
         return measure_matmul(case)
     if kind in ("inference", "train"):
-        return measure_model(case)
+        if case["impl"] != CUDNN_IMPL:
+            return measure_model(case)
+        from vitlab.fast.kernels import attention_backends
+
+        with attention_backends("cudnn"):  # the whole measurement: compilation traces under it
+            return measure_model(case)
     raise ValueError(f"unknown case kind {kind!r}")
 
 

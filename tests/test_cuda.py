@@ -381,3 +381,37 @@ def test_the_benchs_peak_counts_what_a_cuda_graph_holds(monkeypatch):
     torch.cuda.synchronize()
     assert out.item() > 0
     assert memory.peak() >= 8 * 2**20
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(attn_bias="distance_no_self", attn_offsets=True, classifier="gap")])
+def test_the_cudnn_preference_trains_as_torchs_order_and_takes_cudnn_where_it_serves(fields):
+    # run.gpu_attention=cudnn: the same gradients, eager and compiled; cuDNN's kernel where it serves the call
+    # (a plain ViT in bf16 on a Hopper GPU), PyTorch's own order where it does not (a learned bias's gradient)
+    from torch.profiler import ProfilerActivity, profile
+
+    from vitlab.fast.kernels import attention_backends
+
+    model = _with_random_head(small(width=128, num_heads=2, **fields)).cuda()  # head dim 64
+    x = torch.randn(4, 3, 32, 32, device="cuda")
+
+    def grads(module, choice):
+        model.zero_grad(set_to_none=True)
+        with attention_backends(choice), torch.autocast("cuda", torch.bfloat16):
+            module(x).float().square().sum().backward()
+        return [p.grad.float().clone() for p in model.parameters()]
+
+    def aten_ops(module, choice):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            grads(module, choice)
+            torch.cuda.synchronize()
+        return {event.name for event in prof.events()}
+
+    expected = grads(model, "torch")
+    compiled = torch.compile(model)
+    for module in (model, compiled):
+        for got, want in zip(grads(module, "cudnn"), expected):
+            torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-3)
+    uses_cudnn = "aten::_scaled_dot_product_cudnn_attention" in aten_ops(model, "cudnn")
+    if not fields and torch.cuda.get_device_capability()[0] == 9:
+        assert uses_cudnn
+    assert "aten::_scaled_dot_product_cudnn_attention" not in aten_ops(model, "torch")

@@ -987,3 +987,31 @@ def test_a_bad_kernel_name_is_refused_with_the_allowed_ones():
     with pytest.raises(ValueError, match="attention='flash'.*fused, explicit"):
         KernelChoice(attention="flash")
     assert KernelChoice(**json.loads(json.dumps(dataclasses.asdict(KernelChoice())))) == KernelChoice()
+
+
+def test_the_cudnn_attention_preference_reorders_torchs_backends_and_restores_them():
+    from torch.nn.attention import SDPBackend
+
+    from vitlab.fast.kernels import attention_backends
+
+    before = torch._C._get_sdp_priority_order()
+    with attention_backends("torch"):
+        assert torch._C._get_sdp_priority_order() == before
+    with attention_backends("cudnn"):
+        order = torch._C._get_sdp_priority_order()
+        assert order[0] == int(SDPBackend.CUDNN_ATTENTION.value) and sorted(order) == sorted(before)
+        rest = [b for b in before if b != order[0]]
+        assert [b for b in order[1:] if b in rest] == rest  # the others keep PyTorch's order after it
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch._C._get_sdp_priority_order() == before
+    # a backend the caller turned off stays off inside, and the caller's state is back after
+    flash = torch.backends.cuda.flash_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        with attention_backends("cudnn"):
+            assert not torch.backends.cuda.flash_sdp_enabled()
+        assert not torch.backends.cuda.flash_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_flash_sdp(flash)
+    with pytest.raises(ValueError, match="gpu_attention='flash': expected one of torch, cudnn"):
+        attention_backends("flash")

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 # The scripts import harness as a sibling, as Python does for a script run from its folder
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -273,6 +274,36 @@ def test_fp8_adds_columns_to_the_gpus_bf16_training_rows_only(monkeypatch):
     assert not any("fp8_layers" in c for c in mlp_only if "fp8" not in c["impl"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cuda", "--fp8-layers", "mlp.fc1"])  # without --fp8 it chooses nothing
+
+
+def test_the_cudnn_attention_column_is_on_the_gpus_bf16_rows_and_measures_under_its_backends(monkeypatch):
+    monkeypatch.setattr(harness, "peers_available", lambda device: ["timm"])
+    monkeypatch.setattr(bench, "peers_available", harness.peers_available)
+    _, plain = bench.build_cases(bench.parse_args(["--device", "cuda"]))
+    _, cudnn = bench.build_cases(bench.parse_args(["--device", "cuda", "--attention", "cudnn"]))
+    assert [c for c in cudnn if c in plain] == plain
+    added = [c for c in cudnn if c not in plain]
+    bf16_rows = {c["id"].rsplit("/", 1)[0] for c in plain if c["dtype"] == "bf16"}
+    assert {c["id"] for c in added} == {f"{row}/vitlab-cudnn" for row in bf16_rows}
+    assert {c["kind"] for c in added} == {"train", "inference"}
+    with pytest.raises(SystemExit, match=r"--attention cudnn: .*--device cuda"):
+        bench.parse_args(["--attention", "cudnn"])
+    # the column is vitlab's default path (the fast layer, the trainer's step), its measurement under the backends
+    assert "vitlab-cudnn" in harness.OWN_IMPLS
+    model, _ = harness.make_model("vitlab-cudnn", "ViT-CIFAR")
+    import vitlab.fast
+
+    assert vitlab.fast.is_optimized(harness.optimize_if_default("vitlab-cudnn", model))
+    orders = []
+    monkeypatch.setattr(harness, "measure_model", lambda case: orders.append(torch._C._get_sdp_priority_order()))
+    before = torch._C._get_sdp_priority_order()
+    harness.worker({"kind": "train", "impl": "vitlab"})
+    harness.worker({"kind": "train", "impl": "vitlab-cudnn"})
+    from torch.nn.attention import SDPBackend
+
+    cudnn_first = int(SDPBackend.CUDNN_ATTENTION.value)
+    assert orders[0] == before and orders[1][0] == cudnn_first and sorted(orders[1]) == sorted(before)
+    assert torch._C._get_sdp_priority_order() == before
 
 
 def test_fp8_columns_are_vitlabs_own_with_their_ratio_to_the_best_peer():

@@ -248,6 +248,23 @@ def test_fp8_is_refused_without_fp8_tensor_cores_and_taken_on_a_gpu_that_has_the
     assert resolve(auto_config(tmp_path), world("cuda:0"), described(gpus=(H100,))).memory.shape.fast is True
 
 
+def test_cudnn_attention_is_a_gpus_choice_refused_for_a_cpu_run(tmp_path):
+    from vitlab.train.resolve import preview
+
+    cfg = with_changes(auto_config(tmp_path), {"run.gpu_attention": "cudnn"})
+    with pytest.raises(ConfigError) as refused:
+        resolve(cfg, world("cpu"), described())
+    assert str(refused.value) == ("run.gpu_attention='cudnn' chooses among a CUDA GPU's attention kernels; this run "
+                                  "resolves to cpu: set run.gpu_attention='torch'")
+    with pytest.raises(ConfigError, match="run.gpu_attention='cudnn'"):
+        preview(cfg, described())
+    assert resolve(cfg, world("cuda:0"), described(gpus=(H100,))).config.run.gpu_attention == "cudnn"
+    # a recipe's setting for GPUs is checked only where it applies
+    on_gpus = with_changes(auto_config(tmp_path), {"run.on_device": {"cuda": {"run.gpu_attention": "cudnn"}}})
+    assert resolve(on_gpus, world("cpu"), described()).config.run.gpu_attention == "torch"
+    assert resolve(on_gpus, world("cuda:0"), described(gpus=(H100,))).config.run.gpu_attention == "cudnn"
+
+
 def test_fp8_runs_inside_bf16_autocast_and_names_its_choices(tmp_path):
     from vitlab.train.config import RunConfig
 

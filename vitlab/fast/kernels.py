@@ -260,3 +260,27 @@ def autocast(device: torch.device, precision: str):
     if precision in ("bf16", "fp16"):
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
     return nullcontext()
+
+
+# How a GPU's fused attention is chosen (``run.gpu_attention``): "torch" leaves it to PyTorch's own
+# order of backends (FlashAttention first); "cudnn" puts cuDNN's fused attention first, the others
+# after it in PyTorch's order, so that a call cuDNN cannot serve falls back as before.
+GPU_ATTENTION = ("torch", "cudnn")
+
+
+def attention_backends(choice: str):
+    """A context in which ``F.scaled_dot_product_attention`` prefers the backends of ``choice``
+    (``GPU_ATTENTION``); on leaving it, PyTorch's order and enabled backends are as they were.
+    Under ``torch.compile`` the order that counts is the one in force when the call is traced."""
+    if choice not in GPU_ATTENTION:
+        raise ValueError(f"gpu_attention={choice!r}: expected one of {', '.join(GPU_ATTENTION)}")
+    if choice == "torch":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    enabled = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled(),
+               SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled(),
+               SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled()}
+    order = [SDPBackend(value) for value in torch._C._get_sdp_priority_order()]
+    others = [backend for backend in order if enabled.get(backend, False)]  # the caller's disabled ones stay off
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, *others], set_priority=True)

@@ -43,7 +43,7 @@ from torch import nn
 
 from vitlab import fast
 from vitlab.config import Architecture, ConfigError, replace
-from vitlab.fast.kernels import autocast
+from vitlab.fast.kernels import attention_backends, autocast
 
 from .memory_estimate import gb
 from .step import example_losses
@@ -200,7 +200,7 @@ def probe_model(cfg, arch: Architecture, img_size: tuple, kernels, device: torch
 
 
 def _forward_backward(model: nn.Module, images: torch.Tensor, cfg, precision: str, device: torch.device) -> None:
-    with autocast(device, precision):
+    with autocast(device, precision), attention_backends(cfg.run.gpu_attention):
         out = model(images)
     if cfg.model.mpp is not None:
         loss = out.loss

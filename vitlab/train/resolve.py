@@ -140,6 +140,7 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     decode = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}
     changes = dict(cfg.run.on_device.get(device.type, {}))  # the recipe's settings for this kind of device
     check_fp8(cfg, device, machine)
+    check_gpu_attention(cfg, device)
     cfg = with_changes(cfg, changes | decode | {"run.device": str(device), "run.precision": precision})
     if cfg.data.source is None and not preview:  # a command that scores a model: its data in memory
         cfg = with_changes(cfg, {"data.stream": "memory", "data.stream_workers": 0, "run.compile_optimizer": False})
@@ -203,6 +204,7 @@ def preview(cfg: TrainConfig, machine: Machine | None = None) -> dict:
     machine = machine or Machine.here()
     world = local_world(resolve_device(cfg.run.device, machine, local_rank()))
     check_fp8(cfg, world.device, machine)  # refused as the run would be, not left out of the estimate below
+    check_gpu_attention(cfg, world.device)
     try:
         resolved = resolve(cfg, world, machine, preview=True)
     except (OSError, ValueError) as err:  # a missing init (FileNotFoundError), unreadable weights (WeightsError)
@@ -253,6 +255,15 @@ def precision_rule(device: torch.device, machine: Machine) -> str:
         gpu = machine.gpu(device)
         return "bf16" if gpu is not None and gpu.bf16 else "fp32"
     return fast.cpu_precision(machine.cpu) if device.type == "cpu" else "fp32"
+
+
+def check_gpu_attention(cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse a GPU attention backend (``run.gpu_attention`` other than "torch", the recipe's setting
+    for this kind of device included) for a run that resolves to another device (ConfigError)."""
+    choice = cfg.run.on_device.get(device.type, {}).get("run.gpu_attention", cfg.run.gpu_attention)
+    if choice != "torch" and device.type != "cuda":
+        raise ConfigError(f"run.gpu_attention={choice!r} chooses among a CUDA GPU's attention kernels; this run "
+                          f"resolves to {device}: set run.gpu_attention='torch'")
 
 
 def check_fp8(cfg: TrainConfig, device: torch.device, machine: Machine) -> None:

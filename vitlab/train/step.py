@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from vitlab.fast.compiled import failure_summary
-from vitlab.fast.kernels import autocast
+from vitlab.fast.kernels import attention_backends, autocast
 
 from .distributed import all_reduce_tensor
 from .optim import TracedStep, skips_on_device
@@ -127,7 +127,7 @@ def accumulate(setup, batches: Iterator, size: int) -> tuple[torch.Tensor, torch
             x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
         sync = micro == K - 1 or setup.world.size == 1
         with (nullcontext() if sync or not hasattr(setup.trained, "no_sync") else setup.trained.no_sync()):
-            with autocast(setup.world.device, setup.precision):
+            with autocast(setup.world.device, setup.precision), attention_backends(cfg.run.gpu_attention):
                 out = setup.trained(x)
             finite_rows = None
             if cfg.model.mpp is None:

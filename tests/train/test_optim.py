@@ -46,6 +46,23 @@ def test_orthogonalise_keeps_the_singular_vectors_and_flattens_the_spectrum():
         assert big.min() > 0.6 and big.max() < 1.25, big
 
 
+def test_orthogonalise_is_the_quintic_iteration_as_written():
+    from vitlab.train.optim import NEWTON_SCHULZ, orthogonalise
+
+    a, b, c = NEWTON_SCHULZ
+    torch.manual_seed(0)
+    for shape in ((3, 20, 36), (3, 36, 20), (20, 36)):  # batched wide and tall, one matrix
+        g = torch.randn(*shape, dtype=torch.float64)
+        x = g.mT if shape[-2] > shape[-1] else g
+        x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+        for _ in range(5):
+            gram = x @ x.mT
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        expected = x.mT if shape[-2] > shape[-1] else x
+        got = orthogonalise(g, dtype=torch.float64)
+        assert got.shape == g.shape and torch.allclose(got.double(), expected, atol=1e-6)
+
+
 def test_muon_adamw_is_muon_on_block_matrices_and_adamw_elsewhere(monkeypatch):
     import torch.optim._muon
 

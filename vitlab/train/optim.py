@@ -141,15 +141,21 @@ def orthogonalise(g: torch.Tensor, steps: int = 5, eps: float = 1e-7,
     ``steps`` quintic Newton-Schulz iterations computed in ``dtype``, returned in fp32."""
     a, b, c = NEWTON_SCHULZ
     x = g.to(dtype)
+    one = x.ndim == 2
+    if one:
+        x = x.unsqueeze(0)
     tall = x.shape[-2] > x.shape[-1]
     if tall:  # iterate on the short side: X X^T is the smaller Gram matrix
         x = x.mT
     # the spectral norm is at most the Frobenius norm: start inside the unit ball
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
     for _ in range(steps):
+        # a X + (b G + c G G) X, G = X X^T: the scaling and the sums ride in the products (baddbmm),
+        # three kernels an iteration where the written-out form launches eight
         gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return (x.mT if tall else x).float()
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    x = x.mT if tall else x
+    return (x[0] if one else x).float()
 
 
 def orthogonalise_flops(shape: tuple[int, int], steps: int = 5) -> int:

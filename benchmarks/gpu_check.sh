@@ -8,7 +8,7 @@
 #   device run: command="PARTS=AB bash .gpu/gpu_check.sh run 2>&1", carry=[".gpu"], timeout_s=590
 #
 # Parts (each with its own timeout; results land in $OUT as they come, the summary prints last):
-#   A  the CUDA tests; a failing test's short traceback, without the debug log lines (about 75 s)
+#   A  the CUDA tests; a failing test's short traceback, without the debug log lines (about 90-150 s)
 #   P  benchmarks/step_profile.py on the CIFAR-10 GPU recipe, then on the trainer's ViT-B/16 at batch 128 (bench's
 #      training row): the step's host and device time, the data path alone, the model and optimiser alone, the
 #      update alone, the profiler's kernels and their time by kind (matmul, attention, normalisation, fused
@@ -44,7 +44,9 @@
 #   D  ViT-B/16 pre-training recipe from memory vs streamed JPEG shards
 # A session has 15 device minutes, a fresh machine's start (1-2 minutes) included: PARTS=AB (the default) fits one
 # call of about 7-8 minutes, then PARTS=C PART_C_MIN=3 a second (about 5); P, I and D take a session's calls of
-# their own.
+# their own.  The next session's plan (what is still unmeasured, in order): PARTS=AC PART_C_MIN=3
+# PART_C_SETS="|--set run.compile_optimizer=true" (the recipe's mixup/CutMix at 3 minutes, the new CUDA tests,
+# the update in a CUDA graph; about 9 minutes), then PARTS=B B_IMPLS='vitlab|vitlab-cudnn|timm' (about 4).
 set -u
 mode=${1:-run}
 if [ "$mode" = prepare ]; then
@@ -63,7 +65,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
 case $PARTS in *A*) say "A CUDA tests"
   # a test turns on torch's debug log: its lines would push the failure out of the tail
-  timeout 150 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -rf --tb=short 2>&1 | grep -v DEBUG \
+  timeout 240 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -rf --tb=short 2>&1 | grep -v DEBUG \
     > "$LOGS/A.log"; tail -n 40 "$LOGS/A.log" | tee "$OUT/A.txt";; esac
 case $PARTS in *P*) say "P the step's host, device and data time: the CIFAR-10 GPU recipe, then ViT-B/16 b128"
   timeout 240 python3 benchmarks/step_profile.py --recipe cifar10_scratch:model=vit --data .gpu/cifar10-train.tar.gz \

@@ -76,7 +76,7 @@ the device for an eighth of the launches, each group drawn on the seed of its fi
 the wait to 6% of a step and the same minutes to 1.5x the steps: 93.52%, MFU 21.5% (the same day).
 That run fitted its training images to the label smoothing's floor (training loss 0.507 against 0.500), so
 the GPU form also mixes each batch within itself, mixup (alpha 0.8) or CutMix (alpha 1.0) with equal odds,
-DeiT's setting: the same 9.5 minutes then gave **95.18%** (34 and 10 views; 94.86% one view, 455 epochs,
+DeiT's setting: the same 9.5 minutes then gave **95.18%** (34 and 10 views; 94.86% one view, 410 epochs,
 MFU 24.8%; docs/results.md).  At 3 minutes, 103 epochs, where the run without it reached 93.06%, its
 effect is unmeasured.
 Its final evaluation takes the 3x3 grids of translations by 2 and by 1 pixel with flips, 34 views

@@ -249,22 +249,25 @@ def muon_update(params: list, grads: list, bufs: list, *, lr: float | torch.Tens
     by_shape: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
         by_shape.setdefault((min(p.shape), max(p.shape), p.device), []).append(i)
+    skipping: dict[torch.device, tuple] = {}  # per device, once: the flag as a mask, and the decay it leaves
     for (rows, cols, device), which in by_shape.items():
         same, same_bufs = [params[i] for i in which], [bufs[i] for i in which]
         tall = [p.shape[0] > p.shape[1] for p in same]
         wide = lambda ts: [t.mT if t_tall else t for t, t_tall in zip(ts, tall)]  # noqa: E731  (rows, cols) views
         grad = torch.stack(wide([grads[i] for i in which]))  # (n, rows, cols)
         buf = torch.stack(wide(same_bufs))
-        if skip is not None:
-            skip_here = skip.to(device).bool()
-            grad = torch.where(skip_here, 0.0, grad)  # a NaN gradient must not reach the arithmetic
-        new_buf = buf.lerp(grad, 1 - momentum)
-        updates = orthogonalise(grad.lerp(new_buf, momentum), ns_steps, dtype=ns_dtype)  # Nesterov
         decay = 1 - lr * weight_decay
         if skip is not None:
+            if device not in skipping:
+                flag = skip.to(device).bool()
+                skipping[device] = (flag, torch.where(flag, 1.0, decay))
+            skip_here, decay = skipping[device]
+            grad = grad.masked_fill(skip_here, 0.0)  # a NaN gradient must not reach the arithmetic
+        new_buf = buf.lerp(grad, 1 - momentum)
+        updates = orthogonalise(grad.lerp(new_buf, momentum), ns_steps, dtype=ns_dtype)  # Nesterov
+        if skip is not None:
             new_buf = torch.where(skip_here, buf, new_buf)
-            updates = torch.where(skip_here, 0.0, updates)
-            decay = torch.where(skip_here, 1.0, decay)
+            updates = updates.masked_fill(skip_here, 0.0)
         torch._foreach_copy_(same_bufs, wide(new_buf.unbind(0)))
         torch._foreach_mul_(same, decay)
         step = -lr * 0.2 * math.sqrt(cols)

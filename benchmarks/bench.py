@@ -87,6 +87,8 @@ REFERENCES = ("vitlab-plain", "vitlab-before", "onnxruntime")  # vitlab in other
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from vitlab.fast.kernels import GPU_ATTENTION
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="1 round, 1 warm-up, short repeats")
     p.add_argument("--only", default=None, metavar="PATTERN",
@@ -111,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8-layers", type=fp8_layers, default=None, metavar="LAYERS",
                    help="with --fp8: which of each block's dense layers the fp8 columns swap, e.g. mlp.fc1,mlp.fc2 "
                         "(default all four: attn.qkv,attn.proj,mlp.fc1,mlp.fc2; run.fp8_layers)")
-    p.add_argument("--attention", choices=("torch", "cudnn"), default="torch",
+    p.add_argument("--attention", choices=GPU_ATTENTION, default="torch",  # run.gpu_attention's values
                    help="GPU: 'cudnn' adds the bf16 rows' column vitlab-cudnn, vitlab with cuDNN's fused attention "
                         "put first (run.gpu_attention=cudnn; vitlab.fast.kernels.attention_backends)")
     p.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON and latest.md")

@@ -249,6 +249,7 @@ def muon_update(params: list, grads: list, bufs: list, *, lr: float | torch.Tens
     by_shape: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
         by_shape.setdefault((min(p.shape), max(p.shape), p.device), []).append(i)
+    decay = 1 - lr * weight_decay
     skipping: dict[torch.device, tuple] = {}  # per device, once: the flag as a mask, and the decay it leaves
     for (rows, cols, device), which in by_shape.items():
         same, same_bufs = [params[i] for i in which], [bufs[i] for i in which]
@@ -256,12 +257,12 @@ def muon_update(params: list, grads: list, bufs: list, *, lr: float | torch.Tens
         wide = lambda ts: [t.mT if t_tall else t for t, t_tall in zip(ts, tall)]  # noqa: E731  (rows, cols) views
         grad = torch.stack(wide([grads[i] for i in which]))  # (n, rows, cols)
         buf = torch.stack(wide(same_bufs))
-        decay = 1 - lr * weight_decay
+        decay_here = decay
         if skip is not None:
             if device not in skipping:
                 flag = skip.to(device).bool()
                 skipping[device] = (flag, torch.where(flag, 1.0, decay))
-            skip_here, decay = skipping[device]
+            skip_here, decay_here = skipping[device]
             grad = grad.masked_fill(skip_here, 0.0)  # a NaN gradient must not reach the arithmetic
         new_buf = buf.lerp(grad, 1 - momentum)
         updates = orthogonalise(grad.lerp(new_buf, momentum), ns_steps, dtype=ns_dtype)  # Nesterov
@@ -269,7 +270,7 @@ def muon_update(params: list, grads: list, bufs: list, *, lr: float | torch.Tens
             new_buf = torch.where(skip_here, buf, new_buf)
             updates = updates.masked_fill(skip_here, 0.0)
         torch._foreach_copy_(same_bufs, wide(new_buf.unbind(0)))
-        torch._foreach_mul_(same, decay)
+        torch._foreach_mul_(same, decay_here)
         step = -lr * 0.2 * math.sqrt(cols)
         updates = updates.to(same[0].dtype)
         if isinstance(step, torch.Tensor):  # a rate on the device has no number to give as ``alpha``

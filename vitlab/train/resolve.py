@@ -257,10 +257,16 @@ def precision_rule(device: torch.device, machine: Machine) -> str:
     return fast.cpu_precision(machine.cpu) if device.type == "cpu" else "fp32"
 
 
+def on_this_device(cfg: TrainConfig, device: torch.device, name: str):
+    """The run field ``run.<name>`` as a run on ``device`` takes it: the recipe's setting for this
+    kind of device (``run.on_device``), else the config's."""
+    return cfg.run.on_device.get(device.type, {}).get(f"run.{name}", getattr(cfg.run, name))
+
+
 def check_gpu_attention(cfg: TrainConfig, device: torch.device) -> None:
     """Refuse a GPU attention backend (``run.gpu_attention`` other than "torch", the recipe's setting
     for this kind of device included) for a run that resolves to another device (ConfigError)."""
-    choice = cfg.run.on_device.get(device.type, {}).get("run.gpu_attention", cfg.run.gpu_attention)
+    choice = on_this_device(cfg, device, "gpu_attention")
     if choice != "torch" and device.type != "cuda":
         raise ConfigError(f"run.gpu_attention={choice!r} chooses among a CUDA GPU's attention kernels; this run "
                           f"resolves to {device}: set run.gpu_attention='torch'")
@@ -271,7 +277,7 @@ def check_fp8(cfg: TrainConfig, device: torch.device, machine: Machine) -> None:
     included) on a device without fp8 tensor cores: a CPU, where ``torch._scaled_mm`` only
     emulates them, or a GPU of compute capability below 8.9, where it fails (ConfigError, one
     line naming the field, what it needs and what the run resolves to)."""
-    fp8 = cfg.run.on_device.get(device.type, {}).get("run.fp8", cfg.run.fp8)
+    fp8 = on_this_device(cfg, device, "fp8")
     if fp8 == "off":
         return
     gpu = machine.gpu(device)

@@ -532,6 +532,16 @@ def test_the_progress_line_shows_no_loss_before_the_first_read(tiny, capsys):
     assert re.search(r" 3/3 loss \d+\.\d{4} ", lines[-1])  # the last step is read
 
 
+def test_a_time_limited_run_shows_no_total_before_its_schedule_is_fitted(tiny, capsys):
+    # before the first fit the total is optim.steps, a ceiling: "1/1000000 ... ETA 5h41m" was a made-up plan
+    summary = train(tiny("progress_timed", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1,
+                         log_every=1, tensorboard=False), verbose=True)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert " 1/? loss " in lines[0] and lines[0].rstrip().endswith("ETA -")
+    assert "1000000" not in "".join(lines)
+    assert f" {summary['steps']}/{summary['planned_steps']} loss " in lines[-1]
+
+
 def test_a_non_finite_loss_read_shows_as_such():
     import io
 

@@ -186,7 +186,7 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
                                      f"top-5 {last_val['val_top5']:.4f} loss {last_val['val_loss']:.4f}")
             rate, shown_loss = window.shown(setup.world.size)
             eta = (total_steps - step) * cfg.optim.batch_size / rate if rate else 0.0
-            progress.update(step, total_steps, shown_loss, rate, eta)
+            progress.update(step, total_steps if budget.planned else None, shown_loss, rate, eta)
             if do_save:
                 state = training_state(setup, step, total_steps, writer.records if writer else [], budget.state(),
                                        nonfinite.state_dict())

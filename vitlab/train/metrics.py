@@ -126,22 +126,24 @@ class Progress:
         self.interval_s = interval_s
         self._last = -math.inf  # the first line comes at once, however young the monotonic clock
 
-    def update(self, step: int, total: int, loss: float | None, img_per_s: float, eta_s: float,
+    def update(self, step: int, total: int | None, loss: float | None, img_per_s: float, eta_s: float,
                extra: str = "") -> None:
         """``loss``: the last one read from the device, None before the first read ("loss -");
-        a non-finite one shows as nan or inf."""
+        a non-finite one shows as nan or inf.  ``total`` None: not known yet (a time limit still
+        timing its first steps), shown as "?" with no ETA."""
         if not self.enabled:
             return
         now = time.monotonic()
-        if not self.tty and now - self._last < self.interval_s and step < total:
+        if not self.tty and now - self._last < self.interval_s and (total is None or step < total):
             return
         self._last = now
         width = 24
-        filled = int(width * step / max(total, 1))
+        filled = 0 if total is None else int(width * step / max(total, 1))
         bar = "#" * filled + "." * (width - filled)
         shown = "-" if loss is None else f"{loss:.4f}"
-        line = (f"[{bar}] {step}/{total} loss {shown} {img_per_s:,.0f} img/s "
-                f"ETA {format_duration(eta_s)}{'  ' + extra if extra else ''}")
+        eta = "-" if total is None else format_duration(eta_s)
+        line = (f"[{bar}] {step}/{'?' if total is None else total} loss {shown} {img_per_s:,.0f} img/s "
+                f"ETA {eta}{'  ' + extra if extra else ''}")
         if self.tty:
             self.stream.write("\r" + line + "\x1b[K")
         else:

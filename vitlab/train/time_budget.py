@@ -86,6 +86,12 @@ class TimeBudget:
 
     # ------------------------------------------------------------------ what the loop reports
 
+    @property
+    def planned(self) -> bool:
+        """Whether the total number of steps comes from the time limit yet (before the first
+        fit it is the config's ``optim.steps``, a ceiling, not a plan)."""
+        return not self.active or self.fitted or self.warm_mark is not None
+
     def elapsed(self) -> float:
         return self.clock() - self.t_start
 

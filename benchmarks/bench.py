@@ -7,6 +7,7 @@
     python benchmarks/bench.py --device cuda --only '^infer/' --list   # the rows' ids, nothing run
     python benchmarks/bench.py --device cuda --only '^train/.*/bf16/' --fp8 tensorwise,rowwise
     python benchmarks/bench.py --device cuda --compile --only '/bf16/' --attention cudnn
+    python benchmarks/bench.py --device cuda --compile --only 'train/ViT-B/16/b128/bf16/' --autotune
 
 Rows (paper architectures from ``vitlab.models.registry``, random weights, the same for
 every implementation):
@@ -25,7 +26,10 @@ running vitlab's export.  With ``--fp8`` (a GPU only) the bf16 training rows als
 dense layers in fp8 (``vitlab.fast.install_fp8``, what ``run.fp8`` trains), and with
 ``--attention cudnn`` (a GPU only) every bf16 row runs "vitlab-cudnn", the default path with
 cuDNN's fused attention put ahead of PyTorch's own order (what ``run.gpu_attention=cudnn``
-trains with); each is a column with its ratio to the best peer, vitlab's own, never the best peer.
+trains with), and with ``--autotune`` (a GPU, compiled) every row runs "vitlab-autotune", the default
+path compiled in inductor's max-autotune (what ``run.compile_autotune`` trains with; its minutes
+of autotuning are compilation, outside the timed calls); each is a column with its ratio to the
+best peer, vitlab's own, never the best peer.
 
 Every (row, implementation) runs in a fresh subprocess (harness.py); warm-up calls are
 excluded.  The list runs R times (--rounds, default 3), a row's implementations back to
@@ -74,8 +78,8 @@ import sys
 import time
 from pathlib import Path
 
-from harness import (CUDNN_IMPL, FP8_IMPL_PREFIX, FP8_IMPLS, OWN_IMPLS, PEAK_KERNELS, VARIANT_IMPLS, checkout, cpu_name,
-                     peers_available, run_case)
+from harness import (AUTOTUNE_IMPL, CUDNN_IMPL, FP8_IMPL_PREFIX, FP8_IMPLS, OWN_IMPLS, PEAK_KERNELS, VARIANT_IMPLS,
+                     checkout, cpu_name, peers_available, run_case)
 
 HERE = Path(__file__).resolve().parent
 INFER = [("ViT-B/16", b) for b in (1, 8, 32)]
@@ -116,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention", choices=GPU_ATTENTION, default="torch",  # run.gpu_attention's values
                    help="GPU: 'cudnn' adds the bf16 rows' column vitlab-cudnn, vitlab with cuDNN's fused attention "
                         "put first (run.gpu_attention=cudnn; vitlab.fast.kernels.attention_backends)")
+    p.add_argument("--autotune", action="store_true",
+                   help="GPU, with --compile: add the column vitlab-autotune, vitlab compiled in inductor's "
+                        "max-autotune (run.compile_autotune; minutes more compilation per row)")
     p.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON and latest.md")
     p.add_argument("--list", action="store_true", help="print the ids of the peaks and rows this command would "
                    "run (after --only) and exit, measuring nothing")
@@ -125,6 +132,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.attention != "torch" and args.device != "cuda":
         raise SystemExit(f"bench.py --attention {args.attention}: a GPU's attention backends; add --device cuda "
                          f"(this run is on {args.device})")
+    if args.autotune and (args.device != "cuda" or not args.compile):
+        raise SystemExit("bench.py --autotune: a compiled GPU row's mode (inductor's Triton matmul templates); add "
+                         f"--device cuda --compile (this run: --device {args.device}"
+                         f"{' --compile' if args.compile else ', not compiled'})")
     if args.fp8 and args.device != "cuda":  # the CPU only emulates fp8 matmuls: nothing to measure
         raise SystemExit(f"bench.py --fp8 {','.join(args.fp8)}: fp8 matmuls are measured on a GPU of compute "
                          f"capability 8.9 or higher; add --device cuda (this run is on {args.device})")
@@ -181,7 +192,8 @@ def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                 # fp8 matmuls run inside bf16 autocast, and only in training (vitlab.fast.fp8)
                 fp8 = [FP8_IMPL_PREFIX + s for s in args.fp8] if kind == "train" and dtype == "bf16" else []
                 cudnn = [CUDNN_IMPL] if args.attention == "cudnn" and dtype == "bf16" else []  # cuDNN: 16-bit only
-                for impl in ["vitlab"] + fp8 + cudnn + peers + ["vitlab-plain"] + before:
+                autotune = [AUTOTUNE_IMPL] if args.autotune else []
+                for impl in ["vitlab"] + fp8 + cudnn + autotune + peers + ["vitlab-plain"] + before:
                     serving = impl == "onnxruntime"  # vitlab's export: fp32 CPU inference only
                     if serving and (kind == "train" or dtype != "fp32" or args.device != "cpu"):
                         continue

@@ -14,14 +14,18 @@
 #      update alone, the profiler's kernels and their time by kind (matmul, attention, normalisation, fused
 #      element-wise, optimiser, copies) (about 3-4 minutes: two compilations);
 #      P_ARGS adds step_profile.py arguments (a CPU try of the script: P_ARGS="--warmup 2 --steps 3");
-#      P_B16=0 leaves out the ViT-B/16 half (about 2 minutes for the CIFAR recipe's alone)
+#      P_B16=0 leaves out the ViT-B/16 half (about 2 minutes for the CIFAR recipe's alone); P_B16_ARGS adds
+#      arguments to the ViT-B/16 half alone, e.g. P_B16_ARGS="--set run.fp8=tensorwise" (where fp8's time goes)
 #   B  bench.py, compiled, bf16, ViT-B/16 training at batch 128: vitlab, its fp8 columns (tensorwise, rowwise)
 #      and timm (four fresh processes, each compiling its model, vitlab's also its update as the trainer does:
 #      about 5-6 minutes; B_IMPLS narrows or widens the columns, e.g. B_IMPLS='vitlab|timm', or
-#      B_IMPLS='vitlab|vitlab-cudnn|timm' for vitlab with cuDNN's fused attention first, run.gpu_attention=cudnn)
+#      B_IMPLS='vitlab|vitlab-cudnn|timm' for vitlab with cuDNN's fused attention first, run.gpu_attention=cudnn;
+#      'vitlab-autotune' is vitlab compiled in inductor's max-autotune, run.compile_autotune: minutes of autotuning
+#      before its timed steps, so give it a call of its own, e.g. B_IMPLS='vitlab-autotune|timm')
 #   I  bench.py, compiled, bf16, ViT-B/16 inference, vitlab (vitlab.fast.compile_for_inference: frozen weights
 #      under CUDA graphs) and timm (torch.compile): batch 1 in three rounds (the order of the two rotates), batch 64
-#      and 256 in one (ten fresh processes: about 5 minutes); I_IMPLS='vitlab|vitlab-cudnn|timm' adds the cuDNN column
+#      and 256 in one (ten fresh processes: about 5 minutes); I_IMPLS='vitlab|vitlab-cudnn|timm' adds the cuDNN column,
+#      'vitlab-autotune' the max-autotune one
 #   C  the CIFAR-10 plain-ViT recipe, PART_C_MIN minutes, on the GPU, once per variant of PART_C_SETS
 #      ('|'-separated extra arguments; '' is the recipe; later arguments win, over the recipe's GPU settings too:
 #      before 8419e4f a run set those back), e.g. the recipe's GPU model
@@ -36,7 +40,8 @@
 #        patches dropped in training (fewer tokens a step, with the distance penalty since f351236): add
 #        "|--set model.patch_dropout=0.25"; the recipe without its mixup/CutMix (in its GPU form since the
 #        95.18% run of 2026-11-28; 93.06% at 3 minutes without): "|--set augment.mixup_alpha=0 --set
-#        augment.cutmix_alpha=0"; prints each run's
+#        augment.cutmix_alpha=0"; inductor's max-autotune for the model and the update (minutes of compilation
+#        at the start, which the time limit counts): "|--set run.compile_autotune=true"; prints each run's
 #        accuracy, MFU and data_wait.  A call runs 10 minutes at
 #      most, the machine's start not counted: the 10-minute goal runs as PARTS=C PART_C_MIN=9.5 in a call of
 #      its own (timeout_s=600; the half minute short of 10 is for the script's own seconds around the run, which
@@ -46,7 +51,8 @@
 # call of about 7-8 minutes, then PARTS=C PART_C_MIN=3 a second (about 5); P, I and D take a session's calls of
 # their own.  The next session's plan (what is still unmeasured, in order): PARTS=AC PART_C_MIN=3
 # PART_C_SETS="|--set run.compile_optimizer=true" (the recipe's mixup/CutMix at 3 minutes, the new CUDA tests,
-# the update in a CUDA graph; about 9 minutes), then PARTS=B B_IMPLS='vitlab|vitlab-cudnn|timm' (about 4).
+# the update in a CUDA graph; about 9 minutes), then PARTS=B B_IMPLS='vitlab|vitlab-cudnn|timm' (about 4); a later
+# session PARTS=B B_IMPLS='vitlab-autotune|timm' (max-autotune's compilation, never timed: allow a call).
 set -u
 mode=${1:-run}
 if [ "$mode" = prepare ]; then
@@ -76,18 +82,18 @@ case $PARTS in *P*) say "P the step's host, device and data time: the CIFAR-10 G
   if [ "${P_B16:-1}" != 0 ]; then
     timeout 200 python3 benchmarks/step_profile.py --recipe paper_pretrain:dataset=i21k --data digits \
       --set model.name=ViT-B/16 --set optim.batch_size=128 --set data.val_split=0 --warmup 20 --steps 50 \
-      ${P_ARGS:-} > "$LOGS/P-b16.log" 2>&1
+      ${P_ARGS:-} ${P_B16_ARGS:-} > "$LOGS/P-b16.log" 2>&1
     grep -v DEBUG "$LOGS/P-b16.log" | tail -n 32 | tee -a "$OUT/P.txt"
   fi;; esac
 case $PARTS in *B*) say "B ViT-B/16 bf16 training b128, compiled: vitlab, its fp8 columns, timm"
-  timeout 420 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --fp8 tensorwise,rowwise --attention cudnn \
+  timeout 420 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --fp8 tensorwise,rowwise --attention cudnn --autotune \
     --only "train/ViT-B/16/b128/bf16/(${B_IMPLS:-vitlab|vitlab-fp8-tensorwise|vitlab-fp8-rowwise|timm})\$" \
     --out "$LOGS/B" > "$LOGS/B.log" 2>&1
   tail -n 10 "$LOGS/B.log" | tee "$OUT/B.txt";; esac
 case $PARTS in *I*) say "I ViT-B/16 bf16 inference, compiled, vitlab vs timm: b1 (3 rounds), b64, b256"
-  timeout 200 python3 benchmarks/bench.py --device cuda --compile --rounds 3 --attention cudnn \
+  timeout 200 python3 benchmarks/bench.py --device cuda --compile --rounds 3 --attention cudnn --autotune \
     --only "infer/ViT-B/16/b1/bf16/(${I_IMPLS:-vitlab|timm})\$" --out "$LOGS/I1" > "$LOGS/I.log" 2>&1
-  timeout 200 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --attention cudnn \
+  timeout 200 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --attention cudnn --autotune \
     --only "infer/ViT-B/16/b(64|256)/bf16/(${I_IMPLS:-vitlab|timm})\$" --out "$LOGS/I2" >> "$LOGS/I.log" 2>&1
   grep -E "^\| infer|img/s" "$LOGS/I.log" | tail -n 12 | tee "$OUT/I.txt";; esac
 case $PARTS in *C*) say "C CIFAR-10 plain ViT, $PART_C_MIN min per variant"

@@ -142,11 +142,15 @@ def run_worker(cmd: list[str], threads: int | None = None, pythonpath: str | Non
 # "vitlab-plain" the model as written, "vitlab-before" an earlier revision's (bench.py --before), "onnxruntime"
 # its ONNX export, "vitlab-fp8-SCALING" the default path with the blocks' dense layers in fp8 (bench.py --fp8,
 # what ``run.fp8`` trains), "vitlab-cudnn" the default path with cuDNN's fused attention put first
-# (bench.py --attention cudnn, what ``run.gpu_attention=cudnn`` trains with).  Every other one is a peer.
+# (bench.py --attention cudnn, what ``run.gpu_attention=cudnn`` trains with), "vitlab-autotune" the default
+# path compiled in inductor's max-autotune (bench.py --autotune, what ``run.compile_autotune`` trains with).
+# Every other one is a peer.
 FP8_IMPL_PREFIX = "vitlab-fp8-"
 FP8_IMPLS = tuple(FP8_IMPL_PREFIX + scaling for scaling in ("tensorwise", "rowwise"))  # vitlab.fast.FP8_SCALINGS
 CUDNN_IMPL = "vitlab-cudnn"
-VARIANT_IMPLS = (*FP8_IMPLS, CUDNN_IMPL)  # vitlab's default path changed in one way: columns with their own ratio
+AUTOTUNE_IMPL = "vitlab-autotune"
+# vitlab's default path changed in one way: columns with their own ratio
+VARIANT_IMPLS = (*FP8_IMPLS, CUDNN_IMPL, AUTOTUNE_IMPL)
 OWN_IMPLS = ("vitlab", "vitlab-plain", "vitlab-before", "onnxruntime", *VARIANT_IMPLS)
 
 
@@ -234,17 +238,26 @@ def compiled(impl: str, model, forward, case: dict[str, Any]):
     (default mode) for the peers and for "vitlab-plain"; vitlab's inference through its own
     ``vitlab.fast.compile_for_inference`` (frozen weights, under CUDA graphs on a GPU, one batch
     size), where the revision has it; vitlab's training on a GPU as ``vitlab train --compile``
-    compiles it there, in mode "reduce-overhead" (CUDA graphs; ``graphed_training_step``)."""
+    compiles it there, in mode "reduce-overhead" (CUDA graphs; ``graphed_training_step``).
+    "vitlab-autotune" the same in inductor's max-autotune (``run.compile_autotune``)."""
     import torch
 
-    if impl in ("vitlab", CUDNN_IMPL) and case["kind"] == "inference":
+    autotune = impl == AUTOTUNE_IMPL
+    if impl in ("vitlab", CUDNN_IMPL, AUTOTUNE_IMPL) and case["kind"] == "inference":
         import vitlab.fast
 
         if hasattr(vitlab.fast, "compile_for_inference"):
-            return vitlab.fast.compile_for_inference(model, case["dtype"], batch_size=case["batch"])
+            options = {"autotune": True} if autotune else {}
+            return vitlab.fast.compile_for_inference(model, case["dtype"], batch_size=case["batch"], **options)
     if trains_as_the_trainer(impl, case):
-        return torch.compile(forward, mode="reduce-overhead")
+        return torch.compile(forward, mode=trainer_mode(impl))
     return torch.compile(forward)
+
+
+def trainer_mode(impl: str) -> str:
+    """torch.compile's mode of vitlab's trainer on one GPU, as a column measures it: "max-autotune"
+    for "vitlab-autotune" (``run.compile_autotune``), else "reduce-overhead"."""
+    return "max-autotune" if impl == AUTOTUNE_IMPL else "reduce-overhead"
 
 
 def trains_as_the_trainer(impl: str, case: dict[str, Any]) -> bool:
@@ -259,12 +272,14 @@ def trains_as_the_trainer(impl: str, case: dict[str, Any]) -> bool:
     return hasattr(vitlab.train.step, "HeldGradients")
 
 
-def graphed_training_step(model, forward, x, labels, amp: bool, lr: float = 1e-4, weight_decay: float = 0.1):
+def graphed_training_step(model, forward, x, labels, amp: bool, lr: float = 1e-4, weight_decay: float = 0.1,
+                          mode: str = "reduce-overhead"):
     """A training step as ``vitlab train --compile`` takes it on one GPU (``forward`` compiled in mode
     "reduce-overhead"): the forward and backward replayed as CUDA graphs, the gradients held at
     fixed addresses (``step.HeldGradients``), and what follows the backward (the global gradient
     norm and the non-finite check, AdamW's update) compiled into a CUDA graph of its own
-    (``step.Update``, ``run.compile_optimizer``): no launch per parameter from the host.  The
+    (``step.Update``, ``run.compile_optimizer``, in ``mode``, the model's as the trainer resolves it):
+    no launch per parameter from the host.  The
     arithmetic is the peers' step's (no clipping), plus the norm and the check."""
     import torch
 
@@ -273,7 +288,7 @@ def graphed_training_step(model, forward, x, labels, amp: bool, lr: float = 1e-4
 
     # fused on a GPU, as the trainer builds it: the eager update a failed compilation falls back to
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=x.device.type == "cuda")
-    update = Update(model.parameters(), optimizer, None, model, clip_norm=0.0, mode="reduce-overhead")
+    update = Update(model.parameters(), optimizer, None, model, clip_norm=0.0, mode=mode)  # the model's, as resolved
     held = HeldGradients(model.parameters())
     no_bad_rank = torch.zeros(1, device=x.device)
 
@@ -492,7 +507,7 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
         elif trains_as_the_trainer(impl, case):
             model.train()
             labels = torch.randint(0, vitlab_config(spec).num_classes, (batch,), device=device)
-            step = graphed_training_step(model, forward, x, labels, amp)
+            step = graphed_training_step(model, forward, x, labels, amp, mode=trainer_mode(impl))
         else:
             model.train()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)

@@ -92,6 +92,11 @@ def test_refuses_an_unknown_precision_or_batch(kwargs, words):
         compile_for_inference(tiny_model(), **kwargs)
 
 
+def test_autotuning_is_refused_off_a_cuda_gpu():
+    with pytest.raises(ValueError, match=r"^autotune=True tunes a CUDA GPU's Triton matmul templates; the model is on cpu$"):
+        compile_for_inference(tiny_model(), autotune=True)
+
+
 def test_refuses_images_it_cannot_score_before_compiling():
     infer = compile_for_inference(tiny_model())
     with pytest.raises(ValueError, match=r"expected float images \(N, C, H, W\), got torch.uint8"):

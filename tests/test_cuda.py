@@ -106,6 +106,18 @@ def test_compiled_inference_on_the_gpu_replays_a_cuda_graph_whose_outputs_outliv
     assert manager is not None and any(manager.roots.values()), "no CUDA graph was recorded"
 
 
+def test_autotuned_inference_compiles_as_max_autotune_with_cuda_graphs(monkeypatch):
+    # the options torch.compile's mode "max-autotune" stands for, given to this compilation alone
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: asked.append(kw) or model)
+    model = _with_random_head(small()).cuda().eval()
+    fast.compile_for_inference(model, "bf16", batch_size=4, autotune=True)
+    fast.compile_for_inference(model, "bf16", batch_size=4)
+    tuned, plain = (a["options"] for a in asked)
+    assert tuned == torch._inductor.list_mode_options("max-autotune")
+    assert plain == torch._inductor.list_mode_options("reduce-overhead")
+
+
 def test_data_wait_on_the_gpu_counts_only_the_time_the_device_sat_idle():
     import time
 

@@ -306,6 +306,39 @@ def test_the_cudnn_attention_column_is_on_the_gpus_bf16_rows_and_measures_under_
     assert torch._C._get_sdp_priority_order() == before
 
 
+def test_the_autotune_column_is_on_every_compiled_gpu_row_and_compiles_in_max_autotune(monkeypatch):
+    monkeypatch.setattr(harness, "peers_available", lambda device: ["timm"])
+    monkeypatch.setattr(bench, "peers_available", harness.peers_available)
+    _, plain = bench.build_cases(bench.parse_args(["--device", "cuda", "--compile"]))
+    _, tuned = bench.build_cases(bench.parse_args(["--device", "cuda", "--compile", "--autotune"]))
+    assert [c for c in tuned if c in plain] == plain
+    added = [c for c in tuned if c not in plain]
+    assert {c["id"] for c in added} == {c["id"].rsplit("/", 1)[0] + "/vitlab-autotune" for c in plain
+                                        if c["impl"] == "vitlab"}
+    assert all(c["compile"] for c in added)
+    for argv, named in ((["--autotune", "--compile"], "--device cpu"), (["--device", "cuda", "--autotune"],
+                                                                       "not compiled")):
+        with pytest.raises(SystemExit, match=rf"--autotune: .*{named}"):
+            bench.parse_args(argv)
+    # the column is vitlab's own (the fast layer); it trains as the trainer does, in the autotuned mode
+    assert "vitlab-autotune" in harness.OWN_IMPLS
+    model, _ = harness.make_model("vitlab-autotune", "ViT-CIFAR")
+    import vitlab.fast
+
+    assert vitlab.fast.is_optimized(harness.optimize_if_default("vitlab-autotune", model))
+    gpu_train = {"kind": "train", "compile": True, "device": "cuda"}
+    assert harness.trains_as_the_trainer("vitlab-autotune", gpu_train)
+    assert harness.trainer_mode("vitlab-autotune") == "max-autotune" and harness.trainer_mode("vitlab") == \
+        "reduce-overhead"
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: modes.append(mode) or fn)
+    monkeypatch.setattr(harness, "trains_as_the_trainer", lambda impl, case: case["kind"] == "train")
+    harness.compiled("vitlab-autotune", model, model, gpu_train)
+    harness.compiled("vitlab", model, model, gpu_train)
+    harness.compiled("timm", model, model, gpu_train | {"kind": "other"})
+    assert modes == ["max-autotune", "reduce-overhead", None]
+
+
 def test_fp8_columns_are_vitlabs_own_with_their_ratio_to_the_best_peer():
     def result(impl, median):
         return {"id": f"train/x/b8/bf16/{impl}", "impl": impl, "median": median, "min": median, "max": median,

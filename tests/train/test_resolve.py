@@ -265,6 +265,35 @@ def test_cudnn_attention_is_a_gpus_choice_refused_for_a_cpu_run(tmp_path):
     assert resolve(on_gpus, world("cuda:0"), described(gpus=(H100,))).config.run.gpu_attention == "cudnn"
 
 
+def test_autotuning_is_a_compiled_gpu_runs_choice_with_or_without_cuda_graphs(tmp_path):
+    from vitlab.train.resolve import preview
+
+    def resolved(device="cuda:0", size=1, **changes):
+        cfg = with_changes(auto_config(tmp_path), {"run.compile": True, "run.compile_autotune": True, **changes})
+        return resolve(cfg, world(device, size=size, processes_here=size), described(gpus=(H100, H100)))
+
+    graphed = resolved()  # one GPU: CUDA graphs, as "reduce-overhead" has them
+    assert graphed.compile == "max-autotune" and graphed.compile_optimizer == "max-autotune"
+    assert graphed.memory.shape.cuda_graphs and graphed.memory.shape.holds_gradients  # the graphs' rules hold
+    assert resolved(size=2).compile == "max-autotune-no-cudagraphs"  # processes: no CUDA graphs, as "default"
+    assert resolve(with_changes(auto_config(tmp_path), {"run.compile": True}), world("cuda:0"),
+                   described(gpus=(H100,))).compile == "reduce-overhead"  # not asked: as before
+    with pytest.raises(ConfigError) as refused:
+        resolved("cpu")
+    assert str(refused.value) == ("run.compile_autotune=True tunes a CUDA GPU's Triton matmul templates; this run "
+                                  "resolves to cpu: set run.compile_autotune=false")
+    with pytest.raises(ConfigError, match=r"^run.compile_autotune=True is a mode of torch.compile, and this run is "
+                                          r"not compiled: add --compile"):
+        resolved(**{"run.compile": False})
+    with pytest.raises(ConfigError, match="run.compile_autotune=True tunes"):
+        preview(with_changes(auto_config(tmp_path), {"run.compile": True, "run.compile_autotune": True}), described())
+    # a recipe's setting for GPUs, its compile there included, is checked only where it applies
+    on_gpus = with_changes(auto_config(tmp_path), {"run.on_device": {"cuda": {"run.compile": True,
+                                                                             "run.compile_autotune": True}}})
+    assert resolve(on_gpus, world("cpu"), described()).compile == "off"
+    assert resolve(on_gpus, world("cuda:0"), described(gpus=(H100,))).compile == "max-autotune"
+
+
 def test_fp8_runs_inside_bf16_autocast_and_names_its_choices(tmp_path):
     from vitlab.train.config import RunConfig
 

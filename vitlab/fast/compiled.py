@@ -48,7 +48,7 @@ class CompiledInference:
     batch; it returns the model's output for each image, outside any graph's memory."""
 
     def __init__(self, model: nn.Module, precision: str = "fp32", batch_size: int | None = None,
-                 eager_on_failure: bool = False) -> None:
+                 eager_on_failure: bool = False, autotune: bool = False) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
@@ -62,9 +62,15 @@ class CompiledInference:
         self.inductor_config = inductor_config
         self.device = next(model.parameters()).device
         self.cuda_graphs = self.device.type == "cuda"
-        # CUDA graphs are an option of this compilation alone; freezing is read while dynamo traces,
-        # before a compilation's options apply, so each call sets it and puts the caller's back
-        self.graph = torch.compile(model, dynamic=False, options={"triton.cudagraphs": self.cuda_graphs})
+        if autotune and not self.cuda_graphs:
+            raise ValueError(f"autotune=True tunes a CUDA GPU's Triton matmul templates; the model is on {self.device}")
+        # CUDA graphs (and autotuning, as torch.compile's mode "max-autotune" sets it) are options of this
+        # compilation alone; freezing is read while dynamo traces, before a compilation's options apply,
+        # so each call sets it and puts the caller's back
+        options = {"triton.cudagraphs": self.cuda_graphs}
+        if autotune:
+            options |= {"max_autotune": True, "coordinate_descent_tuning": True}
+        self.graph = torch.compile(model, dynamic=False, options=options)
 
     def _replay(self, x: torch.Tensor) -> torch.Tensor:
         if self.graph is None:  # given up (eager_on_failure)
@@ -112,17 +118,19 @@ class CompiledInference:
 
 
 def compile_for_inference(model: nn.Module, precision: str = "fp32", batch_size: int | None = None,
-                          eager_on_failure: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+                          eager_on_failure: bool = False, autotune: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """``model`` frozen and compiled for inference: a function float images (N, C, H, W) -> outputs.
 
     precision: "fp32", or "bf16"/"fp16" autocast around each call.
     batch_size: the one batch every call runs (short batches padded, long ones chunked); None
         compiles each batch size met.
     eager_on_failure: a compilation that fails is given up with a warning, and the model runs eagerly.
+    autotune: a model on a CUDA GPU compiled as torch.compile's "max-autotune" mode would (inductor
+        times its Triton matmul templates against cuBLAS for each shape; minutes more compilation).
     Compilation happens at the first call of each shape; what it computes from the weights then (their
     bf16 copies, say) the graph keeps: compile again after changing them.
     """
-    return CompiledInference(model, precision, batch_size, eager_on_failure)
+    return CompiledInference(model, precision, batch_size, eager_on_failure, autotune)
 
 
 def failure_summary(err: BaseException) -> str:

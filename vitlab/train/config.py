@@ -252,6 +252,9 @@ class RunConfig(Section):
     on_nonfinite: str = "stop"              # a NaN/inf step is never applied: "stop" the run, or "skip" it
     max_skipped_steps: int = 10             # with "skip": stop all the same after more skipped steps than this
     compile: bool = False                   # torch.compile the model
+    compile_autotune: bool = False          # a GPU's compilation in inductor's max-autotune: Triton matmul templates
+                                            # timed against cuBLAS for each shape, element-wise work fused into the
+                                            # winner (minutes more compilation; check_autotune)
     compile_optimizer: bool | str = "auto"  # compile what follows the backward (clipping, the optimiser, EMA)
                                             # into one graph; "auto": where the model is CUDA-graphed
     fsdp: bool = False                      # shard the model with FSDP (multi-process runs)

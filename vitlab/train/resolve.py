@@ -125,8 +125,9 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     ``preview`` (--show-config): a data source that cannot be counted is left out of the
     memory estimate, with a note in its record, and no run is refused.
 
-    Raises ConfigError: a run that cannot fit (``run.memory_check``), fp8 matmuls asked of a
-    device without them (``check_fp8``, a preview too), a resumed fp16 run asked
+    Raises ConfigError: a run that cannot fit (``run.memory_check``), a device's option (fp8
+    matmuls, a GPU's attention or autotuning) asked of another device (``check_device_options``,
+    a preview too), a resumed fp16 run asked
     to continue without its loss scaler or the other way round.
     """
     saved = saved or {}
@@ -139,8 +140,7 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     cores = max(1, machine.cores // world.processes_here)  # this process's share of the host's cores
     decode = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}
     changes = dict(cfg.run.on_device.get(device.type, {}))  # the recipe's settings for this kind of device
-    check_fp8(cfg, device, machine)
-    check_gpu_attention(cfg, device)
+    check_device_options(cfg, device, machine)
     cfg = with_changes(cfg, changes | decode | {"run.device": str(device), "run.precision": precision})
     if cfg.data.source is None and not preview:  # a command that scores a model: its data in memory
         cfg = with_changes(cfg, {"data.stream": "memory", "data.stream_workers": 0, "run.compile_optimizer": False})
@@ -203,8 +203,7 @@ def preview(cfg: TrainConfig, machine: Machine | None = None) -> dict:
     yet leaves the config as given and the estimate out."""
     machine = machine or Machine.here()
     world = local_world(resolve_device(cfg.run.device, machine, local_rank()))
-    check_fp8(cfg, world.device, machine)  # refused as the run would be, not left out of the estimate below
-    check_gpu_attention(cfg, world.device)
+    check_device_options(cfg, world.device, machine)  # refused as the run would be, not left out of the estimate below
     try:
         resolved = resolve(cfg, world, machine, preview=True)
     except (OSError, ValueError) as err:  # a missing init (FileNotFoundError), unreadable weights (WeightsError)
@@ -263,6 +262,14 @@ def on_this_device(cfg: TrainConfig, device: torch.device, name: str):
     return cfg.run.on_device.get(device.type, {}).get(f"run.{name}", getattr(cfg.run, name))
 
 
+def check_device_options(cfg: TrainConfig, device: torch.device, machine: Machine) -> None:
+    """Refuse a run field that only some devices take, asked of a run that resolves to another
+    (``check_fp8``, ``check_gpu_attention``, ``check_autotune``; ConfigError)."""
+    check_fp8(cfg, device, machine)
+    check_gpu_attention(cfg, device)
+    check_autotune(cfg, device)
+
+
 def check_gpu_attention(cfg: TrainConfig, device: torch.device) -> None:
     """Refuse a GPU attention backend (``run.gpu_attention`` other than "torch", the recipe's setting
     for this kind of device included) for a run that resolves to another device (ConfigError)."""
@@ -270,6 +277,20 @@ def check_gpu_attention(cfg: TrainConfig, device: torch.device) -> None:
     if choice != "torch" and device.type != "cuda":
         raise ConfigError(f"run.gpu_attention={choice!r} chooses among a CUDA GPU's attention kernels; this run "
                           f"resolves to {device}: set run.gpu_attention='torch'")
+
+
+def check_autotune(cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse ``run.compile_autotune`` (the recipe's setting for this kind of device included) for
+    a run that is not compiled, or that resolves to a device other than a CUDA GPU, where inductor
+    would tune C++ templates instead, untried here (ConfigError)."""
+    if not on_this_device(cfg, device, "compile_autotune"):
+        return
+    if device.type != "cuda":
+        raise ConfigError(f"run.compile_autotune=True tunes a CUDA GPU's Triton matmul templates; this run resolves "
+                          f"to {device}: set run.compile_autotune=false")
+    if not on_this_device(cfg, device, "compile"):
+        raise ConfigError("run.compile_autotune=True is a mode of torch.compile, and this run is not compiled: add "
+                          "--compile (run.compile=true), or set run.compile_autotune=false")
 
 
 def check_fp8(cfg: TrainConfig, device: torch.device, machine: Machine) -> None:
@@ -317,25 +338,32 @@ def arithmetic(cfg: TrainConfig, device: torch.device, machine: Machine, saved: 
     return before, kernels, saved.get("bf16_matmuls", rule == "bf16"), tuple(notes)
 
 
+# torch.compile's modes that replay CUDA graphs ("max-autotune": with its matmul templates tuned)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 def compile_mode(cfg: TrainConfig, world: World) -> str:
     """torch.compile's mode: on one GPU, CUDA graphs replay the step without the host launching
     each kernel (a progressive-resizing run records one graph per size: the model compiles
     again, for a fixed shape, at each change); a run that spans processes keeps the default
-    mode."""
+    mode.  ``run.compile_autotune`` (a GPU's, ``check_autotune``) asks each of the two in its
+    max-autotune form."""
     if not cfg.run.compile:
         return "off"
     graphs = world.device.type == "cuda" and world.size == 1
+    if cfg.run.compile_autotune:
+        return "max-autotune" if graphs else "max-autotune-no-cudagraphs"
     return "reduce-overhead" if graphs else "default"
 
 
 def compiles_optimizer(cfg: TrainConfig, mode: str) -> bool:
     """``run.compile_optimizer``: "auto" compiles the step after the backward (clipping, the
-    optimiser, the EMA) exactly where the model is CUDA-graphed (``mode`` "reduce-overhead"):
-    there the host's launches of the eager update are what is left to save; never under fp16,
-    whose gradient scaler works on the host around the step."""
+    optimiser, the EMA) exactly where the model is CUDA-graphed (``mode`` in
+    ``CUDA_GRAPH_MODES``): there the host's launches of the eager update are what is left to
+    save; never under fp16, whose gradient scaler works on the host around the step."""
     if cfg.run.compile_optimizer != "auto":
         return cfg.run.compile_optimizer
-    return mode == "reduce-overhead" and cfg.run.precision != "fp16"
+    return mode in CUDA_GRAPH_MODES and cfg.run.precision != "fp16"
 
 
 # ----------------------------------------------------------------------------- the model and its size
@@ -487,7 +515,7 @@ def run_shape(resolved: Resolved, world_size: int, held: HeldImages) -> RunShape
         eval_batch=min(cfg.run.eval_batch_size, held.val) if evaluated else 0, streamed=streamed,
         stream_workers=resolved.stream_workers if streamed else 0,
         shuffle_buffer=cfg.data.shuffle_buffer if streamed else 0,
-        cuda_graphs=resolved.compile == "reduce-overhead", update_compiled=resolved.compile_optimizer != "off")
+        cuda_graphs=resolved.compile in CUDA_GRAPH_MODES, update_compiled=resolved.compile_optimizer != "off")
 
 
 def machine_memory(machine: Machine, device: str, world: World) -> Available:

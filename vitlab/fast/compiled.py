@@ -57,6 +57,7 @@ class CompiledInference:
         self.model, self.precision, self.batch_size = model, precision, batch_size
         self.eager_on_failure = eager_on_failure
         # imported here: torch's compiler stack costs an importer of vitlab.fast tens of MB it may never use
+        import torch._inductor
         import torch._inductor.config as inductor_config
 
         self.inductor_config = inductor_config
@@ -64,12 +65,11 @@ class CompiledInference:
         self.cuda_graphs = self.device.type == "cuda"
         if autotune and not self.cuda_graphs:
             raise ValueError(f"autotune=True tunes a CUDA GPU's Triton matmul templates; the model is on {self.device}")
-        # CUDA graphs (and autotuning, as torch.compile's mode "max-autotune" sets it) are options of this
-        # compilation alone; freezing is read while dynamo traces, before a compilation's options apply,
-        # so each call sets it and puts the caller's back
-        options = {"triton.cudagraphs": self.cuda_graphs}
-        if autotune:
-            options |= {"max_autotune": True, "coordinate_descent_tuning": True}
+        # on a GPU the options of torch.compile's mode "reduce-overhead" (CUDA graphs) or "max-autotune" (the
+        # same, autotuned), as torch defines them, for this compilation alone; freezing is read while dynamo
+        # traces, before a compilation's options apply, so each call sets it and puts the caller's back
+        mode = "max-autotune" if autotune else "reduce-overhead"
+        options = dict(torch._inductor.list_mode_options(mode)) if self.cuda_graphs else {"triton.cudagraphs": False}
         self.graph = torch.compile(model, dynamic=False, options=options)
 
     def _replay(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@
     python benchmarks/bench.py --only infer/ViT-B/16/b64 --device cuda --compile
     python benchmarks/bench.py --device cuda --only '^infer/' --list   # the rows' ids, nothing run
     python benchmarks/bench.py --device cuda --only '^train/.*/bf16/' --fp8 tensorwise,rowwise
+    python benchmarks/bench.py --device cuda --compile --only 'train/ViT-B/16/' --fp8 tensorwise,torchao-tensorwise
     python benchmarks/bench.py --device cuda --compile --only '/bf16/' --attention cudnn
     python benchmarks/bench.py --device cuda --compile --only 'train/ViT-B/16/b128/bf16/' --autotune
 
@@ -23,7 +24,9 @@ references, not peers, and the ratio leaves them out: "vitlab-plain", the same m
 without the fast layer (what ``--no-fast`` runs), and ONNX Runtime (CPU, fp32 inference)
 running vitlab's export.  With ``--fp8`` (a GPU only) the bf16 training rows also run
 "vitlab-fp8-tensorwise" and "vitlab-fp8-rowwise": the default path with the encoder blocks'
-dense layers in fp8 (``vitlab.fast.install_fp8``, what ``run.fp8`` trains), and with
+dense layers in fp8 (``vitlab.fast.install_fp8``, what ``run.fp8`` trains; "torchao-tensorwise"
+and "torchao-rowwise" add "vitlab-fp8-torchao-...", the same layers by torchao's float8
+arithmetic, ``run.fp8_backend=torchao``), and with
 ``--attention cudnn`` (a GPU only) every bf16 row runs "vitlab-cudnn", the default path with
 cuDNN's fused attention put ahead of PyTorch's own order (what ``run.gpu_attention=cudnn``
 trains with), and with ``--autotune`` (a GPU, compiled) every row runs "vitlab-autotune", the default
@@ -113,7 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "with AVX512-BF16/AMX); elsewhere bf16 is emulated and 10-100x slower")
     p.add_argument("--fp8", type=fp8_scalings, default=(), metavar="SCALINGS",
                    help="GPU: add the bf16 training rows' fp8 columns, e.g. tensorwise,rowwise "
-                        "(vitlab.fast.install_fp8)")
+                        "(vitlab.fast.install_fp8), torchao-tensorwise,torchao-rowwise for torchao's arithmetic "
+                        "(run.fp8_backend=torchao)")
     p.add_argument("--fp8-layers", type=fp8_layers, default=None, metavar="LAYERS",
                    help="with --fp8: which of each block's dense layers the fp8 columns swap, e.g. mlp.fc1,mlp.fc2 "
                         "(default all four: attn.qkv,attn.proj,mlp.fc1,mlp.fc2; run.fp8_layers)")
@@ -143,7 +147,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def fp8_scalings(text: str) -> tuple[str, ...]:
-    """An argparse type: a comma-separated list of fp8 scalings ("tensorwise,rowwise")."""
+    """An argparse type: a comma-separated list of fp8 scalings, each by vitlab's arithmetic or
+    torchao's ("tensorwise,rowwise,torchao-tensorwise")."""
     allowed = tuple(impl[len(FP8_IMPL_PREFIX):] for impl in FP8_IMPLS)
     scalings = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
     if not scalings or any(s not in allowed for s in scalings):

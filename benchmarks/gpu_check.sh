@@ -19,6 +19,8 @@
 #   B  bench.py, compiled, bf16, ViT-B/16 training at batch 128: vitlab, its fp8 columns (tensorwise, rowwise)
 #      and timm (four fresh processes, each compiling its model, vitlab's also its update as the trainer does:
 #      about 5-6 minutes; B_IMPLS narrows or widens the columns, e.g. B_IMPLS='vitlab|timm', or
+#      B_IMPLS='vitlab-fp8-tensorwise|vitlab-fp8-torchao-tensorwise|timm' for fp8 by vitlab's arithmetic against
+#      torchao's (its wheel carried by prepare, installed in /tmp/site), or
 #      B_IMPLS='vitlab|vitlab-cudnn|timm' for vitlab with cuDNN's fused attention first, run.gpu_attention=cudnn;
 #      'vitlab-autotune' is vitlab compiled in inductor's max-autotune, run.compile_autotune: minutes of autotuning
 #      before its timed steps, so give it a call of its own, e.g. B_IMPLS='vitlab-autotune|timm')
@@ -52,7 +54,9 @@
 # their own.  The next session's plan (what is still unmeasured, in order): PARTS=AC PART_C_MIN=3
 # PART_C_SETS="|--set run.compile_optimizer=true" (the recipe's mixup/CutMix at 3 minutes, the new CUDA tests,
 # the update in a CUDA graph; about 9 minutes), then PARTS=B B_IMPLS='vitlab|vitlab-cudnn|timm' (about 4); a later
-# session PARTS=B B_IMPLS='vitlab-autotune|timm' (max-autotune's compilation, never timed: allow a call).
+# session PARTS=B B_IMPLS='vitlab-fp8-tensorwise|vitlab-fp8-torchao-tensorwise|timm' (fp8 since its compiled
+# step's fp32 outputs were mended, and torchao's arithmetic), then PARTS=B B_IMPLS='vitlab-autotune|timm'
+# (max-autotune's compilation, never timed: allow a call).
 set -u
 mode=${1:-run}
 if [ "$mode" = prepare ]; then
@@ -60,9 +64,18 @@ if [ "$mode" = prepare ]; then
   exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file: ask git where its exclude is
   mkdir -p "$(dirname "$exclude")" && { grep -q '^/.gpu/' "$exclude" 2>/dev/null || echo "/.gpu/" >> "$exclude"; }
   mkdir -p .gpu && cp "$0" .gpu/gpu_check.sh && cp ../shared/data/cifar10/cifar10-train.tar.gz .gpu/
+  # torchao for the fp8 columns by its arithmetic (run.fp8_backend=torchao): the device machine's image lacks it
+  # and reaches no index; 0.18.0 is the release built against its torch 2.11 (pure Python where fp8 training runs)
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .gpu/whl "torchao==${TORCHAO:-0.18.0}" \
+    || echo "no torchao wheel: the torchao fp8 columns will fail on the device"
   du -sh .gpu; exit 0
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
+if ls .gpu/whl/*.whl > /dev/null 2>&1; then  # carried by prepare; installed beside the image's packages
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site
+fi
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"; PARTS=${PARTS:-AB}; PART_C_MIN=${PART_C_MIN:-3}
 # whole logs beside $OUT, which brings back 8 files at most: the parts' summaries there, the logs in one archive
 LOGS=/tmp/gpu-logs; mkdir -p "$LOGS"; trap 'tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null' EXIT
@@ -86,7 +99,8 @@ case $PARTS in *P*) say "P the step's host, device and data time: the CIFAR-10 G
     grep -v DEBUG "$LOGS/P-b16.log" | tail -n 32 | tee -a "$OUT/P.txt"
   fi;; esac
 case $PARTS in *B*) say "B ViT-B/16 bf16 training b128, compiled: vitlab, its fp8 columns, timm"
-  timeout 420 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --fp8 tensorwise,rowwise --attention cudnn --autotune \
+  timeout 420 python3 benchmarks/bench.py --device cuda --compile --rounds 1 --attention cudnn --autotune \
+    --fp8 tensorwise,rowwise,torchao-tensorwise,torchao-rowwise \
     --only "train/ViT-B/16/b128/bf16/(${B_IMPLS:-vitlab|vitlab-fp8-tensorwise|vitlab-fp8-rowwise|timm})\$" \
     --out "$LOGS/B" > "$LOGS/B.log" 2>&1
   tail -n 10 "$LOGS/B.log" | tee "$OUT/B.txt";; esac

@@ -141,12 +141,15 @@ def run_worker(cmd: list[str], threads: int | None = None, pythonpath: str | Non
 # Implementations of vitlab's own model: "vitlab" is the default path (``vitlab.fast.optimize``),
 # "vitlab-plain" the model as written, "vitlab-before" an earlier revision's (bench.py --before), "onnxruntime"
 # its ONNX export, "vitlab-fp8-SCALING" the default path with the blocks' dense layers in fp8 (bench.py --fp8,
-# what ``run.fp8`` trains), "vitlab-cudnn" the default path with cuDNN's fused attention put first
-# (bench.py --attention cudnn, what ``run.gpu_attention=cudnn`` trains with), "vitlab-autotune" the default
-# path compiled in inductor's max-autotune (bench.py --autotune, what ``run.compile_autotune`` trains with).
+# what ``run.fp8`` trains; "vitlab-fp8-torchao-SCALING" by torchao's arithmetic, ``run.fp8_backend=torchao``),
+# "vitlab-cudnn" the default path with cuDNN's fused attention put first (bench.py --attention cudnn, what
+# ``run.gpu_attention=cudnn`` trains with), "vitlab-autotune" the default path compiled in inductor's
+# max-autotune (bench.py --autotune, what ``run.compile_autotune`` trains with).
 # Every other one is a peer.
 FP8_IMPL_PREFIX = "vitlab-fp8-"
-FP8_IMPLS = tuple(FP8_IMPL_PREFIX + scaling for scaling in ("tensorwise", "rowwise"))  # vitlab.fast.FP8_SCALINGS
+# "vitlab-fp8-SCALING" by vitlab's own arithmetic, "vitlab-fp8-torchao-SCALING" by torchao's (run.fp8_backend)
+FP8_IMPLS = tuple(FP8_IMPL_PREFIX + backend + scaling for backend in ("", "torchao-")  # vitlab.fast.FP8_BACKENDS
+                  for scaling in ("tensorwise", "rowwise"))  # vitlab.fast.FP8_SCALINGS
 CUDNN_IMPL = "vitlab-cudnn"
 AUTOTUNE_IMPL = "vitlab-autotune"
 # vitlab's default path changed in one way: columns with their own ratio
@@ -217,7 +220,8 @@ def optimize_if_default(impl: str, model, kind: str = "train", fp8_layers: tuple
     revision that has it ``inference_weights="pack"`` (bf16 weights packed into the fp32 ones, what
     its commands ran until 2026-11-26).  A revision from before ``vitlab.fast`` runs its model as it is.
     'vitlab-fp8-SCALING': the blocks' dense layers (``fp8_layers`` of them, default all four) swapped
-    to fp8 first, then ``optimize``, as the trainer builds a ``run.fp8`` run."""
+    to fp8 first, then ``optimize``, as the trainer builds a ``run.fp8`` run ('vitlab-fp8-torchao-SCALING':
+    by torchao's arithmetic)."""
     if impl not in ("vitlab", "vitlab-before", *VARIANT_IMPLS):
         return model
     try:
@@ -226,7 +230,10 @@ def optimize_if_default(impl: str, model, kind: str = "train", fp8_layers: tuple
         return model
     if impl in FP8_IMPLS:
         layers = {"layers": tuple(fp8_layers)} if fp8_layers else {}
-        vitlab.fast.install_fp8(model, impl[len(FP8_IMPL_PREFIX):], **layers)
+        backend, _, scaling = impl[len(FP8_IMPL_PREFIX):].rpartition("-")
+        if backend:  # a revision before run.fp8_backend has no torchao column to run
+            layers["backend"] = backend
+        vitlab.fast.install_fp8(model, scaling, **layers)
     options = {}
     if kind == "inference" and "pack" in getattr(vitlab.fast, "INFERENCE_WEIGHTS", ()):
         options["inference_weights"] = "pack"

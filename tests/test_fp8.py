@@ -4,6 +4,8 @@ gradients and a short training run are checked here; the layout rules of CUDA's 
 checked on every call (``scaled_mm``)."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -177,6 +179,116 @@ def test_without_autograd_the_layer_computes_the_plain_product():
     layer = Float8Linear(plain, "tensorwise")
     with torch.no_grad():
         assert torch.equal(layer(x), want)
+
+
+# ----------------------------------------------------------------------------- torchao's arithmetic
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_torchaos_recipes_compute_the_products_and_gradients_of_vitlabs_own(scaling):
+    """Reference agreement between two implementations of the same arithmetic: torchao's
+    float8 training recipe of each name against ``fp8_linear``, on inputs bf16 holds exactly
+    (torchao's layer takes its input in autocast's dtype) under bf16 autocast."""
+    pytest.importorskip("torchao.float8")
+    torch.manual_seed(0)
+    plain = nn.Linear(K, N)
+    x = bf16_values(4, 9, K).requires_grad_()
+    grad = torch.randn(4, 9, N)
+    results = {}
+    for backend in fast.FP8_BACKENDS:
+        x.grad = plain.weight.grad = plain.bias.grad = None
+        layer = Float8Linear(plain, scaling, backend)
+        with torch.autocast("cpu", torch.bfloat16):
+            out = layer(x)
+        out.float().backward(grad)
+        assert out.dtype == torch.bfloat16
+        results[backend] = (out.detach(), x.grad, plain.weight.grad, plain.bias.grad)
+    for mine, theirs in zip(results["vitlab"], results["torchao"]):
+        assert relative_error(mine, theirs) < 1e-4  # the same fp8 operands; at most the bias's bf16 rounding apart
+
+
+def test_torchaos_layer_computes_with_the_stand_ins_parameters_and_leaves_with_it(monkeypatch):
+    pytest.importorskip("torchao.float8")
+    import torchao.float8
+
+    model = model_of(tiny())
+    modules, keys = set(dict(model.named_modules())), list(model.state_dict())
+    params = dict(model.named_parameters())
+    swap = fast.install_fp8(model, "tensorwise", backend="torchao")
+    assert swap.backend == "torchao" and "fp8 tensorwise by torchao: 8 dense layers" in swap.line()
+    assert set(dict(model.named_modules())) == modules and list(model.state_dict()) == keys  # no child added
+    assert all(p is params[name] for name, p in model.named_parameters())
+    layer = model.blocks[0].mlp.fc1
+    assert type(layer.torchao_layer).__module__.startswith("torchao.float8.")  # torchao's own layer
+    assert isinstance(layer.torchao_layer, nn.Linear) and layer.torchao_layer.config == (
+        torchao.float8.Float8LinearConfig.from_recipe_name("tensorwise"))
+    assert layer.torchao_layer.weight is layer.weight  # no copy: the plain layer's parameter dictionary
+    layer.weight = nn.Parameter(torch.zeros_like(layer.weight))  # replaced on the stand-in: torchao computes with it
+    x = torch.randn(3, 32, requires_grad=True)
+    assert torch.equal(layer(x), layer.bias.expand(3, -1))
+
+    fast.install_fp8(model, "rowwise")  # vitlab's own again: torchao's layers are dropped
+    assert all(m.torchao_layer is None and m.fp8_backend == "vitlab" for m in model.modules()
+               if isinstance(m, Float8Linear))
+    fast.install_fp8(model, "rowwise", backend="torchao")
+    fast.uninstall_fp8(model)
+    assert not any(hasattr(m, "torchao_layer") or isinstance(m, Float8Linear) for m in model.modules())
+    with pytest.raises(ValueError, match="backend='te': expected one of vitlab, torchao"):
+        fast.install_fp8(model, "tensorwise", backend="te")
+
+    from vitlab.extras import MissingPackage
+
+    for name in [n for n in sys.modules if n == "torchao" or n.startswith("torchao.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as on a machine without it
+    with pytest.raises(MissingPackage, match=r'needs torchao, which is not installed: pip install -e "\.\[fp8\]"'):
+        fast.install_fp8(model, "tensorwise", backend="torchao")
+    assert not any(isinstance(m, Float8Linear) for m in model.modules())  # refused before the model is touched
+
+
+@pytest.mark.slow  # compiles
+@pytest.mark.parametrize("backend", ["vitlab", "torchao"])
+def test_a_vit_with_either_backends_fp8_layers_compiles_to_one_graph(backend):
+    """torch.compile traces the whole training forward and backward, the fp8 layers' casts and
+    products included, without a graph break (``fullgraph``); the compiled loss and gradients
+    are the eager ones (aot_eager: the traced graph run op by op; CPU inductor has no fp8
+    code generation, a GPU's Triton has)."""
+    if backend == "torchao":
+        pytest.importorskip("torchao.float8")
+    model = model_of(tiny()).train()
+    fast.install_fp8(model, "tensorwise", backend=backend)
+    images = torch.randn(4, 3, 16, 16)
+
+    def loss_and_grad(forward):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = forward(images).float().square().mean()
+        loss.backward()
+        return loss.detach(), model.blocks[1].mlp.fc2.weight.grad
+
+    compiled = loss_and_grad(torch.compile(model, backend="aot_eager", fullgraph=True))
+    eager = loss_and_grad(model)
+    for got, want in zip(compiled, eager):
+        assert relative_error(got, want) < 1e-6  # the same operators in the same dtypes
+
+
+@pytest.mark.slow  # compiles
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_under_torch_compile_autocast_still_holds_after_an_fp8_layer(scaling):
+    """Dynamo traces the layer's backward while it traces the forward; an autocast context in
+    that backward once left the trace believing autocast off after the layer, so that the next
+    fp8 layer of a compiled model returned fp32 where it returns bf16 (every MLP's GELU then ran
+    in fp32).  The operators autocast casts were cast all the same: the same model computed
+    other values compiled than eager."""
+    first, second = Float8Linear(nn.Linear(K, K), scaling), Float8Linear(nn.Linear(K, N), scaling)
+
+    def step(x):
+        return second(x + first(x))
+
+    x = torch.randn(M + 11, K, requires_grad=True)  # 48 rows: the rowwise backward's token count needs no padding
+    with torch.autocast("cpu", torch.bfloat16):
+        eager, compiled = step(x), torch.compile(step, backend="eager", fullgraph=True)(x)
+    assert eager.dtype == compiled.dtype == torch.bfloat16
+    assert torch.equal(compiled, eager)
 
 
 # ----------------------------------------------------------------------------- the swap

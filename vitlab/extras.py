@@ -17,6 +17,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "onnxscript": ("onnxscript", "export"),
     "onnxruntime": ("onnxruntime", "export"),
     "huggingface_hub": ("huggingface_hub", "hub"),
+    "torchao": ("torchao", "fp8"),
 }
 
 

@@ -276,6 +276,25 @@ def test_fp8_adds_columns_to_the_gpus_bf16_training_rows_only(monkeypatch):
         bench.parse_args(["--device", "cuda", "--fp8-layers", "mlp.fc1"])  # without --fp8 it chooses nothing
 
 
+def test_torchaos_fp8_columns_sit_beside_vitlabs_and_build_the_model_with_its_arithmetic(monkeypatch):
+    monkeypatch.setattr(harness, "peers_available", lambda device: ["timm"])
+    monkeypatch.setattr(bench, "peers_available", harness.peers_available)
+    _, cases = bench.build_cases(bench.parse_args(["--device", "cuda", "--fp8", "tensorwise,torchao-tensorwise"]))
+    row = [c["impl"] for c in cases if c["id"].startswith("train/ViT-B/16/b128/bf16/")]
+    assert row[:3] == ["vitlab", "vitlab-fp8-tensorwise", "vitlab-fp8-torchao-tensorwise"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cuda", "--fp8", "te-tensorwise"])
+    pytest.importorskip("torchao.float8")
+    import vitlab.fast
+
+    for impl, backend in (("vitlab-fp8-torchao-rowwise", "torchao"), ("vitlab-fp8-rowwise", "vitlab")):
+        model, _ = harness.make_model(impl, "ViT-CIFAR")
+        model = harness.optimize_if_default(impl, model, fp8_layers=("mlp.fc1", "mlp.fc2"))
+        swapped = [m for m in model.modules() if isinstance(m, vitlab.fast.Float8Linear)]
+        assert len(swapped) == 2 * len(model.blocks) and vitlab.fast.is_optimized(model)
+        assert {(m.fp8_scaling, m.fp8_backend) for m in swapped} == {("rowwise", backend)}
+
+
 def test_the_cudnn_attention_column_is_on_the_gpus_bf16_rows_and_measures_under_its_backends(monkeypatch):
     monkeypatch.setattr(harness, "peers_available", lambda device: ["timm"])
     monkeypatch.setattr(bench, "peers_available", harness.peers_available)

@@ -294,6 +294,29 @@ def test_autotuning_is_a_compiled_gpu_runs_choice_with_or_without_cuda_graphs(tm
     assert resolve(on_gpus, world("cuda:0"), described(gpus=(H100,))).compile == "max-autotune"
 
 
+def test_torchaos_fp8_is_checked_for_where_fp8_runs_and_named_in_the_resolved_line(tmp_path, monkeypatch):
+    import sys
+
+    from vitlab.extras import MissingPackage
+
+    cfg = with_changes(auto_config(tmp_path), {"run.fp8": "tensorwise", "run.fp8_backend": "torchao"})
+    with pytest.raises(ConfigError, match="run.fp8='tensorwise' needs a CUDA GPU"):  # the device is refused first
+        resolve(cfg, world("cpu"), described())
+    pytest.importorskip("torchao.float8")
+    on_h100 = resolve(cfg, world("cuda:0"), described(gpus=(H100,)))
+    assert "precision bf16 with fp8 tensorwise matmuls by torchao" in on_h100.line()
+    for name in [n for n in sys.modules if n == "torchao" or n.startswith("torchao.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as on a machine without it
+    with pytest.raises(MissingPackage) as missing:
+        resolve(cfg, world("cuda:0"), described(gpus=(H100,)))
+    assert str(missing.value) == ("run.fp8_backend='torchao' needs torchao, which is not installed: "
+                                  'pip install -e ".[fp8]"')
+    assert "by torchao" not in resolve(with_changes(cfg, {"run.fp8_backend": "vitlab"}), world("cuda:0"),
+                                       described(gpus=(H100,))).line()
+    with pytest.raises(ConfigError, match="run.fp8_backend='te': allowed values are 'vitlab', 'torchao'"):
+        with_changes(cfg, {"run.fp8_backend": "te"})
+
+
 def test_fp8_runs_inside_bf16_autocast_and_names_its_choices(tmp_path):
     from vitlab.train.config import RunConfig
 

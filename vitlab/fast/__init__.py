@@ -29,7 +29,7 @@ from typing import Iterator
 from torch import nn
 
 from .compiled import CompiledInference, compile_for_inference
-from .fp8 import FP8_SCALINGS, Float8Linear, Fp8Swap, fp8_scaling, install_fp8, uninstall_fp8
+from .fp8 import FP8_BACKENDS, FP8_SCALINGS, Float8Linear, Fp8Swap, fp8_scaling, install_fp8, uninstall_fp8
 from .kernels import KernelChoice, KernelUnavailable, check_runnable, choose, cpu_precision, rule_choice
 from .modules import INFERENCE_WEIGHTS, FastBlock, FastLinear, FastOptions, install, installed, uninstall
 
@@ -84,7 +84,7 @@ def optimized(model: nn.Module, kernels: KernelChoice | None = None, recompute: 
             install(model, before)
 
 
-__all__ = ["CompiledInference", "FP8_SCALINGS", "INFERENCE_WEIGHTS", "FastBlock", "FastLinear", "FastOptions",
+__all__ = ["CompiledInference", "FP8_BACKENDS", "FP8_SCALINGS", "INFERENCE_WEIGHTS", "FastBlock", "FastLinear", "FastOptions",
            "Float8Linear", "Fp8Swap", "KernelChoice", "KernelUnavailable", "check_runnable", "choose",
            "compile_for_inference", "cpu_precision", "fp8_scaling", "install_fp8", "installed_options", "is_optimized",
            "optimize", "optimized", "restore", "rule_choice", "uninstall_fp8"]

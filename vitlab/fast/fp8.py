@@ -18,9 +18,9 @@ A swapped layer (``Float8Linear``) stands in for the plain one as ``vitlab.fast`
 modules do (``modules._stand_in``): the same parameter, child and hook dictionaries, so the
 same ``Parameter`` objects and state-dict keys (checkpoints hold the plain weights; an
 optimiser, EMA copy or DDP wrapper built after the swap keeps working), the plain module kept
-for ``uninstall_fp8``, and its own state an attribute of its own, ``fp8_scaling``.  Install it
-before ``vitlab.fast.optimize``: the fast blocks then see dense layers that are not their own
-and take the plain block's forward, which calls each layer.
+for ``uninstall_fp8``, and its own state attributes of its own (``fp8_scaling``, ``fp8_backend``,
+``torchao_layer``).  Install it before ``vitlab.fast.optimize``: the fast blocks then see dense
+layers that are not their own and take the plain block's forward, which calls each layer.
 
 In a training forward (autograd on) the layer's product runs in fp8 with dynamic scaling: each
 operand's largest magnitude (its amax) sets the scale that maps it onto the fp8 format's
@@ -36,10 +36,23 @@ the bias is added in bf16.  Two scalings:
   over the tokens, so its operands are scaled again along the token axis: the layer keeps its
   input in bf16 for the backward, as bf16 autocast would.
 
+Two implementations of that arithmetic (``backend``, ``run.fp8_backend``): ``"vitlab"``, the
+functions below, and ``"torchao"``, torchao's float8 training layer (``convert_to_float8_training``
+with the recipe of the same name; the ``fp8`` extra) computing the product inside the same
+stand-in, so that the swap, its reversal, the state dict and the evaluations are the same for
+both and a bench measures the two arithmetics alone.  On inputs bf16 holds exactly they agree
+to rounding (tests/test_fp8.py); torchao casts a layer's input to autocast's dtype before
+scaling it, this module scales it as it comes.  torchao's layer is built on the meta device from
+the plain layer's shape and given the stand-in's parameter dictionary: it holds no weights of
+its own and is no child of the model.  Since torchao 0.18 ``convert_to_float8_training`` also
+patches inductor's Triton code for min/max, process-wide and for good (torchao's workaround for
+a Triton fp8 store bug, numerically the same code): the one change to the process this option
+brings that uninstalling does not undo.
+
 Without autograd (the evaluations inside a run, ``vitlab eval``) the layer computes the plain
 product, so that a run scores its weights as they will be scored once saved.  A NaN or an
 infinity in an operand makes its scale, and so the product, non-finite: the step is caught as
-any other non-finite step.  How fast it trains, and how well, is not measured yet
+any other non-finite step.  How fast it trains was measured once, how well not yet
 (docs/performance.md).
 """
 from __future__ import annotations
@@ -52,17 +65,19 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..config import ConfigError
+from ..extras import require
 from ..models.layers import Block
 from .modules import FastLinear, _replace, _restored, _stand_in
 
 FP8_SCALINGS = ("tensorwise", "rowwise")
+FP8_BACKENDS = ("vitlab", "torchao")  # whose arithmetic computes the swapped layers' products (module text)
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # _scaled_mm's rule on CUDA: the summed dimension and the output's columns are multiples of 16
 ALIGN = 16
 # The dense layers of an encoder block that are swapped, by their paths in the block
 BLOCK_DENSE = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
 # What a swapped layer adds to the plain module's attributes
-_OWN_ATTRIBUTES = ("plain", "fp8_scaling")
+_OWN_ATTRIBUTES = ("plain", "fp8_scaling", "fp8_backend", "torchao_layer")
 
 
 # ----------------------------------------------------------------------------- the arithmetic
@@ -137,11 +152,13 @@ class _Float8Matmul(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         needs_x, needs_weight = ctx.needs_input_grad[:2]
-        with torch.autocast(grad.device.type, enabled=False):
-            if ctx.scaling == "rowwise":
-                grad_x, grad_weight = _rowwise_backward(grad, *ctx.saved_tensors, needs_x, needs_weight)
-            else:
-                grad_x, grad_weight = _tensorwise_backward(grad, *ctx.saved_tensors, needs_x, needs_weight)
+        # No autocast context here, unlike the forward: Dynamo traces this backward while it traces the
+        # forward, and a context here left that trace believing autocast off after the layer (the next
+        # fp8 layer then returned fp32; tests/test_fp8.py).  None of these operators is one autocast casts
+        if ctx.scaling == "rowwise":
+            grad_x, grad_weight = _rowwise_backward(grad, *ctx.saved_tensors, needs_x, needs_weight)
+        else:
+            grad_x, grad_weight = _tensorwise_backward(grad, *ctx.saved_tensors, needs_x, needs_weight)
         x_dtype, weight_dtype = ctx.dtypes
         return (None if grad_x is None else grad_x.to(x_dtype),
                 None if grad_weight is None else grad_weight.to(weight_dtype), None)
@@ -186,18 +203,40 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 # ----------------------------------------------------------------------------- the swap
 
 
-class Float8Linear(nn.Linear):
-    """``nn.Linear`` whose training product runs in fp8 (``fp8_scaling``), standing in for
-    ``plain`` (``install_fp8``)."""
+def torchao_layer(layer: nn.Linear, scaling: str) -> nn.Linear:
+    """torchao's float8 training layer for ``layer`` (``scaling``: its recipe of that name), built
+    on the meta device and computing with ``layer``'s own parameter dictionary, whatever replaces a
+    parameter there later.  MissingPackage (an ImportError naming the ``fp8`` extra) without torchao."""
+    float8 = require("torchao.float8", "run.fp8_backend='torchao'")
+    with torch.device("meta"):
+        template = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    config = float8.Float8LinearConfig.from_recipe_name(scaling)
+    product = float8.convert_to_float8_training(template, config=config)
+    vars(product)["_parameters"] = vars(layer)["_parameters"]  # layer's weight and bias, not the template's
+    return product
 
-    def __init__(self, plain: nn.Linear, scaling: str) -> None:
+
+class Float8Linear(nn.Linear):
+    """``nn.Linear`` whose training product runs in fp8 (``fp8_scaling``, by ``fp8_backend``'s
+    arithmetic), standing in for ``plain`` (``install_fp8``)."""
+
+    def __init__(self, plain: nn.Linear, scaling: str, backend: str = "vitlab") -> None:
         _stand_in(self, plain)  # in place of nn.Linear's __init__: plain's parameters, not new ones
-        self.fp8_scaling = scaling
+        self.configure(scaling, backend)
+
+    def configure(self, scaling: str, backend: str) -> None:
+        """Compute with ``scaling`` by ``backend``'s arithmetic from now on."""
+        # torchao's layer lives in __dict__, not _modules: no child, no second path to the parameters
+        vars(self)["torchao_layer"] = torchao_layer(self, scaling) if backend == "torchao" else None
+        self.fp8_scaling, self.fp8_backend = scaling, backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # scored as the saved weights will be (module text)
             return F.linear(x, self.weight, self.bias)
-        return fp8_linear(x, self.weight, self.bias, self.fp8_scaling)
+        if self.torchao_layer is None:
+            return fp8_linear(x, self.weight, self.bias, self.fp8_scaling)
+        device = x.device.type  # torchao's layer reads CUDA's autocast alone: the input is cast here on any device
+        return self.torchao_layer(x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,24 +248,34 @@ class Fp8Swap:
     swapped: tuple[str, ...]
     kept: tuple[tuple[str, str], ...] = ()
     layers: tuple[str, ...] = BLOCK_DENSE  # the block layers asked for (``install_fp8``'s ``layers``)
+    backend: str = "vitlab"  # whose arithmetic (``install_fp8``'s ``backend``)
 
     def line(self) -> str:
-        """"fp8 tensorwise: 8 dense layers of the encoder blocks (qkv, proj, fc1, fc2); bf16: ...", for logs."""
+        """"fp8 tensorwise: 8 dense layers of the encoder blocks (qkv, proj, fc1, fc2); bf16: ...", for logs
+        ("fp8 tensorwise by torchao: ..." with torchao's arithmetic)."""
         kept = "".join(f", {name} ({why})" for name, why in self.kept)
         kinds = ", ".join(path.rpartition(".")[2] for path in self.layers)
-        return (f"fp8 {self.scaling}: {len(self.swapped)} dense layers of the encoder blocks ({kinds}); "
+        by = f" by {self.backend}" if self.backend != "vitlab" else ""
+        return (f"fp8 {self.scaling}{by}: {len(self.swapped)} dense layers of the encoder blocks ({kinds}); "
                 f"bf16: the patch embedding, head and every other layer{kept}")
 
 
-def install_fp8(model: nn.Module, scaling: str = "tensorwise", layers: tuple[str, ...] = BLOCK_DENSE) -> Fp8Swap:
+def install_fp8(model: nn.Module, scaling: str = "tensorwise", layers: tuple[str, ...] = BLOCK_DENSE,
+                backend: str = "vitlab") -> Fp8Swap:
     """Put a ``Float8Linear`` in the place of every encoder block's dense layers named in
     ``layers`` (of qkv, proj, fc1 and fc2: ``BLOCK_DENSE``'s paths, all four by default) of
-    ``model`` whose features are multiples of 16, in place; layers swapped already take
-    ``scaling``, and those no longer named get their plain layer back.  Returns what was
-    swapped and what was not.  Raises ValueError for an unknown scaling or layer, or a model
-    ``vitlab.fast.optimize`` has installed itself on (install fp8 first)."""
+    ``model`` whose features are multiples of 16, in place, computing by ``backend``'s
+    arithmetic (``FP8_BACKENDS``); layers swapped already take ``scaling`` and ``backend``, and
+    those no longer named get their plain layer back.  Returns what was swapped and what was
+    not.  Raises ValueError for an unknown scaling, backend or layer, or a model
+    ``vitlab.fast.optimize`` has installed itself on (install fp8 first); MissingPackage for
+    ``backend="torchao"`` without torchao (before the model is touched)."""
     if scaling not in FP8_SCALINGS:
         raise ValueError(f"install_fp8: scaling={scaling!r}: expected one of {', '.join(FP8_SCALINGS)}")
+    if backend not in FP8_BACKENDS:
+        raise ValueError(f"install_fp8: backend={backend!r}: expected one of {', '.join(FP8_BACKENDS)}")
+    if backend == "torchao":
+        require("torchao.float8", "run.fp8_backend='torchao'")
     layers = check_fp8_layers(layers)
     stand_ins: dict[int, nn.Module] = {}  # one per plain layer, wherever the model holds it
     swapped, kept = [], []
@@ -243,7 +292,7 @@ def install_fp8(model: nn.Module, scaling: str = "tensorwise", layers: tuple[str
                     stand_ins.setdefault(id(layer), _restored(layer, _OWN_ATTRIBUTES))
                 continue
             if isinstance(layer, Float8Linear):
-                layer.fp8_scaling = scaling
+                layer.configure(scaling, backend)
             elif type(layer) is not nn.Linear:  # an adapter or a quantised layer computes something else
                 kept.append((full, f"a {type(layer).__name__}, not an nn.Linear"))
                 continue
@@ -251,10 +300,10 @@ def install_fp8(model: nn.Module, scaling: str = "tensorwise", layers: tuple[str
                 kept.append((full, f"{layer.in_features} -> {layer.out_features} features, not multiples of {ALIGN}"))
                 continue
             else:
-                stand_ins.setdefault(id(layer), Float8Linear(layer, scaling))
+                stand_ins.setdefault(id(layer), Float8Linear(layer, scaling, backend))
             swapped.append(full)
     _replace(model, lambda module: stand_ins.get(id(module), module))
-    return Fp8Swap(scaling, tuple(swapped), tuple(kept), layers)
+    return Fp8Swap(scaling, tuple(swapped), tuple(kept), layers, backend)
 
 
 def check_fp8_layers(layers, name: str = "layers") -> tuple[str, ...]:

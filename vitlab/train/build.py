@@ -229,7 +229,8 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
     model.train()
     # before the fast layer, whose blocks then leave the fp8 layers to themselves (vitlab.fast.fp8);
     # the swapped layers share the plain ones' parameters: the checkpoints hold the plain weights
-    fp8 = fast.install_fp8(model, cfg.run.fp8, tuple(cfg.run.fp8_layers)) if cfg.run.fp8 != "off" else None
+    fp8 = (fast.install_fp8(model, cfg.run.fp8, tuple(cfg.run.fp8_layers), cfg.run.fp8_backend)
+           if cfg.run.fp8 != "off" else None)
     if cfg.run.fast:  # in place and before any wrapper: DDP, FSDP and compile see the fast modules
         fast.optimize(model, resolved.kernels)
     ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None

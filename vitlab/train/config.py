@@ -24,7 +24,7 @@ from typing import Any, Optional
 from vitlab.config import (PRECISIONS, ConfigError, is_int, is_number, is_shift, need, need_bool, need_choice,
                            need_count_or_fraction, need_int, need_number)
 from vitlab.data.transforms import Augmentation, TrainTransform
-from vitlab.fast.fp8 import BLOCK_DENSE, FP8_SCALINGS, check_fp8_layers
+from vitlab.fast.fp8 import BLOCK_DENSE, FP8_BACKENDS, FP8_SCALINGS, check_fp8_layers
 from vitlab.fast.kernels import GPU_ATTENTION
 from vitlab.models.mpp import TARGETS as MPP_TARGETS
 from vitlab.models.registry import canonical_name, list_models
@@ -246,6 +246,8 @@ class RunConfig(Section):
     fp8: str = "off"                        # "tensorwise" or "rowwise": the blocks' dense layers in fp8 (GPUs of
                                             # compute capability 8.9+, under bf16; vitlab.fast.fp8); "off"
     fp8_layers: tuple = BLOCK_DENSE         # which of each block's dense layers run.fp8 puts in fp8 (the rest bf16)
+    fp8_backend: str = "vitlab"             # whose arithmetic computes them: vitlab's own, or "torchao" (its float8
+                                            # training recipe of the same name; the fp8 extra)
     gpu_attention: str = "torch"            # a GPU's fused attention: PyTorch's own order of backends ("torch"), or
                                             # cuDNN's first ("cudnn"; vitlab.fast.kernels.attention_backends)
     loss_scale: float = 65536.0             # fp16: the gradient scaler's first loss scale
@@ -285,6 +287,7 @@ class RunConfig(Section):
         need_choice("run.precision", self.precision, ("auto", *PRECISIONS))
         need_choice("run.fp8", self.fp8, FP8_MODES)
         check_fp8_layers(self.fp8_layers, "run.fp8_layers")
+        need_choice("run.fp8_backend", self.fp8_backend, FP8_BACKENDS)
         need_choice("run.gpu_attention", self.gpu_attention, GPU_ATTENTION)
         need(self.fp8 == "off" or self.precision in ("bf16", "auto"), "run.fp8", self.fp8,
              f"fp8 matmuls run inside bf16 autocast: set run.precision to 'bf16' or 'auto' (here {self.precision!r}), "

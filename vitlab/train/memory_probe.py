@@ -193,7 +193,7 @@ def probe_model(cfg, arch: Architecture, img_size: tuple, kernels, device: torch
             model = MaskedPatchPrediction(model, target=cfg.model.mpp, rate=cfg.model.mpp_rate)
         model = model.to(device).train()
         if cfg.run.fp8 != "off":
-            fast.install_fp8(model, cfg.run.fp8)
+            fast.install_fp8(model, cfg.run.fp8, tuple(cfg.run.fp8_layers), cfg.run.fp8_backend)
         if cfg.run.fast:
             fast.optimize(model, kernels)
     return model

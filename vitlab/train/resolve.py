@@ -47,6 +47,7 @@ import torch
 
 from vitlab import fast
 from vitlab.config import Architecture, ConfigError, Pair, ResNetConfig, ViTConfig, replace
+from vitlab.extras import require
 from vitlab.fast.kernels import KernelChoice, why_unavailable
 from vitlab.machine import Machine
 
@@ -108,7 +109,9 @@ class Resolved:
         kernels = self.kernels.describe() if self.kernels else "plain"
         workers = (f"{self.stream_workers} stream workers" if self.data == "stream"
                    else f"{self.decode_workers} decode workers")
-        fp8 = f" with fp8 {self.config.run.fp8} matmuls" if self.config.run.fp8 != "off" else ""
+        run = self.config.run
+        by = f" by {run.fp8_backend}" if run.fp8_backend != "vitlab" else ""
+        fp8 = f" with fp8 {run.fp8} matmuls{by}" if run.fp8 != "off" else ""
         return (f"resolved: device {self.device}, precision {self.precision}{fp8}, kernels {kernels}, "
                 f"threads {self.threads}, data {self.data} ({workers}), compile {self.compile} "
                 f"(optimizer step {self.compile_optimizer}), cpu {self.cpu}")
@@ -303,6 +306,8 @@ def check_fp8(cfg: TrainConfig, device: torch.device, machine: Machine) -> None:
         return
     gpu = machine.gpu(device)
     if gpu is not None and gpu.fp8:
+        if on_this_device(cfg, device, "fp8_backend") == "torchao":  # missing: refused before anything is built
+            require("torchao.float8", "run.fp8_backend='torchao'")
         return
     if gpu is not None:
         here = f"{device}, {gpu.capability_line()}"

@@ -186,3 +186,18 @@ def test_the_probes_model_is_the_one_the_run_trains(tmp_path):
     assert installed(model) and model.training and tuple(model.cfg.img_size) == (12, 12)
     plain = probe_model(with_changes(cfg, {"run.fast": False}), arch, (8, 8), None, torch.device("cpu"))
     assert not installed(plain)
+
+
+def test_the_probes_model_has_the_fp8_layers_the_run_asks_for(tmp_path):
+    # the probe measures the step the run will take: its fp8 layers, only those of run.fp8_layers, by
+    # run.fp8_backend's arithmetic (the probe swapped all four layers of every block until 2026-11-28)
+    from vitlab.fast import Float8Linear
+
+    cfg = with_changes(tiny_config(tmp_path / "run"), {"run.precision": "bf16", "run.fp8": "rowwise",
+                                                       "run.fp8_layers": ["mlp.fc1", "mlp.fc2"]})
+    arch = resolve_module.trained_architecture(cfg)
+    model = probe_model(cfg, arch, (12, 12), None, torch.device("cpu"))
+    swapped = {name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]: m for name, m in model.named_modules()
+               if isinstance(m, Float8Linear)}
+    assert set(swapped) == {"mlp.fc1", "mlp.fc2"}
+    assert all(m.fp8_scaling == "rowwise" and m.fp8_backend == "vitlab" for m in swapped.values())

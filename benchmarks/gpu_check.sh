@@ -32,7 +32,9 @@
 #      ('|'-separated extra arguments; '' is the recipe; later arguments win, over the recipe's GPU settings too:
 #      before 8419e4f a run set those back), e.g. the recipe's GPU model
 #      (width 384, 7 blocks) against the CPU's (width 192, 6 blocks) at the CPU's batch rule, its RandAugment
-#      against none, and fp8 at the steps S the bf16 run took:
+#      against none, and fp8 at the steps S the bf16 run took ({STEPS1} in a variant is the first variant's step
+#      count, read from its summary: PART_C_SETS="|--fp8 tensorwise --time-limit 0 --steps {STEPS1}" is fp8's
+#      accuracy against bf16's at the same steps in one call; that variant's limit is 1.4x PART_C_MIN):
 #        PART_C_SETS="|$CPU_MODEL|--set augment.randaug_ops=0|--fp8 tensorwise --time-limit 0 --steps S", with
 #        CPU_MODEL="--set model.width=192 --set model.depth=6 --set model.num_heads=8 --set model.mlp_dim=384
 #                   --batch-size 256 --lr 4.24e-3";
@@ -55,8 +57,10 @@
 # PART_C_SETS="|--set run.compile_optimizer=true" (the recipe's mixup/CutMix at 3 minutes, the new CUDA tests,
 # the update in a CUDA graph; about 9 minutes), then PARTS=B B_IMPLS='vitlab|vitlab-cudnn|timm' (about 4); a later
 # session PARTS=B B_IMPLS='vitlab-fp8-tensorwise|vitlab-fp8-torchao-tensorwise|timm' (fp8 since its compiled
-# step's fp32 outputs were mended, and torchao's arithmetic), then PARTS=B B_IMPLS='vitlab-autotune|timm'
-# (max-autotune's compilation, never timed: allow a call).
+# step's fp32 outputs were mended, and torchao's arithmetic), PARTS=C PART_C_MIN=3
+# PART_C_SETS="|--fp8 tensorwise --time-limit 0 --steps {STEPS1}" (fp8's accuracy against bf16's at the same
+# steps, one call of about 9 minutes), then PARTS=B B_IMPLS='vitlab-autotune|timm' (max-autotune's compilation,
+# never timed: allow a call).
 set -u
 mode=${1:-run}
 if [ "$mode" = prepare ]; then
@@ -113,11 +117,15 @@ case $PARTS in *I*) say "I ViT-B/16 bf16 inference, compiled, vitlab vs timm: b1
 case $PARTS in *C*) say "C CIFAR-10 plain ViT, $PART_C_MIN min per variant"
   # PART_C_SETS: the variants, '|'-separated, each extra arguments to the recipe's command ('' = the recipe)
   IFS='|' read -r -a variants <<< "${PART_C_SETS:-}"; [ ${#variants[@]} -eq 0 ] && variants=("")
-  i=0
+  i=0; steps1=""
   for extra in "${variants[@]}"; do
-    i=$((i + 1)); say "C$i: the recipe $extra"
+    i=$((i + 1)); limit=$(python3 -c "print(int(float('$PART_C_MIN') * 60 + 90))")
+    case $extra in *"{STEPS1}"*)  # the first variant's steps, e.g. fp8 at the steps the recipe took in bf16
+      [ -n "$steps1" ] || { echo "C$i ($extra): skipped, the first variant printed no steps" | tee -a "$OUT/C.txt"; continue; }
+      extra=${extra//\{STEPS1\}/$steps1}; limit=$(python3 -c "print(int(float('$PART_C_MIN') * 60 * 1.4 + 90))");; esac
+    say "C$i: the recipe $extra"
     # shellcheck disable=SC2086  # the variant's arguments are meant to split
-    timeout "$(python3 -c "print(int(float('$PART_C_MIN') * 60 + 90))")" python3 -m vitlab train \
+    timeout "$limit" python3 -m vitlab train \
       --recipe cifar10_scratch:model=vit --data .gpu/cifar10-train.tar.gz --time-limit "$PART_C_MIN" $extra \
       --out "/tmp/run-c$i" --overwrite > "$LOGS/C$i.log" 2>&1
     # the accuracy and MFU line: from this run's printed summary (a summary.json of an earlier call could be stale)
@@ -131,6 +139,9 @@ keys = ("steps", "val_top1", "val_top1_flip", "val_top1_single", "val_top1_views
         "step_images_per_s", "achieved_tflops", "peak_bf16_tflops", "mfu", "data_wait")
 print(sys.argv[2] + ":", " ".join(f"{k}={s.get(k)}" for k in keys), f"(model {s.get('model')})")
 PY
+    [ $i -eq 1 ] && steps1=$(python3 -c 'import json, sys
+printed = [line for line in open(sys.argv[1]) if line.startswith("{")]
+print(json.loads(printed[-1]).get("steps") or "" if printed else "")' "$LOGS/C1.log")
   done;; esac
 case $PARTS in *D*) say "D ViT-B/16 paper_pretrain: memory vs shards"
   python3 - <<'PY'

@@ -59,7 +59,8 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
                    help="auto: bf16 autocast where it is faster than fp32 (GPUs; CPUs whose bf16 matmul kernel beats the fp32 GEMM), else fp32; fp16: autocast with a gradient scaler (run.loss_scale); fp8 matmuls: --fp8")
     p.add_argument("--fp8", choices=("off", *FP8_SCALINGS),
                    help="the encoder blocks' dense layers in fp8, scaled per tensor or per row, the rest in bf16 "
-                        "(needs --precision bf16 or auto and a GPU of compute capability 8.9+: H100, H200, L4, RTX 40)")
+                        "(needs --precision bf16 or auto and a GPU of compute capability 8.9+: H100, H200, L4, RTX 40; "
+                        "torchao's arithmetic instead of vitlab's: --set run.fp8_backend=torchao)")
     add_run_arguments(p)
 
 

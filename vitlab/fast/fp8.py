@@ -203,7 +203,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 # ----------------------------------------------------------------------------- the swap
 
 
-def torchao_layer(layer: nn.Linear, scaling: str) -> nn.Linear:
+def torchao_float8_layer(layer: nn.Linear, scaling: str) -> nn.Linear:
     """torchao's float8 training layer for ``layer`` (``scaling``: its recipe of that name), built
     on the meta device and computing with ``layer``'s own parameter dictionary, whatever replaces a
     parameter there later.  MissingPackage (an ImportError naming the ``fp8`` extra) without torchao."""
@@ -227,7 +227,7 @@ class Float8Linear(nn.Linear):
     def configure(self, scaling: str, backend: str) -> None:
         """Compute with ``scaling`` by ``backend``'s arithmetic from now on."""
         # torchao's layer lives in __dict__, not _modules: no child, no second path to the parameters
-        vars(self)["torchao_layer"] = torchao_layer(self, scaling) if backend == "torchao" else None
+        vars(self)["torchao_layer"] = torchao_float8_layer(self, scaling) if backend == "torchao" else None
         self.fp8_scaling, self.fp8_backend = scaling, backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -179,18 +179,23 @@ def test_fp16_gradient_scaler_recovers_from_an_overflowing_loss_scale(tiny):
     assert not all(torch.isfinite(p).all() for p in s.model.parameters())
 
 
+@pytest.mark.parametrize("backend", ["vitlab", "torchao"])
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
-def test_an_fp8_run_swaps_its_blocks_keeps_plain_weights_and_catches_a_nan_as_bf16_does(tiny, monkeypatch, scaling):
+def test_an_fp8_run_swaps_its_blocks_keeps_plain_weights_and_catches_a_nan_as_bf16_does(tiny, monkeypatch, scaling,
+                                                                                         backend):
     """The run's own path, built on the CPU: the refusal (resolve.check_fp8) is set aside, since
-    the CPU emulates the fp8 products the test needs."""
+    the CPU emulates the fp8 products the test needs; by vitlab's arithmetic and by torchao's."""
     import vitlab.train.resolve as resolve_module
     from vitlab.fast import Float8Linear
 
+    if backend == "torchao":
+        pytest.importorskip("torchao.float8")
     monkeypatch.setattr(resolve_module, "check_fp8", lambda *args: None)
-    s = build(tiny(precision="bf16", **{"run.fp8": scaling}))
-    assert s.fp8.scaling == scaling and s.fp8.kept == ()
+    s = build(tiny(precision="bf16", **{"run.fp8": scaling, "run.fp8_backend": backend}))
+    assert s.fp8.scaling == scaling and s.fp8.kept == () and s.fp8.backend == backend
     assert s.fp8.swapped == ("blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc1", "blocks.0.mlp.fc2")
     assert all(isinstance(s.model.get_submodule(name), Float8Linear) for name in s.fp8.swapped)
+    assert all(s.model.get_submodule(name).fp8_backend == backend for name in s.fp8.swapped)
     assert list(s.model.state_dict()) == list(build(tiny(precision="bf16")).model.state_dict())
     assert train_step(s, endless(s.stream), lr=1e-2, size=s.img_size[0]).read().applied
 

@@ -52,8 +52,8 @@ brings that uninstalling does not undo.
 Without autograd (the evaluations inside a run, ``vitlab eval``) the layer computes the plain
 product, so that a run scores its weights as they will be scored once saved.  A NaN or an
 infinity in an operand makes its scale, and so the product, non-finite: the step is caught as
-any other non-finite step.  How fast it trains was measured once, how well not yet
-(docs/performance.md).
+any other non-finite step.  How fast it trains was measured once on a GPU; how well, emulated on
+a CPU only (docs/performance.md).
 """
 from __future__ import annotations
 

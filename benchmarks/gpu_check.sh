@@ -55,9 +55,10 @@
 # call of about 7-8 minutes, then PARTS=C PART_C_MIN=3 a second (about 5); P, I and D take a session's calls of
 # their own.  The next session's plan (what is still unmeasured, in order): PARTS=AC PART_C_MIN=3
 # PART_C_SETS="|--set run.compile_optimizer=true" (the recipe's mixup/CutMix at 3 minutes, the new CUDA tests,
-# the update in a CUDA graph; about 9 minutes), then PARTS=B B_IMPLS='vitlab|vitlab-cudnn|timm' (about 4); a later
-# session PARTS=B B_IMPLS='vitlab-fp8-tensorwise|vitlab-fp8-torchao-tensorwise|timm' (fp8 since its compiled
-# step's fp32 outputs were mended, and torchao's arithmetic), PARTS=C PART_C_MIN=3
+# the update in a CUDA graph; about 9 minutes), then PARTS=B B_IMPLS='vitlab-fp8-tensorwise|vitlab-cudnn|timm'
+# (about 4: fp8 since its compiled step's fp32 outputs were mended, cuDNN's attention); a later session
+# PARTS=B B_IMPLS='vitlab|vitlab-fp8-torchao-tensorwise|vitlab-fp8-rowwise|timm' (torchao's arithmetic, rowwise
+# scaling), PARTS=C PART_C_MIN=3
 # PART_C_SETS="|--fp8 tensorwise --time-limit 0 --steps {STEPS1}" (fp8's accuracy against bf16's at the same
 # steps, one call of about 9 minutes), then PARTS=B B_IMPLS='vitlab-autotune|timm' (max-autotune's compilation,
 # never timed: allow a call).

@@ -120,13 +120,13 @@ case $PARTS in *C*) say "C CIFAR-10 plain ViT, $PART_C_MIN min per variant"
   IFS='|' read -r -a variants <<< "${PART_C_SETS:-}"; [ ${#variants[@]} -eq 0 ] && variants=("")
   i=0; steps1=""
   for extra in "${variants[@]}"; do
-    i=$((i + 1)); limit=$(python3 -c "print(int(float('$PART_C_MIN') * 60 + 90))")
+    i=$((i + 1)); slack=1
     case $extra in *"{STEPS1}"*)  # the first variant's steps, e.g. fp8 at the steps the recipe took in bf16
       [ -n "$steps1" ] || { echo "C$i ($extra): skipped, the first variant printed no steps" | tee -a "$OUT/C.txt"; continue; }
-      extra=${extra//\{STEPS1\}/$steps1}; limit=$(python3 -c "print(int(float('$PART_C_MIN') * 60 * 1.4 + 90))");; esac
-    say "C$i: the recipe $extra"
+      extra=${extra//\{STEPS1\}/$steps1}; slack=1.4;; esac
+    say "C$i: the recipe $extra"; rm -f "$LOGS/C$i.log.steps"  # an earlier call's, on a machine still warm
     # shellcheck disable=SC2086  # the variant's arguments are meant to split
-    timeout "$limit" python3 -m vitlab train \
+    timeout "$(python3 -c "print(int(float('$PART_C_MIN') * 60 * $slack + 90))")" python3 -m vitlab train \
       --recipe cifar10_scratch:model=vit --data .gpu/cifar10-train.tar.gz --time-limit "$PART_C_MIN" $extra \
       --out "/tmp/run-c$i" --overwrite > "$LOGS/C$i.log" 2>&1
     # the accuracy and MFU line: from this run's printed summary (a summary.json of an earlier call could be stale)
@@ -139,10 +139,9 @@ s = json.loads(printed[-1])
 keys = ("steps", "val_top1", "val_top1_flip", "val_top1_single", "val_top1_views", "wall_s", "train_flops_per_image",
         "step_images_per_s", "achieved_tflops", "peak_bf16_tflops", "mfu", "data_wait")
 print(sys.argv[2] + ":", " ".join(f"{k}={s.get(k)}" for k in keys), f"(model {s.get('model')})")
+open(sys.argv[1] + ".steps", "w").write(str(s.get("steps") or ""))  # for a later variant's {STEPS1}
 PY
-    [ $i -eq 1 ] && steps1=$(python3 -c 'import json, sys
-printed = [line for line in open(sys.argv[1]) if line.startswith("{")]
-print(json.loads(printed[-1]).get("steps") or "" if printed else "")' "$LOGS/C1.log")
+    [ $i -eq 1 ] && steps1=$(cat "$LOGS/C1.log.steps" 2>/dev/null)
   done;; esac
 case $PARTS in *D*) say "D ViT-B/16 paper_pretrain: memory vs shards"
   python3 - <<'PY'

@@ -58,6 +58,7 @@ a CPU only (docs/performance.md).
 from __future__ import annotations
 
 import dataclasses
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -203,11 +204,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 # ----------------------------------------------------------------------------- the swap
 
 
+def torchao_float8() -> ModuleType:
+    """``torchao.float8``, or MissingPackage (an ImportError naming the ``fp8`` extra): what
+    ``run.fp8_backend="torchao"`` needs, asked where a run is resolved and where layers are swapped."""
+    return require("torchao.float8", "run.fp8_backend='torchao'")
+
+
 def torchao_float8_layer(layer: nn.Linear, scaling: str) -> nn.Linear:
     """torchao's float8 training layer for ``layer`` (``scaling``: its recipe of that name), built
     on the meta device and computing with ``layer``'s own parameter dictionary, whatever replaces a
-    parameter there later.  MissingPackage (an ImportError naming the ``fp8`` extra) without torchao."""
-    float8 = require("torchao.float8", "run.fp8_backend='torchao'")
+    parameter there later.  MissingPackage without torchao (``torchao_float8``)."""
+    float8 = torchao_float8()
     with torch.device("meta"):
         template = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
     config = float8.Float8LinearConfig.from_recipe_name(scaling)
@@ -275,7 +282,7 @@ def install_fp8(model: nn.Module, scaling: str = "tensorwise", layers: tuple[str
     if backend not in FP8_BACKENDS:
         raise ValueError(f"install_fp8: backend={backend!r}: expected one of {', '.join(FP8_BACKENDS)}")
     if backend == "torchao":
-        require("torchao.float8", "run.fp8_backend='torchao'")
+        torchao_float8()
     layers = check_fp8_layers(layers)
     stand_ins: dict[int, nn.Module] = {}  # one per plain layer, wherever the model holds it
     swapped, kept = [], []

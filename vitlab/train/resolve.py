@@ -47,7 +47,7 @@ import torch
 
 from vitlab import fast
 from vitlab.config import Architecture, ConfigError, Pair, ResNetConfig, ViTConfig, replace
-from vitlab.extras import require
+from vitlab.fast.fp8 import torchao_float8
 from vitlab.fast.kernels import KernelChoice, why_unavailable
 from vitlab.machine import Machine
 
@@ -307,7 +307,7 @@ def check_fp8(cfg: TrainConfig, device: torch.device, machine: Machine) -> None:
     gpu = machine.gpu(device)
     if gpu is not None and gpu.fp8:
         if on_this_device(cfg, device, "fp8_backend") == "torchao":  # missing: refused before anything is built
-            require("torchao.float8", "run.fp8_backend='torchao'")
+            torchao_float8()
         return
     if gpu is not None:
         here = f"{device}, {gpu.capability_line()}"

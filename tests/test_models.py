@@ -376,6 +376,22 @@ def test_without_position_embeddings_patches_are_a_set():
     assert not torch.allclose(model1d(swapped), model1d(x), atol=1e-4)
 
 
+@pytest.mark.parametrize("fields", [dict(classifier="gap"), dict(classifier="gap", posemb="none"), dict(classifier="token")])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_token_stream_is_token_major_in_memory_from_the_first_block_to_the_last(fields, autocast):
+    """The patch embedding's output enters the blocks contiguous, with or without [class] and
+    position embeddings: a transposed view of the convolution's output would carry its
+    channel-major strides through every residual sum, and every LayerNorm would copy it."""
+    model = vitlab.create_model(tiny(**fields)).train()
+    seen = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+    model.norm.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(torch.randn(2, 3, 16, 16)).sum().backward()
+    assert seen == [True] * (len(model.blocks) + 1)
+
+
 def test_two_d_embedding_concatenates_x_and_y():
     model = vitlab.create_model(tiny(posemb="learned_2d", classifier="gap"))
     table = model.pos_embed((4, 4))[0].reshape(4, 4, 32)

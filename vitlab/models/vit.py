@@ -127,7 +127,10 @@ class VisionTransformer(nn.Module):
         if self.stem is not None:
             x = self.stem(x)
         x = self.patch_embed(x)  # (B, D, gh, gw)
-        return x.flatten(2).transpose(1, 2), (x.shape[-2], x.shape[-1])
+        # One copy here into token-major memory: a transposed view would carry the convolution's
+        # channel-major strides into every residual sum of the stream, where nothing else
+        # (a [class] token's concatenation) makes it contiguous, and each LayerNorm would copy it.
+        return x.flatten(2).transpose(1, 2).contiguous(), (x.shape[-2], x.shape[-1])
 
     def embed_patches(self, x: torch.Tensor, grid: Pair) -> torch.Tensor:
         """Patch embeddings (B, N, D) -> tokens (B, prefix + N, D): [class] token, position embeddings, dropout."""

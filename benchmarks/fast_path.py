@@ -14,6 +14,10 @@ runs), with the page faults per call of each.
 ``kernels``: the training step of the plain model, of the fast model with each kernel choice
 this CPU can run (fp32 matmul x attention x recompute; in bf16 the bf16 kernels), and of
 Hugging Face's ViT (sdpa, eager): what ``kernels.RULES`` rests on, per CPU class.
+``stream_layout``: the CIFAR recipe's CPU model (mean-pooled, no [class] token) optimized,
+one bf16 training step at batch 128, with its patch tokens contiguous (the model today)
+against a transposed view of the patch convolution's output (the model before 2026-11-28's
+change), which kept channel-major strides through the whole residual stream.
 Every core, wall time, interleaved.  Findings: benchmarks/NOTES.md.
 """
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import types
 from typing import Callable
 
 import torch
@@ -163,8 +168,31 @@ def exp_kernels() -> None:
                 steps, rounds=rounds)
 
 
+def _transposed_view_patchify(model: torch.nn.Module, x: torch.Tensor):
+    """``VisionTransformer.patchify`` as it was before the tokens were made contiguous."""
+    x = model.patch_embed(x)
+    return x.flatten(2).transpose(1, 2), (x.shape[-2], x.shape[-1])
+
+
+def exp_stream_layout() -> None:
+    from vitlab.configs import load_recipe
+    from vitlab.train.architecture import model_architecture
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    base = build_model(model_architecture(load_recipe("cifar10_scratch:model=vit,device=cpu").model, num_classes=10))
+    x, y = torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,))
+    contiguous, transposed = copy.deepcopy(base), copy.deepcopy(base)
+    transposed.patchify = types.MethodType(_transposed_view_patchify, transposed)
+    steps = {label: training_step(m, m.parameters(), x, y, bf16=True)
+             for label, m in (("contiguous tokens (today)", vitlab.fast.optimize(contiguous)),
+                              ("a transposed view (before)", vitlab.fast.optimize(transposed)))}
+    compare(f"training step, the CIFAR recipe's CPU model ({base.cfg.name}, mean-pooled), batch 128, bf16 autocast "
+            "(AdamW)", steps, rounds=9)
+
+
 EXPERIMENTS = {"kernels": exp_kernels, "recompute": exp_recompute, "inference": exp_inference,
-               "inference_options": exp_inference_options}
+               "inference_options": exp_inference_options, "stream_layout": exp_stream_layout}
 
 if __name__ == "__main__":
     sys.exit(run_experiments(EXPERIMENTS, sys.argv[1:], __doc__))

@@ -137,6 +137,33 @@ def test_a_data_set_of_every_kind_of_bad_file(tmp_path, caplog):
     assert scan_image_folder(root).ignored == ("c/notes.txt",)
 
 
+def test_a_folder_listed_again_is_warned_of_once_until_it_changes(tmp_path, caplog, monkeypatch):
+    """A run lists its folder for its size, its cache key and its decoding, by the user's
+    spelling and by its real path: each warning about the tree is said once; a change to the
+    tree's images is told again."""
+    from vitlab.data.sources import source_key
+    from vitlab.train.inputs import count_images
+
+    root = tmp_path / "tree"
+    _png(root / "a" / "x.png", 20)
+    (root / "empty").mkdir()
+    (root / "a" / "notes.txt").write_text("not an image")
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert count_images("tree") == 1
+        data = load_in_memory("tree", cache_dir=tmp_path / "cache", workers=0)
+        assert data.key == source_key("tree")  # listed once inside, the same key as listed alone
+        load_in_memory(root, cache_dir=tmp_path / "cache", workers=0)
+    assert caplog.text.count("1 class folder(s) hold no images: empty") == 1
+    assert caplog.text.count("not images by their extension") == 1
+    assert "tree: 1 class folder(s)" in caplog.text  # the spelling the user gave, first
+    caplog.clear()
+    _png(root / "a" / "y.png", 30)
+    with caplog.at_level(logging.WARNING):
+        load_in_memory(root, cache_dir=tmp_path / "cache", workers=0)
+    assert caplog.text.count("1 class folder(s) hold no images: empty") == 1
+
+
 def test_non_utf8_file_and_folder_names(tmp_path):
     root = tmp_path / "data"
     raw = os.fsencode(root)

@@ -341,8 +341,20 @@ def _index_tree(where: str, files: list[str], dirs: list[str],
     empty = [c for c, n in zip(classes, np.bincount(labels, minlength=len(classes)))
              if n == 0 and prefix + c not in meant_empty]
     if empty:
-        log.warning("%s: %d class folder(s) hold no images: %s", where, len(empty), ", ".join(empty[:5]))
+        _warn_once(where, len(ordered), f"{len(empty)} class folder(s) hold no images: {', '.join(empty[:5])}")
     return prefix, [prefix + f for f in ordered], labels, classes
+
+
+# What this process has been told of a data tree, by the tree's real path and image count: a
+# run lists a folder more than once (its size, its cache key, its decoding), and says each once.
+_TOLD: set[tuple[str, int, str]] = set()
+
+
+def _warn_once(where: str, images: int, what: str) -> None:
+    told = (os.path.realpath(where), images, what)
+    if told not in _TOLD:
+        _TOLD.add(told)
+        log.warning("%s: %s", where, what)
 
 
 def holds_class_images(root: PathLike) -> bool:
@@ -382,8 +394,8 @@ def scan_image_folder(root: PathLike) -> ImageFolderIndex:
     prefix, relpaths, labels, classes = _index_tree(str(root), files, dirs, meant_empty)
     if ignored:
         exts = ", ".join(sorted(IMAGE_EXTENSIONS))
-        log.warning("%s: ignored %d file(s) that are not images by their extension (first: %s; images: %s)",
-                    root, len(ignored), ignored[0], exts)
+        _warn_once(str(root), len(relpaths), f"ignored {len(ignored)} file(s) that are not images by their extension "
+                   f"(first: {ignored[0]}; images: {exts})")
     return ImageFolderIndex(
         root=root / prefix if prefix else root,
         paths=[str(root / p) for p in relpaths],
@@ -469,12 +481,13 @@ def _short_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
-def source_key(path: PathLike) -> str:
+def source_key(path: PathLike, listing: ImageFolderIndex | None = None) -> str:
     """A short string that changes when the data at ``path`` changes.
 
     For an archive: its absolute path, size and mtime (one ``stat``).  For a folder:
     the same three facts for every image in it, so adding, removing or rewriting an
-    image changes the key (one ``stat`` per image, a fraction of a second for 50k).
+    image changes the key (one ``stat`` per image, a fraction of a second for 50k);
+    ``listing``: the folder's ``scan_image_folder``, when the caller has just made it.
     """
     path = Path(path).resolve()
     if path.is_file():
@@ -483,7 +496,7 @@ def source_key(path: PathLike) -> str:
     if path.is_dir():
         # surrogateescape: file names that are not UTF-8 hash as their bytes
         digest = hashlib.sha256(str(path).encode("utf-8", "surrogateescape"))
-        for image in scan_image_folder(path).paths:
+        for image in (listing or scan_image_folder(path)).paths:
             st = os.stat(image)
             digest.update(f"\n{image}|{st.st_size}|{st.st_mtime_ns}".encode("utf-8", "surrogateescape"))
         return f"{path.name}-{digest.hexdigest()[:16]}"

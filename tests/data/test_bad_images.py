@@ -164,6 +164,30 @@ def test_a_folder_listed_again_is_warned_of_once_until_it_changes(tmp_path, capl
     assert caplog.text.count("1 class folder(s) hold no images: empty") == 1
 
 
+@pytest.mark.parametrize("layout", ["tree", "tree/train"])
+def test_a_process_that_counts_and_lists_a_folder_again_sees_it_changed(tmp_path, monkeypatch, layout):
+    """The per-process caches of a source's count, listing and opened stream (a run resolves
+    each more than once) follow a change to the folder's images, and the working folder a
+    relative name is read in: a notebook's second run trains on what is there now."""
+    from vitlab.data.stream import scan_folder
+    from vitlab.train.inputs import count_images, opened_source
+
+    root = tmp_path / layout
+    _png(root / "a" / "x.png", 20)
+    _png(root / "b" / "x.png", 30)
+    monkeypatch.chdir(tmp_path)
+    assert count_images("tree") == 2 and len(scan_folder("tree")) == 2 and opened_source("tree").num_samples == 2
+    assert count_images("tree") == 2  # unchanged: from the cache
+    _png(root / "b" / "y.png", 40)
+    assert count_images("tree") == 3 and len(scan_folder("tree")) == 3 and opened_source("tree").num_samples == 3
+    (root / "a" / "x.png").unlink()
+    assert count_images("tree") == 2 and len(scan_folder("tree")) == 2
+    elsewhere = tmp_path / "elsewhere"
+    _png(elsewhere / "tree" / "c" / "z.png", 50)
+    monkeypatch.chdir(elsewhere)  # the same name, another folder
+    assert count_images("tree") == 1 and scan_folder("tree").classes == ["c"]
+
+
 def test_non_utf8_file_and_folder_names(tmp_path):
     root = tmp_path / "data"
     raw = os.fsencode(root)

@@ -42,6 +42,7 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "scan_image_folder",
     "holds_class_images",
+    "listing_state",
     "read_image_archive",
     "resolve_data_path",
     "default_cache_dir",
@@ -355,6 +356,35 @@ def _warn_once(where: str, images: int, what: str) -> None:
     if told not in _TOLD:
         _TOLD.add(told)
         log.warning("%s: %s", where, what)
+
+
+def listing_state(source: str) -> tuple:
+    """What a per-process cache of ``source``'s listing or count is keyed by besides its
+    name, so that a long-lived process (a notebook) sees a changed tree: a file's real path,
+    size and modification time; a folder's real path and the modification times of it and of
+    its folders one level down (a class folder's changes when an image is added to it or
+    removed), or two levels where the folder holds a single one (``train/<class>/``); () for
+    what is not a path here (the digits, a pattern of shards).  A folder's state costs one
+    listing of its top levels, not of its images."""
+    path = os.path.expanduser(source)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    real = os.path.realpath(path)
+    if not os.path.isdir(real):
+        return (real, st.st_size, st.st_mtime_ns)
+    state = [real, st.st_mtime_ns]
+    top = real
+    for _ in range(2):
+        with os.scandir(top) as entries:
+            folders = sorted((e.name, e.stat().st_mtime_ns) for e in entries
+                             if e.is_dir() and not e.name.startswith("."))
+        state.extend(folders)
+        if len(folders) != 1:
+            break
+        top = os.path.join(top, folders[0][0])
+    return tuple(state)
 
 
 def holds_class_images(root: PathLike) -> bool:

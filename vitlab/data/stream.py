@@ -66,7 +66,8 @@ from vitlab.data.draws import PartGenerators
 from vitlab.data.hub import arrow_source, is_hf_dataset, parquet_source
 from vitlab.data.loader import DeviceStage, copy_without_a_wait, derive_seed, one_ahead
 from vitlab.data.shards import shard_source
-from vitlab.data.sources import DataError, StreamSource, Unread, describe_unread, resolve_data_path, scan_image_folder
+from vitlab.data.sources import (DataError, StreamSource, Unread, describe_unread, listing_state, resolve_data_path,
+                                 scan_image_folder)
 from vitlab.data.transforms import TrainTransform, build_transform
 
 __all__ = ["expand_braces", "fitting_workers", "hold_out", "is_stream_source", "open_source", "StreamSource", "StreamDataset",
@@ -148,9 +149,14 @@ def _read_folder_chunk(unit: tuple[int, int], skipped: Optional[list] = None, *,
         yield str(paths[i]), str(paths[i]), int(labels[i])
 
 
-@functools.lru_cache(maxsize=4)
 def scan_folder(source: str, cache_dir=None):
-    """``scan_image_folder`` of ``source``, listed once per process (14M files take a while)."""
+    """``scan_image_folder`` of ``source``, listed once per process while the folder's top
+    levels are unchanged (14M files take a while; ``listing_state``)."""
+    return _scan_folder(source, cache_dir, listing_state(source))
+
+
+@functools.lru_cache(maxsize=4)
+def _scan_folder(source: str, cache_dir, state: tuple):
     return scan_image_folder(resolve_data_path(source, cache_dir))
 
 

@@ -23,7 +23,7 @@ import torch
 from vitlab.config import ConfigError, Pair
 from vitlab.data.labelled import load_labelled
 from vitlab.data.memory import load_source_in_memory
-from vitlab.data.sources import DataError
+from vitlab.data.sources import DataError, listing_state
 from vitlab.data.splits import select_classes, stratified_split
 from vitlab.data.stream import hold_out, open_source
 
@@ -90,18 +90,28 @@ def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
     return Splits(images, labels, val_images, val_labels, classes, skipped, train_ids=ids)
 
 
-@functools.lru_cache(maxsize=8)
 def opened_source(source: str, cache_dir=None):
-    """``vitlab.data.stream.open_source`` once per process: resolving a run counts its shards,
-    and its loader then reads the same index."""
+    """``vitlab.data.stream.open_source`` once per process while the source is unchanged
+    (``listing_state``): resolving a run counts its shards, and its loader then reads the
+    same index."""
+    return _opened_source(source, cache_dir, listing_state(source))
+
+
+@functools.lru_cache(maxsize=8)
+def _opened_source(source: str, cache_dir, state: tuple):
     return open_source(source, cache_dir)
 
 
-@functools.lru_cache(maxsize=8)
 def count_images(source: str, cache_dir=None) -> int:
     """The images of a data source, counted without decoding one: the digits' count, a
     streamed source's samples, a folder's image files, an archive's image members (one pass
-    over its headers; nothing extracted)."""
+    over its headers; nothing extracted).  Counted once per process while the source is
+    unchanged (``listing_state``)."""
+    return _count_images(source, cache_dir, listing_state(source))
+
+
+@functools.lru_cache(maxsize=8)
+def _count_images(source: str, cache_dir, state: tuple) -> int:
     from vitlab.data.digits import NUM_DIGITS
     from vitlab.data.sources import IMAGE_EXTENSIONS, is_archive
     from vitlab.data.stream import is_stream_source, scan_folder

@@ -152,7 +152,7 @@ def test_a_folder_listed_again_is_warned_of_once_until_it_changes(tmp_path, capl
     with caplog.at_level(logging.WARNING):
         assert count_images("tree") == 1
         data = load_in_memory("tree", cache_dir=tmp_path / "cache", workers=0)
-        assert data.key == source_key("tree")  # listed once inside, the same key as listed alone
+        assert data.key == source_key("tree")  # the key of the folder's real path, whatever its spelling
         load_in_memory(root, cache_dir=tmp_path / "cache", workers=0)
     assert caplog.text.count("1 class folder(s) hold no images: empty") == 1
     assert caplog.text.count("not images by their extension") == 1

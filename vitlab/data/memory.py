@@ -203,17 +203,15 @@ def load_in_memory(
         return load_source_in_memory(open_source(str(path), cache_dir), image_size, cache_dir, workers)
     size = None if image_size is None else to_pair(image_size, "image_size")
     workers = usable_cores() if workers is None else workers
-    # A folder is listed once, for its key and its images, by its real path (as its key reads it).
-    index = None if is_archive(path) and Path(path).is_file() else scan_image_folder(
-        resolve_data_path(path, cache_dir).resolve())
-    key = source_key(path, index)
+    key = source_key(path)
     folder = _cache_folder(key, size, cache_dir)
     if folder.is_dir():
         data = _read_cache(folder)
     else:
-        if index is None:
+        if is_archive(path) and Path(path).is_file():
             index, sources = read_image_archive(path)  # no extraction: one pass over the archive
         else:
+            index = scan_image_folder(resolve_data_path(path, cache_dir))
             sources = index.paths
         decoded = _decode_all(sources, size, workers)
         skipped = Unread()

@@ -511,13 +511,12 @@ def _short_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
-def source_key(path: PathLike, listing: ImageFolderIndex | None = None) -> str:
+def source_key(path: PathLike) -> str:
     """A short string that changes when the data at ``path`` changes.
 
     For an archive: its absolute path, size and mtime (one ``stat``).  For a folder:
     the same three facts for every image in it, so adding, removing or rewriting an
-    image changes the key (one ``stat`` per image, a fraction of a second for 50k);
-    ``listing``: the folder's ``scan_image_folder``, when the caller has just made it.
+    image changes the key (one ``stat`` per image, a fraction of a second for 50k).
     """
     path = Path(path).resolve()
     if path.is_file():
@@ -526,7 +525,7 @@ def source_key(path: PathLike, listing: ImageFolderIndex | None = None) -> str:
     if path.is_dir():
         # surrogateescape: file names that are not UTF-8 hash as their bytes
         digest = hashlib.sha256(str(path).encode("utf-8", "surrogateescape"))
-        for image in (listing or scan_image_folder(path)).paths:
+        for image in scan_image_folder(path).paths:
             st = os.stat(image)
             digest.update(f"\n{image}|{st.st_size}|{st.st_mtime_ns}".encode("utf-8", "surrogateescape"))
         return f"{path.name}-{digest.hexdigest()[:16]}"

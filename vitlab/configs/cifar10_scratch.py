@@ -33,7 +33,7 @@ patches, in the same 30 minutes on each CPU class where both ran (docs/results.m
     faster.  The first half of the steps train on 24x24 images (progressive resizing, as FFCV's
     ImageNet recipes grow the resolution), which fits more steps into the time limit.
 ``model=hybrid_bit``: the same with the paper's BiT stem (GroupNorm, weight-standardised
-    convolutions).
+    convolutions), at lr 1e-3 and without progressive resizing.
 
 For a short budget on little data: AdamW (the hybrids; the plain ViT's non-matrix
 parameters) with weight decay on the dense kernels (``WEIGHT_DECAYS``): 0.05 for the hybrids,

@@ -10,7 +10,8 @@ the init's resolution times 384/224, at most 384 and never below the init's own,
 nearest multiple of the patch size.  A 224-px init fine-tunes at 384 as in the paper; a
 32-px one (CIFAR, 16-px patches) at 48; the demo's 16-px model (4-px patches) at 28; an
 init at 384 or more keeps its own.  ``--img-size`` overrides the rule.
-Warm-up: 500 steps, as the official fine-tuning code (vit_jax) does.
+Warm-up: 500 steps, as the official fine-tuning code (vit_jax) does; at most a tenth of the
+steps (50 for Pets and Flowers).
 Pre-processing: inception crop + flip for training, a plain resize for evaluation.
 
 Table 4 (steps, learning-rate grid):

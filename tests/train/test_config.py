@@ -209,6 +209,7 @@ def test_every_recipe_loads_and_is_consistent():
     inet = load_recipe("paper_pretrain_imagenet")
     assert (inet.optim.lr, inet.optim.decay, inet.optim.weight_decay, inet.model.overrides["dropout"]) == (
         3e-3, "cosine", 0.3, 0.1)
+    assert inet.optim.steps == 93_835  # 300 epochs of ImageNet-1k's 1,281,167 training images at batch 4096
     for dataset, steps in (("cifar10", 10_000), ("cifar100", 10_000), ("imagenet", 20_000), ("pets", 500),
                            ("flowers", 500)):
         ft = load_recipe(f"paper_finetune:dataset={dataset}").optim

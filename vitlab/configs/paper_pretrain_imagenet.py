@@ -4,7 +4,7 @@
 
 with Adam (0.9, 0.999), batch 4096, 10k warm-up steps and clipping at global norm 1
 ("for ImageNet we found it beneficial to additionally apply gradient clipping at global
-norm 1", caption of Table 3).  300 epochs of 1,281,167 images at 4096 = 93,834 steps.
+norm 1", caption of Table 3).  300 epochs of 1,281,167 images at 4096 = 93,835 steps.
 The paper holds out 1% of the training set for validation (Appendix B.1).
 
 The row is every ViT's (``ViT-*``): ``model_name`` (``--model``) changes the model, not the
@@ -18,6 +18,8 @@ from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimCon
 from vitlab.train.overrides import with_changes
 
 DEFAULT_MODEL = "ViT-B/16"
+IMAGENET_TRAIN_IMAGES = 1_281_167
+EPOCHS, BATCH = 300, 4096
 
 
 def is_plain_vit(name: str) -> bool:
@@ -34,8 +36,8 @@ def get_config(model_name: str | None = None) -> TrainConfig:
         data=DataConfig(val_split=0.01),
         augment=AugmentConfig(crop="inception", crop_scale=(0.05, 1.0), flip=True),
         optim=OptimConfig(optimizer="adam", betas=(0.9, 0.999), lr=3e-3, weight_decay=0.3, wd_scope="kernels",
-                          batch_size=4096, accum_steps=1, steps=93_834, warmup=10_000, decay="cosine", clip_norm=1.0,
-                          loss="softmax_xent"),
+                          batch_size=BATCH, accum_steps=1, steps=EPOCHS * IMAGENET_TRAIN_IMAGES // BATCH,
+                          warmup=10_000, decay="cosine", clip_norm=1.0, loss="softmax_xent"),
         run=RunConfig(precision="bf16", eval_every=5000, log_every=50, ckpt_every=1000, keep_ckpts=2,
                       out="runs/paper_pretrain_imagenet"),
     )

@@ -217,3 +217,29 @@ def test_hostile_hugging_face_config(tmp_path, field, value, match):
     (folder / "config.json").write_text(json.dumps({**config, field: value}))
     with pytest.raises((WeightsError, ConfigError), match=match):
         load_model(folder)
+
+
+def test_a_refused_torch_pickle_is_one_line_without_pytorchs_advice_to_unpickle_it(tmp_path):
+    """torch.load's refusal runs over several lines and suggests allowing the object; vitlab's error
+    keeps the line that says what the file holds."""
+    path = tmp_path / "weights.pt"
+    path.write_bytes(b"garbage" * 10)
+    with pytest.raises(WeightsError) as info:
+        load_model(path)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1 and message.endswith("vitlab never unpickles: Unsupported operand 103")
+    assert "safe_globals" not in message and "weights_only=False" not in message
+
+
+def test_a_training_checkpoint_given_as_weights_points_to_the_runs_weights(tmp_path):
+    """`vitlab train`'s ckpt-<step>.pt holds numpy random states (weights_only refuses them): it is
+    named as such, with the run's weights file, not PyTorch's ten lines about safe globals."""
+    ckpt = tmp_path / "run" / "checkpoints" / "ckpt-00000020.pt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"model": random_model().state_dict(), "rng": {"numpy": np.random.get_state()}}, ckpt)
+    with pytest.raises(WeightsError) as info:
+        load_model(ckpt)
+    assert str(info.value) == (f"{ckpt} is a training checkpoint of `vitlab train` (model, optimiser and random "
+                               f"states, which --resume reads); the run's weights are "
+                               f"{tmp_path / 'run' / 'model.safetensors'}, written when it ends (an interrupted "
+                               "run: finish it with --resume)")

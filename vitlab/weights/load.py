@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zipfile
 from pathlib import Path
 from typing import Any, Mapping
@@ -50,6 +51,9 @@ from .timm import sidecar_path as timm_sidecar
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 # Checkpoints saved by training scripts often wrap the state dict under one of these.
 WRAPPERS = ("state_dict", "model")
+# The name `vitlab train` gives its checkpoints (vitlab.train.checkpoint.PATTERN), which hold random
+# states that torch.load(weights_only=True) refuses: given as weights, the file is named for what it is.
+TRAINING_CHECKPOINT = re.compile(r"^ckpt-\d+\.pt$")
 
 
 def _torch_load(path: Path) -> dict[str, Any]:
@@ -60,9 +64,14 @@ def _torch_load(path: Path) -> dict[str, Any]:
     except (FileNotFoundError, PermissionError):
         raise
     except Exception as e:  # UnpicklingError (forbidden objects), OSError/RuntimeError (damaged zip), EOFError
+        if TRAINING_CHECKPOINT.match(path.name):
+            raise WeightsError(
+                f"{path} is a training checkpoint of `vitlab train` (model, optimiser and random states, which "
+                f"--resume reads); the run's weights are {path.parent.parent / WEIGHTS_NAME}, written when it ends "
+                "(an interrupted run: finish it with --resume)") from e
         raise WeightsError(
             f"{path} could not be read by torch.load(weights_only=True): the file is truncated or corrupt, "
-            f"or it pickles objects other than tensors, which vitlab never unpickles: {e}"
+            f"or it pickles objects other than tensors, which vitlab never unpickles: {torch_load_reason(e)}"
         ) from e
     for key in WRAPPERS:
         if isinstance(obj, Mapping) and isinstance(obj.get(key), Mapping):
@@ -70,6 +79,16 @@ def _torch_load(path: Path) -> dict[str, Any]:
     if not isinstance(obj, Mapping):
         raise WeightsError(f"{path} holds a {type(obj).__name__}, not a state dict")
     return dict(obj)
+
+
+def torch_load_reason(err: Exception) -> str:
+    """Why torch.load refused a file, in one line: PyTorch's own message runs over several, with
+    advice to unpickle the file anyway, which vitlab never does; the line after "WeightsUnpickler
+    error:" says what the file holds."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # its bold face
+    reason = text.split("WeightsUnpickler error:", 1)[-1].split("Check the documentation of torch.load")[0]
+    reason = reason.split(" Please use `torch.serialization")[0]
+    return " ".join(reason.split()) or type(err).__name__
 
 
 def _check_zip(path: Path) -> None:

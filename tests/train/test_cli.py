@@ -197,6 +197,24 @@ def test_demo_smoke(tmp_path, capsys):
     assert load_model(last_json_line(out)["weights"]).cfg.num_classes == 10
 
 
+def test_demo_replaces_its_own_folder_but_not_another_runs(tmp_path, capsys):
+    """The demo starts afresh in its folder each time; given a `train` run's folder as --out, it
+    deleted that run's checkpoints and wrote over its weights without a word."""
+    data = make_image_folder(tmp_path / "images", per_class=4)
+    run = tmp_path / "run"
+    assert main(["train", "--recipe", "demo", "--data", str(data), "--val-split", "3", "--batch-size", "4",
+                 "--steps", "1", "--out", str(run), *TINY]) == 0
+    capsys.readouterr()
+    weights = (run / "model.safetensors").read_bytes()
+    assert main(["demo", "--steps", "1", "--out", str(run), "--quiet", "--no-report", *TINY[:-1]]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vitlab demo: error: run.out='{run}' holds the checkpoints of a 'demo' run on '{data}'; the demo recipe on "
+        "'digits' starts afresh only in a new folder or one of its own: choose another --out")
+    assert (run / "model.safetensors").read_bytes() == weights and (run / "checkpoints" / "ckpt-00000001.pt").exists()
+    demo = ["demo", "--steps", "1", "--out", str(tmp_path / "demo"), "--quiet", "--no-report", *TINY[:-1]]
+    assert main(demo) == 0 and main(demo) == 0  # its own folder: replaced
+
+
 def _run_cli(args, env_extra=None, torchrun=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.configs import load_recipe
     from vitlab.train import train
     from vitlab.train.build import check_can_run
+    from vitlab.train.loop import check_own_folder
     from vitlab.train.overrides import apply_overrides, with_changes
 
     cfg = apply_overrides(load_recipe("demo"), args.overrides)
@@ -35,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
         changes["run.seed"] = args.seed
     cfg = with_changes(cfg, changes)
     check_can_run(cfg)
+    check_own_folder(cfg)  # another run's folder is kept from the overwrite below
     summary = train(cfg, overwrite=True, verbose=not args.quiet)  # the demo's folder is its own: rerunning replaces it
     print(f"validation accuracy: {summary['val_top1']:.2%} (top-5 {summary['val_top5']:.2%}) on "
           f"{summary['val_examples']} held-out digits after {summary['steps']} steps in {summary['wall_s']:.0f} s")

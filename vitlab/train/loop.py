@@ -85,6 +85,35 @@ def check_resume_or_overwrite(resume: bool, overwrite: bool) -> None:
                           "run.out, the other deletes its checkpoints and starts afresh; give one of them")
 
 
+def held_by_earlier_run(out: Path) -> str | None:
+    """What a fresh run in ``out`` would lose of an earlier one: "checkpoints" (it would rotate them
+    away and write over its weights), "weights" (a run that kept no checkpoints: run.ckpt_every=0, or
+    removed by hand), or None."""
+    if ckpt.latest_checkpoint(out / "checkpoints") is not None:
+        return "checkpoints"
+    return "weights" if (out / WEIGHTS_NAME).exists() else None
+
+
+def check_own_folder(cfg: TrainConfig) -> None:
+    """Refuse to start afresh (``overwrite``) in a folder that holds a run of another recipe or data:
+    the demo replaces its own folder on every run, and given a `train` run's folder as its --out it
+    deleted that run's checkpoints and weights without a word."""
+    out = Path(cfg.run.out)
+    held = held_by_earlier_run(out)
+    if held is None:
+        return
+    try:
+        earlier = json.loads((out / "config.json").read_text())
+        recipe, source = earlier.get("recipe"), earlier.get("data", {}).get("source")
+    except (OSError, ValueError, AttributeError):  # no config.json, or not a run's
+        recipe = source = None
+    if (recipe, source) != (cfg.recipe, cfg.data.source):
+        of = f"a {recipe!r} run on {source!r}" if isinstance(recipe, str) else "an earlier run"
+        raise ConfigError(f"run.out={str(out)!r} holds the {held} of {of}; the {cfg.recipe} recipe on "
+                          f"{cfg.data.source!r} starts afresh only in a new folder or one of its own: choose "
+                          "another --out")
+
+
 def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbose: bool, overwrite: bool,
            started_at: float | None) -> dict:
     """The body of ``train``; returns with the model out of scope, so the process group can go."""
@@ -98,10 +127,7 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     need_output_folder("run.out", cfg.run.out)
     out = Path(cfg.run.out)
     ckpt_dir = out / "checkpoints"
-    # a fresh run would rotate an earlier run's checkpoints away and write over its weights; a run
-    # that kept no checkpoints (run.ckpt_every=0, or removed by hand) has its weights to lose
-    held = "checkpoints" if ckpt.latest_checkpoint(ckpt_dir) is not None else \
-        "weights" if (out / WEIGHTS_NAME).exists() else None
+    held = held_by_earlier_run(out)
     if held and not resume and not overwrite:
         options = "continue it with --resume, start" if held == "checkpoints" else "start"
         raise ConfigError(f"run.out={str(out)!r} holds the {held} of an earlier run; {options} afresh there with "

@@ -368,3 +368,16 @@ def test_an_auto_or_count_field_reads_a_count_whatever_order_its_union_comes_in(
         assert parse_overrides(TrainConfig(), ["model.img_size=48"]) == {"model.img_size": 48}
         assert parse_overrides(TrainConfig(), ["model.img_size=auto"]) == {"model.img_size": "auto"}
     assert "model.img_size" in overrides.AUTO_OR_COUNT and "data.stream_workers" in overrides.AUTO_OR_COUNT
+
+
+@pytest.mark.parametrize("field", ["data.source", "data.val_data", "data.cache_dir", "model.init"])
+def test_an_empty_path_is_refused_not_read_as_the_working_folder(field, capsys):
+    """`--data "$DATA"` with DATA unset trained on the working folder, whatever it held, and an empty
+    data.cache_dir wrote the decoded cache there."""
+    with pytest.raises(ConfigError, match=rf"^{field}='': expected a path or None; an empty one would be the "
+                                          "working folder$"):
+        apply_overrides(OK, [f"{field}="])
+    from vitlab.cli import main
+
+    assert main(["train", "--recipe", "demo", "--data", "", "--show-config"]) == 2
+    assert capsys.readouterr().err.startswith("vitlab train: error: data.source='': expected a path or None")

@@ -60,6 +60,11 @@ class Section:
                 need_bool(self.path(f.name), getattr(self, f.name))
 
 
+def is_path(value: Any) -> bool:
+    """A path given as text, not empty: ``Path("")`` is the working folder."""
+    return isinstance(value, str) and value.strip() != ""
+
+
 def check_lr_grid(grid: Any, name: str = "optim.lr_grid") -> None:
     """Positive learning rates, each once: a sweep's run of a rate is its folder ``lr_<rate>``, so a
     rate given twice (0.1,0.10) met its own finished run and was refused after the first one."""
@@ -100,7 +105,8 @@ class ModelConfig(Section):
             need(value == allowed[0] or self.init is None, f"model.{name}", value,
                  f"{value!r} initialises a model trained from scratch; with model.init the weights are loaded")
         need(isinstance(self.overrides, dict), "model.overrides", self.overrides, "expected a dict of ViTConfig fields")
-        need(self.init is None or isinstance(self.init, str), "model.init", self.init, "expected a path or None")
+        need(self.init is None or is_path(self.init), "model.init", self.init,
+             "expected a path or None; an empty one would be the working folder")
         if self.img_size not in (None, "auto"):
             need(is_int(self.img_size) and self.img_size >= 1, "model.img_size", self.img_size,
                  'expected a positive number of pixels, "auto" (a fine-tune: scaled from its init) or None')
@@ -149,9 +155,9 @@ class DataConfig(Section):
         need_int("data.augment_batches", self.augment_batches, 1)
         need(is_number(self.memory_limit_gb) and self.memory_limit_gb > 0, "data.memory_limit_gb",
              self.memory_limit_gb, "expected a positive number of GB")
-        for name in ("source", "val_data", "cache_dir"):
-            need(getattr(self, name) is None or isinstance(getattr(self, name), str), self.path(name),
-                 getattr(self, name), "expected a path or None")
+        for name in ("source", "val_data", "cache_dir"):  # "" (--data "$UNSET") read the working folder
+            need(getattr(self, name) is None or is_path(getattr(self, name)), self.path(name),
+                 getattr(self, name), "expected a path or None; an empty one would be the working folder")
         need_count_or_fraction("data.val_split", self.val_split,
                                "a count (integer >= 1), a fraction in (0, 1), or 0 for none")
         need(not (self.val_data and self.val_split), "data.val_data", self.val_data,

@@ -88,6 +88,13 @@ def test_train_cli_refuses_bad_config_before_work(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == ("vitlab sweep: error: --grid=(0.1, 0.1): 0.1 given more than once; "
                                               "each rate is one run")
     assert not (tmp_path / "s").exists()
+    # nothing held out leaves the grid nothing to be compared on: a TypeError on the first rate's
+    # missing score, after its run
+    assert main(["sweep", "--recipe", "demo", "--grid", "0.1", "--holdout", "0", "--steps", "1", "--out",
+                 str(tmp_path / "s"), *TINY]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab sweep: error: --holdout 0: the grid is compared on a held-out "
+                                              "part of the training set; give a count (500) or a fraction (0.1)")
+    assert not (tmp_path / "s").exists()
     # vtab reads --grid as sweep does, before its tasks ("abc" was float's "could not convert string to float")
     assert main(["vtab", "--init", str(tmp_path / "w"), "--tasks", str(tmp_path / "t"), "--grid", "abc"]) == 2
     assert capsys.readouterr().err.strip() == ("vitlab vtab: error: --grid 'abc': expected comma-separated "

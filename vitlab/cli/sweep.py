@@ -36,7 +36,13 @@ DEFAULT_HOLDOUT = 0.1
 
 
 def sweep_holdout(explicit: float | None, recipe_split: float | int) -> float | int:
-    """What the grid is compared on: ``--holdout``, else the recipe's validation split, else 10%."""
+    """What the grid is compared on: ``--holdout``, else the recipe's validation split, else 10%.
+    None held out leaves nothing to compare (0 failed after the first rate's run, on its missing score)."""
+    from vitlab.config import ConfigError
+
+    if explicit == 0:
+        raise ConfigError("--holdout 0: the grid is compared on a held-out part of the training set; give a count "
+                          "(500) or a fraction (0.1)")
     value = explicit if explicit is not None else (recipe_split or DEFAULT_HOLDOUT)
     return int(value) if float(value).is_integer() and value >= 1 else value
 

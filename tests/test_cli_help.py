@@ -90,3 +90,15 @@ def test_a_warning_shows_as_one_line_naming_the_command_and_the_format_is_given_
     assert main(["models"]) == 0
     assert capsys.readouterr().err == "vitlab models: RuntimeWarning: inference continues eager\n"
     assert warnings.formatwarning is python_format
+
+
+def test_an_interrupted_command_says_so_in_one_line_naming_it(capsys, monkeypatch):
+    """Ctrl-C ended with a bare "interrupted", the one line that did not name its command."""
+    import vitlab.cli.models
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vitlab.cli.models, "run", interrupted)
+    assert main(["models"]) == 130
+    assert capsys.readouterr().err == "vitlab models: interrupted\n"

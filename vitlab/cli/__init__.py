@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with one_line_warnings(args.command):
             return int(args._run(args) or 0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C: named as every other ending of a command is
+        print(f"vitlab {args.command}: interrupted", file=sys.stderr)
         return 130
     # configuration and input errors (a file that is no image: PIL's UnidentifiedImageError is an
     # OSError), a checkpoint that cannot be written (OSError), a training loss that is NaN

@@ -270,3 +270,25 @@ def test_fewshot_prints_its_table_and_json_only_when_asked(run_dir, capsys):
     assert main(base + ["--json"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 and set(json.loads(lines[0])["fewshot"]) == {"1"}
+
+
+@pytest.mark.parametrize("command", [["eval", "--checkpoint"], ["fewshot", "--feature-cache", "none"]])
+def test_a_cache_dir_that_is_a_file_is_named_by_its_flag(command, run_dir, tmp_path, capsys):
+    """The decoded data's cache under a file was the OS's "[Errno 20] Not a directory: '<it>/arrays'",
+    after the model was loaded; the file is left as it was."""
+    a_file = tmp_path / "cache"
+    a_file.write_text("kept")
+    assert main([*command, str(run_dir), "--data", "digits", "--cache-dir", str(a_file)]) == 2
+    assert capsys.readouterr().err.strip() == (f"vitlab {command[0]}: error: --cache-dir={str(a_file)!r} is a file; "
+                                              "expected a folder (a new one, or a run's)")
+    assert a_file.read_text() == "kept"
+
+
+def test_a_training_runs_cache_dir_that_is_a_file_is_named_by_its_field(tmp_path):
+    from vitlab.config import ConfigError
+    from vitlab.train.build import check_data
+    from vitlab.train.config import DataConfig, TrainConfig
+
+    (tmp_path / "cache").write_text("kept")
+    with pytest.raises(ConfigError, match=r"^data.cache_dir='.*cache' is a file; expected a folder"):
+        check_data(TrainConfig(data=DataConfig(source="digits", cache_dir=str(tmp_path / "cache"))))

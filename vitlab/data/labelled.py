@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from vitlab.config import need_count_or_fraction, to_pair
+from vitlab.config import need_count_or_fraction, need_output_folder, to_pair
 from vitlab.data.digits import load_digits_dataset
 from vitlab.data.memory import InMemoryDataset, load_in_memory, load_source_in_memory
 from vitlab.data.sources import DataError, PathLike
@@ -93,6 +93,8 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
     check_seed(split_seed, "--split-seed")
     if val_split is not None:
         _check_val_split(val_split)
+    if cache_dir is not None:  # a file there was the OS's "Not a directory: '<it>/arrays'"
+        need_output_folder("--cache-dir", cache_dir)
     run_shards = (not pool and same_as_run and val_split is None and run.get("stream") == "stream"
                   and bool(run.get("val_split")))
     data = load_labelled(source, image_size, cache_dir=cache_dir, workers=workers,

@@ -102,6 +102,8 @@ def check_data(cfg: TrainConfig) -> None:
                 not Path(path).expanduser().exists():
             raise ConfigError(f"{name}={path!r}: no such file or folder")
         check_folder_holds_data(name, path)
+    if cfg.data.cache_dir is not None:  # a file there was the OS's "Not a directory: '<it>/arrays'"
+        need_output_folder("data.cache_dir", cfg.data.cache_dir)
 
 
 DATA_FORMS = ("an ImageFolder (FOLDER/CLASS/IMAGE, images .jpg, .png, ...), a .tar/.tar.gz archive of one, "

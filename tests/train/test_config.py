@@ -381,3 +381,19 @@ def test_an_empty_path_is_refused_not_read_as_the_working_folder(field, capsys):
 
     assert main(["train", "--recipe", "demo", "--data", "", "--show-config"]) == 2
     assert capsys.readouterr().err.startswith("vitlab train: error: data.source='': expected a path or None")
+
+
+def test_a_model_named_with_an_init_of_another_model_is_refused(tiny_checkpoint, capsys):
+    """A fine-tune trains its init's architecture: a --model naming another was dropped without a word
+    (a vitlab file; an official .npz is checked as it is read), while a recipe with per-model rates
+    took the named model's."""
+    from vitlab.cli import main
+
+    command = ["finetune", "--init", tiny_checkpoint, "--data", "D", "--steps", "10", "--show-config"]
+    assert main([*command, "--model", "ViT-B/16"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vitlab finetune: error: model.name='ViT-B/16': model.init={tiny_checkpoint!r} holds 'ViT-Ti/16'; a "
+        "fine-tune trains its init's architecture: leave --model out, or name that one")
+    assert main([*command, "--model", "ViT-Ti/16"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["name"] == "ViT-Ti/16"
+    assert main(command) == 0  # not named: the init's

@@ -130,6 +130,7 @@ def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     """Recipe -> --set overrides -> dedicated flags (the most specific wins)."""
     from vitlab.configs import load_recipe
     from vitlab.train.overrides import parse_overrides, with_changes
+    from vitlab.train.resolve import check_named_init
 
     model = getattr(args, "model", None)
     cfg = load_recipe(args.recipe, model_name=model)  # a recipe whose rates are per model (Table 3): this one's
@@ -142,7 +143,10 @@ def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     changes.update(extra or {})
     if changes.get("model.name") and changes["model.name"] != model:  # named by --set model.name=
         cfg = load_recipe(args.recipe, model_name=changes["model.name"])
-    return with_changes(cfg, changes)
+    cfg = with_changes(cfg, changes)
+    if cfg.model.init is not None and (model or "model.name" in changes):  # named, not the recipe's default
+        check_named_init(cfg, cfg.model.name)
+    return cfg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -404,6 +404,32 @@ def init_architecture(cfg: TrainConfig) -> Architecture:
     return _init_architecture(cfg.model.init, cfg.model.name)
 
 
+def check_named_init(cfg: TrainConfig, name: str) -> None:
+    """A model named with the init (``--model``) is the init's: a fine-tune trains its init's
+    architecture, so another name was dropped without a word, while a recipe whose rates are per
+    model (Table 3) had taken the named model's.  (An official .npz is checked as it is read.)"""
+    from pathlib import Path
+
+    from vitlab.models.registry import get_config
+
+    if not Path(cfg.model.init).expanduser().exists():  # a Hub name, or missing: named as the run starts
+        return
+    arch = init_architecture(cfg)
+    if getattr(arch, "name", None) == name:
+        return
+    try:
+        named = get_config(name)
+    except ConfigError:  # not a registry name: only the init's own name is the same model
+        named = None
+    shape = ("width", "depth", "mlp_dim", "num_heads", "patch_size", "resnet")
+    if named is not None and type(named) is type(arch) and \
+            all(getattr(named, f, None) == getattr(arch, f, None) for f in shape):
+        return
+    raise ConfigError(f"model.name={name!r}: model.init={cfg.model.init!r} holds "
+                      f"{repr(arch.name) if getattr(arch, 'name', None) else 'a model of another shape'}; a "
+                      "fine-tune trains its init's architecture: leave --model out, or name that one")
+
+
 def training_size(cfg: TrainConfig) -> Pair:
     """(H, W) the run trains at: ``model.img_size``; None or "auto" from scratch: the model's;
     a fine-tune's None: its checkpoint's; a fine-tune's "auto": ``finetune_size`` of its

@@ -397,3 +397,14 @@ def test_a_model_named_with_an_init_of_another_model_is_refused(tiny_checkpoint,
     assert main([*command, "--model", "ViT-Ti/16"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["name"] == "ViT-Ti/16"
     assert main(command) == 0  # not named: the init's
+
+
+def test_a_val_split_that_is_not_a_number_is_named_by_its_field(capsys):
+    """--set data.val_split=[1,2] was a TypeError traceback from the count's conversion."""
+    from vitlab.cli import main
+
+    assert main(["train", "--recipe", "demo", "--set", "data.val_split=[1,2]", "--show-config"]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab train: error: data.val_split=(1, 2): a count (integer >= 1), a "
+                                              "fraction in (0, 1), or 0 for none")
+    assert main(["train", "--recipe", "demo", "--val-split", "300.0", "--show-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["data"]["val_split"] == 300

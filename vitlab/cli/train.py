@@ -138,7 +138,7 @@ def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     changes.update({field: getattr(args, flag) for flag, field in SHORTCUTS.items()
                     if getattr(args, flag, None) is not None})
     split = changes.get("data.val_split")
-    if split is not None and float(split).is_integer() and split >= 1:
+    if isinstance(split, float) and split.is_integer() and split >= 1:  # other types: the config names them
         changes["data.val_split"] = int(split)
     changes.update(extra or {})
     if changes.get("model.name") and changes["model.name"] != model:  # named by --set model.name=

@@ -42,6 +42,7 @@ import functools
 import logging
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -50,6 +51,7 @@ from vitlab.config import Architecture, ConfigError, Pair, ResNetConfig, ViTConf
 from vitlab.fast.fp8 import torchao_float8
 from vitlab.fast.kernels import KernelChoice, why_unavailable
 from vitlab.machine import Machine
+from vitlab.models.registry import get_config
 
 from .architecture import architecture
 from .config import RunConfig, TrainConfig, to_dict
@@ -408,10 +410,6 @@ def check_named_init(cfg: TrainConfig, name: str) -> None:
     """A model named with the init (``--model``) is the init's: a fine-tune trains its init's
     architecture, so another name was dropped without a word, while a recipe whose rates are per
     model (Table 3) had taken the named model's.  (An official .npz is checked as it is read.)"""
-    from pathlib import Path
-
-    from vitlab.models.registry import get_config
-
     if not Path(cfg.model.init).expanduser().exists():  # a Hub name, or missing: named as the run starts
         return
     arch = init_architecture(cfg)

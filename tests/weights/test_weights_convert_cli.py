@@ -6,6 +6,9 @@ import pytest
 
 from test_weights_official import random_checkpoint
 from vitlab.cli import main
+from vitlab.config import ViTConfig
+from vitlab.models.registry import build_model
+from vitlab.weights import save_model
 
 
 @pytest.mark.filterwarnings("ignore::vitlab.weights.ConventionWarning")
@@ -40,3 +43,18 @@ def test_convert_refuses_an_output_named_as_another_layout_s_file_before_reading
     err = capsys.readouterr().err.strip()
     assert err == f"vitlab convert: error: out={str(tmp_path / out)!r}: --to {layout} writes {written}"
     assert not (tmp_path / out).exists()
+
+
+def test_convert_of_vitlab_weights_takes_their_recorded_resolution_only(tmp_path, capsys):
+    # a vitlab file records the size it was trained at: --weights-img-size may repeat it, not contradict it
+    save_model(build_model(ViTConfig(img_size=16, patch_size=4, width=32, depth=2, mlp_dim=48, num_heads=2,
+                                     num_classes=5)), tmp_path / "run")
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "same"), "--weights-img-size", "16",
+                 "--no-check"]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "other"), "--weights-img-size", "32"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"vitlab convert: error: weights_img_size=32: the vitlab weights in {tmp_path / 'run'} record the "
+                   "resolution they were trained at, 16x16; leave it out, or give that size (img_size= resizes the "
+                   "weights)")
+    assert not (tmp_path / "other").exists()

@@ -20,7 +20,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ..config import Architecture, ConfigError, Pair, ResNetConfig, config_from_json, config_to_json, replace
+from ..config import (Architecture, ConfigError, Pair, ResNetConfig, config_from_json, config_to_json, replace,
+                      to_pair)
 from .bit import save_bit_npz
 from .core import WeightsError, atomic_write, build_loaded
 from .huggingface import save_huggingface
@@ -213,9 +214,17 @@ def load_native(path: str | os.PathLike, img_size: Pair | int | None = None, num
     """The model saved at ``path`` by ``save_model``, in eval mode.
 
     ``img_size`` and ``num_classes`` adapt it as ``core.adapt_state_dict`` describes;
-    ``overrides`` are config fields (e.g. dropout, dynamic_img_size).
+    ``overrides`` are config fields (e.g. dropout, dynamic_img_size), and ``weights_img_size``,
+    which other formats need for non-square grids: the file records it, so only that size is accepted.
     """
     state_dict, cfg = read_native(path)
+    trained_at = overrides.pop("weights_img_size", None)
+    if trained_at is not None and to_pair(trained_at, "weights_img_size") != cfg.img_size:
+        # the recorded size is the one the position embeddings were saved for: another would be a guess
+        # about the weights that contradicts them (img_size= resizes them)
+        raise WeightsError(f"weights_img_size={trained_at}: the vitlab weights in {path} record the resolution "
+                           f"they were trained at, {cfg.img_size[0]}x{cfg.img_size[1]}; leave it out, or give "
+                           "that size (img_size= resizes the weights)")
     if overrides:
         try:
             cfg = replace(cfg, **overrides)

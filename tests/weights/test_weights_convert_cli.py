@@ -58,3 +58,13 @@ def test_convert_of_vitlab_weights_takes_their_recorded_resolution_only(tmp_path
                    "resolution they were trained at, 16x16; leave it out, or give that size (img_size= resizes the "
                    "weights)")
     assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("flag", ["--img-size", "--weights-img-size"])
+@pytest.mark.parametrize("value", ["abc", "1x2x3", "0", "16x-4", "x16"])
+def test_convert_refuses_a_size_that_is_not_one_in_one_line(flag, value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["convert", str(tmp_path / "absent.npz"), str(tmp_path / "out"), flag, value])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == (f"vitlab convert: error: argument {flag}: {value!r}: expected a positive size "
+                                       "N or HxW, e.g. 384 or 384x512 (see vitlab convert --help)\n")

@@ -11,13 +11,12 @@ import json
 from pathlib import Path
 
 
-def _size(text: str) -> int | tuple[int, int]:
-    parts = text.lower().replace(",", "x").split("x")
-    if len(parts) == 1:
-        return int(parts[0])
-    if len(parts) == 2:
-        return int(parts[0]), int(parts[1])
-    raise argparse.ArgumentTypeError(f"{text!r}: expected N or HxW")
+def image_size(text: str) -> int | tuple[int, int]:
+    """An argparse type: a positive size in pixels, N or HxW (or H,W)."""
+    parts = [part.strip() for part in text.lower().replace(",", "x").split("x")]
+    if len(parts) in (1, 2) and all(part.isdigit() and int(part) > 0 for part in parts):
+        return int(parts[0]) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
+    raise argparse.ArgumentTypeError(f"{text!r}: expected a positive size N or HxW, e.g. 384 or 384x512")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,8 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="layout to write (default: vitlab)")
     p.add_argument("--name", default=None, help="registry name, for weights whose shapes do not give the heads")
     p.add_argument("--num-heads", type=int, default=None, help="attention heads, instead of --name")
-    p.add_argument("--img-size", type=_size, default=None, help="resize the position embeddings to N or HxW")
-    p.add_argument("--weights-img-size", type=_size, default=None,
+    p.add_argument("--img-size", type=image_size, default=None, help="resize the position embeddings to N or HxW")
+    p.add_argument("--weights-img-size", type=image_size, default=None,
                    help="the resolution the weights were trained at (non-square grids, sincos2d big_vision)")
     p.add_argument("--num-classes", type=int, default=None, help="a new zero-initialised head with this many classes")
     p.add_argument("--no-check", action="store_true",

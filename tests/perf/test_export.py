@@ -96,3 +96,23 @@ def test_export_cli_writes_beside_the_weights_without_out(tmp_path, capsys):
     assert (run / "model.onnx").is_file() and str(run / "model.onnx") in capsys.readouterr().out
     assert main(["export", str(run / "model.safetensors"), "--format", "torch-export"]) == 0
     assert (run / "model.pt2").is_file()
+
+
+def test_export_cli_takes_the_format_from_the_out_suffix_and_refuses_a_conflict(tmp_path, capsys):
+    """`--out m.pt2` without --format is a torch.export program (it was an ONNX model named .pt2);
+    a --format that contradicts the suffix is refused before the model is traced."""
+    from vitlab.cli import main
+    from vitlab.weights import save_model
+
+    model = _random_model(TINY)
+    save_model(model, tmp_path / "tiny.safetensors")
+    assert main(["export", str(tmp_path / "tiny.safetensors"), "--out", str(tmp_path / "m.pt2")]) == 0
+    assert "(torch-export," in capsys.readouterr().out
+    with torch.no_grad():
+        x = torch.randn(2, 3, 32, 32)
+        assert torch.allclose(load_program(tmp_path / "m.pt2")(x), model(x), atol=1e-5)
+    out = tmp_path / "n.pt2"
+    assert main(["export", str(tmp_path / "tiny.safetensors"), "--format", "onnx", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (f"vitlab export: error: --out={str(out)!r}: --format onnx writes a .onnx "
+                                               "file (.pt2 is torch-export's); name it .onnx, or leave --format out")
+    assert not out.exists()

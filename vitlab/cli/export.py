@@ -1,7 +1,7 @@
 """`vitlab export`: write a model as ONNX or as a torch.export program.
 
     vitlab export runs/x --format onnx          # writes runs/x/model.onnx
-    vitlab export runs/x/model.safetensors --format torch-export --out b16.pt2
+    vitlab export runs/x/model.safetensors --out b16.pt2     # a .pt2 suffix: --format torch-export
 
 The class names kept with the weights (a run's ``classes.json``, an export's ``id2label``)
 travel into the file: ONNX metadata ``id2label``/``label2id``, or the .pt2's extra files.
@@ -16,7 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", metavar="CHECKPOINT_OR_MODEL_NAME",
                    help="weights (file or directory, any format `vitlab` reads, or a Hugging Face Hub name) "
                         "or a registry name (random weights, e.g. to measure speed)")
-    p.add_argument("--format", choices=("onnx", "torch-export"), default="onnx")
+    p.add_argument("--format", choices=("onnx", "torch-export"), default=None,
+                   help="default: the one --out's suffix names (.onnx, .pt2), else onnx")
     p.add_argument("--out", default=None,
                    help="output file (default: model.onnx / model.pt2 in the checkpoint's folder; for a registry "
                         "name, the name in this folder)")
@@ -41,6 +42,18 @@ def default_out(source: str, fmt: str) -> Path:
     if path.exists():
         return path.with_suffix(suffix)
     return Path(source.replace("/", "-") + suffix)  # ViT-B/16 -> ViT-B-16.onnx
+
+
+def format_and_out(fmt: str | None, out: str | None, source: str) -> tuple[str, Path]:
+    """The format and the output file, each taken from the other where it is not given: an
+    export named as the other format's file (an ONNX model in m.pt2) would be opened as what it is not."""
+    suffix = Path(out).suffix.lower() if out else None
+    named = next((f for f, ending in SUFFIXES.items() if ending == suffix), None)
+    if fmt is not None and named not in (None, fmt):
+        raise ValueError(f"--out={out!r}: --format {fmt} writes a {SUFFIXES[fmt]} file ({suffix} is {named}'s); "
+                         f"name it {SUFFIXES[fmt]}, or leave --format out")
+    fmt = fmt or named or "onnx"  # a suffix of neither format says nothing: the documented default
+    return fmt, Path(out) if out else default_out(source, fmt)
 
 
 def _load(source: str, name: str | None, img_size: int | None):
@@ -73,24 +86,24 @@ def run(args: argparse.Namespace) -> int:
     if args.batch != "dynamic" and not (args.batch.isdigit() and int(args.batch) > 0):
         raise ValueError(f"--batch={args.batch!r}: expected 'dynamic' or a positive integer")
     dynamic = args.batch == "dynamic"
-    out = Path(args.out) if args.out else default_out(args.source, args.format)
+    fmt, out = format_and_out(args.format, args.out, args.source)
     need_output_file("--out", out)  # before the model is loaded and traced
     model = _load(args.source, args.name, args.img_size).eval()
     size = model_img_size(model, args.img_size)
     batch = 2 if dynamic else int(args.batch)
     names = _class_names(args.source)
-    if args.format == "onnx":
+    if fmt == "onnx":
         export_onnx(model, out, size, dynamic_batch=dynamic, batch=batch, class_names=names)
     else:
         export_program(model, out, size, dynamic_batch=dynamic, batch=batch, class_names=names)
     mb = out.stat().st_size / 2**20
-    print(f"wrote {out} ({args.format}, {mb:.1f} MiB, input (B, C, {size[0]}, {size[1]}), "
+    print(f"wrote {out} ({fmt}, {mb:.1f} MiB, input (B, C, {size[0]}, {size[1]}), "
           f"batch {'dynamic' if dynamic else args.batch})")
     if args.check:
         x = torch.randn(batch, model.cfg.in_chans, *size)
         with torch.no_grad():
             ref = model(x)
-            if args.format == "onnx":
+            if fmt == "onnx":
                 from vitlab.extras import require
 
                 ort = require("onnxruntime", "--check of an ONNX export")

@@ -162,3 +162,22 @@ def test_pack_shards_command_resizes_and_refuses_bad_options(tmp_path, make_fold
     assert capsys.readouterr().err.strip() == ("vitlab pack-shards: error: workers=-1: must be a number of processes "
                                                ">= 0 (0 or 1: this process alone)")
     assert not (tmp_path / "u").exists()
+
+
+@pytest.mark.parametrize("inside", ["", "class_0", "new/deeper"])
+def test_pack_shards_refuses_an_output_in_the_source_folder_before_any_work(tmp_path, make_folder, capsys, inside):
+    # the shards were packed among the images: the help promises an empty output folder
+    from vitlab.cli import main
+
+    root = make_folder(classes=2, per_class=2)
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    out = root / inside if inside else root
+    assert main(["pack-shards", str(root), str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (f"vitlab pack-shards: error: out_dir={str(out)!r} is the source folder "
+                                               f"or inside it; expected an empty folder outside {root}")
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+
+
+def test_pack_shards_takes_an_output_beside_the_source_whose_name_begins_as_its(tmp_path, make_folder):
+    root = make_folder(classes=2, per_class=2, name="train")
+    assert len(pack_shards(root, tmp_path / "train-shards", samples_per_shard=4)) == 1

@@ -154,7 +154,8 @@ def pack_shards(
     ``out_dir/shard-000000.tar`` onwards.
 
     Raises:
-        DataError: bad options, ``out_dir`` already holds shards, or the source has no images.
+        DataError: bad options, ``out_dir`` already holds shards or is inside the source folder, or the
+            source has no images.
     """
     if samples_per_shard < 1:
         raise DataError(f"samples_per_shard={samples_per_shard}: must be >= 1")
@@ -168,6 +169,11 @@ def pack_shards(
     # the output first: reading the source (an archive is extracted) can take long
     need_output_folder("out_dir", out_dir)
     out = Path(out_dir)
+    source = Path(image_folder).expanduser()
+    # shards packed among the images would be read back as part of the ImageFolder (or mix with its classes)
+    if source.is_dir() and out.expanduser().resolve().is_relative_to(source.resolve()):
+        raise DataError(f"out_dir={str(out_dir)!r} is the source folder or inside it; expected an empty folder "
+                        f"outside {source}")
     if any(out.glob("shard-*.tar")):
         raise DataError(f"{out}: already holds shards; pack into an empty folder")
     index = scan_image_folder(resolve_data_path(image_folder, cache_dir))

@@ -158,7 +158,12 @@ def test_the_flops_command_refuses_sizes_and_counts_the_model_cannot_take(capsys
                            (["--batch", "10"], "--batch and --steps go together: the cost of a run is steps x "
                                                "batch images"),
                            (["--batch", "10", "--steps", "10", "--utilization", "2"],
-                            "utilization=2.0: must be in (0, 1]")):
+                            "--utilization 2: must be a fraction of the peak in (0, 1], e.g. 0.3"),
+                           # without --batch and --steps these were taken without a word
+                           (["--utilization", "0"], "--utilization 0: must be a fraction of the peak in (0, 1], "
+                                                    "e.g. 0.3"),
+                           (["--utilization", "nan"], "--utilization nan: must be a fraction of the peak in (0, 1], "
+                                                      "e.g. 0.3")):
         assert main(["flops", "ViT-B/16", *extra]) == 2
         captured = capsys.readouterr()
         assert captured.err.strip() == f"vitlab flops: error: {message}" and captured.out == ""

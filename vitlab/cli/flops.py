@@ -28,6 +28,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--batch", args.batch), ("--steps", args.steps)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: must be a positive integer")
+    if not 0 < args.utilization <= 1:  # nan too; checked here as it is read only with --batch and --steps
+        raise ValueError(f"--utilization {args.utilization:g}: must be a fraction of the peak in (0, 1], e.g. 0.3")
     if (args.batch is None) != (args.steps is None):
         raise ValueError("--batch and --steps go together: the cost of a run is steps x batch images")
     if args.batch is not None:

@@ -292,3 +292,12 @@ def test_a_training_runs_cache_dir_that_is_a_file_is_named_by_its_field(tmp_path
     (tmp_path / "cache").write_text("kept")
     with pytest.raises(ConfigError, match=r"^data.cache_dir='.*cache' is a file; expected a folder"):
         check_data(TrainConfig(data=DataConfig(source="digits", cache_dir=str(tmp_path / "cache"))))
+
+
+@pytest.mark.parametrize("split, words", [("0.5", "50% of 1797 examples"), ("300", "300 of 1797 examples")])
+def test_eval_states_a_fractional_split_as_a_fraction(run_dir, capsys, split, words):
+    # a fraction was printed as a count: "held-out split (0.5 examples, ...)"
+    assert main(["eval", "--checkpoint", str(run_dir / "model.safetensors"), "--data", "digits",
+                 "--val-split", split]) == 0
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert summary.endswith(f"images, held-out split ({words}, seed 1)")

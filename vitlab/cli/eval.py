@@ -117,12 +117,18 @@ def run(args: argparse.Namespace) -> int:
     forward = fast.compile_for_inference(model, batch_size=args.batch_size, eager_on_failure=True) \
         if args.compile else None
     report = evaluator.run(model, forward)
-    where = "all examples" if data.split == 0 else f"held-out split ({data.split} examples, seed {data.seed})"
+    where = "all examples" if data.split == 0 else f"held-out split ({held_part(data)}, seed {data.seed})"
     if data.run_shards:
         where = f"the run's held-out shards (val_split {data.split}, seed {data.seed})"
     print(f"{args.checkpoint}: {report['n']} images, {where}{unread_note(data.skipped)}", file=sys.stderr)
     print_report(args, report, data)
     return 0
+
+
+def held_part(data) -> str:
+    """The held-out part of the set in words: a fraction ("50% of 1797 examples") is no count."""
+    part = f"{100 * data.split:g}%" if isinstance(data.split, float) else f"{data.split}"
+    return f"{part} of {len(data.labels)} examples"
 
 
 def print_report(args: argparse.Namespace, report: dict[str, Any], data) -> None:

@@ -301,3 +301,22 @@ def test_eval_states_a_fractional_split_as_a_fraction(run_dir, capsys, split, wo
                  "--val-split", split]) == 0
     summary = capsys.readouterr().err.strip().splitlines()[-1]
     assert summary.endswith(f"images, held-out split ({words}, seed 1)")
+
+
+def test_predict_refuses_a_file_that_is_no_image_before_printing_any_result(tmp_path, capsys):
+    # the images before it were scored and printed, then the command stopped at it
+    from PIL import Image
+
+    import vitlab
+
+    weights = vitlab.save_model(vitlab.create_model(vitlab.ViTConfig(
+        img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=4, num_classes=3)), tmp_path / "m")
+    first, last = tmp_path / "a.png", tmp_path / "b.png"
+    for image in (first, last):
+        Image.new("RGB", (16, 16), (200, 10, 10)).save(image)
+    fake = tmp_path / "notanimage.txt"
+    fake.write_text("a text file")
+    assert main(["predict", "--checkpoint", str(weights), str(first), str(fake), str(last)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert captured.out == "" and len(err) == 1 and err[0].startswith("vitlab predict: error:") and str(fake) in err[0]

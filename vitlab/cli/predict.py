@@ -77,8 +77,10 @@ def run(args: argparse.Namespace) -> int:
         fast.optimize(model, kernels)
     classes = find_classes(checkpoint, args.classes, model.cfg.num_classes)
     size = model.cfg.img_size
-    for path in args.images:
-        array = decode_image(path, size)  # (H, W, 3) uint8
+    # every image decoded before the first result is printed: a file that is no image stopped the
+    # command there, after the results before it (held at the model's size: 150 KB an image at 224)
+    arrays = [decode_image(path, size) for path in args.images]  # (H, W, 3) uint8
+    for path, array in zip(args.images, arrays):
         x = to_float(torch.from_numpy(array.copy()).permute(2, 0, 1).unsqueeze(0).contiguous())
         with torch.no_grad():
             probs = model(x).float().softmax(-1)[0]

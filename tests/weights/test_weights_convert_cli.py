@@ -68,3 +68,16 @@ def test_convert_refuses_a_size_that_is_not_one_in_one_line(flag, value, tmp_pat
     assert refused.value.code == 2
     assert capsys.readouterr().err == (f"vitlab convert: error: argument {flag}: {value!r}: expected a positive size "
                                        "N or HxW, e.g. 384 or 384x512 (see vitlab convert --help)\n")
+
+
+def test_convert_of_vitlab_weights_takes_their_recorded_heads_only(tmp_path, capsys):
+    # a number of heads changes no shape: --num-heads 4 rewrote 2-head weights as a 4-head model, other logits
+    save_model(build_model(ViTConfig(img_size=16, patch_size=4, width=32, depth=2, mlp_dim=48, num_heads=2,
+                                     num_classes=5)), tmp_path / "run")
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "same"), "--num-heads", "2", "--no-check"]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "other"), "--num-heads", "4"]) == 2
+    assert capsys.readouterr().err.strip() == (f"vitlab convert: error: num_heads=4: the vitlab weights in "
+                                               f"{tmp_path / 'run'} record the 2 attention heads they were trained "
+                                               "with; leave it out, or give that number")
+    assert not (tmp_path / "other").exists()

@@ -209,22 +209,32 @@ def is_native(path: str | os.PathLike) -> bool:
     return CONFIG_KEY in read_safetensors_metadata(path)
 
 
+def check_recorded(cfg: Architecture, overrides: dict[str, Any], path: str | os.PathLike) -> None:
+    """That ``overrides`` repeat, not contradict, what a vitlab file records about its weights: the
+    size its position embeddings were saved for, and the heads its attention was trained with (a
+    number of heads changes no shape, so another one loaded silently and computed other logits)."""
+    trained_at = overrides.get("weights_img_size")
+    if trained_at is not None and to_pair(trained_at, "weights_img_size") != cfg.img_size:
+        raise WeightsError(f"weights_img_size={trained_at}: the vitlab weights in {path} record the resolution "
+                           f"they were trained at, {cfg.img_size[0]}x{cfg.img_size[1]}; leave it out, or give "
+                           "that size (img_size= resizes the weights)")
+    heads = overrides.get("num_heads")
+    if heads is not None and heads != getattr(cfg, "num_heads", heads):
+        raise WeightsError(f"num_heads={heads}: the vitlab weights in {path} record the {cfg.num_heads} attention "
+                           "heads they were trained with; leave it out, or give that number")
+
+
 def load_native(path: str | os.PathLike, img_size: Pair | int | None = None, num_classes: int | None = None,
                 keep_pre_logits: bool = False, **overrides: Any) -> nn.Module:
     """The model saved at ``path`` by ``save_model``, in eval mode.
 
     ``img_size`` and ``num_classes`` adapt it as ``core.adapt_state_dict`` describes;
-    ``overrides`` are config fields (e.g. dropout, dynamic_img_size), and ``weights_img_size``,
-    which other formats need for non-square grids: the file records it, so only that size is accepted.
+    ``overrides`` are config fields (e.g. dropout, dynamic_img_size); ``weights_img_size`` and
+    ``num_heads``, which other formats may need, are recorded in the file: only its values are accepted.
     """
     state_dict, cfg = read_native(path)
-    trained_at = overrides.pop("weights_img_size", None)
-    if trained_at is not None and to_pair(trained_at, "weights_img_size") != cfg.img_size:
-        # the recorded size is the one the position embeddings were saved for: another would be a guess
-        # about the weights that contradicts them (img_size= resizes them)
-        raise WeightsError(f"weights_img_size={trained_at}: the vitlab weights in {path} record the resolution "
-                           f"they were trained at, {cfg.img_size[0]}x{cfg.img_size[1]}; leave it out, or give "
-                           "that size (img_size= resizes the weights)")
+    check_recorded(cfg, overrides, path)
+    overrides.pop("weights_img_size", None)  # not a config field: the size the weights were saved at
     if overrides:
         try:
             cfg = replace(cfg, **overrides)

@@ -207,3 +207,21 @@ def test_run_directory_with_its_own_config_json(tmp_path):
     save_model(model, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text('{"model": "ViT-Ti/16", "lr": 0.01}')  # a training config
     assert torch.equal(logits(load_model(tmp_path)), logits(model))
+
+
+@pytest.mark.parametrize("format, name", [("vitlab", "model.safetensors"), ("official", "model.npz"),
+                                          ("timm", "model.pth")])
+def test_a_file_is_saved_into_a_new_folder(tmp_path, format, name):
+    """A file format's folder is made, as a vitlab-format folder is (and as `vitlab convert`'s
+    output check promises): it was the OS's "No such file or directory" naming a hidden temporary file."""
+    path = save_model(random_model(TINY), tmp_path / "new" / "deeper" / name, format=format)
+    assert path == tmp_path / "new" / "deeper" / name and path.is_file()
+
+
+def test_a_file_is_not_saved_over_a_folder(tmp_path):
+    folder = tmp_path / "model.safetensors"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError, match="model.safetensors is a folder; expected a file") as err:
+        save_model(random_model(TINY), folder)
+    assert ".tmp" not in str(err.value)  # the caller's path, not the temporary file's
+    assert list(tmp_path.iterdir()) == [folder] and not any(folder.iterdir())

@@ -46,8 +46,13 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> P
     The bytes go to a temporary file in the same directory, are fsynced, and the file is
     renamed over ``path`` (atomic on POSIX and Windows).  If anything fails, including
     ``write`` itself, the temporary file is removed and an existing ``path`` is untouched.
+    ``path``'s folder is made if it does not exist, as a vitlab-format folder is.
     """
     path = Path(path)
+    # checked here, not left to the OS: its errors name the temporary file, which the caller never asked for
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder; expected a file to write")
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

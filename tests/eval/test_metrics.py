@@ -98,3 +98,30 @@ def test_bins_are_a_positive_integer_refused_before_any_scoring():
     images, labels = torch.zeros(2, 3, 8, 8, dtype=torch.uint8), torch.tensor([0, 1])
     with pytest.raises(ValueError, match=r"^report_bins=0: must be a positive integer \(confidence bins"):
         Evaluator(images, labels, report_bins=0)
+
+
+def test_evaluator_refuses_labels_that_do_not_fit_by_name():
+    """Labels are checked against the images and the model's classes: they were cross-entropy's
+    "IndexError: Target 5 is out of bounds", a ZeroDivisionError for an empty set, and, for fewer
+    labels than images or a model without a head (its features taken for class scores), a result."""
+    import torch
+
+    from vitlab.config import ViTConfig
+    from vitlab.eval import Evaluator
+    from vitlab.models import create_model
+
+    cfg = ViTConfig(img_size=8, patch_size=4, width=16, depth=1, mlp_dim=32, num_heads=2, num_classes=3)
+    model = create_model(cfg)
+    images = torch.zeros(4, 3, 8, 8, dtype=torch.uint8)
+    for labels in (torch.tensor([0, 1]), torch.zeros(4), torch.zeros(4, 1, dtype=torch.long), [0, 1, 2, 0]):
+        with pytest.raises(ValueError, match=r"^labels: expected an integer tensor \(N,\), one class index per image"):
+            Evaluator(images, labels)
+    with pytest.raises(ValueError, match=r"^labels: class indices must be >= 0, got -1"):
+        Evaluator(images, torch.tensor([0, 1, -1, 0]))
+    with pytest.raises(ValueError, match=r"^images: no images to evaluate"):
+        Evaluator(images[:0], torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^labels: class index 5 is beyond the model's 3 classes"):
+        Evaluator(images, torch.tensor([0, 1, 5, 0]), batch_size=2).run(model)
+    with pytest.raises(ValueError, match=r"^the model has no head \(num_classes=0\)"):
+        Evaluator(images, torch.tensor([0, 1, 2, 0])).run(create_model(cfg, num_classes=0))
+    assert Evaluator(images, torch.tensor([0, 1, 2, 0], dtype=torch.uint8)).run(model)["n"] == 4

@@ -51,6 +51,16 @@ class Evaluator:
                  image_size: tuple[int, int] | None = None, report_bins: int | None = None, world=None) -> None:
         if images.dtype != torch.uint8 or images.ndim != 4:
             raise ValueError(f"expected uint8 images (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
+        # refused here, by name: cross-entropy's IndexError or a division by a count of 0 came from the scoring
+        if (not isinstance(labels, torch.Tensor) or labels.ndim != 1 or labels.is_floating_point()
+                or labels.is_complex() or labels.dtype == torch.bool or len(labels) != len(images)):
+            got = f"{labels.dtype} {tuple(labels.shape)}" if isinstance(labels, torch.Tensor) else type(labels).__name__
+            raise ValueError(f"labels: expected an integer tensor (N,), one class index per image of the "
+                             f"{len(images)}, got {got}")
+        if len(labels) == 0:
+            raise ValueError("images: no images to evaluate")
+        if labels.min() < 0:
+            raise ValueError(f"labels: class indices must be >= 0, got {int(labels.min())}")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
         if precision not in PRECISIONS:
@@ -86,6 +96,8 @@ class Evaluator:
         forward: what scores a batch in its place, the same function of the same weights
             (``vitlab.fast.compile_for_inference(model)``, say); None: ``model`` itself.
         """
+        if getattr(getattr(model, "cfg", None), "num_classes", None) == 0:  # its features would be scored as classes
+            raise ValueError("the model has no head (num_classes=0): it gives features, not class scores to evaluate")
         forward = model if forward is None else forward
         size = self.image_size or tuple(model.cfg.img_size)
         mine, valid = self._my_examples()
@@ -100,6 +112,9 @@ class Evaluator:
                 with autocast(self.device, self.precision):
                     views = [forward(view).float() for view in tta_views(x, self.flip, self.shift, self.diagonal)]
                 logits = views[0]
+                if start == 0 and int(self.labels.max()) >= logits.shape[-1]:
+                    raise ValueError(f"labels: class index {int(self.labels.max())} is beyond the model's "
+                                     f"{logits.shape[-1]} classes")
                 single = flip_pair = torch.zeros((), device=self.device)
                 # each nested set's ensemble; the last set is all the views
                 ensembles = [mean_probability(*views[:k]) for k in self.view_sets]

@@ -101,3 +101,15 @@ def test_axial_is_refused_clearly():
                     classifier="gap", axial=True)
     with pytest.raises(ValueError, match="Axial"):
         model_rollout(create_model(cfg), torch.randn(1, 3, 16, 16))
+
+
+def test_attention_distance_refuses_a_batch_size_or_images_it_cannot_average_by_name():
+    """It was range()'s "arg 3 must not be zero", and for no images or a negative batch size
+    "unsupported operand type(s) for /: 'NoneType' and 'int'"."""
+    cfg = ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2, num_classes=2)
+    model, images = create_model(cfg), torch.randn(2, 3, 16, 16)
+    for batch_size in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=rf"^batch_size={batch_size!r}: must be a positive integer"):
+            model_attention_distance(model, images, batch_size=batch_size)
+    with pytest.raises(ValueError, match="^images: none given"):
+        model_attention_distance(model, images[:0])

@@ -63,3 +63,17 @@ def test_2d_embeddings_share_rows_and_columns():
 def test_models_without_absolute_embeddings_are_refused(posemb):
     with pytest.raises(ValueError, match="no absolute position embeddings"):
         position_similarity(create_model(TINY, posemb=posemb))
+
+
+def test_a_bit_resnet_and_a_bad_k_are_refused_by_name():
+    """They were "'BiTResNet' object has no attribute 'patch_embed'", "'ResNetConfig' object has no
+    attribute 'posemb'" and, for k=-1, numpy's "IndexError: shape mismatch"."""
+    from vitlab.config import ResNetConfig
+
+    bit = create_model(ResNetConfig(layers=(1,), width_factor=0.5, img_size=32, num_classes=2))
+    for analyse in (patch_embedding_pca, position_similarity):
+        with pytest.raises(ValueError, match="^BiTResNet is not a Vision Transformer"):
+            analyse(bit)
+    for k in (0, -1, 2.5):
+        with pytest.raises(ValueError, match=rf"^k={k!r}: must be a positive integer"):
+            patch_embedding_pca(create_model(TINY), k=k)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitlab.config import Pair
+from vitlab.config import Pair, is_int
 from vitlab.models import capture_attention
 from vitlab.modes import evaluating
 
@@ -149,6 +149,11 @@ def _grid_of(model: nn.Module, images: torch.Tensor) -> Pair:
 def model_attention_distance(model: nn.Module, images: torch.Tensor, batch_size: int = 16) -> np.ndarray:
     """Mean attention distance in input pixels of a ViT over ``images``: (layers, heads)."""
     _check_vit(model)
+    # refused here: the loop below would end in range()'s error or a division of None by 0
+    if not is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
+    if len(images) == 0:
+        raise ValueError("images: none given; the attention distance is a mean over at least one image")
     grid, patch = _grid_of(model, images), effective_patch_size(model)
     total, count = None, 0
     for start in range(0, images.shape[0], batch_size):

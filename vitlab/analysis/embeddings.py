@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vitlab.config import Pair
+from vitlab.config import Pair, is_int
 
 __all__ = [
     "filter_pca",
@@ -17,6 +17,14 @@ __all__ = [
     "position_embedding_table",
     "position_similarity",
 ]
+
+
+def _check_vit(model: nn.Module) -> None:
+    """A model with patch and position embeddings (a ViT, a hybrid, an Axial-ViT): a BiT ResNet has
+    none, and the AttributeError of a missing one named neither the model nor the reason."""
+    if not hasattr(getattr(model, "cfg", None), "patch_size"):
+        raise ValueError(f"{type(model).__name__} is not a Vision Transformer: it has no patch or position "
+                         "embeddings to analyse")
 
 
 def filter_pca(filters: np.ndarray | torch.Tensor, k: int = 28) -> tuple[np.ndarray, np.ndarray]:
@@ -28,6 +36,8 @@ def filter_pca(filters: np.ndarray | torch.Tensor, k: int = 28) -> tuple[np.ndar
     sign of a component is arbitrary; we make its largest-magnitude entry positive so the
     answer is deterministic.
     """
+    if not is_int(k) or k < 1:  # a negative k ended in numpy's IndexError
+        raise ValueError(f"k={k!r}: must be a positive integer (the number of components)")
     w = filters.detach().float().cpu().numpy() if isinstance(filters, torch.Tensor) else np.asarray(filters)
     if w.ndim != 4:
         raise ValueError(f"expected filters (D, C, P, Q), got shape {w.shape}")
@@ -49,6 +59,7 @@ def patch_embedding_pca(model: nn.Module, k: int = 28) -> tuple[np.ndarray, np.n
 
     For a hybrid, C is the ResNet's channel count and P is 1, so the components are not
     images; the plot refuses them."""
+    _check_vit(model)
     return filter_pca(model.patch_embed.weight, k)
 
 
@@ -69,6 +80,7 @@ def position_embedding_table(model: nn.Module) -> np.ndarray:
 
     Works for 1D and 2D learned embeddings added at the stem (for 2D: the concatenated
     X and Y tables per patch); with one table per layer, the first layer's."""
+    _check_vit(model)
     cfg = model.cfg
     if cfg.posemb in ("none", "relative"):
         raise ValueError(

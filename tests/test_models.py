@@ -116,6 +116,21 @@ def test_create_model_overrides_and_errors():
         tiny(posemb="sinusoidal")
 
 
+def test_what_is_not_a_config_is_refused_by_name():
+    """A name where a config goes (count_parameters, model_flops) or neither (create_model) was
+    "AttributeError: 'str' object has no attribute 'axial'"."""
+    from vitlab.analysis.cost import model_flops
+
+    for wrong in (None, 16, {"width": 32}):
+        with pytest.raises(ConfigError, match=r"^name_or_config=.*: expected a registry name such as 'ViT-B/16', "
+                                              rf"a ViTConfig or a ResNetConfig .*got a {type(wrong).__name__}$"):
+            vitlab.create_model(wrong)
+    for count in (count_parameters, model_flops):
+        with pytest.raises(ConfigError, match=r"^cfg='ViT-B/16': expected a ViTConfig or a ResNetConfig \(vitlab"
+                                              r"\.get_config\('ViT-B/16'\) gives one\), got a str$"):
+            count("ViT-B/16")
+
+
 def test_wrong_input_is_a_clear_error():
     model = vitlab.create_model(tiny())
     with pytest.raises(ValueError, match="img_size"):

@@ -470,6 +470,14 @@ class ViTConfig:
 Architecture = Union[ViTConfig, ResNetConfig]  # what a model is built from
 
 
+def need_architecture(value: Any, name: str = "cfg", also: str = "") -> None:
+    """That ``value`` is a ViTConfig or ResNetConfig (``also``: what else the caller accepts): anything
+    else failed far inside, as "'str' object has no attribute 'axial'"."""
+    if not isinstance(value, (ViTConfig, ResNetConfig)):
+        raise ConfigError(f"{name}={value!r:.80}: expected {also}a ViTConfig or a ResNetConfig "
+                          f"(vitlab.get_config('ViT-B/16') gives one), got a {type(value).__name__}")
+
+
 def replace(config: Architecture, **overrides: Any) -> Architecture:
     """Return a copy of ``config`` with fields overridden; unknown fields are an error."""
     names = {f.name for f in dataclasses.fields(config)}

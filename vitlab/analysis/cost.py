@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from ..config import Architecture, Pair, ResNetConfig, ViTConfig, to_pair
+from ..config import Architecture, Pair, ResNetConfig, ViTConfig, need_architecture, to_pair
 
 __all__ = [
     "model_flops", "resnet_layers", "ResNetLayer", "flops_breakdown", "training_flops", "core_days", "count_flops",
@@ -120,6 +120,7 @@ def flops_breakdown(cfg: Architecture, img_size: int | Pair | None = None, train
     Keys: BiT: root, stage1.., head.  ViT: [stem_root, stem_stage1..], patch_embed, qkv,
     attention, proj, mlp, [relative_posemb], [pre_logits], [head].
     """
+    need_architecture(cfg)
     h, w = to_pair(img_size, "img_size") if img_size is not None else cfg.img_size
     if isinstance(cfg, ResNetConfig):
         return _resnet_flops(cfg, h, w, head=True)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..config import Architecture, ConfigError, ResNetConfig, ViTConfig, replace
+from ..config import Architecture, ConfigError, ResNetConfig, ViTConfig, need_architecture, replace
 from .axial import AxialVisionTransformer
 from .resnet import BiTResNet
 from .vit import VisionTransformer
@@ -132,6 +132,7 @@ def get_config(name: str, **overrides: Any) -> Architecture:
 
 def build_model(cfg: Architecture) -> nn.Module:
     """Instantiate the module that ``cfg`` describes."""
+    need_architecture(cfg)
     if isinstance(cfg, ResNetConfig):
         return BiTResNet(cfg)
     if cfg.axial:
@@ -148,6 +149,7 @@ def create_model(name_or_config: str | Architecture, **overrides: Any) -> nn.Mod
     if isinstance(name_or_config, str):
         cfg = get_config(name_or_config, **overrides)
     else:
+        need_architecture(name_or_config, "name_or_config", also="a registry name such as 'ViT-B/16', ")
         cfg = replace(name_or_config, **overrides) if overrides else name_or_config
     return build_model(cfg)
 

@@ -167,3 +167,19 @@ def test_the_flops_command_refuses_sizes_and_counts_the_model_cannot_take(capsys
         assert main(["flops", "ViT-B/16", *extra]) == 2
         captured = capsys.readouterr()
         assert captured.err.strip() == f"vitlab flops: error: {message}" and captured.out == ""
+
+
+def test_counting_a_backward_gives_the_caller_its_gradients_back():
+    """count_flops(backward=True) between a caller's training steps left the count's gradients
+    added into the model's: an optimiser step after it moved the weights by them."""
+    model = build_model(ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2,
+                                  num_classes=3))
+    x = torch.randn(2, 3, 16, 16)
+    model(x).sum().backward()
+    accumulated = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.head.bias.grad = None  # one parameter without a gradient, which stays without
+    assert count_flops(model, x, backward=True) > 0
+    assert model.head.bias.grad is None
+    for name, p in model.named_parameters():
+        if name != "head.bias":
+            assert torch.equal(p.grad, accumulated[name]), name

@@ -197,17 +197,26 @@ def count_flops(model: nn.Module, *inputs: Any, backward: bool = False) -> int:
     ``FlopCounterMode`` has no formula for the CPU kernel of
     ``scaled_dot_product_attention`` (``_scaled_dot_product_flash_attention_for_cpu``)
     and silently counts it as 0; the formulas it uses for the GPU kernels are added
-    for it here.  With ``backward`` the sum of the output is back-propagated too.
+    for it here.  With ``backward`` the sum of the output is back-propagated too; the
+    parameters' gradients are given back as they were (none, or the caller's accumulated ones).
     """
     aten = torch.ops.aten
     mapping = {}
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _sdpa_cpu_flops
         mapping[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _sdpa_cpu_backward_flops
-    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
-        out = model(*inputs)
-        if backward:
-            out.float().sum().backward()
+    # set aside, not only put back after: the backward would add into an existing gradient in place
+    caller_grads = [(p, p.grad) for p in model.parameters()]
+    try:
+        for p, _ in caller_grads:
+            p.grad = None
+        with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+            out = model(*inputs)
+            if backward:
+                out.float().sum().backward()
+    finally:
+        for p, grad in caller_grads:
+            p.grad = grad
     return counter.get_total_flops()
 
 

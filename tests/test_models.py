@@ -443,6 +443,26 @@ def test_reset_classifier_and_pre_logits():
     assert len(model.forward_intermediates(torch.randn(1, 3, 16, 16))) == 2
 
 
+@pytest.mark.parametrize("kind", ["vit", "axial", "bit"])
+def test_reset_classifier_keeps_the_models_dtype_and_config_and_checks_its_argument(tmp_path, kind):
+    """The new head was made in torch's default dtype, so a ViT moved by .double() or to bf16 failed
+    in its head's matmul; a BiT ResNet's config kept the old class count, so its save_model wrote
+    weights load_model refused; reset_classifier(-1) failed in torch.empty, after nothing."""
+    from vitlab.config import ResNetConfig
+
+    cfg = (ResNetConfig(layers=(1,), width_factor=0.5, img_size=16, num_classes=3) if kind == "bit"
+           else tiny(axial=kind == "axial", classifier="gap" if kind == "axial" else "token"))
+    model = vitlab.create_model(cfg).double()
+    model.reset_classifier(5)
+    assert model(torch.zeros(1, 3, 16, 16, dtype=torch.float64)).dtype == torch.float64
+    assert model.cfg.num_classes == 5
+    assert vitlab.load_model(vitlab.save_model(model.float(), tmp_path / "m")).cfg.num_classes == 5
+    for wrong in (-1, 2.5, "3"):
+        with pytest.raises(ConfigError, match=rf"^num_classes={wrong!r}: must be an integer >= 0"):
+            model.reset_classifier(wrong)
+    assert model.cfg.num_classes == 5 and model(torch.zeros(1, 3, 16, 16)).shape == (1, 5)
+
+
 def test_patch_dropout_trains_on_a_subset_of_the_same_tokens():
     """In training the encoder sees prefix + round(N * (1 - rate)) tokens, each an unchanged
     embedded patch; in evaluation the model equals one without patch dropout."""

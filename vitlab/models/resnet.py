@@ -21,6 +21,7 @@ kernels are HWIO: ``weight = torch.from_numpy(kernel).permute(3, 2, 0, 1)``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 
@@ -322,8 +323,10 @@ class BiTResNet(nn.Module):
 
     def reset_classifier(self, num_classes: int) -> None:
         """Replace the head with a zero-initialised one for ``num_classes`` (0: no head)."""
-        self.num_classes = num_classes
+        cfg = dataclasses.replace(self.cfg, num_classes=num_classes)  # checked before the model changes
         self.head = self._new_head(num_classes).to(self.before_head.gn.weight)  # same device and dtype
+        # the config too: save_model writes it, and the saved weights must match the head it describes
+        self.cfg, self.num_classes = cfg, num_classes
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> (B, num_features, h, w), after the final GroupNorm + ReLU."""

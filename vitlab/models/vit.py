@@ -94,9 +94,12 @@ class VisionTransformer(nn.Module):
         return head
 
     def reset_classifier(self, num_classes: int) -> None:
-        """Replace the head by a zero-initialised one for ``num_classes`` (0: no head)."""
-        self.head = self._new_head(num_classes)
-        self.cfg = dataclasses.replace(self.cfg, num_classes=num_classes)
+        """Replace the head by a zero-initialised one for ``num_classes`` (0: no head), on the
+        model's device and in its dtype."""
+        cfg = dataclasses.replace(self.cfg, num_classes=num_classes)  # checked before the model changes
+        # a new module is made in torch's defaults: a model moved by .to(dtype or device) needs its head there too
+        self.head = self._new_head(num_classes).to(self.norm.weight)
+        self.cfg = cfg
 
     def patch_grid(self, img_size: Pair) -> Pair:
         """The patch grid an input of ``img_size`` produces."""

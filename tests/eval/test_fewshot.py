@@ -87,3 +87,15 @@ def test_too_few_examples_is_a_clear_error():
     with pytest.raises(ValueError, match="shots 2 0: each must be a positive integer"):
         fewshot_evaluate(x, y, x, y, shots=(2, 0), seeds=(0,), holdout_per_class=1)
     fewshot_evaluate(x, y, x, y, shots=(2,), seeds=(0,), holdout_per_class=1)  # 3 a class: 2 shots + 1 held out
+
+
+def test_features_and_labels_that_do_not_pair_up_are_refused_by_name():
+    """30 labels for 40 pool features drew the shots from the first 30 rows without a word; an
+    evaluation split of another feature size failed in numpy's matmul."""
+    rng = np.random.default_rng(0)
+    pool_x, pool_y = rng.normal(size=(40, 3)), np.arange(40) % 2
+    eval_x, eval_y = rng.normal(size=(4, 3)), np.arange(4) % 2
+    for args in ((pool_x, pool_y[:30], eval_x, eval_y), (pool_x, pool_y, eval_x[:, :2], eval_y),
+                 (pool_x, pool_y, eval_x, eval_y[:3]), (pool_x[:, :, None], pool_y, eval_x, eval_y)):
+        with pytest.raises(ValueError, match=r"^expected pool_x \(P, d\), pool_y \(P,\), eval_x \(E, d\), eval_y \(E,\); got"):
+            fewshot_evaluate(*args, shots=(1,), holdout_per_class=2)

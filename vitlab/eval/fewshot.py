@@ -181,6 +181,12 @@ def fewshot_evaluate(
     """
     pool_x, eval_x = np.asarray(pool_x, np.float64), np.asarray(eval_x, np.float64)
     pool_y, eval_y = np.asarray(pool_y, np.int64), np.asarray(eval_y, np.int64)
+    # one label per feature row, one feature size: a shorter pool_y drew from the first rows only,
+    # and features of another size failed in numpy's matmul
+    if (pool_x.ndim != 2 or eval_x.ndim != 2 or pool_x.shape[1] != eval_x.shape[1]
+            or pool_y.shape != pool_x.shape[:1] or eval_y.shape != eval_x.shape[:1]):
+        raise ValueError(f"expected pool_x (P, d), pool_y (P,), eval_x (E, d), eval_y (E,); got {pool_x.shape}, "
+                         f"{pool_y.shape}, {eval_x.shape}, {eval_y.shape}")
     check_shots(pool_y, shots, holdout_per_class)
     num_classes = int(max(pool_y.max(), eval_y.max())) + 1
     result = FewShotResult(shots=[int(k) for k in shots], seeds=[int(s) for s in seeds])

@@ -126,6 +126,25 @@ def test_a_recipe_is_a_module_of_the_package_or_a_file(tmp_path):
         load_recipe(f"{own}:size=3")
 
 
+def test_the_training_entry_points_refuse_arguments_of_the_wrong_type_by_name(tmp_path):
+    """train('demo'), with_changes(cfg, ['optim.steps=3']) or {3: 3}, and load_recipe(3) failed as
+    AttributeErrors ('str' object has no attribute 'run', ...); a recipe file's Path is a recipe."""
+    from vitlab.train import train
+
+    for wrong in ("demo", {"optim": {}}, None):
+        with pytest.raises(ConfigError, match=r"^cfg=.*: expected a TrainConfig \(vitlab.configs.load_recipe\('demo'\) "
+                                              rf"gives one\), got a {type(wrong).__name__}$"):
+            train(wrong, verbose=False)
+    for wrong in (["optim.steps=3"], {3: 3}):
+        with pytest.raises(ConfigError, match=r"^changes=.*: expected a dict of \{'section.field': value\}"):
+            with_changes(load_recipe("demo"), wrong)
+    with pytest.raises(ConfigError, match="^recipe=3: expected a recipe's name or a path to a .py file, as a string$"):
+        load_recipe(3)
+    own = tmp_path / "mine.py"
+    own.write_text("from vitlab.configs import load_recipe\n\ndef get_config():\n    return load_recipe('demo')\n")
+    assert load_recipe(own).recipe == "demo"
+
+
 def test_overrides_parse_types():
     cfg = apply_overrides(TrainConfig(), ["optim.lr=1", "optim.betas=0.9,0.95", "augment.crop=none",
                                           "model.img_size=48", "augment.flip=false", "model.width=384",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -52,6 +53,10 @@ def load_recipe(spec: str, model_name: str | None = None) -> TrainConfig:
     """``NAME`` or ``path/to/file.py``, optionally ``:key=value,key=value`` passed to its
     ``get_config`` as strings (e.g. ``paper_finetune:dataset=cifar100``).  ``model_name``
     (the run's ``--model``) goes to a ``get_config`` that takes it, ahead of the spec's."""
+    if isinstance(spec, os.PathLike):  # a recipe file's Path
+        spec = os.fspath(spec)
+    if not isinstance(spec, str):  # its .partition failed as an AttributeError
+        raise ConfigError(f"recipe={spec!r:.80}: expected a recipe's name or a path to a .py file, as a string")
     name, _, arg_text = spec.partition(":")
     module = recipe_module(name)
     if not callable(getattr(module, "get_config", None)):

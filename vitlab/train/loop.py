@@ -63,6 +63,9 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     counting (default: now); the CLI passes its process's start, so that the budget is the
     command's whole wall time.
     """
+    if not isinstance(cfg, TrainConfig):  # a recipe's name, say: its cfg.run failed as an AttributeError
+        raise ConfigError(f"cfg={cfg!r:.80}: expected a TrainConfig (vitlab.configs.load_recipe('demo') gives "
+                          f"one), got a {type(cfg).__name__}")
     check_resume_or_overwrite(resume, overwrite)  # before a process group is joined
     machine = Machine.here(gpu_index=local_rank())  # the host, read once for the run
     world = init_world(resolve_device(cfg.run.device, machine, local_rank()))  # the group joined here is ended here

@@ -91,6 +91,10 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
     (``run.on_device``), field by field: they are the recipe's, a change is its user's
     (``explicit_over_device``).
     """
+    # the errors were "'list' object has no attribute 'items'" and "'int' object has no attribute 'startswith'"
+    if not isinstance(changes, dict) or not all(isinstance(name, str) for name in changes):
+        raise ConfigError(f"changes={changes!r:.80}: expected a dict of {{'section.field': value}}, such as "
+                          "{'optim.steps': 100}")
     by_section: dict[str, dict] = {}
     architecture: dict[str, Any] = {}
     recipe = cfg.recipe

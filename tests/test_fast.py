@@ -885,6 +885,13 @@ def test_a_forced_kernel_that_cannot_run_is_refused_naming_the_missing_feature(m
     assert not fast.is_optimized(model)
 
 
+def test_kernels_that_are_not_a_kernel_choice_are_refused_by_name_before_anything_is_installed():
+    model = with_random_head(tiny())
+    with pytest.raises(TypeError, match=r"^kernels='onednn': expected a KernelChoice"):
+        fast.optimize(model, "onednn")
+    assert not fast.is_optimized(model)
+
+
 def test_the_fast_path_leaves_a_mode_it_loses_to_the_plain_forward(monkeypatch):
     from vitlab.fast import modules
 

@@ -87,6 +87,8 @@ def test_too_few_examples_is_a_clear_error():
     with pytest.raises(ValueError, match="shots 2 0: each must be a positive integer"):
         fewshot_evaluate(x, y, x, y, shots=(2, 0), seeds=(0,), holdout_per_class=1)
     fewshot_evaluate(x, y, x, y, shots=(2,), seeds=(0,), holdout_per_class=1)  # 3 a class: 2 shots + 1 held out
+    with pytest.raises(ValueError, match=r"^seeds: none given"):  # no draw at all: every mean was NaN
+        fewshot_evaluate(x, y, x, y, shots=(2,), seeds=(), holdout_per_class=1)
 
 
 def test_features_and_labels_that_do_not_pair_up_are_refused_by_name():

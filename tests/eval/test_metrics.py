@@ -45,6 +45,14 @@ def test_confusion_and_per_class():
     assert np.isnan(pc[3:]).all()  # classes without examples
 
 
+@pytest.mark.parametrize("labels, predictions, named", [([0, 1], [3, 0], "predictions"), ([0, 3], [0, 0], "labels"),
+                                                       ([-1, 0], [0, 0], "labels")])
+def test_confusion_refuses_a_class_index_outside_its_classes(labels, predictions, named):
+    # a prediction of class 3 of 3 was counted in the next row's first cell: (0, 3) -> flat 3 -> (1, 0)
+    with pytest.raises(ValueError, match=rf"^{named} must lie in \[0, 3\)"):
+        confusion_matrix(np.array(labels), np.array(predictions), 3)
+
+
 def test_ece_hand_computed():
     # confidences and correctness, 15 bins of width 1/15 (right-closed):
     #   0.9 right, 0.9 wrong -> bin (0.8667, 0.9333]: acc 0.5, conf 0.9  -> 2/4 * 0.4  = 0.2

@@ -188,6 +188,8 @@ def fewshot_evaluate(
         raise ValueError(f"expected pool_x (P, d), pool_y (P,), eval_x (E, d), eval_y (E,); got {pool_x.shape}, "
                          f"{pool_y.shape}, {eval_x.shape}, {eval_y.shape}")
     check_shots(pool_y, shots, holdout_per_class)
+    if len(seeds) == 0:  # no draw: every accuracy list stayed empty, and its mean NaN
+        raise ValueError("seeds: none given; each is one random draw of the shots, e.g. (0, 1, 2)")
     num_classes = int(max(pool_y.max(), eval_y.max())) + 1
     result = FewShotResult(shots=[int(k) for k in shots], seeds=[int(s) for s in seeds])
     for k in result.shots:

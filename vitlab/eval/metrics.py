@@ -56,6 +56,10 @@ def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: i
     labels, predictions = np.asarray(labels, dtype=np.int64), np.asarray(predictions, dtype=np.int64)
     if labels.shape != predictions.shape:
         raise ValueError(f"labels {labels.shape} and predictions {predictions.shape} differ in shape")
+    for name, values in (("labels", labels), ("predictions", predictions)):
+        # an index outside [0, K) landed in another cell, or failed in the reshape below
+        if values.size and (values.min() < 0 or values.max() >= num_classes):
+            raise ValueError(f"{name} must lie in [0, {num_classes}), got [{values.min()}, {values.max()}]")
     flat = labels * num_classes + predictions
     return np.bincount(flat, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
 

@@ -131,6 +131,9 @@ def why_unavailable(choice: KernelChoice, info: CpuInfo | None = None,
 
 def check_runnable(choice: KernelChoice) -> KernelChoice:
     """``choice``, or ``KernelUnavailable`` (one line naming the missing feature)."""
+    if not isinstance(choice, KernelChoice):  # a name ("onednn") failed as "'str' object has no attribute 'fp32'"
+        raise TypeError(f"kernels={choice!r:.80}: expected a KernelChoice (vitlab.fast.choose() gives this "
+                        "CPU's, KernelChoice(fp32='onednn') names one), or None for this CPU's")
     reason = why_unavailable(choice)
     if reason is not None:
         raise KernelUnavailable(reason)

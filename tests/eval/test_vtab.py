@@ -234,3 +234,30 @@ def test_an_unreadable_test_image_is_counted_in_the_tasks_result(tasks, tiny_che
     cfg = with_changes(TrainConfig(), {"data.cache_dir": str(tmp_path / "cache"), "data.decode_workers": 0})
     top1, n, unread = evaluate_on(tiny_checkpoint, test, cfg, "cpu", "fp32")
     assert (n, unread) == (9, 1) and 0.0 <= top1 <= 1.0
+
+
+def test_a_second_run_into_the_same_out_keeps_or_refuses_the_finished_runs(tasks, tiny_checkpoint, tmp_path, capsys):
+    """Run again without --resume, the finished runs were all trained again over the earlier ones
+    without a word; with --resume and other --steps (or --split-seed, whose views are rewritten:
+    the runs were scored on images they had trained on), their summaries were read back as fresh."""
+    out = tmp_path / "vtab"
+    args = [*tiny_vtab(tiny_checkpoint, tasks, out, steps=1), "--only", "eurosat", "--grid", "0.01"]
+    assert main(args) == 0
+    capsys.readouterr()
+    summary = out / "eurosat" / "final_lr_0.01" / "summary.json"
+    stamp = summary.stat().st_mtime_ns
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vitlab vtab: error: --out={str(out)!r} holds 1 finished run(s) of these tasks (eurosat/final_lr_0.01, ...); "
+        "keep them with --resume, train them again with --overwrite, or choose another --out")
+    for changed, line in ((["--steps", "2"], "optim.steps=2 (its runs: 1)"),
+                          (["--split-seed", "1"], "split_seed=1 (its runs: 0)")):
+        assert main([*args, *changed, "--resume"]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"vitlab vtab: error: --resume: the runs of eurosat in {out} were made with other settings: {line}; "
+            "resume with the same ones, or train again with --overwrite or into another --out")
+    assert summary.stat().st_mtime_ns == stamp
+    assert main([*args, "--resume"]) == 0 and summary.stat().st_mtime_ns == stamp  # the same settings: kept
+    assert main([*args, "--steps", "2", "--overwrite"]) == 0
+    assert json.loads(summary.read_text())["steps"] == 2
+    assert main([*args, "--steps", "2", "--resume"]) == 0  # the record follows the runs trained again

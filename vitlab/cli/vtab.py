@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override a field of the recipe, SECTION.FIELD=VALUE (repeatable)")
     add_fast_argument(p)
     p.add_argument("--resume", action="store_true", help="keep the runs of OUT that finished; run the rest")
+    p.add_argument("--overwrite", action="store_true",
+                   help="train again the tasks' runs that finished in OUT (without it, or --resume, such an OUT "
+                        "is refused)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         tasks = select_tasks(tasks, [t.strip() for t in args.only.split(",") if t.strip()], args.tasks)
     report = run_vtab(base_config(args), tasks, args.out, examples=args.examples, split_seed=args.split_seed,
                       grid=grid, select=args.select, accum_steps=args.accum_steps, resume=args.resume,
-                      verbose=not args.quiet)
+                      verbose=not args.quiet, overwrite=args.overwrite)
     print(format_table(report["tasks"], report))
     print(json.dumps(report), flush=True)
     return 0

@@ -41,8 +41,9 @@ from .config import TrainConfig, check_lr_grid
 from .distributed import local_rank, local_world
 from .loop import train
 from .metrics import Progress
-from .overrides import with_changes
+from .overrides import field_value, with_changes
 from .resolve import resolve, resolve_device
+from .state import RESUME_INVARIANTS
 
 __all__ = ["run_vtab", "evaluate_on", "SELECTIONS"]
 
@@ -74,9 +75,10 @@ class Runs:
     verbose: bool = True
 
     def fine_tune(self, source: Path, lr: float, folder: str) -> dict:
-        """The summary of ``cfg`` trained on ``source`` at ``lr`` into ``out/folder``."""
+        """The summary of ``cfg`` trained on ``source`` at ``lr`` into ``out/folder`` (a run there
+        that did not finish is started afresh: the protocol's runs keep no checkpoints)."""
         done = self.out / folder / "summary.json"
-        if self.resume and done.is_file():
+        if self.resume and done.is_file():  # made with these settings: ``check_earlier_runs``
             return json.loads(done.read_text())
         run_cfg = with_changes(self.cfg, {"data.source": str(source), "optim.lr": lr,
                                           "run.out": str(self.out / folder)})
@@ -85,6 +87,53 @@ class Runs:
 
     def score(self, weights: str, folder: Path) -> tuple[float, int, int]:
         return evaluate_on(weights, folder, self.cfg, self.device, self.precision)
+
+
+# what each task's runs in ``out`` were made with, read by a later ``--resume``
+SETTINGS_NAME = "settings.json"
+
+
+def task_settings(cfg: TrainConfig, task: Task, examples: int, split_seed: int) -> dict:
+    """What a task's finished runs depend on, beyond the learning rate in their folder's name: the
+    fields ``train --resume`` holds fixed, the steps, the init file as it is now (path, size, mtime),
+    the split and the task's folder.  Its data views are rewritten from these on every invocation,
+    so a run made with others would be scored on images it may have trained on."""
+    from vitlab.eval.features import file_key
+
+    fields = [n for n in RESUME_INVARIANTS if n != "data.source"] + ["optim.steps"]
+    values = {name: field_value(cfg, name) for name in fields}
+    values.update({"model.init": file_key(cfg.model.init) if cfg.model.init else None, "examples": examples,
+                   "split_seed": split_seed, "task folder": str(Path(task.folder).resolve())})
+    return json.loads(json.dumps(values))  # as the file holds them: tuples as lists
+
+
+def check_earlier_runs(out: Path, settings: Mapping[str, dict], resume: bool, overwrite: bool) -> dict:
+    """Refuse what would lose finished runs or present stale ones as this invocation's: running
+    the tasks again over their finished runs without ``overwrite`` (every run was trained again,
+    the earlier ones written over without a word), or ``resume`` with other settings than the runs
+    were made with (their summaries were read back as if made with these).  Returns the record of
+    every task's settings to write (``SETTINGS_NAME``) once the runs are about to start."""
+    if resume and overwrite:
+        raise ConfigError("resume=True and overwrite=True (--resume, --overwrite): one keeps the finished runs, "
+                          "the other trains them again; give one of them")
+    finished = [p.parent for name in settings for p in sorted((out / name).glob("*/summary.json"))]
+    if finished and not resume and not overwrite:
+        raise ConfigError(f"--out={str(out)!r} holds {len(finished)} finished run(s) of these tasks "
+                          f"({finished[0].relative_to(out)}, ...); keep them with --resume, train them again with "
+                          "--overwrite, or choose another --out")
+    record = out / SETTINGS_NAME
+    try:
+        earlier = json.loads(record.read_text()) if record.is_file() else {}
+    except (OSError, ValueError):
+        earlier = {}
+    for name, now in settings.items() if resume else ():
+        before = earlier.get(name) or {}
+        changed = [f"{k}={now[k]!r} (its runs: {before[k]!r})" for k in now if k in before and before[k] != now[k]]
+        if changed:
+            raise ConfigError(f"--resume: the runs of {name} in {out} were made with other settings: "
+                              f"{', '.join(changed)}; resume with the same ones, or train again with --overwrite "
+                              "or into another --out")
+    return {**earlier, **settings}
 
 
 def sweep_scores(runs: Runs, task: Task, views: TaskSplits, grid: Sequence[float], say) -> dict[str, float]:
@@ -124,30 +173,37 @@ def final_result(runs: Runs, task: Task, views: TaskSplits, lr: float, val: dict
 
 def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, examples: int = 1000,
              split_seed: int = 0, grid: Sequence[float] = (), select: str = "per-task",
-             accum_steps: int | str = "auto", resume: bool = False, verbose: bool = True) -> dict:
+             accum_steps: int | str = "auto", resume: bool = False, verbose: bool = True,
+             overwrite: bool = False) -> dict:
     """The protocol over ``tasks`` (see the module docstring), every run ``cfg``'s, into ``out``.
 
     Returns the report, also written to ``out/vtab.json``: ``protocol`` (the settings),
     ``tasks`` (per task: its group, the validation top-1 of each learning rate, the one
     chosen, the test top-1 and its images) and ``summarize``'s group means and mean.
-    ``resume``: the runs that finished in ``out`` are read back, not run again.  ``verbose``:
-    a line per run on stderr, and the training runs' progress.
+    ``resume``: the runs that finished in ``out`` are read back, not run again (refused if they
+    were made with other settings); ``overwrite``: they are trained again.  Without either, a
+    folder holding finished runs of ``tasks`` is refused.  ``verbose``: a line per run on stderr,
+    and the training runs' progress.
     """
     if select not in SELECTIONS:
         raise ConfigError(f"select={select!r}: expected one of {', '.join(SELECTIONS)}")
     out = Path(out)
+    cfg = with_changes(cfg, {"optim.accum_steps": accum_steps})
+    # before the task's data views are written again: the finished runs were scored on the earlier ones
+    record = check_earlier_runs(out, {t.name: task_settings(cfg, t, examples, split_seed) for t in tasks},
+                                resume, overwrite)
     splits = split_tasks(tasks, out, examples, split_seed)  # every task's folders, before any run
     grid = tuple(float(lr) for lr in grid) or tuple(cfg.optim.lr_grid) or (cfg.optim.lr,)
     check_lr_grid(grid, "grid")
     # decided once for every run of the protocol, on the first task's sweep split: the device,
     # the precision, the init's model and resolution, the micro-batch that fits (or a refusal)
-    cfg = with_changes(cfg, {"optim.accum_steps": accum_steps})
     check_can_run(with_changes(cfg, {"data.source": "digits"}))  # the weights and the batch, before any run
     machine = Machine.here()
     world = local_world(resolve_device(cfg.run.device, machine, local_rank()))
     resolved = resolve(with_changes(cfg, {"data.source": str(splits[tasks[0].name].sweep_train)}), world, machine)
     cfg, device, precision, accum = resolved.config, world.device, resolved.precision, resolved.accum_steps
     runs, say = Runs(cfg, out, device, precision, resume, verbose), Progress(enabled=verbose).message
+    (out / SETTINGS_NAME).write_text(json.dumps(record, indent=2))
     say(f"vtab: {len(tasks)} tasks, lr grid {', '.join(f'{lr:g}' for lr in grid)} ({select}), "
         f"{cfg.optim.steps} steps at batch {cfg.optim.batch_size} ({accum} micro-batches of "
         f"{cfg.optim.batch_size // accum}), {examples} examples per task")

@@ -80,6 +80,25 @@ def test_sweep_final_retrain_uses_the_full_training_set(tmp_path, capsys):
     assert report["final"]["train_examples"] == 1697 and report["final"]["val_examples"] == 100
 
 
+def test_sweep_resume_refuses_a_final_run_made_at_another_rate_than_the_best(tmp_path, capsys):
+    """A grid changed on --resume moves the best rate; the final run of the earlier one, finished at
+    its own rate (the rate may change on resume), was read back and reported as the new best's."""
+    out = tmp_path / "sweep"
+    args = ["sweep", "--recipe", "demo", "--data", "digits", "--batch-size", "16", "--steps", "1", "--out", str(out),
+            *TINY]
+    assert main([*args, "--grid", "0.01"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--grid", "0.01", "--resume"]) == 0  # the same best: the finished run kept
+    assert last_json_line(capsys.readouterr().out)["best_lr"] == 0.01
+    weights = out / "final" / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert main([*args, "--grid", "0.5", "--resume"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vitlab sweep: error: --resume: {str(out / 'final')!r} holds the final run at lr 0.01, but the grid's best "
+        "is now 0.5; move that folder away to retrain it, or choose another --out")
+    assert weights.stat().st_mtime_ns == stamp
+
+
 def test_sweep_compares_on_its_hold_out_and_scores_the_final_run_on_val_data(tmp_path, capsys):
     args = ["sweep", "--recipe", "demo", "--data", "digits", "--val-data", "digits", "--batch-size", "16", "--steps",
             "1", "--grid", "0.01,0.1", "--out", str(tmp_path / "sweep"), *TINY]

@@ -88,6 +88,25 @@ def sweep_plan(args: argparse.Namespace):
     return grid, runs, final, holdout
 
 
+def check_final_lr(final_cfg, best: float) -> None:
+    """Refuse to ``--resume`` a final run made at another learning rate than the grid's best (a grid
+    or hold-out changed since): the learning rate may change on resume, so its finished run was
+    read back and reported as the retrain at the best rate."""
+    from vitlab.config import ConfigError
+    from vitlab.train.loop import held_by_earlier_run
+
+    out = Path(final_cfg.run.out)
+    if held_by_earlier_run(out) is None:
+        return
+    try:
+        lr = json.loads((out / "config.json").read_text())["optim"]["lr"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no record of its rate: train's own checks decide
+    if f"{lr:g}" != f"{best:g}":
+        raise ConfigError(f"--resume: {str(out)!r} holds the final run at lr {lr:g}, but the grid's best is now "
+                          f"{best:g}; move that folder away to retrain it, or choose another --out")
+
+
 def run(args: argparse.Namespace) -> int:
     from vitlab.train import train
     from vitlab.train.build import check_can_run
@@ -109,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
         scores[f"{r.optim.lr:g}"] = summary["val_top1"]
         print(f"lr {r.optim.lr:g}: held-out top-1 {summary['val_top1']:.4f}", flush=True)
     best = max(grid, key=lambda lr: scores[f"{lr:g}"])
+    if args.resume:
+        check_final_lr(final_cfg, best)
     final = train(with_changes(final_cfg, {"optim.lr": best}), resume=args.resume, overwrite=args.overwrite,
                   verbose=not args.quiet)
     report = {"holdout": holdout, "holdout_top1": scores, "best_lr": best, "final": final}

@@ -1,6 +1,8 @@
 """Every experiment's --quick form runs on the digits and writes its table, JSON and section."""
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,47 @@ def test_findings_block_is_replaced(tmp_path):
     text = doc.read_text()
     assert "third" in text and "second" not in text and text.count("Reading: kept.") == 1
     assert text.index("third") < text.index("<!-- reading -->") < text.index("Reading: kept.")
+
+
+def test_findings_markers_that_make_no_one_block_are_refused_before_any_run(tmp_path, capsys):
+    """A begin marker left alone got a new pair appended, and the next run replaced everything from
+    the lone marker to that pair's end: the author's text between them was lost."""
+    doc = tmp_path / "findings.md"
+    for text in ("# F\n<!-- experiment:head -->\nmy notes, kept\n",
+                 "<!-- experiment:head -->\na\n<!-- /experiment:head -->\n<!-- experiment:head -->\nb\n"
+                 "<!-- /experiment:head -->\n",
+                 "<!-- /experiment:head -->\nmy notes\n<!-- experiment:head -->\n"):
+        doc.write_text(text)
+        out = tmp_path / "x"
+        assert main(["experiment", "head", "--quick", "--out", str(out), "--findings", str(doc)]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"vitlab experiment: error: --findings {doc}: <!-- experiment:head --> appears ")
+        assert line.endswith("expected one of each, in that order (or neither: the section is appended): fix the "
+                             "markers")
+        assert doc.read_text() == text and not out.exists()
+
+
+def test_a_findings_write_that_fails_leaves_the_file_as_it_was(tmp_path):
+    """The file was truncated and written in place: a full disk (here a file-size limit) left the
+    hand-written document cut short."""
+    doc = tmp_path / "findings.md"
+    original = "# Findings\n\n" + "hand-written text. " * 100 + "\n"
+    doc.write_text(original)
+    script = (
+        "import resource, signal, sys\n"
+        "from vitlab.cli.experiment import update_findings\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({len(original) + 100}, {len(original) + 100}))\n"
+        "try:\n"
+        f"    update_findings({str(doc)!r}, 'head', '### head\\n' + 'x' * 500, {str(tmp_path / 'r')!r})\n"
+        "except OSError as err:\n"
+        "    print(err)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0, done.stderr
+    assert doc.read_text() == original
+    assert done.stdout.startswith(f"--findings {doc}: could not be written (File too large); the section is in ")
+    assert os.listdir(tmp_path) == ["findings.md"]  # no temporary file left
 
 
 def test_set_values_are_read_as_the_train_config_reads_them():

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or f"results/{args.name}" + ("-quick" if args.quick else "")
     if args.findings:  # refused after the runs, it cost them all
         need_output_file("--findings", args.findings)
+        findings_block(args.findings, args.name)
     result = experiments.run_experiment(args.name, out, quick=args.quick,
                                         command=command_of(args), **changes)
     if args.findings:
@@ -88,21 +89,63 @@ def command_of(args: argparse.Namespace) -> str:
 READING = "<!-- reading -->"
 
 
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- experiment:{name} -->", f"<!-- /experiment:{name} -->"
+
+
+def findings_block(path: str, name: str) -> tuple[int, int] | None:
+    """Where experiment ``name``'s block lies in the file at ``path`` (from its begin marker to past
+    its end marker), None where the file or the block is absent.  Markers that do not make one block
+    are refused: with a begin marker alone the section was appended with a pair of its own, and the
+    next run replaced everything from the lone marker to that pair's end, the hand-written text
+    between them included; a second block was left as it was, stale."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        return None
+    text = p.read_text()
+    begin, end = markers(name)
+    counts = text.count(begin), text.count(end)
+    if counts == (0, 0):
+        return None
+    if counts != (1, 1) or text.index(end) < text.index(begin):
+        raise ValueError(f"--findings {path}: {begin} appears {counts[0]} time(s) and {end} {counts[1]} time(s); "
+                         "expected one of each, in that order (or neither: the section is appended): fix the markers")
+    return text.index(begin), text.index(end) + len(end)
+
+
 def update_findings(path: str, name: str, section: str, out: str) -> None:
     """Replace (or append) the block between ``<!-- experiment:NAME -->`` markers, keeping the
-    block's hand-written reading (what follows ``READING``) below the new section."""
+    block's hand-written reading (what follows ``READING``) below the new section.  The file is
+    replaced whole (a temporary file renamed over it, its mode kept): a write that fails or is
+    interrupted leaves it as it was, not cut short."""
     import os
+    import shutil
+    import tempfile
     from pathlib import Path
 
     p = Path(path)
     rel = os.path.relpath(out, p.parent)
     section = section.replace("](figure.png)", f"]({rel}/figure.png)")
-    begin, end = f"<!-- experiment:{name} -->", f"<!-- /experiment:{name} -->"
+    begin, end = markers(name)
     text = p.read_text() if p.exists() else "# Findings\n"
-    if begin in text and end in text:
-        old = text[text.index(begin):text.index(end)]
-        reading = old[old.index(READING):].rstrip() + "\n\n" if READING in old else ""
-        text = text[:text.index(begin)] + f"{begin}\n{section}\n{reading}{end}" + text[text.index(end) + len(end):]
+    block = findings_block(path, name)
+    if block is not None:
+        old = text[block[0]:block[1]]
+        reading = old[old.index(READING):-len(end)].rstrip() + "\n\n" if READING in old else ""
+        text = text[:block[0]] + f"{begin}\n{section}\n{reading}{end}" + text[block[1]:]
     else:
         text = text.rstrip() + "\n\n" + f"{begin}\n{section}\n{end}" + "\n"
-    p.write_text(text)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        if p.exists():
+            shutil.copymode(p, tmp)
+        os.replace(tmp, p)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(f"--findings {path}: could not be written ({err.strerror or err}); the section is in "
+                      f"{Path(out) / 'section.md'}") from err

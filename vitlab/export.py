@@ -14,9 +14,11 @@ import contextlib
 import json
 import logging
 import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -70,9 +72,24 @@ def export_program(model: nn.Module, path: str | os.PathLike, img_size: int | Pa
     shapes = ({0: torch.export.Dim("batch", min=1, max=4096)},) if dynamic_batch else None
     with torch.no_grad(), evaluating(model):
         program = torch.export.export(model, (x,), dynamic_shapes=shapes)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    torch.export.save(program, path, extra_files={f"{k}.json": v for k, v in labels.items()})
+    _write_in_place_of(Path(path), lambda tmp: torch.export.save(program, tmp,
+                                                             extra_files={f"{k}.json": v for k, v in labels.items()}))
     return program
+
+
+def _write_in_place_of(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(p)`` to ``p``, a path of ``path``'s name in a temporary folder beside it, then its
+    files renamed into place, ``path`` last: an export that fails or is interrupted while writing
+    leaves the file it would replace as it was (the exporters write in place, and left it cut short).
+    The folder keeps the names an ONNX file gives its external data."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        write(staging / path.name)
+        for written in sorted(staging.iterdir(), key=lambda f: f.name == path.name):
+            os.replace(written, path.parent / written.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def load_program(path: str | os.PathLike) -> nn.Module:
@@ -104,7 +121,6 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair 
     x = _example(model, size, batch)
     shapes = ({0: torch.export.Dim("batch", min=1, max=4096)},) if dynamic_batch else None
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad(), evaluating(model), warnings.catch_warnings(), _quiet(TORCHVISION_NOTICES):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -112,7 +128,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair 
             dynamic_shapes=shapes, opset_version=opset, verbose=False,
         )
     program.model.metadata_props.update(labels)
-    program.save(str(path), external_data=_too_big_for_one_file(model))
+    _write_in_place_of(path, lambda tmp: program.save(str(tmp), external_data=_too_big_for_one_file(model)))
     return path
 
 

@@ -55,6 +55,28 @@ def test_torch_export_reloads_and_matches(tmp_path, cfg):
         assert torch.allclose(loaded(x), model(x), atol=1e-5)
 
 
+def test_an_export_that_fails_while_writing_leaves_the_earlier_file_as_it_was(tmp_path, monkeypatch):
+    """The exporters wrote in place of the file: a write cut short (a full disk, a kill) left half a
+    program where a good one was."""
+    import os
+
+    model = _random_model(TINY)
+    path = tmp_path / "model.pt2"
+    export_program(model, path)
+    good = path.read_bytes()
+
+    def cut_short(program, f, **kwargs):
+        with open(f, "wb") as out:
+            out.write(good[:100])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch.export, "save", cut_short)
+    with pytest.raises(OSError, match="No space left"):
+        export_program(model, path)
+    assert path.read_bytes() == good and os.listdir(tmp_path) == ["model.pt2"]  # nothing left beside it
+    load_program(path)
+
+
 def test_cli_export(tmp_path, capsys):
     from vitlab.cli import export as command
 

@@ -51,6 +51,20 @@ def test_cache_computes_once(tmp_path):
     assert len(calls) == 2
 
 
+def test_a_damaged_cache_file_is_computed_again_with_a_warning(tmp_path):
+    """A truncated cache file (a full disk, a copy cut short) raised zipfile's BadZipFile as a
+    traceback; a garbled one numpy's "contains pickled (object) data"."""
+    features = np.arange(6.0).reshape(2, 3)
+    FeatureCache(tmp_path).get("key", lambda: features)
+    (path,) = tmp_path.glob("*.npz")
+    whole = path.read_bytes()
+    for damaged in (whole[: len(whole) // 2], b"garbage"):
+        path.write_bytes(damaged)
+        with pytest.warns(UserWarning, match=f"feature cache {path} is damaged .*; computing the features again"):
+            assert (FeatureCache(tmp_path).get("key", lambda: features) == features).all()
+        assert (FeatureCache(tmp_path).get("key", lambda: 1 / 0) == features).all()  # written again, whole
+
+
 def test_flip_averaging_is_the_mean_of_the_two_views_probabilities():
     torch.manual_seed(0)
     model = create_model(TINY).eval()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -200,9 +202,8 @@ class FeatureCache:
             self.hits += 1
             return self._memory[name]
         path = self.directory / f"{name}.npz" if self.directory is not None else None
-        if path is not None and path.is_file():
-            with np.load(path) as f:
-                value = f["features"]
+        value = self._read(path) if path is not None and path.is_file() else None
+        if value is not None:
             self.hits += 1
         else:
             value = np.asarray(compute())
@@ -214,3 +215,15 @@ class FeatureCache:
                 os.replace(tmp, path)  # readers never see a half-written file
         self._memory[name] = value
         return value
+
+    @staticmethod
+    def _read(path: Path) -> np.ndarray | None:
+        """The features kept in ``path``, or None (said in a warning) where the file is damaged: a
+        cache is computed again, not a reason to fail (a truncated file raised zipfile's BadZipFile
+        as a traceback, a garbled one numpy's "contains pickled (object) data")."""
+        try:
+            with np.load(path) as f:
+                return f["features"]
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as err:
+            warnings.warn(f"feature cache {path} is damaged ({err}); computing the features again")
+            return None

@@ -87,6 +87,10 @@ def test_train_cli_refuses_bad_config_before_work(tmp_path, capsys):
     assert main(["sweep", "--recipe", "demo", "--grid", "0.1,0.10", "--out", str(tmp_path / "s")]) == 2
     assert capsys.readouterr().err.strip() == ("vitlab sweep: error: --grid=(0.1, 0.1): 0.1 given more than once; "
                                               "each rate is one run")
+    # two rates whose folders are spelt alike (lr_0.001): the second met the first's run
+    assert main(["sweep", "--recipe", "demo", "--grid", "0.001,0.0010000001", "--out", str(tmp_path / "s")]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab sweep: error: --grid=(0.001, 0.0010000001): 0.001 given more "
+                                              "than once; each rate is one run")
     assert not (tmp_path / "s").exists()
     # nothing held out leaves the grid nothing to be compared on: a TypeError on the first rate's
     # missing score, after its run

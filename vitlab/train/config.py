@@ -70,8 +70,11 @@ def check_lr_grid(grid: Any, name: str = "optim.lr_grid") -> None:
     rate given twice (0.1,0.10) met its own finished run and was refused after the first one."""
     need(isinstance(grid, tuple) and all(is_number(v) and v > 0 for v in grid), name, grid,
          "expected positive learning rates, e.g. 0.001,0.003,0.01")
-    twice = sorted({v for v in grid if grid.count(v) > 1})
-    need(not twice, name, grid, f"{', '.join(f'{v:g}' for v in twice)} given more than once; each rate is one run")
+    # compared as the folder names spell them: 0.001 and 0.0010000001 are both lr_0.001, and the second
+    # was scored as (with --resume) the first's finished run
+    named = [f"{v:g}" for v in grid]
+    twice = sorted({n for n in named if named.count(n) > 1}, key=float)
+    need(not twice, name, grid, f"{', '.join(twice)} given more than once; each rate is one run")
 
 
 @dataclass(frozen=True)

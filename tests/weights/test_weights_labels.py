@@ -86,6 +86,15 @@ def test_a_new_head_drops_the_names_and_a_mismatch_is_refused(run, tmp_path, cap
         save_model(vitlab.load_model(run), tmp_path / "v", class_names=NAMES[:2])
 
 
+def test_a_vitlab_folder_saved_again_without_names_keeps_none_of_the_earlier_weights(run, tmp_path):
+    folder = tmp_path / "v"
+    save_model(vitlab.load_model(run), folder, class_names=NAMES)
+    assert read_class_names(folder) == NAMES
+    # another head, no names: the earlier classes.json, read before the metadata, named its 5 classes by 3
+    save_model(vitlab.load_model(run, num_classes=5), folder)
+    assert read_class_names(folder) is None and not (folder / "classes.json").exists()
+
+
 def test_export_onnx_and_torch_export_carry_the_names(run, tmp_path, capsys):
     from vitlab.export import program_class_names
 

@@ -53,7 +53,8 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
     library takes them, and warn (``ConventionWarning``) where it cannot.
     ``class_names`` (one per class) go where the format has a place for them (``labels``):
     the vitlab file's metadata and a directory's ``classes.json``, Hugging Face's
-    ``id2label``, timm's ``label_names``; a vit_jax ``.npz`` has none.
+    ``id2label``, timm's ``label_names``; a vit_jax ``.npz`` has none.  A vitlab directory saved
+    without them loses the ``classes.json`` of the weights it replaces.
     """
     cfg = getattr(model, "cfg", None)
     if cfg is None:
@@ -82,6 +83,8 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
     atomic_write(path / CONFIG_NAME, lambda f: f.write(text.encode()))
     if class_names:  # where a training run keeps them, and `vitlab predict` looks
         atomic_write(path / CLASSES_NAME, lambda f: f.write(json.dumps(class_names).encode()))
+    else:  # an earlier save's names described the weights just replaced: read first, they misnamed these classes
+        (path / CLASSES_NAME).unlink(missing_ok=True)
     return weights
 
 

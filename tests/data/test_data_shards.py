@@ -3,6 +3,7 @@ the one streaming stack in DataLoader workers."""
 import io
 import json
 import logging
+import shutil
 import tarfile
 
 import numpy as np
@@ -181,3 +182,26 @@ def test_pack_shards_refuses_an_output_in_the_source_folder_before_any_work(tmp_
 def test_pack_shards_takes_an_output_beside_the_source_whose_name_begins_as_its(tmp_path, make_folder):
     root = make_folder(classes=2, per_class=2, name="train")
     assert len(pack_shards(root, tmp_path / "train-shards", samples_per_shard=4)) == 1
+
+
+def test_shards_of_two_pack_runs_are_refused_not_read_under_one_runs_classes(tmp_path):
+    def folder(name, classes):
+        for c in classes:
+            (tmp_path / name / c).mkdir(parents=True)
+            Image.new("RGB", (4, 4)).save(tmp_path / name / c / "0.png")
+        return tmp_path / name
+
+    pack_shards(folder("abc", "abc"), tmp_path / "a", samples_per_shard=1)
+    pack_shards(folder("de", "de"), tmp_path / "d", samples_per_shard=1)
+    # a glob over both folders: the second set's labels 0 and 1 (d, e) were read as a and b
+    with pytest.raises(DataError, match=r"two sets with different classes: .*a has 3 classes \(a, b, c\), "
+                                        r".*d has 2 classes \(d, e\)"):
+        open_source(str(tmp_path / "[ad]" / "*.tar"))
+    # a shard of the other run copied in beside the index that does not list it
+    shutil.copy(tmp_path / "d" / "shard-000001.tar", tmp_path / "a" / "shard-000003.tar")
+    with pytest.raises(DataError, match=r"shard-000003.tar: not one of the 3 shards its folder's index.json lists"):
+        open_source(str(tmp_path / "a"))
+    (tmp_path / "a" / "shard-000003.tar").unlink()
+    assert open_source(str(tmp_path / "a")).classes == ["a", "b", "c"]
+    shutil.copytree(tmp_path / "a", tmp_path / "a2")  # two folders of one class list: one set
+    assert open_source(str(tmp_path / "a*" / "*.tar")).num_samples == 6

@@ -327,27 +327,54 @@ def count_samples(path: Path) -> int:
         raise DataError(f"{path}: not a readable tar shard (truncated or corrupt?): {type(e).__name__}: {e}") from e
 
 
+def _described(source: str, folder: Path) -> tuple[list[str], Optional[dict]]:
+    """(class names, {shard name: sample count} or None where no index lists the shards) of the
+    shards in ``folder``, from its ``index.json``, else its ``classes.txt``/``classes.json``."""
+    index = folder / "index.json"
+    if not index.is_file():
+        classes = classes_beside(folder)
+        if classes is None:
+            raise DataError(f"{source}: no index.json, classes.txt or classes.json beside the shards in {folder}; "
+                            "write the class names, one a line in label order, into classes.txt")
+        return classes, None
+    try:
+        meta = json.loads(index.read_text())
+        classes = list(meta["classes"])
+        counts = {e["name"]: int(e["num_samples"]) for e in meta.get("shards", [])}
+        if not all(isinstance(c, str) for c in classes) or not isinstance(meta["num_samples"], int):
+            raise TypeError("classes must be names and num_samples a count")
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+        raise DataError(f"{index}: not an index written by pack_shards (needs 'classes' and 'num_samples'): "
+                        f"{type(e).__name__}: {e}") from e
+    return classes, counts or None
+
+
+def _listed(classes: list[str]) -> str:
+    return f"{len(classes)} classes ({', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''})"
+
+
 def shard_source(source: str, paths: Sequence[Path]) -> StreamSource:
     """The shard set ``paths`` (named ``source`` in messages): one unit per shard.  Class
     names and sample counts come from ``index.json`` (``pack_shards``), else the class
     names from ``classes.txt`` (one a line) or ``classes.json`` beside the shards and the
-    counts from the shards' headers."""
+    counts from the shards' headers.
+
+    A shard's labels are ids into the class list of its own folder: shards of folders whose
+    lists differ, or a shard that its folder's ``index.json`` does not list (one of another
+    ``pack_shards`` run, copied in), would be read under names that are not theirs, and are
+    refused."""
     paths = [Path(p) for p in paths]
-    folder = paths[0].parent
-    index = folder / "index.json"
-    counts: dict = {}
-    if index.is_file():
-        try:
-            meta = json.loads(index.read_text())
-            classes = list(meta["classes"])
-            counts = {e["name"]: int(e["num_samples"]) for e in meta.get("shards", [])}
-            if not all(isinstance(c, str) for c in classes) or not isinstance(meta["num_samples"], int):
-                raise TypeError("classes must be names and num_samples a count")
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
-            raise DataError(f"{index}: not an index written by pack_shards (needs 'classes' and 'num_samples'): "
-                            f"{type(e).__name__}: {e}") from e
-    elif (classes := classes_beside(folder)) is None:
-        raise DataError(f"{source}: no index.json, classes.txt or classes.json beside the shards in {folder}; "
-                        "write the class names, one a line in label order, into classes.txt")
-    sizes = [counts[p.name] if p.name in counts else count_samples(p) for p in paths]
+    described = {folder: _described(source, folder) for folder in dict.fromkeys(p.parent for p in paths)}
+    (first, (classes, _)), *others = described.items()
+    for folder, (theirs, _) in others:
+        if theirs != classes:
+            raise DataError(f"{source}: shards of two sets with different classes: {first} has {_listed(classes)}, "
+                            f"{folder} has {_listed(theirs)}; name the shards of one set")
+    for path in paths:
+        counts = described[path.parent][1]
+        if counts is not None and path.name not in counts:
+            raise DataError(f"{path}: not one of the {len(counts)} shards its folder's index.json lists (a shard "
+                            "of another pack-shards run?); its labels would be read as that index's classes")
+    sizes = [described[p.parent][1][p.name] if described[p.parent][1] is not None else count_samples(p)
+             for p in paths]
     return StreamSource(paths, read_shard, classes, sizes, name=source, key=files_key(paths, "shards"))

@@ -60,6 +60,19 @@ def test_cache_invalidated_when_folder_changes(make_folder, fakes, tmp_path):
     assert len(load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)) == 5
 
 
+def test_cache_invalidated_when_the_class_names_beside_shards_change(make_folder, tmp_path):
+    from vitlab.data.shards import pack_shards
+
+    pack_shards(make_folder(classes=2, per_class=2), tmp_path / "shards", samples_per_shard=2)
+    (tmp_path / "shards" / "index.json").unlink()
+    names = tmp_path / "shards" / "classes.txt"
+    names.write_text("cat\ndog\n")
+    assert load_in_memory(str(tmp_path / "shards"), cache_dir=tmp_path / "cache", workers=1).classes == ["cat", "dog"]
+    names.write_text("dog\ncat\n")  # a list written in the wrong order, put right: the shards are as they were
+    again = load_in_memory(str(tmp_path / "shards"), cache_dir=tmp_path / "cache", workers=1)
+    assert again.classes == ["dog", "cat"]  # the cached copy's names were taken: every label under another name
+
+
 def test_archive_gives_the_same_arrays_as_the_folder(make_folder, fakes, tmp_path):
     root = make_folder(classes=3, per_class=2, subdir="train")
     archive = fakes.make_tar(root, tmp_path / "set.tar.gz")

@@ -138,7 +138,7 @@ def arrow_source(folder: Path, name: str) -> StreamSource:
     image, label, classes = _columns(features, name, list(features))
     classes = classes or _classes_beside(folder, name)
     read = functools.partial(read_arrow_batch, image_column=image, label_column=label)
-    return StreamSource(units, read, classes, sizes, name=name, key=files_key(files, folder.name))
+    return StreamSource(units, read, classes, sizes, name=name, key=files_key(files, folder.name, classes))
 
 
 # ----------------------------------------------------------------------------- parquet
@@ -173,4 +173,4 @@ def parquet_source(paths: Sequence[Path], name: str) -> StreamSource:
     image, label, classes = _columns(features, name, names)
     classes = classes or _classes_beside(Path(paths[0]).parent, name)
     read = functools.partial(read_row_group, image_column=image, label_column=label)
-    return StreamSource(units, read, classes, sizes, name=name, key=files_key(paths, "parquet"))
+    return StreamSource(units, read, classes, sizes, name=name, key=files_key(paths, "parquet", classes))

@@ -377,4 +377,4 @@ def shard_source(source: str, paths: Sequence[Path]) -> StreamSource:
                             "of another pack-shards run?); its labels would be read as that index's classes")
     sizes = [described[p.parent][1][p.name] if described[p.parent][1] is not None else count_samples(p)
              for p in paths]
-    return StreamSource(paths, read_shard, classes, sizes, name=source, key=files_key(paths, "shards"))
+    return StreamSource(paths, read_shard, classes, sizes, name=source, key=files_key(paths, "shards", classes))

@@ -290,12 +290,16 @@ def classes_beside(folder: Path) -> Optional[list[str]]:
     return None
 
 
-def files_key(paths: Sequence[PathLike], name: str = "files") -> str:
-    """A short string that changes when any of ``paths`` changes (path, size, mtime)."""
+def files_key(paths: Sequence[PathLike], name: str = "files", classes: Sequence[str] = ()) -> str:
+    """A short string that changes when any of ``paths`` changes (path, size, mtime), or the
+    ``classes`` their labels name: those come from a file beside them (``index.json``,
+    ``classes.txt``) that can be edited alone, and a decoded copy cached under the key keeps
+    the names it was decoded with."""
     digest = hashlib.sha256()
     for path in paths:
         st = os.stat(path)
         digest.update(f"{Path(path).resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+    digest.update(json.dumps(list(classes)).encode())
     return f"{name}-{digest.hexdigest()[:16]}"
 
 

@@ -84,6 +84,33 @@ def test_parquet_without_class_names_needs_classes_txt(tmp_path, fakes):
     assert source.classes == ["even", "odd"] and ids_and_labels(source, fakes) == [(0, 0), (1, 1), (2, 0), (3, 1)]
 
 
+
+@pytest.mark.parametrize("stored", ["save_to_disk", "parquet"])
+def test_an_image_column_of_paths_or_labels_that_are_names_are_refused_with_the_cast_to_make(hf_set, tmp_path,
+                                                                                             stored):
+    # each read as far as the reader, which failed on the first batch: a traceback from inside pyarrow or a comparison
+    paths = []
+    for i, image in enumerate(hf_set["image"]):
+        paths.append(str(tmp_path / f"{i}.png"))
+        image.save(paths[-1])
+    of_paths = datasets.Dataset.from_dict({"image": paths, "label": hf_set["label"]}, features=datasets.Features(
+        {"image": datasets.Value("string"), "label": datasets.ClassLabel(names=CLASSES)}))
+    named = datasets.Dataset.from_dict({"image": hf_set["image"], "label": [CLASSES[i] for i in hf_set["label"]]},
+                                       features=datasets.Features({"image": datasets.Image(),
+                                                                   "label": datasets.Value("string")}))
+    for data, name, told in ((of_paths, "paths", r"the image column 'image' holds string, not an Image feature.*"
+                                                 r"dataset\.cast_column\('image', datasets\.Image\(\)\)"),
+                             (named, "names", r"the label column 'label' holds string, not integer class ids.*"
+                                              r"dataset\.class_encode_column\('label'\)")):
+        where = tmp_path / name / ("data.parquet" if stored == "parquet" else "ds")
+        where.parent.mkdir()
+        data.save_to_disk(str(where)) if stored == "save_to_disk" else data.to_parquet(str(where))
+        beside = where.parent if stored == "parquet" else where
+        (beside / "classes.txt").write_text("\n".join(CLASSES))  # names beside them change nothing
+        with pytest.raises(DataError, match=told):
+            open_source(str(where))
+
+
 def test_without_pyarrow_one_line_names_the_extra(hf_set, tmp_path, monkeypatch, capsys):
     from vitlab.cli import main
 

@@ -47,8 +47,10 @@ def is_hf_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
 
 
-def _columns(features: dict, where: str, names: Sequence[str]) -> tuple[str, str, Optional[list]]:
-    """(image column, label column, class names or None) of a ``datasets`` features dict."""
+def _columns(features: dict, where: str, schema) -> tuple[str, str, Optional[list]]:
+    """(image column, label column, class names or None) of a ``datasets`` features dict and
+    the arrow ``schema`` of the data."""
+    names = schema.names
     images = [k for k, v in features.items() if isinstance(v, dict) and v.get("_type") == "Image"]
     if not images:  # no description: a struct column with encoded bytes
         images = [k for k in names if k in ("image", "img")]
@@ -64,9 +66,24 @@ def _columns(features: dict, where: str, names: Sequence[str]) -> tuple[str, str
         found = ", ".join(labels) or "none"
         raise DataError(f"{where}: expected one label column (a ClassLabel feature, or one named "
                         f"{', '.join(LABEL_NAMES)}), found {found}")
+    _check_types(schema, images[0], labels[0], where)
     label_feature = features.get(labels[0], {})
     classes = label_feature.get("names") if isinstance(label_feature, dict) else None
     return images[0], labels[0], list(classes) if classes else None
+
+
+def _check_types(schema, image: str, label: str, where: str) -> None:
+    """That the columns hold what a reader takes: an ``Image`` struct of bytes (and a path), and
+    integer class ids; paths in a plain string column, or names as labels, failed in the reader."""
+    pa = _pyarrow(where)
+    image_type, label_type = schema.field(image).type, schema.field(label).type
+    if not (pa.types.is_struct(image_type) and image_type.get_field_index("bytes") >= 0):
+        raise DataError(f"{where}: the image column {image!r} holds {image_type}, not an Image feature (a struct of "
+                        f"the encoded bytes and a path); cast it first: dataset.cast_column({image!r}, "
+                        "datasets.Image())")
+    if not pa.types.is_integer(label_type):
+        raise DataError(f"{where}: the label column {label!r} holds {label_type}, not integer class ids; make them "
+                        f"a ClassLabel first: dataset.class_encode_column({label!r})")
 
 
 def _classes_beside(folder: Path, where: str) -> list[str]:
@@ -126,16 +143,20 @@ def arrow_source(folder: Path, name: str) -> StreamSource:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"{name}: not a folder written by datasets' save_to_disk (state.json, dataset_info.json): "
                         f"{type(e).__name__}: {e}") from e
-    units, sizes = [], []
+    units, sizes, schema = [], [], None
     for path in files:
         try:
             with pa.memory_map(str(path)) as mapped:
-                for i, batch in enumerate(pa.ipc.open_stream(mapped)):
+                stream = pa.ipc.open_stream(mapped)
+                schema = schema or stream.schema
+                for i, batch in enumerate(stream):
                     units.append((str(path), i))
                     sizes.append(batch.num_rows)
         except (OSError, pa.ArrowInvalid) as e:
             raise DataError(f"{path}: not a readable arrow file: {type(e).__name__}: {e}") from e
-    image, label, classes = _columns(features, name, list(features))
+    if schema is None:
+        raise DataError(f"{name}: state.json lists no arrow files")
+    image, label, classes = _columns(features, name, schema)
     classes = classes or _classes_beside(folder, name)
     read = functools.partial(read_arrow_batch, image_column=image, label_column=label)
     return StreamSource(units, read, classes, sizes, name=name, key=files_key(files, folder.name, classes))
@@ -157,20 +178,20 @@ def read_row_group(unit: tuple[str, int], skipped: Optional[list] = None, *, ima
 def parquet_source(paths: Sequence[Path], name: str) -> StreamSource:
     """Parquet files of image bytes and labels: one unit per row group."""
     pa = _pyarrow(name)
-    units, sizes, features, names = [], [], None, None
+    units, sizes, features, schema = [], [], None, None
     for path in paths:
         try:
             meta = pa.parquet.ParquetFile(str(path))
         except (OSError, pa.ArrowInvalid) as e:
             raise DataError(f"{path}: not a readable parquet file: {type(e).__name__}: {e}") from e
         if features is None:
-            names = meta.schema_arrow.names
+            schema = meta.schema_arrow
             described = (meta.schema_arrow.metadata or {}).get(b"huggingface")
             features = json.loads(described).get("info", {}).get("features", {}) if described else {}
         for i in range(meta.num_row_groups):
             units.append((str(path), i))
             sizes.append(meta.metadata.row_group(i).num_rows)
-    image, label, classes = _columns(features, name, names)
+    image, label, classes = _columns(features, name, schema)
     classes = classes or _classes_beside(Path(paths[0]).parent, name)
     read = functools.partial(read_row_group, image_column=image, label_column=label)
     return StreamSource(units, read, classes, sizes, name=name, key=files_key(paths, "parquet", classes))

@@ -200,3 +200,18 @@ def test_held_out_units_are_seeded_whole_and_refused_when_they_would_take_all(sh
     assert hold_out(source, 7, seed=1)[1].units != held.units
     with pytest.raises(DataError, match="nothing to train on"):
         hold_out(source, 30, seed=0)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_label_past_the_class_list_stops_the_run_in_one_line(shards, tmp_path, workers):
+    from vitlab.data.memory import load_in_memory
+
+    (shards / "index.json").unlink()
+    (shards / "classes.txt").write_text("class0\nclass1\n")  # one class short: labels 0-2 read under two names
+    source = open_source(str(shards))
+    augment = TrainTransform(num_classes=2, image_size=(8, 8), crop="none", flip=False)
+    # the training step failed inside the one-hot targets (index 2 out of bounds), streamed or decoded
+    with pytest.raises(DataError, match=r"shards: label 2 is not one of the 2 classes its labels are read under"):
+        next(iter(StreamLoader(source, 30, augment=augment, shuffle_buffer=0, workers=workers)))
+    with pytest.raises(DataError, match=r"shards: shard-\d+\.tar:\d+: label 2 is not one of the 2 classes"):
+        load_in_memory(str(shards), cache_dir=tmp_path / "cache", workers=1)

@@ -35,6 +35,7 @@ from vitlab.data.sources import (
     PathLike,
     StreamSource,
     Unread,
+    check_label_ids,
     default_cache_dir,
     is_archive,
     read_image_archive,
@@ -236,6 +237,7 @@ def load_source_in_memory(source: StreamSource, image_size: Size = None, cache_d
     else:
         keys, payloads, labels, skipped = [], [], [], Unread()
         for key, payload, label in source.samples(skipped):
+            check_label_ids((label,), source.classes, source.name, key)
             keys.append(key)
             payloads.append(payload)
             labels.append(label[0] if isinstance(label, tuple) else label)

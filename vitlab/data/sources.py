@@ -35,6 +35,7 @@ import numpy as np
 __all__ = [
     "ArchiveLimits",
     "DataError",
+    "check_label_ids",
     "StreamSource",
     "Unread",
     "files_key",
@@ -278,6 +279,25 @@ class StreamSource:
         return StreamSource([self.units[i] for i in indices], self.read, self.classes,
                             [self.unit_sizes[i] for i in indices], name=f"{self.name} ({part})",
                             key=self.key and f"{self.key}-{_short_hash(part + ':' + ','.join(map(str, indices)))}")
+
+
+def check_label_ids(labels: Sequence, classes: Sequence[str], source: str, where: str = "") -> None:
+    """That every class id in ``labels`` (ints, or a multi-label sample's tuples) is one of
+    ``classes``: a label past the list shows that the list (``index.json``, ``classes.txt``,
+    a ClassLabel's names) is not the one the labels were written with, and read under it any
+    label may name another class; it failed inside the training step, with a traceback.
+
+    Raises:
+        DataError: naming ``source`` (and ``where``: the sample) and the label.
+    """
+    count = len(classes)
+    for label in labels:
+        for class_id in label if isinstance(label, (tuple, list)) else (label,):
+            if not 0 <= class_id < count:
+                raise DataError(f"{source}: {where + ': ' if where else ''}label {class_id} is not one of the "
+                                f"{count} classes its labels are read under (ids 0 to {count - 1}); its class list "
+                                "(index.json, classes.txt or the ClassLabel's names) is not the one the labels "
+                                "were written with")
 
 
 def classes_beside(folder: Path) -> Optional[list[str]]:

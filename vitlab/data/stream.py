@@ -66,8 +66,8 @@ from vitlab.data.draws import PartGenerators
 from vitlab.data.hub import arrow_source, is_hf_dataset, parquet_source
 from vitlab.data.loader import DeviceStage, copy_without_a_wait, derive_seed, one_ahead
 from vitlab.data.shards import shard_source
-from vitlab.data.sources import (DataError, StreamSource, Unread, describe_unread, listing_state, resolve_data_path,
-                                 scan_image_folder)
+from vitlab.data.sources import (DataError, StreamSource, Unread, check_label_ids, describe_unread, listing_state,
+                                 resolve_data_path, scan_image_folder)
 from vitlab.data.transforms import TrainTransform, build_transform
 
 __all__ = ["expand_braces", "fitting_workers", "hold_out", "is_stream_source", "open_source", "StreamSource", "StreamDataset",
@@ -557,6 +557,10 @@ class StreamLoader:
                 handover = next(handovers_in)
                 self._note_unread(handover[3])
                 handovers.append(split_handover(handover))
+                # here, not in the reader: a worker's exception reaches the command with its traceback
+                source = self.dataset.source
+                for part in handovers[-1]:
+                    check_label_ids(part[2] if part[2] is not None else part[1], source.classes, source.name)
             for taken in zip(*handovers):
                 for part in taken:
                     positions[int(part[4])] = (int(part[5]), int(part[6]))

@@ -61,3 +61,20 @@ def test_few_per_class_errors_on_small_class():
         few_per_class([0, 1], 0, seed=0)
     with pytest.raises(DataError, match=r"^seed=-3: must be an integer >= 0$"):
         few_per_class([0, 1], 1, seed=-3)
+
+
+def test_a_stratified_sample_may_keep_a_small_class_whole_and_is_the_split_s_held_part():
+    from vitlab.data.splits import stratified_sample
+
+    labels = torch.tensor([0] * 10 + [1])  # a class of one image: its proportional share of 6 rounds up to 1
+    with pytest.raises(DataError, match=r"data.val_split=6: class id 1 has 1 example\(s\) and would give all 1 to the "
+                                        r"held-out set, leaving none to train on"):
+        stratified_split(labels, 6, 1, "data.val_split")
+    # data.train_examples=6 is a training pool: keeping the one image is what it asks (it was refused as above)
+    assert stratified_sample(labels, 6, 1, "data.train_examples").tolist()[-1] == 10
+    assert len(stratified_sample(labels, 6, 1)) == 6
+    balanced = torch.arange(30) % 3
+    for size, seed in ((7, 0), (12, 5), (25, 2)):  # the same draw as before wherever the split allowed it
+        assert torch.equal(stratified_sample(balanced, size, seed), stratified_split(balanced, size, seed)[1])
+    with pytest.raises(DataError, match=r"data.train_examples=11: a count of examples in 1..10"):
+        stratified_sample(labels, 11, 0, "data.train_examples")

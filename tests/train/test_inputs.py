@@ -12,6 +12,20 @@ def test_vtab_style_pool_then_split():
     assert s.skipped == 0 and s.classes == [str(i) for i in range(10)]
 
 
+
+def test_a_training_pool_keeps_a_class_of_few_images_whole(tmp_path):
+    from PIL import Image
+
+    for name, count in (("many", 10), ("one", 1)):
+        (tmp_path / "data" / name).mkdir(parents=True)
+        for i in range(count):
+            Image.new("RGB", (8, 8), (i, 0, 0)).save(tmp_path / "data" / name / f"{i}.png")
+    data = DataConfig(source=str(tmp_path / "data"), train_examples=6, cache_dir=str(tmp_path / "cache"),
+                      decode_workers=1)
+    # the one image was its share of the pool, refused as a validation split that left it none to train on
+    s = build_splits(TrainConfig(data=data), (8, 8))
+    assert sorted(s.train_labels.tolist()) == [0] * 5 + [1] and s.classes == ["many", "one"]
+
 def test_class_subset_relabels_in_the_given_order():
     s = build_splits(TrainConfig(data=DataConfig(source="digits", class_subset=("7", "3"))), (8, 8))
     assert s.classes == ["7", "3"] and set(s.train_labels.tolist()) == {0, 1}

@@ -19,7 +19,7 @@ import torch
 from vitlab.config import ConfigError
 from vitlab.data.sources import DataError
 
-__all__ = ["stratified_split", "few_per_class", "select_classes", "check_seed"]
+__all__ = ["stratified_split", "stratified_sample", "few_per_class", "select_classes", "check_seed"]
 
 Labels = Union[torch.Tensor, np.ndarray, list]
 
@@ -86,20 +86,41 @@ def stratified_split(labels: Labels, val_size: Union[int, float], seed: int,
         raise DataError(f"{name}={val_size}: takes {n_val} of the {n} examples; it must leave some on either side "
                         f"(1 to {n - 1}, or a fraction in (0, 1))")
 
-    classes, counts = np.unique(y, return_counts=True)
-    n_val_per_class = _proportional_counts(counts, n_val)
-    rng = np.random.Generator(np.random.PCG64(seed))
-    val_parts = []
-    for c, count, k in zip(classes, counts, n_val_per_class):
-        if k >= count:
-            raise DataError(
-                f"class {c} has {count} example(s); val_size={val_size} would take {k} of them, leaving none to train on"
-            )
-        members = np.flatnonzero(y == c)
-        val_parts.append(members[rng.permutation(count)[:k]])
-    val = np.sort(np.concatenate(val_parts))
+    val = _drawn(y, n_val, seed, f"{name}={val_size}")
     train = np.setdiff1d(np.arange(n), val, assume_unique=True)
     return torch.from_numpy(train), torch.from_numpy(val)
+
+
+def stratified_sample(labels: Labels, size: int, seed: int, name: str = "size") -> torch.Tensor:
+    """Sorted int64 indices of ``size`` examples with the class proportions of the whole set:
+    ``stratified_split``'s held-out part of the same size and seed, where a class may give
+    every example it has (a training pool, ``data.train_examples``, keeps a small class whole;
+    nothing is left on the other side to need one).
+
+    Raises:
+        DataError: ``size`` is not a count in 1..N-1, or a negative seed.
+    """
+    check_seed(seed)
+    y = _as_labels(labels)
+    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or not 0 < size < len(y):
+        raise DataError(f"{name}={size!r}: a count of examples in 1..{len(y) - 1} (0: all {len(y)})")
+    return torch.from_numpy(_drawn(y, int(size), seed))
+
+
+def _drawn(y: np.ndarray, total: int, seed: int, leave_some: str = "") -> np.ndarray:
+    """Sorted indices of ``total`` examples drawn class by class in proportion; where
+    ``leave_some`` (the setting, for the message) a class may not give all it has."""
+    classes, counts = np.unique(y, return_counts=True)
+    per_class = _proportional_counts(counts, total)
+    rng = np.random.Generator(np.random.PCG64(seed))
+    parts = []
+    for c, count, k in zip(classes, counts, per_class):
+        if leave_some and k >= count:
+            raise DataError(f"{leave_some}: class id {c} has {count} example(s) and would give all {k} to the "
+                            "held-out set, leaving none to train on; hold out fewer examples")
+        members = np.flatnonzero(y == c)
+        parts.append(members[rng.permutation(count)[:k]])
+    return np.sort(np.concatenate(parts))
 
 
 def few_per_class(labels: Labels, k: int, seed: int) -> torch.Tensor:

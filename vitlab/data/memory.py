@@ -237,7 +237,7 @@ def load_source_in_memory(source: StreamSource, image_size: Size = None, cache_d
     else:
         keys, payloads, labels, skipped = [], [], [], Unread()
         for key, payload, label in source.samples(skipped):
-            check_label_ids((label,), source.classes, source.name, key)
+            check_label_ids(label if isinstance(label, tuple) else (label,), source.classes, source.name, key)
             keys.append(key)
             payloads.append(payload)
             labels.append(label[0] if isinstance(label, tuple) else label)

@@ -281,23 +281,23 @@ class StreamSource:
                             key=self.key and f"{self.key}-{_short_hash(part + ':' + ','.join(map(str, indices)))}")
 
 
-def check_label_ids(labels: Sequence, classes: Sequence[str], source: str, where: str = "") -> None:
-    """That every class id in ``labels`` (ints, or a multi-label sample's tuples) is one of
-    ``classes``: a label past the list shows that the list (``index.json``, ``classes.txt``,
-    a ClassLabel's names) is not the one the labels were written with, and read under it any
-    label may name another class; it failed inside the training step, with a traceback.
+def check_label_ids(ids: Sequence[int], classes: Sequence[str], source: str, where: str = "") -> None:
+    """That every class id in ``ids`` (a flat sequence of ints) is one of ``classes``: a label past
+    the list shows that the list (``index.json``, ``classes.txt``, a ClassLabel's names) is not the
+    one the labels were written with, and read under it any label may name another class; it failed
+    inside the training step, with a traceback.  ``min``/``max`` first: a streamed run checks every
+    micro-batch's labels on the host.
 
     Raises:
         DataError: naming ``source`` (and ``where``: the sample) and the label.
     """
     count = len(classes)
-    for label in labels:
-        for class_id in label if isinstance(label, (tuple, list)) else (label,):
-            if not 0 <= class_id < count:
-                raise DataError(f"{source}: {where + ': ' if where else ''}label {class_id} is not one of the "
-                                f"{count} classes its labels are read under (ids 0 to {count - 1}); its class list "
-                                "(index.json, classes.txt or the ClassLabel's names) is not the one the labels "
-                                "were written with")
+    if len(ids) and (min(ids) < 0 or max(ids) >= count):
+        class_id = next(i for i in ids if not 0 <= i < count)
+        raise DataError(f"{source}: {where + ': ' if where else ''}label {class_id} is not one of the "
+                        f"{count} classes its labels are read under (ids 0 to {count - 1}); its class list "
+                        "(index.json, classes.txt or the ClassLabel's names) is not the one the labels "
+                        "were written with")
 
 
 def classes_beside(folder: Path) -> Optional[list[str]]:

@@ -16,7 +16,7 @@ from vitlab.data.loader import Batches, BatchStream
 from vitlab.data.memory import InMemoryDataset, load_in_memory
 from vitlab.data.shards import pack_shards
 from vitlab.data.sources import DataError, ImageFolderIndex, StreamSource, resolve_data_path, scan_image_folder
-from vitlab.data.splits import few_per_class, stratified_split
+from vitlab.data.splits import few_per_class, stratified_sample, stratified_split
 from vitlab.data.stream import StreamLoader, hold_out, open_source
 from vitlab.data.transforms import (
     Augmentation,
@@ -42,6 +42,7 @@ __all__ = [
     "InMemoryDataset",
     "load_in_memory",
     "stratified_split",
+    "stratified_sample",
     "few_per_class",
     "to_float",
     "resize",

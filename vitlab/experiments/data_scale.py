@@ -6,7 +6,7 @@ from typing import Sequence
 import numpy as np
 
 from vitlab.analysis.plots import plot_lines
-from vitlab.data import stratified_split
+from vitlab.data import stratified_sample
 from vitlab.eval.features import extract_features
 from vitlab.eval.fewshot import fewshot_evaluate
 from vitlab.experiments.common import (Settings, load_images, load_trained, split, stem, train_resnet, train_vit,
@@ -51,7 +51,7 @@ def fewshot(model, settings: Settings, shots: Sequence[int] = (5,), train_exampl
     """Linear few-shot top-1 of frozen features: pool = the training split, evaluated on the held-out one."""
     images, labels, _ = load_images(settings)
     if train_examples:
-        _, keep = stratified_split(labels, int(train_examples), 1)
+        keep = stratified_sample(labels, int(train_examples), 1, "train_examples")  # as data.train_examples draws
         images, labels = images[keep], labels[keep]
     train_idx, val_idx = split(settings, labels)
     model.eval()

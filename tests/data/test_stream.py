@@ -202,6 +202,24 @@ def test_held_out_units_are_seeded_whole_and_refused_when_they_would_take_all(sh
         hold_out(source, 30, seed=0)
 
 
+def test_a_readers_error_in_a_worker_process_is_its_own_line_not_the_workers_traceback(shards):
+    for shard in shards.glob("shard-*.tar"):  # every sample undecodable: the reader itself gives up
+        with tarfile.open(shard) as tar:
+            members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+        with tarfile.open(shard, "w") as tar:
+            for member, data in members:
+                data = b"not an image" if not member.name.endswith(".cls") else data
+                member.size = len(data)
+                tar.addfile(member, io.BytesIO(data))
+    source = open_source(str(shards))
+    augment = TrainTransform(num_classes=3, image_size=(8, 8), crop="none", flip=False)
+    with pytest.raises(DataError) as raised:
+        next(iter(StreamLoader(source, 30, augment=augment, shuffle_buffer=0, workers=1)))
+    # it was "Caught DataError in DataLoader worker process 0." and the worker's traceback, printed whole
+    assert str(raised.value).startswith(f"{source.name}: reader 0 (rank 0, worker 0) could decode none of its samples")
+    assert "\n" not in str(raised.value)
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_label_past_the_class_list_stops_the_run_in_one_line(shards, tmp_path, workers):
     from vitlab.data.memory import load_in_memory

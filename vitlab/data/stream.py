@@ -369,6 +369,23 @@ class _Handover:
         return len(self.parts) == self.count
 
 
+def as_raised_in_worker(err: Exception) -> Exception:
+    """An error a DataLoader worker raised, as the worker raised it: torch raises it again in this
+    process with a message of several lines ("Caught DataError in DataLoader worker process 0",
+    the worker's traceback, then the error's own line), which a command would print whole; the
+    error's own message is that last line, after its type's name."""
+    lines = str(err).rstrip().splitlines()
+    if len(lines) < 2 or "in DataLoader worker process" not in lines[0]:
+        return err
+    named = f"{type(err).__module__}.{type(err).__qualname__}: "
+    last = lines[-1]
+    message = last[len(named):] if last.startswith(named) else last.partition(": ")[2] or last
+    try:
+        return type(err)(message)
+    except TypeError:  # a type built from other arguments: as torch gave it
+        return err
+
+
 def split_handover(handover: tuple) -> list[tuple]:
     """A reader's handover as its parts, in order: (images (n, H, W, 3) uint8, labels (n ints:
     a multi-label sample's first), the part's labels where any sample has several, else
@@ -554,7 +571,10 @@ class StreamLoader:
             # one handover from every worker: the parts of the next parts_per_handover micro-batches
             handovers = []
             for _ in range(self.dataset.workers):
-                handover = next(handovers_in)
+                try:
+                    handover = next(handovers_in)
+                except (ValueError, OSError) as err:  # DataError is a ValueError
+                    raise as_raised_in_worker(err) from None
                 self._note_unread(handover[3])
                 handovers.append(split_handover(handover))
                 # here, not in the reader: a worker's exception reaches the command with its traceback

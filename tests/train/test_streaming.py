@@ -126,9 +126,20 @@ def test_a_separate_validation_set(tiny, shard_set, tmp_path):
     with pytest.raises(ConfigError, match="data.val_data"):
         tiny("both", data=str(shard_set), val_split=6, **{"data.val_data": str(val)})
     other = write_folder(tmp_path / "other", classes=2, per_class=2)
-    with pytest.raises(ConfigError, match="not the training set's"):
+    with pytest.raises(ConfigError, match="its classes are not the training set's, it lacks 'c2'; a label"):
         train(tiny("mismatch", data=str(shard_set), val_split=0, steps=2, cache_dir=str(tmp_path / "cache"),
                    **{"data.val_data": str(other)}), verbose=False)
+
+
+def test_how_two_class_lists_differ_is_said():
+    from vitlab.train.inputs import class_difference
+
+    assert class_difference(["a", "b"], ["a", "b", "c"]) == "it lacks 'c'"
+    assert class_difference(["a", "b", "x"], ["a", "b"]) == "it adds 'x'"
+    assert class_difference(["a", "y"], ["a", "b"]) == "it lacks 'b'; it adds 'y'"
+    assert class_difference(["b", "a", "c"], ["a", "b", "c"]) == \
+        "the same 3 names in another order (class 0 is 'b', not 'a')"
+    assert class_difference([], [str(i) for i in range(7)]).endswith("'4' and 2 more")
 
 
 @pytest.mark.slow

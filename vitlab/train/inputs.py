@@ -206,9 +206,24 @@ def load_val_data(cfg: TrainConfig, image_size: Pair, classes: list[str], world=
         return (*select_classes(val.images, val.labels, list(val.classes), tuple(data.class_subset))[:2],
                 val.skipped.images)
     if list(val.classes) != list(classes):
-        raise ConfigError(f"data.val_data={data.val_data!r}: its classes ({', '.join(val.classes[:5])}, ...) are not "
-                          f"the training set's ({', '.join(classes[:5])}, ...)")
+        raise ConfigError(f"data.val_data={data.val_data!r}: its classes are not the training set's, "
+                          f"{class_difference(list(val.classes), list(classes))}; a label is a class's place in the "
+                          "list, so both must list the same classes in the same order")
     return val.images, val.labels, val.skipped.images
+
+
+def class_difference(theirs: list[str], ours: list[str]) -> str:
+    """How the class list ``theirs`` differs from ``ours``, in words: the names one lacks or adds,
+    else the first place where the same names stand in another order."""
+    def named(names: list[str]) -> str:
+        return ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+    missing, extra = [c for c in ours if c not in set(theirs)], [c for c in theirs if c not in set(ours)]
+    if missing or extra:
+        return "; ".join(part for part in (missing and f"it lacks {named(missing)}",
+                                           extra and f"it adds {named(extra)}") if part)
+    place = next(i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b)
+    return f"the same {len(ours)} names in another order (class {place} is {theirs[place]!r}, not {ours[place]!r})"
 
 
 def decoded_once(load, world=None):

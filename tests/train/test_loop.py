@@ -98,6 +98,18 @@ def test_resume_refuses_a_changed_data_order(tiny):
         train(tiny("run", steps=4, batch_size=16), resume=True, verbose=False)
 
 
+def test_resume_refuses_another_number_of_steps_without_a_time_limit(tiny):
+    import pytest
+
+    from vitlab.config import ConfigError
+
+    train(tiny("run", steps=2), verbose=False)
+    # the schedule is the checkpoint's: asked for 4 steps, the resumed run stopped at its 2 without a word
+    with pytest.raises(ConfigError, match=r"^--resume: optim.steps=4 \(checkpoint: 2\): a resumed run keeps its "):
+        train(tiny("run", steps=4), resume=True, verbose=False)
+    assert train(tiny("run", steps=2), resume=True, verbose=False)["steps"] == 2
+
+
 def test_time_limit_fits_the_schedule(tiny):
     # 0.1 min budget: after 2 + 3 timed steps the total is fixed and the run decays to its end
     summary = train(tiny("timed", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1,

@@ -67,6 +67,13 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
                                 for k in changed)
         raise ConfigError(f"--resume: {differences} differ from the checkpoint's run; an exact continuation needs "
                           "the same values")
+    # without a time limit the schedule's length is the checkpoint's, and another optim.steps was
+    # ignored without a word (a run asked for 12 steps stopped at its 6); with one, steps is a ceiling
+    # and the budget plans again from the restart
+    if not (cfg.run.time_limit or before.run.time_limit) and cfg.optim.steps != before.optim.steps:
+        raise ConfigError(f"--resume: optim.steps={cfg.optim.steps} (checkpoint: {before.optim.steps}): a resumed run "
+                          f"keeps its schedule, whose learning rate decays to step {before.optim.steps}; resume with "
+                          "that number, or train on from its weights as a new run (--init, another --out)")
 
 
 def sharded(setup) -> bool:

@@ -110,6 +110,20 @@ def test_resume_refuses_another_number_of_steps_without_a_time_limit(tiny):
     assert train(tiny("run", steps=2), resume=True, verbose=False)["steps"] == 2
 
 
+def test_resume_refuses_optimiser_settings_its_checkpoint_restores(tiny):
+    from vitlab.config import ConfigError
+
+    train(tiny("run", steps=2, ema_decay=0.9), verbose=False)
+    # the optimiser's and the EMA's saved state set weight decay, betas and decay back to the checkpoint's:
+    # asked for 0.5, the resumed run trained on at 0.1 without a word
+    for changes, named in (({"weight_decay": 0.5}, r"optim.weight_decay=0.5 \(checkpoint: 0.1\)"),
+                           ({"optim.betas": (0.5, 0.9)}, r"optim.betas=\(0.5, 0.9\) \(checkpoint: \(0.9, 0.999\)\)"),
+                           ({"ema_decay": 0.5}, r"optim.ema_decay=0.5 \(checkpoint: 0.9\)")):
+        with pytest.raises(ConfigError, match=rf"^--resume: {named}: the checkpoint's optimiser state"):
+            train(tiny("run", **({"steps": 2, "ema_decay": 0.9} | changes)), resume=True, verbose=False)
+    assert train(tiny("run", steps=2, ema_decay=0.9), resume=True, verbose=False)["steps"] == 2
+
+
 def test_time_limit_fits_the_schedule(tiny):
     # 0.1 min budget: after 2 + 3 timed steps the total is fixed and the run decays to its end
     summary = train(tiny("timed", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1,

@@ -25,6 +25,11 @@ from .overrides import field_value
 RESUME_INVARIANTS = ("model.name", "model.overrides", "model.img_size", "model.init", "data.source",
                      "data.val_split", "data.split_seed", "data.train_examples", "data.class_subset",
                      "optim.batch_size", "optim.accum_steps", "optim.optimizer", "run.seed")
+# fields whose values the checkpoint's optimiser state (torch's param_groups) and weight average bring
+# back with it, over the command line's: by optimiser, the ones it reads (SGD has no betas)
+RESTORED_WITH_STATE = ("optim.weight_decay", "optim.wd_scope", "optim.ema_decay")
+RESTORED_BY_OPTIMIZER = {"adam": ("optim.betas",), "sgd": ("optim.momentum",),
+                         "muon": ("optim.betas", "optim.muon_momentum", "optim.muon_adamw_lr")}
 
 
 def rng_state() -> dict:
@@ -67,6 +72,17 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
                                 for k in changed)
         raise ConfigError(f"--resume: {differences} differ from the checkpoint's run; an exact continuation needs "
                           "the same values")
+    # the optimiser's load_state_dict sets each group's weight decay, betas, momentum and lr scale back
+    # to the checkpoint's, and the EMA its decay: another value was accepted and never used (wd_scope
+    # regroups the parameters, which the saved groups no longer match)
+    restored = RESTORED_WITH_STATE + RESTORED_BY_OPTIMIZER.get(cfg.optim.optimizer, ())
+    changed = [name for name in restored if field_value(before, name) != field_value(cfg, name)]
+    if changed:
+        differences = ", ".join(f"{k}={field_value(cfg, k)!r} (checkpoint: {field_value(before, k)!r})"
+                                for k in changed)
+        raise ConfigError(f"--resume: {differences}: the checkpoint's optimiser state and weight average carry its "
+                          "values, which a resumed run keeps; resume with those, or train on from its weights as a "
+                          "new run (--init, another --out)")
     # without a time limit the schedule's length is the checkpoint's, and another optim.steps was
     # ignored without a word (a run asked for 12 steps stopped at its 6); with one, steps is a ceiling
     # and the budget plans again from the restart

@@ -186,6 +186,16 @@ def test_a_resumed_run_keeps_the_arithmetic_and_layout_it_started_with(tmp_path)
         resolve(cfg, world(), described(), saved=dict(saved, precision="fp16"))
 
 
+def test_a_resumed_run_refuses_another_precision_asked_by_name(tmp_path):
+    cfg = auto_config(tmp_path)
+    saved = json.loads(json.dumps(dict(resolve(cfg, world(), described()).record(), precision="fp32")))
+    # the checkpoint's fp32 was kept: --precision bf16 on --resume trained on in fp32 without a word
+    with pytest.raises(ConfigError, match=r"^--resume: run.precision='bf16' \(checkpoint: 'fp32'\): a resumed run "
+                                          r"keeps the arithmetic it started with; set --precision fp32 \(or auto\)$"):
+        resolve(with_changes(cfg, {"run.precision": "bf16"}), world(), described(), saved=saved)
+    assert resolve(with_changes(cfg, {"run.precision": "fp32"}), world(), described(), saved=saved).precision == "fp32"
+
+
 def test_the_record_round_trips_through_json(tmp_path):
     resolved = resolve(auto_config(tmp_path), world(), described())
     record = json.loads(json.dumps(resolved.record()))

@@ -133,7 +133,8 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     Raises ConfigError: a run that cannot fit (``run.memory_check``), a device's option (fp8
     matmuls, a GPU's attention or autotuning) asked of another device (``check_device_options``,
     a preview too), a resumed fp16 run asked
-    to continue without its loss scaler or the other way round.
+    to continue without its loss scaler or the other way round, a resumed run asked by name for
+    another precision than its checkpoint's.
     """
     saved = saved or {}
     device = world.device
@@ -334,6 +335,10 @@ def arithmetic(cfg: TrainConfig, device: torch.device, machine: Machine, saved: 
     if before != precision and "fp16" in (before, precision):  # the loss scaler's state cannot follow
         raise ConfigError(f"--resume: the checkpoint's run trained in {before}, this one resolves to {precision}; "
                           f"set --precision {before}")
+    # a resumed run keeps the checkpoint's arithmetic: a precision asked by name was dropped without a word
+    if cfg.run.precision != "auto" and before != cfg.run.precision:
+        raise ConfigError(f"--resume: run.precision={cfg.run.precision!r} (checkpoint: {before!r}): a resumed run keeps "
+                          f"the arithmetic it started with; set --precision {before} (or auto)")
     if saved.get("kernels") and kernels is not None:
         stored = KernelChoice(**saved["kernels"])
         reason = why_unavailable(stored, machine.cpu)

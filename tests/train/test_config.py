@@ -88,6 +88,16 @@ def test_sections_check_themselves_when_built():
         with_changes(OK, {"optim.lr": 0.0})
 
 
+def test_a_devices_settings_refuse_what_the_run_decides_before_them():
+    # resolve reads the threads, precision and decoding processes before it applies run.on_device:
+    # {"cpu": {"run.threads": 1}} was recorded in the config and the run used all its cores
+    for changes in ({"run.threads": 1}, {"precision": "bf16"}, {"data.decode_workers": 1}, {"run.device": "cpu"}):
+        name = next(iter(changes))
+        with pytest.raises(ConfigError, match=rf"^run.on_device=.*: {name} for cpu: decided before a device's "):
+            RunConfig(on_device={"cpu": changes})
+    assert RunConfig(on_device={"cuda": {"optim.batch_size": 256, "run.compile": True}}).on_device
+
+
 def test_the_augmentation_fields_are_declared_once():
     # the section and the transform are both the one declaration, Augmentation, and share its checks
     assert issubclass(AugmentConfig, Augmentation) and issubclass(TrainTransform, Augmentation)

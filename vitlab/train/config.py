@@ -30,7 +30,7 @@ from vitlab.models.mpp import TARGETS as MPP_TARGETS
 from vitlab.models.registry import canonical_name, list_models
 
 from .architecture import model_architecture
-from .legacy import nested_dict
+from .legacy import LEGACY_NAMES, nested_dict
 
 OPTIMIZERS = ("adam", "sgd", "muon")
 DECAYS = ("cosine", "linear", "constant")
@@ -39,6 +39,8 @@ LOSSES = ("softmax_xent", "sigmoid_xent")
 WD_SCOPES = ("kernels", "all")
 STREAM_MODES = ("auto", "memory", "stream")
 DEVICE_TYPES = ("cpu", "cuda")
+# what resolve decides before a device's settings (run.on_device) are applied: set there, they were dropped
+BEFORE_ON_DEVICE = ("run.device", "run.on_device", "run.precision", "run.threads", "data.decode_workers")
 MAX_SEED = 2**32 - 1  # run.seed: numpy's global generator (np.random.seed) takes 32 bits
 FP8_MODES = ("off", *FP8_SCALINGS)  # run.fp8: off, or one of vitlab.fast.fp8's scalings
 # ModelConfig's initialisations of a model trained from scratch: the official one first
@@ -328,6 +330,11 @@ class RunConfig(Section):
         need(isinstance(self.on_device, dict) and set(self.on_device) <= set(DEVICE_TYPES)
              and all(isinstance(changes, dict) for changes in self.on_device.values()), "run.on_device",
              self.on_device, f"expected {{device type: {{field: value}}}}, device types {', '.join(DEVICE_TYPES)}")
+        for kind, changes in self.on_device.items():
+            early = [n for n in changes if LEGACY_NAMES.get(n, n) in BEFORE_ON_DEVICE]
+            need(not early, "run.on_device", self.on_device,
+                 f"{', '.join(early)} for {kind}: decided before a device's settings apply (the device "
+                 "chooses them), so a run kept its own; set them for every device, or with --set")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "augment": AugmentConfig, "optim": OptimConfig,

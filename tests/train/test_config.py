@@ -98,6 +98,22 @@ def test_a_devices_settings_refuse_what_the_run_decides_before_them():
     assert RunConfig(on_device={"cuda": {"optim.batch_size": 256, "run.compile": True}}).on_device
 
 
+def test_an_optimisers_setting_is_refused_with_another_optimiser():
+    # Adam reads no momentum, SGD no betas: --set optim.momentum=0.5 on an Adam recipe trained as before
+    for changes, message in (({"momentum": 0.5}, r"optim.momentum=0.5: applies to optim.optimizer='sgd' only \(here "
+                                                 r"'adam'\); leave it at 0.9"),
+                             ({"optimizer": "sgd", "betas": (0.5, 0.9)}, r"optim.betas=\(0.5, 0.9\): applies to "
+                                                                       r"optim.optimizer='adam' or 'muon' only"),
+                             ({"optimizer": "adam", "muon_momentum": 0.9}, r"optim.muon_momentum=0.9: applies to "
+                                                                          r"optim.optimizer='muon' only")):
+        with pytest.raises(ConfigError, match=rf"^{message}"):
+            OptimConfig(**changes)
+    OptimConfig(optimizer="sgd", momentum=0.0)
+    OptimConfig(optimizer="muon", betas=(0.8, 0.9), muon_momentum=0.9)
+    for name in list_recipes():  # no recipe sets another optimiser's field
+        load_recipe(name)
+
+
 def test_the_augmentation_fields_are_declared_once():
     # the section and the transform are both the one declaration, Augmentation, and share its checks
     assert issubclass(AugmentConfig, Augmentation) and issubclass(TrainTransform, Augmentation)

@@ -232,6 +232,12 @@ class OptimConfig(Section):
              "optim.muon_adamw_lr", self.muon_adamw_lr, "must be None (the lr) or > 0")
         need(self.muon_adamw_lr is None or self.optimizer == "muon", "optim.muon_adamw_lr", self.muon_adamw_lr,
              f"applies to optim.optimizer='muon' only (here {self.optimizer!r}); leave it None")
+        # another optimiser's setting changed from its default was accepted and never read (Adam has no momentum)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, owners in (("momentum", ("sgd",)), ("betas", ("adam", "muon")), ("muon_momentum", ("muon",))):
+            need(getattr(self, name) == defaults[name] or self.optimizer in owners, self.path(name), getattr(self, name),
+                 f"applies to optim.optimizer={' or '.join(map(repr, owners))} only (here {self.optimizer!r}); "
+                 f"leave it at {defaults[name]}")
         need(self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"must not exceed optim.lr={self.lr}")
         for name in ("momentum", "muon_momentum", "ema_decay"):
             need_number(self.path(name), getattr(self, name), 0.0, below=1.0)

@@ -98,6 +98,18 @@ def test_a_devices_settings_refuse_what_the_run_decides_before_them():
     assert RunConfig(on_device={"cuda": {"optim.batch_size": 256, "run.compile": True}}).on_device
 
 
+def test_a_setting_of_the_other_nonfinite_policy_is_refused():
+    # run.max_skipped_steps bounds "skip" only: with "stop" a changed one was accepted and never read
+    with pytest.raises(ConfigError, match=r"^run.max_skipped_steps=3: bounds the steps run.on_nonfinite='skip' leaves "
+                                          r"out, and this run stops at the first \(run.on_nonfinite='stop'\); leave it "
+                                          r"at 10"):
+        RunConfig(max_skipped_steps=3)
+    assert RunConfig(on_nonfinite="skip", max_skipped_steps=3).max_skipped_steps == 3
+    assert RunConfig(on_nonfinite="stop").max_skipped_steps == 10
+    for name in list_recipes():  # no recipe sets it without "skip"
+        load_recipe(name)
+
+
 def test_an_optimisers_setting_is_refused_with_another_optimiser():
     # Adam reads no momentum, SGD no betas: --set optim.momentum=0.5 on an Adam recipe trained as before
     for changes, message in (({"momentum": 0.5}, r"optim.momentum=0.5: applies to optim.optimizer='sgd' only \(here "

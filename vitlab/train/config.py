@@ -332,6 +332,11 @@ class RunConfig(Section):
         # at its start with numpy's or torch's own overflow message, which names no field)
         need(self.seed <= MAX_SEED, "run.seed", self.seed, f"must be an integer in [0, 2**32 - 1 = {MAX_SEED}]")
         need_number("run.time_limit", self.time_limit)
+        # read only with "skip": a changed one was accepted and did nothing (the default is allowed, it is always there)
+        default = RunConfig.max_skipped_steps
+        need(self.max_skipped_steps == default or self.on_nonfinite == "skip", "run.max_skipped_steps",
+             self.max_skipped_steps, f"bounds the steps run.on_nonfinite='skip' leaves out, and this run stops at the "
+                                     f"first (run.on_nonfinite={self.on_nonfinite!r}); leave it at {default}")
         need(isinstance(self.out, str) and self.out != "", "run.out", self.out, "expected a folder")
         need(isinstance(self.on_device, dict) and set(self.on_device) <= set(DEVICE_TYPES)
              and all(isinstance(changes, dict) for changes in self.on_device.values()), "run.on_device",

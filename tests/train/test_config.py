@@ -110,6 +110,18 @@ def test_a_setting_of_the_other_nonfinite_policy_is_refused():
         load_recipe(name)
 
 
+def test_the_steps_timed_for_a_time_limit_are_refused_without_one():
+    # run.time_measure_steps is read only to fit the schedule to run.time_limit: without one it did nothing
+    with pytest.raises(ConfigError, match=r"^run.time_measure_steps=3: the steps timed to fit the schedule to "
+                                          r"run.time_limit, and this run has no time limit \(0\); set run.time_limit, "
+                                          r"or leave it at 10"):
+        RunConfig(time_measure_steps=3)
+    assert RunConfig(time_limit=5.0, time_measure_steps=3).time_measure_steps == 3
+    assert with_changes(OK, {"run.time_measure_steps": 3, "run.time_limit": 1.0}).run.time_measure_steps == 3
+    for name in list_recipes():  # no recipe sets it without a time limit
+        load_recipe(name)
+
+
 def test_an_optimisers_setting_is_refused_with_another_optimiser():
     # Adam reads no momentum, SGD no betas: --set optim.momentum=0.5 on an Adam recipe trained as before
     for changes, message in (({"momentum": 0.5}, r"optim.momentum=0.5: applies to optim.optimizer='sgd' only \(here "

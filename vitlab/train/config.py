@@ -337,6 +337,11 @@ class RunConfig(Section):
         need(self.max_skipped_steps == default or self.on_nonfinite == "skip", "run.max_skipped_steps",
              self.max_skipped_steps, f"bounds the steps run.on_nonfinite='skip' leaves out, and this run stops at the "
                                      f"first (run.on_nonfinite={self.on_nonfinite!r}); leave it at {default}")
+        # read only to fit the schedule to a time limit: without one a changed count was accepted and did nothing
+        default = RunConfig.time_measure_steps
+        need(self.time_measure_steps == default or self.time_limit > 0, "run.time_measure_steps",
+             self.time_measure_steps, f"the steps timed to fit the schedule to run.time_limit, and this run has no "
+                                      f"time limit (0); set run.time_limit, or leave it at {default}")
         need(isinstance(self.out, str) and self.out != "", "run.out", self.out, "expected a folder")
         need(isinstance(self.on_device, dict) and set(self.on_device) <= set(DEVICE_TYPES)
              and all(isinstance(changes, dict) for changes in self.on_device.values()), "run.on_device",

@@ -122,6 +122,19 @@ def test_the_steps_timed_for_a_time_limit_are_refused_without_one():
         load_recipe(name)
 
 
+def test_a_masked_patch_prediction_setting_is_refused_without_it():
+    # model.mpp_rate is read by masked patch prediction only: on a classifier it was accepted and did nothing
+    with pytest.raises(ConfigError, match=r"^model.mpp_rate=0.25: the fraction of patches masked patch prediction "
+                                          r"corrupts, and model.mpp=None trains the classifier; set model.mpp, or "
+                                          r"leave it at 0.5"):
+        with_changes(OK, {"model.mpp_rate": 0.25})
+    assert ModelConfig(mpp="color", mpp_rate=0.25).mpp_rate == 0.25
+    # an MPP run's config fine-tuned: model.mpp=None with the recipe's (default) rate
+    assert with_changes(OK, {"model.mpp": "color"}).model.mpp_rate == 0.5
+    for name in list_recipes():  # no recipe sets a rate without model.mpp
+        load_recipe(name)
+
+
 def test_an_optimisers_setting_is_refused_with_another_optimiser():
     # Adam reads no momentum, SGD no betas: --set optim.momentum=0.5 on an Adam recipe trained as before
     for changes, message in (({"momentum": 0.5}, r"optim.momentum=0.5: applies to optim.optimizer='sgd' only \(here "

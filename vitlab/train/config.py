@@ -104,6 +104,11 @@ class ModelConfig(Section):
              f"expected None or one of {', '.join(MPP_TARGETS)}")
         need(is_number(self.mpp_rate) and 0 < self.mpp_rate <= 1, "model.mpp_rate", self.mpp_rate,
              "must be a fraction in (0, 1]")
+        # read by masked patch prediction only: without model.mpp a changed rate was accepted and did nothing
+        default = ModelConfig.mpp_rate
+        need(self.mpp_rate == default or self.mpp is not None, "model.mpp_rate", self.mpp_rate,
+             f"the fraction of patches masked patch prediction corrupts, and model.mpp=None trains the classifier; "
+             f"set model.mpp, or leave it at {default}")
         for name, allowed in FROM_SCRATCH_INITS.items():
             value = getattr(self, name)
             need(value in allowed, f"model.{name}", value, f"expected one of {', '.join(allowed)}")

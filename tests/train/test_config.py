@@ -135,6 +135,17 @@ def test_a_masked_patch_prediction_setting_is_refused_without_it():
         load_recipe(name)
 
 
+def test_keeping_an_inits_pre_logits_is_refused_without_an_init():
+    # model.keep_pre_logits is read when model.init is loaded only: from scratch it was accepted and did nothing
+    with pytest.raises(ConfigError, match=r"^model.keep_pre_logits=True: keeps model.init's pre-logits layer, and this "
+                                          r"model is trained from scratch \(model.init=None\); a pre-logits layer of "
+                                          r"its own is model.pre_logits"):
+        with_changes(OK, {"model.keep_pre_logits": True})
+    assert ModelConfig(init="weights.npz", keep_pre_logits=True).keep_pre_logits
+    for name in list_recipes():  # no recipe keeps pre-logits without an init
+        load_recipe(name)
+
+
 def test_an_optimisers_setting_is_refused_with_another_optimiser():
     # Adam reads no momentum, SGD no betas: --set optim.momentum=0.5 on an Adam recipe trained as before
     for changes, message in (({"momentum": 0.5}, r"optim.momentum=0.5: applies to optim.optimizer='sgd' only \(here "

@@ -114,6 +114,10 @@ class ModelConfig(Section):
             need(value in allowed, f"model.{name}", value, f"expected one of {', '.join(allowed)}")
             need(value == allowed[0] or self.init is None, f"model.{name}", value,
                  f"{value!r} initialises a model trained from scratch; with model.init the weights are loaded")
+        # only loading model.init reads it: from scratch keep_pre_logits=true was accepted and did nothing
+        need(not self.keep_pre_logits or self.init is not None, "model.keep_pre_logits", self.keep_pre_logits,
+             "keeps model.init's pre-logits layer, and this model is trained from scratch (model.init=None); "
+             "a pre-logits layer of its own is model.pre_logits")
         need(isinstance(self.overrides, dict), "model.overrides", self.overrides, "expected a dict of ViTConfig fields")
         need(self.init is None or is_path(self.init), "model.init", self.init,
              "expected a path or None; an empty one would be the working folder")

@@ -356,3 +356,21 @@ def test_show_config_states_fp8_on_a_gpu_that_has_it_and_refuses_it_elsewhere(tm
     assert shown["resolved"]["device"] == "cuda:0" and shown["memory_estimate"]["fast"] is False
     with pytest.raises(ConfigError, match="run.fp8='tensorwise' needs a CUDA GPU .* resolves to cpu"):
         preview(cfg, described())
+
+
+def test_a_streaming_setting_is_refused_on_a_run_that_holds_its_data_in_memory(tmp_path):
+    # the readers' shuffle buffer and draft decoding stream only, and memory_limit_gb only decides "auto" (or
+    # bounds a streamed set's held-out shards): on the in-memory digits they were accepted and did nothing
+    for changes, message in (({"data.shuffle_buffer": 100}, r"data.shuffle_buffer=100: read by a streamed training "
+                                                             r"set's readers, and this run holds its data in memory "
+                                                             r"\(data.stream='auto'\); leave it at 1000"),
+                             ({"data.draft": False}, r"data.draft=False: read by a streamed training set's readers"),
+                             ({"data.stream": "memory", "data.memory_limit_gb": 2.0},
+                              r"data.memory_limit_gb=2.0: decides data.stream='auto' and bounds a streamed set's "
+                              r"held-out shards \(data.val_split\), and this run has data.stream='memory' \(in memory\) "
+                              r"without them; leave it at 8.0")):
+        with pytest.raises(ConfigError, match=rf"^{message}"):
+            resolve(with_changes(auto_config(tmp_path), changes), world(), described())
+    # the defaults, and a limit that decides "auto", are read or harmless
+    assert resolve(with_changes(auto_config(tmp_path), {"data.memory_limit_gb": 2.0}), world(), described()).data \
+        == "memory"

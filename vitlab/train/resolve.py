@@ -54,7 +54,7 @@ from vitlab.machine import Machine
 from vitlab.models.registry import get_config
 
 from .architecture import architecture
-from .config import RunConfig, TrainConfig, to_dict
+from .config import DataConfig, RunConfig, TrainConfig, to_dict
 from .distributed import World, local_rank, local_world
 from .inputs import HeldImages, count_images, held_images, opened_source
 from .memory_estimate import (GB, Available, MemoryEstimate, RunShape, estimate_memory, fitting_settings, gb, refusal,
@@ -188,6 +188,9 @@ def data_decisions(cfg: TrainConfig, world: World, cores: int, img_size: Pair, s
             raise ConfigError(f"data.augment_batches={cfg.data.augment_batches}: groups batches of data held in "
                               "memory, and this run streams its data (data.stream); set data.augment_batches=1 "
                               "or data.stream=memory")
+        unread = unread_data_settings(cfg, streamed)
+        if unread:
+            raise ConfigError(unread)
         changes = {"data.stream": "stream" if streamed else "memory"}
         if streamed:
             changes["data.stream_workers"] = stream_workers(cfg, world, cores, saved)
@@ -501,6 +504,26 @@ def streams(cfg: TrainConfig, image_size: Pair) -> bool:
     if is_stream_source(data.source):
         return True
     return count_images(data.source, data.cache_dir) * 3 * image_size[0] * image_size[1] > data.memory_limit_gb * 1e9
+
+
+def unread_data_settings(cfg: TrainConfig, streamed: bool) -> str:
+    """Why a data setting changed from its default is read nowhere by this run, or "": the
+    streaming readers' settings on a run that holds its data in memory, and data.memory_limit_gb
+    where it neither decides "auto" nor bounds a streamed set's held-out shards (data.val_split);
+    they were accepted and did nothing.  The defaults are allowed: the fields are always there."""
+    data, defaults = cfg.data, DataConfig()
+    if not streamed:
+        for name in ("shuffle_buffer", "draft"):
+            value, default = getattr(data, name), getattr(defaults, name)
+            if value != default:
+                return (f"data.{name}={value!r}: read by a streamed training set's readers, and this run holds its "
+                        f"data in memory (data.stream={data.stream!r}); leave it at {default!r}")
+    limit, default = data.memory_limit_gb, defaults.memory_limit_gb
+    if limit != default and data.stream != "auto" and not (streamed and data.val_split):
+        return (f"data.memory_limit_gb={limit!r}: decides data.stream='auto' and bounds a streamed set's held-out "
+                f"shards (data.val_split), and this run has data.stream={data.stream!r}"
+                f"{'' if streamed else ' (in memory)'} without them; leave it at {default!r}")
+    return ""
 
 
 def stream_workers(cfg: TrainConfig, world: World, cores: int, saved: dict) -> int:

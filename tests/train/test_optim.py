@@ -143,6 +143,21 @@ def test_muon_adamw_lr_sets_the_adamw_part_apart_from_the_muon_part(tiny):
     assert {g["lr_scale"] for g in same.optimizer.param_groups} == {1.0}
 
 
+def test_a_resumed_muon_run_with_another_lr_keeps_the_asked_adamw_lr(tiny):
+    # the groups' lr_scale (muon_adamw_lr / lr) came back with the checkpoint's optimiser state: resumed with
+    # --set optim.lr=2e-3 (numerics' advice after a divergence), the AdamW part ran at 2e-3 * 1e-3 / 4e-3, not 1e-3
+    from vitlab.train.build import build
+    from vitlab.train.state import restore_state, training_state
+    from vitlab.train.step import endless, train_step
+
+    first = build(tiny(optimizer="muon", lr=4e-3, **{"optim.muon_adamw_lr": 1e-3}))
+    state = training_state(first, 0, 6, [], {})
+    resumed = build(tiny(optimizer="muon", lr=2e-3, **{"optim.muon_adamw_lr": 1e-3}))
+    restore_state(resumed, state)
+    train_step(resumed, endless(resumed.stream), lr=2e-3, size=resumed.img_size[0])  # the schedule's peak
+    assert {g["muon"]: g["lr"] for g in resumed.optimizer.param_groups} == {True: 2e-3, False: 1e-3}
+
+
 def test_muon_adamw_lr_must_be_positive_and_with_muon():
     from vitlab.config import ConfigError
 

@@ -68,6 +68,16 @@ def block_matrices(model: nn.Module) -> list[nn.Parameter]:
             if isinstance(module, nn.Linear) and "blocks" in name.split(".") and module.weight.requires_grad]
 
 
+def set_lr_scales(groups: list[dict], cfg: OptimConfig) -> None:
+    """Muon's groups: each one's ``lr_scale``, which the loop's scheduled lr is multiplied by
+    (the AdamW part's optim.muon_adamw_lr / optim.lr).  Set again after a checkpoint's state is
+    loaded: its groups carry the scale of the lr it was saved with, and a run resumed with
+    another optim.lr would otherwise run the AdamW part at the old ratio, not at muon_adamw_lr."""
+    adamw_scale = (cfg.muon_adamw_lr or cfg.lr) / cfg.lr
+    for g in groups:
+        g["lr_scale"] = 1.0 if g.get("muon") else adamw_scale
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig, bf16_matmuls: bool = False) -> torch.optim.Optimizer:
     """Adam(W), SGD or Muon+AdamW over parameter groups; the lr is set every step by the loop.
 
@@ -87,9 +97,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, bf16_matmuls: bool = Fal
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
     groups = [g for g in groups + [{"params": no_decay, "weight_decay": 0.0}] if g["params"]]
     if cfg.optimizer == "muon":
-        adamw_scale = (cfg.muon_adamw_lr or cfg.lr) / cfg.lr
-        for g in groups:  # the loop's scheduled lr times lr_scale
-            g["lr_scale"] = 1.0 if g.get("muon") else adamw_scale
+        set_lr_scales(groups, cfg)
         return MuonAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), momentum=cfg.muon_momentum,
                          ns_dtype=torch.bfloat16 if bf16_matmuls else torch.float32)
     fused = fusable(model, cfg.optimizer)

@@ -16,6 +16,7 @@ from vitlab.config import ConfigError
 from vitlab.models.registry import build_model
 
 from .config import TrainConfig, from_dict, to_dict
+from .optim import set_lr_scales
 from .overrides import field_value
 
 # torch.distributed.checkpoint is imported inside the FSDP paths below: it loads a large part of
@@ -74,7 +75,8 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
                           "the same values")
     # the optimiser's load_state_dict sets each group's weight decay, betas, momentum and lr scale back
     # to the checkpoint's, and the EMA its decay: another value was accepted and never used (wd_scope
-    # regroups the parameters, which the saved groups no longer match)
+    # regroups the parameters, which the saved groups no longer match; Muon's lr scale restore_state sets
+    # again, for a resume with another optim.lr (numerics' advice), and muon_adamw_lr is refused all the same)
     restored = RESTORED_WITH_STATE + RESTORED_BY_OPTIMIZER.get(cfg.optim.optimizer, ())
     changed = [name for name in restored if field_value(before, name) != field_value(cfg, name)]
     if changed:
@@ -154,6 +156,8 @@ def restore_state(setup, state: dict) -> tuple[int, int, list[dict]]:
     else:
         setup.model.load_state_dict(state["model"])
         setup.optimizer.load_state_dict(state["optimizer"])
+    if setup.cfg.optim.optimizer == "muon":  # the saved groups' lr scale is that of the lr they were saved with
+        set_lr_scales(setup.optimizer.param_groups, setup.cfg.optim)
     if setup.ema is not None and state.get("ema"):
         setup.ema.load_state_dict(state["ema"])
     if setup.scaler is not None and state.get("scaler"):

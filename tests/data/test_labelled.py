@@ -31,8 +31,8 @@ def test_the_runs_data_is_split_as_the_run_split_it():
 
 def test_flags_win_and_other_data_takes_the_defaults():
     run = NESTED["data"]
-    everything = load_held_out(run, 8, val_split=0, split_seed=4)
-    assert (everything.split, everything.seed, len(everything.rest)) == (0, 4, 0)
+    everything = load_held_out(run, 8, val_split=0)
+    assert (everything.split, len(everything.rest)) == (0, 0)
     assert torch.equal(everything.held, torch.arange(len(everything.labels)))
     fraction = load_held_out(run, 8, val_split=0.5)
     assert fraction.split == 0.5 and len(fraction.held) == len(fraction.labels) // 2
@@ -57,6 +57,14 @@ def test_the_flags_are_checked_before_the_data_is_decoded(monkeypatch):
         load_held_out(run, 8, val_split=float("nan"))
     with pytest.raises(ValueError, match=r"^--val-split=inf: a count"):
         load_held_out(run, 8, val_split=float("inf"))
+    # the whole set scored has no split to seed: --split-seed was accepted, reported in the JSON, and changed nothing
+    for recorded, kwargs, why in ((run, {"val_split": 0}, "--val-split 0"),
+                                  ({**run, "source": "elsewhere"}, {"source": "digits"},
+                                   "no --val-split, and the data is not the run's"),
+                                  ({**run, "val_split": 0}, {}, "no --val-split, and the run held out nothing")):
+        with pytest.raises(ValueError, match=rf"^--split-seed=4: seeds the held-out split, and the whole set is "
+                                             rf"scored \({why}\); give --val-split, or leave --split-seed out$"):
+            load_held_out(recorded, 8, split_seed=4, **kwargs)
     # numpy's refusal of a negative seed named neither the flag nor the value
     with pytest.raises(ValueError, match=r"^--split-seed=-1: must be an integer >= 0$"):
         load_held_out(run, 8, split_seed=-1)

@@ -87,6 +87,7 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
     if not source:
         raise ValueError("--data is needed: the checkpoint's run does not name its data")
     same_as_run = bool(run) and str(source) == str(run.get("source"))
+    seed_given = split_seed is not None
     if split_seed is None:
         split_seed = int(run.get("split_seed", 0)) if same_as_run else 0
     # the flags are checked before the data is decoded, which can take minutes
@@ -97,6 +98,15 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         need_output_folder("--cache-dir", cache_dir)
     run_shards = (not pool and same_as_run and val_split is None and run.get("stream") == "stream"
                   and bool(run.get("val_split")))
+    asked_split = val_split
+    if val_split is None and not run_shards:
+        val_split = float(run["val_split"]) if same_as_run and run.get("val_split") else default_split
+    # the whole set has no split to seed: a seed given for it was accepted, reported, and changed nothing
+    if seed_given and val_split == 0 and not run_shards:
+        unsplit = "the run held out nothing" if same_as_run else "the data is not the run's"
+        why = "--val-split 0" if asked_split is not None else f"no --val-split, and {unsplit}"
+        raise ValueError(f"--split-seed={split_seed}: seeds the held-out split, and the whole set is scored ({why}); "
+                         "give --val-split, or leave --split-seed out")
     data = load_labelled(source, image_size, cache_dir=cache_dir, workers=workers,
                          held_out=(run["val_split"], split_seed) if run_shards else None)
     images, labels, classes, key = data.images, data.labels, list(data.classes), data.key
@@ -106,8 +116,6 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
     if run_shards:
         rest, held, split = torch.arange(0), torch.arange(len(labels)), run["val_split"]
     else:
-        if val_split is None:
-            val_split = float(run["val_split"]) if same_as_run and run.get("val_split") else default_split
         rest, held, split = _split(labels, val_split, split_seed)
     return HeldOutSet(images, labels, classes, key, data.skipped.images, rest, held, split, split_seed, run_shards)
 

@@ -146,6 +146,20 @@ def test_keeping_an_inits_pre_logits_is_refused_without_an_init():
         load_recipe(name)
 
 
+def test_an_architecture_field_is_refused_for_a_fine_tune():
+    # the fine-tuned model is its init's with only the regularisation changed: model.width=64 was recorded and
+    # the model kept the init's width
+    with pytest.raises(ConfigError, match=r"^model.width=64: the architecture of a fine-tuned model is its init's "
+                                          r"\(model.init\); of its fields only dropout, attention_dropout, drop_path, "
+                                          r"patch_dropout apply"):
+        with_changes(OK, {"model.init": "weights.npz", "model.width": 64})
+    tuned = with_changes(OK, {"model.init": "weights.npz", "model.dropout": 0.1, "model.drop_path": 0.1})
+    assert tuned.model.overrides["dropout"] == 0.1
+    assert with_changes(tuned, {"model.attention_dropout": 0.1}).model.overrides["attention_dropout"] == 0.1
+    with pytest.raises(ConfigError, match=r"^model.num_classes=3: the architecture of a fine-tuned model"):
+        with_changes(tuned, {"model.num_classes": 3})
+
+
 def test_an_optimisers_setting_is_refused_with_another_optimiser():
     # Adam reads no momentum, SGD no betas: --set optim.momentum=0.5 on an Adam recipe trained as before
     for changes, message in (({"momentum": 0.5}, r"optim.momentum=0.5: applies to optim.optimizer='sgd' only \(here "

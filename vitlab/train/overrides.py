@@ -110,6 +110,15 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
         section, key = path.split(".", 1)
         by_section.setdefault(section, {})[key] = value
     by_section = fit_model_family(cfg, by_section)
+    if architecture and by_section.get("model", {}).get("init", cfg.model.init) is not None:
+        from .resolve import FINETUNE_MODEL_FIELDS  # here: resolve imports this module
+
+        # a fine-tune builds its init's architecture with only the regularisation changed (build._fine_tuned):
+        # --set model.width=64 was recorded in the config and the model kept its init's width
+        fixed = [key for key in architecture if key not in FINETUNE_MODEL_FIELDS]
+        if fixed:
+            raise ConfigError(f"model.{fixed[0]}={architecture[fixed[0]]!r}: the architecture of a fine-tuned model is "
+                              f"its init's (model.init); of its fields only {', '.join(FINETUNE_MODEL_FIELDS)} apply")
     data = by_section.get("data", {})
     if data.get("val_data") and "val_split" not in data:  # a named validation set replaces the recipe's held-out split
         by_section["data"] = {**data, "val_split": 0}

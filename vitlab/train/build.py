@@ -19,13 +19,13 @@ from vitlab.machine import Machine
 from vitlab.models.init import mimetic_attention_init_, sincos_posemb_init_, whiten_patches_
 
 from .architecture import architecture
-from .config import TrainConfig
+from .config import FINETUNE_MODEL_FIELDS, TrainConfig
 from .distributed import World, init_world, local_rank, wrap_model
 from .ema import EMA
 from .inputs import Splits, build_splits, stream_splits, whitening_sample
 from .numerics import make_scaler
 from .optim import build_optimizer
-from .resolve import FINETUNE_MODEL_FIELDS, Resolved, resolve, resolve_device
+from .resolve import Resolved, resolve, resolve_device
 from .state import process_state, rng_state, set_process_state
 from .step import HeldGradients, Update
 

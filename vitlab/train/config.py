@@ -39,6 +39,8 @@ LOSSES = ("softmax_xent", "sigmoid_xent")
 WD_SCOPES = ("kernels", "all")
 STREAM_MODES = ("auto", "memory", "stream")
 DEVICE_TYPES = ("cpu", "cuda")
+# the model fields a fine-tune may change: its regularisation (the architecture is its init's)
+FINETUNE_MODEL_FIELDS = ("dropout", "attention_dropout", "drop_path", "patch_dropout")
 # what resolve decides before a device's settings (run.on_device) are applied: set there, they were dropped
 BEFORE_ON_DEVICE = ("run.device", "run.on_device", "run.precision", "run.threads", "data.decode_workers")
 MAX_SEED = 2**32 - 1  # run.seed: numpy's global generator (np.random.seed) takes 32 bits

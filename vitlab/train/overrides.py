@@ -24,7 +24,7 @@ from typing import Any
 from vitlab.config import ConfigError, ResNetConfig, ViTConfig, is_int
 from vitlab.models.registry import get_config
 
-from .config import SECTIONS, ModelConfig, TrainConfig
+from .config import FINETUNE_MODEL_FIELDS, SECTIONS, ModelConfig, TrainConfig
 from .legacy import LEGACY_NAMES
 from .schedules import scaled_warmup
 
@@ -111,8 +111,6 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
         by_section.setdefault(section, {})[key] = value
     by_section = fit_model_family(cfg, by_section)
     if architecture and by_section.get("model", {}).get("init", cfg.model.init) is not None:
-        from .resolve import FINETUNE_MODEL_FIELDS  # here: resolve imports this module
-
         # a fine-tune builds its init's architecture with only the regularisation changed (build._fine_tuned):
         # --set model.width=64 was recorded in the config and the model kept its init's width
         fixed = [key for key in architecture if key not in FINETUNE_MODEL_FIELDS]

@@ -54,7 +54,7 @@ from vitlab.machine import Machine
 from vitlab.models.registry import get_config
 
 from .architecture import architecture
-from .config import DataConfig, RunConfig, TrainConfig, to_dict
+from .config import FINETUNE_MODEL_FIELDS, DataConfig, RunConfig, TrainConfig, to_dict
 from .distributed import World, local_rank, local_world
 from .inputs import HeldImages, count_images, held_images, opened_source
 from .memory_estimate import (GB, Available, MemoryEstimate, RunShape, estimate_memory, fitting_settings, gb, refusal,
@@ -64,7 +64,6 @@ from .overrides import with_changes
 
 log = logging.getLogger(__name__)
 
-FINETUNE_MODEL_FIELDS = ("dropout", "attention_dropout", "drop_path", "patch_dropout")
 # The paper fine-tunes at 384 px the models it pre-trained at 224 (Sec. 3.2, Table 4)
 PAPER_PRETRAIN_SIZE, PAPER_FINETUNE_SIZE = 224, 384
 

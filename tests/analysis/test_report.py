@@ -49,7 +49,9 @@ def report(tmp_path_factory):
     (run / "classes.json").write_text(json.dumps(["cat", "dog", "emu"]))
     meta = read_run_meta(run / "model.safetensors")
     assert meta["recipe"]["recipe"] == "tiny" and meta["classes"] == ["cat", "dog", "emu"]
-    out = write_report(create_model(TINY), images(), run / "report.html", run_dir=run, meta=meta)
+    model = create_model(TINY)
+    torch.nn.init.normal_(model.head.weight)  # a trained head: a zero one has no predictions to show
+    out = write_report(model, images(), run / "report.html", run_dir=run, meta=meta)
     return out
 
 
@@ -75,6 +77,17 @@ def test_models_without_the_figures_say_why():
                       classifier="gap", axial=True)
     with pytest.raises(ValueError, match="Axial-ViT attends along rows and columns"):
         _attention_arrays(create_model(axial), torch.zeros(1, 3, 16, 16))
+
+
+def test_a_head_never_trained_shows_no_predictions():
+    # an MPP-pretrained model's zero head was shown as "top predictions" of 1/K for every class
+    from vitlab.analysis.report import build_report
+
+    for model in (create_model(TINY), create_model(TINY, num_classes=0)):
+        page = build_report(model, images())
+        assert 'id="predictions"' in page and 'alt="image 2"' in page  # the inputs are shown all the same
+        assert "%</span>" not in page and page.count("No predictions: ") == 1
+    assert "is all zeros, never trained" in build_report(create_model(TINY), images())
 
 
 def test_attention_arrays_match_the_model_functions():

@@ -293,25 +293,39 @@ def _section_curves(run_dir: str | os.PathLike | None) -> str:
     return _card("curves", "Training curves", "", _figure(fig, "training curves", caption))
 
 
+def _head_is_untrained(model: nn.Module) -> bool:
+    """Every head starts at zero (paper Sec. 3.2, BiT): one still all zeros was never trained, as after
+    masked-patch-prediction pre-training, and gives every class 1/K whatever the image."""
+    head = getattr(model, "head", None)
+    params = list(head.parameters()) if isinstance(head, nn.Module) else []
+    return bool(params) and all(not p.detach().any() for p in params)
+
+
 def _section_predictions(model: nn.Module, x: torch.Tensor, images: torch.Tensor, classes: Sequence[str] | None) -> str:
-    if not model.cfg.num_classes:
-        return ""
-    with torch.inference_mode():
-        probs = model(x).float().softmax(-1).numpy()
-    k = min(3, probs.shape[1])
+    # the images are shown in any case: the figures below refer to them
+    why_none = ("the model has no classification head (num_classes 0)" if not model.cfg.num_classes else
+                f"its classification head ({model.cfg.num_classes} classes) is all zeros, never trained (as after "
+                "masked-patch-prediction pre-training, which trains a head of its own); fine-tune it "
+                "(<code>vitlab finetune</code>) for a classifier" if _head_is_untrained(model) else None)
+    probs = None
+    if why_none is None:
+        with torch.inference_mode():
+            probs = model(x).float().softmax(-1).numpy()
     items = []
     for b in range(len(x)):
-        top = np.argsort(-probs[b])[:k]
+        top = [] if probs is None else np.argsort(-probs[b])[:min(3, probs.shape[1])]
         lines = "".join(
             f"<div>{_esc(classes[c] if classes and c < len(classes) else f'class {c}')} "
             f"<span style='float:right'>{100 * probs[b, c]:.1f}%</span></div>"
             f"<div class='bar' style='width:{max(2, 100 * probs[b, c]):.0f}%'></div>" for c in top)
         items.append(f"<div class='pred'>{_png_tag(_image_png(images[b]), f'image {b + 1}')}"
                      f"<div><b>image {b + 1}</b></div>{lines}</div>")
+    said = (" with its top predictions (softmax probabilities)." if why_none is None
+            else f". No predictions: {why_none}.")
     return _card("predictions", "Inputs and predictions", "",
                  f"<div class='preds'>{''.join(items)}</div>"
                  "<figcaption>The images analysed below, as the model sees them (resized to its input "
-                 "resolution), with its top predictions (softmax probabilities).</figcaption>")
+                 f"resolution){said}</figcaption>")
 
 
 def _attention_arrays(model: nn.Module, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -175,6 +175,28 @@ def test_no_seeds_or_a_findings_folder_are_refused_before_any_run(tmp_path, caps
     assert os.listdir(tmp_path / "x") == ["results.md"] and (tmp_path / "x" / "results.md").read_text() == "kept"
 
 
+def test_an_experiments_own_settings_of_the_wrong_shape_are_refused_before_any_run(tmp_path, capsys):
+    # sizes=2000 and sizes=[2000, ended in a TypeError traceback, lrs=abc was iterated letter by letter
+    # into runs at lr 'a', sizes=[] ran nothing and wrote an empty table over the folder's results
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "results.md").write_text("kept")
+    for name, item, said in (
+            ("data-scale", "sizes=2000", "sizes=2000: expected a non-empty list of integers, such as [2000, "),
+            ("data-scale", "sizes=[2000,", "sizes='[2000,': expected a non-empty list of integers, such as [2000, "),
+            ("data-scale", "sizes=[]", "sizes=(): expected a non-empty list of integers"),
+            ("data-scale", "sizes=[2.5]", "sizes=(2.5,): expected a non-empty list of integers"),
+            ("data-scale", "total=abc", "total='abc': expected an integer, such as 50000"),
+            ("head", "lrs=abc", "lrs='abc': expected a non-empty list of numbers, such as [0.0008, 0.0003]"),
+            ("optimiser", "settings=[['adam']]", "settings=(['adam'],): expected a non-empty list, such as [[")):
+        assert main(["experiment", name, "--quick", "--out", str(tmp_path / "x"), "--set", item]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"vitlab experiment: error: experiment {name}: {said}"), line
+    assert os.listdir(tmp_path / "x") == ["results.md"] and (tmp_path / "x" / "results.md").read_text() == "kept"
+    # what either form holds is taken: the quick form's integer budget and the full form's fractional one
+    assert experiments.settings("mpp", quick=True, budgets=(1.5,)).get("budgets") == (1.5,)
+    assert experiments.settings("optimiser", settings=[["sgd", 0.1]]).get("settings") == [["sgd", 0.1]]
+
+
 def record_training(monkeypatch) -> list[str]:
     """The output folders of the runs the experiments train (``vitlab.train.train``) from now on, in order."""
     from vitlab.experiments import common

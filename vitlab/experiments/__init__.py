@@ -17,6 +17,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from vitlab.config import ConfigError, need_output_folder
 from vitlab.configs import load_recipe
@@ -75,10 +76,61 @@ def setting_name(name: str, key: str) -> str:
     return key
 
 
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, (list, tuple)):
+        return "a non-empty list"
+    return {int: "an integer", float: "a number", str: "a word", dict: "a dict"}.get(type(value), type(value).__name__)
+
+
+def _expected(default: Any) -> str:
+    items = {_kind(d) for d in default} if isinstance(default, (list, tuple)) else set()
+    plural = {"an integer": "integers", "a number": "numbers", "a word": "words"}
+    if len(items) == 1 and next(iter(items)) in plural:
+        return f"a non-empty list of {plural[next(iter(items))]}"
+    return _kind(default)
+
+
+def _fits(value: Any, default: Any) -> bool:
+    """Whether ``value`` has the shape of ``default``: a number for a number (an int for an int), a
+    non-empty list of such items for a list, a record such as ["adam", 3e-3] item by item."""
+    if default is None:
+        return True
+    if isinstance(default, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or not value:
+            return False
+        if not default:
+            return True
+        if len({_kind(d) for d in default}) > 1:  # a record: each place its own kind
+            return len(value) == len(default) and all(map(_fits, value, default))
+        return all(_fits(v, default[0]) for v in value)
+    if isinstance(default, float) and not isinstance(value, bool):
+        return isinstance(value, (int, float))
+    return _kind(value) == _kind(default)
+
+
+def check_setting(name: str, key: str, value: Any) -> None:
+    """An experiment's own setting (``sizes``, ``lrs``, ``budgets``...) must have the shape of its default
+    in either form: these reach no TrainConfig check, so a malformed one ended in a TypeError deep in the
+    experiment ("'int' object is not iterable"), a string iterated letter by letter, or, empty, in no runs
+    and an empty table written over the folder's results."""
+    if key in Settings.names():  # the trainer's own settings: its config names and checks them
+        return
+    forms = [d[key] for d in (defaults(name, False), defaults(name, True)) if key in d]
+    if forms and not any(_fits(value, d) for d in forms):
+        raise ConfigError(f"experiment {name}: {key}={value!r}: expected {_expected(forms[0])}, "
+                          f"such as {json.dumps(forms[0])}")
+
+
 def settings(name: str, quick: bool = False, **changes) -> Settings:
     """The settings of one run of experiment ``name``: its defaults with ``changes`` (None: unset)."""
     values = defaults(name, quick)
-    values.update({setting_name(name, k): v for k, v in changes.items() if v is not None})
+    for key, value in changes.items():
+        if value is not None:
+            key = setting_name(name, key)
+            check_setting(name, key, value)
+            values[key] = value
     return Settings.from_dict(values)
 
 

@@ -33,6 +33,17 @@ def test_list(capsys):
         assert name in text
 
 
+def test_list_with_a_name_shows_that_one_and_a_misspelt_name_is_suggested(capsys):
+    # --list NAME printed every experiment (the name had no effect); an unknown name got no suggestion
+    assert main(["experiment", "--list", "posemb"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("posemb ") and lines[1].strip().startswith("paper: Table 8")
+    for argv in (["posmb", "--list"], ["posmb", "--quick"]):
+        assert main(["experiment", *argv]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("vitlab experiment: error: unknown experiment 'posmb'. Did you mean posemb? Choose from ")
+
+
 def test_quick_settings_are_small():
     for name in experiments.EXPERIMENTS:
         s = experiments.settings(name, quick=True)

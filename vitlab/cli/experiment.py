@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.config import need_output_file
 
     if args.list or not args.name:
-        for name, title, paper in experiments.describe():
+        for name, title, paper in experiments.describe(args.name if args.list else None):  # --list NAME: that one
             print(f"{name:<20} {title}\n{'':<20} paper: {paper}")
         return 0 if args.list else 2
     changes = dict(seeds=args.seeds, data=args.data, steps=args.steps, time_limit=args.time_limit,

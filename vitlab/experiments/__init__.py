@@ -45,7 +45,9 @@ EXPERIMENTS = {
 
 def get(name: str):
     if name not in EXPERIMENTS:
-        raise ValueError(f"unknown experiment {name!r}: choose from {', '.join(EXPERIMENTS)}")
+        close = difflib.get_close_matches(str(name), list(EXPERIMENTS), n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"unknown experiment {name!r}.{hint} Choose from {', '.join(EXPERIMENTS)}")
     return importlib.import_module(f"vitlab.experiments.{EXPERIMENTS[name]}")
 
 
@@ -237,9 +239,9 @@ def resumed_note(seeds: frozenset, runs: int) -> str:
     return f" (resumed: {'; '.join(parts)})" if parts else ""
 
 
-def describe() -> list[tuple[str, str, str]]:
-    """(name, title, paper) of every experiment."""
-    return [(n, get(n).TITLE, get(n).PAPER) for n in EXPERIMENTS]
+def describe(name: str | None = None) -> list[tuple[str, str, str]]:
+    """(name, title, paper) of experiment ``name``, or of every experiment."""
+    return [(n, get(n).TITLE, get(n).PAPER) for n in ([name] if name else EXPERIMENTS)]
 
 
 def command_line(argv: list[str]) -> str:

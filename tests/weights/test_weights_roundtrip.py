@@ -194,6 +194,37 @@ def test_failing_save_keeps_the_existing_file(tmp_path, monkeypatch):
     assert torch.equal(logits(load_model(path)), logits(old))
 
 
+@pytest.mark.parametrize("format, out", [("vitlab", "folder"), ("hf", "folder"), ("timm", "m.safetensors")])
+def test_a_save_that_fails_between_its_files_keeps_the_old_set(tmp_path, monkeypatch, format, out):
+    """Weights and their config (config.json, classes.json, timm's .timm.json) are replaced as a set: a
+    failure at the second file (a full disk) left the new weights beside the old config, which loaded
+    as neither model or misnamed its classes."""
+    cfg = ViTConfig(**{**TINY.__dict__, "posemb_resample": "bicubic"})  # as Hugging Face and timm resample
+    old = random_model(cfg)
+    save_model(old, tmp_path / out, format=format, class_names=list("abcde"))
+    before = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    real_mkstemp, calls = core.tempfile.mkstemp, []
+
+    def mkstemp_failing_at_the_second_file(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real_mkstemp(*args, **kwargs)
+
+    monkeypatch.setattr(core.tempfile, "mkstemp", mkstemp_failing_at_the_second_file)
+    new = random_model(ViTConfig(**{**cfg.__dict__, "num_classes": 7, "depth": 1}))
+    with pytest.raises(OSError, match="No space left"):
+        save_model(new, tmp_path / out, format=format)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # no temporary file left
+    source = tmp_path / out if format == "hf" else next(p for p in tmp_path.rglob("*.safetensors"))
+    assert torch.equal(logits(load_model(source)), logits(old))
+    # and a save that succeeds replaces the whole set: classes.json of the old weights goes with them
+    save_model(new, tmp_path / out, format=format)
+    assert torch.equal(logits(load_model(source)), logits(new))
+    assert not list(tmp_path.rglob("classes.json")) and not list(tmp_path.rglob(".*.tmp"))
+
+
 def test_bare_vitlab_state_dict_needs_heads():
     sd = random_model(TINY).state_dict()
     with pytest.raises(WeightsError, match="name="):

@@ -15,7 +15,7 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Mapping
+from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -40,15 +40,8 @@ def to_tensor(array: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(array, copy=True))
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
-    """Write a file through ``write(f)`` so that ``path`` is either the old file or the new one.
-
-    The bytes go to a temporary file in the same directory, are fsynced, and the file is
-    renamed over ``path`` (atomic on POSIX and Windows).  If anything fails, including
-    ``write`` itself, the temporary file is removed and an existing ``path`` is untouched.
-    ``path``'s folder is made if it does not exist, as a vitlab-format folder is.
-    """
-    path = Path(path)
+def _staged(path: Path, write: Callable[[BinaryIO], Any]) -> str:
+    """``write(f)``'s bytes in a fsynced temporary file beside ``path`` (removed if anything fails)."""
     # checked here, not left to the OS: its errors name the temporary file, which the caller never asked for
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a folder; expected a file to write")
@@ -59,21 +52,63 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> P
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    try:  # make the rename itself durable; not possible on every platform
-        dir_fd = os.open(path.parent, os.O_RDONLY)
+    return tmp
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make renames in ``folder`` durable; not possible on every platform."""
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY)
     except OSError:
-        return path
+        return
     try:
         os.fsync(dir_fd)
     except OSError:
         pass
     finally:
         os.close(dir_fd)
-    return path
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
+    """Write a file through ``write(f)`` so that ``path`` is either the old file or the new one.
+
+    The bytes go to a temporary file in the same directory, are fsynced, and the file is
+    renamed over ``path`` (atomic on POSIX and Windows).  If anything fails, including
+    ``write`` itself, the temporary file is removed and an existing ``path`` is untouched.
+    ``path``'s folder is made if it does not exist, as a vitlab-format folder is.
+    """
+    return atomic_write_set([(path, write)])[0]
+
+
+def atomic_write_set(files: Sequence[tuple[str | os.PathLike, Callable[[BinaryIO], Any]]],
+                     remove: Sequence[str | os.PathLike] = ()) -> list[Path]:
+    """Write several files that belong together (weights and their config) as one set.
+
+    Every file is first written in full beside its path (``atomic_write``'s temporary file); only
+    when all are written do they replace the old ones, renamed in the order given, then the files
+    ``remove`` names (an old set's file the new one has not) are deleted.  A failure or an
+    interruption while writing (a full disk, an error serialising, Ctrl-C) leaves every old file as it
+    was: one file at a time, a failure after the first had new weights beside the old config.  Callers
+    give the weights file last: it is the set's commit, and once it is new every other file is too.
+    """
+    staged: list[tuple[Path, str]] = []
+    try:
+        for path, write in files:
+            staged.append((Path(path), _staged(Path(path), write)))
+        for gone in remove:
+            Path(gone).unlink(missing_ok=True)
+        for path, tmp in staged:
+            os.replace(tmp, path)
+    except BaseException:
+        for _, tmp in staged:
+            Path(tmp).unlink(missing_ok=True)
+        raise
+    for folder in dict.fromkeys(path.parent for path, _ in staged):
+        _sync_folder(folder)
+    return [path for path, _ in staged]
 
 
 # ---------------------------------------------------------------------------- checking

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from ..config import Pair, ViTConfig
-from .core import (StateDict, WeightsError, atomic_write, build_loaded, infer_config, require_plain_vit, to_tensor,
+from .core import (StateDict, WeightsError, atomic_write_set, build_loaded, infer_config, require_plain_vit, to_tensor,
                    warn_conventions)
 from .labels import check_class_names, id2label, label2id
 
@@ -227,8 +227,8 @@ def save_huggingface(model: nn.Module, path: str | os.PathLike, class_names: Seq
     """Write ``path/config.json`` and ``path/model.safetensors`` for ``ViTForImageClassification.from_pretrained``."""
     tensors, config = to_huggingface(model, class_names)
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     data = safetensors.torch.save(tensors, metadata={"format": "pt"})
-    weights = atomic_write(path / "model.safetensors", lambda f: f.write(data))
-    atomic_write(path / "config.json", lambda f: f.write(json.dumps(config, indent=2, sort_keys=True).encode()))
-    return weights
+    # as a set, the weights last: a failure between them left new weights beside the old config.json
+    text = json.dumps(config, indent=2, sort_keys=True)
+    return atomic_write_set([(path / "config.json", lambda f: f.write(text.encode())),
+                             (path / "model.safetensors", lambda f: f.write(data))])[-1]

@@ -23,7 +23,7 @@ from torch import nn
 from ..config import (Architecture, ConfigError, Pair, ResNetConfig, config_from_json, config_to_json, replace,
                       to_pair)
 from .bit import save_bit_npz
-from .core import WeightsError, atomic_write, build_loaded
+from .core import WeightsError, atomic_write, atomic_write_set, build_loaded
 from .huggingface import save_huggingface
 from .labels import CLASSES_KEY, CLASSES_NAME, check_class_names
 from .official import save_official_npz
@@ -78,14 +78,13 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
     path = Path(path)
     if path.suffix == ".safetensors":
         return atomic_write(path, lambda f: f.write(data))
-    path.mkdir(parents=True, exist_ok=True)
-    weights = atomic_write(path / WEIGHTS_NAME, lambda f: f.write(data))
-    atomic_write(path / CONFIG_NAME, lambda f: f.write(text.encode()))
+    files = [(path / CONFIG_NAME, lambda f: f.write(text.encode()))]
     if class_names:  # where a training run keeps them, and `vitlab predict` looks
-        atomic_write(path / CLASSES_NAME, lambda f: f.write(json.dumps(class_names).encode()))
-    else:  # an earlier save's names described the weights just replaced: read first, they misnamed these classes
-        (path / CLASSES_NAME).unlink(missing_ok=True)
-    return weights
+        files.append((path / CLASSES_NAME, lambda f: f.write(json.dumps(class_names).encode())))
+    # replaced as a set, the weights last; without names, an earlier save's classes.json goes: it
+    # described the weights replaced, and read first it misnamed these classes
+    files.append((path / WEIGHTS_NAME, lambda f: f.write(data)))
+    return atomic_write_set(files, remove=() if class_names else [path / CLASSES_NAME])[-1]
 
 
 def _data_offset(blob: bytes) -> int:

@@ -63,7 +63,7 @@ from torch import nn
 
 from ..config import Pair, ViTConfig, to_pair
 from ..models.registry import VIT_SIZES
-from .core import (StateDict, WeightsError, atomic_write, build_loaded, convention_differences, infer_config,
+from .core import (StateDict, WeightsError, atomic_write_set, build_loaded, convention_differences, infer_config,
                    require_plain_vit, to_tensor, warn_conventions)
 from .labels import check_class_names
 
@@ -327,9 +327,10 @@ def save_timm(model: nn.Module, path: str | os.PathLike, class_names: Sequence[s
         path = path / "model.safetensors"
     if path.suffix == ".safetensors":
         data = safetensors.torch.save(tensors, metadata={"format": "pt"})
-        atomic_write(path, lambda f: f.write(data))
+        write_weights = lambda f: f.write(data)  # noqa: E731
     else:
-        atomic_write(path, lambda f: torch.save(tensors, f))
+        write_weights = lambda f: torch.save(tensors, f)  # noqa: E731
     spec["pretrained_cfg_overlay"]["file"] = path.name  # relative to the JSON: the files travel together
-    atomic_write(sidecar_path(path), lambda f: f.write(json.dumps(spec, indent=2).encode()))
-    return path
+    # as a set, the weights last: a failure between them left new weights beside the old sidecar
+    return atomic_write_set([(sidecar_path(path), lambda f: f.write(json.dumps(spec, indent=2).encode())),
+                             (path, write_weights)])[-1]

@@ -45,6 +45,22 @@ def test_convert_refuses_an_output_named_as_another_layout_s_file_before_reading
     assert not (tmp_path / out).exists()
 
 
+@pytest.mark.parametrize("layout", ["vitlab", "hf", "timm"])
+def test_convert_into_a_training_runs_folder_is_refused_before_reading(layout, tmp_path, capsys):
+    # `vitlab convert runs/b16 runs/b16 --to hf` replaced the run's config.json (its recipe) and its trained
+    # model.safetensors, and said "wrote"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"recipe": "demo", "optim": {"lr": 0.002}}))
+    (run / "model.safetensors").write_bytes(b"the run's weights")
+    assert main(["convert", str(tmp_path / "absent.npz"), str(run), "--to", layout]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vitlab convert: error: {run}: its config.json is a training run's config, which saving a model there "
+        "would replace, and the folder's model.safetensors with it; save into another folder")
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "model.safetensors"]
+    assert (run / "model.safetensors").read_bytes() == b"the run's weights"
+
+
 def test_convert_of_vitlab_weights_takes_their_recorded_resolution_only(tmp_path, capsys):
     # a vitlab file records the size it was trained at: --weights-img-size may repeat it, not contradict it
     save_model(build_model(ViTConfig(img_size=16, patch_size=4, width=32, depth=2, mlp_dim=48, num_heads=2,

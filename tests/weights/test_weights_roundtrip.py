@@ -1,4 +1,5 @@
 """vitlab's own format, timm state dicts, and the errors every loader shares."""
+import json
 import os
 
 import numpy as np
@@ -223,6 +224,24 @@ def test_a_save_that_fails_between_its_files_keeps_the_old_set(tmp_path, monkeyp
     save_model(new, tmp_path / out, format=format)
     assert torch.equal(logits(load_model(source)), logits(new))
     assert not list(tmp_path.rglob("classes.json")) and not list(tmp_path.rglob(".*.tmp"))
+
+
+def test_a_folder_save_keeps_a_config_json_that_describes_no_model(tmp_path):
+    # a save into a training run's folder replaced its config.json (the recipe) and its model.safetensors
+    model = random_model(TINY)
+    for config, what in (({"recipe": "demo", "optim": {"lr": 0.1}}, "a training run's config"),
+                         (["not", "a", "model"], "not a model's config")):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        for format in ("vitlab", "hf", "timm"):
+            with pytest.raises(WeightsError, match=f"its config.json is {what}, which saving a model there would "
+                                                   "replace, and the folder's model.safetensors with it"):
+                save_model(model, tmp_path, format=format)
+            assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+    # a file named in the folder is written, and a model folder is replaced, as before
+    save_model(model, tmp_path / "model.safetensors")
+    save_model(model, tmp_path / "hf", format="hf")
+    save_model(random_model(ViTConfig(**{**TINY.__dict__, "num_classes": 3})), tmp_path / "hf")
+    assert load_model(tmp_path / "hf").cfg.num_classes == 3
 
 
 def test_bare_vitlab_state_dict_needs_heads():

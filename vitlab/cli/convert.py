@@ -43,10 +43,14 @@ WEIGHT_FILE_SUFFIXES = (".npz", ".safetensors", ".pth", ".bin", ".pt")
 
 
 def check_out(out: str, layout: str) -> None:
-    """Refuse an output path whose suffix names a file of another layout (``--to timm`` into ``x.npz``)."""
+    """Refuse an output path whose suffix names a file of another layout (``--to timm`` into ``x.npz``),
+    and a folder that holds a training run (``save_model`` refuses it too, after the source is read)."""
+    from vitlab.weights.native import need_model_folder
+
     suffix = Path(out).suffix.lower()
     allowed = OUT_SUFFIXES[layout]
     if suffix in allowed or (suffix not in WEIGHT_FILE_SUFFIXES and "" in allowed):
+        need_model_folder(out, layout)
         return
     files = [s for s in allowed if s]
     parts = ["a folder"] if "" in allowed else []

@@ -38,6 +38,28 @@ CONFIG_NAME = "config.json"
 
 
 FORMATS = ("vitlab", "official", "hf", "timm")
+# the formats that write into a folder, and the suffixes that make their path a file instead
+FOLDER_FORMATS = {"vitlab": (".safetensors",), "hf": (), "timm": (".safetensors", ".pth", ".bin", ".pt")}
+
+
+def need_model_folder(path: str | os.PathLike, format: str) -> None:
+    """Refuse a save into a folder whose ``config.json`` describes no model: a training run's (its
+    recipe) or another program's.  The save replaced it and the folder's ``model.safetensors``, so
+    ``vitlab convert runs/b16 runs/b16 --to hf`` lost the run's training config and trained weights.
+    A model folder (vitlab's, Hugging Face's) is replaced, as documented."""
+    path = Path(path)
+    config = path / CONFIG_NAME
+    if format not in FOLDER_FORMATS or path.suffix.lower() in FOLDER_FORMATS[format] or not config.is_file():
+        return
+    try:
+        text = json.loads(config.read_text())
+    except (OSError, ValueError):
+        text = None
+    if isinstance(text, dict) and (text.get("type") in ("ViTConfig", "ResNetConfig") or "model_type" in text):
+        return
+    what = "a training run's config" if isinstance(text, dict) and "recipe" in text else "not a model's config"
+    raise WeightsError(f"{path}: its {CONFIG_NAME} is {what}, which saving a model there would replace, and "
+                       f"the folder's {WEIGHTS_NAME} with it; save into another folder")
 
 
 def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab",
@@ -63,6 +85,7 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
         raise WeightsError(f"format={format!r}: allowed values are {', '.join(map(repr, FORMATS))}")
     if class_names is not None:
         class_names = check_class_names(class_names, cfg.num_classes, "class_names")
+    need_model_folder(path, format)
     if format == "official":
         if isinstance(cfg, ResNetConfig):
             return save_bit_npz(model, path)

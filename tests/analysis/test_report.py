@@ -90,6 +90,14 @@ def test_a_head_never_trained_shows_no_predictions():
     assert "is all zeros, never trained" in build_report(create_model(TINY), images())
 
 
+def test_the_position_figure_of_a_model_with_a_table_per_block_says_whose_it_is():
+    # posemb_place=every_layer: the figure showed the first block's table with a caption of the stem's
+    from vitlab.analysis.report import _section_embeddings
+
+    assert "the first of the 2 blocks' tables" in _section_embeddings(create_model(TINY, posemb_place="every_layer"))
+    assert "blocks' tables" not in _section_embeddings(create_model(TINY, posemb_place="every_layer_shared"))
+
+
 def test_attention_arrays_match_the_model_functions():
     from vitlab.analysis.attention import model_attention_distance, model_raw_attention, model_rollout
     from vitlab.analysis.report import _attention_arrays

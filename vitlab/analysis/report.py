@@ -388,12 +388,15 @@ def _section_embeddings(model: nn.Module) -> str:
             "functions for a low-dimensional representation of each patch.")))
     except ValueError as err:
         cells.append(_note(f"Embedding filters: {_esc(err)}"))
+    # with a table per block (posemb_place every_layer) the figure is of the first block's, and says so
+    which = (f"<code>{_esc(model.cfg.posemb)}</code>, the first of the {model.cfg.depth} blocks' tables"
+             if model.cfg.posemb_place == "every_layer" else f"<code>{_esc(model.cfg.posemb)}</code>")
     try:
         fig = plots.plot_position_similarity(emb.position_similarity(model))
         cells.append(_figure(fig, "position embedding similarity", (
             "Cosine similarity between the position embedding of the patch at each row and column "
             f"(the small tile at that place) and the embeddings of all other patches "
-            f"(<code>{_esc(model.cfg.posemb)}</code>). In the paper's models close patches have "
+            f"({which}). In the paper's models close patches have "
             "similar embeddings and a row/column structure appears: a 1D table learns the 2D "
             "topology of the image.")))
     except ValueError as err:

@@ -158,6 +158,23 @@ def test_a_resumed_muon_run_with_another_lr_keeps_the_asked_adamw_lr(tiny):
     assert {g["muon"]: g["lr"] for g in resumed.optimizer.param_groups} == {True: 2e-3, False: 1e-3}
 
 
+def test_a_resumed_muon_run_takes_another_muon_adamw_lr(tiny):
+    # restore_state sets the groups' lr scale again from the run's config, so a changed muon_adamw_lr takes
+    # effect on --resume: it was refused as if the checkpoint's optimiser state brought the old one back
+    from vitlab.train.build import build
+    from vitlab.train.config import to_dict
+    from vitlab.train.state import check_same_run, restore_state, training_state
+    from vitlab.train.step import endless, train_step
+
+    first = build(tiny(optimizer="muon", lr=4e-3, **{"optim.muon_adamw_lr": 1e-3}))
+    state = training_state(first, 0, 6, [], {})
+    resumed = build(tiny(optimizer="muon", lr=4e-3, **{"optim.muon_adamw_lr": 5e-4}))
+    check_same_run(resumed.cfg, to_dict(first.cfg))
+    restore_state(resumed, state)
+    train_step(resumed, endless(resumed.stream), lr=4e-3, size=resumed.img_size[0])  # the schedule's peak
+    assert {g["muon"]: g["lr"] for g in resumed.optimizer.param_groups} == {True: 4e-3, False: 5e-4}
+
+
 def test_muon_adamw_lr_must_be_positive_and_with_muon():
     from vitlab.config import ConfigError
 

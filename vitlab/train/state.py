@@ -27,10 +27,11 @@ RESUME_INVARIANTS = ("model.name", "model.overrides", "model.img_size", "model.i
                      "data.val_split", "data.split_seed", "data.train_examples", "data.class_subset",
                      "optim.batch_size", "optim.accum_steps", "optim.optimizer", "run.seed")
 # fields whose values the checkpoint's optimiser state (torch's param_groups) and weight average bring
-# back with it, over the command line's: by optimiser, the ones it reads (SGD has no betas)
+# back with it, over the command line's: by optimiser, the ones it reads (SGD has no betas); not Muon's
+# optim.muon_adamw_lr, whose lr scale restore_state sets again from the run's config
 RESTORED_WITH_STATE = ("optim.weight_decay", "optim.wd_scope", "optim.ema_decay")
 RESTORED_BY_OPTIMIZER = {"adam": ("optim.betas",), "sgd": ("optim.momentum",),
-                         "muon": ("optim.betas", "optim.muon_momentum", "optim.muon_adamw_lr")}
+                         "muon": ("optim.betas", "optim.muon_momentum")}
 
 
 def rng_state() -> dict:
@@ -76,7 +77,7 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
     # the optimiser's load_state_dict sets each group's weight decay, betas, momentum and lr scale back
     # to the checkpoint's, and the EMA its decay: another value was accepted and never used (wd_scope
     # regroups the parameters, which the saved groups no longer match; Muon's lr scale restore_state sets
-    # again, for a resume with another optim.lr (numerics' advice), and muon_adamw_lr is refused all the same)
+    # again, so another optim.lr or optim.muon_adamw_lr takes effect and is not refused)
     restored = RESTORED_WITH_STATE + RESTORED_BY_OPTIMIZER.get(cfg.optim.optimizer, ())
     changed = [name for name in restored if field_value(before, name) != field_value(cfg, name)]
     if changed:

@@ -374,3 +374,15 @@ def test_a_streaming_setting_is_refused_on_a_run_that_holds_its_data_in_memory(t
     # the defaults, and a limit that decides "auto", are read or harmless
     assert resolve(with_changes(auto_config(tmp_path), {"data.memory_limit_gb": 2.0}), world(), described()).data \
         == "memory"
+
+
+def test_a_number_of_stream_workers_is_refused_on_a_run_that_holds_its_data_in_memory(tmp_path):
+    # DataLoader workers read a streamed training set only: data.stream_workers=4 on the in-memory digits was
+    # accepted and did nothing; "auto" and 0 (what such a run records in its config.json) stay allowed
+    with pytest.raises(ConfigError, match=r"^data.stream_workers=4: read by a streamed training set's readers, and "
+                                          r"this run holds its data in memory \(data.stream='auto'\); leave it at "
+                                          r"'auto' or 0"):
+        resolve(with_changes(auto_config(tmp_path), {"data.stream_workers": 4}), world(), described())
+    for workers in ("auto", 0):
+        stated = resolve(with_changes(auto_config(tmp_path), {"data.stream_workers": workers}), world(), described())
+        assert stated.data == "memory" and stated.config.data.stream_workers == 0

@@ -507,9 +507,9 @@ def streams(cfg: TrainConfig, image_size: Pair) -> bool:
 
 def unread_data_settings(cfg: TrainConfig, streamed: bool) -> str:
     """Why a data setting changed from its default is read nowhere by this run, or "": the
-    streaming readers' settings on a run that holds its data in memory, and data.memory_limit_gb
-    where it neither decides "auto" nor bounds a streamed set's held-out shards (data.val_split);
-    they were accepted and did nothing.  The defaults are allowed: the fields are always there."""
+    streaming readers' settings (a number of stream workers too) on a run that holds its data in
+    memory, and data.memory_limit_gb where it neither decides "auto" nor bounds a streamed set's
+    held-out shards (data.val_split); they were accepted and did nothing.  The defaults are allowed: the fields are always there."""
     data, defaults = cfg.data, DataConfig()
     if not streamed:
         for name in ("shuffle_buffer", "draft"):
@@ -517,6 +517,10 @@ def unread_data_settings(cfg: TrainConfig, streamed: bool) -> str:
             if value != default:
                 return (f"data.{name}={value!r}: read by a streamed training set's readers, and this run holds its "
                         f"data in memory (data.stream={data.stream!r}); leave it at {default!r}")
+        # "auto" and 0 are what an in-memory run's config.json records (no DataLoader workers)
+        if data.stream_workers not in ("auto", 0):
+            return (f"data.stream_workers={data.stream_workers!r}: read by a streamed training set's readers, and this "
+                    f"run holds its data in memory (data.stream={data.stream!r}); leave it at 'auto' or 0")
     limit, default = data.memory_limit_gb, defaults.memory_limit_gb
     if limit != default and data.stream != "auto" and not (streamed and data.val_split):
         return (f"data.memory_limit_gb={limit!r}: decides data.stream='auto' and bounds a streamed set's held-out "

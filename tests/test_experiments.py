@@ -208,6 +208,20 @@ def test_an_experiments_own_settings_of_the_wrong_shape_are_refused_before_any_r
     assert experiments.settings("optimiser", settings=[["sgd", 0.1]]).get("settings") == [["sgd", 0.1]]
 
 
+def test_an_experiments_counts_below_one_are_refused_by_name(tmp_path, capsys):
+    # sizes=[-1] was refused by the trainer as "data.val_split=300: takes 300 of the 299 examples", naming
+    # neither sizes nor what it takes; a setting whose defaults are positive integers (sizes, budgets,
+    # shots, total...) is a count, and mpp's budgets, 0 in the quick form, is not
+    for name, item, said in (
+            ("data-scale", "sizes=[-1]", "sizes=(-1,): expected a non-empty list of integers above 0, such as [2000, "),
+            ("data-scale", "total=0", "total=0: expected an integer above 0, such as 50000"),
+            ("compute", "budgets=[10,0]", "budgets=(10, 0): expected a non-empty list of integers above 0")):
+        assert main(["experiment", name, "--quick", "--out", str(tmp_path / "x"), "--set", item]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"vitlab experiment: error: experiment {name}: {said}"), line
+    assert experiments.settings("mpp", quick=True, budgets=(0,)).get("budgets") == (0,)
+
+
 def record_training(monkeypatch) -> list[str]:
     """The output folders of the runs the experiments train (``vitlab.train.train``) from now on, in order."""
     from vitlab.experiments import common

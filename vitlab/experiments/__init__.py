@@ -112,6 +112,12 @@ def _fits(value: Any, default: Any) -> bool:
     return _kind(value) == _kind(default)
 
 
+def _counts(value: Any) -> bool:
+    """Whether ``value`` is a positive integer or a non-empty list of them."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return bool(items) and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in items)
+
+
 def check_setting(name: str, key: str, value: Any) -> None:
     """An experiment's own setting (``sizes``, ``lrs``, ``budgets``...) must have the shape of its default
     in either form: these reach no TrainConfig check, so a malformed one ended in a TypeError deep in the
@@ -122,6 +128,11 @@ def check_setting(name: str, key: str, value: Any) -> None:
     forms = [d[key] for d in (defaults(name, False), defaults(name, True)) if key in d]
     if forms and not any(_fits(value, d) for d in forms):
         raise ConfigError(f"experiment {name}: {key}={value!r}: expected {_expected(forms[0])}, "
+                          f"such as {json.dumps(forms[0])}")
+    # a count (sizes, budgets, shots...), told by positive integers in every form: below 1 it ran into
+    # whichever check of the trainer it broke first (sizes=[-1]: data.val_split's), which named neither it
+    if forms and all(_counts(d) for d in forms) and not _counts(value):
+        raise ConfigError(f"experiment {name}: {key}={value!r}: expected {_expected(forms[0])} above 0, "
                           f"such as {json.dumps(forms[0])}")
 
 

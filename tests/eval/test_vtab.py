@@ -236,6 +236,23 @@ def test_an_unreadable_test_image_is_counted_in_the_tasks_result(tasks, tiny_che
     assert (n, unread) == (9, 1) and 0.0 <= top1 <= 1.0
 
 
+def test_vtab_json_is_the_old_or_the_new_report_when_the_disk_fills_up(tasks, tiny_checkpoint, tmp_path, capsys,
+                                                                        monkeypatch):
+    # written in place, a full disk at vtab.json left it truncated: the finished protocol's report was lost
+    from helpers.full_disk import fill_disk_at
+
+    out = tmp_path / "vtab"
+    args = [*tiny_vtab(tiny_checkpoint, tasks, out, steps=1), "--only", "eurosat", "--grid", "0.01"]
+    assert main(args) == 0
+    report, files = (out / "vtab.json").read_text(), sorted(p.name for p in out.iterdir())
+    fill_disk_at(monkeypatch, "vtab.json")
+    assert main([*args, "--resume"]) != 0
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert (out / "vtab.json").read_text() == report
+    assert sorted(p.name for p in out.iterdir()) == files  # no temporary file left
+
+
 def test_a_second_run_into_the_same_out_keeps_or_refuses_the_finished_runs(tasks, tiny_checkpoint, tmp_path, capsys):
     """Run again without --resume, the finished runs were all trained again over the earlier ones
     without a word; with --resume and other --steps (or --split-seed, whose views are rewritten:

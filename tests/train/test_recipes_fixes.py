@@ -99,6 +99,23 @@ def test_sweep_resume_refuses_a_final_run_made_at_another_rate_than_the_best(tmp
     assert weights.stat().st_mtime_ns == stamp
 
 
+def test_sweep_json_is_the_old_or_the_new_report_when_the_disk_fills_up(tmp_path, capsys, monkeypatch):
+    # written in place, a full disk at sweep.json left it truncated: the finished sweep's report was lost
+    from helpers.full_disk import fill_disk_at
+
+    out = tmp_path / "sweep"
+    args = ["sweep", "--recipe", "demo", "--data", "digits", "--batch-size", "16", "--steps", "1", "--grid", "0.01",
+            "--out", str(out), *TINY]
+    assert main(args) == 0
+    report = (out / "sweep.json").read_text()
+    fill_disk_at(monkeypatch, "sweep.json")
+    assert main([*args, "--resume"]) != 0
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert (out / "sweep.json").read_text() == report
+    assert sorted(p.name for p in out.iterdir()) == ["final", "lr_0.01", "sweep.json"]  # no temporary file left
+
+
 def test_sweep_compares_on_its_hold_out_and_scores_the_final_run_on_val_data(tmp_path, capsys):
     args = ["sweep", "--recipe", "demo", "--data", "digits", "--val-data", "digits", "--batch-size", "16", "--steps",
             "1", "--grid", "0.01,0.1", "--out", str(tmp_path / "sweep"), *TINY]

@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.train.build import check_can_run
     from vitlab.train.distributed import env_world_size
     from vitlab.train.overrides import with_changes
+    from vitlab.weights.core import atomic_write
 
     grid, runs, final_cfg, holdout = sweep_plan(args)
     if args.show_config:  # the plan: the grid, its hold-out, and the final run's config
@@ -134,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
                   verbose=not args.quiet)
     report = {"holdout": holdout, "holdout_top1": scores, "best_lr": best, "final": final}
     if final.get("weights") is not None:
-        # beside the runs' folders, in the folder the command was given
-        (Path(final_cfg.run.out).parent / "sweep.json").write_text(json.dumps(report, indent=2))
+        # beside the runs' folders, in the folder the command was given; written beside its place, then
+        # renamed: written in place, a failure (a full disk) left an earlier sweep's report truncated
+        text = json.dumps(report, indent=2).encode()
+        atomic_write(Path(final_cfg.run.out).parent / "sweep.json", lambda f: f.write(text))
         print(json.dumps(report), flush=True)
     return 0

@@ -35,6 +35,7 @@ from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.vtab import Task, TaskSplits, split_tasks, summarize
 from vitlab.machine import Machine
 from vitlab.weights import load_model
+from vitlab.weights.core import atomic_write
 
 from .build import check_can_run
 from .config import TrainConfig, check_lr_grid
@@ -216,5 +217,7 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
                            "img_size": cfg.model.img_size, "examples": examples, "split_seed": split_seed},
               "tasks": results, **summarize(results)}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "vtab.json").write_text(json.dumps(report, indent=2))
+    # written beside its place, then renamed: in place, a failure (a full disk) left an earlier report truncated
+    text = json.dumps(report, indent=2).encode()
+    atomic_write(out / "vtab.json", lambda f: f.write(text))
     return report

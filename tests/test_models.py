@@ -141,6 +141,19 @@ def test_wrong_input_is_a_clear_error():
         model(torch.zeros(1, 3, 16, 16, dtype=torch.uint8))
 
 
+def test_images_of_another_float_dtype_than_the_model_are_a_clear_error():
+    # torch's own message spoke of the patch embedding's bias ("Input type (double) and bias type (float)")
+    model = vitlab.create_model(tiny())
+    for dtype in (torch.float64, torch.bfloat16):
+        with pytest.raises(ValueError, match=rf"^expected images of the model's dtype torch.float32 .*, got {dtype}"):
+            model(torch.randn(1, 3, 16, 16, dtype=dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts float32 and half inputs, not float64
+        assert model(torch.randn(1, 3, 16, 16)).shape == model(torch.randn(1, 3, 16, 16, dtype=torch.bfloat16)).shape
+        with pytest.raises(ValueError, match=r"got torch.float64"):
+            model(torch.randn(1, 3, 16, 16, dtype=torch.float64))
+    assert model.double()(torch.randn(1, 3, 16, 16, dtype=torch.float64)).dtype == torch.float64
+
+
 def test_non_square_images_and_patches():
     model = vitlab.create_model(tiny(img_size=(16, 24), patch_size=(4, 8)))
     assert model.cfg.grid_size == (4, 3)

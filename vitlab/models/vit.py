@@ -115,6 +115,12 @@ class VisionTransformer(nn.Module):
         if not x.is_floating_point():  # torch's own message would speak of the patch embedding's bias
             raise ValueError(f"expected floating-point images (pixels scaled to [-1, 1], as "
                              f"vitlab.data.transforms.to_float scales uint8 ones), got {x.dtype}")
+        # torch's message names the bias; one dtype comparison on the usual path (no sync). Autocast casts
+        # inputs to its dtype, except float64 ones (and float64 weights)
+        weights = self.patch_embed.weight.dtype
+        if x.dtype != weights and (torch.float64 in (x.dtype, weights) or not torch.is_autocast_enabled(x.device.type)):
+            raise ValueError(f"expected images of the model's dtype {weights} (under torch.autocast, any but "
+                             f"float64), got {x.dtype}; convert them with .to({weights})")
         size = tuple(x.shape[-2:])
         if not self.cfg.dynamic_img_size and size != self.cfg.img_size:
             raise ValueError(

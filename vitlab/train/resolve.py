@@ -509,7 +509,8 @@ def unread_data_settings(cfg: TrainConfig, streamed: bool) -> str:
     """Why a data setting changed from its default is read nowhere by this run, or "": the
     streaming readers' settings (a number of stream workers too) on a run that holds its data in
     memory, and data.memory_limit_gb where it neither decides "auto" nor bounds a streamed set's
-    held-out shards (data.val_split); they were accepted and did nothing.  The defaults are allowed: the fields are always there."""
+    held-out shards (data.val_split); they were accepted and did nothing.  The defaults are
+    allowed: the fields are always there."""
     data, defaults = cfg.data, DataConfig()
     if not streamed:
         for name in ("shuffle_buffer", "draft"):

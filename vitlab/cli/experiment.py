@@ -118,12 +118,12 @@ def findings_block(path: str, name: str) -> tuple[int, int] | None:
 def update_findings(path: str, name: str, section: str, out: str) -> None:
     """Replace (or append) the block between ``<!-- experiment:NAME -->`` markers, keeping the
     block's hand-written reading (what follows ``READING``) below the new section.  The file is
-    replaced whole (a temporary file renamed over it, its mode kept): a write that fails or is
-    interrupted leaves it as it was, not cut short."""
+    replaced whole (``atomic_write``: a temporary file renamed over it, its mode kept): a write that
+    fails or is interrupted leaves it as it was, not cut short."""
     import os
-    import shutil
-    import tempfile
     from pathlib import Path
+
+    from vitlab.weights.core import atomic_write
 
     p = Path(path)
     rel = os.path.relpath(out, p.parent)
@@ -137,15 +137,8 @@ def update_findings(path: str, name: str, section: str, out: str) -> None:
         text = text[:block[0]] + f"{begin}\n{section}\n{reading}{end}" + text[block[1]:]
     else:
         text = text.rstrip() + "\n\n" + f"{begin}\n{section}\n{end}" + "\n"
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        if p.exists():
-            shutil.copymode(p, tmp)
-        os.replace(tmp, p)
+        atomic_write(p, lambda f: f.write(text.encode()))
     except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
         raise OSError(f"--findings {path}: could not be written ({err.strerror or err}); the section is in "
                       f"{Path(out) / 'section.md'}") from err

@@ -204,7 +204,8 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
     resolved = resolve(with_changes(cfg, {"data.source": str(splits[tasks[0].name].sweep_train)}), world, machine)
     cfg, device, precision, accum = resolved.config, world.device, resolved.precision, resolved.accum_steps
     runs, say = Runs(cfg, out, device, precision, resume, verbose), Progress(enabled=verbose).message
-    (out / SETTINGS_NAME).write_text(json.dumps(record, indent=2))
+    settings = json.dumps(record, indent=2).encode()  # what a later --resume compares: whole or as it was
+    atomic_write(out / SETTINGS_NAME, lambda f: f.write(settings))
     say(f"vtab: {len(tasks)} tasks, lr grid {', '.join(f'{lr:g}' for lr in grid)} ({select}), "
         f"{cfg.optim.steps} steps at batch {cfg.optim.batch_size} ({accum} micro-batches of "
         f"{cfg.optim.batch_size // accum}), {examples} examples per task")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -41,7 +42,8 @@ def to_tensor(array: Any) -> torch.Tensor:
 
 
 def _staged(path: Path, write: Callable[[BinaryIO], Any]) -> str:
-    """``write(f)``'s bytes in a fsynced temporary file beside ``path`` (removed if anything fails)."""
+    """``write(f)``'s bytes in a fsynced temporary file beside ``path`` (removed if anything fails),
+    with the permissions of the file it will replace (a temporary file is private)."""
     # checked here, not left to the OS: its errors name the temporary file, which the caller never asked for
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a folder; expected a file to write")
@@ -52,6 +54,8 @@ def _staged(path: Path, write: Callable[[BinaryIO], Any]) -> str:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if path.exists():
+            shutil.copymode(path, tmp)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -59,8 +59,9 @@ class Evaluator:
                              f"{len(images)}, got {got}")
         if len(labels) == 0:
             raise ValueError("images: no images to evaluate")
-        if labels.min() < 0:
-            raise ValueError(f"labels: class indices must be >= 0, got {int(labels.min())}")
+        low, high = (int(v) for v in torch.aminmax(labels))  # read once: the scoring checks the top against the head
+        if low < 0:
+            raise ValueError(f"labels: class indices must be >= 0, got {low}")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
         if precision not in PRECISIONS:
@@ -69,7 +70,7 @@ class Evaluator:
             check_num_bins(report_bins, "report_bins")  # before the model is scored, not after
         if report_bins is not None and world is not None and world.size > 1:
             raise ValueError("report_bins: the full report is computed in one process only")
-        self.images, self.labels = images, labels
+        self.images, self.labels, self.top_label = images, labels, high
         self.batch_size, self.device, self.precision = batch_size, torch.device(device), precision
         self.flip, self.shift, self.diagonal = flip, shift, diagonal
         self.view_sets = tta_view_prefixes(flip, shift, diagonal)
@@ -112,8 +113,8 @@ class Evaluator:
                 with autocast(self.device, self.precision):
                     views = [forward(view).float() for view in tta_views(x, self.flip, self.shift, self.diagonal)]
                 logits = views[0]
-                if start == 0 and int(self.labels.max()) >= logits.shape[-1]:
-                    raise ValueError(f"labels: class index {int(self.labels.max())} is beyond the model's "
+                if start == 0 and self.top_label >= logits.shape[-1]:
+                    raise ValueError(f"labels: class index {self.top_label} is beyond the model's "
                                      f"{logits.shape[-1]} classes")
                 single = flip_pair = torch.zeros((), device=self.device)
                 # each nested set's ensemble; the last set is all the views

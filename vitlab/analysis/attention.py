@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitlab.analysis.embeddings import need_vit
 from vitlab.config import Pair, is_int
 from vitlab.models import capture_attention
 from vitlab.modes import evaluating
@@ -48,10 +49,8 @@ def effective_patch_size(model: nn.Module) -> Pair:
 
 
 def _check_vit(model: nn.Module) -> None:
-    cfg = getattr(model, "cfg", None)
-    if cfg is None or not hasattr(cfg, "patch_size"):
-        raise ValueError(f"{type(model).__name__} is not a Vision Transformer; attention analysis needs one")
-    if cfg.axial:
+    need_vit(model, "; attention analysis needs one")
+    if model.cfg.axial:
         raise ValueError(
             "Axial-ViT attends along rows and columns separately, so it has no (L, L) attention "
             "over the whole grid; attention distance and rollout are defined for ViT and hybrids"

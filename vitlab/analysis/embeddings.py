@@ -19,12 +19,12 @@ __all__ = [
 ]
 
 
-def _check_vit(model: nn.Module) -> None:
-    """A model with patch and position embeddings (a ViT, a hybrid, an Axial-ViT): a BiT ResNet has
-    none, and the AttributeError of a missing one named neither the model nor the reason."""
+def need_vit(model: nn.Module, why: str) -> None:
+    """A Vision Transformer (a ViT, a hybrid, an Axial-ViT: a config with a patch size), or a
+    ValueError naming the model and ``why`` the analysis needs one: a BiT ResNet's missing
+    attribute named neither."""
     if not hasattr(getattr(model, "cfg", None), "patch_size"):
-        raise ValueError(f"{type(model).__name__} is not a Vision Transformer: it has no patch or position "
-                         "embeddings to analyse")
+        raise ValueError(f"{type(model).__name__} is not a Vision Transformer{why}")
 
 
 def filter_pca(filters: np.ndarray | torch.Tensor, k: int = 28) -> tuple[np.ndarray, np.ndarray]:
@@ -59,7 +59,7 @@ def patch_embedding_pca(model: nn.Module, k: int = 28) -> tuple[np.ndarray, np.n
 
     For a hybrid, C is the ResNet's channel count and P is 1, so the components are not
     images; the plot refuses them."""
-    _check_vit(model)
+    need_vit(model, ": it has no patch or position embeddings to analyse")
     return filter_pca(model.patch_embed.weight, k)
 
 
@@ -80,7 +80,7 @@ def position_embedding_table(model: nn.Module) -> np.ndarray:
 
     Works for 1D and 2D learned embeddings added at the stem (for 2D: the concatenated
     X and Y tables per patch); with one table per layer, the first layer's."""
-    _check_vit(model)
+    need_vit(model, ": it has no patch or position embeddings to analyse")
     cfg = model.cfg
     if cfg.posemb in ("none", "relative"):
         raise ValueError(

@@ -58,6 +58,14 @@ class Section:
     def path(self, field_name: str) -> str:
         return f"{self.prefix}.{field_name}" if self.prefix else field_name
 
+    def need_default_unless(self, name: str, read: bool, why: str, instead: str = "") -> None:
+        """Refuse ``name`` changed from its default where this config does not ``read`` it: it was
+        accepted and did nothing.  The default is allowed, as every config has the field."""
+        default = next(f.default for f in dataclasses.fields(self) if f.name == name)
+        value = getattr(self, name)
+        need(value == default or read, self.path(name), value,
+             f"{why}; {instead + ', or ' if instead else ''}leave it at {default}")
+
     def check_bools(self) -> None:
         for f in dataclasses.fields(self):  # a recipe's "no" would otherwise read as true
             if isinstance(f.default, bool):
@@ -107,10 +115,8 @@ class ModelConfig(Section):
         need(is_number(self.mpp_rate) and 0 < self.mpp_rate <= 1, "model.mpp_rate", self.mpp_rate,
              "must be a fraction in (0, 1]")
         # read by masked patch prediction only: without model.mpp a changed rate was accepted and did nothing
-        default = ModelConfig.mpp_rate
-        need(self.mpp_rate == default or self.mpp is not None, "model.mpp_rate", self.mpp_rate,
-             f"the fraction of patches masked patch prediction corrupts, and model.mpp=None trains the classifier; "
-             f"set model.mpp, or leave it at {default}")
+        self.need_default_unless("mpp_rate", self.mpp is not None, "the fraction of patches masked patch prediction "
+                                 "corrupts, and model.mpp=None trains the classifier", instead="set model.mpp")
         for name, allowed in FROM_SCRATCH_INITS.items():
             value = getattr(self, name)
             need(value in allowed, f"model.{name}", value, f"expected one of {', '.join(allowed)}")
@@ -244,11 +250,9 @@ class OptimConfig(Section):
         need(self.muon_adamw_lr is None or self.optimizer == "muon", "optim.muon_adamw_lr", self.muon_adamw_lr,
              f"applies to optim.optimizer='muon' only (here {self.optimizer!r}); leave it None")
         # another optimiser's setting changed from its default was accepted and never read (Adam has no momentum)
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name, owners in (("momentum", ("sgd",)), ("betas", ("adam", "muon")), ("muon_momentum", ("muon",))):
-            need(getattr(self, name) == defaults[name] or self.optimizer in owners, self.path(name), getattr(self, name),
-                 f"applies to optim.optimizer={' or '.join(map(repr, owners))} only (here {self.optimizer!r}); "
-                 f"leave it at {defaults[name]}")
+            self.need_default_unless(name, self.optimizer in owners, f"applies to optim.optimizer="
+                                     f"{' or '.join(map(repr, owners))} only (here {self.optimizer!r})")
         need(self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"must not exceed optim.lr={self.lr}")
         for name in ("momentum", "muon_momentum", "ema_decay"):
             need_number(self.path(name), getattr(self, name), 0.0, below=1.0)
@@ -343,16 +347,13 @@ class RunConfig(Section):
         # at its start with numpy's or torch's own overflow message, which names no field)
         need(self.seed <= MAX_SEED, "run.seed", self.seed, f"must be an integer in [0, 2**32 - 1 = {MAX_SEED}]")
         need_number("run.time_limit", self.time_limit)
-        # read only with "skip": a changed one was accepted and did nothing (the default is allowed, it is always there)
-        default = RunConfig.max_skipped_steps
-        need(self.max_skipped_steps == default or self.on_nonfinite == "skip", "run.max_skipped_steps",
-             self.max_skipped_steps, f"bounds the steps run.on_nonfinite='skip' leaves out, and this run stops at the "
-                                     f"first (run.on_nonfinite={self.on_nonfinite!r}); leave it at {default}")
+        # read only with "skip": a changed one was accepted and did nothing
+        self.need_default_unless("max_skipped_steps", self.on_nonfinite == "skip", "bounds the steps "
+                                 "run.on_nonfinite='skip' leaves out, and this run stops at the first "
+                                 f"(run.on_nonfinite={self.on_nonfinite!r})")
         # read only to fit the schedule to a time limit: without one a changed count was accepted and did nothing
-        default = RunConfig.time_measure_steps
-        need(self.time_measure_steps == default or self.time_limit > 0, "run.time_measure_steps",
-             self.time_measure_steps, f"the steps timed to fit the schedule to run.time_limit, and this run has no "
-                                      f"time limit (0); set run.time_limit, or leave it at {default}")
+        self.need_default_unless("time_measure_steps", self.time_limit > 0, "the steps timed to fit the schedule to "
+                                 "run.time_limit, and this run has no time limit (0)", instead="set run.time_limit")
         need(isinstance(self.out, str) and self.out != "", "run.out", self.out, "expected a folder")
         need(isinstance(self.on_device, dict) and set(self.on_device) <= set(DEVICE_TYPES)
              and all(isinstance(changes, dict) for changes in self.on_device.values()), "run.on_device",

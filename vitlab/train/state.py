@@ -68,21 +68,16 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
     # a fine-tune's architecture is its init's, named by model.init (and by its own model name
     # only in checkpoints of this version)
     compared = [n for n in RESUME_INVARIANTS if not (n == "model.name" and cfg.model.init and before.model.init)]
-    changed = [name for name in compared if field_value(before, name) != field_value(cfg, name)]
-    if changed:
-        differences = ", ".join(f"{k}={field_value(cfg, k)!r} (checkpoint: {field_value(before, k)!r})"
-                                for k in changed)
+    differences = _differences(cfg, before, compared)
+    if differences:
         raise ConfigError(f"--resume: {differences} differ from the checkpoint's run; an exact continuation needs "
                           "the same values")
     # the optimiser's load_state_dict sets each group's weight decay, betas, momentum and lr scale back
     # to the checkpoint's, and the EMA its decay: another value was accepted and never used (wd_scope
     # regroups the parameters, which the saved groups no longer match; Muon's lr scale restore_state sets
     # again, so another optim.lr or optim.muon_adamw_lr takes effect and is not refused)
-    restored = RESTORED_WITH_STATE + RESTORED_BY_OPTIMIZER.get(cfg.optim.optimizer, ())
-    changed = [name for name in restored if field_value(before, name) != field_value(cfg, name)]
-    if changed:
-        differences = ", ".join(f"{k}={field_value(cfg, k)!r} (checkpoint: {field_value(before, k)!r})"
-                                for k in changed)
+    differences = _differences(cfg, before, RESTORED_WITH_STATE + RESTORED_BY_OPTIMIZER.get(cfg.optim.optimizer, ()))
+    if differences:
         raise ConfigError(f"--resume: {differences}: the checkpoint's optimiser state and weight average carry its "
                           "values, which a resumed run keeps; resume with those, or train on from its weights as a "
                           "new run (--init, another --out)")
@@ -93,6 +88,12 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
         raise ConfigError(f"--resume: optim.steps={cfg.optim.steps} (checkpoint: {before.optim.steps}): a resumed run "
                           f"keeps its schedule, whose learning rate decays to step {before.optim.steps}; resume with "
                           "that number, or train on from its weights as a new run (--init, another --out)")
+
+
+def _differences(cfg: TrainConfig, before: TrainConfig, names) -> str:
+    """The fields of ``names`` whose values differ, each with the checkpoint's: "" where none does."""
+    return ", ".join(f"{k}={field_value(cfg, k)!r} (checkpoint: {field_value(before, k)!r})"
+                     for k in names if field_value(before, k) != field_value(cfg, k))
 
 
 def sharded(setup) -> bool:

@@ -1,4 +1,5 @@
 """Tests for vitlab.data.sources: ImageFolder scanning and archive resolution."""
+import logging
 import tarfile
 
 import numpy as np
@@ -130,3 +131,38 @@ def test_read_image_archive_matches_folder_scan(tmp_path, make_folder, fakes):
         str(p)[len(str(root)) + 1 :] for p in folder.paths
     ]
     assert blobs[0] == open(folder.paths[0], "rb").read()
+
+
+def test_links_to_class_folders_are_followed_and_a_loop_is_not(tmp_path, make_folder, caplog):
+    """A tree of links to another's class folders (a subset made without copying) is read as
+    those folders, as torchvision's ImageFolder reads it: unfollowed, each was a class without
+    images, and a tree of links only was refused as holding no images."""
+    from vitlab.data.sources import holds_class_images
+
+    real = make_folder(classes=3, per_class=[1, 2, 3])
+    subset = tmp_path / "subset"
+    subset.mkdir()
+    for name in ("class_1", "class_2"):
+        (subset / name).symlink_to(real / name)
+    assert holds_class_images(subset)
+    index = scan_image_folder(subset)
+    assert index.classes == ["class_1", "class_2"] and index.labels.tolist() == [0, 0, 1, 1, 1]
+    assert index.paths[0] == str(subset / "class_1" / "0000.png")
+    (real / "class_2" / "up").symlink_to(real)  # a link to a folder above it: followed, it would loop
+    with caplog.at_level(logging.WARNING, logger="vitlab.data.sources"):
+        assert scan_image_folder(real).labels.tolist() == [0, 1, 1, 2, 2, 2]
+        assert scan_image_folder(subset).labels.tolist() == [0, 0, 1, 1, 1, 1, 1, 1]  # up/class_0 and up/class_1
+    assert f"not following {real / 'class_2' / 'up'}: a link to a folder above it (a loop)" in caplog.text
+
+
+def test_the_resource_forks_of_a_macos_zip_are_not_a_class(tmp_path, make_folder, fakes):
+    """A zip made on macOS unzips to ``__MACOSX/`` beside the tree, holding a ``._`` file for each
+    image: read as a class, it was a second top folder, and every class folder of ``train/``
+    became one class, ``train``."""
+    root = make_folder(classes=2, per_class=2, subdir="train")
+    for image in (root / "train").rglob("*.png"):
+        fork = root / "__MACOSX" / image.relative_to(root).parent / f"._{image.name}"
+        fork.parent.mkdir(parents=True, exist_ok=True)
+        fork.write_bytes(b"\0\5\26\7")
+    for index in (scan_image_folder(root), read_image_archive(fakes.make_tar(root, tmp_path / "set.tar"))[0]):
+        assert index.classes == ["class_0", "class_1"] and index.labels.tolist() == [0, 0, 1, 1]

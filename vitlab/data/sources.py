@@ -327,9 +327,38 @@ def _is_image(name: str) -> bool:
     return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
+def _not_data(name: str) -> bool:
+    """Whether a file or folder named ``name`` is never data: hidden ones (.DS_Store,
+    .ipynb_checkpoints) and the folder of resource forks macOS puts into a zip, which unzipped
+    lies beside the tree (read as a class, and as a second top folder, it made every class
+    folder of ``train/`` one class)."""
+    return name.startswith(".") or name == "__MACOSX"
+
+
 def _hidden(relpath: str) -> bool:
-    # Hidden files and folders (.DS_Store, .ipynb_checkpoints) are never data.
-    return any(part.startswith(".") for part in relpath.split("/"))
+    return any(_not_data(part) for part in relpath.split("/"))
+
+
+def _walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``os.walk`` of ``top`` without the folders that are never data, following links to
+    folders as torchvision's ImageFolder does (a tree of links to another's class folders is a
+    common way to make a subset; unfollowed, each was a class without images); a link to a
+    folder above itself, which would loop, is not followed and is warned of."""
+    above = {top: frozenset({os.path.realpath(top)})}  # each folder to visit: the real paths down to it
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+        seen, kept = above.pop(dirpath), []
+        for name in dirnames:
+            if _not_data(name):
+                continue
+            path = os.path.join(dirpath, name)
+            real = os.path.realpath(path)
+            if real in seen:
+                _warn_once(top, 0, f"not following {path}: a link to a folder above it (a loop)")
+                continue
+            above[path] = seen | {real}
+            kept.append(name)
+        dirnames[:] = kept
+        yield dirpath, dirnames, filenames
 
 
 def _index_tree(where: str, files: list[str], dirs: list[str],
@@ -403,7 +432,7 @@ def listing_state(source: str) -> tuple:
     for _ in range(2):
         with os.scandir(top) as entries:
             folders = sorted((e.name, e.stat().st_mtime_ns) for e in entries
-                             if e.is_dir() and not e.name.startswith("."))
+                             if e.is_dir() and not _not_data(e.name))
         state.extend(folders)
         if len(folders) != 1:
             break
@@ -416,15 +445,15 @@ def holds_class_images(root: PathLike) -> bool:
     ``scan_image_folder`` needs at the least; found without listing the whole tree (the
     walk stops at the first image)."""
     top = os.fspath(root)
-    for dirpath, dirnames, filenames in os.walk(top):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+    for dirpath, _, filenames in _walk(top):
         if dirpath != top and any(not f.startswith(".") and _is_image(f) for f in filenames):
             return True
     return False
 
 
 def scan_image_folder(root: PathLike) -> ImageFolderIndex:
-    """List an ImageFolder tree: ``root/<class>/<image>`` (images may sit in sub-folders).
+    """List an ImageFolder tree: ``root/<class>/<image>`` (images may sit in sub-folders;
+    links to folders are followed, hidden folders and ``__MACOSX`` left out).
 
     ``root`` may also hold exactly one folder (such as ``train/``) that in turn holds
     the class folders, which is how archives are usually packed.
@@ -436,8 +465,7 @@ def scan_image_folder(root: PathLike) -> ImageFolderIndex:
     if not root.is_dir():
         raise DataError(f"{root}: not a folder (expected an ImageFolder tree or a .tar/.tar.gz/.tgz archive)")
     files, dirs, ignored, meant_empty = [], [], [], []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+    for dirpath, dirnames, filenames in _walk(str(root)):
         rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
         rel = "" if rel == "." else rel + "/"
         dirs.extend(rel + d for d in dirnames)

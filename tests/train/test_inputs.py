@@ -1,5 +1,6 @@
 import torch
 
+from vitlab.data.labelled import load_held_out
 from vitlab.train.config import DataConfig, TrainConfig
 from vitlab.train.inputs import build_splits
 
@@ -49,3 +50,19 @@ def test_the_wait_for_batches_is_the_time_spent_in_next_and_counted_once():
     waited = batches.take()
     assert 0.09 <= waited < 0.09 + 0.05
     assert batches.take() == 0.0  # taken once
+
+
+
+def test_a_run_of_a_training_pool_is_scored_on_its_own_held_out_split():
+    """A run with data.train_examples held its validation set out of that pool (VTAB-1k's 200 of
+    1000): the split is of the same pool, not of the whole set, whose split held out other
+    examples, some of them trained on."""
+    run = {"source": "digits", "val_split": 50, "split_seed": 3, "train_examples": 300, "class_subset": ["5", "3"]}
+    splits = build_splits(TrainConfig(data=DataConfig(**{**run, "class_subset": ("5", "3")})), (8, 8))
+    data = load_held_out(run, 8)  # the data section as config.json records it
+    assert len(data.labels) == 300 and len(data.held) == 50 and len(data.rest) == 250
+    assert torch.equal(data.images[data.held], splits.val_images) and torch.equal(data.labels[data.held],
+                                                                                  splits.val_labels)
+    assert torch.equal(data.images[data.rest], splits.train_images)
+    assert data.key == "digits@8|5,3|300 examples, seed 4"
+    assert len(load_held_out(run, 8, val_split=0).labels) > 300  # the whole set, scored whole

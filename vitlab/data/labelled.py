@@ -19,7 +19,7 @@ from vitlab.config import need_count_or_fraction, need_output_folder, to_pair
 from vitlab.data.digits import load_digits_dataset
 from vitlab.data.memory import InMemoryDataset, load_in_memory, load_source_in_memory
 from vitlab.data.sources import DataError, PathLike
-from vitlab.data.splits import check_seed, select_classes, stratified_split
+from vitlab.data.splits import check_seed, select_classes, stratified_sample, stratified_split
 from vitlab.data.stream import hold_out, open_source
 
 __all__ = ["load_labelled", "HeldOutSet", "load_held_out", "check_run_classes"]
@@ -78,7 +78,9 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
     run: the data section of the config the model's training run recorded ({} without one).
     val_split, split_seed: the split (``stratified_split``: a count, a fraction, or 0 to hold
         out everything); None: the run's where ``source`` is the run's data, else
-        ``default_split`` and seed 0.  The run's ``class_subset`` applies to the run's data.
+        ``default_split`` and seed 0.  The run's ``class_subset`` applies to the run's data, and
+        a split of it is of the run's ``train_examples`` pool, as the run's was (the images
+        are then the pool's).
     pool: whether the examples not held out are wanted; without, a streamed run's held-out
         shards are decoded alone (``hold_out``), not the whole set.
     workers: decoding processes (None: ``load_in_memory``'s default).
@@ -113,6 +115,14 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
     if same_as_run and run.get("class_subset"):
         images, labels, classes = select_classes(images, labels, classes, tuple(run["class_subset"]))
         key += "|" + ",".join(classes)
+    taken = int(run.get("train_examples") or 0) if same_as_run else 0
+    if taken and val_split and not run_shards and taken < len(labels):
+        # the run split its pool of data.train_examples (drawn as train.inputs.build_splits draws it):
+        # a split of the whole set held out other examples, some of them trained on
+        pool_seed = int(run.get("split_seed", 0)) + 1
+        keep = stratified_sample(labels, taken, pool_seed, "data.train_examples")
+        images, labels = images[keep], labels[keep]
+        key += f"|{taken} examples, seed {pool_seed}"
     if run_shards:
         rest, held, split = torch.arange(0), torch.arange(len(labels)), run["val_split"]
     else:

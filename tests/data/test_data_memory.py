@@ -60,6 +60,18 @@ def test_cache_invalidated_when_folder_changes(make_folder, fakes, tmp_path):
     assert len(load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)) == 5
 
 
+def test_cache_invalidated_when_an_empty_class_folder_comes_or_goes(make_folder, tmp_path):
+    """A class folder without images renumbers the classes after it: the cached copy kept the class
+    list it was decoded with, where a streamed read or pack-shards of the folder took the new one."""
+    root = make_folder(classes=2, per_class=2)
+    assert load_in_memory(root, cache_dir=tmp_path / "cache", workers=1).classes == ["class_0", "class_1"]
+    (root / "class_00").mkdir()
+    data = load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)
+    assert data.classes == ["class_0", "class_00", "class_1"] and data.labels.tolist() == [0, 0, 2, 2]
+    (root / "class_00").rmdir()
+    assert load_in_memory(root, cache_dir=tmp_path / "cache", workers=1).labels.tolist() == [0, 0, 1, 1]
+
+
 def test_cache_invalidated_when_the_class_names_beside_shards_change(make_folder, tmp_path):
     from vitlab.data.shards import pack_shards
 

@@ -568,7 +568,9 @@ def source_key(path: PathLike) -> str:
 
     For an archive: its absolute path, size and mtime (one ``stat``).  For a folder:
     the same three facts for every image in it, so adding, removing or rewriting an
-    image changes the key (one ``stat`` per image, a fraction of a second for 50k).
+    image changes the key (one ``stat`` per image, a fraction of a second for 50k), and its
+    class names: a class folder without images, added or removed, renumbers the classes
+    after it.
     """
     path = Path(path).resolve()
     if path.is_file():
@@ -577,9 +579,11 @@ def source_key(path: PathLike) -> str:
     if path.is_dir():
         # surrogateescape: file names that are not UTF-8 hash as their bytes
         digest = hashlib.sha256(str(path).encode("utf-8", "surrogateescape"))
-        for image in scan_image_folder(path).paths:
+        index = scan_image_folder(path)
+        for image in index.paths:
             st = os.stat(image)
             digest.update(f"\n{image}|{st.st_size}|{st.st_mtime_ns}".encode("utf-8", "surrogateescape"))
+        digest.update(json.dumps(index.classes).encode("utf-8", "surrogateescape"))
         return f"{path.name}-{digest.hexdigest()[:16]}"
     raise DataError(f"{path}: no such file or folder")
 

@@ -81,6 +81,17 @@ def test_brace_pattern_and_folder_sources(shards, tmp_path):
     assert len(keys) == 600 and len(set(keys)) == 600
 
 
+def test_hidden_files_and_folders_beside_shards_are_not_data(shards):
+    """Jupyter's .ipynb_checkpoints (index.json opened in it) and the ._ files macOS writes on a
+    foreign disk: the folder was read as an ImageFolder, "no class folders", or ._shard-000000.tar
+    as a shard its index.json does not list."""
+    (shards / ".ipynb_checkpoints").mkdir()
+    (shards / ".ipynb_checkpoints" / "index-checkpoint.json").write_text("{}")
+    (shards / "._shard-000000.tar").write_bytes(b"\0\5\26\7")
+    assert is_stream_source(str(shards))
+    assert len(open_source(str(shards)).units) == 10
+
+
 def test_foreign_shards_with_json_labels_and_classes_txt(tmp_path):
     out = tmp_path / "webds"
     out.mkdir()

@@ -124,7 +124,9 @@ def _streamed_kind(source: str) -> Optional[tuple[str, list[Path]]]:
         return None
     if is_hf_dataset(path):
         return "hf", [path]
-    children = list(path.iterdir())
+    # hidden files and folders are never data (.ipynb_checkpoints beside index.json, the ._shard-000000.tar
+    # macOS writes on a foreign disk): the folder of shards was read as an ImageFolder holding none
+    children = [p for p in path.iterdir() if not p.name.startswith(".")]
     if any(p.is_dir() for p in children):
         return None
     for kind, suffix in (("shards", ".tar"), ("parquet", ".parquet")):

@@ -92,6 +92,17 @@ def test_hidden_files_and_folders_beside_shards_are_not_data(shards):
     assert len(open_source(str(shards)).units) == 10
 
 
+def test_a_folder_whose_name_holds_pattern_characters_is_that_folder(tmp_path):
+    """``data [v2]`` or ``photos*`` names a folder, not a glob: it was refused as "the pattern
+    matches no file" (or read as the files the pattern matched)."""
+    for name in ("set [v2]", "set*", "shards {0..1}"):
+        folder = write_folder(tmp_path / name, classes=2, per_class=2)
+        assert not is_stream_source(str(folder))
+        assert open_source(str(folder)).num_samples == 4
+    pack_shards(tmp_path / "set*", tmp_path / "packed [1]", samples_per_shard=2)
+    assert open_source(str(tmp_path / "packed [1]")).num_samples == 4
+
+
 def test_foreign_shards_with_json_labels_and_classes_txt(tmp_path):
     out = tmp_path / "webds"
     out.mkdir()

@@ -94,6 +94,8 @@ def expand_braces(pattern: str) -> list[str]:
 
 def _named_files(source: str) -> Optional[list[Path]]:
     """The files a brace pattern or a glob names (None for a plain path)."""
+    if Path(source).expanduser().exists():  # a file or folder whose name holds [, *, ? or {}: no pattern
+        return None
     if _BRACE.search(source):
         paths = [Path(p) for p in expand_braces(source)]
         missing = [str(p) for p in paths if not p.is_file()]

@@ -113,6 +113,30 @@ def test_links_are_skipped_when_reading_an_archive_into_memory(sandbox, caplog):
     assert "skipped 1 link/device member(s) (first: train/cat/passwd.png)" in caplog.text
 
 
+def test_links_to_the_archives_images_are_read_into_memory_as_extracted(sandbox, caplog):
+    """A hard link (what GNU tar stores for a second name of one file) or a symbolic link inside
+    the tree is the image it names, in memory as on disk: read into memory it was skipped, and a
+    run held other images (and so another split) than streaming or pack-shards of the archive."""
+    extra = [member("train/dog/again.png", type=tarfile.LNKTYPE, linkname="./train/cat/1.png"),
+             member("train/cat/alias.png", type=tarfile.SYMTYPE, linkname="0.png"),
+             member("train/dog/chain.png", type=tarfile.SYMTYPE, linkname="../cat/alias.png"),  # '..': refused
+             member("train/dog/nowhere.png", type=tarfile.SYMTYPE, linkname="missing.png")]
+    archive = make_archive(sandbox / "data.tar", extra)
+    with caplog.at_level(logging.WARNING, logger="vitlab.data.sources"):
+        index, blobs = read_image_archive(archive)
+    names = [p[len(str(archive)) + 1:] for p in index.paths]
+    assert names == ["train/cat/0.png", "train/cat/1.png", "train/cat/alias.png", "train/dog/0.png",
+                     "train/dog/1.png", "train/dog/again.png"]
+    assert blobs[2] == blobs[0] == png_bytes(0) and blobs[5] == blobs[1] == png_bytes(1)
+    assert "skipped 2 link/device member(s) (first: train/dog/chain.png)" in caplog.text
+    archive = make_archive(sandbox / "fine.tar", extra[:2])  # an extraction refuses the archive over '..'
+    extracted = sources.scan_image_folder(resolve_data_path(archive, sandbox / "cache"))
+    index = read_image_archive(archive)[0]
+    assert [p[len(str(archive)) + 1:] for p in index.paths] == [
+        os.path.relpath(p, extracted.root.parent) for p in extracted.paths] == names
+    assert index.labels.tolist() == extracted.labels.tolist()
+
+
 def test_tar_bomb_of_many_small_files(sandbox, monkeypatch):
     archive = make_archive(sandbox / "bomb.tar", [member(f"train/cat/{i}.txt", b"x") for i in range(60)])
     monkeypatch.setenv("VITLAB_MAX_ARCHIVE_MEMBERS", "50")

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import posixpath
 import shutil
 import tarfile
 import tempfile
@@ -493,13 +494,16 @@ def read_image_archive(path: PathLike, limits: ArchiveLimits | None = None) -> t
     Writing 50,000 small files to disk costs more than decoding them, so data sets that
     are decoded into RAM are read straight from the archive.  ``paths`` are
     ``<archive>/<member name>`` (for messages); the encoded bytes come in the same order.
-    Same rules and errors as ``scan_image_folder``; links, devices and other special
-    members are skipped with a warning, and an archive that is damaged or over ``limits``
-    (a tar bomb) raises ``DataError``.
+    Same rules and errors as ``scan_image_folder``.  A link (hard or symbolic) to an image
+    of the archive is that image, as it is where the archive is extracted (``resolve_data_path``:
+    what streaming and ``pack_shards`` read); other links, devices and other special members
+    are skipped with a warning, and an archive that is damaged or over ``limits`` (a tar bomb)
+    raises ``DataError``.
     """
     limits = limits or ArchiveLimits.from_env()
     path = Path(path)
     blobs: dict[str, bytes] = {}
+    links: dict[str, str] = {}  # an image's name -> the member it links to, resolved after the pass
     dirs: list[str] = []
     budget = _Budget(path, limits)
     special: list[str] = []
@@ -521,15 +525,31 @@ def read_image_archive(path: PathLike, limits: ArchiveLimits | None = None) -> t
                             raise DataError(f"{path}: member {name!r} declares {member.size} bytes, more than "
                                             f"{budget.limits.member_bytes} for one image (a tar bomb?)")
                         blobs[name] = tar.extractfile(member).read()
+                        links.pop(name, None)  # a later member of a name replaces an earlier one
+                elif (member.issym() or member.islnk()) and _is_image(name) and _link_inside(member):
+                    # a hard link names its target from the archive's root, a symbolic one from its folder
+                    target = member.linkname if member.islnk() else posixpath.join(posixpath.dirname(name),
+                                                                                   member.linkname)
+                    links[name] = posixpath.normpath(target)
+                    blobs.pop(name, None)
                 else:
                     special.append(name)
     except DataError:
         raise
     except TAR_ERRORS as e:
         raise DataError(f"{path}: not a readable tar archive (truncated or corrupt?): {type(e).__name__}: {e}") from e
+    for name, target in links.items():
+        for _ in range(len(links)):  # a link to a link: followed to its end (a loop ends nowhere)
+            if target not in links:
+                break
+            target = links[target]
+        if target in blobs:
+            blobs[name] = blobs[target]
+        else:
+            special.append(name)
     if special:
-        log.warning("%s: skipped %d link/device member(s) (first: %s); only regular files are read",
-                    path, len(special), special[0])
+        log.warning("%s: skipped %d link/device member(s) (first: %s); only regular files and links to the "
+                    "archive's images are read", path, len(special), special[0])
     prefix, relpaths, labels, classes = _index_tree(str(path), list(blobs), dirs)
     index = ImageFolderIndex(
         root=path / prefix if prefix else path,
@@ -538,6 +558,13 @@ def read_image_archive(path: PathLike, limits: ArchiveLimits | None = None) -> t
         classes=classes,
     )
     return index, [blobs[p] for p in relpaths]
+
+
+def _link_inside(member: tarfile.TarInfo) -> bool:
+    """Whether a link's target is named inside the archive: not absolute, no '..' (the links
+    ``_checked_members`` lets an extraction write)."""
+    target = PurePosixPath(member.linkname)
+    return not target.is_absolute() and ".." not in target.parts
 
 
 def default_cache_dir() -> Path:

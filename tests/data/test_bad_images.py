@@ -137,6 +137,19 @@ def test_a_data_set_of_every_kind_of_bad_file(tmp_path, caplog):
     assert scan_image_folder(root).ignored == ("c/notes.txt",)
 
 
+def test_a_link_to_nothing_is_an_unreadable_image_not_the_end_of_the_run(tmp_path):
+    """A link whose target is gone (a tree of links to a set that moved): the cache key's stat of
+    it ended the in-memory load with a bare "[Errno 2] No such file or directory", where a streamed
+    read skipped it and counted it."""
+    root = tmp_path / "data"
+    _png(root / "a" / "ok.png", 10)
+    _png(root / "b" / "ok.png", 30)
+    (root / "a" / "gone.png").symlink_to(tmp_path / "moved" / "x.png")
+    data = load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)
+    assert data.images[:, 0, 0, 0].tolist() == [10, 30]
+    assert [(os.path.relpath(p, root), reason) for p, reason in data.skipped] == [("a/gone.png", "no such file")]
+
+
 def test_a_folder_listed_again_is_warned_of_once_until_it_changes(tmp_path, caplog, monkeypatch):
     """A run lists its folder for its size, its cache key and its decoding, by the user's
     spelling and by its real path: each warning about the tree is said once; a change to the

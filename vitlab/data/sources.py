@@ -608,8 +608,12 @@ def source_key(path: PathLike) -> str:
         digest = hashlib.sha256(str(path).encode("utf-8", "surrogateescape"))
         index = scan_image_folder(path)
         for image in index.paths:
-            st = os.stat(image)
-            digest.update(f"\n{image}|{st.st_size}|{st.st_mtime_ns}".encode("utf-8", "surrogateescape"))
+            try:
+                st = os.stat(image)
+                facts = f"{st.st_size}|{st.st_mtime_ns}"
+            except OSError as e:  # a link to nothing, an image gone: left out when decoded, not the run's end
+                facts = type(e).__name__
+            digest.update(f"\n{image}|{facts}".encode("utf-8", "surrogateescape"))
         digest.update(json.dumps(index.classes).encode("utf-8", "surrogateescape"))
         return f"{path.name}-{digest.hexdigest()[:16]}"
     raise DataError(f"{path}: no such file or folder")

@@ -131,6 +131,22 @@ def test_corrupt_samples_are_skipped_and_counted(tmp_path, make_folder, fakes, c
     assert "shard-000000.tar:b: skipped unreadable image" in caplog.text
 
 
+@pytest.mark.parametrize("max_side", [None, 4])
+def test_pack_leaves_out_an_image_it_cannot_read_and_says_so(tmp_path, make_folder, caplog, max_side):
+    """A link to nothing (its set moved) stopped pack-shards half-way with a bare "[Errno 2] No such
+    file or directory", the shards written so far left in the output; a run of the folder skips it."""
+    root = make_folder(classes=2, per_class=2)
+    (root / "class_1" / "gone.png").symlink_to(tmp_path / "moved.png")
+    with caplog.at_level(logging.WARNING, logger="vitlab.data.shards"):
+        pack_shards(root, tmp_path / "out", samples_per_shard=2, max_side=max_side)
+    meta = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert meta["num_samples"] == 4 and sum(s["num_samples"] for s in meta["shards"]) == 4
+    assert meta["skipped"] == [[str(root / "class_1" / "gone.png"), "not readable: FileNotFoundError: No such file "
+                                                                      "or directory"]]
+    assert f"left out 1 image(s) that could not be read or decoded (first: {root / 'class_1' / 'gone.png'}: " \
+           "not readable" in caplog.text
+
+
 def test_folder_streamed_by_workers_with_a_corrupt_file(make_folder, fakes):
     root = make_folder(classes=2, per_class=3, size=(6, 6))
     (root / "class_1" / "zz.png").write_bytes(b"broken")

@@ -98,7 +98,11 @@ def _encode_chunk(job: tuple[list[str], Optional[int], Optional[int]]) -> list[t
     paths, max_side, quality = job
     out = []
     for path in paths:
-        data = Path(path).read_bytes()
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:  # a link to nothing, an image gone or unreadable: left out, as a run leaves it out
+            out.append((None, "", f"not readable: {type(e).__name__}: {e.strerror or e}"))
+            continue
         ext = os.path.splitext(path)[1].lower().replace(".jpeg", ".jpg")
         # stored as it is (nothing decoded) unless re-encoded: a quality asked, or a side too long
         if quality is None and (max_side is None or max(_stored_size(data)) <= max_side):
@@ -150,7 +154,7 @@ def pack_shards(
 
     ``out_dir/index.json`` records the classes, the seed, the size and quality options,
     each shard's name, sample count and class counts, and the images left out because
-    they could not be decoded for re-encoding.  Returns the shard paths,
+    they could not be read, or decoded for re-encoding.  Returns the shard paths,
     ``out_dir/shard-000000.tar`` onwards.
 
     Raises:
@@ -202,8 +206,8 @@ def pack_shards(
         entries.append({"name": path.name, "num_samples": len(kept), "class_counts": counts.tolist()})
         shards.append(path)
     if skipped:
-        log.warning("%s: left out %d image(s) that could not be decoded (first: %s)", image_folder, len(skipped),
-                    skipped[0][1])
+        log.warning("%s: left out %d image(s) that could not be read or decoded (first: %s: %s)", image_folder,
+                    len(skipped), *skipped[0])
     meta = {
         "classes": index.classes,
         "num_samples": sum(e["num_samples"] for e in entries),

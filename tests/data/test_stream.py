@@ -132,6 +132,29 @@ def test_foreign_shards_with_json_labels_and_classes_txt(tmp_path):
     assert [part[5:] for part in parts] == [(epoch, 6) for epoch in range(6)]  # each part a whole epoch here
 
 
+@pytest.mark.parametrize("written, names", [
+    ('{"dog": 1, "cat": 0}', ["cat", "dog"]),  # torchvision's class_to_idx
+    ('{"1": "dog", "0": "cat"}', ["cat", "dog"]),  # an id2label
+    ('[0, 1]', r"TypeError: expected names \(strings\), found \[0, 1\]"),
+    ('{"dog": 1, "cat": 1}', "ValueError: the ids are not 0 to 1"),
+    ('["cat", "dog",', "JSONDecodeError"),
+])
+def test_classes_json_is_names_in_label_order_or_refused_naming_it(shards, written, names):
+    """A mapping was read as its keys in the file's order: {"dog": 1, "cat": 0} named label 0 dog;
+    a list of numbers became the names, and a file that is not JSON ended in json's own line."""
+    (shards / "index.json").unlink()
+    (shards / "classes.json").write_text(written)
+    if isinstance(names, list):
+        assert open_source(str(shards)).classes == names
+        return
+    with pytest.raises(DataError, match=rf"classes.json: not class names in label order \(.*\): {names}"):
+        open_source(str(shards))
+    (shards / "classes.json").unlink()
+    (shards / "classes.txt").write_bytes(b"cat\n\xff\n")
+    with pytest.raises(DataError, match=r"classes.txt: not class names in label order \(.*\): UnicodeDecodeError"):
+        open_source(str(shards))
+
+
 def test_resume_continues_sample_exactly(shards):
     source = open_source(str(shards))
 

@@ -303,12 +303,38 @@ def check_label_ids(ids: Sequence[int], classes: Sequence[str], source: str, whe
 
 def classes_beside(folder: Path) -> Optional[list[str]]:
     """Class names from ``classes.txt`` (one a line) or ``classes.json`` in ``folder``, or None
-    where neither is there."""
-    if (folder / "classes.txt").is_file():
-        return [line.strip() for line in (folder / "classes.txt").read_text().splitlines() if line.strip()]
-    if (folder / "classes.json").is_file():
-        return list(json.loads((folder / "classes.json").read_text()))
+    where neither is there.  ``classes.json`` holds the names in label order, or a mapping of
+    the names to their ids (torchvision's ``class_to_idx``) or of the ids to the names (an
+    ``id2label``): read as a list, a mapping gave its keys in the file's order, names or ids.
+
+    Raises:
+        DataError: the file is not one of those (not UTF-8, not JSON, ids not 0 to N-1), named.
+    """
+    text, listed = folder / "classes.txt", folder / "classes.json"
+    where = text if text.is_file() else listed
+    try:
+        if where == text:
+            return [line.strip() for line in text.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if listed.is_file():
+            return _names_in_order(json.loads(listed.read_text(encoding="utf-8")))
+    except (ValueError, TypeError) as e:  # UnicodeDecodeError and json's errors are ValueErrors
+        raise DataError(f"{where}: not class names in label order (classes.txt: one a line; classes.json: a list, "
+                        f"or a mapping of the names to the ids 0 to N-1, or of the ids to the names): "
+                        f"{type(e).__name__}: {e}") from e
     return None
+
+
+def _names_in_order(found) -> list[str]:
+    """The class names of ``classes.json``'s content, in label order."""
+    if isinstance(found, dict):
+        by_name = all(isinstance(v, int) and not isinstance(v, bool) for v in found.values())
+        pairs = [(v, k) if by_name else (k, v) for k, v in found.items()]  # (id, name)
+        if not all(str(i).isdigit() for i, _ in pairs) or sorted(int(i) for i, _ in pairs) != list(range(len(pairs))):
+            raise ValueError(f"the ids are not 0 to {len(pairs) - 1}")
+        found = [name for _, name in sorted((int(i), name) for i, name in pairs)]
+    if not isinstance(found, list) or not all(isinstance(name, str) for name in found):
+        raise TypeError(f"expected names (strings), found {json.dumps(found)[:60]}")
+    return found
 
 
 def files_key(paths: Sequence[PathLike], name: str = "files", classes: Sequence[str] = ()) -> str:

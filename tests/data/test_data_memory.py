@@ -85,6 +85,25 @@ def test_cache_invalidated_when_the_class_names_beside_shards_change(make_folder
     assert again.classes == ["dog", "cat"]  # the cached copy's names were taken: every label under another name
 
 
+def test_an_archive_decoded_before_its_links_were_read_is_decoded_again(make_folder, fakes, tmp_path):
+    """An archive's key is its path, size and time, which a change to how it is read leaves as it
+    was: the copy version 2 cached, its links left out (and its __MACOSX/ read as a class), was
+    read back, other images than an extraction's."""
+    import tarfile
+
+    from vitlab.data.sources import source_key
+
+    archive = fakes.make_tar(make_folder(classes=2, per_class=1), tmp_path / "set.tar")
+    with tarfile.open(archive, "a") as tar:
+        info = tarfile.TarInfo("class_1/again.png")
+        info.type, info.linkname = tarfile.LNKTYPE, "class_0/0000.png"
+        tar.addfile(info)
+    folder = tmp_path / "cache" / "arrays" / f"{source_key(archive)}-native-v2"  # as version 2 wrote it
+    pixels = np.zeros((2, 3, 8, 8), np.uint8)
+    memory._write_cache(folder, pixels, np.array([0, 1]), ["class_0", "class_1"], memory.Unread())
+    assert load_in_memory(archive, cache_dir=tmp_path / "cache", workers=1).labels.tolist() == [0, 1, 1]
+
+
 def test_archive_gives_the_same_arrays_as_the_folder(make_folder, fakes, tmp_path):
     root = make_folder(classes=3, per_class=2, subdir="train")
     archive = fakes.make_tar(root, tmp_path / "set.tar.gz")

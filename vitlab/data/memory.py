@@ -51,7 +51,8 @@ __all__ = ["InMemoryDataset", "load_in_memory", "load_source_in_memory", "decode
 log = logging.getLogger(__name__)
 
 Size = Union[int, tuple[int, int], None]
-CACHE_VERSION = 2  # bump when the layout of the cached arrays changes (2: the skipped list counts images)
+CACHE_VERSION = 3  # bump when the layout of the cached arrays changes, or what a key names (2: the skipped list
+#                   counts images; 3: an archive read into memory takes its links to images, leaves __MACOSX/ out)
 
 
 @dataclass

@@ -64,5 +64,5 @@ def test_a_run_of_a_training_pool_is_scored_on_its_own_held_out_split():
     assert torch.equal(data.images[data.held], splits.val_images) and torch.equal(data.labels[data.held],
                                                                                   splits.val_labels)
     assert torch.equal(data.images[data.rest], splits.train_images)
-    assert data.key == "digits@8|5,3|300 examples, seed 4"
+    assert data.key == "digits@8|5,3|pool of 300, split seed 3"
     assert len(load_held_out(run, 8, val_split=0).labels) > 300  # the whole set, scored whole

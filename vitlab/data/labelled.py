@@ -19,7 +19,7 @@ from vitlab.config import need_count_or_fraction, need_output_folder, to_pair
 from vitlab.data.digits import load_digits_dataset
 from vitlab.data.memory import InMemoryDataset, load_in_memory, load_source_in_memory
 from vitlab.data.sources import DataError, PathLike
-from vitlab.data.splits import check_seed, select_classes, stratified_sample, stratified_split
+from vitlab.data.splits import check_seed, select_classes, stratified_split, training_pool
 from vitlab.data.stream import hold_out, open_source
 
 __all__ = ["load_labelled", "HeldOutSet", "load_held_out", "check_run_classes"]
@@ -117,12 +117,12 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         key += "|" + ",".join(classes)
     taken = int(run.get("train_examples") or 0) if same_as_run else 0
     if taken and val_split and not run_shards and taken < len(labels):
-        # the run split its pool of data.train_examples (drawn as train.inputs.build_splits draws it):
-        # a split of the whole set held out other examples, some of them trained on
-        pool_seed = int(run.get("split_seed", 0)) + 1
-        keep = stratified_sample(labels, taken, pool_seed, "data.train_examples")
+        # the run split its pool of data.train_examples: a split of the whole set held out other
+        # examples, some of them trained on
+        seed = int(run.get("split_seed", 0))
+        keep = training_pool(labels, taken, seed)
         images, labels = images[keep], labels[keep]
-        key += f"|{taken} examples, seed {pool_seed}"
+        key += f"|pool of {taken}, split seed {seed}"
     if run_shards:
         rest, held, split = torch.arange(0), torch.arange(len(labels)), run["val_split"]
     else:

@@ -19,7 +19,7 @@ import torch
 from vitlab.config import ConfigError
 from vitlab.data.sources import DataError
 
-__all__ = ["stratified_split", "stratified_sample", "few_per_class", "select_classes", "check_seed"]
+__all__ = ["stratified_split", "stratified_sample", "training_pool", "few_per_class", "select_classes", "check_seed"]
 
 Labels = Union[torch.Tensor, np.ndarray, list]
 
@@ -105,6 +105,14 @@ def stratified_sample(labels: Labels, size: int, seed: int, name: str = "size") 
     if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or not 0 < size < len(y):
         raise DataError(f"{name}={size!r}: a count of examples in 1..{len(y) - 1} (0: all {len(y)})")
     return torch.from_numpy(_drawn(y, int(size), seed))
+
+
+def training_pool(labels: Labels, examples: int, split_seed: int) -> torch.Tensor:
+    """A run's pool of ``data.train_examples`` examples, which its ``data.val_split`` is then
+    held out of: ``stratified_sample`` on the seed after ``split_seed``, so that the pool and
+    the split are not one draw.  The one place it is drawn: a run's training and the eval or
+    few-shot of its checkpoint must hold out the same examples."""
+    return stratified_sample(labels, int(examples), split_seed + 1, "data.train_examples")
 
 
 def _drawn(y: np.ndarray, total: int, seed: int, leave_some: str = "") -> np.ndarray:

@@ -24,7 +24,7 @@ from vitlab.config import ConfigError, Pair
 from vitlab.data.labelled import load_labelled
 from vitlab.data.memory import load_source_in_memory
 from vitlab.data.sources import DataError, listing_state
-from vitlab.data.splits import select_classes, stratified_sample, stratified_split
+from vitlab.data.splits import select_classes, stratified_split, training_pool
 from vitlab.data.stream import hold_out, open_source
 
 from .config import TrainConfig
@@ -75,7 +75,7 @@ def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
         images, labels, classes = select_classes(images, labels, classes, tuple(data.class_subset))
     if data.train_examples and data.train_examples < len(labels):
         # the training pool: a class-stratified sample (the held-out part of a stratified split)
-        keep = stratified_sample(labels, int(data.train_examples), data.split_seed + 1, "data.train_examples")
+        keep = training_pool(labels, data.train_examples, data.split_seed)
         images, labels, ids = images[keep], labels[keep], ids[keep]
     val_images = val_labels = None
     skipped = dataset.skipped.images

@@ -12,7 +12,9 @@ import scipy.ndimage
 import scipy.special
 import torch
 
-from vitlab.weights import WeightsError, load_model, load_official_npz, save_official_npz
+from vitlab.models.registry import get_config
+from vitlab.weights import WeightsError, infer_config, load_model, load_official_npz, save_official_npz
+from vitlab.weights.core import meta_shapes
 
 # float32 vitlab vs float64 reference differ by ~5e-6 here; 3e-5 (stricter than 1e-4) also
 # catches a wrong LayerNorm/GroupNorm eps or weight-standardisation form, not only a wrong GELU
@@ -316,3 +318,19 @@ def test_heads_come_from_the_kernels_and_names_are_checked():
         load_official_npz(ckpt, num_heads=4)
     with pytest.raises(WeightsError, match="not a ViT-B/16"):
         load_model(ckpt, name="ViT-B_16")  # the official spelling is accepted
+
+
+def test_a_name_of_another_family_or_stem_is_refused():
+    # a BiT ResNet's name for ViT weights was read for a ViT's fields: AttributeError, a traceback
+    with pytest.raises(WeightsError, match="not a BiT-R50x1: they hold a Vision Transformer, and BiT-R50x1 is a BiT"):
+        load_model(random_checkpoint(10, depth=1), name="BiT-R50x1")
+    # R50x1+ViT-B/32 has every size of R50x1+ViT-B/16 but the stem's units ((3, 4, 6, 3), not (3, 4, 9)):
+    # the stem was not compared, and the weights were named the other model; shapes alone (no memory held)
+    # are enough, as the name is checked before a model is built
+    shapes = {k: torch.zeros(()).expand(s) for k, s in meta_shapes(get_config("R50+ViT-B/32")).items()}
+    assert infer_config(shapes, name="R50+ViT-B/32").name == "R50x1+ViT-B/32"
+    with pytest.raises(WeightsError, match=r"not a R50x1\+ViT-B/16: resnet=\(3, 4, 6, 3\)x1 \(weights\) vs "
+                                           r"\(3, 4, 9\)x1"):
+        load_model(shapes, name="R50+ViT-B/16")
+    with pytest.raises(WeightsError, match=r"resnet=\(3, 4, 6, 3\)x1 \(weights\) vs None \(ViT-B/32\)"):
+        infer_config(shapes, name="ViT-B/32")

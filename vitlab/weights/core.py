@@ -287,9 +287,9 @@ def infer_config(state_dict: Mapping[str, torch.Tensor], *, name: str | None = N
     heads = heads_from_weights or asked
     if name is not None:
         named = get_config(name)
-        heads = heads or named.num_heads
-        _check_against_registry(named, width=width, depth=depth, mlp_dim=mlp_dim, patch_size=patch_size,
-                                num_heads=heads)
+        heads = heads or getattr(named, "num_heads", None)
+        _check_against_registry(named, ViTConfig, width=width, depth=depth, mlp_dim=mlp_dim, patch_size=patch_size,
+                                num_heads=heads, resnet=_stem(resnet))
         fields.setdefault("name", named.name)
     if heads is None:
         raise WeightsError(
@@ -314,10 +314,31 @@ def infer_config(state_dict: Mapping[str, torch.Tensor], *, name: str | None = N
     return cfg if cfg.name else dataclasses.replace(cfg, name=guess_name(cfg))
 
 
-def _check_against_registry(named: ViTConfig, **found: Any) -> None:
-    """Refuse weights whose shapes contradict the registry config they are said to be."""
-    wrong = [f"{k}={v} (weights) vs {getattr(named, k)} ({named.name})"
-             for k, v in found.items() if v != getattr(named, k)]
+FAMILIES = {ViTConfig: "Vision Transformer", ResNetConfig: "BiT ResNet"}
+
+
+def _stem(resnet: ResNetConfig | None) -> str | None:
+    """What a registry name says of a hybrid's stem (R50x1+...): its units per stage and width factor."""
+    return None if resnet is None else f"{resnet.layers}x{resnet.width_factor}"
+
+
+def _shape(cfg: Architecture) -> dict[str, Any]:
+    """The fields a registry name fixes: a ViT's sizes, patch, heads and stem; a BiT's units and width."""
+    if isinstance(cfg, ResNetConfig):
+        return {"layers": cfg.layers, "width_factor": cfg.width_factor}
+    return {"width": cfg.width, "depth": cfg.depth, "mlp_dim": cfg.mlp_dim, "patch_size": cfg.patch_size,
+            "num_heads": cfg.num_heads, "resnet": _stem(cfg.resnet)}
+
+
+def _check_against_registry(named: Architecture, family: type, **found: Any) -> None:
+    """Refuse weights whose shapes contradict the registry config they are said to be: a model of
+    another family (its fields were read as missing attributes), or other sizes, heads or stem
+    (the stem was not compared: R50x1+ViT-B/32 weights were taken as an R50x1+ViT-B/16)."""
+    if not isinstance(named, family):
+        raise WeightsError(f"the weights are not a {named.name}: they hold a {FAMILIES[family]}, and "
+                           f"{named.name} is a {FAMILIES[type(named)]}")
+    expected = _shape(named)
+    wrong = [f"{k}={v} (weights) vs {expected[k]} ({named.name})" for k, v in found.items() if v != expected[k]]
     if wrong:
         raise WeightsError(f"the weights are not a {named.name}: " + "; ".join(wrong))
 

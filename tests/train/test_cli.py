@@ -278,6 +278,26 @@ def test_finetune_and_sweep(tmp_path, capsys):
     assert load_model(report["final"]["weights"]).cfg.num_classes == 10
 
 
+def test_finetune_from_weights_of_another_model_than_the_recipe_names(tmp_path, capsys):
+    """Not named (--model), a fine-tune's model.name is its recipe's (paper_finetune's ViT-B/16, the demo's
+    ViT-Ti/16), which was held against the init as the model it must be: any vit_jax .npz, Hugging Face
+    folder or timm file of another model was refused ('the weights are not a ViT-Ti/16'), in the memory
+    estimate of --show-config and at the start of the run."""
+    import vitlab
+
+    model = vitlab.create_model(vitlab.get_config("ViT-Ti/16", img_size=16, patch_size=8, width=16, depth=1,
+                                                  num_heads=2, mlp_dim=32, num_classes=10))
+    vitlab.save_official_npz(model, tmp_path / "w.npz")
+    ft = ["finetune", "--init", str(tmp_path / "w.npz"), "--recipe", "demo", "--data", "digits", "--img-size", "32",
+          "--steps", "1", "--batch-size", "16", "--val-split", "100", "--set", "run.threads=1",
+          "--set", "run.tensorboard=false", "--quiet", "--out", str(tmp_path / "ft")]
+    assert main([*ft, "--show-config"]) == 0
+    assert "not_estimated" not in json.loads(capsys.readouterr().out)["memory_estimate"]
+    assert main(ft) == 0
+    tuned = load_model(last_json_line(capsys.readouterr().out)["weights"])
+    assert (tuned.cfg.width, tuned.cfg.num_heads, tuned.cfg.img_size) == (16, 2, (32, 32))
+
+
 def test_show_config_takes_section_names_old_flat_names_and_the_fast_flags(capsys):
     assert main(["train", "--recipe", "demo", "--show-config", "--set", "lr=0.5", "--set", "run.threads=2",
                  "--set", "model.width=32"]) == 0

@@ -25,7 +25,7 @@ from .ema import EMA
 from .inputs import Splits, build_splits, stream_splits, whitening_sample
 from .numerics import make_scaler
 from .optim import build_optimizer
-from .resolve import Resolved, resolve, resolve_device
+from .resolve import Resolved, load_init, resolve, resolve_device
 from .state import process_state, rng_state, set_process_state
 from .step import HeldGradients, Update
 
@@ -162,8 +162,8 @@ def _fine_tuned(cfg: TrainConfig, num_classes: int, img_size: tuple) -> nn.Modul
     regularisation = {k: v for k, v in cfg.model.overrides.items() if k in FINETUNE_MODEL_FIELDS}
     if cfg.data.progressive_sizes:
         regularisation["dynamic_img_size"] = True
-    model = load_model(cfg.model.init, name=cfg.model.name, img_size=img_size, num_classes=num_classes,
-                       keep_pre_logits=cfg.model.keep_pre_logits, **regularisation)
+    model = load_init(load_model, cfg.model.init, cfg.model.name, img_size=img_size, num_classes=num_classes,
+                      keep_pre_logits=cfg.model.keep_pre_logits, **regularisation)
     model.reset_classifier(num_classes)  # always a fresh zero-initialised head (Sec. 3.2)
     return model.train()
 

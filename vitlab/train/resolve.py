@@ -43,6 +43,7 @@ import logging
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -401,11 +402,25 @@ def size_step(arch: Architecture) -> int:
     return arch.patch_size[0] * (arch.resnet.reduction if arch.resnet is not None else 1)
 
 
+def load_init(load: Callable[..., Any], init: str, name: str, **kw: Any) -> Any:
+    """``load(init, **kw)`` (``load_model`` or ``load_config``) of a fine-tune's init, which is the model it
+    is: ``name`` (``model.name``, the recipe's unless named) only gives the heads to weights that record
+    them nowhere.  Always passed, it was held against the init as the model the weights must be: with the
+    recipe's default, ``finetune --init ViT-L_16.npz`` was refused as 'not a ViT-B/16'.  A name given on the
+    command line is checked by ``check_named_init``."""
+    from vitlab.weights import HeadsUnknownError
+
+    try:
+        return load(init, **kw)
+    except HeadsUnknownError:
+        return load(init, name=name, **kw)
+
+
 @functools.lru_cache(maxsize=4)
 def _init_architecture(init: str, name: str) -> Architecture:
     from vitlab.weights import load_config
 
-    return load_config(init, name=name)
+    return load_init(load_config, init, name)
 
 
 def init_architecture(cfg: TrainConfig) -> Architecture:
@@ -416,7 +431,7 @@ def init_architecture(cfg: TrainConfig) -> Architecture:
 def check_named_init(cfg: TrainConfig, name: str) -> None:
     """A model named with the init (``--model``) is the init's: a fine-tune trains its init's
     architecture, so another name was dropped without a word, while a recipe whose rates are per
-    model (Table 3) had taken the named model's.  (An official .npz is checked as it is read.)"""
+    model (Table 3) had taken the named model's."""
     if not Path(cfg.model.init).expanduser().exists():  # a Hub name, or missing: named as the run starts
         return
     arch = init_architecture(cfg)

@@ -14,7 +14,7 @@ missing, unexpected and mis-shaped key in one ``WeightsError``.
 """
 from .bigvision import load_big_vision
 from .bit import load_bit, save_bit_npz
-from .core import ConventionWarning, WeightsError, adapt_state_dict, infer_config, load_checked
+from .core import ConventionWarning, HeadsUnknownError, WeightsError, adapt_state_dict, infer_config, load_checked
 from .huggingface import load_huggingface, save_huggingface
 from .load import detect_format, load_config, load_model, read_class_names
 from .native import load_native, save_model
@@ -23,6 +23,7 @@ from .timm import load_timm, save_timm
 
 __all__ = [
     "ConventionWarning",
+    "HeadsUnknownError",
     "WeightsError",
     "adapt_state_dict",
     "detect_format",

@@ -34,6 +34,11 @@ class WeightsError(ValueError):
     """Weights that do not fit the model they are loaded into, or cannot be read."""
 
 
+class HeadsUnknownError(WeightsError):
+    """Weights that record their number of attention heads nowhere (a Hugging Face, timm or vitlab
+    state dict without its config): a registry name or ``num_heads`` must give it."""
+
+
 def to_tensor(array: Any) -> torch.Tensor:
     """A numpy array or tensor as a CPU tensor (numpy arrays are copied, never shared)."""
     if isinstance(array, torch.Tensor):
@@ -292,7 +297,7 @@ def infer_config(state_dict: Mapping[str, torch.Tensor], *, name: str | None = N
                                 num_heads=heads, resnet=_stem(resnet))
         fields.setdefault("name", named.name)
     if heads is None:
-        raise WeightsError(
+        raise HeadsUnknownError(
             "the number of attention heads cannot be read from these weights: pass name= (a registry name "
             "such as 'ViT-B/16') or num_heads="
         )

@@ -4,11 +4,13 @@ import json
 import numpy as np
 import pytest
 
+from test_weights_bit import bit_checkpoint
 from test_weights_official import random_checkpoint
+from test_weights_sources import big_vision_checkpoint
 from vitlab.cli import main
 from vitlab.config import ViTConfig
-from vitlab.models.registry import build_model
-from vitlab.weights import save_model
+from vitlab.models.registry import build_model, create_model
+from vitlab.weights import load_model, save_model
 
 
 @pytest.mark.filterwarnings("ignore::vitlab.weights.ConventionWarning")
@@ -97,3 +99,30 @@ def test_convert_of_vitlab_weights_takes_their_recorded_heads_only(tmp_path, cap
                                                f"{tmp_path / 'run'} record the 2 attention heads they were trained "
                                                "with; leave it out, or give that number")
     assert not (tmp_path / "other").exists()
+
+
+def test_a_name_given_with_weights_that_record_their_model_is_checked(tmp_path, capsys):
+    # --name was dropped unread for weights that record their model (vitlab's, BiT's, big_vision's) while an
+    # official .npz was held to it: ViT-Ti/16 weights converted with --name ViT-S/16 were written as they were
+    from vitlab.weights import WeightsError, load_config
+
+    save_model(create_model("ViT-Ti/16", img_size=16, num_classes=0), tmp_path / "run")
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "same"), "--name", "ViT-Ti_16", "--no-check"]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "other"), "--name", "ViT-S/16"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "vitlab convert: error: the weights are not a ViT-S/16: width=192 (weights) vs 384 (ViT-S/16); mlp_dim=768 "
+        "(weights) vs 1536 (ViT-S/16); num_heads=3 (weights) vs 6 (ViT-S/16)")
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(WeightsError, match="not a ViT-S/16"):  # read from the file's config alone, too
+        load_config(tmp_path / "run", name="ViT-S/16")
+    with pytest.raises(WeightsError, match="not a BiT-R50x1: they hold a Vision Transformer"):
+        load_model(tmp_path / "run", name="BiT-R50x1")
+    bit = bit_checkpoint(0, (1, 2))
+    assert load_model(bit).cfg.name == "BiT-R11x1"
+    with pytest.raises(WeightsError, match=r"not a BiT-R50x1: layers=\(1, 2\) \(weights\) vs \(3, 4, 6, 3\)"):
+        load_model(bit, name="BiT-R50x1")
+    with pytest.raises(WeightsError, match="not a ViT-B/16: they hold a BiT ResNet, and ViT-B/16 is a Vision"):
+        load_model(bit, name="ViT-B/16")
+    with pytest.raises(WeightsError, match="not a ViT-B/16: width=32"):
+        load_model(big_vision_checkpoint(1, "tok"), name="ViT-B/16")

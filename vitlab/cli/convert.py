@@ -25,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output: a directory (vitlab, hf), an .npz (official) or a .safetensors/.pth file (timm)")
     p.add_argument("--to", dest="format", choices=("vitlab", "official", "hf", "timm"), default="vitlab",
                    help="layout to write (default: vitlab)")
-    p.add_argument("--name", default=None, help="registry name, for weights whose shapes do not give the heads")
+    p.add_argument("--name", default=None, help="registry name: the heads of weights whose shapes do not give them; "
+                                                "other weights must be that model")
     p.add_argument("--num-heads", type=int, default=None, help="attention heads, instead of --name")
     p.add_argument("--img-size", type=image_size, default=None, help="resize the position embeddings to N or HxW")
     p.add_argument("--weights-img-size", type=image_size, default=None,

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..config import ConfigError, Pair, ResNetConfig, replace
 from ..models.registry import RESNET_DEPTHS, bit_config
-from .core import StateDict, WeightsError, atomic_write, build_loaded, to_tensor, width_factor_of
+from .core import StateDict, WeightsError, atomic_write, build_loaded, check_named, to_tensor, width_factor_of
 from .official import read_npz
 
 PREFIX = "resnet/"
@@ -135,18 +135,20 @@ def from_bit(arrays: Mapping[str, Any], named: str | None = None,
 
 def load_bit(source: str | os.PathLike | Mapping[str, Any], img_size: Pair | int | None = None,
              num_classes: int | None = None, file_name: str | os.PathLike | None = None,
-             **overrides: Any) -> nn.Module:
+             name: str | None = None, **overrides: Any) -> nn.Module:
     """A vitlab ``BiTResNet`` (eval mode) holding a big_transfer ``.npz`` (path or arrays).
 
     ``num_classes`` different from the checkpoint's gives a zero head (BiT's fine-tuning
     set-up); ``img_size`` only sets the config (a ResNet takes any size); ``overrides``
     are ResNetConfig fields; ``file_name`` names arrays already read in errors.  A file
-    named as big_transfer names its files (``BiT-M-R50x1.npz``) must hold that model.
+    named as big_transfer names its files (``BiT-M-R50x1.npz``) must hold that model, and so
+    must ``name`` (a registry name, ``BiT-R50x1``).
     """
     arrays = read_npz(source) if isinstance(source, (str, os.PathLike)) else source
     file_name = source if isinstance(source, (str, os.PathLike)) else file_name
     named = named_model(file_name) if file_name is not None else None
     state_dict, cfg = from_bit(arrays, named, **overrides)
+    check_named(name, cfg)
     if num_classes is not None and cfg.num_classes == 0 and num_classes > 0:
         cfg = replace(cfg, num_classes=num_classes)  # a headless file given a head: fresh zeros
     where = f"the BiT checkpoint {file_name}" if file_name is not None else "the BiT checkpoint"

@@ -348,6 +348,13 @@ def _check_against_registry(named: Architecture, family: type, **found: Any) -> 
         raise WeightsError(f"the weights are not a {named.name}: " + "; ".join(wrong))
 
 
+def check_named(name: str | None, cfg: Architecture) -> None:
+    """That the registry ``name`` a load was given is the model ``cfg`` (read from the weights) is,
+    where the format records the architecture itself (vitlab's, BiT's): it was dropped unread."""
+    if name is not None:
+        _check_against_registry(get_config(name), type(cfg), **_shape(cfg))
+
+
 def guess_name(cfg: ViTConfig) -> str | None:
     """The registry name of a plain ViT or R50 hybrid with these sizes, if there is one."""
     for size, dims in VIT_SIZES.items():

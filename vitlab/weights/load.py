@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..config import Architecture, Pair
-from .core import WeightsError, build_loaded, infer_config, to_tensor
+from .core import WeightsError, build_loaded, check_named, infer_config, to_tensor
 from .bigvision import is_big_vision, load_big_vision
 from .bit import is_bit, load_bit
 from .hub import resolve_hub_name
@@ -143,13 +143,13 @@ def detect_format(keys: Any) -> str:
 def _load_state_dict(sd: Mapping[str, Any], hf_config: Mapping[str, Any] | None, file: Path | None = None,
                      timm_kwargs: Mapping[str, Any] | None = None, **kw: Any) -> nn.Module:
     fmt = detect_format(sd.keys())
-    if fmt == "official":  # the arrays define the architecture; a name is only checked against them
+    # where the arrays define the architecture, a name is only checked against them
+    if fmt == "official":
         return load_official_npz(sd, file_name=file, **kw)
-    if fmt in ("big_vision", "bit"):
-        kw.pop("name", None)  # the arrays define the architecture
-        if fmt == "bit":
-            kw.pop("keep_pre_logits")
-            return load_bit(sd, file_name=file, **kw)
+    if fmt == "bit":
+        kw.pop("keep_pre_logits")
+        return load_bit(sd, file_name=file, **kw)
+    if fmt == "big_vision":
         return load_big_vision(sd, file_name=file, **kw)
     if fmt == "huggingface":
         return load_huggingface(sd, hf_config, **kw)
@@ -163,8 +163,7 @@ def _load_state_dict(sd: Mapping[str, Any], hf_config: Mapping[str, Any] | None,
 
 
 def _load_dir(path: Path, **kw: Any) -> nn.Module:
-    if is_native(path):
-        kw.pop("name", None)  # the saved config is authoritative
+    if is_native(path):  # the saved config is authoritative; a name is checked against it
         return load_native(path, **kw)
     config = path / CONFIG_NAME
     # a config.json is Hugging Face's only if it says so (a training run keeps its own there)
@@ -188,7 +187,6 @@ def _load_file(path: Path, hf_config: Mapping[str, Any] | None = None, **kw: Any
     timm_kwargs = _read_json(sidecar).get("kwargs") if sidecar.is_file() else None
     if suffix == ".safetensors":
         if CONFIG_KEY in read_safetensors_metadata(path):
-            kw.pop("name", None)  # the saved config is authoritative
             return load_native(path, **kw)
         tensors, _ = read_safetensors(path)
         return _load_state_dict(tensors, hf_config, timm_kwargs=timm_kwargs, **kw)
@@ -206,7 +204,7 @@ def load_model(source: str | os.PathLike | Mapping[str, Any], name: str | None =
         found in the local Hugging Face cache or downloaded) or an in-memory state dict / dict of arrays.
     name: a registry name (e.g. "ViT-B/16"); needed only for Hugging Face, timm and bare
         vitlab state dicts without a config, whose shapes do not show the number of heads
-        (``num_heads=`` works too).  Ignored where the format defines the architecture.
+        (``num_heads=`` works too).  Where the format defines the architecture, it must be that one.
     img_size: resample the position embeddings to this resolution, by the convention of
         the weights' source (official: bilinear zoom; Hugging Face and timm: bicubic).
     num_classes: a different value gives a zero-initialised head; the pre-logits layer is
@@ -281,5 +279,6 @@ def load_config(source: str | os.PathLike, name: str | None = None) -> Architect
     if weights.suffix.lower() == ".safetensors" and weights.is_file():
         cfg = read_native_config(weights)
         if cfg is not None:
+            check_named(name, cfg)
             return cfg
     return load_model(source, name=name).cfg

@@ -23,7 +23,7 @@ from torch import nn
 from ..config import (Architecture, ConfigError, Pair, ResNetConfig, config_from_json, config_to_json, replace,
                       to_pair)
 from .bit import save_bit_npz
-from .core import WeightsError, atomic_write, atomic_write_set, build_loaded
+from .core import WeightsError, atomic_write, atomic_write_set, build_loaded, check_named
 from .huggingface import save_huggingface
 from .labels import CLASSES_KEY, CLASSES_NAME, check_class_names
 from .official import save_official_npz
@@ -250,14 +250,16 @@ def check_recorded(cfg: Architecture, overrides: dict[str, Any], path: str | os.
 
 
 def load_native(path: str | os.PathLike, img_size: Pair | int | None = None, num_classes: int | None = None,
-                keep_pre_logits: bool = False, **overrides: Any) -> nn.Module:
+                keep_pre_logits: bool = False, name: str | None = None, **overrides: Any) -> nn.Module:
     """The model saved at ``path`` by ``save_model``, in eval mode.
 
     ``img_size`` and ``num_classes`` adapt it as ``core.adapt_state_dict`` describes;
     ``overrides`` are config fields (e.g. dropout, dynamic_img_size); ``weights_img_size`` and
     ``num_heads``, which other formats may need, are recorded in the file: only its values are accepted.
+    ``name`` (a registry name) must be the recorded model's.
     """
     state_dict, cfg = read_native(path)
+    check_named(name, cfg)
     check_recorded(cfg, overrides, path)
     overrides.pop("weights_img_size", None)  # not a config field: the size the weights were saved at
     if overrides:

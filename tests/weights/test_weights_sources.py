@@ -286,6 +286,21 @@ def test_timm_no_embed_class():
                                                 "token", (), dict(OFFICIAL, gelu="exact")), atol=TOL, rtol=0)
 
 
+def test_timm_class_token_and_a_k_by_k_plus_2_grid_is_not_read_as_no_embed_class():
+    # a [class] position and a 3x5 grid make 16 positions, which read as timm's no_embed_class 4x4 grid: given
+    # img_size= its own size (the advice for non-square weights), the table was resampled from 4x4 and the
+    # logits were another model's, silently
+    ckpt = random_checkpoint(30, patch=2, grid=(3, 5))  # 6 x 10 px
+    sd = to_timm_names(ckpt)
+    with pytest.raises(WeightsError, match=r"16 positions: a 4x4 grid without a \[class\] position .* or a \[class\] "
+                                           r"position and the 15 patches of img_size=\(6, 10\); pass weights_img_size"):
+        load_model(sd, num_heads=2, img_size=(6, 10))
+    model = load_model(sd, num_heads=2, weights_img_size=(6, 10))
+    x = images(31, (6, 10))
+    exact = dict(OFFICIAL, gelu="exact")
+    np.testing.assert_allclose(vitlab_logits(model, x), official_forward(ckpt, x, "token", (), exact), atol=TOL, rtol=0)
+
+
 def test_weights_img_size_is_the_config_size():
     # a hybrid trained at 30 px has the 4x4 grid of 32 px (SAME padding rounds up): the config keeps 30
     ckpt = random_checkpoint(28, patch=1, grid=4, resnet_layers=(1, 1), hybrid=True)

@@ -33,7 +33,8 @@ with timm's stem conventions: ``StdConv2dSame(eps=1e-8)``, i.e. ``(w - mean) / s
 GroupNorm(32) eps 1e-5, SAME padding and a -inf padded SAME max-pool.
 
 Non-square models (``img_size=(h, w)``, ``patch_size=(ph, pw)``) hold no size in their
-state dict: a non-square grid needs ``weights_img_size=`` (or ``img_size=`` that size);
+state dict: a non-square grid needs ``weights_img_size=`` (or ``img_size=`` that size, except
+for a (k, k + 2) grid, whose [class] and patch positions count a square, as no_embed_class's do);
 ``dynamic_img_size=True`` models have the same keys and are loaded with that override
 (vitlab resamples bicubically without antialiasing: equal to timm when upsampling).
 
@@ -127,12 +128,15 @@ def from_timm(state_dict: Mapping[str, Any]) -> StateDict:
     return sd
 
 
-def embed_class_position(sd: StateDict, weights_img_size: Pair | int | None = None) -> StateDict:
+def embed_class_position(sd: StateDict, weights_img_size: Pair | int | None = None,
+                         img_size_hint: Pair | int | None = None) -> StateDict:
     """timm's ``no_embed_class=True``: the table holds patch positions only and the [class] token
     is prepended after it is added; that is vitlab's table with a zero [class] row.
 
     Recognised when the patch count is a square and one more is not (or, for a non-square
-    grid, ``weights_img_size`` says so); the zero row is prepended.
+    grid, ``weights_img_size`` says so); the zero row is prepended.  A square of positions is
+    also a [class] position and a (k, k + 2) grid (1 + 15 x 17 = 16 x 16): where ``img_size_hint``
+    (the size asked for) has that grid, which the table is cannot be told, and it is refused.
     """
     table = sd.get("pos_embed.weight")
     if table is None or "cls_token" not in sd or table.ndim != 3:
@@ -140,9 +144,18 @@ def embed_class_position(sd: StateDict, weights_img_size: Pair | int | None = No
     n = table.shape[1]
     is_square = lambda k: k > 0 and int(round(k ** 0.5)) ** 2 == k
     no_embed_class = is_square(n) and not is_square(n - 1)
-    if weights_img_size is not None and "patch_embed.weight" in sd and "stem.conv_root.weight" not in sd:
-        (h, w), (ph, pw) = to_pair(weights_img_size, "weights_img_size"), sd["patch_embed.weight"].shape[2:]
-        no_embed_class = n == (h // ph) * (w // pw)
+    if "patch_embed.weight" in sd and "stem.conv_root.weight" not in sd:
+        ph, pw = sd["patch_embed.weight"].shape[2:]
+        patches = lambda size, what: (lambda h, w: (h // ph) * (w // pw))(*to_pair(size, what))
+        if weights_img_size is not None:
+            no_embed_class = n == patches(weights_img_size, "weights_img_size")
+        elif no_embed_class and img_size_hint is not None and patches(img_size_hint, "img_size") == n - 1:
+            # read as a square grid, these weights were silently another model at the asked size
+            side = int(round(n ** 0.5))
+            raise WeightsError(
+                f"pos_embed holds {n} positions: a {side}x{side} grid without a [class] position (timm's "
+                f"no_embed_class), or a [class] position and the {n - 1} patches of img_size={img_size_hint}; "
+                "pass weights_img_size=(height, width), the resolution the weights were trained at")
     if no_embed_class:
         sd = {**sd, "pos_embed.weight": torch.cat([table.new_zeros(1, 1, table.shape[2]), table], dim=1)}
     return sd
@@ -181,7 +194,7 @@ def load_timm(state_dict: Mapping[str, Any], name: str | None = None, img_size: 
     """
     if timm_kwargs:
         overrides = {**kwargs_overrides(timm_kwargs), **overrides}
-    sd = embed_class_position(from_timm(state_dict), overrides.get("weights_img_size"))
+    sd = embed_class_position(from_timm(state_dict), overrides.get("weights_img_size"), img_size)
     cfg = infer_config(sd, name=name, img_size_hint=img_size, resnet_fields=RESNET_CONVENTIONS,
                        **{**CONVENTIONS, **overrides})
     return build_loaded(sd, cfg, img_size=img_size, num_classes=num_classes, keep_pre_logits=keep_pre_logits,

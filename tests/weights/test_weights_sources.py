@@ -164,10 +164,12 @@ def test_big_vision_matches_its_forward(tmp_path, pool_type, posemb, scan, prefi
     np.testing.assert_allclose(vitlab_logits(model, x), big_vision_forward(ckpt, x, pool_type, prefix),
                                atol=TOL, rtol=0)
     if posemb == "sincos2d":  # at another resolution the table is recomputed, as big_vision does
-        big = load_model(tmp_path / "bv.npz", img_size=(24, 20))
         x = images(18, (24, 20))
-        np.testing.assert_allclose(vitlab_logits(big, x), big_vision_forward(ckpt, x, pool_type, prefix),
-                                   atol=TOL, rtol=0)
+        # with weights_img_size too (convert --weights-img-size): the table was computed at 16 px and resampled
+        for trained_at in ({}, {"weights_img_size": 16}):
+            big = load_model(tmp_path / "bv.npz", img_size=(24, 20), **trained_at)
+            np.testing.assert_allclose(vitlab_logits(big, x), big_vision_forward(ckpt, x, pool_type, prefix),
+                                       atol=TOL, rtol=0)
 
 
 def test_big_vision_unsupported_heads_are_named():

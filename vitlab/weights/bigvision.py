@@ -143,10 +143,13 @@ def load_big_vision(source: str | os.PathLike | Mapping[str, Any], pool_type: st
     if sincos and overrides.get("dynamic_img_size"):
         raise WeightsError("dynamic_img_size=True with a sincos2d big_vision checkpoint: vitlab would resample the "
                            "fixed table instead of recomputing it; load it at each img_size instead")
-    size = overrides.get("weights_img_size") or img_size
+    # a sincos2d table is computed for the size the model is loaded at, as big_vision computes it for its
+    # input (weights_img_size stands in for a missing img_size): computed at weights_img_size and then
+    # resampled to img_size, it was another table, and the logits another model's
+    size = img_size or overrides.get("weights_img_size")
     official = to_official_layout(arrays, pool_type, size)
     if sincos and size is not None:
-        overrides.setdefault("weights_img_size", size)
+        overrides["weights_img_size"] = size
     file_name = source if isinstance(source, (str, os.PathLike)) else file_name
     where = f"the big_vision checkpoint {file_name}" if file_name is not None else "the big_vision weights"
     return load_official_npz(official, img_size=img_size, num_classes=num_classes,

@@ -506,6 +506,35 @@ def test_a_model_named_with_an_init_of_another_model_is_refused(tiny_checkpoint,
     assert main(command) == 0  # not named: the init's
 
 
+def test_a_name_given_with_a_hybrid_or_bit_init_is_checked_as_a_load_checks_it(tmp_path, capsys):
+    """--model with an init was compared field by field: a hybrid's stem with its img_size, so R50+ViT-B/16 was
+    refused for its own model at 384 px; a BiT's by ViT fields it has none of, so any BiT name passed."""
+    import safetensors.torch
+    import torch
+
+    from vitlab.cli import main
+    from vitlab.config import config_to_json
+    from vitlab.models.registry import get_config
+    from vitlab.weights import infer_config
+    from vitlab.weights.core import meta_shapes
+
+    def init(name, cfg):  # what the command reads is the config alone (load_config): a file with it, no weights
+        safetensors.torch.save_file({"x": torch.zeros(1)}, tmp_path / name,
+                                    metadata={"vitlab_config": config_to_json(cfg)})
+        return ["finetune", "--init", str(tmp_path / name), "--data", "D", "--steps", "10", "--show-config"]
+
+    # an R50+ViT-B/16 as a load at 384 px reads it (from its shapes alone: no memory held)
+    shapes = {k: torch.zeros(()).expand(s) for k, s in meta_shapes(get_config("R50+ViT-B/16", img_size=384)).items()}
+    assert main([*init("r50.safetensors", infer_config(shapes, name="R50+ViT-B/16")), "--model", "R50+ViT-B/16"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["name"] == "R50x1+ViT-B/16"
+    command = init("bit.safetensors", get_config("BiT-R50x1"))
+    assert main([*command, "--model", "BiT-R152x4"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vitlab finetune: error: model.name='BiT-R152x4': model.init={str(tmp_path / 'bit.safetensors')!r} holds "
+        "'BiT-R50x1'; a fine-tune trains its init's architecture: leave --model out, or name that one")
+    assert main([*command, "--model", "R50x1"]) == 0  # big_transfer's own spelling of it
+
+
 def test_a_val_split_that_is_not_a_number_is_named_by_its_field(capsys):
     """--set data.val_split=[1,2] was a TypeError traceback from the count's conversion."""
     from vitlab.cli import main

@@ -52,7 +52,6 @@ from vitlab.config import Architecture, ConfigError, Pair, ResNetConfig, ViTConf
 from vitlab.fast.fp8 import torchao_float8
 from vitlab.fast.kernels import KernelChoice, why_unavailable
 from vitlab.machine import Machine
-from vitlab.models.registry import get_config
 
 from .architecture import architecture
 from .config import FINETUNE_MODEL_FIELDS, DataConfig, RunConfig, TrainConfig, to_dict
@@ -432,19 +431,21 @@ def check_named_init(cfg: TrainConfig, name: str) -> None:
     """A model named with the init (``--model``) is the init's: a fine-tune trains its init's
     architecture, so another name was dropped without a word, while a recipe whose rates are per
     model (Table 3) had taken the named model's."""
+    from vitlab.weights import WeightsError
+    from vitlab.weights.core import check_named
+
     if not Path(cfg.model.init).expanduser().exists():  # a Hub name, or missing: named as the run starts
         return
     arch = init_architecture(cfg)
     if getattr(arch, "name", None) == name:
         return
+    # the check a load makes of a name: a BiT's units and width (every BiT name passed for any BiT init), a
+    # hybrid's stem without its img_size (R50+ViT-B/16 was refused for its own model at 384 px)
     try:
-        named = get_config(name)
-    except ConfigError:  # not a registry name: only the init's own name is the same model
-        named = None
-    shape = ("width", "depth", "mlp_dim", "num_heads", "patch_size", "resnet")
-    if named is not None and type(named) is type(arch) and \
-            all(getattr(named, f, None) == getattr(arch, f, None) for f in shape):
+        check_named(name, arch)
         return
+    except (ConfigError, WeightsError):  # not a registry name (only the init's own is the model), or another
+        pass
     raise ConfigError(f"model.name={name!r}: model.init={cfg.model.init!r} holds "
                       f"{repr(arch.name) if getattr(arch, 'name', None) else 'a model of another shape'}; a "
                       "fine-tune trains its init's architecture: leave --model out, or name that one")

@@ -123,6 +123,14 @@ def test_timm_fc_norm_is_refused_with_the_reason():
         load_model(sd, num_heads=2)
 
 
+def test_timm_class_token_averaged_is_refused_with_the_reason():
+    # timm's class_token=True, global_pool="avg": load_timm's docstring said to pass classifier="gap", which was
+    # then reported as an unexpected cls_token and a mis-shaped pos_embed; vitlab's "gap" has no [class] token
+    sd = to_timm(random_model(TINY).state_dict())
+    with pytest.raises(WeightsError, match=r"^classifier='gap' with timm weights that have a \[class\] token"):
+        load_model(sd, num_heads=2, classifier="gap")
+
+
 # ------------------------------------------------------------------------------ errors
 
 

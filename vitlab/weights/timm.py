@@ -189,12 +189,19 @@ def load_timm(state_dict: Mapping[str, Any], name: str | None = None, img_size: 
     """A vitlab model (eval mode) holding timm ViT weights; heads from ``name``, ``num_heads=`` or
     ``timm_kwargs`` (the ``create_model`` arguments, e.g. the JSON ``save_timm`` writes).
 
-    A [class] token means the "token" classifier (timm can also average next to a class
-    token; the weights cannot tell, so pass ``classifier="gap"`` for such models).
+    A [class] token means the "token" classifier.  timm can also average the patch tokens next to
+    a [class] token (``global_pool="avg"``), which attends with them: vitlab's "gap" has no [class]
+    token, so such weights are refused (the weights alone cannot tell; the ``.timm.json`` or
+    ``classifier="gap"`` can).
     """
     if timm_kwargs:
         overrides = {**kwargs_overrides(timm_kwargs), **overrides}
     sd = embed_class_position(from_timm(state_dict), overrides.get("weights_img_size"), img_size)
+    if overrides.get("classifier") == "gap" and "cls_token" in sd:
+        # read as a "gap" model they were reported as mis-shaped, the advice once given here
+        raise WeightsError("classifier='gap' with timm weights that have a [class] token (cls_token): timm averages "
+                           "the patch tokens next to a [class] token that attends with them, and vitlab's 'gap' "
+                           "model has no [class] token; these weights cannot be its")
     cfg = infer_config(sd, name=name, img_size_hint=img_size, resnet_fields=RESNET_CONVENTIONS,
                        **{**CONVENTIONS, **overrides})
     return build_loaded(sd, cfg, img_size=img_size, num_classes=num_classes, keep_pre_logits=keep_pre_logits,

@@ -68,6 +68,18 @@ def test_native_resize_and_new_head(tmp_path):
     assert not big.head.weight.any() and big.head.weight.shape == (3, 32)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("posemb", ["learned_1d", "learned_2d"])
+def test_half_precision_weights_are_resized_in_float32(tmp_path, dtype, posemb):
+    # the float32 model gets the table its float32 values give at the new size (as dynamic_img_size computes
+    # it): resampled in the file's own dtype, it was rounded to bf16 (0.4% of the table's values)
+    model = random_model(ViTConfig(**{**TINY.__dict__, "posemb": posemb})).to(dtype)
+    save_model(model, tmp_path / "m.safetensors")
+    big = load_model(tmp_path / "m.safetensors", img_size=24)
+    dynamic = load_model(tmp_path / "m.safetensors", dynamic_img_size=True)
+    assert torch.equal(big.pos_embed((6, 6)), dynamic.pos_embed((6, 6)))
+
+
 @pytest.mark.parametrize("size, new_size", [(16, 28), (28, 16), (16, (24, 20))])
 def test_resized_offset_bias_attends_as_the_original_at_the_new_size(tmp_path, size, new_size):
     """The distance penalty's offset table, adapted to another grid (cropped, or extended with its

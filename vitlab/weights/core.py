@@ -382,22 +382,24 @@ def _resized_posembs(cfg: ViTConfig, new_cfg: ViTConfig, state_dict: StateDict) 
     with torch.device("meta"):
         model = build_model(cfg)
     grid, seq_len = new_cfg.grid_size, new_cfg.num_prefix_tokens + new_cfg.num_patches
+    # in float32 at least: a bf16 or fp16 file's tables were resampled in their own dtype and rounded to it,
+    # though the model that receives them is float32 (and computes them so with dynamic_img_size)
+    table = lambda k: state_dict[k].to(torch.promote_types(state_dict[k].dtype, torch.float32))  # noqa: E731
     out: StateDict = {}
     for name, m in model.named_modules():
         key = f"{name}." if name else ""
         if isinstance(m, LearnedPosEmb1D):
-            out[key + "weight"] = resample_table_1d(state_dict[key + "weight"], m.num_prefix, m.grid, grid, m.resample)
+            out[key + "weight"] = resample_table_1d(table(key + "weight"), m.num_prefix, m.grid, grid, m.resample)
         elif isinstance(m, LearnedPosEmb2D):
             # one table per axis, each a (n, 1) grid resampled along its length
             for axis, length in (("y", grid[0]), ("x", grid[1])):
-                table = state_dict[key + axis].unsqueeze(1)
-                out[key + axis] = resample_grid(table, (length, 1), m.resample).squeeze(1)
+                out[key + axis] = resample_grid(table(key + axis).unsqueeze(1), (length, 1), m.resample).squeeze(1)
         elif isinstance(m, RelativePosBias):
             rel = RelativePosBias(m.seq_len, *m.weight.shape[1:])
-            rel.weight.data = state_dict[key + "weight"]
+            rel.weight.data = table(key + "weight")
             out[key + "weight"] = rel.table(seq_len).detach()
         elif isinstance(m, DistanceBias) and m.offset_bias is not None:
-            out[key + "offset_bias"] = resize_offset_table(state_dict[key + "offset_bias"], m.grid, grid)
+            out[key + "offset_bias"] = resize_offset_table(table(key + "offset_bias"), m.grid, grid)
     return out
 
 

@@ -95,6 +95,19 @@ def test_a_vitlab_folder_saved_again_without_names_keeps_none_of_the_earlier_wei
     assert read_class_names(folder) is None and not (folder / "classes.json").exists()
 
 
+def test_an_hf_or_timm_save_into_a_vitlab_folder_keeps_none_of_its_files(run, tmp_path):
+    """A folder save replaces the folder's model; the files a vitlab save kept beside the weights it wrote
+    stayed: its classes.json, read before id2label, named the Hugging Face model's classes by the earlier
+    ones; its config.json, beside timm's weights, made the folder a vitlab model whose keys are missing."""
+    other = ["car", "bus", "van"]
+    for fmt in ("hf", "timm"):
+        folder = tmp_path / fmt
+        save_model(vitlab.load_model(run), folder, class_names=NAMES)
+        save_model(vitlab.load_model(run), folder, format=fmt, class_names=other)
+        assert read_class_names(folder) == other and not (folder / "classes.json").exists()
+        assert vitlab.load_model(folder).cfg.num_classes == 3
+
+
 def test_export_onnx_and_torch_export_carry_the_names(run, tmp_path, capsys):
     from vitlab.export import program_class_names
 

@@ -51,7 +51,7 @@ from torch import nn
 from ..config import Pair, ViTConfig
 from .core import (StateDict, WeightsError, atomic_write_set, build_loaded, infer_config, require_plain_vit, to_tensor,
                    warn_conventions)
-from .labels import check_class_names, id2label, label2id
+from .labels import CLASSES_NAME, check_class_names, id2label, label2id
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-12, "posemb_resample": "bicubic"}
 
@@ -228,7 +228,9 @@ def save_huggingface(model: nn.Module, path: str | os.PathLike, class_names: Seq
     tensors, config = to_huggingface(model, class_names)
     path = Path(path)
     data = safetensors.torch.save(tensors, metadata={"format": "pt"})
-    # as a set, the weights last: a failure between them left new weights beside the old config.json
+    # as a set, the weights last: a failure between them left new weights beside the old config.json; a
+    # vitlab save's classes.json goes, which described the weights replaced: read before id2label, it named
+    # these classes by the earlier ones
     text = json.dumps(config, indent=2, sort_keys=True)
     return atomic_write_set([(path / "config.json", lambda f: f.write(text.encode())),
-                             (path / "model.safetensors", lambda f: f.write(data))])[-1]
+                             (path / "model.safetensors", lambda f: f.write(data))], remove=[path / CLASSES_NAME])[-1]

@@ -75,8 +75,9 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
     library takes them, and warn (``ConventionWarning``) where it cannot.
     ``class_names`` (one per class) go where the format has a place for them (``labels``):
     the vitlab file's metadata and a directory's ``classes.json``, Hugging Face's
-    ``id2label``, timm's ``label_names``; a vit_jax ``.npz`` has none.  A vitlab directory saved
-    without them loses the ``classes.json`` of the weights it replaces.
+    ``id2label``, timm's ``label_names``; a vit_jax ``.npz`` has none.  A directory saved without
+    them in vitlab's layout, or in another, loses the ``classes.json`` of the weights it replaces
+    (and in timm's, their ``config.json``).
     """
     cfg = getattr(model, "cfg", None)
     if cfg is None:

@@ -66,7 +66,7 @@ from ..config import Pair, ViTConfig, to_pair
 from ..models.registry import VIT_SIZES
 from .core import (StateDict, WeightsError, atomic_write_set, build_loaded, convention_differences, infer_config,
                    require_plain_vit, to_tensor, warn_conventions)
-from .labels import check_class_names
+from .labels import CLASSES_NAME, check_class_names
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-6, "posemb_resample": "bicubic"}
 
@@ -341,9 +341,12 @@ def save_timm(model: nn.Module, path: str | os.PathLike, class_names: Sequence[s
     """Write timm's state dict to ``path`` (.safetensors, or a torch file for .pth/.bin) and
     ``<stem>.timm.json`` beside it; both atomically.  A directory gets ``model.safetensors``."""
     tensors, spec = to_timm(model, class_names)
-    path = Path(path)
+    path, stale = Path(path), []
     if path.suffix not in (".safetensors", ".pth", ".bin", ".pt"):
         path.mkdir(parents=True, exist_ok=True)
+        # the folder's model is replaced: the config.json (vitlab's or Hugging Face's; save_model refuses any
+        # other) and classes.json of the weights replaced described them, and the folder read as that model
+        stale = [path / "config.json", path / CLASSES_NAME]
         path = path / "model.safetensors"
     if path.suffix == ".safetensors":
         data = safetensors.torch.save(tensors, metadata={"format": "pt"})
@@ -353,4 +356,4 @@ def save_timm(model: nn.Module, path: str | os.PathLike, class_names: Sequence[s
     spec["pretrained_cfg_overlay"]["file"] = path.name  # relative to the JSON: the files travel together
     # as a set, the weights last: a failure between them left new weights beside the old sidecar
     return atomic_write_set([(sidecar_path(path), lambda f: f.write(json.dumps(spec, indent=2).encode())),
-                             (path, write_weights)])[-1]
+                             (path, write_weights)], remove=stale)[-1]

@@ -92,10 +92,49 @@ def test_fp8_tensor_cores_come_with_compute_capability_8_9(monkeypatch):
 def test_memory_available_reads_memavailable_in_bytes(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n")
-    assert memory_available(str(meminfo)) == 20000000 * 1024
-    assert memory_available(str(tmp_path / "none")) is None  # no /proc: unknown
+    no_cgroup = str(tmp_path / "none")  # this host's cgroups may have a limit of their own
+    assert memory_available(str(meminfo), no_cgroup) == 20000000 * 1024
+    assert memory_available(str(tmp_path / "none"), no_cgroup) is None  # no /proc: unknown
     meminfo.write_text("MemTotal:       24000000 kB\n")  # a kernel too old to write it
-    assert memory_available(str(meminfo)) is None
+    assert memory_available(str(meminfo), no_cgroup) is None
+
+
+def test_a_cgroup_memory_limit_bounds_the_memory_available(tmp_path):
+    # in a container (Docker, Kubernetes) MemAvailable is the host's: the kernel kills a run at the
+    # container's limit, however much the host still has
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       64000000 kB\nMemAvailable:   60000000 kB\n")
+    host = 60000000 * 1024
+    root, cgroup = tmp_path / "cgroup", tmp_path / "self-cgroup"
+    job = root / "system.slice" / "job.scope"
+    job.mkdir(parents=True)
+    (job / "memory.max").write_text("4000000000\n")
+    (job / "memory.current").write_text("1500000000\n")
+    (job / "memory.stat").write_text("anon 1000000000\nfile 500000000\ninactive_file 300000000\n")
+    cgroup.write_text("0::/system.slice/job.scope\n")
+
+    def available(**paths):
+        return memory_available(str(meminfo), str(cgroup), str(root), **paths)
+
+    assert available() == 4000000000 - 1500000000 + 300000000  # the page cache it may drop is not in use
+    (job / "memory.max").write_text("max\n")
+    assert available() == host  # no limit: the host's
+    (root / "system.slice" / "memory.max").write_text("2000000000\n")  # a lower limit above it
+    (root / "system.slice" / "memory.current").write_text("1000000000\n")
+    assert available() == 1000000000
+    # cgroup v1, in a container that mounts its own group at the hierarchy's root
+    cgroup.write_text("9:name=systemd:/docker/abc\n4:memory:/docker/abc\n0::/\n")
+    (root / "memory").mkdir()
+    (root / "memory" / "memory.limit_in_bytes").write_text("8000000000\n")
+    (root / "memory" / "memory.usage_in_bytes").write_text("3000000000\n")
+    (root / "memory" / "memory.stat").write_text("inactive_file 5\ntotal_inactive_file 1000000000\n")
+    assert available() == 6000000000
+    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert available() == host
+    assert memory_available(str(tmp_path / "none"), str(cgroup), str(root)) is None
+    (root / "memory" / "memory.limit_in_bytes").write_text("8000000000\n")
+    assert memory_available(str(tmp_path / "none"), str(cgroup), str(root)) == 6000000000  # no /proc/meminfo
+    assert memory_available(str(meminfo), str(tmp_path / "none"), str(root)) == host  # no /proc/self/cgroup
 
 
 def test_here_is_this_process_on_this_host():

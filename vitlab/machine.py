@@ -1,13 +1,14 @@
 """The host a process runs on: its CPU, the cores it may use, the memory left, its GPUs.
 
-    machine = Machine.here()        # read once: /proc/cpuinfo, the affinity mask, /proc/meminfo, CUDA
+    machine = Machine.here()        # read once: /proc/cpuinfo, the affinity mask, /proc/meminfo and cgroups, CUDA
     machine.cpu_line()              # "AMD EPYC (avx512_bf16, family/model 26/2)"
     machine.gpu("cuda:1")           # that card's name, memory, bf16 support and compute capability, or None
 
-This module is the only reader of /proc/cpuinfo, /proc/meminfo and the affinity mask; what
-depends on the host (the fast path's kernel rule, a run's "auto" settings, the memory
-estimate, a record's machine line) asks it.  ``Machine.described`` builds a machine from a
-/proc/cpuinfo text, so that a test can hold a decision to any CPU on any host.
+This module is the only reader of /proc/cpuinfo, /proc/meminfo, the control groups' memory
+limits and the affinity mask; what depends on the host (the fast path's kernel rule, a run's
+"auto" settings, the memory estimate, a record's machine line) asks it.  ``Machine.described``
+builds a machine from a /proc/cpuinfo text, so that a test can hold a decision to any CPU on
+any host.
 """
 from __future__ import annotations
 
@@ -106,16 +107,75 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def memory_available(meminfo: str = "/proc/meminfo") -> int | None:
-    """The bytes of memory the host can still give (``MemAvailable``), or None where it is
-    unknown (no /proc/meminfo, or no such line)."""
+def memory_available(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/self/cgroup",
+                     cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """The bytes of memory this process can still take: the host's ``MemAvailable``, or less
+    where a control group of the process has a memory limit (``cgroup_memory_left``); None
+    where neither is known (no /proc/meminfo or no such line, and no limit)."""
+    host = None
     try:
         for line in Path(meminfo).read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024  # the kernel writes kB
+                host = int(line.split()[1]) * 1024  # the kernel writes kB
+                break
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    limited = cgroup_memory_left(cgroup, cgroup_root)
+    return host if limited is None else limited if host is None else min(host, limited)
+
+
+# a v1 cgroup's limit_in_bytes without a limit is the page counter's largest value (about 2**63)
+_NO_CGROUP_LIMIT = 1 << 60
+
+
+def cgroup_memory_left(cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """What the memory limits of this process's control groups still allow, or None where none
+    has a limit: the least, over its cgroup and those above it, of the limit less what the group
+    uses less the page cache it can drop (its inactive files).  A container's memory limit is one
+    (Docker, Kubernetes, systemd): the kernel kills the process there, however much the host has.
+    ``cgroup``: /proc/self/cgroup; ``root``: where the hierarchies are mounted (v2 at the root,
+    v1's memory controller under ``memory/``).  Inside a container the path /proc/self/cgroup
+    names may be the host's, not mounted there: the folders that exist on the way up are read."""
+    try:
+        lines = Path(cgroup).read_text().splitlines()
+    except (OSError, ValueError):
+        return None
+    left = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2, the unified hierarchy
+            folder, files = Path(root), ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            folder, files = Path(root) / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                    "total_inactive_file")
+        else:
+            continue
+        parts = [p for p in path.strip().split("/") if p]
+        for depth in range(len(parts), -1, -1):  # the process's own group first, then those above it
+            group = _cgroup_memory_left(folder.joinpath(*parts[:depth]), *files)
+            if group is not None:
+                left.append(group)
+    return min(left) if left else None
+
+
+def _cgroup_memory_left(folder: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    try:
+        limit = (folder / limit_file).read_text().strip()
+        if limit == "max" or int(limit) >= _NO_CGROUP_LIMIT:
+            return None
+        used = int((folder / usage_file).read_text())
+    except (OSError, ValueError):  # no such group here, or no limit file: the root's
+        return None
+    inactive = 0
+    try:
+        for line in (folder / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == inactive_key:
+                inactive = int(value)
+                break
+    except (OSError, ValueError):
+        pass
+    return max(0, int(limit) - used + inactive)
 
 
 # ----------------------------------------------------------------------------- the machine
@@ -158,7 +218,7 @@ class Machine:
 
     cpu: CpuInfo
     cores: int                    # usable by this process (affinity)
-    memory_available: int | None  # host bytes (MemAvailable), None where unknown
+    memory_available: int | None  # host bytes (MemAvailable, or a cgroup limit's less), None where unknown
     gpus: tuple[Gpu, ...] = ()
 
     @staticmethod

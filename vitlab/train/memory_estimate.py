@@ -512,7 +512,8 @@ class Available:
             each = f"; {self.processes} processes on this host need {gb(estimate.host_peak * self.processes)}" \
                 if self.processes > 1 else ""
             where = f"{gb(estimate.host_peak)} of it in host memory, " if estimate.shape.on_gpu else ""
-            return f"{where}more than the {gb(self.host)} of memory available (MemAvailable){each}"
+            return (f"{where}more than the {gb(self.host)} of memory available (MemAvailable, or what a cgroup "
+                    f"limit leaves){each}")
         return None
 
 

@@ -19,8 +19,10 @@ from vitlab.models.registry import create_model
 from vitlab.train import resolve
 from vitlab.train.config import OptimConfig
 from vitlab.train.overrides import with_changes
+from vitlab.eval.features import shift_sizes, tta_views
 from vitlab.train.memory_estimate import (GB, RUNTIME_BYTES, Available, RunShape, activation_bytes,
-                                          estimate_memory, resident_state_bytes, smallest_fitting_accum)
+                                          estimate_memory, evaluation_bytes, evaluation_copies, resident_state_bytes,
+                                          smallest_fitting_accum)
 from vitlab.train.step import autocast
 from vitlab.weights import save_model
 
@@ -121,6 +123,36 @@ def test_the_peak_is_the_largest_moment_and_a_gpu_counts_its_own_memory():
     on_gpu = estimate_memory(shape.with_(device="cuda:0"))
     assert on_gpu.device_peak < on_gpu.host_peak and on_gpu.device_peak > 0
     assert estimate_memory(shape.with_(micro_batch=128)).parts == estimate.parts  # the step is not the peak
+
+
+@pytest.mark.parametrize("flip, shift, diagonal", [(False, 0, False), (True, 0, False), (False, 2, False),
+                                                   (True, (2, 1), True)])
+def test_an_evaluation_counts_the_float_copies_its_test_time_views_hold(flip, shift, diagonal):
+    # the views are all made before the first is scored: with flip, shift 2 and diagonal, 9 mirror
+    # images and a padded copy besides the batch, which an estimate of two float copies left out
+    x = torch.zeros(8, 3, 64, 64)
+    storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
+                for v in tta_views(x, flip, shift, diagonal)}
+    held = sum(storages.values()) / x.nbytes  # a padded copy is a little larger than the batch
+    shape = RunShape(create_model("ViT-Ti/16", **VIT).cfg, micro_batch=1, img_size=(64, 64), eval_batch=8,
+                     eval_flip=flip, eval_shifts=len(shift_sizes(shift)), eval_diagonal=diagonal)
+    assert evaluation_copies(shape) - 1 == pytest.approx(held, rel=0.15)  # and the copy the float batch is made from
+    plain = evaluation_bytes(shape.with_(eval_flip=False, eval_shifts=0, eval_diagonal=False))
+    assert evaluation_bytes(shape) - plain == (evaluation_copies(shape) - 2) * x.nbytes
+
+
+def test_a_run_counts_its_final_evaluations_views(demo_init, capsys):
+    command = ["finetune", "--init", demo_init, "--data", "digits", "--img-size", "64", "--batch-size", "8",
+               "--val-split", "500", "--set", "run.eval_batch_size=500", "--show-config"]
+    shown = []
+    for views in ([], ["--set", "run.eval_flip=true", "--set", "run.final_eval_shift=2",
+                       "--set", "run.final_eval_diagonal=true"]):
+        assert main(command + views) == 0
+        shown.append(json.loads(capsys.readouterr().out)["memory_estimate"])
+    assert shown[1]["at"] == "an evaluation"
+    # 10 float copies more of the 500 images at 64 px: 9 mirror images and a padded copy
+    grown = shown[1]["parts_gb"]["evaluation"] - shown[0]["parts_gb"]["evaluation"]
+    assert grown == pytest.approx(10 * 500 * 3 * 64 * 64 * 4 / GB, abs=0.002)
 
 
 # ----------------------------------------------------------------------------- what is available

@@ -28,7 +28,8 @@ What a step holds, by what holds it (bytes):
   training set holds its validation set and the readers' buffers); while it is decoded and
   split, two copies of it, three when it is decoded from its files in this run rather than
   read from the cache (the heap keeps the per-image arrays decoding made);
-* an evaluation: the evaluation batch and one block's working set at a time;
+* an evaluation: the evaluation batch, the copies its test-time views make (flip, shifts), and
+  one block's working set at a time;
 * saving the weights at the end: three copies of them (``weights.save_model`` clones the
   state dict and serialises it twice, to checksum it), beside what the steps left in the heap;
 * what any training process loads beyond an idle interpreter (``RUNTIME_BYTES``).
@@ -105,6 +106,9 @@ class RunShape:
     data_copies: int = 1        # copies of the decoded set the process keeps (digits: a cached one too)
     decoded_from_source: bool = False  # decoded from its files in this run, not read from the cache
     eval_batch: int = 256
+    eval_flip: bool = False     # the evaluations score each image's mirror image too (run.eval_flip)
+    eval_shifts: int = 0        # shift sizes of the final evaluation's views (run.final_eval_shift)
+    eval_diagonal: bool = False  # ... with the diagonal shifts too (run.final_eval_diagonal)
     streamed: bool = False
     stream_workers: int = 0     # DataLoader worker processes reading a streamed training set
     shuffle_buffer: int = 0     # samples each streaming reader holds
@@ -393,10 +397,11 @@ def input_bytes(shape: RunShape) -> int:
 
 
 def evaluation_bytes(shape: RunShape) -> int:
-    """An evaluation's working set: the float batch and, one block at a time, its activations
-    (the fast path's CPU inference runs a block over chunks of about 1,024 tokens)."""
+    """An evaluation's working set: the float batch and its test-time views, and, one block at a
+    time, its activations (the fast path's CPU inference runs a block over chunks of about 1,024
+    tokens)."""
     arch, B, a = shape.arch, shape.eval_batch, shape.act_bytes
-    batch = B * shape.image_bytes * (1 + 2 * FP32)
+    batch = B * shape.image_bytes * (1 + evaluation_copies(shape) * FP32)
     if isinstance(arch, ResNetConfig):
         return batch + B * 3 * _resnet_saved(shape, arch, shape.img_size)[2]
     L, D, M, H = tokens_per_image(arch, shape.img_size), arch.width, arch.mlp_dim, arch.num_heads
@@ -409,6 +414,15 @@ def evaluation_bytes(shape: RunShape) -> int:
     if chunked and shape.half:               # contiguous_attention: the scores, softmaxed in place
         working += images * H * L * L * a
     return batch + max(stem, residual + working)
+
+
+def evaluation_copies(shape: RunShape) -> int:
+    """Float copies of the evaluation batch alive at once, the final evaluation's views made
+    (``vitlab.eval.features.tta_views``, all before the first is scored): the batch and a copy
+    of it, one padded copy per shift size (the shifted views are views of it), and with flip a
+    mirror image of every view."""
+    views = 1 + shape.eval_shifts * (8 if shape.eval_diagonal else 4)
+    return 2 + shape.eval_shifts + (views if shape.eval_flip else 0)
 
 
 def estimate_memory(shape: RunShape) -> MemoryEstimate:

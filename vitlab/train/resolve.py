@@ -49,6 +49,7 @@ import torch
 
 from vitlab import fast
 from vitlab.config import Architecture, ConfigError, Pair, ResNetConfig, ViTConfig, replace
+from vitlab.eval.features import shift_sizes
 from vitlab.fast.fp8 import torchao_float8
 from vitlab.fast.kernels import KernelChoice, why_unavailable
 from vitlab.machine import Machine
@@ -589,7 +590,9 @@ def run_shape(resolved: Resolved, world_size: int, held: HeldImages) -> RunShape
         optimizer=cfg.optim.optimizer, momentum=cfg.optim.momentum, ema=cfg.optim.ema_decay > 0,
         mpp=cfg.model.mpp, mpp_rate=cfg.model.mpp_rate, train_images=held.train, val_images=held.val,
         decoded_images=held.decoded, data_copies=held.copies, decoded_from_source=held.from_source,
-        eval_batch=min(cfg.run.eval_batch_size, held.val) if evaluated else 0, streamed=streamed,
+        eval_batch=min(cfg.run.eval_batch_size, held.val) if evaluated else 0, eval_flip=cfg.run.eval_flip,
+        eval_shifts=len(shift_sizes(cfg.run.final_eval_shift)), eval_diagonal=cfg.run.final_eval_diagonal,
+        streamed=streamed,
         stream_workers=resolved.stream_workers if streamed else 0,
         shuffle_buffer=cfg.data.shuffle_buffer if streamed else 0,
         cuda_graphs=resolved.compile in CUDA_GRAPH_MODES, update_compiled=resolved.compile_optimizer != "off")

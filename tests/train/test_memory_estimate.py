@@ -20,9 +20,9 @@ from vitlab.train import resolve
 from vitlab.train.config import OptimConfig
 from vitlab.train.overrides import with_changes
 from vitlab.eval.features import shift_sizes, tta_views
-from vitlab.train.memory_estimate import (GB, RUNTIME_BYTES, Available, RunShape, activation_bytes,
-                                          estimate_memory, evaluation_bytes, evaluation_copies, resident_state_bytes,
-                                          smallest_fitting_accum)
+from vitlab.train.memory_estimate import (GB, HEADROOM, RUNTIME_BYTES, Available, RunShape, activation_bytes,
+                                          estimate_memory, evaluation_bytes, evaluation_copies, fitting_settings,
+                                          resident_state_bytes, smallest_fitting_accum)
 from vitlab.train.step import autocast
 from vitlab.weights import save_model
 
@@ -244,6 +244,35 @@ def test_a_run_that_cannot_fit_is_refused_before_any_work_in_one_line(demo_init,
         assert main([*command, *change, "--show-config"]) == 0
         shown = json.loads(capsys.readouterr().out)["memory_estimate"]
         assert shown["fits"] and shown["peak_gb"] * GB <= 0.9 * 4 * GB
+
+
+def test_a_refusal_names_the_largest_evaluation_batch_and_stream_workers_that_fit():
+    # an evaluation's peak, or the readers' processes, fit by no batch, accumulation or image size
+    # of the training step that leaves the rest as it is: the refusal named none, or only a smaller image
+    arch = create_model("ViT-Ti/16", **VIT).cfg
+    evaluated = RunShape(arch, micro_batch=8, img_size=(32, 32), val_images=5000, eval_batch=5000, eval_flip=True)
+    assert estimate_memory(evaluated).at == "an evaluation"
+    budget = Available(host=int(estimate_memory(evaluated.with_(eval_batch=1000)).peak / HEADROOM) + 1)
+    assert "--set run.eval_batch_size=1000" in fitting_settings(evaluated, budget, 4)
+    streamed = RunShape(arch, micro_batch=8, img_size=(32, 32), streamed=True, stream_workers=8, shuffle_buffer=1000)
+    budget = Available(host=int(estimate_memory(streamed.with_(stream_workers=3)).peak / HEADROOM) + 1)
+    assert "--set data.stream_workers=3" in fitting_settings(streamed, budget, 4)
+    assert not any("data.stream_workers" in s for s in fitting_settings(evaluated, budget, 4))  # nothing streams
+
+
+def test_a_run_whose_evaluation_cannot_fit_is_refused_naming_its_batch(demo_init, capsys, monkeypatch):
+    monkeypatch.setattr(resolve, "machine_memory", lambda *where: Available(host=GB // 2))
+    command = ["finetune", "--init", demo_init, "--data", "digits", "--img-size", "64", "--batch-size", "8",
+               "--val-split", "1000", "--set", "run.eval_batch_size=1000", "--set", "run.eval_flip=true",
+               "--set", "run.final_eval_shift=2"]
+    assert main(command) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "at an evaluation" in err and "--set run.eval_batch_size=" in err
+    batch = err.split("--set run.eval_batch_size=")[1].split()[0].rstrip(",;")
+    assert main([*command, "--set", f"run.eval_batch_size={batch}", "--show-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory_estimate"]["fits"]
+    assert main([*command, "--set", f"run.eval_batch_size={int(batch) + 1}", "--show-config"]) == 0
+    assert not json.loads(capsys.readouterr().out)["memory_estimate"]["fits"]  # the largest that fits
 
 
 class MicroBatchesUpTo(Available):

@@ -553,26 +553,38 @@ def _largest(fits: Callable[[int], bool], low: int, high: int) -> Optional[int]:
 def fitting_settings(shape: RunShape, available: Available, size_step: int, world_size: int = 1) -> list[str]:
     """The settings, each on its own, that would make a run of ``shape`` fit: a global batch
     size at the same accumulation, the micro-batches per step at the same batch, an image
-    size (a multiple of ``size_step``; the data decoded at it too)."""
+    size (a multiple of ``size_step``; the data decoded at it too), the evaluation's batch
+    (an evaluation's peak: the training batch leaves it as it is), the streaming readers'
+    processes (each holds its own shuffle buffer and interpreter)."""
+    def fits(**changes) -> bool:
+        return available.fits(estimate_memory(shape.with_(**changes)))
+
     found = []
     per_process = shape.micro_batch * shape.accum_steps
-    micro = _largest(lambda m: available.fits(estimate_memory(shape.with_(micro_batch=m))), 1, shape.micro_batch - 1)
+    micro = _largest(lambda m: fits(micro_batch=m), 1, shape.micro_batch - 1)
     if micro is not None:
         found.append(f"--batch-size {micro * shape.accum_steps * world_size}")
     fewest = smallest_fitting_accum(shape, per_process, available)
     if fewest is not None and fewest != shape.accum_steps:
         found.append(f"--accum-steps {fewest} (micro-batch {per_process // fewest})")
-    size = _largest(lambda n: available.fits(estimate_memory(shape.with_(img_size=(n * size_step,) * 2))), 1,
+    size = _largest(lambda n: fits(img_size=(n * size_step,) * 2), 1,
                     min(shape.img_size) // size_step - (1 if min(shape.img_size) % size_step == 0 else 0))
     if size is not None:
         found.append(f"--img-size {size * size_step}")
+    evaluated = _largest(lambda n: fits(eval_batch=n), 1, shape.eval_batch - 1)
+    if evaluated is not None:
+        found.append(f"--set run.eval_batch_size={evaluated}")
+    workers = _largest(lambda n: fits(stream_workers=n), 0, shape.stream_workers - 1)
+    if workers is not None:
+        found.append(f"--set data.stream_workers={workers}")
     return found
 
 
 def refusal(estimate: MemoryEstimate, available: Available, settings: list[str]) -> ConfigError:
     """The one-line error of a run that does not fit."""
     fits = (f"settings that fit: {', '.join(settings)}" if settings
-            else "no batch size, accumulation or image size fits on its own: train a smaller model or free memory")
+            else "no batch size, accumulation, image size, evaluation batch or number of stream workers fits on its "
+                 "own: train a smaller model or free memory")
     if any(s.startswith("--accum-steps") for s in settings):
         fits += " (--accum-steps auto picks the largest micro-batch that fits)"
     return ConfigError(f"run.memory_check: this run needs {estimate.line()}, {available.shortfall(estimate)}; {fits}; "

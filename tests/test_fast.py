@@ -8,7 +8,9 @@ import copy
 import dataclasses
 import io
 import json
+import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -944,6 +946,31 @@ def test_a_calibration_times_whole_steps_stores_what_wins_and_is_preferred_to_th
     assert kernels_mod.cpu_precision(path=path) == "fp32"  # no bf16 kernel: never bf16
     path.write_text("{ not json")  # the rule of Zen 4, less the bf16 kernel this oneDNN cannot build
     assert kernels_mod.choose(path) == KernelChoice("onednn", "aten", training=("bf16",))
+
+
+def test_calibrate_stores_its_answer_through_a_temporary_file_of_its_own(tmp_path, monkeypatch):
+    from vitlab.fast import calibration
+
+    path = tmp_path / "kernels.json"
+    times = {"fp32": {mode: fake_steps(1.0, {"aten/fused": 0.9}) for mode in ("training", "inference")}}
+    monkeypatch.setattr(calibration, "measure", lambda rounds=3, say=None: times)
+    # another calibrate writing at the same time (on another host, where $HOME is shared), at the fixed
+    # name every calibrate used: its file was overwritten, and one renamed the other's into place
+    (tmp_path / "kernels.tmp").write_text("another calibrate's, half written")
+    choice, _, _ = calibration.calibrate(path)
+    assert (tmp_path / "kernels.tmp").read_text() == "another calibrate's, half written"
+    assert kernels_mod.stored_choice(path) == choice
+    stored = path.read_text()
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    monkeypatch.setattr(Path, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        calibration.calibrate(path)
+    assert path.read_text() == stored  # the stored answer as it was, and nothing left beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels.json", "kernels.tmp"]
 
 
 @pytest.mark.parametrize("report", [pytest.param(AVX2_ONEDNN, id="onednn-without-bf16"),

@@ -22,7 +22,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -171,7 +173,17 @@ def calibrate(path: Path | None = None, rounds: int = 3,
         "measured": time.strftime("%Y-%m-%d %H:%M"),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(stored, indent=2) + "\n")
-    tmp.replace(path)
+    # a temporary file of this process's own, synced, then renamed over the stored one: a fixed name
+    # (kernels.tmp) was written by every calibrate at once (another host's, where $HOME is shared), and
+    # one could rename the other's half-written file into place; a failure left it behind
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(stored, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return choice, precision, results

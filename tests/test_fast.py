@@ -10,6 +10,7 @@ import io
 import json
 import os
 import pickle
+import warnings
 from pathlib import Path
 
 import pytest
@@ -945,7 +946,35 @@ def test_a_calibration_times_whole_steps_stores_what_wins_and_is_preferred_to_th
     assert kernels_mod.stored_choice(path) is None
     assert kernels_mod.cpu_precision(path=path) == "fp32"  # no bf16 kernel: never bf16
     path.write_text("{ not json")  # the rule of Zen 4, less the bf16 kernel this oneDNN cannot build
-    assert kernels_mod.choose(path) == KernelChoice("onednn", "aten", training=("bf16",))
+    with pytest.warns(UserWarning, match="kernels.json is damaged"):
+        assert kernels_mod.choose(path) == KernelChoice("onednn", "aten", training=("bf16",))
+
+
+@pytest.mark.parametrize("text, why", [("{ not json", "JSONDecodeError"), ("[1, 2]", "a JSON list"),
+                                       (b"\xff\xfe", "UnicodeDecodeError"), ("THIS_CPU: 3", "entry is not an object"),
+                                       ('THIS_CPU: {"kernels": {"fp32": "mkl"}}', "fp32='mkl'"),
+                                       ("THIS_CPU: {}", "KeyError: 'kernels'")])
+def test_a_damaged_calibration_is_ignored_with_a_warning_naming_the_file(text, why, tmp_path, monkeypatch):
+    # it was ignored without a word: a run took the rule's kernels and precision where the user had calibrated
+    path = tmp_path / "kernels.json"
+    key = json.dumps(kernels_mod.calibration_key(kernels_mod.cpu_info()))
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text("{" + text.replace("THIS_CPU", key) + "}" if "THIS_CPU" in text else text)
+    with pytest.warns(UserWarning, match=f"stored calibration {path} is damaged .*{why}.*the kernel rule decides"):
+        assert kernels_mod.choose(path) == kernels_mod.rule_choice()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path.write_text(json.dumps({"another CPU": {"kernels": {}}}))  # another machine's entries: nothing to say
+        assert kernels_mod.choose(path) == kernels_mod.rule_choice()
+        path.unlink()
+        assert kernels_mod.choose(path) == kernels_mod.rule_choice()  # none stored: nothing to say
+    monkeypatch.setattr(kernels_mod, "calibration_path", lambda: path)
+    path.write_text("[]")
+    from vitlab.cli import main
+    with pytest.warns(UserWarning, match="stored calibration .* is damaged"):  # a run resolves as without one
+        assert main(["train", "--recipe", "demo", "--data", "digits", "--show-config"]) == 0
 
 
 def test_calibrate_stores_its_answer_through_a_temporary_file_of_its_own(tmp_path, monkeypatch):

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -213,22 +214,35 @@ def calibration_key(info: CpuInfo) -> str:
 
 
 def stored_entry(path: Path | None = None, info: CpuInfo | None = None) -> dict | None:
-    """The calibration stored for this CPU and torch version, or None (none, another's, or damaged)."""
+    """The calibration stored for this CPU and torch version, or None: none, another's, or
+    damaged (said in a warning: the rule decides in its place, and ``vitlab calibrate`` stores
+    it again)."""
     path = path or calibration_path()
     try:
-        entry = json.loads(path.read_text()).get(calibration_key(info or cpu_info()))
-    except (OSError, ValueError, AttributeError):
+        stored = json.loads(path.read_text())
+    except FileNotFoundError:
         return None
-    return entry if isinstance(entry, dict) else None
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and json's errors are ValueErrors
+        return _damaged(path, f"{type(err).__name__}: {err}")
+    if not isinstance(stored, dict):
+        return _damaged(path, f"a JSON {type(stored).__name__}, not an object of calibrations")
+    entry = stored.get(calibration_key(info or cpu_info()))
+    return entry if entry is None or isinstance(entry, dict) else _damaged(path, "this CPU's entry is not an object")
+
+
+def _damaged(path: Path, why: str) -> None:
+    warnings.warn(f"stored calibration {path} is damaged ({why}); ignored: the kernel rule decides, and "
+                  "`vitlab calibrate` stores a calibration again")
+    return None
 
 
 def stored_choice(path: Path | None = None, info: CpuInfo | None = None) -> KernelChoice | None:
     """The kernels stored for this CPU, if any and if this machine can still run them."""
     entry = stored_entry(path, info)
     try:
-        choice = KernelChoice(**entry["kernels"]) if entry else None
-    except (KeyError, TypeError, ValueError):
-        return None
+        choice = KernelChoice(**entry["kernels"]) if entry is not None else None
+    except (KeyError, TypeError, ValueError) as err:
+        return _damaged(path or calibration_path(), f"this CPU's entry: {type(err).__name__}: {err}")
     return choice if choice is not None and why_unavailable(choice, info) is None else None
 
 

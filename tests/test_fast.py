@@ -452,6 +452,16 @@ def test_a_bad_inference_weights_option_is_refused_with_the_allowed_ones():
         fast.optimize(nn.Linear(2, 2), inference_weights="pack")
 
 
+def test_what_is_not_a_model_or_a_flag_is_refused_by_name_before_anything_is_installed():
+    model = with_random_head(tiny())
+    with pytest.raises(TypeError, match=r"^FastOptions.recompute='no': expected True or False"):
+        fast.optimize(model, recompute="no")  # was taken as true
+    assert not fast.is_optimized(model)
+    for call in (fast.optimize, fast.restore):
+        with pytest.raises(TypeError, match=rf"^{call.__name__}: model='ViT-B/16': expected a torch.nn.Module"):
+            call("ViT-B/16")
+
+
 @pytest.mark.parametrize("kernels", CHOICES)
 @pytest.mark.parametrize("family", ["token", "relative", "distance", "distance_no_self", "axial"])
 def test_contiguous_attention_equals_the_plain_bf16_inference(family, kernels, monkeypatch):

@@ -133,6 +133,8 @@ class FastOptions:
     workspace: Workspace = dataclasses.field(default_factory=Workspace, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.recompute, bool):  # recompute="no" was taken as true
+            raise TypeError(f"FastOptions.recompute={self.recompute!r}: expected True or False")
         if self.inference_weights not in INFERENCE_WEIGHTS:
             raise ValueError(f"FastOptions.inference_weights={self.inference_weights!r}: expected one of "
                              f"{', '.join(INFERENCE_WEIGHTS)}")
@@ -400,6 +402,7 @@ def install(model: nn.Module, options: FastOptions) -> nn.Module:
     """Put a fast module in the place of every plain ``nn.Linear`` and ``Block`` of ``model``,
     and give those already installed ``options``.  Returns the model: ``model`` itself,
     unless it is a dense layer or a block, whose fast module is returned."""
+    need_module(model, "optimize")
     stand_ins: dict[int, nn.Module] = {}  # one per plain module, wherever the model holds it
 
     def fast(module: nn.Module) -> nn.Module:
@@ -419,11 +422,19 @@ def install(model: nn.Module, options: FastOptions) -> nn.Module:
 def uninstall(model: nn.Module) -> nn.Module:
     """Put the plain module back in the place of every installed one; returns the model (the
     plain module when ``model`` itself is an installed one)."""
+    need_module(model, "restore")
     def plain(module: nn.Module) -> nn.Module:
         return _restored(module) if isinstance(module, _INSTALLED) else module
 
     _replace(model, plain)
     return plain(model)
+
+
+def need_module(model, call: str) -> None:
+    """Refuse what is not a module, by name (a string or None failed on its missing ``named_modules``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{call}: model={model!r:.80}: expected a torch.nn.Module (a model, a dense layer or an "
+                        "encoder block)")
 
 
 def _replace(model: nn.Module, new) -> None:

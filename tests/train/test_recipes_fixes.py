@@ -125,6 +125,18 @@ def test_sweep_compares_on_its_hold_out_and_scores_the_final_run_on_val_data(tmp
     assert report["final"]["train_examples"] == 1797 and report["final"]["val_examples"] == 1797
 
 
+def test_a_sweep_of_masked_patch_prediction_is_refused_before_any_run(tmp_path, capsys):
+    # MPP trains no classifier: the first rate's run trained, then the sweep ended in a TypeError traceback
+    out = tmp_path / "sweep"
+    args = ["sweep", "--recipe", "mpp", "--data", "digits", "--batch-size", "16", "--steps", "1", "--grid",
+            "0.001,0.01", "--out", str(out), *TINY]
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip() == (
+        "vitlab sweep: error: model.mpp='color': a sweep compares its rates by their held-out top-1, and masked patch "
+        "prediction trains no classifier to score; sweep the fine-tune of its weights (--init) instead")
+    assert not out.exists()
+
+
 def test_vtab1k_documented_sweep_runs(tmp_path, capsys):
     # the command of vitlab/configs/vtab1k.py's docstring, on digits with a tiny model
     args = ["sweep", "--recipe", "vtab1k:final=true", "--holdout", "200", "--data", "digits", "--model", "ViT-Ti/16",

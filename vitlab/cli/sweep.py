@@ -74,6 +74,10 @@ def sweep_plan(args: argparse.Namespace):
     from vitlab.train.overrides import with_changes
 
     cfg = resolve_config(args, extra={"model.init": args.init} if args.init else {})
+    if cfg.model.mpp is not None:  # the first rate's run trained, then the sweep ended on its missing score
+        raise ConfigError(f"model.mpp={cfg.model.mpp!r}: a sweep compares its rates by their held-out top-1, and "
+                          "masked patch prediction trains no classifier to score; sweep the fine-tune of its weights "
+                          "(--init) instead")
     grid = parse_grid(args.grid) if args.grid else tuple(cfg.optim.lr_grid)
     if not grid:
         raise ConfigError("optim.lr_grid=(): the recipe has no learning-rate grid; pass --grid 0.001,0.003,...")

@@ -1,4 +1,5 @@
 """The HTML report: self-contained, every section present, every figure renders in Chromium."""
+import base64
 import json
 import re
 import shutil
@@ -154,3 +155,27 @@ def test_inspect_refuses_a_run_dir_without_a_training_log(tmp_path, capsys):
                      "--run-dir", str(tmp_path / run_dir), "--out", str(tmp_path / "r.html")]) == 2
         assert capsys.readouterr().err.strip() == f"vitlab inspect: error: --run-dir {tmp_path / run_dir}: {what}"
     assert not (tmp_path / "r.html").exists()
+
+
+def test_an_image_file_is_seen_alike_whatever_other_images_come_with_it(tmp_path):
+    # files were resized to the first one's size before the model's: an image after a small one
+    # was shown and scored as that small one's pixels, unlike `vitlab predict`'s view of it
+    from PIL import Image
+
+    from vitlab.analysis.report import _image_png, build_report
+    from vitlab.data.decode import decode_image
+
+    g = np.random.default_rng(0)
+    Image.fromarray(g.integers(0, 256, (2, 3, 3), dtype=np.uint8)).save(tmp_path / "small.png")
+    Image.fromarray(g.integers(0, 256, (90, 60, 3), dtype=np.uint8)).save(tmp_path / "big.png")
+    model = create_model(TINY)
+    torch.nn.init.normal_(model.head.weight)
+
+    def shown(page, n):
+        return re.search(rf'<img alt="image {n}" src="data:image/png;base64,([^"]+)"', page).group(1)
+
+    alone = build_report(model, [tmp_path / "big.png"])
+    after_small = build_report(model, [tmp_path / "small.png", tmp_path / "big.png"])
+    assert shown(after_small, 2) == shown(alone, 1)
+    as_predict_sees_it = torch.from_numpy(decode_image(tmp_path / "big.png", TINY.img_size)).permute(2, 0, 1)
+    assert shown(alone, 1) == base64.b64encode(_image_png(as_predict_sees_it)).decode()

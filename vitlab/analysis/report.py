@@ -24,6 +24,7 @@ from PIL import Image
 from torch import nn
 
 from vitlab.analysis.cost import model_flops
+from vitlab.config import Pair
 from vitlab.data.memory import decode_image
 from vitlab.data.transforms import resize, to_float
 from vitlab.modes import evaluating
@@ -100,20 +101,22 @@ def read_run_meta(checkpoint: str | os.PathLike) -> dict:
     return meta
 
 
-def _load_images(images: Images) -> torch.Tensor:
-    """uint8 (B, 3, H, W) from a tensor/array or from image files (decoded, not resized)."""
+def _load_images(images: Images, size: Pair) -> torch.Tensor:
+    """uint8 (B, 3, H, W) at ``size`` from a tensor/array or from image files.
+
+    Each file is decoded at ``size`` as ``vitlab predict`` decodes it: resized first to the
+    first file's size, an image after a small one was seen as that one's few pixels."""
     if isinstance(images, (torch.Tensor, np.ndarray)):
         x = torch.as_tensor(images)
         if x.ndim == 3:
             x = x[None]
         if x.dtype != torch.uint8 or x.ndim != 4 or x.shape[1] != 3:
             raise ValueError(f"expected uint8 images (B, 3, H, W), got {x.dtype} {tuple(x.shape)}")
-        return x
-    decoded = [torch.from_numpy(decode_image(p)).permute(2, 0, 1) for p in images]
+        return resize(x, size)
+    decoded = [torch.from_numpy(decode_image(p, size)).permute(2, 0, 1) for p in images]
     if not decoded:
         raise ValueError("no images given: the attention figures need at least one")
-    h, w = decoded[0].shape[-2:]
-    return torch.stack([resize(d[None], (h, w))[0] for d in decoded])
+    return torch.stack(decoded)
 
 
 # ----------------------------------------------------------------------------- the model card
@@ -422,9 +425,8 @@ def build_report(model: nn.Module, images: Images, run_dir: str | os.PathLike | 
     meta = dict(meta or {})
     if run_dir is None and meta.get("run_dir") and (Path(meta["run_dir"]) / "metrics.jsonl").is_file():
         run_dir = meta["run_dir"]
-    raw = _load_images(images)
     size = tuple(model.cfg.img_size)
-    shown = resize(raw, size)  # uint8 (B, 3, H, W) at the model's resolution
+    shown = _load_images(images, size)  # uint8 (B, 3, H, W) at the model's resolution
     x = to_float(shown.clone())
     name = getattr(model.cfg, "name", None) or type(model).__name__
     classes = meta.get("classes") if isinstance(meta.get("classes"), list) else None
@@ -459,7 +461,7 @@ def build_report(model: nn.Module, images: Images, run_dir: str | os.PathLike | 
 <title>{_esc(heading)}</title><style>{CSS}</style></head>
 <body><header><div class="wrap"><h1>{_esc(heading)}</h1>
 <p>Vision Transformer inspection after Dosovitskiy et al., <i>An Image is Worth 16x16 Words</i>
-(ICLR 2021), on {len(raw)} image(s) at {size[0]}x{size[1]} px.</p><nav>{nav}</nav></div></header>
+(ICLR 2021), on {len(shown)} image(s) at {size[0]}x{size[1]} px.</p><nav>{nav}</nav></div></header>
 <main class="wrap">{body}</main>
 <footer>Written by vitlab on {stamp}. Self-contained: every figure is embedded in this file.</footer>
 </body></html>

@@ -179,3 +179,32 @@ def test_an_image_file_is_seen_alike_whatever_other_images_come_with_it(tmp_path
     assert shown(after_small, 2) == shown(alone, 1)
     as_predict_sees_it = torch.from_numpy(decode_image(tmp_path / "big.png", TINY.img_size)).permute(2, 0, 1)
     assert shown(alone, 1) == base64.b64encode(_image_png(as_predict_sees_it)).decode()
+
+
+def test_the_report_replaces_an_earlier_report_only(tmp_path, capsys):
+    # --out naming one of the images or the weights wrote the page over them and said "wrote"
+    from PIL import Image
+
+    from vitlab.analysis.report import write_report
+    from vitlab.cli import main
+    from vitlab.weights import save_model
+
+    save_model(create_model(TINY), tmp_path / "model.safetensors")
+    Image.fromarray(images(1)[0].permute(1, 2, 0).numpy()).save(tmp_path / "x.png")
+    (tmp_path / "notes.txt").write_text("kept")
+    kept = {name: (tmp_path / name).read_bytes() for name in ("model.safetensors", "x.png", "notes.txt")}
+    for name in kept:
+        out = tmp_path / name
+        assert main(["inspect", str(tmp_path / "model.safetensors"), "--images", str(tmp_path / "x.png"),
+                     "--out", str(out)]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"vitlab inspect: error: --out={str(out)!r} is a file that is not an HTML page (an earlier report); "
+            "the report replaces nothing else: name another file")
+        with pytest.raises(ValueError, match="out_path=.* is a file that is not an HTML page"):
+            write_report(create_model(TINY), images(1), out)
+    assert {name: (tmp_path / name).read_bytes() for name in kept} == kept
+    # an earlier report is replaced, as a second run of the same command expects
+    for _ in range(2):
+        assert main(["inspect", str(tmp_path / "model.safetensors"), "--images", str(tmp_path / "x.png"),
+                     "--out", str(tmp_path / "report.html")]) == 0
+    assert (tmp_path / "report.html").read_text().startswith("<!DOCTYPE html>")

@@ -33,7 +33,7 @@ from . import attention as att
 from . import embeddings as emb
 from . import plots  # matplotlib itself is imported where a figure is drawn: reading run metadata stays light
 
-__all__ = ["read_run_log", "read_run_meta", "model_card", "build_report", "write_report"]
+__all__ = ["read_run_log", "read_run_meta", "model_card", "build_report", "need_report_out", "write_report"]
 
 Images = torch.Tensor | np.ndarray | Sequence[str | os.PathLike]
 
@@ -468,9 +468,25 @@ def build_report(model: nn.Module, images: Images, run_dir: str | os.PathLike | 
 """
 
 
+def need_report_out(out_path: str | os.PathLike, name: str = "out_path") -> None:
+    """That writing the report at ``out_path`` loses nothing: no file there, or an HTML page (an
+    earlier report, which a second run replaces).  Anything else is refused, naming ``name``: the
+    page was written over one of the images, the weights or any other file named by mistake."""
+    path = Path(out_path)
+    if not path.is_file():
+        return
+    with open(path, "rb") as f:
+        head = f.read(64).lstrip(b"\xef\xbb\xbf \t\r\n").lower()
+    if not head.startswith((b"<!doctype html", b"<html")):
+        raise ValueError(f"{name}={str(path)!r} is a file that is not an HTML page (an earlier report); "
+                         "the report replaces nothing else: name another file")
+
+
 def write_report(model: nn.Module, images: Images, out_path: str | os.PathLike,
                  run_dir: str | os.PathLike | None = None, meta: Mapping[str, Any] | None = None) -> Path:
-    """Write ``build_report``'s page to ``out_path`` (parent folders created); returns the path."""
+    """Write ``build_report``'s page to ``out_path`` (parent folders created); returns the path.
+    A file already there is replaced only if it is an HTML page (``need_report_out``)."""
+    need_report_out(out_path)
     out = Path(out_path)
     page = build_report(model, images, run_dir=run_dir, meta=meta)
     out.parent.mkdir(parents=True, exist_ok=True)

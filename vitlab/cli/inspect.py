@@ -31,7 +31,7 @@ def check_run_dir(run_dir: str | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vitlab.analysis.report import read_run_meta, write_report
+    from vitlab.analysis.report import need_report_out, read_run_meta, write_report
     from vitlab.config import need_output_file
     from vitlab.extras import require
     from vitlab.weights import load_model
@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     require("matplotlib", "the inspection report")  # before the model is loaded and analysed
     check_run_dir(args.run_dir)
     need_output_file("--out", args.out)
+    need_report_out(args.out, "--out")  # not over the images or weights named by mistake
 
     model = load_model(args.checkpoint, img_size=args.img_size).eval()
     meta = read_run_meta(args.checkpoint)

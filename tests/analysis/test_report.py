@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import warnings
 
 import numpy as np
 import pytest
@@ -208,3 +209,27 @@ def test_the_report_replaces_an_earlier_report_only(tmp_path, capsys):
         assert main(["inspect", str(tmp_path / "model.safetensors"), "--images", str(tmp_path / "x.png"),
                      "--out", str(tmp_path / "report.html")]) == 0
     assert (tmp_path / "report.html").read_text().startswith("<!DOCTYPE html>")
+
+
+@pytest.mark.parametrize("fmt, path", [("hf", "hf"), ("vitlab", "lone.safetensors"), ("timm", "timm.safetensors")])
+def test_inspect_names_the_classes_predict_names(tmp_path, fmt, path):
+    # the names kept in the weights (a Hugging Face id2label, a vitlab file's metadata, timm's
+    # label_names) were not read: the predictions said "class 2" where predict says "emu"; and a
+    # Hugging Face config.json was shown as the training recipe
+    from PIL import Image
+
+    from vitlab.cli import main
+    from vitlab.weights import save_model
+
+    model = create_model(TINY)
+    torch.nn.init.normal_(model.head.weight)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the conventions an export to timm/hf cannot carry
+        save_model(model, tmp_path / path, format=fmt, class_names=["cat", "dog", "emu"])
+    Image.fromarray(images(1)[0].permute(1, 2, 0).numpy()).save(tmp_path / "x.png")
+    assert main(["inspect", str(tmp_path / path), "--images", str(tmp_path / "x.png"),
+                 "--out", str(tmp_path / "r.html")]) == 0
+    page = (tmp_path / "r.html").read_text()
+    shown = re.findall(r"<div>(\w+) <span style='float:right'>", page)
+    assert len(shown) == 3 and set(shown) == {"cat", "dog", "emu"}
+    assert "Training recipe" not in page

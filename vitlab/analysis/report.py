@@ -63,6 +63,11 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+# what a model folder's config.json holds, unlike a training run's: vitlab's "type", Hugging
+# Face's "model_type" and "architectures", timm's "architecture"
+MODEL_CONFIG_KEYS = {"type", "model_type", "architectures", "architecture"}
+
+
 def read_run_meta(checkpoint: str | os.PathLike) -> dict:
     """What a checkpoint's training run left beside it, as a dict (empty if nothing).
 
@@ -87,7 +92,7 @@ def read_run_meta(checkpoint: str | os.PathLike) -> dict:
             pass
     run_dir = path if path.is_dir() else path.parent
     config = _read_json(run_dir / "config.json")
-    if isinstance(config, dict) and "type" not in config:  # a model dir's config.json records its "type"
+    if isinstance(config, dict) and not MODEL_CONFIG_KEYS & config.keys():
         meta["recipe"] = config
     for key, name in (("results", "summary.json"), ("classes", "classes.json")):
         value = _read_json(run_dir / name)

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.report import need_report_out, read_run_meta, write_report
     from vitlab.config import need_output_file
     from vitlab.extras import require
-    from vitlab.weights import load_model
+    from vitlab.weights import load_model, read_class_names
 
     require("matplotlib", "the inspection report")  # before the model is loaded and analysed
     check_run_dir(args.run_dir)
@@ -43,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
 
     model = load_model(args.checkpoint, img_size=args.img_size).eval()
     meta = read_run_meta(args.checkpoint)
+    names = read_class_names(args.checkpoint)  # predict's: the weights' own, classes.json, an id2label
+    if names is not None:
+        meta["classes"] = names
     meta.setdefault("checkpoint", args.checkpoint)
     out = write_report(model, args.images, args.out, run_dir=args.run_dir, meta=meta)
     print(f"wrote {out}")

@@ -233,3 +233,17 @@ def test_inspect_names_the_classes_predict_names(tmp_path, fmt, path):
     shown = re.findall(r"<div>(\w+) <span style='float:right'>", page)
     assert len(shown) == 3 and set(shown) == {"cat", "dog", "emu"}
     assert "Training recipe" not in page
+
+
+def test_a_model_in_bfloat16_gets_its_figures():
+    # the images went in as float32 whatever the model's dtype: a bf16 model's report held, in place
+    # of its predictions and attention figures, "expected images of the model's dtype torch.bfloat16"
+    from vitlab.analysis.report import build_report
+
+    model = create_model(TINY)
+    torch.nn.init.normal_(model.head.weight)
+    page = build_report(model.to(torch.bfloat16), images())
+    assert "%</span>" in page and "dtype" not in page
+    for alt in ("attention rollout", "attention distance", "attention per head"):
+        assert f'<img alt="{alt}"' in page
+    assert next(model.parameters()).dtype == torch.bfloat16

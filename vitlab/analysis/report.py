@@ -318,7 +318,7 @@ def _section_predictions(model: nn.Module, x: torch.Tensor, images: torch.Tensor
     probs = None
     if why_none is None:
         with torch.inference_mode():
-            probs = model(x).float().softmax(-1).numpy()
+            probs = model(x).float().softmax(-1).cpu().numpy()
     items = []
     for b in range(len(x)):
         top = [] if probs is None else np.argsort(-probs[b])[:min(3, probs.shape[1])]
@@ -432,7 +432,11 @@ def build_report(model: nn.Module, images: Images, run_dir: str | os.PathLike | 
         run_dir = meta["run_dir"]
     size = tuple(model.cfg.img_size)
     shown = _load_images(images, size)  # uint8 (B, 3, H, W) at the model's resolution
+    # on the model's device and in its dtype: float32 on the CPU was refused by a bf16 or a CUDA
+    # model, and the page held that refusal in place of every figure
+    weight = next((p for p in model.parameters() if p.is_floating_point()), None)
     x = to_float(shown.clone())
+    x = x if weight is None else x.to(weight.device, weight.dtype)
     name = getattr(model.cfg, "name", None) or type(model).__name__
     classes = meta.get("classes") if isinstance(meta.get("classes"), list) else None
     is_vit = hasattr(model.cfg, "patch_size")

@@ -200,6 +200,20 @@ def test_capture_attention_matches_the_fused_kernel():
     assert all(m.recorded is None for m in model.modules() if isinstance(m, Attention))
 
 
+def test_a_capture_inside_another_gives_the_outer_one_its_recording_back():
+    # the inner block's end set every layer's recording to None: the caller's capture recorded no
+    # more after an analysis call (vitlab.analysis.attention.collect_attention) inside it
+    model = vitlab.create_model(tiny()).eval()
+    x = torch.randn(1, 3, 16, 16)
+    with torch.no_grad(), vitlab.capture_attention(model) as outer:
+        model(x)
+        with vitlab.capture_attention(model) as inner:
+            model(x)
+        model(x)
+    assert len(outer) == 4 and len(inner) == 2
+    assert all(m.recorded is None for m in model.modules() if isinstance(m, Attention))
+
+
 def test_relative_bias_is_query_times_offset_embedding():
     torch.manual_seed(0)
     attn = Attention(tiny(posemb="relative"), seq_len=5)

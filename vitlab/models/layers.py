@@ -160,10 +160,13 @@ def capture_attention(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attention layers to capture")
     recorded: list[torch.Tensor] = []
+    # given back at the end, not cleared: a capture around this one (a caller's, around an
+    # analysis call) records on after it
+    outer = [layer.recorded for layer in layers]
     for layer in layers:
         layer.recorded = recorded
     try:
         yield recorded
     finally:
-        for layer in layers:
-            layer.recorded = None
+        for layer, before in zip(layers, outer):
+            layer.recorded = before

@@ -93,6 +93,14 @@ def test_a_training_step_with_patch_dropout_counts_the_kept_patches(rate):
     assert model_flops(cfg, training=True) < model_flops(cfg) == model_flops(cfg, training=False)
 
 
+def test_a_training_run_with_patch_dropout_costs_its_kept_patches():
+    # training_flops counted every patch, as evaluation sees them: a run dropping half of each image's
+    # patches (as the summary's MFU counts it) was put at nearly twice its compute
+    cfg = ViTConfig(**{**TINY, "patch_size": 4}, patch_dropout=0.5)
+    assert training_flops(cfg, steps=10, batch=8) == 3 * model_flops(cfg, training=True) * 10 * 8 / 1e18
+    assert model_flops(cfg, training=True) < 0.6 * model_flops(cfg)
+
+
 def test_backward_is_about_twice_forward():
     cfg = CASES["token"]
     model = build_model(cfg)

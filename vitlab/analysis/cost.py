@@ -163,11 +163,12 @@ def training_flops(cfg: Architecture, steps: int, batch: int, img_size: int | Pa
     """Compute of a training run in exaFLOPs (1e18): 3 x forward x steps x batch.
 
     The backward pass costs about twice the forward (a gradient for the activations and
-    one for the weights), hence the paper's factor 3 (Table 6).
+    one for the weights), hence the paper's factor 3 (Table 6).  The forward is a training
+    step's: with ``patch_dropout``, of the patches it keeps.
     """
     if steps < 0 or batch < 0:
         raise ValueError(f"steps={steps}, batch={batch}: must be >= 0")
-    return 3 * model_flops(cfg, img_size) * steps * batch / 1e18
+    return 3 * model_flops(cfg, img_size, training=True) * steps * batch / 1e18
 
 
 def core_days(exaflops: float, flops_per_core: float = TPU_V3_CORE_BF16_FLOPS,

@@ -191,3 +191,18 @@ def test_counting_a_backward_gives_the_caller_its_gradients_back():
     for name, p in model.named_parameters():
         if name != "head.bias":
             assert torch.equal(p.grad, accumulated[name]), name
+
+
+def test_counting_a_backward_leaves_the_inputs_gradients_and_runs_under_no_grad_too():
+    # the backward added into the gradient of an input that requires one (the caller's tensor), and
+    # under torch.no_grad it ended in torch's "element 0 of tensors does not require grad"
+    model = build_model(CASES["token"])
+    x = _images(CASES["token"]).requires_grad_()
+    assert count_flops(model, x, backward=True) > 0
+    assert x.grad is None
+    x = _images(CASES["token"])
+    with_grad = count_flops(model, x, backward=True)
+    with torch.no_grad():
+        assert count_flops(model, x, backward=True) == with_grad
+        assert not torch.is_grad_enabled()
+    assert all(p.grad is None for p in model.parameters())

@@ -198,8 +198,9 @@ def count_flops(model: nn.Module, *inputs: Any, backward: bool = False) -> int:
     ``FlopCounterMode`` has no formula for the CPU kernel of
     ``scaled_dot_product_attention`` (``_scaled_dot_product_flash_attention_for_cpu``)
     and silently counts it as 0; the formulas it uses for the GPU kernels are added
-    for it here.  With ``backward`` the sum of the output is back-propagated too; the
-    parameters' gradients are given back as they were (none, or the caller's accumulated ones).
+    for it here.  With ``backward`` the sum of the output is back-propagated too (with
+    gradients on, under a caller's ``torch.no_grad`` as well); the gradients of the
+    parameters and of the inputs are given back as they were (none, or the caller's).
     """
     aten = torch.ops.aten
     mapping = {}
@@ -207,11 +208,14 @@ def count_flops(model: nn.Module, *inputs: Any, backward: bool = False) -> int:
         mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _sdpa_cpu_flops
         mapping[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _sdpa_cpu_backward_flops
     # set aside, not only put back after: the backward would add into an existing gradient in place
-    caller_grads = [(p, p.grad) for p in model.parameters()]
+    leaves = [*model.parameters(), *(t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad)]
+    caller_grads = [(t, t.grad) for t in leaves]
     try:
         for p, _ in caller_grads:
             p.grad = None
-        with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        # a backward needs gradients on, under a caller's no_grad too; the mode is restored after
+        with torch.set_grad_enabled(backward or torch.is_grad_enabled()), \
+                FlopCounterMode(display=False, custom_mapping=mapping) as counter:
             out = model(*inputs)
             if backward:
                 out.float().sum().backward()

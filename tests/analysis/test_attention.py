@@ -1,4 +1,6 @@
 """Attention analysis: known answers on hand-built matrices, then smoke runs on tiny models."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -113,3 +115,20 @@ def test_attention_distance_refuses_a_batch_size_or_images_it_cannot_average_by_
             model_attention_distance(model, images, batch_size=batch_size)
     with pytest.raises(ValueError, match="^images: none given"):
         model_attention_distance(model, images[:0])
+
+
+def test_raw_attention_refuses_a_layer_or_head_by_name_before_running_the_model(monkeypatch):
+    # layer=1.5 ended in numpy's "only integers, slices ... are valid indices", layer=True was layer 1,
+    # each after the model had run on every image
+    import vitlab.analysis.attention as attention
+
+    cfg = ViTConfig(img_size=16, patch_size=4, width=32, depth=2, mlp_dim=64, num_heads=2, num_classes=2)
+    model, images = create_model(cfg), torch.randn(1, 3, 16, 16)
+    monkeypatch.setattr(attention, "collect_attention", lambda *a: pytest.fail("the model ran"))
+    for layer, head, message in ((1.5, None, "layer=1.5: must be an integer from -2 to 1"),
+                                 (True, None, "layer=True: must be an integer from -2 to 1"),
+                                 (2, None, "layer=2: must be an integer from -2 to 1"),
+                                 (0, 2, "head=2: must be an integer from 0 to 1, or None"),
+                                 (0, 0.0, "head=0.0: must be an integer from 0 to 1, or None")):
+        with pytest.raises(ValueError, match=rf"^{re.escape(message)} \(the model has 2 layers of 2 heads\)$"):
+            attention.model_raw_attention(model, images, layer, head)

@@ -173,11 +173,14 @@ def model_rollout(model: nn.Module, images: torch.Tensor) -> np.ndarray:
 def model_raw_attention(model: nn.Module, images: torch.Tensor, layer: int, head: int | None = None) -> np.ndarray:
     """Attention of one layer (negative counts from the end) and head (None: mean of heads)
     from the output token to the patches: (B, gh, gw)."""
+    _check_vit(model)
+    # checked before the model runs on the images, as integers: layer=1.5 was numpy's IndexError
+    depth, heads = model.cfg.depth, model.cfg.num_heads
+    has = f" (the model has {depth} layers of {heads} heads)"
+    if not is_int(layer) or not -depth <= layer < depth:
+        raise ValueError(f"layer={layer!r}: must be an integer from {-depth} to {depth - 1}{has}")
+    if head is not None and (not is_int(head) or not 0 <= head < heads):
+        raise ValueError(f"head={head!r}: must be an integer from 0 to {heads - 1}, or None{has}")
     attn = collect_attention(model, images)  # (layers, B, heads, L, L)
-    depth, heads = attn.shape[0], attn.shape[2]
-    if not -depth <= layer < depth:
-        raise ValueError(f"layer={layer}: the model has {depth} layers")
-    if head is not None and not 0 <= head < heads:
-        raise ValueError(f"head={head}: the model has {heads} heads")
     a = attn[layer].mean(axis=1) if head is None else attn[layer][:, head]
     return token_to_grid(a, _grid_of(model, images), model.cfg.num_prefix_tokens)

@@ -1,6 +1,7 @@
 """The HTML report: self-contained, every section present, every figure renders in Chromium."""
 import base64
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -247,3 +248,29 @@ def test_a_model_in_bfloat16_gets_its_figures():
     for alt in ("attention rollout", "attention distance", "attention per head"):
         assert f'<img alt="{alt}"' in page
     assert next(model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_the_report_goes_into_a_pipe_or_device_named_as_out(tmp_path):
+    # written beside and renamed over it, the page replaced a pipe (or, for root, /dev/null or
+    # /dev/stdout) with a regular file; what reads the pipe got nothing
+    import stat
+    import threading
+
+    from vitlab.analysis.report import write_report
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(pipe.read_text()), daemon=True)
+    reader.start()
+    write_report(create_model(TINY), images(1), pipe)
+    reader.join(60)  # a guard: without the fix the reader waits for a writer that never comes
+    assert stat.S_ISFIFO(pipe.stat().st_mode)
+    assert got and got[0].startswith("<!DOCTYPE html>") and got[0].rstrip().endswith("</html>")
+    (tmp_path / "empty.html").write_text("")  # an empty file holds nothing to lose
+    (tmp_path / "link.html").symlink_to(tmp_path / "empty.html")
+    write_report(create_model(TINY), images(1), tmp_path / "link.html")
+    assert (tmp_path / "link.html").is_symlink() and "</html>" in (tmp_path / "empty.html").read_text()
+    with pytest.raises(ValueError, match="out_path=.* is a folder; expected a file to write"):
+        write_report(create_model(TINY), images(1), tmp_path)

@@ -480,13 +480,16 @@ def build_report(model: nn.Module, images: Images, run_dir: str | os.PathLike | 
 def need_report_out(out_path: str | os.PathLike, name: str = "out_path") -> None:
     """That writing the report at ``out_path`` loses nothing: no file there, or an HTML page (an
     earlier report, which a second run replaces).  Anything else is refused, naming ``name``: the
-    page was written over one of the images, the weights or any other file named by mistake."""
+    page was written over one of the images, the weights or any other file named by mistake.
+    A pipe, a device or a link (/dev/null, /dev/stdout) is written into, not replaced."""
     path = Path(out_path)
+    if path.is_dir():
+        raise ValueError(f"{name}={str(path)!r} is a folder; expected a file to write")
     if not path.is_file():
         return
     with open(path, "rb") as f:
         head = f.read(64).lstrip(b"\xef\xbb\xbf \t\r\n").lower()
-    if not head.startswith((b"<!doctype html", b"<html")):
+    if head and not head.startswith((b"<!doctype html", b"<html")):  # an empty file holds nothing to lose
         raise ValueError(f"{name}={str(path)!r} is a file that is not an HTML page (an earlier report); "
                          "the report replaces nothing else: name another file")
 
@@ -498,6 +501,11 @@ def write_report(model: nn.Module, images: Images, out_path: str | os.PathLike,
     need_report_out(out_path)
     out = Path(out_path)
     page = build_report(model, images, run_dir=run_dir, meta=meta)
+    # a pipe, a device or a link (/dev/null, /dev/stdout): renamed over, it was replaced by a file
+    if out.is_symlink() or (out.exists() and not out.is_file()):
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(page)
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     tmp.write_text(page, encoding="utf-8")

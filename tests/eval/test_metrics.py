@@ -133,3 +133,27 @@ def test_evaluator_refuses_labels_that_do_not_fit_by_name():
     with pytest.raises(ValueError, match=r"^the model has no head \(num_classes=0\)"):
         Evaluator(images, torch.tensor([0, 1, 2, 0])).run(create_model(cfg, num_classes=0))
     assert Evaluator(images, torch.tensor([0, 1, 2, 0], dtype=torch.uint8)).run(model)["n"] == 4
+
+
+def test_evaluator_breaks_ties_towards_the_lower_class_as_its_report_does():
+    """Equal scores (a head still all zeros, as every head starts; bf16 logits) go to the lower class
+    index in top-1 and top-5, as argmax (the confusion matrix, ``top1_views``) and ``topk_accuracy``
+    break them: torch's topk put class 8 first among ten equal logits, so top-1 was the share of
+    class 8 while the confusion matrix of the same report counted every image as class 0."""
+    import torch
+
+    from vitlab.config import ViTConfig
+    from vitlab.eval import Evaluator
+    from vitlab.models import create_model
+
+    cfg = ViTConfig(img_size=8, patch_size=4, width=16, depth=1, mlp_dim=32, num_heads=2, num_classes=10)
+    model = create_model(cfg)  # the head starts at zero: every image scores all ten classes alike
+    assert not model.head.weight.any() and not model.head.bias.any()
+    labels = torch.tensor([0, 0, 0, 1, 4, 5, 8, 8, 9, 9])
+    images = torch.randint(0, 256, (len(labels), 3, 8, 8), dtype=torch.uint8)
+    for views in ({}, {"flip": True}):
+        result = Evaluator(images, labels, batch_size=4, report_bins=15, **views).run(model)
+        trace = np.trace(np.array(result["confusion_matrix"]))
+        assert result["top1"] == trace / len(labels) == 0.3  # the three of class 0
+        assert result["top5"] == 0.5  # classes 0 to 4
+        assert result.get("top1_single", 0.3) == 0.3

@@ -27,7 +27,7 @@ from .metrics import check_num_bins, classification_report
 
 
 class Evaluator:
-    """Loss, top-1 and top-5 of a model on one labelled set.
+    """Loss, top-1 and top-5 of a model on one labelled set (equal scores go to the lower class index).
 
     flip, shift, diagonal: score the mean of the predicted probabilities of each image's
         test-time views (``vitlab.eval.features.tta_views``: its mirror image; its
@@ -125,7 +125,10 @@ class Evaluator:
                     if self.flip and self.shift:  # views[1] is the mirror image
                         flip_pair = nested[1]
                     logits = ensembles[-1]
-                hit = logits.topk(min(5, logits.shape[-1]), dim=-1).indices == y[:, None]
+                # a stable sort: equal scores go to the lower class, as argmax (the confusion matrix, the
+                # nested sets) and metrics.topk_accuracy give them; topk's order among equals is its own
+                best = logits.sort(dim=-1, descending=True, stable=True).indices[:, :5]
+                hit = best == y[:, None]
                 sums += torch.stack([(F.cross_entropy(logits, y, reduction="none") * ok).sum(), (hit[:, 0] & ok).sum(),
                                      (hit.any(-1) & ok).sum(), single, flip_pair, *nested]).double()
                 if self.report_bins is not None:

@@ -51,6 +51,30 @@ def test_cache_computes_once(tmp_path):
     assert len(calls) == 2
 
 
+def test_a_folders_key_changes_when_a_file_in_it_is_rewritten_in_place(tmp_path):
+    """A run folder's weights copied over in place (cp new.safetensors run/model.safetensors) leave
+    the folder's own size and mtime as they were: its key was those two, and `vitlab fewshot run/`
+    read the features of the earlier weights back from the cache."""
+    import os
+
+    from vitlab.eval.features import file_key
+
+    run = tmp_path / "run"
+    run.mkdir()
+    weights = run / "model.safetensors"
+    weights.write_bytes(b"a" * 64)
+    os.utime(weights, ns=(1_000_000_000, 1_000_000_000))
+    folder_times = run.stat()
+    before = file_key(run)
+    assert before == file_key(run) and file_key(weights) == file_key(weights)
+    with open(weights, "r+b") as f:  # other weights of the same size, in place
+        f.write(b"b" * 64)
+    os.utime(weights, ns=(2_000_000_000, 2_000_000_000))
+    os.utime(run, ns=(folder_times.st_atime_ns, folder_times.st_mtime_ns))
+    assert run.stat().st_mtime_ns == folder_times.st_mtime_ns and run.stat().st_size == folder_times.st_size
+    assert file_key(run) != before
+
+
 def test_a_damaged_cache_file_is_computed_again_with_a_warning(tmp_path):
     """A truncated cache file (a full disk, a copy cut short) raised zipfile's BadZipFile as a
     traceback; a garbled one numpy's "contains pickled (object) data"."""

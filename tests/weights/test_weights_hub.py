@@ -1,6 +1,7 @@
 """Weights by Hugging Face Hub name, from the local Hugging Face cache (no network) or downloaded.
 
 The cache is built here in huggingface_hub's layout from a random tiny ViTForImageClassification."""
+import copy
 import json
 import shutil
 import sys
@@ -206,3 +207,30 @@ def test_the_hub_logger_is_as_it_was_after_a_failed_download(hub_env, tmp_path):
     with pytest.raises(WeightsError, match="ConnectionError"):
         load_model(REPO)
     assert logger.level == before
+
+
+def test_fewshot_by_hub_name_caches_the_features_of_the_revision_it_names(hf_model, hub_env, tmp_path, capsys):
+    """The feature cache's key of a Hub name was the name: once the cache held a newer revision
+    (refs/main moved on), fewshot read the earlier revision's features back."""
+    cache = tmp_path / "cache"
+    write_snapshot(hf_model, cache)
+    hub_env.setenv("HF_HUB_CACHE", str(cache))
+    hub_env.setenv("HF_HUB_OFFLINE", "1")
+    base = ["fewshot", REPO, "--data", "digits", "--shots", "1", "--seeds", "2", "--holdout-per-class", "2", "--json"]
+
+    def accuracies(*flags):
+        assert main(base + list(flags)) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["fewshot"]
+
+    cached = ["--feature-cache", str(tmp_path / "features")]
+    first = accuracies(*cached)
+    assert first == accuracies("--feature-cache", "none")
+    newer, other = "89abcdef0123456789abcdef0123456789abcdef", copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(p.numel()))
+    other.save_pretrained(cache / f"models--{REPO.replace('/', '--')}" / "snapshots" / newer)
+    (cache / f"models--{REPO.replace('/', '--')}" / "refs" / "main").write_text(newer)
+    fresh = accuracies("--feature-cache", "none")
+    assert fresh != first and accuracies(*cached) == fresh
+    assert len(list((tmp_path / "features").glob("*.npz"))) == 2

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.report import read_run_meta
     from vitlab.data.labelled import load_held_out
-    from vitlab.eval.features import extract_features, file_key
+    from vitlab.eval.features import extract_features
     from vitlab.eval.fewshot import check_shots, fewshot_evaluate
     from vitlab.train.legacy import recorded_section
     from vitlab.train.resolve import resolve_scoring
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     check_shots(data.labels.numpy()[rest], args.shots, args.holdout_per_class, ("--shots", "--holdout-per-class"))
 
     cache = feature_cache(args)
-    key = ("representation", file_key(args.checkpoint), size, data.key)
+    key = ("representation", weights_key(args.checkpoint), size, data.key)
     feats = cache.get(key, lambda: extract_features(model, data.images, args.batch_size, device=device))
     source = "cache" if cache.hits else f"{len(data.images)} images"
     print(f"features {feats.shape[1]}-d from {source}; pool {len(rest)}, evaluation {len(held)} "
@@ -79,6 +79,17 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--seeds={args.seeds}: must be >= 1")
     if args.feature_cache not in (None, "none"):
         need_output_folder("--feature-cache", args.feature_cache)
+
+
+def weights_key(checkpoint: str) -> str:
+    """What the features of ``checkpoint`` are cached under: its file's or folder's ``file_key``; a
+    Hub name's, that of the snapshot it names now (one folder per revision): the name alone stays
+    the same when the cache holds a newer revision, and the earlier one's features were read back."""
+    from vitlab.eval.features import file_key
+    from vitlab.weights.hub import resolve_hub_name
+
+    path = Path(checkpoint)
+    return file_key(path if path.exists() else resolve_hub_name(checkpoint) or checkpoint)
 
 
 def feature_cache(args: argparse.Namespace):

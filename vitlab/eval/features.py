@@ -172,10 +172,19 @@ def predict_logits(model: nn.Module, images: torch.Tensor, batch_size: int = 128
 
 
 def file_key(path: str | os.PathLike) -> str:
-    """A cheap identity of a file or folder for cache keys: absolute path, size and mtime."""
+    """A cheap identity of a file or folder for cache keys: absolute path, size and mtime; of a
+    folder, its path and those of every file in it (weights copied over a run folder's own, in
+    place, leave the folder's size and mtime as they were, and its cached features were read back)."""
     p = Path(path)
     if not p.exists():
         return str(path)  # e.g. a registry name or a built-in data source
+    if p.is_dir():
+        # surrogateescape: file names that are not UTF-8 hash as their bytes
+        digest = hashlib.sha256()
+        for file in sorted(f for f in p.iterdir() if f.is_file()):  # a Hub snapshot's links: their blobs
+            st = file.stat()
+            digest.update(f"\n{file.name}|{st.st_size}|{st.st_mtime_ns}".encode("utf-8", "surrogateescape"))
+        return f"{p.resolve()}:{digest.hexdigest()[:16]}"
     st = p.stat()
     return f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}"
 

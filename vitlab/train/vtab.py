@@ -96,7 +96,7 @@ SETTINGS_NAME = "settings.json"
 
 def task_settings(cfg: TrainConfig, task: Task, examples: int, split_seed: int) -> dict:
     """What a task's finished runs depend on, beyond the learning rate in their folder's name: the
-    fields ``train --resume`` holds fixed, the steps, the init file as it is now (path, size, mtime),
+    fields ``train --resume`` holds fixed, the steps, the init as it is now (``file_key``),
     the split and the task's folder.  Its data views are rewritten from these on every invocation,
     so a run made with others would be scored on images it may have trained on."""
     from vitlab.eval.features import file_key

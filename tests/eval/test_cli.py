@@ -320,3 +320,20 @@ def test_predict_refuses_a_file_that_is_no_image_before_printing_any_result(tmp_
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
     assert captured.out == "" and len(err) == 1 and err[0].startswith("vitlab predict: error:") and str(fake) in err[0]
+
+
+def test_predict_refuses_a_model_without_a_head(tmp_path, capsys):
+    # its features (width 32) were shown as the probabilities of 32 classes
+    from PIL import Image
+
+    import vitlab
+
+    weights = vitlab.save_model(vitlab.create_model(vitlab.ViTConfig(
+        img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=4, num_classes=0)), tmp_path / "m")
+    image = tmp_path / "red.png"
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(image)
+    assert main(["predict", "--checkpoint", str(weights), str(image)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"vitlab predict: error: {weights}: the model has no head (num_classes=0): it gives features, not class "
+        "scores; fine-tune it (vitlab finetune) for a classifier\n")

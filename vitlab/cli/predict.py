@@ -72,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     if not checkpoint.exists():  # a Hub name: its snapshot folder, which holds config.json
         checkpoint = resolve_hub_name(args.checkpoint) or checkpoint
     model = load_model(checkpoint).eval()
+    if not model.cfg.num_classes:  # its features were shown as the probabilities of as many classes
+        raise ValueError(f"{args.checkpoint}: the model has no head (num_classes=0): it gives features, not class "
+                         "scores; fine-tune it (vitlab finetune) for a classifier")
     kernels = resolve_scoring("cpu", fast_path=args.fast is not False).kernels  # on this CPU, as a run resolves them
     if kernels is not None:
         fast.optimize(model, kernels)
@@ -83,15 +86,18 @@ def run(args: argparse.Namespace) -> int:
     for path, array in zip(args.images, arrays):
         x = to_float(torch.from_numpy(array.copy()).permute(2, 0, 1).unsqueeze(0).contiguous())
         with torch.no_grad():
-            probs = model(x).float().softmax(-1)[0]
-        k = min(args.top, probs.numel())
-        top = probs.topk(k)
-        names = [classes[i] if classes else str(i) for i in top.indices.tolist()]
-        if args.json:
-            print(json.dumps({"image": path, "top": [{"class": n, "prob": round(p, 6)}
-                                                      for n, p in zip(names, top.values.tolist())]}))
-        else:
-            print(path)
-            for name, prob in zip(names, top.values.tolist()):
-                print(f"  {prob:7.2%}  {name}")
+            print_top(args, path, model(x).float().softmax(-1)[0], classes)
     return 0
+
+
+def print_top(args: argparse.Namespace, path: str, probs, classes: list[str] | None) -> None:
+    """The ``--top`` classes of one image's probabilities (K,), best first: a JSON line or a few to read."""
+    top = probs.topk(min(args.top, probs.numel()))
+    names = [classes[i] if classes else str(i) for i in top.indices.tolist()]
+    if args.json:
+        print(json.dumps({"image": path, "top": [{"class": n, "prob": round(p, 6)}
+                                                  for n, p in zip(names, top.values.tolist())]}))
+        return
+    print(path)
+    for name, prob in zip(names, top.values.tolist()):
+        print(f"  {prob:7.2%}  {name}")

@@ -337,3 +337,15 @@ def test_predict_refuses_a_model_without_a_head(tmp_path, capsys):
     assert captured.out == "" and captured.err == (
         f"vitlab predict: error: {weights}: the model has no head (num_classes=0): it gives features, not class "
         "scores; fine-tune it (vitlab finetune) for a classifier\n")
+
+
+def test_predict_lists_equal_probabilities_lower_class_first(tiny_checkpoint, tmp_path, capsys):
+    # a head still all zeros (as every head starts) gives each class 1/10: topk listed 8, 6, 7, 5, 9
+    # where eval counts such an image as a prediction of class 0
+    from PIL import Image
+
+    image = tmp_path / "red.png"
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(image)
+    assert main(["predict", "--checkpoint", tiny_checkpoint, "--json", "--top", "4", str(image)]) == 0
+    top = json.loads(capsys.readouterr().out)["top"]
+    assert [t["class"] for t in top] == ["0", "1", "2", "3"] and {t["prob"] for t in top} == {0.1}

@@ -91,13 +91,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_top(args: argparse.Namespace, path: str, probs, classes: list[str] | None) -> None:
-    """The ``--top`` classes of one image's probabilities (K,), best first: a JSON line or a few to read."""
-    top = probs.topk(min(args.top, probs.numel()))
-    names = [classes[i] if classes else str(i) for i in top.indices.tolist()]
+    """The ``--top`` classes of one image's probabilities (K,), best first, equal ones the lower class
+    first (as eval counts them; topk's order among equals is its own): a JSON line or a few to read."""
+    top = probs.sort(descending=True, stable=True)
+    names = [classes[i] if classes else str(i) for i in top.indices[:args.top].tolist()]
+    values = top.values[:args.top].tolist()
     if args.json:
-        print(json.dumps({"image": path, "top": [{"class": n, "prob": round(p, 6)}
-                                                  for n, p in zip(names, top.values.tolist())]}))
+        print(json.dumps({"image": path, "top": [{"class": n, "prob": round(p, 6)} for n, p in zip(names, values)]}))
         return
     print(path)
-    for name, prob in zip(names, top.values.tolist()):
+    for name, prob in zip(names, values):
         print(f"  {prob:7.2%}  {name}")

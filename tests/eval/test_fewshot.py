@@ -101,3 +101,23 @@ def test_features_and_labels_that_do_not_pair_up_are_refused_by_name():
                  (pool_x, pool_y, eval_x, eval_y[:3]), (pool_x[:, :, None], pool_y, eval_x, eval_y)):
         with pytest.raises(ValueError, match=r"^expected pool_x \(P, d\), pool_y \(P,\), eval_x \(E, d\), eval_y \(E,\); got"):
             fewshot_evaluate(*args, shots=(1,), holdout_per_class=2)
+
+
+def test_labels_seeds_and_regularisers_that_cannot_be_are_refused_by_name():
+    """Evaluation labels of -1 were scored as a class no prediction matches, fractional labels and
+    seeds were cut to integers, fit_ridge's label -1 trained the last class (numpy's index from
+    the end), and an empty regulariser grid ended in max()'s "empty sequence" after the first fit."""
+    x, y = blobs(6, 2, 4, seed=0)
+    fit = dict(shots=(2,), seeds=(0,), holdout_per_class=1)
+    for pool_y, eval_y, name in ((y, y - 1, "eval_y"), (y + 0.5, y, "pool_y"), (y, y.astype(bool), "eval_y")):
+        with pytest.raises(ValueError, match=rf"^{name}: expected integer class ids >= 0"):
+            fewshot_evaluate(x, pool_y, x, eval_y, **fit)
+    for seeds in ((0.5,), (-1,)):
+        with pytest.raises(ValueError, match=rf"^seeds={seeds[0]}: must be an integer >= 0"):
+            fewshot_evaluate(x, y, x, y, **{**fit, "seeds": seeds})
+    for grid in ((), (1.0, 0.0), (float("nan"),)):
+        with pytest.raises(ValueError, match=r"^l2_grid: expected regularisers > 0"):
+            fewshot_evaluate(x, y, x, y, l2_grid=grid, **fit)
+    for labels in (y - 1, y + 1):
+        with pytest.raises(ValueError, match=r"^labels: expected class ids in \[0, 2\), got"):
+            fit_ridge(x, labels, 2, 1.0)

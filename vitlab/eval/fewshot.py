@@ -33,7 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-from vitlab.data.splits import few_per_class
+from vitlab.data.splits import check_seed, few_per_class
 
 __all__ = [
     "DEFAULT_L2_GRID",
@@ -53,6 +53,8 @@ DEFAULT_L2_GRID: tuple[float, ...] = tuple(2.0**p for p in range(-10, 20))
 def signed_targets(labels: np.ndarray, num_classes: int) -> np.ndarray:
     """(n,) class ids -> (n, K) float64 targets in {-1, +1}."""
     labels = np.asarray(labels, dtype=np.int64)
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):  # -1 set the last class's column
+        raise ValueError(f"labels: expected class ids in [0, {num_classes}), got [{labels.min()}, {labels.max()}]")
     t = -np.ones((len(labels), num_classes))
     t[np.arange(len(labels)), labels] = 1.0
     return t
@@ -180,6 +182,11 @@ def fewshot_evaluate(
     eval_x (E, d), eval_y (E,): the evaluation split, used only for the final accuracy.
     """
     pool_x, eval_x = np.asarray(pool_x, np.float64), np.asarray(eval_x, np.float64)
+    for name, labels in (("pool_y", pool_y), ("eval_y", eval_y)):
+        # checked before the cast: an evaluation label -1 was scored as a class nothing predicts, 1.5 cut to 1
+        labels = np.asarray(labels)
+        if labels.size and (not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0):
+            raise ValueError(f"{name}: expected integer class ids >= 0, got {labels.dtype} values from {labels.min()}")
     pool_y, eval_y = np.asarray(pool_y, np.int64), np.asarray(eval_y, np.int64)
     # one label per feature row, one feature size: a shorter pool_y drew from the first rows only,
     # and features of another size failed in numpy's matmul
@@ -190,6 +197,10 @@ def fewshot_evaluate(
     check_shots(pool_y, shots, holdout_per_class)
     if len(seeds) == 0:  # no draw: every accuracy list stayed empty, and its mean NaN
         raise ValueError("seeds: none given; each is one random draw of the shots, e.g. (0, 1, 2)")
+    for seed in seeds:  # a seed of 0.5 was cut to 0
+        check_seed(seed, "seeds")
+    if len(l2_grid) == 0 or not all(l2 > 0 for l2 in l2_grid):  # found at the first fit, or as max()'s empty sequence
+        raise ValueError(f"l2_grid: expected regularisers > 0 to choose from, got {tuple(l2_grid)}")
     num_classes = int(max(pool_y.max(), eval_y.max())) + 1
     result = FewShotResult(shots=[int(k) for k in shots], seeds=[int(s) for s in seeds])
     for k in result.shots:

@@ -349,3 +349,20 @@ def test_predict_lists_equal_probabilities_lower_class_first(tiny_checkpoint, tm
     assert main(["predict", "--checkpoint", tiny_checkpoint, "--json", "--top", "4", str(image)]) == 0
     top = json.loads(capsys.readouterr().out)["top"]
     assert [t["class"] for t in top] == ["0", "1", "2", "3"] and {t["prob"] for t in top} == {0.1}
+
+
+@pytest.mark.parametrize("command", ["eval", "fewshot"])
+def test_a_batch_size_below_one_is_refused_by_its_flag_before_the_data_is_read(command, run_dir, capsys,
+                                                                              monkeypatch):
+    # the batching refused it as "batch_size=0: must be >= 1", once the whole data set had been decoded
+    import vitlab.data.labelled
+
+    monkeypatch.setattr(vitlab.data.labelled, "load_labelled", lambda *a, **k: pytest.fail("the data was read"))
+    checkpoint = str(run_dir / "model.safetensors")
+    for size in ("0", "-3", "two"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, *(["--checkpoint", checkpoint] if command == "eval" else [checkpoint]), "--data", "digits",
+                  "--batch-size", size])
+        assert exit_info.value.code == 2
+        assert f"vitlab {command}: error: argument --batch-size: '{size}': expected a positive integer" in \
+            capsys.readouterr().err

@@ -53,6 +53,18 @@ def shift_pixels(text: str) -> int | tuple[int, ...]:
     return sizes[0] if len(sizes) == 1 else sizes
 
 
+def positive_count(text: str) -> int:
+    """An argparse type: an integer >= 1, refused as the arguments are read (0 was refused by the
+    batching once the data set had been decoded, by its library name batch_size)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return value
+
+
 def check_diagonal(args: argparse.Namespace) -> None:
     """--diagonal names translations of --shift's sizes: refused without them, before any work."""
     from vitlab.config import ConfigError
@@ -71,7 +83,7 @@ def add_data_arguments(p: argparse.ArgumentParser, default_split: str) -> None:
                    help=f"held-out examples: a count, a fraction < 1, or 0 for all (default: {default_split})")
     p.add_argument("--split-seed", type=int, default=None,
                    help="seed of the stratified split (default: the run's, else 0)")
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--batch-size", type=positive_count, default=128, help="images a forward pass (default: 128)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--cache-dir", default=None, help="where decoded data sets are cached (default: ~/.cache/vitlab)")
 

@@ -366,3 +366,19 @@ def test_a_batch_size_below_one_is_refused_by_its_flag_before_the_data_is_read(c
         assert exit_info.value.code == 2
         assert f"vitlab {command}: error: argument --batch-size: '{size}': expected a positive integer" in \
             capsys.readouterr().err
+
+
+def test_a_split_that_cannot_be_made_is_named_by_its_flag(run_dir, tmp_path, capsys):
+    # the stratified split named it by its own argument: "val_size=0.1: takes 0 of the 5 examples"
+    # for fewshot's default, which the user never typed
+    from PIL import Image
+
+    for name, count in (("a", 3), ("b", 2)):
+        (tmp_path / "five" / name).mkdir(parents=True)
+        for i in range(count):
+            Image.new("RGB", (16, 16), (40 * i, 10, 10)).save(tmp_path / "five" / name / f"{i}.png")
+    checkpoint = str(run_dir / "model.safetensors")
+    assert main(["fewshot", checkpoint, "--data", str(tmp_path / "five"), "--feature-cache", "none"]) == 2
+    assert "vitlab fewshot: error: --val-split=0.1: takes 0 of the 5 examples" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", checkpoint, "--data", "digits", "--val-split", "1797"]) == 2
+    assert "vitlab eval: error: --val-split=1797: takes 1797 of the 1797 examples" in capsys.readouterr().err

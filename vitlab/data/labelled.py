@@ -126,7 +126,9 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
     if run_shards:
         rest, held, split = torch.arange(0), torch.arange(len(labels)), run["val_split"]
     else:
-        rest, held, split = _split(labels, val_split, split_seed)
+        # named as the user knows it: the split's own name for it is val_size
+        name = "--val-split" if asked_split is not None or not same_as_run else "data.val_split (the run's)"
+        rest, held, split = _split(labels, val_split, split_seed, name)
     return HeldOutSet(images, labels, classes, key, data.skipped.images, rest, held, split, split_seed, run_shards)
 
 
@@ -135,13 +137,14 @@ def _check_val_split(val_split: float) -> None:
     need_count_or_fraction("--val-split", val_split, "a count (integer >= 1), a fraction in (0, 1), or 0 for all")
 
 
-def _split(labels: torch.Tensor, val_split: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, float | int]:
+def _split(labels: torch.Tensor, val_split: float, seed: int,
+           name: str = "--val-split") -> tuple[torch.Tensor, torch.Tensor, float | int]:
     """(rest, held, split): ``val_split`` examples held out (a count or a fraction), or all for 0."""
     _check_val_split(val_split)
     if val_split == 0:
         return torch.arange(0), torch.arange(len(labels)), 0
     size = int(val_split) if val_split >= 1 else float(val_split)
-    return (*stratified_split(labels, size, seed), size)
+    return (*stratified_split(labels, size, seed, name), size)
 
 
 def check_run_classes(classes: list[str], run_classes: Any, num_outputs: int) -> None:

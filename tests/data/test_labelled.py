@@ -44,6 +44,27 @@ def test_flags_win_and_other_data_takes_the_defaults():
         load_held_out({}, 8)
 
 
+def test_the_runs_data_by_another_spelling_is_split_as_the_run_split_it(tmp_path, monkeypatch):
+    """--data ./images or its absolute path, where the run recorded images: taken for other data, the
+    whole set was scored, the run's training images with its held-out ones."""
+    from PIL import Image
+
+    for c in range(2):
+        (tmp_path / "images" / str(c)).mkdir(parents=True)
+        for i in range(6):
+            Image.new("RGB", (8, 8), (40 * i, 100 * c, 0)).save(tmp_path / "images" / str(c) / f"{i}.png")
+    monkeypatch.chdir(tmp_path)
+    run = {"source": "images", "val_split": 4, "split_seed": 3}
+    recorded = load_held_out(run, 8, cache_dir=tmp_path / "cache")
+    assert (recorded.split, recorded.seed, len(recorded.held)) == (4, 3, 4)
+    for spelling in ("./images", str(tmp_path / "images"), "images/"):
+        data = load_held_out(run, 8, source=spelling, cache_dir=tmp_path / "cache")
+        assert (data.split, data.seed) == (4, 3) and torch.equal(data.held, recorded.held), spelling
+    other = tmp_path / "other"
+    other.symlink_to(tmp_path / "images")  # the same folder under another name is the same data too
+    assert torch.equal(load_held_out(run, 8, source=str(other), cache_dir=tmp_path / "cache").held, recorded.held)
+
+
 def test_the_flags_are_checked_before_the_data_is_decoded(monkeypatch):
     import vitlab.data.labelled as labelled
 

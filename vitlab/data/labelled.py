@@ -10,6 +10,7 @@ split it, from the data section that run recorded.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -88,7 +89,7 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
     source = source or run.get("source")
     if not source:
         raise ValueError("--data is needed: the checkpoint's run does not name its data")
-    same_as_run = bool(run) and str(source) == str(run.get("source"))
+    same_as_run = bool(run) and same_data(source, run.get("source"))
     seed_given = split_seed is not None
     if split_seed is None:
         split_seed = int(run.get("split_seed", 0)) if same_as_run else 0
@@ -130,6 +131,20 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         name = "--val-split" if asked_split is not None or not same_as_run else "data.val_split (the run's)"
         rest, held, split = _split(labels, val_split, split_seed, name)
     return HeldOutSet(images, labels, classes, key, data.skipped.images, rest, held, split, split_seed, run_shards)
+
+
+def same_data(source, recorded) -> bool:
+    """Whether ``source`` names the data a run ``recorded``: the same text, or the same file or folder
+    (``./images``, its absolute path and a link to it name what ``images`` names; compared as text,
+    such a spelling was taken for other data, and the whole set, the run's training images too, scored)."""
+    if recorded is None:
+        return False
+    if str(source) == str(recorded):
+        return True
+    try:
+        return os.path.samefile(source, recorded)
+    except (OSError, ValueError):  # either names no file: a pattern, a name such as digits
+        return False
 
 
 def _check_val_split(val_split: float) -> None:

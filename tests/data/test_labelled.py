@@ -65,6 +65,23 @@ def test_the_runs_data_by_another_spelling_is_split_as_the_run_split_it(tmp_path
     assert torch.equal(load_held_out(run, 8, source=str(other), cache_dir=tmp_path / "cache").held, recorded.held)
 
 
+def test_a_run_with_a_validation_set_of_its_own_is_scored_on_it(tmp_path):
+    """With data.val_data (and so no held-out split), eval without --data scored the run's training
+    set, every image it had trained on, as "all examples"."""
+    from PIL import Image
+
+    for c in ("5", "3"):
+        (tmp_path / "val" / c).mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / "val" / c / f"{i}.png")
+    run = {"source": "digits", "val_split": 0, "val_data": str(tmp_path / "val"), "class_subset": ["5", "3"]}
+    data = load_held_out(run, 8, pool=False, cache_dir=tmp_path / "cache")
+    assert len(data.labels) == 6 and data.classes == ["5", "3"] and data.split == 0
+    assert data.labels.tolist() == [1, 1, 1, 0, 0, 0]  # the run's labels: its class_subset's order
+    training = load_held_out(run, 8, source="digits", pool=False)  # asked for by name: the training set
+    assert len(training.labels) == 365 and training.split == 0
+
+
 def test_the_flags_are_checked_before_the_data_is_decoded(monkeypatch):
     import vitlab.data.labelled as labelled
 

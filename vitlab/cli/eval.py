@@ -4,7 +4,8 @@
 
 Without ``--val-split`` the split of the checkpoint's training run is used when the
 run's ``config.json`` sits beside the checkpoint and names the same data; otherwise the
-whole data set is evaluated.  The numbers come from ``vitlab.eval.Evaluator``, the
+whole data set is evaluated.  Without ``--data``, a run that validated on a set of its
+own (``data.val_data``) is scored on that set.  The numbers come from ``vitlab.eval.Evaluator``, the
 evaluator the trainer runs.  The output is a few lines to read; with ``--json``, one JSON
 line of every metric instead.  ``--compile`` scores through ``vitlab.fast.compile_for_inference``.
 The data and its split come from ``vitlab.data.labelled.load_held_out``.

@@ -83,9 +83,13 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         a split of it is of the run's ``train_examples`` pool, as the run's was (the images
         are then the pool's).
     pool: whether the examples not held out are wanted; without, a streamed run's held-out
-        shards are decoded alone (``hold_out``), not the whole set.
+        shards are decoded alone (``hold_out``), not the whole set, and the default for a run
+        that validated on a set of its own (``val_data``) is that set, whole.
     workers: decoding processes (None: ``load_in_memory``'s default).
     """
+    if source is None and run.get("val_data") and not pool:
+        # its data held nothing out: scored whole by default, it was every image the run trained on
+        run = {**run, "source": run["val_data"], "val_split": 0, "train_examples": 0, "stream": None}
     source = source or run.get("source")
     if not source:
         raise ValueError("--data is needed: the checkpoint's run does not name its data")

@@ -121,3 +121,31 @@ def test_labels_seeds_and_regularisers_that_cannot_be_are_refused_by_name():
     for labels in (y - 1, y + 1):
         with pytest.raises(ValueError, match=r"^labels: expected class ids in \[0, 2\), got"):
             fit_ridge(x, labels, 2, 1.0)
+
+
+@pytest.mark.parametrize("form,n,d", [("primal", 60, 8), ("dual", 12, 40)])
+def test_standardized_fit_is_sklearn_ridge_on_big_visions_scaled_features(form, n, d):
+    # big_vision's few-shot evaluator divides each feature by its std over the shots (+1e-5) before the
+    # ridge: the fit must equal Ridge on those features, mapped back to the features as given
+    rng = np.random.default_rng(n * d)
+    x = (rng.normal(size=(n, d)) + 2.0) * rng.uniform(0.01, 100.0, size=d)  # features of very different scales
+    y = np.arange(n) % 4
+    scale = x.std(axis=0) + 1e-5
+    fit = fit_ridge(x, y, 4, 3.0, form=form, standardize=True)
+    oracle = Ridge(alpha=3.0, fit_intercept=True, solver="cholesky").fit(x / scale, signed_targets(y, 4))
+    x_new = rng.normal(size=(7, d)) * 50
+    np.testing.assert_allclose(fit.decision(x_new), oracle.predict(x_new / scale), rtol=1e-6, atol=1e-8)
+    # and no longer the unscaled fit, which one lam weighs by the features' scales
+    assert not np.allclose(fit.decision(x_new), fit_ridge(x, y, 4, 3.0, form=form).decision(x_new), rtol=1e-3)
+
+
+def test_standardized_fewshot_is_blind_to_each_features_scale():
+    pool_x, pool_y = blobs(20, 3, 12, seed=5, spread=3.0)
+    eval_x, eval_y = blobs(10, 3, 12, seed=6, spread=3.0)
+    scales = np.random.default_rng(7).uniform(1e-3, 1e3, size=12)
+    kw = dict(shots=(2, 5), seeds=(0, 1), holdout_per_class=5, standardize=True)
+    plain = fewshot_evaluate(pool_x, pool_y, eval_x, eval_y, **kw)
+    scaled = fewshot_evaluate(pool_x * scales, pool_y, eval_x * scales, eval_y, **kw)
+    assert plain.accuracy == scaled.accuracy and plain.l2 == scaled.l2
+    with pytest.raises(TypeError, match="standardize='yes': expected True or False"):
+        fewshot_evaluate(pool_x, pool_y, eval_x, eval_y, standardize="yes")

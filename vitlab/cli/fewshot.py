@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=3, help="random draws of the shots per shot count")
     p.add_argument("--holdout-per-class", type=int, default=10,
                    help="training examples per class, disjoint from the shots, that choose the regulariser")
+    p.add_argument("--standardize", action="store_true",
+                   help="scale each feature to unit variance over the shots before the fit, as big_vision's few-shot "
+                        "evaluator does (default: the features as they are)")
     p.add_argument("--feature-cache", default=None,
                    help="folder for cached features (default: <cache-dir>/features); 'none' keeps them in memory only")
     p.add_argument("--json", action="store_true",
@@ -62,9 +65,10 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     y = data.labels.numpy()
     result = fewshot_evaluate(feats[rest], y[rest], feats[held], y[held], shots=args.shots, seeds=range(args.seeds),
-                              holdout_per_class=args.holdout_per_class)
+                              holdout_per_class=args.holdout_per_class, standardize=args.standardize)
     if args.json:
-        print(json.dumps({"fewshot": result.to_dict(), "seeds": args.seeds, "split": data.split,
+        print(json.dumps({"fewshot": result.to_dict(), "seeds": args.seeds, "standardize": args.standardize,
+                          "split": data.split,
                           "split_seed": data.seed, "feature_dim": int(feats.shape[1]), "skipped_images": data.skipped}))
         return 0
     print_table(result)

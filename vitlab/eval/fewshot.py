@@ -1,5 +1,6 @@
 """Few-shot linear evaluation (paper Sec. 4.1, "Metrics"): closed-form regularised least
-squares from frozen representations to {-1, 1}^K targets, as big_vision's evaluator does.
+squares from frozen representations to {-1, 1}^K targets, as big_vision's evaluator does
+(its differences: below).
 
 Derivation.  Features X (n, d), labels y, targets T (n, K) with T_ic = +1 if y_i = c else
 -1.  We fit an affine map x -> W^T x + b, W (d, K), b (K,), penalising W but not b:
@@ -25,6 +26,15 @@ independent oracle.  A test example is classified as argmax_c (x^T W + b)_c.
 
 The regulariser is chosen on held-out *training* examples (disjoint from the k shots),
 never on the evaluation split; ties go to the largest lam, the most regularised model.
+
+Where big_vision's evaluator differs.  It first scales each feature to unit variance over the
+shots (x -> (x - mean) / (std + 1e-5)), so that one lam weighs every feature alike whatever its
+scale; ``standardize=True`` does the same.  Scaling the columns of X by S turns the problem
+into one in X S^-1, whose solution W' maps back to W = S^-1 W' on the features as they are:
+the fit stays an affine map of the unscaled features.  It is off by default (the figures in
+docs/ were measured without it).  big_vision's bias is a constant feature of 100, almost
+unpenalised; here it is exactly unpenalised.  And big_vision reports its regulariser grid on
+the evaluation split; here it is chosen on training examples.
 """
 from __future__ import annotations
 
@@ -81,20 +91,27 @@ class RidgeSolver:
     """One eigendecomposition of X, then a closed-form fit for any regulariser.
 
     features (n, d), targets (n, K).  form: "primal" decomposes Xc^T Xc (d x d), "dual"
-    decomposes Xc Xc^T (n x n); None the smaller of the two.
+    decomposes Xc Xc^T (n x n); None the smaller of the two.  standardize: each feature scaled
+    to unit variance over these examples first (big_vision's few-shot evaluator; module text);
+    the fits are still of the features as given.
     """
 
-    def __init__(self, features: np.ndarray, targets: np.ndarray, form: str | None = None) -> None:
+    def __init__(self, features: np.ndarray, targets: np.ndarray, form: str | None = None,
+                 standardize: bool = False) -> None:
         x = np.asarray(features, dtype=np.float64)
         t = np.asarray(targets, dtype=np.float64)
         if x.ndim != 2 or t.ndim != 2 or len(x) != len(t) or len(x) == 0:
             raise ValueError(f"expected features (n, d) and targets (n, K), got {x.shape} and {t.shape}")
         if form not in (None, "primal", "dual"):
             raise ValueError(f"form={form!r}: allowed values are 'primal', 'dual' and None (the smaller)")
+        if not isinstance(standardize, bool):
+            raise TypeError(f"standardize={standardize!r}: expected True or False")
         n, d = x.shape
         self.form = form or ("dual" if n < d else "primal")
         self.x_mean, self.t_mean = x.mean(axis=0), t.mean(axis=0)
-        self.xc, tc = x - self.x_mean, t - self.t_mean
+        # the features' scales (S): 1, or big_vision's std + 1e-5 over the examples fitted
+        self.scale = x.std(axis=0) + 1e-5 if standardize else np.ones(d)
+        self.xc, tc = (x - self.x_mean) / self.scale, t - self.t_mean
         gram = self.xc.T @ self.xc if self.form == "primal" else self.xc @ self.xc.T
         s, v = np.linalg.eigh(gram)
         self.s = np.clip(s, 0.0, None)  # a Gram matrix is PSD; clip rounding noise
@@ -106,14 +123,15 @@ class RidgeSolver:
         if not l2 > 0:
             raise ValueError(f"l2={l2}: the regulariser must be positive")
         solved = self.v @ (self.vt_rhs / (self.s + l2)[:, None])  # (M + lam I)^-1 rhs
-        weights = solved if self.form == "primal" else self.xc.T @ solved
+        weights = (solved if self.form == "primal" else self.xc.T @ solved) / self.scale[:, None]  # S^-1 W'
         return RidgeFit(weights=weights, bias=self.t_mean - self.x_mean @ weights, l2=float(l2))
 
 
 def fit_ridge(features: np.ndarray, labels: np.ndarray, num_classes: int, l2: float,
-              form: str | None = None) -> RidgeFit:
-    """Least squares from features (n, d) to {-1, 1}^K targets of ``labels``, with an unpenalised bias."""
-    return RidgeSolver(features, signed_targets(labels, num_classes), form).fit(l2)
+              form: str | None = None, standardize: bool = False) -> RidgeFit:
+    """Least squares from features (n, d) to {-1, 1}^K targets of ``labels``, with an unpenalised bias
+    (``standardize``: ``RidgeSolver``'s)."""
+    return RidgeSolver(features, signed_targets(labels, num_classes), form, standardize).fit(l2)
 
 
 def select_l2(solver: RidgeSolver, holdout_x: np.ndarray, holdout_y: np.ndarray,
@@ -173,6 +191,7 @@ def fewshot_evaluate(
     pool_x: np.ndarray, pool_y: np.ndarray, eval_x: np.ndarray, eval_y: np.ndarray,
     shots: Sequence[int] = (1, 5, 10, 25), seeds: Sequence[int] = (0, 1, 2),
     l2_grid: Sequence[float] = DEFAULT_L2_GRID, holdout_per_class: int = 10, form: str | None = None,
+    standardize: bool = False,
 ) -> FewShotResult:
     """k-shot linear accuracy on the evaluation split for every k in ``shots`` and seed.
 
@@ -180,7 +199,11 @@ def fewshot_evaluate(
         are drawn as the training set and ``holdout_per_class`` others per class to choose
         the regulariser from ``l2_grid``.
     eval_x (E, d), eval_y (E,): the evaluation split, used only for the final accuracy.
+    standardize: scale each feature to unit variance over the shots first, as big_vision's
+        evaluator does (module text).
     """
+    if not isinstance(standardize, bool):
+        raise TypeError(f"standardize={standardize!r}: expected True or False")
     pool_x, eval_x = np.asarray(pool_x, np.float64), np.asarray(eval_x, np.float64)
     for name, labels in (("pool_y", pool_y), ("eval_y", eval_y)):
         # checked before the cast: an evaluation label -1 was scored as a class nothing predicts, 1.5 cut to 1
@@ -209,7 +232,7 @@ def fewshot_evaluate(
             train = few_per_class(pool_y, k, seed).numpy()
             rest = np.setdiff1d(np.arange(len(pool_y)), train)
             holdout = rest[few_per_class(pool_y[rest], holdout_per_class, seed).numpy()]
-            solver = RidgeSolver(pool_x[train], signed_targets(pool_y[train], num_classes), form)
+            solver = RidgeSolver(pool_x[train], signed_targets(pool_y[train], num_classes), form, standardize)
             l2, _ = select_l2(solver, pool_x[holdout], pool_y[holdout], l2_grid)
             acc = float(np.mean(solver.fit(l2).predict(eval_x) == eval_y))
             result.accuracy[k].append(acc)

@@ -82,6 +82,27 @@ def test_hf_export_refuses_what_it_cannot_compute(tmp_path, fields, reason):
         save_model(random_model(replace(TINY, **fields)), tmp_path / "hf", format="hf")
 
 
+def test_hf_export_writes_the_image_processor_of_vitlab_s_input(tmp_path):
+    """The export's image processor scales pixels as vitlab's models read them (p / 127.5 - 1, at the
+    model's size): there was none, and a save into a Hugging Face folder left that folder's own
+    (ImageNet's mean and std, say), which then described other inputs than the weights'."""
+    from vitlab.data.transforms import to_float
+
+    folder = tmp_path / "hf"
+    cfg = replace(TINY, img_size=(16, 24), patch_size=(4, 8), posemb_resample="bicubic")
+    model = random_model(cfg)
+    save_model(random_model(cfg, seed=1), folder, format="hf")
+    transformers.ViTImageProcessor(image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]
+                                   ).save_pretrained(folder)
+    save_model(model, folder, format="hf")
+    pixels = torch.randint(0, 256, (2, 3, 16, 24), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    processor = transformers.AutoImageProcessor.from_pretrained(folder)
+    inputs = processor(images=list(pixels.permute(0, 2, 3, 1).numpy()), return_tensors="pt").pixel_values
+    torch.testing.assert_close(inputs, to_float(pixels), atol=1e-6, rtol=0)  # at the model's size: no resize
+    with torch.no_grad():
+        assert (load_model(folder)(to_float(pixels)) - model(to_float(pixels))).abs().max() < 1e-5
+
+
 # ---------------------------------------------------------------------------------- timm
 
 

@@ -112,18 +112,16 @@ def test_not_cached_without_huggingface_hub_names_the_extra(hub_env, tmp_path, c
     assert len(err.splitlines()) == 1 and "huggingface_hub" in err and 'pip install -e ".[hub]"' in err
 
 
-def test_not_cached_is_downloaded_into_the_cache(hf_model, hub_env, tmp_path):
-    """With huggingface_hub and a network: config.json and the safetensors weights only,
-    into the cache, after which the name resolves offline."""
-    hub = pytest.importorskip("huggingface_hub")
-    remote = tmp_path / "remote"
-    hf_model.save_pretrained(remote)
-    torch.save(hf_model.state_dict(), remote / "pytorch_model.bin")  # a second format, not to be fetched
-    fetched = []
+def fake_hub(hub, hub_env, tmp_path, remote):
+    """huggingface_hub's download and metadata request, answered from the folder ``remote``; the
+    names asked for, and the metadata requests, in order."""
+    fetched, asked = [], []
 
     def fake_download(repo_id, filename, revision, cache_dir):
         assert repo_id == REPO and revision == "main"
         fetched.append(filename)
+        if not (remote / filename).is_file():
+            raise hub.errors.EntryNotFoundError(f"{filename} is not in {repo_id}")
         snapshot = tmp_path / "cache" / f"models--{repo_id.replace('/', '--')}" / "snapshots" / COMMIT
         snapshot.mkdir(parents=True, exist_ok=True)
         shutil.copy(remote / filename, snapshot / filename)
@@ -133,15 +131,45 @@ def test_not_cached_is_downloaded_into_the_cache(hf_model, hub_env, tmp_path):
         assert cache_dir == str(tmp_path / "cache")
         return str(snapshot / filename)
 
-    asked = []  # the one quick request before downloading: is config.json there?
     hub_env.setattr(hub, "get_hf_file_metadata", lambda url, timeout: asked.append((url, timeout)))
     hub_env.setattr(hub, "hf_hub_download", fake_download)
     hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    return fetched, asked
+
+
+def test_not_cached_is_downloaded_into_the_cache(hf_model, hub_env, tmp_path):
+    """With huggingface_hub and a network: config.json, the image processor's config where there is
+    one (here none) and the safetensors weights only, into the cache, after which the name resolves offline."""
+    hub = pytest.importorskip("huggingface_hub")
+    remote = tmp_path / "remote"
+    hf_model.save_pretrained(remote)
+    torch.save(hf_model.state_dict(), remote / "pytorch_model.bin")  # a second format, not to be fetched
+    fetched, asked = fake_hub(hub, hub_env, tmp_path, remote)  # the one quick request first: is config.json there?
     assert same_logits(load_model(REPO), hf_model)
-    assert fetched == ["config.json", "model.safetensors"]
+    assert fetched == ["config.json", "preprocessor_config.json", "model.safetensors"]
     assert len(asked) == 1 and asked[0][0].endswith(f"{REPO}/resolve/main/config.json") and asked[0][1] <= 5
     hub_env.setenv("HF_HUB_OFFLINE", "1")
-    assert same_logits(load_model(REPO), hf_model) and len(fetched) == 2  # from the cache now
+    assert same_logits(load_model(REPO), hf_model) and len(fetched) == 3  # from the cache now
+
+
+def test_a_download_brings_the_image_processor_s_scaling(hf_model, hub_env, tmp_path):
+    """A repository whose image processor normalises with ImageNet's mean and std: its config is
+    downloaded with the weights, and the model scores vitlab's input as transformers scores the
+    processor's (only config.json and the weights were fetched, and the model read other inputs)."""
+    from vitlab.data.transforms import to_float
+
+    hub = pytest.importorskip("huggingface_hub")
+    remote = tmp_path / "remote"
+    hf_model.save_pretrained(remote)
+    processor = transformers.ViTImageProcessor(image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225],
+                                               do_resize=False)
+    processor.save_pretrained(remote)
+    fetched, _ = fake_hub(hub, hub_env, tmp_path, remote)
+    pixels = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    inputs = processor(images=list(pixels.permute(0, 2, 3, 1).numpy()), return_tensors="pt").pixel_values
+    with torch.no_grad():
+        diff = (load_model(REPO)(to_float(pixels)) - hf_model(pixel_values=inputs).logits).abs().max()
+    assert fetched == ["config.json", "preprocessor_config.json", "model.safetensors"] and diff < 1e-4
 
 
 def test_paths_and_registry_names_are_not_hub_names(tmp_path):

@@ -118,3 +118,35 @@ def test_heads_are_required_and_checked(hf_classifier):
         load_model(hf_classifier.state_dict())
     with pytest.raises(WeightsError, match="not a ViT-B/16.*width=32"):
         load_model(hf_classifier.state_dict(), name="ViT-B/16")
+
+
+IMAGENET = dict(image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+
+
+@pytest.mark.parametrize("processor", [IMAGENET, dict(do_normalize=False), dict(image_mean=0.5, image_std=0.5)],
+                         ids=["imagenet", "no-normalize", "official"])
+def test_a_folder_s_image_processor_scaling_is_taken_into_the_weights(hf_classifier, tmp_path, processor):
+    """vitlab gives its models uint8 pixels as p / 127.5 - 1 (``to_float``, the official scaling); a folder
+    whose image processor scales them otherwise (ImageNet's mean and std) was scored on vitlab's input
+    without a word.  Loaded, it computes from vitlab's input what transformers computes from the
+    processor's pixel_values: the difference is taken into the patch embedding."""
+    from vitlab.data.transforms import to_float
+
+    hf_classifier.save_pretrained(tmp_path)
+    image_processor = transformers.ViTImageProcessor(do_resize=False, **processor)
+    image_processor.save_pretrained(tmp_path)
+    pixels = torch.randint(0, 256, (3, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    inputs = image_processor(images=list(pixels.permute(0, 2, 3, 1).numpy()), return_tensors="pt").pixel_values
+    model = load_model(tmp_path)
+    with torch.no_grad():
+        diff = (model(to_float(pixels)) - hf_classifier(pixel_values=inputs).logits).abs().max()
+    assert diff < 1e-4
+    if "image_mean" in processor and processor["image_mean"] == 0.5:  # vitlab's own: the weights as they were
+        assert torch.equal(model.patch_embed.weight, load_model(hf_classifier.state_dict(), num_heads=2).patch_embed.weight)
+
+
+def test_an_image_processor_that_cannot_scale_is_refused_naming_the_file(hf_classifier, tmp_path):
+    hf_classifier.save_pretrained(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text('{"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0, 0.5]}')
+    with pytest.raises(WeightsError, match="preprocessor_config.json.*image_std"):
+        load_model(tmp_path)

@@ -143,6 +143,30 @@ def test_timm_class_token_averaged_is_refused_with_the_reason():
         load_model(sd, num_heads=2, classifier="gap")
 
 
+def test_a_timm_hub_folder_s_mean_and_std_are_taken_into_the_weights(tmp_path):
+    """timm's Hub folders state their input scaling in config.json's pretrained_cfg: ImageNet's mean and std
+    for DeiT (timm/deit_*.fb_in1k); vitlab gives its models p / 127.5 - 1 and scored such weights on that,
+    without a word.  Loaded, the model computes from vitlab's input what timm's computes from its own."""
+    import safetensors.torch
+
+    from vitlab.data.transforms import to_float
+
+    model = random_model(ViTConfig(**{**TINY.__dict__, "gelu": "exact", "posemb_resample": "bicubic"}))
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    safetensors.torch.save_file(to_timm(model.state_dict()), tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architecture": "deit_tiny_patch16_224", "num_classes": 5, "global_pool": "token",
+        "pretrained_cfg": {"tag": "fb_in1k", "mean": mean, "std": std, "num_classes": 5}}))
+    pixels = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    timm_input = (pixels.float() / 255 - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1)
+    with torch.no_grad():
+        diff = (load_model(tmp_path, num_heads=2)(to_float(pixels)) - model(timm_input)).abs().max()
+    assert diff < 1e-4
+    # vitlab's own export states vitlab's scaling in its .timm.json: the weights as they were
+    save_model(model, tmp_path / "export.safetensors", format="timm")
+    assert torch.equal(logits(load_model(tmp_path / "export.safetensors")), logits(model))
+
+
 # ------------------------------------------------------------------------------ errors
 
 

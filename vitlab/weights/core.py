@@ -457,6 +457,63 @@ def build_loaded(state_dict: StateDict, cfg: Architecture, *, img_size: Pair | i
     return load_checked(model, {**state_dict, **fresh}, source).eval()
 
 
+@dataclasses.dataclass(frozen=True)
+class InputScaling:
+    """How a source's models read uint8 pixels p: (p * rescale - mean) / std, per channel (a
+    Hugging Face image processor's do_rescale and do_normalize, timm's pretrained_cfg mean and
+    std).  ``where`` names the file that says so, for errors."""
+
+    mean: Any
+    std: Any
+    rescale: Any = 1 / 255
+    where: str = "the weights' config"
+    names: tuple[str, str, str] = ("mean", "std", "rescale")  # the fields as the file spells them
+
+
+def _numbers(value: Any, count: int, field: str, where: str, positive: bool = False) -> list[float]:
+    """``value`` as ``count`` numbers: one for all, or ``count`` of them (one per channel)."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    fits = len(values) in (1, count) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) and (v > 0 or not positive)
+        for v in values)
+    if not fits:
+        kind = "positive numbers" if positive else "numbers"
+        raise WeightsError(f"{where}: {field}={value!r}: expected {kind}, one for all or one per channel of the "
+                           f"model's {count}" if count > 1 else f"{where}: {field}={value!r}: expected a {kind[:-1]}")
+    return [float(v) for v in values] * (count if len(values) == 1 else 1)
+
+
+def take_input_scaling(model: nn.Module, scaling: InputScaling | None) -> nn.Module:
+    """``model`` reading vitlab's input, p / 127.5 - 1 (``vitlab.data.transforms.to_float``, the
+    official scaling: mean and std 0.5), as its source read ``scaling``'s: the two differ by
+    x -> a * x + b per channel, which the patch embedding takes into its kernel and bias,
+    exactly (each patch meets the kernel once, no padding).  Without it a model trained on
+    other inputs (ImageNet's mean and std: DeiT, DINO) was scored on vitlab's, without a word.
+    """
+    if scaling is None:
+        return model
+    cfg, where = model.cfg, scaling.where
+    channels = cfg.in_chans
+    mean = _numbers(scaling.mean, channels, scaling.names[0], where)
+    std = _numbers(scaling.std, channels, scaling.names[1], where, positive=True)
+    rescale = _numbers(scaling.rescale, 1, scaling.names[2], where, positive=True)[0]
+    # the source's input from vitlab's x, whose pixels are p = 127.5 * (x + 1)
+    a = torch.tensor([127.5 * rescale / s for s in std], dtype=torch.float64)
+    b = torch.tensor([(127.5 * rescale - m) / s for m, s in zip(mean, std)], dtype=torch.float64)
+    if (a - 1).abs().max() < 1e-6 and b.abs().max() < 1e-6:
+        return model  # vitlab's own scaling: the weights as they are
+    if getattr(cfg, "resnet", None) is not None:
+        raise WeightsError(f"{where}: the model reads pixels scaled with mean {mean} and std {std} (of p * {rescale:g})"
+                           "; vitlab's read p / 127.5 - 1, and a hybrid's ResNet stem (weight-standardised, padded) "
+                           "cannot take the difference into its weights")
+    embed = model.patch_embed
+    with torch.no_grad():
+        kernel = embed.weight.double()
+        embed.bias.add_((kernel * b.view(1, -1, 1, 1)).sum((1, 2, 3)).to(embed.bias.dtype))
+        embed.weight.copy_(kernel * a.view(1, -1, 1, 1))
+    return model
+
+
 # ------------------------------------------------------------------------------ exporting
 
 

@@ -11,8 +11,9 @@ The cache folder follows huggingface_hub's rule: ``HF_HUB_CACHE``, else the olde
 ``HUGGINGFACE_HUB_CACHE``, else ``$HF_HOME/hub`` (``HF_HOME`` defaulting to
 ``$XDG_CACHE_HOME/huggingface``, i.e. ``~/.cache/huggingface``).  A name that is not cached
 is downloaded into that cache with ``huggingface_hub`` (the optional ``hub`` extra) unless
-``HF_HUB_OFFLINE`` is set: ``config.json`` and one weights file, safetensors when the
-repository has it.  The snapshot folder is then an ordinary Hugging Face folder, which
+``HF_HUB_OFFLINE`` is set: ``config.json``, the image processor's ``preprocessor_config.json``
+where the repository has one (its input scaling, which ``load_model`` takes into the weights),
+and one weights file, safetensors when the repository has it.  The snapshot folder is then an ordinary Hugging Face folder, which
 ``load_model`` reads by its ``config.json``.
 
 Before downloading, one request asks the Hub for ``config.json``'s metadata, with a short
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .core import WeightsError
+from .huggingface import PROCESSOR_NAME
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # seconds the Hub has to answer the first request before the name is refused (``HF_HUB_ETAG_TIMEOUT``
@@ -102,8 +104,14 @@ def _reach(hub: Any, repo_id: str, revision: str) -> None:
     hub.get_hf_file_metadata(hub.hf_hub_url(repo_id, "config.json", revision=revision), timeout=timeout)
 
 
+def _missing(err: Exception) -> bool:
+    """Whether ``err`` is the Hub's answer that the repository holds no such file."""
+    return "EntryNotFound" in type(err).__name__
+
+
 def download_snapshot(repo_id: str, revision: str = "main", cache_dir: Path | None = None) -> Path:
-    """Download ``config.json`` and one weights file of ``repo_id`` into the cache; the snapshot folder."""
+    """Download ``config.json``, the image processor's config where there is one, and one weights
+    file of ``repo_id`` into the cache; the snapshot folder."""
     from vitlab.extras import require
 
     cache_dir = cache_dir or hub_cache_dir()
@@ -116,12 +124,17 @@ def download_snapshot(repo_id: str, revision: str = "main", cache_dir: Path | No
         with _hub_logs_held_back():
             _reach(hub, repo_id, revision)
             config = fetch("config.json")
+            try:
+                fetch(PROCESSOR_NAME)
+            except Exception as err:  # none: the model reads what vitlab gives (ViTImageProcessor's defaults)
+                if not _missing(err):
+                    raise
             for i, name in enumerate(WEIGHT_FILES):
                 try:
                     fetch(name)
                     break
                 except Exception as err:  # the repository lacks this file: try the next format
-                    if i == len(WEIGHT_FILES) - 1 or "EntryNotFound" not in type(err).__name__:
+                    if i == len(WEIGHT_FILES) - 1 or not _missing(err):
                         raise
     except Exception as err:  # no network, no such repository or revision, refused access
         reason = f"{type(err).__name__}: {str(err).splitlines()[0]}" if str(err) else type(err).__name__

@@ -29,7 +29,9 @@ when given, supplies the heads, eps and activation.
 Export (``save_huggingface``, ``save_model(..., format="hf")``) writes a directory that
 ``ViTForImageClassification.from_pretrained`` loads with no missing or unexpected keys:
 ``config.json`` and ``model.safetensors`` with the hub-file names (transformers 4's, which
-transformers 5 also writes and reads).  The conventions travel in the config, so the
+transformers 5 also writes and reads), and ``preprocessor_config.json``, the image processor
+of vitlab's input scaling.  A folder's image processor read in is taken into the weights
+(``processor_scaling``, ``core.take_input_scaling``).  The conventions travel in the config, so the
 logits stay equal: ``hidden_act`` "gelu" (exact) or "gelu_pytorch_tanh" (vit_jax's tanh
 form), ``layer_norm_eps`` the model's, ``qkv_bias`` the model's.  What the class cannot
 compute is refused: the "gap" classifier and a pre-logits layer (ViTForImageClassification
@@ -49,8 +51,8 @@ import torch
 from torch import nn
 
 from ..config import Pair, ViTConfig
-from .core import (StateDict, WeightsError, atomic_write_set, build_loaded, infer_config, require_plain_vit, to_tensor,
-                   warn_conventions)
+from .core import (InputScaling, StateDict, WeightsError, atomic_write_set, build_loaded, infer_config,
+                   require_plain_vit, to_tensor, warn_conventions)
 from .labels import CLASSES_NAME, check_class_names, id2label, label2id
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-12, "posemb_resample": "bicubic"}
@@ -161,6 +163,22 @@ def load_huggingface(state_dict: Mapping[str, Any], hf_config: Mapping[str, Any]
                         source="the Hugging Face weights")
 
 
+PROCESSOR_NAME = "preprocessor_config.json"  # the image processor's config beside the weights
+
+
+def processor_scaling(processor: Mapping[str, Any], where: str) -> InputScaling:
+    """The input scaling of an image processor's config (``preprocessor_config.json``): its rescale
+    (``do_rescale``, ``rescale_factor``) and normalisation (``do_normalize``, ``image_mean``,
+    ``image_std``), each absent field ViTImageProcessor's default (1/255, mean and std 0.5)."""
+    def field(name: str, default: Any) -> Any:
+        value = processor.get(name)
+        return default if value is None else value
+
+    rescale = field("rescale_factor", 1 / 255) if field("do_rescale", True) else 1.0
+    mean, std = (field("image_mean", 0.5), field("image_std", 0.5)) if field("do_normalize", True) else (0.0, 1.0)
+    return InputScaling(mean, std, rescale, where, ("image_mean", "image_std", "rescale_factor"))
+
+
 # ------------------------------------------------------------------------------ export
 
 GELU_NAMES = {"exact": "gelu", "tanh": "gelu_pytorch_tanh"}  # vitlab gelu -> HF hidden_act
@@ -223,14 +241,27 @@ def to_huggingface(model: nn.Module, class_names: Sequence[str] | None = None
     return out, config
 
 
+def image_processor(cfg: ViTConfig) -> dict[str, Any]:
+    """``preprocessor_config.json`` of a ViTImageProcessor that gives the model what vitlab's models read:
+    pixels p as p / 127.5 - 1 (rescaled by 1/255, mean and std 0.5), resized bilinearly to its size."""
+    return {"image_processor_type": "ViTImageProcessor", "do_resize": True, "resample": 2,  # PIL's BILINEAR
+            "size": {"height": cfg.img_size[0], "width": cfg.img_size[1]}, "do_rescale": True,
+            "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5] * cfg.in_chans,
+            "image_std": [0.5] * cfg.in_chans}
+
+
 def save_huggingface(model: nn.Module, path: str | os.PathLike, class_names: Sequence[str] | None = None) -> Path:
-    """Write ``path/config.json`` and ``path/model.safetensors`` for ``ViTForImageClassification.from_pretrained``."""
+    """Write ``path/config.json``, ``path/preprocessor_config.json`` (``image_processor``) and
+    ``path/model.safetensors`` for ``ViTForImageClassification.from_pretrained`` and ``AutoImageProcessor``."""
     tensors, config = to_huggingface(model, class_names)
     path = Path(path)
     data = safetensors.torch.save(tensors, metadata={"format": "pt"})
     # as a set, the weights last: a failure between them left new weights beside the old config.json; a
     # vitlab save's classes.json goes, which described the weights replaced: read before id2label, it named
-    # these classes by the earlier ones
+    # these classes by the earlier ones; and a folder's image processor is replaced, which described the
+    # inputs of the weights replaced (load_model takes its scaling into the weights it reads)
     text = json.dumps(config, indent=2, sort_keys=True)
+    processor = json.dumps(image_processor(model.cfg), indent=2, sort_keys=True)
     return atomic_write_set([(path / "config.json", lambda f: f.write(text.encode())),
+                             (path / PROCESSOR_NAME, lambda f: f.write(processor.encode())),
                              (path / "model.safetensors", lambda f: f.write(data))], remove=[path / CLASSES_NAME])[-1]

@@ -10,6 +10,8 @@ The format is recognised from what the source holds, never from a flag:
     *.npz                                            official vit_jax
     *.pt, *.pth, *.bin                               by keys; read with torch.load(weights_only=True)
     (any of these with <stem>.timm.json beside it: timm create_model arguments, as save_model(format="timm") writes)
+    (an input scaling stated beside the weights, a Hugging Face folder's preprocessor_config.json or timm's
+    pretrained_cfg mean and std, is taken into the weights: ``core.take_input_scaling``)
     a Hugging Face Hub name, org/name[@revision]     its snapshot in the local Hugging Face cache, else downloaded
                                                      with huggingface_hub (``hub.py``); then as a directory
     a dict in memory                                 by keys
@@ -36,16 +38,16 @@ import torch
 from torch import nn
 
 from ..config import Architecture, Pair
-from .core import WeightsError, build_loaded, check_named, infer_config, to_tensor
+from .core import InputScaling, WeightsError, build_loaded, check_named, infer_config, take_input_scaling, to_tensor
 from .bigvision import is_big_vision, load_big_vision
 from .bit import is_bit, load_bit
 from .hub import resolve_hub_name
-from .huggingface import is_huggingface, load_huggingface
+from .huggingface import PROCESSOR_NAME, is_huggingface, load_huggingface, processor_scaling
 from .labels import CLASSES_KEY, CLASSES_NAME, names_from_id2label, names_from_json
 from .native import (CONFIG_KEY, CONFIG_NAME, WEIGHTS_NAME, is_native, load_native, read_native_config,
                      read_safetensors, read_safetensors_metadata)
 from .official import KNOWN_PREFIXES, load_official_npz, read_npz
-from .timm import is_timm, load_timm
+from .timm import is_timm, load_timm, pretrained_cfg_scaling
 from .timm import sidecar_path as timm_sidecar
 
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
@@ -141,7 +143,10 @@ def detect_format(keys: Any) -> str:
 
 
 def _load_state_dict(sd: Mapping[str, Any], hf_config: Mapping[str, Any] | None, file: Path | None = None,
-                     timm_kwargs: Mapping[str, Any] | None = None, **kw: Any) -> nn.Module:
+                     timm_kwargs: Mapping[str, Any] | None = None,
+                     scaling: Mapping[str, InputScaling] | None = None, **kw: Any) -> nn.Module:
+    """``scaling``: per format, the input scaling its config beside the weights states (a Hugging Face
+    image processor's, timm's pretrained_cfg), taken into the weights of that format's model."""
     fmt = detect_format(sd.keys())
     # where the arrays define the architecture, a name is only checked against them
     if fmt == "official":
@@ -152,9 +157,9 @@ def _load_state_dict(sd: Mapping[str, Any], hf_config: Mapping[str, Any] | None,
     if fmt == "big_vision":
         return load_big_vision(sd, file_name=file, **kw)
     if fmt == "huggingface":
-        return load_huggingface(sd, hf_config, **kw)
+        return take_input_scaling(load_huggingface(sd, hf_config, **kw), (scaling or {}).get(fmt))
     if fmt == "timm":
-        return load_timm(sd, timm_kwargs=timm_kwargs, **kw)
+        return take_input_scaling(load_timm(sd, timm_kwargs=timm_kwargs, **kw), (scaling or {}).get(fmt))
     # a bare vitlab state dict: no config, so vitlab's defaults (the official conventions) apply
     img_size, num_classes, keep = kw.pop("img_size"), kw.pop("num_classes"), kw.pop("keep_pre_logits")
     sd = {k: to_tensor(v) for k, v in sd.items()}
@@ -167,31 +172,45 @@ def _load_dir(path: Path, **kw: Any) -> nn.Module:
         return load_native(path, **kw)
     config = path / CONFIG_NAME
     # a config.json is Hugging Face's only if it says so (a training run keeps its own there)
-    hf_config = _read_json(config) if config.is_file() else {}
-    if "model_type" not in hf_config:
-        hf_config = None
-    elif hf_config["model_type"] != "vit":
+    folder_config = _read_json(config) if config.is_file() else {}
+    hf_config = folder_config if "model_type" in folder_config else None
+    if hf_config is not None and hf_config["model_type"] != "vit":
         raise WeightsError(f"{config} describes a {hf_config['model_type']!r} model; vitlab reads 'vit' models")
     for weights in HF_WEIGHTS:
         if (path / weights).is_file():
-            return _load_file(path / weights, hf_config=hf_config, **kw)
+            return _load_file(path / weights, hf_config=hf_config, scaling=_folder_scaling(path, folder_config), **kw)
     raise WeightsError(f"{path} holds no weights: expected {', '.join(HF_WEIGHTS)}")
 
 
-def _load_file(path: Path, hf_config: Mapping[str, Any] | None = None, **kw: Any) -> nn.Module:
+def _folder_scaling(path: Path, folder_config: Mapping[str, Any]) -> dict[str, InputScaling]:
+    """The input scaling a model folder states beside its weights: a Hugging Face folder's image
+    processor (``preprocessor_config.json``), a timm Hub folder's ``pretrained_cfg`` (its config.json)."""
+    processor = path / PROCESSOR_NAME
+    if "model_type" in folder_config and processor.is_file():
+        return {"huggingface": processor_scaling(_read_json(processor), str(processor))}
+    timm = pretrained_cfg_scaling(folder_config.get("pretrained_cfg"), f"pretrained_cfg in {path / CONFIG_NAME}")
+    return {"timm": timm} if timm is not None else {}
+
+
+def _load_file(path: Path, hf_config: Mapping[str, Any] | None = None,
+               scaling: Mapping[str, InputScaling] | None = None, **kw: Any) -> nn.Module:
     suffix = path.suffix.lower()
     if suffix == ".npz":
         return _load_state_dict(read_npz(path), hf_config, file=path, **kw)
-    # timm exports carry their create_model arguments beside the weights (timm.save_timm)
+    # timm exports carry their create_model arguments and input scaling beside the weights (timm.save_timm)
     sidecar = timm_sidecar(path)
-    timm_kwargs = _read_json(sidecar).get("kwargs") if sidecar.is_file() else None
+    spec = _read_json(sidecar) if sidecar.is_file() else {}
+    timm_kwargs = spec.get("kwargs")
+    overlay = pretrained_cfg_scaling(spec.get("pretrained_cfg_overlay"), f"pretrained_cfg_overlay in {sidecar}")
+    if overlay is not None:
+        scaling = {**(scaling or {}), "timm": overlay}
     if suffix == ".safetensors":
         if CONFIG_KEY in read_safetensors_metadata(path):
             return load_native(path, **kw)
         tensors, _ = read_safetensors(path)
-        return _load_state_dict(tensors, hf_config, timm_kwargs=timm_kwargs, **kw)
+        return _load_state_dict(tensors, hf_config, timm_kwargs=timm_kwargs, scaling=scaling, **kw)
     if suffix in (".pt", ".pth", ".bin"):
-        return _load_state_dict(_torch_load(path), hf_config, timm_kwargs=timm_kwargs, **kw)
+        return _load_state_dict(_torch_load(path), hf_config, timm_kwargs=timm_kwargs, scaling=scaling, **kw)
     raise WeightsError(f"{path}: unknown file type {suffix!r}; expected .safetensors, .npz, .pt, .pth or .bin")
 
 

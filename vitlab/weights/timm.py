@@ -64,8 +64,8 @@ from torch import nn
 
 from ..config import Pair, ViTConfig, to_pair
 from ..models.registry import VIT_SIZES
-from .core import (StateDict, WeightsError, atomic_write_set, build_loaded, convention_differences, infer_config,
-                   require_plain_vit, to_tensor, warn_conventions)
+from .core import (InputScaling, StateDict, WeightsError, atomic_write_set, build_loaded, convention_differences,
+                   infer_config, require_plain_vit, to_tensor, warn_conventions)
 from .labels import CLASSES_NAME, check_class_names
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-6, "posemb_resample": "bicubic"}
@@ -206,6 +206,14 @@ def load_timm(state_dict: Mapping[str, Any], name: str | None = None, img_size: 
                        **{**CONVENTIONS, **overrides})
     return build_loaded(sd, cfg, img_size=img_size, num_classes=num_classes, keep_pre_logits=keep_pre_logits,
                         source="the timm weights")
+
+
+def pretrained_cfg_scaling(pretrained_cfg: Any, where: str) -> InputScaling | None:
+    """The input scaling a timm ``pretrained_cfg`` (a Hub folder's config.json) or a ``.timm.json``'s
+    ``pretrained_cfg_overlay`` states: ``(p / 255 - mean) / std``; None where it gives no mean and std."""
+    if not isinstance(pretrained_cfg, Mapping) or None in (pretrained_cfg.get("mean"), pretrained_cfg.get("std")):
+        return None
+    return InputScaling(pretrained_cfg["mean"], pretrained_cfg["std"], 1 / 255, where)
 
 
 # ------------------------------------------------------------------------------ export

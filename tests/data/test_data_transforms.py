@@ -289,6 +289,15 @@ def test_build_eval_transform():
     assert torch.equal(images, to_float(x))
 
 
+@pytest.mark.parametrize("cfg", [TrainTransform(num_classes=4, crop="pad"), EvalTransform(num_classes=4)],
+                         ids=["train", "eval"])
+def test_the_batch_transforms_take_uint8_pixels_only(cfg):
+    """They scale pixels to [-1, 1] themselves (``to_float``): a float batch, already scaled (a [0, 1]
+    batch, or this one in [-1, 1]), was scaled again, to about -1 everywhere, without a word."""
+    with pytest.raises(TypeError, match=r"^images: expected uint8 pixels .* got torch.float32"):
+        build_transform(cfg)(to_float(batch(4)), torch.arange(4), gen())
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(crop="center"), "crop"),
     (dict(crop="inception"), "image_size"),

@@ -417,10 +417,18 @@ class EvalTransform:
             object.__setattr__(self, "image_size", to_pair(self.image_size, "image_size"))
 
 
+def _check_pixels(images: torch.Tensor) -> None:
+    # the transforms scale to [-1, 1] themselves: a float batch (already scaled) would be scaled twice
+    if images.dtype != torch.uint8:
+        raise TypeError(f"images: expected uint8 pixels (B, C, H, W) in [0, 255], which the transform scales to "
+                        f"[-1, 1] itself; got {images.dtype}")
+
+
 def _train(cfg: TrainTransform, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator, *,
            example_ids: Optional[torch.Tensor] = None, epoch: int = 0, seed: int = 0,
            host_generator: Optional[torch.Generator] = None,
            batch_sizes: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_pixels(images)
     if cfg.crop == "inception":
         images = random_resized_crop(images, cfg.image_size, cfg.crop_scale, cfg.crop_ratio, generator=generator)
     else:
@@ -456,6 +464,7 @@ def _train(cfg: TrainTransform, images: torch.Tensor, labels: torch.Tensor, gene
 
 def _eval(cfg: EvalTransform, images: torch.Tensor, labels: torch.Tensor,
           generator: Optional[torch.Generator] = None, **_location) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_pixels(images)
     if cfg.image_size is not None:
         images = resize(images, cfg.image_size)
     x = to_float(images)
@@ -464,7 +473,8 @@ def _eval(cfg: EvalTransform, images: torch.Tensor, labels: torch.Tensor,
 
 def build_transform(cfg: Union[TrainTransform, EvalTransform]) -> BatchTransform:
     """The per-batch function ``(uint8 (B, 3, H, W), labels (B,), generator) ->
-    (float32 (B, 3, h, w) in [-1, 1] (before erasing/mixing), (B, K) soft targets)``."""
+    (float32 (B, 3, h, w) in [-1, 1] (before erasing/mixing), (B, K) soft targets)``; other
+    image dtypes are refused (TypeError)."""
     if isinstance(cfg, TrainTransform):
         return functools.partial(_train, cfg)
     if isinstance(cfg, EvalTransform):

@@ -10,12 +10,12 @@ CPU ``host_generator`` for the choices, a batch on a GPU is augmented without th
 waiting for the device.
 
 Magnitude is on the paper's 0-10 scale (M=9 for ImageNet in the paper) and maps to
-operation strengths as timm's "increasing" variant does (DeiT's ``rand-m9-n2-inc1``):
-a larger magnitude is always a stronger distortion.  With ``m = magnitude / 10``:
+operation strengths as timm's "increasing" variant does (DeiT's ``rand-m9-n2-inc1``),
+but for posterize: a larger magnitude is always a stronger distortion.  With ``m = magnitude / 10``:
 
     rotate                 +-30*m degrees        shear_x/y    +-0.3*m
     translate_x/y          +-0.45*m of the size  solarize     invert pixels >= 256 - 256*m
-    posterize              keep 8 - int(4*m) bits
+    posterize              keep 8 - int(4*m) bits (the paper's 4-8; timm's keeps 4 - int(4*m), down to 0)
     color/contrast/brightness/sharpness   blend factor max(0.1, 1 +- 0.9*m)
     identity, autocontrast, equalize      no magnitude
 
@@ -87,7 +87,7 @@ def _equalize(x: torch.Tensor, m: float, sign: torch.Tensor) -> torch.Tensor:
 
 
 def _solarize(x: torch.Tensor, m: float, sign: torch.Tensor) -> torch.Tensor:
-    threshold = int(256 - 256 * min(m, 1.0))
+    threshold = 256 - int(256 * min(m, 1.0))  # timm's: the first level >= 256 - 256 * m
     return torch.where(x >= threshold, 255 - x, x)
 
 

@@ -275,6 +275,21 @@ def test_final_evaluation_adds_shifted_views_and_the_periodic_ones_do_not(tiny):
         train(tiny("shift8", final_eval_shift=8), verbose=False)
 
 
+def test_a_pad_the_images_cannot_reflect_is_refused_by_its_field_before_any_work(tiny):
+    """augment.crop_pad of the 8x8 images' 8 pixels or more: refused naming the field, before the run's
+    folder is made or its data decoded; it was a ValueError naming 'pad=8' at the first step."""
+    from pathlib import Path
+
+    from vitlab.config import ConfigError
+
+    cfg = tiny("pad8", crop="pad", crop_pad=8)
+    with pytest.raises(ConfigError, match=r"^augment.crop_pad=8: reflect padding needs 0 <= augment.crop_pad < "
+                                          r"min\(H, W\) = 8 for 8x8 images"):
+        train(cfg, verbose=False)
+    assert not Path(cfg.run.out).exists()
+    assert train(tiny("pad7", crop="pad", crop_pad=7, steps=1), verbose=False)["steps"] == 1
+
+
 def test_final_evaluation_scores_every_nested_set_of_views_in_one_pass(tiny):
     from vitlab.config import ConfigError
     from vitlab.eval.features import predict_logits

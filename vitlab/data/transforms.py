@@ -37,6 +37,7 @@ __all__ = [
     "random_resized_crop",
     "random_flip",
     "random_crop_with_padding",
+    "check_crop_pad",
     "rand_augment",
     "mixup_cutmix",
     "one_hot_smooth",
@@ -203,17 +204,26 @@ def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:
     return torch.where(index >= size, 2 * (size - 1) - index, index)
 
 
+def check_crop_pad(pad: int, size: Size, name: str = "pad") -> None:
+    """Refuse a reflect padding that images of ``size`` cannot give: 0 <= pad < min(H, W).
+
+    ``name`` is the option as the caller's user spells it (``augment.crop_pad``)."""
+    h, w = to_pair(size, "size")
+    if not 0 <= pad < min(h, w):
+        raise ConfigError(f"{name}={pad}: reflect padding needs 0 <= {name} < min(H, W) = {min(h, w)} for {h}x{w} "
+                          "images")
+
+
 def random_crop_with_padding(images: torch.Tensor, pad: int = 4, *, generator: torch.Generator) -> torch.Tensor:
     """The CIFAR standard: reflect-pad by ``pad`` pixels, then crop back to H x W at random.
 
     Implemented as a per-image shift of the sampling indices with reflection at the
     edges, which equals padding then cropping without building the padded batch.
 
-    images: (B, C, H, W), any dtype; needs pad < H and pad < W.  Returns the same shape.
+    images: (B, C, H, W), any dtype; needs pad < H and pad < W (``check_crop_pad``).  Returns the same shape.
     """
     b, c, h, w = images.shape
-    if not 0 <= pad < min(h, w):
-        raise ValueError(f"pad={pad}: reflect padding needs 0 <= pad < min(H, W) = {min(h, w)}")
+    check_crop_pad(pad, (h, w))
     dy = draws.randint(-pad, pad + 1, (b, 1), generator).to(images.device)
     dx = draws.randint(-pad, pad + 1, (b, 1), generator).to(images.device)
     rows = _reflect(torch.arange(h, device=images.device) + dy, h)  # (B, H)

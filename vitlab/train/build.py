@@ -13,6 +13,7 @@ from torch import nn
 from vitlab import fast
 from vitlab.config import ConfigError, need_output_folder
 from vitlab.data.loader import Batches
+from vitlab.data.transforms import check_crop_pad
 from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.features import check_tta_shift
 from vitlab.machine import Machine
@@ -210,6 +211,8 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
     resolved = resolve(cfg, world, machine, saved)
     cfg, img_size = resolved.config, resolved.img_size
     check_tta_shift(cfg.run.final_eval_shift, img_size, "run.final_eval_shift")
+    if cfg.augment.crop == "pad":  # the pad-and-crop runs at the training size (before any progressive resize)
+        check_crop_pad(cfg.augment.crop_pad, img_size, "augment.crop_pad")
     caller = process_state()
     try:
         torch.set_num_threads(resolved.threads)

@@ -189,6 +189,17 @@ def test_the_augmentation_fields_are_declared_once():
     refused("^flip='no'", lambda: TrainTransform(num_classes=3, crop="none", flip="no"))  # the transform, its own
 
 
+def test_alternate_flip_without_flip_is_refused():
+    """alternate_flip changes how flip mirrors: with flip=False (the demo recipe's) it was taken and nothing
+    was mirrored; both set, as one override or two, it runs."""
+    flipless = apply_overrides(OK, ["augment.flip=false"])
+    refused(r"^augment.alternate_flip=True: .*needs flip=True",
+            lambda: apply_overrides(flipless, ["augment.alternate_flip=true"]))
+    refused(r"^alternate_flip=True", lambda: TrainTransform(num_classes=3, crop="none", flip=False, alternate_flip=True))
+    both = apply_overrides(flipless, ["augment.alternate_flip=true", "augment.flip=true"]).augment
+    assert both.flip and both.alternate_flip
+
+
 def test_a_recipe_is_a_module_of_the_package_or_a_file(tmp_path):
     import importlib
 

@@ -346,7 +346,7 @@ class Augmentation:
     crop_scale, crop_ratio: the inception crop's (min, max) area fraction and aspect ratio.
     flip:         random left-right mirroring; with ``alternate_flip``, each example is
                   mirrored in every other epoch instead (``alternating_flip``; needs the
-                  stream's example ids).
+                  stream's example ids, and flip).
     randaug_ops:  RandAugment N (0 = off); ``randaug_magnitude`` is M on the 0-10 scale.
                   Not in the paper; used by the DeiT/AugReg recipes for ViT without
                   large-scale pre-training.
@@ -381,6 +381,9 @@ class Augmentation:
         need_int("crop_pad", self.crop_pad, 0)
         for name in ("flip", "alternate_flip"):
             need_bool(name, getattr(self, name))
+        need(self.flip or not self.alternate_flip, "alternate_flip", self.alternate_flip,
+             "mirrors each example in every other epoch in place of flip's random mirroring, and needs flip=True "
+             "(with flip=False nothing is mirrored)")
         need_int("randaug_ops", self.randaug_ops, 0)
         need(is_number(self.randaug_magnitude) and 0 <= self.randaug_magnitude <= 10, "randaug_magnitude",
              self.randaug_magnitude, "must be a number in [0, 10], RandAugment's scale (9 is the paper's for ImageNet)")

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     check_shots(data.labels.numpy()[rest], args.shots, args.holdout_per_class, ("--shots", "--holdout-per-class"))
 
     cache = feature_cache(args)
-    key = ("representation", weights_key(args.checkpoint), size, data.key)
+    key = ("representation", FEATURES_VERSION, weights_key(args.checkpoint), size, data.key)
     feats = cache.get(key, lambda: extract_features(model, data.images, args.batch_size, device=device))
     source = "cache" if cache.hits else f"{len(data.images)} images"
     print(f"features {feats.shape[1]}-d from {source}; pool {len(rest)}, evaluation {len(held)} "
@@ -83,6 +83,12 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--seeds={args.seeds}: must be >= 1")
     if args.feature_cache not in (None, "none"):
         need_output_folder("--feature-cache", args.feature_cache)
+
+
+# bump when what a checkpoint's features are changes, for the same files: 2, a Hugging Face or timm
+# source's input scaling is taken into the weights as they load (features cached before were of the
+# weights fed vitlab's scaling)
+FEATURES_VERSION = 2
 
 
 def weights_key(checkpoint: str) -> str:

@@ -35,6 +35,12 @@ TINY = dict(width=32, depth=2, mlp_dim=64, num_heads=2, patch_size=4, img_size=1
     (dict(name=7), r"name=7: must be a string or None"),
     (dict(resnet="R50"), r"resnet='R50': must be a ResNetConfig"),
     (dict(classifier="cls"), r"classifier='cls': allowed values are 'token', 'gap'"),
+    # a hybrid's stem given as a dict: another field was a TypeError from ResNetConfig's constructor
+    (dict(patch_size=1, resnet={"layers": (1,), "zz": 1}), r"^resnet: unknown field\(s\) zz; ResNetConfig's fields: "
+                                                          r"gn_eps, img_size"),
+    # the stem reads the images: it failed in its first convolution, in the forward
+    (dict(patch_size=1, resnet=ResNetConfig(layers=(1,), in_chans=1)),
+     r"^resnet.in_chans=1: the hybrid's stem reads the images: must equal in_chans=3$"),
 ])
 def test_impossible_vit_configs(fields, match):
     with pytest.raises(ConfigError, match=match):

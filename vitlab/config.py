@@ -334,7 +334,7 @@ class ViTConfig:
         object.__setattr__(self, "img_size", to_pair(self.img_size, "img_size"))
         object.__setattr__(self, "patch_size", to_pair(self.patch_size, "patch_size"))
         if isinstance(self.resnet, dict):
-            object.__setattr__(self, "resnet", ResNetConfig(**_tuples(self.resnet)))
+            object.__setattr__(self, "resnet", _resnet_from_dict(self.resnet))
         need(self.resnet is None or isinstance(self.resnet, ResNetConfig), "resnet", self.resnet,
              "must be a ResNetConfig, a dict of its fields, or None")
         limits = {"in_chans": MAX_WIDTH, "width": MAX_WIDTH, "depth": MAX_DEPTH, "mlp_dim": MAX_MLP_DIM,
@@ -346,6 +346,10 @@ class ViTConfig:
         for name in ("dynamic_img_size", "qkv_bias", "axial", "attn_offsets"):
             need_bool(name, getattr(self, name))
         need(self.name is None or isinstance(self.name, str), "name", self.name, "must be a string or None")
+        # the stem reads the images: a hybrid whose stem takes another channel count failed in its first convolution
+        need(self.resnet is None or self.resnet.in_chans == self.in_chans, "resnet.in_chans",
+             getattr(self.resnet, "in_chans", None), f"the hybrid's stem reads the images: must equal in_chans="
+             f"{self.in_chans}")
         if self.width % self.num_heads:
             near = sorted((d for d in range(1, min(self.width, 4 * self.num_heads) + 1) if self.width % d == 0),
                           key=lambda d: (abs(d - self.num_heads), d))[:2]
@@ -492,6 +496,16 @@ def replace(config: Architecture, **overrides: Any) -> Architecture:
 
 def _tuples(d: dict) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+
+def _resnet_from_dict(d: dict) -> ResNetConfig:
+    """A hybrid's ``resnet`` given as a dict of fields: another key was a TypeError from the constructor."""
+    names = {f.name for f in dataclasses.fields(ResNetConfig)}
+    unknown = sorted(map(str, set(d) - names))
+    if unknown:
+        raise ConfigError(f"resnet: unknown field(s) {', '.join(unknown)}; ResNetConfig's fields: "
+                          f"{', '.join(sorted(names))}")
+    return ResNetConfig(**_tuples(d))
 
 
 def config_to_dict(config: Architecture) -> dict:

@@ -254,6 +254,14 @@ def test_overrides_parse_types():
     assert cfg.model.overrides == {"width": 384} and cfg.model.init is None and cfg.data.val_split == 0.1
 
 
+def test_a_wrong_architecture_field_is_named_with_its_close_names():
+    # the unknown name had no suggestion, and a bool's other word named no field ("expected true or false")
+    with pytest.raises(ConfigError, match=r"^--set model.widht: 'widht' is neither .*\. Did you mean model.width\? "):
+        parse_overrides(TrainConfig(), ["model.widht=64"])
+    with pytest.raises(ConfigError, match=r"^model.qkv_bias='2': expected true or false$"):
+        parse_overrides(TrainConfig(), ["model.qkv_bias=2"])
+
+
 def test_a_field_of_auto_or_a_bool_takes_either_word():
     for text, value in (("auto", "auto"), ("true", True), ("off", False), ("False", False)):
         assert apply_overrides(TrainConfig(), [f"run.compile_optimizer={text}"]).run.compile_optimizer == value

@@ -259,12 +259,17 @@ def parse_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) 
         key = name[len("model."):] if name.startswith("model.") else None
         if key is not None and key not in MODEL_FIELDS:
             if key not in ARCHITECTURE_FIELDS:
-                raise ConfigError(f"--set {name}: {key!r} is neither a model field ({', '.join(sorted(MODEL_FIELDS))})"
-                                  f" nor a field of the architecture; ViTConfig's and ResNetConfig's: "
-                                  f"{', '.join(ARCHITECTURE_FIELDS)}")
+                close = difflib.get_close_matches(key, sorted(MODEL_FIELDS) + list(ARCHITECTURE_FIELDS), n=3)
+                hint = f" Did you mean {', '.join(f'model.{c}' for c in close)}?" if close else ""
+                raise ConfigError(f"--set {name}: {key!r} is neither a model field nor a field of the architecture."
+                                  f"{hint} Model fields: {', '.join(sorted(MODEL_FIELDS))}; ViTConfig's and "
+                                  f"ResNetConfig's: {', '.join(ARCHITECTURE_FIELDS)}")
             # sizes: "16" and "16,16" both mean (16, 16), which the configs accept as an int or a pair
             default = None if key in ("img_size", "patch_size") else ARCHITECTURE_FIELDS[key]
-            changes[f"model.{key}"] = parse_value(text, default)
+            try:  # a bool's other word: the message named no field
+                changes[f"model.{key}"] = parse_value(text, default)
+            except ValueError as err:
+                raise ConfigError(f"model.{key}={text!r}: {err}") from None
             continue
         path = resolve_name(name)
         if path == "model.overrides":

@@ -146,6 +146,26 @@ def test_keeping_an_inits_pre_logits_is_refused_without_an_init():
         load_recipe(name)
 
 
+def test_the_data_decides_the_class_count_and_the_channels():
+    # the head was made for the data's classes whatever model.num_classes said (recorded, never built), and an
+    # in_chans other than 3 failed at the first step on the RGB images with a message naming no field
+    with pytest.raises(ConfigError, match=r"^model.num_classes=5: the head has one output per class of the data"):
+        with_changes(OK, {"model.num_classes": 5})
+    with pytest.raises(ConfigError, match=r"^model.in_chans=1: the training images are decoded to 3 channels"):
+        with_changes(OK, {"model.in_chans": 1})
+    assert with_changes(OK, {"model.in_chans": 3}).model.overrides["in_chans"] == 3
+    # a key that is not a name was a TypeError ("keywords must be strings")
+    with pytest.raises(ConfigError, match=r"^model.overrides=\{1: 2\}: expected a dict of ViTConfig fields by name"):
+        with_changes(OK, {"model.overrides": {1: 2}})
+
+
+def test_a_pre_logits_layer_keeps_a_representation_size_set_by_name():
+    # paper_pretrain's pre-logits layer is the width's; a representation_size set by name was replaced by it
+    cfg = apply_overrides(load_recipe("paper_pretrain"), ["model.representation_size=256"])
+    assert architecture(cfg, 10).representation_size == 256
+    assert architecture(load_recipe("paper_pretrain"), 10).representation_size == 768
+
+
 def test_an_architecture_field_is_refused_for_a_fine_tune():
     # the fine-tuned model is its init's with only the regularisation changed: model.width=64 was recorded and
     # the model kept the init's width

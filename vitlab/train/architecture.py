@@ -47,7 +47,7 @@ def model_architecture(model: ModelSection, num_classes: int | None = None,
                 raise ConfigError(f"{field_name}={value!r}: a ViT feature; model.name={model.name!r} is a BiT "
                                   "ResNet (set it off: false / none / [])")
         return built
-    if model.pre_logits and model.init is None:
+    if model.pre_logits and model.init is None and built.representation_size is None:  # a size of its own is kept
         built = replace(built, representation_size=built.width)
     if not isinstance(built, ViTConfig):
         raise ConfigError(f"model.name={model.name!r}: the training engine trains ViTConfig and BiT ResNet models only")

@@ -126,7 +126,13 @@ class ModelConfig(Section):
         need(not self.keep_pre_logits or self.init is not None, "model.keep_pre_logits", self.keep_pre_logits,
              "keeps model.init's pre-logits layer, and this model is trained from scratch (model.init=None); "
              "a pre-logits layer of its own is model.pre_logits")
-        need(isinstance(self.overrides, dict), "model.overrides", self.overrides, "expected a dict of ViTConfig fields")
+        need(isinstance(self.overrides, dict) and all(isinstance(k, str) for k in self.overrides), "model.overrides",
+             self.overrides, "expected a dict of ViTConfig fields by name")
+        # the data decides these: the head was made for its classes whatever the field said, and the images are RGB
+        need("num_classes" not in self.overrides, "model.num_classes", self.overrides.get("num_classes"),
+             "the head has one output per class of the data (data.source, data.class_subset); leave it out")
+        need(self.overrides.get("in_chans", 3) == 3, "model.in_chans", self.overrides.get("in_chans"),
+             "the training images are decoded to 3 channels (RGB); leave it at 3")
         need(self.init is None or is_path(self.init), "model.init", self.init,
              "expected a path or None; an empty one would be the working folder")
         if self.img_size not in (None, "auto"):

@@ -102,6 +102,26 @@ def test_mpp_refuses_what_it_cannot_pre_train():
         MaskedPatchPrediction(vitlab.create_model(tiny()), rate=0.0)
 
 
+def test_a_rate_of_less_than_one_patch_corrupts_one():
+    # round(0.1 * 4) = 0 patches: nothing to predict, and the head's empty batch failed in the forward
+    _, fate = corrupt_patches(torch.zeros(3, 4, 2), torch.ones(2), 0.1, torch.Generator().manual_seed(0))
+    assert ((fate > 0).sum(1) == 1).all()
+    out = MaskedPatchPrediction(vitlab.create_model(tiny()), rate=0.1)(torch.rand(2, 3, 16, 16) * 2 - 1)
+    assert out.predictions.shape[0] == 2 and torch.isfinite(out.loss)
+
+
+def test_the_colour_targets_need_rgb_patches():
+    # a grey model's colour classes failed as an IndexError in the targets; four channels read the first three
+    for channels in (1, 4):
+        with pytest.raises(ConfigError, match=rf"^target='color': the colour classes are of RGB patches, and "
+                                              rf"in_chans={channels}; 'pixels' takes any channels$"):
+            MaskedPatchPrediction(vitlab.create_model(tiny(in_chans=channels)))
+    out = MaskedPatchPrediction(vitlab.create_model(tiny(in_chans=1)), target="pixels")(torch.rand(2, 1, 16, 16))
+    assert out.targets.shape == (4, 64)
+    with pytest.raises(ConfigError, match=r"^rate='0.5': expected a fraction in \(0, 1\]$"):  # was a TypeError
+        MaskedPatchPrediction(vitlab.create_model(tiny()), rate="0.5")
+
+
 def test_mpp_recipe_pre_trains_a_vit_that_fine_tuning_takes_unchanged(tmp_path):
     from vitlab.train import train
     from vitlab.configs import load_recipe

@@ -1,7 +1,7 @@
 """Masked patch prediction: the paper's self-supervised pre-training (Sec. 4.6, Appendix B.1.2).
 
     images -> patch embeddings (B, N, D)
-      -> corrupt a fraction ``rate`` of each image's patches (50% in the paper):
+      -> corrupt a fraction ``rate`` of each image's patches, at least one (50% in the paper):
          80% of them replaced by a learned [mask] embedding, 10% by the embedding of a
          random other patch of the batch, 10% left as they are
       -> [class] token, position embeddings, encoder, final LayerNorm (the ViT unchanged)
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ConfigError
+from ..config import ConfigError, ViTConfig, is_number
 from .vit import VisionTransformer
 
 TARGETS = ("color", "color4x4", "pixels")
@@ -34,14 +34,14 @@ SPLIT = (0.8, 0.1, 0.1)
 
 def corrupt_patches(patches: torch.Tensor, mask_token: torch.Tensor, rate: float,
                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Corrupt ``round(rate * N)`` patches of each image (module text).
+    """Corrupt ``round(rate * N)`` patches of each image, at least one (module text).
 
     patches: (B, N, D); mask_token: (D,) or broadcastable to it.
     Returns the corrupted patches (B, N, D) and what happened to each patch (B, N): 0
     untouched (not selected), ``MASKED``, ``SWAPPED`` or ``KEPT`` (selected, left as is).
     """
     B, N, D = patches.shape
-    count = round(rate * N)
+    count = max(1, round(rate * N))  # none: no patch to predict, and the head met an empty batch
     device = patches.device
     # a random rank per patch; the ``count`` lowest are selected: exactly ``count`` an image
     ranks = torch.rand(B, N, generator=generator, device=device).argsort(1).argsort(1)
@@ -90,6 +90,26 @@ def patch_targets(images: torch.Tensor, patch_size: tuple[int, int], target: str
     raise ConfigError(f"target={target!r}: expected one of {', '.join(TARGETS)}")
 
 
+def check_mpp(cfg: ViTConfig, target: str, name: str = "target", prefix: str = "") -> None:
+    """That masked patch prediction of ``target`` can pre-train the ViT ``cfg`` (ConfigError naming
+    ``name``, the target's setting, or the field of ``cfg``, ``prefix`` before its name): a training
+    config checks this when it is built, before its data is read."""
+    if target not in TARGETS:
+        raise ConfigError(f"{name}={target!r}: expected one of {', '.join(TARGETS)}")
+    if cfg.resnet is not None:
+        raise ConfigError(f"{name}={target!r} needs a plain ViT: a hybrid's patches ({prefix}resnet) are ResNet "
+                          "features, not image patches")
+    if cfg.patch_dropout > 0:
+        raise ConfigError(f"{prefix}patch_dropout={cfg.patch_dropout}: masked patch prediction ({name}={target!r}) "
+                          "needs every patch; set it to 0")
+    ph, pw = cfg.patch_size
+    if target == "color4x4" and (ph % 4 or pw % 4):
+        raise ConfigError(f"{name}='color4x4' needs patches divisible by 4, not {prefix}patch_size={ph}x{pw}")
+    if target != "pixels" and cfg.in_chans != 3:
+        raise ConfigError(f"{name}={target!r}: the colour classes are of RGB patches, and {prefix}in_chans="
+                          f"{cfg.in_chans}; 'pixels' takes any channels")
+
+
 @dataclasses.dataclass
 class MppOutput:
     loss: torch.Tensor  # scalar
@@ -105,17 +125,10 @@ class MaskedPatchPrediction(nn.Module):
                  value_range: tuple[float, float] = (-1.0, 1.0)) -> None:
         super().__init__()
         cfg = vit.cfg
-        if target not in TARGETS:
-            raise ConfigError(f"mpp target={target!r}: expected one of {', '.join(TARGETS)}")
-        if not 0.0 < rate <= 1.0:
-            raise ConfigError(f"mpp rate={rate!r}: expected a fraction in (0, 1]")
-        if vit.stem is not None:
-            raise ConfigError("masked patch prediction needs a plain ViT: a hybrid's patches are not image patches")
-        if cfg.patch_dropout > 0:
-            raise ConfigError(f"patch_dropout={cfg.patch_dropout}: masked patch prediction needs every patch")
+        check_mpp(cfg, target)
+        if not (is_number(rate) and 0.0 < rate <= 1.0):
+            raise ConfigError(f"rate={rate!r}: expected a fraction in (0, 1]")
         ph, pw = cfg.patch_size
-        if target == "color4x4" and (ph % 4 or pw % 4):
-            raise ConfigError(f"mpp target='color4x4' needs patches divisible by 4, not {ph}x{pw}")
         self.vit, self.target, self.rate, self.value_range = vit, target, rate, value_range
         self.mask_token = nn.Parameter(torch.zeros(cfg.width))
         nn.init.normal_(self.mask_token, std=0.02)

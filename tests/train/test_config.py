@@ -135,6 +135,25 @@ def test_a_masked_patch_prediction_setting_is_refused_without_it():
         load_recipe(name)
 
 
+@pytest.mark.parametrize("changes, match", [
+    ({"model.mpp": "color", "model.patch_dropout": 0.5},
+     r"^model.patch_dropout=0.5: masked patch prediction \(model.mpp='color'\) needs every patch"),
+    ({"model.mpp": "color4x4", "model.patch_size": 2}, r"^model.mpp='color4x4' needs patches divisible by 4"),
+    ({"model.mpp": "color", "model.patch_size": 1, "model.resnet": {"layers": (), "img_size": 8}},
+     r"^model.mpp='color' needs a plain ViT: a hybrid's patches \(model.resnet\)"),
+    ({"model.posemb_init": "sincos", "model.posemb": "learned_2d"}, r"^model.posemb_init='sincos': needs one learned"),
+    ({"model.posemb_init": "sincos", "model.width": 18, "model.num_heads": 2},
+     r"^model.posemb_init='sincos': the 2D sin-cos table .* width=18 is not divisible by 4"),
+    ({"model.patch_init": "whiten", "model.patch_size": 1, "model.resnet": {"layers": (), "img_size": 8}},
+     r"^model.patch_init='whiten': only a plain ViT's"),
+    ({"model.name": "BiT-R50x1", "model.attn_init": "mimetic"}, r"^model.attn_init='mimetic': the model has no ViT"),
+])
+def test_what_mpp_and_the_initialisations_need_of_the_model_is_refused_before_the_data(changes, match):
+    # refused by the model built after the run's data was read (--show-config printed the config)
+    with pytest.raises(ConfigError, match=match):
+        with_changes(OK, changes)
+
+
 def test_keeping_an_inits_pre_logits_is_refused_without_an_init():
     # model.keep_pre_logits is read when model.init is loaded only: from scratch it was accepted and did nothing
     with pytest.raises(ConfigError, match=r"^model.keep_pre_logits=True: keeps model.init's pre-logits layer, and this "

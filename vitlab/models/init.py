@@ -9,7 +9,8 @@ LeCun-normal (a truncated normal), position embeddings with N(0, 0.02), and the
 The schemes of a whole built model (``model.patch_init``, ``model.attn_init`` and
 ``model.posemb_init`` of a training config): ``whiten_patches_``,
 ``mimetic_attention_init_`` and ``sincos_posemb_init_``.  Each refuses a model it cannot
-apply to with a ``ConfigError`` naming that setting.
+apply to with a ``ConfigError`` naming that setting; ``check_schemes`` refuses the same from
+the model's config, before the model is built.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from ..config import ConfigError
+from ..config import Architecture, ConfigError, ViTConfig
 from .posemb import LearnedPosEmb1D, posemb_sincos_2d
 
 # std of a standard normal truncated to [-2, 2]; Flax divides by it so that the
@@ -119,6 +120,31 @@ def mimetic_attention_(attn: nn.Module, qk: float = 0.7, vo: float = 0.4,
     return attn
 
 
+WHITEN_NEEDS = ("model.patch_init='whiten': only a plain ViT's patch embedding reads image patches "
+                "(a hybrid's reads ResNet features); use 'lecun'")
+MIMETIC_NEEDS = "model.attn_init='mimetic': the model has no ViT attention layer; use 'xavier'"
+SINCOS_NEEDS = ("model.posemb_init='sincos': needs one learned 1D position embedding at the stem "
+                "(model posemb='learned_1d', posemb_place 'stem' or 'every_layer_shared'); use 'normal'")
+
+
+def check_schemes(cfg: Architecture, patch_init: str = "lecun", attn_init: str = "xavier",
+                  posemb_init: str = "normal") -> None:
+    """That the initialisations named apply to the model ``cfg`` describes (ConfigError naming the
+    setting), as the functions below check the built model: a training config checks this when it
+    is built, where the built model was refused only after the run's data was read."""
+    vit = isinstance(cfg, ViTConfig)
+    if patch_init == "whiten" and not (vit and cfg.resnet is None):
+        raise ConfigError(WHITEN_NEEDS)
+    if attn_init == "mimetic" and not vit:
+        raise ConfigError(MIMETIC_NEEDS)
+    if posemb_init == "sincos":
+        if not (vit and cfg.posemb == "learned_1d" and cfg.posemb_place != "every_layer"):
+            raise ConfigError(SINCOS_NEEDS)
+        if cfg.width % 4:
+            raise ConfigError(f"model.posemb_init='sincos': the 2D sin-cos table has 4 parts per position, and "
+                              f"width={cfg.width} is not divisible by 4; use 'normal'")
+
+
 def backbone(model: nn.Module) -> nn.Module:
     """The ViT of ``model``: itself, or the one inside the MPP wrapper."""
     return getattr(model, "vit", model)
@@ -132,8 +158,7 @@ def whiten_patches_(model: nn.Module, images: torch.Tensor) -> nn.Module:
     ``whiten_patch_embedding_``."""
     vit = backbone(model)
     if getattr(vit, "stem", None) is not None or not hasattr(vit, "patch_embed"):
-        raise ConfigError("model.patch_init='whiten': only a plain ViT's patch embedding reads image patches "
-                          "(a hybrid's reads ResNet features); use 'lecun'")
+        raise ConfigError(WHITEN_NEEDS)
     if not images.is_floating_point():
         raise ValueError(f"images: {images.dtype}, not the float images the model reads; "
                          "convert uint8 images with vitlab.data.transforms.to_float")
@@ -149,7 +174,7 @@ def mimetic_attention_init_(model: nn.Module, generator: torch.Generator | None 
 
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if not layers:
-        raise ConfigError("model.attn_init='mimetic': the model has no ViT attention layer; use 'xavier'")
+        raise ConfigError(MIMETIC_NEEDS)
     for attn in layers:
         mimetic_attention_(attn, generator=generator)
     return model
@@ -162,8 +187,7 @@ def sincos_posemb_init_(model: nn.Module) -> nn.Module:
     its draw."""
     posemb = getattr(backbone(model), "pos_embed", None)
     if not isinstance(posemb, LearnedPosEmb1D):
-        raise ConfigError("model.posemb_init='sincos': needs one learned 1D position embedding at the stem "
-                          "(model posemb='learned_1d', posemb_place='stem'); use 'normal'")
+        raise ConfigError(SINCOS_NEEDS)
     table = posemb.weight[0, posemb.num_prefix:]
     table.copy_(posemb_sincos_2d(posemb.grid, table.shape[-1])[0].to(table))
     return model

@@ -21,12 +21,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from vitlab.config import (PRECISIONS, ConfigError, is_int, is_number, is_shift, need, need_bool, need_choice,
-                           need_count_or_fraction, need_int, need_number)
+from vitlab.config import (PRECISIONS, ConfigError, ViTConfig, is_int, is_number, is_shift, need, need_bool,
+                           need_choice, need_count_or_fraction, need_int, need_number)
 from vitlab.data.transforms import Augmentation, TrainTransform
 from vitlab.fast.fp8 import BLOCK_DENSE, FP8_BACKENDS, FP8_SCALINGS, check_fp8_layers
 from vitlab.fast.kernels import GPU_ATTENTION
+from vitlab.models.init import check_schemes
 from vitlab.models.mpp import TARGETS as MPP_TARGETS
+from vitlab.models.mpp import check_mpp
 from vitlab.models.registry import canonical_name, list_models
 
 from .architecture import model_architecture
@@ -140,7 +142,7 @@ class ModelConfig(Section):
                  'expected a positive number of pixels, "auto" (a fine-tune: scaled from its init) or None')
         if self.init is None:  # with init the checkpoint's own config is checked when it is loaded
             try:  # unknown model, bad model field, img_size not divisible by the patch size
-                model_architecture(self)
+                arch = model_architecture(self)
             except ConfigError as err:
                 if canonical_name(self.name) not in list_models():
                     raise ConfigError(f"model.name={self.name!r}: {err}") from None
@@ -148,6 +150,10 @@ class ModelConfig(Section):
                 built = f"{self.overrides['name']!r}: " if isinstance(self.overrides.get("name"), str) else ""
                 raise ConfigError(f"model ({built}model.name={self.name!r} with model.overrides, model.img_size): "
                                   f"{err}") from None
+            # what MPP and the initialisations need of the model: the built model was refused after the data was read
+            if self.mpp is not None and isinstance(arch, ViTConfig):  # a BiT ResNet's mpp is refused above
+                check_mpp(arch, self.mpp, name="model.mpp", prefix="model.")
+            check_schemes(arch, self.patch_init, self.attn_init, self.posemb_init)
 
 
 @dataclass(frozen=True)

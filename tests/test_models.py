@@ -384,6 +384,22 @@ def test_patch_dropout_with_the_distance_penalty_attends_as_on_the_whole_grid_wi
     assert larger(torch.randn(1, 3, 12, 12)).shape == (1, 5)  # a smaller grid (progressive resizing) trains
 
 
+def test_distance_bias_refuses_an_input_whose_grid_it_cannot_tell_from_its_length():
+    """The penalty reads the grid from the sequence length: a 2x8 input of the 4x4 model's 16 patches
+    was given the 4x4 grid's distances without a word, and a 3x5 one failed inside the attention."""
+    model = vitlab.create_model(tiny(attn_bias="distance", dynamic_img_size=True))  # 16 px, 4 px patches: 4x4
+    for size, grid in (((8, 32), r"\(2, 8\)"), ((12, 20), r"\(3, 5\)")):
+        with pytest.raises(ValueError, match=rf"^input size \({size[0]}, {size[1]}\): attn_bias='distance' places the "
+                                             rf"patches on the model's grid \(4, 4\) or a square one of another size, "
+                                             rf"not {grid}$"):
+            model(torch.randn(1, 3, *size))
+    assert model(torch.randn(1, 3, 12, 12)).shape == (1, 5)  # a square grid of another size has its own distances
+    rect = vitlab.create_model(tiny(img_size=(8, 24), attn_bias="distance", dynamic_img_size=True))  # 2x6
+    with pytest.raises(ValueError, match=r"not \(6, 2\)$"):  # the model's 12 patches the other way round
+        rect(torch.randn(1, 3, 24, 8))
+    assert rect(torch.randn(1, 3, 12, 12)).shape == (1, 5)  # 3x3: square, and not the model's 12 patches
+
+
 @pytest.mark.parametrize("attn_bias", ["distance", "distance_no_self"])
 @pytest.mark.parametrize("fields", [dict(posemb="relative"), dict(axial=True, classifier="gap", posemb="learned_2d")])
 def test_distance_bias_refuses_what_breaks_its_grid(fields, attn_bias):

@@ -129,6 +129,13 @@ class VisionTransformer(nn.Module):
             )
         if not self.cfg.divides_into_patches(size):
             raise ValueError(f"input size {size} is not divisible into patches of {self.cfg.patch_size}")
+        if self.cfg.attn_bias != "none":
+            # the distance penalty reads its grid from the sequence length (DistanceBias.grid_of): another grid of the
+            # model's patch count was read as the model's (silently wrong distances), another non-square one failed
+            grid, own = self.patch_grid(size), self.cfg.grid_size
+            if grid != own and (grid[0] != grid[1] or grid[0] * grid[1] == own[0] * own[1]):
+                raise ValueError(f"input size {size}: attn_bias={self.cfg.attn_bias!r} places the patches on the "
+                                 f"model's grid {own} or a square one of another size, not {grid}")
 
     def patchify(self, x: torch.Tensor) -> tuple[torch.Tensor, Pair]:
         """Images (B, C, H, W) -> patch embeddings (B, N, D), and the patch grid."""

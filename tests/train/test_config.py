@@ -262,6 +262,20 @@ def test_a_recipe_is_a_module_of_the_package_or_a_file(tmp_path):
         load_recipe("cifar10_scratch:modle=vit")  # named in the recipe's words, not Python's TypeError
     with pytest.raises(ConfigError, match=r"unknown option 'size'; \S*mine\.py takes lr$"):
         load_recipe(f"{own}:size=3")
+    # an option without a value was the value "", one given twice took the last, a misspelt true was false
+    with pytest.raises(ConfigError, match=r"^recipe 'cifar10_scratch:model': 'model' is not key=value; "
+                                          r"cifar10_scratch takes model, device$"):
+        load_recipe("cifar10_scratch:model")
+    with pytest.raises(ConfigError, match=r"^recipe 'cifar10_scratch:=vit': '=vit' is not key=value"):
+        load_recipe("cifar10_scratch:=vit")
+    with pytest.raises(ConfigError, match=r"^recipe 'cifar10_scratch:model=vit,model=hybrid': option 'model' given "
+                                          r"twice$"):
+        load_recipe("cifar10_scratch:model=vit,model=hybrid")
+    with pytest.raises(ConfigError, match=r"^recipe 'vtab1k:final=ture': final='ture': allowed values are true, "
+                                          r"false$"):
+        load_recipe("vtab1k:final=ture")
+    assert load_recipe("vtab1k:final=True").data.val_split == 0 and load_recipe("vtab1k:final=no").data.val_split == 200
+    assert load_recipe("cifar10_scratch:").recipe == load_recipe("cifar10_scratch").recipe
 
 
 def test_the_training_entry_points_refuse_arguments_of_the_wrong_type_by_name(tmp_path):

@@ -61,17 +61,22 @@ def load_recipe(spec: str, model_name: str | None = None) -> TrainConfig:
     module = recipe_module(name)
     if not callable(getattr(module, "get_config", None)):
         raise ConfigError(f"recipe {name!r}: defines no get_config() returning a TrainConfig")
+    parameters = inspect.signature(module.get_config).parameters
+    options = [key for key, p in parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    takes = f"{name} takes {', '.join(options) or 'no options'}"
     kwargs = {}
     for item in filter(None, arg_text.split(",")):
-        key, _, value = item.partition("=")
-        kwargs[key.strip()] = value.strip()
-    parameters = inspect.signature(module.get_config).parameters
+        key, equals, value = (part.strip() for part in item.partition("="))
+        # "model" alone had been the option with the value "", and an option given twice took its last value
+        if not equals or not key:
+            raise ConfigError(f"recipe {spec!r}: {item!r} is not key=value; {takes}")
+        if key in kwargs:
+            raise ConfigError(f"recipe {spec!r}: option {key!r} given twice")
+        kwargs[key] = value
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     unknown = [key for key in kwargs if key not in parameters and not takes_any]
     if unknown:
-        options = [key for key, p in parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
-        raise ConfigError(f"recipe {spec!r}: unknown option {unknown[0]!r}; {name} takes "
-                          f"{', '.join(options) or 'no options'}")
+        raise ConfigError(f"recipe {spec!r}: unknown option {unknown[0]!r}; {takes}")
     if model_name is not None and "model_name" in parameters:
         kwargs["model_name"] = model_name
     try:

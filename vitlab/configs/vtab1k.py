@@ -19,7 +19,10 @@ LR_GRID = (0.001, 0.003, 0.01, 0.03)
 
 
 def get_config(final: str = "false") -> TrainConfig:
-    final_run = str(final).lower() in ("1", "true", "yes")
+    word = str(final).strip().lower()
+    if word not in ("1", "true", "yes", "0", "false", "no"):  # a misspelt true ran the 800/200 split
+        raise ValueError(f"final={final!r}: allowed values are true, false")
+    final_run = word in ("1", "true", "yes")
     return TrainConfig(
         recipe=f"vtab1k:final={str(final_run).lower()}",
         model=ModelConfig(name="ViT-B/16", img_size="auto"),  # 384 for a 224-px init (paper_finetune.py)

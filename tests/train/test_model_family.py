@@ -54,6 +54,26 @@ def test_clearing_the_recipes_overrides():
         apply_overrides(load_recipe("demo"), ["model.overrides=7"])
 
 
+def test_a_vit_named_where_the_recipes_overrides_leave_it_nothing_is_refused():
+    # the demo's overrides set its model's whole shape: --model ViT-B/16 trained ViT-demo/4 (width 64) and
+    # recorded ViT-B/16
+    for recipe, own in (("demo", "'ViT-demo/4', width 64, depth 4"), ("cifar10_scratch", "'ViT-CIFAR/4', width 192")):
+        with pytest.raises(ConfigError, match=rf"^model.name='ViT-B/16': the recipe's model.overrides \(.*\) set every "
+                                              rf"field it differs from 'ViT-Ti/16' in, so the run would train the "
+                                              rf"recipe's model \({own}"):
+            with_changes(load_recipe(recipe), {"model.name": "ViT-B/16"})
+    with pytest.raises(ConfigError, match=r"^model.name='ViT-B/16'"):  # a field changed too: the name still nothing
+        apply_overrides(load_recipe("demo"), ["model.name=ViT-B/16", "model.width=128"])
+    # the name is the base of overrides given whole, and of a recipe's that leave it its shape
+    assert architecture(apply_overrides(load_recipe("demo"), ["model.name=ViT-B/16", "model.overrides={}"])).width == 768
+    assert architecture(with_changes(load_recipe("paper_pretrain"), {"model.name": "ViT-L/16"})).width == 1024
+    assert with_changes(load_recipe("demo"), {"model.name": "ViT-Ti_16"}).model.name == "ViT-Ti_16"  # its own
+    # fields set by name with it are the caller's choice, not the recipe's shadowing (vtab1k has no overrides)
+    tiny = ["model.name=ViT-Ti/16", "model.patch_size=8", "model.width=16", "model.depth=1", "model.num_heads=2",
+            "model.mlp_dim=32"]
+    assert apply_overrides(load_recipe("vtab1k"), tiny).model.name == "ViT-Ti/16"
+
+
 @pytest.mark.parametrize("recipe", ["paper_pretrain", "cifar10_scratch"])
 def test_the_cli_shows_and_trains_a_bit_resnet_with_a_vit_recipe(recipe, tmp_path, capsys):
     args = ["train", "--recipe", recipe, "--model", "BiT-R50x1"]

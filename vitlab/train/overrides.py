@@ -22,8 +22,9 @@ import typing
 from typing import Any
 
 from vitlab.config import ConfigError, ResNetConfig, ViTConfig, is_int
-from vitlab.models.registry import get_config
+from vitlab.models.registry import canonical_name, get_config
 
+from .architecture import model_architecture
 from .config import FINETUNE_MODEL_FIELDS, SECTIONS, ModelConfig, TrainConfig
 from .legacy import LEGACY_NAMES
 from .schedules import scaled_warmup
@@ -109,6 +110,7 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
             continue
         section, key = path.split(".", 1)
         by_section.setdefault(section, {})[key] = value
+    overridden = "overrides" in by_section.get("model", {})  # the whole dict given: the name is the base of those
     by_section = fit_model_family(cfg, by_section)
     if architecture and by_section.get("model", {}).get("init", cfg.model.init) is not None:
         # a fine-tune builds its init's architecture with only the regularisation changed (build._fine_tuned):
@@ -131,7 +133,32 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
         model = by_section.setdefault("model", {})
         model["overrides"] = {**model.get("overrides", cfg.model.overrides), **architecture}
     sections = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in by_section.items()}
-    return dataclasses.replace(cfg, recipe=recipe, **sections)
+    changed = dataclasses.replace(cfg, recipe=recipe, **sections)
+    if not overridden:
+        check_named_model(cfg.model, changed.model)
+    return changed
+
+
+def check_named_model(before: ModelConfig, after: ModelConfig) -> None:
+    """Refuse a ``model.name`` that changes nothing: a recipe whose ``model.overrides`` set every
+    field of its model that the named one differs in (the demo's and cifar10_scratch's set the
+    whole shape) trained the recipe's model under the new name (--model ViT-B/16 trained the
+    demo's ViT-demo/4, width 64, and recorded ViT-B/16).  Fields changed by name with it are the
+    caller's own choice of model and are not compared: the recipe's overrides are."""
+    if after.init is not None or canonical_name(after.name) == canonical_name(before.name):
+        return
+    try:
+        recipes = dataclasses.replace(after, overrides=before.overrides)
+        named, own = (model_architecture(m) for m in (recipes, dataclasses.replace(recipes, name=before.name)))
+    except ConfigError:  # one of the two does not take the recipe's overrides: the name does change the model
+        return
+    if dataclasses.replace(named, name=None) == dataclasses.replace(own, name=None):
+        shown = f"{own.name!r}, " if own.name else ""
+        raise ConfigError(f"model.name={after.name!r}: the recipe's model.overrides ({', '.join(before.overrides)}) "
+                          f"set every field it differs from {before.name!r} in, so the run would train the recipe's "
+                          f"model ({shown}width {getattr(own, 'width', '-')}, depth {getattr(own, 'depth', '-')}) "
+                          f"under this name; --set 'model.overrides={{}}' trains {after.name} as registered, --set "
+                          f"model.<field>=value changes the recipe's")
 
 
 def explicit_over_device(on_device: dict, by_section: dict[str, dict], architecture: dict) -> dict:

@@ -215,6 +215,15 @@ def test_an_optimisers_setting_is_refused_with_another_optimiser():
         load_recipe(name)
 
 
+def test_the_end_of_a_decay_is_refused_without_one():
+    # optim.decay='constant' keeps the peak lr: a changed optim.min_lr was accepted and never reached
+    with pytest.raises(ConfigError, match=r"^optim.min_lr=1e-05: where the decay ends, and optim.decay='constant' keeps "
+                                          r"optim.lr to the last step; set optim.decay to 'cosine' or 'linear', or "
+                                          r"leave it at 0.0$"):
+        with_changes(OK, {"optim.decay": "constant", "optim.min_lr": 1e-5})
+    assert with_changes(OK, {"optim.decay": "linear", "optim.min_lr": 1e-5}).optim.min_lr == 1e-5
+
+
 def test_the_augmentation_fields_are_declared_once():
     # the section and the transform are both the one declaration, Augmentation, and share its checks
     assert issubclass(AugmentConfig, Augmentation) and issubclass(TrainTransform, Augmentation)

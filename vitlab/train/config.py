@@ -266,6 +266,9 @@ class OptimConfig(Section):
             self.need_default_unless(name, self.optimizer in owners, f"applies to optim.optimizer="
                                      f"{' or '.join(map(repr, owners))} only (here {self.optimizer!r})")
         need(self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"must not exceed optim.lr={self.lr}")
+        # a constant schedule keeps the peak: a changed end was accepted and never reached
+        self.need_default_unless("min_lr", self.decay != "constant", "where the decay ends, and optim.decay='constant' "
+                                 "keeps optim.lr to the last step", instead="set optim.decay to 'cosine' or 'linear'")
         for name in ("momentum", "muon_momentum", "ema_decay"):
             need_number(self.path(name), getattr(self, name), 0.0, below=1.0)
         check_lr_grid(self.lr_grid)

@@ -203,6 +203,19 @@ def test_bit_forward_api_and_gradients():
         assert p.grad.abs().sum() > 0, name
 
 
+def test_bit_names_images_it_cannot_read_as_the_vit_does():
+    # torch's messages: "expected scalar type Byte but found Float" for uint8 images, the root's conv for float64
+    model = BiTResNet(TINY)
+    with pytest.raises(ValueError, match=r"^expected floating-point images \(pixels scaled to \[-1, 1\]"):
+        model(torch.zeros(1, 3, 32, 32, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"^expected images of the model's dtype torch.float32 .*, got torch.float64"):
+        model(torch.zeros(1, 3, 32, 32, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^expected images of shape \(B, 3, H, W\), got \(1, 1, 32, 32\)$"):
+        model(torch.zeros(1, 1, 32, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts a float32 input
+        assert model(torch.zeros(1, 3, 32, 32)).shape == (1, 5)
+
+
 def test_bit_names_and_classifier_reset():
     model = BiTResNet(TINY)
     keys = set(model.state_dict())

@@ -23,7 +23,7 @@ from ..config import Pair, ViTConfig
 from .init import lecun_normal_
 from .layers import Block
 from .posemb import LearnedPosEmb1D, LearnedPosEmb2D
-from .resnet import ResNetFeatures
+from .resnet import ResNetFeatures, check_images
 
 
 def make_posemb(cfg: ViTConfig) -> nn.Module | None:
@@ -108,19 +108,7 @@ class VisionTransformer(nn.Module):
         return (h // ph, w // pw)
 
     def _check_input(self, x: torch.Tensor) -> None:
-        if x.ndim != 4 or x.shape[1] != self.cfg.in_chans:
-            raise ValueError(
-                f"expected images of shape (B, {self.cfg.in_chans}, H, W), got {tuple(x.shape)}"
-            )
-        if not x.is_floating_point():  # torch's own message would speak of the patch embedding's bias
-            raise ValueError(f"expected floating-point images (pixels scaled to [-1, 1], as "
-                             f"vitlab.data.transforms.to_float scales uint8 ones), got {x.dtype}")
-        # torch's message names the bias; one dtype comparison on the usual path (no sync). Autocast casts
-        # inputs to its dtype, except float64 ones (and float64 weights)
-        weights = self.patch_embed.weight.dtype
-        if x.dtype != weights and (torch.float64 in (x.dtype, weights) or not torch.is_autocast_enabled(x.device.type)):
-            raise ValueError(f"expected images of the model's dtype {weights} (under torch.autocast, any but "
-                             f"float64), got {x.dtype}; convert them with .to({weights})")
+        check_images(x, self.cfg.in_chans, self.patch_embed.weight.dtype)
         size = tuple(x.shape[-2:])
         if not self.cfg.dynamic_img_size and size != self.cfg.img_size:
             raise ValueError(

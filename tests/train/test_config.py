@@ -285,6 +285,11 @@ def test_a_recipe_is_a_module_of_the_package_or_a_file(tmp_path):
         load_recipe("vtab1k:final=ture")
     assert load_recipe("vtab1k:final=True").data.val_split == 0 and load_recipe("vtab1k:final=no").data.val_split == 200
     assert load_recipe("cifar10_scratch:").recipe == load_recipe("cifar10_scratch").recipe
+    # a model named both in the recipe's options and by --model: the option was dropped without a word
+    with pytest.raises(ConfigError, match=r"^recipe 'paper_pretrain:model_name=ViT-L/16': model_name='ViT-L/16', and "
+                                          r"the run's model is 'ViT-B/16' \(--model\); name the model once$"):
+        load_recipe("paper_pretrain:model_name=ViT-L/16", model_name="ViT-B/16")
+    assert load_recipe("paper_pretrain:model_name=ViT-L_16", model_name="ViT-L/16").optim.lr == 4e-4
 
 
 def test_the_training_entry_points_refuse_arguments_of_the_wrong_type_by_name(tmp_path):

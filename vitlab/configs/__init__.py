@@ -21,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 
 from vitlab.config import ConfigError
+from vitlab.models.registry import canonical_name
 from vitlab.train.config import TrainConfig
 
 
@@ -78,6 +79,10 @@ def load_recipe(spec: str, model_name: str | None = None) -> TrainConfig:
     if unknown:
         raise ConfigError(f"recipe {spec!r}: unknown option {unknown[0]!r}; {takes}")
     if model_name is not None and "model_name" in parameters:
+        named = kwargs.get("model_name")
+        if named is not None and canonical_name(named) != canonical_name(model_name):  # one was dropped unsaid
+            raise ConfigError(f"recipe {spec!r}: model_name={named!r}, and the run's model is {model_name!r} "
+                              "(--model); name the model once")
         kwargs["model_name"] = model_name
     try:
         cfg = module.get_config(**kwargs)

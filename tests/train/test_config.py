@@ -290,6 +290,9 @@ def test_a_recipe_is_a_module_of_the_package_or_a_file(tmp_path):
                                           r"the run's model is 'ViT-B/16' \(--model\); name the model once$"):
         load_recipe("paper_pretrain:model_name=ViT-L/16", model_name="ViT-B/16")
     assert load_recipe("paper_pretrain:model_name=ViT-L_16", model_name="ViT-L/16").optim.lr == 4e-4
+    for recipe in ("paper_pretrain", "paper_pretrain_imagenet"):  # an empty name trained the recipe's default model
+        with pytest.raises(ConfigError, match=rf"^recipe '{recipe}:model_name=': model_name='': expected a registry "):
+            load_recipe(f"{recipe}:model_name=")
 
 
 def test_the_training_entry_points_refuse_arguments_of_the_wrong_type_by_name(tmp_path):

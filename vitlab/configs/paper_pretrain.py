@@ -76,6 +76,8 @@ def get_config(dataset: str = "jft", model_name: str | None = None, epochs: str 
     if dataset not in DATASETS:
         raise ValueError(f"dataset={dataset!r}: allowed values are {', '.join(DATASETS)}")
     data_name, images, wd, dropout = DATASETS[dataset]
+    if model_name is not None and not model_name.strip():  # "model_name=" had trained the default model
+        raise ValueError(f"model_name={model_name!r}: expected a registry name, e.g. ViT-L/16")
     name = canonical_name(model_name) if model_name else DEFAULT_MODEL
     row = TABLE_3[dataset].get(name)
     source = ""

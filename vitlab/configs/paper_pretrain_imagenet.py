@@ -28,6 +28,8 @@ def is_plain_vit(name: str) -> bool:
 
 
 def get_config(model_name: str | None = None) -> TrainConfig:
+    if model_name is not None and not model_name.strip():  # "model_name=" had trained the default model
+        raise ValueError(f"model_name={model_name!r}: expected a registry name, e.g. ViT-L/16")
     name = canonical_name(model_name) if model_name else DEFAULT_MODEL
     source = "" if is_plain_vit(name) else f" [Table 3's ImageNet row is the ViTs' (ViT-*); {name} takes it as it is]"
     cfg = TrainConfig(

@@ -107,3 +107,14 @@ def test_the_docstring_names_the_position_embedding_the_registry_builds():
         cfg = get_config(name)
         assert cfg.axial and f'"{cfg.posemb}"' in axial_doc and name.split("/")[0] in axial_doc
     assert "2D grid of" not in axial_doc
+
+
+def test_the_plain_class_refuses_an_axial_config_it_would_build_as_full_attention():
+    from vitlab.models.vit import VisionTransformer
+    from vitlab.models.registry import create_model
+
+    cfg = ViTConfig(img_size=16, patch_size=4, width=16, depth=1, num_heads=2, mlp_dim=32, num_classes=3,
+                    axial=True, classifier="gap")
+    with pytest.raises(ValueError, match=r"cfg.axial=True describes an Axial-ViT; build it with vitlab.create_model"):
+        VisionTransformer(cfg)
+    assert type(create_model(cfg)) is AxialVisionTransformer

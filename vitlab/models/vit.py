@@ -51,6 +51,9 @@ class PreLogits(nn.Module):
 class VisionTransformer(nn.Module):
     def __init__(self, cfg: ViTConfig) -> None:
         super().__init__()
+        if cfg.axial and type(self) is VisionTransformer:  # built here, the blocks were full attention
+            raise ValueError("VisionTransformer(cfg): cfg.axial=True describes an Axial-ViT; build it with "
+                             "vitlab.create_model(cfg) (or vitlab.models.axial.AxialVisionTransformer)")
         self.cfg = cfg
         D = cfg.width
 

@@ -122,6 +122,31 @@ def test_bf16_gradients_that_are_not_finite_are_not_applied(tiny):
     assert all(p.grad is None for p in s.model.parameters())
 
 
+BN_HYBRID = dict(img_size=8, patch_size=1, width=16, depth=1, num_heads=2, mlp_dim=32, name="R-tiny-BN+ViT",
+                 resnet=dict(layers=(1,), img_size=8, norm="batch", width_factor=0.5))
+
+
+def test_a_step_left_out_leaves_the_batch_norm_statistics_as_they_were(tiny):
+    # a training forward updates BatchNorm's running statistics before the step is known to be bad:
+    # a NaN image made them NaN, in the model and (copied) in the EMA, and every evaluation after
+    # scored NaN logits though the step was "not applied"
+    s = build(tiny(model_overrides=BN_HYBRID, ema_decay=0.9))
+    batches = endless(s.stream)
+    assert train_step(s, batches, lr=1e-2, size=s.img_size[0]).read().applied  # the statistics have moved
+    before = {k: v.clone() for k, v in s.model.state_dict().items()}
+    ema_before = {k: v.clone() for k, v in s.ema.module.state_dict().items()}
+    hook = s.model.register_forward_pre_hook(lambda module, args: (torch.full_like(args[0], float("nan")),))
+    result = train_step(s, batches, lr=1e-2, size=s.img_size[0]).read()
+    assert result.nonfinite == "loss" and not result.applied
+    assert any("running_mean" in k for k in before)
+    assert all(torch.equal(before[k], v) for k, v in s.model.state_dict().items())
+    assert all(torch.equal(ema_before[k], v) for k, v in s.ema.module.state_dict().items())
+    hook.remove()
+    assert train_step(s, batches, lr=1e-2, size=s.img_size[0]).read().applied  # and they move again
+    assert not torch.equal(before["stem.gn_root.running_mean"], s.model.stem.gn_root.running_mean)
+    assert torch.equal(s.ema.module.stem.gn_root.running_mean, s.model.stem.gn_root.running_mean)
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "sgd", "muon"])
 def test_every_optimiser_leaves_a_step_out_on_the_device(tiny, optimizer):
     # found_inf (a device flag) leaves a step out: no parameter, moment, momentum or count moves,

@@ -27,13 +27,15 @@ class EMA:
     @torch.no_grad()
     def update(self, model: nn.Module, weight: torch.Tensor | float = 1.0) -> None:
         """One step of the average; ``weight`` 0 (a tensor, decided on the device) leaves it as
-        it was: the trainer's step that was not applied."""
+        it was, buffers too: the trainer's step that was not applied (whose forward moved the
+        model's batch statistics all the same)."""
         avg = list(self.module.parameters())
         cur = [p.detach() for p in model.parameters()]
         rate = (1.0 - self.decay) * weight
         torch._foreach_lerp_(avg, cur, rate)  # avg += rate * (cur - avg)
+        taken = weight > 0  # a device flag, or a bool
         for b_avg, b in zip(self.module.buffers(), model.buffers()):
-            b_avg.copy_(b)
+            b_avg.copy_(torch.where(taken, b, b_avg) if torch.is_tensor(taken) else (b if taken else b_avg))
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "module": self.module.state_dict()}

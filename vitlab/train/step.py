@@ -9,6 +9,7 @@
                 skip = the loss on any process, or the gradient norm, is not finite   (a device flag)
                 optimiser step told ``skip``: a skipped step moves no parameter and no optimiser state
                 EMA update, weighted by ``1 - skip``
+    skip: BatchNorm's running statistics put back as they were before the forward
     zero grads
 
 ``Update`` runs eagerly, or as one compiled graph (``run.compile_optimizer``): where the model
@@ -174,7 +175,8 @@ def train_step(setup, batches: Iterator, lr: float, size: int) -> StepResult:
 
     A step whose loss (on any process) or gradients are not finite numbers is not applied:
     the optimiser is told so on the device (``found_inf``) and moves nothing, the EMA is not
-    updated, and the gradients are dropped; the result's flags say so, and the loop reads
+    updated, BatchNorm's running statistics are put back as they were before its forward, and
+    the gradients are dropped; the result's flags say so, and the loop reads
     them at its next log step and decides whether to stop (``run.on_nonfinite``).  Under
     fp16 the gradient scaler tells an overflow of the scaled gradients from a bad step: the
     step is left out and its scale halves, which is the scaler's normal working.
@@ -185,6 +187,7 @@ def train_step(setup, batches: Iterator, lr: float, size: int) -> StepResult:
     """
     for group in setup.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
+    kept = setup.update.keep_statistics()  # the forward moves them before the step is known to be good
     compiled = hasattr(setup.trained, "_orig_mod")  # torch.compile's wrapper
     taken: list = []
     try:
@@ -205,6 +208,7 @@ def train_step(setup, batches: Iterator, lr: float, size: int) -> StepResult:
     if setup.scaler is not None:
         setup.scaler.unscale_(setup.optimizer)  # the clipping and the check below see the true gradients
     grad_norm, skipped = setup.update(bad_ranks)  # the same on every process: the gradients are reduced
+    setup.update.restore_statistics(kept, skipped)
     overflow = None
     if setup.scaler is not None:  # the scaler's own finding (an overflow of the scaled gradients) halves its scale
         overflow = (~torch.isfinite(grad_norm) & (bad_ranks.sum() == 0)).float()
@@ -232,6 +236,7 @@ class Update:
                  mode: str = "off"):
         self.params = [p for p in params if p.requires_grad]
         self.optimizer, self.ema, self.model, self.clip_norm = optimizer, ema, model, clip_norm
+        self.statistics = running_statistics(model)
         self.compiled = None if mode == "off" else torch.compile(self.traced, mode=mode, fullgraph=True,
                                                                  dynamic=False)
         self.traced_step: TracedStep | None = None  # made at the first compiled call (a failure falls back)
@@ -261,6 +266,18 @@ class Update:
         if self.ema is not None:
             self.ema.update(self.model, weight=1.0 - skipped)
         return grad_norm, skipped
+
+    def keep_statistics(self) -> list[torch.Tensor]:
+        """Copies of the running statistics (``running_statistics``), taken before a step's forward."""
+        return [t.clone() for t in self.statistics]
+
+    def restore_statistics(self, kept: list[torch.Tensor], skipped: torch.Tensor) -> None:
+        """The running statistics as ``kept`` where the step was left out (decided on the device):
+        its forward updated them, from the examples whose loss was not finite too."""
+        if kept:
+            left_out = skipped.bool()
+            for t, before in zip(self.statistics, kept):
+                t.copy_(torch.where(left_out, before, t))
 
     def compiled_update(self, bad_ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.traced_step is None:
@@ -317,6 +334,13 @@ class HeldGradients:
             torch._foreach_copy_([self.buffers[i] for i in moved], [self.params[i].grad for i in moved])
         for i in moved:
             self.params[i].grad = self.buffers[i]
+
+
+def running_statistics(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers a training forward updates: the running mean, variance and count of
+    BatchNorm layers (the CIFAR hybrid's stem); none in a ViT."""
+    return [t for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats
+            for t in (m.running_mean, m.running_var, m.num_batches_tracked) if t is not None]
 
 
 def gradient_norm(params: list, clip_norm: float) -> torch.Tensor:

@@ -88,6 +88,23 @@ def test_a_finished_run_is_kept_unless_resumed_or_overwritten(tiny):
     assert [r["step"] for r in read_jsonl(f"{cfg.run.out}/metrics.jsonl")] == [2]
 
 
+@pytest.mark.parametrize("flag", ["resume", "overwrite", "verbose"])
+def test_train_refuses_a_flag_that_is_not_true_or_false_before_any_work(tiny, flag):
+    # a string from a config file or argv: "no" is truthy, so overwrite="no" deleted the earlier
+    # run's checkpoints and started afresh, and resume="no" continued it
+    from vitlab.config import ConfigError
+
+    cfg = tiny("run", steps=3)
+    train(cfg, verbose=False)
+    held = {p: p.stat().st_mtime_ns for p in [*list_checkpoints(f"{cfg.run.out}/checkpoints"),
+                                               Path(cfg.run.out) / "model.safetensors"]}
+    with pytest.raises(ConfigError, match=rf"^{flag}='no': must be True or False"):
+        train(cfg, **{"verbose": False, flag: "no"})
+    assert {p: p.stat().st_mtime_ns for p in held if p.exists()} == held  # nothing written or deleted
+    with pytest.raises(ConfigError, match=r"^started_at='0': expected None or a time.monotonic\(\) reading"):
+        train(cfg, verbose=False, resume=True, started_at="0")
+
+
 def test_resume_refuses_a_changed_data_order(tiny):
     import pytest
 

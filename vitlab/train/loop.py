@@ -22,7 +22,7 @@ import torch
 
 from vitlab.analysis.cost import model_flops
 from vitlab.analysis.utilization import matmul_peak, mfu
-from vitlab.config import ConfigError, need_output_folder
+from vitlab.config import ConfigError, is_number, need, need_bool, need_output_folder
 from vitlab.eval.features import tta_view_count
 from vitlab.machine import Machine
 from vitlab.weights.native import WEIGHTS_NAME
@@ -67,6 +67,9 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
         raise ConfigError(f"cfg={cfg!r:.80}: expected a TrainConfig (vitlab.configs.load_recipe('demo') gives "
                           f"one), got a {type(cfg).__name__}")
     check_resume_or_overwrite(resume, overwrite)  # before a process group is joined
+    need_bool("verbose", verbose)
+    need(started_at is None or is_number(started_at), "started_at", started_at,
+         "expected None or a time.monotonic() reading")
     machine = Machine.here(gpu_index=local_rank())  # the host, read once for the run
     world = init_world(resolve_device(cfg.run.device, machine, local_rank()))  # the group joined here is ended here
     succeeded = False
@@ -82,7 +85,10 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
 
 def check_resume_or_overwrite(resume: bool, overwrite: bool) -> None:
     """One of the two: with both, ``resume`` won and ``overwrite`` was dropped without a word,
-    so a run meant to start afresh continued an old one."""
+    so a run meant to start afresh continued an old one.  Each True or False: a string is truthy,
+    and overwrite="no" deleted the earlier run's checkpoints."""
+    need_bool("resume", resume)
+    need_bool("overwrite", overwrite)
     if resume and overwrite:
         raise ConfigError("resume=True and overwrite=True (--resume, --overwrite): one continues the run in "
                           "run.out, the other deletes its checkpoints and starts afresh; give one of them")

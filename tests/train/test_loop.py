@@ -69,6 +69,21 @@ def test_resume_is_bit_exact(tiny, augment_batches):
     assert [r["loss"] for r in relogged] == [r["loss"] for r in logged]
 
 
+def test_a_run_resumed_between_two_records_logs_what_the_uninterrupted_run_logged(tiny):
+    # the checkpoint of step 5 falls inside the record of steps 5-6: the resumed run's record of
+    # step 6 gave step 6's loss and accuracy alone, and the summary's train_loss with it
+    cfg = tiny("run", steps=6, ckpt_every=5, keep_ckpts=2, log_every=2)
+    full = train(cfg, verbose=False)
+    logged = read_jsonl(f"{cfg.run.out}/metrics.jsonl")
+    list_checkpoints(f"{cfg.run.out}/checkpoints")[-1].unlink()  # as if the run died after step 5
+    resumed = train(cfg, resume=True, verbose=False)
+    relogged = read_jsonl(f"{cfg.run.out}/metrics.jsonl")
+    fields = ("step", "lr", "loss", "train_top1", "grad_norm", "skipped_steps")
+    assert [[r[f] for f in fields] for r in relogged] == [[r[f] for f in fields] for r in logged]
+    assert [r["step"] for r in relogged] == [2, 4, 6]
+    assert resumed["train_loss"] == full["train_loss"]
+
+
 def test_a_finished_run_is_kept_unless_resumed_or_overwritten(tiny):
     import pytest
 

@@ -160,10 +160,11 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     budget = time_budget(setup, t_start, progress)
     nonfinite = NonFinite(cfg.run.on_nonfinite, cfg.run.max_skipped_steps)
 
-    step, total_steps, records = 0, cfg.optim.steps, []
+    step, total_steps, records, window_state = 0, cfg.optim.steps, [], None
     if state is not None:
         check_same_run(setup.cfg, state.get("config", {}))  # as resolved: the init's model, "auto"s decided
         step, total_steps, records = restore_state(setup, state)
+        window_state = state.get("window")
         nonfinite.load_state_dict(state.get("numerics"))
         budget.resume(state.get("clock", {}), step)
         progress.message(f"resumed from {last_saved} at step {step}/{total_steps}, "
@@ -176,6 +177,7 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     batches = WaitTimed(endless(setup.stream), setup.world.device)  # counts the seconds the steps wait for their batches
     full_size_rate = StepRate(setup.world.device, setup.img_size[0])  # the summary's MFU reads its rate
     window = Window(setup.world.device, batches, full_size_rate)
+    window.load_state_dict(window_state, main)  # a checkpoint taken between two records: the steps since the first
     pending: list = []  # (step, result) since the last check: their flags are read in one go
     last_val: dict = {}
     phases = tuple(tuple(p) for p in cfg.data.progressive_sizes)
@@ -224,7 +226,7 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
             progress.update(step, total_steps if budget.planned else None, shown_loss, rate, eta)
             if do_save:
                 state = training_state(setup, step, total_steps, writer.records if writer else [], budget.state(),
-                                       nonfinite.state_dict())
+                                       nonfinite.state_dict(), window)
                 last_saved = save_checkpoint(setup, state, ckpt_dir, step)
 
     if not last_val and setup.evaluator is not None:  # resumed a finished run: its summary still reports the metrics
@@ -384,6 +386,20 @@ class Window:
         # [loss, correct, examples, steps] of the applied steps; a step left out adds nothing
         self.sums = torch.zeros(4, device=self.device)
         self.examples, self.t = 0, time.monotonic()  # every example the steps took (the rate)
+
+    def state_dict(self, world: World) -> dict:
+        """The applied steps' sums since the last record over all ranks, and the last gradient
+        norm, for a checkpoint (a collective call; a read of the device: checkpoint steps only)."""
+        sums, grad_norm = self.sums.tolist(), self.grad_norm.item()
+        return {"sums": all_reduce_sum(sums, world), "grad_norm": grad_norm}
+
+    def load_state_dict(self, state: dict | None, is_main: bool) -> None:
+        """Go on with a checkpoint's sums (None: none saved), held by rank 0: the record adds
+        the ranks' sums."""
+        if state is not None:
+            if is_main:
+                self.sums = torch.tensor(state["sums"], dtype=self.sums.dtype, device=self.device)
+            self.grad_norm = torch.full((), state["grad_norm"], device=self.device)
 
     def add(self, result: StepResult, step_s: float = 0.0) -> None:
         self.step_s += step_s

@@ -117,12 +117,14 @@ def model_state(setup) -> dict:
 
 
 def training_state(setup, step: int, total_steps: int, records: list[dict], clock: dict,
-                   numerics: dict | None = None) -> dict:
+                   numerics: dict | None = None, window=None) -> dict:
     """Everything ``restore_state`` needs to continue bit-exactly (collective under FSDP).
 
     ``clock``: the run's wall time so far and its measured evaluation time
     (``TimeBudget.state``), so that a resumed time-limited run keeps counting.
     ``numerics``: the counts of skipped and overflowed steps (``numerics.NonFinite``).
+    ``window``: the ``loop.Window`` of the training numbers summed since the last metrics
+    record, which the next record, after the restart, reports with its own steps'.
     """
     if sharded(setup):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -144,6 +146,7 @@ def training_state(setup, step: int, total_steps: int, records: list[dict], cloc
         "classes": setup.splits.classes,
         "clock": clock,
         "numerics": numerics or {},
+        "window": window.state_dict(setup.world) if window is not None else None,
         "scaler": setup.scaler.state_dict() if setup.scaler is not None else None,  # fp16: the loss scale and its count
     }
 

@@ -84,6 +84,34 @@ def test_a_run_resumed_between_two_records_logs_what_the_uninterrupted_run_logge
     assert resumed["train_loss"] == full["train_loss"]
 
 
+def test_img_per_s_counts_the_steps_not_the_evaluations_and_checkpoints_between_them(tiny, monkeypatch):
+    # evaluations and checkpoints made to take 1000 s each on the loop's clock: a record's img_per_s
+    # divided its window's images by the evaluation's (and the previous checkpoint's) time too
+    import types
+
+    import vitlab.train.loop as loop
+
+    extra = [0.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(monotonic=lambda: time.monotonic() + extra[0]))
+
+    def taking_1000_s(function):
+        def run(*args, **kwargs):
+            result = function(*args, **kwargs)
+            extra[0] += 1000.0
+            return result
+        return run
+
+    monkeypatch.setattr(loop, "evaluate", taking_1000_s(loop.evaluate))
+    monkeypatch.setattr(loop, "save_checkpoint", taking_1000_s(loop.save_checkpoint))
+    cfg = tiny("rate", steps=8, log_every=2, eval_every=4, ckpt_every=2, batch_size=32)
+    train(cfg, verbose=False)
+    records = read_jsonl(f"{cfg.run.out}/metrics.jsonl")
+    assert [r["step"] for r in records] == [2, 4, 6, 8] and "val_top1" in records[1]
+    assert extra[0] == 6000.0  # 2 evaluations (at 4, and at 8 the final one), 4 checkpoints
+    # two steps of 32 images each, in well under 100 s of the machine's time
+    assert all(r["img_per_s"] > 64 / 100 for r in records), [r["img_per_s"] for r in records]
+
+
 def test_a_finished_run_is_kept_unless_resumed_or_overwritten(tiny):
     import pytest
 

@@ -15,6 +15,7 @@ import json
 import logging
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -199,7 +200,8 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
         if budget.wants_evaluation(step):  # the first fit plans with an evaluation's duration
             with budget.paused():
                 nonfinite.check(setup, pending, last_saved)
-                last_val = evaluate(setup, budget)
+                with window.paused():
+                    last_val = evaluate(setup, budget)
         total_steps = budget.plan(step, total_steps)
         if budget.out_of_time(step, total_steps):
             total_steps = step
@@ -212,7 +214,8 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
             if do_log or do_save:  # the steps' flags are read here: a bad one stops the run, or is counted
                 nonfinite.check(setup, pending, last_saved)
             if do_eval:  # the last one with the final views, unless a short time limit has no room for them
-                last_val = evaluate(setup, budget, final=is_last and budget.final_views_fit())
+                with window.paused():
+                    last_val = evaluate(setup, budget, final=is_last and budget.final_views_fit())
             if do_log:
                 record = (window.record(setup, step, lr, budget.elapsed()) | nonfinite.record(setup.scaler)
                           | (last_val if do_eval else {}))
@@ -225,9 +228,10 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
             eta = (total_steps - step) * cfg.optim.batch_size / rate if rate else 0.0
             progress.update(step, total_steps if budget.planned else None, shown_loss, rate, eta)
             if do_save:
-                state = training_state(setup, step, total_steps, writer.records if writer else [], budget.state(),
-                                       nonfinite.state_dict(), window)
-                last_saved = save_checkpoint(setup, state, ckpt_dir, step)
+                with window.paused():
+                    state = training_state(setup, step, total_steps, writer.records if writer else [],
+                                           budget.state(), nonfinite.state_dict(), window)
+                    last_saved = save_checkpoint(setup, state, ckpt_dir, step)
 
     if not last_val and setup.evaluator is not None:  # resumed a finished run: its summary still reports the metrics
         last_val = evaluate(setup, budget, final=True)
@@ -370,7 +374,8 @@ class Window:
     """The training numbers since the last record, summed on the device (the record reads
     them), and those the progress line shows; ``batches``' waits give ``data_wait``, the
     share of the steps' time spent waiting for data; ``full_size_rate``'s steps are counted at each
-    record, when the device has done them."""
+    record, when the device has done them.  The rate (``img_per_s``) leaves out the time spent
+    in ``paused`` blocks: the evaluations and checkpoints between the steps."""
 
     def __init__(self, device: torch.device, batches: WaitTimed | None = None,
                  full_size_rate: StepRate | None = None) -> None:
@@ -386,6 +391,17 @@ class Window:
         # [loss, correct, examples, steps] of the applied steps; a step left out adds nothing
         self.sums = torch.zeros(4, device=self.device)
         self.examples, self.t = 0, time.monotonic()  # every example the steps took (the rate)
+        self.paused_s = 0.0  # of the time since ``t``, spent in ``paused`` blocks
+
+    @contextmanager
+    def paused(self):
+        """Time spent in the block is not the steps': an evaluation or a checkpoint, begun once the
+        steps' flags were read (the device has done the steps)."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.paused_s += time.monotonic() - t0
 
     def state_dict(self, world: World) -> dict:
         """The applied steps' sums since the last record over all ranks, and the last gradient
@@ -413,7 +429,7 @@ class Window:
     def record(self, setup: Setup, step: int, lr: float, elapsed_s: float) -> dict:
         """The metrics record of this window over all ranks (a collective call; the read of the
         device's sums); starts the next."""
-        dt = time.monotonic() - self.t
+        dt = time.monotonic() - self.t - self.paused_s
         *sums, grad_norm = torch.cat([self.sums, self.grad_norm.view(1)]).tolist()
         waited = self.batches.take() if self.batches is not None else 0.0  # after the read: the steps are done
         if self.full_size_rate is not None:
@@ -441,7 +457,7 @@ class Window:
         """(images/setup, loss) for the progress line: the last record's; before the first one
         this process's rate and no loss yet (reading it would wait for the device)."""
         if not self.logged and self.examples:
-            self.rate = self.examples * world_size / max(time.monotonic() - self.t, 1e-9)
+            self.rate = self.examples * world_size / max(time.monotonic() - self.t - self.paused_s, 1e-9)
         return self.rate, self.loss_shown
 
 

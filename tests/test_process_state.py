@@ -439,6 +439,20 @@ def test_train(caller, caller_backend, sklearn_imported, tmp_path, monkeypatch):
     assert retained == []
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_train_called_with_autograd_off(caller, sklearn_imported, tmp_path, mode):
+    """A caller whose autograd is off (scoring a model of its own, say) gets its run trained and its
+    mode back: the run's first backward failed on a loss that required no gradient, after the data
+    was decoded and the run's folder written."""
+    from vitlab.train import train
+
+    with getattr(torch, mode)():
+        with leaves_process_as_found():
+            summary = train(tiny_run(tmp_path / "run"), verbose=False)
+        assert not torch.is_grad_enabled()
+    assert summary["steps"] == 2 and summary["train_loss"] > 0
+
+
 def test_train_retain_freed_memory(caller, sklearn_imported, tmp_path, monkeypatch):
     """run.retain_freed_memory is documented as a process-wide choice of the run, for the rest
     of the process (vitlab/train/memory.py): train makes it once, on a CPU, and changes nothing

@@ -76,7 +76,10 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     succeeded = False
     caller = process_state()
     try:
-        summary = _train(cfg, world, machine, resume, verbose, overwrite, started_at)
+        # autograd on for the run: under a caller's no_grad or inference_mode its first backward failed
+        # (the caller's modes come back as the blocks end)
+        with torch.inference_mode(False), torch.enable_grad():
+            summary = _train(cfg, world, machine, resume, verbose, overwrite, started_at)
         succeeded = True
     finally:
         shutdown(world, wait_for_others=succeeded)

@@ -453,6 +453,22 @@ def test_train_called_with_autograd_off(caller, sklearn_imported, tmp_path, mode
     assert summary["steps"] == 2 and summary["train_loss"] > 0
 
 
+def test_train_called_under_autocast_trains_in_its_own_precision(caller, sklearn_imported, tmp_path):
+    """An fp32 run called inside a caller's bf16 autocast trains in fp32, as its config.json says:
+    it ran its steps and evaluations in the caller's bf16, other weights without a word."""
+    from vitlab.train import train
+    from vitlab.weights import load_model
+
+    plain = train(tiny_run(tmp_path / "plain", precision="fp32"), verbose=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with leaves_process_as_found():
+            inside = train(tiny_run(tmp_path / "inside", precision="fp32"), verbose=False)
+        assert torch.is_autocast_enabled("cpu")
+    a, b = load_model(plain["weights"]).state_dict(), load_model(inside["weights"]).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert inside["val_loss"] == plain["val_loss"]
+
+
 def test_train_retain_freed_memory(caller, sklearn_imported, tmp_path, monkeypatch):
     """run.retain_freed_memory is documented as a process-wide choice of the run, for the rest
     of the process (vitlab/train/memory.py): train makes it once, on a CPU, and changes nothing

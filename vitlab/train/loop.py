@@ -15,7 +15,7 @@ import json
 import logging
 import shutil
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -76,15 +76,24 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     succeeded = False
     caller = process_state()
     try:
-        # autograd on for the run: under a caller's no_grad or inference_mode its first backward failed
-        # (the caller's modes come back as the blocks end)
-        with torch.inference_mode(False), torch.enable_grad():
+        # autograd on for the run: under a caller's no_grad or inference_mode its first backward failed;
+        # and no autocast but the run's own (run.precision): a caller's bf16 autocast made an fp32 run
+        # bf16 (the caller's modes come back as the blocks end)
+        with torch.inference_mode(False), torch.enable_grad(), without_autocast(world.device):
             summary = _train(cfg, world, machine, resume, verbose, overwrite, started_at)
         succeeded = True
     finally:
         shutdown(world, wait_for_others=succeeded)
         set_process_state(caller)  # a library call leaves its caller's threads and random streams as it found them
     return summary
+
+
+def without_autocast(device: torch.device) -> ExitStack:
+    """A caller's autocast turned off, on the CPU and the run's device, for the blocks inside."""
+    stack = ExitStack()
+    for kind in dict.fromkeys(("cpu", device.type)):
+        stack.enter_context(torch.autocast(device_type=kind, enabled=False))
+    return stack
 
 
 def check_resume_or_overwrite(resume: bool, overwrite: bool) -> None:

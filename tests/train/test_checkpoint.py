@@ -40,6 +40,19 @@ def test_overwrite_is_atomic(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["x.pt"]
 
 
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_a_checkpoint_takes_the_mode_the_umask_gives_a_new_file(tmp_path, umask, mode):
+    # mkstemp's temporary file is 0600 whatever the umask, and the renamed checkpoint kept it: the
+    # group a run's folder is shared with could not read it to resume, beside a readable config.json
+    before = os.umask(umask)
+    try:
+        path = ckpt.save_checkpoint({"step": 1}, tmp_path, 1, keep=2)
+    finally:
+        os.umask(before)
+    assert path.stat().st_mode & 0o777 == mode
+    assert os.listdir(tmp_path) == [path.name]
+
+
 class WatchedEnvironment:
     """``os.environ`` that records the names read through it."""
 

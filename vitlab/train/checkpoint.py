@@ -22,7 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import re
-import tempfile
+import secrets
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -67,11 +67,23 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _new_temporary(path: Path) -> tuple[int, str]:
+    """A new, empty temporary file beside ``path`` (open for writing), with the mode ``open``
+    gives a new file (0666 less the umask): ``tempfile.mkstemp``'s is 0600 whatever the umask,
+    and the renamed checkpoint kept it, unreadable to a group the run's folder is shared with."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), str(tmp)
+        except FileExistsError:  # another write's name: draw again
+            continue
+
+
 def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
     """``torch.save(obj)`` to ``path`` via temp file + fsync + rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _new_temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)

@@ -57,7 +57,7 @@ def test_sections_check_themselves_when_built():
     refused("allowed values are 'adam', 'sgd'", lambda: OptimConfig(optimizer="lamb"))
     refused("optim.min_lr=0.1: must not exceed optim.lr=0.01", lambda: OptimConfig(lr=0.01, min_lr=0.1))
     # a constant lr never decays to it: the value was accepted and the lr stayed at optim.lr
-    refused(r"optim.min_lr=0.0001: applies to optim.decay='cosine' or 'linear' only \(here 'constant'",
+    refused(r"optim.min_lr=0.0001: where the decay ends, and optim.decay='constant' keeps optim.lr to the last step",
             lambda: OptimConfig(decay="constant", min_lr=1e-4))
     assert OptimConfig(decay="constant", warmup=5).min_lr == 0.0
     refused("optim.batch_size=10 is not divisible by optim.accum_steps=3",

@@ -248,15 +248,15 @@ def test_a_save_that_fails_between_its_files_keeps_the_old_set(tmp_path, monkeyp
     old = random_model(cfg)
     save_model(old, tmp_path / out, format=format, class_names=list("abcde"))
     before = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    real_mkstemp, calls = core.tempfile.mkstemp, []
+    real_new_temporary, calls = core.new_temporary, []
 
-    def mkstemp_failing_at_the_second_file(*args, **kwargs):
+    def failing_at_the_second_file(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        return real_mkstemp(*args, **kwargs)
+        return real_new_temporary(*args, **kwargs)
 
-    monkeypatch.setattr(core.tempfile, "mkstemp", mkstemp_failing_at_the_second_file)
+    monkeypatch.setattr(core, "new_temporary", failing_at_the_second_file)
     new = random_model(ViTConfig(**{**cfg.__dict__, "num_classes": 7, "depth": 1}))
     with pytest.raises(OSError, match="No space left"):
         save_model(new, tmp_path / out, format=format)
@@ -319,3 +319,18 @@ def test_a_file_is_not_saved_over_a_folder(tmp_path):
         save_model(random_model(TINY), folder)
     assert ".tmp" not in str(err.value)  # the caller's path, not the temporary file's
     assert list(tmp_path.iterdir()) == [folder] and not any(folder.iterdir())
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_saved_weights_take_the_mode_the_umask_gives_a_new_file(tmp_path, umask, mode):
+    # the staged file was mkstemp's, 0600 whatever the umask, and the renamed weights kept it: a group
+    # the run's folder is shared with could read its config.json but not load its weights
+    model = build_model(ViTConfig(img_size=8, patch_size=4, width=8, depth=1, num_heads=2, mlp_dim=16,
+                                  num_classes=2))
+    before = os.umask(umask)
+    try:
+        save_model(model, tmp_path / "m")
+    finally:
+        os.umask(before)
+    for file in (tmp_path / "m").iterdir():
+        assert file.stat().st_mode & 0o777 == mode, file.name

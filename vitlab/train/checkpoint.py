@@ -22,12 +22,13 @@ from __future__ import annotations
 import errno
 import os
 import re
-import secrets
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from vitlab.weights.core import atomic_write
 
 PATTERN = re.compile(r"^ckpt-(\d+)\.pt$")
 PARTIAL_PATTERN = re.compile(r"^\.ckpt-\d+\.pt\..*\.tmp$")  # the temporary file of an unfinished write
@@ -56,46 +57,10 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # some platforms cannot open a folder
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _new_temporary(path: Path) -> tuple[int, str]:
-    """A new, empty temporary file beside ``path`` (open for writing), with the mode ``open``
-    gives a new file (0666 less the umask): ``tempfile.mkstemp``'s is 0600 whatever the umask,
-    and the renamed checkpoint kept it, unreadable to a group the run's folder is shared with."""
-    while True:
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), str(tmp)
-        except FileExistsError:  # another write's name: draw again
-            continue
-
-
 def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
-    """``torch.save(obj)`` to ``path`` via temp file + fsync + rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _new_temporary(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-    return path
+    """``torch.save(obj)`` to ``path`` so that it is the old file or the new one (``atomic_write``:
+    a temporary file beside it, fsynced, renamed over it, with a new file's mode)."""
+    return atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def save_checkpoint(state: dict, folder: str | os.PathLike, step: int, keep: int) -> Path:

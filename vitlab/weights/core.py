@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Mapping, Sequence
@@ -46,14 +46,26 @@ def to_tensor(array: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(array, copy=True))
 
 
+def new_temporary(path: Path) -> tuple[int, str]:
+    """A new, empty temporary file beside ``path`` (open for writing), with the mode ``open``
+    gives a new file (0666 less the umask): ``tempfile.mkstemp``'s is 0600 whatever the umask,
+    and the file renamed into place kept it, unreadable to a group the folder is shared with."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), str(tmp)
+        except FileExistsError:  # another write's name: draw again
+            continue
+
+
 def _staged(path: Path, write: Callable[[BinaryIO], Any]) -> str:
     """``write(f)``'s bytes in a fsynced temporary file beside ``path`` (removed if anything fails),
-    with the permissions of the file it will replace (a temporary file is private)."""
+    with the permissions of the file it will replace, else a new file's (``new_temporary``)."""
     # checked here, not left to the OS: its errors name the temporary file, which the caller never asked for
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a folder; expected a file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = new_temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

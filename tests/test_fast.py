@@ -394,6 +394,25 @@ def test_held_casts_are_kept_between_inference_calls_until_the_weights_change():
     assert dense.held_casts.weight is None and dense.held_casts.key is None
 
 
+@pytest.mark.parametrize("kernels", CASTING)
+def test_cast_inference_sees_an_edit_through_data_that_torch_does_not_count_as_a_change(kernels):
+    """An edit through ``.data`` leaves the parameter's version as it was: the default "cast" keeps
+    nothing, so it computes with the edited bias (its kept bias copy went stale); "hold" keeps its
+    copies until optimised again, as documented."""
+    model = fast.optimize(with_random_head(tiny()), kernels).eval()
+    x = torch.randn(2, 3, 16, 16)
+    bf16_infer(model, x)
+    model.head.bias.data.add_(3.0)  # torch counts no change: the parameter's _version stays
+    model.head.weight.data.mul_(2.0)
+    close = lambda got, plain: (got - plain).float().norm() < 3e-2 * plain.float().norm()  # noqa: E731
+    assert close(bf16_infer(model, x), bf16_infer(fast.restore(copy.deepcopy(model)), x))
+    fast.optimize(model, kernels, inference_weights="hold")
+    bf16_infer(model, x)
+    model.head.bias.data.sub_(3.0)
+    fast.optimize(model, kernels, inference_weights="hold")  # what an edit through .data calls for
+    assert close(bf16_infer(model, x), bf16_infer(fast.restore(copy.deepcopy(model)), x))
+
+
 def fp32_bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().view(torch.int32)
 

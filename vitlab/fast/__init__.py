@@ -45,8 +45,9 @@ def optimize(model: nn.Module, kernels: KernelChoice | None = None, recompute: b
     inference_weights: how a dense layer gets its bf16 weight in CPU bf16 autocast inference:
         "cast" it in every call into one buffer the layers share (the default, what ``vitlab
         eval`` and ``vitlab predict`` run), or "hold" a cast copy between calls, for half the
-        dense weights' memory again (it saves the cast, which counts at small batches only).
-        Either way the parameters are only read.
+        dense weights' memory again (it saves the cast, which counts at small batches only),
+        cast again when a parameter changes as torch counts it: not after an edit through
+        ``.data``, which calls for ``optimize`` again.  Either way the parameters are only read.
     Optimising an optimised model replaces its options, on the same installed modules.
     """
     return install(model, FastOptions(check_runnable(kernels) if kernels else choose(), recompute, inference_weights))

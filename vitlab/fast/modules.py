@@ -7,7 +7,7 @@ its parameter, child and hook dictionaries (the same dictionary objects, so the 
 ``Parameter`` objects, state-dict keys and hooks, and a hook's handle removes it from
 both), copies its other attributes, and keeps the plain module, unregistered, for
 ``restore``.  Its own state is its own attributes: ``fast_options`` and, on a dense
-layer, ``held_casts``.  Nothing writes into a parameter.
+layer, ``held_casts`` (with ``inference_weights="hold"``).  Nothing writes into a parameter.
 
 * ``nn.Linear`` -> ``FastLinear``: its matmuls take the chosen CPU kernel
   (``linear.py``).  In CPU inference under bf16 autocast the bf16 kernel runs as oneDNN's
@@ -123,8 +123,9 @@ class FastOptions:
     * ``"cast"``: cast into the shared ``workspace`` in every call (once per block call where
       the block runs in chunks); nothing is kept: what ``vitlab eval`` and ``vitlab predict`` use;
     * ``"hold"``: a cast copy kept on the layer between calls (``held_casts``; cast again
-      when the parameter changes), for the memory of half the fp32 dense weights again:
-      no cast per call, which pays at small batches only.
+      when the parameter changes, as torch counts a change: an edit through ``.data`` is
+      none, so optimise again after one), for the memory of half the fp32 dense weights
+      again: no cast per call, which pays at small batches only.
     """
 
     kernels: KernelChoice
@@ -141,7 +142,7 @@ class FastOptions:
 
 
 class HeldCasts:
-    """A dense layer's bias, and with ``inference_weights="hold"`` its weight, rounded to
+    """A dense layer's weight and bias, with ``inference_weights="hold"``, rounded to
     bf16 for CPU inference, with the key (storage and version of each parameter) they
     were cast from.  A cache: copies and pickles of a model start empty."""
 
@@ -219,21 +220,22 @@ class FastLinear(nn.Linear):
         return out if gelu is None else torch.ops.aten.gelu_(out, approximate=gelu)
 
     def _rounded(self, hold_in: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Weight and bias rounded to bf16, held in ``hold_in``: the weight cast into the
-        workspace in every call (or kept, with ``inference_weights="hold"``), the bias kept
-        (it is small); kept copies are cast again when their parameter changes."""
+        """Weight and bias rounded to bf16, held in ``hold_in``: with ``inference_weights="cast"``
+        both cast in every call (the weight into the workspace), nothing kept; with "hold" both
+        kept, and cast again when a parameter changes as torch counts a change (its storage or
+        version: an in-place edit through ``.data`` is no change to torch, nor to a kept copy)."""
         held, options = self.held_casts, self.fast_options
-        hold_weight = options.inference_weights == "hold"
+        if options.inference_weights == "cast":
+            # the bias too: a kept copy went stale when the bias was edited through .data
+            bias = None if self.bias is None else self.bias.detach().to(torch.bfloat16).to(hold_in)
+            return options.workspace.cast(self.weight, hold_in), bias
         params = [p for p in (self.weight, self.bias) if p is not None]
-        key = (hold_in, hold_weight, *((p.data_ptr(), p._version) for p in params))
+        key = (hold_in, *((p.data_ptr(), p._version) for p in params))
         if held.key != key:
             held.weight, held.bias = (None if p is None else p.detach().to(torch.bfloat16).to(hold_in)
-                                      for p in (self.weight if hold_weight else None, self.bias))
+                                      for p in (self.weight, self.bias))
             held.key = key
-        weight = held.weight
-        if weight is None:
-            weight = options.workspace.cast(self.weight, hold_in)
-        return weight, held.bias
+        return held.weight, held.bias
 
 
 def _takes_over(x: torch.Tensor, kernels: KernelChoice) -> bool:

@@ -104,6 +104,35 @@ def test_hooks_fire_on_every_layer_norm_and_dense_layer(mode, optimized):
     assert calls == {name: 1 for name in names}
 
 
+class Halve(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5
+
+
+@pytest.mark.parametrize("mode", ["train", "inference"])
+def test_a_hooked_or_replaced_mlp_dropout_sees_both_its_calls_and_computes_as_the_plain_model(mode):
+    """Hooking ``mlp.drop`` is how one reads the MLP's GELU output: a fused training step applied its
+    first call inside gelu_dense, so the hook saw the block's output alone, and a module in its place
+    ended in an AttributeError on its missing rate ``p``."""
+    x = torch.randn(2, 3, 16, 16)
+
+    def run(optimized: bool):
+        model = with_random_head(tiny(dropout=0.0))
+        if optimized:
+            fast.optimize(model)
+        shapes = []
+        model.blocks[0].mlp.drop.register_forward_hook(lambda m, i, o: shapes.append(tuple(o.shape)))
+        model.blocks[1].mlp.drop = Halve()
+        with torch.set_grad_enabled(mode == "train"):
+            return model.train(mode == "train")(x), shapes
+
+    expected, expected_shapes = run(False)
+    assert expected_shapes == [(2, 17, 64), (2, 17, 32)]
+    logits, shapes = run(True)
+    assert shapes == expected_shapes
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+
+
 def calls_seen_by_a_global_hook(run) -> collections.Counter:
     seen = collections.Counter()
     handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.update([type(m).__name__]))

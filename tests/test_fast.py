@@ -743,6 +743,32 @@ def test_optimize_puts_modules_in_place_of_the_plain_ones_and_restore_puts_those
     assert not any(isinstance(m, (fast.FastLinear, fast.FastBlock)) for m in model.modules())
 
 
+def test_restore_keeps_a_parametrization_registered_on_an_installed_layer():
+    """torch's parametrize gives the installed layer a class of its own whose property computes the
+    weight: the plain layer put back had neither that class nor its weight (AttributeError: 'weight')."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return 2 * weight
+
+    plain_model = with_random_head(tiny())
+    model = fast.optimize(copy.deepcopy(plain_model))
+    for m in (plain_model, model):
+        parametrize.register_parametrization(m.blocks[0].mlp.fc1, "weight", Doubled())
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        expected = plain_model(x)
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-6)
+        fc1 = fast.restore(model).blocks[0].mlp.fc1
+        assert isinstance(fc1, nn.Linear) and not isinstance(fc1, fast.FastLinear)
+        torch.testing.assert_close(fc1.weight, 2 * fc1.parametrizations.weight.original)
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-6)
+    assert list(model.state_dict()) == list(plain_model.state_dict())
+    parametrize.remove_parametrizations(fc1, "weight")
+    assert type(fc1) is nn.Linear
+
+
 def test_a_shared_module_gets_one_module_in_its_place_under_every_name():
     torch.manual_seed(0)
     shared = nn.Linear(4, 4)

@@ -53,6 +53,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..models.layers import Attention, Block, Mlp
 from .kernels import KernelChoice
@@ -177,6 +178,13 @@ def _restored(fast: nn.Module, own_attributes: tuple[str, ...] = _OWN_ATTRIBUTES
     but for the installed module's ``own_attributes``."""
     plain = vars(fast)["plain"]
     vars(plain).update((k, v) for k, v in vars(fast).items() if k not in own_attributes)
+    parametrized = tuple(fast.parametrizations) if parametrize.is_parametrized(fast) else ()
+    if any(not isinstance(getattr(type(plain), name, None), property) for name in parametrized):
+        # registered on the installed module (weight norm, say), the parametrization gave it a class of
+        # torch's over its own, whose properties compute the tensors: the plain module gets the same over
+        # its class (without, its weight was gone); removing the parametrization takes it off again
+        made = {k: v for k, v in vars(type(fast)).items() if k not in ("__dict__", "__weakref__", "__doc__")}
+        plain.__class__ = type(f"Parametrized{type(plain).__name__}", (type(plain),), made)
     return plain
 
 

@@ -133,6 +133,25 @@ def test_a_hooked_or_replaced_mlp_dropout_sees_both_its_calls_and_computes_as_th
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["train", "inference"])
+@pytest.mark.parametrize("where", ["norm1", "attn", "attn.qkv", "mlp"])
+def test_a_forward_set_on_a_blocks_part_itself_is_called_as_the_plain_model_calls_it(where, mode):
+    """``module.forward = ...`` on an instance (an ablation, a patched attention): the fused block
+    computed its parts as functions and never called it, giving the unpatched model's logits."""
+    x = torch.randn(2, 3, 16, 16)
+
+    def run(optimized: bool):
+        model = with_random_head(tiny())
+        if optimized:
+            fast.optimize(model)
+        part = model.blocks[0].get_submodule(where)
+        part.forward = lambda h, *args: 0.5 * type(part).forward(part, h, *args)
+        with torch.set_grad_enabled(mode == "train"):
+            return model.train(mode == "train")(x)
+
+    torch.testing.assert_close(run(True), run(False), rtol=1e-5, atol=1e-6)
+
+
 def calls_seen_by_a_global_hook(run) -> collections.Counter:
     seen = collections.Counter()
     handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.update([type(m).__name__]))

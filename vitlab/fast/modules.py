@@ -34,7 +34,8 @@ A block takes its fused path only while its parts are the plain modules it was b
 with (and the installed dense layers) and none of them carries a hook: a user who wraps
 ``attn.qkv`` in an adapter, swaps ``mlp.fc1`` for a quantised layer, hooks ``norm1`` or
 ``mlp.drop`` (whose first call, on the GELU output, a training step makes inside
-``gelu_dense``) gets the plain forward, calling every module, with the rest of the fast path (the
+``gelu_dense``), or sets a part's ``forward`` (or ``attn.attend``) on the module itself
+gets the plain forward, calling every module, with the rest of the fast path (the
 kernels of the ``FastLinear`` layers it calls) still in place.  A hook registered for
 every module (``torch.nn.modules.module.register_module_forward_hook`` and its kin)
 cannot be seen through torch's public API: inside the fused path the LayerNorm and dense
@@ -286,11 +287,13 @@ class FastBlock(Block):
         """Whether the fused path computes exactly what the plain forward would, hooks on its parts included."""
         attn, mlp = self.attn, self.mlp
         dense = (attn.qkv, attn.proj, mlp.fc1, mlp.fc2)
-        # the MLP's dropout too: a training step applies its first call inside gelu_dense, by its rate
+        # the MLP's dropout too: a training step applies its first call inside gelu_dense, by its rate;
+        # a forward set on a part itself (module.forward = ...) is one the fused path would not call
+        parts = (self.norm1, self.norm2, attn, mlp, mlp.drop, *dense)
         return (type(self.norm1) is nn.LayerNorm and type(self.norm2) is nn.LayerNorm
                 and type(attn) is Attention and type(mlp) is Mlp and all(type(m) is FastLinear for m in dense)
-                and type(mlp.drop) is nn.Dropout
-                and not any(_hooked(m) for m in (self.norm1, self.norm2, attn, mlp, mlp.drop, *dense)))
+                and type(mlp.drop) is nn.Dropout and "attend" not in vars(attn)
+                and not any(_hooked(m) or "forward" in vars(m) for m in parts))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling() or not self.fusable() or not _takes_over(x, self.fast_options.kernels):

@@ -152,6 +152,27 @@ def test_a_forward_set_on_a_blocks_part_itself_is_called_as_the_plain_model_call
     torch.testing.assert_close(run(True), run(False), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # torch's, for the plain model's attention too
+def test_torch_func_transforms_run_the_plain_forward_of_a_fast_model():
+    """vmap and grad of a fast model (per-example gradients) ended in torch's 'In order to use an
+    autograd.Function with functorch transforms ... it must override the setup_context'."""
+    plain = with_random_head(tiny())
+    model = fast.optimize(copy.deepcopy(plain))
+    x = torch.randn(3, 3, 16, 16)
+
+    def per_example_grads(m):
+        params = {name: p.detach() for name, p in m.named_parameters()}
+        loss = lambda p, xi: torch.func.functional_call(m, p, (xi[None],)).square().mean()  # noqa: E731
+        return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+
+    expected, got = per_example_grads(plain), per_example_grads(model)
+    for name, g in expected.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.func.vmap(lambda xi: model.eval()(xi[None]))(x), plain.eval()(x)[:, None],
+                                   rtol=1e-5, atol=1e-6)
+
+
 def calls_seen_by_a_global_hook(run) -> collections.Counter:
     seen = collections.Counter()
     handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.update([type(m).__name__]))

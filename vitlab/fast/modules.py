@@ -42,7 +42,7 @@ cannot be seen through torch's public API: inside the fused path the LayerNorm a
 layers, ``Attention`` and ``Mlp`` are computed as functions, so such a hook sees the
 block, its dropout and drop-path modules and a relative position bias, not them
 (``restore`` the model for a hook that must see every layer).  ``torch.compile`` traces
-the plain forward.
+the plain forward, and torch.func's transforms (``vmap``, ``grad``) run it.
 """
 from __future__ import annotations
 
@@ -250,7 +250,11 @@ class FastLinear(nn.Linear):
 
 def _takes_over(x: torch.Tensor, kernels: KernelChoice) -> bool:
     """Whether the fast path runs this call: always on a GPU; on a CPU where the kernel choice
-    has the fast path take over this mode (autograd on or off) and precision."""
+    has the fast path take over this mode (autograd on or off) and precision.  Never under
+    torch.func's transforms (vmap, grad, jacrev): the fast path's autograd functions have no
+    rules for them, and ended the call in torch's error."""
+    if torch._C._are_functorch_transforms_active():  # what torch's autograd.Function.apply asks itself
+        return False
     if x.device.type != "cpu":
         return True
     bf16 = x.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cpu")

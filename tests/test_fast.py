@@ -402,6 +402,19 @@ def test_a_block_run_in_chunks_casts_each_weight_once_for_all_its_chunks(kernels
     assert all(torch.equal(fp32_bits(p), before[name]) for name, p in fast.restore(model).named_parameters())
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("kernels", CHOICES)
+def test_a_float64_model_under_bf16_autocast_computes_in_float64_as_the_plain_one(kernels, grad):
+    """Autocast leaves float64 alone: the fast path's bf16 kernels gave bf16 logits ~1% away."""
+    plain = with_random_head(tiny()).double()
+    model = fast.optimize(copy.deepcopy(plain), kernels)
+    x = torch.randn(3, 3, 16, 16, dtype=torch.float64)
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", torch.bfloat16):
+        expected, got = plain(x), model(x)
+    assert got.dtype == expected.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("kernels", CHOICES)
 def test_bf16_inference_equals_autocasts_rounding(kernels):
     torch.manual_seed(0)

@@ -250,13 +250,16 @@ class FastLinear(nn.Linear):
 
 def _takes_over(x: torch.Tensor, kernels: KernelChoice) -> bool:
     """Whether the fast path runs this call: always on a GPU; on a CPU where the kernel choice
-    has the fast path take over this mode (autograd on or off) and precision.  Never under
+    has the fast path take over this mode (autograd on or off) and precision, but for a float64
+    input under autocast.  Never under
     torch.func's transforms (vmap, grad, jacrev): the fast path's autograd functions have no
     rules for them, and ended the call in torch's error."""
     if torch._C._are_functorch_transforms_active():  # what torch's autograd.Function.apply asks itself
         return False
     if x.device.type != "cpu":
         return True
+    if x.dtype == torch.float64 and torch.is_autocast_enabled("cpu"):
+        return False  # autocast leaves float64 as it is; the fast path's bf16 kernels computed it in bf16
     bf16 = x.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cpu")
                                          and torch.get_autocast_dtype("cpu") == torch.bfloat16)
     return kernels.takes_over(torch.is_grad_enabled(), bf16)

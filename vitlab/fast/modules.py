@@ -42,7 +42,8 @@ cannot be seen through torch's public API: inside the fused path the LayerNorm a
 layers, ``Attention`` and ``Mlp`` are computed as functions, so such a hook sees the
 block, its dropout and drop-path modules and a relative position bias, not them
 (``restore`` the model for a hook that must see every layer).  ``torch.compile`` traces
-the plain forward, and torch.func's transforms (``vmap``, ``grad``) run it.
+the plain forward, and torch.func's transforms (``vmap``, ``grad``) and torch dispatch modes
+(``FlopCounterMode``) run it.
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ..models.layers import Attention, Block, Mlp
 from .kernels import KernelChoice
@@ -251,10 +253,14 @@ class FastLinear(nn.Linear):
 def _takes_over(x: torch.Tensor, kernels: KernelChoice) -> bool:
     """Whether the fast path runs this call: always on a GPU; on a CPU where the kernel choice
     has the fast path take over this mode (autograd on or off) and precision, but for a float64
-    input under autocast.  Never under
-    torch.func's transforms (vmap, grad, jacrev): the fast path's autograd functions have no
-    rules for them, and ended the call in torch's error."""
+    input under autocast.  Never under torch.func's transforms (vmap, grad, jacrev): the fast
+    path's autograd functions have no rules for them, and ended the call in torch's error; nor
+    under a torch dispatch mode (``FlopCounterMode``, so ``vitlab.analysis.count_flops``; a
+    memory tracker), which then watches the plain model's operators: FlopCounterMode counted
+    oneDNN's matmul as no FLOPs."""
     if torch._C._are_functorch_transforms_active():  # what torch's autograd.Function.apply asks itself
+        return False
+    if is_in_torch_dispatch_mode():
         return False
     if x.device.type != "cpu":
         return True

@@ -1,6 +1,7 @@
 """`vitlab train` end to end: a synthetic ImageFolder, one process and two (torchrun, gloo)."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,12 @@ def last_json_line(text: str) -> dict:
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 
+def summary_fields_the_docs_name() -> set[str]:
+    """The fields docs/training.md's "The run's summary" names (a CPU run's; the GPU's MFU fields follow it)."""
+    text = (ROOT / "docs" / "training.md").read_text().split("## The run's summary", 1)[1]
+    return set(re.findall(r"`([a-z][a-z0-9_]*)`", text.split("On a GPU it also gives", 1)[0]))
+
+
 def test_train_cli_end_to_end(tmp_path, capsys):
     data = make_image_folder(tmp_path / "images")
     out = tmp_path / "run"
@@ -49,6 +56,8 @@ def test_train_cli_end_to_end(tmp_path, capsys):
     assert json.loads((out / "classes.json").read_text()) == ["cat", "dog", "fish"]
     for name in ("metrics.jsonl", "metrics.csv", "summary.json", "config.json", "curves.png"):
         assert (out / name).is_file(), name
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert set(summary) <= summary_fields_the_docs_name()
     # predict reads the weights and the class names beside them
     assert main(["predict", "--checkpoint", summary["weights"], "--json", str(data / "cat" / "0.png")]) == 0
     top = json.loads(capsys.readouterr().out.splitlines()[-1])["top"]

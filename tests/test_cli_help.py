@@ -1,7 +1,7 @@
 """Every command's help renders (a stray % in a help string breaks argparse only at --help)."""
 import pytest
 
-from vitlab.cli import COMMANDS, main
+from vitlab.cli import COMMANDS, build_parser, main
 
 
 @pytest.mark.parametrize("command", [None] + [c for c, _, _ in COMMANDS])
@@ -102,3 +102,12 @@ def test_an_interrupted_command_says_so_in_one_line_naming_it(capsys, monkeypatc
     monkeypatch.setattr(vitlab.cli.models, "run", interrupted)
     assert main(["models"]) == 130
     assert capsys.readouterr().err == "vitlab models: interrupted\n"
+
+
+@pytest.mark.parametrize("command", ["train", "finetune", "sweep", "eval", "fewshot"])
+def test_every_command_that_reads_data_names_every_form_it_reads(command):
+    """train's --data named ImageFolders, archives, digits and shards, not the Hugging Face datasets and parquet
+    files it streams (docs/scale.md), which eval's and fewshot's name."""
+    data = next(a for a in build_parser().commands[command]._actions if "--data" in a.option_strings)
+    for form in ("ImageFolder", ".tar.gz", "digits", "shards/*.tar", "save_to_disk", "parquet"):
+        assert form in data.help, (command, form)

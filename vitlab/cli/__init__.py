@@ -33,7 +33,8 @@ COMMANDS: list[tuple[str, str, str]] = [
                      "group means"),
     ("inspect", "inspect", "an HTML report: attention rollout and distance, embedding figures, training curves"),
     ("experiment", "experiment", "the paper's experiments in miniature: tables and figures into results/NAME"),
-    ("calibrate", "calibrate", "time this CPU's matrix-multiply kernels once and store the faster ones"),
+    ("calibrate", "calibrate", "time whole training and inference steps of the plain and fast models once and "
+                               "store what wins"),
 ]
 
 

@@ -36,12 +36,13 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
     p.add_argument("--recipe", default=default_recipe, required=default_recipe is None,
                    help="a recipe of vitlab/configs/ (NAME or NAME:key=value or path/to/recipe.py)")
     p.add_argument("--model", help="registry name, e.g. ViT-B/16 (see `vitlab models`)")
-    p.add_argument("--data", help="ImageFolder folder, .tar/.tar.gz archive of one, 'digits', or tar shards to "
-                                  "stream: a folder of them, 'shards/{000000..000099}.tar' or 'shards/*.tar'")
+    p.add_argument("--data", help="ImageFolder folder, .tar/.tar.gz archive of one, 'digits', or a set to stream: "
+                                  "tar shards (a folder of them, 'shards/{000000..000099}.tar' or 'shards/*.tar'), a "
+                                  "Hugging Face save_to_disk folder or parquet files")
     p.add_argument("--stream", choices=("auto", "memory", "stream"),
                    help="decode the training set into memory or stream it from disk in DataLoader workers "
-                        "(default auto: shards stream; a folder streams when decoded it would exceed "
-                        "data.memory_limit_gb)")
+                        "(default auto: shards, Hugging Face datasets and parquet files stream; a folder streams "
+                        "when decoded it would exceed data.memory_limit_gb)")
     p.add_argument("--val-split", type=float,
                    help="held-out validation examples: a count (5000) or a fraction (0.1); 0: none (a streamed set "
                         "holds out whole shards)")

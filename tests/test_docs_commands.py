@@ -17,6 +17,10 @@ must exist; ``vitlab train: error ...`` is output).  Each is parametrized by its
 * ``bash FILE``, ``.ci/run``, ``python FILE.py``, ``python -m pytest PATH``: the files exist;
 * no command leaves parentheses unquoted (``--only 'infer/(a|b)$'``: a shell reads them as syntax).
 
+Besides the commands, what docs/ states that is cheap to check: the table of docs/models.md is
+what ``vitlab models --markdown`` prints, every ``vitlab.x.y`` its code names (inline spans,
+python blocks) exists, and every ``pip install -e ".[extra]"`` names an extra of pyproject.toml.
+
 Placeholders (``W``, ``DATA``, ``N``, ``REV``, ``NAME``, ``<trained weights>``, ``...``) are fine
 as values; a placeholder recipe or experiment is not looked up.  ``[--seed 1]`` is checked as if
 given; ``{a,b}`` and ``a|b`` are alternatives, each checked.
@@ -30,12 +34,15 @@ arguments are checked against that script as it was at REV (read with git; skipp
 complete git checkout), and a marked command that works today must lose its mark.  A
 ``--before REV`` of a benchmark must be a commit too.
 """
+import importlib
+import re
 import subprocess
+import tomllib
 from functools import cache
 
 import pytest
 
-from helpers.doc_commands import (ROOT, benchmark_of, check, check_benchmark, is_placeholder, kind_of,
+from helpers.doc_commands import (ROOT, benchmark_of, check, check_benchmark, fenced, is_placeholder, kind_of,
                                   named_commands, shell_commands, unquoted_parentheses)
 
 FILES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")) + ["benchmarks/NOTES.md"]
@@ -123,3 +130,46 @@ def test_historical_commands_are_history():
             continue
         today.append(command.id)
     assert not today, f"marked (at REV) yet they work today: {today}"
+
+
+# what else the docs state that is cheap to hold them to ------------------------------------------
+
+DOCS = [f for f in FILES if f.startswith("docs/")]  # benchmarks/NOTES.md keeps the names of retired code
+
+
+def test_the_models_table_is_what_vitlab_models_prints(capsys):
+    """docs/models.md says "Reproduce with `vitlab models --markdown`": its table is that output."""
+    from vitlab.cli import main
+
+    assert main(["models", "--markdown"]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    text = TEXTS["docs/models.md"]
+    table = [line for line in text[text.index("| model | parameters |"):].splitlines() if line.startswith("|")]
+    assert table == printed
+
+
+def named_objects(text: str) -> set[str]:
+    """Every dotted ``vitlab.x.y`` a page names in its code: inline spans and fenced python blocks."""
+    code = re.findall(r"`([^`\n]+)`", text) + [block for _, block in fenced(text, "python")]
+    return {name for span in code for name in re.findall(r"\bvitlab(?:\.\w+)+", span)}
+
+
+@pytest.mark.parametrize("file", DOCS)
+def test_every_vitlab_name_the_docs_give_exists(file):
+    for name in sorted(named_objects(TEXTS[file])):
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable module, then its attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ImportError:
+                continue
+        for part in parts[cut:]:
+            assert hasattr(obj, part), f"{file}: {name}: {'.'.join(parts[:cut])} has no {part}"
+            obj = getattr(obj, part)
+
+
+def test_every_extra_the_docs_name_exists():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    named = {extra for f in DOCS for extra in re.findall(r'pip install -e "\.\[(\w+)\]"', TEXTS[f])}
+    assert named and named <= set(extras)

@@ -112,6 +112,20 @@ def test_not_cached_without_huggingface_hub_names_the_extra(hub_env, tmp_path, c
     assert len(err.splitlines()) == 1 and "huggingface_hub" in err and 'pip install -e ".[hub]"' in err
 
 
+def test_a_mistyped_run_folder_without_huggingface_hub_is_no_such_folder_first(hub_env, tmp_path, capsys):
+    """`vitlab finetune --init runs/dem` (for runs/demo) on an install without the hub extra said only that
+    downloading runs/dem needs huggingface_hub: nothing said that no such folder is there."""
+    hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    hub_env.setitem(sys.modules, "huggingface_hub", None)  # not installed
+    hub_env.chdir(tmp_path)
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    assert main(["predict", "--checkpoint", "runs/dem", an_image(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"vitlab predict: error: runs/dem: no such file or folder, nor a model in the Hugging Face cache "
+        f"{tmp_path / 'empty'}; downloading it needs huggingface_hub, which is not installed: "
+        'pip install -e ".[hub]"\n')
+
+
 def fake_hub(hub, hub_env, tmp_path, remote):
     """huggingface_hub's download and metadata request, answered from the folder ``remote``; the
     names asked for, and the metadata requests, in order."""

@@ -115,7 +115,9 @@ def download_snapshot(repo_id: str, revision: str = "main", cache_dir: Path | No
     from vitlab.extras import require
 
     cache_dir = cache_dir or hub_cache_dir()
-    hub = require("huggingface_hub", f"{repo_id} (not in the Hugging Face cache {cache_dir}): downloading it")
+    # a mistyped local folder (runs/dem) reads as a Hub name too: what is not there comes first, as below
+    hub = require("huggingface_hub", f"{repo_id}: no such file or folder, nor a model in the Hugging Face cache "
+                                     f"{cache_dir}; downloading it")
 
     def fetch(filename: str) -> Path:
         return Path(hub.hf_hub_download(repo_id, filename, revision=revision, cache_dir=str(cache_dir)))

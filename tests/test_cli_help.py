@@ -59,9 +59,10 @@ def test_version_prints_the_installed_packages_version(capsys):
 def test_the_package_takes_its_version_and_license_from_one_place_each():
     from pathlib import Path
 
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from helpers.project import pyproject as read_pyproject
+
     root = Path(__file__).resolve().parent.parent
-    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    pyproject = read_pyproject()
     project = pyproject["project"]
     # no number of its own in pyproject.toml: the metadata's version is vitlab.__version__
     assert "version" not in project and "version" in project["dynamic"]

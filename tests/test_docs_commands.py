@@ -37,13 +37,13 @@ complete git checkout), and a marked command that works today must lose its mark
 import importlib
 import re
 import subprocess
-import tomllib
 from functools import cache
 
 import pytest
 
 from helpers.doc_commands import (ROOT, benchmark_of, check, check_benchmark, fenced, is_placeholder, kind_of,
                                   named_commands, shell_commands, unquoted_parentheses)
+from helpers.project import pyproject
 
 FILES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")) + ["benchmarks/NOTES.md"]
 TEXTS = {f: (ROOT / f).read_text() for f in FILES}
@@ -170,6 +170,6 @@ def test_every_vitlab_name_the_docs_give_exists(file):
 
 
 def test_every_extra_the_docs_name_exists():
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = pyproject()["project"]["optional-dependencies"]
     named = {extra for f in DOCS for extra in re.findall(r'pip install -e "\.\[(\w+)\]"', TEXTS[f])}
     assert named and named <= set(extras)

@@ -4,13 +4,13 @@ Each package is hidden from the import system (``sys.modules[name] = None`` make
 raise ModuleNotFoundError, as on a machine without it)."""
 import importlib
 import sys
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from helpers.project import pyproject
 from vitlab.cli import main
 from vitlab.extras import EXTRAS, MissingPackage, require
 
@@ -38,7 +38,7 @@ def image(tmp_path_factory):
 
 
 def test_every_optional_package_has_its_extra():
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = pyproject()["project"]["optional-dependencies"]
     for module, (package, extra) in EXTRAS.items():
         assert any(req.startswith(package) for req in extras[extra]), (module, extra)
         assert any(req.startswith(package) for req in extras["test"]), f"CI must install {package}"
@@ -54,7 +54,7 @@ def test_require_names_the_extra(monkeypatch, module):
 
 
 def test_demo_extra_brings_what_the_demo_imports():
-    demo = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["demo"]
+    demo = pyproject()["project"]["optional-dependencies"]["demo"]
     assert {EXTRAS["sklearn"][0], EXTRAS["matplotlib"][0]} <= {req.split(">")[0].split("=")[0] for req in demo}
 
 

@@ -6,13 +6,13 @@ tests/train/test_cli.py; the README cannot drift from the CLI unnoticed.  The ch
 are tests/helpers/doc_commands.py's, which tests/test_docs_commands.py applies to docs/."""
 import re
 import shlex
-import tomllib
 from pathlib import Path
 
 import pytest
 
 import vitlab
 from helpers.doc_commands import check_vitlab, vitlab_argv
+from helpers.project import pyproject
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -64,7 +64,7 @@ def test_every_vitlab_command_parses_and_configures(argv):
 
 
 def test_every_extra_and_file_the_readme_names_exists():
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = pyproject()["project"]["optional-dependencies"]
     named = set(re.findall(r'pip install -e "\.\[(\w+)\]"', README))
     assert named and named <= set(extras)
     for command in COMMANDS:

@@ -1,4 +1,5 @@
-"""The package's source reads clean: every name it uses is defined and every import is used (pyflakes)."""
+"""The package's source reads clean: every name it uses is defined and every import is used (pyflakes); the
+tests import nothing that the oldest Python the package supports (requires-python) lacks."""
 import io
 from pathlib import Path
 
@@ -25,3 +26,35 @@ def test_importing_the_package_and_its_commands_loads_no_compiler():
             "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_tests_import_nothing_the_oldest_python_the_package_supports_lacks():
+    """requires-python is >=3.10, which has no tomllib (3.11): four test modules imported it, so that on 3.10
+    `python -m pytest tests` stopped at collection and ran nothing.  They read pyproject.toml through
+    helpers.project, which takes tomli there, and the test extra brings tomli there."""
+    import ast
+    import re
+
+    from helpers.project import pyproject
+
+    project = pyproject()["project"]
+    oldest = tuple(map(int, re.fullmatch(r">=(\d+)\.(\d+)", project["requires-python"]).groups()))
+    newer = {"tomllib"} if oldest < (3, 11) else set()  # standard-library modules the oldest Python lacks
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        if path == tests / "helpers" / "project.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "importorskip" and node.args \
+                    and isinstance(node.args[0], ast.Constant):
+                names = [node.args[0].value]
+            found += [f"{path.relative_to(tests)}:{node.lineno}: {name}" for name in names
+                      if name.split(".")[0] in newer]
+    assert not found, found
+    if newer:
+        assert any(re.fullmatch(r'tomli>=[\d.]+; python_version < "3\.11"', req)
+                   for req in project["optional-dependencies"]["test"])

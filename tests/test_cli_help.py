@@ -105,6 +105,23 @@ def test_an_interrupted_command_says_so_in_one_line_naming_it(capsys, monkeypatc
     assert capsys.readouterr().err == "vitlab models: interrupted\n"
 
 
+@pytest.mark.parametrize("command, module, argv", [("train", "train", ["--recipe", "demo"]),
+                                                   ("vtab", "vtab", ["--init", "w", "--tasks", "t"]),
+                                                   ("experiment", "experiment", ["head"])])
+def test_an_interrupted_command_that_can_resume_says_how(capsys, monkeypatch, command, module, argv):
+    """Ctrl-C in a training run said only "interrupted": its checkpoints (finished runs) were kept, and
+    nothing named the flag that goes on from them."""
+    import importlib
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(f"vitlab.cli.{module}"), "run", interrupted)
+    assert main([command, *argv]) == 130
+    assert capsys.readouterr().err == (f"vitlab {command}: interrupted; run it again with --resume to go on from "
+                                       "where it stopped\n")
+
+
 @pytest.mark.parametrize("command", ["train", "finetune", "sweep", "eval", "fewshot"])
 def test_every_command_that_reads_data_names_every_form_it_reads(command):
     """train's --data named ImageFolders, archives, digits and shards, not the Hugging Face datasets and parquet

@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         with one_line_warnings(args.command):
             return int(args._run(args) or 0)
     except KeyboardInterrupt:  # Ctrl-C: named as every other ending of a command is
-        print(f"vitlab {args.command}: interrupted", file=sys.stderr)
+        # the commands that can go on from where they stopped say how (checkpoints, finished runs)
+        again = "; run it again with --resume to go on from where it stopped" if hasattr(args, "resume") else ""
+        print(f"vitlab {args.command}: interrupted{again}", file=sys.stderr)
         return 130
     # configuration and input errors (a file that is no image: PIL's UnidentifiedImageError is an
     # OSError), a checkpoint that cannot be written (OSError), a training loss that is NaN

@@ -274,3 +274,18 @@ def test_the_report_goes_into_a_pipe_or_device_named_as_out(tmp_path):
     assert (tmp_path / "link.html").is_symlink() and "</html>" in (tmp_path / "empty.html").read_text()
     with pytest.raises(ValueError, match="out_path=.* is a folder; expected a file to write"):
         write_report(create_model(TINY), images(1), tmp_path)
+
+
+def test_inspect_names_a_missing_image_before_it_loads_the_model(tmp_path, capsys, monkeypatch):
+    # a mistyped image name stopped the report only once the model had been loaded (minutes for a large one)
+    import vitlab.weights
+    from vitlab.cli import main
+
+    def not_to_be_loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the images were checked")
+
+    monkeypatch.setattr(vitlab.weights, "load_model", not_to_be_loaded)
+    (tmp_path / "folder").mkdir()
+    for image, what in (("missing.png", "no such file"), ("folder", "a folder; expected image files")):
+        assert main(["inspect", "weights", "--images", str(tmp_path / image), "--out", str(tmp_path / "r.html")]) == 2
+        assert capsys.readouterr().err.strip() == f"vitlab inspect: error: {tmp_path / image}: {what}"

@@ -256,7 +256,7 @@ def test_predict_names_a_missing_image_before_scoring_any(tmp_path, capsys):
         img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=4, num_classes=3)), tmp_path / "m")
     image = tmp_path / "red.png"
     Image.new("RGB", (16, 16), (200, 10, 10)).save(image)
-    for missing, what in ((tmp_path / "typo.png", "no such file"), (tmp_path, "a folder; predict takes image files")):
+    for missing, what in ((tmp_path / "typo.png", "no such file"), (tmp_path, "a folder; expected image files")):
         assert main(["predict", "--checkpoint", str(weights), str(image), str(missing)]) == 2
         captured = capsys.readouterr()
         assert captured.out == "" and captured.err == f"vitlab predict: error: {missing}: {what}\n"

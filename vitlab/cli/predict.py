@@ -51,7 +51,7 @@ def check_images(paths: list[str]) -> None:
     stopped the command there, after the images before it had been scored."""
     for path in paths:
         if not Path(path).is_file():
-            what = "a folder; predict takes image files" if Path(path).is_dir() else "no such file"
+            what = "a folder; expected image files" if Path(path).is_dir() else "no such file"
             raise FileNotFoundError(f"{path}: {what}")
 
 

@@ -196,7 +196,7 @@ def test_an_experiments_own_settings_of_the_wrong_shape_are_refused_before_any_r
             ("data-scale", "sizes=[2000,", "sizes='[2000,': expected a non-empty list of integers, such as [2000, "),
             ("data-scale", "sizes=[]", "sizes=(): expected a non-empty list of integers"),
             ("data-scale", "sizes=[2.5]", "sizes=(2.5,): expected a non-empty list of integers"),
-            ("data-scale", "total=abc", "total='abc': expected an integer, such as 50000"),
+            ("data-scale", "shots=abc", "shots='abc': expected a non-empty list of integers, such as [5, 10, 25]"),
             ("head", "lrs=abc", "lrs='abc': expected a non-empty list of numbers, such as [0.0008, 0.0003]"),
             ("optimiser", "settings=[['adam']]", "settings=(['adam'],): expected a non-empty list, such as [[")):
         assert main(["experiment", name, "--quick", "--out", str(tmp_path / "x"), "--set", item]) == 2
@@ -214,12 +214,28 @@ def test_an_experiments_counts_below_one_are_refused_by_name(tmp_path, capsys):
     # shots, total...) is a count, and mpp's budgets, 0 in the quick form, is not
     for name, item, said in (
             ("data-scale", "sizes=[-1]", "sizes=(-1,): expected a non-empty list of integers above 0, such as [2000, "),
-            ("data-scale", "total=0", "total=0: expected an integer above 0, such as 50000"),
+            ("data-scale", "shots=[0]", "shots=(0,): expected a non-empty list of integers above 0, such as [5, "),
             ("compute", "budgets=[10,0]", "budgets=(10, 0): expected a non-empty list of integers above 0")):
         assert main(["experiment", name, "--quick", "--out", str(tmp_path / "x"), "--set", item]) == 2
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith(f"vitlab experiment: error: experiment {name}: {said}"), line
     assert experiments.settings("mpp", quick=True, budgets=(0,)).get("budgets") == (0,)
+
+
+def test_data_scale_refuses_sizes_the_data_does_not_hold_before_any_run(tmp_path, capsys, monkeypatch):
+    # sizes=[1600, 3000] on the digits (1,797 examples, 300 held out) trained both on the 1,497 left and
+    # labelled the rows 1600 and 3000: two identical rows at sizes that never trained
+    trained = record_training(monkeypatch)
+    args = ["experiment", "data-scale", "--quick", "--out", str(tmp_path / "x"), "--threads", "1"]
+    assert main(args + ["--set", "sizes=[200,1600,3000]"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("vitlab experiment: error: experiment data-scale: sizes [1600, 3000]: the data holds "
+                           "1797 examples, 1497 after val_split=300"), line
+    assert trained == [] and not (tmp_path / "x" / "results.json").exists()
+    # every example left is a size it has: the run trains on all of them
+    assert main(args + ["--set", "sizes=[1497]", "--set", "steps=1", "--set", "shots=[5]"]) == 0
+    summary = json.loads((tmp_path / "x" / "runs" / "ViT-1497-s0" / "summary.json").read_text())
+    assert summary["train_examples"] == 1497
 
 
 def record_training(monkeypatch) -> list[str]:

@@ -6,6 +6,7 @@ from typing import Sequence
 import numpy as np
 
 from vitlab.analysis.plots import plot_lines
+from vitlab.config import ConfigError
 from vitlab.data import stratified_sample
 from vitlab.eval.features import extract_features
 from vitlab.eval.fewshot import fewshot_evaluate
@@ -18,10 +19,10 @@ PAPER = ("Fig. 3 and 4: ResNets win on small pre-training sets, ViT overtakes th
          "(JFT subsets 9M-300M; ImageNet-21k vs ImageNet)")
 SUMMARY = ("model", "examples")
 METRICS = ("val_top1", "fewshot_5", "fewshot_10", "wall_s", "train_eflops")
-QUICK = dict(sizes=[200, 600, 1400], total=1797, steps=15, shots=[5, 10])
+QUICK = dict(sizes=[200, 600, 1400], steps=15, shots=[5, 10])
 # 10 runs x 2 seeds x 600 steps: about 60 minutes on the 2-core CPU.  Bounded by steps, not
 # minutes, so that every CPU trains the same runs and --resume can add seeds on another machine.
-DEFAULT = dict(img_size=32, val_split=5000, total=50000, seeds=2,
+DEFAULT = dict(img_size=32, val_split=5000, seeds=2,
                sizes=[2000, 5000, 10000, 20000, 45000], steps=600, time_limit=0.0, batch_size=128, lr=2e-3,
                width=192, depth=6, num_heads=3, mlp_dim=384, patch_size=4, shots=[5, 10, 25])
 # the ResNet baseline's units per stage (None: (1, 1, 1); (1,) on the digits) and width factor (None: 1; 0.5 on them)
@@ -29,10 +30,15 @@ OPTIONS = dict(resnet_layers=None, resnet_width=None)
 
 
 def run(settings, out):
+    total = len(load_images(settings)[1])  # examples the data holds: the split's and the pool's
+    over = [n for n in settings.get("sizes") if n + settings.val_split > total]
+    if over:  # such a run trained on every example left and its row was labelled with the size asked
+        raise ConfigError(f"experiment data-scale: sizes {over}: the data holds {total} examples, "
+                          f"{total - settings.val_split} after val_split={settings.val_split}; sizes must not exceed that")
     rows = []
     for seed in settings.new_seeds():
         for n in settings.get("sizes"):
-            take = 0 if n + settings.val_split >= settings.get("total", 0) else n + settings.val_split
+            take = 0 if n + settings.val_split == total else n + settings.val_split
             for model in ("ViT", "ResNet"):
                 folder = out / f"{model}-{n}-s{seed}"
                 if model == "ViT":

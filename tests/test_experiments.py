@@ -238,6 +238,23 @@ def test_data_scale_refuses_sizes_the_data_does_not_hold_before_any_run(tmp_path
     assert summary["train_examples"] == 1497
 
 
+def test_mpp_refuses_a_pretrain_share_that_leaves_the_fine_tuning_no_step_before_any_run(tmp_path, capsys,
+                                                                                        monkeypatch):
+    # pretrain_share=1.5 (or 1.0, or steps=1) pre-trained, then failed as "optim.steps=-2: must be a
+    # positive integer", naming neither setting
+    trained = record_training(monkeypatch)
+    for items, said in ((["pretrain_share=1.5"], "pretrain_share=1.5: expected a number between 0 and 1"),
+                        (["pretrain_share=1.0"], "pretrain_share=1.0: expected a number between 0 and 1"),
+                        (["pretrain_share=0"], "pretrain_share=0.0: expected a number between 0 and 1"),
+                        (["steps=1"], "steps=1: leaves the fine-tuning no step after 1 of pre-training")):
+        sets = [a for item in items for a in ("--set", item)]
+        assert main(["experiment", "mpp", "--quick", "--out", str(tmp_path / "x"), "--set", "targets=color",
+                     *sets]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"vitlab experiment: error: experiment mpp: {said}"), line
+    assert trained == [] and not (tmp_path / "x" / "runs").exists()
+
+
 def record_training(monkeypatch) -> list[str]:
     """The output folders of the runs the experiments train (``vitlab.train.train``) from now on, in order."""
     from vitlab.experiments import common

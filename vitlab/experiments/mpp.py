@@ -13,6 +13,7 @@ A budget of 0 is step-bounded (``steps``, the quick form).
 from __future__ import annotations
 
 from vitlab.analysis.plots import plot_bars
+from vitlab.config import ConfigError
 from vitlab.experiments.common import train_vit, vit_overrides
 from vitlab.experiments.tables import bars_of
 from vitlab.models.mpp import TARGETS
@@ -43,7 +44,23 @@ def targets_at(settings, budget) -> tuple:
     return TARGETS if settings.get("all_targets", False) or budget == min(budgets) else ("color",)
 
 
+def pretrain_steps(settings) -> int:
+    """The pre-training's step ceiling, ``pretrain_share`` of ``steps``; the fine-tuning gets the rest.
+    Checked before any run: a share of 1 or more, or too few steps, left the fine-tuning no steps and
+    failed as ``optim.steps=0`` once the pre-training had trained."""
+    share = settings.get("pretrain_share", 0.6)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
+        raise ConfigError(f"experiment mpp: pretrain_share={share!r}: expected a number between 0 and 1 (exclusive), "
+                          "the share of each budget spent on pre-training, such as 0.6")
+    pre_steps = max(1, int(settings.steps * share))
+    if settings.steps - pre_steps < 1:
+        raise ConfigError(f"experiment mpp: steps={settings.steps}: leaves the fine-tuning no step after "
+                          f"{pre_steps} of pre-training (pretrain_share={share}); expected at least 2")
+    return pre_steps
+
+
 def run(settings, out):
+    pretrain_steps(settings)
     rows = []
     for budget in settings.get("budgets", (0,)):
         for seed in settings.new_seeds():
@@ -55,7 +72,7 @@ def run(settings, out):
 def mpp_then_finetune(settings, out, budget, seed, target) -> dict:
     """One row: MPP pre-training for ``pretrain_share`` of the budget, then fine-tuning."""
     share = float(settings.get("pretrain_share", 0.6))
-    pre_steps = max(1, int(settings.steps * share))  # ceilings; a budget's time limit decides
+    pre_steps = pretrain_steps(settings)  # ceilings; a budget's time limit decides
     tag = f"{budget:g}min"
     pre = train_vit(settings, out / f"{tag}-mpp-{target}-s{seed}", seed, vit_overrides(settings), dict(
         _init(settings), **{"model.mpp": target, "model.mpp_rate": 0.5, "optim.steps": pre_steps,

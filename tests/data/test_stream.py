@@ -181,6 +181,25 @@ def test_resume_continues_sample_exactly(shards):
         other.load_state_dict(state)
 
 
+def test_resume_refuses_another_shuffle_buffer_or_another_set(shards):
+    # either reorders what each reader hands out: skipping the samples counted in the checkpoint
+    # would then skip others than were trained on (some twice in the epoch, some never), silently
+    source = open_source(str(shards))
+    first = StreamLoader(source, 4, image_size=(8, 8), seed=1, shuffle_buffer=4, workers=2)
+    it = iter(first)
+    next(it)
+    state = first.state_dict()
+    del it
+    other_buffer = StreamLoader(source, 4, image_size=(8, 8), seed=1, shuffle_buffer=8, workers=2)
+    with pytest.raises(DataError, match=r"data.shuffle_buffer=4; this run has 8"):
+        other_buffer.load_state_dict(state)
+    fewer = StreamLoader(source.subset(range(9), "training"), 4, image_size=(8, 8), seed=1, shuffle_buffer=4,
+                         workers=2)
+    with pytest.raises(DataError, match=r"10 unit\(s\) of 30 samples; this run's has 9 of 27"):
+        fewer.load_state_dict(state)
+    StreamLoader(source, 4, image_size=(8, 8), seed=1, shuffle_buffer=4, workers=2).load_state_dict(state)
+
+
 def test_multi_label_samples_give_multi_hot_targets(tmp_path):
     out = tmp_path / "jft"
     out.mkdir()

@@ -514,8 +514,11 @@ class StreamLoader:
             dist.all_gather_object(nexts, self.next_reader)
         else:
             nexts = [self.next_reader]
+        source = self.dataset.source
         return {"kind": "stream", "world_size": self.world_size, "workers": self.dataset.workers, "ranks": ranks,
-                "next_reader": nexts, "unread": self.unread_everywhere().to_list()}
+                "next_reader": nexts, "unread": self.unread_everywhere().to_list(),
+                "shuffle_buffer": self.dataset.shuffle_buffer, "units": len(source.units),
+                "samples": source.num_samples}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "stream":
@@ -525,6 +528,18 @@ class StreamLoader:
             raise DataError(f"--resume: the checkpoint streamed with world_size={layout[0]} x workers={layout[1]}; "
                             f"this run has {self.world_size} x {self.dataset.workers}; a sample-exact continuation "
                             "needs the same")
+        # either orders each reader's samples otherwise: the counts would skip other samples than were
+        # trained on (checkpoints from before these were recorded are taken as they are)
+        buffer = state.get("shuffle_buffer", self.dataset.shuffle_buffer)
+        if buffer != self.dataset.shuffle_buffer:
+            raise DataError(f"--resume: the checkpoint streamed with data.shuffle_buffer={buffer}; this run has "
+                            f"{self.dataset.shuffle_buffer}; a sample-exact continuation needs the same")
+        source = self.dataset.source
+        saved = (state.get("units", len(source.units)), state.get("samples", source.num_samples))
+        if saved != (len(source.units), source.num_samples):
+            raise DataError(f"--resume: the checkpoint's training set was {saved[0]} unit(s) of {saved[1]} samples; "
+                            f"this run's has {len(source.units)} of {source.num_samples} ({source.name}): the data "
+                            "changed since, and its positions would skip other samples than were trained on")
         self.positions = [tuple(p) for p in state["ranks"][self.dataset.rank]]
         self.next_reader = int(state["next_reader"][self.dataset.rank])
         self.unread.update(state.get("unread", []))  # warned about by the run that met them

@@ -255,6 +255,14 @@ def test_too_few_shards_for_the_workers_asked_is_one_warning_saying_how_many(sha
     assert caplog.text == ""
 
 
+def test_a_micro_batch_smaller_than_the_workers_is_said_to_be_the_limit_not_the_shards(shards, caplog):
+    # 10 shards are enough for 2 x 2 readers; a micro-batch of 1 is not: more shards would not help
+    with caplog.at_level("WARNING", logger="vitlab.data.stream"):
+        assert StreamLoader(open_source(str(shards)), 1, image_size=(8, 8), world_size=2, workers=2).workers == 1
+    assert "micro-batch 1: 1 DataLoader worker(s) per process instead of 2" in caplog.text
+    assert "each reader makes a part of every micro-batch" in caplog.text and "pack-shards" not in caplog.text
+
+
 def test_held_out_units_are_seeded_whole_and_refused_when_they_would_take_all(shards):
     source = open_source(str(shards))  # 10 shards of 3
     rest, held = hold_out(source, 7, seed=0)

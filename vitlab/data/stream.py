@@ -443,9 +443,12 @@ def fitting_workers(source: StreamSource, workers: int, world_size: int, batch_s
     if fitting == workers:
         return fitting, ""
     readers = world_size * workers
-    return fitting, (f"{source.name}: {units} unit(s) (shards) for {world_size} process(es) x {workers} workers, "
-                     f"micro-batch {batch_size}: {fitting} DataLoader worker(s) per process instead of {workers}; to "
-                     f"use them all, write at least {readers} shards (vitlab pack-shards --per-shard "
+    said = (f"{source.name}: {units} unit(s) (shards) for {world_size} process(es) x {workers} workers, "
+            f"micro-batch {batch_size}: {fitting} DataLoader worker(s) per process instead of {workers}")
+    if batch_size < min(workers, units // world_size):  # the micro-batch is the limit: more shards would not help
+        return fitting, (f"{said}; each reader makes a part of every micro-batch: for them all, a micro-batch of at "
+                         f"least {workers} (optim.batch_size / (optim.accum_steps x processes))")
+    return fitting, (f"{said}; to use them all, write at least {readers} shards (vitlab pack-shards --per-shard "
                      f"{max(1, source.num_samples // (4 * readers))})")
 
 

@@ -149,6 +149,16 @@ def test_both_loaders_are_the_batches_the_trainer_uses(loader):
     assert isinstance(raw(), Batches)
 
 
+def test_a_streamed_runs_position_is_refused_in_memory_naming_both():
+    # `vitlab train --resume --stream memory` of a streamed run's checkpoint: a KeyError traceback
+    stream = BatchStream(IMAGES, LABELS, 4)
+    streamed = {"kind": "stream", "world_size": 1, "workers": 1, "ranks": [[[0, 4]]], "next_reader": [0]}
+    with pytest.raises(ValueError, match="--resume: the checkpoint's data position is of a streamed run, this "
+                                         "run holds its data in memory"):
+        stream.load_state_dict(streamed)
+    assert stream.state_dict()["epoch"] == 0 and stream.state_dict()["position"] == 0
+
+
 def test_an_iterable_that_cannot_resume_is_not_batches():
     class Plain:
         def __iter__(self):

@@ -147,7 +147,14 @@ class BatchStream:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue exactly where ``state_dict()`` was taken (same batch_size, world_size)."""
+        """Continue exactly where ``state_dict()`` was taken (same batch_size, world_size).
+
+        Raises:
+            ValueError: ``state`` is a streamed run's (``StreamLoader``'s).
+        """
+        if state.get("kind") == "stream":
+            raise ValueError("--resume: the checkpoint's data position is of a streamed run, this run holds its data "
+                             "in memory (resume with data.stream='stream')")
         self.epoch, self.position, self.seed = int(state["epoch"]), int(state["position"]), int(state["seed"])
 
     def set_epoch(self, epoch: int) -> None:

@@ -278,3 +278,24 @@ def test_a_second_run_into_the_same_out_keeps_or_refuses_the_finished_runs(tasks
     assert main([*args, "--steps", "2", "--overwrite"]) == 0
     assert json.loads(summary.read_text())["steps"] == 2
     assert main([*args, "--steps", "2", "--resume"]) == 0  # the record follows the runs trained again
+
+
+def test_run_vtab_trains_each_run_on_its_whole_view_whatever_the_recipes_split(tasks, tiny_checkpoint, tmp_path):
+    """The vtab1k recipe's own 800/200 of 1000 (data.train_examples, data.val_split), here at a
+    twentieth of its size, given to run_vtab as its docstring does: each run held a further part of
+    its view out, so the final run trained on 8 of the 20 examples the report said it had."""
+    from vitlab.configs import load_recipe
+    from vitlab.train.overrides import with_changes
+    from vitlab.train.vtab import run_vtab
+
+    out = tmp_path / "vtab"
+    cfg = with_changes(load_recipe("vtab1k"), {
+        "model.init": tiny_checkpoint, "model.img_size": 16, "optim.steps": 1, "optim.batch_size": 8,
+        "data.train_examples": 12, "data.val_split": 4, "data.decode_workers": 0, "data.cache_dir": str(tmp_path / "c"),
+        "run.out": str(out), "run.precision": "fp32", "run.threads": 1, "run.tensorboard": False})
+    report = run_vtab(cfg, select_tasks(find_tasks(tasks), ["eurosat"], tasks), out, examples=20,
+                      grid=(0.003, 0.03), verbose=False)
+    for run, examples in (("lr_0.003", 16), ("lr_0.03", 16), ("final_lr_*", 20)):
+        summary = json.loads(next((out / "eurosat").glob(f"{run}/summary.json")).read_text())
+        assert (summary["train_examples"], summary["val_examples"]) == (examples, 0), run
+    assert report["tasks"]["eurosat"]["train_examples"] == 20

@@ -70,7 +70,7 @@ def base_config(args: argparse.Namespace):
 
     cfg = load_recipe(args.recipe)
     changes = parse_overrides(cfg, args.overrides)
-    changes.update({"model.init": args.init, "data.train_examples": 0, "data.val_split": 0,
+    changes.update({"model.init": args.init,
                     "data.cache_dir": str(Path(args.out) / "cache"), "run.eval_every": 0, "run.ckpt_every": 0})
     for flag, name in (("steps", "optim.steps"), ("batch_size", "optim.batch_size"), ("img_size", "model.img_size"),
                        ("fast", "run.fast")):

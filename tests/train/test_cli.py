@@ -398,6 +398,18 @@ def test_sweep_holds_out_the_papers_share_per_dataset(dataset, share, capsys):
     assert json.loads(capsys.readouterr().out)["holdout"] == 500
 
 
+def test_sweep_holds_out_the_split_set_on_its_recipe(capsys):
+    """--set data.val_split changes the recipe's split the grid is compared on (--holdout still wins, and
+    --val-split is the final run's): it was accepted, and the grid was compared on the recipe's 10%."""
+    recipe = ["sweep", "--recipe", "paper_finetune:dataset=pets", "--init", "W", "--show-config"]
+    for extra, holdout, final in ((["--set", "data.val_split=0.2"], 0.2, 0), (["--set", "val_split=300"], 300, 0),
+                                  (["--set", "data.val_split=0.2", "--holdout", "0.05"], 0.05, 0),
+                                  (["--set", "data.val_split=0.2", "--val-split", "0.3"], 0.2, 0.3)):
+        assert main([*recipe, *extra]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert (shown["holdout"], shown["final"]["data"]["val_split"]) == (holdout, final), extra
+
+
 def test_fp8_is_a_flag_whose_refusal_on_this_cpu_is_one_line(capsys):
     assert main(["train", "--recipe", "demo", "--show-config", "--precision", "bf16", "--fp8", "off"]) == 0
     assert json.loads(capsys.readouterr().out)["run"]["fp8"] == "off"

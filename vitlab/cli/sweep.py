@@ -5,7 +5,7 @@
 1. For every learning rate of the grid (``--grid``, default the recipe's ``lr_grid``,
    Table 4's {0.001, 0.003, 0.01, 0.03}) train on the rest of the training set and
    measure top-1 on a held-out part (class-stratified, seeded): ``--holdout``, by default
-   the recipe's ``data.val_split``, which for ``paper_finetune`` is the appendix's share
+   the recipe's ``data.val_split`` (as ``--set`` changes it), which for ``paper_finetune`` is the appendix's share
    per dataset (10% Pets and Flowers, 2% CIFAR, 1% ImageNet); 10% for a recipe without one.
 2. Retrain with the best learning rate on the full training set (with ``--val-split``,
    that many examples are still held out for a final number; the default holds out none;
@@ -71,7 +71,7 @@ def sweep_plan(args: argparse.Namespace):
     grid is compared on) from the command's flags."""
     from vitlab.config import ConfigError
     from vitlab.configs import load_recipe
-    from vitlab.train.overrides import with_changes
+    from vitlab.train.overrides import parse_overrides, with_changes
 
     cfg = resolve_config(args, extra={"model.init": args.init} if args.init else {})
     if cfg.model.mpp is not None:  # the first rate's run trained, then the sweep ended on its missing score
@@ -81,7 +81,10 @@ def sweep_plan(args: argparse.Namespace):
     grid = parse_grid(args.grid) if args.grid else tuple(cfg.optim.lr_grid)
     if not grid:
         raise ConfigError("optim.lr_grid=(): the recipe has no learning-rate grid; pass --grid 0.001,0.003,...")
-    holdout = sweep_holdout(args.holdout, load_recipe(args.recipe).data.val_split)
+    # the recipe's split as --set changes it (--val-split is the final run's): a --set data.val_split was ignored
+    recipe = load_recipe(args.recipe)
+    holdout = sweep_holdout(args.holdout, parse_overrides(recipe, args.overrides).get("data.val_split",
+                                                                                       recipe.data.val_split))
     base_out = Path(cfg.run.out)
     # the grid is compared on its hold-out of the training set; a --val-data set scores the final run only
     runs = [with_changes(cfg, {"optim.lr": lr, "data.val_split": holdout, "data.val_data": None,

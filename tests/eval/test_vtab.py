@@ -299,3 +299,23 @@ def test_run_vtab_trains_each_run_on_its_whole_view_whatever_the_recipes_split(t
         summary = json.loads(next((out / "eurosat").glob(f"{run}/summary.json")).read_text())
         assert (summary["train_examples"], summary["val_examples"]) == (examples, 0), run
     assert report["tasks"]["eurosat"]["train_examples"] == 20
+
+
+def test_resume_refuses_runs_made_with_another_schedule_optimiser_or_augmentation(tasks, tiny_checkpoint, tmp_path,
+                                                                                  capsys):
+    """--resume read the finished runs back whatever the optimiser, schedule or augmentation now asked: a
+    --set optim.weight_decay=0.1 was reported as the protocol's setting, on runs trained without it."""
+    out = tmp_path / "vtab"
+    args = [*tiny_vtab(tiny_checkpoint, tasks, out, steps=1), "--only", "eurosat", "--grid", "0.01"]
+    assert main(args) == 0
+    capsys.readouterr()
+    summary = out / "eurosat" / "final_lr_0.01" / "summary.json"
+    stamp = summary.stat().st_mtime_ns
+    for changed, line in ((["--set", "optim.weight_decay=0.1"], "optim.weight_decay=0.1 (its runs: 0.0)"),
+                          (["--set", "augment.flip=false"], "augment.flip=False (its runs: True)"),
+                          (["--set", "optim.clip_norm=0"], "optim.clip_norm=0.0 (its runs: 1.0)")):
+        assert main([*args, *changed, "--resume"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"--resume: the runs of eurosat in {out} were made with other settings: {line};" in err, err
+    assert summary.stat().st_mtime_ns == stamp
+    assert main([*args, "--resume"]) == 0 and summary.stat().st_mtime_ns == stamp

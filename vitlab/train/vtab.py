@@ -38,7 +38,7 @@ from vitlab.weights import load_model
 from vitlab.weights.core import atomic_write
 
 from .build import check_can_run
-from .config import TrainConfig, check_lr_grid
+from .config import TrainConfig, check_lr_grid, to_dict
 from .distributed import local_rank, local_world
 from .loop import train
 from .metrics import Progress
@@ -101,8 +101,13 @@ def task_settings(cfg: TrainConfig, task: Task, examples: int, split_seed: int) 
     so a run made with others would be scored on images it may have trained on."""
     from vitlab.eval.features import file_key
 
-    fields = [n for n in RESUME_INVARIANTS if n != "data.source"] + ["optim.steps"]
-    values = {name: field_value(cfg, name) for name in fields}
+    # and how they trained: a finished run is read back whole, so a change to the schedule, the optimiser, the
+    # augmentation or the precision (--set optim.weight_decay=0.1) was reported as these runs' without a word
+    trained = [f"{section}.{name}" for section in ("model", "augment", "optim") for name in to_dict(cfg)[section]
+               if f"{section}.{name}" not in ("model.init", "optim.lr", "optim.lr_grid")]
+    fields = [n for n in RESUME_INVARIANTS if n != "data.source"] + trained + [
+        "data.progressive_sizes", "run.precision", "run.loss_scale"]
+    values = {name: field_value(cfg, name) for name in dict.fromkeys(fields)}
     values.update({"model.init": file_key(cfg.model.init) if cfg.model.init else None, "examples": examples,
                    "split_seed": split_seed, "task folder": str(Path(task.folder).resolve())})
     return json.loads(json.dumps(values))  # as the file holds them: tuples as lists

@@ -61,6 +61,12 @@ def test_task_names_groups_and_layouts(tasks, tmp_path):
     with pytest.raises(DataError, match="not a VTAB task name.*--group"):
         find_tasks(tmp_path)
     assert find_tasks(tmp_path, {"mine": "structured"})[0].group == "structured"
+    # a VTAB task keeps its own group: --group moved it into another group's mean without a word
+    (tmp_path / "CIFAR-100" / "train" / "x").mkdir(parents=True)
+    assert find_tasks(tmp_path, {"mine": "natural", "CIFAR-100": "natural"})[0].name == "cifar100"
+    with pytest.raises(DataError, match=r"^--group CIFAR-100=structured: CIFAR-100 is VTAB's cifar100, of the "
+                                        "natural group; --group is for folders not named after a VTAB task$"):
+        find_tasks(tmp_path, {"mine": "natural", "CIFAR-100": "structured"})
 
 
 # the paper's Table 9 columns, as it spells them, and the VTAB task each names

@@ -119,6 +119,9 @@ def find_tasks(root: str | os.PathLike, groups: Mapping[str, str] | None = None)
             continue
         if group not in GROUPS:
             raise DataError(f"--group {folder.name}={group}: allowed groups are {', '.join(GROUPS)}")
+        if name and group != TASK_GROUPS[name][0]:  # it moved the task into another group's mean, not the paper's
+            raise DataError(f"--group {folder.name}={group}: {folder.name} is VTAB's {name}, of the "
+                            f"{TASK_GROUPS[name][0]} group; --group is for folders not named after a VTAB task")
         parts = {p: folder / p for p in ("train", "train800", "val200", "test") if (folder / p).is_dir()}
         own_splits = {"train800", "val200"} <= set(parts)
         if "train" not in parts and not own_splits:

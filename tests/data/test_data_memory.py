@@ -1,5 +1,6 @@
 """Tests for vitlab.data.memory: decoding into RAM, caching, corrupt images."""
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -154,3 +155,22 @@ def test_corrupt_images_skipped_counted_and_logged(make_folder, tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="vitlab.data.memory"):
         cached = load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)
     assert len(cached.skipped) == 2 and "skipped 2" in caplog.text  # never silent, cached or not
+
+
+def test_a_folder_of_links_pointed_at_other_images_is_decoded_again(tmp_path):
+    """vtab's split views are links to the task's images: pointed at others of the same size and time
+    (a new --split-seed), the folder kept its key, and the cached earlier split was decoded in its place."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for value in (10, 200):
+        Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(images / f"{value}.bmp")
+        os.utime(images / f"{value}.bmp", ns=(10**18, 10**18))  # the same size and time
+    view = tmp_path / "view" / "a"
+    view.mkdir(parents=True)
+    means = []
+    for value in (10, 200):
+        (view / "0.bmp").unlink(missing_ok=True)
+        (view / "0.bmp").symlink_to(images / f"{value}.bmp")
+        data = load_in_memory(view.parent, image_size=8, cache_dir=tmp_path / "cache", workers=1)
+        means.append(float(data.images.float().mean()))
+    assert means == [10.0, 200.0]

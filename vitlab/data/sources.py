@@ -639,7 +639,10 @@ def source_key(path: PathLike) -> str:
                 facts = f"{st.st_size}|{st.st_mtime_ns}"
             except OSError as e:  # a link to nothing, an image gone: left out when decoded, not the run's end
                 facts = type(e).__name__
-            digest.update(f"\n{image}|{facts}".encode("utf-8", "surrogateescape"))
+            # and what a link names: a folder of links (vtab's split views) pointed at other images of the same
+            # size and time had the same key, and a new --split-seed was decoded as the cached earlier split
+            target = f"|{os.path.realpath(image)}" if os.path.islink(image) else ""  # a plain file's key as it was
+            digest.update(f"\n{image}|{facts}{target}".encode("utf-8", "surrogateescape"))
         digest.update(json.dumps(index.classes).encode("utf-8", "surrogateescape"))
         return f"{path.name}-{digest.hexdigest()[:16]}"
     raise DataError(f"{path}: no such file or folder")

@@ -325,3 +325,19 @@ def test_resume_refuses_runs_made_with_another_schedule_optimiser_or_augmentatio
         assert f"--resume: the runs of eurosat in {out} were made with other settings: {line};" in err, err
     assert summary.stat().st_mtime_ns == stamp
     assert main([*args, "--resume"]) == 0 and summary.stat().st_mtime_ns == stamp
+
+
+def test_run_vtab_refuses_no_tasks_or_paths_for_tasks_before_writing_anything(tasks, tmp_path):
+    """No tasks ended in an IndexError, a task's path for its Task in an AttributeError, a string
+    --examples in a TypeError; named now, before the output folder is made."""
+    from vitlab.config import ConfigError
+    from vitlab.configs import load_recipe
+    from vitlab.train.vtab import run_vtab
+
+    cfg, out = load_recipe("vtab1k"), tmp_path / "vtab"
+    for given, extra, message in (([], {}, r"^tasks=\[\]: expected one or more vitlab.eval.vtab.Task"),
+                                  ([str(tasks / "EuroSAT")], {}, r"^tasks=\['.*EuroSAT'\]: expected one or more"),
+                                  (find_tasks(tasks), {"examples": "20"}, r"^examples='20': expected an integer")):
+        with pytest.raises(ConfigError, match=message):
+            run_vtab(cfg, given, out, **extra)
+    assert not out.exists()

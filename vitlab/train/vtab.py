@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from vitlab.config import ConfigError
+from vitlab.config import ConfigError, is_int, need
 from vitlab.data.memory import load_in_memory
 from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.vtab import Task, TaskSplits, split_tasks, summarize
@@ -193,6 +193,11 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
     """
     if select not in SELECTIONS:
         raise ConfigError(f"select={select!r}: expected one of {', '.join(SELECTIONS)}")
+    # before any folder is written: no tasks ended in an IndexError, a folder's path in an AttributeError
+    need(isinstance(tasks, Sequence) and bool(tasks) and all(isinstance(t, Task) for t in tasks), "tasks",
+         tasks, "expected one or more vitlab.eval.vtab.Task, as find_tasks gives them")
+    need(is_int(examples), "examples", examples, "expected an integer (1000: VTAB-1k)")
+    need(is_int(split_seed), "split_seed", split_seed, "expected an integer")
     out = Path(out)
     # every run trains on the whole of its view: the recipe's own 800/200 of 1000 (vtab1k's train_examples and
     # val_split) held a further 200 out of the views, and the final run trained on 800 of the 1000 it reported

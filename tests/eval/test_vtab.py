@@ -341,3 +341,18 @@ def test_run_vtab_refuses_no_tasks_or_paths_for_tasks_before_writing_anything(ta
         with pytest.raises(ConfigError, match=message):
             run_vtab(cfg, given, out, **extra)
     assert not out.exists()
+
+
+def test_resume_refuses_runs_made_before_the_tasks_images_changed(tiny_checkpoint, tmp_path, capsys):
+    """Images added to a task's train/ re-cut its split: --resume read the runs made on the earlier
+    cut back and scored them on validation images some of them had trained on."""
+    root = tmp_path / "tasks"
+    image_folder(root / "EuroSAT" / "train", 10, 2)
+    out = tmp_path / "vtab"
+    args = [*tiny_vtab(tiny_checkpoint, root, out, steps=1), "--grid", "0.01"]
+    assert main(args) == 0 and main([*args, "--resume"]) == 0  # unchanged: kept
+    capsys.readouterr()
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(root / "EuroSAT" / "train" / "a" / "new.png")
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--resume: the runs of eurosat in" in err and "were made with other settings: task images=" in err, err

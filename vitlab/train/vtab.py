@@ -31,6 +31,7 @@ import torch
 
 from vitlab.config import ConfigError, is_int, need
 from vitlab.data.memory import load_in_memory
+from vitlab.data.sources import source_key
 from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.vtab import Task, TaskSplits, split_tasks, summarize
 from vitlab.machine import Machine
@@ -97,7 +98,7 @@ SETTINGS_NAME = "settings.json"
 def task_settings(cfg: TrainConfig, task: Task, examples: int, split_seed: int) -> dict:
     """What a task's finished runs depend on, beyond the learning rate in their folder's name: the
     fields ``train --resume`` holds fixed, the steps, the init as it is now (``file_key``),
-    the split and the task's folder.  Its data views are rewritten from these on every invocation,
+    the split and the task's folder and images.  Its data views are rewritten from these on every invocation,
     so a run made with others would be scored on images it may have trained on."""
     from vitlab.eval.features import file_key
 
@@ -109,7 +110,11 @@ def task_settings(cfg: TrainConfig, task: Task, examples: int, split_seed: int) 
         "data.progressive_sizes", "run.precision", "run.loss_scale"]
     values = {name: field_value(cfg, name) for name in dict.fromkeys(fields)}
     values.update({"model.init": file_key(cfg.model.init) if cfg.model.init else None, "examples": examples,
-                   "split_seed": split_seed, "task folder": str(Path(task.folder).resolve())})
+                   "split_seed": split_seed, "task folder": str(Path(task.folder).resolve()),
+                   # its images as they are now (each one's path, size and time): the split is drawn from them, so
+                   # images added to train/ re-cut it under runs made on the earlier cut
+                   "task images": "-".join(source_key(p) for p in (task.train, task.train800, task.val200, task.test)
+                                           if p is not None)})
     return json.loads(json.dumps(values))  # as the file holds them: tuples as lists
 
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from vitlab.analysis.plots import plot_lines
 from vitlab.config import ConfigError
-from vitlab.data import stratified_sample
+from vitlab.data.splits import training_pool
 from vitlab.eval.features import extract_features
 from vitlab.eval.fewshot import fewshot_evaluate
 from vitlab.experiments.common import (Settings, load_images, load_trained, split, stem, train_resnet, train_vit,
@@ -30,7 +30,8 @@ OPTIONS = dict(resnet_layers=None, resnet_width=None)
 
 
 def run(settings, out):
-    total = len(load_images(settings)[1])  # examples the data holds: the split's and the pool's
+    images, labels, _ = load_images(settings)  # read once: every row's few-shot probe reads the same data
+    total = len(labels)  # examples the data holds: the split's and the pool's
     over = [n for n in settings.get("sizes") if n + settings.val_split > total]
     if over:  # such a run trained on every example left and its row was labelled with the size asked
         raise ConfigError(f"experiment data-scale: sizes {over}: the data holds {total} examples, "
@@ -47,17 +48,17 @@ def run(settings, out):
                     layers = settings.get("resnet_layers") or ((1,) if settings.digits else (1, 1, 1))
                     r = train_resnet(settings, folder, seed, stem(settings, layers, settings.get("resnet_width")),
                                      train_examples=take)
-                shots = fewshot(load_trained(r), settings, settings.get("shots", [5]), take)
+                shots = fewshot(load_trained(r), settings, images, labels, settings.get("shots", [5]), take)
                 rows.append(dict(model=model, examples=n, seed=seed, val_top1=r["val_top1"], steps=r["steps"],
                                  wall_s=r["wall_s"], train_eflops=r["train_eflops"], **shots))
     return rows
 
 
-def fewshot(model, settings: Settings, shots: Sequence[int] = (5,), train_examples: int = 0) -> dict:
-    """Linear few-shot top-1 of frozen features: pool = the training split, evaluated on the held-out one."""
-    images, labels, _ = load_images(settings)
-    if train_examples:
-        keep = stratified_sample(labels, int(train_examples), 1, "train_examples")  # as data.train_examples draws
+def fewshot(model, settings: Settings, images, labels, shots: Sequence[int] = (5,), train_examples: int = 0) -> dict:
+    """Linear few-shot top-1 of frozen features of ``images`` (the experiment's data, ``load_images``):
+    pool = the training split, evaluated on the held-out one."""
+    if train_examples:  # the run's pool, drawn as its data.train_examples drew it (the split's seed is 0)
+        keep = training_pool(labels, train_examples, 0)
         images, labels = images[keep], labels[keep]
     train_idx, val_idx = split(settings, labels)
     model.eval()

@@ -498,10 +498,13 @@ def _tuples(d: dict) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
 
 
-def _resnet_from_dict(d: dict) -> ResNetConfig:
-    """A hybrid's ``resnet`` given as a dict of fields: another key was a TypeError from the constructor."""
+def _resnet_from_dict(d: dict, saved: bool = False) -> ResNetConfig:
+    """A hybrid's ``resnet`` given as a dict of fields (``saved``: read from a saved config): another
+    key was a TypeError from the constructor."""
     names = {f.name for f in dataclasses.fields(ResNetConfig)}
     unknown = sorted(map(str, set(d) - names))
+    if unknown and saved:
+        raise ConfigError(f"unknown field(s) {', '.join(unknown)} in a saved ResNetConfig (resnet=...)")
     if unknown:
         raise ConfigError(f"resnet: unknown field(s) {', '.join(unknown)}; ResNetConfig's fields: "
                           f"{', '.join(sorted(names))}")
@@ -529,11 +532,7 @@ def config_from_dict(d: dict) -> Architecture:
     if unknown:
         raise ConfigError(f"unknown field(s) {', '.join(unknown)} in a saved {kind}")
     if kind == "ViTConfig" and isinstance(d.get("resnet"), dict):
-        resnet_names = {f.name for f in dataclasses.fields(ResNetConfig)}
-        unknown = sorted(set(d["resnet"]) - resnet_names)
-        if unknown:
-            raise ConfigError(f"unknown field(s) {', '.join(map(str, unknown))} in a saved ResNetConfig (resnet=...)")
-        d["resnet"] = ResNetConfig(**_tuples(d["resnet"]))
+        d["resnet"] = _resnet_from_dict(d["resnet"], saved=True)
     return cls(**_tuples(d))
 
 

@@ -51,6 +51,17 @@ def tiny_vtab(checkpoint: str, tasks, out, steps: int) -> list[str]:
             "--set", "run.precision=fp32", "--set", "run.threads=1", "--set", "run.tensorboard=false",
             "--set", "data.decode_workers=0"]
 
+
+def finished_eurosat_run(checkpoint: str, tasks, out, capsys) -> tuple[list[str], Path, int]:
+    """One finished tiny run of eurosat at lr 0.01 into ``out``: (its command's arguments, its final
+    run's summary.json, that file's mtime), the command's output taken."""
+    args = [*tiny_vtab(checkpoint, tasks, out, steps=1), "--only", "eurosat", "--grid", "0.01"]
+    assert main(args) == 0
+    capsys.readouterr()
+    summary = out / "eurosat" / "final_lr_0.01" / "summary.json"
+    return args, summary, summary.stat().st_mtime_ns
+
+
 def test_task_names_groups_and_layouts(tasks, tmp_path):
     assert canonical_task("Oxford-Flowers102") == "oxford_flowers102" and canonical_task("kitti") == "kitti_dist"
     assert sum(g == "natural" for g, _ in TASK_GROUPS.values()) == 7 and len(TASK_GROUPS) == 19
@@ -264,11 +275,7 @@ def test_a_second_run_into_the_same_out_keeps_or_refuses_the_finished_runs(tasks
     without a word; with --resume and other --steps (or --split-seed, whose views are rewritten:
     the runs were scored on images they had trained on), their summaries were read back as fresh."""
     out = tmp_path / "vtab"
-    args = [*tiny_vtab(tiny_checkpoint, tasks, out, steps=1), "--only", "eurosat", "--grid", "0.01"]
-    assert main(args) == 0
-    capsys.readouterr()
-    summary = out / "eurosat" / "final_lr_0.01" / "summary.json"
-    stamp = summary.stat().st_mtime_ns
+    args, summary, stamp = finished_eurosat_run(tiny_checkpoint, tasks, out, capsys)
     assert main(args) == 2
     assert capsys.readouterr().err.strip() == (
         f"vitlab vtab: error: --out={str(out)!r} holds 1 finished run(s) of these tasks (eurosat/final_lr_0.01, ...); "
@@ -312,11 +319,7 @@ def test_resume_refuses_runs_made_with_another_schedule_optimiser_or_augmentatio
     """--resume read the finished runs back whatever the optimiser, schedule or augmentation now asked: a
     --set optim.weight_decay=0.1 was reported as the protocol's setting, on runs trained without it."""
     out = tmp_path / "vtab"
-    args = [*tiny_vtab(tiny_checkpoint, tasks, out, steps=1), "--only", "eurosat", "--grid", "0.01"]
-    assert main(args) == 0
-    capsys.readouterr()
-    summary = out / "eurosat" / "final_lr_0.01" / "summary.json"
-    stamp = summary.stat().st_mtime_ns
+    args, summary, stamp = finished_eurosat_run(tiny_checkpoint, tasks, out, capsys)
     for changed, line in ((["--set", "optim.weight_decay=0.1"], "optim.weight_decay=0.1 (its runs: 0.0)"),
                           (["--set", "augment.flip=false"], "augment.flip=False (its runs: True)"),
                           (["--set", "optim.clip_norm=0"], "optim.clip_norm=0.0 (its runs: 1.0)")):

@@ -198,3 +198,26 @@ def test_orthogonalise_flops_match_torch_flop_counter():
     shapes = [tuple(p.shape) for p in block_matrices(model)]
     assert sorted(shapes) == sorted([(72, 24), (24, 24), (48, 24), (24, 48)] * 2)  # qkv, proj, fc1, fc2 per block
     assert muon_step_flops(model) == sum(orthogonalise_flops(s) for s in shapes)
+
+
+def test_a_muon_checkpoint_read_to_the_host_keeps_every_state_tensor_on_its_parameters_device():
+    # checkpoints are read with map_location="cpu"; torch moves a loaded "step" count to its parameter's
+    # device only in groups marked fused, so a resumed GPU run's AdamW part kept its counts on the host, where
+    # the fused CUDA kernel reads them as device memory ("meta" stands in for the GPU: another device)
+    from torch import nn
+
+    from vitlab.train.optim import MuonAdamW
+
+    def made_on(device):
+        weight, bias = nn.Parameter(torch.ones(32, 16, device=device)), nn.Parameter(torch.ones(16, device=device))
+        return MuonAdamW([{"params": [weight], "muon": True}, {"params": [bias]}], lr=1e-3)
+
+    saved = made_on("cpu")
+    for p in (p for g in saved.param_groups for p in g["params"]):
+        p.grad = torch.full_like(p, 0.5)
+    saved.step()
+    resumed = made_on("meta")
+    resumed.load_state_dict(saved.state_dict())
+    state = {name: tensor.device.type for g in resumed.param_groups for p in g["params"]
+             for name, tensor in resumed.state[p].items()}
+    assert state == {"momentum_buffer": "meta", "step": "meta", "exp_avg": "meta", "exp_avg_sq": "meta"}

@@ -217,6 +217,17 @@ class MuonAdamW(torch.optim.Optimizer):
                 (self._muon if group["muon"] else self._adamw)(params, group, found_inf)
         return loss
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        # torch moves a loaded step count onto its parameter's device only in groups marked fused, which
+        # these are not: a checkpoint read to the host left the AdamW part's counts there, and the fused
+        # kernel on a GPU reads its count where the parameter is (as ``_adamw`` makes it)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                if "step" in state:
+                    state["step"] = state["step"].to(p.device)
+
     def _muon(self, params, group, found_inf: torch.Tensor | None):
         """``muon_update`` with this group's settings and this optimiser's momentum buffers."""
         for p in params:

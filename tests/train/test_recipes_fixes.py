@@ -51,6 +51,25 @@ def test_ema_matches_closed_form():
     assert ema.module.weight.item() == pytest.approx(closed, rel=1e-6)
 
 
+def test_an_ema_update_weighted_on_the_device_reads_nothing_back_to_the_host():
+    # the trainer weights a step's update by a device flag (0: the step was left out); reading it back
+    # made a GPU run wait for the device at every step ("meta" tensors have no values to read)
+    model = nn.Linear(4, 2, device="meta")
+    ema = EMA(model, 0.9)
+    ema.update(model, weight=1.0 - torch.zeros((), device="meta"))
+    # and on values: weighted 1 the closed form, weighted 0 nothing moves
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ema = EMA(model, 0.75)
+    with torch.no_grad():
+        model.weight.fill_(5.0)
+    ema.update(model, weight=torch.tensor(0.0))
+    assert ema.module.weight.item() == 1.0
+    ema.update(model, weight=torch.tensor(1.0))
+    assert ema.module.weight.item() == 2.0
+
+
 def test_ema_is_what_is_evaluated_and_saved(tiny):
     from vitlab.train import train
     from vitlab.train.build import build

@@ -32,7 +32,9 @@ class EMA:
         avg = list(self.module.parameters())
         cur = [p.detach() for p in model.parameters()]
         rate = (1.0 - self.decay) * weight
-        torch._foreach_lerp_(avg, cur, rate)  # avg += rate * (cur - avg)
+        # avg += rate * (cur - avg); a rate on the device is given once per tensor: as the one weight of
+        # _foreach_lerp_ it would be read back to the host, a GPU's wait at every step
+        torch._foreach_lerp_(avg, cur, [rate] * len(avg) if torch.is_tensor(rate) else rate)
         taken = weight > 0  # a device flag, or a bool
         for b_avg, b in zip(self.module.buffers(), model.buffers()):
             b_avg.copy_(torch.where(taken, b, b_avg) if torch.is_tensor(taken) else (b if taken else b_avg))

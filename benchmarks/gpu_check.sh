@@ -96,10 +96,11 @@ case $PARTS in *P*) say "P the step's host, device and data time: the CIFAR-10 G
     ${P_ARGS:-} > "$LOGS/P.log" 2>&1
   grep -v DEBUG "$LOGS/P.log" | tail -n 32 | tee "$OUT/P.txt"
   # the trainer's ViT-B/16 step as bench.py's training row has it (bf16, compiled, batch 128), on the digits
-  # resized to 224 px: its rate against the bench's, and where its time goes
+  # resized to 224 px: its rate against the bench's, and where its time goes (compiled as asked: the recipe is not)
   if [ "${P_B16:-1}" != 0 ]; then
     timeout 200 python3 benchmarks/step_profile.py --recipe paper_pretrain:dataset=i21k --data digits \
-      --set model.name=ViT-B/16 --set optim.batch_size=128 --set data.val_split=0 --warmup 20 --steps 50 \
+      --set model.name=ViT-B/16 --set optim.batch_size=128 --set data.val_split=0 --set run.compile=true \
+      --warmup 20 --steps 50 \
       ${P_ARGS:-} ${P_B16_ARGS:-} > "$LOGS/P-b16.log" 2>&1
     grep -v DEBUG "$LOGS/P-b16.log" | tail -n 32 | tee -a "$OUT/P.txt"
   fi;; esac

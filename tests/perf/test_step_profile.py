@@ -38,3 +38,33 @@ def test_the_kinds_add_up_per_step_largest_first():
                ("flash_bwd_kernel", 150.0)]
     assert step_profile.by_kind(kernels, steps=2) == {"matmul": 0.2, "attention": 0.075,
                                                       "fused element-wise (inductor)": 0.025}
+
+
+def part_p_b16_arguments() -> list[str]:
+    """The arguments gpu_check.sh's part P gives step_profile.py for its ViT-B/16 half (the variables left out)."""
+    import shlex
+
+    script = (Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.sh").read_text().replace("\\\n", " ")
+    line = next(line for line in script.splitlines() if "step_profile.py --recipe paper_pretrain" in line)
+    return shlex.split(line.split("step_profile.py", 1)[1].split("${P_ARGS", 1)[0])
+
+
+def test_part_p_maps_the_vit_b16_step_that_the_benchs_training_row_times(tmp_path):
+    # "the trainer's ViT-B/16 step as bench.py's training row has it (bf16, compiled, batch 128)": the
+    # paper_pretrain recipe is not compiled, and the half mapped an eager step against the bench's compiled one
+    import dataclasses
+
+    import torch
+
+    import harness
+    from vitlab.machine import Gpu, Machine
+    from vitlab.train.distributed import World
+    from vitlab.train.resolve import resolve
+
+    args = step_profile.parse_args([*part_p_b16_arguments(), "--out", str(tmp_path / "run")])
+    h200 = Gpu("NVIDIA H200", total_bytes=143 << 30, free_bytes=140 << 30, bf16=True, capability=(9, 0))
+    machine = dataclasses.replace(Machine.described(cores=16, memory_available=120 << 30), gpus=(h200,))
+    run = resolve(step_profile.config(args), World(0, 1, 0, torch.device("cuda:0")), machine)
+    assert (run.config.model.name, run.config.optim.batch_size, run.precision) == ("ViT-B/16", 128, "bf16")
+    # harness.graphed_training_step: the model in CUDA graphs, the update compiled into one of its own
+    assert run.compile == harness.trainer_mode("vitlab") == run.compile_optimizer

@@ -201,3 +201,17 @@ def test_the_probes_model_has_the_fp8_layers_the_run_asks_for(tmp_path):
                if isinstance(m, Float8Linear)}
     assert set(swapped) == {"mlp.fc1", "mlp.fc2"}
     assert all(m.fp8_scaling == "rowwise" and m.fp8_backend == "vitlab" for m in swapped.values())
+
+
+def test_a_cuda_graphed_run_measured_into_accumulating_counts_the_gradients_it_holds(tmp_path, monkeypatch):
+    # compiled on one GPU with the update eager, a run holds its gradients (step.HeldGradients) only where it
+    # accumulates: the state beside a candidate is the one of its own count, not of one micro-batch's step
+    faked_gpu(monkeypatch, linear_probe(8 * MB), [])
+    cfg = with_changes(tiny_config(tmp_path / "run"), {"optim.accum_steps": "auto", "run.device": "cuda",
+                                                      "run.precision": "bf16", "optim.batch_size": 32,
+                                                      "run.compile": True, "run.compile_optimizer": False})
+    resolved = resolve(cfg, gpu_world(), Machine.described(gpus=(H100,)))
+    assert resolved.compile == "reduce-overhead" and resolved.accum_steps > 1
+    assert resolved.memory.shape.holds_gradients
+    assert resolved.measured.state == resident_state_bytes(resolved.memory.shape)
+    assert resolved.measured.state > resident_state_bytes(resolved.memory.shape.with_(accum_steps=1))

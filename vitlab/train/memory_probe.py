@@ -10,8 +10,9 @@ or its model built), so the number is decided before training starts like every 
 and config.json records it.
 
 The rule: the fewest micro-batches per step (a divisor of the process's batch) whose
-measured step peak, plus the optimiser's state and the weight average (which the probe does
-not build: counted from the parameters), is at most ``SAFETY`` of the GPU's free memory.
+measured step peak, plus the optimiser's state, the weight average and, where a CUDA-graphed run
+accumulates, its held gradients (which the probe does not build: counted from the parameters), is
+at most ``SAFETY`` of the GPU's free memory.
 The candidates start at the estimate's choice and go up (fewer, larger micro-batches) while
 they fit, or down while they do not; a candidate that runs out of memory does not fit.
 
@@ -87,16 +88,19 @@ class MeasuredChoice:
                              for m, peak in sorted(self.tried.items())}}
 
 
-def fewest_fitting_accum(batch: int, proposed: Optional[int], step_peak: StepPeak, free: int, state: int,
-                         check: bool = True, settings: tuple[str, ...] = ()) -> MeasuredChoice:
+def fewest_fitting_accum(batch: int, proposed: Optional[int], step_peak: StepPeak, free: int,
+                         state: int | Callable[[int], int], check: bool = True,
+                         settings: tuple[str, ...] = ()) -> MeasuredChoice:
     """The fewest micro-batches per step, a divisor of this process's ``batch``, whose measured
     peak (``step_peak(micro_batch)``) plus ``state`` fits in ``SAFETY`` of ``free``: tried
     from the estimate's ``proposed`` count up to larger micro-batches while they fit, down
-    while they do not (None: from micro-batch 1 up).  Where even micro-batch 1 does not fit,
-    ``check`` refuses the run in one line naming ``settings`` that would (ConfigError);
-    without it, micro-batch 1 is taken."""
+    while they do not (None: from micro-batch 1 up).  ``state``: bytes, or a function of the
+    count of micro-batches giving them (the held gradients of a CUDA-graphed run that accumulates).
+    Where even micro-batch 1 does not fit, ``check`` refuses the run in one line naming
+    ``settings`` that would (ConfigError); without it, micro-batch 1 is taken."""
     counts = [k for k in range(1, batch + 1) if batch % k == 0]  # fewest micro-batches first
     tried: dict[int, Optional[int]] = {}
+    state_at = state if callable(state) else (lambda accum: state)
 
     def fits(accum: int) -> bool:
         micro = batch // accum
@@ -106,7 +110,7 @@ def fewest_fitting_accum(batch: int, proposed: Optional[int], step_peak: StepPea
             if not isinstance(err, torch.cuda.OutOfMemoryError) and "out of memory" not in str(err).lower():
                 raise
             tried[micro] = None
-        return tried[micro] is not None and tried[micro] + state <= SAFETY * free
+        return tried[micro] is not None and tried[micro] + state_at(accum) <= SAFETY * free
 
     i = counts.index(proposed) if proposed in counts else len(counts) - 1
     if fits(counts[i]):
@@ -117,12 +121,12 @@ def fewest_fitting_accum(batch: int, proposed: Optional[int], step_peak: StepPea
         while i < len(counts) and not fits(counts[i]):
             i += 1
     if i == len(counts):  # not even one example per micro-batch
-        choice = MeasuredChoice(batch, 1, tried.get(1), state, free, proposed, tried)
+        choice = MeasuredChoice(batch, 1, tried.get(1), state_at(batch), free, proposed, tried)
         if check:
             raise measured_refusal(choice, settings)
         return choice
     micro = batch // counts[i]
-    return MeasuredChoice(counts[i], micro, tried[micro], state, free, proposed, tried)
+    return MeasuredChoice(counts[i], micro, tried[micro], state_at(counts[i]), free, proposed, tried)
 
 
 def measured_refusal(choice: MeasuredChoice, settings: tuple[str, ...]) -> ConfigError:

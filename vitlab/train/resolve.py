@@ -625,7 +625,9 @@ def plan_memory(cfg: TrainConfig, shape: RunShape, available: Available, world_s
             one = shape.with_(micro_batch=1, accum_steps=batch)
             sizes = [s for s in fitting_settings(one, available, size_step(shape.arch), world_size)
                      if s.startswith("--img-size")]  # at micro-batch 1 only a smaller image can help
-            measured = fewest_fitting_accum(batch, proposed, step_peak, available.gpu, resident_state_bytes(shape),
+            # the state beside each candidate's step: a CUDA-graphed run that accumulates holds its gradients too
+            measured = fewest_fitting_accum(batch, proposed, step_peak, available.gpu,
+                                            lambda accum: resident_state_bytes(shape.with_(accum_steps=accum)),
                                             check, tuple(sizes))
             accum = measured.accum_steps
             available = dataclasses.replace(available, gpu=None)  # the GPU's side is measured: the host's is left

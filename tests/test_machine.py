@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from vitlab.machine import CPU_CLASSES, CpuInfo, Gpu, Machine, cpu_class, cpu_info, memory_available, parse_cpuinfo
+from vitlab.machine import (CPU_CLASSES, CpuInfo, Gpu, Machine, cpu_class, cpu_info, memory_available, parse_cpuinfo,
+                            usable_cores)
 
 ZEN4_BLOCK = ("processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
               "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n")
@@ -137,10 +138,54 @@ def test_a_cgroup_memory_limit_bounds_the_memory_available(tmp_path):
     assert memory_available(str(meminfo), str(tmp_path / "none"), str(root)) == host  # no /proc/self/cgroup
 
 
+def test_a_cgroup_cpu_quota_bounds_the_usable_cores(tmp_path, monkeypatch):
+    # a container limited to 2 CPUs (docker --cpus 2, a Kubernetes limit) on a 64-core host still has
+    # all 64 in its affinity mask: threads and workers chosen from the mask were throttled to 2 CPUs' time
+    root, cgroup = tmp_path / "cgroup", tmp_path / "self-cgroup"
+    job = root / "system.slice" / "job.scope"
+    job.mkdir(parents=True)
+    cgroup.write_text("0::/system.slice/job.scope\n")
+    mask = set(range(64))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: mask, raising=False)
+
+    def cores():
+        return usable_cores(str(cgroup), str(root))
+
+    assert cores() == 64  # no limit file: the mask's
+    (job / "cpu.max").write_text("max 100000\n")
+    assert cores() == 64
+    (job / "cpu.max").write_text("200000 100000\n")
+    assert cores() == 2
+    (job / "cpu.max").write_text("250000 100000\n")  # 2.5 CPUs: the third core is used in part
+    assert cores() == 3
+    (job / "cpu.max").write_text("20000 100000\n")  # a fifth of a CPU: still one thread
+    assert cores() == 1
+    (root / "system.slice" / "cpu.max").write_text("100000 100000\n")  # a lower limit above it
+    assert cores() == 1
+    (job / "cpu.max").write_text("800000 100000\n")
+    assert cores() == 1
+    (root / "system.slice" / "cpu.max").unlink()
+    mask.difference_update(range(4, 64))  # a mask narrower than the quota: the mask's
+    assert cores() == 4
+    # cgroup v1 (the cpu controller mounted as "cpu,cpuacct"), in a container that mounts its own group at the root
+    mask.update(range(64))
+    cgroup.write_text("9:name=systemd:/docker/abc\n3:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n")
+    (root / "cpu,cpuacct").mkdir()
+    (root / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")  # v1's "no limit"
+    (root / "cpu,cpuacct" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cores() == 64
+    (root / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("400000\n")
+    assert cores() == 4
+    (root / "cpu,cpuacct" / "cpu.cfs_period_us").write_text("garbage\n")  # unreadable: no limit known
+    assert cores() == 64
+    assert usable_cores(str(tmp_path / "none"), str(root)) == 64  # no /proc/self/cgroup
+
+
 def test_here_is_this_process_on_this_host():
     machine = Machine.here()
     if hasattr(os, "sched_getaffinity"):
-        assert machine.cores == len(os.sched_getaffinity(0))
+        assert machine.cores <= len(os.sched_getaffinity(0))
+    assert machine.cores == usable_cores()
     assert machine.cores >= 1 and machine.cpu == cpu_info()
     assert machine.memory_available is None or machine.memory_available > 0
     assert len(machine.gpus) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)

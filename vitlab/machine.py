@@ -5,7 +5,7 @@
     machine.gpu("cuda:1")           # that card's name, memory, bf16 support and compute capability, or None
 
 This module is the only reader of /proc/cpuinfo, /proc/meminfo, the control groups' memory
-limits and the affinity mask; what depends on the host (the fast path's kernel rule, a run's
+limits and CPU quotas, and the affinity mask; what depends on the host (the fast path's kernel rule, a run's
 "auto" settings, the memory estimate, a record's machine line) asks it.  ``Machine.described``
 builds a machine from a /proc/cpuinfo text, so that a test can hold a decision to any CPU on
 any host.
@@ -13,6 +13,7 @@ any host.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 from pathlib import Path
@@ -99,12 +100,18 @@ def cpu_class(info: CpuInfo) -> str:
 # ----------------------------------------------------------------------------- cores and memory
 
 
-def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask, where the OS has one)."""
+def usable_cores(cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int:
+    """The CPU cores this process may run on: its affinity mask (where the OS has one), or fewer
+    where a control group of the process has a CPU quota (``cgroup_cpu_limit``, rounded up: 2.5
+    CPUs' time keeps a third core busy in part).  A container's CPU limit is one (docker --cpus,
+    Kubernetes, systemd's CPUQuota): its mask is the host's, and threads or workers counted from
+    the mask were throttled to the quota's time.  ``cgroup`` and ``root``: as for ``cgroup_memory_left``."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_limit(cgroup, root)
+    return max(1, cores if quota is None else min(cores, math.ceil(quota)))
 
 
 def memory_available(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/self/cgroup",
@@ -136,26 +143,62 @@ def cgroup_memory_left(cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/c
     ``cgroup``: /proc/self/cgroup; ``root``: where the hierarchies are mounted (v2 at the root,
     v1's memory controller under ``memory/``).  Inside a container the path /proc/self/cgroup
     names may be the host's, not mounted there: the folders that exist on the way up are read."""
+    left = []
+    for v2, folder in _cgroup_folders(cgroup, root, "memory"):
+        files = (("memory.max", "memory.current", "inactive_file") if v2 else
+                 ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+        group = _cgroup_memory_left(folder, *files)
+        if group is not None:
+            left.append(group)
+    return min(left) if left else None
+
+
+def _cgroup_folders(cgroup: str, root: str, controller: str) -> list[tuple[bool, Path]]:
+    """(whether v2, folder) of each control group of this process that ``controller`` ("memory",
+    "cpu") may limit, its own first, then those above it, in each hierarchy /proc/self/cgroup
+    (``cgroup``) names: v2's at ``root``, v1's under the folder the controller is mounted at there
+    (named as /proc/self/cgroup names its hierarchy, "cpu,cpuacct", or by the controller alone);
+    none where ``cgroup`` cannot be read."""
     try:
         lines = Path(cgroup).read_text().splitlines()
     except (OSError, ValueError):
-        return None
-    left = []
+        return []
+    found = []
     for line in lines:
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if controllers == "":  # v2, the unified hierarchy
-            folder, files = Path(root), ("memory.max", "memory.current", "inactive_file")
-        elif "memory" in controllers.split(","):
-            folder, files = Path(root) / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                                                    "total_inactive_file")
+            folder = Path(root)
+        elif controller in controllers.split(","):
+            folder = next((Path(root) / name for name in (controllers, controller) if (Path(root) / name).is_dir()),
+                          Path(root) / controller)
         else:
             continue
         parts = [p for p in path.strip().split("/") if p]
-        for depth in range(len(parts), -1, -1):  # the process's own group first, then those above it
-            group = _cgroup_memory_left(folder.joinpath(*parts[:depth]), *files)
-            if group is not None:
-                left.append(group)
-    return min(left) if left else None
+        found += [(controllers == "", folder.joinpath(*parts[:depth])) for depth in range(len(parts), -1, -1)]
+    return found
+
+
+def cgroup_cpu_limit(cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPUs' worth of time the quotas of this process's control groups allow it (2.0 for
+    a quota of 200 ms every 100 ms), the least over its cgroup and those above it, or None where
+    none has a quota (or none can be read): v2's ``cpu.max``, v1's ``cpu.cfs_quota_us`` and
+    ``cpu.cfs_period_us``.  Paths as for ``cgroup_memory_left``."""
+    limits = []
+    for v2, folder in _cgroup_folders(cgroup, root, "cpu"):
+        try:
+            if v2:
+                quota, period = (folder / "cpu.max").read_text().split()[:2]
+            else:
+                quota, period = ((folder / name).read_text().strip() for name in ("cpu.cfs_quota_us",
+                                                                                 "cpu.cfs_period_us"))
+            if quota in ("max", "-1"):  # no quota
+                continue
+            quota, period = int(quota), int(period)
+        except (OSError, ValueError):  # no such group here, or no quota file: the root's
+            continue
+        if quota > 0 and period > 0:
+            limits.append(quota / period)
+    return min(limits) if limits else None
 
 
 def _cgroup_memory_left(folder: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
@@ -217,7 +260,7 @@ class Machine:
     """A host as one process sees it."""
 
     cpu: CpuInfo
-    cores: int                    # usable by this process (affinity)
+    cores: int                    # usable by this process (affinity, and a cgroup's CPU quota)
     memory_available: int | None  # host bytes (MemAvailable, or a cgroup limit's less), None where unknown
     gpus: tuple[Gpu, ...] = ()
 

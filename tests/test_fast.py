@@ -1150,8 +1150,46 @@ def test_calibrate_stores_its_answer_through_a_temporary_file_of_its_own(tmp_pat
     monkeypatch.setattr(Path, "replace", full_disk)
     with pytest.raises(OSError, match="No space left"):
         calibration.calibrate(path)
-    assert path.read_text() == stored  # the stored answer as it was, and nothing left beside it
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels.json", "kernels.tmp"]
+    assert path.read_text() == stored  # the stored answer as it was, and nothing left beside it but its lock
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels.json", "kernels.json.lock", "kernels.tmp"]
+
+
+@pytest.mark.skipif(not hasattr(os, "umask") or os.name != "posix", reason="POSIX file modes and locks")
+def test_calibrate_stores_under_a_lock_with_a_new_files_mode(tmp_path, monkeypatch):
+    import fcntl
+
+    from vitlab.fast import calibration
+
+    path = tmp_path / "kernels.json"
+    times = {"fp32": {mode: fake_steps(1.0, {"aten/fused": 0.9}) for mode in ("training", "inference")}}
+    monkeypatch.setattr(calibration, "measure", lambda rounds=3, say=None: times)
+    path.write_text(json.dumps({"another CPU": {"kernels": {}}}))
+    real_replace, held = os.replace, []
+
+    def replace(src, dst):  # while the file is replaced, another calibrate cannot take the lock
+        with open(tmp_path / "kernels.json.lock", "a") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    # two calibrates at once (hosts sharing $HOME) each read the file, added their entry and wrote it
+    # back: the one that wrote last lost the other's entry
+    umask = os.umask(0o022)
+    try:
+        calibration.calibrate(path)
+    finally:
+        os.umask(umask)
+    assert held == [True]
+    assert "another CPU" in json.loads(path.read_text()) and kernels_mod.stored_entry(path) is not None
+    # mkstemp's 0600 whatever the umask: a calibration in a shared cache was another user's to read
+    assert path.stat().st_mode & 0o777 == 0o644
+    path.chmod(0o640)  # a stored file's own mode is kept
+    calibration.calibrate(path)
+    assert path.stat().st_mode & 0o777 == 0o640
 
 
 @pytest.mark.parametrize("report", [pytest.param(AVX2_ONEDNN, id="onednn-without-bf16"),

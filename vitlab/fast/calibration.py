@@ -19,15 +19,17 @@ is built (``kernels.choose``, ``kernels.cpu_precision``).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import os
+import secrets
+import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -162,28 +164,65 @@ def calibrate(path: Path | None = None, rounds: int = 3,
     results = measure(rounds, say=say)
     choice, precision = decide(results)
     path = path or calibration_path()
-    try:
-        stored = json.loads(path.read_text())
-        stored = stored if isinstance(stored, dict) else {}
-    except (OSError, ValueError):
-        stored = {}
-    stored[calibration_key(cpu_info())] = {
-        "kernels": dataclasses.asdict(choice), "precision": precision,
-        "seconds_per_step": results, "threads": torch.get_num_threads(),
-        "measured": time.strftime("%Y-%m-%d %H:%M"),
-    }
     path.parent.mkdir(parents=True, exist_ok=True)
-    # a temporary file of this process's own, synced, then renamed over the stored one: a fixed name
-    # (kernels.tmp) was written by every calibrate at once (another host's, where $HOME is shared), and
-    # one could rename the other's half-written file into place; a failure left it behind
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with _locked(path):  # read, updated and written by one calibrate at a time: the others' entries are kept
+        try:
+            stored = json.loads(path.read_text())
+            stored = stored if isinstance(stored, dict) else {}
+        except (OSError, ValueError):
+            stored = {}
+        stored[calibration_key(cpu_info())] = {
+            "kernels": dataclasses.asdict(choice), "precision": precision,
+            "seconds_per_step": results, "threads": torch.get_num_threads(),
+            "measured": time.strftime("%Y-%m-%d %H:%M"),
+        }
+        _write(path, json.dumps(stored, indent=2) + "\n")
+    return choice, precision, results
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """The block run holding an exclusive lock on ``path``'s side file (``kernels.json.lock``, left
+    in place): two calibrates at once (on hosts where $HOME is shared) each read the file, added their
+    entry and wrote it back, and the one that wrote last lost the other's.  Where there are no such
+    locks (no ``fcntl``: Windows; a file system that refuses them) the block runs unlocked."""
+    fd = None
+    try:
+        import fcntl
+
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released as the file is closed
+    except (ImportError, OSError):
+        pass
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _write(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary file of this process's own, synced, then renamed
+    over it: a fixed name (kernels.tmp) was written by every calibrate at once (another host's, where
+    $HOME is shared), and one could rename the other's half-written file into place; a failure left it
+    behind.  The file keeps the stored one's mode, else a new file's (0666 less the umask; mkstemp's
+    0600 kept a calibration in a shared cache from the others), as ``weights.core.new_temporary``
+    gives saved weights (fast/ does not import weights/)."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:  # another's name: draw again
+            continue
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(stored, indent=2) + "\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        if path.exists():
+            shutil.copymode(path, tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    return choice, precision, results

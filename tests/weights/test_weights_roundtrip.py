@@ -1,6 +1,7 @@
 """vitlab's own format, timm state dicts, and the errors every loader shares."""
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -268,6 +269,33 @@ def test_a_save_that_fails_between_its_files_keeps_the_old_set(tmp_path, monkeyp
     save_model(new, tmp_path / out, format=format)
     assert torch.equal(logits(load_model(source)), logits(new))
     assert not list(tmp_path.rglob("classes.json")) and not list(tmp_path.rglob(".*.tmp"))
+
+
+@pytest.mark.parametrize("format, out", [("vitlab", "folder"), ("hf", "folder"), ("timm", "m.safetensors")])
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_save_that_fails_while_its_files_are_renamed_keeps_the_old_set(tmp_path, monkeypatch, format, out, error):
+    """A failure once the set is written, while its files replace the old ones (a full directory, Ctrl-C):
+    the files renamed before it were the new set's, the rest the old one's (new config.json, classes.json
+    deleted, old weights): the old model was lost, and the folder held neither."""
+    cfg = ViTConfig(**{**TINY.__dict__, "posemb_resample": "bicubic"})
+    old = random_model(cfg)
+    save_model(old, tmp_path / out, format=format, class_names=list("abcde"))
+    before = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    real_replace = os.replace
+
+    def failing_at_the_weights(src, dst):
+        if Path(dst).suffix == ".safetensors":
+            raise error
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing_at_the_weights)
+    new = random_model(ViTConfig(**{**cfg.__dict__, "num_classes": 7, "depth": 1}))
+    with pytest.raises(type(error)):
+        save_model(new, tmp_path / out, format=format)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing left beside
+    source = tmp_path / out if format == "hf" else next(p for p in tmp_path.rglob("*.safetensors"))
+    assert torch.equal(logits(load_model(source)), logits(old))
 
 
 def test_a_folder_save_keeps_a_config_json_that_describes_no_model(tmp_path):

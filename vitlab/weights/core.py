@@ -109,27 +109,71 @@ def atomic_write_set(files: Sequence[tuple[str | os.PathLike, Callable[[BinaryIO
     """Write several files that belong together (weights and their config) as one set.
 
     Every file is first written in full beside its path (``atomic_write``'s temporary file); only
-    when all are written do they replace the old ones, renamed in the order given, then the files
-    ``remove`` names (an old set's file the new one has not) are deleted.  A failure or an
-    interruption while writing (a full disk, an error serialising, Ctrl-C) leaves every old file as it
-    was: one file at a time, a failure after the first had new weights beside the old config.  Callers
-    give the weights file last: it is the set's commit, and once it is new every other file is too.
+    when all are written do the files ``remove`` names (an old set's file the new one has not) go,
+    and the new ones replace the old, renamed in the order given.  A failure or an interruption
+    while writing (a full disk, an error serialising, Ctrl-C) leaves every old file as it was: one
+    file at a time, a failure after the first had new weights beside the old config.  So does one
+    while the files are renamed: each old file but the last is kept aside (a hard link, else a copy)
+    until the last is in place, and put back on a failure, and a file that had none is removed.
+    Callers give the weights file last: it is the set's commit, and once it is new every other file
+    is too.  What no rename can cover is the process killed outright (SIGKILL, a power cut) between
+    two renames: the files renamed by then are new, the rest old, and the kept copies
+    (``.NAME.*.old``) lie beside them (a vitlab folder's weights carry their own config, which
+    ``native`` reads before config.json).
     """
     staged: list[tuple[Path, str]] = []
+    kept: list[tuple[Path, Path | None]] = []  # each path changed so far, and its old file kept aside (None: none)
     try:
         for path, write in files:
             staged.append((Path(path), _staged(Path(path), write)))
-        for gone in remove:
-            Path(gone).unlink(missing_ok=True)
-        for path, tmp in staged:
+        for gone in map(Path, remove):
+            if gone.exists():
+                aside = _aside(gone)
+                os.replace(gone, aside)
+                kept.append((gone, aside))
+        for i, (path, tmp) in enumerate(staged):
+            last = i == len(staged) - 1  # its rename is the commit: nothing after it can fail
+            old = _kept_copy(path) if not last and path.exists() else None
+            if not last:
+                kept.append((path, old))
             os.replace(tmp, path)
     except BaseException:
+        for path, old in reversed(kept):  # the old set back, as far as the file system lets it be
+            try:
+                if old is not None:
+                    os.replace(old, path)
+                else:
+                    path.unlink(missing_ok=True)
+            except OSError:
+                pass
         for _, tmp in staged:
             Path(tmp).unlink(missing_ok=True)
         raise
+    for _, old in kept:
+        if old is not None:
+            old.unlink(missing_ok=True)
     for folder in dict.fromkeys(path.parent for path, _ in staged):
         _sync_folder(folder)
     return [path for path, _ in staged]
+
+
+def _aside(path: Path) -> Path:
+    """A name beside ``path`` that no file has: where its old file is kept while a set is replaced."""
+    while True:
+        aside = path.with_name(f".{path.name}.{secrets.token_hex(6)}.old")
+        if not aside.exists():
+            return aside
+
+
+def _kept_copy(path: Path) -> Path:
+    """``path``'s file kept aside under a new name: a hard link (the same file, nothing copied), or
+    a copy where the file system has no hard links."""
+    aside = _aside(path)
+    try:
+        os.link(path, aside)
+    except OSError:
+        shutil.copy2(path, aside)
+    return aside
 
 
 # ---------------------------------------------------------------------------- checking

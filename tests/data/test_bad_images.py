@@ -201,6 +201,39 @@ def test_a_process_that_counts_and_lists_a_folder_again_sees_it_changed(tmp_path
     assert count_images("tree") == 1 and scan_folder("tree").classes == ["c"]
 
 
+@pytest.mark.parametrize("named", ["pattern", "glob", "folder"])
+def test_a_process_that_opens_shards_again_sees_them_written_again(tmp_path, named):
+    """Shards written again under the same names since this process opened them are another set: a
+    brace pattern or a glob was opened once per process whatever its files became, and so was a folder
+    whose shards were written over in place (its own time unchanged); the opened source's cache key
+    named the earlier shards, and their held-out part decoded before was read from the cache for these."""
+    import shutil
+
+    from vitlab.data.shards import pack_shards
+    from vitlab.train.inputs import count_images, opened_source
+
+    for name, base in (("a", 0), ("b", 100)):
+        for i in range(4):
+            _png(tmp_path / name / f"c{i % 2}" / f"{i}.png", base + i)
+    shards, other = tmp_path / "shards", tmp_path / "other"
+    pack_shards(tmp_path / "a", shards, samples_per_shard=2)
+    pack_shards(tmp_path / "b", other, samples_per_shard=2)  # other images, the same names, sizes and classes
+    source = {"pattern": f"{shards}/shard-{{000000..000001}}.tar", "glob": f"{shards}/*.tar",
+              "folder": str(shards)}[named]
+    first = opened_source(source)
+    assert opened_source(source) is first and count_images(source) == 4  # unchanged: from the cache
+    for shard in sorted(other.glob("*.tar")):
+        shutil.copyfile(shard, shards / shard.name)  # written over in place: the folder's time unchanged
+    again = opened_source(source)
+    assert again.key == open_source(source).key != first.key
+    (shards / "shard-000001.tar").unlink()  # a pattern's file gone: said as the source is opened again
+    if named == "pattern":
+        with pytest.raises(DataError, match="1 of 2 files missing"):
+            opened_source(source)
+    else:
+        assert count_images(source) == 2 and opened_source(source).num_samples == 2
+
+
 def test_non_utf8_file_and_folder_names(tmp_path):
     root = tmp_path / "data"
     raw = os.fsencode(root)

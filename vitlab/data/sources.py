@@ -441,11 +441,15 @@ def _warn_once(where: str, images: int, what: str) -> None:
 def listing_state(source: str) -> tuple:
     """What a per-process cache of ``source``'s listing or count is keyed by besides its
     name, so that a long-lived process (a notebook) sees a changed tree: a file's real path,
-    size and modification time; a folder's real path and the modification times of it and of
+    size and modification time; a folder's real path, the modification times of it and of
     its folders one level down (a class folder's changes when an image is added to it or
-    removed), or two levels where the folder holds a single one (``train/<class>/``); () for
-    what is not a path here (the digits, a pattern of shards).  A folder's state costs one
-    listing of its top levels, not of its images."""
+    removed), or two levels where the folder holds a single one (``train/<class>/``), and
+    the size and time of each file directly in it (a shard, a parquet or arrow file, an
+    index.json written over in place leaves the folder's time as it was); () for what is
+    not a path here (the digits, a pattern of shards: ``vitlab.data.stream.source_state``).
+    A folder's state costs one listing of its top levels, not of its images; what it
+    misses is an image added to or removed from a folder below a class folder
+    (``<class>/<sub>/``), whose time alone changes."""
     path = os.path.expanduser(source)
     try:
         st = os.stat(path)
@@ -456,11 +460,14 @@ def listing_state(source: str) -> tuple:
         return (real, st.st_size, st.st_mtime_ns)
     state = [real, st.st_mtime_ns]
     top = real
-    for _ in range(2):
-        with os.scandir(top) as entries:
-            folders = sorted((e.name, e.stat().st_mtime_ns) for e in entries
-                             if e.is_dir() and not _not_data(e.name))
+    for level in range(2):
+        with os.scandir(top) as found:
+            entries = [e for e in found if not _not_data(e.name)]
+        folders = sorted((e.name, e.stat().st_mtime_ns) for e in entries if e.is_dir())
         state.extend(folders)
+        if level == 0:
+            state.extend(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries
+                                if e.is_file()))
         if len(folders) != 1:
             break
         top = os.path.join(top, folders[0][0])

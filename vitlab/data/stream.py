@@ -110,6 +110,20 @@ def _named_files(source: str) -> Optional[list[Path]]:
     return None
 
 
+def source_state(source: str) -> tuple:
+    """What a per-process cache of ``source`` (its count, its opened ``StreamSource``) is keyed by
+    besides its name: ``listing_state``, and for a brace pattern or a glob the files it names and
+    the state of each folder they lie in (their sizes and times: shards packed again under the same
+    names are another set, whose key is another); () where it names nothing (opening it says so)."""
+    try:
+        named = _named_files(source)
+    except DataError:
+        return ()
+    if named is None:
+        return listing_state(source)
+    return (tuple(map(str, named)), *(listing_state(str(folder)) for folder in dict.fromkeys(p.parent for p in named)))
+
+
 def _streamed_kind(source: str) -> Optional[tuple[str, list[Path]]]:
     """("shards" | "parquet" | "hf", paths) for a source that streams, None for others
     (an ImageFolder or an archive of one)."""

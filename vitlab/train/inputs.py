@@ -23,9 +23,9 @@ import torch
 from vitlab.config import ConfigError, Pair
 from vitlab.data.labelled import load_labelled
 from vitlab.data.memory import load_source_in_memory
-from vitlab.data.sources import DataError, listing_state
+from vitlab.data.sources import DataError
 from vitlab.data.splits import select_classes, stratified_split, training_pool
-from vitlab.data.stream import hold_out, open_source
+from vitlab.data.stream import hold_out, open_source, source_state
 
 from .config import TrainConfig
 from .distributed import barrier
@@ -92,9 +92,9 @@ def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
 
 def opened_source(source: str, cache_dir=None):
     """``vitlab.data.stream.open_source`` once per process while the source is unchanged
-    (``listing_state``): resolving a run counts its shards, and its loader then reads the
+    (``source_state``): resolving a run counts its shards, and its loader then reads the
     same index."""
-    return _opened_source(source, cache_dir, listing_state(source))
+    return _opened_source(source, cache_dir, source_state(source))
 
 
 @functools.lru_cache(maxsize=8)
@@ -106,8 +106,8 @@ def count_images(source: str, cache_dir=None) -> int:
     """The images of a data source, counted without decoding one: the digits' count, a
     streamed source's samples, a folder's image files, an archive's image members (one pass
     over its headers; nothing extracted).  Counted once per process while the source is
-    unchanged (``listing_state``)."""
-    return _count_images(source, cache_dir, listing_state(source))
+    unchanged (``source_state``)."""
+    return _count_images(source, cache_dir, source_state(source))
 
 
 @functools.lru_cache(maxsize=8)

@@ -131,6 +131,62 @@ def test_a_finished_run_is_kept_unless_resumed_or_overwritten(tiny):
     assert [r["step"] for r in read_jsonl(f"{cfg.run.out}/metrics.jsonl")] == [2]
 
 
+def _pngs(folder: Path, seed: int) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for c in range(2):
+        (folder / f"c{c}").mkdir(parents=True)
+        for i in range(12):
+            Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(folder / f"c{c}" / f"{i}.png")
+    return folder
+
+
+def test_a_run_on_a_relative_data_path_is_scored_and_resumed_on_it_from_another_folder(tiny, tmp_path, monkeypatch):
+    """A run's data named relative to the folder it was trained in was recorded as typed and read
+    relative to the folder a later command ran in: eval from another folder holding data of the same
+    name scored that data as the run's split, given the run's data by its absolute path it scored the
+    whole set (the run's training images too), and --resume there trained on the other data."""
+    from vitlab.config import ConfigError
+    from vitlab.data.labelled import load_held_out
+    from vitlab.experiments.common import finished_run
+    from vitlab.train.config import from_dict
+    from vitlab.train.legacy import recorded_section
+    from vitlab.train.loop import check_own_folder
+    from vitlab.train.overrides import with_changes
+    from vitlab.train.state import check_same_run
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    data, other = _pngs(work / "d", 0), _pngs(elsewhere / "d", 1)  # the same name and classes, other images
+    monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(work)
+    cfg = tiny("run", data="d", val_split=6, batch_size=9, steps=2, cache_dir=None)
+    train(cfg, verbose=False)
+    recorded = json.loads((Path(cfg.run.out) / "config.json").read_text())
+    assert recorded["data"]["source"] == str(data)
+    run = recorded_section(recorded, "data")
+    there = load_held_out(run, 8)
+    monkeypatch.chdir(elsewhere)
+    for source in (None, str(data)):
+        scored = load_held_out(run, 8, source=source)
+        assert scored.split == 6 and torch.equal(scored.images[scored.held], there.images[there.held])
+    with pytest.raises(ConfigError, match=r"data.source=.*elsewhere/d.*checkpoint: .*work/d"):
+        train(with_changes(cfg, {"data.source": "d"}), resume=True, verbose=False)  # other data: refused
+    assert train(with_changes(cfg, {"data.source": str(data)}), resume=True, verbose=False)["steps"] == 2
+    # a checkpoint of a run that recorded its data as typed resumes from the folder it was typed in, and
+    # the data as typed there is the run's: to an experiment's finished run, to the demo's own folder
+    monkeypatch.chdir(work)
+    check_same_run(from_dict(recorded), {**recorded, "data": {**recorded["data"], "source": "./d"}})
+    assert finished_run(cfg)["steps"] == 2
+    (Path(cfg.run.out) / "config.json").write_text(json.dumps({**recorded, "data": {**recorded["data"],
+                                                                                   "source": "./d"}}))
+    assert finished_run(cfg)["steps"] == 2
+    check_own_folder(with_changes(cfg, {"data.source": "./d"}))
+    with pytest.raises(ConfigError, match="holds the checkpoints of a 'test' run on"):
+        check_own_folder(with_changes(cfg, {"data.source": str(other)}))
+
+
 @pytest.mark.parametrize("flag", ["resume", "overwrite", "verbose"])
 def test_train_refuses_a_flag_that_is_not_true_or_false_before_any_work(tiny, flag):
     # a string from a config file or argv: "no" is truthy, so overwrite="no" deleted the earlier

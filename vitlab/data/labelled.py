@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
@@ -137,13 +138,26 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
     return HeldOutSet(images, labels, classes, key, data.skipped.images, rest, held, split, split_seed, run_shards)
 
 
+def absolute_source(source: Optional[str]) -> Optional[str]:
+    """``source`` as a run records it: a path (a file, a folder, a pattern of shards) absolute, with
+    ``~`` expanded, so that a later eval, fewshot or --resume run from another folder reads the run's
+    data; the built-in digits and None as they are.  Recorded as typed, ``./images`` was read in the
+    folder of the later command: another set of that name there was scored as the run's held-out
+    split, or the run's resumed on it."""
+    if source is None or source == "digits":
+        return source
+    return str(Path(source).expanduser().absolute())
+
+
 def same_data(source, recorded) -> bool:
-    """Whether ``source`` names the data a run ``recorded``: the same text, or the same file or folder
-    (``./images``, its absolute path and a link to it name what ``images`` names; compared as text,
-    such a spelling was taken for other data, and the whole set, the run's training images too, scored)."""
-    if recorded is None:
+    """Whether ``source`` names the data a run ``recorded``: the same text, or the same path made
+    absolute (``absolute_source``: a pattern of shards too), or the same file or folder (``./images``,
+    its absolute path and a link to it name what ``images`` names; compared as text, such a spelling
+    was taken for other data, and the whole set, the run's training images too, scored).  A run that
+    recorded a relative path (before ``absolute_source``) names it in the working folder."""
+    if recorded is None or source is None:
         return False
-    if str(source) == str(recorded):
+    if str(source) == str(recorded) or absolute_source(str(source)) == absolute_source(str(recorded)):
         return True
     try:
         return os.path.samefile(source, recorded)

@@ -24,6 +24,7 @@ import torch
 from vitlab.analysis.cost import model_flops
 from vitlab.analysis.utilization import matmul_peak, mfu
 from vitlab.config import ConfigError, is_number, need, need_bool, need_output_folder
+from vitlab.data.labelled import same_data
 from vitlab.eval.features import tta_view_count
 from vitlab.machine import Machine
 from vitlab.weights.native import WEIGHTS_NAME
@@ -129,7 +130,7 @@ def check_own_folder(cfg: TrainConfig) -> None:
         recipe, source = earlier.get("recipe"), earlier.get("data", {}).get("source")
     except (OSError, ValueError, AttributeError):  # no config.json, or not a run's
         recipe = source = None
-    if (recipe, source) != (cfg.recipe, cfg.data.source):
+    if recipe != cfg.recipe or not same_data(cfg.data.source, source):
         of = f"a {recipe!r} run on {source!r}" if isinstance(recipe, str) else "an earlier run"
         raise ConfigError(f"run.out={str(out)!r} holds the {held} of {of}; the {cfg.recipe} recipe on "
                           f"{cfg.data.source!r} starts afresh only in a new folder or one of its own: choose "

@@ -147,7 +147,8 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     decode = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}
     changes = dict(cfg.run.on_device.get(device.type, {}))  # the recipe's settings for this kind of device
     check_device_options(cfg, device, machine)
-    cfg = with_changes(cfg, changes | decode | {"run.device": str(device), "run.precision": precision})
+    cfg = with_changes(cfg, changes | decode | data_paths(cfg) | {"run.device": str(device),
+                                                                  "run.precision": precision})
     if cfg.data.source is None and not preview:  # a command that scores a model: its data in memory
         cfg = with_changes(cfg, {"data.stream": "memory", "data.stream_workers": 0, "run.compile_optimizer": False})
         return Resolved(cfg, kernels, bf16_matmuls, threads, "off", machine.cpu_line(), notes=notes)
@@ -485,10 +486,22 @@ def model_changes(cfg: TrainConfig) -> dict:
 
 
 def stated_model(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with its model section stated as a run would (``model_changes``), nothing else
-    resolved: how an experiment compares what it asks with what a finished run recorded."""
-    changes = model_changes(cfg)
+    """``cfg`` with its model section stated as a run would (``model_changes``) and its data's
+    paths as a run records them (``data_paths``), nothing else resolved: how an experiment
+    compares what it asks with what a finished run recorded."""
+    changes = model_changes(cfg) | data_paths(cfg)
     return with_changes(cfg, changes) if changes else cfg
+
+
+def data_paths(cfg: TrainConfig) -> dict:
+    """``data.source`` and ``data.val_data`` absolute (``vitlab.data.labelled.absolute_source``)
+    where they are not: the run's config.json and checkpoints record where its data is, which an
+    eval, fewshot or --resume run from another working folder reads (and ``same_data`` matches to
+    the user's spelling of it)."""
+    from vitlab.data.labelled import absolute_source
+
+    return {f"data.{name}": absolute_source(value) for name in ("source", "val_data")
+            if absolute_source(value := getattr(cfg.data, name)) != value}
 
 
 def trained_architecture(cfg: TrainConfig) -> Architecture:

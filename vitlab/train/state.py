@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from vitlab.config import ConfigError
+from vitlab.data.labelled import same_data
 from vitlab.models.registry import build_model
 
 from .config import TrainConfig, from_dict, to_dict
 from .optim import set_lr_scales
-from .overrides import field_value
+from .overrides import field_value, with_changes
 
 # torch.distributed.checkpoint is imported inside the FSDP paths below: it loads a large part of
 # torch.distributed (FSDP with it), which a single-process run never needs
@@ -65,6 +66,8 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
     if not saved:
         return
     before = from_dict(saved)
+    if same_data(cfg.data.source, before.data.source):  # another spelling of it: ./d, its absolute path, a link
+        before = with_changes(before, {"data.source": cfg.data.source})
     # a fine-tune's architecture is its init's, named by model.init (and by its own model name
     # only in checkpoints of this version)
     compared = [n for n in RESUME_INVARIANTS if not (n == "model.name" and cfg.model.init and before.model.init)]

@@ -54,6 +54,32 @@ def test_second_call_reads_the_cache(make_folder, tmp_path, monkeypatch):
         load_in_memory(root, image_size=4, cache_dir=tmp_path / "cache", workers=1)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "empty", "no meta", "meta not json"])
+def test_a_damaged_cached_copy_is_decoded_again_with_a_warning_naming_it(make_folder, tmp_path, caplog, damage):
+    """A cached copy cut short (the machine stopped before its renamed files were on disk; one removed by
+    hand): its error named no file ("Failed to read all data for array ... (file seems not fully written?)"),
+    and every later run on the data stopped there until the cache folder was found and deleted."""
+    root = make_folder(classes=2, per_class=3)
+    first = load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)
+    [folder] = (tmp_path / "cache" / "arrays").iterdir()
+    images, meta = folder / "images.npy", folder / "meta.json"
+    if damage == "truncated":
+        images.write_bytes(images.read_bytes()[:-40])
+    elif damage == "empty":
+        images.write_bytes(b"")
+    elif damage == "no meta":
+        meta.unlink()
+    else:
+        meta.write_text("{")
+    with caplog.at_level(logging.WARNING):
+        again = load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)
+    assert torch.equal(again.images, first.images) and torch.equal(again.labels, first.labels)
+    assert f"{folder}: the decoded copy cached there cannot be read" in caplog.text
+    caplog.clear()
+    assert torch.equal(load_in_memory(root, cache_dir=tmp_path / "cache", workers=1).images, first.images)
+    assert caplog.text == ""  # cached again, whole
+
+
 def test_cache_invalidated_when_folder_changes(make_folder, fakes, tmp_path):
     root = make_folder(classes=2, per_class=2)
     assert len(load_in_memory(root, cache_dir=tmp_path / "cache", workers=1)) == 4

@@ -153,14 +153,29 @@ def is_decoded(path: PathLike, image_size: Size, cache_dir: Optional[PathLike] =
     return bool(key) and _cache_folder(key, to_pair(image_size, "image_size"), cache_dir).is_dir()
 
 
-def _read_cache(folder: Path) -> InMemoryDataset:
-    meta = json.loads((folder / "meta.json").read_text())
-    return InMemoryDataset(
-        images=torch.from_numpy(np.load(folder / "images.npy")),
-        labels=torch.from_numpy(np.load(folder / "labels.npy")),
-        classes=list(meta["classes"]),
-        skipped=Unread(meta["skipped"]),
-    )
+def _read_cache(folder: Path) -> Optional[InMemoryDataset]:
+    """The set decoded into ``folder``, or None: none there, or a copy that cannot be read, said in
+    a warning and removed so that the set is decoded and cached again.  A copy cut short (the machine
+    stopped before the files renamed into place were on disk; a file removed by hand) stopped every
+    run on the data with numpy's error, which names no file."""
+    if not folder.is_dir():
+        return None
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        data = InMemoryDataset(
+            images=torch.from_numpy(np.load(folder / "images.npy")),
+            labels=torch.from_numpy(np.load(folder / "labels.npy")),
+            classes=list(meta["classes"]),
+            skipped=Unread(meta["skipped"]),
+        )
+        if data.images.ndim != 4 or len(data.images) != len(data.labels):
+            raise ValueError(f"{len(data.images)} images and {len(data.labels)} labels")
+    except (OSError, ValueError, EOFError, KeyError, TypeError) as err:  # json's and numpy's are ValueErrors
+        log.warning("%s: the decoded copy cached there cannot be read (%s: %s); decoding the data again", folder,
+                    type(err).__name__, err)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    return data
 
 
 def _write_cache(folder: Path, images: np.ndarray, labels: np.ndarray, classes: list[str], skipped: Unread) -> None:
@@ -207,9 +222,8 @@ def load_in_memory(
     workers = usable_cores() if workers is None else workers
     key = source_key(path)
     folder = _cache_folder(key, size, cache_dir)
-    if folder.is_dir():
-        data = _read_cache(folder)
-    else:
+    data = _read_cache(folder)
+    if data is None:
         if is_archive(path) and Path(path).is_file():
             index, sources = read_image_archive(path)  # no extraction: one pass over the archive
         else:
@@ -233,9 +247,8 @@ def load_source_in_memory(source: StreamSource, image_size: Size = None, cache_d
     size = None if image_size is None else to_pair(image_size, "image_size")
     workers = usable_cores() if workers is None else workers
     folder = _cache_folder(source.key, size, cache_dir) if source.key else None
-    if folder is not None and folder.is_dir():
-        data = _read_cache(folder)
-    else:
+    data = _read_cache(folder) if folder is not None else None
+    if data is None:
         keys, payloads, labels, skipped = [], [], [], Unread()
         for key, payload, label in source.samples(skipped):
             check_label_ids(label if isinstance(label, tuple) else (label,), source.classes, source.name, key)

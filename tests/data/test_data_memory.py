@@ -200,3 +200,24 @@ def test_a_folder_of_links_pointed_at_other_images_is_decoded_again(tmp_path):
         data = load_in_memory(view.parent, image_size=8, cache_dir=tmp_path / "cache", workers=1)
         means.append(float(data.images.float().mean()))
     assert means == [10.0, 200.0]
+
+
+def test_a_class_folder_linked_to_other_images_is_decoded_again(tmp_path):
+    """A class folder that is a link (a tree of links to another's class folders, one version of a set
+    or another): pointed at a folder of other images of the same names, sizes and times (uncompressed,
+    extracted together), the tree kept its key, and the cached images of the earlier folder were read."""
+    for version, value in (("v1", 10), ("v2", 200)):
+        for c in ("a", "b"):
+            (tmp_path / version / c).mkdir(parents=True)
+            Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(tmp_path / version / c / "0.bmp")
+            os.utime(tmp_path / version / c / "0.bmp", ns=(10**18, 10**18))  # the same size and time
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    means = []
+    for version in ("v1", "v2"):
+        for c in ("a", "b"):
+            (tree / c).unlink(missing_ok=True)
+            (tree / c).symlink_to(tmp_path / version / c, target_is_directory=True)
+        data = load_in_memory(tree, image_size=8, cache_dir=tmp_path / "cache", workers=1)
+        means.append(float(data.images.float().mean()))
+    assert means == [10.0, 200.0]

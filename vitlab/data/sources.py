@@ -628,9 +628,10 @@ def source_key(path: PathLike) -> str:
 
     For an archive: its absolute path, size and mtime (one ``stat``).  For a folder:
     the same three facts for every image in it, so adding, removing or rewriting an
-    image changes the key (one ``stat`` per image, a fraction of a second for 50k), and its
-    class names: a class folder without images, added or removed, renumbers the classes
-    after it.
+    image changes the key (one ``stat`` per image, a fraction of a second for 50k), the
+    real path of an image reached through a link (to the image, or to a folder above it),
+    and its class names: a class folder without images, added or removed, renumbers the
+    classes after it.
     """
     path = Path(path).resolve()
     if path.is_file():
@@ -640,6 +641,7 @@ def source_key(path: PathLike) -> str:
         # surrogateescape: file names that are not UTF-8 hash as their bytes
         digest = hashlib.sha256(str(path).encode("utf-8", "surrogateescape"))
         index = scan_image_folder(path)
+        real_folders: dict[str, str] = {}  # each folder of images: its real path, read once
         for image in index.paths:
             try:
                 st = os.stat(image)
@@ -647,9 +649,15 @@ def source_key(path: PathLike) -> str:
             except OSError as e:  # a link to nothing, an image gone: left out when decoded, not the run's end
                 facts = type(e).__name__
             # and what a link names: a folder of links (vtab's split views) pointed at other images of the same
-            # size and time had the same key, and a new --split-seed was decoded as the cached earlier split
-            target = f"|{os.path.realpath(image)}" if os.path.islink(image) else ""  # a plain file's key as it was
-            digest.update(f"\n{image}|{facts}{target}".encode("utf-8", "surrogateescape"))
+            # size and time had the same key, and a new --split-seed was decoded as the cached earlier split; so
+            # had a class folder that is a link, pointed at another folder of such images
+            if os.path.islink(image):
+                target = f"|{os.path.realpath(image)}"
+            else:
+                folder = os.path.dirname(image)
+                real = real_folders.setdefault(folder, os.path.realpath(folder))
+                target = f"|{os.path.join(real, os.path.basename(image))}" if real != folder else ""
+            digest.update(f"\n{image}|{facts}{target}".encode("utf-8", "surrogateescape"))  # a plain tree's as it was
         digest.update(json.dumps(index.classes).encode("utf-8", "surrogateescape"))
         return f"{path.name}-{digest.hexdigest()[:16]}"
     raise DataError(f"{path}: no such file or folder")

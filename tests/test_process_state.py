@@ -439,6 +439,14 @@ def test_train(caller, caller_backend, sklearn_imported, tmp_path, monkeypatch):
     assert retained == []
 
 
+def test_run_sweep(caller, sklearn_imported, tmp_path):
+    from vitlab.train.sweep import run_sweep
+
+    with leaves_process_as_found():
+        report = run_sweep(tiny_run(tmp_path / "sweep"), grid=(0.01, 0.1), verbose=False, say=lambda line: None)
+    assert set(report["holdout_top1"]) == {"0.01", "0.1"} and report["final"]["steps"] == 2
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_train_called_with_autograd_off(caller, sklearn_imported, tmp_path, mode):
     """A caller whose autograd is off (scoring a model of its own, say) gets its run trained and its

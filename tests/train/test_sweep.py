@@ -1,0 +1,51 @@
+"""vitlab.train.sweep: the paper's learning-rate sweep (Appendix B.1.1) as a library call, and its
+edges (the command's own tests are in test_recipes_fixes.py and test_cli.py)."""
+import json
+
+import pytest
+
+from vitlab.config import ConfigError
+from vitlab.train.sweep import run_sweep, sweep_plan
+
+
+def test_run_sweep_is_the_commands_sweep_from_python(tiny, tmp_path):
+    """The grid on the config's own data.val_split, the final run on all of the training set,
+    the report returned and written beside the runs: what `vitlab sweep` prints, without the CLI."""
+    cfg = tiny("sweep", steps=1, batch_size=16, val_split=360, tensorboard=False)
+    lines = []
+    report = run_sweep(cfg, grid=[0.01, 0.1], verbose=False, say=lines.append)
+    assert report == json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert report["holdout"] == 360 and set(report["holdout_top1"]) == {"0.01", "0.1"}
+    assert report["best_lr"] == max((0.01, 0.1), key=lambda lr: report["holdout_top1"][f"{lr:g}"])
+    for lr in ("0.01", "0.1"):
+        summary = json.loads((tmp_path / "sweep" / f"lr_{lr}" / "summary.json").read_text())
+        assert summary["val_examples"] == 360 and summary["val_top1"] == report["holdout_top1"][lr]
+    assert (report["final"]["train_examples"], report["final"]["val_examples"]) == (1797, 0)
+    assert lines == [f"lr {lr}: held-out top-1 {report['holdout_top1'][lr]:.4f}" for lr in ("0.01", "0.1")]
+    # an explicit hold-out, and a final run that keeps some out
+    grid, runs, final, holdout = sweep_plan(cfg, (0.01,), holdout=100, final_val_split=50)
+    assert (grid, holdout, [r.data.val_split for r in runs], final.data.val_split) == ((0.01,), 100, [100], 50)
+    assert sweep_plan(with_split(cfg, 0), (0.01,))[3] == 0.1  # a config holding none out: 10%
+
+
+def with_split(cfg, split):
+    from vitlab.train.overrides import with_changes
+
+    return with_changes(cfg, {"data.val_split": split})
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"grid": "0.01,0.1"}, r"^grid='0.01,0.1': expected positive learning rates"),
+    ({"grid": (0.01, -1)}, r"^grid=\(0.01, -1\): expected positive learning rates"),
+    ({"holdout": "10%"}, r"^holdout='10%': expected a count \(500\) or a fraction \(0.1\)"),
+    ({"final_val_split": "none"}, r"^final_val_split='none': expected a count"),
+    ({"resume": True, "overwrite": True}, r"^resume=True and overwrite=True"),
+    ({"say": "stdout"}, r"^say='stdout': expected None or a function"),
+])
+def test_run_sweep_refuses_bad_arguments_before_any_run(tiny, tmp_path, given, message):
+    cfg = tiny("sweep", steps=1)
+    with pytest.raises(ConfigError, match=message):
+        run_sweep(cfg, **{"grid": (0.01,), **given})
+    assert not (tmp_path / "sweep").exists()
+    with pytest.raises(ConfigError, match=r"^cfg='demo': expected a TrainConfig"):
+        run_sweep("demo")

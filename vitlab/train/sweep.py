@@ -1,0 +1,142 @@
+"""Choosing the learning rate as the paper does (Appendix B.1.1), then retraining: `vitlab sweep`'s protocol.
+
+    cfg = with_changes(load_recipe("paper_finetune:dataset=cifar10"), {
+        "model.init": "ViT-B_16.npz", "data.source": "cifar10.tar.gz", "run.out": "runs/sweep"})
+    report = run_sweep(cfg)   # also in runs/sweep/sweep.json
+
+1. For every learning rate of the grid (``grid``, default the config's ``optim.lr_grid``,
+   Table 4's {0.001, 0.003, 0.01, 0.03} in ``paper_finetune``) train ``cfg`` on the rest of
+   the training set into ``run.out/lr_<rate>`` and measure top-1 on a held-out part
+   (class-stratified, seeded): ``holdout``, by default the config's ``data.val_split``, which
+   for ``paper_finetune`` is the appendix's share per dataset (10% Pets and Flowers, 2% CIFAR,
+   1% ImageNet); 10% for a config without one.  ``data.val_data`` plays no part here.
+2. Retrain with the best learning rate on the full training set into ``run.out/final``
+   (``final_val_split`` still holds that many examples out for a final number; the default
+   holds out none; the config's ``data.val_data`` scores the final run, and only it).
+3. The report: every grid point's held-out top-1, the chosen rate and the final run's
+   summary (its weights' path included), also written to ``run.out/sweep.json``.
+Any config sweeps; one with ``model.init`` is a fine-tuning sweep.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Sequence
+
+from vitlab.config import ConfigError, is_number, need, need_bool
+from vitlab.weights.core import atomic_write
+
+from .build import check_can_run
+from .config import TrainConfig, check_lr_grid
+from .distributed import env_world_size
+from .loop import check_resume_or_overwrite, held_by_earlier_run, train
+from .metrics import Progress
+from .overrides import with_changes
+
+__all__ = ["run_sweep", "sweep_plan", "DEFAULT_HOLDOUT"]
+
+DEFAULT_HOLDOUT = 0.1
+
+
+def sweep_holdout(explicit: float | None, recipe_split: float | int) -> float | int:
+    """What the grid is compared on: ``explicit`` (``--holdout``), else the recipe's validation split, else 10%.
+    None held out leaves nothing to compare (0 failed after the first rate's run, on its missing score)."""
+    if explicit == 0:
+        raise ConfigError("--holdout 0: the grid is compared on a held-out part of the training set; give a count "
+                          "(500) or a fraction (0.1)")
+    value = explicit if explicit is not None else (recipe_split or DEFAULT_HOLDOUT)
+    return int(value) if float(value).is_integer() and value >= 1 else value
+
+
+def resolve_val_split(value: float | None) -> float | int:
+    """The final run's ``data.val_split``: ``value`` (``--val-split``) if given, else 0 (none held out)."""
+    if value is None:
+        return 0
+    return int(value) if float(value).is_integer() and value >= 1 else value
+
+
+def sweep_plan(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | None = None,
+               final_val_split: float | None = 0) -> tuple[tuple[float, ...], list[TrainConfig], TrainConfig,
+                                                            float | int]:
+    """(the grid, one config per learning rate of it, the final run's config, the hold-out the grid
+    is compared on): what ``run_sweep`` trains, every config built and checked, nothing run."""
+    if not isinstance(cfg, TrainConfig):  # a recipe's name, say: its cfg.model failed as an AttributeError
+        raise ConfigError(f"cfg={cfg!r:.80}: expected a TrainConfig (vitlab.configs.load_recipe('demo') gives "
+                          f"one), got a {type(cfg).__name__}")
+    if cfg.model.mpp is not None:  # the first rate's run trained, then the sweep ended on its missing score
+        raise ConfigError(f"model.mpp={cfg.model.mpp!r}: a sweep compares its rates by their held-out top-1, and "
+                          "masked patch prediction trains no classifier to score; sweep the fine-tune of its weights "
+                          "(--init) instead")
+    grid = tuple(grid) if isinstance(grid, (list, tuple)) else grid
+    check_lr_grid(grid, "grid")
+    grid = tuple(float(lr) for lr in grid) or tuple(cfg.optim.lr_grid)
+    if not grid:
+        raise ConfigError("optim.lr_grid=(): the recipe has no learning-rate grid; pass --grid 0.001,0.003,...")
+    need(holdout is None or is_number(holdout), "holdout", holdout, "expected a count (500) or a fraction (0.1)")
+    need(final_val_split is None or is_number(final_val_split), "final_val_split", final_val_split,
+         "expected a count (500), a fraction (0.1) or 0 for none")
+    holdout = sweep_holdout(holdout, cfg.data.val_split)
+    base_out = Path(cfg.run.out)
+    # the grid is compared on its hold-out of the training set; a data.val_data set scores the final run only
+    runs = [with_changes(cfg, {"optim.lr": lr, "data.val_split": holdout, "data.val_data": None,
+                               "run.out": str(base_out / f"lr_{lr:g}")})
+            for lr in grid]
+    # the final retrain: the full training set, unless final_val_split holds some out (not the recipe's split)
+    final = with_changes(cfg, {"run.out": str(base_out / "final"), "data.val_split": resolve_val_split(final_val_split)})
+    return grid, runs, final, holdout
+
+
+def check_final_lr(final_cfg: TrainConfig, best: float) -> None:
+    """Refuse to ``--resume`` a final run made at another learning rate than the grid's best (a grid
+    or hold-out changed since): the learning rate may change on resume, so its finished run was
+    read back and reported as the retrain at the best rate."""
+    out = Path(final_cfg.run.out)
+    if held_by_earlier_run(out) is None:
+        return
+    try:
+        lr = json.loads((out / "config.json").read_text())["optim"]["lr"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no record of its rate: train's own checks decide
+    if f"{lr:g}" != f"{best:g}":
+        raise ConfigError(f"--resume: {str(out)!r} holds the final run at lr {lr:g}, but the grid's best is now "
+                          f"{best:g}; move that folder away to retrain it, or choose another --out")
+
+
+def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | None = None,
+              final_val_split: float | None = 0, resume: bool = False, overwrite: bool = False,
+              verbose: bool = True, say: Callable[[str], object] | None = None) -> dict:
+    """The sweep of the module docstring: ``cfg`` at every rate of ``grid`` (default its
+    ``optim.lr_grid``) compared on ``holdout`` (default its ``data.val_split``, else 10%), then the
+    final run at the best rate, holding ``final_val_split`` out (default none).
+
+    Returns the report, also written to ``run.out/sweep.json`` (by rank 0 of a distributed
+    launch): ``holdout``, ``holdout_top1`` ({rate: top-1}), ``best_lr`` and ``final`` (the final
+    run's summary).  ``resume``/``overwrite`` are ``train``'s, for every run (a final run made at
+    another rate than the best is refused on ``resume``).  ``verbose``: the runs' progress;
+    ``say``: called with a line per grid point as it is scored (default: on stderr when ``verbose``).
+    """
+    check_resume_or_overwrite(resume, overwrite)
+    need_bool("verbose", verbose)
+    need(say is None or callable(say), "say", say, "expected None or a function of one line of text")
+    grid, runs, final_cfg, holdout = sweep_plan(cfg, grid, holdout, final_val_split)
+    say = say or Progress(enabled=verbose).message
+    for r in runs + [final_cfg]:  # every run is checked before the first one starts
+        check_can_run(r, env_world_size())
+
+    scores = {}
+    for r in runs:
+        summary = train(r, resume=resume, overwrite=overwrite, verbose=verbose)
+        scores[f"{r.optim.lr:g}"] = summary["val_top1"]
+        say(f"lr {r.optim.lr:g}: held-out top-1 {summary['val_top1']:.4f}")
+    best = max(grid, key=lambda lr: scores[f"{lr:g}"])
+    if resume:
+        check_final_lr(final_cfg, best)
+    final = train(with_changes(final_cfg, {"optim.lr": best}), resume=resume, overwrite=overwrite, verbose=verbose)
+    report = {"holdout": holdout, "holdout_top1": scores, "best_lr": best, "final": final}
+    if final.get("weights") is not None:
+        # beside the runs' folders, in the folder the command was given; written beside its place, then
+        # renamed: written in place, a failure (a full disk) left an earlier sweep's report truncated
+        text = json.dumps(report, indent=2).encode()
+        atomic_write(Path(final_cfg.run.out).parent / "sweep.json", lambda f: f.write(text))
+    return report
+

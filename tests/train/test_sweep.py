@@ -49,3 +49,30 @@ def test_run_sweep_refuses_bad_arguments_before_any_run(tiny, tmp_path, given, m
     assert not (tmp_path / "sweep").exists()
     with pytest.raises(ConfigError, match=r"^cfg='demo': expected a TrainConfig"):
         run_sweep("demo")
+
+
+def test_a_diverging_rate_loses_and_the_sweep_goes_on(tiny, tmp_path, capsys):
+    """A rate whose run stops on a non-finite loss counts as lost; the sweep stopped on it with the
+    grid's other rates unrun and no final run.  Every rate diverging is one line."""
+    from vitlab.cli import main
+    from vitlab.train.numerics import NonFiniteError
+
+    cfg = tiny("sweep", steps=3, batch_size=16, tensorboard=False)
+    lines = []
+    report = run_sweep(cfg, grid=(1e30, 0.01), verbose=False, say=lines.append)
+    assert report["holdout_top1"]["1e+30"] is None and report["holdout_top1"]["0.01"] is not None
+    assert report["best_lr"] == 0.01 and report["final"]["steps"] == 3
+    assert list(report["diverged"]) == ["1e+30"] and "not finite" in report["diverged"]["1e+30"]
+    assert lines[0] == "lr 1e+30: diverged (a loss or gradients not finite), counted as lost"
+    with pytest.raises(NonFiniteError, match=r"^every learning rate of the grid diverged \(1e\+30, 1e\+31\)"):
+        run_sweep(cfg, grid=(1e30, 1e31), verbose=False, overwrite=True)
+    out = tmp_path / "cli"
+    args = ["sweep", "--recipe", "demo", "--data", "digits", "--batch-size", "16", "--steps", "3", "--grid",
+            "1e30", "--out", str(out), "--quiet", "--set", "model.img_size=8", "--set", "model.patch_size=4",
+            "--set", "model.width=16", "--set", "model.depth=1", "--set", "model.num_heads=2",
+            "--set", "model.mlp_dim=32", "--set", "run.threads=1", "--set", "run.tensorboard=false"]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "lr 1e+30: diverged (a loss or gradients not finite), counted as lost\n"
+    assert captured.err.startswith("vitlab sweep: error: every learning rate of the grid diverged (1e+30)")
+    assert len(captured.err.strip().splitlines()) == 1 and not (out / "final").exists()

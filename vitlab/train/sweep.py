@@ -9,7 +9,9 @@
    the training set into ``run.out/lr_<rate>`` and measure top-1 on a held-out part
    (class-stratified, seeded): ``holdout``, by default the config's ``data.val_split``, which
    for ``paper_finetune`` is the appendix's share per dataset (10% Pets and Flowers, 2% CIFAR,
-   1% ImageNet); 10% for a config without one.  ``data.val_data`` plays no part here.
+   1% ImageNet); 10% for a config without one.  ``data.val_data`` plays no part here.  A rate
+   whose run diverges (stops on a loss or gradients that are not finite, ``run.on_nonfinite``)
+   loses, as any rate worse than the best: its score is None and the others go on.
 2. Retrain with the best learning rate on the full training set into ``run.out/final``
    (``final_val_split`` still holds that many examples out for a final number; the default
    holds out none; the config's ``data.val_data`` scores the final run, and only it).
@@ -31,9 +33,10 @@ from .config import TrainConfig, check_lr_grid
 from .distributed import env_world_size
 from .loop import check_resume_or_overwrite, held_by_earlier_run, train
 from .metrics import Progress
+from .numerics import NonFiniteError
 from .overrides import with_changes
 
-__all__ = ["run_sweep", "sweep_plan", "DEFAULT_HOLDOUT"]
+__all__ = ["run_sweep", "sweep_plan", "best_lr", "DEFAULT_HOLDOUT"]
 
 DEFAULT_HOLDOUT = 0.1
 
@@ -102,6 +105,16 @@ def check_final_lr(final_cfg: TrainConfig, best: float) -> None:
                           f"{best:g}; move that folder away to retrain it, or choose another --out")
 
 
+def best_lr(grid: Sequence[float], scores: dict[str, float | None]) -> float:
+    """The rate of ``grid`` whose score (``scores``, by rate as ``f"{lr:g}"``) is highest; a rate
+    scored None (its run diverged) loses.  Raises ``NonFiniteError`` when every rate diverged."""
+    scored = [lr for lr in grid if scores.get(f"{lr:g}") is not None]
+    if not scored:
+        raise NonFiniteError(f"every learning rate of the grid diverged ({', '.join(f'{lr:g}' for lr in grid)}): "
+                             "their runs' loss or gradients were not finite, so none can be chosen; try lower rates")
+    return max(scored, key=lambda lr: scores[f"{lr:g}"])
+
+
 def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | None = None,
               final_val_split: float | None = 0, resume: bool = False, overwrite: bool = False,
               verbose: bool = True, say: Callable[[str], object] | None = None) -> dict:
@@ -110,8 +123,10 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
     final run at the best rate, holding ``final_val_split`` out (default none).
 
     Returns the report, also written to ``run.out/sweep.json`` (by rank 0 of a distributed
-    launch): ``holdout``, ``holdout_top1`` ({rate: top-1}), ``best_lr`` and ``final`` (the final
-    run's summary).  ``resume``/``overwrite`` are ``train``'s, for every run (a final run made at
+    launch): ``holdout``, ``holdout_top1`` ({rate: top-1}), ``best_lr``, ``diverged`` and ``final``
+    (the final run's summary).  A rate whose run stops on a loss or gradients that are not finite
+    (``run.on_nonfinite``) loses: its top-1 is None, ``diverged`` holds its error, and the other
+    rates go on; ``NonFiniteError`` if every rate diverges.  ``resume``/``overwrite`` are ``train``'s, for every run (a final run made at
     another rate than the best is refused on ``resume``).  ``verbose``: the runs' progress;
     ``say``: called with a line per grid point as it is scored (default: on stderr when ``verbose``).
     """
@@ -123,16 +138,22 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
     for r in runs + [final_cfg]:  # every run is checked before the first one starts
         check_can_run(r, env_world_size())
 
-    scores = {}
+    scores, diverged = {}, {}
     for r in runs:
-        summary = train(r, resume=resume, overwrite=overwrite, verbose=verbose)
-        scores[f"{r.optim.lr:g}"] = summary["val_top1"]
-        say(f"lr {r.optim.lr:g}: held-out top-1 {summary['val_top1']:.4f}")
-    best = max(grid, key=lambda lr: scores[f"{lr:g}"])
+        lr = f"{r.optim.lr:g}"
+        try:
+            summary = train(r, resume=resume, overwrite=overwrite, verbose=verbose)
+        except NonFiniteError as err:  # a rate that diverges loses (the sweep stopped on it, the other rates unrun)
+            scores[lr], diverged[lr] = None, str(err)
+            say(f"lr {lr}: diverged (a loss or gradients not finite), counted as lost")
+            continue
+        scores[lr] = summary["val_top1"]
+        say(f"lr {lr}: held-out top-1 {summary['val_top1']:.4f}")
+    best = best_lr(grid, scores)
     if resume:
         check_final_lr(final_cfg, best)
     final = train(with_changes(final_cfg, {"optim.lr": best}), resume=resume, overwrite=overwrite, verbose=verbose)
-    report = {"holdout": holdout, "holdout_top1": scores, "best_lr": best, "final": final}
+    report = {"holdout": holdout, "holdout_top1": scores, "best_lr": best, "diverged": diverged, "final": final}
     if final.get("weights") is not None:
         # beside the runs' folders, in the folder the command was given; written beside its place, then
         # renamed: written in place, a failure (a full disk) left an earlier sweep's report truncated

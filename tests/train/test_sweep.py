@@ -76,3 +76,27 @@ def test_a_diverging_rate_loses_and_the_sweep_goes_on(tiny, tmp_path, capsys):
     assert captured.out == "lr 1e+30: diverged (a loss or gradients not finite), counted as lost\n"
     assert captured.err.startswith("vitlab sweep: error: every learning rate of the grid diverged (1e+30)")
     assert len(captured.err.strip().splitlines()) == 1 and not (out / "final").exists()
+
+
+def test_of_rates_scoring_alike_the_lowest_is_chosen_whatever_the_grids_order(tiny, monkeypatch):
+    """Ties went to the first rate in the grid's order: 0.03,0.01 and 0.01,0.03 chose differently on
+    the same scores (a few hundred held-out examples tie often)."""
+    from vitlab.train import sweep
+    from vitlab.train.vtab import chosen_lrs
+
+    assert sweep.best_lr((0.03, 0.01, 0.003), {"0.03": 0.5, "0.01": 0.5, "0.003": 0.4}) == 0.01
+    assert sweep.best_lr((0.01, 0.03), {"0.03": 0.5, "0.01": None}) == 0.03  # a diverged rate loses all the same
+    trained = []
+
+    def fake_train(cfg, **_):
+        trained.append(cfg.optim.lr)
+        return {"val_top1": 0.5 if cfg.optim.lr in (0.03, 0.01) else 0.4, "weights": None}
+
+    monkeypatch.setattr(sweep, "train", fake_train)
+    for grid in ((0.03, 0.01, 0.003), (0.003, 0.01, 0.03)):
+        assert sweep.run_sweep(tiny("sweep"), grid=grid, verbose=False)["best_lr"] == 0.01
+        assert trained[-1] == 0.01  # the final run's
+    val = {"a": {"0.03": 0.5, "0.01": 0.5}, "b": {"0.03": 0.25, "0.01": 0.5}, "c": {"0.03": 0.75, "0.01": 0.5}}
+    for grid in ((0.03, 0.01), (0.01, 0.03)):
+        assert chosen_lrs(grid, val, "per-task") == {"a": 0.01, "b": 0.01, "c": 0.03}
+        assert chosen_lrs(grid, val, "shared") == {"a": 0.01, "b": 0.01, "c": 0.01}  # 1.5 each

@@ -7,7 +7,7 @@
    measure top-1 on a held-out part (class-stratified, seeded): ``--holdout``, by default
    the recipe's ``data.val_split`` (as ``--set`` changes it), which for ``paper_finetune`` is the appendix's share
    per dataset (10% Pets and Flowers, 2% CIFAR, 1% ImageNet); 10% for a recipe without one.
-2. Retrain with the best learning rate on the full training set (with ``--val-split``,
+2. Retrain with the best learning rate (of rates tied, the lowest) on the full training set (with ``--val-split``,
    that many examples are still held out for a final number; the default holds out none;
    ``--val-data`` scores the final run on a separate set, and only the final run).
 3. Print one JSON line: every grid point's held-out accuracy, the chosen lr and the final

@@ -8,7 +8,7 @@ test/, or VTAB-1k's own train800/ and val200/ with test/):
 
 1. fine-tune on ``train[:800]`` with every learning rate of the grid (``--grid``; default
    the recipe's, Table 4's {0.001, 0.003, 0.01, 0.03}) and score each on ``train[800:1000]``;
-2. fine-tune on all 1000 with the best one (``--select per-task``, the default), or with
+2. fine-tune on all 1000 with the best one (of rates tied, the lowest; ``--select per-task``, the default), or with
    the one whose mean over the tasks' 200-example validation sets is best
    (``--select shared``: the paper used one setting for all tasks, chosen so);
 3. score the final model on the task's test set.

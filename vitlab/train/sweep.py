@@ -12,7 +12,7 @@
    1% ImageNet); 10% for a config without one.  ``data.val_data`` plays no part here.  A rate
    whose run diverges (stops on a loss or gradients that are not finite, ``run.on_nonfinite``)
    loses, as any rate worse than the best: its score is None and the others go on.
-2. Retrain with the best learning rate on the full training set into ``run.out/final``
+2. Retrain with the best learning rate (of rates tied, the lowest) on the full training set into ``run.out/final``
    (``final_val_split`` still holds that many examples out for a final number; the default
    holds out none; the config's ``data.val_data`` scores the final run, and only it).
 3. The report: every grid point's held-out top-1, the chosen rate and the final run's
@@ -106,13 +106,15 @@ def check_final_lr(final_cfg: TrainConfig, best: float) -> None:
 
 
 def best_lr(grid: Sequence[float], scores: dict[str, float | None]) -> float:
-    """The rate of ``grid`` whose score (``scores``, by rate as ``f"{lr:g}"``) is highest; a rate
-    scored None (its run diverged) loses.  Raises ``NonFiniteError`` when every rate diverged."""
+    """The rate of ``grid`` whose score (``scores``, by rate as ``f"{lr:g}"``) is highest, of rates
+    scoring alike the lowest (the choice is the grid's, whatever its order, and the lower rate is the
+    further from diverging on the final run); a rate scored None (its run diverged) loses.  Raises
+    ``NonFiniteError`` when every rate diverged."""
     scored = [lr for lr in grid if scores.get(f"{lr:g}") is not None]
     if not scored:
         raise NonFiniteError(f"every learning rate of the grid diverged ({', '.join(f'{lr:g}' for lr in grid)}): "
                              "their runs' loss or gradients were not finite, so none can be chosen; try lower rates")
-    return max(scored, key=lambda lr: scores[f"{lr:g}"])
+    return max(scored, key=lambda lr: (scores[f"{lr:g}"], -lr))
 
 
 def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | None = None,

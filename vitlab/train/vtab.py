@@ -8,7 +8,7 @@ For each task (``vitlab.eval.vtab``: its folders, its fixed splits, the group me
 
 1. fine-tune on ``train[:800]`` with every learning rate of the grid (default the config's
    ``optim.lr_grid``) and score each on ``train[800:1000]``;
-2. fine-tune on all 1000 with the best one (``select="per-task"``), or with the one whose
+2. fine-tune on all 1000 with the best one (of rates tied, the lowest; ``select="per-task"``), or with the one whose
    mean over the tasks' validation sets is best (``select="shared"``: the paper used one
    setting for all tasks, chosen so);
 3. score the final model on the task's test set.
@@ -46,6 +46,7 @@ from .metrics import Progress
 from .overrides import field_value, with_changes
 from .resolve import resolve, resolve_device
 from .state import RESUME_INVARIANTS
+from .sweep import best_lr
 
 __all__ = ["run_vtab", "evaluate_on", "SELECTIONS"]
 
@@ -161,13 +162,14 @@ def sweep_scores(runs: Runs, task: Task, views: TaskSplits, grid: Sequence[float
 
 def chosen_lrs(grid: Sequence[float], val: Mapping[str, Mapping[str, float]], select: str) -> dict[str, float]:
     """The learning rate of each task's final run: the only one of a grid of one, else the best
-    on its validation examples (``per-task``) or on their mean over the tasks (``shared``)."""
+    on its validation examples (``per-task``) or on their mean over the tasks (``shared``); of
+    rates tied, the lowest (``sweep.best_lr``)."""
     if len(grid) == 1:
         return {name: grid[0] for name in val}
     if select == "shared":
-        shared = max(grid, key=lambda lr: sum(v[f"{lr:g}"] for v in val.values()))
+        shared = best_lr(grid, {f"{lr:g}": sum(v[f"{lr:g}"] for v in val.values()) for lr in grid})
         return {name: shared for name in val}
-    return {name: max(grid, key=lambda lr: scores[f"{lr:g}"]) for name, scores in val.items()}
+    return {name: best_lr(grid, scores) for name, scores in val.items()}
 
 
 def final_result(runs: Runs, task: Task, views: TaskSplits, lr: float, val: dict[str, float], say) -> dict:

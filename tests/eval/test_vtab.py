@@ -359,3 +359,21 @@ def test_resume_refuses_runs_made_before_the_tasks_images_changed(tiny_checkpoin
     assert main([*args, "--resume"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--resume: the runs of eurosat in" in err and "were made with other settings: task images=" in err, err
+
+
+def test_a_class_subset_is_refused_before_any_run(tasks, tiny_checkpoint, tmp_path, capsys):
+    """The runs trained on the subset's classes and were scored on the task's views of all of them:
+    the first run trained, then scoring ended on a label beyond its head (and a subset in another
+    order would have been scored on labels that named other classes)."""
+    from vitlab.config import ConfigError
+    from vitlab.train.vtab import run_vtab
+
+    out = tmp_path / "vtab"
+    assert main([*tiny_vtab(tiny_checkpoint, tasks, out, steps=1), "--only", "eurosat",
+                 "--set", "data.class_subset=b,a"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "vitlab vtab: error: data.class_subset=('b', 'a'): a VTAB task is trained and scored on all of its classes; "
+        "for fewer, make a task folder of those classes")
+    assert not out.exists()
+    with pytest.raises(ConfigError, match=r"^cfg='vtab1k': expected a TrainConfig"):
+        run_vtab("vtab1k", find_tasks(tasks), out)

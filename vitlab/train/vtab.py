@@ -198,8 +198,15 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
     folder holding finished runs of ``tasks`` is refused.  ``verbose``: a line per run on stderr,
     and the training runs' progress.
     """
+    if not isinstance(cfg, TrainConfig):  # a recipe's name, say: its cfg.recipe failed as an AttributeError
+        raise ConfigError(f"cfg={cfg!r:.80}: expected a TrainConfig (vitlab.configs.load_recipe('vtab1k') gives "
+                          f"one), got a {type(cfg).__name__}")
     if select not in SELECTIONS:
         raise ConfigError(f"select={select!r}: expected one of {', '.join(SELECTIONS)}")
+    # the runs trained on the subset, and the scoring, on the task's views of every class, ended on a label
+    # beyond the head ("class index 2 is beyond the model's 2 classes") after the first run had trained
+    need(not cfg.data.class_subset, "data.class_subset", cfg.data.class_subset,
+         "a VTAB task is trained and scored on all of its classes; for fewer, make a task folder of those classes")
     # before any folder is written: no tasks ended in an IndexError, a folder's path in an AttributeError
     need(isinstance(tasks, Sequence) and bool(tasks) and all(isinstance(t, Task) for t in tasks), "tasks",
          tasks, "expected one or more vitlab.eval.vtab.Task, as find_tasks gives them")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from vitlab.cli import main
@@ -377,3 +378,43 @@ def test_a_class_subset_is_refused_before_any_run(tasks, tiny_checkpoint, tmp_pa
     assert not out.exists()
     with pytest.raises(ConfigError, match=r"^cfg='vtab1k': expected a TrainConfig"):
         run_vtab("vtab1k", find_tasks(tasks), out)
+
+
+def test_a_stopped_run_goes_on_from_its_checkpoint_with_resume(tasks, tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """Stopped after its checkpoint of step 4 of 6, a run was started afresh by --resume (run.ckpt_every
+    was set to 0 for every run and its folder's checkpoints deleted): now it trains its last 2 steps, to
+    the weights of a run never stopped; without --resume or --overwrite its folder is refused."""
+    from vitlab.train import loop
+    from vitlab.weights import load_model
+
+    def vtab(out):
+        return [*tiny_vtab(tiny_checkpoint, tasks, out, steps=6), "--only", "eurosat", "--grid", "0.01",
+                "--set", "run.ckpt_every=2", "--set", "run.keep_ckpts=1"]
+
+    assert main(vtab(tmp_path / "whole")) == 0
+    save = loop.save_checkpoint
+
+    def stop_after_step_4(setup, state, ckpt_dir, step):
+        saved = save(setup, state, ckpt_dir, step)
+        if step == 4:
+            raise KeyboardInterrupt
+        return saved
+
+    out = tmp_path / "vtab"
+    monkeypatch.setattr(loop, "save_checkpoint", stop_after_step_4)
+    assert main(vtab(out)) == 130
+    monkeypatch.setattr(loop, "save_checkpoint", save)
+    capsys.readouterr()
+    assert main(vtab(out)) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vitlab vtab: error: --out={str(out)!r} holds 1 run(s) of these tasks that stopped before their end "
+        "(eurosat/final_lr_0.01, ...); continue them with --resume, start them afresh with --overwrite, or choose "
+        "another --out")
+    steps = []
+    step = loop.train_step
+    monkeypatch.setattr(loop, "train_step", lambda *a, **k: steps.append(1) or step(*a, **k))
+    assert main([*vtab(out), "--resume"]) == 0
+    assert len(steps) == 2
+    resumed, whole = (load_model(str(o / "eurosat" / "final_lr_0.01" / "model.safetensors")).state_dict()
+                      for o in (out, tmp_path / "whole"))
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)

@@ -20,7 +20,8 @@ init (scaled from another init's as ``vitlab/configs/paper_finetune.py`` says;
 by default as many as the memory of the device needs (``auto``: measured on the model).
 The output: a table of each task's accuracy, its group's mean (Natural, Specialized,
 Structured) and the mean over tasks, in ``OUT/vtab.json`` and as the last line of JSON.
-With ``--resume`` the runs already finished (their ``summary.json``) are not run again.
+With ``--resume`` the runs already finished (their ``summary.json``) are not run again, and a
+run that was stopped goes on from its newest checkpoint (``run.ckpt_every``: the recipe's 500 steps).
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a field of the recipe, SECTION.FIELD=VALUE (repeatable)")
     add_fast_argument(p)
-    p.add_argument("--resume", action="store_true", help="keep the runs of OUT that finished; run the rest")
+    p.add_argument("--resume", action="store_true", help="keep the runs of OUT that finished, continue those that stopped from their "
+                        "checkpoints (run.ckpt_every); run the rest")
     p.add_argument("--overwrite", action="store_true",
                    help="train again the tasks' runs that finished in OUT (without it, or --resume, such an OUT "
                         "is refused)")
@@ -70,8 +72,8 @@ def base_config(args: argparse.Namespace):
 
     cfg = load_recipe(args.recipe)
     changes = parse_overrides(cfg, args.overrides)
-    changes.update({"model.init": args.init,
-                    "data.cache_dir": str(Path(args.out) / "cache"), "run.eval_every": 0, "run.ckpt_every": 0})
+    # the recipe's (or --set's) run.ckpt_every: a run that stops goes on from its checkpoint with --resume
+    changes.update({"model.init": args.init, "data.cache_dir": str(Path(args.out) / "cache"), "run.eval_every": 0})
     for flag, name in (("steps", "optim.steps"), ("batch_size", "optim.batch_size"), ("img_size", "model.img_size"),
                        ("fast", "run.fast")):
         if getattr(args, flag) is not None:

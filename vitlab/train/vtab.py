@@ -41,7 +41,7 @@ from vitlab.weights.core import atomic_write
 from .build import check_can_run
 from .config import TrainConfig, check_lr_grid, to_dict
 from .distributed import local_rank, local_world
-from .loop import train
+from .loop import held_by_earlier_run, train
 from .metrics import Progress
 from .overrides import field_value, with_changes
 from .resolve import resolve, resolve_device
@@ -74,19 +74,23 @@ class Runs:
     out: Path
     device: torch.device
     precision: str
-    resume: bool = False   # a run that finished (its summary.json) is read back, not run again
+    resume: bool = False   # a run that finished (its summary.json) is read back, one that stopped goes on
     verbose: bool = True
 
     def fine_tune(self, source: Path, lr: float, folder: str) -> dict:
-        """The summary of ``cfg`` trained on ``source`` at ``lr`` into ``out/folder`` (a run there
-        that did not finish is started afresh: the protocol's runs keep no checkpoints)."""
+        """The summary of ``cfg`` trained on ``source`` at ``lr`` into ``out/folder``; with
+        ``resume``, a run there that finished is read back and one that stopped goes on from its
+        newest checkpoint (``run.ckpt_every``), as ``train``'s resume does (it was started afresh,
+        its checkpoints deleted)."""
         done = self.out / folder / "summary.json"
         if self.resume and done.is_file():  # made with these settings: ``check_earlier_runs``
             return json.loads(done.read_text())
         run_cfg = with_changes(self.cfg, {"data.source": str(source), "optim.lr": lr,
                                           "run.out": str(self.out / folder)})
         check_can_run(run_cfg)
-        return train(run_cfg, overwrite=True, verbose=self.verbose)
+        # a run not begun is started as such: resumed, each one said that it had no checkpoint to resume from
+        stopped = self.resume and held_by_earlier_run(self.out / folder) == "checkpoints"
+        return train(run_cfg, resume=stopped, overwrite=not stopped, verbose=self.verbose)
 
     def score(self, weights: str, folder: Path) -> tuple[float, int, int]:
         return evaluate_on(weights, folder, self.cfg, self.device, self.precision)
@@ -121,9 +125,10 @@ def task_settings(cfg: TrainConfig, task: Task, examples: int, split_seed: int) 
 
 def check_earlier_runs(out: Path, settings: Mapping[str, dict], resume: bool, overwrite: bool) -> dict:
     """Refuse what would lose finished runs or present stale ones as this invocation's: running
-    the tasks again over their finished runs without ``overwrite`` (every run was trained again,
-    the earlier ones written over without a word), or ``resume`` with other settings than the runs
-    were made with (their summaries were read back as if made with these).  Returns the record of
+    the tasks again over their finished runs, or runs that stopped and kept checkpoints, without
+    ``overwrite`` (every run was trained again, the earlier ones written over without a word), or
+    ``resume`` with other settings than the runs were made with (their summaries were read back as
+    if made with these).  Returns the record of
     every task's settings to write (``SETTINGS_NAME``) once the runs are about to start."""
     if resume and overwrite:
         raise ConfigError("resume=True and overwrite=True (--resume, --overwrite): one keeps the finished runs, "
@@ -133,6 +138,13 @@ def check_earlier_runs(out: Path, settings: Mapping[str, dict], resume: bool, ov
         raise ConfigError(f"--out={str(out)!r} holds {len(finished)} finished run(s) of these tasks "
                           f"({finished[0].relative_to(out)}, ...); keep them with --resume, train them again with "
                           "--overwrite, or choose another --out")
+    # and runs that stopped before their end: started afresh, their checkpoints were deleted without a word
+    stopped = [p for name in settings for p in sorted((out / name).glob("*/checkpoints"))
+               if p.parent not in finished and held_by_earlier_run(p.parent) == "checkpoints"]
+    if stopped and not resume and not overwrite:
+        raise ConfigError(f"--out={str(out)!r} holds {len(stopped)} run(s) of these tasks that stopped before their "
+                          f"end ({stopped[0].parent.relative_to(out)}, ...); continue them with --resume, start them "
+                          "afresh with --overwrite, or choose another --out")
     record = out / SETTINGS_NAME
     try:
         earlier = json.loads(record.read_text()) if record.is_file() else {}
@@ -193,9 +205,10 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
     Returns the report, also written to ``out/vtab.json``: ``protocol`` (the settings),
     ``tasks`` (per task: its group, the validation top-1 of each learning rate, the one
     chosen, the test top-1 and its images) and ``summarize``'s group means and mean.
-    ``resume``: the runs that finished in ``out`` are read back, not run again (refused if they
+    ``resume``: the runs that finished in ``out`` are read back, not run again, and a run that
+    stopped goes on from its newest checkpoint (every ``run.ckpt_every`` steps; refused if they
     were made with other settings); ``overwrite``: they are trained again.  Without either, a
-    folder holding finished runs of ``tasks`` is refused.  ``verbose``: a line per run on stderr,
+    folder holding finished or stopped runs of ``tasks`` is refused.  ``verbose``: a line per run on stderr,
     and the training runs' progress.
     """
     if not isinstance(cfg, TrainConfig):  # a recipe's name, say: its cfg.recipe failed as an AttributeError

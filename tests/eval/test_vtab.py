@@ -418,3 +418,26 @@ def test_a_stopped_run_goes_on_from_its_checkpoint_with_resume(tasks, tiny_check
     resumed, whole = (load_model(str(o / "eurosat" / "final_lr_0.01" / "model.safetensors")).state_dict()
                       for o in (out, tmp_path / "whole"))
     assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+
+def test_a_diverging_rate_loses_and_the_protocol_goes_on(tasks, tiny_checkpoint, tmp_path, capsys):
+    """A rate whose run stopped on a non-finite loss stopped the whole protocol, every task after it
+    unrun; now it loses (null in the report, 'diverged' in the table), and a task on which every rate
+    diverges is one line."""
+    from vitlab.train.vtab import chosen_lrs
+
+    out = tmp_path / "vtab"
+    args = [*tiny_vtab(tiny_checkpoint, tasks, out, steps=3), "--only", "eurosat"]
+    assert main([*args, "--grid", "0.01,1e30"]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads(printed.strip().splitlines()[-1])["tasks"]["eurosat"]
+    assert report["val_top1"]["1e+30"] is None and report["val_top1"]["0.01"] is not None and report["lr"] == 0.01
+    assert "1e+30: diverged" in printed
+    assert main([*args, "--grid", "1e30,1e31", "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vitlab vtab: error: eurosat: every learning rate of the grid diverged (1e+30, 1e+31)")
+    assert len(err.splitlines()) == 1
+    # shared: a rate that diverged on one task is not the one for all
+    val = {"a": {"0.01": 0.5, "0.03": None}, "b": {"0.01": 0.25, "0.03": 1.0}}
+    assert chosen_lrs((0.01, 0.03), val, "shared") == {"a": 0.01, "b": 0.01}
+    assert chosen_lrs((0.01, 0.03), val, "per-task") == {"a": 0.01, "b": 0.03}

@@ -271,7 +271,8 @@ def format_table(results: Mapping[str, Mapping[str, object]], summary: Mapping[s
     """The per-task table with the learning rate chosen, then the group means and the mean."""
     rows = [f"{'task':<22} {'group':<12} {'lr':>7}  {'val-200 top-1 per lr':<34} {'test top-1':>10}  test images"]
     for name, r in results.items():
-        val = "  ".join(f"{lr}: {100 * acc:.1f}" for lr, acc in dict(r.get("val_top1") or {}).items()) or "-"
+        val = "  ".join(f"{lr}: " + ("diverged" if acc is None else f"{100 * acc:.1f}")
+                        for lr, acc in dict(r.get("val_top1") or {}).items()) or "-"
         rows.append(f"{name:<22} {r['group']:<12} {r['lr']:>7g}  {val:<34} {100 * float(r['test_top1']):>9.2f}%  "
                     f"{r['test_examples']} ({r['test_split']})")
     rows.append("")

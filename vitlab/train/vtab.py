@@ -7,7 +7,7 @@ learning rate on its fixed 200 validation examples, fine-tune again on all 1000,
 For each task (``vitlab.eval.vtab``: its folders, its fixed splits, the group means):
 
 1. fine-tune on ``train[:800]`` with every learning rate of the grid (default the config's
-   ``optim.lr_grid``) and score each on ``train[800:1000]``;
+   ``optim.lr_grid``) and score each on ``train[800:1000]`` (a rate whose run diverges loses);
 2. fine-tune on all 1000 with the best one (of rates tied, the lowest; ``select="per-task"``), or with the one whose
    mean over the tasks' validation sets is best (``select="shared"``: the paper used one
    setting for all tasks, chosen so);
@@ -43,6 +43,7 @@ from .config import TrainConfig, check_lr_grid, to_dict
 from .distributed import local_rank, local_world
 from .loop import held_by_earlier_run, train
 from .metrics import Progress
+from .numerics import NonFiniteError
 from .overrides import field_value, with_changes
 from .resolve import resolve, resolve_device
 from .state import RESUME_INVARIANTS
@@ -160,26 +161,41 @@ def check_earlier_runs(out: Path, settings: Mapping[str, dict], resume: bool, ov
     return {**earlier, **settings}
 
 
-def sweep_scores(runs: Runs, task: Task, views: TaskSplits, grid: Sequence[float], say) -> dict[str, float]:
+def sweep_scores(runs: Runs, task: Task, views: TaskSplits, grid: Sequence[float], say) -> dict[str, float | None]:
     """{lr: top-1 on the task's validation examples} of a run on its sweep split per learning
-    rate; {} for a grid of one (one learning rate needs no choosing)."""
-    scores: dict[str, float] = {}
+    rate, None for a run that diverged (it loses); {} for a grid of one (one learning rate needs
+    no choosing).  ``NonFiniteError`` if every rate diverged on the task."""
+    scores: dict[str, float | None] = {}
     for lr in grid if len(grid) > 1 else ():
-        summary = runs.fine_tune(views.sweep_train, lr, f"{task.name}/lr_{lr:g}")
+        try:
+            summary = runs.fine_tune(views.sweep_train, lr, f"{task.name}/lr_{lr:g}")
+        except NonFiniteError:  # a rate that diverges loses (it stopped the whole protocol)
+            scores[f"{lr:g}"] = None
+            say(f"{task.name}: lr {lr:g}: diverged (a loss or gradients not finite), counted as lost")
+            continue
         scores[f"{lr:g}"], _, _ = runs.score(summary["weights"], views.sweep_val)
         say(f"{task.name}: lr {lr:g}: top-1 {scores[f'{lr:g}']:.4f} on its {views.counts['val200']} validation "
             "examples")
+    if scores and all(v is None for v in scores.values()):
+        raise NonFiniteError(f"{task.name}: every learning rate of the grid diverged ({', '.join(scores)}): their "
+                             "runs' loss or gradients were not finite, so none can be chosen; try lower rates")
     return scores
 
 
-def chosen_lrs(grid: Sequence[float], val: Mapping[str, Mapping[str, float]], select: str) -> dict[str, float]:
+def chosen_lrs(grid: Sequence[float], val: Mapping[str, Mapping[str, float | None]], select: str) -> dict[str, float]:
     """The learning rate of each task's final run: the only one of a grid of one, else the best
     on its validation examples (``per-task``) or on their mean over the tasks (``shared``); of
-    rates tied, the lowest (``sweep.best_lr``)."""
+    rates tied, the lowest (``sweep.best_lr``).  A rate that diverged (None) loses: ``shared``,
+    one that diverged on any task."""
     if len(grid) == 1:
         return {name: grid[0] for name in val}
     if select == "shared":
-        shared = best_lr(grid, {f"{lr:g}": sum(v[f"{lr:g}"] for v in val.values()) for lr in grid})
+        sums = {f"{lr:g}": None if any(v[f"{lr:g}"] is None for v in val.values())
+                else sum(v[f"{lr:g}"] for v in val.values()) for lr in grid}
+        if all(v is None for v in sums.values()):
+            raise NonFiniteError(f"select='shared': every learning rate of the grid diverged on some task "
+                                 f"({', '.join(sums)}), so none can be shared; try lower rates, or select='per-task'")
+        shared = best_lr(grid, sums)
         return {name: shared for name in val}
     return {name: best_lr(grid, scores) for name, scores in val.items()}
 

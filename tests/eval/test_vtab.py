@@ -441,3 +441,22 @@ def test_a_diverging_rate_loses_and_the_protocol_goes_on(tasks, tiny_checkpoint,
     val = {"a": {"0.01": 0.5, "0.03": None}, "b": {"0.01": 0.25, "0.03": 1.0}}
     assert chosen_lrs((0.01, 0.03), val, "shared") == {"a": 0.01, "b": 0.01}
     assert chosen_lrs((0.01, 0.03), val, "per-task") == {"a": 0.01, "b": 0.03}
+
+
+def test_a_field_every_run_sets_is_refused_and_a_cache_folder_is_kept(tasks, tiny_checkpoint, tmp_path, capsys):
+    """--set optim.lr=0.5 trained the grid's rates, --set data.train_examples=500 the --examples, --set
+    run.out the runs under --out, all without a word; --set data.cache_dir was replaced by OUT/cache."""
+    out = tmp_path / "vtab"
+    args = [*tiny_vtab(tiny_checkpoint, tasks, out, steps=1), "--only", "eurosat"]
+    for given, line in (("optim.lr=0.5", "optim.lr: each run's rate is one of the grid's (--grid; one rate: "
+                                         "--grid 0.01)"),
+                        ("data.train_examples=500", "data.train_examples: each task's examples are --examples"),
+                        ("run.out=elsewhere", "run.out: each run's folder is under --out")):
+        assert main([*args, "--set", given]) == 2
+        assert capsys.readouterr().err.strip() == f"vitlab vtab: error: --set {line}; leave it out"
+    assert not out.exists()
+    # with no grid at all, optim.lr is the one rate
+    assert main([*args[:args.index("--grid")], *args[args.index("--grid") + 2:], "--set", "optim.lr_grid=()",
+                 "--set", "optim.lr=0.02", "--set", f"data.cache_dir={tmp_path / 'cache'}"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["protocol"]["grid"] == [0.02]
+    assert (tmp_path / "cache").is_dir() and not (out / "cache").exists()

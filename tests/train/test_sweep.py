@@ -100,3 +100,17 @@ def test_of_rates_scoring_alike_the_lowest_is_chosen_whatever_the_grids_order(ti
     for grid in ((0.03, 0.01), (0.01, 0.03)):
         assert chosen_lrs(grid, val, "per-task") == {"a": 0.01, "b": 0.01, "c": 0.03}
         assert chosen_lrs(grid, val, "shared") == {"a": 0.01, "b": 0.01, "c": 0.01}  # 1.5 each
+
+
+def test_a_learning_rate_given_to_a_sweep_is_refused(capsys):
+    """--lr 0.5 was accepted, shown by --show-config as the final run's rate, and never used: every run's
+    rate is the grid's."""
+    from vitlab.cli import main
+
+    base = ["sweep", "--recipe", "demo", "--data", "digits", "--grid", "0.01,0.02", "--show-config"]
+    for given, named in ((["--lr", "0.5"], "--lr 0.5"), (["--set", "optim.lr=0.5"], "--set optim.lr"),
+                         (["--set", "lr=0.5"], "--set optim.lr")):
+        assert main([*base, *given]) == 2
+        assert capsys.readouterr().err.strip() == (f"vitlab sweep: error: {named}: a sweep trains every rate of its "
+                                                   "grid and retrains at the best; give the rates with --grid")
+    assert main(base) == 0 and json.loads(capsys.readouterr().out)["grid"] == [0.01, 0.02]

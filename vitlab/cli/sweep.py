@@ -50,6 +50,13 @@ def sweep_settings(args: argparse.Namespace):
     without the first (its ``final_val_split``), and the hold-out is the ``data.val_split`` of the
     config resolved without either (the recipe's, as --set changes it: a named validation set
     holds nothing out of the config it is set in)."""
+    from vitlab.config import ConfigError
+    from vitlab.train.overrides import named_fields
+
+    # every run's rate is the grid's: --lr 0.5 was accepted, shown as the final run's by --show-config, and unused
+    if args.lr is not None or "optim.lr" in named_fields(args.overrides):
+        raise ConfigError(f"{'--set optim.lr' if args.lr is None else f'--lr {args.lr:g}'}: a sweep trains every rate of its "
+                          "grid and retrains at the best; give the rates with --grid")
     init = {"model.init": args.init} if args.init else {}
     cfg = resolve_config(argparse.Namespace(**{**vars(args), "val_split": None}), extra=init)
     grid_side = resolve_config(argparse.Namespace(**{**vars(args), "val_split": None, "val_data": None}),

@@ -67,13 +67,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def base_config(args: argparse.Namespace):
     """The recipe with the command's flags: every run of the protocol starts from it."""
+    from vitlab.config import ConfigError
     from vitlab.configs import load_recipe
     from vitlab.train.overrides import parse_overrides, with_changes
+    from vitlab.train.vtab import PER_RUN_FIELDS
 
     cfg = load_recipe(args.recipe)
     changes = parse_overrides(cfg, args.overrides)
+    # accepted and unused: --set optim.lr=0.5 trained the grid's rates, --set data.train_examples=500 --examples
+    for name in sorted(PER_RUN_FIELDS.keys() & changes.keys()):
+        if name != "optim.lr" or args.grid or changes.get("optim.lr_grid", cfg.optim.lr_grid):
+            raise ConfigError(f"--set {name}: {PER_RUN_FIELDS[name]}; leave it out")
+    changes.setdefault("data.cache_dir", str(Path(args.out) / "cache"))  # --set's was replaced by this one
     # the recipe's (or --set's) run.ckpt_every: a run that stops goes on from its checkpoint with --resume
-    changes.update({"model.init": args.init, "data.cache_dir": str(Path(args.out) / "cache"), "run.eval_every": 0})
+    changes.update({"model.init": args.init, "run.eval_every": 0})
     for flag, name in (("steps", "optim.steps"), ("batch_size", "optim.batch_size"), ("img_size", "model.img_size"),
                        ("fast", "run.fast")):
         if getattr(args, flag) is not None:

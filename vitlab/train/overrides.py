@@ -68,6 +68,20 @@ def resolve_name(name: str) -> str:
     raise ConfigError(f"unknown field {name!r}.{hint} Fields: {', '.join(names)}")
 
 
+def named_fields(assignments: list[str] | tuple[str, ...]) -> set[str]:
+    """The ``section.field`` each ``field=value`` of ``assignments`` (``--set``) names, old flat
+    names resolved: what a command that sets some fields itself checks them against.  A name that
+    is no field is left to ``parse_overrides`` to refuse."""
+    names = set()
+    for item in assignments:
+        name = item.split("=", 1)[0].strip()
+        try:
+            names.add(resolve_name(name))
+        except ConfigError:  # an architecture field (model.width) or a misspelling
+            names.add(name)
+    return names
+
+
 def field_value(cfg: TrainConfig, name: str) -> Any:
     """The value of ``section.field`` (or an old flat name)."""
     path = resolve_name(name)

@@ -52,6 +52,15 @@ from .sweep import best_lr
 __all__ = ["run_vtab", "evaluate_on", "SELECTIONS"]
 
 SELECTIONS = ("per-task", "shared")
+# what ``run_vtab`` sets in every run's config, whatever ``cfg`` holds (the rate only when there is a grid)
+PER_RUN_FIELDS = {
+    "optim.lr": "each run's rate is one of the grid's (--grid; one rate: --grid 0.01)",
+    "model.init": "every run starts from --init",
+    "data.source": "each run trains on a view of its task (--tasks)",
+    "data.train_examples": "each task's examples are --examples",
+    "data.val_split": "each task's examples are cut 4:1 (--examples)",
+    "run.out": "each run's folder is under --out",
+}
 
 
 def evaluate_on(weights: str, folder: Path, cfg: TrainConfig, device: torch.device | str,

@@ -114,3 +114,28 @@ def test_a_learning_rate_given_to_a_sweep_is_refused(capsys):
         assert capsys.readouterr().err.strip() == (f"vitlab sweep: error: {named}: a sweep trains every rate of its "
                                                    "grid and retrains at the best; give the rates with --grid")
     assert main(base) == 0 and json.loads(capsys.readouterr().out)["grid"] == [0.01, 0.02]
+
+
+def test_a_hold_out_beyond_the_data_is_refused_before_any_run(tiny, tmp_path, capsys):
+    """--val-split 5000 on the 1,797 digits was found by the final run, once every rate of the grid had
+    trained; --holdout's refusals named data.val_split, a field the command line had not given."""
+    from vitlab.cli import main
+
+    out = tmp_path / "cli"
+    base = ["sweep", "--recipe", "demo", "--data", "digits", "--batch-size", "16", "--steps", "1", "--grid",
+            "0.01,0.02", "--out", str(out), "--quiet", "--set", "model.img_size=8", "--set", "model.patch_size=4",
+            "--set", "model.width=16", "--set", "model.depth=1", "--set", "model.num_heads=2",
+            "--set", "model.mlp_dim=32", "--set", "run.threads=1", "--set", "run.tensorboard=false"]
+    for given, line in ((["--val-split", "5000"], "--val-split 5000: takes 5000 of the 1797 examples; it must leave "
+                                                  "some to train on (1 to 1796, or a fraction in (0, 1))"),
+                        (["--holdout", "1797"], "--holdout 1797: takes 1797 of the 1797 examples; it must leave "
+                                                "some to train on (1 to 1796, or a fraction in (0, 1))"),
+                        (["--holdout", "-3"], "--holdout -3: give a count (500) or a fraction in (0, 1) (0.1)"),
+                        (["--holdout", "1.5"], "--holdout 1.5: give a count (500) or a fraction in (0, 1) (0.1)")):
+        assert main([*base, *given]) == 2
+        assert capsys.readouterr().err.strip() == f"vitlab sweep: error: {line}", given
+        assert not out.exists()
+    # a pool of data.train_examples counts as the data
+    with pytest.raises(ConfigError, match=r"^--val-split 1000: takes 1000 of the 1000 examples"):
+        run_sweep(tiny("sweep", train_examples=1000), grid=(0.01,), final_val_split=1000)
+    assert not (tmp_path / "sweep").exists()

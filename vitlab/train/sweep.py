@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
-from vitlab.config import ConfigError, is_number, need, need_bool
+from vitlab.config import ConfigError, is_int, is_number, need, need_bool
 from vitlab.weights.core import atomic_write
 
 from .build import check_can_run
@@ -47,6 +47,9 @@ def sweep_holdout(explicit: float | None, recipe_split: float | int) -> float | 
     if explicit == 0:
         raise ConfigError("--holdout 0: the grid is compared on a held-out part of the training set; give a count "
                           "(500) or a fraction (0.1)")
+    # refused as data.val_split, a field the command line had not named
+    if explicit is not None and not (0 < explicit < 1 or (explicit >= 1 and float(explicit).is_integer())):
+        raise ConfigError(f"--holdout {explicit:g}: give a count (500) or a fraction in (0, 1) (0.1)")
     value = explicit if explicit is not None else (recipe_split or DEFAULT_HOLDOUT)
     return int(value) if float(value).is_integer() and value >= 1 else value
 
@@ -87,6 +90,23 @@ def sweep_plan(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | No
     # the final retrain: the full training set, unless final_val_split holds some out (not the recipe's split)
     final = with_changes(cfg, {"run.out": str(base_out / "final"), "data.val_split": resolve_val_split(final_val_split)})
     return grid, runs, final, holdout
+
+
+def check_counts_fit(runs: Sequence[TrainConfig], final_cfg: TrainConfig) -> None:
+    """Refuse a hold-out count (``--holdout``, ``--val-split``) that leaves none of the data's
+    examples to train on, before any run: the final run's was found once every rate of the grid had
+    trained, and either was named as data.val_split."""
+    from .inputs import count_images
+
+    for cfg, flag in ((runs[0], "--holdout"), (final_cfg, "--val-split")):
+        split, data = cfg.data.val_split, cfg.data
+        if not is_int(split) or split < 1:
+            continue
+        total = count_images(data.source, data.cache_dir)
+        pool = min(total, data.train_examples) if data.train_examples else total
+        if split >= pool:
+            raise ConfigError(f"{flag} {split}: takes {split} of the {pool} examples; it must leave some to train on "
+                              f"(1 to {pool - 1}, or a fraction in (0, 1))")
 
 
 def check_final_lr(final_cfg: TrainConfig, best: float) -> None:
@@ -139,6 +159,7 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
     say = say or Progress(enabled=verbose).message
     for r in runs + [final_cfg]:  # every run is checked before the first one starts
         check_can_run(r, env_world_size())
+    check_counts_fit(runs, final_cfg)
 
     scores, diverged = {}, {}
     for r in runs:

@@ -139,3 +139,16 @@ def test_a_hold_out_beyond_the_data_is_refused_before_any_run(tiny, tmp_path, ca
     with pytest.raises(ConfigError, match=r"^--val-split 1000: takes 1000 of the 1000 examples"):
         run_sweep(tiny("sweep", train_examples=1000), grid=(0.01,), final_val_split=1000)
     assert not (tmp_path / "sweep").exists()
+
+
+def test_an_earlier_sweeps_runs_are_refused_before_any_run(tiny, tmp_path):
+    """Another grid into the folder of an earlier sweep, without --resume or --overwrite: every new rate
+    trained, and then the final run's folder (the earlier final run) was refused."""
+    from vitlab.train.loop import held_by_earlier_run
+
+    run_sweep(tiny("sweep", steps=1, batch_size=16), grid=(0.01,), verbose=False)
+    with pytest.raises(ConfigError, match=r"^run.out='.*final' holds the checkpoints of an earlier run; continue it "
+                                          r"with --resume, start afresh there with --overwrite, or choose another"):
+        run_sweep(tiny("sweep", steps=1, batch_size=16), grid=(0.003, 0.03), verbose=False)
+    assert held_by_earlier_run(tmp_path / "sweep" / "lr_0.003") is None
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["final", "lr_0.01", "sweep.json"]

@@ -117,6 +117,16 @@ def held_by_earlier_run(out: Path) -> str | None:
     return "weights" if (out / WEIGHTS_NAME).exists() else None
 
 
+def check_nothing_held(out: Path) -> None:
+    """Refuse a fresh run (neither ``resume`` nor ``overwrite``) in a folder holding an earlier run's
+    checkpoints or weights, which it would write over."""
+    held = held_by_earlier_run(out)
+    if held:
+        options = "continue it with --resume, start" if held == "checkpoints" else "start"
+        raise ConfigError(f"run.out={str(out)!r} holds the {held} of an earlier run; {options} afresh there with "
+                          "--overwrite, or choose another --out")
+
+
 def check_own_folder(cfg: TrainConfig) -> None:
     """Refuse to start afresh (``overwrite``) in a folder that holds a run of another recipe or data:
     the demo replaces its own folder on every run, and given a `train` run's folder as its --out it
@@ -151,10 +161,8 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     out = Path(cfg.run.out)
     ckpt_dir = out / "checkpoints"
     held = held_by_earlier_run(out)
-    if held and not resume and not overwrite:
-        options = "continue it with --resume, start" if held == "checkpoints" else "start"
-        raise ConfigError(f"run.out={str(out)!r} holds the {held} of an earlier run; {options} afresh there with "
-                          "--overwrite, or choose another --out")
+    if not resume and not overwrite:
+        check_nothing_held(out)
     # a resumed run's checkpoint is read first: its record of how the run was resolved goes into the build
     last_saved, state = resume_point(world, ckpt_dir, restarts) if resume else (None, None)
     if cfg.run.retain_freed_memory and world.device.type == "cpu":

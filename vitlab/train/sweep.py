@@ -31,7 +31,7 @@ from vitlab.weights.core import atomic_write
 from .build import check_can_run
 from .config import TrainConfig, check_lr_grid
 from .distributed import env_world_size
-from .loop import check_resume_or_overwrite, held_by_earlier_run, train
+from .loop import check_nothing_held, check_resume_or_overwrite, held_by_earlier_run, train
 from .metrics import Progress
 from .numerics import NonFiniteError
 from .overrides import with_changes
@@ -160,6 +160,9 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
     for r in runs + [final_cfg]:  # every run is checked before the first one starts
         check_can_run(r, env_world_size())
     check_counts_fit(runs, final_cfg)
+    if not resume and not overwrite:  # refused by the run it was in, after the runs before it had trained
+        for r in runs + [final_cfg]:
+            check_nothing_held(Path(r.run.out))
 
     scores, diverged = {}, {}
     for r in runs:

@@ -333,7 +333,8 @@ def test_resume_refuses_runs_made_with_another_schedule_optimiser_or_augmentatio
 
 def test_run_vtab_refuses_no_tasks_or_paths_for_tasks_before_writing_anything(tasks, tmp_path):
     """No tasks ended in an IndexError, a task's path for its Task in an AttributeError, a string
-    --examples in a TypeError; named now, before the output folder is made."""
+    --examples in a TypeError, a string grid in float's ValueError; named now, before the output
+    folder is made."""
     from vitlab.config import ConfigError
     from vitlab.configs import load_recipe
     from vitlab.train.vtab import run_vtab
@@ -341,7 +342,11 @@ def test_run_vtab_refuses_no_tasks_or_paths_for_tasks_before_writing_anything(ta
     cfg, out = load_recipe("vtab1k"), tmp_path / "vtab"
     for given, extra, message in (([], {}, r"^tasks=\[\]: expected one or more vitlab.eval.vtab.Task"),
                                   ([str(tasks / "EuroSAT")], {}, r"^tasks=\['.*EuroSAT'\]: expected one or more"),
-                                  (find_tasks(tasks), {"examples": "20"}, r"^examples='20': expected an integer")):
+                                  (find_tasks(tasks), {"examples": "20"}, r"^examples='20': expected an integer"),
+                                  # float's "could not convert string to float: '.'", once the views were written
+                                  (find_tasks(tasks), {"grid": "0.01"}, r"^grid='0.01': expected positive"),
+                                  # taken as true: the finished runs were read back
+                                  (find_tasks(tasks), {"resume": "no"}, r"^resume='no': must be True or False")):
         with pytest.raises(ConfigError, match=message):
             run_vtab(cfg, given, out, **extra)
     assert not out.exists()

@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from vitlab.config import ConfigError, is_int, need
+from vitlab.config import ConfigError, is_int, need, need_bool
 from vitlab.data.memory import load_in_memory
 from vitlab.data.sources import source_key
 from vitlab.eval.evaluator import Evaluator
@@ -250,6 +250,12 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
          tasks, "expected one or more vitlab.eval.vtab.Task, as find_tasks gives them")
     need(is_int(examples), "examples", examples, "expected an integer (1000: VTAB-1k)")
     need(is_int(split_seed), "split_seed", split_seed, "expected an integer")
+    # a string grid ended in float's "could not convert string to float: '.'", and resume="no" read the finished
+    # runs back (it was taken as true), both once the tasks' views were written
+    grid = tuple(grid) if isinstance(grid, (list, tuple)) else grid
+    check_lr_grid(grid, "grid")
+    for name, value in (("resume", resume), ("overwrite", overwrite), ("verbose", verbose)):
+        need_bool(name, value)
     out = Path(out)
     # every run trains on the whole of its view: the recipe's own 800/200 of 1000 (vtab1k's train_examples and
     # val_split) held a further 200 out of the views, and the final run trained on 800 of the 1000 it reported

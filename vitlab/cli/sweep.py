@@ -55,8 +55,9 @@ def sweep_settings(args: argparse.Namespace):
 
     # every run's rate is the grid's: --lr 0.5 was accepted, shown as the final run's by --show-config, and unused
     if args.lr is not None or "optim.lr" in named_fields(args.overrides):
-        raise ConfigError(f"{'--set optim.lr' if args.lr is None else f'--lr {args.lr:g}'}: a sweep trains every rate of its "
-                          "grid and retrains at the best; give the rates with --grid")
+        given = "--set optim.lr" if args.lr is None else f"--lr {args.lr:g}"
+        raise ConfigError(f"{given}: a sweep trains every rate of its grid and retrains at the best; give the rates "
+                          "with --grid")
     init = {"model.init": args.init} if args.init else {}
     cfg = resolve_config(argparse.Namespace(**{**vars(args), "val_split": None}), extra=init)
     grid_side = resolve_config(argparse.Namespace(**{**vars(args), "val_split": None, "val_data": None}),

@@ -57,8 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a field of the recipe, SECTION.FIELD=VALUE (repeatable)")
     add_fast_argument(p)
-    p.add_argument("--resume", action="store_true", help="keep the runs of OUT that finished, continue those that stopped from their "
-                        "checkpoints (run.ckpt_every); run the rest")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs of OUT that finished, continue those that stopped from their checkpoints "
+                        "(run.ckpt_every); run the rest")
     p.add_argument("--overwrite", action="store_true",
                    help="train again the tasks' runs that finished in OUT (without it, or --resume, such an OUT "
                         "is refused)")

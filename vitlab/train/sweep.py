@@ -88,7 +88,8 @@ def sweep_plan(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | No
                                "run.out": str(base_out / f"lr_{lr:g}")})
             for lr in grid]
     # the final retrain: the full training set, unless final_val_split holds some out (not the recipe's split)
-    final = with_changes(cfg, {"run.out": str(base_out / "final"), "data.val_split": resolve_val_split(final_val_split)})
+    final = with_changes(cfg, {"run.out": str(base_out / "final"),
+                               "data.val_split": resolve_val_split(final_val_split)})
     return grid, runs, final, holdout
 
 
@@ -148,9 +149,12 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
     launch): ``holdout``, ``holdout_top1`` ({rate: top-1}), ``best_lr``, ``diverged`` and ``final``
     (the final run's summary).  A rate whose run stops on a loss or gradients that are not finite
     (``run.on_nonfinite``) loses: its top-1 is None, ``diverged`` holds its error, and the other
-    rates go on; ``NonFiniteError`` if every rate diverges.  ``resume``/``overwrite`` are ``train``'s, for every run (a final run made at
-    another rate than the best is refused on ``resume``).  ``verbose``: the runs' progress;
-    ``say``: called with a line per grid point as it is scored (default: on stderr when ``verbose``).
+    rates go on; ``NonFiniteError`` if every rate diverges.  Of rates that score alike, the
+    lowest is chosen (``best_lr``).  ``resume``/``overwrite`` are ``train``'s, for every run;
+    without either, a folder of any run holding an earlier run is refused before the first run
+    starts, and with ``resume`` a final run made at another rate than the best is refused.
+    ``verbose``: the runs' progress; ``say``: called with a line per grid point as it is scored
+    (default: on stderr when ``verbose``).
     """
     check_resume_or_overwrite(resume, overwrite)
     need_bool("verbose", verbose)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -100,7 +101,12 @@ class Runs:
         check_can_run(run_cfg)
         # a run not begun is started as such: resumed, each one said that it had no checkpoint to resume from
         stopped = self.resume and held_by_earlier_run(self.out / folder) == "checkpoints"
-        return train(run_cfg, resume=stopped, overwrite=not stopped, verbose=self.verbose)
+        summary = train(run_cfg, resume=stopped, overwrite=not stopped, verbose=self.verbose)
+        # a finished run is read back from its summary and weights: its checkpoints (the optimiser's state
+        # beside the weights) served only a stopped run's --resume, and over every task's runs they are
+        # the protocol's largest use of disk
+        shutil.rmtree(self.out / folder / "checkpoints", ignore_errors=True)
+        return summary
 
     def score(self, weights: str, folder: Path) -> tuple[float, int, int]:
         return evaluate_on(weights, folder, self.cfg, self.device, self.precision)

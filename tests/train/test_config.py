@@ -140,6 +140,25 @@ def test_a_masked_patch_prediction_setting_is_refused_without_it():
 
 
 @pytest.mark.parametrize("changes, match", [
+    ({"optim.loss": "sigmoid_xent"}, r"^optim.loss='sigmoid_xent': a classifier's loss setting, and masked patch "
+                                     r"prediction \(model.mpp='color'\) trains no classifier: its loss is its own; "
+                                     r"leave it at 'softmax_xent'$"),
+    ({"augment.label_smoothing": 0.1}, r"^augment.label_smoothing=0.1: a classifier's loss setting, .* leave it at 0.0$"),
+    ({"model.pre_logits": True}, r"^model.pre_logits=True: a pre-logits layer is the classifier head's, and masked "
+                                 r"patch prediction \(model.mpp='color'\) predicts from the patch tokens, so it would "
+                                 r"be saved untrained; leave it out$"),
+    ({"model.representation_size": 16}, r"^model.representation_size=16: a pre-logits layer is the classifier"),
+])
+def test_a_classifier_setting_is_refused_for_masked_patch_prediction(changes, match):
+    # MPP's loss is its own, from the patch tokens: each was accepted, and the run trained as without it
+    with pytest.raises(ConfigError, match=match):
+        with_changes(OK, {"model.mpp": "color", **changes})
+    with pytest.raises(ConfigError, match=match.split(":")[0]):  # whichever is set first
+        with_changes(with_changes(OK, changes), {"model.mpp": "color"})
+    assert with_changes(OK, {"model.mpp": "color"}).model.mpp == "color"
+
+
+@pytest.mark.parametrize("changes, match", [
     ({"model.mpp": "color", "model.patch_dropout": 0.5},
      r"^model.patch_dropout=0.5: masked patch prediction \(model.mpp='color'\) needs every patch"),
     ({"model.mpp": "color4x4", "model.patch_size": 2}, r"^model.mpp='color4x4' needs patches divisible by 4"),

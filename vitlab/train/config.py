@@ -153,6 +153,12 @@ class ModelConfig(Section):
             # what MPP and the initialisations need of the model: the built model was refused after the data was read
             if self.mpp is not None and isinstance(arch, ViTConfig):  # a BiT ResNet's mpp is refused above
                 check_mpp(arch, self.mpp, name="model.mpp", prefix="model.")
+                # MPP's head reads the encoder's patch tokens: a pre-logits layer was built, never trained, and saved
+                name, value = (("model.pre_logits", True) if self.pre_logits
+                               else ("model.representation_size", arch.representation_size))
+                need(arch.representation_size is None, name, value, "a pre-logits layer is the classifier head's, and "
+                     f"masked patch prediction (model.mpp={self.mpp!r}) predicts from the patch tokens, so it would "
+                     "be saved untrained; leave it out")
             check_schemes(arch, self.patch_init, self.attn_init, self.posemb_init)
 
 
@@ -405,6 +411,12 @@ class TrainConfig:
         if self.run.fsdp and self.optim.optimizer == "muon":
             raise ConfigError("optim.optimizer='muon' with run.fsdp=True: Muon orthogonalises whole weight matrices, "
                               "FSDP shards them; use 'adam', or DDP (run.fsdp=false)")
+        if self.model.mpp is not None:  # its own loss, on each corrupted patch: the classifier's settings did nothing
+            for name, value, default in (("optim.loss", self.optim.loss, "softmax_xent"),
+                                         ("augment.label_smoothing", self.augment.label_smoothing, 0.0)):
+                need(value == default, name, value, f"a classifier's loss setting, and masked patch prediction "
+                     f"(model.mpp={self.model.mpp!r}) trains no classifier: its loss is its own; leave it at "
+                     f"{default!r}")
         if self.run.fsdp and self.run.precision == "fp16":
             raise ConfigError("run.precision='fp16' with run.fsdp=True: the gradient scaler of a sharded model is not "
                               "implemented; use 'bf16'")

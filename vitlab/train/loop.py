@@ -183,9 +183,13 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     nonfinite = NonFinite(cfg.run.on_nonfinite, cfg.run.max_skipped_steps)
 
     step, total_steps, records, window_state = 0, cfg.optim.steps, [], None
+    # the schedule's length, which the summary reports: ``total_steps`` too, unless the time limit ends the
+    # run before the schedule's end (``total_steps`` is then the step it stopped at)
+    planned = total_steps
     if state is not None:
         check_same_run(setup.cfg, state.get("config", {}))  # as resolved: the init's model, "auto"s decided
         step, total_steps, records = restore_state(setup, state)
+        planned = int(state.get("planned_steps", total_steps))
         window_state = state.get("window")
         nonfinite.load_state_dict(state.get("numerics"))
         budget.resume(state.get("clock", {}), step)
@@ -223,7 +227,7 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
                 nonfinite.check(setup, pending, last_saved)
                 with window.paused():
                     last_val = evaluate(setup, budget)
-        total_steps = budget.plan(step, total_steps)
+        total_steps = planned = budget.plan(step, total_steps)
         if budget.out_of_time(step, total_steps):
             total_steps = step
 
@@ -251,13 +255,13 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
             if do_save:
                 with window.paused():
                     state = training_state(setup, step, total_steps, writer.records if writer else [],
-                                           budget.state(), nonfinite.state_dict(), window)
+                                           budget.state(), nonfinite.state_dict(), window, planned)
                     last_saved = save_checkpoint(setup, state, ckpt_dir, step)
 
     if not last_val and setup.evaluator is not None:  # resumed a finished run: its summary still reports the metrics
         last_val = evaluate(setup, budget, final=True)
     progress.close()
-    return finish(setup, step, total_steps, last_val, budget.elapsed(), writer, nonfinite, window.data_wait(),
+    return finish(setup, step, planned, last_val, budget.elapsed(), writer, nonfinite, window.data_wait(),
                   full_size_rate)
 
 
@@ -482,11 +486,12 @@ class Window:
         return self.rate, self.loss_shown
 
 
-def finish(setup: Setup, step: int, total_steps: int, last_val: dict, wall: float, writer, nonfinite: NonFinite,
+def finish(setup: Setup, step: int, planned_steps: int, last_val: dict, wall: float, writer, nonfinite: NonFinite,
            data_wait: float | None = None, full_size_rate: StepRate | None = None) -> dict:
     """Save the final weights and the summary (rank 0); every rank returns the summary, on a
     GPU with the steps' model-FLOPs utilisation (``utilization``), measured once the weights
-    are saved."""
+    are saved.  ``planned_steps``: the schedule's length (more than ``step`` where the time
+    limit stopped the run before it)."""
     from vitlab.weights import save_model
 
     cfg, out = setup.cfg, Path(setup.cfg.run.out)
@@ -500,7 +505,7 @@ def finish(setup: Setup, step: int, total_steps: int, last_val: dict, wall: floa
         "recipe": cfg.recipe,
         "model": getattr(setup.model.cfg, "name", None) or cfg.model.name,
         "steps": step,
-        "planned_steps": total_steps,
+        "planned_steps": planned_steps,
         "val_top1": last_val.get("val_top1"),
         "val_top5": last_val.get("val_top5"),
         "val_loss": last_val.get("val_loss"),

@@ -120,7 +120,7 @@ def model_state(setup) -> dict:
 
 
 def training_state(setup, step: int, total_steps: int, records: list[dict], clock: dict,
-                   numerics: dict | None = None, window=None) -> dict:
+                   numerics: dict | None = None, window=None, planned_steps: int | None = None) -> dict:
     """Everything ``restore_state`` needs to continue bit-exactly (collective under FSDP).
 
     ``clock``: the run's wall time so far and its measured evaluation time
@@ -128,6 +128,8 @@ def training_state(setup, step: int, total_steps: int, records: list[dict], cloc
     ``numerics``: the counts of skipped and overflowed steps (``numerics.NonFinite``).
     ``window``: the ``loop.Window`` of the training numbers summed since the last metrics
     record, which the next record, after the restart, reports with its own steps'.
+    ``planned_steps``: the schedule's length, where the time limit ended the run before it
+    (``total_steps`` is then ``step``); None: ``total_steps``.
     """
     if sharded(setup):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -138,6 +140,7 @@ def training_state(setup, step: int, total_steps: int, records: list[dict], cloc
     return {
         "step": step,
         "total_steps": total_steps,
+        "planned_steps": total_steps if planned_steps is None else planned_steps,
         "config": to_dict(setup.cfg),
         "resolved": setup.resolved.record(),
         "model": model_state(setup),

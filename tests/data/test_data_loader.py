@@ -218,9 +218,10 @@ def test_groups_change_the_draws_not_the_examples():
 
 
 def test_a_group_mixes_each_batch_within_itself_on_draws_of_its_own():
-    """Mixup and CutMix pair each image with the one at the mirrored position of its own batch,
-    one weight per batch, in a group as alone: each batch's targets are lam x its smoothed labels
-    + (1 - lam) x the same flipped, and the batches of a group drew different weights."""
+    """Mixup and CutMix pair each image with the one before it in its own batch (the first with
+    the last), one weight per batch, in a group as alone: each batch's targets are lam x its
+    smoothed labels + (1 - lam) x the same rolled by one, and the batches of a group drew
+    different weights."""
     mixup_only = build_transform(TrainTransform(num_classes=5, crop="none", flip=False, mixup_alpha=1.0,
                                                 label_smoothing=0.1))
     stream = BatchStream(IMAGES, LABELS, 8, seed=6, transform=mixup_only, augment_batches=4)
@@ -228,12 +229,12 @@ def test_a_group_mixes_each_batch_within_itself_on_draws_of_its_own():
     for position, (x, t) in enumerate(stream):
         labels = LABELS[stream.batch_indices(0, position)]
         smooth = torch.nn.functional.one_hot(labels, 5).float() * 0.9 + 0.02
-        row = next(j for j in range(8) if labels[j] != labels[7 - j])  # a pair of two labels tells the weight
-        lam = float(t[row, labels[row]] - smooth[7 - row, labels[row]]) / float(smooth[row, labels[row]]
-                                                                              - smooth[7 - row, labels[row]])
-        torch.testing.assert_close(t, lam * smooth + (1 - lam) * smooth.flip(0))
+        row = next(j for j in range(8) if labels[j] != labels[j - 1])  # a pair of two labels tells the weight
+        lam = float(t[row, labels[row]] - smooth[row - 1, labels[row]]) / float(smooth[row, labels[row]]
+                                                                              - smooth[row - 1, labels[row]])
+        torch.testing.assert_close(t, lam * smooth + (1 - lam) * smooth.roll(1, 0))
         plain = IMAGES[stream.batch_indices(0, position)].float() / 127.5 - 1
-        torch.testing.assert_close(x, lam * plain + (1 - lam) * plain.flip(0), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x, lam * plain + (1 - lam) * plain.roll(1, 0), atol=1e-5, rtol=1e-5)
         weights.append(round(lam, 6))
     assert len(weights) == len(stream) and len(set(weights[:4])) == 4  # one draw per batch of the first group
 

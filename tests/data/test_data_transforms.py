@@ -125,7 +125,22 @@ def test_mixup_mixes_images_and_targets_with_one_lambda():
     torch.testing.assert_close(soft.sum(1), torch.ones(6))
     lam = soft[0, 0].item()
     assert 0 < lam < 1 and soft[0, 5].item() == pytest.approx(1 - lam)
-    torch.testing.assert_close(mixed, lam * x + (1 - lam) * x.flip(0))
+    torch.testing.assert_close(mixed, lam * x + (1 - lam) * x.roll(1, 0))  # each with the one before it
+
+
+@pytest.mark.parametrize("mixup, cutmix", [(0.8, 0.0), (0.0, 1.0)])
+def test_no_image_of_an_odd_batch_is_mixed_with_itself(mixup, cutmix):
+    # paired by mirrored positions (flip(0)), the middle image of an odd batch was its own partner: left
+    # unmixed, with its one-hot target
+    x = torch.arange(5, dtype=torch.float32).view(5, 1, 1, 1).expand(5, 3, 16, 16).contiguous()
+    t = one_hot_smooth(torch.arange(5), 5)
+    for seed in range(5):
+        mixed, soft = mixup_cutmix(x, t, mixup, cutmix, 0.5, gen(seed))
+        partner = soft.clone()
+        partner[torch.arange(5), torch.arange(5)] = 0  # what each image took from another
+        if (soft.diagonal() < 1).any():  # a draw that mixed (CutMix's box may fall outside the image)
+            assert (partner.sum(1) > 0).all() and (partner.max(0).values > 0).all(), soft  # each gives once
+            assert all(not torch.equal(mixed[i], x[i]) for i in range(5))
 
 
 def test_cutmix_targets_match_pasted_area():

@@ -261,8 +261,10 @@ def mixup_cutmix(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mixup (Zhang et al. 2018) or CutMix (Yun et al. 2019), one of them per batch.
 
-    Every image is mixed with the image at the mirrored batch position (``flip(0)``), with
-    one weight lam ~ Beta(alpha, alpha) for the batch, as timm's batch mode does.  With
+    Every image is mixed with the one before it in the batch, the first with the last
+    (``roll(1, 0)``), with one weight lam ~ Beta(alpha, alpha) for the batch, as timm's batch
+    mode does; timm pairs the mirrored positions (``flip(0)``), which leaves the middle image of
+    an odd batch mixed with itself, unmixed with its one-hot target.  With
     both alphas > 0, CutMix is chosen with probability ``switch_prob``.  For CutMix lam is
     corrected to the pasted box's actual area.  An alpha of 0 disables that method.
 
@@ -287,14 +289,14 @@ def mixup_cutmix(
         y0, y1 = max(cy - cut_h // 2, 0), min(cy + cut_h // 2, h)
         x0, x1 = max(cx - cut_w // 2, 0), min(cx + cut_w // 2, w)
         mixed = images.clone()
-        mixed[:, :, y0:y1, x0:x1] = images.flip(0)[:, :, y0:y1, x0:x1]
+        mixed[:, :, y0:y1, x0:x1] = images.roll(1, 0)[:, :, y0:y1, x0:x1]
         lam = 1.0 - (y1 - y0) * (x1 - x0) / (h * w)
     else:
         if not images.is_floating_point():
             raise TypeError("mixup needs float images; apply to_float first")
         lam = _beta(mixup_alpha, host)
-        mixed = images * lam + images.flip(0) * (1.0 - lam)
-    return mixed, targets_onehot * lam + targets_onehot.flip(0) * (1.0 - lam)
+        mixed = images * lam + images.roll(1, 0) * (1.0 - lam)
+    return mixed, targets_onehot * lam + targets_onehot.roll(1, 0) * (1.0 - lam)
 
 
 def random_erasing(

@@ -39,8 +39,9 @@ For a short budget on little data: AdamW (the hybrids; the plain ViT's non-matri
 parameters) with weight decay on the dense kernels (``WEIGHT_DECAYS``): 0.05 for the hybrids,
 and for the plain ViT 0.3, the paper's value for ImageNet alone (0.1 for JFT-300M); with Muon
 each step up from 0.05 to 0.1, 0.2 and 0.3 measured better at equal steps (docs/results.md;
-0.4 level with 0.3 over two seeds, 0.5 behind); label smoothing 0.1, pad-and-crop + flip (the CIFAR standard instead of
-the inception crop), warm-up over 5% of the steps, cosine decay, and
+0.4 level with 0.3 over two seeds, 0.5 behind); label smoothing 0.1, pad-and-crop + flip
+(CIFAR's usual augmentation, padded by reflection rather than the ResNet papers' zeros,
+instead of the inception crop), warm-up over 5% of the steps, cosine decay, and
 test-time augmentation (mirror pair in the periodic evaluations; the final one also over
 the four 2-pixel translations, 10 views, which the time limit budgets for; more views did not
 pay for their time on a CPU: docs/results.md, "Test-time views").  The hybrids

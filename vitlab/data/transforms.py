@@ -215,7 +215,9 @@ def check_crop_pad(pad: int, size: Size, name: str = "pad") -> None:
 
 
 def random_crop_with_padding(images: torch.Tensor, pad: int = 4, *, generator: torch.Generator) -> torch.Tensor:
-    """The CIFAR standard: reflect-pad by ``pad`` pixels, then crop back to H x W at random.
+    """CIFAR's pad-and-crop with reflection: reflect-pad by ``pad`` pixels, then crop back to
+    H x W at random.  The ResNet papers' form pads with zeros; reflection (Wide ResNets',
+    airbench's) fills the border with the image's own pixels.
 
     Implemented as a per-image shift of the sampling indices with reflection at the
     edges, which equals padding then cropping without building the padded batch.
@@ -343,8 +345,8 @@ class Augmentation:
     """What training augments, declared once: ``TrainTransform`` adds the class count and
     the output size, the training config's ``augment`` section adds its name.
 
-    crop:         "inception" (random_resized_crop, the official pipeline), "pad" (CIFAR
-                  reflect-pad-and-crop by ``crop_pad`` pixels) or "none".
+    crop:         "inception" (random_resized_crop, the official pipeline), "pad" (CIFAR's
+                  pad-and-crop by ``crop_pad`` pixels, padded by reflection, not zeros) or "none".
     crop_scale, crop_ratio: the inception crop's (min, max) area fraction and aspect ratio.
     flip:         random left-right mirroring; with ``alternate_flip``, each example is
                   mirrored in every other epoch instead (``alternating_flip``; needs the

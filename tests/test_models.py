@@ -154,6 +154,16 @@ def test_images_of_another_float_dtype_than_the_model_are_a_clear_error():
     assert model.double()(torch.randn(1, 3, 16, 16, dtype=torch.float64)).dtype == torch.float64
 
 
+def test_the_image_check_the_models_share_lives_in_a_module_of_its_own():
+    # it lived in resnet.py, which a plain ViT had to import it from
+    from vitlab.models import inputs, resnet, vit
+
+    assert vit.check_images is resnet.check_images is inputs.check_images
+    assert "check_images" not in resnet.__all__
+    with pytest.raises(ValueError, match=r"^expected images of shape \(B, 3, H, W\), got \(3, 8, 8\)$"):
+        inputs.check_images(torch.zeros(3, 8, 8), 3, torch.float32)
+
+
 def test_non_square_images_and_patches():
     model = vitlab.create_model(tiny(img_size=(16, 24), patch_size=(4, 8)))
     assert model.cfg.grid_size == (4, 3)

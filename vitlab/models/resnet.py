@@ -31,24 +31,10 @@ import torch.nn.functional as F
 
 from ..config import ResNetConfig
 from .init import lecun_normal_
+from .inputs import check_images
 
 __all__ = ["Conv2dSame", "StdConv2d", "conv2d_same", "max_pool_same", "ResNetFeatures", "BiTResNet", "same_padding",
-           "pad_same", "check_images"]
-
-
-def check_images(x: torch.Tensor, in_chans: int, weights: torch.dtype) -> None:
-    """That ``x`` is a batch of images a model of ``in_chans`` channels and ``weights`` dtype reads
-    (ValueError): torch's own messages speak of a convolution's bias or scalar type."""
-    if x.ndim != 4 or x.shape[1] != in_chans:
-        raise ValueError(f"expected images of shape (B, {in_chans}, H, W), got {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise ValueError(f"expected floating-point images (pixels scaled to [-1, 1], as "
-                         f"vitlab.data.transforms.to_float scales uint8 ones), got {x.dtype}")
-    # one dtype comparison on the usual path (no sync). Autocast casts inputs to its dtype, except float64
-    # ones (and float64 weights)
-    if x.dtype != weights and (torch.float64 in (x.dtype, weights) or not torch.is_autocast_enabled(x.device.type)):
-        raise ValueError(f"expected images of the model's dtype {weights} (under torch.autocast, any but "
-                         f"float64), got {x.dtype}; convert them with .to({weights})")
+           "pad_same"]
 
 
 def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:

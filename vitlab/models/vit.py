@@ -21,9 +21,10 @@ from torch import nn
 
 from ..config import Pair, ViTConfig
 from .init import lecun_normal_
+from .inputs import check_images
 from .layers import Block
 from .posemb import LearnedPosEmb1D, LearnedPosEmb2D
-from .resnet import ResNetFeatures, check_images
+from .resnet import ResNetFeatures
 
 
 def make_posemb(cfg: ViTConfig) -> nn.Module | None:

@@ -6,7 +6,7 @@ import torch
 
 from vitlab.data.digits import load_digits_dataset
 from vitlab.data.labelled import check_run_classes, load_held_out
-from vitlab.data.splits import stratified_split
+from vitlab.data.splits import stratified_split, training_pool
 from vitlab.train.legacy import recorded_section
 
 FLAT = {"recipe": "test", "data": "digits", "val_split": 100, "split_seed": 1, "class_subset": ["5", "3"]}
@@ -80,6 +80,31 @@ def test_a_run_with_a_validation_set_of_its_own_is_scored_on_it(tmp_path):
     assert data.labels.tolist() == [1, 1, 1, 0, 0, 0]  # the run's labels: its class_subset's order
     training = load_held_out(run, 8, source="digits", pool=False)  # asked for by name: the training set
     assert len(training.labels) == 365 and training.split == 0
+
+
+def test_few_shot_of_a_run_with_a_validation_set_of_its_own_is_evaluated_on_it(tmp_path):
+    """fewshot (pool=True) of a run with data.val_data evaluated on a 10% split of the run's training data,
+    images it had trained on; the pool is what it trained on, its val_data is evaluated whole, as eval scores it."""
+    from PIL import Image
+
+    for c in ("5", "3"):
+        (tmp_path / "val" / c).mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / "val" / c / f"{i}.png")
+    run = {"source": "digits", "val_split": 0, "val_data": str(tmp_path / "val"), "class_subset": ["5", "3"]}
+    data = load_held_out(run, 8, default_split=0.1, cache_dir=tmp_path / "cache")
+    scored = load_held_out(run, 8, pool=False, cache_dir=tmp_path / "cache")  # what eval scores
+    assert len(data.rest) == 365 and len(data.held) == 6 and data.val_data == str(tmp_path / "val")
+    assert torch.equal(data.images[data.held], scored.images) and torch.equal(data.labels[data.held], scored.labels)
+    training = load_held_out({**run, "val_data": None}, 8, val_split=0)
+    assert torch.equal(data.images[data.rest], training.images) and data.classes == ["5", "3"]
+    assert "the run's data.val_data" in data.held_part() and data.key != training.key
+    # of its data.train_examples pool, drawn as the run drew it
+    pooled = load_held_out({**run, "train_examples": 100, "split_seed": 2}, 8, cache_dir=tmp_path / "cache")
+    keep = training_pool(training.labels, 100, 2)
+    assert torch.equal(pooled.images[pooled.rest], training.images[keep]) and len(pooled.held) == 6
+    # a split asked for is a split of the data, as before
+    assert load_held_out(run, 8, val_split=0.1).val_data is None
 
 
 def test_the_flags_are_checked_before_the_data_is_decoded(monkeypatch):

@@ -4,8 +4,10 @@
 
 The representation of every image is computed once and cached (in memory and in
 ``--feature-cache``), so any sweep over shots, seeds and regularisers reuses it.  The
-evaluation split is the run's validation split (or ``--val-split``, default 10%); the
-k shots and the held-out examples that choose the regulariser come from the rest.  The
+evaluation split is the run's validation split (or ``--val-split``, default 10%), or, for a
+run that validated on a set of its own (``data.val_data``) and without ``--data`` or
+``--val-split``, that set whole; the k shots and the held-out examples that choose the
+regulariser come from the rest (the run's training data).  The
 output is a table; with ``--json``, one JSON line instead.
 """
 from __future__ import annotations
@@ -61,14 +63,13 @@ def run(args: argparse.Namespace) -> int:
     feats = cache.get(key, lambda: extract_features(model, data.images, args.batch_size, device=device))
     source = "cache" if cache.hits else f"{len(data.images)} images"
     print(f"features {feats.shape[1]}-d from {source}; pool {len(rest)}, evaluation {len(held)} "
-          f"(split {data.split}, seed {data.seed}), {len(data.classes)} classes{unread_note(data.skipped)}",
-          file=sys.stderr)
+          f"({data.held_part()}), {len(data.classes)} classes{unread_note(data.skipped)}", file=sys.stderr)
     y = data.labels.numpy()
     result = fewshot_evaluate(feats[rest], y[rest], feats[held], y[held], shots=args.shots, seeds=range(args.seeds),
                               holdout_per_class=args.holdout_per_class, standardize=args.standardize)
     if args.json:
         print(json.dumps({"fewshot": result.to_dict(), "seeds": args.seeds, "standardize": args.standardize,
-                          "split": data.split,
+                          "split": data.split, "val_data": data.val_data,
                           "split_seed": data.seed, "feature_dim": int(feats.shape[1]), "skipped_images": data.skipped}))
         return 0
     print_table(result)

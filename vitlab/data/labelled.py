@@ -69,6 +69,11 @@ class HeldOutSet:
     split: float | int     # what was held out: a count, a fraction, or 0 (everything)
     seed: int              # the seed of the split
     run_shards: bool = False  # only the shards a streamed run held out were decoded (``rest`` is empty)
+    val_data: Optional[str] = None  # the held-out part is the run's validation set of its own (data.val_data)
+
+    def held_part(self) -> str:
+        """What the held-out part is, in words (the few-shot summary's)."""
+        return f"the run's data.val_data {self.val_data}" if self.val_data else f"split {self.split}, seed {self.seed}"
 
 
 def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = None,
@@ -84,10 +89,13 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         a split of it is of the run's ``train_examples`` pool, as the run's was (the images
         are then the pool's).
     pool: whether the examples not held out are wanted; without, a streamed run's held-out
-        shards are decoded alone (``hold_out``), not the whole set, and the default for a run
-        that validated on a set of its own (``val_data``) is that set, whole.
+        shards are decoded alone (``hold_out``), not the whole set.  The default for a run that
+        validated on a set of its own (``val_data``) is that set, whole: with ``pool``, after
+        the run's training examples (``_with_val_data``).
     workers: decoding processes (None: ``load_in_memory``'s default).
     """
+    if source is None and run.get("val_data") and pool and val_split is None:
+        return _with_val_data(run, image_size, split_seed, cache_dir, workers)
     if source is None and run.get("val_data") and not pool:
         # its data held nothing out: scored whole by default, it was every image the run trained on
         run = {**run, "source": run["val_data"], "val_split": 0, "train_examples": 0, "stream": None}
@@ -147,6 +155,28 @@ def absolute_source(source: Optional[str]) -> Optional[str]:
     if source is None or source == "digits":
         return source
     return str(Path(source).expanduser().absolute())
+
+
+def _with_val_data(run: Mapping[str, Any], image_size, split_seed: Optional[int], cache_dir: Optional[PathLike],
+                   workers: Optional[int]) -> HeldOutSet:
+    """A run that validated on its ``val_data``: the pool is what it trained on (its data, class
+    subset and ``train_examples`` pool), the held-out part its ``val_data``, whole.  A split of its
+    training data held out examples it had trained on, and scored them."""
+    held = load_held_out(run, image_size, None, None, split_seed, cache_dir=cache_dir, pool=False, workers=workers)
+    trained = load_held_out({**run, "val_data": None}, image_size, None, 0, cache_dir=cache_dir, workers=workers)
+    images, labels, key = trained.images, trained.labels, trained.key
+    taken = int(run.get("train_examples") or 0)
+    if taken and taken < len(labels):  # the run's pool, as it drew it
+        keep = training_pool(labels, taken, int(run.get("split_seed", 0)))
+        images, labels = images[keep], labels[keep]
+        key += f"|pool of {taken}, split seed {int(run.get('split_seed', 0))}"
+    if held.classes != trained.classes:  # the run refused such a val_data; a set changed since is named here
+        raise ValueError(f"data.val_data={run['val_data']!r}: its classes ({', '.join(held.classes[:5])}, ...) are "
+                         f"not the run's data's ({', '.join(trained.classes[:5])}, ...)")
+    n = len(labels)
+    return HeldOutSet(torch.cat([images, held.images]), torch.cat([labels, held.labels]), trained.classes,
+                      f"{key}|val {held.key}", trained.skipped + held.skipped, torch.arange(n),
+                      torch.arange(n, n + len(held.labels)), 0, held.seed, val_data=str(run["val_data"]))
 
 
 def same_data(source, recorded) -> bool:

@@ -334,6 +334,22 @@ def test_train_transform_validation_names_the_field(kwargs, field):
         TrainTransform(num_classes=10, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(crop="pad", crop_scale=(0.5, 1.0)), r"^crop_scale=\(0.5, 1.0\): shapes the inception crop, and crop='pad' is "
+                                              r"another; set crop='inception', or leave it at \(0.05, 1.0\)$"),
+    (dict(crop="none", crop_ratio=(0.5, 2.0)), r"^crop_ratio=\(0.5, 2.0\): shapes the inception crop, and crop='none'"),
+    (dict(crop="pad", mixup_alpha=0.8, mix_switch_prob=0.9),
+     r"^mix_switch_prob=0.9: chooses CutMix over mixup for a batch, and mixup_alpha=0.8, cutmix_alpha=0.0 leave no "
+     r"choice; set both above 0, or leave it at 0.5$"),
+])
+def test_a_setting_of_a_method_not_in_use_is_refused(kwargs, match):
+    # read by that method only: with another crop, or one way of mixing, it was accepted and did nothing
+    with pytest.raises(ConfigError, match=match):
+        TrainTransform(num_classes=10, **kwargs)
+    assert TrainTransform(num_classes=10, image_size=8, crop_scale=(0.5, 1.0), crop_ratio=(0.5, 2.0)).crop_scale
+    assert TrainTransform(num_classes=10, crop="pad", mixup_alpha=0.8, cutmix_alpha=1.0, mix_switch_prob=0.9)
+
+
 def flipped_mask(out: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
     """(B,) bool: which outputs are the mirror images (asserting each is one or the other)."""
     mirrored = (out == images.flip(-1)).flatten(1).all(1)

@@ -184,6 +184,13 @@ def test_keeping_an_inits_pre_logits_is_refused_without_an_init():
                                           r"its own is model.pre_logits"):
         with_changes(OK, {"model.keep_pre_logits": True})
     assert ModelConfig(init="weights.npz", keep_pre_logits=True).keep_pre_logits
+    # and model.pre_logits is read from scratch only: with an init it was accepted, and the init's layer dropped
+    with pytest.raises(ConfigError, match=r"^model.pre_logits=True: adds a pre-logits layer to a model trained from "
+                                          r"scratch, and this one is fine-tuned from model.init, whose architecture it "
+                                          r"keeps; model.keep_pre_logits keeps the init's own$"):
+        with_changes(load_recipe("paper_pretrain"), {"model.init": "weights.npz"})
+    assert with_changes(load_recipe("paper_pretrain"), {"model.init": "weights.npz", "model.pre_logits": False,
+                                                        "model.keep_pre_logits": True}).model.keep_pre_logits
     for name in list_recipes():  # no recipe keeps pre-logits without an init
         load_recipe(name)
 

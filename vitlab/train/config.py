@@ -128,6 +128,10 @@ class ModelConfig(Section):
         need(not self.keep_pre_logits or self.init is not None, "model.keep_pre_logits", self.keep_pre_logits,
              "keeps model.init's pre-logits layer, and this model is trained from scratch (model.init=None); "
              "a pre-logits layer of its own is model.pre_logits")
+        # and only a model built from scratch reads pre_logits: with model.init it was accepted and did nothing
+        need(not self.pre_logits or self.init is None, "model.pre_logits", self.pre_logits,
+             "adds a pre-logits layer to a model trained from scratch, and this one is fine-tuned from model.init, "
+             "whose architecture it keeps; model.keep_pre_logits keeps the init's own")
         need(isinstance(self.overrides, dict) and all(isinstance(k, str) for k in self.overrides), "model.overrides",
              self.overrides, "expected a dict of ViTConfig fields by name")
         # the data decides these: the head was made for its classes whatever the field said, and the images are RGB

@@ -115,6 +115,12 @@ def test_labels_seeds_and_regularisers_that_cannot_be_are_refused_by_name():
     for seeds in ((0.5,), (-1,)):
         with pytest.raises(ValueError, match=rf"^seeds={seeds[0]}: must be an integer >= 0"):
             fewshot_evaluate(x, y, x, y, **{**fit, "seeds": seeds})
+    # the same seed twice is one draw counted twice (a spread of 0 between them); a shot count twice ran twice
+    for name, values in (("seeds", (0, 0)), ("shots", (2, 2))):
+        with pytest.raises(ValueError, match=rf"^{name} {values[0]} {values[1]}: each must be given once$"):
+            fewshot_evaluate(x, y, x, y, **{**fit, name: values})
+    # numpy's counts as a Python sequence's: an array met check_shots' truth test
+    assert fewshot_evaluate(x, y, x, y, **{**fit, "shots": np.array([1, 2]), "seeds": np.arange(2)}).shots == [1, 2]
     for grid in ((), (1.0, 0.0), (float("nan"),)):
         with pytest.raises(ValueError, match=r"^l2_grid: expected regularisers > 0"):
             fewshot_evaluate(x, y, x, y, l2_grid=grid, **fit)

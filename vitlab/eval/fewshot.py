@@ -176,6 +176,8 @@ def check_shots(pool_y: np.ndarray, shots: Sequence[int], holdout_per_class: int
     bad = [k for k in shots if not isinstance(k, (int, np.integer)) or k < 1]
     if not shots or bad:
         raise ValueError(f"{shots_name} {' '.join(map(str, shots)) or '(none)'}: each must be a positive integer")
+    if len(set(shots)) < len(shots):  # evaluated twice, the second over the first, and listed twice
+        raise ValueError(f"{shots_name} {' '.join(map(str, shots))}: each must be given once")
     if not isinstance(holdout_per_class, (int, np.integer)) or holdout_per_class < 1:
         raise ValueError(f"{holdout_name} {holdout_per_class}: must be a positive integer")
     need = max(shots) + holdout_per_class
@@ -217,11 +219,14 @@ def fewshot_evaluate(
             or pool_y.shape != pool_x.shape[:1] or eval_y.shape != eval_x.shape[:1]):
         raise ValueError(f"expected pool_x (P, d), pool_y (P,), eval_x (E, d), eval_y (E,); got {pool_x.shape}, "
                          f"{pool_y.shape}, {eval_x.shape}, {eval_y.shape}")
+    shots, seeds = list(shots), list(seeds)  # a numpy array of shots met check_shots' truth test
     check_shots(pool_y, shots, holdout_per_class)
     if len(seeds) == 0:  # no draw: every accuracy list stayed empty, and its mean NaN
         raise ValueError("seeds: none given; each is one random draw of the shots, e.g. (0, 1, 2)")
     for seed in seeds:  # a seed of 0.5 was cut to 0
         check_seed(seed, "seeds")
+    if len(set(seeds)) < len(seeds):  # the same draw, counted twice in the mean and the spread
+        raise ValueError(f"seeds {' '.join(map(str, seeds))}: each must be given once")
     if len(l2_grid) == 0 or not all(l2 > 0 for l2 in l2_grid):  # found at the first fit, or as max()'s empty sequence
         raise ValueError(f"l2_grid: expected regularisers > 0 to choose from, got {tuple(l2_grid)}")
     num_classes = int(max(pool_y.max(), eval_y.max())) + 1

@@ -177,6 +177,26 @@ def test_what_mpp_and_the_initialisations_need_of_the_model_is_refused_before_th
         with_changes(OK, changes)
 
 
+def test_mixing_a_micro_batch_of_one_image_is_refused(tiny):
+    # mixup and CutMix mix each image with another of its micro-batch: with one, each was mixed with itself
+    one = {"optim.batch_size": 4, "optim.accum_steps": 4, "augment.mixup_alpha": 0.8}
+    with pytest.raises(ConfigError, match=r"^augment.mixup_alpha=0.8: mixes each image with another of its "
+                                          r"micro-batch, and this run's is 1 image \(optim.batch_size=4 over "
+                                          r"optim.accum_steps=4 x 1 process\(es\)\): each would be mixed with itself"):
+        check_can_run(with_changes(OK, one))
+    with pytest.raises(ConfigError, match=r"^augment.mixup_alpha=0.8 and augment.cutmix_alpha=1.0: mix each image"):
+        check_can_run(with_changes(OK, {**one, "augment.cutmix_alpha": 1.0}), world_size=1)
+    check_can_run(with_changes(OK, {**one, "optim.accum_steps": 2}))
+    with pytest.raises(ConfigError, match=r"^augment.cutmix_alpha=1.0: mixes .* over optim.accum_steps=1 x 2 proc"):
+        check_can_run(with_changes(OK, {"optim.batch_size": 2, "augment.cutmix_alpha": 1.0}), world_size=2)
+    # an accumulation left to "auto" is checked once decided, before the data is read
+    from vitlab.train import train
+
+    with pytest.raises(ConfigError, match=r"^augment.mixup_alpha=0.8: mixes .* \(optim.batch_size=1 over "
+                                          r"optim.accum_steps=1 x 1"):
+        train(tiny("mixed", batch_size=1, accum_steps="auto", mixup_alpha=0.8), verbose=False)
+
+
 def test_keeping_an_inits_pre_logits_is_refused_without_an_init():
     # model.keep_pre_logits is read when model.init is loaded only: from scratch it was accepted and did nothing
     with pytest.raises(ConfigError, match=r"^model.keep_pre_logits=True: keeps model.init's pre-logits layer, and this "

@@ -82,6 +82,8 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
             f" x world_size={world_size} = {per_process}: every micro-batch must have the same size")
     if cfg.run.fsdp and world_size < 2:
         raise ConfigError("run.fsdp=True needs a distributed launch (torchrun --nproc_per_node=N); world_size is 1")
+    if isinstance(cfg.optim.accum_steps, int):  # "auto": checked once resolve has decided it
+        check_mixing(cfg, cfg.optim.batch_size // per_process, world_size)
     if need_data:
         check_data(cfg)
     need_output_folder("run.out", cfg.run.out)
@@ -90,6 +92,18 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
 
         if parse_hub_name(cfg.model.init) is None:  # a Hub name is looked up when the weights are loaded
             raise ConfigError(f"model.init={cfg.model.init!r}: no such file or folder")
+
+
+def check_mixing(cfg: TrainConfig, micro_batch: int, world_size: int) -> None:
+    """Mixup and CutMix mix each image with another of its micro-batch: with one image a process,
+    each was mixed with itself, and trained as without them."""
+    mixing = [f"augment.{name}={getattr(cfg.augment, name)}" for name in ("mixup_alpha", "cutmix_alpha")
+              if getattr(cfg.augment, name) > 0]
+    if mixing and micro_batch < 2:
+        raise ConfigError(f"{' and '.join(mixing)}: mix{'es' if len(mixing) == 1 else ''} each image with another "
+                          f"of its micro-batch, and this run's is 1 image (optim.batch_size={cfg.optim.batch_size} over optim.accum_steps="
+                          f"{cfg.optim.accum_steps} x {world_size} process(es)): each would be mixed with itself; "
+                          "set a larger batch or fewer accumulation steps, or the alphas to 0")
 
 
 def check_data(cfg: TrainConfig) -> None:
@@ -210,6 +224,7 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
     # every "auto" decided, the memory planned, before any data is decoded or any model built
     resolved = resolve(cfg, world, machine, saved)
     cfg, img_size = resolved.config, resolved.img_size
+    check_mixing(cfg, resolved.micro_batch, world.size)
     check_tta_shift(cfg.run.final_eval_shift, img_size, "run.final_eval_shift")
     if cfg.augment.crop == "pad":  # the pad-and-crop runs at the training size (before any progressive resize)
         check_crop_pad(cfg.augment.crop_pad, img_size, "augment.crop_pad")

@@ -683,3 +683,22 @@ def test_a_val_split_that_is_not_a_number_is_named_by_its_field(capsys):
                                               "fraction in (0, 1), or 0 for none")
     assert main(["train", "--recipe", "demo", "--val-split", "300.0", "--show-config"]) == 0
     assert json.loads(capsys.readouterr().out)["data"]["val_split"] == 300
+
+
+def test_an_augmentation_setting_a_devices_form_reads_is_accepted():
+    """cifar10_scratch's GPU form turns on mixup and CutMix (run.on_device): its choice between them,
+    mix_switch_prob, was refused on the CPU form the config is built in, so the recipe's GPU run could
+    not set it; a setting no form reads is still refused, and a form that does not read it trains
+    with the default (it does nothing there)."""
+    from vitlab.configs import load_recipe
+    from vitlab.train.overrides import with_changes
+
+    cfg = with_changes(load_recipe("cifar10_scratch:model=vit"), {"augment.mix_switch_prob": 0.3})
+    assert cfg.augment.mix_switch_prob == 0.3 and cfg.augment.mixup_alpha == 0  # the CPU form: no mixing
+    assert cfg.augment.transform(10, (32, 32)).mix_switch_prob == 0.5
+    gpu = with_changes(cfg, cfg.run.on_device["cuda"])
+    assert gpu.augment.transform(10, (32, 32)).mix_switch_prob == 0.3
+    with pytest.raises(ConfigError, match=r"^augment\.mix_switch_prob=0\.3: chooses CutMix over mixup"):
+        with_changes(load_recipe("demo"), {"augment.mix_switch_prob": 0.3})
+    with pytest.raises(ConfigError, match=r"^augment\.crop_scale=\(0\.5, 1\.0\): shapes the inception crop"):
+        with_changes(load_recipe("cifar10_scratch:model=vit"), {"augment.crop_scale": (0.5, 1.0)})

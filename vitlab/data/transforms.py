@@ -397,15 +397,29 @@ class Augmentation:
             value = getattr(self, name)
             need(is_number(value) and 0 <= value <= 1, name, value, "must be a probability in [0, 1]")
         need_number("label_smoothing", self.label_smoothing, 0.0, below=1.0)
-        # read by one method only: with another, a changed value was accepted and did nothing
+        if self.refuses_unread:
+            for name, why in self.unread_settings().items():
+                need(False, name, getattr(self, name), why)
+
+    # a training config's section refuses a setting no form of it reads, its devices' forms counted
+    # (``TrainConfig``): a recipe's GPU form may turn on the method that reads it
+    refuses_unread = True
+
+    def unread_settings(self) -> dict[str, str]:
+        """{field: why} of the settings changed from their defaults that only a method not in use
+        reads (the inception crop's shape with another crop, the choice between mixup and CutMix
+        without both): accepted, such a value did nothing."""
         inception = f"shapes the inception crop, and crop={self.crop!r} is another; set crop='inception'"
         mixes = (f"chooses CutMix over mixup for a batch, and mixup_alpha={self.mixup_alpha}, cutmix_alpha="
                  f"{self.cutmix_alpha} leave no choice; set both above 0")
+        unread = {}
         for name, read, why in (("crop_scale", self.crop == "inception", inception),
                                 ("crop_ratio", self.crop == "inception", inception),
                                 ("mix_switch_prob", self.mixup_alpha > 0 and self.cutmix_alpha > 0, mixes)):
             default = Augmentation.__dataclass_fields__[name].default
-            need(getattr(self, name) == default or read, name, getattr(self, name), f"{why}, or leave it at {default}")
+            if getattr(self, name) != default and not read:
+                unread[name] = f"{why}, or leave it at {default}"
+        return unread
 
 
 @dataclass(frozen=True, kw_only=True)

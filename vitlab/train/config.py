@@ -221,6 +221,7 @@ class AugmentConfig(Section, Augmentation):
     """Training augmentation: ``vitlab.data.transforms.Augmentation``'s fields and checks."""
 
     prefix = "augment"
+    refuses_unread = False  # TrainConfig's check, over the forms of run.on_device too
 
     def __post_init__(self) -> None:
         try:
@@ -229,7 +230,10 @@ class AugmentConfig(Section, Augmentation):
             raise ConfigError(f"augment.{err}") from None
 
     def transform(self, num_classes: int, image_size: tuple) -> TrainTransform:
-        return TrainTransform(num_classes=num_classes, image_size=image_size, **dataclasses.asdict(self))
+        # a setting this form does not read (a recipe's GPU setting on a CPU run) at its default: it does nothing
+        fields = dataclasses.asdict(self) | {name: Augmentation.__dataclass_fields__[name].default
+                                             for name in self.unread_settings()}
+        return TrainTransform(num_classes=num_classes, image_size=image_size, **fields)
 
 
 @dataclass(frozen=True)
@@ -415,6 +419,7 @@ class TrainConfig:
         if self.run.fsdp and self.optim.optimizer == "muon":
             raise ConfigError("optim.optimizer='muon' with run.fsdp=True: Muon orthogonalises whole weight matrices, "
                               "FSDP shards them; use 'adam', or DDP (run.fsdp=false)")
+        self.check_augment_settings_read()
         if self.model.mpp is not None:  # its own loss, on each corrupted patch: the classifier's settings did nothing
             for name, value, default in (("optim.loss", self.optim.loss, "softmax_xent"),
                                          ("augment.label_smoothing", self.augment.label_smoothing, 0.0)):
@@ -424,6 +429,21 @@ class TrainConfig:
         if self.run.fsdp and self.run.precision == "fp16":
             raise ConfigError("run.precision='fp16' with run.fsdp=True: the gradient scaler of a sharded model is not "
                               "implemented; use 'bf16'")
+
+
+    def check_augment_settings_read(self) -> None:
+        """Refuse an augmentation setting that neither this config nor a device's form of it
+        (``run.on_device``) reads: a recipe's GPU form may turn on the method that reads it (the
+        CIFAR recipe's mixup and CutMix), where a check of this form alone refused it."""
+        forms = [self.augment] + [
+            dataclasses.replace(self.augment, **{k.split(".", 1)[1]: v for k, v in changes.items()
+                                                 if k.startswith("augment.")})
+            for changes in self.run.on_device.values()]
+        unread = self.augment.unread_settings()
+        for form in forms[1:]:
+            unread = {name: why for name, why in unread.items() if name in form.unread_settings()}
+        for name, why in unread.items():
+            need(False, f"augment.{name}", getattr(self.augment, name), why)
 
 
 # what a run's config.json records beside its config (resolve.Resolved, memory_estimate.MemoryEstimate)

@@ -88,8 +88,18 @@ def test_more_threads_than_the_process_may_use_cores_are_refused(tmp_path):
     # torch.set_num_threads(100000) then crashed the process at its first matmul, without a word
     assert resolve(with_changes(auto_config(tmp_path), {"run.threads": 8}), world(), described(cores=8)).threads == 8
     with pytest.raises(ConfigError, match=r"^run.threads=9: this process may use 8 core\(s\) here; give at most 8, "
-                                          r"or 0 for PyTorch's default$"):
+                                          r"or 0 for PyTorch's default \(at most those\)$"):
         resolve(with_changes(auto_config(tmp_path), {"run.threads": 9}), world(), described(cores=8))
+
+
+def test_pytorchs_default_threads_are_at_most_the_cores_the_process_may_use(tmp_path, monkeypatch):
+    # PyTorch's default counts the affinity mask: in a container with a 2-CPU quota on a 64-core host,
+    # 64 threads time-sliced on 2 CPUs
+    default = with_changes(auto_config(tmp_path), {"run.threads": 0})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    assert resolve(default, world(), described(cores=2)).threads == 2
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert resolve(default, world(), described(cores=8)).threads == 3  # below: PyTorch's own
 
 
 def test_a_gpu_takes_bf16_where_it_has_it_and_the_recipes_settings_for_it(tmp_path):

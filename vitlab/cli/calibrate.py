@@ -17,7 +17,7 @@ import json
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of every step (the median counts)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads to time with (0: PyTorch's default)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads to time with (0: PyTorch's default, at most the usable cores)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
 
 
@@ -34,10 +34,10 @@ def run(args: argparse.Namespace) -> int:
     cores = usable_cores()
     if not 0 <= args.threads <= cores:  # far above the cores, OpenMP's thread pool crashes the process
         raise ValueError(f"--threads={args.threads}: this process may use {cores} core(s) here; give 1 to {cores}, "
-                         "or 0 for PyTorch's default")
+                         "or 0 for PyTorch's default (at most those)")
     threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # timed with the threads a run takes: PyTorch's default, at most the cores (its default counts no CPU quota)
+    torch.set_num_threads(args.threads or min(threads, cores))
     try:
         choice, precision, seconds = calibration.calibrate(rounds=args.rounds,
                                                            say=(lambda line: None) if args.json else print)

@@ -326,7 +326,7 @@ class RunConfig(Section):
     device: str = "auto"                    # "auto", "cpu", "cuda", "cuda:1", ...
     on_device: dict = field(default_factory=dict)  # a recipe's changes for a kind of device it resolves to:
                                             # {"cuda": {"optim.batch_size": 256, ...}} (applied once, by resolve)
-    threads: int = 0                        # CPU threads of this process (0: PyTorch's default)
+    threads: int = 0                        # CPU threads of this process (0: PyTorch's default, at most its cores)
     retain_freed_memory: bool = False       # CPU: malloc keeps freed memory for the next step (process-wide)
     memory_check: bool = True               # refuse a run whose estimated peak memory exceeds what is available
     time_limit: float = 0.0                 # minutes of wall time for the whole run (0: no limit)

@@ -141,8 +141,10 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     precision, kernels, bf16_matmuls, notes = arithmetic(cfg, device, machine, saved)
     if cfg.run.threads > machine.cores:  # far above, OpenMP's thread pool crashes the process (a segfault)
         raise ConfigError(f"run.threads={cfg.run.threads}: this process may use {machine.cores} core(s) here; give "
-                          f"at most {machine.cores}, or 0 for PyTorch's default")
-    threads = cfg.run.threads or torch.get_num_threads()
+                          f"at most {machine.cores}, or 0 for PyTorch's default (at most those)")
+    # PyTorch's default counts the affinity mask, not a container's CPU quota: 64 threads time-sliced on the
+    # 2 CPUs a quota allows wait on one another at every parallel region
+    threads = cfg.run.threads or min(torch.get_num_threads(), machine.cores)
     cores = max(1, machine.cores // world.processes_here)  # this process's share of the host's cores
     decode = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}
     changes = dict(cfg.run.on_device.get(device.type, {}))  # the recipe's settings for this kind of device

@@ -110,8 +110,8 @@ def check_resume_or_overwrite(resume: bool, overwrite: bool) -> None:
 
 def held_by_earlier_run(out: Path) -> str | None:
     """What a fresh run in ``out`` would lose of an earlier one: "checkpoints" (it would rotate them
-    away and write over its weights), "weights" (a run that kept no checkpoints: run.ckpt_every=0, or
-    removed by hand), or None."""
+    away and write over its weights), "weights" (a run whose checkpoints are gone: a finished vtab run's,
+    removed once its weights were written, or removed by hand; run.ckpt_every=0 still writes the last), or None."""
     if ckpt.latest_checkpoint(out / "checkpoints") is not None:
         return "checkpoints"
     return "weights" if (out / WEIGHTS_NAME).exists() else None

@@ -129,3 +129,19 @@ def test_every_command_that_reads_data_names_every_form_it_reads(command):
     data = next(a for a in build_parser().commands[command]._actions if "--data" in a.option_strings)
     for form in ("ImageFolder", ".tar.gz", "digits", "shards/*.tar", "save_to_disk", "parquet"):
         assert form in data.help, (command, form)
+
+
+def test_the_help_of_a_flag_says_what_it_does_in_its_command():
+    """sweep shares train's flags, and its help was train's: --lr the "base learning rate" (a sweep refuses it:
+    every run's rate is the grid's), --show-config the config with its memory estimate (it prints the plan),
+    --val-split the held-out split (the final run's alone; the grid is compared on --holdout).  vtab's --set
+    named none of the fields it refuses, and its --overwrite only the finished runs it also trains again."""
+    from vitlab.train.vtab import PER_RUN_FIELDS
+
+    helps = {command: {a.dest: a.help for a in build_parser().commands[command]._actions}
+             for command in ("train", "sweep", "vtab")}
+    assert helps["train"]["lr"] == "base learning rate" and helps["sweep"]["lr"].startswith("refused")
+    assert "plan" in helps["sweep"]["show_config"] and "memory_estimate" not in helps["sweep"]["show_config"]
+    assert "final run" in helps["sweep"]["val_split"] and "final run" in helps["sweep"]["val_data"]
+    assert all(name in helps["vtab"]["overrides"] for name in PER_RUN_FIELDS)
+    assert "stopped" in helps["vtab"]["overwrite"]

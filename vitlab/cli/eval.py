@@ -77,7 +77,8 @@ def check_diagonal(args: argparse.Namespace) -> None:
 def add_data_arguments(p: argparse.ArgumentParser, default_split: str) -> None:
     p.add_argument("--data", help="ImageFolder folder, .tar/.tar.gz archive, tar shards (a folder, "
                                   "'shards/shard-{000000..000009}.tar' or 'shards/*.tar'), a Hugging Face save_to_disk "
-                                  "folder, parquet files, or 'digits' (default: the run's data)")
+                                  "folder, parquet files, or 'digits' (default: the run's data; a run that validated "
+                                  "on a set of its own, data.val_data, is scored on that set)")
     p.add_argument("--img-size", type=int, default=None,
                    help="evaluation resolution; position embeddings are resampled (default: the model's)")
     p.add_argument("--val-split", type=float, default=None,

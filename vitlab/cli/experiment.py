@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", "--minutes", dest="time_limit", type=float, metavar="MINUTES",
                    help="wall-time limit per run, in minutes")
     p.add_argument("--device", help="auto, cpu, cuda, ...")
-    p.add_argument("--threads", type=int, help="CPU threads (0: PyTorch's default)")
+    p.add_argument("--threads", type=int, help="CPU threads (0: PyTorch's default, at most the usable cores)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any setting of the experiment, e.g. --set sizes=[2000,5000] --set batch_size=256")
     p.add_argument("--resume", action="store_true",

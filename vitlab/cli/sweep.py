@@ -29,7 +29,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--holdout", type=float, default=None,
                    help="fraction (or count) of the training set held out to compare the grid (default: the "
                         "recipe's data.val_split, Appendix B.1.1's per dataset for paper_finetune; else 0.1)")
-    add_common_arguments(p, default_recipe=None)
+    # the flags whose meaning a sweep changes: --lr, given, was shown as the final run's rate and unused
+    add_common_arguments(p, default_recipe=None, helps={
+        "lr": "refused: every run's rate is one of --grid's",
+        "val_split": "examples the final run still holds out, for a final figure: a count or a fraction (default: "
+                     "none; the grid is compared on --holdout)",
+        "val_data": "a separate validation set that scores the final run, in any form --data takes (the grid is "
+                    "compared on --holdout)",
+        "out": "output folder: a run per rate (lr_RATE), the final run (final) and sweep.json",
+        "resume": "continue every run of the sweep (OUT/lr_RATE, OUT/final) as train --resume does",
+        "overwrite": "start every run of the sweep afresh (OUT/lr_RATE, OUT/final), their checkpoints deleted",
+        "show_config": "print the plan as JSON (the grid, its hold-out, the final run's config) and exit"})
 
 
 def parse_grid(text: str) -> tuple[float, ...]:

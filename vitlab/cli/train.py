@@ -31,8 +31,10 @@ SHORTCUTS = {
 }
 
 
-def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None) -> None:
-    """Flags shared by train, finetune and sweep."""
+def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None,
+                         helps: dict[str, str] | None = None) -> None:
+    """Flags shared by train, finetune and sweep; ``helps``: a command's own help of a flag, by its dest."""
+    helps = helps or {}
     p.add_argument("--recipe", default=default_recipe, required=default_recipe is None,
                    help="a recipe of vitlab/configs/ (NAME or NAME:key=value or path/to/recipe.py)")
     p.add_argument("--model", help="registry name, e.g. ViT-B/16 (see `vitlab models`)")
@@ -44,9 +46,10 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
                         "(default auto: shards, Hugging Face datasets and parquet files stream; a folder streams "
                         "when decoded it would exceed data.memory_limit_gb)")
     p.add_argument("--val-split", type=float,
-                   help="held-out validation examples: a count (5000) or a fraction (0.1); 0: none (a streamed set "
-                        "holds out whole shards)")
-    p.add_argument("--val-data", help="a separate validation set, in any form --data takes (then no held-out split)")
+                   help=helps.get("val_split", "held-out validation examples: a count (5000) or a fraction (0.1); 0: "
+                                               "none (a streamed set holds out whole shards)"))
+    p.add_argument("--val-data", help=helps.get("val_data", "a separate validation set, in any form --data takes "
+                                                            "(then no held-out split)"))
     p.add_argument("--time-limit", type=float, metavar="MINUTES",
                    help="fit warm-up, decay and the final evaluation into this wall-clock budget")
     p.add_argument("--steps", type=int, help="optimiser steps (the ceiling under --time-limit)")
@@ -54,7 +57,7 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
     p.add_argument("--accum-steps", type=count_or_auto,
                    help="gradient accumulation: micro-batches per step, or auto (the fewest whose micro-batch fits in "
                         "memory: measured on a GPU, estimated on a CPU; the run's config.json records the number)")
-    p.add_argument("--lr", type=float, help="base learning rate")
+    p.add_argument("--lr", type=float, help=helps.get("lr", "base learning rate"))
     p.add_argument("--img-size", type=int, help="training resolution")
     p.add_argument("--precision", choices=("auto", *PRECISIONS),
                    help="auto: bf16 autocast where it is faster than fp32 (GPUs; CPUs whose bf16 matmul kernel beats the fp32 GEMM), else fp32; fp16: autocast with a gradient scaler (run.loss_scale); fp8 matmuls: --fp8")
@@ -62,28 +65,30 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None)
                    help="the encoder blocks' dense layers in fp8, scaled per tensor or per row, the rest in bf16 "
                         "(needs --precision bf16 or auto and a GPU of compute capability 8.9+: H100, H200, L4, RTX 40; "
                         "torchao's arithmetic instead of vitlab's: --set run.fp8_backend=torchao)")
-    add_run_arguments(p)
+    add_run_arguments(p, helps)
 
 
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
+def add_run_arguments(p: argparse.ArgumentParser, helps: dict[str, str] | None = None) -> None:
     """How the run is carried out: seed, output, arithmetic, resuming, overrides."""
+    helps = helps or {}
     p.add_argument("--seed", type=int)
-    p.add_argument("--out", help="output folder (metrics, checkpoints, weights)")
+    p.add_argument("--out", help=helps.get("out", "output folder (metrics, checkpoints, weights)"))
     p.add_argument("--fsdp", action="store_true", default=None, help="shard the model with FSDP (multi-process)")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     add_fast_argument(p)
     p.add_argument("--retain-freed-memory", action="store_true", default=None,
                    help="CPU: let malloc keep freed memory for the next step (process-wide; "
                         "see vitlab/train/memory.py)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in OUT/checkpoints (a --time-limit run keeps its clock); under torchrun --max-restarts a restarted group resumes by itself")
+    p.add_argument("--resume", action="store_true", help=helps.get("resume", "continue from the newest intact checkpoint in OUT/checkpoints (a --time-limit run keeps its clock); under torchrun --max-restarts a restarted group resumes by itself"))
     p.add_argument("--overwrite", action="store_true",
-                   help="start afresh in an OUT that holds an earlier run's checkpoints (they are deleted)")
+                   help=helps.get("overwrite", "start afresh in an OUT that holds an earlier run: its checkpoints "
+                                               "are deleted, its weights written over"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override any TrainConfig field, SECTION.FIELD=VALUE (repeatable); model.FIELD=VALUE for a "
                         "ViTConfig field")
     p.add_argument("--show-config", action="store_true",
-                   help="print the resolved config as JSON, with the run's estimated peak memory (memory_estimate), "
-                        "and exit")
+                   help=helps.get("show_config", "print the resolved config as JSON, with the run's estimated peak "
+                                                 "memory (memory_estimate), and exit"))
     p.add_argument("--quiet", action="store_true", help="no progress line")
 
 

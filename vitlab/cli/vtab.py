@@ -55,14 +55,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--img-size", type=int, help="fine-tuning resolution (default: the recipe's, 384 for a 224-px init)")
     p.add_argument("--out", default="runs/vtab", help="output folder (default runs/vtab)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a field of the recipe, SECTION.FIELD=VALUE (repeatable)")
+                   help="override a field of the recipe, SECTION.FIELD=VALUE (repeatable); not one the protocol sets "
+                        "in every run: optim.lr under a grid, model.init, data.source, data.train_examples, "
+                        "data.val_split, run.out")
     add_fast_argument(p)
     p.add_argument("--resume", action="store_true",
                    help="keep the runs of OUT that finished, continue those that stopped from their checkpoints "
                         "(run.ckpt_every); run the rest")
     p.add_argument("--overwrite", action="store_true",
-                   help="train again the tasks' runs that finished in OUT (without it, or --resume, such an OUT "
-                        "is refused)")
+                   help="train again the tasks' runs in OUT, finished or stopped (without it, or --resume, such an "
+                        "OUT is refused)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 

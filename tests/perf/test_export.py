@@ -138,3 +138,20 @@ def test_export_cli_takes_the_format_from_the_out_suffix_and_refuses_a_conflict(
     assert capsys.readouterr().err.strip() == (f"vitlab export: error: --out={str(out)!r}: --format onnx writes a .onnx "
                                                "file (.pt2 is torch-export's); name it .onnx, or leave --format out")
     assert not out.exists()
+
+
+def test_export_cli_refuses_an_out_named_as_weights_and_leaves_them_as_they_were(tmp_path, capsys):
+    """`vitlab export run/model.safetensors --out run/model.safetensors` (a suffix of neither format:
+    ONNX) wrote the ONNX model over the weights it was made from; any weights suffix is refused now."""
+    from vitlab.cli import main
+    from vitlab.weights import save_model
+
+    weights = tmp_path / "tiny.safetensors"
+    save_model(_random_model(TINY), weights)
+    before = weights.read_bytes()
+    assert main(["export", str(weights), "--out", str(weights)]) == 2
+    assert capsys.readouterr().err.strip() == (f"vitlab export: error: --out={str(weights)!r}: a .safetensors file is "
+                                               "read as weights, not as an export; name it .onnx or .pt2")
+    assert weights.read_bytes() == before
+    assert main(["export", str(weights), "--format", "torch-export", "--out", str(tmp_path / "m.pth")]) == 2
+    assert not (tmp_path / "m.pth").exists()

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 SUFFIXES = {"onnx": ".onnx", "torch-export": ".pt2"}
+# files vitlab reads as weights: an export written there would be taken for weights, and over the
+# source itself it replaced the weights it was made from
+WEIGHT_SUFFIXES = (".safetensors", ".npz", ".pt", ".pth", ".bin")
 
 
 def default_out(source: str, fmt: str) -> Path:
@@ -49,6 +52,9 @@ def format_and_out(fmt: str | None, out: str | None, source: str) -> tuple[str, 
     export named as the other format's file (an ONNX model in m.pt2) would be opened as what it is not."""
     suffix = Path(out).suffix.lower() if out else None
     named = next((f for f, ending in SUFFIXES.items() if ending == suffix), None)
+    if suffix in WEIGHT_SUFFIXES:
+        raise ValueError(f"--out={out!r}: a {suffix} file is read as weights, not as an export; "
+                         "name it .onnx or .pt2")
     if fmt is not None and named not in (None, fmt):
         raise ValueError(f"--out={out!r}: --format {fmt} writes a {SUFFIXES[fmt]} file ({suffix} is {named}'s); "
                          f"name it {SUFFIXES[fmt]}, or leave --format out")

@@ -155,3 +155,12 @@ def test_export_cli_refuses_an_out_named_as_weights_and_leaves_them_as_they_were
     assert weights.read_bytes() == before
     assert main(["export", str(weights), "--format", "torch-export", "--out", str(tmp_path / "m.pth")]) == 2
     assert not (tmp_path / "m.pth").exists()
+
+
+def test_export_cli_says_a_missing_weights_file_is_missing(tmp_path, capsys):
+    """A weights file that is not there was taken for a registry name: "unknown model '.../x.safetensors'"."""
+    from vitlab.cli import main
+
+    missing = tmp_path / "runs" / "x.safetensors"
+    assert main(["export", str(missing), "--out", str(tmp_path / "m.pt2")]) == 2
+    assert capsys.readouterr().err.strip() == f"vitlab export: error: no such file or directory: {missing}"

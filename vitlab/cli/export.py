@@ -64,9 +64,8 @@ def format_and_out(fmt: str | None, out: str | None, source: str) -> tuple[str, 
 
 def _load(source: str, name: str | None, img_size: int | None):
     from vitlab.models.registry import create_model
-    from vitlab.weights.hub import parse_hub_name
 
-    if Path(source).exists() or parse_hub_name(source) is not None:  # weights: a path or a Hugging Face name
+    if _is_weights(source):
         from vitlab.weights.load import load_model
 
         return load_model(source, name=name, img_size=img_size)
@@ -75,12 +74,18 @@ def _load(source: str, name: str | None, img_size: int | None):
 
 def _class_names(source: str) -> list[str] | None:
     """The class names kept with weights (None for a registry name's random model)."""
-    from vitlab.weights.hub import parse_hub_name
     from vitlab.weights.load import read_class_names
 
-    if Path(source).exists() or parse_hub_name(source) is not None:
-        return read_class_names(source)
-    return None
+    return read_class_names(source) if _is_weights(source) else None
+
+
+def _is_weights(source: str) -> bool:
+    """Whether ``source`` names weights (a path, a Hugging Face name, a weights file that is not
+    there: no such file, not an unknown registry name) rather than a registry name."""
+    from vitlab.weights.hub import parse_hub_name
+
+    path = Path(source)
+    return path.exists() or parse_hub_name(source) is not None or path.suffix.lower() in WEIGHT_SUFFIXES
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,12 +40,23 @@ def model_img_size(model: nn.Module, img_size: int | Pair | None = None) -> Pair
     return cfg.img_size
 
 
-def _example(model: nn.Module, img_size: Pair, batch: int) -> torch.Tensor:
+def _example(model: nn.Module, img_size: Pair, batch: int, dynamic_batch: bool) -> torch.Tensor:
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch={batch!r}: expected a positive integer")
+    if dynamic_batch and batch < 2:  # torch.export takes a dimension of size 1 for a constant
+        raise ValueError(f"batch={batch}: a dynamic batch is traced on an example of 2 or more images; "
+                         "pass dynamic_batch=False for a program of batch 1 only")
     param = next(model.parameters())
     in_chans = getattr(model.cfg, "in_chans", 3) if hasattr(model, "cfg") else 3
     # from a generator of its own: drawn from the global stream, an export would change what the caller draws next
     numbers = torch.Generator().manual_seed(0)
     return torch.randn(batch, in_chans, *img_size, generator=numbers).to(device=param.device, dtype=param.dtype)
+
+
+def _batch_shapes(dynamic_batch: bool) -> tuple[dict, ...] | None:
+    """torch.export's dynamic shapes of the one input: its batch any size (no upper bound, which a
+    .pt2 program checks at every call) when ``dynamic_batch``."""
+    return ({0: torch.export.Dim("batch", min=1)},) if dynamic_batch else None
 
 
 def _label_maps(model: nn.Module, class_names: Sequence[str] | None) -> dict[str, str]:
@@ -68,10 +79,9 @@ def export_program(model: nn.Module, path: str | os.PathLike, img_size: int | Pa
     """
     labels = _label_maps(model, class_names)
     size = model_img_size(model, img_size)
-    x = _example(model, size, batch)
-    shapes = ({0: torch.export.Dim("batch", min=1, max=4096)},) if dynamic_batch else None
+    x = _example(model, size, batch, dynamic_batch)
     with torch.no_grad(), evaluating(model):
-        program = torch.export.export(model, (x,), dynamic_shapes=shapes)
+        program = torch.export.export(model, (x,), dynamic_shapes=_batch_shapes(dynamic_batch))
     _write_in_place_of(Path(path), lambda tmp: torch.export.save(program, tmp,
                                                              extra_files={f"{k}.json": v for k, v in labels.items()}))
     return program
@@ -118,14 +128,13 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair 
     _require_onnx_packages()
     labels = _label_maps(model, class_names)
     size = model_img_size(model, img_size)
-    x = _example(model, size, batch)
-    shapes = ({0: torch.export.Dim("batch", min=1, max=4096)},) if dynamic_batch else None
+    x = _example(model, size, batch, dynamic_batch)
     path = Path(path)
     with torch.no_grad(), evaluating(model), warnings.catch_warnings(), _quiet(TORCHVISION_NOTICES):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             model, (x,), dynamo=True, input_names=["images"], output_names=["logits"],
-            dynamic_shapes=shapes, opset_version=opset, verbose=False,
+            dynamic_shapes=_batch_shapes(dynamic_batch), opset_version=opset, verbose=False,
         )
     program.model.metadata_props.update(labels)
     _write_in_place_of(path, lambda tmp: program.save(str(tmp), external_data=_too_big_for_one_file(model)))

@@ -164,3 +164,24 @@ def test_export_cli_says_a_missing_weights_file_is_missing(tmp_path, capsys):
     missing = tmp_path / "runs" / "x.safetensors"
     assert main(["export", str(missing), "--out", str(tmp_path / "m.pt2")]) == 2
     assert capsys.readouterr().err.strip() == f"vitlab export: error: no such file or directory: {missing}"
+
+
+def test_a_dynamic_batch_program_takes_any_batch(tmp_path):
+    """The batch was bounded at 4096, which the .pt2 program checks at every call: a larger batch
+    failed with "Guard failed: x.size()[0] <= 4096" (the export said "batch dynamic", any batch)."""
+    cfg = ViTConfig(width=16, depth=1, mlp_dim=16, num_heads=2, num_classes=3, img_size=8, patch_size=4)
+    model = _random_model(cfg)
+    export_program(model, tmp_path / "model.pt2")
+    x = torch.randn(4100, 3, 8, 8)
+    with torch.no_grad():
+        assert torch.allclose(load_program(tmp_path / "model.pt2")(x), model(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 0, True, 2.0])
+def test_an_example_batch_a_dynamic_export_cannot_trace_is_refused_by_name(tmp_path, batch):
+    """batch=1 (the default dynamic batch) ended in torch.export's "Constraints violated (batch)!" traceback,
+    and a batch that is no integer in torch.randn's TypeError."""
+    with pytest.raises(ValueError, match=rf"^batch={batch!r}: "):
+        export_program(_random_model(TINY), tmp_path / "model.pt2", batch=batch)
+    assert not (tmp_path / "model.pt2").exists()
+    export_program(_random_model(TINY), tmp_path / "one.pt2", batch=1, dynamic_batch=False)  # a fixed batch of 1

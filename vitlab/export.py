@@ -125,6 +125,8 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair 
     is the batch of the traced example, fixed in the graph when ``dynamic_batch`` is False.
     ``class_names`` go into the model's metadata (ONNX Runtime: ``custom_metadata_map``).
     """
+    if isinstance(opset, bool) or not isinstance(opset, int):
+        raise TypeError(f"opset={opset!r}: expected an ONNX opset version (an integer, e.g. 18)")
     _require_onnx_packages()
     labels = _label_maps(model, class_names)
     size = model_img_size(model, img_size)
@@ -136,6 +138,11 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair 
             model, (x,), dynamo=True, input_names=["images"], output_names=["logits"],
             dynamic_shapes=_batch_shapes(dynamic_batch), opset_version=opset, verbose=False,
         )
+    # an opset torch.onnx cannot convert the graph to is logged, and the graph kept at the one it builds
+    written = program.model.opset_imports.get("")
+    if written != opset:
+        raise ValueError(f"opset={opset}: torch.onnx could not write this model at that opset (it kept opset "
+                         f"{written}); nothing was written, opset {written} works")
     program.model.metadata_props.update(labels)
     _write_in_place_of(path, lambda tmp: program.save(str(tmp), external_data=_too_big_for_one_file(model)))
     return path

@@ -185,3 +185,12 @@ def test_an_example_batch_a_dynamic_export_cannot_trace_is_refused_by_name(tmp_p
         export_program(_random_model(TINY), tmp_path / "model.pt2", batch=batch)
     assert not (tmp_path / "model.pt2").exists()
     export_program(_random_model(TINY), tmp_path / "one.pt2", batch=1, dynamic_batch=False)  # a fixed batch of 1
+
+
+def test_an_onnx_opset_the_exporter_cannot_reach_is_refused_not_replaced(tmp_path):
+    """torch.onnx logs a failed conversion and keeps the graph at its own opset: opset=16 wrote an
+    opset-18 model without a word."""
+    pytest.importorskip("onnxscript")
+    with pytest.raises(ValueError, match=r"^opset=16: torch.onnx could not write this model at that opset"):
+        export_onnx(_random_model(TINY), tmp_path / "m.onnx", opset=16)
+    assert not (tmp_path / "m.onnx").exists()

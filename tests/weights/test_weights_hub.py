@@ -5,6 +5,7 @@ import copy
 import json
 import shutil
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -132,11 +133,13 @@ def fake_hub(hub, hub_env, tmp_path, remote):
     fetched, asked = [], []
 
     def fake_download(repo_id, filename, revision, cache_dir):
-        assert repo_id == REPO and revision == "main"
+        assert repo_id == REPO and revision in ("main", COMMIT)
         fetched.append(filename)
-        if not (remote / filename).is_file():
-            raise hub.errors.EntryNotFoundError(f"{filename} is not in {repo_id}")
         snapshot = tmp_path / "cache" / f"models--{repo_id.replace('/', '--')}" / "snapshots" / COMMIT
+        if not (remote / filename).is_file():  # huggingface_hub notes in the cache that there is none
+            (snapshot.parents[1] / ".no_exist" / COMMIT).mkdir(parents=True, exist_ok=True)
+            (snapshot.parents[1] / ".no_exist" / COMMIT / filename).touch()
+            raise hub.errors.EntryNotFoundError(f"{filename} is not in {repo_id}")
         snapshot.mkdir(parents=True, exist_ok=True)
         shutil.copy(remote / filename, snapshot / filename)
         refs = snapshot.parents[1] / "refs"
@@ -184,6 +187,57 @@ def test_a_download_brings_the_image_processor_s_scaling(hf_model, hub_env, tmp_
     with torch.no_grad():
         diff = (load_model(REPO)(to_float(pixels)) - hf_model(pixel_values=inputs).logits).abs().max()
     assert fetched == ["config.json", "preprocessor_config.json", "model.safetensors"] and diff < 1e-4
+
+
+IMAGENET = dict(image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+
+
+def test_a_cached_model_without_its_image_processor_s_config_fetches_it(hf_model, hub_env, tmp_path):
+    """`ViTForImageClassification.from_pretrained` caches config.json and the weights, not the image
+    processor's config: a model normalising with ImageNet's mean and std (DeiT) was then read as
+    taking vitlab's inputs, without a word.  The config is fetched (for the snapshot's commit), once."""
+    from vitlab.data.transforms import to_float
+
+    hub = pytest.importorskip("huggingface_hub")
+    remote = tmp_path / "remote"
+    hf_model.save_pretrained(remote)
+    processor = transformers.ViTImageProcessor(do_resize=False, **IMAGENET)
+    processor.save_pretrained(remote)
+    write_snapshot(hf_model, tmp_path / "cache")  # what from_pretrained left
+    fetched, asked = fake_hub(hub, hub_env, tmp_path, remote)
+    pixels = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    inputs = processor(images=list(pixels.permute(0, 2, 3, 1).numpy()), return_tensors="pt").pixel_values
+    with torch.no_grad():
+        diff = (load_model(REPO)(to_float(pixels)) - hf_model(pixel_values=inputs).logits).abs().max()
+    assert diff < 1e-4 and fetched == ["preprocessor_config.json"]
+    assert asked[0][0].endswith(f"{REPO}/resolve/{COMMIT}/preprocessor_config.json")
+    load_model(REPO)
+    assert fetched == ["preprocessor_config.json"]  # cached now
+
+
+def test_a_cached_model_whose_repository_has_no_image_processor_asks_once(hf_model, hub_env, tmp_path):
+    hub = pytest.importorskip("huggingface_hub")
+    remote = tmp_path / "remote"
+    hf_model.save_pretrained(remote)
+    write_snapshot(hf_model, tmp_path / "cache")
+    fetched, _ = fake_hub(hub, hub_env, tmp_path, remote)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none: the repository has no image processor, and the cache says so
+        assert same_logits(load_model(REPO), hf_model) and same_logits(load_model(REPO), hf_model)
+    assert fetched == ["preprocessor_config.json"]
+
+
+def test_a_cached_model_without_its_image_processor_s_config_offline_says_so(hf_model, hub_env, tmp_path):
+    write_snapshot(hf_model, tmp_path / "cache")
+    hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    hub_env.setenv("HF_HUB_OFFLINE", "1")
+    from vitlab.weights import read_class_names
+
+    with pytest.warns(UserWarning, match=r"holds no preprocessor_config\.json .*HF_HUB_OFFLINE is set.*mean and std 0\.5") \
+            as said:
+        load_model(REPO)
+        read_class_names(REPO)  # as predict does: said once
+    assert len(said) == 1
 
 
 def test_paths_and_registry_names_are_not_hub_names(tmp_path):

@@ -16,6 +16,11 @@ where the repository has one (its input scaling, which ``load_model`` takes into
 and one weights file, safetensors when the repository has it.  The snapshot folder is then an ordinary Hugging Face folder, which
 ``load_model`` reads by its ``config.json``.
 
+A cached transformers snapshot may lack the image processor's config (``from_pretrained`` of a
+model caches its config and weights only): unless the cache notes that the repository has none,
+it is downloaded for the snapshot's commit, one request once; offline, or where that fails, a
+warning says that the model is taken to read ViTImageProcessor's default input (mean and std 0.5).
+
 Before downloading, one request asks the Hub for ``config.json``'s metadata, with a short
 timeout and no retries: with no network, huggingface_hub's own download retries a refused
 connection for some 25 s, a warning line per try, before it fails.  Its log lines are
@@ -24,9 +29,11 @@ held back while vitlab downloads (its logger's level is restored afterwards).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -97,11 +104,11 @@ def _hub_logs_held_back() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _reach(hub: Any, repo_id: str, revision: str) -> None:
-    """One request for ``config.json``'s metadata, no retries: raises at once when the Hub
+def _reach(hub: Any, repo_id: str, revision: str, filename: str = "config.json") -> None:
+    """One request for ``filename``'s metadata, no retries: raises at once when the Hub
     cannot be reached, or holds no such repository, revision or file."""
     timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or REACH_TIMEOUT_S)
-    hub.get_hf_file_metadata(hub.hf_hub_url(repo_id, "config.json", revision=revision), timeout=timeout)
+    hub.get_hf_file_metadata(hub.hf_hub_url(repo_id, filename, revision=revision), timeout=timeout)
 
 
 def _missing(err: Exception) -> bool:
@@ -145,6 +152,49 @@ def download_snapshot(repo_id: str, revision: str = "main", cache_dir: Path | No
     return config.parent
 
 
+# the snapshots whose unknown input scaling has been warned about in this process
+_SCALING_UNKNOWN: set[Path] = set()
+
+
+def processor_unknown(snapshot: Path) -> bool:
+    """Whether the cache cannot tell a transformers snapshot's input scaling: it holds no image
+    processor's config, nor huggingface_hub's note that the repository has none (an empty
+    ``.no_exist/<commit>/preprocessor_config.json``, written when a download found none).
+    ``ViTForImageClassification.from_pretrained`` caches the config and the weights only.
+    (A timm repository states its mean and std in its config.json: never unknown.)"""
+    if (snapshot / PROCESSOR_NAME).is_file() or (snapshot.parent.parent / ".no_exist" / snapshot.name
+                                                 / PROCESSOR_NAME).exists():
+        return False
+    try:
+        config = json.loads((snapshot / "config.json").read_text())
+    except (OSError, ValueError):  # the loader reports it
+        return False
+    return isinstance(config, dict) and "model_type" in config
+
+
+def fetch_processor(repo_id: str, snapshot: Path, cache_dir: Path) -> str | None:
+    """Download the image processor's config of ``snapshot``'s commit into the cache (or have
+    huggingface_hub note that there is none); None when the cache now knows, else why not."""
+    if offline():
+        return "HF_HUB_OFFLINE is set"
+    try:
+        import huggingface_hub as hub
+    except ImportError:
+        return 'huggingface_hub is not installed: pip install -e ".[hub]"'
+    try:
+        with _hub_logs_held_back():
+            try:
+                _reach(hub, repo_id, snapshot.name, PROCESSOR_NAME)
+            except Exception as err:  # none there: the download below has huggingface_hub note so
+                if not _missing(err):
+                    raise
+            hub.hf_hub_download(repo_id, PROCESSOR_NAME, revision=snapshot.name, cache_dir=str(cache_dir))
+    except Exception as err:  # no network, refused access
+        if not _missing(err):
+            return f"{type(err).__name__}: {str(err).splitlines()[0]}" if str(err) else type(err).__name__
+    return None
+
+
 def resolve_hub_name(text: str) -> Path | None:
     """The local snapshot folder of a Hub name (from the cache, else downloaded), or None
     when ``text`` is not a Hub name."""
@@ -155,6 +205,15 @@ def resolve_hub_name(text: str) -> Path | None:
     cache_dir = hub_cache_dir()
     snapshot = cached_snapshot(repo_id, revision, cache_dir)
     if snapshot is not None:
+        # without its image processor's config, weights trained on other inputs (ImageNet's mean and
+        # std: DeiT) were scored on vitlab's without a word
+        unknown = snapshot not in _SCALING_UNKNOWN and processor_unknown(snapshot)  # once: a command reads a name twice
+        why = fetch_processor(repo_id, snapshot, cache_dir) if unknown else None
+        if why is not None:
+            _SCALING_UNKNOWN.add(snapshot)
+            warnings.warn(f"{text}: the Hugging Face cache holds no {PROCESSOR_NAME} for it (transformers "
+                          f"caches it with the image processor, not the model), and it was not downloaded ({why}): "
+                          "its input scaling is taken to be ViTImageProcessor's default, mean and std 0.5")
         return snapshot
     if offline():
         raise WeightsError(f"{text}: no such file or folder, nor a model in the Hugging Face cache {cache_dir} "

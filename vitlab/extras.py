@@ -7,6 +7,8 @@ and the ``pip install`` line of its extra, which the command line prints as one 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 from types import ModuleType
 
 # import name -> (distribution name, extra of pyproject.toml that brings it)
@@ -26,12 +28,24 @@ class MissingPackage(ImportError):
 
     def __init__(self, module: str, needed_for: str, cause: BaseException | None = None) -> None:
         package, extra = EXTRAS[module]
+        # a part of an installed package not found (torch.onnx imports onnxscript._framework_apis.torch_2_11,
+        # which an onnxscript older than 0.6 lacks) is one too old, not one absent
         absent = cause is None or (isinstance(cause, ModuleNotFoundError)
-                                   and str(cause.name or module).split(".")[0] == module)
+                                   and str(cause.name or module).split(".")[0] == module and not _found(module))
         state = "is not installed" if absent else f"does not import ({cause})"
         super().__init__(f"{needed_for} needs {package}, which {state}: pip install -e \".[{extra}]\"",
                          name=module)
         self.package, self.extra = package, extra
+
+
+def _found(module: str) -> bool:
+    """Whether the top-level package ``module`` is installed (imported, or found where imports look)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def require(module: str, needed_for: str) -> ModuleType:

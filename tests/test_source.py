@@ -58,3 +58,28 @@ def test_the_tests_import_nothing_the_oldest_python_the_package_supports_lacks()
     if newer:
         assert any(re.fullmatch(r'tomli>=[\d.]+; python_version < "3\.11"', req)
                    for req in project["optional-dependencies"]["test"])
+
+
+# torch APIs added after 2.4 that the package calls, as its source spells them, and the torch release that added each
+NEWER_TORCH_APIS = {
+    "torch.nn.utils.get_total_norm": (2, 6),           # the compiled update's gradient norm
+    "set_priority=True": (2, 6),                       # torch.nn.attention.sdpa_kernel's (run.gpu_attention)
+    "from torch.distributed.fsdp import fully_shard": (2, 6),  # public there from 2.6 (run.fsdp)
+    "torch.OutOfMemoryError": (2, 5),
+    "dynamo=True": (2, 5),                             # torch.onnx.export's torch.export-based exporter
+}
+
+
+def test_the_torch_floor_has_every_torch_api_the_package_calls():
+    """pyproject.toml said torch>=2.4, on which a compiled update, run.gpu_attention='cudnn', run.fsdp and
+    ONNX export each failed on an API torch did not have yet."""
+    import re
+
+    from helpers.project import pyproject
+
+    torch_req = next(r for r in pyproject()["project"]["dependencies"] if re.match(r"torch\b", r))
+    floor = tuple(map(int, re.fullmatch(r"torch>=(\d+)\.(\d+)", torch_req).groups()))
+    source = "\n".join(path.read_text() for path in PACKAGE.rglob("*.py"))
+    called = {api: added for api, added in NEWER_TORCH_APIS.items() if api in source}
+    assert called, "the table names none of the APIs the package calls: bring it up to date"
+    assert {api: added for api, added in called.items() if added > floor} == {}, f"torch>={floor}"

@@ -194,3 +194,14 @@ def test_an_onnx_opset_the_exporter_cannot_reach_is_refused_not_replaced(tmp_pat
     with pytest.raises(ValueError, match=r"^opset=16: torch.onnx could not write this model at that opset"):
         export_onnx(_random_model(TINY), tmp_path / "m.onnx", opset=16)
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_export_cli_refuses_name_beside_a_registry_name(tmp_path, capsys):
+    """`vitlab export ViT-Ti/16 --name ViT-S/16` exported a ViT-Ti/16: --name was ignored."""
+    from vitlab.cli import main
+
+    out = tmp_path / "m.pt2"
+    assert main(["export", "ViT-Ti/16", "--name", "ViT-S/16", "--img-size", "32", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab export: error: --name='ViT-S/16': names the model of weights "
+                                               "whose shapes do not give it; 'ViT-Ti/16' is a registry name already")
+    assert not out.exists()

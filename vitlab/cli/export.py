@@ -69,6 +69,9 @@ def _load(source: str, name: str | None, img_size: int | None):
         from vitlab.weights.load import load_model
 
         return load_model(source, name=name, img_size=img_size)
+    if name is not None:  # it was ignored: the registry name given as the source is the model
+        raise ValueError(f"--name={name!r}: names the model of weights whose shapes do not give it; {source!r} "
+                         "is a registry name already")
     return create_model(source, **({"img_size": img_size} if img_size else {}))
 
 

@@ -1,7 +1,9 @@
 """The benchmark machinery: subprocess protocol, timing, memory, tables."""
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,6 +57,32 @@ def test_what_the_fast_layer_allocates_when_applied_counts_in_vitlabs_peak(kind,
     # the block and the step's own, less what the process freed after the baseline (a collection of
     # earlier tests' objects: 37 KB in one order of the suite); the block not counted would leave a few MB
     assert peak > 0.9 * size
+
+
+@pytest.mark.slow  # fresh interpreters: this one has imported everything already
+@pytest.mark.parametrize("impl", ["vitlab", "hf-eager"])
+def test_no_column_counts_an_import_in_its_peak(impl, tmp_path):
+    """A module first imported after the baseline counts in the peak as resident memory: torch.optim
+    imported torch._dynamo (about 70 MiB) as vitlab's process built its optimizer, where transformers
+    had imported it in the peer's process before its baseline (vitlab's training rows, at 130 MiB
+    against the peers' 60 at batch 2, carried it)."""
+    if impl.startswith("hf-"):
+        pytest.importorskip("transformers")
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(Path(harness.__file__).parent)!r})\n"
+        "import harness\n"
+        "seen, real = [], harness.reset_peak\n"
+        "harness.reset_peak = lambda device: seen.append(set(sys.modules)) or real(device)\n"
+        "harness.worker(json.loads(sys.argv[1]))\n"
+        "print('NEW ' + json.dumps(sorted(set(sys.modules) - seen[0])))\n")
+    case = dict(kind="train", impl=impl, model="ViT-CIFAR", batch=1, dtype="fp32", device="cpu", warmup=1,
+                repeats=1, min_seconds=0.0, threads=1)
+    out = subprocess.run([sys.executable, str(probe), json.dumps(case)], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    new = json.loads(out.split("NEW ", 1)[1])
+    assert not [m for m in new if m.startswith(("torch._dynamo", "sympy"))] and len(new) < 10, new
 
 
 def test_time_loop_and_summary():

@@ -35,10 +35,14 @@ def cpu_name() -> str:
 
 
 def checkout(rev: str, script: str) -> str:
-    """The ``vitlab/`` of git revision ``rev`` in a temporary folder (``script --before REV``); its path."""
+    """The ``vitlab/`` of git revision ``rev`` in a temporary folder (``script --before REV``); its path.
+    The folder is removed when this interpreter exits."""
+    import atexit
+    import shutil
     import tempfile
 
     root = Path(tempfile.mkdtemp(prefix="vitlab-before-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     archive = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent.parent), "archive", rev, "vitlab"],
                              capture_output=True, check=False)
     if archive.returncode:

@@ -102,6 +102,23 @@ def test_subprocess_protocol():
     assert "error" in harness.run_case(dict(case, kind="nonsense"), timeout=120)
 
 
+@pytest.mark.slow  # a fresh interpreter, whose exit is what removes the folder
+def test_the_before_checkout_is_removed_when_the_script_ends(tmp_path):
+    """bench.py --before extracted the revision's vitlab/ into a temporary folder and left it there,
+    one more after every run."""
+    script = ("import sys\n"
+              f"sys.path.insert(0, {str(Path(harness.__file__).parent)!r})\n"
+              "import harness\n"
+              "path = harness.checkout('HEAD', 'bench.py')\n"
+              "import os\n"
+              "assert os.path.isfile(os.path.join(path, 'vitlab', '__init__.py'))\n"
+              "print('CHECKOUT ' + path)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    path = Path(out.split("CHECKOUT ", 1)[1].strip())
+    assert path.name.startswith("vitlab-before-") and not path.exists()
+
+
 def test_cases_and_table():
     args = bench.parse_args(["--quick", "--only", "infer/ViT-B/16/b8/fp32", "--bf16", "no"])
     peaks, cases = bench.build_cases(args)

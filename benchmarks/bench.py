@@ -82,7 +82,7 @@ import time
 from pathlib import Path
 
 from harness import (AUTOTUNE_IMPL, CUDNN_IMPL, FP8_IMPL_PREFIX, FP8_IMPLS, OWN_IMPLS, PEAK_KERNELS, VARIANT_IMPLS,
-                     checkout, cpu_name, peers_available, run_case)
+                     checkout, cpu_name, peers_available, run_case, vitlab_folder)
 
 HERE = Path(__file__).resolve().parent
 INFER = [("ViT-B/16", b) for b in (1, 8, 32)]
@@ -91,6 +91,7 @@ TRAIN = [("ViT-S/16", 32), ("ViT-CIFAR", 128)]
 TRAIN_GPU = [("ViT-B/16", 128)]  # the GPU goal's row: ViT-B/16 training, bf16 model-FLOPs utilisation
 DTYPES = ("fp32", "bf16")
 REFERENCES = ("vitlab-plain", "vitlab-before", "onnxruntime")  # vitlab in other ways: columns, not peers
+OWN_VITLAB = HERE.parent / "vitlab"  # the code --before REV compares with REV's
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,7 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--before", default=None, metavar="REV",
                    help="also run the vitlab of git revision REV (checked out into a temporary folder, "
                         "imported by its own worker processes) as the column 'vitlab-before', and report "
-                        "vitlab / before per row: a regression check in the same run")
+                        "vitlab / before per row: a regression check in the same run (the vitlab imported must be "
+                        "this checkout's)")
     p.add_argument("--bf16", choices=("auto", "yes", "no"), default="auto",
                    help="bf16 rows: 'auto' runs them where the hardware has bf16 (CUDA, or a CPU "
                         "with AVX512-BF16/AMX); elsewhere bf16 is emulated and 10-100x slower")
@@ -236,7 +238,7 @@ def bf16_wanted(args: argparse.Namespace) -> bool:
 
 def machine(args: argparse.Namespace) -> dict:
     info = {"host": socket.gethostname(), "python": platform.python_version(), "device": args.device,
-            "cpu": cpu_name(), "cpu_count": os.cpu_count()}
+            "cpu": cpu_name(), "cpu_count": os.cpu_count(), "vitlab": vitlab_folder()}
     import torch
 
     from vitlab.fast import kernels
@@ -256,6 +258,26 @@ def machine(args: argparse.Namespace) -> dict:
         except ImportError:
             pass
     return info
+
+
+def check_now_is_this_checkout(args: argparse.Namespace) -> None:
+    """--before compares this checkout's vitlab with its revision REV: the vitlab the run imports (an
+    editable install can point at another checkout) must be this checkout's."""
+    now, own = Path(vitlab_folder()), OWN_VITLAB.resolve()
+    if now != own:
+        raise SystemExit(f"bench.py --before {args.before}: the vitlab measured now is {now}, not this checkout's "
+                         f"{own}, whose {args.before} would be the column vitlab-before; run with "
+                         f"PYTHONPATH={own.parent} (or pip install -e {own.parent})")
+
+
+def checked_source(case: dict, result: dict, now: str) -> dict:
+    """``result``, or an error where its worker imported another vitlab than its column's: a
+    'vitlab-before' row (a ``pythonpath``) the revision's checkout, every other row ``now``."""
+    expected = Path(case["pythonpath"], "vitlab").resolve() if case.get("pythonpath") else Path(now)
+    got = result.get("vitlab_path")
+    if got is None or Path(got) == expected:
+        return result
+    return {"error": f"imported vitlab from {got}, not {expected}"}
 
 
 def _loadavg() -> str:
@@ -423,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
+    if args.before:
+        check_now_is_this_checkout(args)
     args.before_path = checkout(args.before, "bench.py") if args.before else None
     peak_cases, cases = build_cases(args)
     if args.list:
@@ -431,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine(args)
     timeout = 600 if args.quick else 1800
     print(f"{info.get('gpu') or info['cpu']} ({info['cpu_class']}, family/model {info.get('cpu_family_model')}), "
-          f"{info['cpu_count']} cores, torch {info['torch']}; fast path: {info['fast_kernels']}; "
+          f"{info['cpu_count']} cores, torch {info['torch']}; vitlab {info['vitlab']}, fast path: {info['fast_kernels']}; "
           f"{len(cases)} configurations, each in a fresh process; load average {_loadavg()}")
     if not bf16_wanted(args):
         print("bf16 rows skipped: no bf16 hardware here (oneDNN reports none); --bf16 yes forces them")
@@ -442,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     for round_ in range(args.rounds):
         for case in round_order(cases, round_):
-            r = run_case(case, timeout)
+            r = checked_source(case, run_case(case, timeout), info["vitlab"])
             r.update(loadavg=_loadavg())
             runs[case["id"]].append(r)
             status = r.get("error") or (f"{fmt_rate(r)} img/s, {r['peak_bytes'] / 2**20:.0f} MiB, "

@@ -51,6 +51,13 @@ def checkout(rev: str, script: str) -> str:
     return str(root)
 
 
+def vitlab_folder() -> str:
+    """The folder of the vitlab package this interpreter imports (a worker's: its column's code)."""
+    import vitlab
+
+    return str(Path(vitlab.__file__).resolve().parent)
+
+
 # ----------------------------------------------------------------------------- measuring tools
 
 
@@ -554,6 +561,7 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
     flops = model_flops(vitlab_config(spec, img)) * (3 if case["kind"] == "train" else 1)
     result["flops_per_image"] = flops
     result["achieved_flops_per_s"] = flops * result["median"]
+    result["vitlab_path"] = vitlab_folder()  # the code this column ran (bench.py checks a --before row's)
     return result
 
 

@@ -119,6 +119,37 @@ def test_the_before_checkout_is_removed_when_the_script_ends(tmp_path):
     assert path.name.startswith("vitlab-before-") and not path.exists()
 
 
+def test_before_refuses_to_compare_another_checkouts_vitlab_with_this_ones_revision(monkeypatch, tmp_path):
+    """With vitlab imported from another folder (an editable install of another checkout), the
+    'vitlab' column measured that code and 'vitlab-before' this checkout's REV: a ratio of two
+    unrelated trees."""
+    monkeypatch.setattr(bench, "vitlab_folder", lambda: str(tmp_path / "vitlab"), raising=False)
+    with pytest.raises(SystemExit, match=r"^bench.py --before HEAD: the vitlab measured now is .*, not this "
+                                         r"checkout's .*PYTHONPATH="):
+        bench.main(["--before", "HEAD", "--list", "--only", "infer/ViT-B/16/b8/fp32/"])
+
+
+def test_a_row_whose_worker_imported_another_vitlab_than_its_column_is_an_error(monkeypatch, tmp_path):
+    """A 'vitlab-before' worker must run the revision's checkout, not the vitlab of this run."""
+    now = str((Path(bench.__file__).resolve().parents[1] / "vitlab"))  # this checkout's, as the run imports it
+    monkeypatch.setattr(bench, "vitlab_folder", lambda: now, raising=False)
+
+    def run_case(case, timeout):
+        if case["kind"] == "matmul":
+            return {"flops_per_s": 1e9}
+        return {"median": 1.0, "min": 1.0, "max": 1.0, "peak_bytes": 1, "flops_per_image": 1.0,
+                "achieved_flops_per_s": 1.0, "vitlab_path": now}  # every worker imported this run's vitlab
+
+    monkeypatch.setattr(bench, "run_case", run_case)
+    assert bench.main(["--before", "HEAD", "--only", "infer/ViT-B/16/b8/fp32/vitlab", "--bf16", "no",
+                       "--rounds", "1", "--out", str(tmp_path)]) == 0
+    record = json.loads(next(tmp_path.glob("*.json")).read_text())
+    errors = {r["impl"]: r.get("error") for r in record["results"]}
+    assert errors["vitlab"] is None and errors["vitlab-plain"] is None
+    assert errors["vitlab-before"].startswith(f"imported vitlab from {now}, not ")
+    assert record["machine"]["vitlab"] == now
+
+
 def test_cases_and_table():
     args = bench.parse_args(["--quick", "--only", "infer/ViT-B/16/b8/fp32", "--bf16", "no"])
     peaks, cases = bench.build_cases(args)

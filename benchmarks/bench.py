@@ -70,14 +70,17 @@ Run from the repository root with vitlab installed (``pip install -e .``).
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
 import platform
 import re
+import shutil
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -208,7 +211,7 @@ def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                         common, kind="inference" if kind == "infer" else "train", model=model,
                         batch=batch, dtype=dtype, impl=impl,
                         compile=args.compile and not serving,
-                        cache_dir=str(HERE / "results" / ".cache"),
+                        cache_dir=getattr(args, "cache_dir", None),
                         id=f"{kind}/{model}/b{batch}/{dtype}/{impl}",
                     ))
                     if impl == "vitlab-before":
@@ -448,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.before:
         check_now_is_this_checkout(args)
     args.before_path = checkout(args.before, "bench.py") if args.before else None
+    # the ONNX Runtime column's export, made by its first worker, in a folder of this run's: an export
+    # kept from an earlier run is of the code of that run
+    args.cache_dir = tempfile.mkdtemp(prefix="vitlab-bench-")
+    atexit.register(shutil.rmtree, args.cache_dir, ignore_errors=True)
     peak_cases, cases = build_cases(args)
     if args.list:
         print("\n".join(c["id"] for c in peak_cases + cases))

@@ -469,7 +469,8 @@ def measure_matmul(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def _onnx_session(case: dict[str, Any]):
-    """An ONNX Runtime session of vitlab's model, exported once and cached on disk."""
+    """An ONNX Runtime session of vitlab's model, exported by the run's first such worker into the run's
+    ``cache_dir`` (bench.py: a folder of its own, removed when it ends), which the others load."""
     import onnxruntime as ort
 
     from vitlab.export import export_onnx

@@ -150,6 +150,29 @@ def test_a_row_whose_worker_imported_another_vitlab_than_its_column_is_an_error(
     assert record["machine"]["vitlab"] == now
 
 
+def test_each_run_exports_onnx_afresh_outside_the_repository(monkeypatch, tmp_path):
+    """The ONNX Runtime column ran an export cached in benchmarks/results/.cache under the model's
+    name alone: a later run, of other code, measured the export of the first (and the file, 330 MB for
+    ViT-B/16, lay untracked in the repository)."""
+    seen = []
+
+    def run_case(case, timeout):
+        if case["kind"] == "matmul":
+            return {"flops_per_s": 1e9}
+        seen.append(case["cache_dir"])
+        return {"median": 1.0, "min": 1.0, "max": 1.0, "peak_bytes": 1, "flops_per_image": 1.0,
+                "achieved_flops_per_s": 1.0}
+
+    monkeypatch.setattr(bench, "run_case", run_case)
+    monkeypatch.setattr(bench, "peers_available", lambda device: ["onnxruntime"])
+    for _ in range(2):
+        assert bench.main(["--only", "infer/ViT-B/16/b1/fp32/onnxruntime", "--bf16", "no", "--rounds", "1",
+                           "--out", str(tmp_path)]) == 0
+    repository = Path(bench.__file__).resolve().parents[1]
+    assert len(seen) == 2 and seen[0] != seen[1]
+    assert not any(Path(d).resolve().is_relative_to(repository) for d in seen)
+
+
 def test_cases_and_table():
     args = bench.parse_args(["--quick", "--only", "infer/ViT-B/16/b8/fp32", "--bf16", "no"])
     peaks, cases = bench.build_cases(args)

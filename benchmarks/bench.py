@@ -252,6 +252,12 @@ def machine(args: argparse.Namespace) -> dict:
     info["cpu_vendor"] = cpu.vendor
     info["cpu_family_model"] = cpu.generation or "?"
     info["fast_kernels"] = kernels.choose().describe()
+    # what a user's run here gets, and so vitlab's columns (their workers read the same file): a stored
+    # `vitlab calibrate` answer where there is one, else the CPU class's rule
+    stored = kernels.stored_choice(info=cpu)
+    info["fast_kernels_from"] = (f"calibration {kernels.calibration_path()}, "
+                                 f"{(kernels.stored_entry(info=cpu) or {}).get('measured', 'undated')}" if stored
+                                 else f"the rule ({kernels.rule_for(cpu).measured or 'no figures: the plain kernels'})")
     info["torch"] = torch.__version__
     if args.device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
@@ -462,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     info = machine(args)
     timeout = 600 if args.quick else 1800
     print(f"{info.get('gpu') or info['cpu']} ({info['cpu_class']}, family/model {info.get('cpu_family_model')}), "
-          f"{info['cpu_count']} cores, torch {info['torch']}; vitlab {info['vitlab']}, fast path: {info['fast_kernels']}; "
+          f"{info['cpu_count']} cores, torch {info['torch']}; vitlab {info['vitlab']}, fast path: {info['fast_kernels']} "
+          f"({info['fast_kernels_from']}); "
           f"{len(cases)} configurations, each in a fresh process; load average {_loadavg()}")
     if not bf16_wanted(args):
         print("bf16 rows skipped: no bf16 hardware here (oneDNN reports none); --bf16 yes forces them")
@@ -497,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     path = out / f"{name}-{stamp}.json"
     path.write_text(json.dumps(record, indent=1))
     note = (f"{info.get('gpu') or info['cpu']} ({info['cpu_class']}, family/model {info.get('cpu_family_model')}), "
-            f"{info['cpu_count']} cores, torch {info['torch']}, fast path {info['fast_kernels']}, "
+            f"{info['cpu_count']} cores, torch {info['torch']}, fast path {info['fast_kernels']} "
+            f"(by {info['fast_kernels_from'].replace(str(Path.home()), '~')}), "
             f"{'quick' if args.quick else 'full'} run {stamp} UTC; img/s median (min-max); "
             f"peak matmul GFLOP/s: " + peak_summary(peaks))
     command = "python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)

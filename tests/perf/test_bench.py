@@ -173,6 +173,25 @@ def test_each_run_exports_onnx_afresh_outside_the_repository(monkeypatch, tmp_pa
     assert not any(Path(d).resolve().is_relative_to(repository) for d in seen)
 
 
+def test_the_record_says_whether_vitlabs_kernels_came_from_a_stored_calibration(monkeypatch, tmp_path):
+    """vitlab's columns run the kernels a user's run gets here: a stored ``vitlab calibrate`` answer,
+    else the CPU class's rule.  The table's note named the kernels and not which, so a calibrated
+    machine's figures read as the rule's."""
+    import dataclasses
+
+    from vitlab.fast import kernels
+    from vitlab.machine import cpu_info
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    args = bench.parse_args(["--bf16", "no"])
+    assert bench.machine(args)["fast_kernels_from"].startswith("the rule")
+    path = kernels.calibration_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({kernels.calibration_key(cpu_info()): {
+        "kernels": dataclasses.asdict(kernels.KernelChoice()), "precision": "fp32", "measured": "2026-11-29 04:00"}}))
+    assert bench.machine(args)["fast_kernels_from"] == f"calibration {path}, 2026-11-29 04:00"
+
+
 def test_cases_and_table():
     args = bench.parse_args(["--quick", "--only", "infer/ViT-B/16/b8/fp32", "--bf16", "no"])
     peaks, cases = bench.build_cases(args)

@@ -106,7 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="regular expression on row ids such as 'infer/ViT-B/16/b8/bf16/hf-sdpa'")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile every PyTorch model")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: every core this process may use, vitlab.machine.usable_cores)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per round (default 3)")
     p.add_argument("--rounds", type=int, default=None,
                    help="run the whole list this many times (default 3, quick 1), each time in fresh "
@@ -173,9 +174,13 @@ def fp8_layers(text: str) -> tuple[str, ...]:
 
 def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """(peak matmul cases, model cases), each a JSON-able dict with an 'id'."""
+    from vitlab import machine
+
     common = dict(
         device=args.device,
-        threads=args.threads or (os.cpu_count() if args.device == "cpu" else None),
+        # the cores this process may run on (its affinity mask, a container's CPU quota): the host's
+        # count would run every column oversubscribed
+        threads=args.threads or (machine.usable_cores() if args.device == "cpu" else None),
         warmup=1 if args.quick else 3,
         repeats=args.repeats,
         min_seconds=0.0 if args.quick else 1.0,
@@ -242,6 +247,9 @@ def bf16_wanted(args: argparse.Namespace) -> bool:
 def machine(args: argparse.Namespace) -> dict:
     info = {"host": socket.gethostname(), "python": platform.python_version(), "device": args.device,
             "cpu": cpu_name(), "cpu_count": os.cpu_count(), "vitlab": vitlab_folder()}
+    from vitlab.machine import usable_cores
+
+    info["cores"] = usable_cores()  # the threads of the CPU rows unless --threads
     import torch
 
     from vitlab.fast import kernels
@@ -468,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine(args)
     timeout = 600 if args.quick else 1800
     print(f"{info.get('gpu') or info['cpu']} ({info['cpu_class']}, family/model {info.get('cpu_family_model')}), "
-          f"{info['cpu_count']} cores, torch {info['torch']}; vitlab {info['vitlab']}, fast path: {info['fast_kernels']} "
+          f"{info['cores']} cores, torch {info['torch']}; vitlab {info['vitlab']}, fast path: {info['fast_kernels']} "
           f"({info['fast_kernels_from']}); "
           f"{len(cases)} configurations, each in a fresh process; load average {_loadavg()}")
     if not bf16_wanted(args):
@@ -504,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     path = out / f"{name}-{stamp}.json"
     path.write_text(json.dumps(record, indent=1))
     note = (f"{info.get('gpu') or info['cpu']} ({info['cpu_class']}, family/model {info.get('cpu_family_model')}), "
-            f"{info['cpu_count']} cores, torch {info['torch']}, fast path {info['fast_kernels']} "
+            f"{info['cores']} cores, torch {info['torch']}, fast path {info['fast_kernels']} "
             f"(by {info['fast_kernels_from'].replace(str(Path.home()), '~')}), "
             f"{'quick' if args.quick else 'full'} run {stamp} UTC; img/s median (min-max); "
             f"peak matmul GFLOP/s: " + peak_summary(peaks))

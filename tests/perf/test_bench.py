@@ -192,6 +192,21 @@ def test_the_record_says_whether_vitlabs_kernels_came_from_a_stored_calibration(
     assert bench.machine(args)["fast_kernels_from"] == f"calibration {path}, 2026-11-29 04:00"
 
 
+def test_every_cpu_row_runs_as_many_threads_as_the_process_has_cores(monkeypatch):
+    """The default was os.cpu_count(): the host's CPUs, where a container's CPU quota or an affinity
+    mask leaves the process fewer, so that every column ran oversubscribed, each as its thread pool
+    copes with that (a user's run takes vitlab.machine.usable_cores)."""
+    import vitlab.machine
+
+    monkeypatch.setattr(vitlab.machine, "usable_cores", lambda *a, **k: 3)
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 64)
+    peaks, cases = bench.build_cases(bench.parse_args(["--only", "infer/ViT-B/16/b8/fp32/", "--bf16", "no"]))
+    assert {c["threads"] for c in peaks + cases} == {3}
+    _, cases = bench.build_cases(bench.parse_args(["--only", "infer/ViT-B/16/b8/fp32/", "--bf16", "no",
+                                                   "--threads", "2"]))
+    assert {c["threads"] for c in cases} == {2}
+
+
 def test_cases_and_table():
     args = bench.parse_args(["--quick", "--only", "infer/ViT-B/16/b8/fp32", "--bf16", "no"])
     peaks, cases = bench.build_cases(args)

@@ -63,7 +63,8 @@ a CPU that is fp32 through torch.mm and through oneDNN's matmul, and bf16 throug
 kernel and through the fp32 GEMM on bf16 operands; the table's note names the kernel that
 set each peak, so that no row, whichever kernel it takes, can pass its dtype's peak.
 
-Writes benchmarks/results/<host or device>-<date>.json and the table to
+Writes benchmarks/results/<host or device>-<date>.json (-2, -3, ... after a run of the same
+minute) and the table to
 benchmarks/results/latest.md (a --quick or --only run: partial.md, leaving latest.md alone).
 Run from the repository root with vitlab installed (``pip install -e .``).
 """
@@ -72,6 +73,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -458,6 +460,19 @@ def measure_peaks(peak_cases: list[dict], peaks: dict[str, float], timeout: floa
               f"(best of {case['repeats']}, {case['size']}^3 matmul, {PEAK_KERNELS[case['dtype'], case['kernel']]})")
 
 
+def write_new(folder: Path, stem: str, text: str) -> Path:
+    """``text`` written to ``folder/STEM.json``, or to ``STEM-2.json``, ``-3``, ... where that name is
+    taken: a run in the same minute as another keeps the other's record."""
+    for n in itertools.count(1):
+        path = folder / (f"{stem}.json" if n == 1 else f"{stem}-{n}.json")
+        try:
+            with open(path, "x") as f:
+                f.write(text)
+            return path
+        except FileExistsError:
+            continue
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rounds is None:
@@ -509,8 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     name = (info.get("gpu") or info["host"]).replace(" ", "_").replace("/", "_")
     record = {"machine": info, "args": vars(args), "peaks_flops_per_s": peaks, "results": results,
               "seconds": time.time() - started}
-    path = out / f"{name}-{stamp}.json"
-    path.write_text(json.dumps(record, indent=1))
+    path = write_new(out, f"{name}-{stamp}", json.dumps(record, indent=1))
     note = (f"{info.get('gpu') or info['cpu']} ({info['cpu_class']}, family/model {info.get('cpu_family_model')}), "
             f"{info['cores']} cores, torch {info['torch']}, fast path {info['fast_kernels']} "
             f"(by {info['fast_kernels_from'].replace(str(Path.home()), '~')}), "

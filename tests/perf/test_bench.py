@@ -207,6 +207,24 @@ def test_every_cpu_row_runs_as_many_threads_as_the_process_has_cores(monkeypatch
     assert {c["threads"] for c in cases} == {2}
 
 
+def test_a_run_in_the_same_minute_as_another_keeps_the_others_record(monkeypatch, tmp_path):
+    """The record was named by the minute: a second run within it overwrote the first's JSON."""
+    def run_case(case, timeout):
+        if case["kind"] == "matmul":
+            return {"flops_per_s": 1e9}
+        return {"median": float(len(case["id"])), "min": 1.0, "max": 1.0, "peak_bytes": 1, "flops_per_image": 1.0,
+                "achieved_flops_per_s": 1.0}
+
+    monkeypatch.setattr(bench, "run_case", run_case)
+    monkeypatch.setattr(bench, "peers_available", lambda device: [])
+    for row in ("infer/ViT-B/16/b1/fp32/vitlab$", "infer/ViT-B/16/b8/fp32/vitlab$"):
+        assert bench.main(["--only", row, "--bf16", "no", "--rounds", "1", "--out", str(tmp_path)]) == 0
+    records = sorted(tmp_path.glob("*.json"))
+    assert len(records) == 2  # (two runs straddling a minute give two names either way)
+    assert {json.loads(p.read_text())["args"]["only"] for p in records} == {"infer/ViT-B/16/b1/fp32/vitlab$",
+                                                                          "infer/ViT-B/16/b8/fp32/vitlab$"}
+
+
 def test_cases_and_table():
     args = bench.parse_args(["--quick", "--only", "infer/ViT-B/16/b8/fp32", "--bf16", "no"])
     peaks, cases = bench.build_cases(args)

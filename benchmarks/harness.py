@@ -209,9 +209,13 @@ def make_model(impl: str, spec: str, img_size: int | None = None):
     if impl.startswith("hf-"):
         from transformers import ViTConfig, ViTForImageClassification
 
+        from vitlab.weights.huggingface import GELU_NAMES
+
+        # vitlab's conventions in HF's names, as vitlab's own export writes them (save_huggingface)
         hf_cfg = ViTConfig(hidden_size=width, num_hidden_layers=depth, num_attention_heads=heads,
                            intermediate_size=mlp, image_size=img, patch_size=patch, num_labels=classes,
-                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=1e-6)
+                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=cfg.ln_eps,
+                           qkv_bias=cfg.qkv_bias, hidden_act=GELU_NAMES[cfg.gelu])
         model = ViTForImageClassification._from_config(hf_cfg, attn_implementation=impl[3:])
         return model, lambda x: model(pixel_values=x).logits
     if impl == "timm":

@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -311,6 +312,28 @@ def test_model_sizes_come_from_the_registry():
     assert (cifar.width, cifar.mlp_dim, cifar.num_heads) == (ti.width, ti.mlp_dim, ti.num_heads)
     assert (cifar.depth, cifar.patch_size, cifar.img_size, cifar.num_classes) == (6, (4, 4), (32, 32), 10)
     assert harness.vitlab_config("ViT-B/16", 384).img_size == (384, 384)
+
+
+@pytest.mark.parametrize("spec", ["ViT-CIFAR", "ViT-S/16", "ViT-B/16"])
+def test_the_hf_peer_is_vitlabs_architecture(spec):
+    """Like for like: the peer's config is the one vitlab's own Hugging Face export writes for the
+    row's model (width, depth, heads, MLP, patch, image size, classes, LayerNorm eps, GELU, qkv bias)."""
+    pytest.importorskip("transformers")
+    from vitlab.weights.huggingface import to_huggingface
+
+    ours, _ = harness.make_model("vitlab", spec)
+    with warnings.catch_warnings():  # resampling position embeddings at another size: no bench row does
+        warnings.simplefilter("ignore")
+        expected = to_huggingface(ours)[1]
+    for impl in ("hf-sdpa", "hf-eager"):
+        peer, _ = harness.make_model(impl, spec)
+        got = peer.config.to_dict()
+        fields = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
+                  "layer_norm_eps", "image_size", "patch_size", "num_channels", "qkv_bias", "hidden_dropout_prob",
+                  "attention_probs_dropout_prob")
+        assert {f: got[f] for f in fields} == {f: expected[f] for f in fields}
+        assert peer.config.num_labels == ours.cfg.num_classes and peer.config._attn_implementation == impl[3:]
+        assert sum(p.numel() for p in peer.parameters()) == sum(p.numel() for p in ours.parameters())
 
 
 def test_harness_leaves_sys_path_alone():

@@ -10,8 +10,8 @@
     python benchmarks/bench.py --device cuda --compile --only '/bf16/' --attention cudnn
     python benchmarks/bench.py --device cuda --compile --only 'train/ViT-B/16/b128/bf16/' --autotune
 
-Rows (paper architectures from ``vitlab.models.registry``, random weights, the same for
-every implementation):
+Rows (paper architectures from ``vitlab.models.registry``, the same for every implementation,
+each with its own random initialisation):
   infer  ViT-B/16 at 224, batch 1, 8, 32 (on a GPU 1, 64, 256): images/s of a forward pass
          (inference mode)
   train  ViT-S/16 at 224, batch 32; the CIFAR-size ViT (ViT-Ti's width, heads and MLP at

@@ -350,7 +350,8 @@ def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> lis
 
     The speed ratio is the median of the rounds' paired ratios against the best peer
     (``round_ratios``), with their range when there are several; the memory ratio is of the
-    peaks over all rounds, against the same peer.
+    peaks over all rounds, against the same peer.  A peer that failed in every round (a timeout,
+    out of memory) is named beside the ratio: the best peer is then the best of the others.
     """
     rows: dict[str, dict[str, dict]] = {}
     for r in results:
@@ -376,8 +377,10 @@ def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> lis
         peak = peaks.get("bfloat16" if key.endswith("bf16") else "float32")
         share = f"{100 * ours['achieved_flops_per_s'] / peak:.0f}%" if peak and "median" in ours else "-"
         mem = lambda r: f"{r['peak_bytes'] / 2**20:.0f}" if r and "peak_bytes" in r else "-"  # noqa: E731
+        failed = [i for i, r in by_impl.items() if i not in OWN_IMPLS and "error" in r]  # in every round
         lines.append([key] + [fmt_rate(by_impl[i]) if i in by_impl else "" for i in impls]
-                     + [ratio + (f" vs {best['impl']}" if best else ""), memory_ratio(ours, best), share,
+                     + [ratio + (f" vs {best['impl']}" if best else "")
+                        + (f" ({', '.join(failed)} failed)" if failed else ""), memory_ratio(ours, best), share,
                         mem(ours), mem(best)])
         if with_plain:
             plain = round_ratios(by_impl, against="vitlab-plain")

@@ -241,7 +241,9 @@ def test_cases_and_table():
         {"id": "infer/x/b8/fp32/hf-eager", "impl": "hf-eager", "error": "boom"},
     ]
     lines = bench.table(fake, {"float32": 100e9}, ["vitlab", "hf-sdpa", "hf-eager"])
-    assert lines[1][4] == "1.50x vs hf-sdpa"
+    # a peer that failed in every round is not in the ratio, and the ratio says so: "best peer" was
+    # silently the best of those that ran
+    assert lines[1][4] == "1.50x vs hf-sdpa (hf-eager failed)"
     assert lines[0][5] == "MiB vitlab/best peer" and lines[1][5] == "0.50x"  # 1 MiB against hf-sdpa's 2
     assert lines[1][6] == "50%"
     assert "| infer/x/b8/fp32 |" in bench.markdown(lines)

@@ -50,9 +50,10 @@ calls, after the warm-up: compiling allocates for autotuning, which a process th
 graph in inductor's cache skips: vitlab's and timm's compiled ViT-B/16 inference is one graph
 (the same FX-graph key, in separate caches).  So vitlab's compiled inference column runs what vitlab
 offers for it, ``vitlab.fast.compile_for_inference`` (frozen weights, under CUDA graphs on a
-GPU), and the peers and "vitlab-plain" ``torch.compile`` in its default mode.  Compiled training
+GPU; "vitlab-before" too, at a revision that has it), and the peers and "vitlab-plain"
+``torch.compile`` in its default mode.  Compiled training
 is ``torch.compile`` in its default mode and torch's AdamW for the peers and "vitlab-plain"; on a
-GPU vitlab's columns take the step ``vitlab train --compile`` takes there
+GPU vitlab's columns ("vitlab-before" at a revision that has it) take the step ``vitlab train --compile`` takes there
 (``harness.graphed_training_step``: the model under CUDA graphs, the update compiled into a CUDA
 graph of its own, the same arithmetic plus the non-finite check).
 

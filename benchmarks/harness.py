@@ -265,7 +265,7 @@ def compiled(impl: str, model, forward, case: dict[str, Any]):
     import torch
 
     autotune = impl == AUTOTUNE_IMPL
-    if impl in ("vitlab", CUDNN_IMPL, AUTOTUNE_IMPL) and case["kind"] == "inference":
+    if impl in ("vitlab", "vitlab-before", CUDNN_IMPL, AUTOTUNE_IMPL) and case["kind"] == "inference":
         import vitlab.fast
 
         if hasattr(vitlab.fast, "compile_for_inference"):
@@ -284,8 +284,9 @@ def trainer_mode(impl: str) -> str:
 
 def trains_as_the_trainer(impl: str, case: dict[str, Any]) -> bool:
     """Whether a compiled training row runs vitlab's whole step in CUDA graphs, as its trainer does on
-    one GPU (``graphed_training_step``): vitlab's own columns, on a GPU, at a revision that has it."""
-    if impl not in ("vitlab", *VARIANT_IMPLS) or case["kind"] != "train" or not case.get("compile"):
+    one GPU (``graphed_training_step``): vitlab's own columns ("vitlab-before" too), on a GPU, at a revision
+    that has it."""
+    if impl not in ("vitlab", "vitlab-before", *VARIANT_IMPLS) or case["kind"] != "train" or not case.get("compile"):
         return False
     if case["device"] != "cuda":
         return False

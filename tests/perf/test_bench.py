@@ -534,6 +534,25 @@ def test_the_autotune_column_is_on_every_compiled_gpu_row_and_compiles_in_max_au
     assert modes == ["max-autotune", "reduce-overhead", None]
 
 
+def test_a_compiled_before_column_compiles_as_that_revisions_vitlab_does(monkeypatch):
+    """Under --compile the 'vitlab' column infers through compile_for_inference and, on a GPU, trains
+    with the trainer's graphed step; 'vitlab-before' took torch.compile's default mode and the plain
+    step even at a revision that has both, so 'vitlab / before' compared two ways of compiling."""
+    import vitlab.fast
+
+    calls = []
+    monkeypatch.setattr(vitlab.fast, "compile_for_inference", lambda model, precision, **kw: calls.append("frozen"))
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: calls.append(mode or "default"))
+    model, forward = harness.make_model("vitlab-before", "ViT-CIFAR")
+    for impl in ("vitlab", "vitlab-before"):
+        harness.compiled(impl, model, forward, {"kind": "inference", "dtype": "fp32", "batch": 2, "compile": True,
+                                                "device": "cpu"})
+    assert calls == ["frozen", "frozen"]
+    gpu_train = {"kind": "train", "compile": True, "device": "cuda"}
+    assert harness.trains_as_the_trainer("vitlab-before", gpu_train)
+    assert not harness.trains_as_the_trainer("vitlab-plain", gpu_train)
+
+
 def test_fp8_columns_are_vitlabs_own_with_their_ratio_to_the_best_peer():
     def result(impl, median):
         return {"id": f"train/x/b8/bf16/{impl}", "impl": impl, "median": median, "min": median, "max": median,

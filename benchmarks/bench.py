@@ -19,7 +19,10 @@ each with its own random initialisation):
          at 224, batch 128: images/s of forward + backward + AdamW
 each in fp32 and in bf16 autocast.  "vitlab" is the default path, the model under
 ``vitlab.fast.optimize``.  Peers: Hugging Face ViTForImageClassification with
-attn_implementation "sdpa" and "eager", and timm when importable.  Two more columns are
+attn_implementation "sdpa" and "eager" (in bf16 under autocast over fp32 weights, as vitlab's
+column), in the bf16 inference rows also "hf-sdpa-bf16w", the sdpa model held in bf16 and fed
+bf16 images, no autocast (Hugging Face's way to serve in bf16: ``dtype=torch.bfloat16``), and timm
+when importable.  Two more columns are
 references, not peers, and the ratio leaves them out: "vitlab-plain", the same model
 without the fast layer (what ``--no-fast`` runs), and ONNX Runtime (CPU, fp32 inference)
 running vitlab's export.  With ``--fp8`` (a GPU only) the bf16 training rows also run
@@ -87,8 +90,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import (AUTOTUNE_IMPL, CUDNN_IMPL, FP8_IMPL_PREFIX, FP8_IMPLS, OWN_IMPLS, PEAK_KERNELS, VARIANT_IMPLS,
-                     checkout, cpu_name, peers_available, run_case, vitlab_folder)
+from harness import (AUTOTUNE_IMPL, BF16_WEIGHTS, CUDNN_IMPL, FP8_IMPL_PREFIX, FP8_IMPLS, OWN_IMPLS, PEAK_KERNELS,
+                     VARIANT_IMPLS, checkout, cpu_name, peers_available, run_case, vitlab_folder)
 
 HERE = Path(__file__).resolve().parent
 INFER = [("ViT-B/16", b) for b in (1, 8, 32)]
@@ -215,6 +218,8 @@ def build_cases(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                     serving = impl == "onnxruntime"  # vitlab's export: fp32 CPU inference only
                     if serving and (kind == "train" or dtype != "fp32" or args.device != "cpu"):
                         continue
+                    if impl.endswith(BF16_WEIGHTS) and (kind == "train" or dtype != "bf16"):
+                        continue  # a model held in bf16: inference in bf16 only
                     cases.append(dict(
                         common, kind="inference" if kind == "infer" else "train", model=model,
                         batch=batch, dtype=dtype, impl=impl,

@@ -165,6 +165,9 @@ CUDNN_IMPL = "vitlab-cudnn"
 AUTOTUNE_IMPL = "vitlab-autotune"
 # vitlab's default path changed in one way: columns with their own ratio
 VARIANT_IMPLS = (*FP8_IMPLS, CUDNN_IMPL, AUTOTUNE_IMPL)
+# a peer's column with its weights in bf16 (``from_pretrained(..., dtype=torch.bfloat16)``, as Hugging Face's
+# docs load a model for bf16 inference) and bf16 images, no autocast: bf16 inference rows only
+BF16_WEIGHTS = "-bf16w"
 OWN_IMPLS = ("vitlab", "vitlab-plain", "vitlab-before", "onnxruntime", *VARIANT_IMPLS)
 
 
@@ -216,7 +219,8 @@ def make_model(impl: str, spec: str, img_size: int | None = None):
                            intermediate_size=mlp, image_size=img, patch_size=patch, num_labels=classes,
                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=cfg.ln_eps,
                            qkv_bias=cfg.qkv_bias, hidden_act=GELU_NAMES[cfg.gelu])
-        model = ViTForImageClassification._from_config(hf_cfg, attn_implementation=impl[3:])
+        attention = impl[3:].removesuffix(BF16_WEIGHTS)
+        model = ViTForImageClassification._from_config(hf_cfg, attn_implementation=attention)
         return model, lambda x: model(pixel_values=x).logits
     if impl == "timm":
         from timm.models.vision_transformer import VisionTransformer
@@ -332,7 +336,7 @@ def peers_available(device: str) -> list[str]:
     try:
         import transformers  # noqa: F401
 
-        peers += ["hf-sdpa", "hf-eager"]
+        peers += ["hf-sdpa", "hf-eager", "hf-sdpa" + BF16_WEIGHTS]
     except ImportError:
         pass
     try:
@@ -520,6 +524,10 @@ def measure_model(case: dict[str, Any]) -> dict[str, Any]:
     else:
         model, forward = make_model(impl, spec, img)
         model = model.to(device)
+        if impl.endswith(BF16_WEIGHTS):  # the weights and the images in bf16, autocast off
+            if case["kind"] != "inference" or not amp:
+                raise ValueError(f"{impl}: a column of bf16 inference rows only")
+            model, x, amp = model.to(torch.bfloat16), x.to(torch.bfloat16), False
         # The baseline: the model as built, before vitlab's fast layer, so that whatever the layer
         # allocates (at optimize or at its first call) counts, as every peer's own allocations do.
         memory.reset()

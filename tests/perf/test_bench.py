@@ -338,6 +338,29 @@ def test_the_hf_peer_is_vitlabs_architecture(spec):
         assert sum(p.numel() for p in peer.parameters()) == sum(p.numel() for p in ours.parameters())
 
 
+def test_the_bf16_weights_peer_is_a_column_of_the_bf16_inference_rows_and_runs_in_bf16(monkeypatch):
+    """Hugging Face serves bf16 with the weights in bf16 (``dtype=torch.bfloat16``), not autocast over
+    fp32 weights, which casts every weight in every call: a peer vitlab's bf16 inference is measured
+    against too."""
+    pytest.importorskip("transformers")
+    import torch
+
+    monkeypatch.setattr(bench, "peers_available", lambda device: ["hf-sdpa", "hf-sdpa" + harness.BF16_WEIGHTS])
+    _, cases = bench.build_cases(bench.parse_args(["--bf16", "yes"]))
+    held = {c["id"] for c in cases if c["impl"].endswith(harness.BF16_WEIGHTS)}
+    assert held == {f"infer/ViT-B/16/b{b}/bf16/hf-sdpa-bf16w" for b in (1, 8, 32)}
+    built, real = [], harness.make_model
+    monkeypatch.setattr(harness, "make_model", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    case = dict(kind="inference", impl="hf-sdpa-bf16w", model="ViT-CIFAR", batch=2, dtype="bf16", device="cpu",
+                warmup=1, repeats=1, min_seconds=0.0, threads=1)
+    assert harness.measure_model(case)["median"] > 0
+    model, forward = built[0]
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="bf16 inference rows only"):
+        harness.measure_model(dict(case, kind="train"))
+
+
 def test_harness_leaves_sys_path_alone():
     import importlib
 

@@ -3,10 +3,19 @@
 Both take a model and an image size, trace one forward pass in eval mode (the model is
 given back in the modes it came in, module by module), and write one file.  The batch
 dimension is left symbolic unless ``dynamic_batch=False``; the image size is fixed, because
-the position embeddings are laid out for one patch grid.  Class names, when given, travel
-with the file in Hugging Face's terms: ONNX metadata_props ``id2label`` and ``label2id``
-(JSON), and the extra files ``id2label.json`` and ``label2id.json`` of a .pt2 archive
-(``program_class_names`` reads them back).
+the position embeddings are laid out for one patch grid.
+
+The input the model reads travels with the file, for whoever runs it without vitlab
+(``vitlab.weights.core.input_preprocessing``): ``image_size`` [H, W], ``input_layout`` NCHW,
+``channel_order`` RGB, pixels p in 0..255 as ``(p * rescale_factor - mean) / std`` per channel
+(``rescale_factor`` 1/255, ``mean`` and ``std`` 0.5: vitlab's ``p / 127.5 - 1``), after ``resize``:
+the whole image to ``image_size`` with ``interpolation`` bilinear (Pillow's), as ``vitlab predict``
+does.  ONNX: one metadata_props entry each (lists and numbers as JSON); a .pt2 archive: the
+extra file ``preprocessing.json``.  ``read_preprocessing`` reads either back.
+
+Class names, when given, travel with the file in Hugging Face's terms: ONNX metadata_props
+``id2label`` and ``label2id`` (JSON), and the extra files ``id2label.json`` and ``label2id.json``
+of a .pt2 archive (``program_class_names`` reads them back).
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ import os
 import shutil
 import tempfile
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -25,9 +35,17 @@ from torch import nn
 
 from .config import Pair, to_pair
 from .modes import evaluating
+from .weights.core import input_preprocessing
 from .weights.labels import check_class_names, id2label, label2id, names_from_id2label
 
-__all__ = ["export_onnx", "export_program", "load_program", "model_img_size", "program_class_names"]
+__all__ = ["export_onnx", "export_program", "load_program", "model_img_size", "program_class_names",
+           "read_preprocessing"]
+
+PREPROCESSING_FILE = "preprocessing.json"  # the extra file of a .pt2 that states the model's input
+# the entries of that record in an ONNX model's metadata_props: JSON, but for those of plain text
+PREPROCESSING_KEYS = ("image_size", "input_layout", "channel_order", "rescale_factor", "mean", "std",
+                      "interpolation", "resize")
+TEXT_KEYS = ("input_layout", "channel_order", "interpolation", "resize")
 
 
 def model_img_size(model: nn.Module, img_size: int | Pair | None = None) -> Pair:
@@ -68,6 +86,17 @@ def _label_maps(model: nn.Module, class_names: Sequence[str] | None) -> dict[str
     return {"id2label": json.dumps(id2label(names)), "label2id": json.dumps(label2id(names))}
 
 
+def _preprocessing(model: nn.Module, img_size: Pair) -> dict[str, object]:
+    """The input the model reads at ``img_size`` (``input_preprocessing``), or {} for a model without a config."""
+    cfg = getattr(model, "cfg", None)
+    return {} if cfg is None else input_preprocessing(cfg, img_size)
+
+
+def _as_metadata(record: dict[str, object]) -> dict[str, str]:
+    """ONNX metadata_props hold strings: a string as it is, anything else as JSON."""
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in record.items()}
+
+
 def export_program(model: nn.Module, path: str | os.PathLike, img_size: int | Pair | None = None,
                    dynamic_batch: bool = True, batch: int = 2,
                    class_names: Sequence[str] | None = None) -> torch.export.ExportedProgram:
@@ -82,8 +111,11 @@ def export_program(model: nn.Module, path: str | os.PathLike, img_size: int | Pa
     x = _example(model, size, batch, dynamic_batch)
     with torch.no_grad(), evaluating(model):
         program = torch.export.export(model, (x,), dynamic_shapes=_batch_shapes(dynamic_batch))
-    _write_in_place_of(Path(path), lambda tmp: torch.export.save(program, tmp,
-                                                             extra_files={f"{k}.json": v for k, v in labels.items()}))
+    extra = {f"{k}.json": v for k, v in labels.items()}
+    preprocessing = _preprocessing(model, size)
+    if preprocessing:
+        extra[PREPROCESSING_FILE] = json.dumps(preprocessing)
+    _write_in_place_of(Path(path), lambda tmp: torch.export.save(program, tmp, extra_files=extra))
     return program
 
 
@@ -112,6 +144,21 @@ def program_class_names(path: str | os.PathLike) -> list[str] | None:
     extra = {"id2label.json": ""}
     torch.export.load(path, extra_files=extra)
     return names_from_id2label(json.loads(extra["id2label.json"])) if extra["id2label.json"] else None
+
+
+def read_preprocessing(path: str | os.PathLike) -> dict[str, object] | None:
+    """The input an exported model reads, as ``export_onnx`` or ``export_program`` recorded it (a .pt2
+    archive is told from an ONNX file by its content), or None where the file states none."""
+    if zipfile.is_zipfile(path):
+        extra = {PREPROCESSING_FILE: ""}
+        torch.export.load(path, extra_files=extra)
+        return json.loads(extra[PREPROCESSING_FILE]) if extra[PREPROCESSING_FILE] else None
+    from .extras import require
+
+    onnx = require("onnx", "reading an ONNX model's metadata")
+    props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    record = {k: props[k] for k in PREPROCESSING_KEYS if k in props}
+    return {k: v if k in TEXT_KEYS else json.loads(v) for k, v in record.items()} or None
 
 
 def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair | None = None,
@@ -143,7 +190,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair 
     if written != opset:
         raise ValueError(f"opset={opset}: torch.onnx could not write this model at that opset (it kept opset "
                          f"{written}); nothing was written, opset {written} works")
-    program.model.metadata_props.update(labels)
+    program.model.metadata_props.update({**labels, **_as_metadata(_preprocessing(model, size))})
     _write_in_place_of(path, lambda tmp: program.save(str(tmp), external_data=_too_big_for_one_file(model)))
     return path
 

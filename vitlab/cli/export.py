@@ -4,7 +4,9 @@
     vitlab export runs/x/model.safetensors --out b16.pt2     # a .pt2 suffix: --format torch-export
 
 The class names kept with the weights (a run's ``classes.json``, an export's ``id2label``)
-travel into the file: ONNX metadata ``id2label``/``label2id``, or the .pt2's extra files.
+travel into the file: ONNX metadata ``id2label``/``label2id``, or the .pt2's extra files; so
+does the input the model reads (``vitlab.export.read_preprocessing``: its size, RGB, NCHW,
+``(p / 255 - 0.5) / 0.5`` after a bilinear resize of the whole image, as ``vitlab predict`` does).
 """
 from __future__ import annotations
 

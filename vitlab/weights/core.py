@@ -526,6 +526,31 @@ class InputScaling:
     names: tuple[str, str, str] = ("mean", "std", "rescale")  # the fields as the file spells them
 
 
+# The input every vitlab model reads, which the exports state for the tools that run them: an RGB image
+# resized whole to the model's size (vitlab.data.decode.decode_image, as predict and eval read images:
+# Pillow's bilinear filter, which low-pass filters when it shrinks; the aspect ratio not kept, no crop),
+# its pixels p as (p * INPUT_RESCALE - INPUT_MEAN) / INPUT_STD = p / 127.5 - 1 (vitlab.data.transforms.to_float).
+# A source's other scaling is taken into the weights as they load (take_input_scaling), so this holds for all.
+INPUT_RESCALE = 1 / 255
+INPUT_MEAN = 0.5
+INPUT_STD = 0.5
+INPUT_INTERPOLATION = "bilinear"
+INPUT_RESIZE = ("the whole image to image_size (height, width), its aspect ratio not kept, no crop; Pillow's "
+                "bilinear filter, which low-pass filters when it shrinks")
+
+
+def input_preprocessing(cfg: Architecture, img_size: Pair | None = None) -> dict[str, Any]:
+    """What a model of ``cfg`` reads at ``img_size`` (default: its own), as exports record it: images
+    (N, C, H, W), RGB, pixels p in 0..255 as ``(p * rescale_factor - mean) / std``, per channel, after
+    the resize ``resize`` names (``interpolation``)."""
+    h, w = img_size or cfg.img_size
+    record: dict[str, Any] = {"image_size": [h, w], "input_layout": "NCHW"}
+    if cfg.in_chans == 3:  # vitlab decodes every image as RGB
+        record["channel_order"] = "RGB"
+    return {**record, "rescale_factor": INPUT_RESCALE, "mean": [INPUT_MEAN] * cfg.in_chans,
+            "std": [INPUT_STD] * cfg.in_chans, "interpolation": INPUT_INTERPOLATION, "resize": INPUT_RESIZE}
+
+
 def _numbers(value: Any, count: int, field: str, where: str, positive: bool = False) -> list[float]:
     """``value`` as ``count`` numbers: one for all, or ``count`` of them (one per channel)."""
     values = list(value) if isinstance(value, (list, tuple)) else [value]

@@ -52,7 +52,7 @@ from torch import nn
 
 from ..config import Pair, ViTConfig
 from .core import (InputScaling, StateDict, WeightsError, atomic_write_set, build_loaded, infer_config,
-                   require_plain_vit, to_tensor, warn_conventions)
+                   input_preprocessing, require_plain_vit, to_tensor, warn_conventions)
 from .labels import CLASSES_NAME, check_class_names, id2label, label2id
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-12, "posemb_resample": "bicubic"}
@@ -242,12 +242,18 @@ def to_huggingface(model: nn.Module, class_names: Sequence[str] | None = None
 
 
 def image_processor(cfg: ViTConfig) -> dict[str, Any]:
-    """``preprocessor_config.json`` of a ViTImageProcessor that gives the model what vitlab's models read:
-    pixels p as p / 127.5 - 1 (rescaled by 1/255, mean and std 0.5), resized bilinearly to its size."""
-    return {"image_processor_type": "ViTImageProcessor", "do_resize": True, "resample": 2,  # PIL's BILINEAR
-            "size": {"height": cfg.img_size[0], "width": cfg.img_size[1]}, "do_rescale": True,
-            "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5] * cfg.in_chans,
-            "image_std": [0.5] * cfg.in_chans}
+    """``preprocessor_config.json`` of a ViTImageProcessor that gives the model what vitlab's models read
+    (``core.input_preprocessing``): pixels p as p / 127.5 - 1 (rescaled by 1/255, mean and std 0.5), resized
+    bilinearly to its size."""
+    given = input_preprocessing(cfg)
+    height, width = given["image_size"]
+    return {"image_processor_type": "ViTImageProcessor", "do_resize": True,
+            "resample": PIL_FILTERS[given["interpolation"]], "size": {"height": height, "width": width},
+            "do_rescale": True, "rescale_factor": given["rescale_factor"], "do_normalize": True,
+            "image_mean": given["mean"], "image_std": given["std"]}
+
+
+PIL_FILTERS = {"bilinear": 2, "bicubic": 3}  # ViTImageProcessor's resample: PIL's filter numbers
 
 
 def save_huggingface(model: nn.Module, path: str | os.PathLike, class_names: Sequence[str] | None = None) -> Path:

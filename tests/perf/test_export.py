@@ -212,38 +212,6 @@ def test_export_cli_refuses_name_beside_a_registry_name(tmp_path, capsys):
     assert not out.exists()
 
 
-def _predict_input(checkpoint, image, monkeypatch) -> torch.Tensor:
-    """The images tensor `vitlab predict` hands the model for ``image``: its own preprocessing, as it runs."""
-    import vitlab.weights
-    from vitlab.cli import main
-
-    seen, load = [], vitlab.weights.load_model
-
-    def load_and_watch(*args, **kwargs):
-        model = load(*args, **kwargs)
-        model.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0].clone()))
-        return model
-
-    monkeypatch.setattr(vitlab.weights, "load_model", load_and_watch)
-    assert main(["predict", "--checkpoint", str(checkpoint), str(image), "--no-fast"]) == 0
-    return seen[0]
-
-
-def _as_recorded(record, image) -> torch.Tensor:
-    """``image`` preprocessed by the record an export carries, as a deployer without vitlab would read it."""
-    import numpy as np
-    from PIL import Image
-
-    height, width = record["image_size"]
-    filters = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
-    pixels = Image.open(image).convert(record["channel_order"]).resize((width, height),
-                                                                       filters[record["interpolation"]])
-    p = torch.from_numpy(np.asarray(pixels).astype(np.float64))  # (H, W, C)
-    x = (p * record["rescale_factor"] - torch.tensor(record["mean"])) / torch.tensor(record["std"])
-    assert record["input_layout"] == "NCHW"
-    return x.permute(2, 0, 1).unsqueeze(0).float()
-
-
 @pytest.mark.parametrize("suffix", [".onnx", ".pt2"])
 def test_an_export_records_the_input_vitlab_predict_gives_the_model(tmp_path, capsys, monkeypatch, suffix):
     """An ONNX or .pt2 export stated no input preprocessing, and a deployer of the file without vitlab had
@@ -252,6 +220,7 @@ def test_an_export_records_the_input_vitlab_predict_gives_the_model(tmp_path, ca
     import numpy as np
     from PIL import Image
 
+    from helpers.preprocessing import as_recorded, predict_input
     from vitlab.cli import main
     from vitlab.export import read_preprocessing
     from vitlab.weights import save_model
@@ -265,7 +234,7 @@ def test_an_export_records_the_input_vitlab_predict_gives_the_model(tmp_path, ca
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / f"m{suffix}")]) == 0
     record = read_preprocessing(tmp_path / f"m{suffix}")
     assert record["image_size"] == [32, 48] and record["channel_order"] == "RGB"
-    torch.testing.assert_close(_as_recorded(record, image), _predict_input(tmp_path / "run", image, monkeypatch),
+    torch.testing.assert_close(as_recorded(record, image), predict_input(tmp_path / "run", image, monkeypatch),
                                atol=1e-5, rtol=0)
     if suffix == ".onnx":  # where a deployer reads it: ONNX Runtime's custom metadata, one entry a field
         ort = pytest.importorskip("onnxruntime")

@@ -116,6 +116,25 @@ def timm_vit_keys(depth, gap=False):
     return keys
 
 
+@pytest.mark.parametrize("use_test_size", [False, True])
+@pytest.mark.parametrize("img_size", [16, (16, 24)], ids=["square", "non-square"])
+def test_timm_export_s_eval_transform_is_vitlab_predict_s(tmp_path, monkeypatch, img_size, use_test_size):
+    """The overlay stated mean and std but not crop_pct or interpolation: timm's eval transform took the
+    named model's (every ViT's: a centre crop of 0.9, bicubic) and cropped what vitlab's predict resizes
+    whole.  timm's own data config of the export (its resolve_data_config and create_transform, transcribed:
+    timm is not installed) now gives a model what predict gives it."""
+    from PIL import Image
+
+    from helpers.preprocessing import TIMM_VIT_CFG, predict_input, timm_eval_input
+
+    with pytest.warns(ConventionWarning):
+        path = save_model(random_model(replace(TINY, img_size=img_size)), tmp_path / "vit.safetensors", format="timm")
+    overlay = json.loads((tmp_path / "vit.timm.json").read_text())["pretrained_cfg_overlay"]
+    image = tmp_path / "x.png"  # wider and shorter than the model: a crop and a squash differ
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (13, 75, 3), dtype=np.uint8)).save(image)
+    timm_input = timm_eval_input({**TIMM_VIT_CFG, **overlay}, image, use_test_size)  # the named model's, overlaid
+    torch.testing.assert_close(timm_input, predict_input(path, image, monkeypatch), atol=1e-5, rtol=0)
+
 @pytest.mark.parametrize("fields, suffix", [
     (dict(), ".safetensors"),
     (dict(classifier="gap", gelu="exact", img_size=(16, 24)), ".pth"),
@@ -133,8 +152,10 @@ def test_timm_export_round_trips_with_timm_names(tmp_path, fields, suffix):
     assert any("timm registers no vit_custom_patch4" in note for note in spec["notes"])
     # timm's load_pretrained keeps the written head only if the overlay states its size; and
     # timm's data config scales the input as vitlab does only if the overlay states mean and std
-    assert spec["pretrained_cfg_overlay"] == {"file": path.name, "num_classes": 5,
-                                              "input_size": [3, *model.cfg.img_size],
+    size = [3, *model.cfg.img_size]
+    assert spec["pretrained_cfg_overlay"] == {"file": path.name, "num_classes": 5, "input_size": size,
+                                              "test_input_size": size, "crop_pct": 1.0, "test_crop_pct": 1.0,
+                                              "crop_mode": "squash", "interpolation": "bilinear",
                                               "mean": [0.5] * 3, "std": [0.5] * 3}
     assert (kw["embed_dim"], kw["depth"], kw["num_heads"], kw["img_size"]) == (32, 2, 2, list(model.cfg.img_size))
     assert (kw.get("act_layer"), kw["global_pool"], kw["class_token"], kw["fc_norm"]) == \

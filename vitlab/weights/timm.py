@@ -45,7 +45,8 @@ the ``timm.create_model`` name and keyword arguments that build the same functio
 "gap", ``act_layer="gelu_tanh"`` for vit_jax's GELU), used as ``timm.create_model(spec["model_name"], pretrained=True,
 pretrained_cfg_overlay=spec["pretrained_cfg_overlay"] | {"file": path}, **spec["kwargs"])``
 (the overlay also states the head size, which timm's ``load_pretrained`` otherwise compares
-with the named model's and drops when they differ).
+with the named model's and drops when they differ, and the input vitlab's predict gives the model,
+in the fields timm's eval transform is built from: ``data_config``).
 Conventions timm's constructors cannot take (a LayerNorm eps other than 1e-6, the hybrid
 stem's weight-standardisation and GroupNorm eps) are listed in the file's "notes" and
 warned about (``ConventionWarning``).  vitlab's loader reads the JSON back when present.
@@ -65,7 +66,7 @@ from torch import nn
 from ..config import Pair, ViTConfig, to_pair
 from ..models.registry import VIT_SIZES
 from .core import (InputScaling, StateDict, WeightsError, atomic_write_set, build_loaded, convention_differences,
-                   infer_config, require_plain_vit, to_tensor, warn_conventions)
+                   infer_config, input_preprocessing, require_plain_vit, to_tensor, warn_conventions)
 from .labels import CLASSES_NAME, check_class_names
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-6, "posemb_resample": "bicubic"}
@@ -327,16 +328,26 @@ def to_timm(model: nn.Module, class_names: Sequence[str] | None = None
     warn_conventions(notes, "timm")
     # timm's load_pretrained drops a head whose size differs from pretrained_cfg["num_classes"]:
     # the overlay states the file's own, so the written head is loaded, not replaced
-    # the input scaling too: vitlab models read x / 127.5 - 1, which the named model's own
-    # pretrained_cfg (ImageNet mean and std for some) would otherwise replace in timm's data config
-    overlay = {"num_classes": cfg.num_classes, "input_size": [cfg.in_chans, *cfg.img_size],
-               "mean": [0.5] * cfg.in_chans, "std": [0.5] * cfg.in_chans}
+    overlay = {"num_classes": cfg.num_classes, **data_config(cfg)}
     if class_names is not None:
         overlay["label_names"] = check_class_names(class_names, cfg.num_classes, "class_names")
     name, why = timm_model_name(cfg)
     if why is not None:
         notes.append(why)
     return out, {"model_name": name, "kwargs": kwargs, "pretrained_cfg_overlay": overlay, "notes": notes}
+
+
+def data_config(cfg: ViTConfig) -> dict[str, Any]:
+    """The fields of timm's ``pretrained_cfg`` from which its ``resolve_data_config`` and ``create_transform``
+    build the eval transform vitlab's predict applies (``core.input_preprocessing``): else the named model's
+    own fill them in, ImageNet's mean and std for some, and for every ViT a centre crop of 0.9 of the image
+    resized bicubically.  timm's eval transform resizes the image to input_size / crop_pct and centre-crops
+    input_size; crop_mode "squash" resizes each side to its size (the aspect ratio not kept), so at crop_pct 1
+    it is vitlab's bilinear resize of the whole image.  The test_ fields are those of ``use_test_size=True``."""
+    given = input_preprocessing(cfg)
+    size = [cfg.in_chans, *given["image_size"]]
+    return {"input_size": size, "test_input_size": size, "crop_pct": 1.0, "test_crop_pct": 1.0, "crop_mode": "squash",
+            "interpolation": given["interpolation"], "mean": given["mean"], "std": given["std"]}
 
 
 def sidecar_path(path: str | os.PathLike) -> Path:

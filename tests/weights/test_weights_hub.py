@@ -251,6 +251,38 @@ def test_paths_and_registry_names_are_not_hub_names(tmp_path):
     assert parse_hub_name("runs/model.safetensors") is None and parse_hub_name("/abs/path") is None
     (tmp_path / "org").mkdir()
     assert parse_hub_name(str(tmp_path / "org")) is None
+    # every registry name has the registry's form, and the Hub's ViT repositories have not
+    from vitlab.models.registry import has_name_form, list_models
+
+    assert all(has_name_form(name) for name in list_models())
+    for repo in ("google/vit-base-patch16-224", "google/vit-huge-patch14-224-in21k", "facebook/deit-tiny-patch16-224",
+                 "WinKawaks/vit-tiny-patch16-224", "timm/vit_base_patch16_224.augreg_in21k", "google/vit-b-16"):
+        assert not has_name_form(repo) and parse_hub_name(repo) == (repo, "main")
+
+
+@pytest.mark.parametrize("name, close", [("ViT-Ti/17", "'ViT-Ti/16'"), ("vit-ti/16", "'ViT-Ti/16'"),
+                                         ("Axial-ViT-B/17", "'Axial-ViT-B/16'"),
+                                         ("R50+ViT-B/17", "'R50x1+ViT-B/16'")])
+def test_a_mistyped_registry_name_is_an_unknown_model_not_a_hub_name(hub_env, tmp_path, capsys, name, close):
+    """`vitlab predict --checkpoint ViT-Ti/17`, `vitlab export ViT-Ti/17` and load_model("ViT-Ti/17") took the
+    name for a Hugging Face repository: a failed download (offline: "nor a model in the Hugging Face cache"),
+    or "install the hub extra", where the user had mistyped a registry name."""
+    from vitlab.weights.hub import parse_hub_name
+
+    hub_env.setenv("HF_HUB_OFFLINE", "1")
+    Image.new("RGB", (8, 8)).save(tmp_path / "x.png")
+    assert parse_hub_name(name) is None
+    assert main(["predict", "--checkpoint", name, str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"vitlab predict: error: {name}: no such file or folder, and unknown model {name!r}. "
+                          f"Did you mean {close}") and len(err.splitlines()) == 1
+    assert main(["export", name, "--out", str(tmp_path / "m.pt2")]) == 2
+    assert capsys.readouterr().err.startswith(f"vitlab export: error: unknown model {name!r}. Did you mean {close}")
+    with pytest.raises(WeightsError, match="unknown model"):
+        load_model(name)
+    # a registry name given for weights is said to be one
+    assert main(["predict", "--checkpoint", "ViT-Ti/16", str(tmp_path / "x.png")]) == 2
+    assert "'ViT-Ti/16' names a model of the registry, not weights" in capsys.readouterr().err
 
 
 NO_NETWORK = """

@@ -99,6 +99,22 @@ def canonical_name(name: str) -> str:
     return n
 
 
+# The registry's names in form, any size, patch or depth (ViT-B/16, R50x1+ViT-L/32, Axial-ViT-B/16,
+# BiT-R50x1, the official ViT-B_16, R50+ViT-B_16), in any case: a model's name, right or mistyped.
+NAME_FORM = re.compile(r"(?:R\d+(?:x\d+)?\+)?(?:Axial-)?ViT-[A-Za-z]+[/_]\d+|(?:BiT-)?R\d+x\d+", re.IGNORECASE)
+
+
+def has_name_form(name: str) -> bool:
+    """Whether ``name`` is written as the registry writes its names (``ViT-Ti/17``, ``vit-b/16``): such a
+    name is meant as a model's, never as a Hugging Face Hub repository (org/name) it would also read as."""
+    return canonical_name(name) in _REGISTRY or NAME_FORM.fullmatch(name.strip()) is not None
+
+
+def unknown_model(name: str) -> str:
+    """"unknown model 'ViT-Ti/17'. Did you mean 'ViT-Ti/16'? ..." for a name the registry lacks."""
+    return f"unknown model {name!r}.{suggest(canonical_name(name))} `vitlab models` lists all {len(_REGISTRY)} names."
+
+
 def closest_models(name: str, n: int = 3) -> list[str]:
     """Registry names closest to ``name`` (case-insensitive, by edit similarity), best first."""
     lower = {k.lower(): k for k in _REGISTRY}
@@ -126,7 +142,7 @@ def get_config(name: str, **overrides: Any) -> Architecture:
         raise ConfigError(f"model name {name!r}: must be a string such as 'ViT-B/16'")
     key = canonical_name(name)
     if key not in _REGISTRY:
-        raise ConfigError(f"unknown model {name!r}.{suggest(key)} `vitlab models` lists all {len(_REGISTRY)} names.")
+        raise ConfigError(unknown_model(name))
     return replace(_REGISTRY[key](), **overrides) if overrides else _REGISTRY[key]()
 
 

@@ -51,14 +51,15 @@ _HUB_NAME = re.compile(r"^(?:hf[-_]hub:)?(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:
 
 def parse_hub_name(text: str) -> tuple[str, str] | None:
     """``(repo_id, revision)`` of ``org/name[@revision]`` (or timm's ``hf-hub:org/name``), or None for anything else
-    (a path that exists, a file name with a weights suffix, a registry name such as ViT-B/16)."""
+    (a path that exists, a file name with a weights suffix, a registry name such as ViT-B/16, or one mistyped:
+    ViT-Ti/17 was downloaded from the Hub, which answered that it holds no such repository)."""
     text = str(text)
     match = _HUB_NAME.match(text)
     if match is None or Path(text).exists() or Path(text).suffix in (".npz", ".safetensors", ".pt", ".pth", ".bin"):
         return None
-    from vitlab.models.registry import canonical_name, list_models
+    from vitlab.models.registry import has_name_form
 
-    if canonical_name(text) in list_models():
+    if has_name_form(text):
         return None
     return match["repo"], match["revision"] or "main"
 

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..config import Architecture, Pair
+from ..models.registry import canonical_name, has_name_form, list_models, unknown_model
 from .core import InputScaling, WeightsError, build_loaded, check_named, infer_config, take_input_scaling, to_tensor
 from .bigvision import is_big_vision, load_big_vision
 from .bit import is_bit, load_bit
@@ -239,9 +240,19 @@ def load_model(source: str | os.PathLike | Mapping[str, Any], name: str | None =
     if not path.exists():
         snapshot = resolve_hub_name(str(source))  # "google/vit-base-patch16-224": the Hugging Face cache
         if snapshot is None:
+            if has_name_form(str(source)):
+                raise WeightsError(_model_name_given(str(source)))
             raise FileNotFoundError(f"no such file or directory: {path}")
         path = snapshot
     return _load_dir(path, **kw) if path.is_dir() else _load_file(path, **kw)
+
+
+def _model_name_given(text: str) -> str:
+    """Why a registry name (or one of its form, mistyped) given for weights that are not there is none."""
+    if canonical_name(text) in list_models():
+        return (f"{text!r} names a model of the registry, not weights, and is no file or folder: weights are a "
+                "file or folder (a run's model.safetensors) or a Hugging Face Hub name (org/name)")
+    return f"{text}: no such file or folder, and {unknown_model(text)}"
 
 
 def _names_in_file(path: Path) -> list[str] | None:

@@ -174,7 +174,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair 
     """
     if isinstance(opset, bool) or not isinstance(opset, int):
         raise TypeError(f"opset={opset!r}: expected an ONNX opset version (an integer, e.g. 18)")
-    _require_onnx_packages()
+    require_onnx_packages()
     labels = _label_maps(model, class_names)
     size = model_img_size(model, img_size)
     x = _example(model, size, batch, dynamic_batch)
@@ -212,8 +212,9 @@ def _quiet(logger_name: str):
         logger.setLevel(level)
 
 
-def _require_onnx_packages() -> None:
-    # torch.onnx imports these lazily and fails deep inside the exporter; say it up front
+def require_onnx_packages() -> None:
+    """onnx and onnxscript, or ``MissingPackage``: torch.onnx imports them lazily and fails deep inside
+    the exporter, so ``export_onnx`` (and a command, before it loads the model) says it up front."""
     from .extras import require
 
     for name in ("onnx", "onnxscript"):

@@ -241,3 +241,24 @@ def test_an_export_records_the_input_vitlab_predict_gives_the_model(tmp_path, ca
         meta = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).get_modelmeta()
         assert meta.custom_metadata_map["input_layout"] == "NCHW" and \
             json.loads(meta.custom_metadata_map["mean"]) == record["mean"]
+
+
+def test_export_check_without_onnxruntime_writes_nothing(tmp_path, capsys, monkeypatch):
+    """`vitlab export ... --check` without onnxruntime wrote the ONNX file, then stopped at the check with
+    the error; and without onnx or onnxscript it loaded the model (downloaded it, for a Hub name) first.
+    Either is said before anything is loaded or written now."""
+    import sys
+
+    import vitlab.cli.export as command
+    from vitlab.cli import main
+
+    out = tmp_path / "m.onnx"
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # not installed
+    assert main(["export", "ViT-Ti/16", "--img-size", "32", "--out", str(out), "--check"]) == 2
+    assert capsys.readouterr().err.strip() == ('vitlab export: error: --check of an ONNX export needs onnxruntime, '
+                                               'which is not installed: pip install -e ".[export]"')
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    monkeypatch.setitem(sys.modules, "onnxscript", None)
+    monkeypatch.setattr(command, "_load", lambda *args: pytest.fail("the model was loaded"))
+    assert main(["export", "ViT-Ti/16", "--out", str(out)]) == 2
+    assert "ONNX export needs onnxscript, which is not installed" in capsys.readouterr().err

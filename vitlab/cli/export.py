@@ -94,16 +94,19 @@ def _is_weights(source: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from vitlab.config import need_output_file
-    from vitlab.export import export_onnx, export_program, load_program, model_img_size
+    from vitlab.export import export_onnx, export_program, model_img_size, require_onnx_packages
+    from vitlab.extras import require
 
     if args.batch != "dynamic" and not (args.batch.isdigit() and int(args.batch) > 0):
         raise ValueError(f"--batch={args.batch!r}: expected 'dynamic' or a positive integer")
     dynamic = args.batch == "dynamic"
     fmt, out = format_and_out(args.format, args.out, args.source)
     need_output_file("--out", out)  # before the model is loaded and traced
+    if fmt == "onnx":  # before the model is loaded (downloaded, maybe) and the file written, which stayed
+        require_onnx_packages()
+        if args.check:
+            require("onnxruntime", "--check of an ONNX export")
     model = _load(args.source, args.name, args.img_size).eval()
     size = model_img_size(model, args.img_size)
     batch = 2 if dynamic else int(args.batch)
@@ -116,16 +119,24 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out} ({fmt}, {mb:.1f} MiB, input (B, C, {size[0]}, {size[1]}), "
           f"batch {'dynamic' if dynamic else args.batch})")
     if args.check:
-        x = torch.randn(batch, model.cfg.in_chans, *size)
-        with torch.no_grad():
-            ref = model(x)
-            if fmt == "onnx":
-                from vitlab.extras import require
-
-                ort = require("onnxruntime", "--check of an ONNX export")
-                session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
-                got = torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
-            else:
-                got = load_program(out)(x)
-        print(f"max |exported - pytorch| = {(got - ref).abs().max().item():.2e}")
+        print(f"max |exported - pytorch| = {check(model, out, fmt, batch, size):.2e}")
     return 0
+
+
+def check(model, out: Path, fmt: str, batch: int, size: tuple[int, int]) -> float:
+    """The largest difference between the exported model's logits and the model's on random images."""
+    import torch
+
+    from vitlab.export import load_program
+    from vitlab.extras import require
+
+    x = torch.randn(batch, model.cfg.in_chans, *size)
+    with torch.no_grad():
+        ref = model(x)
+        if fmt == "onnx":
+            ort = require("onnxruntime", "--check of an ONNX export")  # run asked before the export
+            session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+            got = torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
+        else:
+            got = load_program(out)(x)
+    return (got - ref).abs().max().item()

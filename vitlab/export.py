@@ -15,7 +15,8 @@ extra file ``preprocessing.json``.  ``read_preprocessing`` reads either back.
 
 Class names, when given, travel with the file in Hugging Face's terms: ONNX metadata_props
 ``id2label`` and ``label2id`` (JSON), and the extra files ``id2label.json`` and ``label2id.json``
-of a .pt2 archive (``program_class_names`` reads them back).
+of a .pt2 archive (``program_class_names`` reads them back); a name that more than one class
+bears is written with its class id (``labels.distinct_names``).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from torch import nn
 from .config import Pair, to_pair
 from .modes import evaluating
 from .weights.core import input_preprocessing
-from .weights.labels import check_class_names, id2label, label2id, names_from_id2label
+from .weights.labels import check_class_names, distinct_names, id2label, label2id, names_from_id2label
 
 __all__ = ["export_onnx", "export_program", "load_program", "model_img_size", "program_class_names",
            "read_preprocessing"]
@@ -82,7 +83,7 @@ def _label_maps(model: nn.Module, class_names: Sequence[str] | None) -> dict[str
     if class_names is None:
         return {}
     num_classes = getattr(getattr(model, "cfg", None), "num_classes", len(class_names))
-    names = check_class_names(class_names, num_classes, "class_names")
+    names = distinct_names(check_class_names(class_names, num_classes, "class_names"))
     return {"id2label": json.dumps(id2label(names)), "label2id": json.dumps(label2id(names))}
 
 

@@ -137,3 +137,39 @@ def test_predict_refuses_class_names_that_do_not_match_the_heads_outputs(run, tm
     assert main(["predict", "--checkpoint", str(run), str(tmp_path / "x.png"), "--classes", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == (f"vitlab predict: error: --classes {tmp_path}: a folder; expected a "
                                               "JSON file of class names")
+
+
+@pytest.mark.filterwarnings("ignore:class names that more than one class bears")  # but where it is checked
+def test_a_name_two_classes_bear_is_written_with_their_ids_in_every_export(run, tmp_path, capsys):
+    """ImageNet-1k names two classes "crane" (the bird and the machine): label2id, a name -> one class, kept
+    the last of them in the Hugging Face, ONNX and .pt2 exports, so that the other could not be looked up.
+    Every export with a place for the names writes each such name with its class id now, and says so."""
+    from vitlab.export import program_class_names
+
+    (run / "classes.json").write_text(json.dumps(["crane", "goldfish", "crane"]))
+    distinct = ["crane (0)", "goldfish", "crane (2)"]
+    with pytest.warns(UserWarning, match=r"^class names that more than one class bears are written with their "
+                                         r"class ids, so that each name is one class's: 'crane' \(0, 2\)$"):
+        assert main(["convert", str(run), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["id2label"] == {"0": "crane (0)", "1": "goldfish", "2": "crane (2)"}
+    assert config["label2id"] == {"crane (0)": 0, "goldfish": 1, "crane (2)": 2}
+    assert main(["convert", str(run), str(tmp_path / "t.safetensors"), "--to", "timm"]) == 0
+    assert read_class_names(tmp_path / "t.safetensors") == distinct
+    assert main(["export", str(run), "--out", str(tmp_path / "m.pt2")]) == 0
+    assert program_class_names(tmp_path / "m.pt2") == distinct
+    pytest.importorskip("onnxscript")
+    assert main(["export", str(run), "--out", str(tmp_path / "m.onnx")]) == 0
+    onnx = pytest.importorskip("onnx")
+    meta = {p.key: p.value for p in onnx.load(str(tmp_path / "m.onnx")).metadata_props}
+    assert json.loads(meta["label2id"]) == {"crane (0)": 0, "goldfish": 1, "crane (2)": 2}
+    # vitlab's own keeps the run's list as it is: a list, no name -> class map
+    assert main(["convert", str(run), str(tmp_path / "v"), "--to", "vitlab"]) == 0
+    assert read_class_names(tmp_path / "v") == ["crane", "goldfish", "crane"]
+
+
+def test_names_that_cannot_be_made_distinct_are_refused(run):
+    from vitlab.weights.labels import distinct_names
+
+    with pytest.raises(WeightsError, match=r"^class_names: 'a' name more than one class each"):
+        distinct_names(["a", "a", "a (1)"])

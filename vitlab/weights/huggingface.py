@@ -53,7 +53,7 @@ from torch import nn
 from ..config import Pair, ViTConfig
 from .core import (InputScaling, StateDict, WeightsError, atomic_write_set, build_loaded, infer_config,
                    input_preprocessing, require_plain_vit, to_tensor, warn_conventions)
-from .labels import CLASSES_NAME, check_class_names, id2label, label2id
+from .labels import CLASSES_NAME, check_class_names, distinct_names, id2label, label2id
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-12, "posemb_resample": "bicubic"}
 
@@ -222,7 +222,7 @@ def to_huggingface(model: nn.Module, class_names: Sequence[str] | None = None
     if sd:
         raise WeightsError(f"no Hugging Face name for: {', '.join(sorted(sd))}")
     if class_names is not None:
-        names = check_class_names(class_names, cfg.num_classes, "class_names")
+        names = distinct_names(check_class_names(class_names, cfg.num_classes, "class_names"))
     else:
         names = [f"LABEL_{i}" for i in range(cfg.num_classes)]
     config = {

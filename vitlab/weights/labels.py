@@ -13,11 +13,13 @@ target's own tools (and ``vitlab predict``) print names, not ids:
     torch.export (export_program)           id2label.json and label2id.json, extra files of the .pt2
     vit_jax or big_transfer .npz            none: those files hold arrays only
 
-``load.read_class_names`` reads them back from a file or folder of weights.
+``load.read_class_names`` reads them back from a file or folder of weights.  A name that more
+than one class bears is written with its class id in every export but vitlab's own (``distinct_names``).
 """
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any, Sequence
 
 from .core import WeightsError
@@ -33,6 +35,27 @@ def check_class_names(names: Any, num_classes: int, where: str) -> list[str]:
     if len(names) != num_classes:
         raise WeightsError(f"{where}: {len(names)} class names for a model of {num_classes} classes")
     return list(names)
+
+
+def distinct_names(names: Sequence[str]) -> list[str]:
+    """``names`` with every name that more than one class bears followed by its class id, as the exports
+    write them (ImageNet-1k's two classes "crane", the bird and the machine: "crane (134)", "crane (517)"),
+    said in a warning.  A ``label2id`` maps a name to one class: Hugging Face's, built from ``id2label``
+    as its config builds it, kept the last class of a name, and the other could not be looked up."""
+    counts: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        counts.setdefault(name, []).append(i)
+    shared = {name: ids for name, ids in counts.items() if len(ids) > 1}
+    if not shared:
+        return list(names)
+    out = [f"{name} ({i})" if name in shared else name for i, name in enumerate(names)]
+    if len(set(out)) < len(out):
+        raise WeightsError(f"class_names: {', '.join(map(repr, shared))} name more than one class each, and with "
+                           "their class ids they name another class too; give every class a name of its own")
+    said = "; ".join(f"{name!r} ({', '.join(map(str, ids))})" for name, ids in shared.items())
+    warnings.warn(f"class names that more than one class bears are written with their class ids, so that each "
+                  f"name is one class's: {said}", stacklevel=3)
+    return out
 
 
 def id2label(names: Sequence[str]) -> dict[str, str]:

@@ -67,7 +67,7 @@ from ..config import Pair, ViTConfig, to_pair
 from ..models.registry import VIT_SIZES
 from .core import (InputScaling, StateDict, WeightsError, atomic_write_set, build_loaded, convention_differences,
                    infer_config, input_preprocessing, require_plain_vit, to_tensor, warn_conventions)
-from .labels import CLASSES_NAME, check_class_names
+from .labels import CLASSES_NAME, check_class_names, distinct_names
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-6, "posemb_resample": "bicubic"}
 
@@ -330,7 +330,7 @@ def to_timm(model: nn.Module, class_names: Sequence[str] | None = None
     # the overlay states the file's own, so the written head is loaded, not replaced
     overlay = {"num_classes": cfg.num_classes, **data_config(cfg)}
     if class_names is not None:
-        overlay["label_names"] = check_class_names(class_names, cfg.num_classes, "class_names")
+        overlay["label_names"] = distinct_names(check_class_names(class_names, cfg.num_classes, "class_names"))
     name, why = timm_model_name(cfg)
     if why is not None:
         notes.append(why)

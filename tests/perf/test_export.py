@@ -262,3 +262,17 @@ def test_export_check_without_onnxruntime_writes_nothing(tmp_path, capsys, monke
     monkeypatch.setattr(command, "_load", lambda *args: pytest.fail("the model was loaded"))
     assert main(["export", "ViT-Ti/16", "--out", str(out)]) == 2
     assert "ONNX export needs onnxscript, which is not installed" in capsys.readouterr().err
+
+
+def test_export_names_the_weights_whose_class_names_do_not_match_the_head(tmp_path, capsys):
+    """A classes.json of another count beside the weights was refused as "class_names: 2 class names for a
+    model of 7 classes", the library's argument, which a user of the command never gave: the weights are named."""
+    from vitlab.cli import main
+    from vitlab.weights import save_model
+
+    save_model(_random_model(TINY), tmp_path / "run")
+    (tmp_path / "run" / "classes.json").write_text(json.dumps(["a", "b"]))
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "m.pt2")]) == 2
+    assert capsys.readouterr().err.strip() == (f"vitlab export: error: {tmp_path / 'run'}: its 2 class names do not "
+                                               "match the 7 classes of its head (a classes.json from another run?)")
+    assert not (tmp_path / "m.pt2").exists()

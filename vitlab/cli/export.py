@@ -77,11 +77,17 @@ def _load(source: str, name: str | None, img_size: int | None):
     return create_model(source, **({"img_size": img_size} if img_size else {}))
 
 
-def _class_names(source: str) -> list[str] | None:
-    """The class names kept with weights (None for a registry name's random model)."""
+def _class_names(source: str, num_classes: int) -> list[str] | None:
+    """The class names kept with weights (None for a registry name's random model), one per class of the
+    head: names of another count were refused as the library's argument "class_names", naming no file."""
+    from vitlab.weights import WeightsError
     from vitlab.weights.load import read_class_names
 
-    return read_class_names(source) if _is_weights(source) else None
+    names = read_class_names(source) if _is_weights(source) else None
+    if names is not None and len(names) != num_classes:
+        raise WeightsError(f"{source}: its {len(names)} class names do not match the {num_classes} classes of its "
+                           "head (a classes.json from another run?)")
+    return names
 
 
 def _is_weights(source: str) -> bool:
@@ -110,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     model = _load(args.source, args.name, args.img_size).eval()
     size = model_img_size(model, args.img_size)
     batch = 2 if dynamic else int(args.batch)
-    names = _class_names(args.source)
+    names = _class_names(args.source, model.cfg.num_classes)
     if fmt == "onnx":
         export_onnx(model, out, size, dynamic_batch=dynamic, batch=batch, class_names=names)
     else:

@@ -276,3 +276,15 @@ def test_export_names_the_weights_whose_class_names_do_not_match_the_head(tmp_pa
     assert capsys.readouterr().err.strip() == (f"vitlab export: error: {tmp_path / 'run'}: its 2 class names do not "
                                                "match the 7 classes of its head (a classes.json from another run?)")
     assert not (tmp_path / "m.pt2").exists()
+
+
+def test_export_of_a_folder_that_is_not_there_says_so(tmp_path, capsys, monkeypatch):
+    """`vitlab export run3`, a run folder mistyped, was taken for a registry name alone: "unknown model 'run3'"."""
+    from vitlab.cli import main
+    from vitlab.models.registry import list_models
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "run3"]) == 2
+    assert capsys.readouterr().err.strip() == ("vitlab export: error: run3: no such file or folder, and unknown model "
+                                               f"'run3'. `vitlab models` lists all {len(list_models())} names.")
+    assert list(tmp_path.iterdir()) == []

@@ -277,7 +277,8 @@ def test_a_mistyped_registry_name_is_an_unknown_model_not_a_hub_name(hub_env, tm
     assert err.startswith(f"vitlab predict: error: {name}: no such file or folder, and unknown model {name!r}. "
                           f"Did you mean {close}") and len(err.splitlines()) == 1
     assert main(["export", name, "--out", str(tmp_path / "m.pt2")]) == 2
-    assert capsys.readouterr().err.startswith(f"vitlab export: error: unknown model {name!r}. Did you mean {close}")
+    assert capsys.readouterr().err.startswith(f"vitlab export: error: {name}: no such file or folder, and unknown "
+                                              f"model {name!r}. Did you mean {close}")
     with pytest.raises(WeightsError, match="unknown model"):
         load_model(name)
     # a registry name given for weights is said to be one

@@ -65,7 +65,7 @@ def format_and_out(fmt: str | None, out: str | None, source: str) -> tuple[str, 
 
 
 def _load(source: str, name: str | None, img_size: int | None):
-    from vitlab.models.registry import create_model
+    from vitlab.models.registry import canonical_name, create_model, list_models, unknown_model
 
     if _is_weights(source):
         from vitlab.weights.load import load_model
@@ -74,6 +74,8 @@ def _load(source: str, name: str | None, img_size: int | None):
     if name is not None:  # it was ignored: the registry name given as the source is the model
         raise ValueError(f"--name={name!r}: names the model of weights whose shapes do not give it; {source!r} "
                          "is a registry name already")
+    if canonical_name(source) not in list_models():  # a folder mistyped (runs/dem) was "unknown model" alone
+        raise ValueError(f"{source}: no such file or folder, and {unknown_model(source)}")
     return create_model(source, **({"img_size": img_size} if img_size else {}))
 
 

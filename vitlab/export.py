@@ -157,7 +157,13 @@ def read_preprocessing(path: str | os.PathLike) -> dict[str, object] | None:
     from .extras import require
 
     onnx = require("onnx", "reading an ONNX model's metadata")
-    props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except OSError:
+        raise
+    except Exception as err:  # protobuf's DecodeError: another kind of file
+        raise ValueError(f"{path}: neither a .pt2 program nor an ONNX model ({type(err).__name__}: {err})") from None
+    props = {p.key: p.value for p in model.metadata_props}
     record = {k: props[k] for k in PREPROCESSING_KEYS if k in props}
     return {k: v if k in TEXT_KEYS else json.loads(v) for k, v in record.items()} or None
 

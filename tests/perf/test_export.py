@@ -234,6 +234,9 @@ def test_an_export_records_the_input_vitlab_predict_gives_the_model(tmp_path, ca
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / f"m{suffix}")]) == 0
     record = read_preprocessing(tmp_path / f"m{suffix}")
     assert record["image_size"] == [32, 48] and record["channel_order"] == "RGB"
+    if suffix == ".onnx":
+        with pytest.raises(ValueError, match=r"x\.png: neither a \.pt2 program nor an ONNX model"):
+            read_preprocessing(image)
     torch.testing.assert_close(as_recorded(record, image), predict_input(tmp_path / "run", image, monkeypatch),
                                atol=1e-5, rtol=0)
     if suffix == ".onnx":  # where a deployer reads it: ONNX Runtime's custom metadata, one entry a field

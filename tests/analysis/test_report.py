@@ -289,3 +289,16 @@ def test_inspect_names_a_missing_image_before_it_loads_the_model(tmp_path, capsy
     for image, what in (("missing.png", "no such file"), ("folder", "a folder; expected image files")):
         assert main(["inspect", "weights", "--images", str(tmp_path / image), "--out", str(tmp_path / "r.html")]) == 2
         assert capsys.readouterr().err.strip() == f"vitlab inspect: error: {tmp_path / image}: {what}"
+
+
+def test_a_failed_write_leaves_the_earlier_report_and_no_temporary_file(tmp_path, monkeypatch):
+    # the page went to .NAME.<pid>.tmp, which a failure while writing it (a full disk) left behind
+    from vitlab.analysis import report as report_module
+
+    out = tmp_path / "report.html"
+    out.write_text("<!DOCTYPE html><p>earlier</p>")
+    monkeypatch.setattr(report_module, "build_report", lambda *a, **k: "<!DOCTYPE html>\ud800")  # fails to encode
+    with pytest.raises(UnicodeEncodeError):
+        write_report(create_model(TINY), images(1), out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]
+    assert out.read_text() == "<!DOCTYPE html><p>earlier</p>"

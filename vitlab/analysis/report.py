@@ -508,6 +508,10 @@ def write_report(model: nn.Module, images: Images, out_path: str | os.PathLike,
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, out)
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        os.replace(tmp, out)
+    except BaseException:  # a full disk, Ctrl-C: the earlier page stays, and no half-written one beside it
+        tmp.unlink(missing_ok=True)
+        raise
     return out

@@ -1129,6 +1129,20 @@ def test_a_damaged_calibration_is_ignored_with_a_warning_naming_the_file(text, w
         assert main(["train", "--recipe", "demo", "--data", "digits", "--show-config"]) == 0
 
 
+def test_the_calibration_lives_under_an_absolute_xdg_cache_home_only(tmp_path, monkeypatch):
+    # a relative XDG_CACHE_HOME was taken as given: each working folder stored and read its own
+    # calibration; the XDG Base Directory spec says a relative one is ignored
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    default = tmp_path / "home" / ".cache" / "vitlab" / "kernels.json"
+    for value in ("", "cache", "./cache"):
+        monkeypatch.setenv("XDG_CACHE_HOME", value)
+        assert kernels_mod.calibration_path() == default
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert kernels_mod.calibration_path() == default
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kernels_mod.calibration_path() == tmp_path / "xdg" / "vitlab" / "kernels.json"
+
+
 def test_calibrate_stores_its_answer_through_a_temporary_file_of_its_own(tmp_path, monkeypatch):
     from vitlab.fast import calibration
 

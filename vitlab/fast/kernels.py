@@ -201,9 +201,12 @@ def rule_choice(info: CpuInfo | None = None, report: OneDNNReport | None = None)
 
 
 def calibration_path() -> Path:
-    """Where ``vitlab calibrate`` stores its answer: ``$XDG_CACHE_HOME/vitlab/kernels.json``."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "vitlab" / "kernels.json"
+    """Where ``vitlab calibrate`` stores its answer: ``$XDG_CACHE_HOME/vitlab/kernels.json``.
+
+    A relative ``$XDG_CACHE_HOME`` is ignored, as the XDG Base Directory spec says: taken as given,
+    each working folder had a calibration of its own, and the one stored was not found elsewhere."""
+    root = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(root) if os.path.isabs(root) else Path.home() / ".cache") / "vitlab" / "kernels.json"
 
 
 CALIBRATION_FORMAT = 3  # entries of other formats are ignored

@@ -95,6 +95,27 @@ def test_cli_export(tmp_path, capsys):
     assert read_preprocessing(out)["image_size"] == [32, 32]  # the size exported, not the registry's 224
 
 
+def test_export_takes_a_size_as_convert_does_n_or_hxw(tmp_path, capsys):
+    # --img-size took N only: a non-square model could not be exported at another non-square size
+    from vitlab.cli import main
+    from vitlab.export import read_preprocessing
+    from vitlab.weights import save_model
+
+    save_model(_random_model(ViTConfig(width=32, depth=1, mlp_dim=64, num_heads=4, num_classes=3, img_size=(32, 48),
+                                       patch_size=8)), tmp_path / "run")
+    for size, expected in (("48x64", [48, 64]), ("40,24", [40, 24]), ("16", [16, 16])):
+        out = tmp_path / f"m{size}.pt2"
+        assert main(["export", str(tmp_path / "run"), "--out", str(out), "--img-size", size, "--check"]) == 0
+        assert f"input (B, C, {expected[0]}, {expected[1]})" in capsys.readouterr().out
+        assert read_preprocessing(out)["image_size"] == expected
+    with pytest.raises(SystemExit) as refused:
+        main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "m.pt2"), "--img-size", "16x-4"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == ("vitlab export: error: argument --img-size: '16x-4': expected a positive size "
+                                       "N or HxW, e.g. 384 or 384x512 (see vitlab export --help)\n")
+    assert not (tmp_path / "m.pt2").exists()
+
+
 def test_cli_export_checkpoint_fixed_batch(tmp_path, capsys):
     """A saved checkpoint goes through vitlab's loader; a fixed batch is baked into the program."""
     from vitlab.cli import main

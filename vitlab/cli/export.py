@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vitlab.cli.convert import image_size
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", metavar="CHECKPOINT_OR_MODEL_NAME",
@@ -23,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None,
                    help="output file (default: model.onnx / model.pt2 in the checkpoint's folder; for a registry "
                         "name, the name in this folder)")
-    p.add_argument("--img-size", type=int, default=None, help="input resolution (default: the model's)")
+    p.add_argument("--img-size", type=image_size, default=None,
+                   help="input resolution, N or HxW, as convert takes it (default: the model's)")
     p.add_argument("--batch", default="dynamic",
                    help="'dynamic' (any batch, the default) or a fixed batch size")
     p.add_argument("--name", default=None,
@@ -64,7 +67,7 @@ def format_and_out(fmt: str | None, out: str | None, source: str) -> tuple[str, 
     return fmt, Path(out) if out else default_out(source, fmt)
 
 
-def _load(source: str, name: str | None, img_size: int | None):
+def _load(source: str, name: str | None, img_size: int | tuple[int, int] | None):
     from vitlab.models.registry import canonical_name, create_model, list_models, unknown_model
 
     if _is_weights(source):

@@ -69,7 +69,8 @@ set each peak, so that no row, whichever kernel it takes, can pass its dtype's p
 
 Writes benchmarks/results/<host or device>-<date>.json (-2, -3, ... after a run of the same
 minute) and the table to
-benchmarks/results/latest.md (a --quick or --only run: partial.md, leaving latest.md alone).
+benchmarks/results/latest.md (a --quick or --only run: partial.md, leaving latest.md alone); a
+--quick run writes into benchmarks/results/quick/, which git ignores, unless --out names a folder.
 Run from the repository root with vitlab installed (``pip install -e .``).
 """
 from __future__ import annotations
@@ -139,10 +140,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--autotune", action="store_true",
                    help="GPU, with --compile: add the column vitlab-autotune, vitlab compiled in inductor's "
                         "max-autotune (run.compile_autotune; minutes more compilation per row)")
-    p.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON and latest.md")
+    p.add_argument("--out", default=None, help="folder for the JSON and latest.md (default: benchmarks/results; "
+                                                "for --quick, benchmarks/results/quick, which git ignores)")
     p.add_argument("--list", action="store_true", help="print the ids of the peaks and rows this command would "
                    "run (after --only) and exit, measuring nothing")
     args = p.parse_args(argv)
+    if args.out is None:  # a quick run checks the machinery: its record, in the tracked folder, was one more
+        args.out = str(HERE / "results" / "quick" if args.quick else HERE / "results")  # untracked file there
     if args.fp8_layers and not args.fp8:
         p.error("--fp8-layers chooses the layers of the fp8 columns: add --fp8 SCALINGS")
     if args.attention != "torch" and args.device != "cuda":

@@ -208,6 +208,31 @@ def test_every_cpu_row_runs_as_many_threads_as_the_process_has_cores(monkeypatch
     assert {c["threads"] for c in cases} == {2}
 
 
+def test_a_quick_run_keeps_its_record_out_of_the_tracked_results(monkeypatch, tmp_path):
+    """A --quick run wrote its JSON into benchmarks/results/, tracked: each one an untracked file in the
+    repository; it goes to results/quick/, which git ignores; full and --only runs, whose records the
+    docs cite, and a run given --out are as they were."""
+    def run_case(case, timeout):
+        if case["kind"] == "matmul":
+            return {"flops_per_s": 1e9}
+        return {"median": 1.0, "min": 1.0, "max": 1.0, "peak_bytes": 1, "flops_per_image": 1.0,
+                "achieved_flops_per_s": 1.0}
+
+    results = Path(bench.__file__).resolve().parent / "results"
+    assert bench.parse_args([]).out == bench.parse_args(["--only", "infer/"]).out == str(results)
+    assert bench.parse_args(["--quick", "--out", str(tmp_path)]).out == str(tmp_path)
+    assert bench.parse_args(["--quick", "--only", "infer/"]).out == str(results / "quick")
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(results / "quick" / "vm-20260101-0000.json")],
+                             cwd=results)
+    assert ignored.returncode == 0  # git ignores it (1: it does not)
+    monkeypatch.setattr(bench, "run_case", run_case)
+    monkeypatch.setattr(bench, "peers_available", lambda device: [])
+    monkeypatch.setattr(bench, "HERE", tmp_path)
+    assert bench.main(["--quick", "--only", "infer/ViT-B/16/b1/fp32/vitlab$", "--bf16", "no"]) == 0
+    assert sorted(p.relative_to(tmp_path).parts[:2] for p in tmp_path.rglob("*.*")) == \
+        [("results", "quick")] * 2  # the JSON and partial.md
+
+
 def test_a_run_in_the_same_minute_as_another_keeps_the_others_record(monkeypatch, tmp_path):
     """The record was named by the minute: a second run within it overwrote the first's JSON."""
     def run_case(case, timeout):

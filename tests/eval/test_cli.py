@@ -262,6 +262,16 @@ def test_predict_names_a_missing_image_before_scoring_any(tmp_path, capsys):
         assert captured.out == "" and captured.err == f"vitlab predict: error: {missing}: {what}\n"
 
 
+def test_the_commands_check_image_files_under_a_name_of_their_own(tmp_path):
+    # vitlab.cli.predict.check_images(paths) said whether files exist, where vitlab.models' check_images
+    # checks a tensor's shape and dtype: one name, two meanings
+    from vitlab.cli import predict
+
+    assert not hasattr(predict, "check_images")
+    with pytest.raises(FileNotFoundError, match="typo.png: no such file"):
+        predict.check_image_files([str(tmp_path / "typo.png")])
+
+
 def test_fewshot_prints_its_table_and_json_only_when_asked(run_dir, capsys):
     base = ["fewshot", str(run_dir / "model.safetensors"), "--shots", "1", "--seeds", "1", "--feature-cache", "none"]
     assert main(base) == 0

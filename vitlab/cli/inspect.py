@@ -32,7 +32,7 @@ def check_run_dir(run_dir: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.report import need_report_out, read_run_meta, write_report
-    from vitlab.cli.predict import check_images
+    from vitlab.cli.predict import check_image_files
     from vitlab.config import need_output_file
     from vitlab.extras import require
     from vitlab.weights import load_model, read_class_names
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     check_run_dir(args.run_dir)
     need_output_file("--out", args.out)
     need_report_out(args.out, "--out")  # not over the images or weights named by mistake
-    check_images(args.images)  # a mistyped name stopped the report after the model had loaded
+    check_image_files(args.images)  # a mistyped name stopped the report after the model had loaded
 
     model = load_model(args.checkpoint, img_size=args.img_size).eval()
     meta = read_run_meta(args.checkpoint)

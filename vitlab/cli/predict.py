@@ -46,7 +46,7 @@ def find_classes(checkpoint: Path, explicit: str | None, num_classes: int) -> li
     return None if names is None else check_class_names(names, num_classes, f"the class names kept with {checkpoint}")
 
 
-def check_images(paths: list[str]) -> None:
+def check_image_files(paths: list[str]) -> None:
     """Every image named is a file, checked before the model is loaded: a mistyped name among many
     stopped the command there, after the images before it had been scored."""
     for path in paths:
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.top < 1:
         raise ValueError(f"--top {args.top}: must be a positive integer (how many classes to show)")
-    check_images(args.images)
+    check_image_files(args.images)
     checkpoint = Path(args.checkpoint)
     if not checkpoint.exists():  # a Hub name: its snapshot folder, which holds config.json
         checkpoint = resolve_hub_name(args.checkpoint) or checkpoint

@@ -702,3 +702,30 @@ def test_an_augmentation_setting_a_devices_form_reads_is_accepted():
         with_changes(load_recipe("demo"), {"augment.mix_switch_prob": 0.3})
     with pytest.raises(ConfigError, match=r"^augment\.crop_scale=\(0\.5, 1\.0\): shapes the inception crop"):
         with_changes(load_recipe("cifar10_scratch:model=vit"), {"augment.crop_scale": (0.5, 1.0)})
+
+
+def test_a_padding_or_a_magnitude_the_user_sets_where_nothing_reads_it_is_refused():
+    """augment.crop_pad with a crop other than 'pad', and augment.randaug_magnitude with randaug_ops=0, were
+    accepted and did nothing.  Refused where the value is the user's (one no form of the recipe has), not
+    where it is the recipe's own, left by turning its method off: the demo's crop_pad=1 after crop=none,
+    cifar10_scratch's GPU magnitude 5 after randaug_ops=0, which the run applies on a GPU."""
+    demo = load_recipe("demo")
+    with pytest.raises(ConfigError, match=r"^augment\.crop_pad=2: pads the pad-and-crop, and crop='none' is another; "
+                                          r"set crop='pad', or leave it at the recipe's 1$"):
+        apply_overrides(demo, ["augment.crop=none", "augment.crop_pad=2"])
+    with pytest.raises(ConfigError, match=r"^augment\.randaug_magnitude=5: is RandAugment's magnitude, and "
+                                          r"randaug_ops=0 turns RandAugment off; set randaug_ops above 0, or leave "
+                                          r"it at the recipe's 9\.0$"):
+        with_changes(demo, {"augment.randaug_magnitude": 5})
+    assert apply_overrides(demo, ["augment.crop=none"]).augment.crop_pad == 1
+    assert with_changes(demo, {"augment.crop_pad": 2}).augment.crop_pad == 2  # the pad crop reads it
+    assert with_changes(demo, {"augment.randaug_ops": 2, "augment.randaug_magnitude": 5}).augment.randaug_magnitude == 5
+    cifar = load_recipe("cifar10_scratch:model=vit")
+    no_randaug = with_changes(cifar, {"augment.randaug_ops": 0})
+    gpu = with_changes(no_randaug, no_randaug.run.on_device["cuda"])  # as the run resolves on a GPU
+    assert (gpu.augment.randaug_ops, gpu.augment.randaug_magnitude) == (0, 5.0)
+    assert with_changes(cifar, {"augment.randaug_magnitude": 7}).augment.randaug_magnitude == 7  # its GPU form reads it
+    with pytest.raises(ConfigError, match=r"^augment\.randaug_magnitude=7: is RandAugment's magnitude"):
+        with_changes(cifar, {"augment.randaug_magnitude": 7, "augment.randaug_ops": 0})
+    with pytest.raises(ConfigError, match=r"^augment\.crop_pad=2: pads the pad-and-crop, and crop='inception'"):
+        with_changes(cifar, {"augment.crop": "inception", "augment.crop_pad": 2})

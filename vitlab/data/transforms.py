@@ -405,19 +405,34 @@ class Augmentation:
     # (``TrainConfig``): a recipe's GPU form may turn on the method that reads it
     refuses_unread = True
 
+    # refused where a value the recipe does not have is set (``TrainConfig.check_augment_changes_read``),
+    # not against the default: a recipe's own value stays when its method is turned off (the demo's crop_pad
+    # after crop=none, the CIFAR recipe's GPU magnitude after randaug_ops=0) and does nothing, unasked for
+    UNREAD_AGAINST_RECIPE = ("crop_pad", "randaug_magnitude")
+
+    def settings_read(self) -> dict[str, tuple[bool, str]]:
+        """{field: (whether this form reads it, why not)} of the settings that one method alone
+        reads: the inception crop's shape, the pad crop's padding, RandAugment's magnitude, the
+        choice between mixup and CutMix."""
+        inception = (self.crop == "inception",
+                     f"shapes the inception crop, and crop={self.crop!r} is another; set crop='inception'")
+        return {"crop_scale": inception, "crop_ratio": inception,
+                "crop_pad": (self.crop == "pad", f"pads the pad-and-crop, and crop={self.crop!r} is another; "
+                                                 "set crop='pad'"),
+                "randaug_magnitude": (self.randaug_ops > 0, "is RandAugment's magnitude, and randaug_ops=0 turns "
+                                                            "RandAugment off; set randaug_ops above 0"),
+                "mix_switch_prob": (self.mixup_alpha > 0 and self.cutmix_alpha > 0,
+                                    f"chooses CutMix over mixup for a batch, and mixup_alpha={self.mixup_alpha}, "
+                                    f"cutmix_alpha={self.cutmix_alpha} leave no choice; set both above 0")}
+
     def unread_settings(self) -> dict[str, str]:
         """{field: why} of the settings changed from their defaults that only a method not in use
         reads (the inception crop's shape with another crop, the choice between mixup and CutMix
         without both): accepted, such a value did nothing."""
-        inception = f"shapes the inception crop, and crop={self.crop!r} is another; set crop='inception'"
-        mixes = (f"chooses CutMix over mixup for a batch, and mixup_alpha={self.mixup_alpha}, cutmix_alpha="
-                 f"{self.cutmix_alpha} leave no choice; set both above 0")
         unread = {}
-        for name, read, why in (("crop_scale", self.crop == "inception", inception),
-                                ("crop_ratio", self.crop == "inception", inception),
-                                ("mix_switch_prob", self.mixup_alpha > 0 and self.cutmix_alpha > 0, mixes)):
+        for name, (read, why) in self.settings_read().items():
             default = Augmentation.__dataclass_fields__[name].default
-            if getattr(self, name) != default and not read:
+            if name not in self.UNREAD_AGAINST_RECIPE and getattr(self, name) != default and not read:
                 unread[name] = f"{why}, or leave it at {default}"
         return unread
 

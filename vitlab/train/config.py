@@ -431,19 +431,36 @@ class TrainConfig:
                               "implemented; use 'bf16'")
 
 
+    def augment_forms(self) -> list[AugmentConfig]:
+        """The augmentation this config trains with, then each device's form of it (``run.on_device``)."""
+        return [self.augment] + [
+            dataclasses.replace(self.augment, **{k.split(".", 1)[1]: v for k, v in changes.items()
+                                                 if k.startswith("augment.")})
+            for changes in self.run.on_device.values()]
+
     def check_augment_settings_read(self) -> None:
         """Refuse an augmentation setting that neither this config nor a device's form of it
         (``run.on_device``) reads: a recipe's GPU form may turn on the method that reads it (the
         CIFAR recipe's mixup and CutMix), where a check of this form alone refused it."""
-        forms = [self.augment] + [
-            dataclasses.replace(self.augment, **{k.split(".", 1)[1]: v for k, v in changes.items()
-                                                 if k.startswith("augment.")})
-            for changes in self.run.on_device.values()]
+        forms = self.augment_forms()
         unread = self.augment.unread_settings()
         for form in forms[1:]:
             unread = {name: why for name, why in unread.items() if name in form.unread_settings()}
         for name, why in unread.items():
             need(False, f"augment.{name}", getattr(self.augment, name), why)
+
+    def check_augment_changes_read(self, recipe: TrainConfig, named: set[str] | dict) -> None:
+        """Refuse ``augment.crop_pad`` or ``augment.randaug_magnitude`` (``named``: the augment fields
+        changed) set to a value no form of ``recipe`` has, where no form of this config reads it:
+        with another crop, or RandAugment off, it was accepted and did nothing.  A value of the
+        recipe's (a device's form's too: the run applies it) is not refused, read or not."""
+        for name in Augmentation.UNREAD_AGAINST_RECIPE:
+            value = getattr(self.augment, name)
+            if name not in named or value in {getattr(form, name) for form in recipe.augment_forms()}:
+                continue
+            if not any(form.settings_read()[name][0] for form in self.augment_forms()):
+                why, recipes = self.augment.settings_read()[name][1], getattr(recipe.augment, name)
+                need(False, f"augment.{name}", value, f"{why}, or leave it at the recipe's {recipes}")
 
 
 # what a run's config.json records beside its config (resolve.Resolved, memory_estimate.MemoryEstimate)

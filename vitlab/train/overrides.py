@@ -104,7 +104,8 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
     ``data.val_data`` without ``data.val_split`` holds nothing out of the training set.
     What ``changes`` sets also wins over the recipe's settings for a kind of device
     (``run.on_device``), field by field: they are the recipe's, a change is its user's
-    (``explicit_over_device``).
+    (``explicit_over_device``).  A padding or a RandAugment magnitude changed to a value of none of
+    the recipe's forms, that no form reads, is refused (``TrainConfig.check_augment_changes_read``).
     """
     # the errors were "'list' object has no attribute 'items'" and "'int' object has no attribute 'startswith'"
     if not isinstance(changes, dict) or not all(isinstance(name, str) for name in changes):
@@ -148,6 +149,7 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
         model["overrides"] = {**model.get("overrides", cfg.model.overrides), **architecture}
     sections = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in by_section.items()}
     changed = dataclasses.replace(cfg, recipe=recipe, **sections)
+    changed.check_augment_changes_read(cfg, by_section.get("augment", {}))
     if not overridden:
         check_named_model(cfg.model, changed.model)
     return changed

@@ -430,7 +430,6 @@ class TrainConfig:
             raise ConfigError("run.precision='fp16' with run.fsdp=True: the gradient scaler of a sharded model is not "
                               "implemented; use 'bf16'")
 
-
     def augment_forms(self) -> list[AugmentConfig]:
         """The augmentation this config trains with, then each device's form of it (``run.on_device``)."""
         return [self.augment] + [

@@ -373,7 +373,7 @@ def test_calibrate_prints_the_chosen_kernels_the_auto_precision_and_the_file(tmp
         assert main(["calibrate", "--threads", str(threads)]) == 2
         assert capsys.readouterr().err.strip() == (f"vitlab calibrate: error: --threads={threads}: this process may "
                                                    f"use {cores} core(s) here; give 1 to {cores}, or 0 for PyTorch's "
-                                                   "default")
+                                                   "default (at most those)")
     assert calls == [2, 3]  # neither refusal timed anything
 
 

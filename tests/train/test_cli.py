@@ -114,6 +114,29 @@ def test_train_cli_refuses_bad_config_before_work(tmp_path, capsys):
                                               "learning rates, e.g. 0.001,0.003,0.01")
 
 
+def test_an_init_named_as_a_model_is_named_so_before_any_work(tmp_path, capsys, monkeypatch):
+    """--init given a registry name (or one mistyped) was "model.init='ViT-B/17': no such file or folder",
+    where load_model and export name the model it resembles; a valid one said nothing of what it is."""
+    from vitlab.models.registry import list_models
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    base = ["--data", "digits", "--steps", "1", "--out", str(tmp_path / "o")]
+    assert main(["finetune", "--init", "ViT-B/17", *base]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "vitlab finetune: error: model.init='ViT-B/17': no such file or folder, and unknown model 'ViT-B/17'. "
+        "Did you mean 'ViT-B/16' or 'ViT-B/14' or 'ViT-B/8'? `vitlab models` lists all "
+        f"{len(list_models())} names.")
+    assert main(["sweep", "--recipe", "demo", "--grid", "0.1", "--init", "ViT-B_16", *base]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "vitlab sweep: error: model.init='ViT-B_16': names a model of the registry, not weights, and is no file or "
+        "folder; a fine-tune starts from weights (a file or folder, such as a run's model.safetensors, or a Hugging "
+        "Face Hub name org/name); to train ViT-B/16 from scratch, name it as the model, without an init (vitlab train "
+        "--model ViT-B/16)")
+    assert main(["finetune", "--init", "missing.npz", *base]) == 2  # a file that is not there: as before
+    assert capsys.readouterr().err.strip() == "vitlab finetune: error: model.init='missing.npz': no such file or folder"
+    assert not (tmp_path / "o").exists()
+
+
 def test_an_empty_data_folder_is_named_before_the_output_folder(tmp_path, capsys, monkeypatch):
     from vitlab.config import ConfigError
     from vitlab.train import train

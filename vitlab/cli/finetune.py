@@ -18,7 +18,9 @@ from .train import add_common_arguments, process_started_at, resolve_config, sho
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--init", required=True, help="pre-trained weights: .npz, .safetensors, a vitlab run folder")
+    p.add_argument("--init", required=True,
+                   help="pre-trained weights: .npz, .safetensors, a vitlab run folder or a Hugging Face Hub name "
+                        "(org/name); a registry name is a model, not weights (train it with `vitlab train --model`)")
     add_common_arguments(p, default_recipe="paper_finetune")
 
 

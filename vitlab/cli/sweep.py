@@ -24,7 +24,8 @@ from .train import add_common_arguments, resolve_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--init", help="pre-trained weights to fine-tune from (omit to train from scratch)")
+    p.add_argument("--init", help="pre-trained weights to fine-tune from: a file, a run folder or a Hugging Face "
+                                  "Hub name (omit to train from scratch the model --model names)")
     p.add_argument("--grid", help="comma-separated learning rates (default: the recipe's lr_grid)")
     p.add_argument("--holdout", type=float, default=None,
                    help="fraction (or count) of the training set held out to compare the grid (default: the "

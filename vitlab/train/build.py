@@ -88,10 +88,27 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
         check_data(cfg)
     need_output_folder("run.out", cfg.run.out)
     if cfg.model.init is not None and not Path(cfg.model.init).expanduser().exists():
-        from vitlab.weights.hub import parse_hub_name
+        check_init_named(cfg.model.init)
 
-        if parse_hub_name(cfg.model.init) is None:  # a Hub name is looked up when the weights are loaded
-            raise ConfigError(f"model.init={cfg.model.init!r}: no such file or folder")
+
+def check_init_named(init: str) -> None:
+    """Refuse an init that is no file or folder: a name of the registry's form is a model, not weights
+    (ViT-B/17, mistyped, was "no such file or folder" where load_model and export name the model it
+    resembles; ViT-B/16 the same, with no word that a model name trains no pre-trained weights); a
+    Hugging Face Hub name (org/name) is looked up when the weights are loaded."""
+    from vitlab.models.registry import canonical_name, has_name_form, list_models, unknown_model
+    from vitlab.weights.hub import parse_hub_name
+
+    if has_name_form(init):
+        if canonical_name(init) not in list_models():
+            raise ConfigError(f"model.init={init!r}: no such file or folder, and {unknown_model(init)}")
+        raise ConfigError(f"model.init={init!r}: names a model of the registry, not weights, and is no file or "
+                          "folder; a fine-tune starts from weights (a file or folder, such as a run's "
+                          "model.safetensors, or a Hugging Face Hub name org/name); to train "
+                          f"{canonical_name(init)} from scratch, name it as the model, without an init "
+                          f"(vitlab train --model {canonical_name(init)})")
+    if parse_hub_name(init) is None:
+        raise ConfigError(f"model.init={init!r}: no such file or folder")
 
 
 def check_mixing(cfg: TrainConfig, micro_batch: int, world_size: int) -> None:

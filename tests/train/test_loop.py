@@ -187,6 +187,40 @@ def test_a_run_on_a_relative_data_path_is_scored_and_resumed_on_it_from_another_
         check_own_folder(with_changes(cfg, {"data.source": str(other)}))
 
 
+def test_a_fine_tune_of_a_relative_init_is_resumed_from_another_folder(tiny, tmp_path, monkeypatch):
+    """A fine-tune's model.init named relative to the folder it was trained in was recorded as typed:
+    from another folder, --resume with the init spelt from there was refused as another init, and
+    spelt as recorded it was no file; the run could be resumed from its own folder only."""
+    import vitlab
+    from vitlab.config import ConfigError
+    from vitlab.experiments.common import finished_run
+    from vitlab.train.config import from_dict
+    from vitlab.train.overrides import with_changes
+    from vitlab.train.state import check_same_run
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    for folder, seed in ((work, 0), (elsewhere, 1)):  # an init of the same name and model in each
+        folder.mkdir()
+        torch.manual_seed(seed)
+        vitlab.save_model(vitlab.create_model("ViT-Ti/16", img_size=8, patch_size=4, width=16, depth=1, num_heads=2,
+                                              mlp_dim=32, num_classes=10), folder / "w.safetensors")
+    monkeypatch.chdir(work)
+    cfg = with_changes(tiny("run", steps=2, ckpt_every=1), {"model.init": "w.safetensors", "model.overrides": {}})
+    train(cfg, verbose=False)
+    recorded = json.loads((Path(cfg.run.out) / "config.json").read_text())
+    assert recorded["model"]["init"] == str(work / "w.safetensors")
+    assert finished_run(cfg)["steps"] == 2  # an experiment's run, asked as typed, is the one recorded
+    monkeypatch.chdir(tmp_path)
+    resumed = train(with_changes(cfg, {"model.init": "work/w.safetensors"}), resume=True, verbose=False)
+    assert resumed["steps"] == 2
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(ConfigError, match=r"model.init=.*elsewhere/w.safetensors.*checkpoint: .*work/w.safetensors"):
+        train(cfg, resume=True, verbose=False)  # the init of that name here is another file: refused
+    # a checkpoint that recorded its init as typed resumes from the folder it was typed in
+    monkeypatch.chdir(work)
+    check_same_run(from_dict(recorded), {**recorded, "model": {**recorded["model"], "init": "./w.safetensors"}})
+
+
 @pytest.mark.parametrize("flag", ["resume", "overwrite", "verbose"])
 def test_train_refuses_a_flag_that_is_not_true_or_false_before_any_work(tiny, flag):
     # a string from a config file or argv: "no" is truthy, so overwrite="no" deleted the earlier

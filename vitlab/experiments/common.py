@@ -36,7 +36,7 @@ from vitlab.data.digits import load_digits_dataset
 from vitlab.models.registry import build_model
 from vitlab.train import train
 from vitlab.train.build import architecture
-from vitlab.train.resolve import data_paths, stated_model
+from vitlab.train.resolve import recorded_paths, stated_model
 from vitlab.train.config import (AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig,
                                  from_dict, to_dict)
 from vitlab.train.optim import muon_step_flops
@@ -229,7 +229,7 @@ def finished_run(cfg) -> dict | None:
     try:
         summary = json.loads((out / "summary.json").read_text())
         saved = from_dict(json.loads((out / "config.json").read_text()))
-        saved = with_changes(saved, data_paths(saved))  # a run that recorded its data as typed: in this folder
+        saved = with_changes(saved, recorded_paths(saved))  # a run that recorded its paths as typed: in this folder
         finished = (out / "summary.json").stat().st_mtime
         if not Path(summary["weights"]).is_file():
             return None

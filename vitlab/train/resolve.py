@@ -149,7 +149,7 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     decode = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}
     changes = dict(cfg.run.on_device.get(device.type, {}))  # the recipe's settings for this kind of device
     check_device_options(cfg, device, machine)
-    cfg = with_changes(cfg, changes | decode | data_paths(cfg) | {"run.device": str(device),
+    cfg = with_changes(cfg, changes | decode | recorded_paths(cfg) | {"run.device": str(device),
                                                                   "run.precision": precision})
     if cfg.data.source is None and not preview:  # a command that scores a model: its data in memory
         cfg = with_changes(cfg, {"data.stream": "memory", "data.stream_workers": 0, "run.compile_optimizer": False})
@@ -427,8 +427,9 @@ def _init_architecture(init: str, name: str) -> Architecture:
 
 
 def init_architecture(cfg: TrainConfig) -> Architecture:
-    """The architecture of ``model.init`` (at its own size, with its own head), read once per process."""
-    return _init_architecture(cfg.model.init, cfg.model.name)
+    """The architecture of ``model.init`` (at its own size, with its own head), read once per process
+    (by the path a run records: ``recorded_init``)."""
+    return _init_architecture(recorded_init(cfg.model.init), cfg.model.name)
 
 
 def check_named_init(cfg: TrainConfig, name: str) -> None:
@@ -489,21 +490,33 @@ def model_changes(cfg: TrainConfig) -> dict:
 
 def stated_model(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with its model section stated as a run would (``model_changes``) and its data's
-    paths as a run records them (``data_paths``), nothing else resolved: how an experiment
+    paths as a run records them (``recorded_paths``), nothing else resolved: how an experiment
     compares what it asks with what a finished run recorded."""
-    changes = model_changes(cfg) | data_paths(cfg)
+    changes = model_changes(cfg) | recorded_paths(cfg)
     return with_changes(cfg, changes) if changes else cfg
 
 
-def data_paths(cfg: TrainConfig) -> dict:
-    """``data.source`` and ``data.val_data`` absolute (``vitlab.data.labelled.absolute_source``)
-    where they are not: the run's config.json and checkpoints record where its data is, which an
-    eval, fewshot or --resume run from another working folder reads (and ``same_data`` matches to
-    the user's spelling of it)."""
+def recorded_paths(cfg: TrainConfig) -> dict:
+    """``data.source``, ``data.val_data`` and ``model.init`` absolute (``vitlab.data.labelled.absolute_source``)
+    where they are relative: the run's config.json and checkpoints record where its data and its init
+    are, which an eval, fewshot or --resume run from another working folder reads (and ``same_data``
+    matches to the user's spelling of it; an init recorded as typed could be named from no other folder:
+    spelt from there it differed, spelt as recorded it was no file).  An init that is no file or folder
+    (a Hugging Face Hub name) is recorded as given."""
     from vitlab.data.labelled import absolute_source
 
-    return {f"data.{name}": absolute_source(value) for name in ("source", "val_data")
-            if absolute_source(value := getattr(cfg.data, name)) != value}
+    changes = {f"data.{name}": absolute_source(value) for name in ("source", "val_data")
+               if absolute_source(value := getattr(cfg.data, name)) != value}
+    if recorded_init(cfg.model.init) != cfg.model.init:
+        changes["model.init"] = recorded_init(cfg.model.init)
+    return changes
+
+
+def recorded_init(init: str | None) -> str | None:
+    """``model.init`` as a run records it: a file or folder by its absolute path, anything else as given."""
+    from vitlab.data.labelled import absolute_source
+
+    return absolute_source(init) if init is not None and Path(init).expanduser().exists() else init
 
 
 def trained_architecture(cfg: TrainConfig) -> Architecture:

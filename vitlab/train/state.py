@@ -66,8 +66,11 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
     if not saved:
         return
     before = from_dict(saved)
-    if same_data(cfg.data.source, before.data.source):  # another spelling of it: ./d, its absolute path, a link
-        before = with_changes(before, {"data.source": cfg.data.source})
+    # another spelling of the same: ./d, its absolute path, a link (a run recorded its paths as typed before
+    # ``resolve.recorded_paths``: those name a path in the working folder)
+    for name in ("data.source", "model.init"):
+        if same_data(field_value(cfg, name), field_value(before, name)):
+            before = with_changes(before, {name: field_value(cfg, name)})
     # a fine-tune's architecture is its init's, named by model.init (and by its own model name
     # only in checkpoints of this version)
     compared = [n for n in RESUME_INVARIANTS if not (n == "model.name" and cfg.model.init and before.model.init)]

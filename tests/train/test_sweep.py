@@ -102,6 +102,35 @@ def test_of_rates_scoring_alike_the_lowest_is_chosen_whatever_the_grids_order(ti
         assert chosen_lrs(grid, val, "shared") == {"a": 0.01, "b": 0.01, "c": 0.01}  # 1.5 each
 
 
+def test_a_sweeps_time_limit_is_each_runs_budget_and_says_so(tiny, monkeypatch, capsys):
+    """--time-limit 5 budgets every run of the sweep (the grid's and the final one), each from its own start,
+    so the command takes about (rates + 1) x 5 minutes; neither the help nor the docs said so."""
+    from vitlab.cli import main
+    from vitlab.train import sweep
+
+    budgets = []
+
+    def fake_train(cfg, **kw):
+        budgets.append((cfg.optim.lr, cfg.run.time_limit, kw.get("started_at")))
+        return {"val_top1": cfg.optim.lr, "weights": None}
+
+    monkeypatch.setattr(sweep, "train", fake_train)
+    sweep.run_sweep(with_limit(tiny("sweep"), 5), grid=(0.01, 0.03), verbose=False)
+    assert budgets == [(0.01, 5, None), (0.03, 5, None), (0.03, 5, None)]  # None: counted from the run's start
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--time-limit MINUTES fit each run's warm-up, decay and final evaluation into this wall-clock budget, " \
+           "the final run's too: the sweep takes about (rates + 1) x MINUTES" in text
+    assert "each run's own budget" in sweep.__doc__
+
+
+def with_limit(cfg, minutes):
+    from vitlab.train.overrides import with_changes
+
+    return with_changes(cfg, {"run.time_limit": minutes})
+
+
 def test_a_learning_rate_given_to_a_sweep_is_refused(capsys):
     """--lr 0.5 was accepted, shown by --show-config as the final run's rate, and never used: every run's
     rate is the grid's."""

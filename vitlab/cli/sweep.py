@@ -12,7 +12,8 @@
    ``--val-data`` scores the final run on a separate set, and only the final run).
 3. Print one JSON line: every grid point's held-out accuracy, the chosen lr and the final
    run's summary (its weights' path included).
-Works with any recipe; ``--init`` makes it a fine-tuning sweep.  The sweep is
+``--time-limit`` is each run's budget (the final run's too), so the sweep takes about (rates + 1)
+times it.  Works with any recipe; ``--init`` makes it a fine-tuning sweep.  The sweep is
 ``vitlab.train.sweep.run_sweep``; this command resolves its config from the flags.
 """
 from __future__ import annotations
@@ -37,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "none; the grid is compared on --holdout)",
         "val_data": "a separate validation set that scores the final run, in any form --data takes (the grid is "
                     "compared on --holdout)",
+        "time_limit": "fit each run's warm-up, decay and final evaluation into this wall-clock budget, the final "
+                      "run's too: the sweep takes about (rates + 1) x MINUTES (every rate trains for the same time, "
+                      "which comparing them needs)",
         "out": "output folder: a run per rate (lr_RATE), the final run (final) and sweep.json",
         "resume": "continue every run of the sweep (OUT/lr_RATE, OUT/final) as train --resume does",
         "overwrite": "start every run of the sweep afresh (OUT/lr_RATE, OUT/final), their checkpoints deleted",

@@ -51,7 +51,8 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None,
     p.add_argument("--val-data", help=helps.get("val_data", "a separate validation set, in any form --data takes "
                                                             "(then no held-out split)"))
     p.add_argument("--time-limit", type=float, metavar="MINUTES",
-                   help="fit warm-up, decay and the final evaluation into this wall-clock budget")
+                   help=helps.get("time_limit", "fit warm-up, decay and the final evaluation into this wall-clock "
+                                                "budget"))
     p.add_argument("--steps", type=int, help="optimiser steps (the ceiling under --time-limit)")
     p.add_argument("--batch-size", type=int, help="global batch size")
     p.add_argument("--accum-steps", type=count_or_auto,

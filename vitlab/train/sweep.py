@@ -18,6 +18,11 @@
 3. The report: every grid point's held-out top-1, the chosen rate and the final run's
    summary (its weights' path included), also written to ``run.out/sweep.json``.
 Any config sweeps; one with ``model.init`` is a fine-tuning sweep.
+
+``run.time_limit`` (``--time-limit``) is each run's own budget, the final run's too: the sweep takes
+about (rates + 1) x the limit.  Per run is the fair reading for comparing rates: every rate is scored
+after the same training time, and a budget shared across the sweep would give the rates run last
+whatever the earlier ones left.
 """
 from __future__ import annotations
 

@@ -78,6 +78,37 @@ def test_a_diverging_rate_loses_and_the_sweep_goes_on(tiny, tmp_path, capsys):
     assert len(captured.err.strip().splitlines()) == 1 and not (out / "final").exists()
 
 
+def test_a_rate_that_diverged_is_not_trained_again_on_resume(tiny, tmp_path, monkeypatch):
+    """sweep --resume trained a rate whose run had diverged again, from its last checkpoint or from
+    scratch, to the same end; its record keeps it lost, unless its config changed (or --overwrite)."""
+    from vitlab.train import sweep
+    from vitlab.train.overrides import with_changes
+
+    trained = []
+    real_train = sweep.train
+
+    def counting_train(cfg, **kw):
+        trained.append(f"{cfg.optim.lr:g}")
+        return real_train(cfg, **kw)
+
+    monkeypatch.setattr(sweep, "train", counting_train)
+    cfg = tiny("sweep", steps=3, batch_size=16, tensorboard=False, ckpt_every=1)
+    first = run_sweep(cfg, grid=(1e30, 0.01), verbose=False)
+    assert trained == ["1e+30", "0.01", "0.01"] and (tmp_path / "sweep" / "lr_1e+30" / "diverged.json").is_file()
+    trained.clear()
+    lines = []
+    again = run_sweep(cfg, grid=(1e30, 0.01), resume=True, verbose=False, say=lines.append)
+    assert trained == ["0.01", "0.01"]  # the finished rate and the final run resumed at their end; 1e30 untrained
+    assert again["diverged"] == first["diverged"] and again["holdout_top1"] == first["holdout_top1"]
+    assert lines[0] == f"lr 1e+30: diverged before ({tmp_path / 'sweep' / 'lr_1e+30' / 'diverged.json'}), counted as lost"
+    trained.clear()  # a setting changed: trained (on from its last good checkpoint), its record of the new config
+    skipping = with_changes(cfg, {"run.on_nonfinite": "skip", "run.max_skipped_steps": 0})
+    assert list(run_sweep(skipping, grid=(1e30, 0.01), resume=True, verbose=False)["diverged"]) == ["1e+30"]
+    assert trained == ["1e+30", "0.01", "0.01"]
+    record = json.loads((tmp_path / "sweep" / "lr_1e+30" / "diverged.json").read_text())
+    assert record["config"]["run"]["on_nonfinite"] == "skip" and "run.max_skipped_steps=0" in record["error"]
+
+
 def test_of_rates_scoring_alike_the_lowest_is_chosen_whatever_the_grids_order(tiny, monkeypatch):
     """Ties went to the first rate in the grid's order: 0.03,0.01 and 0.01,0.03 chose differently on
     the same scores (a few hundred held-out examples tie often)."""

@@ -207,6 +207,13 @@ def test_the_weights_of_a_run_that_kept_no_checkpoints_are_not_written_over(tmp_
         f"vitlab train: error: run.out='{kept.parent}' holds the weights of an earlier run; start afresh there "
         "with --overwrite, or choose another --out")
     assert kept.read_bytes() == b"an earlier run's"
+    # --resume found no checkpoint to continue, trained from step 0 and wrote over the weights
+    assert main(command + ["--resume"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vitlab train: error: --resume: run.out='{kept.parent}' holds the weights of an earlier run and no checkpoint "
+        "to continue it from (a finished run's were removed); start afresh there with --overwrite, or choose "
+        "another --out")
+    assert kept.read_bytes() == b"an earlier run's"
     assert main(command + ["--overwrite"]) == 0
     assert kept.read_bytes() != b"an earlier run's"
 

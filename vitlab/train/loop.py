@@ -163,6 +163,10 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     held = held_by_earlier_run(out)
     if not resume and not overwrite:
         check_nothing_held(out)
+    elif resume and held == "weights":  # there was nothing to continue: it trained from step 0 over the weights
+        raise ConfigError(f"--resume: run.out={str(out)!r} holds the weights of an earlier run and no checkpoint to "
+                          "continue it from (a finished run's were removed); start afresh there with --overwrite, "
+                          "or choose another --out")
     # a resumed run's checkpoint is read first: its record of how the run was resolved goes into the build
     last_saved, state = resume_point(world, ckpt_dir, restarts) if resume else (None, None)
     if cfg.run.retain_freed_memory and world.device.type == "cpu":

@@ -137,6 +137,23 @@ def test_an_init_named_as_a_model_is_named_so_before_any_work(tmp_path, capsys, 
     assert not (tmp_path / "o").exists()
 
 
+def test_an_output_folder_inside_the_image_folder_is_refused(tmp_path, capsys, monkeypatch):
+    """`cd pets && vitlab train --data .` wrote runs/demo into the data: the next run on it trained on a class
+    'runs' (curves.png its image) without a word, and eval of the first met a class it never had."""
+    data = make_image_folder(tmp_path / "imgs")
+    monkeypatch.chdir(data)
+    base = ["train", "--recipe", "demo", "--steps", "1", "--batch-size", "9", "--val-split", "6", *TINY]
+    for flags, out, given in (([], "runs/demo", "."), (["--out", str(data / "cat" / "x")], str(data / "cat" / "x"),
+                                                       str(data))):
+        assert main([*base, "--data", given, *flags]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"vitlab train: error: run.out={out!r} lies inside data.source={given!r} (--data), an image folder: the "
+            "run's files would be read as the data's (its curves.png an image) by the next run, eval or --resume on "
+            "it; choose an --out outside the data's folder")
+    assert sorted(p.name for p in data.iterdir()) == ["cat", "dog", "fish"]
+    assert main([*base, "--data", ".", "--out", str(tmp_path / "run")]) == 0  # beside it
+
+
 def test_an_empty_data_folder_is_named_before_the_output_folder(tmp_path, capsys, monkeypatch):
     from vitlab.config import ConfigError
     from vitlab.train import train

@@ -87,6 +87,8 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
     if need_data:
         check_data(cfg)
     need_output_folder("run.out", cfg.run.out)
+    if need_data:
+        check_out_outside_data(cfg)
     if cfg.model.init is not None and not Path(cfg.model.init).expanduser().exists():
         check_init_named(cfg.model.init)
 
@@ -136,6 +138,24 @@ def check_data(cfg: TrainConfig) -> None:
         check_folder_holds_data(name, path)
     if cfg.data.cache_dir is not None:  # a file there was the OS's "Not a directory: '<it>/arrays'"
         need_output_folder("data.cache_dir", cfg.data.cache_dir)
+
+
+def check_out_outside_data(cfg: TrainConfig) -> None:
+    """The run's folder lies outside its image folders: inside one it became a class of the data
+    (FOLDER/runs/demo/curves.png is an image of class 'runs'), so the next run on that folder trained
+    on one more class without a word, and an eval or --resume of this run met other data."""
+    from vitlab.data.stream import is_stream_source
+
+    out = Path(cfg.run.out).expanduser().resolve()
+    for name, path in (("data.source", cfg.data.source), ("data.val_data", cfg.data.val_data)):
+        folder = Path(path).expanduser() if path is not None and path not in BUILTIN_DATA else None
+        if folder is None or not folder.is_dir() or is_stream_source(path):
+            continue
+        if out.is_relative_to(folder.resolve()):
+            flag = {"data.source": "--data", "data.val_data": "--val-data"}[name]
+            raise ConfigError(f"run.out={cfg.run.out!r} lies inside {name}={path!r} ({flag}), an image folder: "
+                              "the run's files would be read as the data's (its curves.png an image) by the next run, "
+                              "eval or --resume on it; choose an --out outside the data's folder")
 
 
 DATA_FORMS = ("an ImageFolder (FOLDER/CLASS/IMAGE, images .jpg, .png, ...), a .tar/.tar.gz archive of one, "

@@ -228,6 +228,20 @@ def test_finetune_size_scales_the_papers_384_by_the_inits_resolution():
     assert finetune_size(384, 16) == 384 and finetune_size(512, 16) == 512  # its own
 
 
+def test_a_fine_tunes_size_is_its_inits_as_the_file_is_now(tmp_path):
+    """The init's architecture was cached by its path for the process: weights at 16 px written where
+    weights at 8 px had been read were fine-tuned at 8 px (their position embeddings cut to one patch)."""
+    import vitlab
+    from vitlab.train.resolve import init_architecture, training_size
+
+    path = tmp_path / "w.safetensors"
+    cfg = with_changes(tiny_config(tmp_path / "run"), {"model.init": str(path), "model.overrides": {}})
+    for size, patch in ((8, 4), (16, 8)):
+        vitlab.save_model(vitlab.create_model("ViT-Ti/16", img_size=size, patch_size=patch, width=16, depth=1,
+                                              num_heads=2, mlp_dim=32, num_classes=10), path)
+        assert init_architecture(cfg).img_size == (size, size) and training_size(cfg) == (size, size)
+
+
 def test_build_leaves_the_processs_threads_and_random_streams_as_it_found_them(tmp_path):
     from vitlab.train.build import build
 

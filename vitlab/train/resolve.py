@@ -420,7 +420,7 @@ def load_init(load: Callable[..., Any], init: str, name: str, **kw: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=4)
-def _init_architecture(init: str, name: str) -> Architecture:
+def _init_architecture(init: str, name: str, identity: str) -> Architecture:
     from vitlab.weights import load_config
 
     return load_init(load_config, init, name)
@@ -428,8 +428,13 @@ def _init_architecture(init: str, name: str) -> Architecture:
 
 def init_architecture(cfg: TrainConfig) -> Architecture:
     """The architecture of ``model.init`` (at its own size, with its own head), read once per process
-    (by the path a run records: ``recorded_init``)."""
-    return _init_architecture(recorded_init(cfg.model.init), cfg.model.name)
+    and file: by the path a run records (``recorded_init``) and the file's size and time, so that
+    weights written since at that path are read again (cached by path alone, a fine-tune from new
+    weights at 16 px trained at the 8 px of the earlier ones, its model built for them)."""
+    from vitlab.eval.features import file_key
+
+    init = recorded_init(cfg.model.init)
+    return _init_architecture(init, cfg.model.name, file_key(init))
 
 
 def check_named_init(cfg: TrainConfig, name: str) -> None:

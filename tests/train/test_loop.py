@@ -221,6 +221,31 @@ def test_a_fine_tune_of_a_relative_init_is_resumed_from_another_folder(tiny, tmp
     check_same_run(from_dict(recorded), {**recorded, "model": {**recorded["model"], "init": "./w.safetensors"}})
 
 
+def test_a_run_started_afresh_leaves_no_earlier_results_beside_its_config(tiny, monkeypatch):
+    """--overwrite deleted the earlier run's checkpoints and wrote its config.json and classes.json anew,
+    but left its summary and weights until the new run's end: interrupted, the folder held the earlier
+    run's results as the new config's, which an experiment took for its finished run."""
+    from vitlab.experiments.common import finished_run
+    from vitlab.train import loop
+    from vitlab.train.overrides import with_changes
+
+    first = tiny("run", steps=2)
+    train(first, verbose=False)
+    out = Path(first.run.out)
+    assert {"summary.json", "model.safetensors", "curves.png"} <= {p.name for p in out.iterdir()}
+    second = with_changes(first, {"optim.steps": 4})
+
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(second, verbose=False, overwrite=True)
+    assert json.loads((out / "config.json").read_text())["optim"]["steps"] == 4
+    assert finished_run(second) is None
+    assert sorted(p.name for p in out.iterdir()) == ["classes.json", "config.json", "metrics.csv", "metrics.jsonl"]
+
+
 @pytest.mark.parametrize("flag", ["resume", "overwrite", "verbose"])
 def test_train_refuses_a_flag_that_is_not_true_or_false_before_any_work(tiny, flag):
     # a string from a config file or argv: "no" is truthy, so overwrite="no" deleted the earlier

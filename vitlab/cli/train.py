@@ -82,8 +82,8 @@ def add_run_arguments(p: argparse.ArgumentParser, helps: dict[str, str] | None =
                         "see vitlab/train/memory.py)")
     p.add_argument("--resume", action="store_true", help=helps.get("resume", "continue from the newest intact checkpoint in OUT/checkpoints (a --time-limit run keeps its clock); under torchrun --max-restarts a restarted group resumes by itself"))
     p.add_argument("--overwrite", action="store_true",
-                   help=helps.get("overwrite", "start afresh in an OUT that holds an earlier run: its checkpoints "
-                                               "are deleted, its weights written over"))
+                   help=helps.get("overwrite", "start afresh in an OUT that holds an earlier run: its checkpoints, "
+                                               "weights and summary are deleted as the new run starts"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override any TrainConfig field, SECTION.FIELD=VALUE (repeatable); model.FIELD=VALUE for a "
                         "ViTConfig field")

@@ -182,7 +182,7 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     progress.message(setup.resolved.line())
     if setup.fp8 is not None:
         progress.message(setup.fp8.line())
-    start_output_folder(setup, out, clear_checkpoints=held == "checkpoints" and not resume)
+    start_output_folder(setup, out, afresh=held is not None and not resume)
     budget = time_budget(setup, t_start, progress)
     nonfinite = NonFinite(cfg.run.on_nonfinite, cfg.run.max_skipped_steps)
 
@@ -336,12 +336,24 @@ def write_config(setup: Setup, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(to_dict(setup.cfg) | records, indent=2))
 
 
-def start_output_folder(setup: Setup, out: Path, clear_checkpoints: bool) -> None:
-    """The run's folder with its config and class names (rank 0); an earlier run's
-    checkpoints removed when ``clear_checkpoints`` (``--overwrite``), and the temporary
-    file of a checkpoint write that was killed removed in any case."""
-    if setup.world.is_main and clear_checkpoints:
-        shutil.rmtree(out / "checkpoints")
+# what a finished run leaves besides its config, class names and metrics (which a run writes anew as it starts)
+EARLIER_RESULTS = ("checkpoints", "summary.json", WEIGHTS_NAME, "curves.png", "tensorboard")
+
+
+def start_output_folder(setup: Setup, out: Path, afresh: bool) -> None:
+    """The run's folder with its config and class names (rank 0); an earlier run's checkpoints
+    and results removed when ``afresh`` (``--overwrite``), and the temporary file of a checkpoint
+    write that was killed removed in any case.  Left until the new run's end, an earlier run's
+    summary and weights beside the new config.json passed for the new run's: an experiment
+    interrupted in it reported the earlier run's numbers as its finished run (``finished_run``), and
+    predict read the earlier weights with the new class names."""
+    if setup.world.is_main and afresh:
+        for name in EARLIER_RESULTS:
+            path = out / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
     if setup.world.is_main:
         for partial in ckpt.remove_partial_writes(out / "checkpoints"):
             log.warning("removed %s, left by a checkpoint write that was killed", partial)

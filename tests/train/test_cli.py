@@ -154,6 +154,23 @@ def test_an_output_folder_inside_the_image_folder_is_refused(tmp_path, capsys, m
     assert main([*base, "--data", ".", "--out", str(tmp_path / "run")]) == 0  # beside it
 
 
+def test_a_fine_tune_into_its_inits_folder_is_refused_and_the_init_kept(tmp_path, capsys, tiny_checkpoint):
+    """finetune --init runs/pre --out runs/pre --overwrite wrote over the weights it started from (and, since
+    --overwrite removes an earlier run's weights as it starts, lost them to an interrupted run)."""
+    import shutil
+
+    pre = tmp_path / "pre"
+    shutil.copytree(tiny_checkpoint, pre)
+    kept = {p.name: p.read_bytes() for p in pre.iterdir()}
+    for init in (str(pre), str(pre / "model.safetensors")):
+        assert main(["finetune", "--init", init, "--out", str(pre), "--overwrite", "--data", "digits", "--steps", "1",
+                     "--set", "run.threads=1", "--quiet"]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"vitlab finetune: error: model.init={init!r}: the weights run.out={str(pre)!r} holds, which this run "
+            "writes its own over; fine-tune them into another --out")
+    assert {p.name: p.read_bytes() for p in pre.iterdir()} == kept
+
+
 def test_an_empty_data_folder_is_named_before_the_output_folder(tmp_path, capsys, monkeypatch):
     from vitlab.config import ConfigError
     from vitlab.train import train

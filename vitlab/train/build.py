@@ -91,6 +91,20 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
         check_out_outside_data(cfg)
     if cfg.model.init is not None and not Path(cfg.model.init).expanduser().exists():
         check_init_named(cfg.model.init)
+    elif cfg.model.init is not None:
+        check_init_kept(cfg)
+
+
+def check_init_kept(cfg: TrainConfig) -> None:
+    """The run writes its weights elsewhere than its init: given its init's run folder as --out, a
+    fine-tune (--overwrite) wrote over the weights it started from, which its --resume then read as the
+    init (of another size, a fine-tune's "auto" resolution came out otherwise, and the run was refused)."""
+    from vitlab.weights.native import WEIGHTS_NAME
+
+    out, init = Path(cfg.run.out).expanduser().resolve(), Path(cfg.model.init).expanduser().resolve()
+    if init in (out, out / WEIGHTS_NAME):
+        raise ConfigError(f"model.init={cfg.model.init!r}: the weights run.out={cfg.run.out!r} holds, which this run "
+                          "writes its own over; fine-tune them into another --out")
 
 
 def check_init_named(init: str) -> None:

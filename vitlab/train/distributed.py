@@ -127,6 +127,13 @@ def all_reduce_tensor(t: torch.Tensor, world: World) -> torch.Tensor:
     return t
 
 
+def broadcast_from_main(tensors: list[torch.Tensor], world: World) -> None:
+    """Every process's ``tensors`` set, in place, to rank 0's."""
+    if world.size > 1:
+        for t in tensors:
+            dist.broadcast(t, src=0)
+
+
 def all_gather_objects(obj, world: World) -> list:
     """Every process's ``obj`` (picklable), in rank order."""
     if world.size == 1:

@@ -32,7 +32,8 @@ from vitlab.weights.native import WEIGHTS_NAME
 from . import checkpoint as ckpt
 from .build import Setup, build, check_data
 from .config import TrainConfig, to_dict
-from .distributed import World, all_reduce_sum, barrier, elastic_restart_count, init_world, local_rank, shutdown
+from .distributed import (World, all_reduce_sum, barrier, broadcast_from_main, elastic_restart_count, init_world,
+                          local_rank, shutdown)
 from .inputs import Spans, WaitTimed
 from .metrics import MetricsWriter, Progress, plot_curves
 from .numerics import NonFinite
@@ -41,7 +42,7 @@ from .memory import retain_freed_memory
 from .resolve import run_memory_record, resolve_device
 from .state import (check_same_run, final_model, process_state, restore_state, set_process_state, set_rng_state,
                     sharded, training_state)
-from .step import StepResult, endless, train_step
+from .step import StepResult, endless, running_statistics, train_step
 from .time_budget import TimeBudget
 
 log = logging.getLogger(__name__)
@@ -279,6 +280,10 @@ def evaluate(setup: Setup, budget: TimeBudget, final: bool = False) -> dict:
     if evaluator is None:
         return {}
     t_eval = time.monotonic()
+    # BatchNorm's running statistics are each process's own, moved by its own micro-batches (neither DDP's
+    # buffers, broadcast at a training forward, nor FSDP's are shared after it): every process scores its
+    # share of the examples with rank 0's, which the saved weights hold
+    broadcast_from_main(running_statistics(setup.evaluated), setup.world)
     result = evaluator.run(setup.evaluated)
     if sharded(setup):  # a forward without backward leaves FSDP's root parameters gathered
         setup.model.reshard()

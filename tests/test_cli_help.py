@@ -145,3 +145,32 @@ def test_the_help_of_a_flag_says_what_it_does_in_its_command():
     assert "final run" in helps["sweep"]["val_split"] and "final run" in helps["sweep"]["val_data"]
     assert all(name in helps["vtab"]["overrides"] for name in PER_RUN_FIELDS)
     assert "stopped" in helps["vtab"]["overwrite"]
+
+
+
+def test_under_torchrun_a_refusal_is_printed_once_and_every_process_exits_with_it(capsys, monkeypatch):
+    """Every process of a torchrun launch reads the same arguments and met the same refusal: each printed
+    it (N lines for N processes).  Rank 0 prints its own and posts it in torchrun's store; another rank
+    prints its own unless it is rank 0's.  (torchrun's agent keeps the store; here the test does.)"""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for name, value in (("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(store.port)),
+                        ("TORCHELASTIC_USE_AGENT_STORE", "True")):
+        monkeypatch.setenv(name, value)
+    refused = ["train", "--recipe", "demo", "--data", "digits", "--batch-size", "15", "--quiet"]
+    line = ("vitlab train: error: optim.batch_size=15 is not divisible by optim.accum_steps=1 x world_size=2 = 2: "
+            "every micro-batch must have the same size\n")
+    for rank, printed in (("0", line), ("1", "")):
+        monkeypatch.setenv("RANK", rank)
+        assert main(refused) == 2
+        assert capsys.readouterr().err == printed
+    assert main(["eval", "--checkpoint", "no/such/run"]) == 2  # rank 1's own error, not rank 0's: printed
+    assert capsys.readouterr().err == "vitlab eval: error: no such file or directory: no/such/run\n"
+    for rank, printed in (("0", True), ("1", False)):  # argparse's refusals too
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["train", "--recipe", "demo", "--bogus"])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == (
+            "vitlab train: error: unrecognized arguments: --bogus (see vitlab train --help)\n" if printed else "")

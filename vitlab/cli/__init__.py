@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import sys
 import warnings
 
@@ -43,7 +44,23 @@ class OneLineParser(argparse.ArgumentParser):
     usage block first (ten lines for `train`), and ``--help`` is where that belongs."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        report(f"{self.prog}: error: {message} (see {self.prog} --help)")
+        self.exit(2)
+
+
+def report(line: str) -> None:
+    """Print an error to stderr, once for a torchrun launch: every process reads the same arguments
+    and met the same refusal, and each printed it.  Rank 0 prints its own; another rank prints its
+    own unless it is rank 0's (``rank_0_said``), and every process exits with its code all the same."""
+    launched = os.environ.get("WORLD_SIZE", "1") != "1"  # the training library is imported only then
+    if launched:
+        from vitlab.train.distributed import post_error, rank_0_said
+
+        if rank_0_said(line):
+            return
+    print(line, file=sys.stderr, flush=True)
+    if launched:
+        post_error(line)
 
 
 @contextlib.contextmanager
@@ -97,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, FloatingPointError) as err:
         if args.debug:
             raise
-        print(f"vitlab {args.command}: error: {err}", file=sys.stderr)
+        report(f"vitlab {args.command}: error: {err}")
         return 2
     # an optional package the command needs is absent: the package and the extra that brings it
     except ImportError as err:
@@ -106,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         missing = missing_package_of(err)
         if missing is None or args.debug:
             raise
-        print(f"vitlab {args.command}: error: {missing}", file=sys.stderr)
+        report(f"vitlab {args.command}: error: {missing}")
         return 2
 
 

@@ -149,6 +149,49 @@ def elastic_restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+def post_error(line: str) -> None:
+    """Rank 0 of a torchrun launch, having printed ``line`` (its error): post it in torchrun's store,
+    where the other ranks look for it (``rank_0_said``).  Nothing outside torchrun or on failure."""
+    try:
+        if env_world_size() > 1 and os.environ.get("RANK", "0") == "0" and (store := _agent_store(5.0)):
+            store.set(_error_key(), line)
+    except Exception:  # noqa: BLE001 - the store unreachable: the other ranks print their own
+        pass
+
+
+def rank_0_said(line: str, timeout_s: float = 10.0) -> bool:
+    """Whether rank 0 of this torchrun launch posted ``line`` as its error (``post_error``), waited
+    for up to ``timeout_s``: then it printed it, and another rank that met the same need not.  False
+    on rank 0, outside torchrun, and where rank 0 posts nothing in time or another line (its error
+    is another, or it has none: this rank's is its own)."""
+    if env_world_size() == 1 or os.environ.get("RANK", "0") == "0":
+        return False
+    from datetime import timedelta
+
+    try:
+        store = _agent_store(timeout_s)
+        if store is None:
+            return False
+        store.wait([_error_key()], timedelta(seconds=timeout_s))
+        return store.get(_error_key()).decode() == line
+    except Exception:  # noqa: BLE001 - no line in time, or the store unreachable
+        return False
+
+
+def _agent_store(timeout_s: float):
+    """A client of the store torchrun's agent keeps for its workers; None outside torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def _error_key() -> str:
+    return f"vitlab/error/restart-{elastic_restart_count()}"  # torchrun keeps its store over its restarts
+
+
 def barrier(world: World) -> None:
     if world.size > 1:
         dist.barrier()

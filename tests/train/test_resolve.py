@@ -410,3 +410,42 @@ def test_a_number_of_stream_workers_is_refused_on_a_run_that_holds_its_data_in_m
     for workers in ("auto", 0):
         stated = resolve(with_changes(auto_config(tmp_path), {"data.stream_workers": workers}), world(), described())
         assert stated.data == "memory" and stated.config.data.stream_workers == 0
+
+
+AGREE = """
+import json, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[4])
+from conftest import tiny_config
+from vitlab.machine import Machine
+from vitlab.train.distributed import World
+from vitlab.train.overrides import with_changes
+from vitlab.train.resolve import resolve
+rank, memory, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+cfg = with_changes(tiny_config(store + ".run", batch_size=256), {"optim.accum_steps": "auto", "model.overrides": dict(
+    img_size=16, patch_size=2, width=64, depth=2, num_heads=2, mlp_dim=128, name="ViT-agree/2")})
+world = World(rank=rank, size=2, local_rank=rank, device=torch.device("cpu"), processes_here=2)
+print(resolve(cfg, world, Machine.described(cores=2, memory_available=memory)).config.optim.accum_steps)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_the_processes_of_a_run_plan_one_micro_batch_with_the_least_memory_any_of_them_read(tmp_path):
+    """Each process reads its host's available memory at its own moment (and its own GPU's free memory):
+    with `--accum-steps auto` one that read more chose fewer, larger micro-batches than another, and the
+    processes took different slices of each global batch (FSDP's gathers, one per micro-batch, then
+    did not pair up).  Here 500 MB gives 1 micro-batch a step alone, 300 MB 4."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root, tests = Path(__file__).resolve().parents[2], str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", AGREE, str(rank), str(memory << 20), str(tmp_path / "store"),
+                               tests], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank, memory in ((0, 500), (1, 300))]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [int(out.split()[-1]) for out, _ in outs] == [4, 4]

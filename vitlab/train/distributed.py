@@ -120,6 +120,15 @@ def all_reduce_sum(values: list[float], world: World) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_min(values: list[float], world: World) -> list[float]:
+    """The least of each number over the processes."""
+    if world.size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=world.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.tolist()
+
+
 def all_reduce_tensor(t: torch.Tensor, world: World) -> torch.Tensor:
     """``t`` summed over processes, in place on its device (no read back to the host)."""
     if world.size > 1:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from vitlab import fast
 from vitlab.config import Architecture, ConfigError, Pair, ResNetConfig, ViTConfig, replace
@@ -56,7 +57,7 @@ from vitlab.machine import Machine
 
 from .architecture import architecture
 from .config import FINETUNE_MODEL_FIELDS, DataConfig, RunConfig, TrainConfig, to_dict
-from .distributed import World, local_rank, local_world
+from .distributed import World, all_reduce_min, local_rank, local_world
 from .inputs import HeldImages, count_images, held_images, opened_source
 from .memory_estimate import (GB, Available, MemoryEstimate, RunShape, estimate_memory, fitting_settings, gb, refusal,
                               resident_state_bytes, smallest_fitting_accum)
@@ -165,6 +166,8 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     resolved = Resolved(cfg, kernels, bf16_matmuls, threads, mode, machine.cpu_line(),
                         img_size=img_size, notes=notes, uncounted=uncounted)
     available = machine_memory(machine, resolved.device, world)
+    if not preview:
+        available = least_available(available, world)
     with step_measurement(resolved, world) as step_peak:  # None: the estimate decides
         if step_peak is not None and available.gpu is None:  # a card whose free memory was not read
             available = dataclasses.replace(available, gpu=int(torch.cuda.mem_get_info(world.device)[0]))
@@ -637,6 +640,19 @@ def machine_memory(machine: Machine, device: str, world: World) -> Available:
     gpu = machine.gpu(torch.device(device))
     return Available(machine.memory_available, gpu.free_bytes if gpu is not None else None,
                      processes=world.processes_here)
+
+
+def least_available(available: Available, world: World) -> Available:
+    """``available`` as the least any process of ``world``'s group read: each reads its host's memory at its
+    own moment and its own GPU's, and with ``optim.accum_steps`` "auto" one that read more chose fewer,
+    larger micro-batches than another (a global batch sliced two ways), or was not refused where another
+    was.  A collective call in a process group; ``available`` itself without one."""
+    if world.size == 1 or not dist.is_initialized():
+        return available
+    unknown = float("inf")
+    host, gpu = all_reduce_min([unknown if v is None else float(v) for v in (available.host, available.gpu)], world)
+    return dataclasses.replace(available, host=None if host == unknown else int(host),
+                               gpu=None if gpu == unknown else int(gpu))
 
 
 def plan_memory(cfg: TrainConfig, shape: RunShape, available: Available, world_size: int = 1,

@@ -354,6 +354,32 @@ def test_two_process_evaluation_scores_the_saved_weights(tmp_path, mode):
     assert summary["val_top1"] == scored["top1"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_a_checkpoint_of_a_run_without_fsdp_continues_under_fsdp(tmp_path, capsys, optimizer):
+    """--resume --fsdp of a one-process (or DDP) run's checkpoint failed with a traceback: a plain
+    Adam's state numbers its parameters, FSDP's names them (KeyError: 'state.0.step'), and SGD's groups
+    brought fused=True, which has no form for FSDP's shards (NotImplementedError: aten._fused_sgd_).
+    No augmentation: the two-process continuation meets the uninterrupted run (no qkv bias: the key's
+    gets a gradient of rounding noise only, which Adam scales up to steps of its size)."""
+    import shutil
+
+    common = ["train", "--recipe", "demo", "--data", "digits", "--steps", "4", "--batch-size", "16",
+              "--val-split", "100", "--set", "augment.crop=none", "--set", "model.qkv_bias=false",
+              "--set", f"optim.optimizer={optimizer}",
+              "--set", "run.ckpt_every=2", "--set", "run.keep_ckpts=2", *TINY]
+    assert main(common + ["--out", str(tmp_path / "one")]) == 0
+    one = last_json_line(capsys.readouterr().out)
+    shutil.copytree(tmp_path / "one", tmp_path / "two")
+    (tmp_path / "two" / "checkpoints" / "ckpt-00000004.pt").unlink()  # continued from step 2's
+    assert [p.name for p in (tmp_path / "two" / "checkpoints").iterdir()] == ["ckpt-00000002.pt"]
+    two = _run_cli(common + ["--out", str(tmp_path / "two"), "--fsdp", "--resume"], torchrun=2)
+    assert two["steps"] == 4 and two["world_size"] == 2
+    a, b = load_model(one["weights"]).state_dict(), load_model(two["weights"]).state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_finetune_and_sweep(tmp_path, capsys):
     base = ["--recipe", "demo", "--data", "digits", "--batch-size", "16", "--val-split", "100", *TINY]
     assert main(["train", *base, "--steps", "3", "--out", str(tmp_path / "pre")]) == 0

@@ -35,6 +35,12 @@ RESTORED_BY_OPTIMIZER = {"adam": ("optim.betas",), "sgd": ("optim.momentum",),
                          "muon": ("optim.betas", "optim.muon_momentum")}
 
 
+# how torch's optimisers run, which they hold among their groups' settings and load with them: this run's
+# own (``optim.fusable``: torch's fused SGD has no form for FSDP's sharded parameters, and a checkpoint of a
+# run without FSDP brought fused=True into one with it, whose first step failed)
+IMPLEMENTATION = ("fused", "foreach")
+
+
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -162,14 +168,18 @@ def training_state(setup, step: int, total_steps: int, records: list[dict], cloc
 
 def restore_state(setup, state: dict) -> tuple[int, int, list[dict]]:
     """Load a checkpoint into ``setup``; returns (step, total_steps, metric records)."""
+    built = [{k: group[k] for k in IMPLEMENTATION if k in group} for group in setup.optimizer.param_groups]
     if sharded(setup):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         set_model_state_dict(setup.model, state["model"], options=_full(options_only=True))
-        set_optimizer_state_dict(setup.model, setup.optimizer, state["optimizer"], options=_full(options_only=True))
+        set_optimizer_state_dict(setup.model, setup.optimizer, keyed_by_name(state["optimizer"], setup),
+                                 options=_full(options_only=True))
     else:
         setup.model.load_state_dict(state["model"])
         setup.optimizer.load_state_dict(state["optimizer"])
+    for group, own in zip(setup.optimizer.param_groups, built):  # the saved groups bring the saving run's
+        group.update(own)
     if setup.cfg.optim.optimizer == "muon":  # the saved groups' lr scale is that of the lr they were saved with
         set_lr_scales(setup.optimizer.param_groups, setup.cfg.optim)
     if setup.ema is not None and state.get("ema"):
@@ -179,6 +189,21 @@ def restore_state(setup, state: dict) -> tuple[int, int, list[dict]]:
     setup.stream.load_state_dict(state["stream"])
     set_rng_state(state["rng"])
     return int(state["step"]), int(state["total_steps"]), list(state.get("records", []))
+
+
+def keyed_by_name(optim_state: dict, setup) -> dict:
+    """An optimiser's state dict with its parameters named, as FSDP's full state dicts name them: a
+    checkpoint of a run without FSDP (one process, or DDP) numbers them in the order of its groups,
+    which torch's FSDP loader does not read (a KeyError); the groups are the same (``build_optimizer``),
+    so the numbers are this run's parameters in that order."""
+    numbers = [i for group in optim_state["param_groups"] for i in group["params"]]
+    if not all(isinstance(i, int) for i in numbers):
+        return optim_state
+    names = {id(p): name for name, p in setup.model.named_parameters()}
+    name = dict(zip(numbers, (names[id(p)] for group in setup.optimizer.param_groups for p in group["params"])))
+    return {"state": {name[i]: v for i, v in optim_state["state"].items()},
+            "param_groups": [{**group, "params": [name[i] for i in group["params"]]}
+                             for group in optim_state["param_groups"]]}
 
 
 def final_model(setup) -> nn.Module | None:

@@ -380,6 +380,18 @@ def test_a_checkpoint_of_a_run_without_fsdp_continues_under_fsdp(tmp_path, capsy
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.mark.slow
+def test_masked_patch_prediction_trains_in_two_processes(tmp_path):
+    """Masked patch prediction leaves the ViT's classifier out, whose parameters get no gradient: under
+    DDP, which waits for one of every parameter, the second step stopped with a traceback ("Expected to
+    have finished reduction in the prior iteration")."""
+    summary = _run_cli(["train", "--recipe", "demo", "--data", "digits", "--steps", "3", "--batch-size", "16",
+                        "--val-split", "0", "--set", "model.mpp=color", "--set", "augment.label_smoothing=0",
+                        "--out", str(tmp_path / "mpp"), *TINY], torchrun=2)
+    assert summary["steps"] == 3 and summary["world_size"] == 2
+    assert load_model(summary["weights"]).cfg.width == 16
+
+
 def test_finetune_and_sweep(tmp_path, capsys):
     base = ["--recipe", "demo", "--data", "digits", "--batch-size", "16", "--val-split", "100", *TINY]
     assert main(["train", *base, "--steps", "3", "--out", str(tmp_path / "pre")]) == 0

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from vitlab.models.layers import Block
+from vitlab.models.mpp import MaskedPatchPrediction
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,10 @@ def wrap_model(model: nn.Module, world: World, fsdp: bool) -> nn.Module:
             if isinstance(module, Block):
                 fully_shard(module, mesh=mesh)
         return fully_shard(model, mesh=mesh)  # the same object, its parameters now DTensor shards
-    return DistributedDataParallel(model, device_ids=[world.device] if world.device.type == "cuda" else None)
+    # masked patch prediction trains the ViT without its classifier, whose parameters get no gradient: DDP
+    # waits for one of every parameter and stopped the second step ("Expected to have finished reduction")
+    return DistributedDataParallel(model, device_ids=[world.device] if world.device.type == "cuda" else None,
+                                   find_unused_parameters=isinstance(model, MaskedPatchPrediction))
 
 
 def all_reduce_sum(values: list[float], world: World) -> list[float]:

@@ -4,6 +4,7 @@ the final weights are bit-equal (torch.equal, every tensor) to an uninterrupted 
     python tests/helpers/kill_resume.py --kills 10                # 10 random kills, 2 aimed at a write
     python tests/helpers/kill_resume.py --kills 10 --write-kills 3 --seed 1
     python tests/helpers/kill_resume.py --torchrun                # 2 processes, one killed, torchrun restarts
+    python tests/helpers/kill_resume.py --torchrun --fsdp         # the same, the model sharded with FSDP
 
 The run: a ViT of 4 blocks (width 32, 4x4 patches) on a synthetic ImageFolder of 5
 classes x 16 images of 16x16 pixels, batch 16, Adam, dropout 0.1, random crops and flips
@@ -230,19 +231,22 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
     return ranks
 
 
-def torchrun_worker_kill(workdir: Path, steps: int = 20) -> dict:
-    """2 processes under torchrun --max-restarts 1: an uninterrupted run, and one whose
-    rank 1 is SIGKILLed while rank 0 writes the second checkpoint; the report."""
+def torchrun_worker_kill(workdir: Path, steps: int = 20, fsdp: bool = False) -> dict:
+    """2 processes under torchrun --max-restarts 1 (``fsdp``: sharded with FSDP, else DDP): an
+    uninterrupted run, and one whose rank 1 is SIGKILLed while rank 0 writes the second
+    checkpoint; the report."""
     data, cache = make_data(workdir / "images"), workdir / "cache"
     reference_out, out = workdir / "reference2", workdir / "killed2"
-    proc = launch(train_args(data, reference_out, cache, steps), environment(), torchrun=2)
+    sharding = ["--fsdp"] if fsdp else []
+    proc = launch(train_args(data, reference_out, cache, steps) + sharding, environment(), torchrun=2)
     code, stdout, stderr = finish(proc)
     if code != 0:
         raise RuntimeError(f"the uninterrupted 2-process run failed:\n{stderr[-3000:]}")
     reference = last_json(stdout)
 
     # every write is held open for a while: the kill lands while rank 1 waits for rank 0's write
-    proc = launch(train_args(data, out, cache, steps), environment(), torchrun=2, max_restarts=1, hold_writes=1.0)
+    proc = launch(train_args(data, out, cache, steps) + sharding, environment(), torchrun=2, max_restarts=1,
+                  hold_writes=1.0)
     wait_for(lambda: len(checkpoints(out)) >= 1 and bool(partial_writes(out)), proc)
     victims = worker_pids(proc.pid)
     os.kill(victims[1], signal.SIGKILL)
@@ -265,6 +269,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torchrun", action="store_true", help="the 2-process torchrun restart instead")
+    parser.add_argument("--fsdp", action="store_true", help="with --torchrun: the processes shard the model (FSDP)")
     parser.add_argument("--workdir", help="keep the runs here (default: a temporary folder)")
     args = parser.parse_args()
     import tempfile
@@ -273,7 +278,7 @@ def main() -> None:
         workdir = Path(args.workdir or tmp)
         t0 = time.monotonic()
         if args.torchrun:
-            report = torchrun_worker_kill(workdir)
+            report = torchrun_worker_kill(workdir, fsdp=args.fsdp)
         else:
             report = kill_and_resume(workdir, args.kills, min(args.write_kills, args.kills), args.seed, args.steps)
         report["wall_s"] = round(time.monotonic() - t0, 1)

@@ -131,14 +131,15 @@ def test_sigkill_at_random_moments_and_inside_a_write_resumes_bit_equal(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers through /proc (Linux)")
-def test_torchrun_restarts_a_killed_worker_and_the_group_resumes_bit_equal(tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_torchrun_restarts_a_killed_worker_and_the_group_resumes_bit_equal(tmp_path, fsdp):
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")
     if shutil.which("torchrun") is None and importlib.util.find_spec("torch.distributed.run") is None:
         pytest.skip("torchrun is not available")
-    report = kill_resume.torchrun_worker_kill(tmp_path, steps=20)
+    report = kill_resume.torchrun_worker_kill(tmp_path, steps=20, fsdp=fsdp)  # FSDP: its checkpoints gathered
     assert report["world_size"] == 2 and report["final_steps"] == 20
     assert report["checkpoints_at_kill"] == ["ckpt-00000005.pt"]  # killed while the second one was written
     # the restarted group resumed from the last complete checkpoint: step 5's, or step 10's if

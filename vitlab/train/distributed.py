@@ -117,19 +117,19 @@ def wrap_model(model: nn.Module, world: World, fsdp: bool) -> nn.Module:
 
 def all_reduce_sum(values: list[float], world: World) -> list[float]:
     """Sum numbers over processes (evaluation counts)."""
-    if world.size == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=world.device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.tolist()
+    return _all_reduce_numbers(values, world, "SUM")
 
 
 def all_reduce_min(values: list[float], world: World) -> list[float]:
     """The least of each number over the processes."""
+    return _all_reduce_numbers(values, world, "MIN")
+
+
+def _all_reduce_numbers(values: list[float], world: World, op: str) -> list[float]:
     if world.size == 1:
         return values
     t = torch.tensor(values, dtype=torch.float64, device=world.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return t.tolist()
 
 

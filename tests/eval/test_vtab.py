@@ -464,6 +464,40 @@ def test_a_diverging_rate_loses_and_the_protocol_goes_on(tasks, tiny_checkpoint,
     assert chosen_lrs((0.01, 0.03), val, "per-task") == {"a": 0.01, "b": 0.03}
 
 
+def test_a_rate_that_diverged_is_not_trained_again_on_resume(tasks, tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """vtab --resume trained a rate whose run had diverged again, to the same end (as sweep --resume did);
+    its record (the sweep's, shared) keeps it lost, unless its config changed."""
+    import vitlab.train.vtab as vtab
+    from vitlab.train.numerics import NonFiniteError
+
+    trained = []
+    real_train = vtab.train
+
+    def train(cfg, **kwargs):
+        trained.append(f"{cfg.optim.lr:g}")
+        if cfg.optim.lr >= 1e29:  # made certain, as in the test above
+            raise NonFiniteError("step 2: the training loss is not finite")
+        return real_train(cfg, **kwargs)
+
+    monkeypatch.setattr(vtab, "train", train)
+    out = tmp_path / "vtab"
+    args = [*tiny_vtab(tiny_checkpoint, tasks, out, steps=1), "--only", "eurosat", "--grid", "0.01,1e30"]
+    assert main(args) == 0
+    record = out / "eurosat" / "lr_1e+30" / "diverged.json"
+    assert trained == ["0.01", "1e+30", "0.01"] and record.is_file()
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tasks"]["eurosat"]
+    trained.clear()
+    assert main([*args, "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert trained == []  # the finished runs read back, the diverged rate counted lost untrained
+    assert "1e+30: diverged" in printed
+    assert json.loads(printed.strip().splitlines()[-1])["tasks"]["eurosat"]["val_top1"] == first["val_top1"]
+    # a setting changed: trained again (the finished runs read back), its record of the new config
+    skipping = ["--set", "run.on_nonfinite=skip", "--set", "run.max_skipped_steps=0"]
+    assert main([*args, "--resume", *skipping]) == 0
+    assert trained == ["1e+30"] and json.loads(record.read_text())["config"]["run"]["on_nonfinite"] == "skip"
+
+
 def test_a_field_every_run_sets_is_refused_and_a_cache_folder_is_kept(tasks, tiny_checkpoint, tmp_path, capsys):
     """--set optim.lr=0.5 trained the grid's rates, --set data.train_examples=500 the --examples, --set
     run.out the runs under --out, all without a word; --set data.cache_dir was replaced by OUT/cache."""

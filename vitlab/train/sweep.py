@@ -12,7 +12,7 @@
    1% ImageNet); 10% for a config without one.  ``data.val_data`` plays no part here.  A rate
    whose run diverges (stops on a loss or gradients that are not finite, ``run.on_nonfinite``)
    loses, as any rate worse than the best: its score is None and the others go on.  Its folder
-   keeps why (``DIVERGED_NAME``, with the run's config), so that ``resume`` counts it lost again
+   keeps why (``diverged.DIVERGED_NAME``, with the run's config), so that ``resume`` counts it lost again
    rather than training it to the same end; a run of another config there is trained.
 2. Retrain with the best learning rate (of rates tied, the lowest) on the full training set into ``run.out/final``
    (``final_val_split`` still holds that many examples out for a final number; the default
@@ -29,7 +29,6 @@ whatever the earlier ones left.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -37,19 +36,17 @@ from vitlab.config import ConfigError, is_int, is_number, need, need_bool
 from vitlab.weights.core import atomic_write
 
 from .build import check_can_run
-from .config import TrainConfig, check_lr_grid, to_dict
+from .config import TrainConfig, check_lr_grid
 from .distributed import env_world_size
+from .diverged import DIVERGED_NAME, diverged_before, forget_divergence, record_divergence
 from .loop import check_nothing_held, check_resume_or_overwrite, held_by_earlier_run, train
 from .metrics import Progress
 from .numerics import NonFiniteError
 from .overrides import with_changes
-from .resolve import recorded_paths
 
 __all__ = ["run_sweep", "sweep_plan", "best_lr", "DEFAULT_HOLDOUT"]
 
 DEFAULT_HOLDOUT = 0.1
-# in a rate's run folder, once its run diverged: the error it stopped on and the config it was run with
-DIVERGED_NAME = "diverged.json"
 
 
 def sweep_holdout(explicit: float | None, recipe_split: float | int) -> float | int:
@@ -137,29 +134,6 @@ def check_final_lr(final_cfg: TrainConfig, best: float) -> None:
                           f"{best:g}; move that folder away to retrain it, or choose another --out")
 
 
-def _as_recorded(cfg: TrainConfig) -> dict:
-    """``cfg`` as ``DIVERGED_NAME`` holds it: its paths absolute (another spelling of the same data is
-    the same run), as JSON reads it back."""
-    return json.loads(json.dumps(to_dict(with_changes(cfg, recorded_paths(cfg)))))
-
-
-def diverged_before(cfg: TrainConfig) -> str | None:
-    """The error on which a run of exactly ``cfg`` stopped in its folder (``DIVERGED_NAME``), or None: no
-    record, an unreadable one, or one of another config (a setting changed since, which may not diverge)."""
-    try:
-        record = json.loads((Path(cfg.run.out) / DIVERGED_NAME).read_text())
-        return str(record["error"]) if record["config"] == _as_recorded(cfg) else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def record_divergence(cfg: TrainConfig, error: NonFiniteError) -> None:
-    """``DIVERGED_NAME`` in ``cfg``'s run folder (by rank 0 of a distributed launch)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        text = json.dumps({"error": str(error), "config": _as_recorded(cfg)}, indent=2).encode()
-        atomic_write(Path(cfg.run.out) / DIVERGED_NAME, lambda f: f.write(text))
-
-
 def best_lr(grid: Sequence[float], scores: dict[str, float | None]) -> float:
     """The rate of ``grid`` whose score (``scores``, by rate as ``f"{lr:g}"``) is highest, of rates
     scoring alike the lowest (the choice is the grid's, whatever its order, and the lower rate is the
@@ -212,8 +186,7 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
             scores[lr], diverged[lr] = None, before
             say(f"lr {lr}: diverged before ({Path(r.run.out) / DIVERGED_NAME}), counted as lost")
             continue
-        if int(os.environ.get("RANK", "0")) == 0:  # trained now: an earlier run's record goes
-            (Path(r.run.out) / DIVERGED_NAME).unlink(missing_ok=True)
+        forget_divergence(r)  # trained now: an earlier run's record goes
         try:
             summary = train(r, resume=resume, overwrite=overwrite, verbose=verbose)
         except NonFiniteError as err:  # a rate that diverges loses (the sweep stopped on it, the other rates unrun)

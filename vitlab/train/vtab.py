@@ -42,6 +42,7 @@ from vitlab.weights.core import atomic_write
 from .build import check_can_run
 from .config import TrainConfig, check_lr_grid, to_dict
 from .distributed import local_rank, local_world
+from .diverged import DIVERGED_NAME, diverged_before, forget_divergence, record_divergence
 from .loop import held_by_earlier_run, train
 from .metrics import Progress
 from .numerics import NonFiniteError
@@ -88,24 +89,27 @@ class Runs:
     resume: bool = False   # a run that finished (its summary.json) is read back, one that stopped goes on
     verbose: bool = True
 
-    def fine_tune(self, source: Path, lr: float, folder: str) -> dict:
-        """The summary of ``cfg`` trained on ``source`` at ``lr`` into ``out/folder``; with
-        ``resume``, a run there that finished is read back and one that stopped goes on from its
-        newest checkpoint (``run.ckpt_every``), as ``train``'s resume does (it was started afresh,
-        its checkpoints deleted)."""
-        done = self.out / folder / "summary.json"
+    def config(self, source: Path, lr: float, folder: str) -> TrainConfig:
+        """``cfg`` trained on ``source`` at ``lr`` into ``out/folder``."""
+        return with_changes(self.cfg, {"data.source": str(source), "optim.lr": lr, "run.out": str(self.out / folder)})
+
+    def fine_tune(self, run_cfg: TrainConfig) -> dict:
+        """The summary of ``run_cfg`` (``config``) trained; with ``resume``, a run in its folder that
+        finished is read back and one that stopped goes on from its newest checkpoint
+        (``run.ckpt_every``), as ``train``'s resume does (it was started afresh, its checkpoints deleted)."""
+        folder = Path(run_cfg.run.out)
+        done = folder / "summary.json"
         if self.resume and done.is_file():  # made with these settings: ``check_earlier_runs``
             return json.loads(done.read_text())
-        run_cfg = with_changes(self.cfg, {"data.source": str(source), "optim.lr": lr,
-                                          "run.out": str(self.out / folder)})
         check_can_run(run_cfg)
         # a run not begun is started as such: resumed, each one said that it had no checkpoint to resume from
-        stopped = self.resume and held_by_earlier_run(self.out / folder) == "checkpoints"
+        stopped = self.resume and held_by_earlier_run(folder) == "checkpoints"
+        forget_divergence(run_cfg)  # trained now: an earlier run's record goes
         summary = train(run_cfg, resume=stopped, overwrite=not stopped, verbose=self.verbose)
         # a finished run is read back from its summary and weights: its checkpoints (the optimiser's state
         # beside the weights) served only a stopped run's --resume, and over every task's runs they are
         # the protocol's largest use of disk
-        shutil.rmtree(self.out / folder / "checkpoints", ignore_errors=True)
+        shutil.rmtree(folder / "checkpoints", ignore_errors=True)
         return summary
 
     def score(self, weights: str, folder: Path) -> tuple[float, int, int]:
@@ -179,13 +183,22 @@ def check_earlier_runs(out: Path, settings: Mapping[str, dict], resume: bool, ov
 def sweep_scores(runs: Runs, task: Task, views: TaskSplits, grid: Sequence[float], say) -> dict[str, float | None]:
     """{lr: top-1 on the task's validation examples} of a run on its sweep split per learning
     rate, None for a run that diverged (it loses); {} for a grid of one (one learning rate needs
-    no choosing).  ``NonFiniteError`` if every rate diverged on the task."""
+    no choosing).  ``NonFiniteError`` if every rate diverged on the task.  Resumed, a rate whose run of
+    the same config diverged is counted lost again, untrained (``diverged.diverged_before``)."""
     scores: dict[str, float | None] = {}
     for lr in grid if len(grid) > 1 else ():
-        try:
-            summary = runs.fine_tune(views.sweep_train, lr, f"{task.name}/lr_{lr:g}")
-        except NonFiniteError:  # a rate that diverges loses (it stopped the whole protocol)
+        run_cfg = runs.config(views.sweep_train, lr, f"{task.name}/lr_{lr:g}")
+        # resumed, a run that diverged was trained again, from its last checkpoint or from scratch, to the same end
+        before = diverged_before(run_cfg) if runs.resume else None
+        if before is not None:
             scores[f"{lr:g}"] = None
+            say(f"{task.name}: lr {lr:g}: diverged before ({Path(run_cfg.run.out) / DIVERGED_NAME}), counted as lost")
+            continue
+        try:
+            summary = runs.fine_tune(run_cfg)
+        except NonFiniteError as err:  # a rate that diverges loses (it stopped the whole protocol)
+            scores[f"{lr:g}"] = None
+            record_divergence(run_cfg, err)
             say(f"{task.name}: lr {lr:g}: diverged (a loss or gradients not finite), counted as lost")
             continue
         scores[f"{lr:g}"], _, _ = runs.score(summary["weights"], views.sweep_val)
@@ -217,7 +230,7 @@ def chosen_lrs(grid: Sequence[float], val: Mapping[str, Mapping[str, float | Non
 
 def final_result(runs: Runs, task: Task, views: TaskSplits, lr: float, val: dict[str, float], say) -> dict:
     """One task's final run on all its training examples at ``lr``, scored on its test set."""
-    final = runs.fine_tune(views.train, lr, f"{task.name}/final_lr_{lr:g}")
+    final = runs.fine_tune(runs.config(views.train, lr, f"{task.name}/final_lr_{lr:g}"))
     top1, n, unread = runs.score(final["weights"], views.test)
     skipped = final.get("skipped_images", 0) + unread  # left out as unreadable by its final run and its test set
     say(f"{task.name}: lr {lr:g}: test top-1 {top1:.4f} on {n} images ({views.test_split})"
@@ -238,7 +251,8 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
     chosen, the test top-1 and its images) and ``summarize``'s group means and mean.
     ``resume``: the runs that finished in ``out`` are read back, not run again, and a run that
     stopped goes on from its newest checkpoint (every ``run.ckpt_every`` steps; refused if they
-    were made with other settings); ``overwrite``: they are trained again.  Without either, a
+    were made with other settings), and a rate whose run of the same config diverged is counted lost
+    again, untrained (``diverged.diverged_before``); ``overwrite``: they are trained again.  Without either, a
     folder holding finished or stopped runs of ``tasks`` is refused.  ``verbose``: a line per run on stderr,
     and the training runs' progress.
     """

@@ -1,0 +1,53 @@
+"""A run that diverged, on record in its folder: the error it stopped on and the config it was run with.
+
+A protocol that trains a grid of learning rates (``sweep.run_sweep``, ``vtab.run_vtab``) counts a
+rate whose run diverged (``numerics.NonFiniteError``) as lost.  Its record (``DIVERGED_NAME``) lets
+a later ``resume`` count it lost again rather than train it to the same end; a run of another
+config there is trained, and a run trained again drops the earlier record.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from vitlab.weights.core import atomic_write
+
+from .config import TrainConfig, to_dict
+from .numerics import NonFiniteError
+from .overrides import with_changes
+from .resolve import recorded_paths
+
+__all__ = ["DIVERGED_NAME", "diverged_before", "record_divergence", "forget_divergence"]
+
+# in a rate's run folder, once its run diverged: the error it stopped on and the config it was run with
+DIVERGED_NAME = "diverged.json"
+
+
+def _as_recorded(cfg: TrainConfig) -> dict:
+    """``cfg`` as ``DIVERGED_NAME`` holds it: its paths absolute (another spelling of the same data is
+    the same run), as JSON reads it back."""
+    return json.loads(json.dumps(to_dict(with_changes(cfg, recorded_paths(cfg)))))
+
+
+def diverged_before(cfg: TrainConfig) -> str | None:
+    """The error on which a run of exactly ``cfg`` stopped in its folder (``DIVERGED_NAME``), or None: no
+    record, an unreadable one, or one of another config (a setting changed since, which may not diverge)."""
+    try:
+        record = json.loads((Path(cfg.run.out) / DIVERGED_NAME).read_text())
+        return str(record["error"]) if record["config"] == _as_recorded(cfg) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def record_divergence(cfg: TrainConfig, error: NonFiniteError) -> None:
+    """``DIVERGED_NAME`` in ``cfg``'s run folder (by rank 0 of a distributed launch)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        text = json.dumps({"error": str(error), "config": _as_recorded(cfg)}, indent=2).encode()
+        atomic_write(Path(cfg.run.out) / DIVERGED_NAME, lambda f: f.write(text))
+
+
+def forget_divergence(cfg: TrainConfig) -> None:
+    """Remove an earlier run's ``DIVERGED_NAME`` from ``cfg``'s run folder, as its run is trained now (by rank 0)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        (Path(cfg.run.out) / DIVERGED_NAME).unlink(missing_ok=True)

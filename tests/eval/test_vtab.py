@@ -294,6 +294,24 @@ def test_a_second_run_into_the_same_out_keeps_or_refuses_the_finished_runs(tasks
     assert main([*args, "--steps", "2", "--resume"]) == 0  # the record follows the runs trained again
 
 
+def test_resume_from_another_folder_scores_the_runs_own_weights(tasks, tiny_checkpoint, tmp_path, capsys,
+                                                                 monkeypatch):
+    """A finished run's summary named its weights relative to the folder vtab ran in: --resume from another
+    folder scored a file of that name there, or none.  Read back, the run's weights are those in its folder."""
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    monkeypatch.chdir(work)
+    args, summary, _ = finished_eurosat_run(tiny_checkpoint, tasks, Path("vtab"), capsys)
+    written = json.loads(summary.read_text())
+    assert written["weights"] == str(work / "vtab" / "eurosat" / "final_lr_0.01" / "model.safetensors")
+    # as a summary of before recorded it, from work/
+    summary.write_text(json.dumps({**written, "weights": "vtab/eurosat/final_lr_0.01/model.safetensors"}))
+    monkeypatch.chdir(work / "sub")
+    assert main([*args[:args.index("--out") + 1], "../vtab", *args[args.index("--out") + 2:], "--resume"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tasks"]["eurosat"]
+    assert os.path.samefile(report["weights"], written["weights"]) and report["test_top1"] is not None
+
+
 def test_run_vtab_trains_each_run_on_its_whole_view_whatever_the_recipes_split(tasks, tiny_checkpoint, tmp_path):
     """The vtab1k recipe's own 800/200 of 1000 (data.train_examples, data.val_split), here at a
     twentieth of its size, given to run_vtab as its docstring does: each run held a further part of

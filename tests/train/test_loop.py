@@ -187,6 +187,33 @@ def test_a_run_on_a_relative_data_path_is_scored_and_resumed_on_it_from_another_
         check_own_folder(with_changes(cfg, {"data.source": str(other)}))
 
 
+def test_a_finished_run_is_found_from_another_folder_by_its_summarys_weights(tiny, tmp_path, monkeypatch):
+    """summary.json recorded its weights relative to the folder the command ran in: an experiment run again
+    from another folder took its finished runs for none (no such weights file there) and trained them
+    again.  A summary records its files absolute now, and one written before is read in its run's folder."""
+    from vitlab.experiments.common import finished_run
+    from vitlab.train.overrides import with_changes
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    cfg = with_changes(tiny("run", steps=2, tensorboard=False), {"run.out": "runs/x"})
+    summary = train(cfg, verbose=False)
+    folder = work / "runs" / "x"
+    assert summary["weights"] == str(folder / "model.safetensors")
+    assert summary["classes"] == str(folder / "classes.json")
+    monkeypatch.chdir(tmp_path)
+    elsewhere = with_changes(cfg, {"run.out": "work/runs/x"})  # the same folder, spelt from here
+    assert finished_run(elsewhere)["weights"] == str(folder / "model.safetensors")
+    # a summary of before: its files relative to work/, where its command ran
+    written = json.loads((folder / "summary.json").read_text())
+    old = {**written, "weights": "runs/x/model.safetensors", "classes": "runs/x/classes.json"}
+    (folder / "summary.json").write_text(json.dumps(old))
+    found = finished_run(elsewhere)
+    assert found["steps"] == 2 and found["weights"] == str(folder / "model.safetensors")
+    assert found["classes"] == str(folder / "classes.json")
+
+
 def test_a_fine_tune_of_a_relative_init_is_resumed_from_another_folder(tiny, tmp_path, monkeypatch):
     """A fine-tune's model.init named relative to the folder it was trained in was recorded as typed:
     from another folder, --resume with the init spelt from there was refused as another init, and

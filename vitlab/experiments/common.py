@@ -36,6 +36,7 @@ from vitlab.data.digits import load_digits_dataset
 from vitlab.models.registry import build_model
 from vitlab.train import train
 from vitlab.train.build import architecture
+from vitlab.train.loop import read_summary
 from vitlab.train.resolve import recorded_paths, stated_model
 from vitlab.train.config import (AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig,
                                  from_dict, to_dict)
@@ -227,9 +228,11 @@ def finished_run(cfg) -> dict | None:
 
     out = Path(cfg.run.out)
     try:
-        summary = json.loads((out / "summary.json").read_text())
+        summary = read_summary(out)  # its weights in its folder, from whatever folder it was made in
         saved = from_dict(json.loads((out / "config.json").read_text()))
         saved = with_changes(saved, recorded_paths(saved))  # a run that recorded its paths as typed: in this folder
+        # its folder is the one it is read from, however the command that made it spelt it (relative to its folder)
+        saved = with_changes(saved, {"run.out": cfg.run.out})
         finished = (out / "summary.json").stat().st_mtime
         if not Path(summary["weights"]).is_file():
             return None

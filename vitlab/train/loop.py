@@ -544,16 +544,35 @@ def finish(setup: Setup, step: int, planned_steps: int, last_val: dict, wall: fl
     }
     if setup.world.is_main:
         weights = save_model(model, out / WEIGHTS_NAME)
-        summary["weights"] = str(weights)
-        summary["classes"] = str(out / "classes.json")
+        # absolute, as the config records the data and the init: as typed, they named the files from the folder
+        # the command ran in, and from another an experiment took its finished run for none (read back:
+        # ``read_summary``)
+        summary["weights"] = str(Path(weights).absolute())
+        summary["classes"] = str((out / "classes.json").absolute())
     if full_size_rate is not None:
         summary |= utilization(setup, full_size_rate)
     if setup.world.is_main:
         if writer is not None:
             writer.close()
             plot = plot_curves(records, out / "curves.png")
-            summary["curves"] = str(plot) if plot else None
+            summary["curves"] = str(Path(plot).absolute()) if plot else None
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+# a summary's fields that name a file of its run's folder
+SUMMARY_FILES = ("weights", "classes", "curves")
+
+
+def read_summary(out: str | Path) -> dict:
+    """The summary a run wrote into its folder ``out``, its files (``SUMMARY_FILES``) those in ``out``, absolute:
+    a summary written before they were recorded absolute named them from the folder its command ran in, and
+    a run's folder may have been moved since; either way, read from another folder they named no file."""
+    out = Path(out)
+    summary = json.loads((out / "summary.json").read_text())
+    for key in SUMMARY_FILES:
+        if isinstance(summary.get(key), str):
+            summary[key] = str((out / Path(summary[key]).name).absolute())
     return summary
 
 

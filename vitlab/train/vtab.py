@@ -43,7 +43,7 @@ from .build import check_can_run
 from .config import TrainConfig, check_lr_grid, to_dict
 from .distributed import local_rank, local_world
 from .diverged import DIVERGED_NAME, diverged_before, forget_divergence, record_divergence
-from .loop import held_by_earlier_run, train
+from .loop import held_by_earlier_run, read_summary, train
 from .metrics import Progress
 from .numerics import NonFiniteError
 from .overrides import field_value, with_changes
@@ -98,9 +98,8 @@ class Runs:
         finished is read back and one that stopped goes on from its newest checkpoint
         (``run.ckpt_every``), as ``train``'s resume does (it was started afresh, its checkpoints deleted)."""
         folder = Path(run_cfg.run.out)
-        done = folder / "summary.json"
-        if self.resume and done.is_file():  # made with these settings: ``check_earlier_runs``
-            return json.loads(done.read_text())
+        if self.resume and (folder / "summary.json").is_file():  # made with these settings: ``check_earlier_runs``
+            return read_summary(folder)  # its weights scored, from whatever folder it was made in
         check_can_run(run_cfg)
         # a run not begun is started as such: resumed, each one said that it had no checkpoint to resume from
         stopped = self.resume and held_by_earlier_run(folder) == "checkpoints"

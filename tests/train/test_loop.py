@@ -214,6 +214,30 @@ def test_a_finished_run_is_found_from_another_folder_by_its_summarys_weights(tin
     assert found["classes"] == str(folder / "classes.json")
 
 
+def test_resume_of_a_fine_tune_whose_init_is_gone_says_the_init_is_needed(tiny, tmp_path):
+    """--resume of a fine-tune whose init file had been deleted was refused as "no such file or folder",
+    which read as a mistake (the checkpoint holds the weights): the model is built as the init's before the
+    checkpoint is loaded, and the refusal now says so."""
+    import vitlab
+    from vitlab.config import ConfigError
+    from vitlab.train.overrides import with_changes
+
+    init = tmp_path / "w.safetensors"
+    vitlab.save_model(vitlab.create_model("ViT-Ti/16", img_size=8, patch_size=4, width=16, depth=1, num_heads=2,
+                                          mlp_dim=32, num_classes=10), init)
+    cfg = with_changes(tiny("run", steps=2, ckpt_every=1, tensorboard=False),
+                       {"model.init": str(init), "model.overrides": {}})
+    train(cfg, verbose=False)
+    init.unlink()
+    with pytest.raises(ConfigError, match=rf"^model.init='{re.escape(str(init))}': no such file or folder; --resume "
+                                          r"of the run whose checkpoints run.out holds needs its init all the same: "
+                                          r"the model is built from the init .* put the init back at this path$"):
+        train(cfg, resume=True, verbose=False)
+    shutil.rmtree(tmp_path / "run")  # no run's checkpoints: the refusal as it was
+    with pytest.raises(ConfigError, match=rf"^model.init='{re.escape(str(init))}': no such file or folder$"):
+        train(cfg, verbose=False)
+
+
 def test_a_fine_tune_of_a_relative_init_is_resumed_from_another_folder(tiny, tmp_path, monkeypatch):
     """A fine-tune's model.init named relative to the folder it was trained in was recorded as typed:
     from another folder, --resume with the init spelt from there was refused as another init, and

@@ -19,6 +19,7 @@ from vitlab.eval.features import check_tta_shift
 from vitlab.machine import Machine
 from vitlab.models.init import mimetic_attention_init_, sincos_posemb_init_, whiten_patches_
 
+from . import checkpoint as ckpt
 from .architecture import architecture
 from .config import FINETUNE_MODEL_FIELDS, TrainConfig
 from .distributed import World, init_world, local_rank, wrap_model
@@ -90,7 +91,8 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
     if need_data:
         check_out_outside_data(cfg)
     if cfg.model.init is not None and not Path(cfg.model.init).expanduser().exists():
-        check_init_named(cfg.model.init)
+        check_init_named(cfg.model.init, held_checkpoints=ckpt.latest_checkpoint(Path(cfg.run.out) / "checkpoints")
+                         is not None)
     elif cfg.model.init is not None:
         check_init_kept(cfg)
 
@@ -107,11 +109,13 @@ def check_init_kept(cfg: TrainConfig) -> None:
                           "writes its own over; fine-tune them into another --out")
 
 
-def check_init_named(init: str) -> None:
+def check_init_named(init: str, held_checkpoints: bool = False) -> None:
     """Refuse an init that is no file or folder: a name of the registry's form is a model, not weights
     (ViT-B/17, mistyped, was "no such file or folder" where load_model and export name the model it
     resembles; ViT-B/16 the same, with no word that a model name trains no pre-trained weights); a
-    Hugging Face Hub name (org/name) is looked up when the weights are loaded."""
+    Hugging Face Hub name (org/name) is looked up when the weights are loaded.  ``held_checkpoints``: the
+    run's folder holds a run's checkpoints, whose --resume needs the init all the same (said so: the
+    checkpoint holds the weights, and the refusal read as a mistake)."""
     from vitlab.models.registry import canonical_name, has_name_form, list_models, unknown_model
     from vitlab.weights.hub import parse_hub_name
 
@@ -124,7 +128,12 @@ def check_init_named(init: str) -> None:
                           f"{canonical_name(init)} from scratch, name it as the model, without an init "
                           f"(vitlab train --model {canonical_name(init)})")
     if parse_hub_name(init) is None:
-        raise ConfigError(f"model.init={init!r}: no such file or folder")
+        # the model is built as the init's (its architecture, resolution and head resolved from it, its weights
+        # adapted) before a checkpoint's weights are loaded into it
+        resuming = ("; --resume of the run whose checkpoints run.out holds needs its init all the same: the model "
+                    "is built from the init (its architecture, resolution and head) before the checkpoint's weights "
+                    "are loaded into it; put the init back at this path") if held_checkpoints else ""
+        raise ConfigError(f"model.init={init!r}: no such file or folder{resuming}")
 
 
 def check_mixing(cfg: TrainConfig, micro_batch: int, world_size: int) -> None:

@@ -28,7 +28,7 @@ from .inputs import Splits, build_splits, stream_splits, whitening_sample
 from .numerics import make_scaler
 from .optim import build_optimizer
 from .resolve import Resolved, load_init, resolve, resolve_device
-from .state import process_state, rng_state, set_process_state
+from .state import process_state, rank_seed, rng_state, set_process_state
 from .step import HeldGradients, Update
 
 BUILTIN_DATA = ("digits",)  # data sources that need no path (see vitlab/data/digits.py)
@@ -261,7 +261,7 @@ def check_progressive_sizes(cfg: TrainConfig, img_size: tuple, model_cfg) -> Non
 
 
 def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)  # model initialisation and dropout; identical on every rank
+    torch.manual_seed(seed)  # model initialisation: identical on every rank
     np.random.seed(seed)
     random.seed(seed)
 
@@ -302,6 +302,8 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
             mimetic_attention_init_(model, torch.Generator().manual_seed(cfg.run.seed))
         if cfg.model.posemb_init == "sincos":
             sincos_posemb_init_(model)
+        if world.rank:  # the weights are every rank's; what is drawn from here on is this rank's own
+            torch.manual_seed(rank_seed(cfg.run.seed, world.rank))
         rng = rng_state()
     finally:
         set_process_state(caller)

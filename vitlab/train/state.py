@@ -6,6 +6,7 @@ collective calls (every rank takes part) and the full, unsharded state lives on 
 """
 from __future__ import annotations
 
+import hashlib
 import random
 
 import numpy as np
@@ -17,6 +18,7 @@ from vitlab.data.labelled import same_data
 from vitlab.models.registry import build_model
 
 from .config import TrainConfig, from_dict, to_dict
+from .distributed import all_gather_objects
 from .optim import set_lr_scales
 from .overrides import field_value, with_changes
 
@@ -39,6 +41,17 @@ RESTORED_BY_OPTIMIZER = {"adam": ("optim.betas",), "sgd": ("optim.momentum",),
 # own (``optim.fusable``: torch's fused SGD has no form for FSDP's sharded parameters, and a checkpoint of a
 # run without FSDP brought fused=True into one with it, whose first step failed)
 IMPLEMENTATION = ("fused", "foreach")
+
+
+def rank_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The seed of rank ``rank``'s torch stream once the model is built (dropout, the steps' draws):
+    rank 0 keeps ``seed``'s stream, another rank a stream of its own (from ``step`` on, where it is
+    resumed without its own saved).  Seeded alike, every rank drew the same dropout masks for its
+    own examples: example i of each rank was masked the same way."""
+    if rank == 0:
+        return seed
+    digest = hashlib.sha256(f"vitlab rank stream {seed} {rank} {step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # torch.manual_seed takes up to 2**63 - 1 here
 
 
 def rng_state() -> dict:
@@ -156,7 +169,8 @@ def training_state(setup, step: int, total_steps: int, records: list[dict], cloc
         "optimizer": optim_state,
         "ema": setup.ema.state_dict() if setup.ema else None,
         "stream": setup.stream.state_dict(),
-        "rng": rng_state(),
+        "rng": rng_state(),  # rank 0's, which a checkpoint of before "rng_ranks" held alone
+        "rng_ranks": all_gather_objects(rng_state(), setup.world),  # every rank's stream (dropout) its own
         "records": records,
         "classes": setup.splits.classes,
         "clock": clock,
@@ -187,8 +201,21 @@ def restore_state(setup, state: dict) -> tuple[int, int, list[dict]]:
     if setup.scaler is not None and state.get("scaler"):
         setup.scaler.load_state_dict(state["scaler"])
     setup.stream.load_state_dict(state["stream"])
-    set_rng_state(state["rng"])
+    restore_rank_rng(state, setup.world)
     return int(state["step"]), int(state["total_steps"]), list(state.get("records", []))
+
+
+def restore_rank_rng(state: dict, world) -> None:
+    """This rank's random state from a checkpoint: its own where the checkpoint holds every rank's
+    for as many processes; else rank 0's (a checkpoint of another process count, or of before each
+    rank's was kept), on another rank then moved to a stream of its own, as a new run's is."""
+    ranks = state.get("rng_ranks")
+    if ranks is not None and len(ranks) == world.size:
+        set_rng_state(ranks[world.rank])
+        return
+    set_rng_state(state["rng"])
+    if world.rank:  # seeded by the step too: not the stream this rank began the run with
+        torch.manual_seed(rank_seed(int(state["config"]["run"]["seed"]), world.rank, int(state["step"])))
 
 
 def keyed_by_name(optim_state: dict, setup) -> dict:

@@ -159,6 +159,7 @@ def training_state(setup, step: int, total_steps: int, records: list[dict], cloc
         optim_state = get_optimizer_state_dict(setup.model, setup.optimizer, options=_full())
     else:
         optim_state = setup.optimizer.state_dict()
+    rng = rng_state()
     return {
         "step": step,
         "total_steps": total_steps,
@@ -169,8 +170,8 @@ def training_state(setup, step: int, total_steps: int, records: list[dict], cloc
         "optimizer": optim_state,
         "ema": setup.ema.state_dict() if setup.ema else None,
         "stream": setup.stream.state_dict(),
-        "rng": rng_state(),  # rank 0's, which a checkpoint of before "rng_ranks" held alone
-        "rng_ranks": all_gather_objects(rng_state(), setup.world),  # every rank's stream (dropout) its own
+        "rng": rng,  # rank 0's, which a checkpoint of before "rng_ranks" held alone
+        "rng_ranks": all_gather_objects(rng, setup.world),  # every rank's stream (dropout) its own
         "records": records,
         "classes": setup.splits.classes,
         "clock": clock,

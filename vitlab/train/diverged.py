@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 from vitlab.weights.core import atomic_write
 
@@ -18,7 +19,7 @@ from .numerics import NonFiniteError
 from .overrides import with_changes
 from .resolve import recorded_paths
 
-__all__ = ["DIVERGED_NAME", "diverged_before", "record_divergence", "forget_divergence"]
+__all__ = ["DIVERGED_NAME", "diverged_before", "record_divergence", "forget_divergence", "unless_diverged"]
 
 # in a rate's run folder, once its run diverged: the error it stopped on and the config it was run with
 DIVERGED_NAME = "diverged.json"
@@ -51,3 +52,22 @@ def forget_divergence(cfg: TrainConfig) -> None:
     """Remove an earlier run's ``DIVERGED_NAME`` from ``cfg``'s run folder, as its run is trained now (by rank 0)."""
     if int(os.environ.get("RANK", "0")) == 0:
         (Path(cfg.run.out) / DIVERGED_NAME).unlink(missing_ok=True)
+
+
+def unless_diverged(cfg: TrainConfig, run: Callable[[], dict], resume: bool, say: Callable[[str], object],
+                    label: str) -> tuple[dict | None, str | None]:
+    """(``run()``'s summary, None) for a rate's run of ``cfg``; (None, its error) where it diverges (the
+    record written) or, with ``resume``, where a run of this config diverged before (not run again: it was
+    trained to the same end, from its last checkpoint or from scratch).  ``say`` hears
+    ``"LABEL: diverged ..."`` either way."""
+    before = diverged_before(cfg) if resume else None
+    if before is not None:
+        say(f"{label}: diverged before ({Path(cfg.run.out) / DIVERGED_NAME}), counted as lost")
+        return None, before
+    forget_divergence(cfg)  # trained now: an earlier run's record goes
+    try:
+        return run(), None
+    except NonFiniteError as err:
+        record_divergence(cfg, err)
+        say(f"{label}: diverged (a loss or gradients not finite), counted as lost")
+        return None, str(err)

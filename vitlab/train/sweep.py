@@ -38,7 +38,7 @@ from vitlab.weights.core import atomic_write
 from .build import check_can_run
 from .config import TrainConfig, check_lr_grid
 from .distributed import env_world_size
-from .diverged import DIVERGED_NAME, diverged_before, forget_divergence, record_divergence
+from .diverged import unless_diverged
 from .loop import check_nothing_held, check_resume_or_overwrite, held_by_earlier_run, train
 from .metrics import Progress
 from .numerics import NonFiniteError
@@ -58,14 +58,16 @@ def sweep_holdout(explicit: float | None, recipe_split: float | int) -> float | 
     # refused as data.val_split, a field the command line had not named
     if explicit is not None and not (0 < explicit < 1 or (explicit >= 1 and float(explicit).is_integer())):
         raise ConfigError(f"--holdout {explicit:g}: give a count (500) or a fraction in (0, 1) (0.1)")
-    value = explicit if explicit is not None else (recipe_split or DEFAULT_HOLDOUT)
-    return int(value) if float(value).is_integer() and value >= 1 else value
+    return count_or_fraction(explicit if explicit is not None else (recipe_split or DEFAULT_HOLDOUT))
 
 
 def resolve_val_split(value: float | None) -> float | int:
     """The final run's ``data.val_split``: ``value`` (``--val-split``) if given, else 0 (none held out)."""
-    if value is None:
-        return 0
+    return 0 if value is None else count_or_fraction(value)
+
+
+def count_or_fraction(value: float | int) -> float | int:
+    """A split as ``data.val_split`` takes it: a whole number of 1 or more as a count (an int), else as given."""
     return int(value) if float(value).is_integer() and value >= 1 else value
 
 
@@ -180,19 +182,11 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
     scores, diverged = {}, {}
     for r in runs:
         lr = f"{r.optim.lr:g}"
-        # resumed, a run that diverged was trained again, from its last checkpoint or from scratch, to the same end
-        before = diverged_before(r) if resume else None
-        if before is not None:
-            scores[lr], diverged[lr] = None, before
-            say(f"lr {lr}: diverged before ({Path(r.run.out) / DIVERGED_NAME}), counted as lost")
-            continue
-        forget_divergence(r)  # trained now: an earlier run's record goes
-        try:
-            summary = train(r, resume=resume, overwrite=overwrite, verbose=verbose)
-        except NonFiniteError as err:  # a rate that diverges loses (the sweep stopped on it, the other rates unrun)
-            scores[lr], diverged[lr] = None, str(err)
-            record_divergence(r, err)
-            say(f"lr {lr}: diverged (a loss or gradients not finite), counted as lost")
+        # a rate that diverges loses (the sweep stopped on it, the other rates unrun)
+        summary, error = unless_diverged(r, lambda: train(r, resume=resume, overwrite=overwrite, verbose=verbose),
+                                         resume, say, f"lr {lr}")
+        if summary is None:
+            scores[lr], diverged[lr] = None, error
             continue
         scores[lr] = summary["val_top1"]
         say(f"lr {lr}: held-out top-1 {summary['val_top1']:.4f}")

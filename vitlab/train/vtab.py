@@ -42,7 +42,7 @@ from vitlab.weights.core import atomic_write
 from .build import check_can_run
 from .config import TrainConfig, check_lr_grid, to_dict
 from .distributed import local_rank, local_world
-from .diverged import DIVERGED_NAME, diverged_before, forget_divergence, record_divergence
+from .diverged import unless_diverged
 from .loop import held_by_earlier_run, read_summary, train
 from .metrics import Progress
 from .numerics import NonFiniteError
@@ -103,7 +103,6 @@ class Runs:
         check_can_run(run_cfg)
         # a run not begun is started as such: resumed, each one said that it had no checkpoint to resume from
         stopped = self.resume and held_by_earlier_run(folder) == "checkpoints"
-        forget_divergence(run_cfg)  # trained now: an earlier run's record goes
         summary = train(run_cfg, resume=stopped, overwrite=not stopped, verbose=self.verbose)
         # a finished run is read back from its summary and weights: its checkpoints (the optimiser's state
         # beside the weights) served only a stopped run's --resume, and over every task's runs they are
@@ -187,18 +186,11 @@ def sweep_scores(runs: Runs, task: Task, views: TaskSplits, grid: Sequence[float
     scores: dict[str, float | None] = {}
     for lr in grid if len(grid) > 1 else ():
         run_cfg = runs.config(views.sweep_train, lr, f"{task.name}/lr_{lr:g}")
-        # resumed, a run that diverged was trained again, from its last checkpoint or from scratch, to the same end
-        before = diverged_before(run_cfg) if runs.resume else None
-        if before is not None:
+        # a rate that diverges loses (it stopped the whole protocol)
+        summary, _ = unless_diverged(run_cfg, lambda: runs.fine_tune(run_cfg), runs.resume, say,
+                                     f"{task.name}: lr {lr:g}")
+        if summary is None:
             scores[f"{lr:g}"] = None
-            say(f"{task.name}: lr {lr:g}: diverged before ({Path(run_cfg.run.out) / DIVERGED_NAME}), counted as lost")
-            continue
-        try:
-            summary = runs.fine_tune(run_cfg)
-        except NonFiniteError as err:  # a rate that diverges loses (it stopped the whole protocol)
-            scores[f"{lr:g}"] = None
-            record_divergence(run_cfg, err)
-            say(f"{task.name}: lr {lr:g}: diverged (a loss or gradients not finite), counted as lost")
             continue
         scores[f"{lr:g}"], _, _ = runs.score(summary["weights"], views.sweep_val)
         say(f"{task.name}: lr {lr:g}: top-1 {scores[f'{lr:g}']:.4f} on its {views.counts['val200']} validation "

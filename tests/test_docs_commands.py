@@ -20,6 +20,9 @@ must exist; ``vitlab train: error ...`` is output).  Each is parametrized by its
 Besides the commands, what docs/ states that is cheap to check: the table of docs/models.md is
 what ``vitlab models --markdown`` prints, every ``vitlab.x.y`` its code names (inline spans,
 python blocks) exists, and every ``pip install -e ".[extra]"`` names an extra of pyproject.toml.
+A figure's source, where the docs and the README name it, is there: every short revision
+(seven hex digits: ``(c9e7a6c; ...``) is a commit, every bench record (``vm-20261126-0621.json``)
+a file of benchmarks/results/.
 
 Placeholders (``W``, ``DATA``, ``N``, ``REV``, ``NAME``, ``<trained weights>``, ``...``) are fine
 as values; a placeholder recipe or experiment is not looked up.  ``[--seed 1]`` is checked as if
@@ -104,6 +107,33 @@ def test_every_revision_the_commands_name_is_a_commit(history):
     assert found is not None
     missing = [rev for rev, line in zip(revs, found.splitlines()) if line.endswith("missing")]
     assert not missing, f"no such commit: {missing}"
+
+
+# a short revision in the text, seven hex digits with a letter and a digit among them (``(c9e7a6c; ...``,
+# ``d834062``): the commit a figure's source is named by
+SHORT_REVISION = re.compile(r"(?<![\w/-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7}(?![\w-])")
+# a bench record, the source a figure is read from: ``vm-20261126-0621.json``, ``NVIDIA_H200-20261126-0837.json``
+BENCH_RECORD = re.compile(r"\b(?:vm|NVIDIA_\w+?)-\d{8}-\d{4}\.json")
+SOURCED = FILES + ["README.md"]
+SOURCE_TEXTS = {**TEXTS, "README.md": (ROOT / "README.md").read_text()}
+
+
+def test_every_revision_the_docs_name_is_a_commit(history):
+    """A figure's source named by its commit (the run's code, the commit that recorded it) can be read."""
+    revs = sorted({rev for f in SOURCED for rev in SHORT_REVISION.findall(SOURCE_TEXTS[f])})
+    assert revs
+    found = history("cat-file", "--batch-check", stdin="".join(f"{rev}^{{commit}}\n" for rev in revs))
+    assert found is not None
+    missing = [rev for rev, line in zip(revs, found.splitlines()) if line.endswith("missing")]
+    assert not missing, f"no such commit: {missing}"
+
+
+def test_every_bench_record_the_docs_name_exists():
+    """A figure read from a bench record names a file of benchmarks/results/ (none renamed or dropped)."""
+    named = {name for f in SOURCED for name in BENCH_RECORD.findall(SOURCE_TEXTS[f])}
+    assert named
+    missing = sorted(name for name in named if not (ROOT / "benchmarks" / "results" / name).is_file())
+    assert not missing, f"no such record in benchmarks/results/: {missing}"
 
 
 @pytest.mark.parametrize("command", HISTORICAL, ids=[c.id for c in HISTORICAL])

@@ -324,6 +324,26 @@ def test_resume_refuses_a_changed_data_order(tiny):
         train(tiny("run", steps=4, batch_size=16), resume=True, verbose=False)
 
 
+def test_resume_refuses_another_validation_set(tiny, tmp_path, monkeypatch):
+    """Another data.val_data on --resume was taken without a word: the rest of the run was scored on
+    other images, and its curves mixed two validation sets' numbers under one name."""
+    from vitlab.config import ConfigError
+    from vitlab.train.overrides import with_changes
+
+    data, first, other = _pngs(tmp_path / "d", 0), _pngs(tmp_path / "a", 1), _pngs(tmp_path / "b", 2)
+    monkeypatch.chdir(tmp_path)
+    cfg = with_changes(tiny("run", steps=2, batch_size=8, cache_dir=str(tmp_path / "cache")),
+                       {"data.source": str(data), "data.val_data": str(first)})
+    train(cfg, verbose=False)
+    with pytest.raises(ConfigError, match=rf"^--resume: data.val_data='{re.escape(str(other))}' \(checkpoint: "
+                                          rf"'{re.escape(str(first))}'\) differ from the checkpoint's run"):
+        train(with_changes(cfg, {"data.val_data": str(other)}), resume=True, verbose=False)
+    with pytest.raises(ConfigError, match=r"^--resume: data.val_data=None \(checkpoint: "):
+        train(with_changes(cfg, {"data.val_data": None}), resume=True, verbose=False)
+    # the same set spelt another way is the run's
+    assert train(with_changes(cfg, {"data.val_data": "./a"}), resume=True, verbose=False)["steps"] == 2
+
+
 def test_resume_refuses_another_number_of_steps_without_a_time_limit(tiny):
     import pytest
 

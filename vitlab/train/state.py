@@ -25,9 +25,10 @@ from .overrides import field_value, with_changes
 # torch.distributed.checkpoint is imported inside the FSDP paths below: it loads a large part of
 # torch.distributed (FSDP with it), which a single-process run never needs
 
-# fields that fix the data order, the model or the optimiser state: a resumed run must keep them
+# fields that fix the data order, the model or the optimiser state, and the validation set (another
+# data.val_data scored the rest of the run's curves on other images): a resumed run must keep them
 RESUME_INVARIANTS = ("model.name", "model.overrides", "model.img_size", "model.init", "data.source",
-                     "data.val_split", "data.split_seed", "data.train_examples", "data.class_subset",
+                     "data.val_split", "data.val_data", "data.split_seed", "data.train_examples", "data.class_subset",
                      "optim.batch_size", "optim.accum_steps", "optim.optimizer", "run.seed")
 # fields whose values the checkpoint's optimiser state (torch's param_groups) and weight average bring
 # back with it, over the command line's: by optimiser, the ones it reads (SGD has no betas); not Muon's
@@ -87,7 +88,7 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
     before = from_dict(saved)
     # another spelling of the same: ./d, its absolute path, a link (a run recorded its paths as typed before
     # ``resolve.recorded_paths``: those name a path in the working folder)
-    for name in ("data.source", "model.init"):
+    for name in ("data.source", "data.val_data", "model.init"):
         if same_data(field_value(cfg, name), field_value(before, name)):
             before = with_changes(before, {name: field_value(cfg, name)})
     # a fine-tune's architecture is its init's, named by model.init (and by its own model name

@@ -516,6 +516,39 @@ def test_a_rate_that_diverged_is_not_trained_again_on_resume(tasks, tiny_checkpo
     assert trained == ["1e+30"] and json.loads(record.read_text())["config"]["run"]["on_nonfinite"] == "skip"
 
 
+def test_a_final_run_that_diverged_is_not_trained_again_on_resume(tasks, tiny_checkpoint, tmp_path, capsys,
+                                                                  monkeypatch):
+    """A task's final run kept no record of its divergence as the grid's rates do: vtab --resume trained it
+    again, from its last checkpoint or from scratch, to the same end.  It stops the protocol naming the task,
+    and --resume stops on its record untrained, unless its config changed."""
+    import vitlab.train.vtab as vtab
+    from vitlab.train.numerics import NonFiniteError
+
+    trained = []
+    real_train = vtab.train
+
+    def train(cfg, **kwargs):
+        trained.append(Path(cfg.run.out).name)
+        if Path(cfg.run.out).name.startswith("final") and cfg.run.on_nonfinite == "stop":  # made certain
+            raise NonFiniteError("step 1: the training loss is not finite")
+        return real_train(cfg, **kwargs)
+
+    monkeypatch.setattr(vtab, "train", train)
+    out = tmp_path / "vtab"
+    args = [*tiny_vtab(tiny_checkpoint, tasks, out, steps=1), "--only", "eurosat", "--grid", "0.01"]
+    line = ("vitlab vtab: error: eurosat: the final run at lr 0.01 diverged, so the task has no test score: step 1: "
+            "the training loss is not finite")
+    assert main(args) == 2
+    record = out / "eurosat" / "final_lr_0.01" / "diverged.json"
+    assert trained == ["final_lr_0.01"] and record.is_file() and capsys.readouterr().err.strip() == line
+    trained.clear()
+    assert main([*args, "--resume"]) == 2
+    assert trained == [] and capsys.readouterr().err.strip() == line
+    # a setting changed: trained, and the record goes
+    assert main([*args, "--resume", "--set", "run.on_nonfinite=skip"]) == 0
+    assert trained == ["final_lr_0.01"] and not record.exists()
+
+
 def test_a_field_every_run_sets_is_refused_and_a_cache_folder_is_kept(tasks, tiny_checkpoint, tmp_path, capsys):
     """--set optim.lr=0.5 trained the grid's rates, --set data.train_examples=500 the --examples, --set
     run.out the runs under --out, all without a word; --set data.cache_dir was replaced by OUT/cache."""

@@ -1,6 +1,7 @@
 """vitlab.train.sweep: the paper's learning-rate sweep (Appendix B.1.1) as a library call, and its
 edges (the command's own tests are in test_recipes_fixes.py and test_cli.py)."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -107,6 +108,45 @@ def test_a_rate_that_diverged_is_not_trained_again_on_resume(tiny, tmp_path, mon
     assert trained == ["1e+30", "0.01", "0.01"]
     record = json.loads((tmp_path / "sweep" / "lr_1e+30" / "diverged.json").read_text())
     assert record["config"]["run"]["on_nonfinite"] == "skip" and "run.max_skipped_steps=0" in record["error"]
+
+
+def test_a_final_run_that_diverged_is_not_trained_again_on_resume(tiny, tmp_path, monkeypatch):
+    """The final run kept no record of its divergence as the grid's rates do: sweep --resume trained it again,
+    from its last checkpoint or from scratch, to the same end.  It stops the sweep naming it, and --resume
+    stops on its record untrained, unless its config changed."""
+    from vitlab.train import sweep
+    from vitlab.train.numerics import NonFiniteError
+    from vitlab.train.overrides import with_changes
+
+    trained = []
+    real_train = sweep.train
+
+    def train(cfg, **kw):
+        trained.append(Path(cfg.run.out).name)
+        if Path(cfg.run.out).name == "final" and cfg.run.on_nonfinite == "stop":  # made certain
+            raise NonFiniteError("step 2: the training loss is not finite")
+        return real_train(cfg, **kw)
+
+    monkeypatch.setattr(sweep, "train", train)
+    cfg = tiny("sweep", steps=2, batch_size=16, tensorboard=False)
+    lines = []
+    with pytest.raises(NonFiniteError, match=r"^the final run at lr 0.01 diverged, so the sweep has no result: "
+                                             r"step 2: the training loss is not finite$"):
+        run_sweep(cfg, grid=(0.01,), verbose=False, say=lines.append)
+    record = tmp_path / "sweep" / "final" / "diverged.json"
+    assert trained == ["lr_0.01", "final"] and record.is_file()
+    assert lines[-1] == "final run at lr 0.01: diverged (a loss or gradients not finite), counted as lost"
+    trained.clear()
+    lines.clear()
+    with pytest.raises(NonFiniteError, match=r"^the final run at lr 0.01 diverged, so the sweep has no result: "
+                                             r"step 2: the training loss is not finite$"):
+        run_sweep(cfg, grid=(0.01,), resume=True, verbose=False, say=lines.append)
+    assert trained == ["lr_0.01"]  # the finished rate resumed at its end; the final run untrained
+    assert lines[-1] == f"final run at lr 0.01: diverged before ({record}), counted as lost"
+    trained.clear()  # a setting changed: trained, and the record goes
+    skipping = with_changes(cfg, {"run.on_nonfinite": "skip"})
+    assert run_sweep(skipping, grid=(0.01,), resume=True, verbose=False)["final"]["steps"] == 2
+    assert trained == ["lr_0.01", "final"] and not record.exists()
 
 
 def test_of_rates_scoring_alike_the_lowest_is_chosen_whatever_the_grids_order(tiny, monkeypatch):

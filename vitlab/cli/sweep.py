@@ -43,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "which comparing them needs)",
         "out": "output folder: a run per rate (lr_RATE), the final run (final) and sweep.json",
         "resume": "continue every run of the sweep (OUT/lr_RATE, OUT/final) as train --resume does; a rate whose "
-                  "run diverged is counted lost again, not trained (its folder's diverged.json), unless a setting "
-                  "changed",
+                  "run diverged is counted lost again, and a final run that diverged stops the sweep again, not "
+                  "trained (its folder's diverged.json), unless a setting changed",
         "overwrite": "start every run of the sweep afresh (OUT/lr_RATE, OUT/final), their checkpoints deleted",
         "show_config": "print the plan as JSON (the grid, its hold-out, the final run's config) and exit"})
 

@@ -22,7 +22,8 @@ The output: a table of each task's accuracy, its group's mean (Natural, Speciali
 Structured) and the mean over tasks, in ``OUT/vtab.json`` and as the last line of JSON.
 With ``--resume`` the runs already finished (their ``summary.json``) are not run again, and a
 run that was stopped goes on from its newest checkpoint (``run.ckpt_every``: the recipe's 500 steps);
-a rate whose run diverged (its folder's ``diverged.json``, with the same config) is counted lost again, untrained.
+a rate whose run diverged (its folder's ``diverged.json``, with the same config) is counted lost again, untrained,
+and a final run that diverged stops the protocol again, untrained.
 """
 from __future__ import annotations
 
@@ -62,8 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_fast_argument(p)
     p.add_argument("--resume", action="store_true",
                    help="keep the runs of OUT that finished, continue those that stopped from their checkpoints "
-                        "(run.ckpt_every); run the rest, but a rate whose run diverged is counted lost again, not "
-                        "trained (its folder's diverged.json), unless a setting changed")
+                        "(run.ckpt_every); run the rest, but a rate whose run diverged is counted lost again, and a "
+                        "final run that diverged stops the protocol again, not trained (its folder's diverged.json), "
+                        "unless a setting changed")
     p.add_argument("--overwrite", action="store_true",
                    help="train again the tasks' runs in OUT, finished or stopped (without it, or --resume, such an "
                         "OUT is refused)")

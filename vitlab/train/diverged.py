@@ -1,9 +1,9 @@
 """A run that diverged, on record in its folder: the error it stopped on and the config it was run with.
 
 A protocol that trains a grid of learning rates (``sweep.run_sweep``, ``vtab.run_vtab``) counts a
-rate whose run diverged (``numerics.NonFiniteError``) as lost.  Its record (``DIVERGED_NAME``) lets
-a later ``resume`` count it lost again rather than train it to the same end; a run of another
-config there is trained, and a run trained again drops the earlier record.
+rate whose run diverged (``numerics.NonFiniteError``) as lost, and stops on a final run that diverged.  Its
+record (``DIVERGED_NAME``) lets a later ``resume`` count it lost again (stop on it again) rather than train it
+to the same end; a run of another config there is trained, and a run trained again drops the earlier record.
 """
 from __future__ import annotations
 

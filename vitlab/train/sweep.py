@@ -16,7 +16,9 @@
    rather than training it to the same end; a run of another config there is trained.
 2. Retrain with the best learning rate (of rates tied, the lowest) on the full training set into ``run.out/final``
    (``final_val_split`` still holds that many examples out for a final number; the default
-   holds out none; the config's ``data.val_data`` scores the final run, and only it).
+   holds out none; the config's ``data.val_data`` scores the final run, and only it).  A final run
+   that diverges stops the sweep (``NonFiniteError``), its record kept as a rate's is: ``resume``
+   stops on it again rather than training it to the same end.
 3. The report: every grid point's held-out top-1, the chosen rate and the final run's
    summary (its weights' path included), also written to ``run.out/sweep.json``.
 Any config sweeps; one with ``model.init`` is a fine-tuning sweep.
@@ -148,6 +150,18 @@ def best_lr(grid: Sequence[float], scores: dict[str, float | None]) -> float:
     return max(scored, key=lambda lr: (scores[f"{lr:g}"], -lr))
 
 
+def final_run(cfg: TrainConfig, resume: bool, overwrite: bool, verbose: bool, say: Callable[[str], object]) -> dict:
+    """The summary of the final run of ``cfg`` (at the chosen rate); ``NonFiniteError`` naming it where it
+    diverges, or where, resumed, its run of this config diverged before: kept on record as a rate's is
+    (``unless_diverged``), it is not trained again (it was, to the same end)."""
+    lr = f"{cfg.optim.lr:g}"
+    summary, error = unless_diverged(cfg, lambda: train(cfg, resume=resume, overwrite=overwrite, verbose=verbose),
+                                     resume, say, f"final run at lr {lr}")
+    if summary is None:
+        raise NonFiniteError(f"the final run at lr {lr} diverged, so the sweep has no result: {error}")
+    return summary
+
+
 def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | None = None,
               final_val_split: float | None = 0, resume: bool = False, overwrite: bool = False,
               verbose: bool = True, say: Callable[[str], object] | None = None) -> dict:
@@ -163,7 +177,8 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
     lowest is chosen (``best_lr``).  ``resume``/``overwrite`` are ``train``'s, for every run;
     without either, a folder of any run holding an earlier run is refused before the first run
     starts, and with ``resume`` a final run made at another rate than the best is refused and a rate
-    whose run of the same config diverged is counted lost again, untrained (``diverged_before``).
+    whose run of the same config diverged is counted lost again, untrained (``diverged_before``); a final
+    run that diverges (now, or resumed, before) is ``NonFiniteError``.
     ``verbose``: the runs' progress; ``say``: called with a line per grid point as it is scored
     (default: on stderr when ``verbose``).
     """
@@ -193,7 +208,7 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
     best = best_lr(grid, scores)
     if resume:
         check_final_lr(final_cfg, best)
-    final = train(with_changes(final_cfg, {"optim.lr": best}), resume=resume, overwrite=overwrite, verbose=verbose)
+    final = final_run(with_changes(final_cfg, {"optim.lr": best}), resume, overwrite, verbose, say)
     report = {"holdout": holdout, "holdout_top1": scores, "best_lr": best, "diverged": diverged, "final": final}
     if final.get("weights") is not None:
         # beside the runs' folders, in the folder the command was given; written beside its place, then

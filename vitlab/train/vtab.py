@@ -220,8 +220,15 @@ def chosen_lrs(grid: Sequence[float], val: Mapping[str, Mapping[str, float | Non
 
 
 def final_result(runs: Runs, task: Task, views: TaskSplits, lr: float, val: dict[str, float], say) -> dict:
-    """One task's final run on all its training examples at ``lr``, scored on its test set."""
-    final = runs.fine_tune(runs.config(views.train, lr, f"{task.name}/final_lr_{lr:g}"))
+    """One task's final run on all its training examples at ``lr``, scored on its test set;
+    ``NonFiniteError`` naming the task where it diverges, or where, resumed, its run of this config diverged
+    before: kept on record as a rate's is (``unless_diverged``), it is not trained again (it was, to the same end)."""
+    run_cfg = runs.config(views.train, lr, f"{task.name}/final_lr_{lr:g}")
+    final, error = unless_diverged(run_cfg, lambda: runs.fine_tune(run_cfg), runs.resume, say,
+                                   f"{task.name}: final run at lr {lr:g}")
+    if final is None:
+        raise NonFiniteError(f"{task.name}: the final run at lr {lr:g} diverged, so the task has no test score: "
+                             f"{error}")
     top1, n, unread = runs.score(final["weights"], views.test)
     skipped = final.get("skipped_images", 0) + unread  # left out as unreadable by its final run and its test set
     say(f"{task.name}: lr {lr:g}: test top-1 {top1:.4f} on {n} images ({views.test_split})"
@@ -243,7 +250,8 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
     ``resume``: the runs that finished in ``out`` are read back, not run again, and a run that
     stopped goes on from its newest checkpoint (every ``run.ckpt_every`` steps; refused if they
     were made with other settings), and a rate whose run of the same config diverged is counted lost
-    again, untrained (``diverged.diverged_before``); ``overwrite``: they are trained again.  Without either, a
+    again, untrained (``diverged.diverged_before``), a final run so stops the protocol again, untrained (as one
+    that diverges does, ``NonFiniteError``); ``overwrite``: they are trained again.  Without either, a
     folder holding finished or stopped runs of ``tasks`` is refused.  ``verbose``: a line per run on stderr,
     and the training runs' progress.
     """

@@ -115,16 +115,48 @@ def test_not_cached_without_huggingface_hub_names_the_extra(hub_env, tmp_path, c
 
 def test_a_mistyped_run_folder_without_huggingface_hub_is_no_such_folder_first(hub_env, tmp_path, capsys):
     """`vitlab finetune --init runs/dem` (for runs/demo) on an install without the hub extra said only that
-    downloading runs/dem needs huggingface_hub: nothing said that no such folder is there."""
+    downloading runs/dem needs huggingface_hub: nothing said that no such folder is there.  (A folder runs
+    here makes it a path: the next test.)"""
     hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
     hub_env.setitem(sys.modules, "huggingface_hub", None)  # not installed
     hub_env.chdir(tmp_path)
-    (tmp_path / "runs" / "demo").mkdir(parents=True)
     assert main(["predict", "--checkpoint", "runs/dem", an_image(tmp_path)]) == 2
     assert capsys.readouterr().err == (
         f"vitlab predict: error: runs/dem: no such file or folder, nor a model in the Hugging Face cache "
         f"{tmp_path / 'empty'}; downloading it needs huggingface_hub, which is not installed: "
         'pip install -e ".[hub]"\n')
+
+
+@pytest.mark.parametrize("command", [["eval", "--checkpoint", "runs/dem", "--data", "digits"],
+                                     ["fewshot", "runs/dem", "--data", "digits"],
+                                     ["inspect", "runs/dem", "--images", "x.png"],
+                                     ["predict", "--checkpoint", "runs/dem", "x.png"],
+                                     ["finetune", "--init", "runs/dem", "--data", "digits", "--out", "o"],
+                                     ["export", "runs/dem", "--out", "m.onnx"]])
+def test_a_mistyped_path_in_a_folder_here_is_no_such_file_not_a_hub_name(hub_env, tmp_path, capsys, monkeypatch,
+                                                                         command):
+    """`vitlab eval --checkpoint runs/dem` (for runs/demo) took runs/dem for a Hugging Face Hub name, as it
+    has the form org/name: a download was attempted (over the network, its time-out with none) and the
+    error was the Hub's.  A name whose org is a folder here is a path in it, refused as no such file without
+    a look at the Hub, which hf-hub:runs/dem still names."""
+    from vitlab.weights import hub
+
+    hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    asked = []
+    monkeypatch.setattr(hub, "download_snapshot", lambda *a, **k: asked.append(a))
+    monkeypatch.setattr(hub, "fetch_processor", lambda *a, **k: asked.append(a))
+    hub_env.chdir(tmp_path)
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    an_image(tmp_path)
+    assert main(command) == 2
+    assert asked == []  # no look at the Hub
+    err = capsys.readouterr().err
+    said = "(a path in the folder runs here, not looked up on the Hugging Face Hub; a Hub model of that name is " \
+           "hf-hub:runs/dem)\n"
+    assert err.startswith(f"vitlab {command[0]}: error: ") and err.endswith(said) and len(err.splitlines()) == 1
+    assert "runs/dem" in err and "no such file or" in err and not (tmp_path / "o").exists()
+    assert hub.parse_hub_name("runs/dem") is None and hub.parse_hub_name("hf-hub:runs/dem") == ("runs/dem", "main")
+    assert hub.parse_hub_name("google/vit-base-patch16-224") == ("google/vit-base-patch16-224", "main")  # no folder
 
 
 def fake_hub(hub, hub_env, tmp_path, remote):

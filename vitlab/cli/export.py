@@ -96,12 +96,13 @@ def _class_names(source: str, num_classes: int) -> list[str] | None:
 
 
 def _is_weights(source: str) -> bool:
-    """Whether ``source`` names weights (a path, a Hugging Face name, a weights file that is not
-    there: no such file, not an unknown registry name) rather than a registry name."""
-    from vitlab.weights.hub import parse_hub_name
+    """Whether ``source`` names weights (a path, a Hugging Face name, a weights file or a path in a folder here
+    that is not there: no such file, not an unknown registry name) rather than a registry name."""
+    from vitlab.weights.hub import local_folder, parse_hub_name
 
     path = Path(source)
-    return path.exists() or parse_hub_name(source) is not None or path.suffix.lower() in WEIGHT_SUFFIXES
+    return (path.exists() or parse_hub_name(source) is not None or local_folder(source) is not None
+            or path.suffix.lower() in WEIGHT_SUFFIXES)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -117,7 +117,7 @@ def check_init_named(init: str, held_checkpoints: bool = False) -> None:
     run's folder holds a run's checkpoints, whose --resume needs the init all the same (said so: the
     checkpoint holds the weights, and the refusal read as a mistake)."""
     from vitlab.models.registry import canonical_name, has_name_form, list_models, unknown_model
-    from vitlab.weights.hub import parse_hub_name
+    from vitlab.weights.hub import not_looked_up, parse_hub_name
 
     if has_name_form(init):
         if canonical_name(init) not in list_models():
@@ -133,7 +133,7 @@ def check_init_named(init: str, held_checkpoints: bool = False) -> None:
         resuming = ("; --resume of the run whose checkpoints run.out holds needs its init all the same: the model "
                     "is built from the init (its architecture, resolution and head) before the checkpoint's weights "
                     "are loaded into it; put the init back at this path") if held_checkpoints else ""
-        raise ConfigError(f"model.init={init!r}: no such file or folder{resuming}")
+        raise ConfigError(f"model.init={init!r}: no such file or folder{not_looked_up(init)}{resuming}")
 
 
 def check_mixing(cfg: TrainConfig, micro_batch: int, world_size: int) -> None:

@@ -51,17 +51,45 @@ _HUB_NAME = re.compile(r"^(?:hf[-_]hub:)?(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:
 
 def parse_hub_name(text: str) -> tuple[str, str] | None:
     """``(repo_id, revision)`` of ``org/name[@revision]`` (or timm's ``hf-hub:org/name``), or None for anything else
-    (a path that exists, a file name with a weights suffix, a registry name such as ViT-B/16, or one mistyped:
-    ViT-Ti/17 was downloaded from the Hub, which answered that it holds no such repository)."""
+    (a path that exists, a file name with a weights suffix, a path in a folder here (``local_folder``), a registry
+    name such as ViT-B/16, or one mistyped: ViT-Ti/17 was downloaded from the Hub, which answered that it holds no
+    such repository)."""
     text = str(text)
     match = _HUB_NAME.match(text)
     if match is None or Path(text).exists() or Path(text).suffix in (".npz", ".safetensors", ".pt", ".pth", ".bin"):
+        return None
+    if local_folder(text) is not None:
         return None
     from vitlab.models.registry import has_name_form
 
     if has_name_form(text):
         return None
     return match["repo"], match["revision"] or "main"
+
+
+def local_folder(text: str) -> str | None:
+    """The folder of the working folder that ``org/name`` names as its ``org``, where there is one: the name
+    is then a path in it, and not a Hub name (``runs/dem``, mistyped for ``runs/demo``, was looked up on the
+    Hub, a download attempted, and refused as no such repository); timm's ``hf-hub:org/name`` is the Hub's
+    all the same, and a registry name (ViT-B/16, ``has_name_form``) the model.  None for any other text."""
+    from vitlab.models.registry import has_name_form
+
+    match = _HUB_NAME.match(str(text))
+    if match is None or str(text).lower().startswith(("hf-hub:", "hf_hub:")) or has_name_form(str(text)):
+        return None
+    org = match["repo"].split("/")[0]
+    return org if Path(org).is_dir() else None
+
+
+def not_looked_up(text: str) -> str:
+    """What a refusal of ``text`` as no such file or folder adds where ``text`` has a Hub name's form and
+    is a path in a folder here (``local_folder``): that it was not looked up on the Hub, and how to name the
+    Hub's; "" otherwise."""
+    org = local_folder(text)
+    if org is None:
+        return ""
+    return (f" (a path in the folder {org} here, not looked up on the Hugging Face Hub; a Hub model of that name "
+            f"is hf-hub:{text})")
 
 
 def hub_cache_dir() -> Path:

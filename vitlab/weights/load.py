@@ -42,7 +42,7 @@ from ..models.registry import canonical_name, has_name_form, list_models, unknow
 from .core import InputScaling, WeightsError, build_loaded, check_named, infer_config, take_input_scaling, to_tensor
 from .bigvision import is_big_vision, load_big_vision
 from .bit import is_bit, load_bit
-from .hub import resolve_hub_name
+from .hub import not_looked_up, resolve_hub_name
 from .huggingface import PROCESSOR_NAME, is_huggingface, load_huggingface, processor_scaling
 from .labels import CLASSES_KEY, CLASSES_NAME, names_from_id2label, names_from_json
 from .native import (CONFIG_KEY, CONFIG_NAME, WEIGHTS_NAME, is_native, load_native, read_native_config,
@@ -242,7 +242,7 @@ def load_model(source: str | os.PathLike | Mapping[str, Any], name: str | None =
         if snapshot is None:
             if has_name_form(str(source)):
                 raise WeightsError(_model_name_given(str(source)))
-            raise FileNotFoundError(f"no such file or directory: {path}")
+            raise FileNotFoundError(f"no such file or directory: {path}{not_looked_up(str(source))}")
         path = snapshot
     return _load_dir(path, **kw) if path.is_dir() else _load_file(path, **kw)
 

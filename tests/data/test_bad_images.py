@@ -201,6 +201,47 @@ def test_a_process_that_counts_and_lists_a_folder_again_sees_it_changed(tmp_path
     assert count_images("tree") == 1 and scan_folder("tree").classes == ["c"]
 
 
+@pytest.mark.parametrize("decoded_first", [False, True])
+@pytest.mark.parametrize("layout", ["tree", "tree/train"])
+def test_the_cached_listing_and_the_decoded_copy_see_the_same_images_below_a_class_folder(tmp_path, monkeypatch,
+                                                                                         layout, decoded_first):
+    """Images in a folder below a class folder (a/extra/x.png) are the class's (ImageFolder's rule, both
+    listings'), but one added there, or removed, since the process listed the tree was missed by the
+    per-process listing (the count, the streamed folder: its key read the top levels' times only), while the
+    decoded copy's key (``source_key``) lists the tree again: a notebook's second run counted and streamed
+    the images of before and decoded those of now.  Both give the same images, whichever reads first."""
+    from vitlab.data.stream import scan_folder
+    from vitlab.train.inputs import count_images, opened_source
+
+    root = tmp_path / layout
+    for name in ("a/x.png", "a/extra/y.png", "a/extra/deeper/z.png", "b/x.png"):
+        _png(root / name, 20)
+    monkeypatch.chdir(tmp_path)
+
+    def listed() -> list[str]:
+        return list(scan_folder("tree").paths)
+
+    def decoded() -> list[int]:  # the images of the decoded copy, by class (it keeps no paths)
+        return np.bincount(load_in_memory("tree", cache_dir=tmp_path / "cache", workers=0).labels.numpy()).tolist()
+
+    def agree() -> int:
+        first = decoded() if decoded_first else None
+        paths = listed()
+        assert paths == list(scan_image_folder("tree").paths)  # as listed afresh: what the decoded copy's key lists
+        assert (first or decoded()) == np.bincount(scan_folder("tree").labels).tolist()
+        assert count_images("tree") == opened_source("tree").num_samples == len(paths)
+        return len(paths)
+
+    assert agree() == 4
+    _png(root / "a" / "extra" / "deeper" / "w.png", 30)  # added below a class folder
+    assert agree() == 5
+    (root / "a" / "extra" / "y.png").unlink()
+    assert agree() == 4
+    _png(root / "b" / "more" / "v.png", 40)  # a new folder below a class folder
+    _png(root / "b" / "more" / "u.png", 50)
+    assert agree() == 6 and any(path.endswith("b/more/u.png") for path in listed())
+
+
 @pytest.mark.parametrize("named", ["pattern", "glob", "folder"])
 def test_a_process_that_opens_shards_again_sees_them_written_again(tmp_path, named):
     """Shards written again under the same names since this process opened them are another set: a

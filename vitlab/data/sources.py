@@ -438,6 +438,30 @@ def _warn_once(where: str, images: int, what: str) -> None:
         log.warning("%s: %s", where, what)
 
 
+# the folders below a tree's class folders (``<class>/<sub>/``) that its last listing found, by the tree's real
+# path: their modification times then, and how many times ``listing_state`` has seen one of them change since
+_BELOW: dict[str, tuple[dict[str, Optional[int]], int]] = {}
+
+
+def _mtime(path: str) -> Optional[int]:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:  # gone
+        return None
+
+
+def _record_below(root: str, dirs: Sequence[str]) -> None:
+    """Note the folders of ``dirs`` (relative to ``root``) that ``listing_state``'s top levels do not cover,
+    and their times: a change since the last note is counted as ``listing_state`` counts one (a listing for
+    the decoded copy's key, ``source_key``, that found it first left the cached listing as it was)."""
+    covered = 2 if sum("/" not in d for d in dirs) == 1 else 1  # the levels listing_state reads
+    real = os.path.realpath(root)
+    below = {f: _mtime(f) for f in (os.path.join(real, d) for d in dirs if d.count("/") >= covered)}
+    if below or real in _BELOW:
+        before, changes = _BELOW.get(real, (below, 0))
+        _BELOW[real] = (below, changes + (below != before))
+
+
 def listing_state(source: str) -> tuple:
     """What a per-process cache of ``source``'s listing or count is keyed by besides its
     name, so that a long-lived process (a notebook) sees a changed tree: a file's real path,
@@ -447,9 +471,12 @@ def listing_state(source: str) -> tuple:
     the size and time of each file directly in it (a shard, a parquet or arrow file, an
     index.json written over in place leaves the folder's time as it was); () for what is
     not a path here (the digits, a pattern of shards: ``vitlab.data.stream.source_state``).
-    A folder's state costs one listing of its top levels, not of its images; what it
-    misses is an image added to or removed from a folder below a class folder
-    (``<class>/<sub>/``), whose time alone changes."""
+    A folder's state costs one listing of its top levels, not of its images, and a ``stat``
+    of each folder below a class folder (``<class>/<sub>/``) that the tree's last listing found
+    (``scan_image_folder``): an image added to one or removed from it changes its time alone,
+    and the listing cached before (what ``vitlab.data.stream.scan_folder`` and the count read)
+    held the images that were there then, where ``source_key`` (the decoded copy's key) lists
+    them all again."""
     path = os.path.expanduser(source)
     try:
         st = os.stat(path)
@@ -471,6 +498,12 @@ def listing_state(source: str) -> tuple:
         if len(folders) != 1:
             break
         top = os.path.join(top, folders[0][0])
+    below, changes = _BELOW.get(real, ({}, 0))
+    now = {f: _mtime(f) for f in below}
+    if now != below:  # counted, so that the state differs from every one before, the listing's too
+        changes += 1
+        _BELOW[real] = (now, changes)
+    state.append(("below", changes))
     return tuple(state)
 
 
@@ -508,6 +541,7 @@ def scan_image_folder(root: PathLike) -> ImageFolderIndex:
         if EMPTY_CLASS_MARK in filenames:
             meant_empty.append(rel.rstrip("/"))
     prefix, relpaths, labels, classes = _index_tree(str(root), files, dirs, meant_empty)
+    _record_below(str(root), dirs)
     if ignored:
         exts = ", ".join(sorted(IMAGE_EXTENSIONS))
         _warn_once(str(root), len(relpaths), f"ignored {len(ignored)} file(s) that are not images by their extension "

@@ -169,7 +169,8 @@ def _read_folder_chunk(unit: tuple[int, int], skipped: Optional[list] = None, *,
 
 def scan_folder(source: str, cache_dir=None):
     """``scan_image_folder`` of ``source``, listed once per process while the folder's top
-    levels are unchanged (14M files take a while; ``listing_state``)."""
+    levels, and the folders below its class folders, are unchanged (14M files take a while;
+    ``listing_state``)."""
     return _scan_folder(source, cache_dir, listing_state(source))
 
 

@@ -242,6 +242,36 @@ def test_the_cached_listing_and_the_decoded_copy_see_the_same_images_below_a_cla
     assert agree() == 6 and any(path.endswith("b/more/u.png") for path in listed())
 
 
+def test_an_archives_count_is_the_images_its_listing_finds(tmp_path):
+    """An archive's images were counted as every image member: macOS's __MACOSX/._x.png beside each image,
+    hidden files and images beside the class folders, which its listing leaves out, and a name written
+    twice, counted twice (a tar made on a Mac counted twice its images: the memory estimate, and whether
+    "auto" streams it, read that count); links to its images, which the listing reads, went uncounted."""
+    import io
+    import tarfile
+
+    from vitlab.data.sources import read_image_archive
+    from vitlab.train.inputs import count_images
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buffer, format="PNG")
+    png = buffer.getvalue()
+    archive = tmp_path / "set.tar"
+    with tarfile.open(archive, "w") as tar:
+        def add(name, kind=tarfile.REGTYPE, link=""):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, link
+            info.size = len(png) if kind == tarfile.REGTYPE else 0
+            tar.addfile(info, io.BytesIO(png) if kind == tarfile.REGTYPE else None)
+
+        for name in ("./train/a/1.png", "./train/a/extra/2.png", "./train/b/1.png", "./train/b/1.png",
+                     "./train/a/.3.png", "./__MACOSX/train/a/._1.png", "./train/b/.ipynb_checkpoints/4.png"):
+            add(name)
+        add("./train/b/5.png", tarfile.SYMTYPE, "1.png")  # a link to an image beside it
+    listed = len(read_image_archive(archive)[0])
+    assert listed == 4 and count_images(str(archive)) == listed
+
+
 @pytest.mark.parametrize("named", ["pattern", "glob", "folder"])
 def test_a_process_that_opens_shards_again_sees_them_written_again(tmp_path, named):
     """Shards written again under the same names since this process opened them are another set: a

@@ -46,6 +46,7 @@ __all__ = [
     "holds_class_images",
     "listing_state",
     "read_image_archive",
+    "count_archive_images",
     "resolve_data_path",
     "default_cache_dir",
     "is_archive",
@@ -578,10 +579,7 @@ def read_image_archive(path: PathLike, limits: ArchiveLimits | None = None) -> t
         with tarfile.open(path, "r:*") as tar:
             for member in tar:
                 budget.take(member)
-                name = member.name
-                while name.startswith("./"):
-                    name = name[2:]
-                name = name.rstrip("/")
+                name = _member_name(member)
                 if not name or _hidden(name):
                     continue
                 if member.isdir():
@@ -625,6 +623,30 @@ def read_image_archive(path: PathLike, limits: ArchiveLimits | None = None) -> t
         classes=classes,
     )
     return index, [blobs[p] for p in relpaths]
+
+
+def count_archive_images(path: PathLike) -> int:
+    """The images of the archive at ``path`` as ``read_image_archive`` lists them, counted from its
+    members' headers (no image read): a regular file or a link inside the archive by an image's name,
+    each name once, in a folder and not hidden; counted as every image member, the listing's left-out
+    ones were counted too (macOS's ``__MACOSX/._x.jpg`` beside each image: twice the set).  Raises
+    tarfile's and the OS's errors for an archive that cannot be read."""
+    names = set()
+    with tarfile.open(path, "r:*") as tar:
+        for member in tar:
+            name = _member_name(member)
+            if ("/" in name and not _hidden(name) and _is_image(name)
+                    and (member.isfile() or ((member.issym() or member.islnk()) and _link_inside(member)))):
+                names.add(name)
+    return len(names)
+
+
+def _member_name(member: tarfile.TarInfo) -> str:
+    """A member's name as the archive's tree has it: no leading ./ nor trailing /."""
+    name = member.name
+    while name.startswith("./"):
+        name = name[2:]
+    return name.rstrip("/")
 
 
 def _link_inside(member: tarfile.TarInfo) -> bool:

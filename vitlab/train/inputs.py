@@ -104,8 +104,8 @@ def _opened_source(source: str, cache_dir, state: tuple):
 
 def count_images(source: str, cache_dir=None) -> int:
     """The images of a data source, counted without decoding one: the digits' count, a
-    streamed source's samples, a folder's image files, an archive's image members (one pass
-    over its headers; nothing extracted).  Counted once per process while the source is
+    streamed source's samples, a folder's images, an archive's images (one pass over its
+    headers; nothing extracted), each as its listing finds them.  Counted once per process while the source is
     unchanged (``source_state``)."""
     return _count_images(source, cache_dir, source_state(source))
 
@@ -113,7 +113,7 @@ def count_images(source: str, cache_dir=None) -> int:
 @functools.lru_cache(maxsize=8)
 def _count_images(source: str, cache_dir, state: tuple) -> int:
     from vitlab.data.digits import NUM_DIGITS
-    from vitlab.data.sources import IMAGE_EXTENSIONS, is_archive
+    from vitlab.data.sources import count_archive_images, is_archive
     from vitlab.data.stream import is_stream_source, scan_folder
 
     if source == "digits":
@@ -123,8 +123,7 @@ def _count_images(source: str, cache_dir, state: tuple) -> int:
     path = Path(source).expanduser()
     if path.is_file() and is_archive(path):
         try:
-            with tarfile.open(path) as tar:
-                return sum(1 for m in tar if m.isfile() and Path(m.name).suffix.lower() in IMAGE_EXTENSIONS)
+            return count_archive_images(path)
         except (tarfile.TarError, OSError, EOFError) as err:
             raise DataError(f"{source}: the archive cannot be read ({err})") from None
     return len(scan_folder(source, cache_dir))

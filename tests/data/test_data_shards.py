@@ -131,6 +131,42 @@ def test_corrupt_samples_are_skipped_and_counted(tmp_path, make_folder, fakes, c
     assert "shard-000000.tar:b: skipped unreadable image" in caplog.text
 
 
+@pytest.mark.parametrize("listed", ["index.json", "classes.txt"])
+def test_the_resource_forks_of_a_macos_tar_are_no_samples(tmp_path, make_folder, fakes, listed):
+    """tar on macOS writes a ``._<name>`` member (the file's extended attributes) before each file
+    that has any: read as members of samples, each began a sample of its own between an image and its
+    label, every sample was cut in two and left out ("bad or missing label"), and counted from the
+    headers the ``._`` members were one more sample.  A ``__MACOSX/`` folder beside the shards (an
+    unzipped macOS zip) made the folder an ImageFolder ("no class folders found").  WebDataset skips
+    such members, and vitlab's ImageFolder readers such files and folders."""
+    from vitlab.data.memory import load_in_memory
+    from vitlab.data.sources import Unread
+
+    packed = tmp_path / "packed"
+    pack_shards(make_folder(classes=2, per_class=3), packed, samples_per_shard=3)
+    mac, fork = tmp_path / "mac", b"\0\5\26\7\0\2\0\0Mac OS X        "
+    mac.mkdir()
+    for shard in sorted(packed.glob("shard-*.tar")):
+        with tarfile.open(shard) as src, tarfile.open(mac / shard.name, "w") as dst:
+            for member in src.getmembers():
+                fakes.add_bytes(dst, f"./._{member.name}", fork)
+                fakes.add_bytes(dst, f"./{member.name}", src.extractfile(member).read())
+            fakes.add_bytes(dst, ".DS_Store", b"\0\0\0\1Bud1")
+            fakes.add_bytes(dst, f"__MACOSX/._{member.name}", fork)
+    if listed == "index.json":
+        shutil.copy(packed / "index.json", mac)
+    else:
+        (mac / "classes.txt").write_text("class_0\nclass_1\n")
+    (mac / "__MACOSX").mkdir()
+    (mac / "__MACOSX" / "._shard-000000.tar").write_bytes(fork)
+    source, unread = open_source(str(mac)), Unread()
+    assert source.unit_sizes == [3, 3]
+    samples = [(key.replace("./", ""), data, label) for key, data, label in source.samples(unread)]
+    assert samples == list(open_source(str(packed)).samples()) and not unread.entries
+    ours, theirs = (load_in_memory(str(folder), cache_dir=tmp_path / "cache", workers=1) for folder in (mac, packed))
+    assert torch.equal(ours.images, theirs.images) and torch.equal(ours.labels, theirs.labels) and len(ours) == 6
+
+
 @pytest.mark.parametrize("max_side", [None, 4])
 def test_pack_leaves_out_an_image_it_cannot_read_and_says_so(tmp_path, make_folder, caplog, max_side):
     """A link to nothing (its set moved) stopped pack-shards half-way with a bare "[Errno 2] No such

@@ -51,8 +51,9 @@ __all__ = ["InMemoryDataset", "load_in_memory", "load_source_in_memory", "decode
 log = logging.getLogger(__name__)
 
 Size = Union[int, tuple[int, int], None]
-CACHE_VERSION = 3  # bump when the layout of the cached arrays changes, or what a key names (2: the skipped list
-#                   counts images; 3: an archive read into memory takes its links to images, leaves __MACOSX/ out)
+CACHE_VERSION = 4  # bump when the layout of the cached arrays changes, or what a key names (2: the skipped list
+#                   counts images; 3: an archive read into memory takes its links to images, leaves __MACOSX/ out;
+#                   4: a shard's ._ members (macOS's resource forks) and __MACOSX/ are no samples)
 
 
 @dataclass

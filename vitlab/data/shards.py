@@ -38,6 +38,7 @@ from vitlab.data.sources import (
     StreamSource,
     classes_beside,
     files_key,
+    not_data_path,
     resolve_data_path,
     scan_image_folder,
 )
@@ -248,7 +249,9 @@ def _members(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
     key, fields = None, {}
     with tarfile.open(path, "r|*") as tar:  # streaming mode: one sequential read
         for member in tar:
-            if not member.isfile():
+            # macOS's tar writes a ._<name> member before each file with extended attributes: a sample of
+            # its own between an image and its label, it cut every sample in two (WebDataset skips them too)
+            if not member.isfile() or not_data_path(member.name):
                 continue
             folder, base = os.path.split(member.name)
             stem, dot, ext = base.partition(".")
@@ -323,7 +326,8 @@ def count_samples(path: Path) -> int:
     try:
         with tarfile.open(path, "r:") as tar:
             keys = {m.name.rsplit("/", 1)[-1].partition(".")[0] + m.name.rpartition("/")[0]
-                    for m in tar.getmembers() if m.isfile() and not m.name.endswith((".cls", ".json"))}
+                    for m in tar.getmembers()
+                    if m.isfile() and not not_data_path(m.name) and not m.name.endswith((".cls", ".json"))}
             if Path(path).stat().st_size - tar.offset < tarfile.BLOCKSIZE:  # as in _members: no end block
                 raise tarfile.ReadError(f"no end-of-archive block after {tar.offset:,} bytes of members")
             return len(keys)

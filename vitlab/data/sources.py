@@ -45,6 +45,7 @@ __all__ = [
     "scan_image_folder",
     "holds_class_images",
     "listing_state",
+    "not_data_path",
     "read_image_archive",
     "count_archive_images",
     "resolve_data_path",
@@ -363,8 +364,12 @@ def _not_data(name: str) -> bool:
     return name.startswith(".") or name == "__MACOSX"
 
 
-def _hidden(relpath: str) -> bool:
-    return any(_not_data(part) for part in relpath.split("/"))
+def not_data_path(relpath: str) -> bool:
+    """Whether the relative POSIX path ``relpath`` (a file of a tree, a member of an archive or a
+    shard) is or lies in a file or folder that is never data (``_not_data``): ``.DS_Store``, the
+    ``._<name>`` resource fork macOS's tar writes before a file, ``__MACOSX/``; a ``.`` part
+    (``./a.jpg``) is no folder."""
+    return any(_not_data(part) for part in PurePosixPath(relpath).parts)
 
 
 def _walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
@@ -580,7 +585,7 @@ def read_image_archive(path: PathLike, limits: ArchiveLimits | None = None) -> t
             for member in tar:
                 budget.take(member)
                 name = _member_name(member)
-                if not name or _hidden(name):
+                if not name or not_data_path(name):
                     continue
                 if member.isdir():
                     dirs.append(name)
@@ -635,7 +640,7 @@ def count_archive_images(path: PathLike) -> int:
     with tarfile.open(path, "r:*") as tar:
         for member in tar:
             name = _member_name(member)
-            if ("/" in name and not _hidden(name) and _is_image(name)
+            if ("/" in name and not not_data_path(name) and _is_image(name)
                     and (member.isfile() or ((member.issym() or member.islnk()) and _link_inside(member)))):
                 names.add(name)
     return len(names)

@@ -67,7 +67,7 @@ from vitlab.data.hub import arrow_source, is_hf_dataset, parquet_source
 from vitlab.data.loader import DeviceStage, copy_without_a_wait, derive_seed, one_ahead
 from vitlab.data.shards import shard_source
 from vitlab.data.sources import (DataError, StreamSource, Unread, check_label_ids, describe_unread, listing_state,
-                                 resolve_data_path, scan_image_folder)
+                                 not_data_path, resolve_data_path, scan_image_folder)
 from vitlab.data.transforms import TrainTransform, build_transform
 
 __all__ = ["expand_braces", "fitting_workers", "hold_out", "is_stream_source", "open_source", "StreamSource", "StreamDataset",
@@ -141,8 +141,9 @@ def _streamed_kind(source: str) -> Optional[tuple[str, list[Path]]]:
     if is_hf_dataset(path):
         return "hf", [path]
     # hidden files and folders are never data (.ipynb_checkpoints beside index.json, the ._shard-000000.tar
-    # macOS writes on a foreign disk): the folder of shards was read as an ImageFolder holding none
-    children = [p for p in path.iterdir() if not p.name.startswith(".")]
+    # macOS writes on a foreign disk, an unzipped macOS zip's __MACOSX/): the folder of shards was read as an
+    # ImageFolder holding none
+    children = [p for p in path.iterdir() if not not_data_path(p.name)]
     if any(p.is_dir() for p in children):
         return None
     for kind, suffix in (("shards", ".tar"), ("parquet", ".parquet")):

@@ -101,6 +101,34 @@ def test_error_names_the_file(tmp_path):
         decode_image(str(tmp_path / "pictures"))
 
 
+def test_a_file_that_is_no_image_is_refused_in_the_same_words_by_every_reader(tmp_path, fakes):
+    """PIL names the file it cannot identify: read from an archive, a shard or a Hugging Face set (its
+    bytes), the reason said and cached was "cannot identify image file <_io.BytesIO object at 0x7f...>",
+    an address in place of the file the line names already, where a folder's said the path again."""
+    from vitlab.data.decode import SampleCrop, decode_crop
+
+    root = tmp_path / "set"
+    _png(root / "a" / "ok.png", 10)
+    _png(root / "b" / "ok.png", 20)
+    (root / "b" / "zero.jpg").write_bytes(b"")
+    (root / "b" / "text.jpg").write_bytes(b"hello, not an image")
+    said = "not a decodable image: UnidentifiedImageError: cannot identify image file"
+    for source in (root, fakes.make_tar(root, tmp_path / "set.tar")):
+        data = load_in_memory(source, cache_dir=tmp_path / "cache", workers=1)
+        assert [(os.path.basename(where), reason) for where, reason in data.skipped] == [
+            ("text.jpg", said), ("zero.jpg", said)]
+    for data in (b"", b"hello, not an image"):
+        with pytest.raises(DataError) as raised:
+            decode_crop(data, SampleCrop((4, 4)))
+        assert str(raised.value) == said
+        with pytest.raises(DataError) as raised:
+            decode(data)
+        assert str(raised.value) == said
+    with pytest.raises(DataError) as raised:
+        decode_image(str(root / "b" / "zero.jpg"))
+    assert str(raised.value) == f"{root / 'b' / 'zero.jpg'}: {said}"
+
+
 def _png(path, value, mode="RGB", size=(4, 4)):
     path.parent.mkdir(parents=True, exist_ok=True)
     shape = (*size, 3) if mode == "RGB" else size

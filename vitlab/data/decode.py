@@ -74,6 +74,8 @@ def decode_errors(source) -> Iterator[None]:
         raise DataError(f"{where}a folder, not an image file (a shell pattern names its images: {source}/*.jpg)") from e
     except DECODE_ERRORS as e:
         reason = str(e).splitlines()[0] if str(e) else ""
+        if isinstance(e, UnidentifiedImageError):  # PIL names the file: the path again, or a file object's address
+            reason = "cannot identify image file"
         if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
             reason = f"{reason} (the decompression-bomb limit, PIL.Image.MAX_IMAGE_PIXELS)"
         raise DataError(f"{where}not a decodable image: {type(e).__name__}: {reason}") from e

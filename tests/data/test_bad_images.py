@@ -3,6 +3,7 @@ counted and reported; loading never stops on one bad file."""
 import io
 import logging
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -351,3 +352,119 @@ def test_non_utf8_file_and_folder_names(tmp_path):
     streamed = StreamLoader(open_source(str(root)), 2, image_size=2, shuffle_buffer=0, workers=0)
     x, y = next(iter(streamed))  # read image by image: the undecodable one is left out
     assert sorted(x[:, 0, 0, 0].tolist()) == [11, 22] and sorted(y.tolist()) == [0, 1]
+
+
+def _odd_set(root):
+    """Write into ``root``'s class folders ``a`` and ``b`` the files users have, every one of its own
+    bytes; returns (the images, the unreadable files), as paths relative to ``root``."""
+    rng = np.random.default_rng(0)
+
+    def pixels(w=48, h=32):
+        y, x = np.mgrid[0:h, 0:w]
+        return np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1),
+                         rng.integers(0, 256, (h, w))], -1).astype(np.uint8)
+
+    a, b = root / "a", root / "b"
+    a.mkdir(parents=True)
+    b.mkdir()
+    for orientation in (6, 8):  # a camera's portrait photo: the pixels stored sideways, the EXIF tag says so
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        Image.fromarray(pixels()).save(a / f"exif{orientation}.jpg", exif=exif.tobytes(), quality=95)
+    Image.fromarray(pixels()).convert("CMYK").save(a / "cmyk.jpg", quality=95)
+    Image.fromarray(pixels()[:, :, 2]).save(a / "gray.png")
+    Image.fromarray(pixels()[:, :, 1:].copy(), "LA").save(a / "la.png")
+    Image.fromarray(pixels()).convert("P", palette=Image.ADAPTIVE, colors=16).save(a / "palette.png", transparency=0)
+    Image.fromarray(np.dstack([pixels(), pixels()[:, :, 2]]), "RGBA").save(a / "rgba.png")
+    Image.fromarray(pixels()[:, :, 2].astype(np.uint16) * 257).save(a / "gray16.png")
+    Image.fromarray(pixels()).save(b / "lossless.webp", lossless=True)
+    frames = [Image.fromarray(np.full((32, 48, 3), v, np.uint8)) for v in (40, 200)]
+    frames[0].save(b / "animated.gif", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    Image.fromarray(pixels(1, 1)).save(b / "one.png")
+    Image.fromarray(pixels(4000, 20)).save(b / "wide.jpg", quality=95)
+    for name in ("upper.JPG", "upper.JPEG", "upper.PNG"):
+        Image.fromarray(pixels()).save(b / name, "PNG" if name.endswith("PNG") else "JPEG")
+    whole = io.BytesIO()
+    Image.fromarray(pixels(480, 320)).save(whole, "JPEG")
+    (b / "truncated.jpg").write_bytes(whole.getvalue()[: len(whole.getvalue()) // 2])
+    (b / "zero.jpg").write_bytes(b"")
+    (b / "text.jpg").write_bytes(b"a text file named .jpg")
+    (b / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (b / "._lossless.webp").write_bytes(b"\0\5\26\7\0\2\0\0Mac OS X        ")  # macOS's resource fork
+    unreadable = ["b/text.jpg", "b/truncated.jpg", "b/zero.jpg"]
+    images = sorted(f"{p.parent.name}/{p.name}" for p in root.glob("*/*") if not p.name.startswith("."))
+    return [i for i in images if i not in unreadable], unreadable
+
+
+ODD_SIZE = (16, 24)
+READERS = ["folder in memory", "its cached copy", "archive in memory", "streamed folder", "streamed archive",
+           "shards", "shards in memory", "Hugging Face", "Hugging Face in memory"]
+
+
+def _read_by(reader, root, tmp_path, fakes):
+    """({name: (H, W, 3) pixels at ODD_SIZE}, [names left out as unreadable]) of the set at ``root``
+    read as ``reader`` reads it, names relative to ``root``."""
+    import tarfile
+
+    from vitlab.data.decode import decode_crops
+    from vitlab.data.shards import pack_shards
+    from vitlab.data.stream import reader_crop
+
+    by_bytes = {p.read_bytes(): f"{p.parent.name}/{p.name}" for p in root.glob("*/*")}
+    name = lambda where: "/".join(where.split("/")[-2:])  # noqa: E731 - <class>/<file>
+    archive = tmp_path / "set.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:  # as a zip made on macOS and packed again holds it
+        tar.add(root, root.name)
+        fakes.add_bytes(tar, f"__MACOSX/{root.name}/b/._lossless.webp", b"\0\5\26\7")
+    source = {"streamed folder": root, "streamed archive": archive}.get(reader)
+    if reader.startswith("shards"):
+        pack_shards(root, tmp_path / "shards", samples_per_shard=5)
+        source = tmp_path / "shards"
+    elif reader.startswith("Hugging Face"):
+        datasets = pytest.importorskip("datasets", reason='the hf extra: pip install -e ".[hf]"')
+        files = sorted(p for p in root.glob("*/*") if not p.name.startswith("."))
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+        datasets.Dataset.from_dict({"image": [{"bytes": p.read_bytes(), "path": None} for p in files],
+                                    "label": [int(p.parent.name == "b") for p in files]},
+                                   features=features).save_to_disk(str(tmp_path / "hf"))
+        source = tmp_path / "hf"
+    cache = tmp_path / "cache"
+    if reader.endswith(("in memory", "cached copy")):
+        if reader == "its cached copy":
+            load_in_memory(root, ODD_SIZE, cache_dir=cache, workers=1)
+        data = load_in_memory(source or (archive if reader.startswith("archive") else root), ODD_SIZE,
+                              cache_dir=cache, workers=1)
+        skipped = [where for where, _ in data.skipped]
+        if source is None:  # a folder or an archive: the listing's order
+            names = [name(p) for p in scan_image_folder(root).paths if name(p) not in {name(s) for s in skipped}]
+        else:  # a streamed source's samples, in stored order: named by their bytes
+            samples = [(key, data) for key, data, _ in open_source(str(source), cache).samples()]
+            names = [by_bytes[blob] for key, blob in samples if key not in skipped]
+            skipped = [by_bytes[blob] for key, blob in samples if key in skipped]
+        return dict(zip(names, data.images.permute(0, 2, 3, 1).numpy())), sorted(map(name, skipped))
+    samples = list(open_source(str(source), cache).samples())
+    decoded = decode_crops([payload for _, payload, _ in samples], reader_crop(None, ODD_SIZE, draft=False))
+    names = [by_bytes[Path(p).read_bytes() if isinstance(p, str) else p] for _, p, _ in samples]
+    return ({n: d for n, d in zip(names, decoded) if not isinstance(d, DataError)},
+            sorted(n for n, d in zip(names, decoded) if isinstance(d, DataError)))
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_every_reader_lists_and_decodes_an_odd_file_as_predict_does(reader, tmp_path, fakes):
+    """Each way vitlab reads a set gives each image the pixels `vitlab predict` (and eval, inspect,
+    fewshot: ``decode_image``) gives it at the same size, and reads and leaves out the same files.
+    The rule, torchvision's and timm's ImageFolder's (PIL's ``convert("RGB")``): the pixels as stored,
+    EXIF orientation applied by none; alpha dropped, the colour under it kept; a palette's colours; an
+    animation's first frame; 16-bit grayscale scaled to 8 bits; upper-case extensions are images;
+    hidden files, macOS's ._ files and __MACOSX/ are none; a file that cannot be decoded is left out
+    and named."""
+    root = tmp_path / "set"
+    images, unreadable = _odd_set(root)
+    predicted = {name: decode_image(str(root / name), ODD_SIZE) for name in images}
+    exif = Image.open(root / "a" / "exif6.jpg")
+    assert exif.getexif()[0x0112] == 6 and decode_image(str(root / "a" / "exif6.jpg")).shape == (32, 48, 3)
+    assert np.array_equal(decode_image(str(root / "a" / "exif6.jpg")), np.asarray(exif.convert("RGB")))
+    assert (predicted["b/animated.gif"] == 40).all()  # the first frame
+    read, left_out = _read_by(reader, root, tmp_path, fakes)
+    assert sorted(read) == images and left_out == unreadable
+    assert [name for name in images if not np.array_equal(read[name], predicted[name])] == []

@@ -42,7 +42,8 @@ DRAFT_REDUCTIONS = (8, 4, 2)  # the scales libjpeg's DCT can decode at, largest 
 
 
 def to_rgb(img: Image.Image) -> np.ndarray:
-    """(H, W, 3) uint8 RGB of a decoded PIL image of any mode.
+    """(H, W, 3) uint8 RGB of a decoded PIL image of any mode: the pixels as stored, EXIF orientation
+    not applied (as torchvision's and timm's ImageFolder read them), by every reader of images.
 
     16-bit grayscale ("I;16*", and "I" as PNG's 16-bit files open) is scaled to 8 bits
     (v / 257, rounded: 65535 -> 255), where PIL's own conversion would clip everything

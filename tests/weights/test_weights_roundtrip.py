@@ -11,7 +11,7 @@ from vitlab.config import ResNetConfig, ViTConfig
 from vitlab.models.posemb import resample_table_1d
 from vitlab.models.registry import build_model
 from vitlab.weights import WeightsError, load_checked, load_model, save_model, save_official_npz
-from vitlab.weights import core
+from vitlab import files
 
 TINY = ViTConfig(img_size=16, patch_size=4, width=32, depth=2, mlp_dim=48, num_heads=2, num_classes=5)
 
@@ -231,7 +231,7 @@ def test_failing_save_keeps_the_existing_file(tmp_path, monkeypatch):
     def broken_fsync(fd):
         raise OSError("disk full")
 
-    monkeypatch.setattr(core.os, "fsync", broken_fsync)
+    monkeypatch.setattr(files.os, "fsync", broken_fsync)
     with pytest.raises(OSError, match="disk full"):
         save_model(random_model(ViTConfig(**{**TINY.__dict__, "num_classes": 7})), path)
     monkeypatch.undo()
@@ -249,7 +249,7 @@ def test_a_save_that_fails_between_its_files_keeps_the_old_set(tmp_path, monkeyp
     old = random_model(cfg)
     save_model(old, tmp_path / out, format=format, class_names=list("abcde"))
     before = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    real_new_temporary, calls = core.new_temporary, []
+    real_new_temporary, calls = files.new_temporary, []
 
     def failing_at_the_second_file(*args, **kwargs):
         calls.append(1)
@@ -257,7 +257,7 @@ def test_a_save_that_fails_between_its_files_keeps_the_old_set(tmp_path, monkeyp
             raise OSError(28, "No space left on device")
         return real_new_temporary(*args, **kwargs)
 
-    monkeypatch.setattr(core, "new_temporary", failing_at_the_second_file)
+    monkeypatch.setattr(files, "new_temporary", failing_at_the_second_file)
     new = random_model(ViTConfig(**{**cfg.__dict__, "num_classes": 7, "depth": 1}))
     with pytest.raises(OSError, match="No space left"):
         save_model(new, tmp_path / out, format=format)

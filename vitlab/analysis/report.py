@@ -27,6 +27,7 @@ from vitlab.analysis.cost import model_flops
 from vitlab.config import Pair
 from vitlab.data.memory import decode_image
 from vitlab.data.transforms import resize, to_float
+from vitlab.files import atomic_write_text
 from vitlab.modes import evaluating
 
 from . import attention as att
@@ -506,12 +507,5 @@ def write_report(model: nn.Module, images: Images, out_path: str | os.PathLike,
         with open(out, "w", encoding="utf-8") as f:
             f.write(page)
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(page, encoding="utf-8")
-        os.replace(tmp, out)
-    except BaseException:  # a full disk, Ctrl-C: the earlier page stays, and no half-written one beside it
-        tmp.unlink(missing_ok=True)
-        raise
-    return out
+    # a full disk, Ctrl-C: the earlier page stays, and no half-written one beside it
+    return atomic_write_text(out, page)

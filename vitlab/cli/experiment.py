@@ -123,7 +123,7 @@ def update_findings(path: str, name: str, section: str, out: str) -> None:
     import os
     from pathlib import Path
 
-    from vitlab.weights.core import atomic_write
+    from vitlab.files import atomic_write
 
     p = Path(path)
     rel = os.path.relpath(out, p.parent)

@@ -24,8 +24,6 @@ import copy
 import dataclasses
 import json
 import os
-import secrets
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -36,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitlab.config import replace
+from vitlab.files import atomic_write_text
 from vitlab.machine import cpu_info
 from vitlab.models.registry import build_model, get_config
 
@@ -176,7 +175,8 @@ def calibrate(path: Path | None = None, rounds: int = 3,
             "seconds_per_step": results, "threads": torch.get_num_threads(),
             "measured": time.strftime("%Y-%m-%d %H:%M"),
         }
-        _write(path, json.dumps(stored, indent=2) + "\n")
+        # a temporary file of this calibrate's own renamed over it, the stored file's mode kept (``atomic_write``)
+        atomic_write_text(path, json.dumps(stored, indent=2) + "\n")
     return choice, precision, results
 
 
@@ -199,30 +199,3 @@ def _locked(path: Path) -> Iterator[None]:
     finally:
         if fd is not None:
             os.close(fd)
-
-
-def _write(path: Path, text: str) -> None:
-    """``text`` into ``path`` through a temporary file of this process's own, synced, then renamed
-    over it: a fixed name (kernels.tmp) was written by every calibrate at once (another host's, where
-    $HOME is shared), and one could rename the other's half-written file into place; a failure left it
-    behind.  The file keeps the stored one's mode, else a new file's (0666 less the umask; mkstemp's
-    0600 kept a calibration in a shared cache from the others), as ``weights.core.new_temporary``
-    gives saved weights (fast/ does not import weights/)."""
-    while True:
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            break
-        except FileExistsError:  # another's name: draw again
-            continue
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if path.exists():
-            shutil.copymode(path, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

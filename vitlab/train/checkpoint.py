@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from vitlab.weights.core import atomic_write
+from vitlab.files import atomic_write
 
 PATTERN = re.compile(r"^ckpt-(\d+)\.pt$")
 PARTIAL_PATTERN = re.compile(r"^\.ckpt-\d+\.pt\..*\.tmp$")  # the temporary file of an unfinished write

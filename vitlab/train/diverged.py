@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from vitlab.weights.core import atomic_write
+from vitlab.files import atomic_write
 
 from .config import TrainConfig, to_dict
 from .numerics import NonFiniteError

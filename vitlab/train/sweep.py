@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from vitlab.config import ConfigError, is_int, is_number, need, need_bool
-from vitlab.weights.core import atomic_write
+from vitlab.files import atomic_write
 
 from .build import check_can_run
 from .config import TrainConfig, check_lr_grid

@@ -35,9 +35,9 @@ from vitlab.data.memory import load_in_memory
 from vitlab.data.sources import source_key
 from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.vtab import Task, TaskSplits, split_tasks, summarize
+from vitlab.files import atomic_write
 from vitlab.machine import Machine
 from vitlab.weights import load_model
-from vitlab.weights.core import atomic_write
 
 from .build import check_can_run
 from .config import TrainConfig, check_lr_grid, to_dict

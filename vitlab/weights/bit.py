@@ -34,8 +34,9 @@ import numpy as np
 from torch import nn
 
 from ..config import ConfigError, Pair, ResNetConfig, replace
+from ..files import atomic_write
 from ..models.registry import RESNET_DEPTHS, bit_config
-from .core import StateDict, WeightsError, atomic_write, build_loaded, check_named, to_tensor, width_factor_of
+from .core import StateDict, WeightsError, build_loaded, check_named, to_tensor, width_factor_of
 from .official import read_npz
 
 PREFIX = "resnet/"

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..config import Architecture, ConfigError, Pair, ResNetConfig, ViTConfig, replace, to_pair
+from ..files import sync_folder, write_temporary
 from ..models.posemb import (DistanceBias, LearnedPosEmb1D, LearnedPosEmb2D, RelativePosBias, resample_grid,
                              resample_table_1d, resize_offset_table)
 from ..models.registry import PATCH_SIZES, VIT_SIZES, build_model, get_config
@@ -46,69 +47,11 @@ def to_tensor(array: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(array, copy=True))
 
 
-def new_temporary(path: Path) -> tuple[int, str]:
-    """A new, empty temporary file beside ``path`` (open for writing), with the mode ``open``
-    gives a new file (0666 less the umask): ``tempfile.mkstemp``'s is 0600 whatever the umask,
-    and the file renamed into place kept it, unreadable to a group the folder is shared with."""
-    while True:
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), str(tmp)
-        except FileExistsError:  # another write's name: draw again
-            continue
-
-
-def _staged(path: Path, write: Callable[[BinaryIO], Any]) -> str:
-    """``write(f)``'s bytes in a fsynced temporary file beside ``path`` (removed if anything fails),
-    with the permissions of the file it will replace, else a new file's (``new_temporary``)."""
-    # checked here, not left to the OS: its errors name the temporary file, which the caller never asked for
-    if path.is_dir():
-        raise IsADirectoryError(f"{path} is a folder; expected a file to write")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = new_temporary(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        if path.exists():
-            shutil.copymode(path, tmp)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return tmp
-
-
-def _sync_folder(folder: Path) -> None:
-    """Make renames in ``folder`` durable; not possible on every platform."""
-    try:
-        dir_fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
-    """Write a file through ``write(f)`` so that ``path`` is either the old file or the new one.
-
-    The bytes go to a temporary file in the same directory, are fsynced, and the file is
-    renamed over ``path`` (atomic on POSIX and Windows).  If anything fails, including
-    ``write`` itself, the temporary file is removed and an existing ``path`` is untouched.
-    ``path``'s folder is made if it does not exist, as a vitlab-format folder is.
-    """
-    return atomic_write_set([(path, write)])[0]
-
-
 def atomic_write_set(files: Sequence[tuple[str | os.PathLike, Callable[[BinaryIO], Any]]],
                      remove: Sequence[str | os.PathLike] = ()) -> list[Path]:
     """Write several files that belong together (weights and their config) as one set.
 
-    Every file is first written in full beside its path (``atomic_write``'s temporary file); only
+    Every file is first written in full beside its path (``vitlab.files.write_temporary``); only
     when all are written do the files ``remove`` names (an old set's file the new one has not) go,
     and the new ones replace the old, renamed in the order given.  A failure or an interruption
     while writing (a full disk, an error serialising, Ctrl-C) leaves every old file as it was: one
@@ -125,7 +68,7 @@ def atomic_write_set(files: Sequence[tuple[str | os.PathLike, Callable[[BinaryIO
     kept: list[tuple[Path, Path | None]] = []  # each path changed so far, and its old file kept aside (None: none)
     try:
         for path, write in files:
-            staged.append((Path(path), _staged(Path(path), write)))
+            staged.append((Path(path), write_temporary(Path(path), write)))
         for gone in map(Path, remove):
             if gone.exists():
                 aside = _aside(gone)
@@ -153,7 +96,7 @@ def atomic_write_set(files: Sequence[tuple[str | os.PathLike, Callable[[BinaryIO
         if old is not None:
             old.unlink(missing_ok=True)
     for folder in dict.fromkeys(path.parent for path, _ in staged):
-        _sync_folder(folder)
+        sync_folder(folder)
     return [path for path, _ in staged]
 
 

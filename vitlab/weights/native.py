@@ -22,8 +22,9 @@ from torch import nn
 
 from ..config import (Architecture, ConfigError, Pair, ResNetConfig, config_from_json, config_to_json, replace,
                       to_pair)
+from ..files import atomic_write
 from .bit import save_bit_npz
-from .core import WeightsError, atomic_write, atomic_write_set, build_loaded, check_named
+from .core import WeightsError, atomic_write_set, build_loaded, check_named
 from .huggingface import save_huggingface
 from .labels import CLASSES_KEY, CLASSES_NAME, check_class_names
 from .official import save_official_npz

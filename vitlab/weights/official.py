@@ -48,8 +48,9 @@ import numpy as np
 from torch import nn
 
 from ..config import Pair, ViTConfig
+from ..files import atomic_write
 from ..models.registry import VIT_SIZES
-from .core import (StateDict, WeightsError, atomic_write, build_loaded, convention_differences, infer_config, to_tensor,
+from .core import (StateDict, WeightsError, build_loaded, convention_differences, infer_config, to_tensor,
                    warn_conventions)
 
 # Conventions of vit_jax, applied to every config read from an official checkpoint.

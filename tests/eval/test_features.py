@@ -89,6 +89,25 @@ def test_a_damaged_cache_file_is_computed_again_with_a_warning(tmp_path):
         assert (FeatureCache(tmp_path).get("key", lambda: 1 / 0) == features).all()  # written again, whole
 
 
+def test_a_cache_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """The features went to NAME.<pid>.tmp.npz, renamed into place: a write that failed (a full disk)
+    left that file behind in the cache folder, and every such failure another."""
+    features = np.arange(6.0).reshape(2, 3)
+    real_savez = np.savez
+
+    def half_then_full(file, **arrays):
+        real_savez(file, **arrays)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        FeatureCache(tmp_path).get("key", lambda: features)
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+    assert (FeatureCache(tmp_path).get("key", lambda: features) == features).all()
+    assert (FeatureCache(tmp_path).get("key", lambda: 1 / 0) == features).all()  # written whole, read back
+
+
 def test_flip_averaging_is_the_mean_of_the_two_views_probabilities():
     torch.manual_seed(0)
     model = create_model(TINY).eval()

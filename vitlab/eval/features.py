@@ -26,6 +26,7 @@ from torch import nn
 
 from vitlab.config import ConfigError, Pair, is_shift, to_pair
 from vitlab.data.transforms import resize, to_float
+from vitlab.files import atomic_write
 from vitlab.modes import evaluating
 
 __all__ = ["extract_features", "predict_logits", "tta_views", "tta_view_count", "tta_view_prefixes", "check_tta_shift",
@@ -218,10 +219,8 @@ class FeatureCache:
             value = np.asarray(compute())
             self.misses += 1
             if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
-                np.savez(tmp, features=value, key=np.array(repr(key)))
-                os.replace(tmp, path)  # readers never see a half-written file
+                # readers never see a half-written file, and a failed write leaves none beside it
+                atomic_write(path, lambda f: np.savez(f, features=value, key=np.array(repr(key))))
         self._memory[name] = value
         return value
 

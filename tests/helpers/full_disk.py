@@ -1,8 +1,10 @@
 """A disk that fills up as a named file is written: opening it (or a temporary file beside it,
 ``.NAME.*``) for writing raises ENOSPC once the file is open, so a file written in place has
-already been truncated, as on a real full disk, and one written beside its place is not."""
+already been truncated, as on a real full disk, and one written beside its place is not.  Both
+``io.open`` (pathlib, ``os.fdopen``) and the built-in ``open`` are watched."""
 from __future__ import annotations
 
+import builtins
 import errno
 import io
 import os
@@ -22,3 +24,4 @@ def fill_disk_at(monkeypatch, name: str) -> None:
         return f
 
     monkeypatch.setattr(io, "open", opening)
+    monkeypatch.setattr(builtins, "open", opening)

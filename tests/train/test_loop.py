@@ -297,6 +297,29 @@ def test_a_run_started_afresh_leaves_no_earlier_results_beside_its_config(tiny, 
     assert sorted(p.name for p in out.iterdir()) == ["classes.json", "config.json", "metrics.csv", "metrics.jsonl"]
 
 
+@pytest.mark.parametrize("name", ["config.json", "classes.json", "metrics.jsonl", "metrics.csv", "summary.json"])
+def test_a_full_disk_while_a_finished_run_is_resumed_keeps_its_records(tiny, monkeypatch, name):
+    """A resumed run writes its config.json, classes.json and logs again as it starts and its summary.json
+    as it ends: written in place, a full disk left the finished run's file truncated, and the run was taken
+    for none (an experiment's ``finished_run`` trained it again; vtab --resume stopped at the summary's
+    JSON), or its logged curves cut short (the report drew what was left)."""
+    from helpers.full_disk import fill_disk_at
+
+    from vitlab.experiments.common import finished_run
+
+    cfg = tiny("run", steps=2, ckpt_every=2)
+    train(cfg, verbose=False)
+    out = Path(cfg.run.out)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    fill_disk_at(monkeypatch, name)
+    with pytest.raises(OSError, match="No space left"):
+        train(cfg, resume=True, verbose=False)
+    monkeypatch.undo()
+    assert (out / name).read_bytes() == before[name]
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == sorted(before)  # no temporary file left
+    assert finished_run(cfg) is not None
+
+
 @pytest.mark.parametrize("flag", ["resume", "overwrite", "verbose"])
 def test_train_refuses_a_flag_that_is_not_true_or_false_before_any_work(tiny, flag):
     # a string from a config file or argv: "no" is truthy, so overwrite="no" deleted the earlier

@@ -26,6 +26,7 @@ from vitlab.analysis.utilization import matmul_peak, mfu
 from vitlab.config import ConfigError, is_number, need, need_bool, need_output_folder
 from vitlab.data.labelled import same_data
 from vitlab.eval.features import tta_view_count
+from vitlab.files import atomic_write_text
 from vitlab.machine import Machine
 from vitlab.weights.native import WEIGHTS_NAME
 
@@ -334,11 +335,13 @@ def save_checkpoint(setup: Setup, state: dict, ckpt_dir: Path, step: int) -> Pat
 
 def write_config(setup: Setup, out: Path) -> None:
     """The run's config.json: its configuration, what its "auto" settings resolved to, and
-    the peak memory estimated for it before it was built."""
+    the peak memory estimated for it before it was built.  Like classes.json and summary.json it is
+    replaced whole (``atomic_write``): a resumed run writes it again, and written in place, a full disk
+    left a finished run's file cut short, the run taken for none (``finished_run``)."""
     records = {"resolved": setup.resolved.record()}
     if setup.memory is not None:  # with the measurement that chose a GPU's micro-batch, where there was one
         records["memory_estimate"] = run_memory_record(setup.resolved)
-    (out / "config.json").write_text(json.dumps(to_dict(setup.cfg) | records, indent=2))
+    atomic_write_text(out / "config.json", json.dumps(to_dict(setup.cfg) | records, indent=2))
 
 
 # what a finished run leaves besides its config, class names and metrics (which a run writes anew as it starts)
@@ -366,7 +369,7 @@ def start_output_folder(setup: Setup, out: Path, afresh: bool) -> None:
     if setup.world.is_main:
         out.mkdir(parents=True, exist_ok=True)
         write_config(setup, out)
-        (out / "classes.json").write_text(json.dumps(setup.splits.classes))
+        atomic_write_text(out / "classes.json", json.dumps(setup.splits.classes))
 
 
 def time_budget(setup: Setup, t_start: float, progress: Progress) -> TimeBudget:
@@ -556,7 +559,7 @@ def finish(setup: Setup, step: int, planned_steps: int, last_val: dict, wall: fl
             writer.close()
             plot = plot_curves(records, out / "curves.png")
             summary["curves"] = str(Path(plot).absolute()) if plot else None
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 

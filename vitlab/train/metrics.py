@@ -7,11 +7,14 @@ Only rank 0 writes.  Every record is a flat dict; the CSV's columns are fixed up
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import sys
 import time
 from pathlib import Path
+
+from vitlab.files import atomic_write_text
 
 COLUMNS = ("step", "epoch", "lr", "loss", "train_top1", "grad_norm", "val_loss", "val_top1", "val_top5",
            "val_top1_single", "val_top1_flip", "img_per_s", "data_wait", "elapsed_s", "skipped_steps", "overflow_steps",
@@ -24,21 +27,24 @@ class MetricsWriter:
     The files are rewritten at the start with ``records``: a fresh run's (none) or those
     a resumed run's checkpoint holds, so steps logged after that checkpoint by a killed
     run are not listed twice, and an earlier run in the same folder does not leak in.
+    They are replaced whole (``atomic_write``), then appended to: truncated and written in
+    place, a full disk as a finished run was resumed left its log cut short, which the
+    report (``vitlab inspect``) drew as the run's curves.
     """
 
     def __init__(self, out: str | Path, tensorboard: bool = True, records: list[dict] | None = None) -> None:
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.records: list[dict] = list(records or [])
-        self._jsonl = open(self.out / "metrics.jsonl", "w")
-        self._csv_file = open(self.out / "metrics.csv", "w", newline="")
+        table = io.StringIO()
+        rows = csv.DictWriter(table, fieldnames=COLUMNS, extrasaction="ignore")
+        rows.writeheader()
+        rows.writerows(self.records)
+        atomic_write_text(self.out / "metrics.jsonl", "".join(json.dumps(record) + "\n" for record in self.records))
+        atomic_write_text(self.out / "metrics.csv", table.getvalue())
+        self._jsonl = open(self.out / "metrics.jsonl", "a")
+        self._csv_file = open(self.out / "metrics.csv", "a", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=COLUMNS, extrasaction="ignore")
-        self._csv.writeheader()
-        for record in self.records:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._csv.writerow(record)
-        self._jsonl.flush()
-        self._csv_file.flush()
         self._tb = None
         if tensorboard:
             try:

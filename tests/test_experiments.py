@@ -301,6 +301,25 @@ def test_resume_on_a_fresh_checkout_takes_earlier_seeds_from_results_json(tmp_pa
     assert len(trained) == per_seed and all(run.endswith("-s0") for run in trained)
 
 
+@pytest.mark.parametrize("name", ["results.json", "results.md", "section.md"])
+def test_a_full_disk_at_an_experiments_record_keeps_the_earlier_one(name, tmp_path, monkeypatch, capsys):
+    """Written in place, a full disk at results.json left it truncated: the earlier invocation's rows, which
+    --resume takes on a fresh checkout (its runs are not kept in git), were lost; results.md and section.md
+    (the findings' table and section) were cut short the same way."""
+    from helpers.full_disk import fill_disk_at
+
+    out = tmp_path / "head"
+    args = ["experiment", "head", "--quick", "--out", str(out), "--threads", "1", "--set", "steps=3", "--resume"]
+    assert main(args) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    fill_disk_at(monkeypatch, name)
+    assert main(args) != 0
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert (out / name).read_bytes() == before[name]
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == sorted(before)  # no temporary file left
+
+
 def test_resume_trains_only_what_is_missing(tmp_path, monkeypatch):
     out = tmp_path / "transfer"
     args = ["experiment", "transfer", "--quick", "--out", str(out), "--threads", "1", "--set", "steps=4", "--resume"]

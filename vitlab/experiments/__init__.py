@@ -23,6 +23,7 @@ from vitlab.config import ConfigError, need_output_folder
 from vitlab.configs import load_recipe
 from vitlab.experiments.common import Settings
 from vitlab.experiments.tables import aggregate, machine, markdown_table, write_json
+from vitlab.files import atomic_write_text
 from vitlab.train.legacy import FORMER_SETTING_NAMES
 
 DATA_RECIPE = "cifar10_scratch"  # the full-size forms' data: this recipe's data.source
@@ -169,7 +170,7 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
                 machine=machine(), date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 command=command or f"vitlab experiment {name}" + (" --quick" if quick else ""))
     write_json(out / "results.json", dict(meta, table=table, rows=rows))
-    (out / "results.md").write_text(md + "\n")
+    atomic_write_text(out / "results.md", md + "\n")
     files = {"json": out / "results.json", "markdown": out / "results.md"}
     figure = draw_figure(mod, table, out / "figure.png")
     if figure:
@@ -181,7 +182,7 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
                "", md, ""]
     if figure:
         section += [f"![{name}]({Path(figure).name})", ""]
-    (out / "section.md").write_text("\n".join(section))
+    atomic_write_text(out / "section.md", "\n".join(section))
     files["section"] = out / "section.md"
     if verbose:
         print(md)

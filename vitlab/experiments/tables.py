@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
+from vitlab.files import atomic_write_text
 from vitlab.machine import cpu_info, usable_cores
 
 
@@ -93,4 +94,5 @@ def write_json(path: Path, obj: Any) -> None:
         except (TypeError, ValueError):
             return str(o)
 
-    path.write_text(json.dumps(obj, indent=2, default=default))
+    # replaced whole: written in place, a full disk cut the earlier results.json short, whose rows --resume takes
+    atomic_write_text(path, json.dumps(obj, indent=2, default=default))

@@ -29,6 +29,23 @@ def test_the_runs_data_is_split_as_the_run_split_it():
     assert (data.split, data.seed, data.run_shards) == (100, 1, False)
 
 
+def test_the_digits_are_resized_to_a_non_square_size_as_a_folders_images_are():
+    """The digits source refused any (H, W) but a square ("makes square images only"): a non-square run
+    on them, and eval or fewshot of it, could not be made."""
+    import torch.nn.functional as F
+
+    from vitlab.data.labelled import load_labelled
+
+    data = load_labelled("digits", (16, 24))
+    assert data.images.shape == (1797, 3, 16, 24) and data.key == "digits@16x24"
+    stretched = F.interpolate(load_digits_dataset(8).images[:, :1].float(), size=(16, 24), mode="bilinear",
+                              align_corners=False)
+    # the same digits stretched (from the source's 17 grey levels, not the 8x8 uint8 images: within a level)
+    assert (data.images[:, :1].float() - stretched).abs().max() <= 1
+    assert load_labelled("digits", (16, 16)).key == load_labelled("digits", 16).key == "digits@16"  # as before
+    assert load_held_out(recorded_section(NESTED, "data"), (16, 24)).images.shape[-2:] == (16, 24)
+
+
 def test_flags_win_and_other_data_takes_the_defaults():
     run = NESTED["data"]
     everything = load_held_out(run, 8, val_split=0)

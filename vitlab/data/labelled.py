@@ -20,7 +20,7 @@ import torch
 from vitlab.config import need_count_or_fraction, need_output_folder, to_pair
 from vitlab.data.digits import load_digits_dataset
 from vitlab.data.memory import InMemoryDataset, load_in_memory, load_source_in_memory
-from vitlab.data.sources import DataError, PathLike
+from vitlab.data.sources import PathLike
 from vitlab.data.splits import check_seed, select_classes, stratified_split, training_pool
 from vitlab.data.stream import hold_out, open_source
 
@@ -41,10 +41,8 @@ def load_labelled(source: str, image_size, cache_dir: Optional[PathLike] = None,
     """
     size = to_pair(image_size, "image_size")
     if source == "digits":
-        if size[0] != size[1]:
-            raise DataError(f"img_size={size}: the digits source makes square images only")
-        data = load_digits_dataset(size[0])
-        data.key = f"digits@{size[0]}"
+        data = load_digits_dataset(size)
+        data.key = f"digits@{size[0]}" if size[0] == size[1] else f"digits@{size[0]}x{size[1]}"
         return data
     if held_out is not None:
         _, part = hold_out(open_source(source, cache_dir), *held_out)

@@ -56,12 +56,7 @@ class Splits:
 
 def load_dataset(cfg: TrainConfig, image_size: Pair):
     """The whole labelled set as an ``InMemoryDataset``, resized to ``image_size``."""
-    try:
-        return load_labelled(cfg.data.source, image_size, cfg.data.cache_dir, cfg.data.decode_workers)
-    except DataError as err:
-        if cfg.data.source == "digits":  # the one failure that is the config's, not the data's
-            raise ConfigError(f"model.{err}") from None
-        raise
+    return load_labelled(cfg.data.source, image_size, cfg.data.cache_dir, cfg.data.decode_workers)
 
 
 def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:

@@ -119,6 +119,19 @@ def _need_writable_under(name: str, path: Path, start: Path, expected: str) -> N
             return
 
 
+# What every command's --img-size and --set model.img_size take, in the words of their refusals
+SIZE_FORMS = "a positive size N or HxW, e.g. 384 or 384x512"
+
+
+def parse_size(text: str) -> int | Pair | None:
+    """A size in pixels written as text: "N" -> N (square); "HxW", "H,W" or "(H, W)" -> (H, W);
+    None when it is none of these (the caller names the setting and ``SIZE_FORMS``)."""
+    parts = [part.strip() for part in text.strip().lower().strip("()[]").replace(",", "x").split("x")]
+    if len(parts) in (1, 2) and all(part.isascii() and part.isdigit() and int(part) > 0 for part in parts):
+        return int(parts[0]) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
+    return None
+
+
 def to_pair(value: Any, name: str) -> Pair:
     """Accept ``16`` or ``(16, 16)`` (or a list) and return a pair of positive ints."""
     if is_int(value):

@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from vitlab.train.config import (SECTIONS, AugmentConfig, DataConfig, ModelConfi
                                  from_dict, to_dict)
 from vitlab.train.legacy import LEGACY_NAMES
 from vitlab.train.overrides import apply_overrides, field_names, parse_overrides, with_changes
+from vitlab.train.resolve import training_size
 from vitlab.train.schedules import warmup_steps
 
 OK = TrainConfig(model=ModelConfig(name="ViT-Ti/16", img_size=32, overrides={"patch_size": 8}),
@@ -605,15 +607,43 @@ def test_worker_counts_are_auto_or_counts_and_val_data_comes_with_its_flag():
 
 
 def test_an_auto_or_count_field_reads_a_count_whatever_order_its_union_comes_in(monkeypatch):
-    """model.img_size (``Optional[int | str]``) reads "48" as the count 48 and "auto" as the word,
-    with its union's members in either order (a whole CI run once read "48" as text)."""
+    """data.stream_workers (``int | str``) reads "3" as the count 3 and "auto" as the word, with its
+    union's members in either order (a whole CI run once read model.img_size's "48" as text)."""
     from vitlab.train import overrides
 
-    for annotation in (int | str | None, str | int | None):
-        monkeypatch.setitem(overrides.FIELD_TYPES, "model.img_size", annotation)
-        assert parse_overrides(TrainConfig(), ["model.img_size=48"]) == {"model.img_size": 48}
-        assert parse_overrides(TrainConfig(), ["model.img_size=auto"]) == {"model.img_size": "auto"}
-    assert "model.img_size" in overrides.AUTO_OR_COUNT and "data.stream_workers" in overrides.AUTO_OR_COUNT
+    for annotation in (int | str, str | int):
+        monkeypatch.setitem(overrides.FIELD_TYPES, "data.stream_workers", annotation)
+        assert parse_overrides(TrainConfig(), ["data.stream_workers=3"]) == {"data.stream_workers": 3}
+        assert parse_overrides(TrainConfig(), ["data.stream_workers=auto"]) == {"data.stream_workers": "auto"}
+    assert "data.stream_workers" in overrides.AUTO_OR_COUNT and "optim.accum_steps" in overrides.AUTO_OR_COUNT
+
+
+@pytest.mark.parametrize("text, size", [("48", 48), ("16x24", (16, 24)), ("16X24", (16, 24)), ("16,24", (16, 24)),
+                                        ("(16, 24)", (16, 24)), ("[16, 24]", (16, 24)), ("24x24", 24),
+                                        ("auto", "auto"), ("none", None)])
+def test_model_img_size_takes_n_or_hxw_as_img_size_does(text, size):
+    """--set model.img_size=16x24 was refused ('expected a positive number of pixels') and a recipe's or a
+    config file's (16, 24) too, where --img-size 16x24 of export and convert took it; a square pair is N."""
+    assert parse_overrides(TrainConfig(), [f"model.img_size={text}"]) == {"model.img_size": size}
+    cfg = apply_overrides(OK, [f"model.img_size={text}"]) if size not in ("auto", None) else None
+    if cfg is not None:
+        assert cfg.model.img_size == size
+        assert from_dict(json.loads(json.dumps(to_dict(cfg)))).model.img_size == size  # a run's config.json
+        listed = size if isinstance(size, int) else list(size)  # a config file's JSON list
+        assert ModelConfig(name="ViT-Ti/16", overrides={"patch_size": 8}, img_size=listed).img_size == size
+    # from scratch, the model is built at that size: the training size is the pair
+    if isinstance(size, tuple):
+        assert training_size(apply_overrides(OK, [f"model.img_size={text}"])) == (16, 24)
+
+
+@pytest.mark.parametrize("value", ["16x0", "abc", "16x24x3", "-3", 0, (16, 0), (16, 24, 3), 1.5, True])
+def test_a_bad_model_img_size_is_refused_naming_the_forms(value):
+    forms = 'expected a positive size N or HxW, e.g. 384 or 384x512, "auto"'
+    with pytest.raises(ConfigError, match=rf"^model.img_size=.*: {re.escape(forms)}"):
+        if isinstance(value, str):
+            parse_overrides(TrainConfig(), [f"model.img_size={value}"])
+        else:
+            ModelConfig(name="ViT-Ti/16", img_size=value)
 
 
 @pytest.mark.parametrize("field", ["data.source", "data.val_data", "data.cache_dir", "model.init"])

@@ -20,7 +20,7 @@ class ModelSection(Protocol):
     overrides: dict
     init: Optional[str]
     pre_logits: bool
-    img_size: Optional[int | str]
+    img_size: Optional[int | tuple | str]
     mpp: Optional[str]
 
 
@@ -30,7 +30,7 @@ def model_architecture(model: ModelSection, num_classes: int | None = None,
     overrides, resolution and class count (ConfigError names a bad field)."""
     overrides = dict(model.overrides)
     new_name = overrides.pop("name", None)
-    if isinstance(model.img_size, int):  # None, or "auto" not yet resolved: the model's own size
+    if model.img_size not in (None, "auto"):  # N or (H, W); "auto" not yet resolved: the model's own size
         overrides["img_size"] = model.img_size
     if num_classes is not None:
         overrides["num_classes"] = num_classes

@@ -21,8 +21,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from vitlab.config import (PRECISIONS, ConfigError, ViTConfig, is_int, is_number, is_shift, need, need_bool,
-                           need_choice, need_count_or_fraction, need_int, need_number)
+from vitlab.config import (PRECISIONS, SIZE_FORMS, ConfigError, ViTConfig, is_int, is_number, is_shift, need,
+                           need_bool, need_choice, need_count_or_fraction, need_int, need_number, parse_size)
 from vitlab.data.transforms import Augmentation, TrainTransform
 from vitlab.fast.fp8 import BLOCK_DENSE, FP8_BACKENDS, FP8_SCALINGS, check_fp8_layers
 from vitlab.fast.kernels import GPU_ATTENTION
@@ -91,6 +91,16 @@ def check_lr_grid(grid: Any, name: str = "optim.lr_grid") -> None:
     need(not twice, name, grid, f"{', '.join(twice)} given more than once; each rate is one run")
 
 
+def image_size_field(value: Any) -> int | tuple[int, int]:
+    """``model.img_size`` as the config holds it: N, or (H, W) where the sides differ; given as an
+    int, a pair (a recipe's tuple, a config file's list) or text, as --img-size takes it ("16x24")."""
+    size = parse_size(value) if isinstance(value, str) else value
+    pair = isinstance(size, (tuple, list)) and len(size) == 2 and all(is_int(v) and v >= 1 for v in size)
+    need(pair or (is_int(size) and size >= 1), "model.img_size", value,
+         f'expected {SIZE_FORMS}, "auto" (a fine-tune: scaled from its init) or None')
+    return size if is_int(size) else (size[0] if size[0] == size[1] else (size[0], size[1]))
+
+
 @dataclass(frozen=True)
 class ModelConfig(Section):
     """What is trained: a registry model, changed by ``overrides``, from scratch or from ``init``."""
@@ -101,8 +111,9 @@ class ModelConfig(Section):
     init: Optional[str] = None              # weights to fine-tune from (a file, folder or Hub name); None: scratch
     keep_pre_logits: bool = False           # with init: keep its pre-logits layer (the paper removes it, Sec. 3.2)
     pre_logits: bool = False                # from scratch: a pre-logits layer in the head (Sec. 3.1)
-    img_size: Optional[int | str] = None    # training resolution (None: the model's or init's; "auto": the paper's
-                                            # fine-tuning rule, resolve.finetune_size); init's posembs interpolated
+    img_size: Optional[int | tuple | str] = None  # training resolution, N or (H, W) (None: the model's or init's;
+                                            # "auto": the paper's fine-tuning rule, resolve.finetune_size); init's
+                                            # posembs interpolated
     mpp: Optional[str] = None               # masked patch prediction's target (Sec. 4.6); None trains the classifier
     mpp_rate: float = 0.5                   # the fraction of each image's patches corrupted
     patch_init: str = "lecun"               # "lecun" (official) or "whiten" (the data's patches; not in the paper)
@@ -142,8 +153,7 @@ class ModelConfig(Section):
         need(self.init is None or is_path(self.init), "model.init", self.init,
              "expected a path or None; an empty one would be the working folder")
         if self.img_size not in (None, "auto"):
-            need(is_int(self.img_size) and self.img_size >= 1, "model.img_size", self.img_size,
-                 'expected a positive number of pixels, "auto" (a fine-tune: scaled from its init) or None')
+            object.__setattr__(self, "img_size", image_size_field(self.img_size))
         if self.init is None:  # with init the checkpoint's own config is checked when it is loaded
             try:  # unknown model, bad model field, img_size not divisible by the patch size
                 arch = model_architecture(self)

@@ -25,7 +25,7 @@ from vitlab.config import ConfigError, ResNetConfig, ViTConfig, is_int
 from vitlab.models.registry import canonical_name, get_config
 
 from .architecture import model_architecture
-from .config import FINETUNE_MODEL_FIELDS, SECTIONS, ModelConfig, TrainConfig
+from .config import FINETUNE_MODEL_FIELDS, SECTIONS, ModelConfig, TrainConfig, image_size_field
 from .legacy import LEGACY_NAMES
 from .schedules import scaled_warmup
 
@@ -44,6 +44,8 @@ FIELD_TYPES = {f"{name}.{f.name}": typing.get_type_hints(cls)[f.name]
 AUTO_OR_COUNT = {path for path, kind in FIELD_TYPES.items() if set(members(kind)) - {type(None)} == {int, str}}
 # the fields that take "auto" or a bool (``bool | str``): any word but "auto" is read as a bool
 AUTO_OR_BOOL = {path for path, kind in FIELD_TYPES.items() if set(members(kind)) == {bool, str}}
+# the fields of a size in pixels: N or HxW, as every command's --img-size takes it
+SIZE_FIELDS = {"model.img_size"}
 # the architecture's fields, ``--set model.<field>=value``: a ViT's or a BiT ResNet's (their defaults give the type)
 ARCHITECTURE_FIELDS = {f.name: f.default for cls in (ResNetConfig, ViTConfig) for f in dataclasses.fields(cls)}
 # What a ViT recipe sets that a BiT ResNet has not: the value that leaves it out
@@ -326,6 +328,9 @@ def parse_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) 
         if default is None:  # optional fields: "none" clears them
             if text.strip().lower() in ("none", "null"):
                 changes[path] = None
+                continue
+            if path in SIZE_FIELDS:  # N or HxW, as --img-size reads it; or "auto"
+                changes[path] = "auto" if text.strip().lower() == "auto" else image_size_field(text)
                 continue
             default = example_of(path)
         if path in AUTO_OR_COUNT and text.strip().isdigit():

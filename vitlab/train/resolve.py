@@ -469,8 +469,8 @@ def training_size(cfg: TrainConfig) -> Pair:
     a fine-tune's None: its checkpoint's; a fine-tune's "auto": ``finetune_size`` of its
     checkpoint's (a non-square one keeps its own)."""
     size = cfg.model.img_size
-    if isinstance(size, int):
-        return (size, size)
+    if size not in (None, "auto"):  # N or (H, W)
+        return (size, size) if isinstance(size, int) else tuple(size)
     if cfg.model.init is None:
         return tuple(architecture(cfg).img_size)
     arch = init_architecture(cfg)

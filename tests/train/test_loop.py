@@ -658,6 +658,29 @@ def test_progressive_sizes_the_model_cannot_take_are_refused(tiny):
         train(tiny("flat", progressive_sizes=(24, 0.5)), verbose=False)
 
 
+def test_a_non_square_run_trains_on_its_images_as_they_are(tiny, monkeypatch):
+    """A run at 8x12 resized each training batch to its height by its height (8x8), which the model
+    built for 8x12 refused at the first step; progressive phases (square) are refused before any data."""
+    import vitlab.train.build as building
+    import vitlab.train.inputs as inputs
+    from vitlab.config import ConfigError
+
+    sizes, build = [], building.make_model
+
+    def recording(cfg, num_classes, img_size):
+        model = build(cfg, num_classes, img_size)
+        model.register_forward_pre_hook(lambda module, args: sizes.append(tuple(args[0].shape[-2:])))
+        return model
+
+    monkeypatch.setattr(building, "make_model", recording)
+    summary = train(tiny("wide", steps=3, img_size=(8, 12)), verbose=False)
+    assert set(sizes) == {(8, 12)} and load_model(summary["weights"]).cfg.img_size == (8, 12)
+    monkeypatch.setattr(inputs, "load_labelled", lambda *a, **k: pytest.fail("the data was read"))
+    with pytest.raises(ConfigError, match=r"^data.progressive_sizes=\(\(4, 0.5\),\): its phases are square images, "
+                                          "and this run trains at 8x12"):
+        train(tiny("wide_phases", img_size=(8, 12), progressive_sizes=((4, 0.5),)), verbose=False)
+
+
 def test_time_limit_plans_the_cheaper_early_steps(tiny, monkeypatch):
     # the planner times steps in full-size steps, and its plan, early small steps included,
     # still ends within the budget

@@ -47,10 +47,18 @@ def test_time_fitted_total():
 def test_progressive_sizes_follow_the_phases():
     phases, full = ((16, 0.25), (24, 0.5)), (32, 32)
     sizes = [input_size_at(s, 100, phases, full) for s in range(100)]
-    assert sizes == [16] * 25 + [24] * 25 + [32] * 50
+    assert sizes == [(16, 16)] * 25 + [(24, 24)] * 25 + [(32, 32)] * 50
     # the boundaries move with the schedule's length
-    assert [input_size_at(s, 10, phases, full) for s in (2, 3, 4, 5)] == [16, 24, 24, 32]
-    assert input_size_at(0, 100, (), full) == 32
+    assert [input_size_at(s, 10, phases, full)[0] for s in (2, 3, 4, 5)] == [16, 24, 24, 32]
+    assert input_size_at(0, 100, (), full) == (32, 32)
+
+
+def test_a_non_square_run_trains_at_its_height_and_width_at_full_cost():
+    """Without phases the images are the run's (H, W): its side alone (16) squashed 16x24 images to
+    16x16, and a step counted 16*16/(16*24) of a full one in the time budget."""
+    assert input_size_at(0, 10, (), (16, 24)) == (16, 24)
+    assert step_cost((16, 24), (16, 24)) == 1.0
+    assert schedule_cost(0, 10, (), (16, 24)) == 10.0
 
 
 @pytest.mark.parametrize("phases", [((24, 0.75),), ((16, 0.25), (24, 0.5)), ((8, 0.1), (16, 1.0))])
@@ -60,7 +68,7 @@ def test_schedule_cost_sums_the_steps(phases, total):
     for start in {0, 1, total // 3, total - 1}:
         by_step = sum(step_cost(input_size_at(s, total, phases, full), full) for s in range(start, total))
         assert schedule_cost(start, total, phases, full) == pytest.approx(by_step)
-    assert step_cost(24, full) == pytest.approx(0.5625)
+    assert step_cost((24, 24), full) == pytest.approx(0.5625)
 
 
 def test_time_fitted_total_with_cheaper_steps():

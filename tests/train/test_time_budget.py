@@ -17,7 +17,7 @@ class FakeRun:
     def run(self, seconds: float, until: int, eval_s: float = 0.0, pause_s: float = 0.0) -> None:
         while self.step < until and self.step < self.total:
             self.now += seconds
-            self.budget.step_done(8, seconds)
+            self.budget.step_done((8, 8), seconds)
             self.step += 1
             if self.budget.wants_evaluation(self.step):
                 with self.budget.paused():
@@ -120,7 +120,7 @@ def run_whole_command(minutes, setup_s, step_s, eval_s, final_views, eval_cost_s
     step, total = 0, 1_000_000
     while step < total:
         now[0] += step_s
-        budget.step_done(8, step_s)
+        budget.step_done((8, 8), step_s)
         step += 1
         if budget.wants_evaluation(step):
             with budget.paused():
@@ -187,7 +187,7 @@ def test_no_fit_before_a_full_size_step_was_timed():
                         warmup=lambda total: 0, eval_cost_steps=2.0, phases=((24, 0.5),), full_size=(32, 32),
                         say=messages.append, clock=lambda: now[0])
     total = 3
-    for step, size in ((1, 24), (2, 24), (3, 32)):
+    for step, size in ((1, (24, 24)), (2, (24, 24)), (3, (32, 32))):
         now[0] += 1.0
         budget.step_done(size, 1.0)
         assert not budget.wants_evaluation(step)
@@ -195,5 +195,5 @@ def test_no_fit_before_a_full_size_step_was_timed():
     assert total == 3 and messages == [] and budget.eval_s == 0.0
     # the next full-size step is timed, and the early fit may use it
     now[0] += 1.0
-    budget.step_done(32, 1.0)
+    budget.step_done((32, 32), 1.0)
     assert budget._first_rate() == 2.0  # two seconds since the mark (the pause included), one full-size step

@@ -42,10 +42,10 @@ def test_a_gpu_run_without_timed_steps_or_peak_reports_none_rather_than_a_guess(
 
 
 def test_the_rate_times_full_size_steps_after_two_and_not_after_a_change_of_size():
-    rate = StepRate(torch.device("cpu"), full_size=32)
+    rate = StepRate(torch.device("cpu"), full_size=(32, 32))
     counted = []
     for size in (32, 32, 32, 24, 24, 32, 32, 32):
-        start = rate.start(size)
+        start = rate.start((size, size))
         counted.append(start is not None)
         rate.stop(start, images=8)
     rate.take()

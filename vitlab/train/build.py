@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from vitlab import fast
-from vitlab.config import ConfigError, need_output_folder
+from vitlab.config import ConfigError, need, need_output_folder
 from vitlab.data.loader import Batches
 from vitlab.data.transforms import check_crop_pad
 from vitlab.eval.evaluator import Evaluator
@@ -243,6 +243,14 @@ def _fine_tuned(cfg: TrainConfig, num_classes: int, img_size: tuple) -> nn.Modul
     return model.train()
 
 
+def check_square_phases(cfg: TrainConfig, img_size: tuple) -> None:
+    """Progressive resizing's phases are squares: a non-square run has none (refused before its data is read)."""
+    phases = cfg.data.progressive_sizes
+    need(not phases or img_size[0] == img_size[1], "data.progressive_sizes", phases,
+         f"its phases are square images, and this run trains at {img_size[0]}x{img_size[1]}; leave it out "
+         "(--set data.progressive_sizes=) or train at a square size")
+
+
 def check_progressive_sizes(cfg: TrainConfig, img_size: tuple, model_cfg) -> None:
     """Refuse progressive-resizing phases the model cannot train at (ConfigError)."""
     phases = cfg.data.progressive_sizes
@@ -250,8 +258,7 @@ def check_progressive_sizes(cfg: TrainConfig, img_size: tuple, model_cfg) -> Non
     def refuse(problem: str) -> None:
         raise ConfigError(f"data.progressive_sizes={phases!r}: {problem}")
 
-    if phases and img_size[0] != img_size[1]:
-        refuse(f"needs square training images, not {tuple(img_size)}")
+    check_square_phases(cfg, img_size)
     for size, _ in phases:
         if size >= img_size[0]:
             refuse(f"size {size} is not below the training size {img_size[0]}")
@@ -288,6 +295,7 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
     check_tta_shift(cfg.run.final_eval_shift, img_size, "run.final_eval_shift")
     if cfg.augment.crop == "pad":  # the pad-and-crop runs at the training size (before any progressive resize)
         check_crop_pad(cfg.augment.crop_pad, img_size, "augment.crop_pad")
+    check_square_phases(cfg, img_size)
     caller = process_state()
     try:
         torch.set_num_threads(resolved.threads)

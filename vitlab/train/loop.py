@@ -207,7 +207,7 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     writer = MetricsWriter(out, tensorboard=cfg.run.tensorboard, records=records) if main else None
 
     batches = WaitTimed(endless(setup.stream), setup.world.device)  # counts the seconds the steps wait for their batches
-    full_size_rate = StepRate(setup.world.device, setup.img_size[0])  # the summary's MFU reads its rate
+    full_size_rate = StepRate(setup.world.device, tuple(setup.img_size))  # the summary's MFU reads its rate
     window = Window(setup.world.device, batches, full_size_rate)
     window.load_state_dict(window_state, main)  # a checkpoint taken between two records: the steps since the first
     pending: list = []  # (step, result) since the last check: their flags are read in one go
@@ -397,13 +397,13 @@ class StepRate:
     again); and the steps of a progressive-resizing phase below the full size, whose images
     cost fewer FLOPs."""
 
-    def __init__(self, device: torch.device, full_size: int) -> None:
+    def __init__(self, device: torch.device, full_size: tuple[int, int]) -> None:
         self.spans, self.full_size = Spans(device), full_size
         self.begun, self.size_before = 0, None  # steps begun in this process; the last one's size
         self.images, self.seconds = 0, 0.0
 
-    def start(self, size: int):
-        """A step at ``size`` begins: its start mark, or None when it is not timed."""
+    def start(self, size: tuple[int, int]):
+        """A step at ``size`` (H, W) begins: its start mark, or None when it is not timed."""
         timed = self.begun >= 2 and size == self.size_before == self.full_size
         self.begun, self.size_before = self.begun + 1, size
         return self.spans.mark() if timed else None

@@ -104,33 +104,35 @@ def fit_steps_to_time(*, budget_s: float, elapsed_s: float, step: int, sec_per_s
     return min(total, max_steps) if max_steps is not None else total
 
 
-def input_size_at(step: int, total_steps: int, phases: tuple, full: tuple[int, int]) -> int:
-    """The side of the square training images at optimiser step ``step`` (progressive resizing).
+def input_size_at(step: int, total_steps: int, phases: tuple, full: tuple[int, int]) -> tuple[int, int]:
+    """(H, W) of the training images at optimiser step ``step`` (progressive resizing).
 
-    ``phases`` = ((size, until), ...): ``size`` while step < until * total_steps, phase by
-    phase; after the last, ``full``'s side.  FFCV's ImageNet recipes grow the resolution
-    during training the same way; a phase boundary moves with ``total_steps``.
+    ``phases`` = ((size, until), ...): ``size`` x ``size`` while step < until * total_steps,
+    phase by phase; after the last, ``full`` (which may be non-square: then there are no
+    phases).  FFCV's ImageNet recipes grow the resolution during training the same way; a
+    phase boundary moves with ``total_steps``.
     """
     for size, until in phases:
         if step < until * total_steps:
-            return int(size)
-    return int(full[0])
+            return (int(size), int(size))
+    return (int(full[0]), int(full[1]))
 
 
-def step_cost(size: int, full: tuple[int, int]) -> float:
-    """A step's cost relative to one at ``full``: the pixel count's ratio, which the CIFAR hybrid's
-    measured step times follow (``python benchmarks/hybrid.py sizes``)."""
-    return size * size / (full[0] * full[1])
+def step_cost(size: tuple[int, int], full: tuple[int, int]) -> float:
+    """A step's cost at ``size`` (H, W) relative to one at ``full``: the pixel count's ratio, which
+    the CIFAR hybrid's measured step times follow (``python benchmarks/hybrid.py sizes``)."""
+    return size[0] * size[1] / (full[0] * full[1])
 
 
 def schedule_cost(start: int, total: int, phases: tuple, full: tuple[int, int]) -> float:
     """The cost of steps start .. total-1 of a ``total``-step schedule with progressive
     resizing ``phases`` (see ``input_size_at``), in full-size steps."""
     cost, begin = 0.0, 0
-    for size, until in (*phases, (full[0], 1.0)):
+    squares = [((int(side), int(side)), until) for side, until in phases]
+    for size, until in (*squares, (tuple(full), 1.0)):
         end = total if until >= 1.0 else min(math.ceil(until * total), total)
         lo = max(begin, start)
         if end > lo:
-            cost += (end - lo) * step_cost(int(size), full)
+            cost += (end - lo) * step_cost(size, full)
         begin = max(begin, end)
     return cost

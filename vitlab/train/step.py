@@ -112,7 +112,7 @@ class CheckedStep:
         return self.nonfinite is None and not self.overflow
 
 
-def accumulate(setup, batches: Iterator, size: int) -> tuple[torch.Tensor, torch.Tensor, int, list]:
+def accumulate(setup, batches: Iterator, size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, int, list]:
     """Forward and backward of ``optim.accum_steps`` micro-batches: (mean loss, correct,
     examples, origins), the first two as device tensors; ``origins`` holds, per micro-batch,
     where the stream took it from and which of its rows had a finite loss (on the device)."""
@@ -124,8 +124,8 @@ def accumulate(setup, batches: Iterator, size: int) -> tuple[torch.Tensor, torch
     for micro in range(K):
         x, targets = next(batches)
         position = stream_position(setup.stream)
-        if size != x.shape[-1]:
-            x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
+        if size != tuple(x.shape[-2:]):  # a progressive-resizing phase: (H, W) compared, a non-square run's too
+            x = F.interpolate(x, size=size, mode="bilinear", antialias=True)
         sync = micro == K - 1 or setup.world.size == 1
         with (nullcontext() if sync or not hasattr(setup.trained, "no_sync") else setup.trained.no_sync()):
             with autocast(setup.world.device, setup.precision), attention_backends(cfg.run.gpu_attention):
@@ -170,8 +170,8 @@ def endless(stream) -> Iterator:
         yield from stream
 
 
-def train_step(setup, batches: Iterator, lr: float, size: int) -> StepResult:
-    """One optimiser step of ``setup`` at learning rate ``lr`` on images of ``size`` pixels.
+def train_step(setup, batches: Iterator, lr: float, size: tuple[int, int]) -> StepResult:
+    """One optimiser step of ``setup`` at learning rate ``lr`` on images of ``size`` (H, W) pixels.
 
     A step whose loss (on any process) or gradients are not finite numbers is not applied:
     the optimiser is told so on the device (``found_inf``) and moves nothing, the EMA is not

@@ -95,8 +95,8 @@ class TimeBudget:
     def elapsed(self) -> float:
         return self.clock() - self.t_start
 
-    def step_done(self, size: int, seconds: float) -> None:
-        """A step at ``size`` pixels took ``seconds``; one that changed the size (a compiled
+    def step_done(self, size: tuple[int, int], seconds: float) -> None:
+        """A step at ``size`` (H, W) took ``seconds``; one that changed the size (a compiled
         model compiles again) counts as a pause."""
         if self.size_before is not None and size != self.size_before:
             self.paused_s += seconds

@@ -174,3 +174,59 @@ def test_under_torchrun_a_refusal_is_printed_once_and_every_process_exits_with_i
         assert exit_info.value.code == 2
         assert capsys.readouterr().err == (
             "vitlab train: error: unrecognized arguments: --bogus (see vitlab train --help)\n" if printed else "")
+
+
+# every command whose whole path takes a non-square input (the training loop, the data, the evaluators,
+# the weights' resampling, the cost figures, the exports): each takes --img-size as N or HxW
+IMG_SIZE_COMMANDS = {"train", "finetune", "sweep", "vtab", "flops", "inspect", "eval", "fewshot", "export", "convert"}
+
+
+def img_size_actions():
+    parser = build_parser()
+    return {name: action for name, sub in parser.commands.items() for action in sub._actions
+            if "--img-size" in action.option_strings}
+
+
+def test_every_command_takes_img_size_as_n_or_hxw_with_one_wording():
+    """flops, inspect, eval, fewshot, train, finetune, sweep and vtab took --img-size N only (type=int: 16x24
+    was "invalid int value"), where export and convert took HxW."""
+    from vitlab.cli import image_size
+
+    actions = img_size_actions()
+    assert set(actions) == IMG_SIZE_COMMANDS
+    for name, action in actions.items():
+        assert action.type is image_size and action.metavar == "N|HxW", name
+        assert action.help.startswith("N (square) or HxW pixels, e.g. 384 or 384x512: "), name
+        assert action.type("16x24") == (16, 24) and action.type("16,24") == (16, 24) and action.type("16") == 16
+
+
+@pytest.mark.parametrize("command", sorted(IMG_SIZE_COMMANDS))
+@pytest.mark.parametrize("value", ["16x0", "16x24x3", "abc", "-16", "1.5"])
+def test_a_bad_img_size_is_the_same_one_line_refusal_in_every_command(command, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--img-size", value])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"vitlab {command}: error: argument --img-size: {value!r}: expected a positive "
+                                       f"size N or HxW, e.g. 384 or 384x512 (see vitlab {command} --help)\n")
+
+
+def test_flops_names_both_sides_of_a_non_square_size(capsys):
+    """`flops --img-size 224x320` (then refused as an int) gave its figures for 224x224 if given a pair."""
+    from vitlab.analysis.cost import model_flops
+    from vitlab.models.registry import get_config
+
+    assert main(["flops", "ViT-B/16", "--img-size", "224x320"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ViT-B/16 at 224x320, forward")
+    gflops = model_flops(get_config("ViT-B/16"), (224, 320)) / 1e9
+    assert f"{gflops:10.2f} GFLOPs" in out and gflops != pytest.approx(model_flops(get_config("ViT-B/16")) / 1e9)
+
+
+def test_models_lists_a_non_square_registration_by_both_sides(capsys, monkeypatch):
+    from vitlab.models import registry
+
+    wide = lambda: registry.get_config("ViT-Ti/16", img_size=(224, 320))  # noqa: E731
+    monkeypatch.setitem(registry._REGISTRY, "ViT-wide/16", wide)
+    assert main(["models", "--filter", "wide"]) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()  # model, parameters, resolution, GFLOPs
+    assert (row[0], row[2]) == ("ViT-wide/16", "224x320")

@@ -410,6 +410,32 @@ def test_finetune_and_sweep(tmp_path, capsys):
     assert load_model(report["final"]["weights"]).cfg.num_classes == 10
 
 
+def test_a_non_square_run_trains_scores_and_fine_tunes_at_its_height_and_width(tmp_path, capsys, tiny_checkpoint):
+    """train --img-size 16x24 was refused (--img-size N only); through model.overrides a non-square run stopped at
+    its first step (the loop resized each batch to its height by its height), and the digits were square only."""
+    base = ["--recipe", "demo", "--data", "digits", "--batch-size", "16", "--val-split", "100", *TINY]
+    assert main(["train", *base, "--img-size", "16x24", "--steps", "3", "--out", str(tmp_path / "pre")]) == 0
+    pre = last_json_line(capsys.readouterr().out)
+    model = load_model(pre["weights"])
+    assert (model.cfg.img_size, model.cfg.grid_size) == ((16, 24), (2, 3))
+    assert json.loads((tmp_path / "pre" / "config.json").read_text())["model"]["img_size"] == [16, 24]
+    # eval scores the run's held-out digits at its size: the run's own figure
+    assert main(["eval", "--checkpoint", pre["weights"], "--json", "--device", "cpu"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["n"] == 100 and report["top1"] == pytest.approx(pre["val_top1"])
+    assert main(["fewshot", pre["weights"], "--shots", "1", "--seeds", "1", "--feature-cache", "none", "--json",
+                 "--device", "cpu", "--img-size", "24x16"]) == 0
+    assert json.loads(capsys.readouterr().out)["feature_dim"] == 16
+    ft = ["finetune", "--recipe", "demo", "--data", "digits", "--steps", "2", "--batch-size", "16", "--val-split",
+          "100", "--set", "run.threads=1", "--set", "run.tensorboard=false", "--quiet"]
+    # from the non-square run to another non-square grid, and from a square init (2x2) to a non-square one
+    for init, size, grid in ((pre["weights"], "24x16", (3, 2)), (tiny_checkpoint, "16x32", (2, 4))):
+        out = tmp_path / f"ft-{size}"
+        assert main([*ft, "--init", init, "--img-size", size, "--out", str(out)]) == 0
+        tuned = load_model(last_json_line(capsys.readouterr().out)["weights"])
+        assert (tuned.cfg.img_size, tuned.cfg.grid_size) == (tuple(map(int, size.split("x"))), grid)
+
+
 def test_finetune_from_weights_of_another_model_than_the_recipe_names(tmp_path, capsys):
     """Not named (--model), a fine-tune's model.name is its recipe's (paper_finetune's ViT-B/16, the demo's
     ViT-Ti/16), which was held against the init as the model it must be: any vit_jax .npz, Hugging Face

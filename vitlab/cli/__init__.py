@@ -39,6 +39,22 @@ COMMANDS: list[tuple[str, str, str]] = [
 ]
 
 
+def image_size(text: str) -> int | tuple[int, int]:
+    """An argparse type: a positive size in pixels, N or HxW (or H,W); every command's --img-size."""
+    from vitlab.config import SIZE_FORMS, parse_size
+
+    size = parse_size(text)
+    if size is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {SIZE_FORMS}")
+    return size
+
+
+def add_img_size_argument(p: argparse.ArgumentParser, what: str, default: str = "the model's") -> None:
+    """``--img-size``, one form for every command that takes it: its type, metavar and wording."""
+    p.add_argument("--img-size", type=image_size, default=None, metavar="N|HxW",
+                   help=f"N (square) or HxW pixels, e.g. 384 or 384x512: {what} (default: {default})")
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse's refusals in one line, as every other refusal of the command: argparse prints the
     usage block first (ten lines for `train`), and ``--help`` is where that belongs."""

@@ -10,13 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-
-def image_size(text: str) -> int | tuple[int, int]:
-    """An argparse type: a positive size in pixels, N or HxW (or H,W)."""
-    parts = [part.strip() for part in text.lower().replace(",", "x").split("x")]
-    if len(parts) in (1, 2) and all(part.isdigit() and int(part) > 0 for part in parts):
-        return int(parts[0]) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
-    raise argparse.ArgumentTypeError(f"{text!r}: expected a positive size N or HxW, e.g. 384 or 384x512")
+from vitlab.cli import add_img_size_argument, image_size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="registry name: the heads of weights whose shapes do not give them; "
                                                 "other weights must be that model")
     p.add_argument("--num-heads", type=int, default=None, help="attention heads, instead of --name")
-    p.add_argument("--img-size", type=image_size, default=None, help="resize the position embeddings to N or HxW")
+    add_img_size_argument(p, "resize the position embeddings to this input resolution", "the weights' own")
     p.add_argument("--weights-img-size", type=image_size, default=None,
                    help="the resolution the weights were trained at (non-square grids, sincos2d big_vision)")
     p.add_argument("--num-classes", type=int, default=None, help="a new zero-initialised head with this many classes")

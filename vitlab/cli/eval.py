@@ -19,6 +19,8 @@ import json
 import sys
 from typing import Any
 
+from vitlab.cli import add_img_size_argument
+
 from .train import add_fast_argument
 
 
@@ -79,8 +81,7 @@ def add_data_arguments(p: argparse.ArgumentParser, default_split: str) -> None:
                                   "'shards/shard-{000000..000009}.tar' or 'shards/*.tar'), a Hugging Face save_to_disk "
                                   "folder, parquet files, or 'digits' (default: the run's data; a run that validated "
                                   "on a set of its own, data.val_data, is scored on that set)")
-    p.add_argument("--img-size", type=int, default=None,
-                   help="evaluation resolution; position embeddings are resampled (default: the model's)")
+    add_img_size_argument(p, "evaluation resolution; position embeddings are resampled")
     p.add_argument("--val-split", type=float, default=None,
                    help=f"held-out examples: a count, a fraction < 1, or 0 for all (default: {default_split})")
     p.add_argument("--split-seed", type=int, default=None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vitlab.cli.convert import image_size
+from vitlab.cli import add_img_size_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,8 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None,
                    help="output file (default: model.onnx / model.pt2 in the checkpoint's folder; for a registry "
                         "name, the name in this folder)")
-    p.add_argument("--img-size", type=image_size, default=None,
-                   help="input resolution, N or HxW, as convert takes it (default: the model's)")
+    add_img_size_argument(p, "input resolution the export takes")
     p.add_argument("--batch", default="dynamic",
                    help="'dynamic' (any batch, the default) or a fixed batch size")
     p.add_argument("--name", default=None,

@@ -21,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init", required=True,
                    help="pre-trained weights: .npz, .safetensors, a vitlab run folder or a Hugging Face Hub name "
                         "(org/name); a registry name is a model, not weights (train it with `vitlab train --model`)")
-    add_common_arguments(p, default_recipe="paper_finetune")
+    add_common_arguments(p, default_recipe="paper_finetune", helps={
+        "img_size": "fine-tuning resolution; the init's position embeddings are interpolated to its patch grid"})
 
 
 def run(args: argparse.Namespace) -> int:

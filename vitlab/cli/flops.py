@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 
+from vitlab.cli import add_img_size_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="registry name, e.g. ViT-B/16 (see `vitlab models`)")
-    p.add_argument("--img-size", type=int, default=None, help="input resolution (default: the model's)")
+    add_img_size_argument(p, "input resolution")
     p.add_argument("--batch", type=int, default=None, help="images per step, for a training run's cost")
     p.add_argument("--steps", type=int, default=None, help="training steps, for a training run's cost")
     p.add_argument("--utilization", type=float, default=0.3,
@@ -22,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = get_config(args.model)
     if args.img_size is not None:  # the model's own checks: a positive size that cuts into whole patches
         cfg = replace(cfg, img_size=args.img_size)
-    size = cfg.img_size[0]
+    size = tuple(cfg.img_size)  # (H, W): its height alone gave a non-square size's figures at H x H
     # every flag is checked before the first line is printed: a refusal after the forward FLOPs
     # left half a report on stdout beside the error
     for flag, value in (("--batch", args.batch), ("--steps", args.steps)):
@@ -37,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         days = core_days(exa, utilization=args.utilization)
     parts = flops_breakdown(cfg, size)
     flops = sum(parts.values())
-    print(f"{args.model} at {size}x{size}, forward, one image (matmuls and convolutions):")
+    print(f"{args.model} at {size[0]}x{size[1]}, forward, one image (matmuls and convolutions):")
     print(f"  {flops / 2e9:10.2f} GMACs   (multiply-adds; what timm and most tables call 'FLOPs')")
     print(f"  {flops / 1e9:10.2f} GFLOPs  (multiply-add = 2 FLOPs; torch.utils.flop_counter, paper Table 6)")
     if args.breakdown:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vitlab.cli import add_img_size_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="weights: vitlab .safetensors/dir, official .npz, timm, HF")
@@ -14,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default=None,
                    help="training run folder with metrics.jsonl (default: the checkpoint's folder, if it has one)")
     p.add_argument("--out", default="report.html", help="the HTML file to write")
-    p.add_argument("--img-size", type=int, default=None, help="input resolution (default: the model's)")
+    add_img_size_argument(p, "input resolution; position embeddings are resampled")
 
 
 def check_run_dir(run_dir: str | None) -> None:

@@ -22,7 +22,8 @@ def run(args: argparse.Namespace) -> int:
             continue
         cfg = get_config(name)
         gflops = f"{model_flops(cfg) / 1e9:.1f}" if model_flops else "-"
-        rows.append((name, f"{count_parameters(cfg):,}", f"{cfg.img_size[0]}", gflops))
+        h, w = cfg.img_size  # a non-square registration's width too: its height alone named a square size
+        rows.append((name, f"{count_parameters(cfg):,}", f"{h}" if h == w else f"{h}x{w}", gflops))
     if not rows:
         raise ValueError(f"--filter {args.filter!r}: no registered model's name contains it; `vitlab models` lists "
                          f"all {len(list_models())}")

@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+from vitlab.cli import add_img_size_argument
 from vitlab.config import PRECISIONS
 from vitlab.fast import FP8_SCALINGS
 
@@ -59,7 +60,7 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None,
                    help="gradient accumulation: micro-batches per step, or auto (the fewest whose micro-batch fits in "
                         "memory: measured on a GPU, estimated on a CPU; the run's config.json records the number)")
     p.add_argument("--lr", type=float, help=helps.get("lr", "base learning rate"))
-    p.add_argument("--img-size", type=int, help="training resolution")
+    add_img_size_argument(p, helps.get("img_size", "training resolution"), "the recipe's, else the model's")
     p.add_argument("--precision", choices=("auto", *PRECISIONS),
                    help="auto: bf16 autocast where it is faster than fp32 (GPUs; CPUs whose bf16 matmul kernel beats the fp32 GEMM), else fp32; fp16: autocast with a gradient scaler (run.loss_scale); fp8 matmuls: --fp8")
     p.add_argument("--fp8", choices=("off", *FP8_SCALINGS),

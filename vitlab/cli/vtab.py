@@ -31,6 +31,8 @@ import argparse
 import json
 from pathlib import Path
 
+from vitlab.cli import add_img_size_argument
+
 from .sweep import parse_grid
 from .train import add_fast_argument, count_or_auto
 
@@ -54,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, help="global batch (default: the recipe's 512)")
     p.add_argument("--accum-steps", type=count_or_auto, default="auto",
                    help="micro-batches per step: a number, or auto (the fewest that fit in memory)")
-    p.add_argument("--img-size", type=int, help="fine-tuning resolution (default: the recipe's, 384 for a 224-px init)")
+    add_img_size_argument(p, "fine-tuning resolution", "the recipe's, 384 for a 224-px init")
     p.add_argument("--out", default="runs/vtab", help="output folder (default runs/vtab)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a field of the recipe, SECTION.FIELD=VALUE (repeatable); not one the protocol sets "

@@ -467,11 +467,13 @@ def test_two_d_embedding_concatenates_x_and_y():
     torch.testing.assert_close(table[2, 3, 16:], model.pos_embed.y[2])
 
 
-def test_bilinear_resampling_equals_scipy_zoom_order_1():
+@pytest.mark.parametrize("old, new", [((7, 7), (12, 12)), ((4, 4), (4, 6)), ((4, 6), (6, 4)), ((5, 3), (8, 9))])
+def test_bilinear_resampling_equals_scipy_zoom_order_1(old, new):
+    """Non-square grids too, each axis zoomed by its own factor (a fine-tune at HxW)."""
     scipy_ndimage = pytest.importorskip("scipy.ndimage")
-    grid = torch.randn(7, 7, 5, dtype=torch.float64)
-    ours = resample_grid(grid, (12, 12), "bilinear").numpy()
-    reference = scipy_ndimage.zoom(grid.numpy(), (12 / 7, 12 / 7, 1), order=1)
+    grid = torch.randn(*old, 5, dtype=torch.float64)
+    ours = resample_grid(grid, new, "bilinear").numpy()
+    reference = scipy_ndimage.zoom(grid.numpy(), (new[0] / old[0], new[1] / old[1], 1), order=1)
     np.testing.assert_allclose(ours, reference, atol=1e-12)
 
 

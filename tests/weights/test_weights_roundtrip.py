@@ -69,6 +69,28 @@ def test_native_resize_and_new_head(tmp_path):
     assert not big.head.weight.any() and big.head.weight.shape == (3, 32)
 
 
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("size, new_size", [(16, (16, 24)), ((16, 24), (24, 16)), ((16, 24), (28, 20))])
+def test_a_grid_is_resized_to_a_non_square_one_in_2d(tmp_path, size, new_size, mode):
+    """A square 4x4 grid loaded at 16x24 (a fine-tune at HxW) and a 4x6 one at 24x16 or 28x20: the patch
+    positions are resized as an image, height and width each their own way, the [class] position kept;
+    the reference is F.interpolate of the grid laid out by hand (aligned corners for the official
+    bilinear, not for Hugging Face's bicubic)."""
+    import torch.nn.functional as F
+
+    model = random_model(ViTConfig(**{**TINY.__dict__, "img_size": size, "posemb_resample": mode}))
+    save_model(model, tmp_path / "m.safetensors")
+    resized = load_model(tmp_path / "m.safetensors", img_size=new_size)
+    (gh, gw), (nh, nw) = model.cfg.grid_size, resized.cfg.grid_size
+    assert (nh, nw) == (new_size[0] // 4, new_size[1] // 4)
+    table = model.pos_embed.weight.detach()  # (1, 1 + gh * gw, D), the patches in raster order
+    grid = table[0, 1:].reshape(gh, gw, -1).permute(2, 0, 1).unsqueeze(0)  # (1, D, gh, gw)
+    moved = F.interpolate(grid, size=(nh, nw), mode=mode, align_corners=mode == "bilinear")
+    expected = torch.cat([table[:, :1], moved[0].permute(1, 2, 0).reshape(1, nh * nw, -1)], dim=1)
+    torch.testing.assert_close(resized.pos_embed.weight, expected, rtol=0, atol=1e-6)
+    assert logits(resized, new_size).shape == (2, 5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("posemb", ["learned_1d", "learned_2d"])
 def test_half_precision_weights_are_resized_in_float32(tmp_path, dtype, posemb):

@@ -263,6 +263,9 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
                     state = training_state(setup, step, total_steps, writer.records if writer else [],
                                            budget.state(), nonfinite.state_dict(), window, planned)
                     last_saved = save_checkpoint(setup, state, ckpt_dir, step)
+                    # under FSDP rank 0's is a gathered copy of the whole model and optimiser state: kept, it
+                    # stayed beside the next steps and the final weights' copies (the memory estimate's rank 0)
+                    del state
 
     if not last_val and setup.evaluator is not None:  # resumed a finished run: its summary still reports the metrics
         last_val = evaluate(setup, budget, final=True)

@@ -32,10 +32,19 @@ What a step holds, by what holds it (bytes):
   one block's working set at a time;
 * saving the weights at the end: three copies of them (``weights.save_model`` clones the
   state dict and serialises it twice, to checksum it), beside what the steps left in the heap;
-* what any training process loads beyond an idle interpreter (``RUNTIME_BYTES``).
+* what any training process loads beyond an idle interpreter (``RUNTIME_BYTES``);
+* under FSDP (``shards`` processes, ``run.fsdp``): each process holds its shards of the weights,
+  gradients and optimiser state (``fsdp_units``), and at a step or an evaluation the units FSDP
+  has gathered, the root one (everything but the blocks) and the blocks around the one computed
+  (``gathered_bytes``); autocast's casts are of every weight still.  On a CPU malloc's heap keeps
+  copies of the gathered blocks (``fsdp_heap_bytes``).  Rank 0 alone gathers the whole model and
+  optimiser state into host memory for each checkpoint, and the model into an unsharded copy for
+  the final weights: the estimate is rank 0's, ``others_host_peak`` each other process's host
+  memory, and a host's check counts one of each.
 
 The peak is the largest of four moments: decoding the data (before the model exists), a
-training step, an evaluation and saving the weights.  On a GPU the model's side is counted against the GPU's
+training step, an evaluation and saving the weights (under FSDP a fifth, writing a
+checkpoint).  On a GPU the model's side is counted against the GPU's
 memory and the data against the host's.  The interpreter's own baseline (Python, PyTorch
 and its libraries: 0.24 GB here) is not counted: it is in use before the run starts, so
 the memory available then is what the run can still take.
@@ -76,10 +85,16 @@ INFERENCE_CHUNK_ROWS = 1024
 # blocks too; 1.1 there is an allowance, not a measurement.
 MMAP_THRESHOLD_MAX = 32 << 20
 HEAP_SLACK, MAPPED_SLACK, GPU_SLACK = 1.5, 1.15, 1.1
+# Under FSDP on a CPU, copies of a unit (a block) malloc's heap keeps beyond the live tensors where the
+# unit's buffers are below the mmap threshold (``fsdp_heap_bytes``): measured (2 processes, gloo, fp32
+# and bf16, blocks of 3 to 28 MB, a few steps), it kept 3 to 5 unsharded copies of the blocks
+FSDP_HEAP_KEPT = 4
 # what a training process holds beyond an idle interpreter that imported torch, whatever the
 # run: the libraries and kernels it loads (PIL, oneDNN's JIT code and primitive caches), the
 # autograd graph's objects, the heap that decoding and splitting the data leave behind
 RUNTIME_BYTES = 100_000_000
+# what rank 0 alone holds under FSDP: the gathered checkpoint, the final weights' unsharded copy and their serialisation
+MAIN_ONLY = ("checkpoint_gathered", "weights_gathered", "weights_saved")
 
 
 @dataclass(frozen=True)
@@ -114,6 +129,11 @@ class RunShape:
     shuffle_buffer: int = 0     # samples each streaming reader holds
     cuda_graphs: bool = False   # the model's step under CUDA graphs (torch.compile "reduce-overhead")
     update_compiled: bool = False  # the step after the backward compiled on its own (run.compile_optimizer)
+    shards: int = 1             # FSDP's processes (run.fsdp): each holds a share of the weights and their state
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards > 1
 
     @property
     def on_gpu(self) -> bool:
@@ -160,6 +180,13 @@ class MemoryEstimate:
     host_peak: int              # what the host's memory holds at its peak (all of it on a CPU)
     device_peak: int            # what the GPU's memory holds at its peak (0 on a CPU)
     shape: RunShape
+    others_host_peak: Optional[int] = None  # under FSDP, host_peak of a process other than rank 0
+
+    @property
+    def each_other_host_peak(self) -> int:
+        """The host's peak of each process other than rank 0 (under FSDP rank 0 alone gathers the
+        checkpoints and the final weights; otherwise every process's is counted as rank 0's)."""
+        return self.host_peak if self.others_host_peak is None else self.others_host_peak
 
     def record(self) -> dict:
         """The estimate as --show-config and config.json state it (GB)."""
@@ -172,6 +199,10 @@ class MemoryEstimate:
         if s.on_gpu:
             record["host_peak_gb"] = round(self.host_peak / GB, 3)
             record["device_peak_gb"] = round(self.device_peak / GB, 3)
+        if s.sharded:  # the peak is rank 0's; every other process's is this
+            record["fsdp_processes"] = s.shards
+            record["other_ranks_peak_gb"] = round(((self.device_peak if s.on_gpu else 0) + self.each_other_host_peak)
+                                                  / GB, 3)
         return record
 
     def line(self) -> str:
@@ -179,8 +210,10 @@ class MemoryEstimate:
         largest = sorted(self.parts.items(), key=lambda kv: -kv[1])[:3]
         held = ", ".join(f"{name.replace('_', ' ')} {gb(size)}" for name, size in largest if size)
         s = self.shape
+        sharded = f", rank 0 of {s.shards} under FSDP" if s.sharded else ""
         return (f"about {gb(self.peak)} at {self.at} ({held}; micro-batch {s.micro_batch} at "
-                f"{s.img_size[0]}x{s.img_size[1]} px, {tokens_per_image(s.arch, s.img_size):,} tokens, {s.precision})")
+                f"{s.img_size[0]}x{s.img_size[1]} px, {tokens_per_image(s.arch, s.img_size):,} tokens, {s.precision}"
+                f"{sharded})")
 
 
 def gb(size: float) -> str:
@@ -210,6 +243,66 @@ def parameter_counts(arch: Architecture) -> tuple[int, int]:
         return total, 0
     blocks = arch.depth * (2 if arch.axial else 1)
     return total, blocks * (4 * arch.width * arch.width + 2 * arch.width * arch.mlp_dim)
+
+
+@functools.lru_cache(maxsize=16)
+def fsdp_units(arch: Architecture, shards: int) -> tuple[int, int, int]:
+    """Under FSDP over ``shards`` processes, as ``distributed.wrap_model`` shards the model (each
+    encoder block a unit, the rest of the model the root unit): (the parameters one process holds,
+    the root unit's, the largest block's).  FSDP splits every parameter along its first dimension
+    into ``shards`` pieces of ceil(rows / shards) rows, the last ones padded: a process holds that
+    many rows of each."""
+    import torch
+
+    from vitlab.models.layers import Block
+    from vitlab.models.registry import build_model
+
+    with torch.device("meta"):  # nothing allocated; once per architecture and process count
+        model = build_model(arch)
+    params = list(model.parameters())
+    held = sum(-(-p.shape[0] // shards) * (p.numel() // p.shape[0]) if p.dim() else 1 for p in params)
+    blocks = [sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, Block)]
+    return held, sum(p.numel() for p in params) - sum(blocks), max(blocks, default=0)
+
+
+def held_parameters(shape: RunShape) -> int:
+    """The parameters one process holds between steps: all of them, or under FSDP its shards."""
+    return fsdp_units(shape.arch, shape.shards)[0] if shape.sharded else parameter_counts(shape.arch)[0]
+
+
+def gathered_bytes(shape: RunShape, backward: bool = True) -> int:
+    """What FSDP gathers beyond a process's shards at the peak of a forward (and backward): the
+    root unit's parameters, which it keeps from the forward to the end of the backward, and their
+    gradients, reduced last; around the block being computed, in the forward its parameters, its
+    all-gather buffer and the previous block's, kept until this one's are copied out, and in the
+    backward the next block's parameters (gathered ahead), the block's gradients, its
+    reduce-scatter buffer and the previous block's, kept while that reduction is in flight.
+    0 without FSDP."""
+    if not shape.sharded:
+        return 0
+    _, root, unit = fsdp_units(shape.arch, shape.shards)
+    return FP32 * (2 * root + 4 * unit if backward else root + 3 * unit)
+
+
+def fsdp_heap_bytes(shape: RunShape) -> int:
+    """On a CPU, what malloc's heap keeps of FSDP's gathers beyond the live tensors: at every step
+    each unit's parameters and gradients are gathered into fresh tensors and buffers, between
+    tensors that live on (the activations, the sharded gradients), and a unit whose buffers are
+    below the heap's mmap threshold leaves about ``FSDP_HEAP_KEPT`` copies of itself there (under
+    autocast, half as many of its weights' casts, made afresh at every forward too); a larger
+    one's buffers are mapped and given back, and about one copy of its parameters' tensors is
+    kept (module text).  0 on a GPU (its caching allocator reuses the same sizes: ``GPU_SLACK``)
+    and without FSDP."""
+    if not shape.sharded or shape.on_gpu:
+        return 0
+    _, root, unit = fsdp_units(shape.arch, shape.shards)
+    blocks = parameter_counts(shape.arch)[0] - root
+    unit_bytes = FP32 + (shape.act_bytes / 2 if shape.half else 0)  # per parameter: its fp32 copies, its casts
+
+    def kept(params: int) -> float:  # what the heap keeps per parameter of a unit of ``params``
+        return FSDP_HEAP_KEPT * unit_bytes if FP32 * params < MMAP_THRESHOLD_MAX else FP32
+
+    return int(kept(root) * root + kept(unit) * blocks)
 
 
 def optimizer_state_bytes(shape: RunShape, params: int, block_matrices: int) -> int:
@@ -428,17 +521,20 @@ def evaluation_copies(shape: RunShape) -> int:
 def estimate_memory(shape: RunShape) -> MemoryEstimate:
     """The peak memory of a run of ``shape`` (module text)."""
     params, matrices = parameter_counts(shape.arch)
-    weights = FP32 * params
-    model = {"weights": weights, "optimizer": optimizer_state_bytes(shape, params, matrices),
+    held = held_parameters(shape)  # this process's: all of them, or its FSDP shards
+    weights = FP32 * held
+    model = {"weights": weights, "optimizer": optimizer_state_bytes(shape, held, matrices * held // params),
              "weight_average": weights if shape.ema else 0,
-             "held_gradients": FP32 * params if shape.holds_gradients else 0}
+             "held_gradients": FP32 * held if shape.holds_gradients else 0}
     kept, transient = activation_bytes(shape)
     # each kind of tensor with the allocator's slack for its size
     tables, table = attention_probability_bytes(shape)
     stem, feature_map = stem_bytes(shape)
     activations = int((kept + transient - tables - stem) * shape.slack(widest_activation(shape))
                       + tables * shape.slack(table) + stem * shape.slack(feature_map))
-    gradients = FP32 * params
+    gradients = FP32 * held
+    # autocast keeps its cast of every weight until the backward has used it: under FSDP too, of each
+    # gathered block (FSDP frees its gathered fp32 weights, not autocast's copies)
     casts = 2 * params if shape.half else 0
     # the backward frees the activations block by block as it fills the gradients: the step's
     # peak is the larger of the two ends, unless accumulated gradients are held all along
@@ -448,6 +544,8 @@ def estimate_memory(shape: RunShape) -> MemoryEstimate:
     else:
         step = {"gradients": gradients}
     step["micro_batch"] = input_bytes(shape)
+    if shape.sharded:
+        step |= {"gathered_units": gathered_bytes(shape), "fsdp_heap": fsdp_heap_bytes(shape)}
     data = _data_bytes(shape)
     host = {"data": data, "runtime": RUNTIME_BYTES}
     decoded = shape.decoded_images * shape.image_bytes
@@ -459,33 +557,49 @@ def estimate_memory(shape: RunShape) -> MemoryEstimate:
     decoding = {"data_decoding": decoded * (1 + shape.data_copies + shape.decoded_from_source),
                 "runtime": RUNTIME_BYTES}
     workers = {"stream_workers": _worker_bytes(shape)} if shape.stream_workers else {}
+    evaluation = {"evaluation": evaluation_bytes(shape)}
+    if shape.sharded:
+        evaluation |= {"gathered_units": gathered_bytes(shape, backward=False), "fsdp_heap": fsdp_heap_bytes(shape)}
     moments = {
         "the training step": (model | step, host | workers),
-        "an evaluation": (model | {"evaluation": evaluation_bytes(shape)}, host | workers),
+        "an evaluation": (model | evaluation, host | workers),
         "decoding the data": ({}, decoding),
-        "saving the weights": _saving(shape, model, step, host, weights),
+        "saving the weights": _saving(shape, model, step, host, FP32 * params),
     }
-    totals = {}
-    for at, (device_side, host_side) in moments.items():
-        device, host = sum(device_side.values()), sum(host_side.values())
-        totals[at] = (device, host) if shape.on_gpu else (0, device + host)
+    if shape.sharded:  # rank 0 gathers the whole model and optimiser state into host memory to write them
+        moments["writing a checkpoint"] = (model, host | {"checkpoint_gathered": FP32 * params + optimizer_state_bytes(
+            shape, params, matrices)})
+    totals = {at: _sides(shape, *sides) for at, sides in moments.items()}
     at = max(totals, key=lambda k: sum(totals[k]))
     device_peak = max(d for d, _ in totals.values())
     host_peak = max(h for _, h in totals.values())
     parts = {k: v for k, v in (moments[at][0] | moments[at][1]).items() if v}
     peak = sum(totals[at]) if not shape.on_gpu else device_peak + host_peak
-    return MemoryEstimate(peak, at, parts, host_peak, device_peak, shape)
+    others = None
+    if shape.sharded:  # the other processes' host memory: without what rank 0 alone gathers and writes
+        others = max(_sides(shape, *({k: v for k, v in side.items() if k not in MAIN_ONLY} for side in sides))[1]
+                     for sides in moments.values())
+    return MemoryEstimate(peak, at, parts, host_peak, device_peak, shape, others)
+
+
+def _sides(shape: RunShape, device_side: dict, host_side: dict) -> tuple[int, int]:
+    """(bytes on the GPU, bytes in host memory) of a moment's parts; on a CPU all of them the host's."""
+    device, host = sum(device_side.values()), sum(host_side.values())
+    return (device, host) if shape.on_gpu else (0, device + host)
 
 
 def _saving(shape: RunShape, model: dict, step: dict, host: dict, weights: int) -> tuple[dict, dict]:
-    """(device side, host side) of the moment the final weights are saved: ``save_model``
-    clones the state dict and serialises it twice in memory (to checksum it).  On a CPU the
-    steps' small blocks stay in malloc's heap, and the clone takes its place there."""
+    """(device side, host side) of the moment the final weights (``weights`` bytes) are saved:
+    ``save_model`` clones the state dict and serialises it twice in memory (to checksum it);
+    under FSDP rank 0 first gathers them into an unsharded copy of the model in host memory
+    (``state.final_model``).  On a CPU the steps' small blocks stay in malloc's heap, and the
+    clone takes its place there."""
+    gathered = {"weights_gathered": weights} if shape.sharded else {}
     if shape.on_gpu:
-        return model, host | {"weights_saved": 3 * weights}
+        return model, host | gathered | {"weights_saved": 3 * weights}
     small = widest_activation(shape) < MMAP_THRESHOLD_MAX
     retained = {k: v for k, v in step.items() if k != "activations" or small}
-    return model | retained, host | {"weights_saved": 2 * weights + max(0, weights - sum(retained.values()))}
+    return model | retained, host | gathered | {"weights_saved": 2 * weights + max(0, weights - sum(retained.values()))}
 
 
 def _data_bytes(shape: RunShape) -> int:
@@ -522,9 +636,10 @@ class Available:
         """None where ``estimate`` fits, else what there is, in words ("more than the ...")."""
         if estimate.shape.on_gpu and self.gpu is not None and estimate.device_peak > HEADROOM * self.gpu:
             return f"{gb(estimate.device_peak)} of it on the GPU, more than the {gb(self.gpu)} free there"
-        if self.host is not None and estimate.host_peak * self.processes > HEADROOM * self.host:
-            each = f"; {self.processes} processes on this host need {gb(estimate.host_peak * self.processes)}" \
-                if self.processes > 1 else ""
+        # rank 0's and the others' (under FSDP rank 0 alone gathers the checkpoints and the final weights)
+        here = estimate.host_peak + estimate.each_other_host_peak * (self.processes - 1)
+        if self.host is not None and here > HEADROOM * self.host:
+            each = f"; {self.processes} processes on this host need {gb(here)}" if self.processes > 1 else ""
             where = f"{gb(estimate.host_peak)} of it in host memory, " if estimate.shape.on_gpu else ""
             return (f"{where}more than the {gb(self.host)} of memory available (MemAvailable, or what a cgroup "
                     f"limit leaves){each}")

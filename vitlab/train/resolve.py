@@ -631,7 +631,8 @@ def run_shape(resolved: Resolved, world_size: int, held: HeldImages) -> RunShape
         streamed=streamed,
         stream_workers=resolved.stream_workers if streamed else 0,
         shuffle_buffer=cfg.data.shuffle_buffer if streamed else 0,
-        cuda_graphs=resolved.compile in CUDA_GRAPH_MODES, update_compiled=resolved.compile_optimizer != "off")
+        cuda_graphs=resolved.compile in CUDA_GRAPH_MODES, update_compiled=resolved.compile_optimizer != "off",
+        shards=world_size if cfg.run.fsdp else 1)
 
 
 def machine_memory(machine: Machine, device: str, world: World) -> Available:

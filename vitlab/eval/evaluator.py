@@ -125,12 +125,10 @@ class Evaluator:
                     if self.flip and self.shift:  # views[1] is the mirror image
                         flip_pair = nested[1]
                     logits = ensembles[-1]
-                # a stable sort: equal scores go to the lower class, as argmax (the confusion matrix, the
-                # nested sets) and metrics.topk_accuracy give them; topk's order among equals is its own
-                best = logits.sort(dim=-1, descending=True, stable=True).indices[:, :5]
-                hit = best == y[:, None]
-                sums += torch.stack([(F.cross_entropy(logits, y, reduction="none") * ok).sum(), (hit[:, 0] & ok).sum(),
-                                     (hit.any(-1) & ok).sum(), single, flip_pair, *nested]).double()
+                rank = label_rank(logits, y)
+                loss = (F.cross_entropy(logits, y, reduction="none") * ok).sum()
+                sums += torch.stack([loss, ((rank == 0) & ok).sum(), ((rank < 5) & ok).sum(), single, flip_pair,
+                                     *nested]).double()
                 if self.report_bins is not None:
                     all_logits.append(logits.cpu().numpy())
         sums = dict(zip(names, sums.tolist()))
@@ -148,3 +146,18 @@ class Evaluator:
             report = classification_report(np.concatenate(all_logits), self.labels.numpy(), num_bins=self.report_bins)
             result.update({k: report[k] for k in ("ece", "per_class_accuracy", "confusion_matrix")})
         return result
+
+
+def label_rank(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(N,) the place of each row's label among its (N, K) ``logits`` from the highest, 0 first, as
+    a stable sort (descending) places it: equal scores go to the lower class index, as argmax (the
+    confusion matrix, the nested sets) and ``metrics.topk_accuracy`` give them, and NaN, which
+    torch's sort puts above every number, counts above them too.  Counted, not sorted: a sort of
+    an ImageNet-21k head's 21,843 classes held indices and values of every class of the batch
+    (``torch.topk`` is light but orders equal scores its own way)."""
+    labels = labels.long()[:, None]  # any integer type the evaluator takes
+    own = logits.gather(1, labels)
+    nan, own_nan = logits.isnan(), own.isnan()
+    above = (logits > own) | (nan & ~own_nan)
+    lower = torch.arange(logits.shape[-1], device=logits.device) < labels
+    return (above | (((logits == own) | (nan & own_nan)) & lower)).sum(-1)

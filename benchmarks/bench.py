@@ -347,9 +347,16 @@ def round_ratios(by_impl: dict[str, dict], against: str | None = None, ours: str
     return [m / peer for m, peer in zip(mine, theirs) if m is not None and peer is not None]
 
 
+def mib(result: dict) -> str:
+    """A result's peak memory, "N MiB"; "memory not measured" where its window could not be
+    started (``harness.reset_peak``: the resident set's high-water mark could not be reset, and
+    would have counted the model's build)."""
+    return "memory not measured" if result["peak_bytes"] is None else f"{result['peak_bytes'] / 2**20:.0f} MiB"
+
+
 def memory_ratio(ours: dict, best: dict | None) -> str:
     """vitlab's peak memory over the best peer's (the peak of each over its rounds), or "-"."""
-    if not best or best.get("peak_bytes", 0) <= 0 or "peak_bytes" not in ours:
+    if not best or not best.get("peak_bytes") or ours.get("peak_bytes") is None:  # None: not measured
         return "-"
     return f"{ours['peak_bytes'] / best['peak_bytes']:.2f}x"
 
@@ -386,7 +393,7 @@ def table(results: list[dict], peaks: dict[str, float], impls: list[str]) -> lis
             ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})"
         peak = peaks.get("bfloat16" if key.endswith("bf16") else "float32")
         share = f"{100 * ours['achieved_flops_per_s'] / peak:.0f}%" if peak and "median" in ours else "-"
-        mem = lambda r: f"{r['peak_bytes'] / 2**20:.0f}" if r and "peak_bytes" in r else "-"  # noqa: E731
+        mem = lambda r: mib(r).removesuffix(" MiB") if r and "peak_bytes" in r else "-"  # noqa: E731
         failed = [i for i, r in by_impl.items() if i not in OWN_IMPLS and "error" in r]  # in every round
         lines.append([key] + [fmt_rate(by_impl[i]) if i in by_impl else "" for i in impls]
                      + [ratio + (f" vs {best['impl']}" if best else "")
@@ -425,7 +432,8 @@ def merge_rounds(rounds: list[dict]) -> dict:
         return rounds[0]
     median = statistics.median(r["median"] for r in ok)
     return dict(ok[0], median=median, min=min(r["min"] for r in ok), max=max(r["max"] for r in ok),
-                peak_bytes=max(r["peak_bytes"] for r in ok), rounds=len(ok),
+                peak_bytes=None if any(r["peak_bytes"] is None for r in ok) else max(r["peak_bytes"] for r in ok),
+                rounds=len(ok),
                 achieved_flops_per_s=ok[0]["flops_per_image"] * median,
                 round_medians=[r.get("median") for r in rounds])
 
@@ -519,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
             r = checked_source(case, run_case(case, timeout), info["vitlab"])
             r.update(loadavg=_loadavg())
             runs[case["id"]].append(r)
-            status = r.get("error") or (f"{fmt_rate(r)} img/s, {r['peak_bytes'] / 2**20:.0f} MiB, "
+            status = r.get("error") or (f"{fmt_rate(r)} img/s, {mib(r)}, "
                                         f"{r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s")
             tag = f" [round {round_ + 1}]" if args.rounds > 1 else ""
             print(f"{case['id']:44s} {status}{tag}", flush=True)

@@ -23,7 +23,6 @@ Every core, wall time, interleaved.  Findings: benchmarks/NOTES.md.
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import types
 from typing import Callable
@@ -35,6 +34,7 @@ import vitlab.fast
 from harness import compare, make_model, run_experiments, vitlab_config
 from vitlab.analysis.cost import SavedForBackward
 from vitlab.fast.calibration import training_step
+from vitlab.machine import usable_cores
 from vitlab.models.registry import build_model
 
 # label -> how the model is prepared: None leaves it plain, else optimize()'s keywords
@@ -66,7 +66,7 @@ def _saved_for_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
 def _training_cases(rounds: tuple[int, int]):
     """(spec, batch, rounds, config, images, labels, bf16) for the two training rows of the
     bench, fp32 then bf16 autocast, every core."""
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     for (spec, batch), n in zip((("ViT-CIFAR", 128), ("ViT-S/16", 32)), rounds):
         cfg = vitlab_config(spec)
         x, y = torch.randn(batch, 3, *cfg.img_size), torch.randint(0, cfg.num_classes, (batch,))
@@ -89,7 +89,7 @@ def exp_recompute() -> None:
 
 
 def exp_inference() -> None:
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     models = {label: m.eval() for label, m in _variants("ViT-B/16").items() if label != "optimized, stored"}
     for batch, rounds in ((1, 15), (8, 5)):
         x = torch.randn(batch, 3, 224, 224)
@@ -112,7 +112,7 @@ def _faults() -> int:
 def exp_inference_options() -> None:
     from vitlab.fast import modules
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     torch.manual_seed(0)
     model = build_model(vitlab_config("ViT-B/16")).eval()
     held = vitlab.fast.optimize(copy.deepcopy(model), inference_weights="hold")
@@ -178,7 +178,7 @@ def exp_stream_layout() -> None:
     from vitlab.configs import load_recipe
     from vitlab.train.architecture import model_architecture
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     torch.manual_seed(0)
     base = build_model(model_architecture(load_recipe("cifar10_scratch:model=vit,device=cpu").model, num_classes=10))
     x, y = torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,))

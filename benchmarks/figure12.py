@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -129,7 +128,7 @@ def sweep(models: list[str], sizes: list[int], device: str, batch: int, budget: 
         rows.append(row)
         log(f"{name:12s} {size:4d}px  " + (row.get("error") or (
             f"{row['img_per_s']:8.3g} img/s{'/core' if device == 'cpu' else ''}  "
-            f"largest batch {row['largest_batch']}")))
+            f"largest batch {'not measured' if row['largest_batch'] is None else row['largest_batch']}")))
     return rows
 
 
@@ -147,6 +146,9 @@ def measure(case: dict, budget: float, search: bool, tolerance: float, limit: in
                     method=f"cuda, img/s; largest batch: runs under {budget / GIB:.0f} GiB, "
                            f"searched to {tolerance:.0%}")
     row["img_per_s"] = speed["median"] / threads  # the paper's img/sec/core
+    if speed["peak_bytes"] is None:  # harness.reset_peak: the mark would have counted the model's build
+        return dict(row, largest_batch=None, method="cpu, img/s per core; largest batch not measured: the resident "
+                                                     "set's peak could not be reset (/proc/self/clear_refs)")
     gib = f"{budget / GIB:.0f} GiB"
     if search:
         def fits(b: int) -> bool:
@@ -192,8 +194,9 @@ def plot(rows: list[dict]):
                         key=lambda r: r["img_size"])
         style = "--" if str(model).startswith("BiT") else "-"
         left.plot([r["img_size"] for r in points], [r["img_per_s"] for r in points], style, marker="o", label=model)
-        # a batch of 0 (the model alone is over budget) still gets a point on the log axis
-        right.plot([r["img_size"] for r in points], [max(r["largest_batch"], 0.5) for r in points], style,
+        # a batch of 0 (the model alone is over budget) still gets a point on the log axis; one not measured none
+        measured = [r for r in points if r["largest_batch"] is not None]
+        right.plot([r["img_size"] for r in measured], [max(r["largest_batch"], 0.5) for r in measured], style,
                    marker="o", label=model)
     left.set(xlabel="input size (px)", ylabel="img/s per core" if cpu else "img/s", yscale="log",
              title="inference speed")
@@ -255,9 +258,9 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
     base = reset_peak(device)
     times, _ = time_loop(forward, sync, case["warmup"], case["repeats"], case["min_seconds"])
     rates = sorted(batch / t for t in times)
-    total = peak(device)
+    total = peak(device) if base is not None else None  # None: not measured (the mark kept the model's build)
     result = dict(median=statistics.median(rates), min=rates[0], max=rates[-1], threads=torch.get_num_threads(),
-                  peak_bytes=total, rise_bytes=total - base)
+                  peak_bytes=total, rise_bytes=None if total is None else total - base)
     del x  # the search's probes start from the model alone
     if case.get("largest"):
         result["largest_batch"] = cuda_largest_batch(model, size, start=batch, **case["largest"])
@@ -279,7 +282,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tolerance", type=float, default=0.05, help="the search's relative precision (default 0.05)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (default 3)")
     p.add_argument("--seconds", type=float, default=1.0, help="each repeat lasts at least this long (default 1)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core on a CPU)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default on a CPU: every core this process may use, vitlab.machine.usable_cores)")
     p.add_argument("--limit", type=int, default=LIMIT, help=f"the largest batch reported (default {LIMIT})")
     p.add_argument("--out", default=str(HERE / "results"), help="folder of the JSON record and the figure")
     p.add_argument("--case", help=argparse.SUPPRESS)  # a measuring process: one case, one RESULT line
@@ -292,12 +296,13 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(worker(json.loads(args.case))), flush=True)
         return 0
     from bench import machine
+    from vitlab.machine import usable_cores
 
     cpu = args.device == "cpu"
     sizes = args.sizes or list(SIZES[args.device])
     batch = args.batch or (2 if cpu else 32)
     budget = memory_budget(args.device, args.budget_gib)
-    threads = args.threads or (os.cpu_count() if cpu else None)
+    threads = args.threads or (usable_cores() if cpu else None)  # every core this process may use
     try:
         rows = sweep(args.models, sizes, args.device, batch, budget, threads, args.repeats, args.seconds,
                      args.search, args.tolerance, args.limit)

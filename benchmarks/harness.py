@@ -70,12 +70,15 @@ def proc_status(field: str) -> int:
     raise KeyError(field)
 
 
-def reset_peak(device: str) -> int:
+def reset_peak(device: str) -> int | None:
     """Start a new peak-memory window; the bytes in use now.  On a GPU that is the memory torch
     reserves from the device once its cache of free blocks is given back: a CUDA graph's memory
     pool stays reserved for the graph's life, while its replays allocate nothing, so that torch's
     count of allocated bytes would miss a graphed step's activations (the peers' steps allocate
-    theirs afresh each call, which the reserved count sees as well)."""
+    theirs afresh each call, which the reserved count sees as well).  None on a CPU whose
+    resident set's high-water mark cannot be reset (/proc/self/clear_refs not writable: not
+    Linux, or a container that refuses it): the mark keeps what came before (the model's build),
+    so this window has no peak of its own to measure."""
     import torch
 
     if device == "cuda":
@@ -87,7 +90,7 @@ def reset_peak(device: str) -> int:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        pass  # then the mark may include the model's build
+        return None
     return proc_status("VmRSS")
 
 
@@ -373,9 +376,11 @@ class PeakMemory:
     def reset(self) -> None:
         self.base = reset_peak(self.device)
 
-    def peak(self) -> int:
-        """Bytes above the baseline at the highest point since ``reset()``."""
-        return peak(self.device) - self.base
+    def peak(self) -> int | None:
+        """Bytes above the baseline at the highest point since ``reset()``; None where the
+        window could not be started (``reset_peak``): not measured, rather than a figure that
+        counts the model's build."""
+        return None if self.base is None else peak(self.device) - self.base
 
 
 def _page_faults() -> int:

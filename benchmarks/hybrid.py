@@ -12,7 +12,6 @@ Batch 256, every core, wall time, interleaved.  Findings: benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Callable
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import compare, run_experiments
+from vitlab.machine import usable_cores
 from vitlab.models.registry import build_model
 
 
@@ -41,7 +41,7 @@ def _train_step(forward, x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Opti
 
 
 def exp_sizes() -> None:
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     y = torch.randint(0, 10, (256,))
     steps = {}
     for label, size, dynamic in (("32 pixels (static)", 32, False), ("24 pixels (static)", 24, False),
@@ -59,7 +59,7 @@ def exp_sizes() -> None:
 
 
 def exp_compile() -> None:
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     torch.manual_seed(0)
     eager, compiled = _recipe_model(), _recipe_model()
     forward = torch.compile(compiled)

@@ -13,13 +13,13 @@ Findings: benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import Callable
 
 import torch
 
 from harness import compare, run_experiments
+from vitlab.machine import usable_cores
 
 # (rows, in, out): a 4096^3 square, then the CIFAR-size ViT's qkv and MLP out at batch 128,
 # ViT-S/16's MLP in and out at batch 32, ViT-B/16's qkv at batch 32 and MLP in at batch 1
@@ -44,7 +44,7 @@ def _kernels(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, Cal
 
 def exp_matmuls() -> None:
     """Single dense layers at ``SHAPES``, each kernel; GFLOP/s from the minimum."""
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     torch.manual_seed(0)
     for rows, d_in, d_out in SHAPES:
         x, w, b = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(d_out)
@@ -57,7 +57,7 @@ def exp_matmuls() -> None:
 def exp_dense_layers() -> None:
     """ViT-B/16's 48 dense layers alone (12 blocks, each layer its own weight, so read from
     memory as in a forward) at 197, 1576 and 6304 rows (batch 1, 8, 32), each kernel."""
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     torch.manual_seed(0)
     layers = [[(torch.randn(n, k), torch.randn(n)) for k, n in B16_LAYERS] for _ in range(12)]
     for rows, rounds in ((197, 7), (1576, 5), (6304, 3)):
@@ -101,7 +101,7 @@ def exp_packing() -> None:
     if not torch.backends.mkldnn.is_available():
         print("packing: needs oneDNN")
         return
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     torch.manual_seed(0)
     for rows, d_in, d_out in ((197, 768, 3072), (1576, 768, 3072), (1576, 3072, 768), (8320, 192, 576)):
         x, w, b = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(d_out)
@@ -123,7 +123,7 @@ def exp_attention() -> None:
     the accumulator), fp32 and bf16; the fast path uses the last in bf16 (``vitlab/fast/modules.py``)."""
     from vitlab.fast.modules import contiguous_attention
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     torch.manual_seed(0)
     # (images, heads, tokens): ViT-B/16 at batch 1 and at 10 (a bf16 chunk of 2048 tokens at most),
     # ViT-S/16 at 4, the CIFAR-size ViT at 16, ViT-B/16 at 384 px

@@ -12,7 +12,6 @@ the process, so it runs each figure in a fresh one.  Findings: benchmarks/NOTES.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 from typing import Callable
@@ -21,6 +20,7 @@ import torch
 
 from harness import compare, make_model, optimize_if_default, run_case, run_experiments, vitlab_config
 from vitlab.fast.calibration import training_step
+from vitlab.machine import usable_cores
 
 IMPLS = ("vitlab", "vitlab-plain", "hf-sdpa", "hf-eager")
 
@@ -48,7 +48,7 @@ def _train_step(spec: str, batch: int, impl: str, amp: bool) -> Callable[[], Non
 def exp_training() -> None:
     """Training steps of bench.py's rows, fp32 and bf16 autocast: CIFAR-size ViT at batch 128,
     ViT-S/16 at batch 32."""
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     for spec, batch, rounds in (("ViT-CIFAR", 128, 5), ("ViT-S/16", 32, 3)):
         for amp in (False, True):
             compare(f"training step, {spec}, batch {batch}, {'bf16 autocast' if amp else 'fp32'} (AdamW)",
@@ -58,7 +58,7 @@ def exp_training() -> None:
 def exp_inference() -> None:
     """ViT-B/16 inference at batch 1, 8 and 32, fp32 and bf16 autocast, with the matmul peak of
     each dtype measured after it (the better of torch.mm and the fast path's kernel)."""
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     models = {impl: _model(impl, "ViT-B/16") for impl in IMPLS}
     for model, _ in models.values():
         model.eval()
@@ -100,7 +100,7 @@ def exp_retain_memory() -> None:
             for round_ in range(5):
                 for retain in ((False, True) if round_ % 2 == 0 else (True, False)):
                     case = dict(kind="train", impl=impl, model=spec, batch=batch, dtype="fp32", device="cpu",
-                                threads=os.cpu_count(), warmup=3, repeats=5, min_seconds=1.0,
+                                threads=usable_cores(), warmup=3, repeats=5, min_seconds=1.0,
                                 retain_memory=retain)
                     r = run_case(case, timeout=1800)
                     if "error" in r:
@@ -120,7 +120,7 @@ def exp_profile() -> None:
     against HF eager: self CPU time per step by operator (``torch.profiler``), matmuls summed."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     matmuls = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::")
     steps = 3
     for impl in ("vitlab", "hf-eager"):

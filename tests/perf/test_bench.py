@@ -33,6 +33,68 @@ def test_peak_memory_sees_memory_outside_torch():
     assert 45e6 < mem.peak() < 80e6
 
 
+def test_a_peak_whose_window_could_not_be_started_is_not_measured_and_the_run_says_so(monkeypatch):
+    """Where /proc/self/clear_refs could not be written (not Linux, a container that refuses it),
+    reset_peak swallowed the error: the resident set's mark kept the model's build (and whatever the
+    process had done before), and the row's peak memory counted it without a word."""
+    real_open = open
+
+    def refusing(path, *args, **kwargs):
+        if str(path) == "/proc/self/clear_refs":
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(harness, "open", refusing, raising=False)
+    assert harness.reset_peak("cpu") is None
+    mem = harness.PeakMemory("cpu")
+    mem.reset()
+    assert mem.peak() is None
+    case = dict(kind="inference", impl="vitlab", model="ViT-CIFAR", batch=2, dtype="fp32", device="cpu", warmup=1,
+                repeats=1, min_seconds=0.0)
+    result = harness.measure_model(case)
+    assert result["peak_bytes"] is None and result["median"] > 0  # the speed is measured still
+
+    def row(impl, peak):
+        return {"id": f"infer/x/b8/fp32/{impl}", "impl": impl, "median": 30.0, "min": 29.0, "max": 31.0,
+                "achieved_flops_per_s": 50e9, "flops_per_image": 1.0, "peak_bytes": peak, "round_medians": [30.0]}
+
+    merged = bench.merge_rounds([row("vitlab", 2**20), row("vitlab", None)])
+    assert merged["peak_bytes"] is None and bench.mib(merged) == "memory not measured"
+    line = bench.table([merged, row("hf-sdpa", 2**21)], {"float32": 100e9}, ["vitlab", "hf-sdpa"])[1]
+    assert (line[4], line[6], line[7]) == ("-", "memory not measured", "2")  # the ratio, vitlab MiB, best peer MiB
+
+
+def test_the_in_process_ab_scripts_run_as_many_threads_as_the_process_has_cores(monkeypatch):
+    """peers.py, kernels.py, fast_path.py and hybrid.py set torch's threads to os.cpu_count(): the
+    host's CPUs, where a container's CPU quota or an affinity mask leaves the process fewer (bench.py,
+    data_wait.py and a user's run take vitlab.machine.usable_cores)."""
+    import os
+
+    import fast_path
+    import hybrid
+    import kernels
+    import peers
+
+    class Set(Exception):  # stops an experiment once it has set its threads: nothing is timed
+        pass
+
+    def stop(threads):
+        raise Set(threads)
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(torch, "set_num_threads", stop)
+    monkeypatch.setattr(peers, "run_case", lambda case, timeout: stop(case["threads"]))  # its fresh processes
+    for script in (peers, kernels, fast_path, hybrid):
+        monkeypatch.setattr(script, "usable_cores", lambda *a, **k: 3, raising=False)
+        for name, experiment in script.EXPERIMENTS.items():
+            if (script, name) == (kernels, "choice") or (
+                    (script, name) == (kernels, "packing") and not torch.backends.mkldnn.is_available()):
+                continue  # sets no threads: it prints the kernel choice; needs oneDNN
+            with pytest.raises(Set) as threads:
+                experiment()
+            assert threads.value.args == (3,), (script.__name__, name)
+
+
 @pytest.mark.parametrize("kind", ["inference", "train"])
 def test_what_the_fast_layer_allocates_when_applied_counts_in_vitlabs_peak(kind, monkeypatch):
     """The baseline is the built model before ``optimize``: memory the fast layer keeps from the

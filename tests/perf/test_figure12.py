@@ -73,6 +73,27 @@ def test_cpu_rows_extrapolate_from_peak_memory_and_say_so(monkeypatch):
     assert "largest_batch" not in row and row["error"] == "exit 1: boom"
 
 
+def test_a_cpu_row_whose_peak_could_not_be_measured_says_so(monkeypatch):
+    """Where the resident set's mark could not be reset (harness.reset_peak: /proc/self/clear_refs not
+    writable) the row's peak counted the model's build, and its largest batch was extrapolated from it."""
+    from vitlab.config import config_to_dict
+
+    monkeypatch.setattr(speed, "reset_peak", lambda device: None)
+    tiny = speed.vitlab_config("ViT-CIFAR", 16)
+    case = dict(config=config_to_dict(tiny), device="cpu", batch=2, threads=1, warmup=1, repeats=1, min_seconds=0.0)
+    measured = speed.worker(case)
+    assert measured["peak_bytes"] is None and measured["rise_bytes"] is None and measured["median"] > 0
+
+    monkeypatch.setattr(speed, "run_case", lambda case, timeout=1800: measured)
+    lines = []
+    (row,) = speed.sweep(["ViT-CIFAR"], [16], "cpu", batch=2, budget=8 * GIB, log=lines.append)
+    assert row["largest_batch"] is None and row["img_per_s"] > 0
+    assert row["method"].startswith("cpu, img/s per core; largest batch not measured: the resident set's peak")
+    assert lines[0].endswith("largest batch not measured")
+    pytest.importorskip("matplotlib")
+    speed.plot([row])  # the speed is plotted, the batch left out
+
+
 def test_cpu_search_runs_real_batches_against_the_budget(monkeypatch):
     seen = _fake_runs(monkeypatch, lambda b: 1 * GIB + b * 0.25 * GIB if b <= 40 else None)
     case = dict(device="cpu", batch=2, warmup=2, repeats=3, min_seconds=1.0)

@@ -183,6 +183,7 @@ def test_a_folder_listed_again_is_warned_of_once_until_it_changes(tmp_path, capl
     """A run lists its folder for its size, its cache key and its decoding, by the user's
     spelling and by its real path: each warning about the tree is said once; a change to the
     tree's images is told again."""
+    from vitlab.data.memory import CACHE_VERSION
     from vitlab.data.sources import source_key
     from vitlab.train.inputs import count_images
 
@@ -194,7 +195,8 @@ def test_a_folder_listed_again_is_warned_of_once_until_it_changes(tmp_path, capl
     with caplog.at_level(logging.WARNING):
         assert count_images("tree") == 1
         data = load_in_memory("tree", cache_dir=tmp_path / "cache", workers=0)
-        assert data.key == source_key("tree")  # the key of the folder's real path, whatever its spelling
+        # the key of the folder's real path, whatever its spelling (and of the decoding)
+        assert data.key == f"{source_key('tree')}-v{CACHE_VERSION}"
         load_in_memory(root, cache_dir=tmp_path / "cache", workers=0)
     assert caplog.text.count("1 class folder(s) hold no images: empty") == 1
     assert caplog.text.count("not images by their extension") == 1

@@ -392,3 +392,26 @@ def test_a_split_that_cannot_be_made_is_named_by_its_flag(run_dir, tmp_path, cap
     assert "vitlab fewshot: error: --val-split=0.1: takes 0 of the 5 examples" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", checkpoint, "--data", "digits", "--val-split", "1797"]) == 2
     assert "vitlab eval: error: --val-split=1797: takes 1797 of the 1797 examples" in capsys.readouterr().err
+
+
+def test_fewshot_computes_features_again_when_the_data_is_decoded_anew(run_dir, tmp_path, capsys, monkeypatch):
+    """A new decoding (vitlab.data.memory.CACHE_VERSION: 4 read macOS's shards, which 3 cut short) is
+    other images from the same files: the feature cache was keyed by the files alone, and fewshot read
+    back the features of the images decoded before."""
+    from PIL import Image
+
+    import vitlab.data.memory
+
+    for name in ("a", "b"):
+        (tmp_path / "data" / name).mkdir(parents=True)
+        for i in range(8):
+            Image.new("RGB", (16, 16), (30 * i, 100 if name == "a" else 10, 10)).save(tmp_path / "data" / name / f"{i}.png")
+    args = ["fewshot", str(run_dir / "model.safetensors"), "--data", str(tmp_path / "data"), "--val-split", "4",
+            "--shots", "1", "--seeds", "1", "--holdout-per-class", "2", "--cache-dir", str(tmp_path / "cache"),
+            "--feature-cache", str(tmp_path / "feats"), "--json"]
+    assert main(args) == 0
+    assert main(args) == 0 and "from cache" in capsys.readouterr().err  # the same decoding: read back
+    monkeypatch.setattr(vitlab.data.memory, "CACHE_VERSION", vitlab.data.memory.CACHE_VERSION + 1)
+    assert main(args) == 0
+    assert "from 16 images" in capsys.readouterr().err
+    assert len(list((tmp_path / "feats").glob("*.npz"))) == 2

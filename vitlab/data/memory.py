@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 Size = Union[int, tuple[int, int], None]
 CACHE_VERSION = 4  # bump when the layout of the cached arrays changes, or what a key names (2: the skipped list
 #                   counts images; 3: an archive read into memory takes its links to images, leaves __MACOSX/ out;
-#                   4: a shard's ._ members (macOS's resource forks) and __MACOSX/ are no samples)
+#                   4: a shard's ._ members (macOS's resource forks) and __MACOSX/ are no samples); a decoded
+#                   set's key carries it (_data_key), so features computed from the earlier decoding are not reused
 
 
 @dataclass
@@ -66,7 +67,7 @@ class InMemoryDataset:
     skipped: the images that could not be read or decoded and were left out (``Unread``:
              iterating gives (path, reason); ``skipped.images`` counts them, a shard that
              broke off with every image it lost).
-    key:     changes when the data does (what the cache holds it under); "" when unknown.
+    key:     changes when the data does: its source's and the decoding's (CACHE_VERSION); "" when unknown.
     """
 
     images: torch.Tensor
@@ -137,6 +138,13 @@ def _stack(
     for row, i in enumerate(keep):
         images[row] = decoded[i][0].transpose(2, 0, 1)
     return images, labels[keep]
+
+
+def _data_key(key: str) -> str:
+    """The ``key`` of a set decoded from the source whose key is ``key``: what its images are changes with
+    the decoding as well as with the files (CACHE_VERSION), and a cache of what is computed from them (few-shot
+    features) is keyed by it.  "" where the source has no key."""
+    return f"{key}-v{CACHE_VERSION}" if key else ""
 
 
 def _cache_folder(key: str, size: Optional[tuple[int, int]], cache_dir: Optional[PathLike]) -> Path:
@@ -235,7 +243,7 @@ def load_in_memory(
         images, labels = _stack(decoded, index.paths, index.labels, index.root, skipped)
         _write_cache(folder, images, labels, index.classes, skipped)
         data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), index.classes, skipped)
-    data.key = key
+    data.key = _data_key(key)
     _warn_skipped(path, data)
     return data
 
@@ -262,7 +270,7 @@ def load_source_in_memory(source: StreamSource, image_size: Size = None, cache_d
         if folder is not None:
             _write_cache(folder, images, labels, source.classes, skipped)
         data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), list(source.classes), skipped)
-    data.key = source.key
+    data.key = _data_key(source.key)
     _warn_skipped(source.name, data)
     return data
 

@@ -7,7 +7,8 @@ gets), are flushed and fsynced, take the mode of the file they replace, and are 
 folder is fsynced so that the rename survives a power cut.  If anything fails, ``write`` included,
 the temporary file is removed and the file that was there is as it was.  A file written in place
 was truncated as it was opened, so a failure half way (a full disk) left a cut-short file where the
-finished one had been, which the next command read as damaged or as nothing.
+finished one had been, which the next command read as damaged or as nothing.  A write killed
+outright (SIGKILL, a power cut) leaves its temporary file; ``remove_temporaries`` clears a folder's.
 
 This module imports nothing of vitlab: every layer (``fast``, ``analysis``, ``weights``, ``train``)
 writes through it.  ``weights.core.atomic_write_set`` replaces several files as one set on top of it.
@@ -15,10 +16,11 @@ writes through it.  ``weights.core.atomic_write_set`` replaces several files as 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Sequence
 
 
 def new_temporary(path: Path) -> tuple[int, str]:
@@ -29,11 +31,26 @@ def new_temporary(path: Path) -> tuple[int, str]:
     processes, another host's where the folder is shared), and one renamed the other's half-written
     file into place."""
     while True:
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")  # the form remove_temporaries matches
         try:
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), str(tmp)
         except FileExistsError:  # another write's name: draw again
             continue
+
+
+def remove_temporaries(folder: str | os.PathLike, names: Sequence[str]) -> list[Path]:
+    """Delete the temporary files of writes of ``folder``/NAME, for each NAME of ``names``, that were
+    killed before their rename (SIGKILL, a power cut: nothing could remove them); returns them.
+    Only this writer's names match (``.NAME.<12 hex digits>.tmp``), so no other file goes; the
+    caller is the one writer of those files in ``folder`` (a run's rank 0 of its records)."""
+    folder = Path(folder)
+    if not folder.is_dir() or not names:
+        return []
+    pattern = re.compile(rf"\.(?:{'|'.join(map(re.escape, names))})\.[0-9a-f]{{12}}\.tmp")
+    left = [folder / name for name in sorted(os.listdir(folder)) if pattern.fullmatch(name)]
+    for path in left:
+        path.unlink(missing_ok=True)
+    return left
 
 
 def write_temporary(path: Path, write: Callable[[BinaryIO], Any]) -> str:

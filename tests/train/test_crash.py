@@ -147,3 +147,37 @@ def test_torchrun_restarts_a_killed_worker_and_the_group_resumes_bit_equal(tmp_p
     assert len(report["restart_lines"]) == 1
     assert any(f"ckpt-{step:08d}.pt" in report["restart_lines"][0] for step in (5, 10))
     assert report["bit_equal"] and report["tensors"] > 0
+
+
+def test_a_run_removes_the_temporaries_of_its_records_that_a_kill_left_and_no_other_file(tiny, caplog):
+    """A run killed outright while it replaced its config, metrics, summary or weights (``atomic_write``)
+    leaves the write's hidden temporary file in its folder: only the checkpoints' were removed as a run
+    started, and these stayed beside the run's files for good (the weights' as large as the weights)."""
+    from vitlab.files import new_temporary
+    from vitlab.train.loop import RUN_RECORDS
+
+    cfg = tiny("run", steps=4, ckpt_every=2)
+    out = Path(cfg.run.out)
+    out.mkdir()
+    theirs = ["notes.tmp", ".summary.json.tmp", "summary.json.0123456789ab.tmp"]
+    for name in theirs:
+        (out / name).write_text("the user's")
+
+    def killed_writes() -> list[str]:
+        left = []
+        for name in (*RUN_RECORDS, "notes.txt"):  # the writer's own temporaries, of the run's files and of another
+            fd, tmp = new_temporary(out / name)
+            os.write(fd, b"half")
+            os.close(fd)
+            left.append(os.path.basename(tmp))
+        return left
+
+    for run in (lambda: train(cfg, verbose=False), lambda: train(cfg, resume=True, verbose=False),
+                lambda: train(cfg, overwrite=True, verbose=False)):
+        left = killed_writes()
+        theirs.append(left[-1])  # notes.txt is no file of the run's
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vitlab.train.loop"):
+            run()
+        assert sorted(n for n in os.listdir(out) if n.endswith(".tmp")) == sorted(theirs)
+        assert all(str(out / name) in caplog.text for name in left[:-1])

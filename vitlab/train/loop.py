@@ -26,7 +26,7 @@ from vitlab.analysis.utilization import matmul_peak, mfu
 from vitlab.config import ConfigError, is_number, need, need_bool, need_output_folder
 from vitlab.data.labelled import same_data
 from vitlab.eval.features import tta_view_count
-from vitlab.files import atomic_write_text
+from vitlab.files import atomic_write_text, remove_temporaries
 from vitlab.machine import Machine
 from vitlab.weights.native import WEIGHTS_NAME
 
@@ -35,6 +35,7 @@ from .build import Setup, build, check_data
 from .config import TrainConfig, to_dict
 from .distributed import (World, all_reduce_sum, barrier, broadcast_from_main, elastic_restart_count, init_world,
                           local_rank, shutdown)
+from .diverged import DIVERGED_NAME
 from .inputs import Spans, WaitTimed
 from .metrics import MetricsWriter, Progress, plot_curves
 from .numerics import NonFinite
@@ -349,15 +350,19 @@ def write_config(setup: Setup, out: Path) -> None:
 
 # what a finished run leaves besides its config, class names and metrics (which a run writes anew as it starts)
 EARLIER_RESULTS = ("checkpoints", "summary.json", WEIGHTS_NAME, "curves.png", "tensorboard")
+# the files of a run's folder its rank 0 replaces whole (``atomic_write``): a write of one killed outright
+# leaves its temporary file (.NAME.<hex>.tmp) beside them
+RUN_RECORDS = ("config.json", "classes.json", "metrics.jsonl", "metrics.csv", "summary.json", WEIGHTS_NAME,
+               DIVERGED_NAME)
 
 
 def start_output_folder(setup: Setup, out: Path, afresh: bool) -> None:
     """The run's folder with its config and class names (rank 0); an earlier run's checkpoints
-    and results removed when ``afresh`` (``--overwrite``), and the temporary file of a checkpoint
-    write that was killed removed in any case.  Left until the new run's end, an earlier run's
-    summary and weights beside the new config.json passed for the new run's: an experiment
-    interrupted in it reported the earlier run's numbers as its finished run (``finished_run``), and
-    predict read the earlier weights with the new class names."""
+    and results removed when ``afresh`` (``--overwrite``), and the temporary files of writes of its
+    checkpoints and records (``RUN_RECORDS``) that were killed removed in any case.  Left until the
+    new run's end, an earlier run's summary and weights beside the new config.json passed for the new
+    run's: an experiment interrupted in it reported the earlier run's numbers as its finished run
+    (``finished_run``), and predict read the earlier weights with the new class names."""
     if setup.world.is_main and afresh:
         for name in EARLIER_RESULTS:
             path = out / name
@@ -368,6 +373,8 @@ def start_output_folder(setup: Setup, out: Path, afresh: bool) -> None:
     if setup.world.is_main:
         for partial in ckpt.remove_partial_writes(out / "checkpoints"):
             log.warning("removed %s, left by a checkpoint write that was killed", partial)
+        for partial in remove_temporaries(out, RUN_RECORDS):
+            log.warning("removed %s, left by a write of the run's records that was killed", partial)
     barrier(setup.world)
     if setup.world.is_main:
         out.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,9 @@ The input the model reads travels with the file, for whoever runs it without vit
 ``channel_order`` RGB, pixels p in 0..255 as ``(p * rescale_factor - mean) / std`` per channel
 (``rescale_factor`` 1/255, ``mean`` and ``std`` 0.5: vitlab's ``p / 127.5 - 1``), after ``resize``:
 the whole image to ``image_size`` with ``interpolation`` bilinear (Pillow's), as ``vitlab predict``
-does.  ONNX: one metadata_props entry each (lists and numbers as JSON); a .pt2 archive: the
-extra file ``preprocessing.json``.  ``read_preprocessing`` reads either back.
+does, of the image decoded as ``decode`` says (EXIF orientation not applied, alpha dropped).  ONNX:
+one metadata_props entry each (lists and numbers as JSON); a .pt2 archive: the extra file
+``preprocessing.json``.  ``read_preprocessing`` reads either back (an earlier export's, without ``decode``, too).
 
 Class names, when given, travel with the file in Hugging Face's terms: ONNX metadata_props
 ``id2label`` and ``label2id`` (JSON), and the extra files ``id2label.json`` and ``label2id.json``
@@ -44,9 +45,10 @@ __all__ = ["export_onnx", "export_program", "load_program", "model_img_size", "p
 
 PREPROCESSING_FILE = "preprocessing.json"  # the extra file of a .pt2 that states the model's input
 # the entries of that record in an ONNX model's metadata_props: JSON, but for those of plain text
-PREPROCESSING_KEYS = ("image_size", "input_layout", "channel_order", "rescale_factor", "mean", "std",
+# (an export of before "decode" was recorded has every other)
+PREPROCESSING_KEYS = ("image_size", "input_layout", "channel_order", "decode", "rescale_factor", "mean", "std",
                       "interpolation", "resize")
-TEXT_KEYS = ("input_layout", "channel_order", "interpolation", "resize")
+TEXT_KEYS = ("input_layout", "channel_order", "decode", "interpolation", "resize")
 
 
 def model_img_size(model: nn.Module, img_size: int | Pair | None = None) -> Pair:

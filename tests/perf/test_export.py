@@ -267,6 +267,54 @@ def test_an_export_records_the_input_vitlab_predict_gives_the_model(tmp_path, ca
             json.loads(meta.custom_metadata_map["mean"]) == record["mean"]
 
 
+@pytest.mark.parametrize("suffix", [".onnx", ".pt2"])
+def test_an_export_states_how_an_image_is_decoded_and_an_earlier_export_without_it_reads(tmp_path, monkeypatch,
+                                                                                         suffix):
+    """The record said how the model's input is made from an image's pixels, not how the pixels are had: a
+    deployer decoding as Hugging Face's load_image does (EXIF orientation applied) gave the model another input
+    than predict for a rotated photo; ``decode`` states vitlab's rule, and an export made before it reads."""
+    import numpy as np
+    from PIL import Image, ImageOps
+
+    from helpers.preprocessing import as_recorded, predict_input
+    from vitlab.export import PREPROCESSING_FILE, read_preprocessing
+    from vitlab.weights import save_model
+
+    if suffix == ".onnx":
+        pytest.importorskip("onnxscript")
+    model = _random_model(ViTConfig(width=32, depth=1, mlp_dim=64, num_heads=4, num_classes=3, img_size=32,
+                                    patch_size=8))
+    save_model(model, tmp_path / "run")
+    out = tmp_path / f"m{suffix}"
+    (export_onnx if suffix == ".onnx" else export_program)(model, out)
+    record = read_preprocessing(out)
+    assert record["decode"] == ("Pillow's, the first frame, the pixels as stored: EXIF orientation not applied; "
+                                "Image.convert('RGB'), alpha dropped (not composited); 16-bit grayscale to 8 bits "
+                                "as v / 257, rounded")
+    photo = Image.fromarray(np.random.default_rng(0).integers(0, 256, (24, 40, 3), dtype=np.uint8))
+    exif = photo.getexif()
+    exif[0x0112] = 6  # orientation: stored sideways, shown turned a quarter
+    photo.save(tmp_path / "photo.jpg", exif=exif, quality=95)
+    given = predict_input(tmp_path / "run", tmp_path / "photo.jpg", monkeypatch)
+    torch.testing.assert_close(as_recorded(record, tmp_path / "photo.jpg"), given, atol=1e-5, rtol=0)
+    turned = tmp_path / "turned.png"  # what load_image hands a processor
+    ImageOps.exif_transpose(Image.open(tmp_path / "photo.jpg")).save(turned)
+    assert not torch.allclose(as_recorded(record, turned), given, atol=0.1)
+
+    earlier = {k: v for k, v in record.items() if k != "decode"}  # an export of before the field
+    if suffix == ".onnx":
+        import onnx
+
+        proto = onnx.load(str(out))
+        kept = [p for p in proto.metadata_props if p.key != "decode"]
+        del proto.metadata_props[:]
+        proto.metadata_props.extend(kept)
+        onnx.save(proto, str(out))
+    else:
+        torch.export.save(torch.export.load(out), out, extra_files={PREPROCESSING_FILE: json.dumps(earlier)})
+    assert read_preprocessing(out) == earlier
+
+
 def test_export_check_without_onnxruntime_writes_nothing(tmp_path, capsys, monkeypatch):
     """`vitlab export ... --check` without onnxruntime wrote the ONNX file, then stopped at the check with
     the error; and without onnx or onnxscript it loaded the model (downloaded it, for a Hub name) first.

@@ -480,16 +480,20 @@ INPUT_STD = 0.5
 INPUT_INTERPOLATION = "bilinear"
 INPUT_RESIZE = ("the whole image to image_size (height, width), its aspect ratio not kept, no crop; Pillow's "
                 "bilinear filter, which low-pass filters when it shrinks")
+# how vitlab.data.decode.to_rgb makes an image's pixels (docs/reliability.md), where readers differ: Hugging
+# Face's load_image applies EXIF orientation, its image processors composite alpha onto white
+INPUT_DECODE = ("Pillow's, the first frame, the pixels as stored: EXIF orientation not applied; Image.convert('RGB'), "
+                "alpha dropped (not composited); 16-bit grayscale to 8 bits as v / 257, rounded")
 
 
 def input_preprocessing(cfg: Architecture, img_size: Pair | None = None) -> dict[str, Any]:
     """What a model of ``cfg`` reads at ``img_size`` (default: its own), as exports record it: images
     (N, C, H, W), RGB, pixels p in 0..255 as ``(p * rescale_factor - mean) / std``, per channel, after
-    the resize ``resize`` names (``interpolation``)."""
+    the resize ``resize`` names (``interpolation``), of the image decoded as ``decode`` says."""
     h, w = img_size or cfg.img_size
     record: dict[str, Any] = {"image_size": [h, w], "input_layout": "NCHW"}
     if cfg.in_chans == 3:  # vitlab decodes every image as RGB
-        record["channel_order"] = "RGB"
+        record.update(channel_order="RGB", decode=INPUT_DECODE)
     return {**record, "rescale_factor": INPUT_RESCALE, "mean": [INPUT_MEAN] * cfg.in_chans,
             "std": [INPUT_STD] * cfg.in_chans, "interpolation": INPUT_INTERPOLATION, "resize": INPUT_RESIZE}
 

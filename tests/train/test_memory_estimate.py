@@ -213,7 +213,7 @@ def test_fsdp_counts_each_process_its_shards_and_the_units_it_gathers():
     # twice (12), and gathers a checkpoint's weights and Adam's moments (12): the others hold none of them
     assert sharded.host_peak - sharded.others_host_peak == 16 * params
     assert sharded.record()["fsdp_processes"] == 2 and "rank 0 of 2 under FSDP" in sharded.line()
-    assert one.others_host_peak is None and "fsdp_processes" not in one.record()  # one process, DDP: as before
+    assert "fsdp_processes" not in one.record() and "other_ranks_peak_gb" not in one.record()  # one process, DDP
     evaluation = estimate_memory(gpu.with_(shards=2, micro_batch=1, eval_batch=4096))
     assert evaluation.at == "an evaluation" and evaluation.parts["gathered_units"] == 4 * (root + 3 * block)
     # a host's processes: rank 0's and the others'
@@ -226,6 +226,25 @@ def test_fsdp_counts_each_process_its_shards_and_the_units_it_gathers():
     assert estimate_memory(cpu).record()["parts_gb"].get("fsdp_heap", 0) == round(16 * params / GB, 3)
     assert fsdp_heap_bytes(cpu) == 16 * params and fsdp_heap_bytes(cpu.with_(precision="bf16")) == 20 * params
     assert fsdp_heap_bytes(cpu.with_(shards=1)) == 0 == fsdp_heap_bytes(gpu.with_(shards=2))
+
+
+def test_under_ddp_a_hosts_other_processes_are_not_counted_rank_0s_save_of_the_weights():
+    """Rank 0 alone saves the final weights (their clone and two serialisations): under DDP a host's check
+    counted every process that save, and refused processes that fit.  One process is held to its estimate
+    as before."""
+    arch = create_model("ViT-Ti/16", **VIT).cfg
+    params = parameter_counts(arch)[0]
+    gpu = estimate_memory(RunShape(arch, micro_batch=64, img_size=(32, 32), device="cuda:0"))
+    assert gpu.host_peak - gpu.each_other_host_peak == 12 * params  # on the host: the clone, two serialisations
+    host = Available(host=int((gpu.host_peak + gpu.each_other_host_peak) / HEADROOM) + 1, processes=2)
+    assert host.fits(gpu) and not dataclasses.replace(host, processes=3).fits(gpu)
+    alone = Available(host=int(gpu.host_peak / HEADROOM) + 1)
+    assert alone.fits(gpu) and not dataclasses.replace(alone, host=alone.host - 2).fits(gpu)
+    # on a CPU the save's moment holds the heap the steps left, which every process keeps: the save's own
+    # (two serialisations, the clone in the heap's place) is rank 0's alone
+    cpu = estimate_memory(RunShape(arch, micro_batch=64, img_size=(32, 32)))
+    assert cpu.at == "saving the weights" and "other_ranks_peak_gb" not in cpu.record()
+    assert cpu.host_peak - cpu.each_other_host_peak == cpu.parts["weights_saved"] == 8 * params
 
 
 def test_a_model_that_fits_only_sharded_is_run_under_fsdp(tmp_path):

@@ -40,7 +40,8 @@ What a step holds, by what holds it (bytes):
   copies of the gathered blocks (``fsdp_heap_bytes``).  Rank 0 alone gathers the whole model and
   optimiser state into host memory for each checkpoint, and the model into an unsharded copy for
   the final weights: the estimate is rank 0's, ``others_host_peak`` each other process's host
-  memory, and a host's check counts one of each.
+  memory, and a host's check counts one of each.  Under DDP too rank 0 alone saves the final
+  weights (their clone and serialisations): the others are counted without them.
 
 The peak is the largest of four moments: decoding the data (before the model exists), a
 training step, an evaluation and saving the weights (under FSDP a fifth, writing a
@@ -93,7 +94,8 @@ FSDP_HEAP_KEPT = 4
 # run: the libraries and kernels it loads (PIL, oneDNN's JIT code and primitive caches), the
 # autograd graph's objects, the heap that decoding and splitting the data leave behind
 RUNTIME_BYTES = 100_000_000
-# what rank 0 alone holds under FSDP: the gathered checkpoint, the final weights' unsharded copy and their serialisation
+# what rank 0 alone holds: the final weights' clone and serialisation (any launch: rank 0 saves them), under FSDP
+# the gathered checkpoint and the final weights' unsharded copy too
 MAIN_ONLY = ("checkpoint_gathered", "weights_gathered", "weights_saved")
 
 
@@ -180,12 +182,12 @@ class MemoryEstimate:
     host_peak: int              # what the host's memory holds at its peak (all of it on a CPU)
     device_peak: int            # what the GPU's memory holds at its peak (0 on a CPU)
     shape: RunShape
-    others_host_peak: Optional[int] = None  # under FSDP, host_peak of a process other than rank 0
+    others_host_peak: Optional[int] = None  # host_peak of a process other than rank 0 (of DDP or FSDP)
 
     @property
     def each_other_host_peak(self) -> int:
-        """The host's peak of each process other than rank 0 (under FSDP rank 0 alone gathers the
-        checkpoints and the final weights; otherwise every process's is counted as rank 0's)."""
+        """The host's peak of each process other than rank 0: rank 0 alone saves the final weights, and
+        under FSDP alone gathers them and the checkpoints (None, in an estimate made by hand: rank 0's)."""
         return self.host_peak if self.others_host_peak is None else self.others_host_peak
 
     def record(self) -> dict:
@@ -575,10 +577,10 @@ def estimate_memory(shape: RunShape) -> MemoryEstimate:
     host_peak = max(h for _, h in totals.values())
     parts = {k: v for k, v in (moments[at][0] | moments[at][1]).items() if v}
     peak = sum(totals[at]) if not shape.on_gpu else device_peak + host_peak
-    others = None
-    if shape.sharded:  # the other processes' host memory: without what rank 0 alone gathers and writes
-        others = max(_sides(shape, *({k: v for k, v in side.items() if k not in MAIN_ONLY} for side in sides))[1]
-                     for sides in moments.values())
+    # the other processes' host memory, under DDP or FSDP: without what rank 0 alone gathers and writes (a
+    # one-process run has none, and its check counts host_peak alone)
+    others = max(_sides(shape, *({k: v for k, v in side.items() if k not in MAIN_ONLY} for side in sides))[1]
+                 for sides in moments.values())
     return MemoryEstimate(peak, at, parts, host_peak, device_peak, shape, others)
 
 
@@ -636,7 +638,7 @@ class Available:
         """None where ``estimate`` fits, else what there is, in words ("more than the ...")."""
         if estimate.shape.on_gpu and self.gpu is not None and estimate.device_peak > HEADROOM * self.gpu:
             return f"{gb(estimate.device_peak)} of it on the GPU, more than the {gb(self.gpu)} free there"
-        # rank 0's and the others' (under FSDP rank 0 alone gathers the checkpoints and the final weights)
+        # rank 0's and the others' (rank 0 alone saves the final weights; under FSDP gathers the checkpoints too)
         here = estimate.host_peak + estimate.each_other_host_peak * (self.processes - 1)
         if self.host is not None and here > HEADROOM * self.host:
             each = f"; {self.processes} processes on this host need {gb(here)}" if self.processes > 1 else ""

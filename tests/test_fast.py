@@ -275,6 +275,51 @@ def test_dynamic_int8_quantisation_stays_close_to_fp32():
         torch.testing.assert_close(fast.optimize(quantized)(x), got, rtol=1e-5, atol=1e-5)
 
 
+class Int8Weight(torch.Tensor):
+    """A dense weight of its own tensor class, as torchao's ``quantize_`` leaves one in an
+    ``nn.Linear``: ``F.linear`` multiplies by its values rounded to 255 levels."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            x, weight, *rest = args
+            weight = weight.as_subclass(torch.Tensor)
+            scale = weight.detach().abs().amax() / 127
+            return func(x, (weight / scale).round() * scale, *rest, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def quantize_weights(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.weight = nn.Parameter(module.weight.detach().as_subclass(Int8Weight), requires_grad=False)
+    return model
+
+
+@pytest.mark.parametrize("kernels", CHOICES)
+@pytest.mark.parametrize("order", ["quantized-then-optimized", "optimized-then-quantized"])
+def test_a_dense_layer_whose_weight_is_a_tensor_subclass_computes_by_its_rules(order, kernels):
+    """torchao's quantize_ keeps each nn.Linear and gives it a weight of a tensor class whose own
+    F.linear computes the product: the fast kernels multiplied its raw values (oneDNN's matmul,
+    the bf16 casts), skipping its arithmetic, or failed in torchao's NotImplementedError."""
+    plain = quantize_weights(with_random_head(tiny()))
+    model = with_random_head(tiny())
+    model = (fast.optimize(quantize_weights(model), kernels) if order == "quantized-then-optimized"
+             else quantize_weights(fast.optimize(model, kernels)))
+    assert type(model.blocks[0].attn.qkv) is fast.FastLinear and type(model.head.weight) is Int8Weight
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        assert not torch.allclose(plain(x), with_random_head(tiny())(x), atol=1e-4)  # the rounding counts
+    for mode, grad, bf16 in [("train", True, False), ("eval", False, False), ("eval", False, True),
+                             ("train", True, True)]:
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            expected = plain.train(mode == "train")(x).float()
+            got = model.train(mode == "train")(x).float()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{mode}, grad {grad}, bf16 {bf16}")
+    with torch.inference_mode():
+        torch.testing.assert_close(model.eval()(x), plain.eval()(x), rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- equality
 
 FAMILIES = {

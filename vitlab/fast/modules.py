@@ -36,7 +36,10 @@ with (and the installed dense layers) and none of them carries a hook: a user wh
 ``mlp.drop`` (whose first call, on the GELU output, a training step makes inside
 ``gelu_dense``), or sets a part's ``forward`` (or ``attn.attend``) on the module itself
 gets the plain forward, calling every module, with the rest of the fast path (the
-kernels of the ``FastLinear`` layers it calls) still in place.  A hook registered for
+kernels of the ``FastLinear`` layers it calls) still in place.  A dense layer whose weight
+or bias is a tensor of a class of its own (torchao's ``quantize_`` leaves quantised weights
+so, before or after ``optimize``) computes ``F.linear`` as that class does, and its block
+the plain forward.  A hook registered for
 every module (``torch.nn.modules.module.register_module_forward_hook`` and its kin)
 cannot be seen through torch's public API: inside the fused path the LayerNorm and dense
 layers, ``Attention`` and ``Mlp`` are computed as functions, so such a hook sees the
@@ -203,7 +206,8 @@ class FastLinear(nn.Linear):
         self.held_casts = HeldCasts()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or not _takes_over(x, self.fast_options.kernels):
+        if (torch.compiler.is_compiling() or not _plain_tensors(self)
+                or not _takes_over(x, self.fast_options.kernels)):
             return F.linear(x, self.weight, self.bias)  # torch.compile traces the plain product
         return self.product(x)
 
@@ -271,6 +275,16 @@ def _takes_over(x: torch.Tensor, kernels: KernelChoice) -> bool:
     return kernels.takes_over(torch.is_grad_enabled(), bf16)
 
 
+def _plain_tensors(layer: nn.Linear) -> bool:
+    """Whether the layer's weight and bias are plain tensors.  One of a tensor class of its own
+    (torchao's ``quantize_`` leaves its quantised weights in the ``nn.Linear``) computes ``F.linear``
+    by its own rules, which the fast kernels (oneDNN's matmul, the bf16 casts) would bypass."""
+    return all(p is None or type(p) in _PLAIN_TENSORS for p in (layer.weight, layer.bias))
+
+
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+
+
 def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks
                 or module._backward_hooks or module._backward_pre_hooks)
@@ -304,7 +318,8 @@ class FastBlock(Block):
         # a forward set on a part itself (module.forward = ...) is one the fused path would not call
         parts = (self.norm1, self.norm2, attn, mlp, mlp.drop, *dense)
         return (type(self.norm1) is nn.LayerNorm and type(self.norm2) is nn.LayerNorm
-                and type(attn) is Attention and type(mlp) is Mlp and all(type(m) is FastLinear for m in dense)
+                and type(attn) is Attention and type(mlp) is Mlp
+                and all(type(m) is FastLinear and _plain_tensors(m) for m in dense)
                 and type(mlp.drop) is nn.Dropout and "attend" not in vars(attn)
                 and not any(_hooked(m) or "forward" in vars(m) for m in parts))
 

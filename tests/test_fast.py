@@ -275,6 +275,25 @@ def test_dynamic_int8_quantisation_stays_close_to_fp32():
         torch.testing.assert_close(fast.optimize(quantized)(x), got, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_torchs_eager_quantisation_of_an_optimized_model_says_it_leaves_the_dense_layers_as_they_are():
+    """quantize_dynamic(model, {nn.Linear}) swaps modules by their exact class: on an optimized model
+    it found no nn.Linear and gave back the fp32 model, its logits unchanged, without a word."""
+    model = fast.optimize(with_random_head(tiny()).eval())
+    with pytest.warns(UserWarning, match=r"takes a FastLinear.*leaves it unquantised.*"
+                                         r"vitlab\.fast\.restore\(model\) before quantising"):
+        quantized = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+    assert type(quantized.blocks[0].attn.qkv) is fast.FastLinear  # torch's doing: the warning's reason
+    assert not any(hasattr(m, "qconfig") for m in quantized.modules())  # torch's own attribute, set and removed
+    # the way out the warning names: the plain model quantised, then optimized, without a warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain = fast.restore(model)
+        quantized = fast.optimize(torch.ao.quantization.quantize_dynamic(plain, {nn.Linear}, dtype=torch.qint8))
+    assert not [w for w in caught if "vitlab" in str(w.message)]
+    assert not any(isinstance(m, nn.Linear) for m in quantized.modules())
+
+
 class Int8Weight(torch.Tensor):
     """A dense weight of its own tensor class, as torchao's ``quantize_`` leaves one in an
     ``nn.Linear``: ``F.linear`` multiplies by its values rounded to 255 levels."""

@@ -39,9 +39,10 @@ gets the plain forward, calling every module, with the rest of the fast path (th
 kernels of the ``FastLinear`` layers it calls) still in place.  A dense layer whose weight
 or bias is a tensor of a class of its own (torchao's ``quantize_`` leaves quantised weights
 so, before or after ``optimize``) computes ``F.linear`` as that class does, and its block
-the plain forward.  A hook registered for
-every module (``torch.nn.modules.module.register_module_forward_hook`` and its kin)
-cannot be seen through torch's public API: inside the fused path the LayerNorm and dense
+the plain forward.  torch's eager-mode quantisation (``quantize_dynamic``) swaps modules
+by their exact class and leaves a ``FastLinear`` as it is: it warns, naming ``restore``.
+A hook registered for every module (``torch.nn.modules.module.register_module_forward_hook``
+and its kin) cannot be seen through torch's public API: inside the fused path the LayerNorm and dense
 layers, ``Attention`` and ``Mlp`` are computed as functions, so such a hook sees the
 block, its dropout and drop-path modules and a relative position bias, not them
 (``restore`` the model for a hook that must see every layer).  ``torch.compile`` traces
@@ -53,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import warnings
 from typing import Iterator
 
 import torch
@@ -204,6 +206,17 @@ class FastLinear(nn.Linear):
     def configure(self, options: FastOptions) -> None:
         self.fast_options = options
         self.held_casts = HeldCasts()
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "qconfig":
+            # torch.ao.quantization's eager mode (quantize_dynamic, prepare, prepare_qat) sets this
+            # on every module it visits, then swaps modules by their exact class: it finds no
+            # nn.Linear here and gives the layer back in fp32, without a word of its own
+            warnings.warn("vitlab.fast: torch.ao.quantization takes a FastLinear, the stand-in vitlab.fast.optimize "
+                          "installs for an nn.Linear, for another class and leaves it unquantised: call "
+                          "vitlab.fast.restore(model) before quantising (and optimize after: the fast path "
+                          "leaves quantised layers as they are)", UserWarning, stacklevel=2)
+        super().__setattr__(name, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (torch.compiler.is_compiling() or not _plain_tensors(self)

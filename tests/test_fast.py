@@ -133,6 +133,33 @@ def test_a_hooked_or_replaced_mlp_dropout_sees_both_its_calls_and_computes_as_th
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("where", ["attn.proj_drop", "drop_path", "attn.rel_pos", "attn.distance_bias"])
+def test_a_hook_inside_a_block_sees_the_whole_batch_as_the_plain_model_passes_it(where, monkeypatch):
+    """The modules a fused block calls as modules (the attention's output dropout, drop-path, a
+    relative position bias or distance penalty) were called once per chunk of images in inference:
+    a hook that kept their output (features[name] = output) kept the last chunk's images alone."""
+    from vitlab.fast import modules
+
+    monkeypatch.setattr(modules, "CHUNK_ROWS", 40)  # a few images of 17 tokens per chunk
+    cfg = tiny(posemb="relative") if where == "attn.rel_pos" else tiny(attn_bias="distance")
+    x = torch.randn(7, 3, 16, 16)
+
+    def run(optimized: bool):
+        model = with_random_head(cfg).eval()
+        if optimized:
+            fast.optimize(model)
+        seen = []
+        model.blocks[1].get_submodule(where).register_forward_hook(lambda m, i, o: seen.append(o))
+        with torch.no_grad():
+            return model(x), seen
+
+    (expected, expected_seen), (logits, seen) = run(False), run(True)
+    assert [o.shape for o in seen] == [o.shape for o in expected_seen]
+    for o, e in zip(seen, expected_seen):
+        torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["train", "inference"])
 @pytest.mark.parametrize("where", ["norm1", "attn", "attn.qkv", "mlp"])
 def test_a_forward_set_on_a_blocks_part_itself_is_called_as_the_plain_model_calls_it(where, mode):

@@ -31,10 +31,11 @@ layer, ``held_casts`` (with ``inference_weights="hold"``).  Nothing writes into 
   of a large batch, and keeps little of it.
 
 A block takes its fused path only while its parts are the plain modules it was built
-with (and the installed dense layers) and none of them carries a hook: a user who wraps
-``attn.qkv`` in an adapter, swaps ``mlp.fc1`` for a quantised layer, hooks ``norm1`` or
+with (and the installed dense layers) and no module inside it carries a hook: a user who
+wraps ``attn.qkv`` in an adapter, swaps ``mlp.fc1`` for a quantised layer, hooks ``norm1``,
 ``mlp.drop`` (whose first call, on the GELU output, a training step makes inside
-``gelu_dense``), or sets a part's ``forward`` (or ``attn.attend``) on the module itself
+``gelu_dense``) or ``drop_path`` (which inference calls once per chunk of images), or sets
+a part's ``forward`` (or ``attn.attend``) on the module itself
 gets the plain forward, calling every module, with the rest of the fast path (the
 kernels of the ``FastLinear`` layers it calls) still in place.  A dense layer whose weight
 or bias is a tensor of a class of its own (torchao's ``quantize_`` leaves quantised weights
@@ -330,11 +331,14 @@ class FastBlock(Block):
         # the MLP's dropout too: a training step applies its first call inside gelu_dense, by its rate;
         # a forward set on a part itself (module.forward = ...) is one the fused path would not call
         parts = (self.norm1, self.norm2, attn, mlp, mlp.drop, *dense)
+        # a hook on any module inside: those the fused path calls as modules (drop-path, the attention's
+        # dropout, a position bias) it calls once per chunk of images in inference, each with a part of the batch
         return (type(self.norm1) is nn.LayerNorm and type(self.norm2) is nn.LayerNorm
                 and type(attn) is Attention and type(mlp) is Mlp
                 and all(type(m) is FastLinear and _plain_tensors(m) for m in dense)
                 and type(mlp.drop) is nn.Dropout and "attend" not in vars(attn)
-                and not any(_hooked(m) or "forward" in vars(m) for m in parts))
+                and not any("forward" in vars(m) for m in parts)
+                and not any(_hooked(m) for m in self.modules() if m is not self))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling() or not self.fusable() or not _takes_over(x, self.fast_options.kernels):

@@ -179,6 +179,32 @@ def test_a_forward_set_on_a_blocks_part_itself_is_called_as_the_plain_model_call
     torch.testing.assert_close(run(True), run(False), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["train", "inference"])
+@pytest.mark.parametrize("where", ["Block.forward", "Attention.forward", "Attention.attend", "Mlp.forward"])
+def test_a_method_patched_on_a_blocks_class_is_called_as_the_plain_model_calls_it(where, mode, bf16, monkeypatch):
+    """``Attention.forward = ...`` on the class (as scripts that read attention maps patch timm's):
+    the fused block computed its parts as functions and never called it (``Attention.attend`` in
+    CPU bf16 inference), giving the unpatched model's logits, a third off the patched ones."""
+    from vitlab.models import layers
+
+    cls, name = where.split(".")
+    cls = getattr(layers, cls)
+    defined = getattr(cls, name)
+    monkeypatch.setattr(cls, name, lambda self, *args, **kwargs: 0.5 * defined(self, *args, **kwargs))
+    x = torch.randn(2, 3, 16, 16)
+
+    def run(optimized: bool):
+        model = with_random_head(tiny())
+        if optimized:
+            fast.optimize(model)
+        with torch.set_grad_enabled(mode == "train"), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            return model.train(mode == "train")(x).float()
+
+    expected, logits = run(False), run(True)
+    assert (logits - expected).norm() < (3e-2 if bf16 else 1e-5) * expected.norm()
+
+
 @pytest.mark.filterwarnings("ignore:There is a performance drop")  # torch's, for the plain model's attention too
 def test_torch_func_transforms_run_the_plain_forward_of_a_fast_model():
     """vmap and grad of a fast model (per-example gradients) ended in torch's 'In order to use an

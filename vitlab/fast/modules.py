@@ -35,7 +35,7 @@ with (and the installed dense layers) and no module inside it carries a hook: a 
 wraps ``attn.qkv`` in an adapter, swaps ``mlp.fc1`` for a quantised layer, hooks ``norm1``,
 ``mlp.drop`` (whose first call, on the GELU output, a training step makes inside
 ``gelu_dense``) or ``drop_path`` (which inference calls once per chunk of images), or sets
-a part's ``forward`` (or ``attn.attend``) on the module itself
+a part's ``forward`` (or ``attn.attend``) on the module itself or on its class
 gets the plain forward, calling every module, with the rest of the fast path (the
 kernels of the ``FastLinear`` layers it calls) still in place.  A dense layer whose weight
 or bias is a tensor of a class of its own (torchao's ``quantize_`` leaves quantised weights
@@ -43,8 +43,8 @@ so, before or after ``optimize``) computes ``F.linear`` as that class does, and 
 the plain forward.  torch's eager-mode quantisation (``quantize_dynamic``) swaps modules
 by their exact class and leaves a ``FastLinear`` as it is: it warns, naming ``restore``.
 A hook registered for every module (``torch.nn.modules.module.register_module_forward_hook``
-and its kin) cannot be seen through torch's public API: inside the fused path the LayerNorm and dense
-layers, ``Attention`` and ``Mlp`` are computed as functions, so such a hook sees the
+and its kin) cannot be seen through torch's public API: inside the fused path the LayerNorm
+and dense layers, ``Attention`` and ``Mlp`` are computed as functions, so such a hook sees the
 block, its dropout and drop-path modules and a relative position bias, not them
 (``restore`` the model for a hook that must see every layer).  ``torch.compile`` traces
 the plain forward, and torch.func's transforms (``vmap``, ``grad``) and torch dispatch modes
@@ -299,6 +299,16 @@ def _plain_tensors(layer: nn.Linear) -> bool:
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 
+# The methods the fused path computes as functions, as their classes define them: one patched on
+# the class (Attention.forward = ..., as scripts that read attention maps do) is one it would not call.
+_DEFINED = {(cls, name): vars(cls)[name] for cls, name in
+            ((Block, "forward"), (Attention, "forward"), (Attention, "attend"), (Mlp, "forward"))}
+
+
+def _patched_classes() -> bool:
+    return any(vars(cls).get(name) is not method for (cls, name), method in _DEFINED.items())
+
+
 def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks
                 or module._backward_hooks or module._backward_pre_hooks)
@@ -337,7 +347,7 @@ class FastBlock(Block):
                 and type(attn) is Attention and type(mlp) is Mlp
                 and all(type(m) is FastLinear and _plain_tensors(m) for m in dense)
                 and type(mlp.drop) is nn.Dropout and "attend" not in vars(attn)
-                and not any("forward" in vars(m) for m in parts)
+                and not any("forward" in vars(m) for m in parts) and not _patched_classes()
                 and not any(_hooked(m) for m in self.modules() if m is not self))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,16 +24,40 @@ def tiny_config(out, **changes) -> TrainConfig:
     return with_changes(cfg, changes)
 
 
-@pytest.fixture(scope="session")
-def warm_process(tmp_path_factory):
-    """One short training run per test process: the first ``train`` in a process pays seconds
-    of one-time imports and data loading (torch._dynamo, scikit-learn's digits), which must
-    not eat the few seconds a time-limited test runs for, whichever test comes first."""
-    from vitlab.train import train
+@pytest.fixture
+def tiny(tmp_path):
+    return lambda name="run", **changes: tiny_config(tmp_path / name, **changes)
 
-    train(tiny_config(tmp_path_factory.mktemp("warm") / "run", steps=2, warmup=1, tensorboard=False), verbose=False)
+
+class RunClock:
+    """The training loop's clock (``loop.clock``) in a test's hands: it stands still but for
+    ``step_s`` seconds per training step (a number, or one of the step's image size) and
+    ``eval_s`` per evaluation, so that a time-limited run plans, refits and stops at the same
+    steps on any machine, busy or idle.  ``now``: its reading, which a test may move on."""
+
+    def __init__(self, monkeypatch, step_s, eval_s: float) -> None:
+        import vitlab.train.loop as loop
+        from vitlab.eval.evaluator import Evaluator
+
+        self.now, self.step_s, self.eval_s = 0.0, step_s, eval_s
+        real_step, real_run = loop.train_step, Evaluator.run
+
+        def train_step(setup, batches, lr, size):
+            result = real_step(setup, batches, lr, size)
+            self.now += self.step_s(size) if callable(self.step_s) else self.step_s
+            return result
+
+        def run(evaluator, *args, **kwargs):
+            result = real_run(evaluator, *args, **kwargs)
+            self.now += self.eval_s
+            return result
+
+        monkeypatch.setattr(loop, "clock", lambda: self.now)
+        monkeypatch.setattr(loop, "train_step", train_step)
+        monkeypatch.setattr(Evaluator, "run", run)
 
 
 @pytest.fixture
-def tiny(tmp_path, warm_process):
-    return lambda name="run", **changes: tiny_config(tmp_path / name, **changes)
+def run_clock(monkeypatch):
+    """``run_clock(step_s, eval_s)``: the loop's clock from now on is a ``RunClock``."""
+    return lambda step_s, eval_s: RunClock(monkeypatch, step_s, eval_s)

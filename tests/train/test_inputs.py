@@ -34,21 +34,20 @@ def test_class_subset_relabels_in_the_given_order():
 
 
 def test_the_wait_for_batches_is_the_time_spent_in_next_and_counted_once():
-    import time
-
     from vitlab.train.inputs import WaitTimed
+
+    now = [0.0]  # a clock of the test's (seconds): only what the test says takes time
 
     def slow():
         while True:
-            time.sleep(0.03)
+            now[0] += 0.25  # each batch a quarter of a second in coming
             yield 1
 
-    batches = WaitTimed(slow(), torch.device("cpu"))
+    batches = WaitTimed(slow(), torch.device("cpu"), clock=lambda: now[0])
     for _ in range(3):
         next(batches)
-    time.sleep(0.05)  # the step's own time is not a wait
-    waited = batches.take()
-    assert 0.09 <= waited < 0.09 + 0.05
+        now[0] += 0.5  # the step's own time is not a wait
+    assert batches.take() == 3 * 0.25
     assert batches.take() == 0.0  # taken once
 
 

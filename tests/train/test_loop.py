@@ -5,7 +5,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -16,6 +15,10 @@ from vitlab.train import train
 from vitlab.train.checkpoint import list_checkpoints, load_checkpoint
 from vitlab.train.metrics import read_jsonl
 from vitlab.weights import load_model
+
+# a step's and an evaluation's seconds on a time-limited run's clock (``run_clock``): binary
+# fractions, so that the clock's sums are exact
+STEP_S, EVAL_S = 2 ** -6, 2 ** -4
 
 
 def weights(summary) -> dict:
@@ -112,32 +115,27 @@ def test_a_written_checkpoints_state_is_let_go_before_the_next_steps_and_the_fin
     assert alive == [[], [False], [False, False]]
 
 
-def test_img_per_s_counts_the_steps_not_the_evaluations_and_checkpoints_between_them(tiny, monkeypatch):
-    # evaluations and checkpoints made to take 1000 s each on the loop's clock: a record's img_per_s
-    # divided its window's images by the evaluation's (and the previous checkpoint's) time too
-    import types
-
+def test_img_per_s_counts_the_steps_not_the_evaluations_and_checkpoints_between_them(tiny, run_clock, monkeypatch):
+    # evaluations and checkpoints made to take 1000 s each on the loop's clock, its steps 1/64 s: a record's
+    # img_per_s divided its window's images by the evaluation's (and the previous checkpoint's) time too
     import vitlab.train.loop as loop
 
-    extra = [0.0]
-    monkeypatch.setattr(loop, "time", types.SimpleNamespace(monotonic=lambda: time.monotonic() + extra[0]))
+    clock = run_clock(step_s=STEP_S, eval_s=1000.0)
+    save = loop.save_checkpoint
 
-    def taking_1000_s(function):
-        def run(*args, **kwargs):
-            result = function(*args, **kwargs)
-            extra[0] += 1000.0
-            return result
-        return run
+    def taking_1000_s(*args, **kwargs):
+        result = save(*args, **kwargs)
+        clock.now += 1000.0
+        return result
 
-    monkeypatch.setattr(loop, "evaluate", taking_1000_s(loop.evaluate))
-    monkeypatch.setattr(loop, "save_checkpoint", taking_1000_s(loop.save_checkpoint))
+    monkeypatch.setattr(loop, "save_checkpoint", taking_1000_s)
     cfg = tiny("rate", steps=8, log_every=2, eval_every=4, ckpt_every=2, batch_size=32)
     train(cfg, verbose=False)
     records = read_jsonl(f"{cfg.run.out}/metrics.jsonl")
     assert [r["step"] for r in records] == [2, 4, 6, 8] and "val_top1" in records[1]
-    assert extra[0] == 6000.0  # 2 evaluations (at 4, and at 8 the final one), 4 checkpoints
-    # two steps of 32 images each, in well under 100 s of the machine's time
-    assert all(r["img_per_s"] > 64 / 100 for r in records), [r["img_per_s"] for r in records]
+    assert clock.now == 8 * STEP_S + 6000.0  # 2 evaluations (at 4, and at 8 the final one), 4 checkpoints
+    # each record's two steps of 32 images, in their 2/64 s
+    assert [r["img_per_s"] for r in records] == [2 * 32 / (2 * STEP_S)] * 4
 
 
 def test_a_finished_run_is_kept_unless_resumed_or_overwritten(tiny):
@@ -421,12 +419,24 @@ def test_resume_refuses_optimiser_settings_its_checkpoint_restores(tiny):
     assert train(tiny("run", steps=2, ema_decay=0.9), resume=True, verbose=False)["steps"] == 2
 
 
-def test_time_limit_fits_the_schedule(tiny):
-    # 0.1 min budget: after 2 + 3 timed steps the total is fixed and the run decays to its end
+def fitted_total(minutes: float, eval_s: float = EVAL_S) -> int:
+    """The total a time-limited run of ``STEP_S`` steps fits after its 2 + 3 timed steps and one
+    timed evaluation of ``eval_s``: the steps left until the deadline less the final
+    evaluation (and its quarter of margin) and the reserve (``time_budget``)."""
+    budget_s = minutes * 60
+    left = budget_s - (5 * STEP_S + eval_s) - 1.25 * eval_s - (5.0 + 0.005 * budget_s)
+    return 5 + int(left // STEP_S)
+
+
+def test_time_limit_fits_the_schedule(tiny, run_clock):
+    # 0.1 min budget, steps of 1/64 s on the run's clock: after 2 + 3 timed steps and an evaluation the
+    # total is fixed, and the run decays to its end, its final evaluation done with the reserve left
+    run_clock(step_s=STEP_S, eval_s=EVAL_S)
     summary = train(tiny("timed", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1,
                          tensorboard=False), verbose=False)
-    assert summary["steps"] <= summary["planned_steps"] < 1_000_000  # fewer: the guard stopped a slowed run
-    assert summary["wall_s"] < 0.1 * 60 + 3  # the budget, with slack for a busy test machine
+    assert summary["steps"] == summary["planned_steps"] == fitted_total(0.1)
+    assert summary["wall_s"] == round(summary["steps"] * STEP_S + 2 * EVAL_S, 2)  # the fit's evaluation, the final one
+    assert summary["wall_s"] <= 0.1 * 60 - 5.0
 
 
 def test_a_run_the_time_limit_stops_early_reports_the_steps_it_planned(tiny, monkeypatch):
@@ -443,15 +453,15 @@ def test_a_run_the_time_limit_stops_early_reports_the_steps_it_planned(tiny, mon
     assert (resumed["steps"], resumed["planned_steps"]) == (3, 6)
 
 
-def test_time_limit_counts_from_started_at(tiny):
-    # the CLI passes its process's start: a budget already spent by then (here all of it)
-    # leaves only the measuring steps, one more and the final evaluation
-    started = time.monotonic() - 0.1 * 60
+def test_time_limit_counts_from_started_at(tiny, run_clock):
+    # the CLI passes its process's start: a budget already spent by then (here all of it) leaves
+    # the steps until the first one timed, and the final evaluation: after step 3 the schedule is
+    # fitted to one more step, which does not fit, and the guard stops the run
+    clock = run_clock(step_s=STEP_S, eval_s=EVAL_S)
     summary = train(tiny("timed_started", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1,
-                         tensorboard=False), verbose=False, started_at=started)
-    # planned for one more step than the measuring ones, and stopped by the guard where that one does not fit
-    assert summary["steps"] <= summary["planned_steps"] <= 2 + 3 + 1
-    assert summary["wall_s"] >= 0.1 * 60  # counted from started_at, not from the call
+                         tensorboard=False), verbose=False, started_at=clock.now - 0.1 * 60)
+    assert (summary["steps"], summary["planned_steps"]) == (3, 4)
+    assert summary["wall_s"] == round(0.1 * 60 + 3 * STEP_S + EVAL_S, 2)  # counted from started_at, not from the call
 
 
 @pytest.mark.slow
@@ -475,46 +485,50 @@ def capture_refits(monkeypatch) -> Callable[[], list[tuple[int, int]]]:
     return lambda: [(int(a), int(b)) for a, b in pattern.findall("\n".join(messages))]
 
 
-def test_time_limit_refits_over_consecutive_stretches(tiny, monkeypatch):
+def test_time_limit_refits_over_consecutive_stretches(tiny, run_clock, monkeypatch):
     # after the warm-up's refit, one halfway through the decay and one at three quarters,
     # each timed over the steps since the one before (the latest speed of the machine)
-    # (of its 9 s, 5 s are the reserve: 4 s of steps, so a hiccup of a busy machine leaves room for all three)
+    from vitlab.train.schedules import warmup_steps
+
+    run_clock(step_s=STEP_S, eval_s=EVAL_S)
     refits = capture_refits(monkeypatch)
-    summary = train(tiny("timed_refits", steps=1_000_000, time_limit=0.15, time_measure_steps=3, warmup=0.1,
-                         tensorboard=False), verbose=False)
-    stretches = refits()
-    assert len(stretches) == 3, stretches
-    (_, warm_end), (mid_start, mid_end), (late_start, late_end) = stretches
-    assert warm_end == mid_start < mid_end == late_start < late_end < summary["steps"]
-    # each decay refit sits halfway between the previous one and the end then planned
-    assert summary["steps"] - late_end < late_end - mid_start
+    cfg = tiny("timed_refits", steps=1_000_000, time_limit=0.15, time_measure_steps=3, warmup=0.1, tensorboard=False)
+    summary = train(cfg, verbose=False)
+    total = fitted_total(0.15)  # steps of one speed: every refit keeps the first fit's total
+    assert summary["steps"] == summary["planned_steps"] == total
+    warm_end = max(warmup_steps(cfg.optim, total), 5 + 2 * 3)  # the warm-up's end, or two timings after the fit
+    mid = warm_end + (total - warm_end) // 2  # halfway from the previous refit to the end then planned
+    late = mid + (total - mid) // 2
+    assert refits() == [(5, warm_end), (warm_end, mid), (mid, late)]
 
 
-def test_time_limit_times_every_periodic_evaluation(tiny):
+def test_time_limit_times_every_periodic_evaluation(tiny, run_clock):
     # the evaluation cost the refits and the guard plan with is a mean over all periodic
     # evaluations so far: the one timed for the first fit (step 5) and each one after it
+    run_clock(step_s=STEP_S, eval_s=EVAL_S)
     cfg = tiny("timed_evals", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1, eval_every=7,
                tensorboard=False)
     summary = train(cfg, verbose=False)
-    periodic = [r for r in read_jsonl(f"{cfg.run.out}/metrics.jsonl") if "val_top1" in r and r["step"] < summary["steps"]]
-    assert len(periodic) >= 2
+    records = read_jsonl(f"{cfg.run.out}/metrics.jsonl")
+    periodic = [r for r in records if "val_top1" in r and r["step"] < summary["steps"]]
+    assert [r["step"] for r in periodic] == list(range(7, summary["steps"], 7)) and len(periodic) >= 2
     clock = load_checkpoint(list_checkpoints(f"{cfg.run.out}/checkpoints")[-1])["clock"]
     assert clock["evals_timed"] == 1 + len(periodic)
-    assert clock["eval_s"] > 0
+    assert clock["eval_s"] == EVAL_S
 
 
-def test_a_resumed_time_limited_run_counts_the_time_already_spent(tiny):
+def test_a_resumed_time_limited_run_counts_the_time_already_spent(tiny, run_clock):
     # the checkpoint carries the run's clock; a run whose checkpoint says the budget is
     # spent stops at once (final evaluation only) instead of starting a fresh budget
+    run_clock(step_s=STEP_S, eval_s=EVAL_S)
     cfg = tiny("timed_resume", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1, ckpt_every=2,
                keep_ckpts=100_000, tensorboard=False)
     full = train(cfg, verbose=False)
     ckpts = list_checkpoints(f"{cfg.run.out}/checkpoints")
     first = load_checkpoint(ckpts[0])
-    assert 0 < first["clock"]["elapsed_s"] < full["wall_s"]
-    assert first["step"] == 2 and first["clock"]["eval_s"] == 0.0  # measured with the fit, at step 5
+    assert first["step"] == 2 and first["clock"] == {"elapsed_s": 2 * STEP_S, "eval_s": 0.0, "evals_timed": 0}
     last = load_checkpoint(ckpts[-1])
-    assert last["clock"]["eval_s"] > 0
+    assert last["clock"]["eval_s"] == EVAL_S  # measured with the fit, at step 5
     for p in ckpts[2:]:  # stopped after its second checkpoint (step 4)...
         p.unlink()
     middle = ckpts[1]
@@ -523,15 +537,15 @@ def test_a_resumed_time_limited_run_counts_the_time_already_spent(tiny):
     torch.save(state, middle)
     resumed = train(cfg, resume=True, verbose=False)
     assert resumed["steps"] == state["step"] + 1 < full["steps"]  # one step, then the guard ends the run
-    assert resumed["wall_s"] >= 0.1 * 60
+    assert resumed["wall_s"] == round(0.1 * 60 + STEP_S + EVAL_S, 2)  # and its final evaluation
     logged = read_jsonl(f"{cfg.run.out}/metrics.jsonl")
-    assert logged[-1]["elapsed_s"] >= 0.1 * 60
+    assert logged[-1]["elapsed_s"] == 0.1 * 60 + STEP_S + EVAL_S
 
 
-def test_a_resumed_time_limited_run_times_its_steps_again(tiny, monkeypatch):
+def test_a_resumed_time_limited_run_times_its_steps_again(tiny, run_clock, monkeypatch):
     # the restarted process may run on another machine: from two steps after the restart
     # (the first ones compile) the decay's refits time the steps anew
-    # (of its 7.2 s, 5 s are the reserve: about 2 s of steps)
+    clock = run_clock(step_s=STEP_S, eval_s=EVAL_S)
     cfg = tiny("timed_remeasure", steps=1_000_000, time_limit=0.12, time_measure_steps=3, warmup=0.1, ckpt_every=2,
                keep_ckpts=100_000, tensorboard=False)
     train(cfg, verbose=False)
@@ -539,14 +553,18 @@ def test_a_resumed_time_limited_run_times_its_steps_again(tiny, monkeypatch):
     for p in ckpts[3:]:  # stopped after its third checkpoint, step 6...
         p.unlink()
     state = load_checkpoint(ckpts[2])
-    state["clock"]["elapsed_s"] = 0.0  # ...with all its budget left (a busy machine's first steps may have used much of it)
+    state["clock"]["elapsed_s"] = 0.0  # ...with all its budget left
     torch.save(state, ckpts[2])
     refits = capture_refits(monkeypatch)
+    clock.step_s = 2 * STEP_S  # ...and resumed on a machine half as fast
     resumed = train(cfg, resume=True, verbose=False)
-    stretches = refits()
-    assert len(stretches) == 2, stretches
-    (first_start, first_end), (second_start, second_end) = stretches
-    assert first_start == 6 + 2 and first_end == second_start < second_end < resumed["steps"]
+    # the first refit halfway from step 8 to the end planned before, over the steps timed since
+    # step 8; it fits the steps of the new speed that are left, the second refit halfway to that end
+    first_end = 8 + (fitted_total(0.12) - 8) // 2
+    left = 0.12 * 60 - (first_end - 6) * 2 * STEP_S - 1.25 * EVAL_S - (5.0 + 0.005 * 0.12 * 60)
+    total = first_end + int(left // (2 * STEP_S))
+    assert refits() == [(8, first_end), (first_end, first_end + (total - first_end) // 2)]
+    assert resumed["steps"] == resumed["planned_steps"] == total
 
 
 def test_flip_evaluation_scores_the_two_view_ensemble(tiny):
@@ -709,19 +727,28 @@ def test_a_non_square_run_trains_on_its_images_as_they_are(tiny, monkeypatch):
         train(tiny("wide_phases", img_size=(8, 12), progressive_sizes=((4, 0.5),)), verbose=False)
 
 
-def test_time_limit_plans_the_cheaper_early_steps(tiny, monkeypatch):
+def test_time_limit_plans_the_cheaper_early_steps(tiny, run_clock, monkeypatch):
     # the planner times steps in full-size steps, and its plan, early small steps included,
-    # still ends within the budget
-    refits = []
+    # still ends within the budget: 4-pixel steps a quarter of the 8-pixel ones' 1/64 s
     from vitlab.train.metrics import Progress
+    from vitlab.train.schedules import schedule_cost
 
-    monkeypatch.setattr(Progress, "message", lambda self, text: refits.append(text))
+    messages = []
+    monkeypatch.setattr(Progress, "message", lambda self, text: messages.append(text))
+    run_clock(step_s=lambda size: STEP_S * (size / 8) ** 2, eval_s=EVAL_S)
+    phases = ((4, 0.5),)
     cfg = tiny("timed_progressive", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1,
-               progressive_sizes=((4, 0.5),), tensorboard=False)
+               progressive_sizes=phases, tensorboard=False)
     summary = train(cfg, verbose=False)
-    assert summary["planned_steps"] >= summary["steps"] > 10
-    assert summary["wall_s"] <= 0.1 * 60 + 1.0
-    assert any("ms per 8-pixel step" in text for text in refits), refits
+    # the fit and each refit timed the 4-pixel steps as the quarter of an 8-pixel one they are
+    assert re.findall(r"(\d+) ms per 8-pixel step", "\n".join(messages)) == ["16"] * 4, messages
+    # the most steps whose costs, the first half's a quarter, fit in what the first fit found left
+    left = 0.1 * 60 - (5 * STEP_S / 4 + EVAL_S) - 1.25 * EVAL_S - (5.0 + 0.005 * 0.1 * 60)
+    total = 5
+    while STEP_S * schedule_cost(5, total + 1, phases, (8, 8)) <= left:
+        total += 1
+    assert summary["steps"] == summary["planned_steps"] == total
+    assert summary["wall_s"] <= 0.1 * 60 - 5.0
 
 
 @pytest.mark.parametrize("auto", ["bf16", "fp32"])
@@ -908,8 +935,9 @@ def test_the_progress_line_shows_no_loss_before_the_first_read(tiny, capsys):
     assert re.search(r" 3/3 loss \d+\.\d{4} ", lines[-1])  # the last step is read
 
 
-def test_a_time_limited_run_shows_no_total_before_its_schedule_is_fitted(tiny, capsys):
+def test_a_time_limited_run_shows_no_total_before_its_schedule_is_fitted(tiny, run_clock, capsys):
     # before the first fit the total is optim.steps, a ceiling: "1/1000000 ... ETA 5h41m" was a made-up plan
+    run_clock(step_s=STEP_S, eval_s=EVAL_S)
     summary = train(tiny("progress_timed", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1,
                          log_every=1, tensorboard=False), verbose=True)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]

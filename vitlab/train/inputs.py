@@ -16,7 +16,7 @@ import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -235,16 +235,16 @@ def decoded_once(load, world=None):
 class Spans:
     """Spans of time on the clock that sees a step's work: the host's on a CPU; on a GPU, whose
     host runs ahead of it, events on the device's stream, so that a span is the time the
-    device saw between its two marks."""
+    device saw between its two marks.  ``clock``: the host's (seconds)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.on_gpu = torch.device(device).type == "cuda"
+    def __init__(self, device: torch.device, clock: Callable[[], float] = time.monotonic) -> None:
+        self.on_gpu, self.clock = torch.device(device).type == "cuda", clock
         self.marks: list = []  # (start, end) of each span not yet counted
 
     def mark(self):
         """Now, on the host's clock or the device's stream: a span's start."""
         if not self.on_gpu:
-            return time.monotonic()
+            return self.clock()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -272,10 +272,10 @@ class WaitTimed:
     GPU the host runs ahead of the device and its time in ``next`` is a wait only where the
     device sat idle meanwhile (time the host spends blocked on a full launch queue is
     not): events on the device's stream around ``next`` (``Spans``) time the gap the device
-    saw between the step before and the batch being ready."""
+    saw between the step before and the batch being ready.  ``clock``: the host's (``Spans``)."""
 
-    def __init__(self, batches: Iterator, device: torch.device) -> None:
-        self.batches, self.waits = batches, Spans(device)
+    def __init__(self, batches: Iterator, device: torch.device, clock: Callable[[], float] = time.monotonic) -> None:
+        self.batches, self.waits = batches, Spans(device, clock)
 
     def __iter__(self) -> "WaitTimed":
         return self

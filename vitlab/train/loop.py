@@ -50,6 +50,12 @@ from .time_budget import TimeBudget
 log = logging.getLogger(__name__)
 
 
+def clock() -> float:
+    """The run's clock in seconds (``time.monotonic``): the time budget, the steps, evaluations
+    and pauses, and the records' rates are read from it; tests drive a run with one of their own."""
+    return time.monotonic()
+
+
 def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrite: bool = False,
           started_at: float | None = None) -> dict:
     """Train as ``cfg`` says; returns the summary (also written to ``run.out/summary.json``).
@@ -153,7 +159,7 @@ def check_own_folder(cfg: TrainConfig) -> None:
 def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbose: bool, overwrite: bool,
            started_at: float | None) -> dict:
     """The body of ``train``; returns with the model out of scope, so the process group can go."""
-    t_start = time.monotonic() if started_at is None else min(started_at, time.monotonic())
+    t_start = clock() if started_at is None else min(started_at, clock())
     restarts = elastic_restart_count()
     if restarts:  # torchrun started the group again after a process died: continue, never start over
         resume, overwrite = True, False
@@ -207,8 +213,8 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
         progress.message(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
     writer = MetricsWriter(out, tensorboard=cfg.run.tensorboard, records=records) if main else None
 
-    batches = WaitTimed(endless(setup.stream), setup.world.device)  # counts the seconds the steps wait for their batches
-    full_size_rate = StepRate(setup.world.device, tuple(setup.img_size))  # the summary's MFU reads its rate
+    batches = WaitTimed(endless(setup.stream), setup.world.device, clock)  # times the steps' waits for their batches
+    full_size_rate = StepRate(setup.world.device, tuple(setup.img_size), clock)  # the summary's MFU reads its rate
     window = Window(setup.world.device, batches, full_size_rate)
     window.load_state_dict(window_state, main)  # a checkpoint taken between two records: the steps since the first
     pending: list = []  # (step, result) since the last check: their flags are read in one go
@@ -220,9 +226,9 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
                    warmup_steps=warmup_steps(cfg.optim, total_steps), decay=cfg.optim.decay, min_lr=cfg.optim.min_lr)
         size = input_size_at(step, total_steps, phases, setup.img_size)
         timed = full_size_rate.start(size)
-        t_step = time.monotonic()
+        t_step = clock()
         result = train_step(setup, batches, lr, size)  # nothing read back: its numbers stay on the device
-        step_s = time.monotonic() - t_step
+        step_s = clock() - t_step
         full_size_rate.stop(timed, result.seen)
         pending.append((step + 1, result))
         window.add(result, step_s)
@@ -284,7 +290,7 @@ def evaluate(setup: Setup, budget: TimeBudget, final: bool = False) -> dict:
     evaluator = setup.final_evaluator if final else setup.evaluator
     if evaluator is None:
         return {}
-    t_eval = time.monotonic()
+    t_eval = clock()
     # BatchNorm's running statistics are each process's own, moved by its own micro-batches (neither DDP's
     # buffers, broadcast at a training forward, nor FSDP's are shared after it): every process scores its
     # share of the examples with rank 0's, which the saved weights hold
@@ -293,7 +299,7 @@ def evaluate(setup: Setup, budget: TimeBudget, final: bool = False) -> dict:
     if sharded(setup):  # a forward without backward leaves FSDP's root parameters gathered
         setup.model.reshard()
     if not final:
-        budget.evaluated(time.monotonic() - t_eval)
+        budget.evaluated(clock() - t_eval)
     return {f"val_{k}": v for k, v in result.items() if k != "n"}
 
 
@@ -394,7 +400,7 @@ def time_budget(setup: Setup, t_start: float, progress: Progress) -> TimeBudget:
         eval_cost_steps=(0 if setup.evaluator is None else len(setup.splits.val_labels))
         * tta_view_count(run.eval_flip) / (3 * setup.cfg.optim.batch_size),
         full_size=setup.img_size, agree=lambda values: [v / setup.world.size for v in all_reduce_sum(values, setup.world)],
-        say=progress.message)
+        say=progress.message, clock=clock)
 
 
 class StepRate:
@@ -407,8 +413,9 @@ class StepRate:
     again); and the steps of a progressive-resizing phase below the full size, whose images
     cost fewer FLOPs."""
 
-    def __init__(self, device: torch.device, full_size: tuple[int, int]) -> None:
-        self.spans, self.full_size = Spans(device), full_size
+    def __init__(self, device: torch.device, full_size: tuple[int, int],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.spans, self.full_size = Spans(device, clock), full_size
         self.begun, self.size_before = 0, None  # steps begun in this process; the last one's size
         self.images, self.seconds = 0, 0.0
 
@@ -449,18 +456,18 @@ class Window:
     def reset(self) -> None:
         # [loss, correct, examples, steps] of the applied steps; a step left out adds nothing
         self.sums = torch.zeros(4, device=self.device)
-        self.examples, self.t = 0, time.monotonic()  # every example the steps took (the rate)
+        self.examples, self.t = 0, clock()  # every example the steps took (the rate)
         self.paused_s = 0.0  # of the time since ``t``, spent in ``paused`` blocks
 
     @contextmanager
     def paused(self):
         """Time spent in the block is not the steps': an evaluation or a checkpoint, begun once the
         steps' flags were read (the device has done the steps)."""
-        t0 = time.monotonic()
+        t0 = clock()
         try:
             yield
         finally:
-            self.paused_s += time.monotonic() - t0
+            self.paused_s += clock() - t0
 
     def state_dict(self, world: World) -> dict:
         """The applied steps' sums since the last record over all ranks, and the last gradient
@@ -488,7 +495,7 @@ class Window:
     def record(self, setup: Setup, step: int, lr: float, elapsed_s: float) -> dict:
         """The metrics record of this window over all ranks (a collective call; the read of the
         device's sums); starts the next."""
-        dt = time.monotonic() - self.t - self.paused_s
+        dt = clock() - self.t - self.paused_s
         *sums, grad_norm = torch.cat([self.sums, self.grad_norm.view(1)]).tolist()
         waited = self.batches.take() if self.batches is not None else 0.0  # after the read: the steps are done
         if self.full_size_rate is not None:
@@ -516,7 +523,7 @@ class Window:
         """(images/setup, loss) for the progress line: the last record's; before the first one
         this process's rate and no loss yet (reading it would wait for the device)."""
         if not self.logged and self.examples:
-            self.rate = self.examples * world_size / max(time.monotonic() - self.t - self.paused_s, 1e-9)
+            self.rate = self.examples * world_size / max(clock() - self.t - self.paused_s, 1e-9)
         return self.rate, self.loss_shown
 
 

@@ -5,10 +5,12 @@
     torchrun --nproc_per_node=2 tests/helpers/held_checkpoint_writes.py SECONDS train ...
 
 vitlab itself has no such hook: this process alone swaps the ``torch`` that
-``vitlab.train.checkpoint`` saves with for one whose ``save`` waits after writing.
+``vitlab.train.checkpoint`` saves with for one whose ``save`` waits after writing.  A group that
+torchrun started again (after a kill) writes at once: no kill is aimed at its writes.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -34,7 +36,8 @@ def main(argv: list[str]) -> int:
     from vitlab.cli import main as vitlab
     from vitlab.train import checkpoint
 
-    checkpoint.torch = HeldSaves(float(argv[0]))
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+        checkpoint.torch = HeldSaves(float(argv[0]))
     return vitlab(argv[1:])
 
 

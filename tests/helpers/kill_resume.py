@@ -18,8 +18,8 @@ its first step to its last checkpoint, times the share of steps after the checkp
 resumed from): uniform in [0, 2/k) of it with k kills still to make, at most 90 %, so
 that the kills spread over the whole run; and sends SIGKILL.
 It "landed in a write" when a checkpoint's temporary file is left behind.  A kill aimed
-at a write launches the run through ``held_checkpoint_writes.py`` (every write held open a
-second before its rename) and fires as soon as a temporary file appears.  After every kill the run is
+at a write launches the run through ``held_checkpoint_writes.py`` (every write held open
+``HOLD_S`` before its rename) and fires as soon as a temporary file appears.  After every kill the run is
 launched again with ``--resume``; the last launch runs to the end.
 
 ``--torchrun``: the same run under ``torchrun --nproc_per_node 2 --max-restarts 1``
@@ -45,6 +45,11 @@ ROOT = Path(__file__).resolve().parents[2]
 HELD_WRITES = Path(__file__).resolve().with_name("held_checkpoint_writes.py")
 MODEL = {"img_size": 16, "patch_size": 4, "width": 32, "depth": 4, "num_heads": 4, "mlp_dim": 64, "dropout": 0.1}
 TIMEOUT_S = 300
+# seconds a write is held open: the time a kill aimed at it has to land once its temporary file is
+# seen, which on a busy machine includes a wait for a CPU (this process's, between seeing the file
+# and the kill).  The kill ends the hold: it costs nothing but for the held writes before it (the
+# torchrun run's first checkpoint)
+HOLD_S = 5.0
 
 
 def make_data(root: Path, classes: int = 5, per_class: int = 16) -> Path:
@@ -181,7 +186,7 @@ def kill_and_resume(workdir: Path, kills: int, write_kills: int, seed: int, step
         args = train_args(data, out, cache, steps) + (["--resume"] if resume else [])
         since = time.time()
         if kind == "write":
-            proc = launch(args, environment(), hold_writes=1.0)
+            proc = launch(args, environment(), hold_writes=HOLD_S)
             reached = wait_for(lambda: bool(partial_writes(out)), proc)
         else:
             proc = launch(args, environment())
@@ -246,7 +251,7 @@ def torchrun_worker_kill(workdir: Path, steps: int = 20, fsdp: bool = False) -> 
 
     # every write is held open for a while: the kill lands while rank 1 waits for rank 0's write
     proc = launch(train_args(data, out, cache, steps) + sharding, environment(), torchrun=2, max_restarts=1,
-                  hold_writes=1.0)
+                  hold_writes=HOLD_S)
     wait_for(lambda: len(checkpoints(out)) >= 1 and bool(partial_writes(out)), proc)
     victims = worker_pids(proc.pid)
     os.kill(victims[1], signal.SIGKILL)

@@ -349,7 +349,9 @@ def test_not_cached_with_no_network_fails_at_once_in_one_line(tmp_path):
     err = done.stderr.strip().splitlines()
     assert result["code"] == 2 and len(err) == 1, done.stderr
     assert REPO in err[0] and "Hugging Face cache" in err[0] and "Retry" not in done.stderr
-    assert result["seconds"] < 5, result
+    # huggingface_hub's retries of a refused connection sleep 1 + 2 + 4 + 8 + 8 s; one request takes a
+    # fraction of a second, a second or two on a busy machine
+    assert result["seconds"] < 10, result
 
 
 def test_the_hub_logger_is_as_it_was_after_a_failed_download(hub_env, tmp_path):

@@ -31,7 +31,7 @@ def tiny(tmp_path):
 
 class RunClock:
     """The training loop's clock (``loop.clock``) in a test's hands: it stands still but for
-    ``step_s`` seconds per training step (a number, or one of the step's image size) and
+    ``step_s`` seconds per training step (a number, or a function of the step's (H, W)) and
     ``eval_s`` per evaluation, so that a time-limited run plans, refits and stops at the same
     steps on any machine, busy or idle.  ``now``: its reading, which a test may move on."""
 

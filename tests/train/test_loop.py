@@ -735,7 +735,7 @@ def test_time_limit_plans_the_cheaper_early_steps(tiny, run_clock, monkeypatch):
 
     messages = []
     monkeypatch.setattr(Progress, "message", lambda self, text: messages.append(text))
-    run_clock(step_s=lambda size: STEP_S * (size / 8) ** 2, eval_s=EVAL_S)
+    run_clock(step_s=lambda size: STEP_S * size[0] * size[1] / 64, eval_s=EVAL_S)
     phases = ((4, 0.5),)
     cfg = tiny("timed_progressive", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1,
                progressive_sizes=phases, tensorboard=False)

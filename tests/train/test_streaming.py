@@ -98,6 +98,29 @@ def test_streamed_set_holds_out_whole_shards_and_states_what_it_resolved(tiny, s
         open_source(str(shard_set)), 12, 4)[1].units
 
 
+@pytest.mark.parametrize("accum", ["estimated", "resumed"])
+def test_the_stream_workers_a_run_records_are_the_ones_its_loader_runs(tiny, shard_set, monkeypatch, accum):
+    # Each reader makes a part of every micro-batch, so a micro-batch of 2 feeds 2 workers. The workers were
+    # decided for a micro-batch of the whole batch (accum_steps "auto" not yet decided, or a resumed run's not
+    # yet taken), so the run's line, config.json and checkpoints said 7 where its loader ran 2
+    from vitlab.train import resolve as resolve_module
+    from vitlab.train.build import build
+    from vitlab.train.distributed import World
+
+    saved = None
+    if accum == "estimated":  # the memory estimate chooses 4 micro-batches of 2
+        monkeypatch.setattr(resolve_module, "smallest_fitting_accum", lambda shape, batch, available: 4)
+    else:
+        saved = {"accum_steps": 4}
+    cfg = tiny("run", data=str(shard_set), val_split=0, batch_size=8,
+               **{"optim.accum_steps": "auto", "data.stream_workers": "auto"})
+    setup = build(cfg, World(0, 1, 0, torch.device("cpu")), Machine.described(cores=8), saved=saved)
+    assert setup.resolved.micro_batch == 2 and setup.resolved.accum_steps == 4
+    assert setup.stream.workers == 2 == setup.resolved.stream_workers == setup.cfg.data.stream_workers
+    assert "data stream (2 stream workers)" in setup.resolved.line()
+    assert setup.resolved.memory.shape.stream_workers == 2  # and the memory recorded is that of 2
+
+
 def test_a_cut_shard_counts_its_lost_images_in_the_summary_streamed_or_in_memory(tiny, shard_set, tmp_path, caplog):
     from vitlab.data.shards import read_shard
 

@@ -19,8 +19,8 @@ What is decided here, and by which rule:
 * whether the training set streams (``data.stream="auto"``: sets stored to be streamed, and
   folders that decode to more than ``data.memory_limit_gb``), the DataLoader workers
   (``data.stream_workers="auto"``: this process's cores less one, then as many as the
-  shards can feed) and the decoding processes (``data.decode_workers="auto"``: this
-  process's cores);
+  shards and the micro-batch can feed) and the decoding processes
+  (``data.decode_workers="auto"``: this process's cores);
 * the micro-batch (``optim.accum_steps="auto"``: the largest that fits) and the run's peak
   memory estimate, refusing a run that cannot fit (``run.memory_check``).  On a CUDA device
   (one process) the estimate proposes and a measurement decides: a throwaway model's training
@@ -158,9 +158,9 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
 
     cfg = with_changes(cfg, model_changes(cfg))
     img_size = training_size(cfg)
-    cfg, held, uncounted = data_decisions(cfg, world, cores, img_size, saved, preview)
-    if cfg.optim.accum_steps == "auto" and "accum_steps" in saved:
+    if cfg.optim.accum_steps == "auto" and "accum_steps" in saved:  # before the workers its micro-batch bounds
         cfg = with_changes(cfg, {"optim.accum_steps": saved["accum_steps"]})
+    cfg, held, uncounted = data_decisions(cfg, world, cores, img_size, saved, preview)
     mode = compile_mode(cfg, world)
     cfg = with_changes(cfg, {"run.compile_optimizer": compiles_optimizer(cfg, mode)})
     resolved = Resolved(cfg, kernels, bf16_matmuls, threads, mode, machine.cpu_line(),
@@ -175,8 +175,15 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
                                               check=cfg.run.memory_check and not preview, step_peak=step_peak)
     if measured is not None:
         notes += (measured_line(measured),)
-    return dataclasses.replace(resolved, config=with_changes(cfg, {"optim.accum_steps": accum}), memory=memory,
-                               measured=measured, micro_batch=cfg.optim.batch_size // (accum * world.size),
+    micro_batch = cfg.optim.batch_size // (accum * world.size)
+    cfg = with_changes(cfg, {"optim.accum_steps": accum})
+    if resolved.data == "stream" and cfg.data.stream_workers > micro_batch:
+        # planned with the workers a micro-batch of the whole batch feeds (the most, the most memory); each
+        # reader makes a part of every micro-batch, so the loader would run fewer than config.json recorded
+        workers = stream_workers(cfg, world, cores, saved, micro_batch)
+        cfg = with_changes(cfg, {"data.stream_workers": workers})
+        memory = estimate_memory(memory.shape.with_(stream_workers=workers))
+    return dataclasses.replace(resolved, config=cfg, memory=memory, measured=measured, micro_batch=micro_batch,
                                notes=notes)
 
 
@@ -583,10 +590,12 @@ def unread_data_settings(cfg: TrainConfig, streamed: bool) -> str:
     return ""
 
 
-def stream_workers(cfg: TrainConfig, world: World, cores: int, saved: dict) -> int:
+def stream_workers(cfg: TrainConfig, world: World, cores: int, saved: dict, micro_batch: int | None = None) -> int:
     """DataLoader workers per process for a streamed training set: as asked ("auto": this
     process's cores less one; a resumed run's own count, which its data order depends on),
-    then as many as the training shards can feed (``data.stream.fitting_workers``)."""
+    then as many as the training shards and the micro-batch can feed (``data.stream.fitting_workers``,
+    the rule ``StreamLoader`` holds its workers to).  ``micro_batch``: None, the config's (with
+    ``optim.accum_steps`` "auto", the whole batch: the most workers the run can have)."""
     from vitlab.data.stream import fitting_workers, hold_out
 
     data = cfg.data
@@ -597,8 +606,10 @@ def stream_workers(cfg: TrainConfig, world: World, cores: int, saved: dict) -> i
     source = opened_source(data.source, data.cache_dir)
     if data.val_split:
         source, _ = hold_out(source, data.val_split, data.split_seed)
-    accum = 1 if cfg.optim.accum_steps == "auto" else cfg.optim.accum_steps
-    count, why_fewer = fitting_workers(source, asked, world.size, max(1, cfg.optim.batch_size // (accum * world.size)))
+    if micro_batch is None:
+        accum = 1 if cfg.optim.accum_steps == "auto" else cfg.optim.accum_steps
+        micro_batch = cfg.optim.batch_size // (accum * world.size)
+    count, why_fewer = fitting_workers(source, asked, world.size, max(1, micro_batch))
     if why_fewer:
         log.warning("%s", why_fewer)
     return count

@@ -415,3 +415,33 @@ def test_fewshot_computes_features_again_when_the_data_is_decoded_anew(run_dir, 
     assert main(args) == 0
     assert "from 16 images" in capsys.readouterr().err
     assert len(list((tmp_path / "feats").glob("*.npz"))) == 2
+
+
+def test_eval_fewshot_and_predict_score_in_the_threads_a_run_resolves(run_dir, tmp_path, capsys, monkeypatch):
+    # a process that may use fewer cores than PyTorch's own count (a container's CPU quota: 2 CPUs of a
+    # 64-core host) trains in at most those (resolve), while eval, fewshot and predict resolved the same count
+    # and scored in PyTorch's own
+    from PIL import Image
+
+    from vitlab.machine import Machine
+
+    monkeypatch.setattr(Machine, "here", staticmethod(lambda gpu_index=0: Machine.described(cores=1)))
+    Image.new("RGB", (16, 16), (200, 30, 30)).save(tmp_path / "red.png")
+    checkpoint = str(run_dir / "model.safetensors")
+    commands = (["eval", "--checkpoint", checkpoint, "--data", "digits", "--val-split", "20"],
+                ["fewshot", checkpoint, "--shots", "1", "--seeds", "1", "--feature-cache", "none"],
+                ["predict", "--checkpoint", checkpoint, str(tmp_path / "red.png")])
+    caller = torch.get_num_threads()
+    seen = []
+    hook = torch.nn.modules.module.register_module_forward_hook(lambda *_: seen.append(torch.get_num_threads()))
+    torch.set_num_threads(2)
+    try:
+        for args in commands:
+            seen.clear()
+            assert main(args) == 0, args[0]
+            assert seen and set(seen) == {1}, args[0]  # the machine's one core, as a run resolves it
+            assert torch.get_num_threads() == 2, args[0]  # the caller's given back
+    finally:
+        hook.remove()
+        torch.set_num_threads(caller)
+    capsys.readouterr()

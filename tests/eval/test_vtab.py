@@ -239,6 +239,29 @@ def test_a_view_is_scored_with_the_configs_own_decode_workers(tasks, tiny_checkp
     assert n == 9 and 0.0 <= top1 <= 1.0
 
 
+def test_the_test_sets_are_scored_in_the_runs_threads(tasks, tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    # each run trains in run.threads; its views were scored after it, in the caller's PyTorch count
+    import vitlab.train.vtab as vtab
+
+    scored = []
+
+    def evaluate_on(*args, **kwargs):
+        scored.append(torch.get_num_threads())
+        return original(*args, **kwargs)
+
+    original = vtab.evaluate_on
+    monkeypatch.setattr(vtab, "evaluate_on", evaluate_on)
+    caller = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main([*tiny_vtab(tiny_checkpoint, tasks, tmp_path / "vtab", steps=1), "--only", "eurosat"]) == 0
+        assert torch.get_num_threads() == 2  # the caller's given back
+    finally:
+        torch.set_num_threads(caller)
+    assert scored == [1, 1, 1]  # the two rates' validation examples and the test set, in run.threads=1
+    capsys.readouterr()
+
+
 def test_an_unreadable_test_image_is_counted_in_the_tasks_result(tasks, tiny_checkpoint, tmp_path):
     import shutil
 

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.eval.features import check_tta_shift
     from vitlab.eval.metrics import check_num_bins
     from vitlab.train.legacy import recorded_section
-    from vitlab.train.resolve import resolve_scoring
+    from vitlab.train.resolve import resolve_scoring, resolved_threads
     from vitlab.weights import load_model
 
     check_num_bins(args.bins, "--bins")  # before the checkpoint and the data are read
@@ -131,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
     # one batch shape (the last batch padded), compiled once; the views of test-time augmentation share it
     forward = fast.compile_for_inference(model, batch_size=args.batch_size, eager_on_failure=True) \
         if args.compile else None
-    report = evaluator.run(model, forward)
+    with resolved_threads(resolved):  # as a run's: PyTorch's own count counts no container's CPU quota
+        report = evaluator.run(model, forward)
     where = "all examples" if data.split == 0 else f"held-out split ({held_part(data)}, seed {data.seed})"
     if data.run_shards:
         where = f"the run's held-out shards (val_split {data.split}, seed {data.seed})"

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.eval.features import extract_features
     from vitlab.eval.fewshot import check_shots, fewshot_evaluate
     from vitlab.train.legacy import recorded_section
-    from vitlab.train.resolve import resolve_scoring
+    from vitlab.train.resolve import resolve_scoring, resolved_threads
     from vitlab.weights import load_model
 
     check_flags(args)
@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
     cache = feature_cache(args)
     key = ("representation", FEATURES_VERSION, weights_key(args.checkpoint), size, data.key)
-    feats = cache.get(key, lambda: extract_features(model, data.images, args.batch_size, device=device))
+    with resolved_threads(resolved):
+        feats = cache.get(key, lambda: extract_features(model, data.images, args.batch_size, device=device))
     source = "cache" if cache.hits else f"{len(data.images)} images"
     print(f"features {feats.shape[1]}-d from {source}; pool {len(rest)}, evaluation {len(held)} "
           f"({data.held_part()}), {len(data.classes)} classes{unread_note(data.skipped)}", file=sys.stderr)

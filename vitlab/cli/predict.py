@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab import fast
     from vitlab.data.memory import decode_image
     from vitlab.data.transforms import to_float
-    from vitlab.train.resolve import resolve_scoring
+    from vitlab.train.resolve import resolve_scoring, resolved_threads
     from vitlab.weights import load_model
     from vitlab.weights.hub import resolve_hub_name
 
@@ -75,17 +75,17 @@ def run(args: argparse.Namespace) -> int:
     if not model.cfg.num_classes:  # its features were shown as the probabilities of as many classes
         raise ValueError(f"{args.checkpoint}: the model has no head (num_classes=0): it gives features, not class "
                          "scores; fine-tune it (vitlab finetune) for a classifier")
-    kernels = resolve_scoring("cpu", fast_path=args.fast is not False).kernels  # on this CPU, as a run resolves them
-    if kernels is not None:
-        fast.optimize(model, kernels)
+    resolved = resolve_scoring("cpu", fast_path=args.fast is not False)  # on this CPU, as a run resolves it
+    if resolved.kernels is not None:
+        fast.optimize(model, resolved.kernels)
     classes = find_classes(checkpoint, args.classes, model.cfg.num_classes)
     size = model.cfg.img_size
     # every image decoded before the first result is printed: a file that is no image stopped the
     # command there, after the results before it (held at the model's size: 150 KB an image at 224)
     arrays = [decode_image(path, size) for path in args.images]  # (H, W, 3) uint8
-    for path, array in zip(args.images, arrays):
-        x = to_float(torch.from_numpy(array.copy()).permute(2, 0, 1).unsqueeze(0).contiguous())
-        with torch.no_grad():
+    with torch.no_grad(), resolved_threads(resolved):
+        for path, array in zip(args.images, arrays):
+            x = to_float(torch.from_numpy(array.copy()).permute(2, 0, 1).unsqueeze(0).contiguous())
             print_top(args, path, model(x).float().softmax(-1)[0], classes)
     return 0
 

@@ -40,10 +40,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -240,6 +240,19 @@ def resolve_scoring(device: str = "auto", fast_path: bool = True, machine: Machi
     machine = machine or Machine.here()
     world = local_world(resolve_device(device, machine, local_rank(), field="--device"))
     return resolve(TrainConfig(run=RunConfig(device=device, fast=fast_path)), world, machine)
+
+
+@contextmanager
+def resolved_threads(resolved: Resolved) -> Iterator[None]:
+    """The block run in ``resolved.threads`` CPU threads, as a run's steps are, and the caller's
+    count given back after it: what a command that scores a model (eval, fewshot, predict, vtab's
+    test sets) runs its forward passes in.  PyTorch's own count counts no container's CPU quota."""
+    caller = torch.get_num_threads()
+    torch.set_num_threads(resolved.threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(caller)
 
 
 # ----------------------------------------------------------------------------- the device and its arithmetic

@@ -47,7 +47,7 @@ from .loop import held_by_earlier_run, read_summary, train
 from .metrics import Progress
 from .numerics import NonFiniteError
 from .overrides import field_value, with_changes
-from .resolve import resolve, resolve_device
+from .resolve import resolve, resolve_device, resolved_threads
 from .state import RESUME_INVARIANTS
 from .sweep import best_lr
 
@@ -298,10 +298,11 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
     say(f"vtab: {len(tasks)} tasks, lr grid {', '.join(f'{lr:g}' for lr in grid)} ({select}), "
         f"{cfg.optim.steps} steps at batch {cfg.optim.batch_size} ({accum} micro-batches of "
         f"{cfg.optim.batch_size // accum}), {examples} examples per task")
-    val = {task.name: sweep_scores(runs, task, splits[task.name], grid, say) for task in tasks}
-    lrs = chosen_lrs(grid, val, select)
-    results = {task.name: final_result(runs, task, splits[task.name], lrs[task.name], val[task.name], say)
-               for task in tasks}
+    with resolved_threads(resolved):  # the views are scored in the runs' threads (each run sets its own too)
+        val = {task.name: sweep_scores(runs, task, splits[task.name], grid, say) for task in tasks}
+        lrs = chosen_lrs(grid, val, select)
+        results = {task.name: final_result(runs, task, splits[task.name], lrs[task.name], val[task.name], say)
+                   for task in tasks}
     report = {"protocol": {"recipe": cfg.recipe, "init": cfg.model.init, "grid": list(grid), "select": select,
                            "steps": cfg.optim.steps, "batch_size": cfg.optim.batch_size, "accum_steps": accum,
                            "img_size": cfg.model.img_size, "examples": examples, "split_seed": split_seed},

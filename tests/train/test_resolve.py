@@ -382,6 +382,28 @@ def test_show_config_states_fp8_on_a_gpu_that_has_it_and_refuses_it_elsewhere(tm
         preview(cfg, described())
 
 
+def test_a_preview_reads_the_free_memory_of_its_own_processs_gpu_as_the_run_does(tmp_path, monkeypatch):
+    # torchrun's process 1 previewing (--show-config) resolved to cuda:1 and read card 0's free memory, opening
+    # a CUDA context on another process's card, and estimated its run without its own card's memory
+    import vitlab.machine
+    from vitlab.train.memory_estimate import GB
+    from vitlab.train.resolve import preview
+
+    measured = []
+
+    def card(index, measure_free):
+        measured.extend([index] if measure_free else [])
+        return dataclasses.replace(H100, free_bytes=(79 << 30) if measure_free else None)
+
+    monkeypatch.setattr(vitlab.machine, "_gpu", card)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    shown = preview(with_changes(auto_config(tmp_path), {"optim.accum_steps": 1}))
+    assert shown["resolved"]["device"] == "cuda:1" and measured == [1]
+    assert shown["memory_estimate"]["available_gb"]["gpu"] == round((79 << 30) / GB, 3)  # its own card's
+
+
 def test_a_streaming_setting_is_refused_on_a_run_that_holds_its_data_in_memory(tmp_path):
     # the readers' shuffle buffer and draft decoding stream only, and memory_limit_gb only decides "auto" (or
     # bounds a streamed set's held-out shards): on the in-memory digits they were accepted and did nothing

@@ -27,7 +27,7 @@ from .ema import EMA
 from .inputs import Splits, build_splits, stream_splits, whitening_sample
 from .numerics import make_scaler
 from .optim import build_optimizer
-from .resolve import Resolved, load_init, resolve, resolve_device
+from .resolve import Resolved, load_init, resolve, resolve_device, this_machine
 from .state import process_state, rank_seed, rng_state, set_process_state
 from .step import HeldGradients, Update
 
@@ -285,7 +285,7 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
     from vitlab.data.loader import BatchStream
     from vitlab.data.transforms import build_transform
 
-    machine = machine or Machine.here()
+    machine = machine or this_machine()
     world = world or init_world(resolve_device(cfg.run.device, machine, local_rank()))
     check_can_run(cfg, world.size)
     # every "auto" decided, the memory planned, before any data is decoded or any model built

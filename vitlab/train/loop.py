@@ -41,7 +41,7 @@ from .metrics import MetricsWriter, Progress, plot_curves
 from .numerics import NonFinite
 from .schedules import input_size_at, lr_at, warmup_steps
 from .memory import retain_freed_memory
-from .resolve import run_memory_record, resolve_device
+from .resolve import run_memory_record, resolve_device, this_machine
 from .state import (check_same_run, final_model, process_state, restore_state, set_process_state, set_rng_state,
                     sharded, training_state)
 from .step import StepResult, endless, running_statistics, train_step
@@ -81,7 +81,7 @@ def train(cfg: TrainConfig, resume: bool = False, verbose: bool = True, overwrit
     need_bool("verbose", verbose)
     need(started_at is None or is_number(started_at), "started_at", started_at,
          "expected None or a time.monotonic() reading")
-    machine = Machine.here(gpu_index=local_rank())  # the host, read once for the run
+    machine = this_machine()  # the host, read once for the run
     world = init_world(resolve_device(cfg.run.device, machine, local_rank()))  # the group joined here is ended here
     succeeded = False
     caller = process_state()

@@ -1,6 +1,6 @@
 """Every "auto" of a run decided once, before anything is built: ``resolve(cfg, world, machine)``.
 
-    machine = Machine.here()                                   # the host, read once
+    machine = this_machine()                                   # the host, read once
     world = init_world(resolve_device(cfg.run.device, machine, local_rank()))
     resolved = resolve(cfg, world, machine)                    # frozen: nothing changes it after
     resolved.config        # cfg with every "auto" stated: what the run reads and config.json records
@@ -223,7 +223,7 @@ def preview(cfg: TrainConfig, machine: Machine | None = None) -> dict:
     this machine), the resolution's record and the memory estimate, as one JSON-ready dict;
     no process group joined, no data decoded, no model built.  An init that cannot be read
     yet leaves the config as given and the estimate out."""
-    machine = machine or Machine.here()
+    machine = machine or this_machine()
     world = local_world(resolve_device(cfg.run.device, machine, local_rank()))
     check_device_options(cfg, world.device, machine)  # refused as the run would be, not left out of the estimate below
     try:
@@ -237,7 +237,7 @@ def preview(cfg: TrainConfig, machine: Machine | None = None) -> dict:
 def resolve_scoring(device: str = "auto", fast_path: bool = True, machine: Machine | None = None) -> Resolved:
     """How a command that scores a model (eval, fewshot) runs: its device, CPU kernels and
     decoding processes, resolved as a run's are (in fp32)."""
-    machine = machine or Machine.here()
+    machine = machine or this_machine()
     world = local_world(resolve_device(device, machine, local_rank(), field="--device"))
     return resolve(TrainConfig(run=RunConfig(device=device, fast=fast_path)), world, machine)
 
@@ -256,6 +256,14 @@ def resolved_threads(resolved: Resolved) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------- the device and its arithmetic
+
+
+def this_machine() -> Machine:
+    """This host as this process sees it (``Machine.here``), the free memory read of its own GPU
+    alone, torchrun's ``LOCAL_RANK``'s, whose device ``resolve_device`` gives it: what a run, its
+    preview and a command that scores resolve for, so that none reads another's card (opening a CUDA
+    context there) and estimates without its own."""
+    return Machine.here(gpu_index=local_rank())
 
 
 def resolve_device(name: str, machine: Machine, local_rank: int = 0, field: str = "run.device") -> torch.device:

@@ -36,7 +36,6 @@ from vitlab.data.sources import source_key
 from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.vtab import Task, TaskSplits, split_tasks, summarize
 from vitlab.files import atomic_write
-from vitlab.machine import Machine
 from vitlab.weights import load_model
 
 from .build import check_can_run
@@ -47,7 +46,7 @@ from .loop import held_by_earlier_run, read_summary, train
 from .metrics import Progress
 from .numerics import NonFiniteError
 from .overrides import field_value, with_changes
-from .resolve import resolve, resolve_device, resolved_threads
+from .resolve import resolve, resolve_device, resolved_threads, this_machine
 from .state import RESUME_INVARIANTS
 from .sweep import best_lr
 
@@ -288,7 +287,7 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
     # decided once for every run of the protocol, on the first task's sweep split: the device,
     # the precision, the init's model and resolution, the micro-batch that fits (or a refusal)
     check_can_run(with_changes(cfg, {"data.source": "digits"}))  # the weights and the batch, before any run
-    machine = Machine.here()
+    machine = this_machine()
     world = local_world(resolve_device(cfg.run.device, machine, local_rank()))
     resolved = resolve(with_changes(cfg, {"data.source": str(splits[tasks[0].name].sweep_train)}), world, machine)
     cfg, device, precision, accum = resolved.config, world.device, resolved.precision, resolved.accum_steps

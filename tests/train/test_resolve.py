@@ -471,3 +471,53 @@ def test_the_processes_of_a_run_plan_one_micro_batch_with_the_least_memory_any_o
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert [int(out.split()[-1]) for out, _ in outs] == [4, 4]
+
+
+AGREE_WORKERS = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[4])
+from conftest import tiny_config
+from vitlab.machine import Machine
+from vitlab.train.distributed import World
+from vitlab.train.resolve import resolve
+rank, cores, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+cfg = tiny_config(store + ".run", data=sys.argv[5], val_split=0, **{"data.stream_workers": "auto"})
+world = World(rank=rank, size=2, local_rank=0, device=torch.device("cpu"))  # one process on each of two hosts
+resolved = resolve(cfg, world, Machine.described(cores=cores))
+print(resolved.stream_workers, resolved.memory.shape.stream_workers)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_the_processes_of_a_streamed_run_read_with_one_count_of_workers(tmp_path):
+    """Reader r of rank k takes the shards' order from k x workers + r, every world_size x workers: each
+    process decided its own count from its host's cores, and with 4 workers on one host and 1 on the
+    other, the second's reader started at the first's second and stepped by 2, reading shards the first
+    read and leaving others unread, without a word."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image
+
+    from vitlab.data.shards import pack_shards
+
+    rng = np.random.default_rng(0)
+    for c in range(3):
+        (tmp_path / "folder" / f"c{c}").mkdir(parents=True)
+        for i in range(16):
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "folder" / f"c{c}" / f"{i}.png")
+    pack_shards(tmp_path / "folder", tmp_path / "shards", samples_per_shard=6)  # 8 shards: 4 a process
+    root, tests = Path(__file__).resolve().parents[2], str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", AGREE_WORKERS, str(rank), str(cores), str(tmp_path / "store"),
+                               tests, str(tmp_path / "shards")], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for rank, cores in ((0, 8), (1, 2))]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [out.split()[-2:] for out, _ in outs] == [["1", "1"], ["1", "1"]]  # the least, and its memory

@@ -19,8 +19,8 @@ What is decided here, and by which rule:
 * whether the training set streams (``data.stream="auto"``: sets stored to be streamed, and
   folders that decode to more than ``data.memory_limit_gb``), the DataLoader workers
   (``data.stream_workers="auto"``: this process's cores less one, then as many as the
-  shards and the micro-batch can feed) and the decoding processes
-  (``data.decode_workers="auto"``: this process's cores);
+  shards and the micro-batch can feed, the fewest any process came to) and the decoding
+  processes (``data.decode_workers="auto"``: this process's cores);
 * the micro-batch (``optim.accum_steps="auto"``: the largest that fits) and the run's peak
   memory estimate, refusing a run that cannot fit (``run.memory_check``).  On a CUDA device
   (one process) the estimate proposes and a measurement decides: a throwaway model's training
@@ -177,12 +177,11 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
         notes += (measured_line(measured),)
     micro_batch = cfg.optim.batch_size // (accum * world.size)
     cfg = with_changes(cfg, {"optim.accum_steps": accum})
-    if resolved.data == "stream" and cfg.data.stream_workers > micro_batch:
-        # planned with the workers a micro-batch of the whole batch feeds (the most, the most memory); each
-        # reader makes a part of every micro-batch, so the loader would run fewer than config.json recorded
-        workers = stream_workers(cfg, world, cores, saved, micro_batch)
-        cfg = with_changes(cfg, {"data.stream_workers": workers})
-        memory = estimate_memory(memory.shape.with_(stream_workers=workers))
+    if resolved.data == "stream":
+        workers = agreed_stream_workers(cfg, world, cores, saved, micro_batch, preview)
+        if workers != cfg.data.stream_workers:  # planned with more (the more memory): estimated again
+            cfg = with_changes(cfg, {"data.stream_workers": workers})
+            memory = estimate_memory(memory.shape.with_(stream_workers=workers))
     return dataclasses.replace(resolved, config=cfg, memory=memory, measured=measured, micro_batch=micro_batch,
                                notes=notes)
 
@@ -634,6 +633,27 @@ def stream_workers(cfg: TrainConfig, world: World, cores: int, saved: dict, micr
     if why_fewer:
         log.warning("%s", why_fewer)
     return count
+
+
+def agreed_stream_workers(cfg: TrainConfig, world: World, cores: int, saved: dict, micro_batch: int,
+                          preview: bool) -> int:
+    """The DataLoader workers per process of a streamed run once its micro-batch is decided: no
+    more than it feeds (``stream_workers``; they were planned with a micro-batch of the whole batch
+    where ``optim.accum_steps`` was "auto", and the loader holds them to the micro-batch), and the
+    fewest any process of ``world``'s group came to (a collective call; not in a preview): reader
+    w of rank k takes the shards' order from k x workers + w, every world size x workers, so
+    processes that counted other cores (hosts of other sizes, other CPU quotas) read some shards
+    twice and others never."""
+    workers = cfg.data.stream_workers
+    if workers > micro_batch:  # each reader makes a part of every micro-batch
+        workers = stream_workers(cfg, world, cores, saved, micro_batch)
+    if not preview and world.size > 1 and dist.is_initialized():
+        least = int(all_reduce_min([float(workers)], world)[0])
+        if least < workers:
+            log.warning("data.stream_workers: %d DataLoader worker(s) per process, as another process of the run "
+                        "came to (this one came to %d): every process reads the shards with one count", least, workers)
+        workers = least
+    return workers
 
 
 # ----------------------------------------------------------------------------- memory

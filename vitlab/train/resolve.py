@@ -10,7 +10,8 @@ What is decided here, and by which rule:
 
 * the device (``run.device="auto"``: this process's GPU where there is one, else the CPU);
 * the precision (``run.precision="auto"``: bf16 on a GPU that supports it; on a CPU the
-  kernel rule's or the stored calibration's answer, ``vitlab.fast.cpu_precision``), the
+  kernel rule's or the stored calibration's answer, ``vitlab.fast.cpu_precision``; bf16 only
+  where every process of the run came to it, ``agreed_arithmetic``), the
   fast path's CPU kernels (``vitlab.fast.choose``), torch.compile's mode and whether the step
   after the backward is compiled too (``compiles_optimizer``); fp8 matmuls
   (``run.fp8``) are refused on a device without fp8 tensor cores (``check_fp8``);
@@ -150,6 +151,8 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     decode = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}
     changes = dict(cfg.run.on_device.get(device.type, {}))  # the recipe's settings for this kind of device
     check_device_options(cfg, device, machine)
+    if not preview and not saved:  # a resumed run's are its checkpoint's, every process's alike
+        precision, bf16_matmuls, notes = agreed_arithmetic(cfg, precision, bf16_matmuls, notes, world)
     cfg = with_changes(cfg, changes | decode | recorded_paths(cfg) | {"run.device": str(device),
                                                                   "run.precision": precision})
     if cfg.data.source is None and not preview:  # a command that scores a model: its data in memory
@@ -384,6 +387,24 @@ def arithmetic(cfg: TrainConfig, device: torch.device, machine: Machine, saved: 
             notes.append(f"--resume: the checkpoint's kernels cannot run here ({reason}); continuing with "
                          f"{kernels.describe()}")
     return before, kernels, saved.get("bf16_matmuls", rule == "bf16"), tuple(notes)
+
+
+def agreed_arithmetic(cfg: TrainConfig, precision: str, bf16_matmuls: bool, notes: tuple[str, ...],
+                      world: World) -> tuple[str, bool, tuple[str, ...]]:
+    """(precision, bf16 matmuls, notes) as every process of ``world``'s group takes them (a
+    collective call; as given without one): each decides them from its own host's CPU, GPU and
+    stored calibration.  ``run.precision="auto"`` is bf16 only where every process came to it (a
+    host whose CPU emulates bf16 would set the pace of all, and config.json states one precision),
+    and Muon orthogonalises in bf16 only where every process would: each process updates its
+    own replica, and replicas orthogonalised in other precisions drift apart."""
+    if world.size == 1 or not dist.is_initialized():
+        return precision, bf16_matmuls, notes
+    auto = cfg.run.precision == "auto"
+    in_bf16, matmuls = all_reduce_min([float(auto and precision == "bf16"), float(bf16_matmuls)], world)
+    if auto and precision == "bf16" and not in_bf16:
+        notes += ("run.precision=auto: fp32, as another process of the run came to (this one came to bf16)",)
+        precision = "fp32"
+    return precision, bf16_matmuls and bool(matmuls), notes
 
 
 # torch.compile's modes that replay CUDA graphs ("max-autotune": with its matmul templates tuned)

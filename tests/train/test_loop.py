@@ -517,29 +517,32 @@ def test_time_limit_times_every_periodic_evaluation(tiny, run_clock):
     assert clock["eval_s"] == EVAL_S
 
 
-def test_a_resumed_time_limited_run_counts_the_time_already_spent(tiny, run_clock):
+@pytest.mark.parametrize("kept, steps", [(3, 1), (2, 3)])
+def test_a_resumed_time_limited_run_counts_the_time_already_spent(tiny, run_clock, kept, steps):
     # the checkpoint carries the run's clock; a run whose checkpoint says the budget is
-    # spent stops at once (final evaluation only) instead of starting a fresh budget
+    # spent stops at once (final evaluation only) instead of starting a fresh budget: one
+    # step after a checkpoint taken after the first fit (step 6), then the guard; after one
+    # taken before it (step 4), the steps it times to fit its schedule (to the next step)
     run_clock(step_s=STEP_S, eval_s=EVAL_S)
     cfg = tiny("timed_resume", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1, ckpt_every=2,
                keep_ckpts=100_000, tensorboard=False)
     full = train(cfg, verbose=False)
     ckpts = list_checkpoints(f"{cfg.run.out}/checkpoints")
     first = load_checkpoint(ckpts[0])
-    assert first["step"] == 2 and first["clock"] == {"elapsed_s": 2 * STEP_S, "eval_s": 0.0, "evals_timed": 0}
+    assert first["step"] == 2
+    assert first["clock"] == {"elapsed_s": 2 * STEP_S, "eval_s": 0.0, "evals_timed": 0, "planned": False}
     last = load_checkpoint(ckpts[-1])
-    assert last["clock"]["eval_s"] == EVAL_S  # measured with the fit, at step 5
-    for p in ckpts[2:]:  # stopped after its second checkpoint (step 4)...
+    assert last["clock"]["eval_s"] == EVAL_S and last["clock"]["planned"]  # measured with the fit, at step 5
+    for p in ckpts[kept:]:  # stopped after a checkpoint...
         p.unlink()
-    middle = ckpts[1]
-    state = load_checkpoint(middle)
+    state = load_checkpoint(ckpts[kept - 1])
     state["clock"]["elapsed_s"] = 0.1 * 60  # ...when the whole budget had gone
-    torch.save(state, middle)
+    torch.save(state, ckpts[kept - 1])
     resumed = train(cfg, resume=True, verbose=False)
-    assert resumed["steps"] == state["step"] + 1 < full["steps"]  # one step, then the guard ends the run
-    assert resumed["wall_s"] == round(0.1 * 60 + STEP_S + EVAL_S, 2)  # and its final evaluation
+    assert resumed["steps"] == state["step"] + steps < full["steps"]
+    assert resumed["wall_s"] == round(0.1 * 60 + steps * STEP_S + EVAL_S, 2)  # and its final evaluation
     logged = read_jsonl(f"{cfg.run.out}/metrics.jsonl")
-    assert logged[-1]["elapsed_s"] == 0.1 * 60 + STEP_S + EVAL_S
+    assert logged[-1]["elapsed_s"] == 0.1 * 60 + steps * STEP_S + EVAL_S
 
 
 def test_a_resumed_time_limited_run_times_its_steps_again(tiny, run_clock, monkeypatch):
@@ -565,6 +568,31 @@ def test_a_resumed_time_limited_run_times_its_steps_again(tiny, run_clock, monke
     total = first_end + int(left // (2 * STEP_S))
     assert refits() == [(8, first_end), (first_end, first_end + (total - first_end) // 2)]
     assert resumed["steps"] == resumed["planned_steps"] == total
+
+
+@pytest.mark.parametrize("ckpt_every, resumed_at", [(2, 2), (2, 4), (5, 5)])
+def test_a_time_limited_run_resumed_before_its_first_fit_fits_its_schedule(tiny, run_clock, ckpt_every, resumed_at):
+    # a checkpoint of before the first fit (after step 5) holds optim.steps as the schedule: resumed from
+    # it, the run kept a million steps, its lr in their warm-up (a thousandth of its peak), until the
+    # guard stopped it, planned_steps 1,000,000. Now it times its steps again from two after the restart
+    # and fits then, counting the time already spent: the steps of the uninterrupted run. A checkpoint
+    # taken at the fit's step holds the fitted schedule, which the resumed run keeps
+    run_clock(step_s=STEP_S, eval_s=EVAL_S)
+    cfg = tiny("timed_early", steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1,
+               ckpt_every=ckpt_every, keep_ckpts=100_000, tensorboard=False)
+    full = train(cfg, verbose=False)
+    assert full["steps"] == full["planned_steps"] == fitted_total(0.1)
+    ckpts = list_checkpoints(f"{cfg.run.out}/checkpoints")
+    kept = ckpts[resumed_at // ckpt_every - 1]
+    assert load_checkpoint(kept)["clock"]["planned"] == (resumed_at >= 5)
+    for p in ckpts[resumed_at // ckpt_every:]:
+        p.unlink()
+    resumed = train(cfg, resume=True, verbose=False)
+    assert resumed["steps"] == resumed["planned_steps"] == fitted_total(0.1)
+    # the timing evaluation (again, when the fit is made again), then the final one
+    assert resumed["wall_s"] == round(resumed["steps"] * STEP_S + 2 * EVAL_S, 2)
+    lrs = [r["lr"] for r in read_jsonl(f"{cfg.run.out}/metrics.jsonl") if r["step"] > resumed_at]
+    assert max(lrs) == pytest.approx(cfg.optim.lr, rel=0.05)  # the warm-up reached its peak
 
 
 def test_flip_evaluation_scores_the_two_view_ensemble(tiny):

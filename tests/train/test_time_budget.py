@@ -101,11 +101,36 @@ def test_a_resumed_budget_keeps_the_clock_and_times_again():
     state = run.budget.state()
     resumed = FakeRun()
     resumed.now = 1000.0  # another process, another clock
-    resumed.budget.resume(state, step=30)
+    resumed.budget.resume(state, step=30, total_steps=run.total)
     resumed.step, resumed.total = 30, run.total
     assert abs(resumed.budget.elapsed() - state["elapsed_s"]) < 1e-9
     resumed.run(0.1, until=resumed.step + 2 + 1)
     assert resumed.budget.decay_mark is not None and resumed.budget.decay_mark[0] == 32  # timed from 2 after
+
+
+def test_a_budget_resumed_from_before_its_first_fit_makes_it():
+    # a checkpoint of step 4, before the fit after step 5, holds the ceiling as the total: the resumed
+    # budget took it as fitted and kept it. It times its steps from two after the restart and fits then,
+    # the time before the checkpoint counted; so does a checkpoint of before the record ("planned")
+    run = FakeRun()
+    run.run(0.125, until=4)
+    state = run.budget.state()
+    assert state["planned"] is False
+    older = {k: v for k, v in state.items() if k != "planned"}
+    for clock in (state, older):
+        resumed = FakeRun()
+        resumed.now = 1000.0  # another process, another clock
+        resumed.budget.resume(clock, step=4, total_steps=1_000_000)
+        resumed.step = 4
+        assert not resumed.budget.planned
+        resumed.run(4.0, until=6)  # the restart's first steps compile: not measured
+        resumed.run(0.125, until=9)
+        assert resumed.total == expected_total(9, 0.5 + 8.0 + 0.375, 0.125) < 1_000_000
+        assert resumed.budget.planned and "125 ms/step" in resumed.messages[0]
+    # an older checkpoint of after the fit: its total, below the ceiling, is the fitted one
+    resumed = FakeRun()
+    resumed.budget.resume(older, step=30, total_steps=500)
+    assert resumed.budget.planned and resumed.budget.remeasure_at == 32
 
 
 def run_whole_command(minutes, setup_s, step_s, eval_s, final_views, eval_cost_steps, save_s=1.0):

@@ -205,9 +205,10 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
         planned = int(state.get("planned_steps", total_steps))
         window_state = state.get("window")
         nonfinite.load_state_dict(state.get("numerics"))
-        budget.resume(state.get("clock", {}), step)
-        progress.message(f"resumed from {last_saved} at step {step}/{total_steps}, "
-                         f"{budget.elapsed() / 60:.1f} min into the run")
+        budget.resume(state.get("clock", {}), step, total_steps)
+        # before the time limit's first fit the total is the ceiling, optim.steps: the fit is made again
+        of = f"/{total_steps}" if budget.planned else " (its schedule not fitted to the time limit yet: timing steps)"
+        progress.message(f"resumed from {last_saved} at step {step}{of}, {budget.elapsed() / 60:.1f} min into the run")
         del state
     elif resume:
         progress.message(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")

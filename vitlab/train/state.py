@@ -146,8 +146,9 @@ def training_state(setup, step: int, total_steps: int, records: list[dict], cloc
                    numerics: dict | None = None, window=None, planned_steps: int | None = None) -> dict:
     """Everything ``restore_state`` needs to continue bit-exactly (collective under FSDP).
 
-    ``clock``: the run's wall time so far and its measured evaluation time
-    (``TimeBudget.state``), so that a resumed time-limited run keeps counting.
+    ``clock``: the run's wall time so far, its measured evaluation time and whether its
+    schedule was fitted to the time limit yet (``TimeBudget.state``), so that a resumed
+    time-limited run keeps counting, and fits a schedule it had not.
     ``numerics``: the counts of skipped and overflowed steps (``numerics.NonFinite``).
     ``window``: the ``loop.Window`` of the training numbers summed since the last metrics
     record, which the next record, after the restart, reports with its own steps'.

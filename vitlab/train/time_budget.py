@@ -80,7 +80,8 @@ class TimeBudget:
         self.fitted = not self.active  # whether the total is final
         self.first_mark = self.warm_mark = self.decay_mark = None  # (step, units, time, paused_s)
         self.warm_refit_at = self.decay_at = 0
-        self.fit_at = 2 + measure_steps  # the step after which the first fit is made
+        self.mark_at = 2  # the step from which the first fit times the steps
+        self.fit_at = self.mark_at + measure_steps  # the step after which the first fit is made
         self.decay_refits = 0
         self.remeasure_at: int | None = None
 
@@ -121,19 +122,27 @@ class TimeBudget:
         self.last_eval_s = seconds
 
     def state(self) -> dict:
-        """The clock, for a checkpoint."""
-        return {"elapsed_s": self.elapsed(), "eval_s": self.eval_s, "evals_timed": self.evals_timed}
+        """The clock, for a checkpoint, and whether the schedule was fitted to the time yet."""
+        return {"elapsed_s": self.elapsed(), "eval_s": self.eval_s, "evals_timed": self.evals_timed,
+                "planned": self.planned}
 
-    def resume(self, state: dict, step: int) -> None:
+    def resume(self, state: dict, step: int, total_steps: int) -> None:
         """Go on from a checkpoint's clock: the time between the stop and the restart, and any
         steps made after the checkpoint, are not counted.  The steps are timed again from two
-        after the restart (the machine may differ, and its first steps compile)."""
+        after the restart (the machine may differ, and its first steps compile): to refit the
+        decay, or, where the checkpoint came before the first fit (its ``total_steps`` the
+        configured ceiling), to make that fit as a fresh run does."""
         self.t_start = self.clock() - float(state.get("elapsed_s", 0.0))
         self.eval_s = float(state.get("eval_s", 0.0))
         self.evals_timed = int(state.get("evals_timed", 1 if self.eval_s > 0 else 0))
-        self.fitted = True
-        if self.active:
-            self.remeasure_at = step + 2
+        if not self.active:
+            return
+        # a checkpoint of before "planned" was kept: a total below the ceiling can only be a fitted one
+        if state.get("planned", total_steps < self.max_steps):
+            self.fitted, self.remeasure_at = True, step + 2
+        else:
+            self.mark_at = step + 2
+            self.fit_at = self.mark_at + self.measure_steps
 
     # ------------------------------------------------------------------ the plan
 
@@ -184,7 +193,7 @@ class TimeBudget:
             self.decay_at = step + (total_steps - step) // 2
         if self.fitted:
             return total_steps
-        if step == 2:
+        if step == self.mark_at:
             self.first_mark = self._mark(step)
         elif self.first_mark is not None and step == self.fit_at:
             sec_per_step = self._first_rate() - self.last_eval_s / max(self.units - self.first_mark[1], 1e-9)

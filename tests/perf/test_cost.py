@@ -160,7 +160,6 @@ def test_the_flops_command_refuses_sizes_and_counts_the_model_cannot_take(capsys
     for extra, message in ((["--img-size", "225"], "img_size=(225, 225): the image (225x225) is not divisible by "
                                                    "patch_size=(16, 16) along height; allowed: a multiple of 16, "
                                                    "such as 224, 240"),
-                           (["--img-size", "0"], "img_size=0: sizes must be positive"),
                            (["--batch", "0", "--steps", "10"], "--batch 0: must be a positive integer"),
                            # these came after the forward FLOPs were printed: half a report beside the error
                            (["--batch", "10"], "--batch and --steps go together: the cost of a run is steps x "
@@ -175,6 +174,13 @@ def test_the_flops_command_refuses_sizes_and_counts_the_model_cannot_take(capsys
         assert main(["flops", "ViT-B/16", *extra]) == 2
         captured = capsys.readouterr()
         assert captured.err.strip() == f"vitlab flops: error: {message}" and captured.out == ""
+    # a size that is none of the forms is argparse's refusal of the flag, as every command's --img-size
+    with pytest.raises(SystemExit) as stopped:
+        main(["flops", "ViT-B/16", "--img-size", "0"])
+    captured = capsys.readouterr()
+    assert stopped.value.code == 2 and captured.out == ""
+    assert captured.err.strip().splitlines()[-1] == ("vitlab flops: error: argument --img-size: '0': expected a "
+                                                     "positive size N or HxW, e.g. 384 or 384x512 (see vitlab flops --help)")
 
 
 def test_counting_a_backward_gives_the_caller_its_gradients_back():

@@ -301,6 +301,24 @@ def test_resume_on_a_fresh_checkout_takes_earlier_seeds_from_results_json(tmp_pa
     assert len(trained) == per_seed and all(run.endswith("-s0") for run in trained)
 
 
+def test_resume_takes_no_rows_from_another_experiments_results_json(tmp_path, monkeypatch):
+    """head's and posemb's quick forms have the same settings: posemb --resume into a folder whose
+    results.json head wrote (its runs not kept, as on a fresh checkout) trained nothing and wrote head's
+    rows as posemb's table, every posemb and place None."""
+    import shutil
+
+    out = tmp_path / "x"
+    common = ["--quick", "--out", str(out), "--threads", "1", "--set", "steps=1"]
+    assert main(["experiment", "head", *common]) == 0
+    shutil.rmtree(out / "runs")
+    trained = record_training(monkeypatch)
+    assert main(["experiment", "posemb", *common, "--resume"]) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert result["experiment"] == "posemb" and result["seeds_from_earlier_results"] == []
+    assert len(trained) == 8 and all("classifier" not in r for r in result["rows"])
+    assert {(r["posemb"], r["place"]) for r in result["table"]} == set(experiments.get("posemb").SETTINGS)
+
+
 @pytest.mark.parametrize("name", ["results.json", "results.md", "section.md"])
 def test_a_full_disk_at_an_experiments_record_keeps_the_earlier_one(name, tmp_path, monkeypatch, capsys):
     """Written in place, a full disk at results.json left it truncated: the earlier invocation's rows, which

@@ -207,8 +207,9 @@ def draw_figure(mod, table: list[dict], path: Path) -> Path | None:
 def rows_of_earlier_seeds(name: str, out: Path, settings: Settings, quick: bool) -> list[dict]:
     """The rows ``--resume`` takes from ``out/results.json`` instead of training again.
 
-    An earlier invocation's file counts only if it ran the same experiment size in the same
-    form (``--quick`` or not; ``same_size``); its seeds 0..n-1 are then finished (the file is
+    An earlier invocation's file counts only if it ran the same experiment (another one's rows,
+    written into the same folder, are not this one's, however alike their settings) at the same size
+    in the same form (``--quick`` or not; ``same_size``); its seeds 0..n-1 are then finished (the file is
     written once all of them are).  A seed's rows are taken only where ``out/runs`` holds none
     of that seed's run folders (``*-s<seed>``), as on a fresh checkout: where the folders are
     there, the run-by-run check (``finished_run``) decides, so a run retrained since still
@@ -216,7 +217,8 @@ def rows_of_earlier_seeds(name: str, out: Path, settings: Settings, quick: bool)
     try:
         earlier = json.loads((out / "results.json").read_text())
         finished = min(int(earlier["settings"].get("seeds")), settings.seeds)
-        same = earlier.get("quick") == quick and same_size(name, quick, earlier["settings"], settings)
+        same = (earlier.get("experiment") == name and earlier.get("quick") == quick
+                and same_size(name, quick, earlier["settings"], settings))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []
     if not same:

@@ -55,8 +55,10 @@ def test_quick_settings_are_small():
 @pytest.mark.parametrize("name", list(experiments.EXPERIMENTS))
 def test_quick_form(name, tmp_path):
     out = tmp_path / name
-    # posemb-similarity and shape train models of 64 tokens: fewer steps keep the file fast
-    assert main(["experiment", name, "--quick", "--out", str(out), "--threads", "1", "--set", "steps=6"]) == 0
+    # posemb-similarity and shape train models of 64 tokens: fewer steps keep the file fast (compute's
+    # steps are its budgets')
+    fewer = [] if name == "compute" else ["--set", "steps=6"]
+    assert main(["experiment", name, "--quick", "--out", str(out), "--threads", "1", *fewer]) == 0
     result = json.loads((out / "results.json").read_text())
     assert result["experiment"] == name and result["rows"] and result["table"]
     assert (out / "results.md").read_text().startswith("|")
@@ -206,6 +208,40 @@ def test_an_experiments_own_settings_of_the_wrong_shape_are_refused_before_any_r
     # what either form holds is taken: the quick form's integer budget and the full form's fractional one
     assert experiments.settings("mpp", quick=True, budgets=(1.5,)).get("budgets") == (1.5,)
     assert experiments.settings("optimiser", settings=[["sgd", 0.1]]).get("settings") == [["sgd", 0.1]]
+
+
+def test_a_setting_an_experiments_runs_do_not_read_is_refused_before_any_run(tmp_path, capsys, monkeypatch):
+    """Accepted and ignored: compute's steps come from its budgets (--steps 5 trained the budgets' steps),
+    mpp's, resolution's and transfer's minutes from their budgets and *_minutes (--time-limit did nothing),
+    head's and posemb-similarity's learning rates from lrs, optimiser's from its settings and its model is a
+    ResNet, transfer's full form pins its model; the table and results.json then recorded the value given."""
+    trained = record_training(monkeypatch)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "results.md").write_text("kept")
+    for name, argv, said in (
+            ("compute", ["--steps", "5"], "steps=5: its runs do not read it; each model's steps are its budget's"),
+            ("compute", ["--time-limit", "1"], "time_limit=1.0: its runs do not read it;"),
+            ("mpp", ["--time-limit", "1"], "time_limit=1.0: its runs do not read it; each run's minutes are its "
+                                           "budget's"),
+            ("resolution", ["--time-limit", "1"], "time_limit=1.0: its runs do not read it; pretrain_minutes and "),
+            ("transfer", ["--time-limit", "1"], "time_limit=1.0: its runs do not read it; pretrain_minutes and "),
+            ("head", ["--set", "lr=0.5"], "lr=0.5: its runs do not read it; each run's learning rate is one of lrs"),
+            ("posemb-similarity", ["--set", "lr=0.5"], "lr=0.5: its runs do not read it; "),
+            ("posemb-similarity", ["--set", "patch_size=2"], "patch_size=2: its runs do not read it; "),
+            ("optimiser", ["--set", "lr=0.5"], "lr=0.5: its runs do not read it; "),
+            ("optimiser", ["--set", "width=64"], "width=64: its runs do not read it; it trains a ResNet")):
+        for form in (["--quick"], []):
+            assert main(["experiment", name, *form, "--out", str(tmp_path / "x"), *argv]) == 2
+            (line,) = capsys.readouterr().err.splitlines()
+            assert line.startswith(f"vitlab experiment: error: experiment {name}: {said}"), line
+    # transfer's full form trains the model its setting `model` pins; the quick form builds it from these
+    for item in ("width=64", "depth=3", "img_size=48", "patch_size=2"):
+        assert main(["experiment", "transfer", "--out", str(tmp_path / "x"), "--set", item]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"vitlab experiment: error: experiment transfer: {item}: its runs do not read it; "
+                               "the setting model pins the architecture"), line
+    assert experiments.settings("transfer", quick=True, width=64, img_size=24).width == 64
+    assert trained == [] and os.listdir(tmp_path / "x") == ["results.md"]
 
 
 def test_an_experiments_counts_below_one_are_refused_by_name(tmp_path, capsys):

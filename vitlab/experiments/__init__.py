@@ -137,14 +137,27 @@ def check_setting(name: str, key: str, value: Any) -> None:
                           f"such as {json.dumps(forms[0])}")
 
 
+def unread(name: str, values: dict) -> dict:
+    """The settings experiment ``name``'s runs do not read at ``values``, each with what decides instead:
+    its module's ``UNUSED``, or its function ``unused(values)`` where that depends on the values."""
+    mod = get(name)
+    return dict(mod.unused(values) if hasattr(mod, "unused") else getattr(mod, "UNUSED", {}))
+
+
 def settings(name: str, quick: bool = False, **changes) -> Settings:
-    """The settings of one run of experiment ``name``: its defaults with ``changes`` (None: unset)."""
-    values = defaults(name, quick)
+    """The settings of one run of experiment ``name``: its defaults with ``changes`` (None: unset).
+    A change to a setting its runs do not read is refused (``unread``): accepted, it did nothing
+    while results.json and the section recorded it as the experiment's."""
+    values, changed = defaults(name, quick), {}
     for key, value in changes.items():
         if value is not None:
             key = setting_name(name, key)
             check_setting(name, key, value)
-            values[key] = value
+            values[key] = changed[key] = value
+    unused = unread(name, values)
+    for key, value in changed.items():
+        if key in unused:
+            raise ConfigError(f"experiment {name}: {key}={value!r}: its runs do not read it; {unused[key]}")
     return Settings.from_dict(values)
 
 

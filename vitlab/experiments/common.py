@@ -5,6 +5,8 @@ An experiment is a module of this package with
     TITLE, PAPER   one line each: what it asks and which figure/table of the paper it mirrors
     DEFAULT, QUICK plain dicts of settings (``Settings`` fields plus the experiment's own)
     OPTIONS        optional: the experiment's other settings and their defaults
+    UNUSED         optional: {setting: what decides instead} for the settings its runs do not read
+                   (or ``unused(values)`` giving it), so that a change to one is refused, not ignored
     run(settings, out) -> rows  trains/measures through the library, one row per (setting, seed)
     SUMMARY        the columns rows are grouped by; METRICS the columns averaged over seeds
     plot(table) -> Figure       optional: a figure of the aggregated table (``vitlab.analysis.plots``)

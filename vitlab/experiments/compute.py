@@ -30,6 +30,9 @@ DEFAULT = dict(img_size=32, val_split=5000, budgets=[150, 300, 600],
                steps=600, batch_size=128, lr=2e-3, width=192, depth=6, num_heads=3, mlp_dim=384, patch_size=4)
 # the ResNet's units per stage (None: (1, 3, 2) on CIFAR, (1, 1) on the digits)
 OPTIONS = dict(resnet_layers=None)
+UNUSED = dict(steps="each model's steps are its budget's (--set budgets=[...], in steps of the plain ViT, "
+                    "converted by training FLOPs)",
+              time_limit="the runs are bounded by their budgets' FLOPs, not by time (--set budgets=[...])")
 
 
 def architecture(overrides_or_resnet, resnet: bool = False):

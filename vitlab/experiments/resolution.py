@@ -22,6 +22,8 @@ DEFAULT = dict(img_size=32, val_split=5000, steps=100_000, batch_size=128, lr=2e
                mlp_dim=384, patch_size=4, pretrain_minutes=8.0, finetune_minutes=6.0)
 # the fine-tuning resolution (None: 1.5x img_size); parts: "finetune", the only part left
 OPTIONS = dict(finetune_size=None, parts="finetune")
+UNUSED = dict(time_limit="pretrain_minutes and finetune_minutes are the runs' minutes "
+                         "(--set pretrain_minutes=... --set finetune_minutes=...; 0: bounded by steps)")
 
 
 def run(settings, out):

@@ -274,6 +274,19 @@ def test_data_scale_refuses_sizes_the_data_does_not_hold_before_any_run(tmp_path
     assert summary["train_examples"] == 1497
 
 
+def test_data_scale_tables_every_few_shot_count_it_evaluated(tmp_path):
+    """The table's columns were fixed at fewshot_5 and fewshot_10: the default shots [5, 10, 25] left the
+    25-shot accuracy in results.json's rows alone, and shots=[1, 2] gave a table with no few-shot column."""
+    out = tmp_path / "x"
+    assert main(["experiment", "data-scale", "--quick", "--out", str(out), "--threads", "1", "--set", "steps=1",
+                 "--set", "sizes=[200]", "--set", "shots=[1,2]"]) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert all(r["fewshot_1"] is not None and r["fewshot_2"] is not None for r in result["table"])
+    header = (out / "results.md").read_text().splitlines()[0]
+    assert header == "| model | examples | val_top1 | fewshot_1 | fewshot_2 | wall_s | train_eflops | n |"
+    assert header in (out / "section.md").read_text()
+
+
 def test_mpp_refuses_a_pretrain_share_that_leaves_the_fine_tuning_no_step_before_any_run(tmp_path, capsys,
                                                                                         monkeypatch):
     # pretrain_share=1.5 (or 1.0, or steps=1) pre-trained, then failed as "optim.steps=-2: must be a

@@ -175,7 +175,8 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
     rows = earlier_rows + mod.run(s, out / "runs")
     wall = time.monotonic() - t0
     earlier = len(s.reused)
-    keys, metrics = list(mod.SUMMARY), list(mod.METRICS)
+    keys = list(mod.SUMMARY)
+    metrics = list(mod.metrics(rows) if hasattr(mod, "metrics") else mod.METRICS)
     table = aggregate(rows, keys, metrics)
     md = markdown_table(table, keys, metrics)
     meta = dict(experiment=name, paper=mod.PAPER, quick=quick, settings=s.as_dict(), wall_s=round(wall, 1),

@@ -9,6 +9,7 @@ An experiment is a module of this package with
                    (or ``unused(values)`` giving it), so that a change to one is refused, not ignored
     run(settings, out) -> rows  trains/measures through the library, one row per (setting, seed)
     SUMMARY        the columns rows are grouped by; METRICS the columns averaged over seeds
+                   (or ``metrics(rows)`` giving them, where the settings decide which there are)
     plot(table) -> Figure       optional: a figure of the aggregated table (``vitlab.analysis.plots``)
 
 The settings carry the trainer's names (``batch_size``, ``num_heads``, ``mlp_dim``,

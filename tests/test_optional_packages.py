@@ -3,6 +3,7 @@
 Each package is hidden from the import system (``sys.modules[name] = None`` makes ``import name``
 raise ModuleNotFoundError, as on a machine without it)."""
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -74,6 +75,18 @@ def test_an_experiment_without_matplotlib_skips_its_figure_naming_the_extra(monk
     assert draw_figure(head, [{"classifier": "token", "lr": 0.001, "val_top1": 0.5}], tmp_path / "f.png") is None
     assert one_line(capsys) == ('figure skipped: drawing figures needs matplotlib, which is not installed: '
                                 'pip install -e ".[plots]"')
+
+
+def test_an_experiment_without_its_figure_leaves_no_earlier_figure_beside_its_results(monkeypatch, tmp_path, capsys):
+    """An earlier invocation's figure.png stayed in the folder, showing another run's table beside this
+    one's results.json (and git add results/NAME took it)."""
+    from vitlab.experiments import draw_figure, head
+
+    (tmp_path / "figure.png").write_bytes(b"an earlier run's figure")
+    hide(monkeypatch, "matplotlib")
+    assert draw_figure(head, [{"classifier": "token", "lr": 0.001, "val_top1": 0.5}], tmp_path / "figure.png") is None
+    assert one_line(capsys).startswith("figure skipped: drawing figures needs matplotlib")
+    assert os.listdir(tmp_path) == []
 
 
 def test_demo_without_matplotlib_skips_the_report_in_one_line(monkeypatch, tmp_path, capsys):

@@ -206,13 +206,16 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
 
 def draw_figure(mod, table: list[dict], path: Path) -> Path | None:
     """The experiment's figure of ``table`` written to ``path``, or None: it has none, or it
-    could not be drawn (said in one line; a figure never fails the run)."""
-    if not hasattr(mod, "plot"):
-        return None
-    try:
-        figure = mod.plot(table)
-    except Exception as err:  # noqa: BLE001 - a missing matplotlib names its extra itself (MissingPackage)
-        print(f"figure skipped: {err}", file=sys.stderr)
+    could not be drawn (said in one line; a figure never fails the run).  Then an earlier
+    invocation's figure at ``path`` is removed: left, it showed another table beside this one."""
+    figure = None
+    if hasattr(mod, "plot"):
+        try:
+            figure = mod.plot(table)
+        except Exception as err:  # noqa: BLE001 - a missing matplotlib names its extra itself (MissingPackage)
+            print(f"figure skipped: {err}", file=sys.stderr)
+    if figure is None:
+        path.unlink(missing_ok=True)
         return None
     figure.savefig(path, dpi=110)
     return path

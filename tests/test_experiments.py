@@ -287,6 +287,49 @@ def test_data_scale_tables_every_few_shot_count_it_evaluated(tmp_path):
     assert header in (out / "section.md").read_text()
 
 
+def test_attention_distance_probes_every_class_of_the_held_out_split():
+    """A folder's images come class by class and the held-out indices are sorted: the first 512 of
+    them, the default's probe, were CIFAR-10's 500 held-out airplanes and 12 automobiles."""
+    import torch
+
+    from vitlab.experiments import attention_distance
+    from vitlab.experiments.common import split
+
+    labels = torch.arange(10).repeat_interleave(100)  # an ImageFolder's order
+    s = experiments.settings("attention-distance", quick=True, val_split=500, images=50)
+    idx = attention_distance.probe_indices(s, labels)
+    assert set(idx.tolist()) <= set(split(s, labels)[1].tolist())
+    assert torch.bincount(labels[idx], minlength=10).tolist() == [5] * 10
+    # asked for more than are held out: every held-out image
+    assert attention_distance.probe_indices(experiments.settings("attention-distance", quick=True, val_split=500,
+                                                                 images=600), labels).tolist() == \
+        split(s, labels)[1].tolist()
+
+
+def test_resume_takes_no_rows_measured_as_an_earlier_version_measured_them(tmp_path, monkeypatch):
+    """results/attention-distance/results.json was measured on the split's first images: --resume on a
+    fresh checkout took its seeds' rows beside new seeds' measured on every class.  A file without the
+    experiment's VERSION (its measurement's) is an earlier version's."""
+    import shutil
+
+    out = tmp_path / "x"
+    args = ["experiment", "attention-distance", "--quick", "--out", str(out), "--threads", "1", "--set", "steps=1",
+            "--set", "images=8", "--resume"]
+    assert main(args) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert result["version"] == experiments.get("attention-distance").VERSION == 2
+    trained = record_training(monkeypatch)
+    for version, retrained in ((2, False), (None, True), (1, True)):
+        (out / "results.json").write_text(json.dumps({k: v for k, v in dict(result, version=version).items()
+                                                      if v is not None}))
+        shutil.rmtree(out / "runs", ignore_errors=True)
+        trained.clear()
+        assert main(args) == 0
+        assert bool(trained) == retrained
+        assert json.loads((out / "results.json").read_text())["seeds_from_earlier_results"] == ([] if retrained
+                                                                                               else [0])
+
+
 def test_mpp_refuses_a_pretrain_share_that_leaves_the_fine_tuning_no_step_before_any_run(tmp_path, capsys,
                                                                                         monkeypatch):
     # pretrain_share=1.5 (or 1.0, or steps=1) pre-trained, then failed as "optim.steps=-2: must be a

@@ -179,7 +179,7 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
     metrics = list(mod.metrics(rows) if hasattr(mod, "metrics") else mod.METRICS)
     table = aggregate(rows, keys, metrics)
     md = markdown_table(table, keys, metrics)
-    meta = dict(experiment=name, paper=mod.PAPER, quick=quick, settings=s.as_dict(), wall_s=round(wall, 1),
+    meta = dict(experiment=name, version=version(mod), paper=mod.PAPER, quick=quick, settings=s.as_dict(), wall_s=round(wall, 1),
                 runs_from_earlier_invocations=earlier, seeds_from_earlier_results=sorted(s.seeds_done),
                 machine=machine(), date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 command=command or f"vitlab experiment {name}" + (" --quick" if quick else ""))
@@ -221,11 +221,18 @@ def draw_figure(mod, table: list[dict], path: Path) -> Path | None:
     return path
 
 
+def version(mod) -> int:
+    """The version of an experiment's measurement: its module's ``VERSION``, raised where rows are no
+    longer measured as before (a file without one is version 1)."""
+    return getattr(mod, "VERSION", 1)
+
+
 def rows_of_earlier_seeds(name: str, out: Path, settings: Settings, quick: bool) -> list[dict]:
     """The rows ``--resume`` takes from ``out/results.json`` instead of training again.
 
     An earlier invocation's file counts only if it ran the same experiment (another one's rows,
-    written into the same folder, are not this one's, however alike their settings) at the same size
+    written into the same folder, are not this one's, however alike their settings), measured as
+    this version measures it (``version``), at the same size
     in the same form (``--quick`` or not; ``same_size``); its seeds 0..n-1 are then finished (the file is
     written once all of them are).  A seed's rows are taken only where ``out/runs`` holds none
     of that seed's run folders (``*-s<seed>``), as on a fresh checkout: where the folders are
@@ -234,7 +241,8 @@ def rows_of_earlier_seeds(name: str, out: Path, settings: Settings, quick: bool)
     try:
         earlier = json.loads((out / "results.json").read_text())
         finished = min(int(earlier["settings"].get("seeds")), settings.seeds)
-        same = (earlier.get("experiment") == name and earlier.get("quick") == quick
+        same = (earlier.get("experiment") == name and earlier.get("version", 1) == version(get(name))
+                and earlier.get("quick") == quick
                 and same_size(name, quick, earlier["settings"], settings))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from vitlab.analysis.attention import effective_patch_size, model_attention_distance, patch_distances
 from vitlab.analysis.plots import plot_distance_by_layer
+from vitlab.data import stratified_sample
 from vitlab.experiments.common import hybrid_overrides, load_images, load_trained, split, train_vit, vit_overrides
 
 TITLE = "mean attention distance per head against network depth"
@@ -11,16 +12,27 @@ PAPER = ("Fig. 7 right, Fig. 11: some heads attend globally already in the lowes
 SUMMARY = ("model", "layer")
 METRICS = ("mean_distance", "min_head", "max_head", "uniform", "val_top1")
 QUICK = dict(steps=15, images=64)
+# the measurement's version (results.json's "version"; --resume takes no rows of another): 2, the probe
+# drawn from every class (1, before: the held-out split's first images)
+VERSION = 2
 # 2 runs x 3 seeds x 10 minutes = 60 minutes
 DEFAULT = dict(img_size=32, val_split=5000, steps=100_000,
                time_limit=10.0, batch_size=128, lr=1e-3, width=192, depth=6, num_heads=3, mlp_dim=384, patch_size=4,
                images=512)
 
 
+def probe_indices(settings, labels):
+    """The ``images`` held-out images the distances are measured on, drawn class-stratified (seed 0)
+    from the held-out split, or all of it.  Not its first ones: a folder's images come class by class
+    and the split's indices are sorted, so those were CIFAR-10's 500 held-out airplanes and 12 automobiles."""
+    _, val_idx = split(settings, labels)
+    count = settings.get("images", 64)
+    return val_idx[stratified_sample(labels[val_idx], count, 0, "images")] if count < len(val_idx) else val_idx
+
+
 def run(settings, out):
     images, labels, _ = load_images(settings)
-    _, val_idx = split(settings, labels)
-    probe = images[val_idx[: settings.get("images", 64)]].float() / 127.5 - 1
+    probe = images[probe_indices(settings, labels)].float() / 127.5 - 1
     rows = []
     for seed in settings.new_seeds():
         for name, over in (("ViT", vit_overrides(settings)), ("R+ViT", hybrid_overrides(settings))):

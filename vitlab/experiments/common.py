@@ -11,6 +11,8 @@ An experiment is a module of this package with
     SUMMARY        the columns rows are grouped by; METRICS the columns averaged over seeds
                    (or ``metrics(rows)`` giving them, where the settings decide which there are)
     plot(table) -> Figure       optional: a figure of the aggregated table (``vitlab.analysis.plots``)
+    VERSION        optional: the measurement's version, raised when rows are no longer measured as
+                   before, so that ``--resume`` takes none of an earlier version's from results.json
 
 The settings carry the trainer's names (``batch_size``, ``num_heads``, ``mlp_dim``,
 ``patch_size``, ``val_split``, ``time_limit``: the ``TrainConfig`` and ``ViTConfig`` fields

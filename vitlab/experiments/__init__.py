@@ -179,8 +179,8 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
     metrics = list(mod.metrics(rows) if hasattr(mod, "metrics") else mod.METRICS)
     table = aggregate(rows, keys, metrics)
     md = markdown_table(table, keys, metrics)
-    meta = dict(experiment=name, version=version(mod), paper=mod.PAPER, quick=quick, settings=s.as_dict(), wall_s=round(wall, 1),
-                runs_from_earlier_invocations=earlier, seeds_from_earlier_results=sorted(s.seeds_done),
+    meta = dict(experiment=name, version=version(mod), paper=mod.PAPER, quick=quick, settings=s.as_dict(),
+                wall_s=round(wall, 1), runs_from_earlier_invocations=earlier, seeds_from_earlier_results=sorted(s.seeds_done),
                 machine=machine(), date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 command=command or f"vitlab experiment {name}" + (" --quick" if quick else ""))
     write_json(out / "results.json", dict(meta, table=table, rows=rows))

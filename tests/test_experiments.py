@@ -64,6 +64,9 @@ def test_quick_form(name, tmp_path):
     assert (out / "results.md").read_text().startswith("|")
     section = (out / "section.md").read_text()
     assert f"vitlab experiment {name}" in section and "Machine:" in section
+    # the table read alone (docs link results.md) says where it came from: it said nothing
+    provenance = [line for line in section.splitlines() if line.startswith(("Command:", "Machine:", "Date:"))]
+    assert len(provenance) == 3 and (out / "results.md").read_text().endswith("\n\n" + "\n".join(provenance) + "\n")
     assert any(r.get("val_top1") is not None for r in result["rows"])
     if name == "resolution":  # fine-tuned at the pre-training size and at 1.5x it (Figure 12: tests/perf/test_figure12.py)
         assert [(r["part"], r["img_size"]) for r in result["rows"]] == [("finetune", 16), ("finetune", 24)]

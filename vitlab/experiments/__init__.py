@@ -184,16 +184,16 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
                 machine=machine(), date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 command=command or f"vitlab experiment {name}" + (" --quick" if quick else ""))
     write_json(out / "results.json", dict(meta, table=table, rows=rows))
-    atomic_write_text(out / "results.md", md + "\n")
+    provenance = [f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}  ",
+                  f"Date: {meta['date']}, wall time {wall / 60:.1f} min, seeds {s.seeds}"
+                  + resumed_note(s.seeds_done, earlier)]
+    # below the table: read alone (docs link it), it said neither what made it nor where nor when
+    atomic_write_text(out / "results.md", "\n".join([md, "", *provenance, ""]))
     files = {"json": out / "results.json", "markdown": out / "results.md"}
     figure = draw_figure(mod, table, out / "figure.png")
     if figure:
         files["figure"] = figure
-    section = [f"### {name}: {mod.TITLE}", "", f"Paper: {mod.PAPER}", "",
-               f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}  ",
-               f"Date: {meta['date']}, wall time {wall / 60:.1f} min, seeds {s.seeds}"
-               + resumed_note(s.seeds_done, earlier),
-               "", md, ""]
+    section = [f"### {name}: {mod.TITLE}", "", f"Paper: {mod.PAPER}", "", *provenance, "", md, ""]
     if figure:
         section += [f"![{name}]({Path(figure).name})", ""]
     atomic_write_text(out / "section.md", "\n".join(section))

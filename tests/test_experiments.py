@@ -26,6 +26,19 @@ def test_aggregate_mean_and_std():
     assert "| a | 0.3 | 220 ± 184 | 2 |" in text
 
 
+def test_the_machine_names_a_gpu_only_where_the_runs_trained_on_it(monkeypatch):
+    """--device cpu on a machine with a GPU was recorded as run on that GPU."""
+    import torch
+
+    from vitlab.experiments.tables import machine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: f"GPU{index}")
+    assert "GPU" not in machine("cpu")
+    assert machine("auto").endswith(", GPU0") and machine("cuda").endswith(", GPU0")
+    assert machine("cuda:1").endswith(", GPU1")
+
+
 def test_list(capsys):
     assert main(["experiment", "--list"]) == 0
     text = capsys.readouterr().out

@@ -75,13 +75,16 @@ def bars_of(table: list[dict], label_keys: Sequence[str], y: str) -> tuple[list[
     return labels, [r.get(y, 0) for r in table], [r.get(y + "_std", 0) for r in table]
 
 
-def machine() -> str:
-    """CPU model and the cores this process may use (``vitlab.machine``) and the GPU when there is one."""
+def machine(device: str = "auto") -> str:
+    """CPU model and the cores this process may use (``vitlab.machine``), and the GPU the runs trained on
+    where they did (``device``, their run.device: "auto" a GPU where there is one; "cpu" none, though
+    the machine has one)."""
     info = cpu_info()
     text = f"{info.model or info.machine}, {usable_cores()} cores"
     try:
-        if torch.cuda.is_available():
-            text += f", {torch.cuda.get_device_name(0)}"
+        if device != "cpu" and torch.cuda.is_available():
+            index = 0 if device == "auto" else torch.device(device).index or 0
+            text += f", {torch.cuda.get_device_name(index)}"
     except Exception:  # noqa: BLE001
         pass
     return text

@@ -274,6 +274,28 @@ def test_an_experiments_counts_below_one_are_refused_by_name(tmp_path, capsys):
     assert experiments.settings("mpp", quick=True, budgets=(0,)).get("budgets") == (0,)
 
 
+def test_every_value_of_a_list_setting_is_checked_before_the_first_run(tmp_path, capsys, monkeypatch):
+    # lrs=[0.001,-1] trained both of lr 0.001's runs, then was refused as "optim.lr=-1: must be a number >= 0"
+    # when lr -1's started, naming neither the experiment nor lrs (minutes per run in the full forms)
+    trained = record_training(monkeypatch)
+    for name, item, said in (
+            ("head", "lrs=[0.001,-1]", "lrs=(0.001, -1): -1 is refused as a run's optim.lr: optim.lr=-1: must be a "),
+            ("posemb-similarity", "patches=[4,3]", "patches=(4, 3): 3 is refused as a run's model.patch_size: "),
+            ("posemb-similarity", "lrs=[0.001,-1]", "lrs=(0.001, -1): -1 is refused as a run's optim.lr: "),
+            ("optimiser", 'settings=[["sgd",0.1],["adamx",0.1]]', "settings=(['sgd', 0.1], ['adamx', 0.1]): "
+                                                                  "['adamx', 0.1] is refused as a run's optim.optimizer"
+                                                                  " and optim.lr: optim.optimizer='adamx': allowed"),
+            ("mpp", "budgets=[0,-1]", "budgets=(0, -1): -1 is refused as a run's run.time_limit: ")):
+        assert main(["experiment", name, "--quick", "--out", str(tmp_path / "x"), "--set", item]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"vitlab experiment: error: experiment {name}: {said}"), line
+    assert trained == [] and not (tmp_path / "x").exists()
+    # a value each run takes is taken, and a ViT the settings refuse is left to the runs to name: optimiser's
+    # are a ResNet's
+    assert experiments.settings("head", quick=True, lrs=[0.5, 0.01]).get("lrs") == [0.5, 0.01]
+    assert experiments.settings("optimiser", quick=True, img_size=18).img_size == 18
+
+
 def test_data_scale_refuses_sizes_the_data_does_not_hold_before_any_run(tmp_path, capsys, monkeypatch):
     # sizes=[1600, 3000] on the digits (1,797 examples, 300 held out) trained both on the 1,497 left and
     # labelled the rows 1600 and 3000: two identical rows at sizes that never trained

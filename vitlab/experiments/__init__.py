@@ -21,7 +21,7 @@ from typing import Any
 
 from vitlab.config import ConfigError, need_output_folder
 from vitlab.configs import load_recipe
-from vitlab.experiments.common import Settings
+from vitlab.experiments.common import Settings, check_arms
 from vitlab.experiments.tables import aggregate, machine, markdown_table, write_json
 from vitlab.files import atomic_write_text
 from vitlab.train.legacy import FORMER_SETTING_NAMES
@@ -147,7 +147,8 @@ def unread(name: str, values: dict) -> dict:
 def settings(name: str, quick: bool = False, **changes) -> Settings:
     """The settings of one run of experiment ``name``: its defaults with ``changes`` (None: unset).
     A change to a setting its runs do not read is refused (``unread``): accepted, it did nothing
-    while results.json and the section recorded it as the experiment's."""
+    while results.json and the section recorded it as the experiment's.  Every value of a list
+    setting is checked as its runs' field (the module's ``ARMS``, ``check_arms``)."""
     values, changed = defaults(name, quick), {}
     for key, value in changes.items():
         if value is not None:
@@ -158,7 +159,9 @@ def settings(name: str, quick: bool = False, **changes) -> Settings:
     for key, value in changed.items():
         if key in unused:
             raise ConfigError(f"experiment {name}: {key}={value!r}: its runs do not read it; {unused[key]}")
-    return Settings.from_dict(values)
+    s = Settings.from_dict(values)
+    check_arms(name, s, getattr(get(name), "ARMS", {}))
+    return s
 
 
 def run_experiment(name: str, out: str | Path, quick: bool = False, command: str | None = None,

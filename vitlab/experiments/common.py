@@ -11,6 +11,9 @@ An experiment is a module of this package with
     SUMMARY        the columns rows are grouped by; METRICS the columns averaged over seeds
                    (or ``metrics(rows)`` giving them, where the settings decide which there are)
     plot(table) -> Figure       optional: a figure of the aggregated table (``vitlab.analysis.plots``)
+    ARMS           optional: {list setting: the TrainConfig field (or fields, for a record such as
+                   ["sgd", 0.1]) each of its values sets in its runs}, so that every value is checked
+                   before the first run (``check_arms``), not when its runs start
     VERSION        optional: the measurement's version, raised when rows are no longer measured as
                    before, so that ``--resume`` takes none of an earlier version's from results.json
 
@@ -189,6 +192,26 @@ def train_config(settings: Settings, out: Path, seed: int, overrides: dict, chan
                       tensorboard=False, fast=not settings.digits, out=str(out)),
     )
     return with_changes(cfg, changes or {})
+
+
+def check_arms(name: str, settings: Settings, arms: dict) -> None:
+    """Every value of the list settings ``arms`` names, checked as the field of a run's ``TrainConfig`` it
+    sets (``lrs``: ``optim.lr``), before the first run: a value its trainer refuses, such as lrs=[0.001, -1],
+    was refused only when its runs started, after the runs of the values before it had trained.  Where
+    the settings' own ViT is refused, no value can be told from it (optimiser's runs train a ResNet)."""
+    try:
+        train_config(settings, Path("."), 0, vit_overrides(settings))
+    except ConfigError:
+        return
+    for key, names in arms.items():
+        names = names if isinstance(names, tuple) else (names,)
+        for value in settings.get(key) or ():
+            items = tuple(value) if len(names) > 1 else (value,)
+            try:
+                train_config(settings, Path("."), 0, vit_overrides(settings), dict(zip(names, items)))
+            except ConfigError as err:
+                raise ConfigError(f"experiment {name}: {key}={settings.get(key)!r}: {value!r} is refused as a run's "
+                                  f"{' and '.join(names)}: {err}") from None
 
 
 def train_vit(settings: Settings, out: Path, seed: int, overrides: dict, changes: dict | None = None) -> dict:

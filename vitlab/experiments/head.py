@@ -15,6 +15,7 @@ QUICK = dict(steps=15, lrs=[3e-3, 1e-3])
 DEFAULT = dict(img_size=32, val_split=5000, steps=100_000,
                time_limit=5.0, batch_size=128, lr=2e-3, width=192, depth=6, num_heads=3, mlp_dim=384, patch_size=4,
                lrs=[8e-4, 3e-4])
+ARMS = dict(lrs="optim.lr")
 UNUSED = dict(lr="each run's learning rate is one of lrs (--set lrs=[...])")
 
 

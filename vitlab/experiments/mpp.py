@@ -30,6 +30,7 @@ DEFAULT = dict(img_size=32, val_split=5000, steps=100_000, batch_size=128, lr=1e
                patch_init="whiten")
 # targets: the targets to run at every budget (None: as all_targets says); all_targets: all three at every budget
 OPTIONS = dict(targets=None, all_targets=False)
+ARMS = dict(budgets="run.time_limit")  # a budget's minutes (0: bounded by steps)
 UNUSED = dict(time_limit="each run's minutes are its budget's share (--set budgets=[...], in minutes; "
                          "0: bounded by steps)")
 

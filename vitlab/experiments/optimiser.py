@@ -17,6 +17,7 @@ DEFAULT = dict(img_size=32, val_split=5000, steps=100_000,
 # the ResNet's units per stage (None: (1, 3, 2) on CIFAR, (1, 1) on the digits)
 OPTIONS = dict(resnet_layers=None)
 _RESNET = "it trains a ResNet, whose units per stage are resnet_layers (--set resnet_layers=[...])"
+ARMS = dict(settings=("optim.optimizer", "optim.lr"))
 UNUSED = dict(lr="each run's optimiser and learning rate are one of settings (--set 'settings=[[\"sgd\", 0.1]]')",
               width=_RESNET, depth=_RESNET, num_heads=_RESNET, mlp_dim=_RESNET, patch_size=_RESNET)
 

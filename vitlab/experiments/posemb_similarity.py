@@ -18,6 +18,7 @@ QUICK = dict(steps=8, patches=[2, 4], lrs=[3e-3, 1e-3])
 DEFAULT = dict(img_size=32, val_split=5000, steps=100_000,
                time_limit=5.0, batch_size=128, width=192, depth=6, num_heads=3, mlp_dim=384, patches=[4, 8],
                lrs=[2e-3, 5e-4])
+ARMS = dict(lrs="optim.lr", patches="model.patch_size")
 UNUSED = dict(lr="each run's learning rate is one of lrs (--set lrs=[...])",
               patch_size="each run's patch size is one of patches (--set patches=[...])")
 

@@ -296,6 +296,13 @@ def test_every_value_of_a_list_setting_is_checked_before_the_first_run(tmp_path,
     assert experiments.settings("optimiser", quick=True, img_size=18).img_size == 18
 
 
+def test_an_out_folder_that_cannot_be_is_refused_naming_the_flag_as_typed(tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    assert main(["experiment", "head", "--quick", "--out", str(tmp_path / "f")]) == 2
+    assert capsys.readouterr().err.strip() == (f"vitlab experiment: error: --out='{tmp_path / 'f'}' is a file; "
+                                              "expected a folder (a new one, or a run's)")
+
+
 def test_data_scale_refuses_sizes_the_data_does_not_hold_before_any_run(tmp_path, capsys, monkeypatch):
     # sizes=[1600, 3000] on the digits (1,797 examples, 300 held out) trained both on the 1,497 left and
     # labelled the rows 1600 and 3000: two identical rows at sizes that never trained

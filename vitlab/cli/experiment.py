@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab import experiments
-    from vitlab.config import need_output_file
+    from vitlab.config import need_output_file, need_output_folder
 
     if args.list or not args.name:
         for name, title, paper in experiments.describe(args.name if args.list else None):  # --list NAME: that one
@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
                    device=args.device, threads=args.threads, resume=args.resume or None)
     changes.update(parse_settings(args.name, args.quick, args.set))
     out = args.out or f"results/{args.name}" + ("-quick" if args.quick else "")
+    need_output_folder("--out", out)  # as typed: run_experiment's own check names its argument, out=
     if args.findings:  # refused after the runs, it cost them all
         need_output_file("--findings", args.findings)
         findings_block(args.findings, args.name)

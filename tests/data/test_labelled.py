@@ -82,6 +82,21 @@ def test_the_runs_data_by_another_spelling_is_split_as_the_run_split_it(tmp_path
     assert torch.equal(load_held_out(run, 8, source=str(other), cache_dir=tmp_path / "cache").held, recorded.held)
 
 
+def test_the_runs_data_is_decoded_into_the_cache_the_run_recorded(make_folder, tmp_path, monkeypatch):
+    """eval and fewshot of a run that recorded data.cache_dir, given no --cache-dir, decoded its data again
+    into the default cache."""
+    monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "default"))
+    run = {"source": str(make_folder()), "val_split": 3, "cache_dir": str(tmp_path / "runs")}
+    assert len(load_held_out(run, 8).held) == 3
+    assert any((tmp_path / "runs").iterdir()) and not (tmp_path / "default").exists()
+    load_held_out(run, 8, cache_dir=tmp_path / "given")  # the flag wins
+    assert any((tmp_path / "given").iterdir()) and not (tmp_path / "default").exists()
+    # a recorded folder that cannot be one here (a run copied from another machine): the default
+    (tmp_path / "a-file").write_text("kept")
+    assert len(load_held_out({**run, "cache_dir": str(tmp_path / "a-file" / "c")}, 8).held) == 3
+    assert any((tmp_path / "default").iterdir()) and (tmp_path / "a-file").read_text() == "kept"
+
+
 def test_a_run_with_a_validation_set_of_its_own_is_scored_on_it(tmp_path):
     """With data.val_data (and so no held-out split), eval without --data scored the run's training
     set, every image it had trained on, as "all examples"."""

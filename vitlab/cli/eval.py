@@ -88,7 +88,8 @@ def add_data_arguments(p: argparse.ArgumentParser, default_split: str) -> None:
                    help="seed of the stratified split (default: the run's, else 0)")
     p.add_argument("--batch-size", type=positive_count, default=128, help="images a forward pass (default: 128)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    p.add_argument("--cache-dir", default=None, help="where decoded data sets are cached (default: ~/.cache/vitlab)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where decoded data sets are cached (default: the run's data.cache_dir, else ~/.cache/vitlab)")
 
 
 def unread_note(skipped: int) -> str:

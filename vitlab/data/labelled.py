@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from vitlab.config import need_count_or_fraction, need_output_folder, to_pair
+from vitlab.config import ConfigError, need_count_or_fraction, need_output_folder, to_pair
 from vitlab.data.digits import load_digits_dataset
 from vitlab.data.memory import InMemoryDataset, load_in_memory, load_source_in_memory
 from vitlab.data.sources import PathLike
@@ -91,7 +91,10 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         validated on a set of its own (``val_data``) is that set, whole: with ``pool``, after
         the run's training examples (``_with_val_data``).
     workers: decoding processes (None: ``load_in_memory``'s default).
+    cache_dir: where decoded sets are cached; None: the run's ``cache_dir`` where it recorded one that
+        can be written, else ``load_in_memory``'s default.
     """
+    cache_dir = cache_dir if cache_dir is not None else _run_cache_dir(run)
     if source is None and run.get("val_data") and pool and val_split is None:
         return _with_val_data(run, image_size, split_seed, cache_dir, workers)
     if source is None and run.get("val_data") and not pool:
@@ -142,6 +145,20 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         name = "--val-split" if asked_split is not None or not same_as_run else "data.val_split (the run's)"
         rest, held, split = _split(labels, val_split, split_seed, name)
     return HeldOutSet(images, labels, classes, key, data.skipped.images, rest, held, split, split_seed, run_shards)
+
+
+def _run_cache_dir(run: Mapping[str, Any]) -> Optional[str]:
+    """The decoded sets' folder the run recorded (``data.cache_dir``), None where it recorded none or it cannot
+    be written here (a run copied from another machine): without it, eval and fewshot decoded the run's data
+    again into the default cache."""
+    folder = run.get("cache_dir")
+    if not folder:
+        return None
+    try:
+        need_output_folder("data.cache_dir", folder)
+    except ConfigError:
+        return None
+    return folder
 
 
 def absolute_source(source: Optional[str]) -> Optional[str]:

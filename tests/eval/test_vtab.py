@@ -372,6 +372,35 @@ def test_resume_refuses_runs_made_with_another_schedule_optimiser_or_augmentatio
     assert main([*args, "--resume"]) == 0 and summary.stat().st_mtime_ns == stamp
 
 
+def test_resume_refuses_runs_made_in_another_arithmetic_than_auto_resolves_to_now(tasks, tiny_checkpoint, tmp_path,
+                                                                                  capsys, monkeypatch):
+    """settings.json recorded run.precision as asked, "auto": where it resolved otherwise on --resume (a calibration
+    stored since), the tasks left trained and scored in another arithmetic than the finished ones, without a word."""
+    from vitlab import fast
+
+    out = tmp_path / "vtab"
+    monkeypatch.setattr(fast, "cpu_precision", lambda *a, **k: "fp32")  # auto's answer on this CPU then
+    args = [*tiny_vtab(tiny_checkpoint, tasks, out, steps=1), "--only", "eurosat", "--grid", "0.01",
+            "--set", "run.precision=auto", "--set", "run.device=cpu"]
+    assert main(args) == 0
+    capsys.readouterr()
+    summary = out / "eurosat" / "final_lr_0.01" / "summary.json"
+    stamp = summary.stat().st_mtime_ns
+    record = json.loads((out / "settings.json").read_text())
+    assert record["eurosat"]["run.precision"] == "fp32"  # as it resolved
+    monkeypatch.setattr(fast, "cpu_precision", lambda *a, **k: "bf16")  # and now
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (f"--resume: the runs of eurosat in {out} were made with other settings: run.precision='bf16' "
+            "(its runs: 'fp32');") in err, err
+    assert summary.stat().st_mtime_ns == stamp
+    # a record of before the precision was resolved is read as it was
+    record["eurosat"]["run.precision"] = "auto"
+    (out / "settings.json").write_text(json.dumps(record))
+    monkeypatch.setattr(fast, "cpu_precision", lambda *a, **k: "fp32")
+    assert main([*args, "--resume"]) == 0 and summary.stat().st_mtime_ns == stamp
+
+
 def test_run_vtab_refuses_no_tasks_or_paths_for_tasks_before_writing_anything(tasks, tmp_path):
     """No tasks ended in an IndexError, a task's path for its Task in an AttributeError, a string
     --examples in a TypeError, a string grid in float's ValueError; named now, before the output

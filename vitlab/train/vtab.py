@@ -46,7 +46,7 @@ from .loop import held_by_earlier_run, read_summary, train
 from .metrics import Progress
 from .numerics import NonFiniteError
 from .overrides import field_value, with_changes
-from .resolve import resolve, resolve_device, resolved_threads, this_machine
+from .resolve import precision_rule, resolve, resolve_device, resolved_threads, this_machine
 from .state import RESUME_INVARIANTS
 from .sweep import best_lr
 
@@ -169,7 +169,8 @@ def check_earlier_runs(out: Path, settings: Mapping[str, dict], resume: bool, ov
         earlier = {}
     for name, now in settings.items() if resume else ():
         before = earlier.get(name) or {}
-        changed = [f"{k}={now[k]!r} (its runs: {before[k]!r})" for k in now if k in before and before[k] != now[k]]
+        changed = [f"{k}={now[k]!r} (its runs: {before[k]!r})" for k in now if k in before and before[k] != now[k]
+                   and not (k == "run.precision" and before[k] == "auto")]  # a record of before it was resolved
         if changed:
             raise ConfigError(f"--resume: the runs of {name} in {out} were made with other settings: "
                               f"{', '.join(changed)}; resume with the same ones, or train again with --overwrite "
@@ -278,6 +279,13 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
     # every run trains on the whole of its view: the recipe's own 800/200 of 1000 (vtab1k's train_examples and
     # val_split) held a further 200 out of the views, and the final run trained on 800 of the 1000 it reported
     cfg = with_changes(cfg, {"optim.accum_steps": accum_steps, "data.train_examples": 0, "data.val_split": 0})
+    machine = this_machine()
+    world = local_world(resolve_device(cfg.run.device, machine, local_rank()))
+    # "auto" decided first, as resolve decides it, so that the settings record states the arithmetic the runs
+    # trained and scored in: recorded as "auto", a --resume where it now resolved otherwise (a calibration
+    # stored since) trained and scored the tasks left in another one than the finished ones
+    if cfg.run.precision == "auto":
+        cfg = with_changes(cfg, {"run.precision": precision_rule(world.device, machine)})
     # before the task's data views are written again: the finished runs were scored on the earlier ones
     record = check_earlier_runs(out, {t.name: task_settings(cfg, t, examples, split_seed) for t in tasks},
                                 resume, overwrite)
@@ -287,8 +295,6 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
     # decided once for every run of the protocol, on the first task's sweep split: the device,
     # the precision, the init's model and resolution, the micro-batch that fits (or a refusal)
     check_can_run(with_changes(cfg, {"data.source": "digits"}))  # the weights and the batch, before any run
-    machine = this_machine()
-    world = local_world(resolve_device(cfg.run.device, machine, local_rank()))
     resolved = resolve(with_changes(cfg, {"data.source": str(splits[tasks[0].name].sweep_train)}), world, machine)
     cfg, device, precision, accum = resolved.config, world.device, resolved.precision, resolved.accum_steps
     runs, say = Runs(cfg, out, device, precision, resume, verbose), Progress(enabled=verbose).message

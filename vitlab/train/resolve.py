@@ -207,8 +207,8 @@ def data_decisions(cfg: TrainConfig, world: World, cores: int, img_size: Pair, s
         if unread:
             raise ConfigError(unread)
         changes = {"data.stream": "stream" if streamed else "memory"}
-        if streamed:
-            changes["data.stream_workers"] = stream_workers(cfg, world, cores, saved)
+        if streamed:  # agreed before the memory is planned with them: each holds an interpreter
+            changes["data.stream_workers"] = fewest_workers(stream_workers(cfg, world, cores, saved), world, preview)
         elif cfg.data.stream_workers == "auto":
             changes["data.stream_workers"] = 0  # nothing streams: no DataLoader workers
         cfg = with_changes(cfg, changes)
@@ -656,25 +656,33 @@ def stream_workers(cfg: TrainConfig, world: World, cores: int, saved: dict, micr
     return count
 
 
+def fewest_workers(workers: int, world: World, preview: bool) -> int:
+    """The fewest DataLoader workers per process any process of ``world``'s group came to (a
+    collective call; ``workers`` without one, and in a preview): reader w of rank k takes the
+    shards' order from k x workers + w, every world size x workers, so processes that counted other
+    cores (hosts of other sizes, other CPU quotas) read some shards twice and others never.  Taken
+    before the memory is planned: a process planned with more workers than the run reads with was
+    refused where the others were not, and they waited for it here."""
+    if preview or world.size == 1 or not dist.is_initialized():
+        return workers
+    least = int(all_reduce_min([float(workers)], world)[0])
+    if least < workers:
+        log.warning("data.stream_workers: %d DataLoader worker(s) per process, as another process of the run "
+                    "came to (this one came to %d): every process reads the shards with one count", least, workers)
+    return least
+
+
 def agreed_stream_workers(cfg: TrainConfig, world: World, cores: int, saved: dict, micro_batch: int,
                           preview: bool) -> int:
     """The DataLoader workers per process of a streamed run once its micro-batch is decided: no
     more than it feeds (``stream_workers``; they were planned with a micro-batch of the whole batch
     where ``optim.accum_steps`` was "auto", and the loader holds them to the micro-batch), and the
-    fewest any process of ``world``'s group came to (a collective call; not in a preview): reader
-    w of rank k takes the shards' order from k x workers + w, every world size x workers, so
-    processes that counted other cores (hosts of other sizes, other CPU quotas) read some shards
-    twice and others never."""
+    fewest any process of ``world``'s group came to (``fewest_workers``, again: a micro-batch
+    planned from another host's kernels may differ)."""
     workers = cfg.data.stream_workers
     if workers > micro_batch:  # each reader makes a part of every micro-batch
         workers = stream_workers(cfg, world, cores, saved, micro_batch)
-    if not preview and world.size > 1 and dist.is_initialized():
-        least = int(all_reduce_min([float(workers)], world)[0])
-        if least < workers:
-            log.warning("data.stream_workers: %d DataLoader worker(s) per process, as another process of the run "
-                        "came to (this one came to %d): every process reads the shards with one count", least, workers)
-        workers = least
-    return workers
+    return fewest_workers(workers, world, preview)
 
 
 # ----------------------------------------------------------------------------- memory

@@ -332,6 +332,35 @@ def test_data_scale_tables_every_few_shot_count_it_evaluated(tmp_path):
     assert header in (out / "section.md").read_text()
 
 
+def test_data_scale_refuses_a_size_that_can_evaluate_none_of_the_shots_before_any_run(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """sizes=[30] (3 training examples of the smallest class) with shots=[5, 25] trained both runs and
+    tabled a 1-shot accuracy (max(1, 3 // 3)) that nobody asked for."""
+    trained = record_training(monkeypatch)
+    assert main(["experiment", "data-scale", "--quick", "--out", str(tmp_path / "x"), "--threads", "1",
+                 "--set", "batch_size=8", "--set", "sizes=[30,200]", "--set", "shots=[5,25]"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == ("vitlab experiment: error: experiment data-scale: sizes [30] can evaluate none of shots [5, 25]: "
+                    "the smallest class of their few-shot pool has 3 examples and a k-shot probe needs k + 2; "
+                    "give smaller shots or larger sizes")
+    assert trained == [] and not (tmp_path / "x" / "results.json").exists()
+
+
+def test_data_scale_says_and_records_the_shots_a_size_could_not_evaluate(tmp_path, capsys):
+    """A shot count too large for a size's pool was dropped from that row without a word."""
+    out = tmp_path / "x"
+    assert main(["experiment", "data-scale", "--quick", "--out", str(out), "--threads", "1", "--set", "steps=1",
+                 "--set", "batch_size=8", "--set", "sizes=[60,200]", "--set", "shots=[1,5,25]"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "not evaluated" in line]
+    assert said == ["data-scale: not evaluated, a pool's smallest class having fewer than k + 2 examples: "
+                    "shots [5, 25] at 60 examples; shots [25] at 200 examples"]
+    result = json.loads((out / "results.json").read_text())
+    assert result["shots_not_evaluated"] == {"60": [5, 25], "200": [25]}
+    assert {tuple(sorted(k for k in r if k.startswith("fewshot_"))) for r in result["rows"] if r["examples"] == 60} \
+        == {("fewshot_1",)}
+    assert all(r["fewshot_5"] is not None for r in result["rows"] if r["examples"] == 200)
+
+
 def test_attention_distance_probes_every_class_of_the_held_out_split():
     """A folder's images come class by class and the held-out indices are sorted: the first 512 of
     them, the default's probe, were CIFAR-10's 500 held-out airplanes and 12 automobiles."""

@@ -185,7 +185,8 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
     meta = dict(experiment=name, version=version(mod), paper=mod.PAPER, quick=quick, settings=s.as_dict(),
                 wall_s=round(wall, 1), runs_from_earlier_invocations=earlier, seeds_from_earlier_results=sorted(s.seeds_done),
                 machine=machine(s.device), date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                command=command or f"vitlab experiment {name}" + (" --quick" if quick else ""))
+                command=command or f"vitlab experiment {name}" + (" --quick" if quick else ""),
+                **(mod.notes(s, rows) if hasattr(mod, "notes") else {}))  # what the runs left out, and why
     write_json(out / "results.json", dict(meta, table=table, rows=rows))
     provenance = [f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}  ",
                   f"Date: {meta['date']}, wall time {wall / 60:.1f} min, seeds {s.seeds}"

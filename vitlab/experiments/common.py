@@ -11,6 +11,8 @@ An experiment is a module of this package with
     SUMMARY        the columns rows are grouped by; METRICS the columns averaged over seeds
                    (or ``metrics(rows)`` giving them, where the settings decide which there are)
     plot(table) -> Figure       optional: a figure of the aggregated table (``vitlab.analysis.plots``)
+    notes(settings, rows) -> dict  optional: what results.json records beside the table (a measurement
+                   the settings asked for that the runs could not make, and where)
     ARMS           optional: {list setting: the TrainConfig field (or fields, for a record such as
                    ["sgd", 0.1]) each of its values sets in its runs}, so that every value is checked
                    before the first run (``check_arms``), not when its runs start

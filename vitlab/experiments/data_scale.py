@@ -1,6 +1,7 @@
 """ViT against a BiT ResNet of similar cost, trained on growing subsets of the data."""
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -36,10 +37,17 @@ def run(settings, out):
     if over:  # such a run trained on every example left and its row was labelled with the size asked
         raise ConfigError(f"experiment data-scale: sizes {over}: the data holds {total} examples, "
                           f"{total - settings.val_split} after val_split={settings.val_split}; sizes must not exceed that")
+    shots = list(settings.get("shots", [5]))
+    fits = fitting_shots(settings, labels, total, shots)
+    left = {n: [k for k in shots if k not in f] for n, f in fits.items()}
+    if any(left.values()):  # evaluated at the rest; a k-shot column is blank at these sizes
+        said = "; ".join(f"shots {ks} at {n} examples" for n, ks in left.items() if ks)
+        print(f"data-scale: not evaluated, a pool's smallest class having fewer than k + 2 examples: {said}",
+              file=sys.stderr)
     rows = []
     for seed in settings.new_seeds():
         for n in settings.get("sizes"):
-            take = 0 if n + settings.val_split == total else n + settings.val_split
+            take = pool_size(settings, n, total)
             for model in ("ViT", "ResNet"):
                 folder = out / f"{model}-{n}-s{seed}"
                 if model == "ViT":
@@ -48,15 +56,59 @@ def run(settings, out):
                     layers = settings.get("resnet_layers") or ((1,) if settings.digits else (1, 1, 1))
                     r = train_resnet(settings, folder, seed, stem(settings, layers, settings.get("resnet_width")),
                                      train_examples=take)
-                shots = fewshot(load_trained(r), settings, images, labels, settings.get("shots", [5]), take)
+                accuracy = fewshot(load_trained(r), settings, images, labels, fits[n], take)
                 rows.append(dict(model=model, examples=n, seed=seed, val_top1=r["val_top1"], steps=r["steps"],
-                                 wall_s=r["wall_s"], train_eflops=r["train_eflops"], **shots))
+                                 wall_s=r["wall_s"], train_eflops=r["train_eflops"], **accuracy))
     return rows
+
+
+def pool_size(settings: Settings, n: int, total: int) -> int:
+    """The data.train_examples of size ``n``'s runs (0: every example)."""
+    return 0 if n + settings.val_split == total else n + settings.val_split
+
+
+def smallest_class(settings: Settings, labels, train_examples: int = 0) -> int:
+    """Examples of the smallest class in the few-shot pool of a run of ``train_examples``
+    (``fewshot``'s: the training split of the run's pool)."""
+    if train_examples:
+        labels = labels[training_pool(labels, train_examples, 0)]
+    train_idx, _ = split(settings, labels)
+    return int(min(np.bincount(labels[train_idx].numpy())))
+
+
+def fitting_shots(settings: Settings, labels, total: int, shots: Sequence[int]) -> dict:
+    """size -> the ``shots`` its pool can evaluate: k-shot needs k + 2 examples of every class (k to
+    fit, some held out).  Refused before any run where a size can evaluate none: that row had a
+    few-shot figure at max(1, smallest // 3) shots, a count nobody asked for."""
+    fits, smallest = {}, {}
+    for n in settings.get("sizes"):
+        smallest[n] = smallest_class(settings, labels, pool_size(settings, n, total))
+        fits[n] = [k for k in shots if k + 2 <= smallest[n]]
+    none = [n for n, f in fits.items() if not f]
+    if none:
+        most = ("" if len(none) == 1 else "at most ") + str(max(smallest[n] for n in none))
+        raise ConfigError(f"experiment data-scale: sizes {none} can evaluate none of shots {list(shots)}: the "
+                          f"smallest class of their few-shot pool has {most} examples "
+                          "and a k-shot probe needs k + 2; give smaller shots or larger sizes")
+    return fits
+
+
+def notes(settings: Settings, rows) -> dict:
+    """results.json's record of the shot counts a size's pool was too small for (its columns blank)."""
+    left = {}
+    for n in settings.get("sizes"):
+        done = {k for r in rows if r.get("examples") == n for k in settings.get("shots", [5])
+                if r.get(f"fewshot_{k}") is not None}
+        missing = [k for k in settings.get("shots", [5]) if k not in done]
+        if missing:
+            left[str(n)] = missing
+    return dict(shots_not_evaluated=left) if left else {}
 
 
 def fewshot(model, settings: Settings, images, labels, shots: Sequence[int] = (5,), train_examples: int = 0) -> dict:
     """Linear few-shot top-1 of frozen features of ``images`` (the experiment's data, ``load_images``):
-    pool = the training split, evaluated on the held-out one."""
+    pool = the training split, evaluated on the held-out one.  Every shot count must fit the pool
+    (``fitting_shots``)."""
     if train_examples:  # the run's pool, drawn as its data.train_examples drew it (the split's seed is 0)
         keep = training_pool(labels, train_examples, 0)
         images, labels = images[keep], labels[keep]
@@ -65,7 +117,9 @@ def fewshot(model, settings: Settings, images, labels, shots: Sequence[int] = (5
     pool = extract_features(model, images[train_idx], image_size=settings.img_size)
     ev = extract_features(model, images[val_idx], image_size=settings.img_size)
     per_class = int(min(np.bincount(labels[train_idx].numpy())))
-    shots = [k for k in shots if k + 2 <= per_class] or [max(1, per_class // 3)]
+    if not shots or max(shots) + 2 > per_class:  # the run checks up front (fitting_shots)
+        raise ValueError(f"shots={list(shots)}: the smallest class of the pool has {per_class} examples; "
+                         "a k-shot probe needs k + 2")
     r = fewshot_evaluate(pool, labels[train_idx].numpy(), ev, labels[val_idx].numpy(), shots=shots, seeds=(0,),
                          holdout_per_class=min(10, max(1, per_class - max(shots) - 1)))
     return {f"fewshot_{k}": float(sum(v) / len(v)) for k, v in r.accuracy.items()}

@@ -2,6 +2,7 @@
 and one per folder layout, and its parts (task names, fixed splits, means, accumulation)."""
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -394,11 +395,40 @@ def test_resume_refuses_runs_made_in_another_arithmetic_than_auto_resolves_to_no
     assert (f"--resume: the runs of eurosat in {out} were made with other settings: run.precision='bf16' "
             "(its runs: 'fp32');") in err, err
     assert summary.stat().st_mtime_ns == stamp
-    # a record of before the precision was resolved is read as it was
+    # a record of before the precision was resolved is read as the runs' config.json recorded it
     record["eurosat"]["run.precision"] = "auto"
     (out / "settings.json").write_text(json.dumps(record))
+    assert main([*args, "--resume"]) == 2
+    assert "run.precision='bf16' (its runs: 'fp32');" in capsys.readouterr().err
     monkeypatch.setattr(fast, "cpu_precision", lambda *a, **k: "fp32")
     assert main([*args, "--resume"]) == 0 and summary.stat().st_mtime_ns == stamp
+    assert json.loads((out / "settings.json").read_text())["eurosat"]["run.precision"] == "fp32"
+
+
+def test_resume_reads_an_auto_record_as_the_precision_its_runs_recorded(tmp_path):
+    """A settings.json of before the precision was resolved says "auto": --resume took today's resolution
+    whatever the finished runs had trained in, and rewrote the record with it.  The runs' config.json say."""
+    from vitlab.config import ConfigError
+    from vitlab.train.vtab import SETTINGS_NAME, check_earlier_runs
+
+    out = tmp_path / "vtab"
+    now = {"eurosat": {"run.precision": "bf16", "optim.steps": 1}}
+    (out / "eurosat" / "lr_0.01").mkdir(parents=True)
+    (out / "eurosat" / "lr_0.01" / "summary.json").write_text("{}")
+    (out / SETTINGS_NAME).write_text(json.dumps({"eurosat": {"run.precision": "auto", "optim.steps": 1}}))
+    config = out / "eurosat" / "lr_0.01" / "config.json"
+    config.write_text(json.dumps({"run": {"precision": "fp32"}, "resolved": {"precision": "fp32"}}))
+    with pytest.raises(ConfigError, match=re.escape(f"--resume: the runs of eurosat in {out} were made with other "
+                                                    "settings: run.precision='bf16' (its runs: 'fp32');")):
+        check_earlier_runs(out, now, resume=True, overwrite=False)
+    # a stopped run's record counts as a finished one's
+    (out / "eurosat" / "lr_0.01" / "summary.json").unlink()
+    (out / "eurosat" / "lr_0.01" / "checkpoints").mkdir()
+    (out / "eurosat" / "lr_0.01" / "checkpoints" / "ckpt-00000001.pt").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="run.precision='bf16' \\(its runs: 'fp32'\\)"):
+        check_earlier_runs(out, now, resume=True, overwrite=False)
+    config.write_text(json.dumps({"run": {"precision": "bf16"}, "resolved": {"precision": "bf16"}}))
+    assert check_earlier_runs(out, now, resume=True, overwrite=False)["eurosat"]["run.precision"] == "bf16"
 
 
 def test_run_vtab_refuses_no_tasks_or_paths_for_tasks_before_writing_anything(tasks, tmp_path):

@@ -42,6 +42,7 @@ from .build import check_can_run
 from .config import TrainConfig, check_lr_grid, to_dict
 from .distributed import local_rank, local_world
 from .diverged import unless_diverged
+from .legacy import recorded_section
 from .loop import held_by_earlier_run, read_summary, train
 from .metrics import Progress
 from .numerics import NonFiniteError
@@ -140,6 +141,16 @@ def task_settings(cfg: TrainConfig, task: Task, examples: int, split_seed: int) 
     return json.loads(json.dumps(values))  # as the file holds them: tuples as lists
 
 
+def run_precision(folder: Path) -> str | None:
+    """The precision the run in ``folder`` trained in, as its config.json recorded it resolved; None
+    where it recorded none."""
+    try:
+        recorded = json.loads((folder / "config.json").read_text())
+        return (recorded.get("resolved") or {}).get("precision") or recorded_section(recorded, "run").get("precision")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def check_earlier_runs(out: Path, settings: Mapping[str, dict], resume: bool, overwrite: bool) -> dict:
     """Refuse what would lose finished runs or present stale ones as this invocation's: running
     the tasks again over their finished runs, or runs that stopped and kept checkpoints, without
@@ -168,9 +179,12 @@ def check_earlier_runs(out: Path, settings: Mapping[str, dict], resume: bool, ov
     except (OSError, ValueError):
         earlier = {}
     for name, now in settings.items() if resume else ():
-        before = earlier.get(name) or {}
-        changed = [f"{k}={now[k]!r} (its runs: {before[k]!r})" for k in now if k in before and before[k] != now[k]
-                   and not (k == "run.precision" and before[k] == "auto")]  # a record of before it was resolved
+        before = dict(earlier.get(name) or {})
+        if before.get("run.precision") == "auto":  # a record of before it was resolved: the runs' own say
+            kept = [run for run in finished + [p.parent for p in stopped] if run.parent == out / name]
+            used = [p for p in map(run_precision, kept) if p not in (None, "auto")]
+            before["run.precision"] = next((p for p in used if p != now.get("run.precision")), now.get("run.precision"))
+        changed = [f"{k}={now[k]!r} (its runs: {before[k]!r})" for k in now if k in before and before[k] != now[k]]
         if changed:
             raise ConfigError(f"--resume: the runs of {name} in {out} were made with other settings: "
                               f"{', '.join(changed)}; resume with the same ones, or train again with --overwrite "

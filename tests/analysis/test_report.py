@@ -250,6 +250,25 @@ def test_a_model_in_bfloat16_gets_its_figures():
     assert next(model.parameters()).dtype == torch.bfloat16
 
 
+def test_the_attention_distance_axis_of_a_non_square_model_reaches_its_longer_side(monkeypatch):
+    """The axis was capped at img_size[0]: a 8x32 model's ended at its height, 8 px, where its
+    patches lie up to 28 px apart (the data beyond it took the axis instead)."""
+    from vitlab.analysis import plots, report as report_module
+
+    drawn = []
+    real = plots.plot_attention_distance
+    monkeypatch.setattr(report_module.plots, "plot_attention_distance",
+                        lambda d, size: drawn.append((d, real(d, size))) or drawn[-1][1])
+    model = create_model(ViTConfig(img_size=(8, 32), patch_size=4, width=32, depth=2, mlp_dim=64, num_heads=2,
+                                   num_classes=3, name="ViT-tiny/4"))
+    report_module.build_report(model, images())
+    ((distance, fig),) = drawn
+    assert fig.axes[0].get_ylim() == (0, 32) and distance.max() <= 32
+    # a side, as before; the data beyond the image's size still fits
+    assert real(np.full((2, 2), 10.0), 16).axes[0].get_ylim() == (0, 16)
+    assert real(np.full((2, 2), 40.0), (16, 32)).axes[0].get_ylim()[1] >= 40
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
 def test_the_report_goes_into_a_pipe_or_device_named_as_out(tmp_path):
     # written beside and renamed over it, the page replaced a pipe (or, for root, /dev/null or

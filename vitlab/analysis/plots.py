@@ -131,9 +131,10 @@ def plot_position_similarity(similarity: np.ndarray) -> Figure:
     return fig
 
 
-def plot_attention_distance(distance: np.ndarray, image_size: int | None = None) -> Figure:
+def plot_attention_distance(distance: np.ndarray, image_size: int | Sequence[int] | None = None) -> Figure:
     """(layers, heads) mean attention distance in pixels, one dot per head over depth
-    (paper Fig. 7 right, Fig. 11)."""
+    (paper Fig. 7 right, Fig. 11); the axis reaches the image's longer side (``image_size``: a side,
+    or (height, width)), or the data where it goes further."""
     d = np.asarray(distance, dtype=np.float64)
     layers, heads = d.shape
     fig = _new_figure(figsize=(5.2, 3.8))
@@ -144,7 +145,8 @@ def plot_attention_distance(distance: np.ndarray, image_size: int | None = None)
     ax.set_xlabel("network depth (layer)")
     ax.set_ylabel("mean attention distance (pixels)")
     ax.set_xticks(np.arange(1, layers + 1))
-    top = image_size if image_size else None
+    # the longer side: a 16x64 model's axis ended at its height, a head 15 px apart drawn as if at the image's size
+    top = max(np.atleast_1d(image_size)) if image_size is not None else None
     ax.set_ylim(0, top if top and top > d.max() else d.max() * 1.1 + 1e-9)
     ax.grid(alpha=0.3)
     if heads <= 16:

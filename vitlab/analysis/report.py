@@ -381,7 +381,7 @@ def _section_distance(model: nn.Module, distance: np.ndarray, num_images: int) -
                "some heads attending globally already in the lowest layers, others locally, and the "
                "distance growing with depth.")
     return _card("distance", "Mean attention distance", "Paper Figure 7 (right) and Figure 11",
-                 _figure(plots.plot_attention_distance(distance, model.cfg.img_size[0]), "attention distance",
+                 _figure(plots.plot_attention_distance(distance, model.cfg.img_size), "attention distance",
                          caption, width=520))
 
 

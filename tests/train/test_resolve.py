@@ -564,3 +564,61 @@ def test_the_processes_of_a_run_train_in_one_arithmetic(tmp_path):
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert [out.split()[-3:] for out, _ in outs] == [["fp32", "fp32", "False"]] * 2  # bf16 only where all are
+
+
+REFUSED_ON_ONE = """
+import dataclasses, sys
+from vitlab.machine import Machine
+cores = int(sys.argv[1])
+here = Machine.here
+Machine.here = staticmethod(lambda gpu_index=0: dataclasses.replace(here(gpu_index), cores=cores))  # this host's
+from vitlab.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("refused", ["threads", "out"])
+def test_a_refusal_met_by_one_process_stops_every_process_with_its_line(tmp_path, refused):
+    """A refusal of one host's alone, met by rank 1 as the run was resolved (run.threads above its
+    cores) or before (its run folder holding an earlier run's weights): rank 1 left, and rank 0, in the
+    resolution's next collective call, failed with gloo's 'Connection closed by peer' traceback (or waited
+    for it until the backend's timeout).  Every process now stops with rank 1's line, printed once, as
+    under torchrun (the test keeps the store torchrun's agent keeps, where rank 0 posts its error)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from vitlab.weights.native import WEIGHTS_NAME
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / WEIGHTS_NAME).write_bytes(b"")
+    root = Path(__file__).resolve().parents[2]
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+               "TORCHELASTIC_RESTART_COUNT": "0"}
+        cores = 1 if refused == "threads" and rank == 1 else 4
+        out = earlier if refused == "out" and rank == 1 else tmp_path / "run"
+        procs.append(subprocess.Popen([sys.executable, "-c", REFUSED_ON_ONE, str(cores), "train", "--recipe", "demo",
+                                       "--data", "digits", "--steps", "2", "--set", "run.threads=2", "--out", str(out)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], outs
+    why = ("run.threads=2: this process may use 1 core(s) here" if refused == "threads"
+           else f"run.out={str(earlier)!r} holds the weights of an earlier run")
+    said = [[line for line in err.splitlines() if "error" in line or "Traceback" in line] for _, err in outs]
+    assert len(said[0]) == 1 and said[1] == [], outs  # rank 0 prints it, rank 1 finds it posted
+    assert said[0][0].startswith(f"vitlab train: error: rank 1 of 2 (host {socket.gethostname()}): {why}"), outs

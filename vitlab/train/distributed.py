@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from vitlab.config import ConfigError
 from vitlab.models.layers import Block
 from vitlab.models.mpp import MaskedPatchPrediction
 
@@ -131,6 +133,93 @@ def _all_reduce_numbers(values: list[float], world: World, op: str) -> list[floa
     t = torch.tensor(values, dtype=torch.float64, device=world.device)
     dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return t.tolist()
+
+
+# the numbers an ``Agreement``'s calls carry besides its flag: every call sends as many, so that the
+# call a refusing process makes in place of another's lines up with it
+AGREED_NUMBERS = 3
+
+
+class Agreement:
+    """The collective calls of a phase every process of a run goes through together (its
+    resolution), each carrying whether a process met a refusal: one that met it between two calls
+    makes the next with it instead of leaving, and every process then stops with that refusal,
+    named by the rank and host that met it (``RankRefused``).  A refusal of one host alone (more
+    threads than its cores, data missing there, a memory refusal from its own figures) left the
+    others in their next call until the backend's timeout, or failed them with a traceback.
+
+        with Agreement(world) as agreement:
+            ...; least = agreement.least([workers]); ...  # the phase's collective calls
+        # on leaving: one more call, so that a refusal after the last is every process's too
+
+    Inactive (no call made) for one process, without a process group, or when ``active`` is
+    False (a preview)."""
+
+    def __init__(self, world: World, active: bool = True) -> None:
+        self.world = world
+        self.active = active and world.size > 1 and dist.is_initialized()
+
+    def least(self, values: list[float]) -> list[float]:
+        """The least of each of ``values`` (at most ``AGREED_NUMBERS``) over the processes; as given
+        when inactive.  Raises RankRefused where a process made this call with its refusal."""
+        if not self.active:
+            return values
+        return self._call(values)[:len(values)]
+
+    def _call(self, values: list[float], refusal: str | None = None) -> list[float]:
+        """One call of every process: ``values`` padded to ``AGREED_NUMBERS``, after the first
+        rank that refused (this one's, with ``refusal``; the world's size for none)."""
+        if len(values) > AGREED_NUMBERS:
+            raise ValueError(f"an agreement carries at most {AGREED_NUMBERS} numbers, got {len(values)}")
+        world = self.world
+        first = world.rank if refusal is not None else world.size
+        refused, *least = all_reduce_min([float(first)] + [float(v) for v in values]
+                                         + [float("inf")] * (AGREED_NUMBERS - len(values)), world)
+        if refused < world.size:  # every process now gathers the refusals, and stops
+            said = all_gather_objects(None if refusal is None else (socket.gethostname(), refusal), world)
+            host, line = said[int(refused)]
+            if all(s is not None and s[1] == line for s in said):  # every process met it: the config's, say
+                raise RankRefused(line, everyone=True)
+            raise RankRefused(f"rank {int(refused)} of {world.size} (host {host}): {line}")
+        return least
+
+    def __enter__(self) -> Agreement:
+        return self
+
+    def __exit__(self, kind, err, tb) -> bool:
+        if not self.active or isinstance(err, RankRefused) or (err is not None and not isinstance(err, Exception)):
+            return False  # no agreement, every process stopping already, or Ctrl-C
+        if err is None:
+            self._call([])  # the last call: a refusal met after the one before
+            return False
+        try:
+            self._call([], refusal_line(err))
+        except RankRefused as refused:
+            # one line, the same on every process (printed once: ``rank_0_said``); met by all, each its own
+            if isinstance(err, REFUSALS) and not refused.everyone:
+                raise refused from err
+        except Exception:  # noqa: BLE001 - the group itself failed (a process gone): this process's own error
+            pass
+        return False  # an error of another kind (a fault of the code): its traceback, the others told in one line
+
+
+class RankRefused(ConfigError):
+    """A refusal met by a process of a run, which every process stops with (``everyone``: every
+    process met it)."""
+
+    def __init__(self, line: str, everyone: bool = False) -> None:
+        super().__init__(line)
+        self.everyone = everyone
+
+
+def refusal_line(err: BaseException) -> str:
+    """What the command prints of ``err``: its message (``vitlab.extras.require``'s names the extra of a
+    missing optional package); an error of another kind by its type too."""
+    return str(err) if isinstance(err, REFUSALS) else f"{type(err).__name__}: {err}"
+
+
+# what the command reports in one line (a config, input or data error, a missing optional package)
+REFUSALS = (ValueError, OSError, FloatingPointError, ImportError)
 
 
 def all_reduce_tensor(t: torch.Tensor, world: World) -> torch.Tensor:

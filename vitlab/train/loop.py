@@ -33,8 +33,8 @@ from vitlab.weights.native import WEIGHTS_NAME
 from . import checkpoint as ckpt
 from .build import Setup, build, check_data
 from .config import TrainConfig, to_dict
-from .distributed import (World, all_reduce_sum, barrier, broadcast_from_main, elastic_restart_count, init_world,
-                          local_rank, shutdown)
+from .distributed import (Agreement, World, all_reduce_sum, barrier, broadcast_from_main, elastic_restart_count,
+                          init_world, local_rank, shutdown)
 from .diverged import DIVERGED_NAME
 from .inputs import Spans, WaitTimed
 from .metrics import MetricsWriter, Progress, plot_curves
@@ -163,19 +163,22 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     restarts = elastic_restart_count()
     if restarts:  # torchrun started the group again after a process died: continue, never start over
         resume, overwrite = True, False
-    check_data(cfg)  # an empty data folder is named as such, not as an output folder holding checkpoints
-    # before the checkpoint folder is looked into and the process-wide memory setting below (build's
-    # check_can_run repeats it for build's other callers)
-    need_output_folder("run.out", cfg.run.out)
-    out = Path(cfg.run.out)
-    ckpt_dir = out / "checkpoints"
-    held = held_by_earlier_run(out)
-    if not resume and not overwrite:
-        check_nothing_held(out)
-    elif resume and held == "weights":  # there was nothing to continue: it trained from step 0 over the weights
-        raise ConfigError(f"--resume: run.out={str(out)!r} holds the weights of an earlier run and no checkpoint to "
-                          "continue it from (a finished run's were removed); start afresh there with --overwrite, "
-                          "or choose another --out")
+    # each process looks at its own host's files: a refusal of one (its data missing there) is every process's,
+    # which else waited for it in the resolution's first agreement
+    with Agreement(world):
+        check_data(cfg)  # an empty data folder is named as such, not as an output folder holding checkpoints
+        # before the checkpoint folder is looked into and the process-wide memory setting below (build's
+        # check_can_run repeats it for build's other callers)
+        need_output_folder("run.out", cfg.run.out)
+        out = Path(cfg.run.out)
+        ckpt_dir = out / "checkpoints"
+        held = held_by_earlier_run(out)
+        if not resume and not overwrite:
+            check_nothing_held(out)
+        elif resume and held == "weights":  # there was nothing to continue: it trained from step 0 over the weights
+            raise ConfigError(f"--resume: run.out={str(out)!r} holds the weights of an earlier run and no checkpoint "
+                              "to continue it from (a finished run's were removed); start afresh there with "
+                              "--overwrite, or choose another --out")
     # a resumed run's checkpoint is read first: its record of how the run was resolved goes into the build
     last_saved, state = resume_point(world, ckpt_dir, restarts) if resume else (None, None)
     if cfg.run.retain_freed_memory and world.device.type == "cpu":

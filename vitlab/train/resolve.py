@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from vitlab import fast
 from vitlab.config import Architecture, ConfigError, Pair, ResNetConfig, ViTConfig, replace
@@ -58,7 +57,7 @@ from vitlab.machine import Machine
 
 from .architecture import architecture
 from .config import FINETUNE_MODEL_FIELDS, DataConfig, RunConfig, TrainConfig, to_dict
-from .distributed import World, all_reduce_min, local_rank, local_world
+from .distributed import Agreement, World, local_rank, local_world
 from .inputs import HeldImages, count_images, held_images, opened_source
 from .memory_estimate import (GB, Available, MemoryEstimate, RunShape, estimate_memory, fitting_settings, gb, refusal,
                               resident_state_bytes, smallest_fitting_accum)
@@ -137,8 +136,20 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     a preview too), a resumed fp16 run asked
     to continue without its loss scaler or the other way round, a resumed run asked by name for
     another precision than its checkpoint's.
+
+    The processes of a run resolve together (``distributed.Agreement``; a preview and a run of one
+    process make no collective call): each reads its own host, and a refusal met by one of them
+    (more threads than its cores, its data missing, its memory short) is every process's, which
+    stops with that one line naming the rank and host that met it (``RankRefused``), rather than
+    waiting for that process in the next agreement until the backend's timeout.
     """
-    saved = saved or {}
+    with Agreement(world, active=not preview) as agreement:
+        return resolve_together(cfg, world, machine, saved or {}, preview, agreement)
+
+
+def resolve_together(cfg: TrainConfig, world: World, machine: Machine, saved: dict, preview: bool,
+                     agreement: Agreement) -> Resolved:
+    """``resolve``'s work, its collective calls made through ``agreement``."""
     device = world.device
     precision, kernels, bf16_matmuls, notes = arithmetic(cfg, device, machine, saved)
     if cfg.run.threads > machine.cores:  # far above, OpenMP's thread pool crashes the process (a segfault)
@@ -151,8 +162,8 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     decode = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}
     changes = dict(cfg.run.on_device.get(device.type, {}))  # the recipe's settings for this kind of device
     check_device_options(cfg, device, machine)
-    if not preview and not saved:  # a resumed run's are its checkpoint's, every process's alike
-        precision, bf16_matmuls, notes = agreed_arithmetic(cfg, precision, bf16_matmuls, notes, world)
+    if not saved:  # a resumed run's are its checkpoint's, every process's alike
+        precision, bf16_matmuls, notes = agreed_arithmetic(cfg, precision, bf16_matmuls, notes, agreement)
     cfg = with_changes(cfg, changes | decode | recorded_paths(cfg) | {"run.device": str(device),
                                                                   "run.precision": precision})
     if cfg.data.source is None and not preview:  # a command that scores a model: its data in memory
@@ -163,14 +174,13 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     img_size = training_size(cfg)
     if cfg.optim.accum_steps == "auto" and "accum_steps" in saved:  # before the workers its micro-batch bounds
         cfg = with_changes(cfg, {"optim.accum_steps": saved["accum_steps"]})
-    cfg, held, uncounted = data_decisions(cfg, world, cores, img_size, saved, preview)
+    cfg, held, uncounted = data_decisions(cfg, world, cores, img_size, saved, preview, agreement)
     mode = compile_mode(cfg, world)
     cfg = with_changes(cfg, {"run.compile_optimizer": compiles_optimizer(cfg, mode)})
     resolved = Resolved(cfg, kernels, bf16_matmuls, threads, mode, machine.cpu_line(),
                         img_size=img_size, notes=notes, uncounted=uncounted)
     available = machine_memory(machine, resolved.device, world)
-    if not preview:
-        available = least_available(available, world)
+    available = least_available(available, agreement)
     with step_measurement(resolved, world) as step_peak:  # None: the estimate decides
         if step_peak is not None and available.gpu is None:  # a card whose free memory was not read
             available = dataclasses.replace(available, gpu=int(torch.cuda.mem_get_info(world.device)[0]))
@@ -181,7 +191,7 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
     micro_batch = cfg.optim.batch_size // (accum * world.size)
     cfg = with_changes(cfg, {"optim.accum_steps": accum})
     if resolved.data == "stream":
-        workers = agreed_stream_workers(cfg, world, cores, saved, micro_batch, preview)
+        workers = agreed_stream_workers(cfg, world, cores, saved, micro_batch, agreement)
         if workers != cfg.data.stream_workers:  # planned with more (the more memory): estimated again
             cfg = with_changes(cfg, {"data.stream_workers": workers})
             memory = estimate_memory(memory.shape.with_(stream_workers=workers))
@@ -190,7 +200,7 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
 
 
 def data_decisions(cfg: TrainConfig, world: World, cores: int, img_size: Pair, saved: dict,
-                   preview: bool) -> tuple[TrainConfig, HeldImages, str]:
+                   preview: bool, agreement: Agreement) -> tuple[TrainConfig, HeldImages, str]:
     """(``cfg`` with memory or stream and the DataLoader workers decided, the images the run
     holds in memory, why a preview could not count them or "").  Reads the data's index, never
     an image."""
@@ -208,7 +218,7 @@ def data_decisions(cfg: TrainConfig, world: World, cores: int, img_size: Pair, s
             raise ConfigError(unread)
         changes = {"data.stream": "stream" if streamed else "memory"}
         if streamed:  # agreed before the memory is planned with them: each holds an interpreter
-            changes["data.stream_workers"] = fewest_workers(stream_workers(cfg, world, cores, saved), world, preview)
+            changes["data.stream_workers"] = fewest_workers(stream_workers(cfg, world, cores, saved), agreement)
         elif cfg.data.stream_workers == "auto":
             changes["data.stream_workers"] = 0  # nothing streams: no DataLoader workers
         cfg = with_changes(cfg, changes)
@@ -390,17 +400,17 @@ def arithmetic(cfg: TrainConfig, device: torch.device, machine: Machine, saved: 
 
 
 def agreed_arithmetic(cfg: TrainConfig, precision: str, bf16_matmuls: bool, notes: tuple[str, ...],
-                      world: World) -> tuple[str, bool, tuple[str, ...]]:
-    """(precision, bf16 matmuls, notes) as every process of ``world``'s group takes them (a
-    collective call; as given without one): each decides them from its own host's CPU, GPU and
+                      agreement: Agreement) -> tuple[str, bool, tuple[str, ...]]:
+    """(precision, bf16 matmuls, notes) as every process of the run takes them (a collective call
+    through ``agreement``; as given without one): each decides them from its own host's CPU, GPU and
     stored calibration.  ``run.precision="auto"`` is bf16 only where every process came to it (a
     host whose CPU emulates bf16 would set the pace of all, and config.json states one precision),
     and Muon orthogonalises in bf16 only where every process would: each process updates its
     own replica, and replicas orthogonalised in other precisions drift apart."""
-    if world.size == 1 or not dist.is_initialized():
+    if not agreement.active:
         return precision, bf16_matmuls, notes
     auto = cfg.run.precision == "auto"
-    in_bf16, matmuls = all_reduce_min([float(auto and precision == "bf16"), float(bf16_matmuls)], world)
+    in_bf16, matmuls = agreement.least([float(auto and precision == "bf16"), float(bf16_matmuls)])
     if auto and precision == "bf16" and not in_bf16:
         notes += ("run.precision=auto: fp32, as another process of the run came to (this one came to bf16)",)
         precision = "fp32"
@@ -656,16 +666,14 @@ def stream_workers(cfg: TrainConfig, world: World, cores: int, saved: dict, micr
     return count
 
 
-def fewest_workers(workers: int, world: World, preview: bool) -> int:
-    """The fewest DataLoader workers per process any process of ``world``'s group came to (a
-    collective call; ``workers`` without one, and in a preview): reader w of rank k takes the
+def fewest_workers(workers: int, agreement: Agreement) -> int:
+    """The fewest DataLoader workers per process any process of the run came to (a collective
+    call through ``agreement``; ``workers`` without one, and in a preview): reader w of rank k takes the
     shards' order from k x workers + w, every world size x workers, so processes that counted other
     cores (hosts of other sizes, other CPU quotas) read some shards twice and others never.  Taken
     before the memory is planned: a process planned with more workers than the run reads with was
     refused where the others were not, and they waited for it here."""
-    if preview or world.size == 1 or not dist.is_initialized():
-        return workers
-    least = int(all_reduce_min([float(workers)], world)[0])
+    least = int(agreement.least([float(workers)])[0])
     if least < workers:
         log.warning("data.stream_workers: %d DataLoader worker(s) per process, as another process of the run "
                     "came to (this one came to %d): every process reads the shards with one count", least, workers)
@@ -673,16 +681,15 @@ def fewest_workers(workers: int, world: World, preview: bool) -> int:
 
 
 def agreed_stream_workers(cfg: TrainConfig, world: World, cores: int, saved: dict, micro_batch: int,
-                          preview: bool) -> int:
+                          agreement: Agreement) -> int:
     """The DataLoader workers per process of a streamed run once its micro-batch is decided: no
     more than it feeds (``stream_workers``; they were planned with a micro-batch of the whole batch
     where ``optim.accum_steps`` was "auto", and the loader holds them to the micro-batch), and the
-    fewest any process of ``world``'s group came to (``fewest_workers``, again: a micro-batch
-    planned from another host's kernels may differ)."""
+    fewest any process of the run came to (``fewest_workers``, again)."""
     workers = cfg.data.stream_workers
     if workers > micro_batch:  # each reader makes a part of every micro-batch
         workers = stream_workers(cfg, world, cores, saved, micro_batch)
-    return fewest_workers(workers, world, preview)
+    return fewest_workers(workers, agreement)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -724,15 +731,15 @@ def machine_memory(machine: Machine, device: str, world: World) -> Available:
                      processes=world.processes_here)
 
 
-def least_available(available: Available, world: World) -> Available:
-    """``available`` as the least any process of ``world``'s group read: each reads its host's memory at its
+def least_available(available: Available, agreement: Agreement) -> Available:
+    """``available`` as the least any process of the run read: each reads its host's memory at its
     own moment and its own GPU's, and with ``optim.accum_steps`` "auto" one that read more chose fewer,
     larger micro-batches than another (a global batch sliced two ways), or was not refused where another
-    was.  A collective call in a process group; ``available`` itself without one."""
-    if world.size == 1 or not dist.is_initialized():
+    was.  A collective call through ``agreement``; ``available`` itself without one."""
+    if not agreement.active:
         return available
     unknown = float("inf")
-    host, gpu = all_reduce_min([unknown if v is None else float(v) for v in (available.host, available.gpu)], world)
+    host, gpu = agreement.least([unknown if v is None else float(v) for v in (available.host, available.gpu)])
     return dataclasses.replace(available, host=None if host == unknown else int(host),
                                gpu=None if gpu == unknown else int(gpu))
 

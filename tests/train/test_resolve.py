@@ -566,6 +566,49 @@ def test_the_processes_of_a_run_train_in_one_arithmetic(tmp_path):
     assert [out.split()[-3:] for out, _ in outs] == [["fp32", "fp32", "False"]] * 2  # bf16 only where all are
 
 
+AGREE_ACCUM = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+import vitlab.fast
+from conftest import tiny_config
+from vitlab.fast.kernels import KernelChoice
+from vitlab.machine import Machine
+from vitlab.train.distributed import World
+from vitlab.train.overrides import with_changes
+from vitlab.train.resolve import resolve
+rank, store = int(sys.argv[1]), sys.argv[2]
+attention = "explicit" if rank == 1 else "fused"  # each host's kernels (its rule or calibration)
+vitlab.fast.choose = lambda path=None, info=None: KernelChoice(attention=attention)
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+cfg = with_changes(tiny_config(store + ".run", batch_size=256), {"optim.accum_steps": "auto", "model.overrides": dict(
+    img_size=16, patch_size=2, width=64, depth=2, num_heads=2, mlp_dim=128, name="ViT-agree/2")})
+world = World(rank=rank, size=2, local_rank=0, device=torch.device("cpu"))  # one process on each of two hosts
+resolved = resolve(cfg, world, Machine.described(cores=2, memory_available=215 << 20))
+print(resolved.accum_steps, resolved.micro_batch, resolved.memory.shape.accum_steps, resolved.memory.shape.micro_batch)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_the_processes_of_a_run_slice_the_batch_alike_where_their_estimates_differ(tmp_path):
+    """With the memory agreed, each process still estimated its run with its own host's kernels: the
+    one whose attention is the explicit kernel (its fp32 scores kept) planned 2 micro-batches of 64 in
+    215 MB, the other 1 of 128, and the processes sliced each global batch two ways.  Every process
+    takes the most any planned."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root, tests = Path(__file__).resolve().parents[2], str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", AGREE_ACCUM, str(rank), str(tmp_path / "store"), tests],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [out.split()[-4:] for out, _ in outs] == [["2", "64", "2", "64"]] * 2  # and each estimate at it
+
+
 REFUSED_ON_ONE = """
 import dataclasses, sys
 from vitlab.machine import Machine

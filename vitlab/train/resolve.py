@@ -188,6 +188,8 @@ def resolve_together(cfg: TrainConfig, world: World, machine: Machine, saved: di
                                               check=cfg.run.memory_check and not preview, step_peak=step_peak)
     if measured is not None:
         notes += (measured_line(measured),)
+    if cfg.optim.accum_steps == "auto":
+        accum, memory = most_micro_batches(accum, memory, cfg.optim.batch_size // world.size, agreement)
     micro_batch = cfg.optim.batch_size // (accum * world.size)
     cfg = with_changes(cfg, {"optim.accum_steps": accum})
     if resolved.data == "stream":
@@ -742,6 +744,22 @@ def least_available(available: Available, agreement: Agreement) -> Available:
     host, gpu = agreement.least([unknown if v is None else float(v) for v in (available.host, available.gpu)])
     return dataclasses.replace(available, host=None if host == unknown else int(host),
                                gpu=None if gpu == unknown else int(gpu))
+
+
+def most_micro_batches(accum: int, memory: MemoryEstimate, batch: int,
+                       agreement: Agreement) -> tuple[int, MemoryEstimate]:
+    """(``optim.accum_steps="auto"`` as every process of the run takes it: the most micro-batches any
+    of them planned, the smallest micro-batch, which fits wherever a larger one did; this process's
+    estimate at that count).  ``batch``: a step's images per process.  A collective call through
+    ``agreement``; ``accum`` and ``memory`` without one.  With the memory they agreed on, each process
+    still estimates with its own host's kernels (``fast.choose``): one whose estimate was larger
+    planned more, smaller micro-batches, and the processes sliced each global batch two ways."""
+    most = -int(agreement.least([-float(accum)])[0])
+    if most == accum:
+        return accum, memory
+    log.warning("optim.accum_steps=auto: %d micro-batches a step, as another process of the run planned (this one "
+                "planned %d): every process slices the batch alike", most, accum)
+    return most, estimate_memory(memory.shape.with_(micro_batch=batch // most, accum_steps=most))
 
 
 def plan_memory(cfg: TrainConfig, shape: RunShape, available: Available, world_size: int = 1,

@@ -528,30 +528,32 @@ def test_the_processes_of_a_streamed_run_read_with_one_count_of_workers(tmp_path
 
 
 AGREE_ARITHMETIC = """
-import sys, torch, torch.distributed as dist
+import json, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[3])
 import vitlab.fast
 from conftest import tiny_config
 from vitlab.machine import Machine
 from vitlab.train.distributed import World
 from vitlab.train.resolve import resolve
-rank, store = int(sys.argv[1]), sys.argv[2]
+rank, store, saved = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[4])
 vitlab.fast.cpu_precision = lambda info=None: "bf16" if rank == 0 else "fp32"  # each host's rule or calibration
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
 cfg = tiny_config(store + ".run", **{"run.precision": "auto"})
 world = World(rank=rank, size=2, local_rank=0, device=torch.device("cpu"))  # one process on each of two hosts
-resolved = resolve(cfg, world, Machine.described(cores=2))
+resolved = resolve(cfg, world, Machine.described(cores=2), saved)
 print(resolved.precision, resolved.config.run.precision, resolved.bf16_matmuls)
 dist.destroy_process_group()
 """
 
 
 @pytest.mark.slow
-def test_the_processes_of_a_run_train_in_one_arithmetic(tmp_path):
+@pytest.mark.parametrize("saved", [{}, {"precision": "fp32"}])
+def test_the_processes_of_a_run_train_in_one_arithmetic(tmp_path, saved):
     """Each process decided run.precision=auto, and whether Muon orthogonalises in bf16, from its own
     host's CPU and stored calibration: on two hosts of which one calls for bf16, one process trained in
     bf16 and the other in fp32 (config.json stating rank 0's), and Muon updated the two replicas in
-    other precisions, so that they drifted apart."""
+    other precisions, so that they drifted apart.  A resumed run keeps its checkpoint's, and one written
+    before bf16_matmuls was recorded (``saved`` without it) left each process its own host's."""
     import os
     import subprocess
     import sys
@@ -559,8 +561,9 @@ def test_the_processes_of_a_run_train_in_one_arithmetic(tmp_path):
 
     root, tests = Path(__file__).resolve().parents[2], str(Path(__file__).resolve().parent)
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", AGREE_ARITHMETIC, str(rank), str(tmp_path / "store"), tests],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, "-c", AGREE_ARITHMETIC, str(rank), str(tmp_path / "store"), tests,
+                               json.dumps(saved)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert [out.split()[-3:] for out, _ in outs] == [["fp32", "fp32", "False"]] * 2  # bf16 only where all are

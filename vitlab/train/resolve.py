@@ -162,8 +162,9 @@ def resolve_together(cfg: TrainConfig, world: World, machine: Machine, saved: di
     decode = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}
     changes = dict(cfg.run.on_device.get(device.type, {}))  # the recipe's settings for this kind of device
     check_device_options(cfg, device, machine)
-    if not saved:  # a resumed run's are its checkpoint's, every process's alike
-        precision, bf16_matmuls, notes = agreed_arithmetic(cfg, precision, bf16_matmuls, notes, agreement)
+    # a resumed run's are its checkpoint's, every process's alike, but a checkpoint written before the
+    # precision or bf16_matmuls was recorded leaves each process its own host's: agreed as afresh
+    precision, bf16_matmuls, notes = agreed_arithmetic(cfg, precision, bf16_matmuls, notes, agreement)
     cfg = with_changes(cfg, changes | decode | recorded_paths(cfg) | {"run.device": str(device),
                                                                   "run.precision": precision})
     if cfg.data.source is None and not preview:  # a command that scores a model: its data in memory
@@ -408,7 +409,9 @@ def agreed_arithmetic(cfg: TrainConfig, precision: str, bf16_matmuls: bool, note
     stored calibration.  ``run.precision="auto"`` is bf16 only where every process came to it (a
     host whose CPU emulates bf16 would set the pace of all, and config.json states one precision),
     and Muon orthogonalises in bf16 only where every process would: each process updates its
-    own replica, and replicas orthogonalised in other precisions drift apart."""
+    own replica, and replicas orthogonalised in other precisions drift apart.  A resumed run's
+    (its checkpoint's) are every process's alike, and agreed all the same where its checkpoint
+    lacks them (one written before they were recorded), as a run's afresh are."""
     if not agreement.active:
         return precision, bf16_matmuls, notes
     auto = cfg.run.precision == "auto"

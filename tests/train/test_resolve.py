@@ -435,11 +435,11 @@ def test_a_number_of_stream_workers_is_refused_on_a_run_that_holds_its_data_in_m
 
 
 AGREE = """
-import json, sys, torch, torch.distributed as dist
+import dataclasses, json, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[4])
 from conftest import tiny_config
 from vitlab.machine import Machine
-from vitlab.train.distributed import World
+from vitlab.train.distributed import World, shutdown
 from vitlab.train.overrides import with_changes
 from vitlab.train.resolve import resolve
 rank, memory, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -448,7 +448,7 @@ cfg = with_changes(tiny_config(store + ".run", batch_size=256), {"optim.accum_st
     img_size=16, patch_size=2, width=64, depth=2, num_heads=2, mlp_dim=128, name="ViT-agree/2")})
 world = World(rank=rank, size=2, local_rank=rank, device=torch.device("cpu"), processes_here=2)
 print(resolve(cfg, world, Machine.described(cores=2, memory_available=memory)).config.optim.accum_steps)
-dist.destroy_process_group()
+shutdown(dataclasses.replace(world, owns_group=True))  # as a run ends it: left at once, gloo aborted one process
 """
 
 
@@ -474,11 +474,11 @@ def test_the_processes_of_a_run_plan_one_micro_batch_with_the_least_memory_any_o
 
 
 AGREE_WORKERS = """
-import sys, torch, torch.distributed as dist
+import dataclasses, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[4])
 from conftest import tiny_config
 from vitlab.machine import Machine
-from vitlab.train.distributed import World
+from vitlab.train.distributed import World, shutdown
 from vitlab.train.resolve import resolve
 rank, cores, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -486,8 +486,7 @@ cfg = tiny_config(store + ".run", data=sys.argv[5], val_split=0, **{"data.stream
 world = World(rank=rank, size=2, local_rank=0, device=torch.device("cpu"))  # one process on each of two hosts
 resolved = resolve(cfg, world, Machine.described(cores=cores, memory_available=int(sys.argv[6]) << 20))
 print(resolved.stream_workers, resolved.memory.shape.stream_workers, flush=True)
-dist.barrier()  # neither leaves the group while the other is still in it: gloo then aborted the one left
-dist.destroy_process_group()
+shutdown(dataclasses.replace(world, owns_group=True))  # as a run ends it: left at once, gloo aborted one process
 """
 
 
@@ -528,12 +527,12 @@ def test_the_processes_of_a_streamed_run_read_with_one_count_of_workers(tmp_path
 
 
 AGREE_ARITHMETIC = """
-import json, sys, torch, torch.distributed as dist
+import dataclasses, json, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[3])
 import vitlab.fast
 from conftest import tiny_config
 from vitlab.machine import Machine
-from vitlab.train.distributed import World
+from vitlab.train.distributed import World, shutdown
 from vitlab.train.resolve import resolve
 rank, store, saved = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[4])
 vitlab.fast.cpu_precision = lambda info=None: "bf16" if rank == 0 else "fp32"  # each host's rule or calibration
@@ -542,7 +541,7 @@ cfg = tiny_config(store + ".run", **{"run.precision": "auto"})
 world = World(rank=rank, size=2, local_rank=0, device=torch.device("cpu"))  # one process on each of two hosts
 resolved = resolve(cfg, world, Machine.described(cores=2), saved)
 print(resolved.precision, resolved.config.run.precision, resolved.bf16_matmuls)
-dist.destroy_process_group()
+shutdown(dataclasses.replace(world, owns_group=True))  # as a run ends it: left at once, gloo aborted one process
 """
 
 
@@ -570,13 +569,13 @@ def test_the_processes_of_a_run_train_in_one_arithmetic(tmp_path, saved):
 
 
 AGREE_ACCUM = """
-import sys, torch, torch.distributed as dist
+import dataclasses, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[3])
 import vitlab.fast
 from conftest import tiny_config
 from vitlab.fast.kernels import KernelChoice
 from vitlab.machine import Machine
-from vitlab.train.distributed import World
+from vitlab.train.distributed import World, shutdown
 from vitlab.train.overrides import with_changes
 from vitlab.train.resolve import resolve
 rank, store = int(sys.argv[1]), sys.argv[2]
@@ -588,7 +587,7 @@ cfg = with_changes(tiny_config(store + ".run", batch_size=256), {"optim.accum_st
 world = World(rank=rank, size=2, local_rank=0, device=torch.device("cpu"))  # one process on each of two hosts
 resolved = resolve(cfg, world, Machine.described(cores=2, memory_available=215 << 20))
 print(resolved.accum_steps, resolved.micro_batch, resolved.memory.shape.accum_steps, resolved.memory.shape.micro_batch)
-dist.destroy_process_group()
+shutdown(dataclasses.replace(world, owns_group=True))  # as a run ends it: left at once, gloo aborted one process
 """
 
 

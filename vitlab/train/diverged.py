@@ -19,7 +19,8 @@ from .numerics import NonFiniteError
 from .overrides import with_changes
 from .resolve import recorded_paths
 
-__all__ = ["DIVERGED_NAME", "diverged_before", "record_divergence", "forget_divergence", "unless_diverged"]
+__all__ = ["DIVERGED_NAME", "diverged_before", "record_divergence", "forget_divergence", "unless_diverged",
+           "finished_unless_diverged"]
 
 # in a rate's run folder, once its run diverged: the error it stopped on and the config it was run with
 DIVERGED_NAME = "diverged.json"
@@ -71,3 +72,14 @@ def unless_diverged(cfg: TrainConfig, run: Callable[[], dict], resume: bool, say
         record_divergence(cfg, err)
         say(f"{label}: diverged (a loss or gradients not finite), counted as lost")
         return None, str(err)
+
+
+def finished_unless_diverged(cfg: TrainConfig, run: Callable[[], dict], resume: bool, say: Callable[[str], object],
+                             label: str, stops: str) -> dict:
+    """``run()``'s summary of a run the protocol cannot go on without (its final run), on record as a
+    rate's is (``unless_diverged``); ``NonFiniteError`` "``stops``: its error" where it diverges now or,
+    with ``resume``, where a run of this config diverged before."""
+    summary, error = unless_diverged(cfg, run, resume, say, label)
+    if summary is None:
+        raise NonFiniteError(f"{stops}: {error}")
+    return summary

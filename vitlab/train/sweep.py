@@ -40,7 +40,7 @@ from vitlab.files import atomic_write
 from .build import check_can_run
 from .config import TrainConfig, check_lr_grid
 from .distributed import env_world_size
-from .diverged import unless_diverged
+from .diverged import finished_unless_diverged, unless_diverged
 from .loop import check_nothing_held, check_resume_or_overwrite, held_by_earlier_run, train
 from .metrics import Progress
 from .numerics import NonFiniteError
@@ -155,11 +155,9 @@ def final_run(cfg: TrainConfig, resume: bool, overwrite: bool, verbose: bool, sa
     diverges, or where, resumed, its run of this config diverged before: kept on record as a rate's is
     (``unless_diverged``), it is not trained again (it was, to the same end)."""
     lr = f"{cfg.optim.lr:g}"
-    summary, error = unless_diverged(cfg, lambda: train(cfg, resume=resume, overwrite=overwrite, verbose=verbose),
-                                     resume, say, f"final run at lr {lr}")
-    if summary is None:
-        raise NonFiniteError(f"the final run at lr {lr} diverged, so the sweep has no result: {error}")
-    return summary
+    return finished_unless_diverged(cfg, lambda: train(cfg, resume=resume, overwrite=overwrite, verbose=verbose),
+                                    resume, say, f"final run at lr {lr}",
+                                    f"the final run at lr {lr} diverged, so the sweep has no result")
 
 
 def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | None = None,

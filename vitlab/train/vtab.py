@@ -41,7 +41,7 @@ from vitlab.weights import load_model
 from .build import check_can_run
 from .config import TrainConfig, check_lr_grid, to_dict
 from .distributed import local_rank, local_world
-from .diverged import unless_diverged
+from .diverged import finished_unless_diverged, unless_diverged
 from .legacy import recorded_section
 from .loop import held_by_earlier_run, read_summary, train
 from .metrics import Progress
@@ -238,11 +238,9 @@ def final_result(runs: Runs, task: Task, views: TaskSplits, lr: float, val: dict
     ``NonFiniteError`` naming the task where it diverges, or where, resumed, its run of this config diverged
     before: kept on record as a rate's is (``unless_diverged``), it is not trained again (it was, to the same end)."""
     run_cfg = runs.config(views.train, lr, f"{task.name}/final_lr_{lr:g}")
-    final, error = unless_diverged(run_cfg, lambda: runs.fine_tune(run_cfg), runs.resume, say,
-                                   f"{task.name}: final run at lr {lr:g}")
-    if final is None:
-        raise NonFiniteError(f"{task.name}: the final run at lr {lr:g} diverged, so the task has no test score: "
-                             f"{error}")
+    final = finished_unless_diverged(run_cfg, lambda: runs.fine_tune(run_cfg), runs.resume, say,
+                                     f"{task.name}: final run at lr {lr:g}",
+                                     f"{task.name}: the final run at lr {lr:g} diverged, so the task has no test score")
     top1, n, unread = runs.score(final["weights"], views.test)
     skipped = final.get("skipped_images", 0) + unread  # left out as unreadable by its final run and its test set
     say(f"{task.name}: lr {lr:g}: test top-1 {top1:.4f} on {n} images ({views.test_split})"

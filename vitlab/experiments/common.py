@@ -201,8 +201,9 @@ def check_arms(name: str, settings: Settings, arms: dict) -> None:
     sets (``lrs``: ``optim.lr``), before the first run: a value its trainer refuses, such as lrs=[0.001, -1],
     was refused only when its runs started, after the runs of the values before it had trained.  Where
     the settings' own ViT is refused, no value can be told from it (optimiser's runs train a ResNet)."""
+    overrides = vit_overrides(settings)
     try:
-        train_config(settings, Path("."), 0, vit_overrides(settings))
+        train_config(settings, Path("."), 0, overrides)
     except ConfigError:
         return
     for key, names in arms.items():
@@ -210,7 +211,7 @@ def check_arms(name: str, settings: Settings, arms: dict) -> None:
         for value in settings.get(key) or ():
             items = tuple(value) if len(names) > 1 else (value,)
             try:
-                train_config(settings, Path("."), 0, vit_overrides(settings), dict(zip(names, items)))
+                train_config(settings, Path("."), 0, overrides, dict(zip(names, items)))
             except ConfigError as err:
                 raise ConfigError(f"experiment {name}: {key}={settings.get(key)!r}: {value!r} is refused as a run's "
                                   f"{' and '.join(names)}: {err}") from None

@@ -578,8 +578,8 @@ def recorded_paths(cfg: TrainConfig) -> dict:
 
     changes = {f"data.{name}": absolute_source(value) for name in ("source", "val_data")
                if absolute_source(value := getattr(cfg.data, name)) != value}
-    if recorded_init(cfg.model.init) != cfg.model.init:
-        changes["model.init"] = recorded_init(cfg.model.init)
+    if (init := recorded_init(cfg.model.init)) != cfg.model.init:
+        changes["model.init"] = init
     return changes
 
 

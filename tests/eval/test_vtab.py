@@ -648,3 +648,24 @@ def test_a_field_every_run_sets_is_refused_and_a_cache_folder_is_kept(tasks, tin
                  "--set", "optim.lr=0.02", "--set", f"data.cache_dir={tmp_path / 'cache'}"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["protocol"]["grid"] == [0.02]
     assert (tmp_path / "cache").is_dir() and not (out / "cache").exists()
+
+
+def test_vtab_removes_the_temporaries_of_its_records_that_a_kill_left_and_no_other_file(tasks, tiny_checkpoint,
+                                                                                        tmp_path, caplog):
+    """vtab killed outright while it replaced vtab.json or settings.json (``atomic_write``) leaves the write's
+    hidden temporary file in --out: a run's own records' were removed as it started, the protocol's stayed."""
+    import logging
+
+    from vitlab.files import new_temporary
+
+    out = tmp_path / "vtab"
+    out.mkdir()
+    left = []
+    for name in ("vtab.json", "settings.json", "notes.txt"):  # the writer's own, of its records and of another
+        fd, tmp = new_temporary(out / name)
+        os.close(fd)
+        left.append(os.path.basename(tmp))
+    with caplog.at_level(logging.WARNING, logger="vitlab.train.vtab"):
+        assert main([*tiny_vtab(tiny_checkpoint, tasks, out, steps=1), "--only", "eurosat", "--grid", "0.01"]) == 0
+    assert sorted(n for n in os.listdir(out) if n.endswith(".tmp")) == [left[2]]
+    assert all(str(out / name) in caplog.text for name in left[:2])

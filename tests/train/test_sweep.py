@@ -252,3 +252,26 @@ def test_an_earlier_sweeps_runs_are_refused_before_any_run(tiny, tmp_path):
         run_sweep(tiny("sweep", steps=1, batch_size=16), grid=(0.003, 0.03), verbose=False)
     assert held_by_earlier_run(tmp_path / "sweep" / "lr_0.003") is None
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["final", "lr_0.01", "sweep.json"]
+
+
+def test_a_sweep_removes_the_temporaries_of_its_report_that_a_kill_left_and_no_other_file(tiny, tmp_path, caplog):
+    """A sweep killed outright while it replaced sweep.json (``atomic_write``) leaves the write's hidden
+    temporary file beside its runs' folders: a run's own records' were removed as it started, the
+    sweep's stayed there for good."""
+    import logging
+    import os
+
+    from vitlab.files import new_temporary
+
+    cfg = tiny("sweep", steps=1, batch_size=16, val_split=360, tensorboard=False)
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    left = []
+    for name in ("sweep.json", "notes.txt"):  # the writer's own temporaries, of the report and of another file
+        fd, tmp = new_temporary(folder / name)
+        os.close(fd)
+        left.append(os.path.basename(tmp))
+    with caplog.at_level(logging.WARNING, logger="vitlab.train.sweep"):
+        run_sweep(cfg, grid=[0.01], verbose=False)
+    assert sorted(n for n in os.listdir(folder) if n.endswith(".tmp")) == [left[1]]
+    assert str(folder / left[0]) in caplog.text

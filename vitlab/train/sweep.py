@@ -31,11 +31,13 @@ whatever the earlier ones left.
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 from typing import Callable, Sequence
 
 from vitlab.config import ConfigError, is_int, is_number, need, need_bool
-from vitlab.files import atomic_write
+from vitlab.files import atomic_write, remove_temporaries
 
 from .build import check_can_run
 from .config import TrainConfig, check_lr_grid
@@ -45,6 +47,8 @@ from .loop import check_nothing_held, check_resume_or_overwrite, held_by_earlier
 from .metrics import Progress
 from .numerics import NonFiniteError
 from .overrides import with_changes
+
+log = logging.getLogger(__name__)
 
 __all__ = ["run_sweep", "sweep_plan", "best_lr", "DEFAULT_HOLDOUT"]
 
@@ -191,6 +195,9 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
     if not resume and not overwrite:  # refused by the run it was in, after the runs before it had trained
         for r in runs + [final_cfg]:
             check_nothing_held(Path(r.run.out))
+    if int(os.environ.get("RANK", "0")) == 0:  # the report's one writer, as a run's rank 0 is of its records
+        for partial in remove_temporaries(Path(final_cfg.run.out).parent, ("sweep.json",)):
+            log.warning("removed %s, left by a write of the sweep's report that was killed", partial)
 
     scores, diverged = {}, {}
     for r in runs:

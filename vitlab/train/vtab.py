@@ -22,6 +22,7 @@ holds what does not train: docs/layout.md).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from vitlab.data.memory import load_in_memory
 from vitlab.data.sources import source_key
 from vitlab.eval.evaluator import Evaluator
 from vitlab.eval.vtab import Task, TaskSplits, split_tasks, summarize
-from vitlab.files import atomic_write
+from vitlab.files import atomic_write, remove_temporaries
 from vitlab.weights import load_model
 
 from .build import check_can_run
@@ -52,6 +53,8 @@ from .state import RESUME_INVARIANTS
 from .sweep import best_lr
 
 __all__ = ["run_vtab", "evaluate_on", "SELECTIONS"]
+
+log = logging.getLogger(__name__)
 
 SELECTIONS = ("per-task", "shared")
 # what ``run_vtab`` sets in every run's config, whatever ``cfg`` holds (the rate only when there is a grid)
@@ -310,6 +313,8 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
     resolved = resolve(with_changes(cfg, {"data.source": str(splits[tasks[0].name].sweep_train)}), world, machine)
     cfg, device, precision, accum = resolved.config, world.device, resolved.precision, resolved.accum_steps
     runs, say = Runs(cfg, out, device, precision, resume, verbose), Progress(enabled=verbose).message
+    for partial in remove_temporaries(out, (SETTINGS_NAME, "vtab.json")):  # as a run clears its records' (loop)
+        log.warning("removed %s, left by a write of the protocol's records that was killed", partial)
     settings = json.dumps(record, indent=2).encode()  # what a later --resume compares: whole or as it was
     atomic_write(out / SETTINGS_NAME, lambda f: f.write(settings))
     say(f"vtab: {len(tasks)} tasks, lr grid {', '.join(f'{lr:g}' for lr in grid)} ({select}), "

@@ -303,6 +303,40 @@ def test_an_archives_count_is_the_images_its_listing_finds(tmp_path):
     assert listed == 4 and count_images(str(archive)) == listed
 
 
+def test_an_archives_count_is_the_samples_its_reader_yields_whatever_its_odd_members(tmp_path):
+    """The count and the reader share one rule of which members are images (``_archive_members``): each
+    restating it, links by an image's name to no image (dangling, to a text file), which the reader skips,
+    were counted, so the count exceeded the samples read."""
+    import io
+    import tarfile
+
+    from vitlab.data.sources import count_archive_images, read_image_archive
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buffer, format="PNG")
+    png = buffer.getvalue()
+    archive = tmp_path / "odd.tar"
+    with tarfile.open(archive, "w") as tar:
+        def add(name, kind=tarfile.REGTYPE, link="", data=png):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, link
+            info.size = len(data) if kind == tarfile.REGTYPE else 0
+            tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+        for name in ("a/1.png", "a/._1.png", "__MACOSX/a/._1.png", "b/2.jpg", "top.png", "a/.DS_Store"):
+            add(name)
+        add("b/notes.txt", data=b"not an image")
+        add("a/folder.png", tarfile.DIRTYPE)
+        add("b/dangling.png", tarfile.SYMTYPE, "missing.png")
+        add("b/text.png", tarfile.SYMTYPE, "notes.txt")
+        add("b/outside.png", tarfile.SYMTYPE, "../../elsewhere.png")
+        add("b/fifo.png", tarfile.FIFOTYPE)
+        add("b/same.png", tarfile.SYMTYPE, "2.jpg")  # a link to an image: that image
+        add("b/hard.png", tarfile.LNKTYPE, "a/1.png")
+    samples = read_image_archive(archive)[1]
+    assert len(samples) == 4 and count_archive_images(archive) == len(samples)
+
+
 @pytest.mark.parametrize("named", ["pattern", "glob", "folder"])
 def test_a_process_that_opens_shards_again_sees_them_written_again(tmp_path, named):
     """Shards written again under the same names since this process opened them are another set: a

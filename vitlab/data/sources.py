@@ -573,9 +573,29 @@ def read_image_archive(path: PathLike, limits: ArchiveLimits | None = None) -> t
     are skipped with a warning, and an archive that is damaged or over ``limits`` (a tar bomb)
     raises ``DataError``.
     """
-    limits = limits or ArchiveLimits.from_env()
     path = Path(path)
-    blobs: dict[str, bytes] = {}
+    blobs, dirs, special = _archive_members(path, limits or ArchiveLimits.from_env(), read=True)
+    if special:
+        log.warning("%s: skipped %d link/device member(s) (first: %s); only regular files and links to the "
+                    "archive's images are read", path, len(special), special[0])
+    prefix, relpaths, labels, classes = _index_tree(str(path), list(blobs), dirs)
+    index = ImageFolderIndex(
+        root=path / prefix if prefix else path,
+        paths=[f"{path}/{p}" for p in relpaths],
+        labels=labels,
+        classes=classes,
+    )
+    return index, [blobs[p] for p in relpaths]
+
+
+def _archive_members(path: Path, limits: ArchiveLimits, read: bool
+                     ) -> tuple[dict[str, bytes | None], list[str], list[str]]:
+    """One pass over the archive at ``path``: its images by member name, with their bytes where ``read``
+    (else None), a link inside the archive to an image being that image; its folders; the members
+    skipped (links to no image, devices).  The one rule of which members are images, the reader's
+    (``read_image_archive``) and the count's (``count_archive_images``): each restating it, the count
+    took a link to no image (dangling, or to a text file) for one the reader skipped."""
+    blobs: dict[str, bytes | None] = {}
     links: dict[str, str] = {}  # an image's name -> the member it links to, resolved after the pass
     dirs: list[str] = []
     budget = _Budget(path, limits)
@@ -594,7 +614,7 @@ def read_image_archive(path: PathLike, limits: ArchiveLimits | None = None) -> t
                         if member.size > budget.limits.member_bytes:
                             raise DataError(f"{path}: member {name!r} declares {member.size} bytes, more than "
                                             f"{budget.limits.member_bytes} for one image (a tar bomb?)")
-                        blobs[name] = tar.extractfile(member).read()
+                        blobs[name] = tar.extractfile(member).read() if read else None
                         links.pop(name, None)  # a later member of a name replaces an earlier one
                 elif (member.issym() or member.islnk()) and _is_image(name) and _link_inside(member):
                     # a hard link names its target from the archive's root, a symbolic one from its folder
@@ -617,33 +637,15 @@ def read_image_archive(path: PathLike, limits: ArchiveLimits | None = None) -> t
             blobs[name] = blobs[target]
         else:
             special.append(name)
-    if special:
-        log.warning("%s: skipped %d link/device member(s) (first: %s); only regular files and links to the "
-                    "archive's images are read", path, len(special), special[0])
-    prefix, relpaths, labels, classes = _index_tree(str(path), list(blobs), dirs)
-    index = ImageFolderIndex(
-        root=path / prefix if prefix else path,
-        paths=[f"{path}/{p}" for p in relpaths],
-        labels=labels,
-        classes=classes,
-    )
-    return index, [blobs[p] for p in relpaths]
+    return blobs, dirs, special
 
 
 def count_archive_images(path: PathLike) -> int:
-    """The images of the archive at ``path`` as ``read_image_archive`` lists them, counted from its
-    members' headers (no image read): a regular file or a link inside the archive by an image's name,
-    each name once, in a folder and not hidden; counted as every image member, the listing's left-out
-    ones were counted too (macOS's ``__MACOSX/._x.jpg`` beside each image: twice the set).  Raises
-    tarfile's and the OS's errors for an archive that cannot be read."""
-    names = set()
-    with tarfile.open(path, "r:*") as tar:
-        for member in tar:
-            name = _member_name(member)
-            if ("/" in name and not not_data_path(name) and _is_image(name)
-                    and (member.isfile() or ((member.issym() or member.islnk()) and _link_inside(member)))):
-                names.add(name)
-    return len(names)
+    """The images of the archive at ``path`` as ``read_image_archive`` lists them, none read: its
+    members by the reader's rule (``_archive_members``) under its tree's (``_index_tree``), so the
+    count is the number of samples the reader gives.  Raises ``DataError`` as the reader does."""
+    images, dirs, _ = _archive_members(Path(path), ArchiveLimits.from_env(), read=False)
+    return len(_index_tree(str(path), list(images), dirs)[1])
 
 
 def _member_name(member: tarfile.TarInfo) -> str:

@@ -39,9 +39,9 @@ def run(settings, out):
                           f"{total - settings.val_split} after val_split={settings.val_split}; sizes must not exceed that")
     shots = list(settings.get("shots", [5]))
     fits = fitting_shots(settings, labels, total, shots)
-    left = {n: [k for k in shots if k not in f] for n, f in fits.items()}
-    if any(left.values()):  # evaluated at the rest; a k-shot column is blank at these sizes
-        said = "; ".join(f"shots {ks} at {n} examples" for n, ks in left.items() if ks)
+    left = not_evaluated(shots, fits)
+    if left:  # evaluated at the rest; a k-shot column is blank at these sizes
+        said = "; ".join(f"shots {ks} at {n} examples" for n, ks in left.items())
         print(f"data-scale: not evaluated, a pool's smallest class having fewer than k + 2 examples: {said}",
               file=sys.stderr)
     rows = []
@@ -93,16 +93,20 @@ def fitting_shots(settings: Settings, labels, total: int, shots: Sequence[int]) 
     return fits
 
 
+def not_evaluated(shots: Sequence[int], evaluated: dict) -> dict:
+    """size -> the counts of ``shots`` not among ``evaluated[size]``, for the sizes that miss some: the one
+    derivation of what ``run`` says before its runs (from ``fitting_shots``) and ``notes`` records (from the rows)."""
+    left = {n: [k for k in shots if k not in done] for n, done in evaluated.items()}
+    return {n: ks for n, ks in left.items() if ks}
+
+
 def notes(settings: Settings, rows) -> dict:
     """results.json's record of the shot counts a size's pool was too small for (its columns blank)."""
-    left = {}
-    for n in settings.get("sizes"):
-        done = {k for r in rows if r.get("examples") == n for k in settings.get("shots", [5])
-                if r.get(f"fewshot_{k}") is not None}
-        missing = [k for k in settings.get("shots", [5]) if k not in done]
-        if missing:
-            left[str(n)] = missing
-    return dict(shots_not_evaluated=left) if left else {}
+    shots = settings.get("shots", [5])
+    held = {n: {k for r in rows if r.get("examples") == n for k in shots if r.get(f"fewshot_{k}") is not None}
+            for n in settings.get("sizes")}
+    left = not_evaluated(shots, held)
+    return dict(shots_not_evaluated={str(n): ks for n, ks in left.items()}) if left else {}
 
 
 def fewshot(model, settings: Settings, images, labels, shots: Sequence[int] = (5,), train_examples: int = 0) -> dict:

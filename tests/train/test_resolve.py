@@ -87,9 +87,35 @@ def test_processes_on_one_host_share_its_cores(tmp_path):
 def test_more_threads_than_the_process_may_use_cores_are_refused(tmp_path):
     # torch.set_num_threads(100000) then crashed the process at its first matmul, without a word
     assert resolve(with_changes(auto_config(tmp_path), {"run.threads": 8}), world(), described(cores=8)).threads == 8
-    with pytest.raises(ConfigError, match=r"^run.threads=9: this process may use 8 core\(s\) here; give at most 8, "
+    with pytest.raises(ConfigError, match=r"^run.threads=9: this process may use 8 core\(s\) here; give 1 to 8, "
                                           r"or 0 for PyTorch's default \(at most those\)$"):
         resolve(with_changes(auto_config(tmp_path), {"run.threads": 9}), world(), described(cores=8))
+
+
+def test_calibrate_times_in_the_threads_a_run_resolves_and_refuses_as_it_does(tmp_path, monkeypatch, capsys):
+    """`vitlab calibrate` and a run take one thread rule (``resolve.thread_count``): calibrate held its own
+    copy, so a change to the run's (its default at most the cores) could leave the kernels timed in others."""
+    import vitlab.machine
+    from vitlab.cli import main
+    from vitlab.fast import KernelChoice, calibration, kernels
+
+    timed, given = [], []
+    monkeypatch.setattr(calibration, "calibrate", lambda rounds=3, say=None: (
+        timed.append(given[-1]) or (KernelChoice(), "fp32", {})))
+    monkeypatch.setattr(kernels, "calibration_path", lambda: tmp_path / "kernels.json")
+    monkeypatch.setattr(vitlab.machine, "usable_cores", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)  # PyTorch's default counts the affinity mask
+    monkeypatch.setattr(torch, "set_num_threads", given.append)
+    for threads in (0, 1):
+        assert main(["calibrate", "--json", "--threads", str(threads)]) == 0
+        cfg = with_changes(auto_config(tmp_path), {"run.threads": threads})
+        assert timed[-1] == resolve(cfg, world(), described(cores=2)).threads == (threads or 2)
+    capsys.readouterr()
+    assert main(["calibrate", "--threads", "3"]) == 2
+    with pytest.raises(ConfigError) as refused:
+        resolve(with_changes(auto_config(tmp_path), {"run.threads": 3}), world(), described(cores=2))
+    assert capsys.readouterr().err.strip() == "vitlab calibrate: error: " + str(refused.value).replace("run.threads",
+                                                                                                    "--threads")
 
 
 def test_pytorchs_default_threads_are_at_most_the_cores_the_process_may_use(tmp_path, monkeypatch):

@@ -28,16 +28,13 @@ def run(args: argparse.Namespace) -> int:
 
     from vitlab.fast import calibration, kernels
     from vitlab.machine import usable_cores
+    from vitlab.train.resolve import thread_count
 
     if args.rounds < 1:
         raise ValueError(f"--rounds={args.rounds}: must be >= 1")
-    cores = usable_cores()
-    if not 0 <= args.threads <= cores:  # far above the cores, OpenMP's thread pool crashes the process
-        raise ValueError(f"--threads={args.threads}: this process may use {cores} core(s) here; give 1 to {cores}, "
-                         "or 0 for PyTorch's default (at most those)")
+    asked = thread_count(args.threads, usable_cores(), "--threads")  # timed with the threads a run takes
     threads = torch.get_num_threads()
-    # timed with the threads a run takes: PyTorch's default, at most the cores (its default counts no CPU quota)
-    torch.set_num_threads(args.threads or min(threads, cores))
+    torch.set_num_threads(asked)
     try:
         choice, precision, seconds = calibration.calibrate(rounds=args.rounds,
                                                            say=(lambda line: None) if args.json else print)

@@ -152,12 +152,7 @@ def resolve_together(cfg: TrainConfig, world: World, machine: Machine, saved: di
     """``resolve``'s work, its collective calls made through ``agreement``."""
     device = world.device
     precision, kernels, bf16_matmuls, notes = arithmetic(cfg, device, machine, saved)
-    if cfg.run.threads > machine.cores:  # far above, OpenMP's thread pool crashes the process (a segfault)
-        raise ConfigError(f"run.threads={cfg.run.threads}: this process may use {machine.cores} core(s) here; give "
-                          f"at most {machine.cores}, or 0 for PyTorch's default (at most those)")
-    # PyTorch's default counts the affinity mask, not a container's CPU quota: 64 threads time-sliced on the
-    # 2 CPUs a quota allows wait on one another at every parallel region
-    threads = cfg.run.threads or min(torch.get_num_threads(), machine.cores)
+    threads = thread_count(cfg.run.threads, machine.cores)
     cores = max(1, machine.cores // world.processes_here)  # this process's share of the host's cores
     decode = {"data.decode_workers": cores if cfg.data.decode_workers == "auto" else cfg.data.decode_workers}
     changes = dict(cfg.run.on_device.get(device.type, {}))  # the recipe's settings for this kind of device
@@ -255,6 +250,19 @@ def resolve_scoring(device: str = "auto", fast_path: bool = True, machine: Machi
     machine = machine or this_machine()
     world = local_world(resolve_device(device, machine, local_rank(), field="--device"))
     return resolve(TrainConfig(run=RunConfig(device=device, fast=fast_path)), world, machine)
+
+
+def thread_count(asked: int, cores: int, name: str = "run.threads") -> int:
+    """The CPU threads a process that may use ``cores`` cores runs in, ``asked`` (``name``: run.threads, or a
+    command's flag) or, for 0, PyTorch's default at most the cores: the one rule of a run and of what
+    ``vitlab calibrate`` times.  ``ConfigError`` for fewer than 0 or more than the cores: far above them,
+    OpenMP's thread pool crashes the process (a segfault)."""
+    if not 0 <= asked <= cores:
+        raise ConfigError(f"{name}={asked}: this process may use {cores} core(s) here; give 1 to {cores}, "
+                          "or 0 for PyTorch's default (at most those)")
+    # PyTorch's default counts the affinity mask, not a container's CPU quota: 64 threads time-sliced on the
+    # 2 CPUs a quota allows wait on one another at every parallel region
+    return asked or min(torch.get_num_threads(), cores)
 
 
 @contextmanager

@@ -350,6 +350,22 @@ def test_a_refusal_names_the_largest_evaluation_batch_and_stream_workers_that_fi
     assert not any("data.stream_workers" in s for s in fitting_settings(evaluated, budget, 4))  # nothing streams
 
 
+def test_a_refusal_of_a_non_square_run_names_a_smaller_size_of_its_own_shape():
+    """A 32x96 run too large for its memory was told of a square --img-size (what fits of the shorter side's),
+    another shape than the run's, its longer side cut by two thirds; now its aspect at the largest that fits."""
+    arch = create_model("ViT-Ti/16", **VIT).cfg
+    for wide, kept in (((32, 96), "--img-size 16x48"), ((96, 32), "--img-size 48x16")):
+        shape = RunShape(arch, micro_batch=64, img_size=wide)
+        half = shape.with_(img_size=tuple(side // 2 for side in wide))
+        budget = Available(host=int(estimate_memory(half).peak / HEADROOM) + 1)
+        sizes = [s for s in fitting_settings(shape, budget, 4) if s.startswith("--img-size")]
+        assert sizes == [kept]
+        assert not budget.fits(estimate_memory(shape.with_(img_size=tuple(side * 5 // 8 for side in wide))))
+    square = RunShape(arch, micro_batch=64, img_size=(32, 32))  # a square run: a square, written as one number
+    budget = Available(host=int(estimate_memory(square.with_(img_size=(16, 16))).peak / HEADROOM) + 1)
+    assert [s for s in fitting_settings(square, budget, 4) if s.startswith("--img-size")] == ["--img-size 16"]
+
+
 def test_a_run_whose_evaluation_cannot_fit_is_refused_naming_its_batch(demo_init, capsys, monkeypatch):
     monkeypatch.setattr(resolve, "machine_memory", lambda *where: Available(host=GB // 2))
     command = ["finetune", "--init", demo_init, "--data", "digits", "--img-size", "64", "--batch-size", "8",

@@ -667,10 +667,21 @@ def _largest(fits: Callable[[int], bool], low: int, high: int) -> Optional[int]:
     return low
 
 
+def smaller_size(img_size: tuple, n: int, step: int) -> tuple[int, int]:
+    """An image size of ``img_size``'s shape whose shorter side is ``n`` times ``step`` px, the longer one the
+    multiple of ``step`` nearest the same aspect (at most the run's): a square for a square run, and for a
+    16x48 run 8x24, not the square 8x8 of its shorter side that the suggestion named."""
+    h, w = img_size
+    short, long = min(h, w), max(h, w)
+    longer = min(long // step * step, step * max(1, round(n * long / short)))
+    return (n * step, longer) if h <= w else (longer, n * step)
+
+
 def fitting_settings(shape: RunShape, available: Available, size_step: int, world_size: int = 1) -> list[str]:
     """The settings, each on its own, that would make a run of ``shape`` fit: a global batch
     size at the same accumulation, the micro-batches per step at the same batch, an image
-    size (a multiple of ``size_step``; the data decoded at it too), the evaluation's batch
+    size of the run's shape (``smaller_size``: each side a multiple of ``size_step``; the data decoded
+    at it too), the evaluation's batch
     (an evaluation's peak: the training batch leaves it as it is), the streaming readers'
     processes (each holds its own shuffle buffer and interpreter)."""
     def fits(**changes) -> bool:
@@ -684,10 +695,11 @@ def fitting_settings(shape: RunShape, available: Available, size_step: int, worl
     fewest = smallest_fitting_accum(shape, per_process, available)
     if fewest is not None and fewest != shape.accum_steps:
         found.append(f"--accum-steps {fewest} (micro-batch {per_process // fewest})")
-    size = _largest(lambda n: fits(img_size=(n * size_step,) * 2), 1,
+    size = _largest(lambda n: fits(img_size=smaller_size(shape.img_size, n, size_step)), 1,
                     min(shape.img_size) // size_step - (1 if min(shape.img_size) % size_step == 0 else 0))
     if size is not None:
-        found.append(f"--img-size {size * size_step}")
+        h, w = smaller_size(shape.img_size, size, size_step)
+        found.append(f"--img-size {h}" if h == w else f"--img-size {h}x{w}")
     evaluated = _largest(lambda n: fits(eval_batch=n), 1, shape.eval_batch - 1)
     if evaluated is not None:
         found.append(f"--set run.eval_batch_size={evaluated}")

@@ -183,6 +183,27 @@ def test_the_flops_command_refuses_sizes_and_counts_the_model_cannot_take(capsys
                                                      "positive size N or HxW, e.g. 384 or 384x512 (see vitlab flops --help)")
 
 
+def test_the_flops_command_prints_a_small_run_and_a_utilization_as_they_are(capsys):
+    """The run's figures were printed to fixed decimals: a run of this library's size (the README's
+    experiments spend 1e-5 exaFLOPs) read "0.00 exaFLOPs" and "0.0 TPUv3-core-days", and
+    --utilization 0.325 read "at 32%"."""
+    from vitlab.cli import main
+
+    assert main(["flops", "ViT-Ti/16", "--batch", "128", "--steps", "1000", "--utilization", "0.325"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    exa = training_flops(get_config("ViT-Ti/16"), 1000, 128)
+    days = core_days(exa, utilization=0.325)
+    assert exa < 0.005 and days < 0.05  # what fixed decimals showed as zero
+    assert float(lines[-2].split()[0]) == pytest.approx(exa, rel=0.01) and lines[-2].endswith(" exaFLOPs")
+    assert float(lines[-1].split()[0]) == pytest.approx(days, rel=0.01)
+    assert " at 32.5% of the 61.5 TFLOP/s bf16 peak per core" in lines[-1]
+    # a paper-size run keeps its figures
+    assert main(["flops", "ViT-H/14", "--batch", "303000000", "--steps", "14", "--utilization", "0.32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert float(lines[-2].split()[0]) == pytest.approx(4262, rel=0.01)
+    assert float(lines[-1].split()[0]) == pytest.approx(2500, rel=0.02)
+
+
 def test_counting_a_backward_gives_the_caller_its_gradients_back():
     """count_flops(backward=True) between a caller's training steps left the count's gradients
     added into the model's: an optimiser step after it moved the weights by them."""

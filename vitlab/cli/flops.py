@@ -16,6 +16,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--breakdown", action="store_true", help="FLOPs of every component")
 
 
+def figure(value: float) -> str:
+    """A figure of the run's cost: two decimals from 10 up, else three significant digits; fixed
+    decimals printed a run of this library's size (1e-5 exaFLOPs) as 0.00."""
+    return f"{value:10.2f}" if value >= 10 else f"{value:10.3g}"
+
+
 def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.cost import core_days, flops_breakdown, training_flops
     from vitlab.config import replace
@@ -47,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"    {name:18s} {value / 1e9:10.3f} GFLOPs  {100 * value / flops:5.1f}%")
     if args.batch is not None:
         print(f"training, {args.steps:,} steps x {args.batch:,} images (forward + backward = 3x forward):")
-        print(f"  {exa:10.2f} exaFLOPs")
-        print(f"  {days:10.1f} TPUv3-core-days "
-              f"at {args.utilization:.0%} of the 61.5 TFLOP/s bf16 peak per core")
+        print(f"  {figure(exa)} exaFLOPs")
+        print(f"  {figure(days)} TPUv3-core-days "  # the share as given: 0.325 was "32%"
+              f"at {100 * args.utilization:.3g}% of the 61.5 TFLOP/s bf16 peak per core")
     return 0

@@ -56,7 +56,7 @@ def largest_batch(fits: Callable[[int], bool], limit: int = LIMIT, start: int = 
     Doubles from ``start`` until the first failure, then bisects until the bracket is
     within ``rel_tol`` of its lower end (0: exact).  Returns the largest batch seen to fit.
     """
-    lo, hi = 0, max(1, start)
+    lo, hi = 0, max(1, min(start, limit))  # a start above the limit: no probe or answer beyond it
     if fits(hi):
         while True:
             lo, hi = hi, min(hi * 2, limit + 1)

@@ -30,6 +30,19 @@ def test_largest_batch_binary_search():
     assert 950 <= approx <= 1000
 
 
+def test_the_search_from_a_batch_above_the_limit_reports_at_most_the_limit():
+    # figure12.py --batch 64 --limit 32: the search started at 64 and gave back 64 (or what it found
+    # below 64, 40 here) as the largest batch, above the limit it reports, and ran a probe of 64
+    for true in (10, 32, 40, 1000):
+        probes = []
+
+        def fits(b, true=true):
+            probes.append(b)
+            return b <= true
+        assert speed.largest_batch(fits, limit=32, start=64) == min(true, 32)
+        assert max(probes) <= 32
+
+
 def test_extrapolated_largest_batch():
     # 1 GiB after building the model, 0.25 GiB more at batch 2: 8 GiB holds (8 - 1) / 0.125 = 56
     assert speed.extrapolated_largest_batch(1.25 * GIB, 0.25 * GIB, 2, 8 * GIB) == 56

@@ -55,3 +55,18 @@ def test_non_rgb_filters_are_refused():
         plots.plot_filter_components(np.zeros((4, 64, 1, 1)))
     with pytest.raises(ValueError, match="no numeric"):
         plots.plot_training_curves([{"step": 1, "tag": "a"}])
+
+
+def test_a_dark_uint8_image_is_drawn_in_its_255_levels():
+    # uint8 images whose brightest pixel is 1 (a 0/1 mask saved as an image, a nearly black photo) were
+    # taken for [0, 1] floats: their 1s were drawn white beside the rollout, as the model sees near black
+    dark = np.zeros((1, 3, 4, 4), dtype=np.uint8)
+    dark[..., 0, 0] = 1
+    fig = plots.plot_attention_overlay(dark, np.ones((1, 4, 4)))
+    shown = fig.axes[0].get_images()[0].get_array()
+    assert np.allclose(shown[0, 0], 1 / 255) and shown.max() <= 1 / 255
+    # float images keep both scales: [0, 1] as given, [0, 255] divided
+    for scale in (1.0, 255.0):
+        floats = np.full((1, 3, 4, 4), 0.5 * scale)
+        shown = plots.plot_attention_overlay(floats, np.ones((1, 4, 4))).axes[0].get_images()[0].get_array()
+        assert np.allclose(shown, 0.5)

@@ -60,8 +60,11 @@ def _hwc(images: np.ndarray) -> np.ndarray:
         raise ValueError(f"expected a batch of images (B, 3, H, W), got shape {x.shape}")
     if x.shape[1] in (1, 3) and x.shape[-1] not in (1, 3):
         x = x.transpose(0, 2, 3, 1)
+    # integers are 0..255 whatever their brightest pixel (a dark uint8 image's 1s were drawn white);
+    # floats may be either scale
+    levels = np.issubdtype(x.dtype, np.integer) or x.max() > 1.0
     x = x.astype(np.float64)
-    return x / 255.0 if x.max() > 1.0 else x
+    return x / 255.0 if levels else x
 
 
 def mosaic(tiles: np.ndarray, rows: int, cols: int, gap: int = 1, fill: float = np.nan) -> np.ndarray:

@@ -68,6 +68,14 @@ def test_token_to_grid_cls_and_gap():
     assert upsample_maps(np.ones((2, 2, 3)), (8, 12)).shape == (2, 8, 12)
 
 
+def test_upsample_takes_a_side_for_a_square_image_and_names_a_size_it_cannot():
+    # an int was torch's "'int' object is not iterable"; a pair of floats or a 0 torch's own errors
+    assert upsample_maps(np.ones((2, 2, 2)), 8).shape == (2, 8, 8)
+    for size in ((8.5, 8), (0, 8), "8x8"):
+        with pytest.raises(ValueError, match=re.escape(f"size={size!r}")):
+            upsample_maps(np.ones((2, 2, 2)), size)
+
+
 @pytest.mark.parametrize("classifier", ["token", "gap"])
 def test_smoke_on_tiny_vit(classifier):
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitlab.analysis.embeddings import need_vit
-from vitlab.config import Pair, is_int
+from vitlab.config import Pair, is_int, to_pair
 from vitlab.models import capture_attention
 from vitlab.modes import evaluating
 
@@ -135,10 +135,12 @@ def token_to_grid(matrix: np.ndarray, grid: Pair, num_prefix: int) -> np.ndarray
     return row.reshape(*matrix.shape[:-2], *grid)
 
 
-def upsample_maps(maps: np.ndarray, size: Pair) -> np.ndarray:
-    """(B, gh, gw) -> (B, H, W) by bilinear interpolation, to overlay on the images."""
+def upsample_maps(maps: np.ndarray, size: int | Pair) -> np.ndarray:
+    """(B, gh, gw) -> (B, H, W) by bilinear interpolation, to overlay on the images; ``size``
+    (H, W), or one side for a square image."""
+    size = to_pair(size, "size")  # an int was torch's "'int' object is not iterable"
     t = torch.as_tensor(np.asarray(maps, dtype=np.float32))[:, None]
-    return F.interpolate(t, size=tuple(size), mode="bilinear", align_corners=False)[:, 0].numpy()
+    return F.interpolate(t, size=size, mode="bilinear", align_corners=False)[:, 0].numpy()
 
 
 def _grid_of(model: nn.Module, images: torch.Tensor) -> Pair:

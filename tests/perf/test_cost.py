@@ -233,3 +233,22 @@ def test_counting_a_backward_leaves_the_inputs_gradients_and_runs_under_no_grad_
         assert count_flops(model, x, backward=True) == with_grad
         assert not torch.is_grad_enabled()
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_counting_a_training_step_leaves_the_models_statistics_and_the_random_stream(backward):
+    # a count in training mode ran a forward like any other: a BatchNorm hybrid's running statistics
+    # took the counted batch in (what the model evaluates with after), and dropout drew from the
+    # caller's random stream
+    cfg = ViTConfig(**{**TINY, "patch_size": 1, "dropout": 0.1}, resnet=ResNetConfig(layers=(1, 1), norm="batch"))
+    model = build_model(cfg).train()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    x = _images(cfg)
+    torch.manual_seed(0)
+    expected = torch.rand(4)  # the caller's next draw
+    torch.manual_seed(0)
+    assert count_flops(model, x, backward=backward) > 0
+    assert torch.equal(torch.rand(4), expected)
+    for name, b in model.named_buffers():
+        assert torch.equal(b, before[name]), name
+    assert model.training

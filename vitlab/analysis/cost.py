@@ -200,7 +200,8 @@ def count_flops(model: nn.Module, *inputs: Any, backward: bool = False) -> int:
     and silently counts it as 0; the formulas it uses for the GPU kernels are added
     for it here.  With ``backward`` the sum of the output is back-propagated too (with
     gradients on, under a caller's ``torch.no_grad`` as well); the gradients of the
-    parameters and of the inputs are given back as they were (none, or the caller's).
+    parameters and of the inputs are given back as they were (none, or the caller's), and so
+    are the model's buffers (BatchNorm's running statistics) and the random streams.
     """
     aten = torch.ops.aten
     mapping = {}
@@ -210,11 +211,16 @@ def count_flops(model: nn.Module, *inputs: Any, backward: bool = False) -> int:
     # set aside, not only put back after: the backward would add into an existing gradient in place
     leaves = [*model.parameters(), *(t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad)]
     caller_grads = [(t, t.grad) for t in leaves]
+    # a forward in training mode takes the batch into BatchNorm's running statistics and draws
+    # dropout from the caller's random streams: the statistics are put back, the streams forked
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *inputs)
+                   if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
     try:
         for p, _ in caller_grads:
             p.grad = None
         # a backward needs gradients on, under a caller's no_grad too; the mode is restored after
-        with torch.set_grad_enabled(backward or torch.is_grad_enabled()), \
+        with torch.random.fork_rng(devices=cuda), torch.set_grad_enabled(backward or torch.is_grad_enabled()), \
                 FlopCounterMode(display=False, custom_mapping=mapping) as counter:
             out = model(*inputs)
             if backward:
@@ -222,6 +228,9 @@ def count_flops(model: nn.Module, *inputs: Any, backward: bool = False) -> int:
     finally:
         for p, grad in caller_grads:
             p.grad = grad
+        with torch.no_grad():
+            for b, kept in buffers:
+                b.copy_(kept)
     return counter.get_total_flops()
 
 

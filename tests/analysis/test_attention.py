@@ -97,6 +97,71 @@ def test_smoke_on_tiny_vit(classifier):
         model_raw_attention(model, x, layer=5)
 
 
+def _attention_by_hand(model, x):
+    """Every layer's softmax(q k^T / sqrt(d) - slope * distance), the distance penalty and the masked
+    diagonal written out from the grid here, run block by block: (layers, B, heads, L, L)."""
+    cfg, prefix = model.cfg, model.cfg.num_prefix_tokens
+    with torch.no_grad():
+        h, grid, _ = model.embed(x)
+        gh, gw = grid
+        rows, cols = np.divmod(np.arange(gh * gw), gw)
+        dist = np.zeros((h.shape[1],) * 2)
+        dist[prefix:, prefix:] = np.hypot(rows[:, None] - rows[None], cols[:, None] - cols[None])
+        maps = []
+        for block in model.blocks:
+            y = block.norm1(h)
+            B, L, D = y.shape
+            q, k, _ = block.attn.qkv(y).view(B, L, 3, cfg.num_heads, -1).permute(2, 0, 3, 1, 4)
+            logits = (q @ k.transpose(-1, -2)).double() / np.sqrt(D // cfg.num_heads)
+            bias = block.attn.distance_bias
+            if bias is not None:
+                logits = logits - bias.log_slope.exp().double()[:, None, None] * torch.from_numpy(dist)
+                if bias.mask_self:
+                    logits[..., range(prefix, L), range(prefix, L)] = -np.inf
+            maps.append(logits.softmax(-1).numpy())
+            h = block(h)
+    return np.stack(maps)
+
+
+@pytest.mark.parametrize("case", ["distance_no_self, non-square patches", "hybrid, gap"])
+def test_the_analyses_agree_with_references_written_out(case):
+    """Captured attention (after the CIFAR recipe's distance penalty and its masked diagonal), rollout
+    (Abnar & Zuidema: heads averaged, identity added, rows renormalised, layers multiplied) and mean
+    attention distance (patch queries and keys, in pixels) against loops over plain arrays, on a
+    non-square grid with a batch of 3."""
+    torch.manual_seed(0)
+    if case.startswith("distance"):
+        cfg = ViTConfig(img_size=(16, 40), patch_size=(8, 4), width=32, depth=3, mlp_dim=64, num_heads=4,
+                        num_classes=3, attn_bias="distance_no_self")
+    else:
+        cfg = ViTConfig(img_size=(32, 64), patch_size=1, width=32, depth=2, mlp_dim=64, num_heads=2, num_classes=3,
+                        classifier="gap", resnet=ResNetConfig(layers=(1, 1), width_factor=0.5))
+    model = create_model(cfg)
+    x = torch.rand(3, 3, *cfg.img_size) * 2 - 1
+    attn, prefix = _attention_by_hand(model, x), cfg.num_prefix_tokens
+    (gh, gw), (py, px) = model.patch_grid(cfg.img_size), effective_patch_size(model)
+    assert (py, px) == ((8, 4) if prefix else (8, 8))  # the hybrid's 1x1 patches on its /8 feature map
+    np.testing.assert_allclose(collect_attention(model, x), attn, atol=1e-5)
+    L = attn.shape[-1]
+    rollout = np.zeros((3, L, L))
+    distance = np.zeros(attn.shape[0:1] + attn.shape[2:3])
+    for b in range(3):
+        r = np.eye(L)
+        for layer in attn[:, b]:
+            a = layer.mean(0) + np.eye(L)
+            r = (a / a.sum(1, keepdims=True)) @ r
+        rollout[b] = r
+        for l, h, i in np.ndindex(attn.shape[0], attn.shape[2], gh * gw):
+            row = attn[l, b, h, prefix + i, prefix:]
+            for j in range(gh * gw):
+                dy, dx = (i // gw - j // gw) * py, (i % gw - j % gw) * px
+                distance[l, h] += row[j] / row.sum() * np.hypot(dy, dx) / (3 * gh * gw)
+    # the output token: the [class] token's row, or (gap) the mean of the patch tokens' rows
+    out = rollout[:, 0, prefix:] if prefix else rollout[:, prefix:, prefix:].mean(1)
+    np.testing.assert_allclose(model_rollout(model, x), out.reshape(3, gh, gw), atol=1e-5)
+    np.testing.assert_allclose(model_attention_distance(model, x, batch_size=2), distance, rtol=1e-4)
+
+
 def test_hybrid_patch_size_in_pixels():
     cfg = ViTConfig(img_size=32, patch_size=1, width=32, depth=1, mlp_dim=64, num_heads=2, num_classes=2,
                     resnet=ResNetConfig(layers=(1, 1), width_factor=1))

@@ -126,3 +126,19 @@ def test_a_name_given_with_weights_that_record_their_model_is_checked(tmp_path, 
         load_model(bit, name="ViT-B/16")
     with pytest.raises(WeightsError, match="not a ViT-B/16: width=32"):
         load_model(big_vision_checkpoint(1, "tok"), name="ViT-B/16")
+
+
+@pytest.mark.parametrize("size", ["16x24", "8x32"])
+def test_convert_to_official_at_a_non_square_size_reads_back_at_that_size(size, tmp_path, capsys):
+    # an .npz records no resolution: read back without it, a 4x6 grid was refused after the file was written
+    # ("not a square grid"), and the 2x8 grid of 8x32, 16 positions, was taken for a 4x4 grid
+    np.savez(tmp_path / "c.npz", **random_checkpoint(0))  # 16x16, 4x4 patches
+    assert main(["convert", str(tmp_path / "c.npz"), str(tmp_path / "o.npz"), "--to", "official",
+                 "--img-size", size]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    h, w = map(int, size.split("x"))
+    assert out[-2] == (f"an official .npz records no image size: load {tmp_path / 'o.npz'} with "
+                       f"weights_img_size=({h}, {w})")
+    assert json.loads(out[-1])["max_abs_logit_diff"] < 1e-5
+    again = load_model(tmp_path / "o.npz", weights_img_size=(h, w))
+    assert again.cfg.img_size == (h, w)

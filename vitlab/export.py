@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .config import Pair, to_pair
+from .config import Pair, ViTConfig, to_pair
 from .modes import evaluating
 from .weights.core import input_preprocessing
 from .weights.labels import check_class_names, distinct_names, id2label, label2id, names_from_id2label
@@ -52,13 +52,24 @@ TEXT_KEYS = ("input_layout", "channel_order", "decode", "interpolation", "resize
 
 
 def model_img_size(model: nn.Module, img_size: int | Pair | None = None) -> Pair:
-    """``img_size`` if given, else the size in the model's config."""
-    if img_size is not None:
-        return to_pair(img_size, "img_size")
+    """``img_size`` if given (one the model takes), else the size in the model's config.
+
+    A ViT takes its config's size only, unless it has ``dynamic_img_size``, and a grid of whole
+    patches: another was refused from inside the trace, by torch.onnx as a page about torch.export."""
     cfg = getattr(model, "cfg", None)
-    if cfg is None:
-        raise ValueError(f"{type(model).__name__} has no cfg; pass img_size")
-    return cfg.img_size
+    if img_size is None:
+        if cfg is None:
+            raise ValueError(f"{type(model).__name__} has no cfg; pass img_size")
+        return cfg.img_size
+    size = to_pair(img_size, "img_size")
+    if isinstance(cfg, ViTConfig) and not cfg.dynamic_img_size and size != cfg.img_size:
+        raise ValueError(f"img_size={img_size!r}: the model takes {cfg.img_size[0]}x{cfg.img_size[1]} images, "
+                         "the size its position embeddings are laid out for; load it at this size "
+                         "(load_model(..., img_size=...)) or with dynamic_img_size=True")
+    if isinstance(cfg, ViTConfig) and not cfg.divides_into_patches(size):
+        raise ValueError(f"img_size={img_size!r}: not a grid of whole {cfg.patch_size[0]}x{cfg.patch_size[1]} "
+                         "patches")
+    return size
 
 
 def _example(model: nn.Module, img_size: Pair, batch: int, dynamic_batch: bool) -> torch.Tensor:

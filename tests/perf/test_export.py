@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
-from vitlab.config import ResNetConfig, ViTConfig
+from vitlab.config import ResNetConfig, ViTConfig, replace
 from vitlab.export import export_onnx, export_program, load_program
 from vitlab.models.registry import build_model
 
@@ -211,6 +212,22 @@ def test_an_example_batch_a_dynamic_export_cannot_trace_is_refused_by_name(tmp_p
         export_program(_random_model(TINY), tmp_path / "model.pt2", batch=batch)
     assert not (tmp_path / "model.pt2").exists()
     export_program(_random_model(TINY), tmp_path / "one.pt2", batch=1, dynamic_batch=False)  # a fixed batch of 1
+
+
+@pytest.mark.parametrize("export, suffix", [(export_onnx, ".onnx"), (export_program, ".pt2")])
+@pytest.mark.parametrize("img_size", [(32, 48), 36])
+def test_a_size_the_model_does_not_take_is_refused_by_name_before_tracing(tmp_path, export, suffix, img_size):
+    """img_size=(32, 48) for a 32x32 model ended in torch.onnx's TorchExportError, a page of advice on
+    torch.export, and in the model's own error from inside the trace for a program; 36 is no grid of 8x8
+    patches, for a dynamic_img_size model too."""
+    if export is export_onnx:
+        pytest.importorskip("onnxscript")
+    for cfg in (TINY, replace(TINY, dynamic_img_size=True)):
+        if cfg.dynamic_img_size and img_size != 36:
+            continue
+        with pytest.raises(ValueError, match=re.escape(f"img_size={img_size!r}: ")):
+            export(_random_model(cfg), tmp_path / f"m{suffix}", img_size=img_size)
+        assert not (tmp_path / f"m{suffix}").exists()
 
 
 def test_an_onnx_opset_the_exporter_cannot_reach_is_refused_not_replaced(tmp_path):

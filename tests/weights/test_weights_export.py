@@ -232,3 +232,16 @@ def test_hf_non_square_export_resizes_on_load(tmp_path):
     x = torch.randn(2, 3, 24, 24)
     with torch.no_grad():
         assert (bigger(x) - expected(x)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("img_size", [(32, 48), (30, 46)], ids=["exact", "padded"])
+def test_timm_hybrid_export_at_a_non_square_size_reads_back(tmp_path, img_size):
+    # a 4x6 grid and its [class] position count 25, a square: the hybrid's table was taken for timm's
+    # no_embed_class (a zero [class] row prepended) whatever size the .timm.json gave, and refused
+    model = load_official_npz(random_checkpoint(31, patch=1, grid=4, resnet_layers=(1, 1)), img_size=img_size)
+    assert model.cfg.grid_size == (4, 6)
+    with pytest.warns(ConventionWarning):
+        path = save_model(model, tmp_path / "hybrid.safetensors", format="timm")
+    again = load_model(path)
+    assert again.cfg.img_size == img_size and again.pos_embed.weight.shape == (1, 25, 32)
+    assert torch.equal(again.pos_embed.weight, model.pos_embed.weight)

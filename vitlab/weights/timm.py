@@ -66,7 +66,7 @@ from torch import nn
 from ..config import Pair, ViTConfig, to_pair
 from ..models.registry import VIT_SIZES
 from .core import (InputScaling, StateDict, WeightsError, atomic_write_set, build_loaded, convention_differences,
-                   infer_config, input_preprocessing, require_plain_vit, to_tensor, warn_conventions)
+                   infer_config, infer_resnet, input_preprocessing, require_plain_vit, to_tensor, warn_conventions)
 from .labels import CLASSES_NAME, check_class_names, distinct_names
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-6, "posemb_resample": "bicubic"}
@@ -145,9 +145,13 @@ def embed_class_position(sd: StateDict, weights_img_size: Pair | int | None = No
     n = table.shape[1]
     is_square = lambda k: k > 0 and int(round(k ** 0.5)) ** 2 == k
     no_embed_class = is_square(n) and not is_square(n - 1)
-    if "patch_embed.weight" in sd and "stem.conv_root.weight" not in sd:
+    if "patch_embed.weight" in sd:
         ph, pw = sd["patch_embed.weight"].shape[2:]
-        patches = lambda size, what: (lambda h, w: (h // ph) * (w // pw))(*to_pair(size, what))
+        # a hybrid's patches cut its stem's feature map (SAME padding: ceil); skipped, a hybrid's table was
+        # judged by its count alone, and a 4x6 grid's 1 + 24 positions taken for a 5x5 no_embed_class one
+        resnet = infer_resnet(sd)
+        r = resnet.reduction if resnet is not None else 1
+        patches = lambda size, what: (lambda h, w: (-(-h // r) // ph) * (-(-w // r) // pw))(*to_pair(size, what))
         if weights_img_size is not None:
             no_embed_class = n == patches(weights_img_size, "weights_img_size")
         elif no_embed_class and img_size_hint is not None and patches(img_size_hint, "img_size") == n - 1:

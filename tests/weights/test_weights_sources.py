@@ -312,3 +312,12 @@ def test_weights_img_size_is_the_config_size():
     np.testing.assert_allclose(vitlab_logits(model, x), official_forward(ckpt, x, "token", (1, 1)), atol=TOL, rtol=0)
     with pytest.raises(WeightsError, match="weights_img_size=48 means a 6x6 grid"):
         load_official_npz(ckpt, weights_img_size=48)
+
+
+@pytest.mark.parametrize("value", [(16,), "a", (16, 0)])
+def test_a_weights_img_size_that_is_no_size_is_refused_under_its_own_name(value):
+    # the official and Hugging Face loaders named it img_size, the argument that resizes the weights
+    from vitlab.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^weights_img_size="):
+        load_official_npz(random_checkpoint(32), weights_img_size=value)

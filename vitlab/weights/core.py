@@ -224,12 +224,12 @@ def patch_grid(positions: int, patch_size: Pair, reduction: int, weights_img_siz
     a timm model's img_size) decides; else a square grid; else the requested ``img_size``
     if its grid has exactly that many positions (non-square checkpoints loaded at their size).
     """
-    def grid_of(size: Pair | int) -> Pair:
-        h, w = to_pair(size, "img_size")
+    def grid_of(size: Pair | int, name: str) -> Pair:
+        h, w = to_pair(size, name)
         return (-(-h // reduction) // patch_size[0], -(-w // reduction) // patch_size[1])
 
     if weights_img_size is not None:
-        grid = grid_of(weights_img_size)
+        grid = grid_of(weights_img_size, "weights_img_size")
         if grid[0] * grid[1] != positions:
             raise WeightsError(f"{what} holds {positions} patch positions, but weights_img_size={weights_img_size} "
                                f"means a {grid[0]}x{grid[1]} grid of {patch_size} patches")
@@ -237,8 +237,8 @@ def patch_grid(positions: int, patch_size: Pair, reduction: int, weights_img_siz
     side = int(round(positions ** 0.5))
     if side * side == positions:
         return (side, side)
-    if img_size_hint is not None and np.prod(grid_of(img_size_hint)) == positions:
-        return grid_of(img_size_hint)
+    if img_size_hint is not None and np.prod(grid_of(img_size_hint, "img_size")) == positions:
+        return grid_of(img_size_hint, "img_size")
     raise WeightsError(
         f"{what} holds {positions} patch positions, not a square grid: pass weights_img_size=(height, width) "
         "(the resolution the weights were trained at), or img_size= that size"

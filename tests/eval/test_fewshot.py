@@ -155,3 +155,15 @@ def test_standardized_fewshot_is_blind_to_each_features_scale():
     assert plain.accuracy == scaled.accuracy and plain.l2 == scaled.l2
     with pytest.raises(TypeError, match="standardize='yes': expected True or False"):
         fewshot_evaluate(pool_x, pool_y, eval_x, eval_y, standardize="yes")
+
+
+def test_a_class_the_pool_lacks_is_refused_not_scored_wrong():
+    """An evaluation class with no example in the pool is one with 0 shots: its column's targets
+    were all -1, so it was never predicted and its examples counted wrong (0.75 here), without a word."""
+    x, y = blobs(12, 4, 6, seed=0)
+    pool = y < 3
+    with pytest.raises(ValueError, match=r"every class needs 5 examples in the training pool; 1 class\(es\) have "
+                                         r"fewer \(class 3: 0\)"):
+        fewshot_evaluate(x[pool], y[pool], x, y, shots=(2,), seeds=(0,), holdout_per_class=3)
+    assert fewshot_evaluate(x[pool], y[pool], x[pool], y[pool], shots=(2,), seeds=(0,),
+                            holdout_per_class=3).mean(2) > 0.9  # a pool without one class scores the others

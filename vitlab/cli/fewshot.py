@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     rest, held = data.rest.numpy(), data.held.numpy()
     if len(rest) == 0:
         raise ValueError("--val-split=0 leaves no training pool; few-shot needs a held-out evaluation split")
-    check_shots(data.labels.numpy()[rest], args.shots, args.holdout_per_class, ("--shots", "--holdout-per-class"))
+    y = data.labels.numpy()
+    check_shots(y[rest], args.shots, args.holdout_per_class, ("--shots", "--holdout-per-class"), y[held])
 
     cache = feature_cache(args)
     key = ("representation", FEATURES_VERSION, weights_key(args.checkpoint), size, data.key)
@@ -65,7 +66,6 @@ def run(args: argparse.Namespace) -> int:
     source = "cache" if cache.hits else f"{len(data.images)} images"
     print(f"features {feats.shape[1]}-d from {source}; pool {len(rest)}, evaluation {len(held)} "
           f"({data.held_part()}), {len(data.classes)} classes{unread_note(data.skipped)}", file=sys.stderr)
-    y = data.labels.numpy()
     result = fewshot_evaluate(feats[rest], y[rest], feats[held], y[held], shots=args.shots, seeds=range(args.seeds),
                               holdout_per_class=args.holdout_per_class, standardize=args.standardize)
     if args.json:

@@ -168,10 +168,11 @@ class FewShotResult:
 
 
 def check_shots(pool_y: np.ndarray, shots: Sequence[int], holdout_per_class: int,
-                names: tuple[str, str] = ("shots", "holdout_per_class")) -> None:
+                names: tuple[str, str] = ("shots", "holdout_per_class"), eval_y: np.ndarray | None = None) -> None:
     """Refuse, before any work, shot counts that are not positive integers and a pool in which some
     class has fewer than the largest k plus ``holdout_per_class`` examples (each draw takes both
-    from it); ``names`` are the two settings' names for the message."""
+    from it); ``names`` are the two settings' names for the message.  A class of ``eval_y`` that
+    the pool lacks counts as having none (it was never predicted, its examples scored wrong)."""
     shots_name, holdout_name = names
     bad = [k for k in shots if not isinstance(k, (int, np.integer)) or k < 1]
     if not shots or bad:
@@ -182,6 +183,9 @@ def check_shots(pool_y: np.ndarray, shots: Sequence[int], holdout_per_class: int
         raise ValueError(f"{holdout_name} {holdout_per_class}: must be a positive integer")
     need = max(shots) + holdout_per_class
     classes, counts = np.unique(np.asarray(pool_y), return_counts=True)
+    if eval_y is not None:
+        unseen = np.setdiff1d(np.unique(np.asarray(eval_y)), classes)
+        classes, counts = np.concatenate([classes, unseen]), np.concatenate([counts, np.zeros(len(unseen), int)])
     short = [(int(c), int(n)) for c, n in zip(classes, counts) if n < need]
     if short:
         listed = ", ".join(f"class {c}: {n}" for c, n in short[:5])
@@ -220,7 +224,7 @@ def fewshot_evaluate(
         raise ValueError(f"expected pool_x (P, d), pool_y (P,), eval_x (E, d), eval_y (E,); got {pool_x.shape}, "
                          f"{pool_y.shape}, {eval_x.shape}, {eval_y.shape}")
     shots, seeds = list(shots), list(seeds)  # a numpy array of shots met check_shots' truth test
-    check_shots(pool_y, shots, holdout_per_class)
+    check_shots(pool_y, shots, holdout_per_class, eval_y=eval_y)
     if len(seeds) == 0:  # no draw: every accuracy list stayed empty, and its mean NaN
         raise ValueError("seeds: none given; each is one random draw of the shots, e.g. (0, 1, 2)")
     for seed in seeds:  # a seed of 0.5 was cut to 0

@@ -197,3 +197,22 @@ def test_the_evaluator_counts_each_labels_place_as_a_stable_sort_does_without_so
 
     assert torch.equal(label_rank(logits, labels), sorted_place)
     assert torch.equal(label_rank(logits, labels.to(torch.uint8 if k <= 256 else torch.int32)), sorted_place)
+
+
+def test_topk_counts_nan_above_every_number_as_the_confusion_matrix_and_the_evaluator_do():
+    """numpy's sort put NaN below every number, so a label scored 0.3 beside a NaN was a top-1 hit
+    in classification_report's top1 (0.5 here) while its confusion matrix, from argmax, counted it
+    an error (0.25), and the evaluator ranks NaN above too."""
+    import torch
+
+    from vitlab.eval.evaluator import label_rank
+
+    nan = np.nan
+    scores = np.array([[0.1, nan, 0.3], [nan, nan, 0.0], [1.0, 1.0, 1.0], [0.5, 0.2, np.inf]], np.float32)
+    labels = np.array([2, 1, 1, 2])
+    with np.errstate(invalid="ignore"):  # the calibration error of NaN scores is NaN
+        report = classification_report(scores, labels)
+    assert report["top1"] == np.trace(np.array(report["confusion_matrix"])) / len(labels) == 0.25
+    rank = label_rank(torch.from_numpy(scores), torch.from_numpy(labels)).numpy()
+    assert rank.tolist() == [1, 1, 1, 0]
+    assert topk_accuracy(scores, labels, (1, 2, 3)) == {k: float(np.mean(rank < k)) for k in (1, 2, 3)}

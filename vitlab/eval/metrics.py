@@ -43,11 +43,17 @@ def topk_accuracy(scores: np.ndarray, labels: np.ndarray, ks: Sequence[int] = (1
     """Fraction of examples whose label is among the k highest scores, for each k.
 
     Ties are broken by the lower class index (a stable sort), so the answer is
-    deterministic.  k larger than the number of classes counts every example as correct.
+    deterministic; NaN counts above every number, as argmax (``confusion_matrix``'s predictions)
+    and the evaluator rank it (numpy's sort put it below every number: a label scored 0.3 beside
+    a NaN was a top-1 hit that the confusion matrix of the same report counted as an error).
+    k larger than the number of classes counts every example as correct.
     """
     scores, labels = _check(scores, labels)
-    order = np.argsort(-scores, axis=1, kind="stable")  # (N, K), best first
-    rank = np.argmax(order == labels[:, None], axis=1)  # (N,) position of the true class
+    own = np.take_along_axis(scores, labels[:, None], axis=1)  # (N, 1) the label's score
+    nan, own_nan = np.isnan(scores), np.isnan(own)
+    lower = np.arange(scores.shape[1]) < labels[:, None]
+    # (N,) position of the true class: the classes above it, and the equal ones of a lower index
+    rank = ((scores > own) | (nan & ~own_nan) | (((scores == own) | (nan & own_nan)) & lower)).sum(axis=1)
     return {int(k): float(np.mean(rank < k)) for k in ks}
 
 

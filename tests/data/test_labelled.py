@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vitlab.data.digits import load_digits_dataset
-from vitlab.data.labelled import check_run_classes, load_held_out
+from vitlab.data.labelled import load_held_out, match_run_classes
 from vitlab.data.splits import stratified_split, training_pool
 from vitlab.train.legacy import recorded_section
 
@@ -165,10 +165,22 @@ def test_the_flags_are_checked_before_the_data_is_decoded(monkeypatch):
         load_held_out(run, 8, split_seed=-1)
 
 
-def test_the_classes_of_the_run_must_be_the_datas():
-    check_run_classes(["a", "b"], ["a", "b"], 2)
-    check_run_classes(["a", "b"], None, 2)
-    with pytest.raises(ValueError, match=r"differ from the ones the checkpoint was trained on \(b, a"):
-        check_run_classes(["a", "b"], ["b", "a"], 2)
+def test_the_data_s_classes_are_matched_to_the_run_s_by_name():
+    """A folder's classes are sorted by name; a run's may be in another order (a parquet set's own), or
+    the data may hold some of them: each class is scored as the output of its name (another order
+    was refused; names kept with the weights alone, a Hugging Face id2label, were not read at all)."""
+    assert match_run_classes(["a", "b"], ["a", "b"], 2) is None
+    assert match_run_classes(["a", "b"], None, 2) is None
+    assert match_run_classes(["a", "b"], ["b", "a"], 2).tolist() == [1, 0]
+    assert match_run_classes(["a", "c"], ["c", "b", "a"], 3).tolist() == [2, 0]  # a subset
+    assert match_run_classes(["a", "b"], None, 2, kept=["b", "a"]).tolist() == [1, 0]
+    assert match_run_classes(["n01", "n02"], None, 2, kept=["tench", "goldfish"]) is None  # another vocabulary
+    with pytest.raises(ValueError, match=r"the data's classes \(d, ...\) are not among the 2 the checkpoint was "
+                                         r"trained on \(b, a"):
+        match_run_classes(["a", "d"], ["b", "a"], 2)
+    with pytest.raises(ValueError, match=r"the data's classes \(d, ...\) are not among the 2"):
+        match_run_classes(["a", "d"], None, 2, kept=["b", "a"])
+    with pytest.raises(ValueError, match=r"the checkpoint's 2 class names \(1 distinct\) do not name its 2 outputs"):
+        match_run_classes(["a"], None, 2, kept=["a", "a"])
     with pytest.raises(ValueError, match="the model has 3 outputs but the data has 2 classes"):
-        check_run_classes(["a", "b"], None, 3)
+        match_run_classes(["a", "b"], None, 3)

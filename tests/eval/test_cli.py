@@ -445,3 +445,45 @@ def test_eval_fewshot_and_predict_score_in_the_threads_a_run_resolves(run_dir, t
         hook.remove()
         torch.set_num_threads(caller)
     capsys.readouterr()
+
+
+def test_eval_scores_a_folder_s_classes_as_the_outputs_of_their_names(tmp_path, capsys):
+    """A folder sorts its classes by name (eight, five, four, ...); a model trained on them in another
+    order (zero, one, ...) was refused with its classes.json, and scored against the wrong outputs,
+    without a word, where its names came with the weights alone (a Hugging Face export's id2label):
+    12.67% for a model of 80%.  Each class is now the output of its name, in any order or a subset."""
+    import numpy as np
+    from PIL import Image
+
+    from vitlab.data.digits import load_digits_dataset
+    from vitlab.eval import Evaluator
+    from vitlab.weights.huggingface import save_huggingface
+
+    names = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    data = load_digits_dataset(16)
+    every = list(range(0, 600, 3))
+    some = [i for i in every if int(data.labels[i]) != 6]  # a subset: no sixes
+    for folder, indices in (("every", every), ("some", some)):
+        for i in indices:
+            (tmp_path / folder / names[data.labels[i]]).mkdir(parents=True, exist_ok=True)
+            image = Image.fromarray(data.images[i].permute(1, 2, 0).numpy())
+            image.save(tmp_path / folder / names[data.labels[i]] / f"{i}.png")
+    torch.manual_seed(0)  # the fixture's model has a pre-logits layer, which a Hugging Face export cannot hold
+    model = create_model(ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2,
+                                   num_classes=10, gelu="exact", ln_eps=1e-12, posemb_resample="bicubic"))  # HF's
+    with torch.no_grad():
+        model.head.weight.normal_(0, 0.3)
+    (tmp_path / "run").mkdir()
+    weights.save_model(model, tmp_path / "run" / "model.safetensors")
+    (tmp_path / "run" / "classes.json").write_text(json.dumps(names))
+    save_huggingface(model, tmp_path / "hf", class_names=names)
+    for folder, indices in (("every", every), ("some", some)):
+        expected = Evaluator(data.images[indices], data.labels[indices]).run(model)
+        for checkpoint in (tmp_path / "hf", tmp_path / "run" / "model.safetensors"):
+            assert main(["eval", "--checkpoint", str(checkpoint), "--data", str(tmp_path / folder), "--json"]) == 0
+            out = last_json(capsys)
+            assert out["n"] == len(indices) and out["classes"] == names
+            assert out["top1"] == pytest.approx(expected["top1"]) and out["top5"] == pytest.approx(expected["top5"])
+            assert (out["per_class_accuracy"]["six"] is None) == (folder == "some")
+            assert np.array(out["confusion_matrix"]).sum(axis=1).tolist() == np.bincount(
+                data.labels[indices].numpy(), minlength=10).tolist()

@@ -8,7 +8,9 @@ whole data set is evaluated.  Without ``--data``, a run that validated on a set 
 own (``data.val_data``) is scored on that set.  The numbers come from ``vitlab.eval.Evaluator``, the
 evaluator the trainer runs.  The output is a few lines to read; with ``--json``, one JSON
 line of every metric instead.  ``--compile`` scores through ``vitlab.fast.compile_for_inference``.
-The data and its split come from ``vitlab.data.labelled.load_held_out``.
+The data and its split come from ``vitlab.data.labelled.load_held_out``.  Each class of the data
+is scored as the output of its name where the checkpoint names its classes (``classes.json``,
+a Hugging Face ``id2label``): the data may hold them in another order, or some of them.
 
 ``fewshot`` shares this command's data flags (``add_data_arguments``) and its note on unreadable images.
 """
@@ -103,13 +105,13 @@ def unread_note(skipped: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from vitlab import fast
     from vitlab.analysis.report import read_run_meta
-    from vitlab.data.labelled import check_run_classes, load_held_out
+    from vitlab.data.labelled import load_held_out
     from vitlab.eval import Evaluator
     from vitlab.eval.features import check_tta_shift
     from vitlab.eval.metrics import check_num_bins
     from vitlab.train.legacy import recorded_section
     from vitlab.train.resolve import resolve_scoring, resolved_threads
-    from vitlab.weights import load_model
+    from vitlab.weights import load_model, read_class_names
 
     check_num_bins(args.bins, "--bins")  # before the checkpoint and the data are read
     check_diagonal(args)
@@ -125,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
     data = load_held_out(recorded_section(meta.get("recipe"), "data"), size, args.data, args.val_split,
                          args.split_seed, default_split=0.0, cache_dir=args.cache_dir, pool=False,
                          workers=resolved.decode_workers)
-    check_run_classes(data.classes, meta.get("classes"), model.cfg.num_classes)
-    evaluator = Evaluator(data.images[data.held], data.labels[data.held], batch_size=args.batch_size, device=device,
+    # labels by name, as the model's outputs: a folder's classes in another order, or some of them
+    labels, classes = data.held_for_model(meta.get("classes"), model.cfg.num_classes, read_class_names(args.checkpoint))
+    evaluator = Evaluator(data.images[data.held], labels, batch_size=args.batch_size, device=device,
                           flip=args.flip, shift=args.shift, diagonal=args.diagonal, image_size=size,
                           report_bins=args.bins)
     # one batch shape (the last batch padded), compiled once; the views of test-time augmentation share it
@@ -134,25 +137,26 @@ def run(args: argparse.Namespace) -> int:
         if args.compile else None
     with resolved_threads(resolved):  # as a run's: PyTorch's own count counts no container's CPU quota
         report = evaluator.run(model, forward)
-    where = "all examples" if data.split == 0 else f"held-out split ({held_part(data)}, seed {data.seed})"
-    if data.run_shards:
-        where = f"the run's held-out shards (val_split {data.split}, seed {data.seed})"
-    print(f"{args.checkpoint}: {report['n']} images, {where}{unread_note(data.skipped)}", file=sys.stderr)
-    print_report(args, report, data)
+    print(f"{args.checkpoint}: {report['n']} images, {scored_part(data)}{unread_note(data.skipped)}", file=sys.stderr)
+    print_report(args, report, data, classes)
     return 0
 
 
-def held_part(data) -> str:
-    """The held-out part of the set in words: a fraction ("50% of 1797 examples") is no count."""
+def scored_part(data) -> str:
+    """The part of the set scored, in words: a fraction ("50% of 1797 examples") is no count."""
+    if data.run_shards:
+        return f"the run's held-out shards (val_split {data.split}, seed {data.seed})"
+    if data.split == 0:
+        return "all examples"
     part = f"{100 * data.split:g}%" if isinstance(data.split, float) else f"{data.split}"
-    return f"{part} of {len(data.labels)} examples"
+    return f"held-out split ({part} of {len(data.labels)} examples, seed {data.seed})"
 
 
-def print_report(args: argparse.Namespace, report: dict[str, Any], data) -> None:
-    """The metrics: one JSON line with ``--json``, else the summary and the weakest classes."""
+def print_report(args: argparse.Namespace, report: dict[str, Any], data, classes: list[str]) -> None:
+    """The metrics: one JSON line with ``--json``, else the summary and the weakest classes (``classes``:
+    the names of the model's outputs)."""
     import numpy as np
 
-    classes = data.classes
     if args.json:
         print(json.dumps({"top1": report["top1"], "top5": report["top5"], "n": report["n"], "flip": args.flip,
                           "shift": args.shift, "diagonal": args.diagonal, "top1_views": report.get("top1_views"),

@@ -24,7 +24,7 @@ from vitlab.data.sources import PathLike
 from vitlab.data.splits import check_seed, select_classes, stratified_split, training_pool
 from vitlab.data.stream import hold_out, open_source
 
-__all__ = ["load_labelled", "HeldOutSet", "load_held_out", "check_run_classes"]
+__all__ = ["load_labelled", "HeldOutSet", "load_held_out", "match_run_classes"]
 
 
 def load_labelled(source: str, image_size, cache_dir: Optional[PathLike] = None, workers: Optional[int] = None,
@@ -68,6 +68,16 @@ class HeldOutSet:
     seed: int              # the seed of the split
     run_shards: bool = False  # only the shards a streamed run held out were decoded (``rest`` is empty)
     val_data: Optional[str] = None  # the held-out part is the run's validation set of its own (data.val_data)
+
+    def held_for_model(self, run_classes: Any, num_outputs: int,
+                       kept: Optional[list[str]] = None) -> tuple[torch.Tensor, list[str]]:
+        """The held-out examples' labels as the outputs of a model that scores them
+        (``match_run_classes``), and the names of those outputs."""
+        order = match_run_classes(self.classes, run_classes, num_outputs, kept)
+        labels = self.labels[self.held]
+        if order is None:
+            return labels, self.classes
+        return order[labels], list(run_classes if isinstance(run_classes, list) else kept)
 
     def held_part(self) -> str:
         """What the held-out part is, in words (the few-shot summary's)."""
@@ -225,11 +235,30 @@ def _split(labels: torch.Tensor, val_split: float, seed: int,
     return (*stratified_split(labels, size, seed, name), size)
 
 
-def check_run_classes(classes: list[str], run_classes: Any, num_outputs: int) -> None:
-    """That a model trained on ``run_classes`` (its run's ``classes.json``; None: unknown) with
-    ``num_outputs`` outputs can be scored on a set of ``classes``."""
-    if isinstance(run_classes, list) and run_classes != classes:
-        raise ValueError(f"the data's classes ({', '.join(classes[:5])}, ...) differ from the ones the checkpoint "
-                         f"was trained on ({', '.join(map(str, run_classes[:5]))}, ...)")
+def match_run_classes(classes: list[str], run_classes: Any, num_outputs: int,
+                      kept: Optional[list[str]] = None) -> Optional[torch.Tensor]:
+    """The output of a model with ``num_outputs`` outputs that scores each of the data's ``classes``,
+    matched by name: (len(classes),) int64, or None where they are the outputs in order.
+
+    run_classes: the classes its run trained on (``classes.json``; None: unknown); every class of
+        the data must be one of them, in any order (a folder sorts its classes by name, a parquet
+        set keeps its own order) or a subset.
+    kept: otherwise the names kept with the weights (a Hugging Face ``id2label``, a timm export's
+        ``label_names``): matched the same way where they name the data's classes; where they name
+        none of them (ImageNet's descriptions beside folders of WordNet ids) the classes are taken
+        in order, as the outputs (the names were not read, and a folder of the same names in another
+        order was scored against the wrong outputs).
+    """
+    names = run_classes if isinstance(run_classes, list) else kept
+    if isinstance(names, list) and (names is run_classes or set(classes) & set(names)):
+        missing = [c for c in classes if c not in names]
+        if missing:
+            raise ValueError(f"the data's classes ({', '.join(missing[:5])}, ...) are not among the {len(names)} the "
+                             f"checkpoint was trained on ({', '.join(map(str, names[:5]))}, ...)")
+        if len(names) != num_outputs or len(set(names)) < len(names):
+            raise ValueError(f"the checkpoint's {len(names)} class names ({len(set(names))} distinct) do not name its "
+                             f"{num_outputs} outputs one each")
+        return None if names == classes else torch.tensor([names.index(c) for c in classes])
     if num_outputs != len(classes):
         raise ValueError(f"the model has {num_outputs} outputs but the data has {len(classes)} classes")
+    return None

@@ -4,6 +4,7 @@ import pytest
 from sklearn.linear_model import Ridge
 
 from vitlab.eval.fewshot import (
+    DEFAULT_L2_GRID,
     RidgeSolver,
     fewshot_evaluate,
     fit_ridge,
@@ -167,3 +168,57 @@ def test_a_class_the_pool_lacks_is_refused_not_scored_wrong():
         fewshot_evaluate(x[pool], y[pool], x, y, shots=(2,), seeds=(0,), holdout_per_class=3)
     assert fewshot_evaluate(x[pool], y[pool], x[pool], y[pool], shots=(2,), seeds=(0,),
                             holdout_per_class=3).mean(2) > 0.9  # a pool without one class scores the others
+
+
+def numpy_ridge(x, y, num_classes, l2):
+    """An independent reference: the normal equations of [X 1] against {-1, 1}^K targets, the
+    penalty on the weights only (no centring, no eigendecomposition)."""
+    x = np.asarray(x, np.float64)
+    targets = np.where(np.arange(num_classes) == np.asarray(y)[:, None], 1.0, -1.0)
+    a = np.hstack([x, np.ones((len(x), 1))])
+    solution = np.linalg.solve(a.T @ a + np.diag(np.r_[np.full(x.shape[1], l2), 0.0]), a.T @ targets)
+    return solution[:-1], solution[-1], targets
+
+
+@pytest.mark.parametrize("form", ["primal", "dual", None])
+def test_matches_a_numpy_reference(form):
+    x, y = blobs(10, 4, 6, seed=3)  # n 40 > d 6
+    x = x * np.array([0.01, 0.1, 1.0, 10.0, 100.0, 1.0]) + 5.0  # features of different scales, off centre
+    for l2 in (DEFAULT_L2_GRID[0], 0.3, 50.0, DEFAULT_L2_GRID[-1]):
+        w, b, _ = numpy_ridge(x, y, 4, l2)
+        fit = fit_ridge(x, y, 4, l2, form=form)
+        np.testing.assert_allclose(fit.weights, w, rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(fit.bias, b, rtol=1e-6, atol=1e-12)
+    # more features than examples (5 shots x 3 classes, 40-d): the reference's (d + 1)-square system
+    x, y = blobs(5, 3, 40, seed=4)
+    for l2 in (DEFAULT_L2_GRID[0], 2.0):
+        w, b, _ = numpy_ridge(x, y, 3, l2)
+        fit = fit_ridge(x, y, 3, l2, form=form)
+        np.testing.assert_allclose(fit.weights, w, rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(fit.bias, b, rtol=1e-6, atol=1e-12)
+
+
+def test_without_the_regulariser_it_is_least_squares():
+    """l2 -> 0 with more examples than features: ordinary least squares with a bias, which lstsq
+    solves another way (an orthogonal factorisation of [X 1])."""
+    x, y = blobs(10, 4, 6, seed=3)
+    x = x * np.array([0.01, 0.1, 1.0, 10.0, 100.0, 1.0]) + 5.0
+    ols = np.linalg.lstsq(np.hstack([x, np.ones((len(x), 1))]), signed_targets(y, 4), rcond=None)[0]
+    fit = fit_ridge(x, y, 4, 1e-9)
+    np.testing.assert_allclose(fit.weights, ols[:-1], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(fit.bias, ols[-1], rtol=1e-6, atol=1e-7)
+
+
+def test_float32_features_far_from_zero_are_fitted_to_the_optimum():
+    """float32 features of spread 1e-3 around 1e4: X^T X of the raw features loses every digit of
+    the spread, and the reference's normal equations with it; the fit meets the optimum's
+    conditions (zero gradient in W and b) on the features as given, and separates the classes."""
+    x, y = blobs(10, 3, 8, seed=5)
+    x32 = (x * 1e-3 + 1e4).astype(np.float32)
+    fit = fit_ridge(x32, y, 3, 1e-6)
+    x64 = x32.astype(np.float64)
+    residual = x64 @ fit.weights + fit.bias - signed_targets(y, 3)
+    centred = x64 - x64.mean(axis=0)
+    assert np.abs(residual.sum(axis=0)).max() < 1e-6  # d/db
+    assert np.abs(centred.T @ residual + 1e-6 * fit.weights).max() < 1e-9  # d/dW, in the features' own scale
+    assert (fit.predict(x32) == y).all()

@@ -222,3 +222,14 @@ def test_float32_features_far_from_zero_are_fitted_to_the_optimum():
     assert np.abs(residual.sum(axis=0)).max() < 1e-6  # d/db
     assert np.abs(centred.T @ residual + 1e-6 * fit.weights).max() < 1e-9  # d/dW, in the features' own scale
     assert (fit.predict(x32) == y).all()
+
+
+def test_features_that_are_not_finite_are_refused_by_name():
+    """A NaN among the shots ended in numpy's "Eigenvalues did not converge"; one in the evaluation
+    split was scored as class 0, the argmax of a row of NaN, without a word."""
+    x, y = blobs(12, 3, 4, seed=0)
+    for name, row in (("pool_x", 0), ("eval_x", 1)):
+        pool_x, eval_x = x.copy(), x.copy()
+        (pool_x if name == "pool_x" else eval_x)[row, 2] = np.inf if row else np.nan
+        with pytest.raises(ValueError, match=rf"^{name}: 1 of 36 feature rows hold NaN or infinite values"):
+            fewshot_evaluate(pool_x, y, eval_x, y, shots=(2,), seeds=(0,), holdout_per_class=3)

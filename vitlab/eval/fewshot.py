@@ -223,6 +223,12 @@ def fewshot_evaluate(
             or pool_y.shape != pool_x.shape[:1] or eval_y.shape != eval_x.shape[:1]):
         raise ValueError(f"expected pool_x (P, d), pool_y (P,), eval_x (E, d), eval_y (E,); got {pool_x.shape}, "
                          f"{pool_y.shape}, {eval_x.shape}, {eval_y.shape}")
+    for name, x in (("pool_x", pool_x), ("eval_x", eval_x)):
+        # a NaN among the shots ended in eigh's "Eigenvalues did not converge", elsewhere a row scored as class 0
+        bad = int((~np.isfinite(x)).any(axis=1).sum())
+        if bad:
+            raise ValueError(f"{name}: {bad} of {len(x)} feature rows hold NaN or infinite values (a diverged "
+                             "model's?); the fit and its scores need finite features")
     shots, seeds = list(shots), list(seeds)  # a numpy array of shots met check_shots' truth test
     check_shots(pool_y, shots, holdout_per_class, eval_y=eval_y)
     if len(seeds) == 0:  # no draw: every accuracy list stayed empty, and its mean NaN

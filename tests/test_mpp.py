@@ -42,6 +42,24 @@ def test_corruption_selects_the_rate_and_splits_80_10_10():
     assert ((fate15 > 0).sum(1) == round(0.15 * N)).all()
 
 
+def test_a_swapped_patch_takes_another_patch_of_the_batch():
+    # the paper's "random other patch embedding": the donor was drawn from all B * N patches, itself
+    # included, so in a batch of 4 patches a quarter of the "swapped" ones were left as they were
+    g = torch.Generator().manual_seed(0)
+    B, N = 2, 2
+    patches = torch.arange(B * N, dtype=torch.float32).reshape(B, N, 1)
+    donors = torch.zeros(B * N, B * N)
+    for _ in range(2000):
+        out, fate = corrupt_patches(patches, torch.tensor([-1.0]), 1.0, g)
+        swapped = fate == SWAPPED
+        donors[patches[swapped][:, 0].long(), out[swapped][:, 0].long()] += 1
+    assert donors.diagonal().sum() == 0  # never itself
+    others = donors[~torch.eye(B * N, dtype=torch.bool)]
+    assert donors.sum() > 700 and others.min() > 0.6 * others.mean()  # any other patch, of either image
+    _, fate1 = corrupt_patches(patches[:1, :1], torch.tensor([-1.0]), 1.0, g)  # one patch: no other to take
+    assert fate1.shape == (1, 1)
+
+
 def test_three_bit_colour_bins_of_known_colours():
     rgb = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0],
                         [0.124, 0.126, 0.5], [0.999, 0.5, 0.25]])

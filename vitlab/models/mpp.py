@@ -49,8 +49,10 @@ def corrupt_patches(patches: torch.Tensor, mask_token: torch.Tensor, rate: float
     u = torch.rand(B, N, generator=generator, device=device)
     fate = torch.where(u < SPLIT[0], MASKED, torch.where(u < SPLIT[0] + SPLIT[1], SWAPPED, KEPT))
     fate = torch.where(selected, fate, 0)
-    # another patch of the batch, anywhere (BERT's random token)
-    donors = torch.randint(0, B * N, (B, N), generator=generator, device=device)
+    # another patch of the batch, anywhere (BERT's random token): an offset of 1 to B*N - 1 from
+    # its own index, never itself (a lone patch, with no other, keeps its own)
+    own = torch.arange(B * N, device=device).reshape(B, N)
+    donors = (own + torch.randint(1, max(2, B * N), (B, N), generator=generator, device=device)) % (B * N)
     others = patches.reshape(B * N, D)[donors]
     out = torch.where((fate == MASKED).unsqueeze(-1), mask_token.reshape(1, 1, D).to(patches.dtype), patches)
     out = torch.where((fate == SWAPPED).unsqueeze(-1), others, out)

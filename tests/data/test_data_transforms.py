@@ -238,10 +238,12 @@ def test_pointwise_ops_known_answers():
     assert _op("brightness", x, 0.5, -1.0)[0, 0, 0].tolist() == [0, 55, 110, 140]  # factor 0.55
 
 
-@pytest.mark.parametrize("magnitude", [1, 3, 7, 9])
+@pytest.mark.parametrize("magnitude", [0, 0.01, 1, 3, 7, 9, 10])
 def test_solarize_inverts_the_pixels_its_threshold_names(magnitude):
     """At M the pixels >= 256 - 256 * M / 10 are inverted, timm's threshold (256 - int(256 * M / 10));
-    where that is not a whole number the level below it was inverted too (25 at M = 9)."""
+    where that is not a whole number the level below it was inverted too (25 at M = 9).  At M = 0
+    (and below 1/256 of the scale) none: the threshold 256, compared with uint8 pixels, wrapped to 0
+    and every pixel was inverted, the strongest solarize at the weakest magnitude."""
     levels = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16).expand(1, 3, 16, 16)
     inverted = (_op("solarize", levels, magnitude / 10) != levels)[0, 0].flatten().nonzero().flatten()
     assert inverted.tolist() == list(range(256 - int(256 * magnitude / 10), 256))

@@ -88,6 +88,8 @@ def _equalize(x: torch.Tensor, m: float, sign: torch.Tensor) -> torch.Tensor:
 
 def _solarize(x: torch.Tensor, m: float, sign: torch.Tensor) -> torch.Tensor:
     threshold = 256 - int(256 * min(m, 1.0))  # timm's: the first level >= 256 - 256 * m
+    if threshold > 255:  # no level reaches it; 256 as a uint8 comparison would wrap to 0 and invert every pixel
+        return x
     return torch.where(x >= threshold, 255 - x, x)
 
 

@@ -487,3 +487,32 @@ def test_eval_scores_a_folder_s_classes_as_the_outputs_of_their_names(tmp_path, 
             assert (out["per_class_accuracy"]["six"] is None) == (folder == "some")
             assert np.array(out["confusion_matrix"]).sum(axis=1).tolist() == np.bincount(
                 data.labels[indices].numpy(), minlength=10).tolist()
+
+
+@pytest.mark.parametrize("command", ["eval", "predict"])
+@pytest.mark.parametrize("named", ["model.safetensors", ""])
+def test_a_masked_patch_prediction_run_is_refused_a_score_of_its_untrained_head(tmp_path, capsys, command, named):
+    # MPP pre-training saves its ViT with the zero head it was built with: eval scored it without a
+    # word (on digits 11.11% top-1, the share of class 0, which every image was "predicted" as)
+    from PIL import Image
+
+    import vitlab
+
+    run = tmp_path / "mpp"
+    weights = vitlab.save_model(vitlab.create_model(vitlab.ViTConfig(
+        img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=4, num_classes=10)), run / "model.safetensors")
+    (run / "config.json").write_text(json.dumps({"recipe": "mpp:target=color", "model": {"mpp": "color"},
+                                                 "data": {"source": "digits", "val_split": 100}}))
+    (run / "classes.json").write_text(json.dumps([str(i) for i in range(10)]))
+    checkpoint = str(run / named) if named else str(run)
+    image = tmp_path / "red.png"
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(image)
+    args = ["eval", "--checkpoint", checkpoint] if command == "eval" else ["predict", "--checkpoint", checkpoint,
+                                                                           str(image)]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"vitlab {command}: error: {checkpoint}: pre-trained by masked patch prediction (model.mpp='color'), which "
+        "trains no classifier: its head is as it was built, so every image would get the same scores; fine-tune it "
+        f"(vitlab finetune --init {checkpoint}) for a classifier, or probe its features (vitlab fewshot)\n")
+    assert weights.exists()

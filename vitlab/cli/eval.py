@@ -104,7 +104,6 @@ def unread_note(skipped: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab import fast
-    from vitlab.analysis.report import read_run_meta
     from vitlab.data.labelled import load_held_out
     from vitlab.eval import Evaluator
     from vitlab.eval.features import check_tta_shift
@@ -115,12 +114,12 @@ def run(args: argparse.Namespace) -> int:
 
     check_num_bins(args.bins, "--bins")  # before the checkpoint and the data are read
     check_diagonal(args)
+    meta = trained_run_meta(args.checkpoint)
     resolved = resolve_scoring(args.device, fast_path=args.fast is not False)
     device = resolved.device
     model = load_model(args.checkpoint, img_size=args.img_size).to(device).eval()
     if resolved.kernels is not None:
         fast.optimize(model, resolved.kernels)  # bf16 weights cast in each call: no copy held beside the model
-    meta = read_run_meta(args.checkpoint)
     size = tuple(model.cfg.img_size)
     check_tta_shift(args.shift, size, "--shift")
     # a streamed run's held-out shards (pool=False): only those are decoded
@@ -140,6 +139,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.checkpoint}: {report['n']} images, {scored_part(data)}{unread_note(data.skipped)}", file=sys.stderr)
     print_report(args, report, data, classes)
     return 0
+
+
+def trained_run_meta(checkpoint) -> dict:
+    """What the checkpoint's run left beside it (``read_run_meta``), read before the checkpoint
+    itself: a run that trained no classifier (masked patch prediction) is refused."""
+    from vitlab.analysis.report import read_run_meta
+    from vitlab.eval.evaluator import check_trained_classifier
+    from vitlab.train.legacy import recorded_section
+
+    meta = read_run_meta(checkpoint)
+    check_trained_classifier(recorded_section(meta.get("recipe"), "model"), checkpoint)
+    return meta
 
 
 def scored_part(data) -> str:

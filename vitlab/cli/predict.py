@@ -14,6 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
+from .eval import trained_run_meta
 from .train import add_fast_argument
 
 
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = Path(args.checkpoint)
     if not checkpoint.exists():  # a Hub name: its snapshot folder, which holds config.json
         checkpoint = resolve_hub_name(args.checkpoint) or checkpoint
+    trained_run_meta(checkpoint)  # a run that trained no classifier is refused before its model is read
     model = load_model(checkpoint).eval()
     if not model.cfg.num_classes:  # its features were shown as the probabilities of as many classes
         raise ValueError(f"{args.checkpoint}: the model has no head (num_classes=0): it gives features, not class "

@@ -161,3 +161,16 @@ def label_rank(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     above = (logits > own) | (nan & ~own_nan)
     lower = torch.arange(logits.shape[-1], device=logits.device) < labels
     return (above | (((logits == own) | (nan & own_nan)) & lower)).sum(-1)
+
+
+def check_trained_classifier(model_section: dict, checkpoint) -> None:
+    """That the checkpoint's run trained its classifier: a run of masked patch prediction
+    (``model.mpp`` of its recorded ``model`` section) trains none and saves its ViT with the head
+    it was built with, zero, so every image would get the same scores (top-1 the share of class
+    0).  ValueError naming the run's setting and what scores it instead."""
+    mpp = model_section.get("mpp")
+    if mpp is not None:
+        raise ValueError(f"{checkpoint}: pre-trained by masked patch prediction (model.mpp={mpp!r}), which trains no "
+                         "classifier: its head is as it was built, so every image would get the same scores; fine-tune "
+                         f"it (vitlab finetune --init {checkpoint}) for a classifier, or probe its features "
+                         "(vitlab fewshot)")

@@ -46,8 +46,8 @@ A hook registered for every module (``torch.nn.modules.module.register_module_fo
 and its kin) cannot be seen through torch's public API: inside the fused path the LayerNorm
 and dense layers, ``Attention`` and ``Mlp`` are computed as functions, so such a hook sees the
 block, its dropout and drop-path modules and a relative position bias, not them
-(``restore`` the model for a hook that must see every layer).  ``torch.compile`` traces
-the plain forward, and torch.func's transforms (``vmap``, ``grad``) and torch dispatch modes
+(``restore`` the model for a hook that must see every layer).  ``torch.compile`` and
+``torch.jit.trace`` trace the plain forward, and torch.func's transforms (``vmap``, ``grad``) and torch dispatch modes
 (``FlopCounterMode``) run it.
 """
 from __future__ import annotations
@@ -275,7 +275,10 @@ def _takes_over(x: torch.Tensor, kernels: KernelChoice) -> bool:
     path's autograd functions have no rules for them, and ended the call in torch's error; nor
     under a torch dispatch mode (``FlopCounterMode``, so ``vitlab.analysis.count_flops``; a
     memory tracker), which then watches the plain model's operators: FlopCounterMode counted
-    oneDNN's matmul as no FLOPs."""
+    oneDNN's matmul as no FLOPs.  Nor under ``torch.jit.trace``, which records the plain model's
+    operators: it cannot record oneDNN's matmul and failed on it ('unsupported input list type')."""
+    if torch.jit.is_tracing():
+        return False
     if torch._C._are_functorch_transforms_active():  # what torch's autograd.Function.apply asks itself
         return False
     if is_in_torch_dispatch_mode():

@@ -170,6 +170,20 @@ def test_non_square_images_and_patches():
     assert model(torch.randn(2, 3, 16, 24)).shape == (2, 5)
 
 
+@pytest.mark.parametrize("fields", [{}, dict(classifier="gap", img_size=(16, 24)), dict(posemb_place="every_layer"),
+                                    dict(dynamic_img_size=True), dict(axial=True, classifier="gap")])
+def test_torch_fx_symbolic_trace_gives_the_models_graph_at_its_img_size(fields):
+    """symbolic_trace failed on the input checks ('symbolically traced variables cannot be used as
+    inputs to control flow'): it passes a Proxy, whose shape Python cannot compare."""
+    model = vitlab.create_model(tiny(**fields)).eval()
+    with torch.no_grad():
+        model.head.weight.normal_()
+    x = torch.randn(3, 3, *model.cfg.img_size)
+    graph = torch.fx.symbolic_trace(model)
+    torch.testing.assert_close(graph(x), model(x))
+    assert any(node.target == "head" for node in graph.graph.nodes)  # its modules are the graph's calls
+
+
 def test_head_is_zero_initialised_and_init_follows_official_code():
     torch.manual_seed(0)
     model = vitlab.create_model(tiny(width=64, mlp_dim=256, representation_size=16))

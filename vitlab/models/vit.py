@@ -131,14 +131,19 @@ class VisionTransformer(nn.Module):
 
     def patchify(self, x: torch.Tensor) -> tuple[torch.Tensor, Pair]:
         """Images (B, C, H, W) -> patch embeddings (B, N, D), and the patch grid."""
-        self._check_input(x)
+        # torch.fx.symbolic_trace passes a Proxy, whose shape Python cannot compare or branch on:
+        # the traced graph is the model's at its img_size (its input unchecked), its grid the config's
+        traced = isinstance(x, torch.fx.Proxy)
+        if not traced:
+            self._check_input(x)
         if self.stem is not None:
             x = self.stem(x)
         x = self.patch_embed(x)  # (B, D, gh, gw)
+        grid = self.patch_grid(self.cfg.img_size) if traced else (x.shape[-2], x.shape[-1])
         # One copy here into token-major memory: a transposed view would carry the convolution's
         # channel-major strides into every residual sum of the stream, where nothing else
         # (a [class] token's concatenation) makes it contiguous, and each LayerNorm would copy it.
-        return x.flatten(2).transpose(1, 2).contiguous(), (x.shape[-2], x.shape[-1])
+        return x.flatten(2).transpose(1, 2).contiguous(), grid
 
     def embed_patches(self, x: torch.Tensor, grid: Pair) -> torch.Tensor:
         """Patch embeddings (B, N, D) -> tokens (B, prefix + N, D): [class] token, position embeddings, dropout."""

@@ -171,7 +171,8 @@ def test_non_square_images_and_patches():
 
 
 @pytest.mark.parametrize("fields", [{}, dict(classifier="gap", img_size=(16, 24)), dict(posemb_place="every_layer"),
-                                    dict(dynamic_img_size=True), dict(axial=True, classifier="gap")])
+                                    dict(posemb="learned_2d", img_size=(16, 24)), dict(dynamic_img_size=True),
+                                    dict(axial=True, classifier="gap")])
 def test_torch_fx_symbolic_trace_gives_the_models_graph_at_its_img_size(fields):
     """symbolic_trace failed on the input checks ('symbolically traced variables cannot be used as
     inputs to control flow'): it passes a Proxy, whose shape Python cannot compare."""

@@ -80,16 +80,17 @@ class LearnedPosEmb2D(nn.Module):
         for p in self.parameters():
             nn.init.normal_(p, std=0.02)
 
-    def _axis(self, table: torch.Tensor, length: int) -> torch.Tensor:
-        if table.shape[0] == length:
+    def _axis(self, table: torch.Tensor, trained: int, length: int) -> torch.Tensor:
+        # the lengths compared are the config's, not the table's shape: torch.fx.symbolic_trace cannot branch on that
+        if trained == length:
             return table
         # a 1D table is a (n, 1) grid; resample it along its one axis
         return resample_grid(table.unsqueeze(1), (length, 1), self.resample).squeeze(1)
 
     def forward(self, grid: Pair) -> torch.Tensor:
         gh, gw = grid
-        x = self._axis(self.x, gw).unsqueeze(0).expand(gh, gw, -1)
-        y = self._axis(self.y, gh).unsqueeze(1).expand(gh, gw, -1)
+        x = self._axis(self.x, self.grid[1], gw).unsqueeze(0).expand(gh, gw, -1)
+        y = self._axis(self.y, self.grid[0], gh).unsqueeze(1).expand(gh, gw, -1)
         table = torch.cat([x, y], dim=-1).reshape(1, gh * gw, -1)
         if self.prefix is not None:
             table = torch.cat([self.prefix, table], dim=1)

@@ -276,6 +276,17 @@ def test_max_pool_same_returns_its_inputs_layout():
 
 
 @pytest.mark.parametrize("padding", ["same", "symmetric"])
+def test_torch_jit_trace_of_the_stem_gives_its_values(padding):
+    """With SAME padding (the hybrids') tracing ended in max_pool2d's "argument 'ceil_mode' must be
+    bool, not Tensor": the sizes the padding is computed from are tensors under torch.jit.trace."""
+    torch.manual_seed(0)
+    model = ResNetFeatures(ResNetConfig(layers=(1,), img_size=16, padding=padding)).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.jit.trace(model, x)(x), model(x))
+
+
+@pytest.mark.parametrize("padding", ["same", "symmetric"])
 def test_hybrid_root_pools_before_the_relu_with_the_same_result(padding):
     # ResNetFeatures applies the root ReLU after the max-pool; the official order is ReLU
     # then pool: values and gradients must agree exactly

@@ -69,8 +69,9 @@ def max_pool_same(x: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
     if bottom - top > 1 or right - left > 1 or max(top, left) > kernel // 2:  # not for the usual 3x3/2
         return F.max_pool2d(pad_same(x, (kernel, kernel), (stride, stride), value=-math.inf), kernel, stride)
     nchw = x.is_contiguous()
+    # bool(): under torch.jit.trace the sizes, and so this comparison, are tensors, which max_pool2d refuses
     out = F.max_pool2d(x.contiguous(memory_format=torch.channels_last), kernel, stride, padding=(top, left),
-                       ceil_mode=bottom > top or right > left)
+                       ceil_mode=bool(bottom > top or right > left))
     return out.contiguous() if nchw else out
 
 

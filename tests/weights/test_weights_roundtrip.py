@@ -59,6 +59,41 @@ def test_save_model_round_trip(tmp_path, cfg, as_dir):
     assert torch.equal(logits(again, size), logits(model, size))
 
 
+class Adapter(torch.nn.Module):
+    """A LoRA-style wrapper: the layer's output plus a low-rank correction."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__()
+        self.base, self.down = base, torch.nn.Linear(base.in_features, 2, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.down(x).sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("fmt", ["vitlab", "hf", "timm", "official"])
+@pytest.mark.parametrize("edit", ["head", "adapter"])
+def test_a_model_its_config_does_not_describe_is_refused_before_a_file_is_written(tmp_path, fmt, edit):
+    """A head replaced by assignment or an adapter around a layer was saved, the config recording the
+    model before: the file could not be loaded again (vitlab's 'do not match the model', transformers'
+    size mismatch), or, adapted to the official layout, the save ended in a KeyError."""
+    model = random_model(TINY)
+    if edit == "head":
+        model.head = torch.nn.Linear(32, 3)
+    else:
+        model.blocks[0].attn.qkv = Adapter(model.blocks[0].attn.qkv)
+    target = tmp_path / ("m.npz" if fmt == "official" else "out")
+    expected = (r"(?s)^save_model: the model's weights do not match the model its config \(model\.cfg\) describes"
+                r".*(head\.weight|blocks\.0\.attn\.qkv\.base\.weight).*model\.reset_classifier\(n\)")
+    with pytest.raises(WeightsError, match=expected):
+        save_model(model, target, format=fmt)
+    assert not target.exists()
+    if edit == "head":  # reset_classifier replaces the head and the config together: saved and read back
+        model.reset_classifier(3)
+        with torch.no_grad():
+            model.head.weight.normal_()
+        assert torch.equal(logits(load_model(save_model(model, tmp_path / "run")), 16), logits(model, 16))
+
+
 def test_native_resize_and_new_head(tmp_path):
     model = random_model(TINY)
     save_model(model, tmp_path / "m.safetensors")

@@ -24,7 +24,7 @@ from ..config import (Architecture, ConfigError, Pair, ResNetConfig, config_from
                       to_pair)
 from ..files import atomic_write
 from .bit import save_bit_npz
-from .core import WeightsError, atomic_write_set, build_loaded, check_named
+from .core import WeightsError, atomic_write_set, build_loaded, check_named, check_state_dict, meta_shapes
 from .huggingface import save_huggingface
 from .labels import CLASSES_KEY, CLASSES_NAME, check_class_names
 from .official import save_official_npz
@@ -87,6 +87,7 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
         raise WeightsError(f"format={format!r}: allowed values are {', '.join(map(repr, FORMATS))}")
     if class_names is not None:
         class_names = check_class_names(class_names, cfg.num_classes, "class_names")
+    check_saved_model(model, cfg)
     need_model_folder(path, format)
     if format == "official":
         if isinstance(cfg, ResNetConfig):
@@ -110,6 +111,20 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
     # described the weights replaced, and read first it misnamed these classes
     files.append((path / WEIGHTS_NAME, lambda f: f.write(data)))
     return atomic_write_set(files, remove=() if class_names else [path / CLASSES_NAME])[-1]
+
+
+def check_saved_model(model: nn.Module, cfg: Architecture) -> None:
+    """That ``model``'s weights are those of the model ``cfg`` describes, which every format records
+    beside them: a head replaced by assignment (``model.head = nn.Linear(D, 3)``), an adapter wrapping
+    a layer or a swapped norm was saved as a file no loader (vitlab's, transformers', timm's) could read."""
+    try:
+        check_state_dict(meta_shapes(cfg), model.state_dict(), "save_model: the model's weights")
+    except WeightsError as err:
+        lines = str(err).replace(" do not match the model:", " do not match the model its config (model.cfg) "
+                                 "describes, which the file records:", 1)
+        raise WeightsError(f"{lines}\n  model.reset_classifier(n) replaces the head and the config's num_classes "
+                           "together; merge an adapter or a replaced layer into the plain modules before "
+                           "saving") from None
 
 
 def _data_offset(blob: bytes) -> int:

@@ -275,6 +275,20 @@ def test_max_pool_same_returns_its_inputs_layout():
     assert torch.equal(nchw, channels_last)
 
 
+def test_torch_fx_symbolic_trace_of_a_bit_resnet_gives_its_values():
+    """Tracing ended in the input check ('symbolically traced variables cannot be used as inputs to
+    control flow'): a Proxy's shape cannot be compared.  BiT's own symmetric padding has no other
+    branch on a size (SAME padding, computed from the input's, still cannot be traced)."""
+    torch.manual_seed(0)
+    model = BiTResNet(ResNetConfig(layers=(1, 1), num_classes=4, img_size=32, padding="symmetric")).eval()
+    _randomise_norms(model)
+    with torch.no_grad():
+        model.head.conv.weight.normal_()
+    x = torch.randn(2, 3, 32, 32)
+    graph = torch.fx.symbolic_trace(model)
+    torch.testing.assert_close(graph(x), model(x))
+
+
 @pytest.mark.parametrize("padding", ["same", "symmetric"])
 def test_torch_jit_trace_of_the_stem_gives_its_values(padding):
     """With SAME padding (the hybrids') tracing ended in max_pool2d's "argument 'ceil_mode' must be

@@ -221,3 +221,71 @@ def test_a_muon_checkpoint_read_to_the_host_keeps_every_state_tensor_on_its_para
     state = {name: tensor.device.type for g in resumed.param_groups for p in g["params"]
              for name, tensor in resumed.state[p].items()}
     assert state == {"momentum_buffer": "meta", "step": "meta", "exp_avg": "meta", "exp_avg_sq": "meta"}
+
+
+def test_vit_ti16_decays_exactly_the_hand_listed_kernels():
+    # ViT-Ti/16 with the pre-training head, listed by hand: the official mask ".*/kernel$" decays the
+    # patch embedding's, the blocks' four dense layers', the pre-logits' and the head's kernels; no bias,
+    # LayerNorm, position embedding or [class] token
+    model = create_model("ViT-Ti/16", num_classes=10, representation_size=192)
+    blocks = [f"blocks.{i}.{layer}.weight" for i in range(12) for layer in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
+    decayed = {"patch_embed.weight", *blocks, "pre_logits.fc.weight", "head.weight"}
+    kept = {"cls_token", "pos_embed.weight", "patch_embed.bias", "norm.weight", "norm.bias", "pre_logits.fc.bias",
+            "head.bias"}
+    kept |= {f"blocks.{i}.{part}" for i in range(12) for part in (
+        "norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias",
+        "attn.qkv.bias", "attn.proj.bias", "mlp.fc1.bias", "mlp.fc2.bias")}
+    assert set(no_decay_names(model)) == kept
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = build_optimizer(model, OptimConfig(weight_decay=0.1, wd_scope="kernels"))
+    assert [(g["weight_decay"], {names[id(p)] for p in g["params"]}) for g in opt.param_groups] == [
+        (0.1, decayed), (0.0, kept)]
+    assert isinstance(opt, torch.optim.AdamW) and opt.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+def test_two_training_steps_are_hand_written_adamw_after_clipping_the_accumulated_gradient(tiny):
+    """train_step against the update written out: the gradient of the whole batch (two micro-batches of
+    16 accumulated), the sigmoid cross-entropy summed over classes, clipped to global norm 1, then Adam
+    (0.9, 0.999, eps 1e-8) with decoupled decay lr_t * wd on the kernels only."""
+    from vitlab.train.build import build
+    from vitlab.train.step import train_step
+
+    cfg = tiny(steps=2, accum_steps=2, batch_size=32, loss="sigmoid_xent", weight_decay=0.1, pre_logits=True)
+    setup = build(cfg)
+    with torch.no_grad():  # a zero head passes no gradient back: give every layer one
+        torch.nn.init.normal_(setup.model.head.weight, std=2.0)
+    ref = copy.deepcopy(dict(setup.model.named_parameters()))
+    ref = {n: p.detach().clone().double() for n, p in ref.items()}
+    decayed = {n for n in ref} - set(no_decay_names(setup.model))
+    g = torch.Generator().manual_seed(1)
+    moments = {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in ref.items()}
+    for t, lr in ((1, 0.02), (2, 0.05)):
+        x = torch.randn(32, 3, 8, 8, generator=g)
+        targets = (torch.rand(32, 10, generator=g) < 0.3).float()
+        # the reference gradient: a plain copy of the model at the reference weights, the whole batch at once
+        plain = copy.deepcopy(setup.model).double()
+        with torch.no_grad():
+            for n, p in plain.named_parameters():
+                p.copy_(ref[n])
+        z = plain(x.double())
+        loss = -(targets * torch.log(torch.sigmoid(z)) + (1 - targets) * torch.log(1 - torch.sigmoid(z))).sum(1).mean()
+        grads = dict(zip(ref, torch.autograd.grad(loss, [p for _, p in plain.named_parameters()])))
+        norm = torch.sqrt(sum((gr ** 2).sum() for gr in grads.values()))
+        assert norm > 1.5  # the clipping acts
+        scale = 1.0 / (norm + 1e-6)
+        for n, p in ref.items():
+            m, v = moments[n]
+            gr = grads[n] * scale
+            m.mul_(0.9).add_(0.1 * gr)
+            v.mul_(0.999).add_(0.001 * gr * gr)
+            step = lr * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + 1e-8)
+            ref[n] = (p * (1 - lr * 0.1) if n in decayed else p) - step
+        result = train_step(setup, iter([(x[:16], targets[:16]), (x[16:], targets[16:])]), lr, tuple(setup.img_size))
+        assert float(result.grad_norm) == pytest.approx(float(norm), rel=1e-5)
+        torch.testing.assert_close(result.loss.double(), loss.detach(), rtol=1e-5, atol=0)
+        for n, p in setup.model.named_parameters():
+            got, want = p.detach().double(), ref[n]
+            if n.endswith("qkv.bias"):  # the keys' bias moves no softmax: its gradient is rounding, which Adam scales up
+                keys = torch.arange(len(want)) // (len(want) // 3) == 1
+                got, want = got[~keys], want[~keys]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=n)

@@ -87,3 +87,49 @@ def test_time_fitted_total_with_cheaper_steps():
     assert needs(total) <= left < needs(total + 1)
     assert total > 1.3 * fit_steps_to_time(**kw)
     assert fit_steps_to_time(**kw, steps_cost=cost, max_steps=1000) == 1000
+
+
+def _paper(step: int, base: float, total: int, warmup: int, decay: str) -> float:
+    """The paper's schedule written out (vit_jax's, its step counted from 1): linear warm-up to
+    ``base`` over ``warmup`` steps, then linear or cosine decay to 0 at step ``total``."""
+    s = step + 1
+    if s <= warmup:
+        return base * s / warmup
+    progress = (s - 1 - warmup) / (total - warmup)  # this library's decay starts from base at 0-based step warmup
+    return base * (1 - progress if decay == "linear" else 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@pytest.mark.parametrize("recipe, base, total, decay", [
+    ("paper_pretrain", 8e-4, 517_000, "linear"), ("paper_pretrain:dataset=i21k", 1e-3, 312_000, "linear"),
+    ("paper_pretrain_imagenet", 3e-3, 93_835, "cosine")])
+def test_the_paper_recipes_schedules_at_chosen_steps(recipe, base, total, decay):
+    from vitlab.configs import load_recipe
+    from vitlab.train.schedules import warmup_steps
+
+    optim = load_recipe(recipe).optim
+    assert (optim.lr, optim.steps, optim.decay, optim.min_lr) == (base, total, decay, 0.0)
+    warmup = warmup_steps(optim, optim.steps)
+    assert warmup == 10_000
+    kw = dict(base_lr=optim.lr, total_steps=optim.steps, warmup_steps=warmup, decay=optim.decay)
+    for step in (0, 1, 4_999, 9_998, 9_999, 10_000, 10_001, 50_000, total // 2, total - 2, total - 1):
+        assert lr_at(step, **kw) == pytest.approx(_paper(step, base, total, 10_000, decay), rel=1e-12, abs=1e-18)
+    assert lr_at(9_999, **kw) == lr_at(10_000, **kw) == base  # the end of warm-up is the peak
+    assert 0 < lr_at(total - 1, **kw) < base * 1e-4  # the last step: just above 0
+
+
+def test_a_run_steps_at_the_scheduled_rates(tiny, monkeypatch):
+    import vitlab.train.loop as loop
+    from vitlab.train import train
+
+    rates, real_step = [], loop.train_step
+
+    def train_step(setup, batches, lr, size):
+        result = real_step(setup, batches, lr, size)
+        rates.append([group["lr"] for group in setup.optimizer.param_groups])
+        return result
+
+    monkeypatch.setattr(loop, "train_step", train_step)
+    train(tiny(steps=6, warmup=2, decay="linear", lr=3e-3), verbose=False)
+    # warm-up over 2 steps, then linear decay over the 4 left: 1/2, 1, 1, 3/4, 1/2, 1/4 of the base rate
+    expected = [3e-3 * f for f in (0.5, 1.0, 1.0, 0.75, 0.5, 0.25)]
+    assert rates == [pytest.approx([r, r]) for r in expected]

@@ -216,3 +216,13 @@ def test_topk_counts_nan_above_every_number_as_the_confusion_matrix_and_the_eval
     rank = label_rank(torch.from_numpy(scores), torch.from_numpy(labels)).numpy()
     assert rank.tolist() == [1, 1, 1, 0]
     assert topk_accuracy(scores, labels, (1, 2, 3)) == {k: float(np.mean(rank < k)) for k in (1, 2, 3)}
+
+
+def test_evaluator_refuses_a_loss_it_cannot_report_before_any_work():
+    import torch
+
+    from vitlab.eval import Evaluator
+
+    images, labels = torch.zeros(2, 3, 8, 8, dtype=torch.uint8), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=r"loss='xent': allowed values are 'softmax_xent', 'sigmoid_xent'"):
+        Evaluator(images, labels, loss="xent")

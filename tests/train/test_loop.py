@@ -985,3 +985,23 @@ def test_a_non_finite_loss_read_shows_as_such():
         progress.update(step, 4, loss, 100.0, 1.0)
     assert [line.split()[2:4] for line in stream.getvalue().splitlines()] == [
         ["loss", "-"], ["loss", "nan"], ["loss", "inf"], ["loss", "2.5000"]]
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_a_sigmoid_run_reports_its_validation_loss_in_its_own_loss(tiny, flip):
+    # paper_pretrain's loss: val_loss, drawn on the curves' panel beside the training loss, was the
+    # softmax cross-entropy (2.3 at the start on 10 classes where the training loss was 6.9)
+    import torch.nn.functional as F
+
+    from vitlab.eval.features import predict_logits
+    from vitlab.train.inputs import build_splits
+
+    summary = train(tiny("sigmoid", loss="sigmoid_xent", eval_flip=flip, steps=4, tensorboard=False), verbose=False)
+    model = load_model(summary["weights"]).eval()
+    splits = build_splits(tiny("sigmoid"), (8, 8))
+    views = [torch.from_numpy(predict_logits(model, images)).double()
+             for images in (splits.val_images, splits.val_images.flip(-1))[:1 + flip]]
+    targets = F.one_hot(splits.val_labels, 10).double()
+    p = sum(z.sigmoid() for z in views) / len(views)  # the views' mean probability of each class
+    expected = -(targets * p.log() + (1 - targets) * (1 - p).log()).sum(1).mean()
+    assert summary["val_loss"] == pytest.approx(float(expected), rel=1e-5)

@@ -12,6 +12,8 @@ scaled to [-1, 1] (``vitlab.data.transforms``), as training and ``predict_logits
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,8 @@ from vitlab.modes import evaluating
 
 from .features import Shift, check_tta_shift, mean_probability, tta_view_prefixes, tta_views
 from .metrics import check_num_bins, classification_report
+
+LOSSES = ("softmax_xent", "sigmoid_xent")  # a training run's optim.loss, which its evaluations report
 
 
 class Evaluator:
@@ -39,6 +43,8 @@ class Evaluator:
     report_bins: also the full ``classification_report`` (per-class accuracy, confusion
         matrix, ECE with this many bins), as `vitlab eval` prints it; one process only.
     precision: "fp32", "bf16" or "fp16" (autocast), as the caller resolved it.
+    loss: the ``loss`` reported: "softmax_xent", or "sigmoid_xent" (per-class binary
+        cross-entropy summed over classes, ``sigmoid_losses``), a run's ``optim.loss``.
     world: the processes sharing the evaluation (rank, size, and ``all_reduce_sum(values)``,
         as ``vitlab.train.distributed.World`` has them); rank r takes examples r, r + W, ...;
         all ranks run the same number of batches (the short ones padded and masked), so a
@@ -47,7 +53,7 @@ class Evaluator:
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, batch_size: int = 128,
                  device: str | torch.device = "cpu", precision: str = "fp32", flip: bool = False, shift: Shift = 0,
-                 diagonal: bool = False,
+                 diagonal: bool = False, loss: str = "softmax_xent",
                  image_size: tuple[int, int] | None = None, report_bins: int | None = None, world=None) -> None:
         if images.dtype != torch.uint8 or images.ndim != 4:
             raise ValueError(f"expected uint8 images (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
@@ -66,13 +72,15 @@ class Evaluator:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
+        if loss not in LOSSES:
+            raise ValueError(f"loss={loss!r}: allowed values are {', '.join(map(repr, LOSSES))}")
         if report_bins is not None:
             check_num_bins(report_bins, "report_bins")  # before the model is scored, not after
         if report_bins is not None and world is not None and world.size > 1:
             raise ValueError("report_bins: the full report is computed in one process only")
         self.images, self.labels, self.top_label = images, labels, high
         self.batch_size, self.device, self.precision = batch_size, torch.device(device), precision
-        self.flip, self.shift, self.diagonal = flip, shift, diagonal
+        self.flip, self.shift, self.diagonal, self.loss = flip, shift, diagonal, loss
         self.view_sets = tta_view_prefixes(flip, shift, diagonal)
         self.image_size, self.report_bins, self.world = image_size, report_bins, world
         if shift:
@@ -126,7 +134,9 @@ class Evaluator:
                         flip_pair = nested[1]
                     logits = ensembles[-1]
                 rank = label_rank(logits, y)
-                loss = (F.cross_entropy(logits, y, reduction="none") * ok).sum()
+                losses = (sigmoid_losses(views, y) if self.loss == "sigmoid_xent"
+                          else F.cross_entropy(logits, y, reduction="none"))
+                loss = (losses * ok).sum()
                 sums += torch.stack([loss, ((rank == 0) & ok).sum(), ((rank < 5) & ok).sum(), single, flip_pair,
                                      *nested]).double()
                 if self.report_bins is not None:
@@ -174,3 +184,15 @@ def check_trained_classifier(model_section: dict, checkpoint) -> None:
                          "classifier: its head is as it was built, so every image would get the same scores; fine-tune "
                          f"it (vitlab finetune --init {checkpoint}) for a classifier, or probe its features "
                          "(vitlab fewshot)")
+
+
+def sigmoid_losses(views: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    """(B,) the sigmoid cross-entropy, summed over the K classes, of each image's views' (B, K)
+    logits against its one-hot label: of the views' mean probability of each class (one view:
+    its own logits', as the training loss has it), in log space."""
+    z = torch.stack(views).float()
+    log_views = math.log(len(views))
+    log_p = torch.logsumexp(F.logsigmoid(z), dim=0) - log_views
+    log_not_p = torch.logsumexp(F.logsigmoid(-z), dim=0) - log_views
+    positive = F.one_hot(labels, z.shape[-1]).bool()
+    return -torch.where(positive, log_p, log_not_p).sum(-1)

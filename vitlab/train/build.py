@@ -355,7 +355,7 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
         def evaluator_with(shift, diagonal: bool = False) -> Evaluator:
             return Evaluator(splits.val_images, splits.val_labels, batch_size=cfg.run.eval_batch_size,
                              device=world.device, precision=resolved.precision, flip=cfg.run.eval_flip, shift=shift,
-                             diagonal=diagonal, image_size=img_size, world=world)
+                             diagonal=diagonal, loss=cfg.optim.loss, image_size=img_size, world=world)
 
         evaluator = evaluator_with(0)
         final_evaluator = evaluator_with(cfg.run.final_eval_shift, cfg.run.final_eval_diagonal)

@@ -35,6 +35,40 @@ def test_sigmoid_xent_against_hand_computation():
     assert loss_fn(logits, targets, "softmax_xent").item() == pytest.approx(sum(soft) / 2, rel=1e-6)
 
 
+
+@pytest.mark.parametrize("loss", ["sigmoid_xent", "softmax_xent"])
+def test_train_top1_counts_a_top_prediction_among_a_multi_label_images_labels(tiny, loss):
+    # JFT-style multi-hot targets: the top-1 prediction is right where it is any of the image's labels
+    # (big_vision's prec@1); it was compared with the first label only (the targets' argmax)
+    from vitlab.train.build import build
+    from vitlab.train.step import train_step
+
+    setup = build(tiny(loss=loss, batch_size=8, accum_steps=1))
+    with torch.no_grad():  # every image's top prediction: class 3
+        setup.model.head.weight.zero_()
+        setup.model.head.bias.copy_(torch.arange(10.0) == 3)
+    targets = torch.zeros(8, 10)
+    for row, labels in enumerate([(1, 3), (3,), (0, 5), (3, 7, 9), (2,), (0, 1, 2), (3, 4), (8,)]):
+        targets[row, list(labels)] = 1.0
+    x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    result = train_step(setup, iter([(x, targets)]), 1e-3, tuple(setup.img_size))
+    assert int(result.correct) == 4  # the rows holding class 3
+
+
+def test_train_top1_of_soft_single_label_targets_is_their_largest_class(tiny):
+    from vitlab.train.build import build
+    from vitlab.train.step import train_step
+
+    setup = build(tiny(batch_size=4, accum_steps=1))
+    with torch.no_grad():
+        setup.model.head.weight.zero_()
+        setup.model.head.bias.copy_(torch.arange(10.0) == 3)
+    smoothed = torch.full((4, 10), 0.01)  # label smoothing: every class above 0, the label highest
+    smoothed[torch.arange(4), torch.tensor([3, 1, 3, 0])] = 0.91
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    result = train_step(setup, iter([(x, smoothed)]), 1e-3, tuple(setup.img_size))
+    assert int(result.correct) == 2
+
 def test_ema_matches_closed_form():
     d = 0.8
     model = nn.Linear(1, 1, bias=False)

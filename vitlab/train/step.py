@@ -135,7 +135,7 @@ def accumulate(setup, batches: Iterator, size: tuple[int, int]) -> tuple[torch.T
                 losses = example_losses(out, targets, cfg.optim.loss)
                 loss = losses.mean()
                 finite_rows = torch.isfinite(losses.detach())  # which examples a bad step names
-                correct += (out.detach().argmax(-1) == targets.argmax(-1)).sum()
+                correct += top1_correct(out.detach(), targets)
             else:  # masked patch prediction: its own loss; "correct" counts images' worth of right patches
                 loss = out.loss
                 correct += x.shape[0] * mpp_accuracy(out)
@@ -147,6 +147,14 @@ def accumulate(setup, batches: Iterator, size: tuple[int, int]) -> tuple[torch.T
         origins.append((position, finite_rows))
         seen += x.shape[0]
     return loss_sum, correct, seen, origins
+
+
+def top1_correct(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """() the examples whose top-1 class has the largest target weight: a one-hot, smoothed or
+    mixed target's largest class, or any of a multi-hot (multi-label) target's labels, as
+    big_vision's prec@1 counts them on multi-label sets."""
+    picked = targets.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1)
+    return (picked == targets.max(-1).values).sum()
 
 
 def stream_position(stream) -> tuple:

@@ -617,8 +617,9 @@ class StreamLoader:
                 handovers.append(split_handover(handover))
                 # here, not in the reader: a worker's exception reaches the command with its traceback
                 source = self.dataset.source
-                for part in handovers[-1]:  # (part[2]: a multi-label part's labels, tuples)
-                    ids = part[1] if part[2] is None else [i for labels in part[2] for i in labels]
+                for part in handovers[-1]:  # (part[2]: a multi-label part's labels: tuples, and ints of one label)
+                    ids = part[1] if part[2] is None else [i for labels in part[2] for i in
+                                                           (labels if isinstance(labels, (tuple, list)) else (labels,))]
                     check_label_ids(ids, source.classes, source.name)
             for taken in zip(*handovers):
                 for part in taken:

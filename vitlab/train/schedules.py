@@ -1,7 +1,8 @@
 """Learning rate as a pure function of the step, and fitting a run into a time budget.
 
 The paper (Table 3, Table 4): linear warm-up over 10k steps (pre-training) or 500
-(fine-tuning), then linear or cosine decay to zero at the last step.
+(fine-tuning), then linear or cosine decay towards zero (``min_lr``), which step
+``total_steps`` would reach: the last step taken, ``total_steps - 1``, is just above it.
 """
 from __future__ import annotations
 

@@ -325,3 +325,37 @@ def test_a_label_past_the_class_list_stops_the_run_in_one_line(shards, tmp_path,
         next(iter(StreamLoader(source, 30, augment=augment, shuffle_buffer=0, workers=workers)))
     with pytest.raises(DataError, match=r"shards: shard-\d+\.tar:\d+: label 2 is not one of the 2 classes"):
         load_in_memory(str(shards), cache_dir=tmp_path / "cache", workers=1)
+
+
+def test_a_multi_label_set_decoded_into_memory_to_train_on_is_refused_naming_how_to_stream_it(tmp_path):
+    # decoded into memory each sample keeps its first label: a JFT-style run with --stream memory trained
+    # on first labels only, where streamed it trains on every label (multi-hot targets)
+    from vitlab.config import ConfigError
+    from vitlab.data.labelled import load_labelled
+    from vitlab.train.inputs import build_splits
+    from vitlab.train.config import DataConfig, TrainConfig
+
+    out = tmp_path / "jft"
+    out.mkdir()
+    (out / "classes.txt").write_text("a\nb\nc\nd\n")
+    with tarfile.open(out / "0000.tar", "w") as tar:
+        for i, label in enumerate(["0,2", "1", "3,1,0", "2"] * 3):
+            buf = io.BytesIO()
+            Image.new("RGB", (8, 8), (i, 0, 0)).save(buf, format="PNG")
+            for name, data in ((f"{i:04d}.png", buf.getvalue()), (f"{i:04d}.cls", label.encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    for cache in (None, tmp_path / "cache", tmp_path / "cache"):  # decoded, then cached, then read from the cache
+        data = load_labelled(str(out), (8, 8), cache_dir=cache)
+        assert data.labels.tolist() == [0, 1, 3, 2] * 3 and data.several_labels == 6  # evaluation: the first label
+        cfg = TrainConfig(data=DataConfig(source=str(out), val_split=0, stream="memory",
+                                          cache_dir=None if cache is None else str(cache)))
+        with pytest.raises(ConfigError, match=r"data.stream='memory': .*jft: 6 sample\(s\) have several labels, of which "
+                                              r"a set decoded into memory keeps the first; stream it \(data.stream='stream'\)"):
+            build_splits(cfg, (8, 8))
+    # a copy cached before the count was recorded is decoded again, and cached with it
+    (meta,) = (tmp_path / "cache").rglob("meta.json")
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "several_labels"}))
+    assert load_labelled(str(out), (8, 8), cache_dir=tmp_path / "cache").several_labels == 6
+    assert json.loads(meta.read_text())["several_labels"] == 6

@@ -68,6 +68,8 @@ class InMemoryDataset:
              iterating gives (path, reason); ``skipped.images`` counts them, a shard that
              broke off with every image it lost).
     key:     changes when the data does: its source's and the decoding's (CACHE_VERSION); "" when unknown.
+    several_labels: the samples of a multi-label (JFT-style) source that had several labels, of
+             which ``labels`` keeps the first; None read from a copy cached before it was recorded.
     """
 
     images: torch.Tensor
@@ -75,6 +77,7 @@ class InMemoryDataset:
     classes: list[str]
     skipped: Unread = field(default_factory=Unread)
     key: str = ""
+    several_labels: int | None = 0
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -176,6 +179,7 @@ def _read_cache(folder: Path) -> Optional[InMemoryDataset]:
             labels=torch.from_numpy(np.load(folder / "labels.npy")),
             classes=list(meta["classes"]),
             skipped=Unread(meta["skipped"]),
+            several_labels=meta.get("several_labels"),
         )
         if data.images.ndim != 4 or len(data.images) != len(data.labels):
             raise ValueError(f"{len(data.images)} images and {len(data.labels)} labels")
@@ -187,7 +191,8 @@ def _read_cache(folder: Path) -> Optional[InMemoryDataset]:
     return data
 
 
-def _write_cache(folder: Path, images: np.ndarray, labels: np.ndarray, classes: list[str], skipped: Unread) -> None:
+def _write_cache(folder: Path, images: np.ndarray, labels: np.ndarray, classes: list[str], skipped: Unread,
+                 several_labels: int = 0) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=folder.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
@@ -195,7 +200,7 @@ def _write_cache(folder: Path, images: np.ndarray, labels: np.ndarray, classes: 
         np.save(tmp / "images.npy", images)
         np.save(tmp / "labels.npy", labels)
         (tmp / "meta.json").write_text(json.dumps({"classes": classes, "skipped": skipped.to_list(),
-                                                   "shape": images.shape}))
+                                                   "shape": images.shape, "several_labels": several_labels}))
         try:
             os.rename(tmp, folder)  # all three files appear together or not at all
         except OSError:
@@ -257,19 +262,24 @@ def load_source_in_memory(source: StreamSource, image_size: Size = None, cache_d
     workers = usable_cores() if workers is None else workers
     folder = _cache_folder(source.key, size, cache_dir) if source.key else None
     data = _read_cache(folder) if folder is not None else None
+    if data is not None and data.several_labels is None:  # cached before they were counted: decoded again
+        shutil.rmtree(folder, ignore_errors=True)
+        data = None
     if data is None:
-        keys, payloads, labels, skipped = [], [], [], Unread()
+        keys, payloads, labels, skipped, several = [], [], [], Unread(), 0
         for key, payload, label in source.samples(skipped):
             check_label_ids(label if isinstance(label, tuple) else (label,), source.classes, source.name, key)
             keys.append(key)
             payloads.append(payload)
             labels.append(label[0] if isinstance(label, tuple) else label)
+            several += isinstance(label, tuple) and len(label) > 1
         decoded = _decode_all(payloads, size, workers)
         del payloads
         images, labels = _stack(decoded, keys, np.asarray(labels, dtype=np.int64), source.name, skipped)
         if folder is not None:
-            _write_cache(folder, images, labels, source.classes, skipped)
-        data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), list(source.classes), skipped)
+            _write_cache(folder, images, labels, source.classes, skipped, several)
+        data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), list(source.classes), skipped,
+                               several_labels=several)
     data.key = _data_key(source.key)
     _warn_skipped(source.name, data)
     return data

@@ -62,6 +62,10 @@ def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
     """The training set decoded into memory, and its validation set: a held-out split of
     it or ``data.val_data``."""
     dataset, data = load_dataset(cfg, image_size), cfg.data
+    if dataset.several_labels:  # streamed, they train as multi-hot targets
+        raise ConfigError(f"data.stream='memory': {data.source}: {dataset.several_labels} sample(s) have several "
+                          "labels, of which a set decoded into memory keeps the first; stream it "
+                          "(data.stream='stream') to train on every label")
     images, labels, classes = dataset.images, dataset.labels, list(dataset.classes)
     ids = torch.arange(len(labels))
     if data.class_subset:

@@ -264,6 +264,27 @@ def test_resume_of_a_fine_tune_whose_init_is_gone_says_the_init_is_needed(tiny, 
         train(cfg, verbose=False)
 
 
+def test_a_fine_tune_removes_the_init_s_pre_logits_whatever_its_class_count(tiny, tmp_path):
+    """The paper's fine-tune removes the whole head, both layers (Sec. 3.2), and so did vitlab's for data of
+    another class count; an init of as many classes as the data (10 digits from a 10-class run with a pre-logits
+    layer) kept its pre-logits layer, model.keep_pre_logits=false accepted and ignored."""
+    import vitlab
+    from vitlab.train.build import make_model
+    from vitlab.train.overrides import with_changes
+
+    init = tmp_path / "w.safetensors"
+    vitlab.save_model(vitlab.create_model("ViT-Ti/16", img_size=8, patch_size=4, width=16, depth=1, num_heads=2,
+                                          mlp_dim=32, num_classes=10, representation_size=12), init)
+    cfg = with_changes(tiny("run"), {"model.init": str(init), "model.overrides": {}})
+    for classes in (10, 3):
+        model = make_model(cfg, classes, (8, 8))
+        assert model.pre_logits is None and model.cfg.representation_size is None
+        assert model.head.weight.shape == (classes, 16) and not model.head.weight.any() and not model.head.bias.any()
+    kept = make_model(with_changes(cfg, {"model.keep_pre_logits": True}), 10, (8, 8))
+    assert kept.cfg.representation_size == 12 and kept.head.weight.shape == (10, 12) and not kept.head.weight.any()
+    assert torch.equal(kept.pre_logits.fc.weight, load_model(init).pre_logits.fc.weight)
+
+
 def test_a_fine_tune_of_a_relative_init_is_resumed_from_another_folder(tiny, tmp_path, monkeypatch):
     """A fine-tune's model.init named relative to the folder it was trained in was recorded as typed:
     from another folder, --resume with the init spelt from there was refused as another init, and

@@ -19,7 +19,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..config import Pair, ViTConfig
+from ..config import Pair, ViTConfig, need_bool
 from .init import lecun_normal_
 from .inputs import check_images
 from .layers import Block
@@ -97,10 +97,15 @@ class VisionTransformer(nn.Module):
         nn.init.zeros_(head.bias)
         return head
 
-    def reset_classifier(self, num_classes: int) -> None:
+    def reset_classifier(self, num_classes: int, pre_logits: bool = True) -> None:
         """Replace the head by a zero-initialised one for ``num_classes`` (0: no head), on the
-        model's device and in its dtype."""
-        cfg = dataclasses.replace(self.cfg, num_classes=num_classes)  # checked before the model changes
+        model's device and in its dtype; ``pre_logits=False`` removes the pre-logits layer too
+        (the paper's fine-tuning removes the whole head, both layers: Sec. 3.2)."""
+        need_bool("pre_logits", pre_logits)
+        dropped = {} if pre_logits else {"representation_size": None}
+        cfg = dataclasses.replace(self.cfg, num_classes=num_classes, **dropped)  # checked before the model changes
+        if not pre_logits:
+            self.pre_logits, self.num_features = None, cfg.width
         # a new module is made in torch's defaults: a model moved by .to(dtype or device) needs its head there too
         self.head = self._new_head(num_classes).to(self.norm.weight)
         self.cfg = cfg

@@ -239,7 +239,12 @@ def _fine_tuned(cfg: TrainConfig, num_classes: int, img_size: tuple) -> nn.Modul
         regularisation["dynamic_img_size"] = True
     model = load_init(load_model, cfg.model.init, cfg.model.name, img_size=img_size, num_classes=num_classes,
                       keep_pre_logits=cfg.model.keep_pre_logits, **regularisation)
-    model.reset_classifier(num_classes)  # always a fresh zero-initialised head (Sec. 3.2)
+    # always a fresh zero-initialised head (Sec. 3.2), and no pre-logits unless kept: load_model drops them with a
+    # head of another class count only, and an init of the data's count kept them
+    if getattr(model, "pre_logits", None) is not None and not cfg.model.keep_pre_logits:
+        model.reset_classifier(num_classes, pre_logits=False)
+    else:
+        model.reset_classifier(num_classes)
     return model.train()
 
 

@@ -414,6 +414,30 @@ def test_resume_refuses_another_validation_set(tiny, tmp_path, monkeypatch):
     assert train(with_changes(cfg, {"data.val_data": "./a"}), resume=True, verbose=False)["steps"] == 2
 
 
+def test_resume_refuses_another_head_or_objective(tiny, tmp_path):
+    """--resume with model.pre_logits, model.keep_pre_logits or model.mpp changed built another model than the
+    checkpoint's, and its weights failed to load into it in a RuntimeError's traceback (missing keys, a head of
+    another shape)."""
+    import vitlab
+    from vitlab.config import ConfigError
+    from vitlab.train.overrides import with_changes
+
+    cfg = tiny("run", steps=2, ckpt_every=1)
+    train(cfg, verbose=False)
+    for change in ({"model.pre_logits": True}, {"model.mpp": "color"}):
+        name, value = next(iter(change.items()))
+        with pytest.raises(ConfigError, match=rf"^--resume: {re.escape(name)}={value!r} \(checkpoint: "
+                                              r"(False|None)\) differ from the checkpoint's run"):
+            train(with_changes(cfg, change), resume=True, verbose=False)
+    init = tmp_path / "w.safetensors"
+    vitlab.save_model(vitlab.create_model("ViT-Ti/16", img_size=8, patch_size=4, width=16, depth=1, num_heads=2,
+                                          mlp_dim=32, num_classes=10, representation_size=12), init)
+    tuned = with_changes(tiny("tuned", steps=2, ckpt_every=1), {"model.init": str(init), "model.overrides": {}})
+    train(tuned, verbose=False)
+    with pytest.raises(ConfigError, match=r"^--resume: model.keep_pre_logits=True \(checkpoint: False\) differ"):
+        train(with_changes(tuned, {"model.keep_pre_logits": True}), resume=True, verbose=False)
+
+
 def test_resume_refuses_another_number_of_steps_without_a_time_limit(tiny):
     import pytest
 

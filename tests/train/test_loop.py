@@ -285,6 +285,23 @@ def test_a_fine_tune_removes_the_init_s_pre_logits_whatever_its_class_count(tiny
     assert torch.equal(kept.pre_logits.fc.weight, load_model(init).pre_logits.fc.weight)
 
 
+def test_keep_pre_logits_is_refused_for_an_init_without_them(tiny, tmp_path):
+    """model.keep_pre_logits=true with weights that have no pre-logits layer was accepted, and the run trained a
+    one-layer head as without it, saying nothing."""
+    import vitlab
+    from vitlab.config import ConfigError
+    from vitlab.train.overrides import with_changes
+
+    init = tmp_path / "w.safetensors"
+    vitlab.save_model(vitlab.create_model("ViT-Ti/16", img_size=8, patch_size=4, width=16, depth=1, num_heads=2,
+                                          mlp_dim=32, num_classes=10), init)
+    cfg = with_changes(tiny("run"), {"model.init": str(init), "model.overrides": {}, "model.keep_pre_logits": True})
+    with pytest.raises(ConfigError, match=rf"^model.keep_pre_logits=True: model.init='{re.escape(str(init))}' has "
+                                          r"no pre-logits layer to keep; leave it false$"):
+        train(cfg, verbose=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_fine_tune_of_a_relative_init_is_resumed_from_another_folder(tiny, tmp_path, monkeypatch):
     """A fine-tune's model.init named relative to the folder it was trained in was recorded as typed:
     from another folder, --resume with the init spelt from there was refused as another init, and

@@ -27,7 +27,7 @@ from .ema import EMA
 from .inputs import Splits, build_splits, stream_splits, whitening_sample
 from .numerics import make_scaler
 from .optim import build_optimizer
-from .resolve import Resolved, load_init, resolve, resolve_device, this_machine
+from .resolve import Resolved, init_architecture, load_init, resolve, resolve_device, this_machine
 from .state import process_state, rank_seed, rng_state, set_process_state
 from .step import HeldGradients, Update
 
@@ -95,6 +95,15 @@ def check_can_run(cfg: TrainConfig, world_size: int = 1, need_data: bool = True)
                          is not None)
     elif cfg.model.init is not None:
         check_init_kept(cfg)
+        check_pre_logits_kept(cfg)
+
+
+def check_pre_logits_kept(cfg: TrainConfig) -> None:
+    """``model.keep_pre_logits`` keeps a layer the init has: of weights without one, it was accepted and the
+    run trained a one-layer head all the same."""
+    if cfg.model.keep_pre_logits and getattr(init_architecture(cfg), "representation_size", None) is None:
+        raise ConfigError(f"model.keep_pre_logits=True: model.init={cfg.model.init!r} has no pre-logits layer to "
+                          "keep; leave it false")
 
 
 def check_init_kept(cfg: TrainConfig) -> None:

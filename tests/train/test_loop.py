@@ -401,6 +401,18 @@ def test_train_refuses_a_flag_that_is_not_true_or_false_before_any_work(tiny, fl
         train(cfg, verbose=False, resume=True, started_at="0")
 
 
+def test_a_batch_larger_than_the_training_split_is_refused_however_it_is_accumulated(tiny):
+    """A batch of 32 from 30 training examples was refused in one micro-batch and trained in 4 of 8, each step
+    drawing its micro-batches across epochs (examples twice in one batch): whether the run was accepted
+    depended on the accumulation, which optim.accum_steps=auto sets by the device's memory."""
+    from vitlab.config import ConfigError
+
+    for accum in (1, 4):
+        with pytest.raises(ConfigError, match=r"^optim.batch_size=32: the training split has only 30 examples, "
+                                              r"fewer than one batch"):
+            train(tiny(f"run{accum}", batch_size=32, accum_steps=accum, train_examples=130, steps=1), verbose=False)
+
+
 def test_resume_refuses_a_changed_data_order(tiny):
     import pytest
 

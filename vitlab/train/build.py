@@ -347,10 +347,12 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
         trained = torch.compile(trained, dynamic=False, mode=resolved.compile)
 
     micro_batch = resolved.micro_batch
-    if splits.train_count() < micro_batch * world.size:
+    # the whole batch, not a micro-batch: accumulated, a batch larger than the split drew its micro-batches across
+    # epochs (examples twice in a batch), so that whether a run was accepted hung on accum_steps (auto: the memory)
+    if splits.train_count() < cfg.optim.batch_size:
         raise ConfigError(f"optim.batch_size={cfg.optim.batch_size}: the training split has only "
-                          f"{splits.train_count()} examples, fewer than one micro-batch step of "
-                          f"{micro_batch * world.size}")
+                          f"{splits.train_count()} examples, fewer than one batch; give a batch of at most "
+                          f"{splits.train_count()}")
     augment = cfg.augment.transform(num_classes, img_size)
     if resolved.data == "stream":  # readers make the crops; the rest of the augmentation runs on the device
         from vitlab.data.stream import StreamLoader

@@ -1,6 +1,7 @@
 """Every experiment's --quick form runs on the digits and writes its table, JSON and section."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,8 @@ def test_quick_form(name, tmp_path):
     # the table read alone (docs link results.md) says where it came from: it said nothing
     provenance = [line for line in section.splitlines() if line.startswith(("Command:", "Machine:", "Date:"))]
     assert len(provenance) == 3 and (out / "results.md").read_text().endswith("\n\n" + "\n".join(provenance) + "\n")
+    # both are rendered from the record alone, so a stored results.json gives them again (nothing trained)
+    assert section == experiments.section_markdown(result, figure=(out / "figure.png").exists())
     assert any(r.get("val_top1") is not None for r in result["rows"])
     if name == "resolution":  # fine-tuned at the pre-training size and at 1.5x it (Figure 12: tests/perf/test_figure12.py)
         assert [(r["part"], r["img_size"]) for r in result["rows"]] == [("finetune", 16), ("finetune", 24)]
@@ -590,3 +593,32 @@ def test_recorded_results_read_as_the_settings_their_command_gives_today(record)
     s = experiments.settings(args.name, args.quick, **changes)
     assert experiments.same_size(args.name, args.quick, result["settings"], s)
     assert not experiments.same_size(args.name, args.quick, dict(result["settings"], steps=7), s)
+
+
+@pytest.mark.parametrize("record", sorted(p.parent.name for p in (ROOT / "results").glob("*/results.json")))
+def test_recorded_tables_and_sections_are_what_the_generator_writes_from_results_json(record):
+    """Every results/*/results.md, section.md and docs/findings.md section is what the runner writes today
+    from its stored results.json (nothing trained): the stored results.md files lacked the command,
+    machine and date the runner has written below the table since ba62bc4, and the resolution section
+    still named Figure 12's speed sweep, which moved to benchmarks/figure12.py and was never in its table."""
+    folder = ROOT / "results" / record
+    result = json.loads((folder / "results.json").read_text())
+    assert (folder / "results.md").read_text() == experiments.results_markdown(result)
+    name = result["experiment"]
+    if not (folder / "section.md").exists():  # mpp-12k-steps-gpu: run by the script beside it, no section
+        return
+    section = experiments.section_markdown(result, figure=(folder / "figure.png").exists())
+    assert (folder / "section.md").read_text() == section
+    if record == name:  # the default-size run, the one docs/findings.md shows
+        findings = (ROOT / "docs" / "findings.md").read_text()
+        begin = f"<!-- experiment:{name} -->\n"
+        block = findings[findings.index(begin) + len(begin):findings.index(f"<!-- /experiment:{name} -->")]
+        shown = section.replace("](figure.png)", f"](../results/{name}/figure.png)")
+        assert block.startswith(shown + "\n<!-- reading -->\n"), f"docs/findings.md's {name} section is not section.md"
+
+
+def test_every_findings_section_has_its_record():
+    findings = (ROOT / "docs" / "findings.md").read_text()
+    names = re.findall(r"<!-- experiment:([\w-]+) -->", findings)
+    assert sorted(names) == sorted(experiments.EXPERIMENTS)
+    assert all((ROOT / "results" / name / "results.json").is_file() for name in names)

@@ -187,25 +187,55 @@ def run_experiment(name: str, out: str | Path, quick: bool = False, command: str
                 machine=machine(s.device), date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 command=command or f"vitlab experiment {name}" + (" --quick" if quick else ""),
                 **(mod.notes(s, rows) if hasattr(mod, "notes") else {}))  # what the runs left out, and why
-    write_json(out / "results.json", dict(meta, table=table, rows=rows))
-    provenance = [f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}  ",
-                  f"Date: {meta['date']}, wall time {wall / 60:.1f} min, seeds {s.seeds}"
-                  + resumed_note(s.seeds_done, earlier)]
-    # below the table: read alone (docs link it), it said neither what made it nor where nor when
-    atomic_write_text(out / "results.md", "\n".join([md, "", *provenance, ""]))
+    record = dict(meta, table=table, rows=rows)
+    write_json(out / "results.json", record)
+    atomic_write_text(out / "results.md", results_markdown(record))
     files = {"json": out / "results.json", "markdown": out / "results.md"}
     figure = draw_figure(mod, table, out / "figure.png")
     if figure:
         files["figure"] = figure
-    section = [f"### {name}: {mod.TITLE}", "", f"Paper: {mod.PAPER}", "", *provenance, "", md, ""]
-    if figure:
-        section += [f"![{name}]({Path(figure).name})", ""]
-    atomic_write_text(out / "section.md", "\n".join(section))
+    atomic_write_text(out / "section.md", section_markdown(record, figure=figure is not None))
     files["section"] = out / "section.md"
     if verbose:
         print(md)
         print(f"\n{name}: {wall:.1f} s; wrote " + ", ".join(str(p) for p in files.values()))
     return dict(rows=rows, table=table, wall_s=wall, files=files)
+
+
+def table_markdown(record: dict) -> str:
+    """The markdown table of a ``results.json`` record: its rows aggregated over seeds as its experiment
+    groups and averages them (the record's own ``table`` is the same aggregate, written beside the rows)."""
+    mod = get(record["experiment"])
+    keys, rows = list(mod.SUMMARY), record["rows"]
+    metrics = list(mod.metrics(rows) if hasattr(mod, "metrics") else mod.METRICS)
+    return markdown_table(aggregate(rows, keys, metrics), keys, metrics)
+
+
+def provenance(record: dict) -> list[str]:
+    """The lines that say what made a record, where and when, from the record itself."""
+    seeds_done = frozenset(record.get("seeds_from_earlier_results", ()))
+    return [f"Command: `{record['command']}`  ", f"Machine: {record['machine']}  ",
+            f"Date: {record['date']}, wall time {record['wall_s'] / 60:.1f} min, seeds {record['settings']['seeds']}"
+            + resumed_note(seeds_done, record.get("runs_from_earlier_invocations", 0))]
+
+
+def results_markdown(record: dict) -> str:
+    """``results.md`` of a record: its table, and below it the command, machine and date (read alone, as the
+    docs link it, it said neither what made it nor where nor when)."""
+    return "\n".join([table_markdown(record), "", *provenance(record), ""])
+
+
+def section_markdown(record: dict, figure: bool = True) -> str:
+    """``section.md`` of a record, its ``docs/findings.md`` section: the experiment's title and paper
+    figure, the record's provenance and table, and its figure (``figure.png`` beside it) where one was drawn.
+    Rendered from the record alone, so a section can be written again from a stored ``results.json``."""
+    name = record["experiment"]
+    mod = get(name)
+    section = [f"### {name}: {mod.TITLE}", "", f"Paper: {mod.PAPER}", "", *provenance(record), "",
+               table_markdown(record), ""]
+    if figure:
+        section += [f"![{name}](figure.png)", ""]
+    return "\n".join(section)
 
 
 def draw_figure(mod, table: list[dict], path: Path) -> Path | None:

@@ -467,6 +467,37 @@ def test_resume_refuses_another_head_or_objective(tiny, tmp_path):
         train(with_changes(tuned, {"model.keep_pre_logits": True}), resume=True, verbose=False)
 
 
+def test_resume_refuses_a_data_folder_whose_classes_changed_and_keeps_the_runs_records(tiny, tmp_path):
+    """A class folder renamed since (another class in place of one) was resumed without a word: a label is a
+    class's place in the list, so every image of the classes after it trained the head's output of another
+    class, and classes.json was written over with the new names beside the old outputs.  A class added was
+    load_state_dict's size mismatch, a traceback, after config.json and classes.json were written over."""
+    from vitlab.config import ConfigError
+    from vitlab.train.overrides import with_changes
+
+    data = _pngs(tmp_path / "d", 0)
+    cfg = with_changes(tiny("run", steps=2, batch_size=8, val_split=0, cache_dir=str(tmp_path / "cache")),
+                       {"data.source": str(data)})
+    train(cfg, verbose=False)
+    out = Path(cfg.run.out)
+    records = {name: (out / name).read_text() for name in ("config.json", "classes.json")}
+    (data / "c0").rename(data / "c2")  # the same count of classes: ['c1', 'c2'], 'c1' now label 0
+    with pytest.raises(ConfigError, match=r"^--resume: the data's classes are not the checkpoint's run's, it lacks "
+                                          r"'c0'; it adds 'c2'"):
+        train(cfg, resume=True, verbose=False)
+    _pngs(tmp_path / "more", 1)
+    (tmp_path / "more" / "c0").rename(data / "c0")  # a class gained: ['c0', 'c1', 'c2']
+    with pytest.raises(ConfigError, match=r"^--resume: the data's classes are not the checkpoint's run's, it adds "
+                                          r"'c2'"):
+        train(cfg, resume=True, verbose=False)
+    # a refused resume (its classes, or its settings) leaves the run's records as they were
+    with pytest.raises(ConfigError, match=r"^--resume: optim.steps=4 \(checkpoint: 2\)"):
+        train(with_changes(cfg, {"optim.steps": 4}), resume=True, verbose=False)
+    assert {name: (out / name).read_text() for name in records} == records
+    shutil.rmtree(data / "c2")
+    assert train(cfg, resume=True, verbose=False)["steps"] == 2
+
+
 def test_resume_refuses_another_number_of_steps_without_a_time_limit(tiny):
     import pytest
 

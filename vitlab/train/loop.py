@@ -42,8 +42,8 @@ from .numerics import NonFinite
 from .schedules import input_size_at, lr_at, warmup_steps
 from .memory import retain_freed_memory
 from .resolve import run_memory_record, resolve_device, this_machine
-from .state import (check_same_run, final_model, process_state, restore_state, set_process_state, set_rng_state,
-                    sharded, training_state)
+from .state import (check_same_classes, check_same_run, final_model, process_state, restore_state,
+                    set_process_state, set_rng_state, sharded, training_state)
 from .step import StepResult, endless, running_statistics, train_step
 from .time_budget import TimeBudget
 
@@ -194,6 +194,9 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     progress.message(setup.resolved.line())
     if setup.fp8 is not None:
         progress.message(setup.fp8.line())
+    if state is not None:  # before the run's folder is written: a refused resume wrote over its config and classes
+        check_same_run(setup.cfg, state.get("config", {}))  # as resolved: the init's model, "auto"s decided
+        check_same_classes(setup.splits.classes, state.get("classes"))
     start_output_folder(setup, out, afresh=held is not None and not resume)
     budget = time_budget(setup, t_start, progress)
     nonfinite = NonFinite(cfg.run.on_nonfinite, cfg.run.max_skipped_steps)
@@ -203,7 +206,6 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     # run before the schedule's end (``total_steps`` is then the step it stopped at)
     planned = total_steps
     if state is not None:
-        check_same_run(setup.cfg, state.get("config", {}))  # as resolved: the init's model, "auto"s decided
         step, total_steps, records = restore_state(setup, state)
         planned = int(state.get("planned_steps", total_steps))
         window_state = state.get("window")

@@ -19,6 +19,7 @@ from vitlab.models.registry import build_model
 
 from .config import TrainConfig, from_dict, to_dict
 from .distributed import all_gather_objects
+from .inputs import class_difference
 from .optim import set_lr_scales
 from .overrides import field_value, with_changes
 
@@ -116,6 +117,17 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
         raise ConfigError(f"--resume: optim.steps={cfg.optim.steps} (checkpoint: {before.optim.steps}): a resumed run "
                           f"keeps its schedule, whose learning rate decays to step {before.optim.steps}; resume with "
                           "that number, or train on from its weights as a new run (--init, another --out)")
+
+
+def check_same_classes(classes: list[str], saved) -> None:
+    """Refuse to continue a checkpoint whose run trained on other classes than the data's now
+    (``saved``: its class names; None in a checkpoint without them): a label is a class's place in
+    the list, so a class folder added or renamed since trained the head's outputs on other classes'
+    images without a word, or failed on the head's size with a traceback."""
+    if saved is not None and list(saved) != list(classes):
+        raise ConfigError(f"--resume: the data's classes are not the checkpoint's run's, "
+                          f"{class_difference(list(classes), list(saved))}; an exact continuation needs the same "
+                          "classes (or train on from its weights as a new run: --init, another --out)")
 
 
 def _differences(cfg: TrainConfig, before: TrainConfig, names) -> str:

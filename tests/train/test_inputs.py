@@ -1,3 +1,5 @@
+import shutil
+
 import torch
 
 from vitlab.data.labelled import load_held_out
@@ -65,3 +67,69 @@ def test_a_run_of_a_training_pool_is_scored_on_its_own_held_out_split():
     assert torch.equal(data.images[data.rest], splits.train_images)
     assert data.key == "digits@8|5,3|pool of 300, split seed 3"
     assert len(load_held_out(run, 8, val_split=0).labels) > 300  # the whole set, scored whole
+
+
+def _class_images(root, classes, per_class=3):
+    """A folder of 8x8 PNGs whose red channel is 40 times the index of their class in ``sorted(classes)``."""
+    from PIL import Image
+
+    for name in classes:
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            Image.new("RGB", (8, 8), (40 * sorted(classes).index(name), i, 0)).save(root / name / f"{i}.png")
+    return root
+
+
+def _shards_of(root, samples, classes):
+    """One shard of (red, label) samples, its classes.txt listing ``classes`` in that (label) order."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    root.mkdir()
+    with tarfile.open(root / "shard-000000.tar", "w") as tar:
+        for key, (red, label) in enumerate(samples):
+            image = io.BytesIO()
+            Image.new("RGB", (8, 8), (red, 0, 0)).save(image, format="PNG")
+            for name, data in ((f"{key:04d}.png", image.getvalue()), (f"{key:04d}.cls", str(label).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    (root / "classes.txt").write_text("\n".join(classes) + "\n")
+    return root
+
+
+def test_a_validation_set_is_labelled_by_its_class_names(tmp_path):
+    """data.val_data's classes in another order (a shard, parquet or Hub set keeps its own, a folder
+    sorts) or some of them (a folder lacking one) were refused, and were what eval scores by name:
+    its labels are now the training set's of the same names."""
+    import pytest
+
+    from vitlab.config import ConfigError
+
+    train = _class_images(tmp_path / "train", ["a", "b", "c"])  # red 0, 40, 80: labels 0, 1, 2
+    lacking = tmp_path / "lacking"  # the training set's a and c, its own labels 0 and 1
+    for name in ("a", "c"):
+        shutil.copytree(train / name, lacking / name)
+    reordered = _shards_of(tmp_path / "reordered", [(80, 0), (0, 1), (40, 2)], ["c", "a", "b"])
+
+    def splits(val_data):
+        data = DataConfig(source=str(train), val_data=str(val_data), cache_dir=str(tmp_path / "cache"),
+                          decode_workers=1)
+        return build_splits(TrainConfig(data=data), (8, 8))
+
+    for val_data in (lacking, reordered):
+        s = splits(val_data)
+        assert s.classes == ["a", "b", "c"]
+        # each image labelled as its class is in the training set: red 40 * label
+        assert (s.val_images[:, 0, 0, 0].long() == 40 * s.val_labels).all(), val_data
+        # and so eval and fewshot of the run take it (the run's val_data, scored whole)
+        run = {"source": str(train), "val_data": str(val_data), "val_split": 0}
+        held = load_held_out(run, (8, 8), cache_dir=tmp_path / "cache", workers=1)
+        assert held.classes == ["a", "b", "c"] and len(held.held) == len(s.val_labels)
+        assert (held.images[:, 0, 0, 0].long() == 40 * held.labels).all(), val_data
+    extra = _class_images(tmp_path / "extra", ["a", "b", "c", "d"])
+    with pytest.raises(ConfigError, match=r"^data.val_data='.*extra': its classes are not the training set's, "
+                                          r"it adds 'd'; each of its classes must be one of the training set's"):
+        splits(extra)

@@ -148,8 +148,9 @@ def test_a_separate_validation_set(tiny, shard_set, tmp_path):
     assert summary["val_examples"] == 12 and summary["train_examples"] == 48
     with pytest.raises(ConfigError, match="data.val_data"):
         tiny("both", data=str(shard_set), val_split=6, **{"data.val_data": str(val)})
-    other = write_folder(tmp_path / "other", classes=2, per_class=2)
-    with pytest.raises(ConfigError, match="its classes are not the training set's, it lacks 'c2'; a label"):
+    other = write_folder(tmp_path / "other", classes=3, per_class=2)
+    (other / "c1").rename(other / "c3")  # a class the training set lacks
+    with pytest.raises(ConfigError, match="its classes are not the training set's, it lacks 'c1'; it adds 'c3'; each"):
         train(tiny("mismatch", data=str(shard_set), val_split=0, steps=2, cache_dir=str(tmp_path / "cache"),
                    **{"data.val_data": str(other)}), verbose=False)
 

@@ -24,7 +24,7 @@ from vitlab.data.sources import PathLike
 from vitlab.data.splits import check_seed, select_classes, stratified_split, training_pool
 from vitlab.data.stream import hold_out, open_source
 
-__all__ = ["load_labelled", "HeldOutSet", "load_held_out", "match_run_classes"]
+__all__ = ["load_labelled", "HeldOutSet", "load_held_out", "match_run_classes", "labels_by_name"]
 
 
 def load_labelled(source: str, image_size, cache_dir: Optional[PathLike] = None, workers: Optional[int] = None,
@@ -195,11 +195,12 @@ def _with_val_data(run: Mapping[str, Any], image_size, split_seed: Optional[int]
         keep = training_pool(labels, taken, int(run.get("split_seed", 0)))
         images, labels = images[keep], labels[keep]
         key += f"|pool of {taken}, split seed {int(run.get('split_seed', 0))}"
-    if held.classes != trained.classes:  # the run refused such a val_data; a set changed since is named here
+    held_labels = labels_by_name(held.labels, held.classes, trained.classes)  # the run's labels, by name
+    if held_labels is None:  # the run refused such a val_data; a set changed since is named here
         raise ValueError(f"data.val_data={run['val_data']!r}: its classes ({', '.join(held.classes[:5])}, ...) are "
                          f"not the run's data's ({', '.join(trained.classes[:5])}, ...)")
     n = len(labels)
-    return HeldOutSet(torch.cat([images, held.images]), torch.cat([labels, held.labels]), trained.classes,
+    return HeldOutSet(torch.cat([images, held.images]), torch.cat([labels, held_labels]), trained.classes,
                       f"{key}|val {held.key}", trained.skipped + held.skipped, torch.arange(n),
                       torch.arange(n, n + len(held.labels)), 0, held.seed, val_data=str(run["val_data"]))
 
@@ -262,3 +263,13 @@ def match_run_classes(classes: list[str], run_classes: Any, num_outputs: int,
     if num_outputs != len(classes):
         raise ValueError(f"the model has {num_outputs} outputs but the data has {len(classes)} classes")
     return None
+
+
+def labels_by_name(labels: torch.Tensor, classes: list[str], onto: list[str]) -> Optional[torch.Tensor]:
+    """``labels`` of a set whose classes are ``classes`` as the labels of the same names in ``onto``
+    (a set of the same classes in another order, or of some of them: a parquet or Hub set keeps its
+    own order where a folder sorts, and a folder may lack a class); None where a class of ``classes``
+    is not one of ``onto`` (its images have no label there)."""
+    if any(c not in onto for c in classes):
+        return None
+    return torch.tensor([onto.index(c) for c in classes], dtype=torch.long)[labels]

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import torch
 
 from vitlab.config import ConfigError, Pair
-from vitlab.data.labelled import load_labelled
+from vitlab.data.labelled import labels_by_name, load_labelled
 from vitlab.data.memory import load_source_in_memory
 from vitlab.data.sources import DataError
 from vitlab.data.splits import select_classes, stratified_split, training_pool
@@ -199,11 +199,15 @@ def load_val_data(cfg: TrainConfig, image_size: Pair, classes: list[str], world=
     if data.class_subset and set(data.class_subset) <= set(val.classes):
         return (*select_classes(val.images, val.labels, list(val.classes), tuple(data.class_subset))[:2],
                 val.skipped.images)
-    if list(val.classes) != list(classes):
+    # matched by name: a label is a class's place in its own set's list, which may hold the same classes in
+    # another order (a parquet or Hub set's own, a folder's sorted) or some of them; by place, its images were
+    # scored as other classes without a word
+    labels = labels_by_name(val.labels, list(val.classes), list(classes))
+    if labels is None:
         raise ConfigError(f"data.val_data={data.val_data!r}: its classes are not the training set's, "
-                          f"{class_difference(list(val.classes), list(classes))}; a label is a class's place in the "
-                          "list, so both must list the same classes in the same order")
-    return val.images, val.labels, val.skipped.images
+                          f"{class_difference(list(val.classes), list(classes))}; each of its classes must be one "
+                          "of the training set's")
+    return val.images, labels, val.skipped.images
 
 
 def class_difference(theirs: list[str], ours: list[str]) -> str:

@@ -184,3 +184,22 @@ def test_the_data_s_classes_are_matched_to_the_run_s_by_name():
         match_run_classes(["a"], None, 2, kept=["a", "a"])
     with pytest.raises(ValueError, match="the model has 3 outputs but the data has 2 classes"):
         match_run_classes(["a", "b"], None, 3)
+
+
+def test_class_names_are_matched_whatever_their_unicode_normalisation():
+    """The same name written composed (NFC, as most tools write it) and decomposed (NFD, as macOS's file
+    systems and its zip and tar write a folder's name) was another name: a folder copied from a Mac was
+    refused against its run's classes, and against names kept with the weights alone (an id2label) it
+    matched none, and its classes, sorted in another order (NFD's 'e' + accent sorts before 'f', NFC's
+    'é' after), were taken as the outputs in order: each scored as the other's output without a word."""
+    import unicodedata
+
+    from vitlab.data.labelled import labels_by_name
+
+    composed = ["fig", "\u00e9t\u00e9"]                    # sorted: 'fig' < 'été'
+    decomposed = sorted(unicodedata.normalize("NFD", c) for c in composed)  # 'e\u0301te\u0301' < 'fig'
+    assert decomposed[0] != composed[1] and unicodedata.normalize("NFC", decomposed[0]) == composed[1]
+    assert match_run_classes(decomposed, composed, 2).tolist() == [1, 0]
+    assert match_run_classes(decomposed, None, 2, kept=composed).tolist() == [1, 0]
+    assert match_run_classes(composed, decomposed[::-1], 2) is None
+    assert labels_by_name(torch.tensor([0, 1, 1]), decomposed, composed).tolist() == [1, 0, 0]

@@ -498,6 +498,17 @@ def test_resume_refuses_a_data_folder_whose_classes_changed_and_keeps_the_runs_r
     assert train(cfg, resume=True, verbose=False)["steps"] == 2
 
 
+def test_resume_takes_the_runs_class_names_in_another_unicode_spelling():
+    """A data folder copied again from a Mac names its classes decomposed (NFD): the same names in the
+    same order are the run's classes (``same_spelling``); in another order they are refused."""
+    from vitlab.config import ConfigError
+    from vitlab.train.state import check_same_classes
+
+    check_same_classes(["cafe\u0301", "tea"], ["caf\u00e9", "tea"])
+    with pytest.raises(ConfigError, match=r"the same 2 names in another order \(class 0 is 'tea', not 'a'\)"):
+        check_same_classes(["tea", "a"], ["a", "tea"])
+
+
 def test_resume_refuses_another_number_of_steps_without_a_time_limit(tiny):
     import pytest
 

@@ -11,6 +11,7 @@ split it, from the data section that run recorded.
 from __future__ import annotations
 
 import os
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -251,15 +252,16 @@ def match_run_classes(classes: list[str], run_classes: Any, num_outputs: int,
         order was scored against the wrong outputs).
     """
     names = run_classes if isinstance(run_classes, list) else kept
-    if isinstance(names, list) and (names is run_classes or set(classes) & set(names)):
-        missing = [c for c in classes if c not in names]
+    ours, theirs = same_spelling(classes), same_spelling(names) if isinstance(names, list) else None
+    if isinstance(names, list) and (names is run_classes or set(ours) & set(theirs)):
+        missing = [c for c, same in zip(classes, ours) if same not in theirs]
         if missing:
             raise ValueError(f"the data's classes ({', '.join(missing[:5])}, ...) are not among the {len(names)} the "
                              f"checkpoint was trained on ({', '.join(map(str, names[:5]))}, ...)")
-        if len(names) != num_outputs or len(set(names)) < len(names):
+        if len(names) != num_outputs or len(set(theirs)) < len(names):
             raise ValueError(f"the checkpoint's {len(names)} class names ({len(set(names))} distinct) do not name its "
                              f"{num_outputs} outputs one each")
-        return None if names == classes else torch.tensor([names.index(c) for c in classes])
+        return None if theirs == ours else torch.tensor([theirs.index(c) for c in ours])
     if num_outputs != len(classes):
         raise ValueError(f"the model has {num_outputs} outputs but the data has {len(classes)} classes")
     return None
@@ -270,6 +272,14 @@ def labels_by_name(labels: torch.Tensor, classes: list[str], onto: list[str]) ->
     (a set of the same classes in another order, or of some of them: a parquet or Hub set keeps its
     own order where a folder sorts, and a folder may lack a class); None where a class of ``classes``
     is not one of ``onto`` (its images have no label there)."""
+    classes, onto = same_spelling(classes), same_spelling(onto)
     if any(c not in onto for c in classes):
         return None
     return torch.tensor([onto.index(c) for c in classes], dtype=torch.long)[labels]
+
+
+def same_spelling(names: list) -> list:
+    """Class names as they are compared: composed (NFC).  A folder's name copied from a Mac is
+    decomposed (NFD: macOS's file systems, zip and tar write it so), the same name written
+    elsewhere composed, and the two spellings of one name differ as strings."""
+    return [unicodedata.normalize("NFC", n) if isinstance(n, str) else n for n in names]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from vitlab.config import ConfigError
-from vitlab.data.labelled import same_data
+from vitlab.data.labelled import same_data, same_spelling
 from vitlab.models.registry import build_model
 
 from .config import TrainConfig, from_dict, to_dict
@@ -124,7 +124,7 @@ def check_same_classes(classes: list[str], saved) -> None:
     (``saved``: its class names; None in a checkpoint without them): a label is a class's place in
     the list, so a class folder added or renamed since trained the head's outputs on other classes'
     images without a word, or failed on the head's size with a traceback."""
-    if saved is not None and list(saved) != list(classes):
+    if saved is not None and same_spelling(list(saved)) != same_spelling(list(classes)):
         raise ConfigError(f"--resume: the data's classes are not the checkpoint's run's, "
                           f"{class_difference(list(classes), list(saved))}; an exact continuation needs the same "
                           "classes (or train on from its weights as a new run: --init, another --out)")

@@ -250,6 +250,7 @@ def match_run_classes(classes: list[str], run_classes: Any, num_outputs: int,
         none of them (ImageNet's descriptions beside folders of WordNet ids) the classes are taken
         in order, as the outputs (the names were not read, and a folder of the same names in another
         order was scored against the wrong outputs).
+    Names are compared composed and decomposed alike (``same_spelling``).
     """
     names = run_classes if isinstance(run_classes, list) else kept
     ours, theirs = same_spelling(classes), same_spelling(names) if isinstance(names, list) else None

@@ -200,8 +200,7 @@ def load_val_data(cfg: TrainConfig, image_size: Pair, classes: list[str], world=
         return (*select_classes(val.images, val.labels, list(val.classes), tuple(data.class_subset))[:2],
                 val.skipped.images)
     # matched by name: a label is a class's place in its own set's list, which may hold the same classes in
-    # another order (a parquet or Hub set's own, a folder's sorted) or some of them; by place, its images were
-    # scored as other classes without a word
+    # another order (a parquet or Hub set's own, a folder's sorted) or some of them (eval scores such a set so)
     labels = labels_by_name(val.labels, list(val.classes), list(classes))
     if labels is None:
         raise ConfigError(f"data.val_data={data.val_data!r}: its classes are not the training set's, "

@@ -124,9 +124,10 @@ def check_same_classes(classes: list[str], saved) -> None:
     (``saved``: its class names; None in a checkpoint without them): a label is a class's place in
     the list, so a class folder added or renamed since trained the head's outputs on other classes'
     images without a word, or failed on the head's size with a traceback."""
-    if saved is not None and same_spelling(list(saved)) != same_spelling(list(classes)):
+    ours, theirs = same_spelling(list(classes)), same_spelling(list(saved or []))
+    if saved is not None and ours != theirs:
         raise ConfigError(f"--resume: the data's classes are not the checkpoint's run's, "
-                          f"{class_difference(list(classes), list(saved))}; an exact continuation needs the same "
+                          f"{class_difference(ours, theirs)}; an exact continuation needs the same "
                           "classes (or train on from its weights as a new run: --init, another --out)")
 
 

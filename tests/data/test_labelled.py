@@ -203,3 +203,53 @@ def test_class_names_are_matched_whatever_their_unicode_normalisation():
     assert match_run_classes(decomposed, None, 2, kept=composed).tolist() == [1, 0]
     assert match_run_classes(composed, decomposed[::-1], 2) is None
     assert labels_by_name(torch.tensor([0, 1, 1]), decomposed, composed).tolist() == [1, 0, 0]
+
+
+def test_the_runs_split_of_data_changed_since_it_trained_is_refused(make_folder, tmp_path):
+    """eval and fewshot of a run whose data folder lost a class (or gained images) since it trained drew
+    their split from the data as it is now, without a word: another split, whose held-out part held
+    images the run had trained on, scored as the run's held-out accuracy."""
+    import shutil
+
+    folder = make_folder(classes=3, per_class=6)
+    run = {"source": str(folder), "val_split": 6, "stream": "memory"}
+    results = {"train_examples": 12, "val_examples": 6}  # what the run's summary.json records
+    cache = tmp_path / "cache"
+    for pool in (False, True):  # eval's, fewshot's
+        assert len(load_held_out(run, 8, cache_dir=cache, pool=pool, results=results, run_name="R").held) == 6
+    shutil.rmtree(folder / "class_2")
+    for pool in (False, True):
+        with pytest.raises(ValueError, match=r"R: its data .* changed since it trained \(now training 6 examples, "
+                                             r"the run's 12\).*--data and --val-split"):
+            load_held_out(run, 8, cache_dir=cache, pool=pool, results=results, run_name="R")
+    # a split asked for, other data and a run that recorded no summary are scored as asked
+    assert len(load_held_out(run, 8, val_split=6, cache_dir=cache, pool=False, results=results).held) == 6
+    other = make_folder(classes=2, per_class=6)
+    assert len(load_held_out(run, 8, str(other), cache_dir=cache, pool=False, results=results).held) == 12
+    assert len(load_held_out(run, 8, cache_dir=cache, pool=False).held) == 6
+    # images added: a fraction holds out more of them
+    folder = make_folder(classes=2, per_class=(6, 8))
+    with pytest.raises(ValueError, match=r"now training 10 examples, the run's 9; held-out 4 examples, the run's 3"):
+        load_held_out({**run, "source": str(folder), "val_split": 0.25}, 8, cache_dir=cache, pool=False,
+                      results={"train_examples": 9, "val_examples": 3})
+
+
+def test_a_runs_validation_set_changed_since_it_trained_is_refused(tmp_path):
+    """The held-out part of a run with data.val_data is that set, whole: grown since, it is not what the
+    run validated on."""
+    from PIL import Image
+
+    for c in ("5", "3"):
+        (tmp_path / "val" / c).mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / "val" / c / f"{i}.png")
+    run = {"source": "digits", "val_split": 0, "val_data": str(tmp_path / "val"), "class_subset": ["5", "3"]}
+    results, cache = {"train_examples": 365, "val_examples": 6}, tmp_path / "cache"
+    assert len(load_held_out(run, 8, pool=False, cache_dir=cache, results=results).held) == 6
+    assert len(load_held_out(run, 8, cache_dir=cache, results=results).held) == 6
+    Image.new("RGB", (8, 8), (0, 40, 0)).save(tmp_path / "val" / "5" / "9.png")
+    with pytest.raises(ValueError, match=r"its data.val_data .*val changed since it trained \(now held-out 7"):
+        load_held_out(run, 8, pool=False, cache_dir=cache, results=results)
+    with pytest.raises(ValueError, match=r"and data.val_data .*val changed since it trained \(now held-out 7"):
+        load_held_out(run, 8, cache_dir=cache, results=results)
+    assert len(load_held_out(run, 8, val_split=0, pool=False, cache_dir=cache, results=results).held) == 7

@@ -516,3 +516,39 @@ def test_a_masked_patch_prediction_run_is_refused_a_score_of_its_untrained_head(
         "trains no classifier: its head is as it was built, so every image would get the same scores; fine-tune it "
         f"(vitlab finetune --init {checkpoint}) for a classifier, or probe its features (vitlab fewshot)\n")
     assert weights.exists()
+
+
+def test_eval_and_fewshot_refuse_the_runs_split_of_data_changed_since_it_trained(tmp_path, capsys):
+    """A class folder deleted since the run trained: eval reported "held-out split (6 of 12 examples)"
+    of a run that split 18, a split whose held-out part held images the run trained on, as its
+    held-out accuracy; fewshot likewise.  Refused in one line, naming the run, the data and the counts;
+    --data with --val-split scores a split of the user's choosing."""
+    import shutil
+
+    from PIL import Image
+
+    for c in range(3):
+        (tmp_path / "data" / f"c{c}").mkdir(parents=True)
+        for i in range(6):
+            Image.new("RGB", (8, 8), (40 * i, 60 * c, 0)).save(tmp_path / "data" / f"c{c}" / f"{i}.png")
+    torch.manual_seed(0)
+    model = create_model(ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2,
+                                   num_classes=3, name="ViT-tiny"))
+    run = tmp_path / "run"
+    run.mkdir()
+    weights.save_model(model, run / "model.safetensors")
+    (run / "config.json").write_text(json.dumps({"recipe": "test", "data": {
+        "source": str(tmp_path / "data"), "val_split": 6, "stream": "memory", "cache_dir": str(tmp_path / "cache")}}))
+    (run / "classes.json").write_text(json.dumps(["c0", "c1", "c2"]))
+    (run / "summary.json").write_text(json.dumps({"steps": 2, "train_examples": 12, "val_examples": 6}))
+    evaluate = ["eval", "--checkpoint", str(run), "--json"]
+    assert main(evaluate) == 0 and last_json(capsys)["n"] == 6
+    shutil.rmtree(tmp_path / "data" / "c2")
+    assert main(evaluate) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"{run}: its data {tmp_path / 'data'} changed since it trained " \
+        "(now training 6 examples, the run's 12)" in err and "give --data and --val-split" in err
+    assert main(["fewshot", str(run), "--shots", "1", "--feature-cache", "none"]) == 2
+    assert "changed since it trained" in capsys.readouterr().err
+    assert main([*evaluate, "--data", str(tmp_path / "data"), "--val-split", "6"]) == 0  # the user's own split
+    assert last_json(capsys)["n"] == 6

@@ -4,7 +4,9 @@
 
 Without ``--val-split`` the split of the checkpoint's training run is used when the
 run's ``config.json`` sits beside the checkpoint and names the same data; otherwise the
-whole data set is evaluated.  Without ``--data``, a run that validated on a set of its
+whole data set is evaluated.  The run's split is refused where the data no longer counts the
+examples the run's ``summary.json`` recorded (changed since: another split, which can hold
+images the run trained on); ``--val-split`` then scores a split of the user's choosing.  Without ``--data``, a run that validated on a set of its
 own (``data.val_data``) is scored on that set.  The numbers come from ``vitlab.eval.Evaluator``, the
 evaluator the trainer runs.  The output is a few lines to read; with ``--json``, one JSON
 line of every metric instead.  ``--compile`` scores through ``vitlab.fast.compile_for_inference``.
@@ -125,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     # a streamed run's held-out shards (pool=False): only those are decoded
     data = load_held_out(recorded_section(meta.get("recipe"), "data"), size, args.data, args.val_split,
                          args.split_seed, default_split=0.0, cache_dir=args.cache_dir, pool=False,
-                         workers=resolved.decode_workers)
+                         workers=resolved.decode_workers, results=meta.get("results"), run_name=args.checkpoint)
     # labels by name, as the model's outputs: a folder's classes in another order, or some of them
     labels, classes = data.held_for_model(meta.get("classes"), model.cfg.num_classes, read_class_names(args.checkpoint))
     evaluator = Evaluator(data.images[data.held], labels, batch_size=args.batch_size, device=device,

@@ -50,9 +50,10 @@ def run(args: argparse.Namespace) -> int:
     device = resolved.device
     model = load_model(args.checkpoint, img_size=args.img_size).to(device).eval()
     size = tuple(model.cfg.img_size)
-    data = load_held_out(recorded_section(read_run_meta(args.checkpoint).get("recipe"), "data"), size, args.data,
-                         args.val_split, args.split_seed, default_split=0.1, cache_dir=args.cache_dir,
-                         workers=resolved.decode_workers)
+    meta = read_run_meta(args.checkpoint)
+    data = load_held_out(recorded_section(meta.get("recipe"), "data"), size, args.data, args.val_split,
+                         args.split_seed, default_split=0.1, cache_dir=args.cache_dir, workers=resolved.decode_workers,
+                         results=meta.get("results"), run_name=args.checkpoint)
     rest, held = data.rest.numpy(), data.held.numpy()
     if len(rest) == 0:
         raise ValueError("--val-split=0 leaves no training pool; few-shot needs a held-out evaluation split")

@@ -88,7 +88,8 @@ class HeldOutSet:
 def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = None,
                   val_split: Optional[float] = None, split_seed: Optional[int] = None, default_split: float = 0.0,
                   cache_dir: Optional[PathLike] = None, pool: bool = True,
-                  workers: Optional[int] = None) -> HeldOutSet:
+                  workers: Optional[int] = None, results: Optional[Mapping[str, Any]] = None,
+                  run_name: str = "the run") -> HeldOutSet:
     """``source`` (default: the run's data) at ``image_size``, split as the run split it.
 
     run: the data section of the config the model's training run recorded ({} without one).
@@ -102,12 +103,20 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         validated on a set of its own (``val_data``) is that set, whole: with ``pool``, after
         the run's training examples (``_with_val_data``).
     workers: decoding processes (None: ``load_in_memory``'s default).
+    results: the run's summary (``summary.json``), whose ``train_examples`` and ``val_examples``
+        the run's own split, re-derived (no ``val_split`` given, the run's data), must count again;
+        run_name names the run where they do not (``_check_run_split``).
     cache_dir: where decoded sets are cached; None: the run's ``cache_dir`` where it recorded one that
         can be written, else ``load_in_memory``'s default.
     """
     cache_dir = cache_dir if cache_dir is not None else _run_cache_dir(run)
     if source is None and run.get("val_data") and pool and val_split is None:
-        return _with_val_data(run, image_size, split_seed, cache_dir, workers)
+        held = _with_val_data(run, image_size, split_seed, cache_dir, workers)
+        _check_run_split(results, run_name, f"data {run.get('source')} and data.val_data {run['val_data']}",
+                        len(held.rest), len(held.held))
+        return held
+    # what the run's own split, re-derived, must count again (train, val); None: no split of the run's
+    expected_val_data = source is None and run.get("val_data") and val_split is None
     if source is None and run.get("val_data") and not pool:
         # its data held nothing out: scored whole by default, it was every image the run trained on
         run = {**run, "source": run["val_data"], "val_split": 0, "train_examples": 0, "stream": None}
@@ -155,6 +164,10 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         # named as the user knows it: the split's own name for it is val_size
         name = "--val-split" if asked_split is not None or not same_as_run else "data.val_split (the run's)"
         rest, held, split = _split(labels, val_split, split_seed, name)
+        if expected_val_data:  # the run's val_data, scored whole: what it validated on
+            _check_run_split(results, run_name, f"data.val_data {source}", None, len(held))
+        elif same_as_run and asked_split is None and val_split and run.get("stream") in (None, "memory"):
+            _check_run_split(results, run_name, f"data {source}", len(rest), len(held))
     return HeldOutSet(images, labels, classes, key, data.skipped.images, rest, held, split, split_seed, run_shards)
 
 
@@ -204,6 +217,26 @@ def _with_val_data(run: Mapping[str, Any], image_size, split_seed: Optional[int]
     return HeldOutSet(torch.cat([images, held.images]), torch.cat([labels, held_labels]), trained.classes,
                       f"{key}|val {held.key}", trained.skipped + held.skipped, torch.arange(n),
                       torch.arange(n, n + len(held.labels)), 0, held.seed, val_data=str(run["val_data"]))
+
+
+def _check_run_split(results: Optional[Mapping[str, Any]], run_name: str, data: str,
+                    train: Optional[int], val: Optional[int]) -> None:
+    """Raises ValueError where the run's split, re-derived from its data as it is now, does not count
+    the ``train`` and ``val`` examples its summary ``results`` recorded (None: not compared); ``data``
+    names the data in words.  Such data changed since the run (a class folder gone, images added),
+    and the split drawn from it is another, whose held-out part can hold images the run trained on.
+    Counts are what the run recorded of its data: as many other images pass.  No summary (a run
+    still training): nothing to compare."""
+    try:
+        recorded = int(results["train_examples"]), int(results["val_examples"])  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        return
+    differs = [f"{what} {now} examples, the run's {then}" for what, now, then in
+               (("training", train, recorded[0]), ("held-out", val, recorded[1])) if now is not None and now != then]
+    if differs:
+        raise ValueError(f"{run_name}: its {data} changed since it trained (now {'; '.join(differs)}): a split drawn "
+                         "from it is not the run's, and can hold images the run trained on; to score it anyway, give "
+                         "--data and --val-split (a split of your choosing, not the run's held-out one)")
 
 
 def same_data(source, recorded) -> bool:

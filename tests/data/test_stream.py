@@ -228,23 +228,30 @@ def test_multi_label_samples_give_multi_hot_targets(tmp_path):
 
 
 
-def test_a_multi_label_set_whose_samples_have_one_label_or_several_streams(tmp_path):
-    # JFT-style .cls labels: "0,2" is a tuple, "1" an int; the label check took every label of a part
-    # holding both as a tuple and stopped the run with "TypeError: 'int' object is not iterable"
-    out = tmp_path / "jft"
+def multi_label_shard(out, labels):
+    """A JFT-style shard set in ``out``: one 8x8 PNG per sample, its .cls the sample's labels of
+    classes a, b, c, d ("0,2": two labels)."""
     out.mkdir()
     (out / "classes.txt").write_text("a\nb\nc\nd\n")
     with tarfile.open(out / "0000.tar", "w") as tar:
-        for i, label in enumerate(["0,2", "1", "3,1,0"]):
+        for i, label in enumerate(labels):
             buf = io.BytesIO()
             Image.new("RGB", (8, 8), (i, 0, 0)).save(buf, format="PNG")
             for name, data in ((f"{i:04d}.png", buf.getvalue()), (f"{i:04d}.cls", label.encode())):
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
+    return out
+
+
+def test_a_multi_label_set_whose_samples_have_one_label_or_several_streams(tmp_path):
+    # JFT-style .cls labels: "0,2" is a tuple, "1" an int; the label check took every label of a part
+    # holding both as a tuple and stopped the run with "TypeError: 'int' object is not iterable"
+    out = multi_label_shard(tmp_path / "jft", ["0,2", "1", "3,1,0"])
     augment = TrainTransform(num_classes=4, image_size=(8, 8), crop="none", flip=False)
     loader = StreamLoader(open_source(str(out)), 3, augment=augment, shuffle_buffer=0, workers=0)
     assert next(iter(loader))[1].tolist() == [[1, 0, 1, 0], [0, 1, 0, 0], [1, 1, 0, 1]]
+
 
 def test_a_micro_batch_is_augmented_at_once_and_mixup_pairs_images_of_other_readers(shards):
     augment = TrainTransform(num_classes=3, image_size=(8, 8), crop="none", flip=False, mixup_alpha=1.0)
@@ -335,17 +342,7 @@ def test_a_multi_label_set_decoded_into_memory_to_train_on_is_refused_naming_how
     from vitlab.train.inputs import build_splits
     from vitlab.train.config import DataConfig, TrainConfig
 
-    out = tmp_path / "jft"
-    out.mkdir()
-    (out / "classes.txt").write_text("a\nb\nc\nd\n")
-    with tarfile.open(out / "0000.tar", "w") as tar:
-        for i, label in enumerate(["0,2", "1", "3,1,0", "2"] * 3):
-            buf = io.BytesIO()
-            Image.new("RGB", (8, 8), (i, 0, 0)).save(buf, format="PNG")
-            for name, data in ((f"{i:04d}.png", buf.getvalue()), (f"{i:04d}.cls", label.encode())):
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+    out = multi_label_shard(tmp_path / "jft", ["0,2", "1", "3,1,0", "2"] * 3)
     for cache in (None, tmp_path / "cache", tmp_path / "cache"):  # decoded, then cached, then read from the cache
         data = load_labelled(str(out), (8, 8), cache_dir=cache)
         assert data.labels.tolist() == [0, 1, 3, 2] * 3 and data.several_labels == 6  # evaluation: the first label

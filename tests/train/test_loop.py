@@ -336,6 +336,38 @@ def test_a_fine_tune_of_a_relative_init_is_resumed_from_another_folder(tiny, tmp
     check_same_run(from_dict(recorded), {**recorded, "model": {**recorded["model"], "init": "./w.safetensors"}})
 
 
+def test_a_fine_tune_records_its_inits_model_not_the_recipes(tiny, tmp_path):
+    """A fine-tune of an init with no registry name (a ViTConfig of its own) recorded the recipe's model
+    as its model: config.json's model.name and summary.json's "model" said ViT-Ti/16, and its
+    model.overrides the recipe's architecture (width 16, 'ViT-tiny/4'), a model that was not trained.
+    The model section is the init's model as trained: its name (None: it has none), and of the
+    overrides the regularisation the fine-tune applies."""
+    import vitlab
+    from vitlab.experiments.common import finished_run
+    from vitlab.models.vit import ViTConfig
+    from vitlab.train.config import from_dict
+    from vitlab.train.overrides import with_changes
+    from vitlab.train.state import check_same_run
+
+    nameless, named = tmp_path / "nameless.safetensors", tmp_path / "named.safetensors"
+    vitlab.save_model(vitlab.create_model(ViTConfig(img_size=8, patch_size=4, width=24, depth=1, num_heads=2,
+                                                    mlp_dim=32, num_classes=10)), nameless)
+    vitlab.save_model(vitlab.create_model("ViT-S/16", img_size=8, patch_size=4, width=24, depth=1, num_heads=2,
+                                          mlp_dim=32, num_classes=10), named)
+    for init, name in ((nameless, None), (named, "ViT-S/16")):
+        cfg = with_changes(tiny(init.stem, steps=2, ckpt_every=1), {"model.init": str(init), "model.drop_path": 0.1})
+        summary = train(cfg, verbose=False)
+        saved = json.loads((Path(cfg.run.out) / "config.json").read_text())
+        recorded = saved["model"]
+        assert (summary["model"], recorded["name"], recorded["overrides"]) == (name, name, {"drop_path": 0.1})
+        assert load_model(summary["weights"]).cfg.width == 24
+        assert finished_run(cfg)["steps"] == 2  # an experiment's run, asked with the recipe's model, is this one
+        assert train(cfg, resume=True, verbose=False)["model"] == name
+    # a checkpoint that recorded the recipe's model and its architecture overrides still resumes
+    earlier = {**recorded, "name": "ViT-Ti/16", "overrides": {**cfg.model.overrides, "drop_path": 0.1}}
+    check_same_run(from_dict(saved), {**saved, "model": earlier})
+
+
 def test_a_run_started_afresh_leaves_no_earlier_results_beside_its_config(tiny, monkeypatch):
     """--overwrite deleted the earlier run's checkpoints and wrote its config.json and classes.json anew,
     but left its summary and weights until the new run's end: interrupted, the folder held the earlier

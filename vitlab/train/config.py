@@ -106,7 +106,8 @@ class ModelConfig(Section):
     """What is trained: a registry model, changed by ``overrides``, from scratch or from ``init``."""
 
     prefix = "model"
-    name: str = "ViT-B/16"                  # a registry entry (`vitlab models`)
+    name: Optional[str] = "ViT-B/16"        # a registry entry (`vitlab models`); a fine-tune's: its init's model,
+                                            # None where that has no name
     overrides: dict = field(default_factory=dict)  # ViTConfig/ResNetConfig fields to change; "name" renames
     init: Optional[str] = None              # weights to fine-tune from (a file, folder or Hub name); None: scratch
     keep_pre_logits: bool = False           # with init: keep its pre-logits layer (the paper removes it, Sec. 3.2)
@@ -122,7 +123,9 @@ class ModelConfig(Section):
 
     def __post_init__(self) -> None:
         self.check_bools()
-        need(isinstance(self.name, str), "model.name", self.name, "expected a registry name, e.g. ViT-B/16")
+        # a fine-tune records its init's model, which may have no name (a ViTConfig of its own)
+        need(isinstance(self.name, str) or (self.name is None and self.init is not None), "model.name", self.name,
+             "expected a registry name, e.g. ViT-B/16")
         need(self.mpp is None or self.mpp in MPP_TARGETS, "model.mpp", self.mpp,
              f"expected None or one of {', '.join(MPP_TARGETS)}")
         need(is_number(self.mpp_rate) and 0 < self.mpp_rate <= 1, "model.mpp_rate", self.mpp_rate,

@@ -555,12 +555,16 @@ def training_size(cfg: TrainConfig) -> Pair:
 def model_changes(cfg: TrainConfig) -> dict:
     """What the model section leaves to the init or to "auto", stated: a fine-tune's
     ``model.name`` is its init's model (the architecture is the checkpoint's, whatever the
-    recipe names), and ``model.img_size="auto"`` the resolution it comes to."""
+    recipe names; None where the init's has no name) and its ``model.overrides`` the
+    regularisation it applies, and ``model.img_size="auto"`` the resolution it comes to.
+    (A nameless init had been recorded as the recipe's model, with the recipe's architecture
+    overrides: a model that was not trained.)"""
     changes = {}
     if cfg.model.init is not None:
         name = getattr(init_architecture(cfg), "name", None)
-        if name and name != cfg.model.name:
-            changes["model.name"] = name
+        applied = {k: v for k, v in cfg.model.overrides.items() if k in FINETUNE_MODEL_FIELDS}
+        if name != cfg.model.name or applied != cfg.model.overrides:
+            changes |= {"model.name": name, "model.overrides": applied}
     if cfg.model.img_size == "auto":
         h, w = training_size(cfg)
         changes["model.img_size"] = h if h == w else None

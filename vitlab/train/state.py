@@ -17,7 +17,7 @@ from vitlab.config import ConfigError
 from vitlab.data.labelled import same_data, same_spelling
 from vitlab.models.registry import build_model
 
-from .config import TrainConfig, from_dict, to_dict
+from .config import FINETUNE_MODEL_FIELDS, TrainConfig, from_dict, to_dict
 from .distributed import all_gather_objects
 from .inputs import class_difference
 from .optim import set_lr_scales
@@ -95,8 +95,12 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
         if same_data(field_value(cfg, name), field_value(before, name)):
             before = with_changes(before, {name: field_value(cfg, name)})
     # a fine-tune's architecture is its init's, named by model.init (and by its own model name
-    # only in checkpoints of this version)
+    # only in checkpoints of this version); of its overrides the regularisation applies, and a checkpoint
+    # written before a fine-tune recorded those alone holds the recipe's architecture overrides besides
     compared = [n for n in RESUME_INVARIANTS if not (n == "model.name" and cfg.model.init and before.model.init)]
+    if cfg.model.init and before.model.init:
+        applied = {k: v for k, v in before.model.overrides.items() if k in FINETUNE_MODEL_FIELDS}
+        before = with_changes(before, {"model.overrides": applied})
     differences = _differences(cfg, before, compared)
     if differences:
         raise ConfigError(f"--resume: {differences} differ from the checkpoint's run; an exact continuation needs "

@@ -339,7 +339,8 @@ def test_a_recipe_is_a_module_of_the_package_or_a_file(tmp_path):
     assert load_recipe("cifar10_scratch:").recipe == load_recipe("cifar10_scratch").recipe
     # a model named both in the recipe's options and by --model: the option was dropped without a word
     with pytest.raises(ConfigError, match=r"^recipe 'paper_pretrain:model_name=ViT-L/16': model_name='ViT-L/16', and "
-                                          r"the run's model is 'ViT-B/16' \(--model\); name the model once$"):
+                                          r"the run's model is 'ViT-B/16' \(--model, or a fine-tune's init\); name the "
+                                          r"model once$"):
         load_recipe("paper_pretrain:model_name=ViT-L/16", model_name="ViT-B/16")
     assert load_recipe("paper_pretrain:model_name=ViT-L_16", model_name="ViT-L/16").optim.lr == 4e-4
     for recipe in ("paper_pretrain", "paper_pretrain_imagenet"):  # an empty name trained the recipe's default model
@@ -673,6 +674,32 @@ def test_a_model_named_with_an_init_of_another_model_is_refused(tiny_checkpoint,
     assert main([*command, "--model", "ViT-Ti/16"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["name"] == "ViT-Ti/16"
     assert main(command) == 0  # not named: the init's
+
+
+def test_a_recipe_with_per_model_rates_takes_its_inits_row_unnamed(tmp_path, capsys):
+    """paper_pretrain's Table 3 rates are per model: with --model the named model's row was taken, without it the
+    recipe's ViT-B/16 row for any init, so a ViT-L/32 init trained at B/16's 8e-4 (its own 6e-4) and the config
+    recorded model_name=ViT-B/16 beside the model ViT-L/32.  The init's model picks the row, as --model does."""
+    import vitlab
+    from vitlab.cli import main
+
+    vitlab.save_model(vitlab.create_model("ViT-L/32", img_size=16, patch_size=8, width=16, depth=1, num_heads=2,
+                                          mlp_dim=32, num_classes=10), tmp_path / "l32")
+    nameless = vitlab.models.vit.ViTConfig(img_size=16, patch_size=8, width=16, depth=1, num_heads=2, mlp_dim=32)
+    vitlab.save_model(vitlab.create_model(nameless), tmp_path / "nameless")
+    command = ["finetune", "--recipe", "paper_pretrain", "--data", "D", "--steps", "10", "--set",
+               "model.pre_logits=false", "--show-config", "--init"]
+    for init, lr, recipe in (("l32", 6e-4, "model_name=ViT-L/32"), ("nameless", 8e-4, "model_name=ViT-B/16")):
+        assert main([*command, str(tmp_path / init)]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert (shown["optim"]["lr"], shown["recipe"]) == (lr, f"paper_pretrain:dataset=jft,{recipe},epochs=7")
+    assert main([*command, str(tmp_path / "l32"), "--model", "ViT-L/32"]) == 0
+    assert json.loads(capsys.readouterr().out)["optim"]["lr"] == 6e-4
+    command[2] = "paper_pretrain:model_name=ViT-B/16"  # another model's row named in the recipe, as --model would
+    assert main([*command, str(tmp_path / "l32")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "vitlab finetune: error: recipe 'paper_pretrain:model_name=ViT-B/16': model_name='ViT-B/16', and the run's "
+        "model is 'ViT-L/32' (--model, or a fine-tune's init); name the model once")
 
 
 def test_a_name_given_with_a_hybrid_or_bit_init_is_checked_as_a_load_checks_it(tmp_path, capsys):

@@ -138,7 +138,7 @@ def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     """Recipe -> --set overrides -> dedicated flags (the most specific wins)."""
     from vitlab.configs import load_recipe
     from vitlab.train.overrides import parse_overrides, with_changes
-    from vitlab.train.resolve import check_named_init
+    from vitlab.train.resolve import check_named_init, init_model_name
 
     model = getattr(args, "model", None)
     cfg = load_recipe(args.recipe, model_name=model)  # a recipe whose rates are per model (Table 3): this one's
@@ -154,6 +154,8 @@ def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     cfg = with_changes(cfg, changes)
     if cfg.model.init is not None and (model or "model.name" in changes):  # named, not the recipe's default
         check_named_init(cfg, cfg.model.name)
+    elif name := init_model_name(cfg):  # not named: a recipe whose rates are per model takes the init's row
+        cfg = with_changes(load_recipe(args.recipe, model_name=name), changes)
     return cfg
 
 

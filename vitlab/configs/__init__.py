@@ -53,7 +53,7 @@ def recipe_module(name: str) -> ModuleType:
 def load_recipe(spec: str, model_name: str | None = None) -> TrainConfig:
     """``NAME`` or ``path/to/file.py``, optionally ``:key=value,key=value`` passed to its
     ``get_config`` as strings (e.g. ``paper_finetune:dataset=cifar100``).  ``model_name``
-    (the run's ``--model``) goes to a ``get_config`` that takes it, ahead of the spec's."""
+    (the run's ``--model``, or its init's model) goes to a ``get_config`` that takes it, ahead of the spec's."""
     if isinstance(spec, os.PathLike):  # a recipe file's Path
         spec = os.fspath(spec)
     if not isinstance(spec, str):  # its .partition failed as an AttributeError
@@ -82,7 +82,7 @@ def load_recipe(spec: str, model_name: str | None = None) -> TrainConfig:
         named = kwargs.get("model_name")
         if named is not None and canonical_name(named) != canonical_name(model_name):  # one was dropped unsaid
             raise ConfigError(f"recipe {spec!r}: model_name={named!r}, and the run's model is {model_name!r} "
-                              "(--model); name the model once")
+                              "(--model, or a fine-tune's init); name the model once")
         kwargs["model_name"] = model_name
     try:
         cfg = module.get_config(**kwargs)

@@ -54,6 +54,7 @@ from vitlab.eval.features import shift_sizes
 from vitlab.fast.fp8 import torchao_float8
 from vitlab.fast.kernels import KernelChoice, why_unavailable
 from vitlab.machine import Machine
+from vitlab.models.registry import get_config
 
 from .architecture import architecture
 from .config import FINETUNE_MODEL_FIELDS, DataConfig, RunConfig, TrainConfig, to_dict
@@ -509,6 +510,23 @@ def init_architecture(cfg: TrainConfig) -> Architecture:
 
     init = recorded_init(cfg.model.init)
     return _init_architecture(init, cfg.model.name, file_key(init))
+
+
+def init_model_name(cfg: TrainConfig) -> str | None:
+    """The registry name of ``model.init``'s model, read from the file or folder: what a recipe
+    whose rates are per model (Table 3) takes its row by when no model is named.  None: an
+    architecture of no registry name, an init that is no file here (a Hub name, read as the run
+    starts), or one that cannot be read (refused where the run reads it)."""
+    from vitlab.weights import WeightsError
+
+    if cfg.model.init is None or not Path(cfg.model.init).expanduser().exists():
+        return None
+    try:
+        name = getattr(init_architecture(cfg), "name", None)
+        get_config(name)  # a name of the registry (not the demo's ViT-demo/4)
+        return name
+    except (ConfigError, WeightsError):
+        return None
 
 
 def check_named_init(cfg: TrainConfig, name: str) -> None:

@@ -1412,3 +1412,21 @@ def test_the_cudnn_attention_preference_reorders_torchs_backends_and_restores_th
         torch.backends.cuda.enable_flash_sdp(flash)
     with pytest.raises(ValueError, match="gpu_attention='flash': expected one of torch, cudnn"):
         attention_backends("flash")
+
+
+def test_a_runs_autocast_casts_the_weights_as_they_are_inside_an_outer_autocast():
+    # torch keeps autocast's casts of the parameters until the outermost autocast ends: inside a caller's
+    # (or train's own, turned off), a layer updated between two steps was read as its first cast
+    from vitlab.fast.kernels import autocast
+
+    layer = torch.nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    with torch.autocast("cpu", enabled=False):
+        outputs = []
+        for _ in range(2):
+            with autocast(torch.device("cpu"), "bf16"):
+                outputs.append(layer(x).float())
+            with torch.no_grad():
+                layer.weight.add_(1.0)
+    expected = torch.nn.functional.linear(x, layer.weight.detach() - 1.0, layer.bias.detach())
+    assert torch.allclose(outputs[1], expected, atol=0.05)

@@ -40,7 +40,7 @@ import dataclasses
 import json
 import os
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -278,8 +278,21 @@ def autocast(device: torch.device, precision: str):
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)} (resolve 'auto' "
                          "when the run is built: vitlab.fast.cpu_precision on a CPU)")
     if precision in ("bf16", "fp16"):
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+        return _autocast_of_this_call(device.type, torch.bfloat16 if precision == "bf16" else torch.float16)
     return nullcontext()
+
+
+@contextmanager
+def _autocast_of_this_call(device_type: str, dtype: torch.dtype):
+    """torch's autocast, whose casts of the parameters last no longer than the block.  torch keeps
+    them (its cache) until the outermost autocast ends, and ``vitlab.train.train`` runs inside one
+    (a caller's, turned off): every step then read the weights it cast at its first step, the
+    zero head of step 0 among them, and a bf16 run trained nothing (its loss ln K throughout)."""
+    try:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            yield
+    finally:
+        torch.clear_autocast_cache()
 
 
 # How a GPU's fused attention is chosen (``run.gpu_attention``): "torch" leaves it to PyTorch's own

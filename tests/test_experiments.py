@@ -383,6 +383,37 @@ def test_attention_distance_probes_every_class_of_the_held_out_split():
         split(s, labels)[1].tolist()
 
 
+def test_a_fine_tunes_training_flops_are_the_model_it_trains(tmp_path, monkeypatch):
+    """train_vit counted every run's train_eflops for the recipe's model with a 10-class head: a fine-tune
+    (the resolution, mpp and transfer experiments') was charged the FLOPs of a model it did not train, not
+    those of its init's architecture at the fine-tuning size with a head for its data's classes (here 47 times
+    as many), or None where the recipe's model could not take that size (24 px, for ViT-Ti/16's 16-px patches)."""
+    import vitlab
+    from vitlab.analysis.cost import model_flops
+    from vitlab.experiments import common
+    from vitlab.train.build import make_model
+
+    init = tmp_path / "init"  # another width, depth and head than the settings' ViT, with a pre-logits layer
+    vitlab.save_model(vitlab.create_model("ViT-Ti/16", img_size=16, patch_size=4, width=24, depth=1, num_heads=2,
+                                          mlp_dim=48, num_classes=3, representation_size=24), init)
+
+    def trained(cfg, **kw):  # a run of 7 steps on data of five classes, as transfer's fine-tune is
+        Path(cfg.run.out).mkdir(parents=True)
+        (Path(cfg.run.out) / "classes.json").write_text(json.dumps(list("abcde")))
+        return {"steps": 7, "classes": str(Path(cfg.run.out) / "classes.json")}
+
+    monkeypatch.setattr(common, "train", trained)
+    settings = common.Settings()
+    changes = {"model.init": str(init), "model.overrides": {}, "model.img_size": 32}
+    summary = common.train_vit(settings, tmp_path / "ft", 0, common.vit_overrides(settings), changes)
+    # what the run's summary.json counts (train_flops_per_image) for the model its trainer builds
+    model = make_model(common.train_config(settings, tmp_path / "ft", 0, common.vit_overrides(settings), changes),
+                       5, (32, 32))
+    assert (model.cfg.width, model.cfg.depth, model.cfg.num_classes, model.pre_logits) == (24, 1, 5, None)
+    per_image = 3 * model_flops(model.cfg, (32, 32), training=True)
+    assert summary["train_eflops"] == pytest.approx(per_image * 7 * settings.batch_size / 1e18, rel=1e-12)
+
+
 def test_resume_takes_no_rows_measured_as_an_earlier_version_measured_them(tmp_path, monkeypatch):
     """results/attention-distance/results.json was measured on the split's first images: --resume on a
     fresh checkout took its seeds' rows beside new seeds' measured on every class.  A file without the

@@ -534,6 +534,20 @@ def test_show_config_needs_no_data(capsys):
         assert "recipe" in shown or "final" in shown
 
 
+def test_show_config_refuses_an_init_here_that_is_no_weights(tmp_path, capsys):
+    """An init that is a file but no weights (text named x.safetensors) is refused in one line by the run;
+    --show-config printed its config all the same, the estimate alone 'not_estimated', and exited 0."""
+    init = tmp_path / "x.safetensors"
+    init.write_text("not weights\n")
+    for model in ([], ["--model", "ViT-Ti/16"]):
+        command = ["finetune", "--init", str(init), "--recipe", "demo", "--data", "digits", *model, "--show-config"]
+        assert main(command) == 2, model
+        out, err = capsys.readouterr()
+        (line,) = err.splitlines()
+        assert out == "" and line.startswith("vitlab finetune: error: ") and \
+            f"{init} is not a readable safetensors file" in line, model
+
+
 @pytest.mark.parametrize("dataset, share", [("pets", 0.1), ("flowers", 0.1), ("cifar10", 0.02), ("cifar100", 0.02),
                                             ("imagenet", 0.01)])
 def test_sweep_holds_out_the_papers_share_per_dataset(dataset, share, capsys):

@@ -232,14 +232,18 @@ def data_decisions(cfg: TrainConfig, world: World, cores: int, img_size: Pair, s
 def preview(cfg: TrainConfig, machine: Machine | None = None) -> dict:
     """What --show-config prints: ``cfg`` as its run would state it (every "auto" resolved for
     this machine), the resolution's record and the memory estimate, as one JSON-ready dict;
-    no process group joined, no data decoded, no model built.  An init that cannot be read
-    yet leaves the config as given and the estimate out."""
+    no process group joined, no data decoded, no model built.  An init that is not here yet (a Hub
+    name, read as the run starts) leaves the config as given and the estimate out; weights here that
+    cannot be read are refused, as the run refuses them (a text file named x.safetensors had been
+    left out of the estimate alone, and the config shown as one that would run)."""
+    if cfg.model.init is not None and Path(cfg.model.init).expanduser().exists():
+        init_architecture(cfg)  # WeightsError: the run's line, not left out of the estimate below
     machine = machine or this_machine()
     world = local_world(resolve_device(cfg.run.device, machine, local_rank()))
     check_device_options(cfg, world.device, machine)  # refused as the run would be, not left out of the estimate below
     try:
         resolved = resolve(cfg, world, machine, preview=True)
-    except (OSError, ValueError) as err:  # a missing init (FileNotFoundError), unreadable weights (WeightsError)
+    except (OSError, ValueError) as err:  # an init not here (FileNotFoundError), read as the run starts
         return to_dict(cfg) | {"memory_estimate": {"not_estimated": str(err)}}
     return to_dict(resolved.config) | {"resolved": resolved.record(),
                                        "memory_estimate": memory_record(resolved, machine, world)}

@@ -225,7 +225,7 @@ def train_vit(settings: Settings, out: Path, seed: int, overrides: dict, changes
         summary = train(cfg, verbose=False, overwrite=True)
     else:
         settings.reused.append(cfg.run.out)
-    classes = len(json.loads(Path(summary["classes"]).read_text()))
+    classes = len(json.loads((Path(cfg.run.out) / "classes.json").read_text()))  # a run writes it; older summaries name it not
     summary["train_eflops"] = run_eflops(cfg, summary["steps"], classes)
     return summary
 

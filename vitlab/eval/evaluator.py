@@ -25,7 +25,7 @@ from vitlab.fast.kernels import autocast
 from vitlab.modes import evaluating
 
 from .features import Shift, check_tta_shift, mean_probability, tta_view_prefixes, tta_views
-from .metrics import check_num_bins, classification_report
+from .metrics import check_num_bins, classification_report, label_rank
 
 LOSSES = ("softmax_xent", "sigmoid_xent")  # a training run's optim.loss, which its evaluations report
 
@@ -156,21 +156,6 @@ class Evaluator:
             report = classification_report(np.concatenate(all_logits), self.labels.numpy(), num_bins=self.report_bins)
             result.update({k: report[k] for k in ("ece", "per_class_accuracy", "confusion_matrix")})
         return result
-
-
-def label_rank(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(N,) the place of each row's label among its (N, K) ``logits`` from the highest, 0 first, as
-    a stable sort (descending) places it: equal scores go to the lower class index, as argmax (the
-    confusion matrix, the nested sets) and ``metrics.topk_accuracy`` give them, and NaN, which
-    torch's sort puts above every number, counts above them too.  Counted, not sorted: a sort of
-    an ImageNet-21k head's 21,843 classes held indices and values of every class of the batch
-    (``torch.topk`` is light but orders equal scores its own way)."""
-    labels = labels.long()[:, None]  # any integer type the evaluator takes
-    own = logits.gather(1, labels)
-    nan, own_nan = logits.isnan(), own.isnan()
-    above = (logits > own) | (nan & ~own_nan)
-    lower = torch.arange(logits.shape[-1], device=logits.device) < labels
-    return (above | (((logits == own) | (nan & own_nan)) & lower)).sum(-1)
 
 
 def check_trained_classifier(model_section: dict, checkpoint) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+import torch
 
 __all__ = [
     "softmax",
@@ -49,11 +50,7 @@ def topk_accuracy(scores: np.ndarray, labels: np.ndarray, ks: Sequence[int] = (1
     k larger than the number of classes counts every example as correct.
     """
     scores, labels = _check(scores, labels)
-    own = np.take_along_axis(scores, labels[:, None], axis=1)  # (N, 1) the label's score
-    nan, own_nan = np.isnan(scores), np.isnan(own)
-    lower = np.arange(scores.shape[1]) < labels[:, None]
-    # (N,) position of the true class: the classes above it, and the equal ones of a lower index
-    rank = ((scores > own) | (nan & ~own_nan) | (((scores == own) | (nan & own_nan)) & lower)).sum(axis=1)
+    rank = label_rank(torch.from_numpy(np.ascontiguousarray(scores)), torch.from_numpy(labels)).numpy()  # the evaluator's ranking
     return {int(k): float(np.mean(rank < k)) for k in ks}
 
 
@@ -123,3 +120,18 @@ def classification_report(logits: np.ndarray, labels: np.ndarray, num_classes: i
         "per_class_accuracy": [None if np.isnan(a) else float(a) for a in per_class_accuracy(confusion)],
         "confusion_matrix": confusion.tolist(),
     }
+
+
+def label_rank(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(N,) the place of each row's label among its (N, K) ``logits`` from the highest, 0 first, as
+    a stable sort (descending) places it: equal scores go to the lower class index, as argmax (the
+    confusion matrix, the evaluator's nested sets) and ``topk_accuracy`` give them, and NaN, which
+    torch's sort puts above every number, counts above them too.  Counted, not sorted: a sort of
+    an ImageNet-21k head's 21,843 classes held indices and values of every class of the batch
+    (``torch.topk`` is light but orders equal scores its own way)."""
+    labels = labels.long()[:, None]  # any integer type the evaluator takes
+    own = logits.gather(1, labels)
+    nan, own_nan = logits.isnan(), own.isnan()
+    above = (logits > own) | (nan & ~own_nan)
+    lower = torch.arange(logits.shape[-1], device=logits.device) < labels
+    return (above | (((logits == own) | (nan & own_nan)) & lower)).sum(-1)

@@ -40,12 +40,11 @@ import torch
 import torch.nn.functional as F
 
 from vitlab.analysis.cost import training_flops
-from vitlab.config import ConfigError, ViTConfig, need_int, replace
+from vitlab.config import ConfigError, need_int
 from vitlab.data import load_in_memory, stratified_split
 from vitlab.data.digits import load_digits_dataset
 from vitlab.models.registry import build_model
 from vitlab.train import train
-from vitlab.train.build import architecture
 from vitlab.train.loop import read_summary
 from vitlab.train.resolve import recorded_paths, stated_model, trained_architecture, training_size
 from vitlab.train.config import (AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig,
@@ -232,24 +231,12 @@ def train_vit(settings: Settings, out: Path, seed: int, overrides: dict, changes
 
 def run_eflops(cfg: TrainConfig, steps: int, num_classes: int) -> float:
     """The training exaFLOPs of ``steps`` steps of a run of ``cfg`` whose data has ``num_classes``
-    classes: ``training_flops`` of the model it trains (``trained_model``) at its resolution, plus
+    classes: ``training_flops`` of the model it trains (``trained_architecture``) at its resolution, plus
     its optimiser's matmuls.  A fine-tune's had been counted for the recipe's model, which it does
     not train (its init's architecture is), or left None where that model could not take its size."""
-    model = trained_model(cfg, num_classes)
+    model = trained_architecture(cfg, num_classes)
     return (training_flops(model, steps, cfg.optim.batch_size, img_size=training_size(cfg))
             + optimiser_flops_per_step(model, cfg.optim.optimizer) * steps / 1e18)
-
-
-def trained_model(cfg: TrainConfig, num_classes: int):
-    """The architecture a run of ``cfg`` trains, as the trainer builds it (``vitlab.train.build.make_model``):
-    from scratch the recipe's model; a fine-tune's its init's, with the run's regularisation, a new head
-    of ``num_classes`` and no pre-logits layer unless ``model.keep_pre_logits``."""
-    if cfg.model.init is None:
-        return architecture(cfg, num_classes=num_classes)
-    arch = replace(trained_architecture(cfg), num_classes=num_classes)
-    if isinstance(arch, ViTConfig) and not cfg.model.keep_pre_logits:
-        arch = replace(arch, representation_size=None)
-    return arch
 
 
 def optimiser_flops_per_step(model_cfg, optimizer: str) -> int:

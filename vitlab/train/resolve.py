@@ -624,15 +624,23 @@ def recorded_init(init: str | None) -> str | None:
     return absolute_source(init) if init is not None and Path(init).expanduser().exists() else init
 
 
-def trained_architecture(cfg: TrainConfig) -> Architecture:
+def trained_architecture(cfg: TrainConfig, num_classes: int | None = None) -> Architecture:
     """The architecture the run trains, from the config alone (a fine-tune: its init's, with
-    the run's regularisation); its head and size are the init's, which a memory estimate
-    need not follow (``RunShape`` carries the training size)."""
+    the run's regularisation), as ``vitlab.train.build.make_model`` builds it.
+
+    num_classes: the run's class count: a fine-tune's init gets a new head of that many and no
+        pre-logits layer unless ``model.keep_pre_logits`` (Sec. 3.2).  None keeps the init's head,
+        which a memory estimate need not follow (nor the size: ``RunShape`` carries the training size)."""
     if cfg.model.init is None:
-        return architecture(cfg)
+        return architecture(cfg, num_classes=num_classes)
     arch = init_architecture(cfg)
     regularisation = {k: v for k, v in cfg.model.overrides.items() if k in FINETUNE_MODEL_FIELDS}
-    return replace(arch, **regularisation) if regularisation and isinstance(arch, ViTConfig) else arch
+    if regularisation and isinstance(arch, ViTConfig):
+        arch = replace(arch, **regularisation)
+    if num_classes is None:
+        return arch
+    arch = replace(arch, num_classes=num_classes)
+    return arch if cfg.model.keep_pre_logits or not isinstance(arch, ViTConfig) else replace(arch, representation_size=None)
 
 
 # ----------------------------------------------------------------------------- the data

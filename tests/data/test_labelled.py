@@ -234,6 +234,65 @@ def test_the_runs_split_of_data_changed_since_it_trained_is_refused(make_folder,
                       results={"train_examples": 9, "val_examples": 3})
 
 
+@pytest.mark.parametrize("form", ["folder", "archive"])
+def test_the_runs_split_of_data_with_an_image_swapped_since_is_refused(make_folder, fakes, tmp_path, form):
+    """An image swapped for another since the run trained (one gone, one of another name in its class): the
+    training and held-out counts its summary recorded were the same, and eval and fewshot scored the split of
+    the data as it is now, whose held-out part can hold images the run trained on, as its held-out accuracy.
+    The run records which images each part holds (``split_key``: their names, file sizes and classes)."""
+    from PIL import Image
+
+    from vitlab.train.config import DataConfig, TrainConfig
+    from vitlab.train.inputs import build_splits
+
+    folder = make_folder(classes=3, per_class=6)
+    source = folder if form == "folder" else fakes.make_tar(folder, tmp_path / "set.tar")
+    cache = tmp_path / "cache"
+    data = DataConfig(source=str(source), val_split=6, cache_dir=str(cache), decode_workers=1)
+    splits = build_splits(TrainConfig(data=data), (8, 8))
+    run = {"source": str(source), "val_split": 6, "stream": "memory", "split_seed": 0}
+    results = {"train_examples": 12, "val_examples": 6, "split_key": splits.split_key}  # as summary.json records
+    for pool in (False, True):  # eval's, fewshot's: the run's split again, read from the cache
+        assert len(load_held_out(run, 8, cache_dir=cache, pool=pool, results=results, run_name="R").held) == 6
+    (folder / "class_1" / "0002.png").unlink()
+    Image.fromarray(fakes.image_with_id(99)).save(folder / "class_1" / "0002b.png")
+    if form == "archive":
+        source.unlink()
+        fakes.make_tar(folder, source)
+    for pool in (False, True):
+        with pytest.raises(ValueError, match=r"R: its data .* changed since it trained \(now [^)]*, as many as the "
+                                             r"run's but not all the same images\).*--data and --val-split"):
+            load_held_out(run, 8, cache_dir=cache, pool=pool, results=results, run_name="R")
+    # a run recorded before its split key is held to its counts (which the swap keeps), as it was
+    old = {"train_examples": 12, "val_examples": 6}
+    assert len(load_held_out(run, 8, cache_dir=cache, pool=False, results=old, run_name="R").held) == 6
+    assert len(load_held_out(run, 8, val_split=6, cache_dir=cache, pool=False, results=results).held) == 6
+
+
+def test_a_runs_split_key_names_its_images_wherever_the_data_lies(make_folder, fakes, tmp_path):
+    """The key names the images below their class root: the run's data copied elsewhere, read from its
+    archive, or decoded again (from the cache, or its copy there of an earlier version, without the names)
+    gives the run's key; the parts of another split do not."""
+    import shutil
+
+    from vitlab.data.memory import load_in_memory
+    from vitlab.data.splits import part_key, split_changes
+
+    folder = make_folder(classes=3, per_class=6, subdir="train")
+    copy = shutil.copytree(folder, tmp_path / "elsewhere")
+    archive = fakes.make_tar(folder, tmp_path / "set.tar.gz")
+    keys = {part_key(load_in_memory(where, cache_dir=tmp_path / "cache", workers=1).ids)
+            for where in (folder, copy, archive, folder)}
+    (cached,) = [f for f in (tmp_path / "cache" / "arrays").iterdir() if f.name.startswith("folder")]
+    (cached / "ids.npy").unlink()
+    keys.add(part_key(load_in_memory(folder, cache_dir=tmp_path / "cache", workers=1).ids))
+    assert len(keys) == 1 and (cached / "ids.npy").is_file() and keys.pop().startswith("18-")
+    ids = load_in_memory(folder, cache_dir=tmp_path / "cache", workers=1).ids
+    assert part_key(ids[:6]) == part_key(ids[:6].flip(0)) != part_key(ids[1:7])  # the same images in any order
+    assert split_changes({"train": part_key(ids[1:7]), "held_out": None}, {"train": part_key(ids[:6])}) == [
+        "training 6 examples, as many as the run's but not all the same images"]
+
+
 def test_a_runs_validation_set_changed_since_it_trained_is_refused(tmp_path):
     """The held-out part of a run with data.val_data is that set, whole: grown since, it is not what the
     run validated on."""

@@ -552,3 +552,44 @@ def test_eval_and_fewshot_refuse_the_runs_split_of_data_changed_since_it_trained
     assert "changed since it trained" in capsys.readouterr().err
     assert main([*evaluate, "--data", str(tmp_path / "data"), "--val-split", "6"]) == 0  # the user's own split
     assert last_json(capsys)["n"] == 6
+
+
+def test_eval_and_fewshot_refuse_the_runs_split_of_data_with_an_image_swapped_since(tmp_path, capsys):
+    """An image of the run's data swapped for another since it trained (as many images): the counts its summary
+    recorded were the same, and eval scored a split whose held-out part could hold images the run trained on as
+    its held-out accuracy; fewshot likewise.  Refused in one line saying what changed (the summary's split_key)."""
+    from PIL import Image
+
+    from vitlab.train.config import DataConfig, TrainConfig
+    from vitlab.train.inputs import build_splits
+
+    data = tmp_path / "data"
+    for c in range(3):
+        (data / f"c{c}").mkdir(parents=True)
+        for i in range(6):
+            Image.new("RGB", (8, 8), (40 * i, 60 * c, 0)).save(data / f"c{c}" / f"{i}.png")
+    torch.manual_seed(0)
+    model = create_model(ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2,
+                                   num_classes=3, name="ViT-tiny"))
+    run = tmp_path / "run"
+    run.mkdir()
+    weights.save_model(model, run / "model.safetensors")
+    section = {"source": str(data), "val_split": 6, "stream": "memory", "cache_dir": str(tmp_path / "cache")}
+    (run / "config.json").write_text(json.dumps({"recipe": "test", "data": section}))
+    (run / "classes.json").write_text(json.dumps(["c0", "c1", "c2"]))
+    splits = build_splits(TrainConfig(data=DataConfig(source=str(data), val_split=6, cache_dir=section["cache_dir"],
+                                                      decode_workers=1)),
+                          (16, 16))
+    (run / "summary.json").write_text(json.dumps({"steps": 2, "train_examples": 12, "val_examples": 6,
+                                                  "split_key": splits.split_key}))
+    evaluate = ["eval", "--checkpoint", str(run), "--json"]
+    assert main(evaluate) == 0 and last_json(capsys)["n"] == 6
+    (data / "c1" / "2.png").unlink()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(data / "c1" / "7.png")
+    assert main(evaluate) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"{run}: its data {data} changed since it trained (now " in err
+    assert "as many as the run's but not all the same images" in err and "give --data and --val-split" in err
+    assert main(["fewshot", str(run), "--shots", "1", "--feature-cache", "none"]) == 2
+    assert "as many as the run's but not all the same images" in capsys.readouterr().err
+    assert main([*evaluate, "--data", str(data), "--val-split", "6"]) == 0  # the user's own split

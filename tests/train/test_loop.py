@@ -530,6 +530,31 @@ def test_resume_refuses_a_data_folder_whose_classes_changed_and_keeps_the_runs_r
     assert train(cfg, resume=True, verbose=False)["steps"] == 2
 
 
+def test_resume_refuses_a_data_folder_with_an_image_swapped_for_another(tiny, tmp_path):
+    """One image of the data swapped for another since the checkpoint (as many images, the same classes): the
+    run was resumed without a word, its place in the data going on over other images, and its curves scored on
+    another held-out part, which could hold images it had trained on.  A checkpoint records which images its
+    parts held (``split_key``); one of an earlier version, without it, is resumed as it was."""
+    import numpy as np
+    from PIL import Image
+
+    from vitlab.config import ConfigError
+    from vitlab.train.overrides import with_changes
+
+    data = _pngs(tmp_path / "d", 0)
+    cfg = with_changes(tiny("run", steps=2, batch_size=8, val_split=6, cache_dir=str(tmp_path / "cache")),
+                       {"data.source": str(data)})
+    train(cfg, verbose=False)
+    (data / "c1" / "5.png").unlink()
+    Image.fromarray(np.full((8, 8, 3), 7, np.uint8)).save(data / "c1" / "50.png")
+    with pytest.raises(ConfigError, match=r"^--resume: the data changed since the checkpoint \(now [^)]*, as many "
+                                          r"as the checkpoint's but not all the same images\); an exact continuation"):
+        train(cfg, resume=True, verbose=False)
+    from vitlab.train.state import check_same_split
+
+    check_same_split({"train": "18-ab", "held_out": "6-cd"}, None)  # a checkpoint without the key
+
+
 def test_resume_takes_the_runs_class_names_in_another_unicode_spelling():
     """A data folder copied again from a Mac names its classes decomposed (NFD): the same names in the
     same order are the run's classes (``same_spelling``); in another order they are refused."""

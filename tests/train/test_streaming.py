@@ -57,6 +57,32 @@ def test_streamed_resume_is_bit_exact(tiny, shard_set):
     assert uninterrupted["stream"] == again["stream"]
 
 
+def test_a_streamed_runs_shards_packed_again_since_are_refused_by_eval_and_resume(tiny, shard_set, tmp_path):
+    """Shards packed again with another seed under the same names, as many samples to a shard: eval of the run
+    (which compared nothing for a streamed run) scored held-out shards holding images the run had trained on
+    as its held-out ones, and --resume (which compared the counts of units and samples) went on over other
+    shards with the checkpoint's positions.  The held-out shards' images are named (the training shards',
+    never decoded, are not listed)."""
+    from vitlab.data.labelled import load_held_out
+    from vitlab.train.legacy import recorded_section
+
+    cfg = tiny("run", data=str(shard_set), val_split=12, steps=2, batch_size=8, cache_dir=str(tmp_path / "cache"),
+               **{"data.stream_workers": 0})
+    summary = train(cfg, verbose=False)
+    assert summary["split_key"]["train"] is None and summary["split_key"]["held_out"].startswith("12-")
+    run = recorded_section(json.loads((tmp_path / "run" / "config.json").read_text()), "data")
+    assert len(load_held_out(run, 8, pool=False, results=summary, run_name="R").held) == 12
+    pack_shards(tmp_path / "folder", tmp_path / "again", samples_per_shard=6, seed=1)
+    for packed in (tmp_path / "again").iterdir():
+        shutil.copyfile(packed, shard_set / packed.name)
+    with pytest.raises(ValueError, match=r"R: its data .*shards changed since it trained \(now held-out 12 examples, "
+                                         r"as many as the run's but not all the same images\)"):
+        load_held_out(run, 8, pool=False, results=summary, run_name="R")
+    with pytest.raises(ConfigError, match=r"^--resume: the data changed since the checkpoint \(now held-out 12 "
+                                          r"examples, as many as the checkpoint's but not all the same images\)"):
+        train(cfg, resume=True, verbose=False)
+
+
 def test_stream_choice_and_refusals(tiny, shard_set, tmp_path):
     with pytest.raises(ConfigError, match="data.train_examples"):
         train(tiny("a", data=str(shard_set), val_split=0, train_examples=10), verbose=False)

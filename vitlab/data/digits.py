@@ -24,7 +24,9 @@ def load_digits_dataset(image_size: int | tuple[int, int] = 24) -> InMemoryDatas
     labels 0-9 with classes "0".."9".
     """
     images, labels = _digits(to_pair(image_size, "image_size"))
-    return InMemoryDataset(images=images.clone(), labels=labels.clone(), classes=[str(i) for i in range(10)])
+    # named by their place: the set never changes
+    return InMemoryDataset(images=images.clone(), labels=labels.clone(), classes=[str(i) for i in range(10)],
+                           ids=torch.arange(len(labels)))
 
 
 @functools.lru_cache(maxsize=4)

@@ -22,7 +22,8 @@ from vitlab.config import ConfigError, need_count_or_fraction, need_output_folde
 from vitlab.data.digits import load_digits_dataset
 from vitlab.data.memory import InMemoryDataset, load_in_memory, load_source_in_memory
 from vitlab.data.sources import PathLike
-from vitlab.data.splits import check_seed, select_classes, stratified_split, training_pool
+from vitlab.data.splits import (check_seed, part_key, select_classes, split_changes, split_key, stratified_split,
+                                 training_pool)
 from vitlab.data.stream import hold_out, open_source
 
 __all__ = ["load_labelled", "HeldOutSet", "load_held_out", "match_run_classes", "labels_by_name"]
@@ -69,6 +70,7 @@ class HeldOutSet:
     seed: int              # the seed of the split
     run_shards: bool = False  # only the shards a streamed run held out were decoded (``rest`` is empty)
     val_data: Optional[str] = None  # the held-out part is the run's validation set of its own (data.val_data)
+    ids: Optional[torch.Tensor] = None  # (N,) each example's name, file size and class (``InMemoryDataset.ids``)
 
     def held_for_model(self, run_classes: Any, num_outputs: int,
                        kept: Optional[list[str]] = None) -> tuple[torch.Tensor, list[str]]:
@@ -103,9 +105,10 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         validated on a set of its own (``val_data``) is that set, whole: with ``pool``, after
         the run's training examples (``_with_val_data``).
     workers: decoding processes (None: ``load_in_memory``'s default).
-    results: the run's summary (``summary.json``), whose ``train_examples`` and ``val_examples``
-        the run's own split, re-derived (no ``val_split`` given, the run's data), must count again;
-        run_name names the run where they do not (``_check_run_split``).
+    results: the run's summary (``summary.json``), whose ``split_key`` (which images each part
+        holds; of a run before it was recorded, ``train_examples`` and ``val_examples``: how many)
+        the run's own split, re-derived (no ``val_split`` given, the run's data), must give again;
+        run_name names the run where it does not (``_check_run_split``).
     cache_dir: where decoded sets are cached; None: the run's ``cache_dir`` where it recorded one that
         can be written, else ``load_in_memory``'s default.
     """
@@ -113,9 +116,9 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
     if source is None and run.get("val_data") and pool and val_split is None:
         held = _with_val_data(run, image_size, split_seed, cache_dir, workers)
         _check_run_split(results, run_name, f"data {run.get('source')} and data.val_data {run['val_data']}",
-                        len(held.rest), len(held.held))
+                         part_key(held.ids[held.rest]), part_key(held.ids[held.held]))
         return held
-    # what the run's own split, re-derived, must count again (train, val); None: no split of the run's
+    # what the run's own split, re-derived, must give again (train, val); None: no split of the run's
     expected_val_data = source is None and run.get("val_data") and val_split is None
     if source is None and run.get("val_data") and not pool:
         # its data held nothing out: scored whole by default, it was every image the run trained on
@@ -146,9 +149,11 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
                          "give --val-split, or leave --split-seed out")
     data = load_labelled(source, image_size, cache_dir=cache_dir, workers=workers,
                          held_out=(run["val_split"], split_seed) if run_shards else None)
-    images, labels, classes, key = data.images, data.labels, list(data.classes), data.key
+    images, labels, classes, key, ids = data.images, data.labels, list(data.classes), data.key, data.ids
     if same_as_run and run.get("class_subset"):
-        images, labels, classes = select_classes(images, labels, classes, tuple(run["class_subset"]))
+        subset = tuple(run["class_subset"])
+        ids = select_classes(ids, labels, classes, subset)[0]
+        images, labels, classes = select_classes(images, labels, classes, subset)
         key += "|" + ",".join(classes)
     taken = int(run.get("train_examples") or 0) if same_as_run else 0
     if taken and val_split and not run_shards and taken < len(labels):
@@ -156,19 +161,22 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         # examples, some of them trained on
         seed = int(run.get("split_seed", 0))
         keep = training_pool(labels, taken, seed)
-        images, labels = images[keep], labels[keep]
+        images, labels, ids = images[keep], labels[keep], ids[keep]
         key += f"|pool of {taken}, split seed {seed}"
     if run_shards:
         rest, held, split = torch.arange(0), torch.arange(len(labels)), run["val_split"]
+        # the run's held-out shards, as it decoded them (its training shards it never listed)
+        _check_run_split(results, run_name, f"data {source}", None, part_key(ids))
     else:
         # named as the user knows it: the split's own name for it is val_size
         name = "--val-split" if asked_split is not None or not same_as_run else "data.val_split (the run's)"
         rest, held, split = _split(labels, val_split, split_seed, name)
         if expected_val_data:  # the run's val_data, scored whole: what it validated on
-            _check_run_split(results, run_name, f"data.val_data {source}", None, len(held))
+            _check_run_split(results, run_name, f"data.val_data {source}", None, part_key(ids[held]))
         elif same_as_run and asked_split is None and val_split and run.get("stream") in (None, "memory"):
-            _check_run_split(results, run_name, f"data {source}", len(rest), len(held))
-    return HeldOutSet(images, labels, classes, key, data.skipped.images, rest, held, split, split_seed, run_shards)
+            _check_run_split(results, run_name, f"data {source}", part_key(ids[rest]), part_key(ids[held]))
+    return HeldOutSet(images, labels, classes, key, data.skipped.images, rest, held, split, split_seed, run_shards,
+                      ids=ids)
 
 
 def _run_cache_dir(run: Mapping[str, Any]) -> Optional[str]:
@@ -203,11 +211,11 @@ def _with_val_data(run: Mapping[str, Any], image_size, split_seed: Optional[int]
     training data held out examples it had trained on, and scored them."""
     held = load_held_out(run, image_size, None, None, split_seed, cache_dir=cache_dir, pool=False, workers=workers)
     trained = load_held_out({**run, "val_data": None}, image_size, None, 0, cache_dir=cache_dir, workers=workers)
-    images, labels, key = trained.images, trained.labels, trained.key
+    images, labels, key, ids = trained.images, trained.labels, trained.key, trained.ids
     taken = int(run.get("train_examples") or 0)
     if taken and taken < len(labels):  # the run's pool, as it drew it
         keep = training_pool(labels, taken, int(run.get("split_seed", 0)))
-        images, labels = images[keep], labels[keep]
+        images, labels, ids = images[keep], labels[keep], ids[keep]
         key += f"|pool of {taken}, split seed {int(run.get('split_seed', 0))}"
     held_labels = labels_by_name(held.labels, held.classes, trained.classes)  # the run's labels, by name
     if held_labels is None:  # the run refused such a val_data; a set changed since is named here
@@ -216,23 +224,30 @@ def _with_val_data(run: Mapping[str, Any], image_size, split_seed: Optional[int]
     n = len(labels)
     return HeldOutSet(torch.cat([images, held.images]), torch.cat([labels, held_labels]), trained.classes,
                       f"{key}|val {held.key}", trained.skipped + held.skipped, torch.arange(n),
-                      torch.arange(n, n + len(held.labels)), 0, held.seed, val_data=str(run["val_data"]))
+                      torch.arange(n, n + len(held.labels)), 0, held.seed, val_data=str(run["val_data"]),
+                      ids=torch.cat([ids, held.ids]))
 
 
 def _check_run_split(results: Optional[Mapping[str, Any]], run_name: str, data: str,
-                    train: Optional[int], val: Optional[int]) -> None:
-    """Raises ValueError where the run's split, re-derived from its data as it is now, does not count
-    the ``train`` and ``val`` examples its summary ``results`` recorded (None: not compared); ``data``
-    names the data in words.  Such data changed since the run (a class folder gone, images added),
-    and the split drawn from it is another, whose held-out part can hold images the run trained on.
-    Counts are what the run recorded of its data: as many other images pass.  No summary (a run
-    still training): nothing to compare."""
-    try:
-        recorded = int(results["train_examples"]), int(results["val_examples"])  # type: ignore[index]
-    except (KeyError, TypeError, ValueError):
-        return
-    differs = [f"{what} {now} examples, the run's {then}" for what, now, then in
-               (("training", train, recorded[0]), ("held-out", val, recorded[1])) if now is not None and now != then]
+                     train: Optional[str], val: Optional[str]) -> None:
+    """Raises ValueError where the run's split, re-derived from its data as it is now, does not hold the
+    images its summary ``results`` recorded; ``train`` and ``val``: the parts' ``part_key``s now (None: not
+    compared); ``data`` names the data in words.  Such data changed since the run (a class folder gone,
+    images added, an image swapped for another, shards packed again), and the split drawn from it is
+    another, whose held-out part can hold images the run trained on.  A run recorded before its
+    ``split_key`` was is held to its counts, ``train_examples`` and ``val_examples``, which as many
+    other images pass.  No summary (a run still training): nothing to compare."""
+    recorded = results.get("split_key") if isinstance(results, Mapping) else None
+    if isinstance(recorded, Mapping):
+        differs = split_changes(split_key(train, val), recorded)
+    else:
+        try:
+            counts = int(results["train_examples"]), int(results["val_examples"])  # type: ignore[index]
+        except (KeyError, TypeError, ValueError):
+            return
+        now = [None if part is None else int(part.partition("-")[0]) for part in (train, val)]
+        differs = [f"{what} {count} examples, the run's {then}" for what, count, then in
+                   zip(("training", "held-out"), now, counts) if count is not None and count != then]
     if differs:
         raise ValueError(f"{run_name}: its {data} changed since it trained (now {'; '.join(differs)}): a split drawn "
                          "from it is not the run's, and can hold images the run trained on; to score it anyway, give "

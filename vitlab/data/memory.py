@@ -14,6 +14,7 @@ of images it took with it.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -21,6 +22,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -55,6 +57,8 @@ CACHE_VERSION = 4  # bump when the layout of the cached arrays changes, or what 
 #                   counts images; 3: an archive read into memory takes its links to images, leaves __MACOSX/ out;
 #                   4: a shard's ._ members (macOS's resource forks) and __MACOSX/ are no samples); a decoded
 #                   set's key carries it (_data_key), so features computed from the earlier decoding are not reused
+IDS_FILE = "ids.npy"  # its images' names (image_ids): a copy cached before they were kept lacks it, and is decoded
+#                       again, under the same key (its pixels are the same)
 
 
 @dataclass
@@ -70,6 +74,9 @@ class InMemoryDataset:
     key:     changes when the data does: its source's and the decoding's (CACHE_VERSION); "" when unknown.
     several_labels: the samples of a multi-label (JFT-style) source that had several labels, of
              which ``labels`` keeps the first; None read from a copy cached before it was recorded.
+    ids:     (N,) int64: each image's name in its set, the size of its file and its class (``image_ids``):
+             what tells which images a part of the set holds without their pixels (``splits.part_key``);
+             None: not named.
     """
 
     images: torch.Tensor
@@ -78,6 +85,7 @@ class InMemoryDataset:
     skipped: Unread = field(default_factory=Unread)
     key: str = ""
     several_labels: int | None = 0
+    ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -118,10 +126,11 @@ def _decode_all(
 
 def _stack(
     decoded: list[tuple[Optional[np.ndarray], str]], paths: list[str], labels: np.ndarray, root: Path,
-    skipped: Unread,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(N, 3, H, W) images and (N,) labels from per-image results; the images that could not be
-    decoded go to ``skipped`` (which may hold what could not be read before)."""
+    skipped: Unread, ids: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(N, 3, H, W) images, (N,) labels and (N,) ``image_ids`` from per-image results (``labels``
+    and ``ids`` per path); the images that could not be decoded go to ``skipped`` (which may hold what
+    could not be read before)."""
     keep = [i for i, (arr, _) in enumerate(decoded) if arr is not None]
     for i, (arr, reason) in enumerate(decoded):
         if arr is None:
@@ -140,7 +149,37 @@ def _stack(
     images = np.empty((len(keep), 3, shape[0], shape[1]), dtype=np.uint8)
     for row, i in enumerate(keep):
         images[row] = decoded[i][0].transpose(2, 0, 1)
-    return images, labels[keep]
+    return images, labels[keep], ids[keep]
+
+
+def image_ids(names: Sequence[str], sizes: Sequence[int], classes: Sequence[str]) -> np.ndarray:
+    """(N,) int64: each image named by its name in its set (a folder's or an archive's path below the class
+    root, a shard's ``shard:key``, a Hugging Face set's ``file:batch:row``), the size of its file and its
+    class's name (of a shard's sample: packed again with another seed, a position names another image, of
+    another class as often as not), hashed; names composed (NFC), as a Mac's decomposed ones are another
+    spelling.  What a run's split is recorded by (``splits.part_key``) without reading a pixel: its counts
+    alone let as many other images pass, such as an image swapped for another, or shards packed again.
+    An image written over in place with another of its size is not told apart."""
+    ids = np.empty(len(names), dtype=np.int64)
+    for i, (name, size, label) in enumerate(zip(names, sizes, classes)):
+        text = "|".join((unicodedata.normalize("NFC", name), str(size), unicodedata.normalize("NFC", label)))
+        ids[i] = int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogateescape"), digest_size=8).digest(),
+                                "little", signed=True)
+    return ids
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:  # gone, or a link to nothing: it fails its decoding and is left out
+        return -1
+
+
+def _below(paths: Sequence[str], root: PathLike) -> list[str]:
+    """``paths`` named below ``root`` (the class root: ``<class>/<image>``), so that a set moved or copied
+    elsewhere, or read from its archive, names its images as it did."""
+    head = os.path.join(str(root), "")
+    return [p[len(head):] if p.startswith(head) else p for p in paths]
 
 
 def _data_key(key: str) -> str:
@@ -162,7 +201,7 @@ def is_decoded(path: PathLike, image_size: Size, cache_dir: Optional[PathLike] =
     from vitlab.data.stream import is_stream_source, open_source
 
     key = open_source(str(path), cache_dir).key if is_stream_source(str(path)) else source_key(path)
-    return bool(key) and _cache_folder(key, to_pair(image_size, "image_size"), cache_dir).is_dir()
+    return bool(key) and (_cache_folder(key, to_pair(image_size, "image_size"), cache_dir) / IDS_FILE).is_file()
 
 
 def _read_cache(folder: Path) -> Optional[InMemoryDataset]:
@@ -172,6 +211,11 @@ def _read_cache(folder: Path) -> Optional[InMemoryDataset]:
     run on the data with numpy's error, which names no file."""
     if not folder.is_dir():
         return None
+    if not (folder / IDS_FILE).exists() and (folder / "images.npy").exists():
+        # cached by an earlier version, whose images are not named: decoded again as they were (without a
+        # warning), and cached with their names; a run's split is recorded by them
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
     try:
         meta = json.loads((folder / "meta.json").read_text())
         data = InMemoryDataset(
@@ -180,9 +224,10 @@ def _read_cache(folder: Path) -> Optional[InMemoryDataset]:
             classes=list(meta["classes"]),
             skipped=Unread(meta["skipped"]),
             several_labels=meta.get("several_labels"),
+            ids=torch.from_numpy(np.load(folder / IDS_FILE)),
         )
-        if data.images.ndim != 4 or len(data.images) != len(data.labels):
-            raise ValueError(f"{len(data.images)} images and {len(data.labels)} labels")
+        if data.images.ndim != 4 or not len(data.images) == len(data.labels) == len(data.ids):
+            raise ValueError(f"{len(data.images)} images, {len(data.labels)} labels and {len(data.ids)} names")
     except (OSError, ValueError, EOFError, KeyError, TypeError) as err:  # json's and numpy's are ValueErrors
         log.warning("%s: the decoded copy cached there cannot be read (%s: %s); decoding the data again", folder,
                     type(err).__name__, err)
@@ -192,13 +237,15 @@ def _read_cache(folder: Path) -> Optional[InMemoryDataset]:
 
 
 def _write_cache(folder: Path, images: np.ndarray, labels: np.ndarray, classes: list[str], skipped: Unread,
-                 several_labels: int = 0) -> None:
+                 several_labels: int = 0, ids: Optional[np.ndarray] = None) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=folder.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
     try:
         np.save(tmp / "images.npy", images)
         np.save(tmp / "labels.npy", labels)
+        if ids is not None:
+            np.save(tmp / IDS_FILE, ids)
         (tmp / "meta.json").write_text(json.dumps({"classes": classes, "skipped": skipped.to_list(),
                                                    "shape": images.shape, "several_labels": several_labels}))
         try:
@@ -240,14 +287,18 @@ def load_in_memory(
     if data is None:
         if is_archive(path) and Path(path).is_file():
             index, sources = read_image_archive(path)  # no extraction: one pass over the archive
+            sizes = [len(blob) for blob in sources]
         else:
             index = scan_image_folder(resolve_data_path(path, cache_dir))
             sources = index.paths
+            sizes = [_file_size(p) for p in sources]
+        ids = image_ids(_below(index.paths, index.root), sizes, [index.classes[i] for i in index.labels])
         decoded = _decode_all(sources, size, workers)
         skipped = Unread()
-        images, labels = _stack(decoded, index.paths, index.labels, index.root, skipped)
-        _write_cache(folder, images, labels, index.classes, skipped)
-        data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), index.classes, skipped)
+        images, labels, ids = _stack(decoded, index.paths, index.labels, index.root, skipped, ids)
+        _write_cache(folder, images, labels, index.classes, skipped, ids=ids)
+        data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), index.classes, skipped,
+                               ids=torch.from_numpy(ids))
     data.key = _data_key(key)
     _warn_skipped(path, data)
     return data
@@ -273,13 +324,16 @@ def load_source_in_memory(source: StreamSource, image_size: Size = None, cache_d
             payloads.append(payload)
             labels.append(label[0] if isinstance(label, tuple) else label)
             several += isinstance(label, tuple) and len(label) > 1
+        ids = image_ids(_below(keys, source.root) if source.root else keys,
+                        [len(p) if isinstance(p, bytes) else _file_size(p) for p in payloads],
+                        [source.classes[i] for i in labels])
         decoded = _decode_all(payloads, size, workers)
         del payloads
-        images, labels = _stack(decoded, keys, np.asarray(labels, dtype=np.int64), source.name, skipped)
+        images, labels, ids = _stack(decoded, keys, np.asarray(labels, dtype=np.int64), source.name, skipped, ids)
         if folder is not None:
-            _write_cache(folder, images, labels, source.classes, skipped, several)
+            _write_cache(folder, images, labels, source.classes, skipped, several, ids)
         data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), list(source.classes), skipped,
-                               several_labels=several)
+                               several_labels=several, ids=torch.from_numpy(ids))
     data.key = _data_key(source.key)
     _warn_skipped(source.name, data)
     return data

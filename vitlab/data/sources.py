@@ -237,6 +237,8 @@ class StreamSource:
     name:       the source as the user named it, for messages.
     key:        a string that changes when the data changes: what a decoded copy is
                 cached under ("": not cached).
+    root:       the folder whose paths its samples' keys are (a folder's, read image by image),
+                which a sample's name leaves out (``memory.image_ids``); "": keys are names.
     """
 
     units: list
@@ -245,6 +247,7 @@ class StreamSource:
     unit_sizes: list[int]
     name: str = ""
     key: str = ""
+    root: str = ""
 
     @property
     def num_samples(self) -> int:
@@ -281,7 +284,8 @@ class StreamSource:
         indices = [int(i) for i in indices]
         return StreamSource([self.units[i] for i in indices], self.read, self.classes,
                             [self.unit_sizes[i] for i in indices], name=f"{self.name} ({part})",
-                            key=self.key and f"{self.key}-{_short_hash(part + ':' + ','.join(map(str, indices)))}")
+                            key=self.key and f"{self.key}-{_short_hash(part + ':' + ','.join(map(str, indices)))}",
+                            root=self.root)
 
 
 def check_label_ids(ids: Sequence[int], classes: Sequence[str], source: str, where: str = "") -> None:

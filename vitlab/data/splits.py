@@ -11,7 +11,8 @@ platforms and versions, so a split can be named by its seed in a paper.
 """
 from __future__ import annotations
 
-from typing import Union
+import hashlib
+from typing import Mapping, Optional, Union
 
 import numpy as np
 import torch
@@ -19,7 +20,8 @@ import torch
 from vitlab.config import ConfigError
 from vitlab.data.sources import DataError
 
-__all__ = ["stratified_split", "stratified_sample", "training_pool", "few_per_class", "select_classes", "check_seed"]
+__all__ = ["stratified_split", "stratified_sample", "training_pool", "few_per_class", "select_classes", "check_seed",
+           "part_key", "split_key", "split_changes"]
 
 Labels = Union[torch.Tensor, np.ndarray, list]
 
@@ -162,3 +164,35 @@ def select_classes(images: torch.Tensor, labels: torch.Tensor, classes: list[str
     remap = torch.full((len(classes),), -1, dtype=torch.long)
     remap[old_ids] = torch.arange(len(keep))
     return images[mask], remap[labels[mask]], list(keep)
+
+
+def part_key(ids: Union[torch.Tensor, np.ndarray]) -> str:
+    """``"<count>-<hash>"``: the examples whose ``InMemoryDataset.ids`` (``memory.image_ids``: name, file size
+    and class) are ``ids``, in any order.  A run records its split's parts by it (``split_key``), which eval, fewshot
+    and --resume compare with theirs: the same count of other images (one swapped for another, shards packed
+    again with another seed) gives another key, where counts alone were the same."""
+    ordered = np.sort(np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64))
+    return f"{len(ordered)}-{hashlib.sha256(ordered.tobytes()).hexdigest()[:16]}"
+
+
+SPLIT_PARTS = (("train", "training"), ("held_out", "held-out"))  # a split_key's parts, and their names in words
+
+
+def split_key(train: Optional[str], held_out: Optional[str]) -> dict:
+    """What a run records of its split: each part's ``part_key`` (None: not named, such as a streamed run's
+    training shards, which are never decoded)."""
+    return {"train": train, "held_out": held_out}
+
+
+def split_changes(now: Mapping, recorded: Mapping, whose: str = "the run's") -> list[str]:
+    """How the parts of a ``split_key`` ``now`` differ from those ``recorded`` (``whose``), in words ([]: none
+    does; a part either leaves unnamed is not compared)."""
+    changes = []
+    for part, words in SPLIT_PARTS:
+        ours, theirs = now.get(part), recorded.get(part)
+        if not isinstance(ours, str) or not isinstance(theirs, str) or ours == theirs:
+            continue
+        count, then = ours.partition("-")[0], theirs.partition("-")[0]
+        changes.append(f"{words} {count} examples, {whose} {then}" if count != then else
+                       f"{words} {count} examples, as many as {whose} but not all the same images")
+    return changes

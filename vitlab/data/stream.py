@@ -190,7 +190,8 @@ def folder_source(source: str, cache_dir=None) -> StreamSource:
     read = functools.partial(_read_folder_chunk, paths=list(index.paths), labels=np.asarray(index.labels),
                              order=order)
     # no key: telling a changed folder apart takes a stat of every image, so a decoded part is not cached
-    return StreamSource(units, read, list(index.classes), [b - a for a, b in units], name=source)
+    return StreamSource(units, read, list(index.classes), [b - a for a, b in units], name=source,
+                        root=str(index.root))
 
 
 def open_source(source: str, cache_dir=None) -> StreamSource:

@@ -23,7 +23,7 @@ from vitlab.config import ConfigError, Pair
 from vitlab.data.labelled import labels_by_name, load_labelled
 from vitlab.data.memory import load_source_in_memory
 from vitlab.data.sources import DataError
-from vitlab.data.splits import select_classes, stratified_split, training_pool
+from vitlab.data.splits import part_key, select_classes, split_key, stratified_split, training_pool
 from vitlab.data.stream import hold_out, open_source, source_state
 
 from .config import TrainConfig
@@ -48,6 +48,9 @@ class Splits:
     # each training example's index in the decoded data set (class folders sorted, files
     # sorted, unreadable ones left out): what an error about an example names
     train_ids: torch.Tensor | None = None
+    # which images each part holds (``vitlab.data.splits.split_key``): what the summary and the checkpoints
+    # record, and eval, fewshot and --resume hold the data to
+    split_key: dict | None = None
 
     def train_count(self) -> int:
         return self.num_train if self.num_train is not None else len(self.train_labels)
@@ -75,17 +78,18 @@ def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
         # the training pool: a class-stratified sample (the held-out part of a stratified split)
         keep = training_pool(labels, data.train_examples, data.split_seed)
         images, labels, ids = images[keep], labels[keep], ids[keep]
-    val_images = val_labels = None
+    val_images = val_labels = val_key = None
     skipped = dataset.skipped.images
     if data.val_split:  # held out of the pool: VTAB-1k's 800 + 200 of 1000
         val_size = int(data.val_split) if data.val_split >= 1 else float(data.val_split)
         train_idx, val_idx = stratified_split(labels, val_size, data.split_seed, "data.val_split")
-        val_images, val_labels = images[val_idx], labels[val_idx]
+        val_images, val_labels, val_key = images[val_idx], labels[val_idx], part_key(dataset.ids[ids[val_idx]])
         images, labels, ids = images[train_idx], labels[train_idx], ids[train_idx]
     if data.val_data:
-        val_images, val_labels, val_skipped = load_val_data(cfg, image_size, classes, world)
+        val_images, val_labels, val_skipped, val_key = load_val_data(cfg, image_size, classes, world)
         skipped += val_skipped
-    return Splits(images, labels, val_images, val_labels, classes, skipped, train_ids=ids)
+    return Splits(images, labels, val_images, val_labels, classes, skipped, train_ids=ids,
+                  split_key=split_key(part_key(dataset.ids[ids]), val_key))
 
 
 def opened_source(source: str, cache_dir=None):
@@ -172,7 +176,7 @@ def stream_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
             raise ConfigError(f"data.{name}={value!r}: a streamed training set has none here; set it to 0 or () "
                               "or decode the data into memory (data.stream='memory')")
     source = opened_source(data.source, data.cache_dir)
-    val_images = val_labels = None
+    val_images = val_labels = val_key = None
     skipped = 0  # of the validation set: the training set's are counted as its readers meet them
     if data.val_split:
         source, held = hold_out(source, data.val_split, data.split_seed)
@@ -184,21 +188,24 @@ def stream_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
                  len(held.units) + len(source.units), held.num_samples)
         val = decoded_once(lambda: load_source_in_memory(held, image_size, data.cache_dir, data.decode_workers),
                            world)
-        val_images, val_labels, skipped = val.images, val.labels, val.skipped.images
+        val_images, val_labels, skipped, val_key = val.images, val.labels, val.skipped.images, part_key(val.ids)
     if data.val_data:
-        val_images, val_labels, skipped = load_val_data(cfg, image_size, list(source.classes), world)
+        val_images, val_labels, skipped, val_key = load_val_data(cfg, image_size, list(source.classes), world)
+    # the training shards are named by none: listing their images would read every shard (the held-out part
+    # is decoded, and names its images for free)
     return Splits(None, None, val_images, val_labels, list(source.classes), skipped, num_train=source.num_samples,
-                  source=source)
+                  source=source, split_key=split_key(None, val_key))
 
 
 def load_val_data(cfg: TrainConfig, image_size: Pair, classes: list[str], world=None) -> tuple:
-    """(images, labels, images left out as unreadable) of ``data.val_data`` decoded into memory
-    at ``image_size``; its class names must be the training set's."""
+    """(images, labels, images left out as unreadable, its images' ``part_key``) of ``data.val_data``
+    decoded into memory at ``image_size``; its class names must be the training set's."""
     data = cfg.data
     val = decoded_once(lambda: load_labelled(data.val_data, image_size, data.cache_dir, data.decode_workers), world)
     if data.class_subset and set(data.class_subset) <= set(val.classes):
-        return (*select_classes(val.images, val.labels, list(val.classes), tuple(data.class_subset))[:2],
-                val.skipped.images)
+        subset = tuple(data.class_subset)
+        return (*select_classes(val.images, val.labels, list(val.classes), subset)[:2], val.skipped.images,
+                part_key(select_classes(val.ids, val.labels, list(val.classes), subset)[0]))
     # matched by name: a label is a class's place in its own set's list, which may hold the same classes in
     # another order (a parquet or Hub set's own, a folder's sorted) or some of them (eval scores such a set so)
     labels = labels_by_name(val.labels, list(val.classes), list(classes))
@@ -206,7 +213,7 @@ def load_val_data(cfg: TrainConfig, image_size: Pair, classes: list[str], world=
         raise ConfigError(f"data.val_data={data.val_data!r}: its classes are not the training set's, "
                           f"{class_difference(list(val.classes), list(classes))}; each of its classes must be one "
                           "of the training set's")
-    return val.images, labels, val.skipped.images
+    return val.images, labels, val.skipped.images, part_key(val.ids)
 
 
 def class_difference(theirs: list[str], ours: list[str]) -> str:

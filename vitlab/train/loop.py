@@ -42,7 +42,7 @@ from .numerics import NonFinite
 from .schedules import input_size_at, lr_at, warmup_steps
 from .memory import retain_freed_memory
 from .resolve import run_memory_record, resolve_device, this_machine
-from .state import (check_same_classes, check_same_run, final_model, process_state, restore_state,
+from .state import (check_same_classes, check_same_run, check_same_split, final_model, process_state, restore_state,
                     set_process_state, set_rng_state, sharded, training_state)
 from .step import StepResult, endless, running_statistics, train_step
 from .time_budget import TimeBudget
@@ -197,6 +197,7 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
     if state is not None:  # before the run's folder is written: a refused resume wrote over its config and classes
         check_same_run(setup.cfg, state.get("config", {}))  # as resolved: the init's model, "auto"s decided
         check_same_classes(setup.splits.classes, state.get("classes"))
+        check_same_split(setup.splits.split_key, state.get("split_key"))
     start_output_folder(setup, out, afresh=held is not None and not resume)
     budget = time_budget(setup, t_start, progress)
     nonfinite = NonFinite(cfg.run.on_nonfinite, cfg.run.max_skipped_steps)
@@ -560,6 +561,9 @@ def finish(setup: Setup, step: int, planned_steps: int, last_val: dict, wall: fl
         "train_loss": train_rows[-1]["loss"] if train_rows else None,
         "train_examples": int(setup.splits.train_count()),
         "val_examples": int(len(setup.splits.val_labels)) if setup.splits.val_labels is not None else 0,
+        # which images they are (their names and file sizes): eval and fewshot of the run refuse a split of its
+        # data changed since, whose held-out part can hold images it trained on, where counts alone pass
+        "split_key": setup.splits.split_key,
         "skipped_images": skipped,
         "wall_s": round(wall, 2),
         "images_per_s": round(step * cfg.optim.batch_size / wall, 1),

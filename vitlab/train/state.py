@@ -15,6 +15,7 @@ from torch import nn
 
 from vitlab.config import ConfigError
 from vitlab.data.labelled import same_data, same_spelling
+from vitlab.data.splits import split_changes
 from vitlab.models.registry import build_model
 
 from .config import FINETUNE_MODEL_FIELDS, TrainConfig, from_dict, to_dict
@@ -135,6 +136,19 @@ def check_same_classes(classes: list[str], saved) -> None:
                           "classes (or train on from its weights as a new run: --init, another --out)")
 
 
+def check_same_split(key, saved) -> None:
+    """Refuse to continue a checkpoint whose run's split held other images than the data's split now
+    (``key``, ``saved``: ``Splits.split_key``s; None in a checkpoint without one, which is held to its
+    classes and, streamed, its counts alone): an image swapped for another, or shards packed again,
+    keeps the counts, and the run's positions in the data then went on over other images, its
+    curves scored on another held-out part."""
+    changes = split_changes(key or {}, saved or {}, "the checkpoint's")
+    if changes:
+        raise ConfigError(f"--resume: the data changed since the checkpoint (now {'; '.join(changes)}); an exact "
+                          "continuation needs the same images (or train on from its weights as a new run: --init, "
+                          "another --out)")
+
+
 def _differences(cfg: TrainConfig, before: TrainConfig, names) -> str:
     """The fields of ``names`` whose values differ, each with the checkpoint's: "" where none does."""
     return ", ".join(f"{k}={field_value(cfg, k)!r} (checkpoint: {field_value(before, k)!r})"
@@ -195,6 +209,7 @@ def training_state(setup, step: int, total_steps: int, records: list[dict], cloc
         "rng_ranks": all_gather_objects(rng, setup.world),  # every rank's stream (dropout) its own
         "records": records,
         "classes": setup.splits.classes,
+        "split_key": setup.splits.split_key,  # which images the run trains on and holds out (check_same_split)
         "clock": clock,
         "numerics": numerics or {},
         "window": window.state_dict(setup.world) if window is not None else None,

@@ -69,6 +69,25 @@ def test_eval_of_a_streamed_run_scores_its_held_out_shards(data, tmp_path, capsy
     assert "the run's held-out shards" in captured.err
 
 
+def test_fewshot_of_a_streamed_run_scores_its_held_out_shards_with_its_training_shards_as_the_pool(data, tmp_path,
+                                                                                                   capsys):
+    """fewshot of a streamed run split the whole set, stratified, where the run held out whole shards: its
+    evaluation part held images of the run's training shards, the model's own training images, scored as
+    held out (with as many of them as the run held out: nothing told)."""
+    from vitlab.data.labelled import load_held_out
+    from vitlab.data.memory import load_source_in_memory
+    from vitlab.data.stream import hold_out, open_source
+
+    _, shards, run = data
+    scored = load_held_out(json.loads((run / "config.json").read_text())["data"], 8, cache_dir=tmp_path)
+    training, held = (load_source_in_memory(part, 8, tmp_path) for part in hold_out(open_source(str(shards)), 12, 0))
+    assert torch.equal(scored.images[scored.held], held.images)
+    assert torch.equal(scored.images[scored.rest], training.images)
+    assert main(["fewshot", str(run / "model.safetensors"), "--shots", "1", "--seeds", "1", "--holdout-per-class",
+                 "2", "--feature-cache", "none", "--cache-dir", str(tmp_path)]) == 0
+    assert "pool 18, evaluation 12 (the run's held-out shards, val_split 12, seed 0)" in capsys.readouterr().err
+
+
 def test_fewshot_reads_a_brace_pattern(data, tmp_path, capsys):
     _, shards, run = data
     assert main(["fewshot", str(run / "model.safetensors"), "--data", str(shards / "shard-{000000..000004}.tar"),

@@ -75,9 +75,10 @@ def test_a_streamed_runs_shards_packed_again_since_are_refused_by_eval_and_resum
     pack_shards(tmp_path / "folder", tmp_path / "again", samples_per_shard=6, seed=1)
     for packed in (tmp_path / "again").iterdir():
         shutil.copyfile(packed, shard_set / packed.name)
-    with pytest.raises(ValueError, match=r"R: its data .*shards changed since it trained \(now held-out 12 examples, "
-                                         r"as many as the run's but not all the same images\)"):
-        load_held_out(run, 8, pool=False, results=summary, run_name="R")
+    for pool in (False, True):  # eval's, fewshot's
+        with pytest.raises(ValueError, match=r"R: its data .*shards changed since it trained \(now held-out 12 "
+                                             r"examples, as many as the run's but not all the same images\)"):
+            load_held_out(run, 8, pool=pool, results=summary, run_name="R")
     with pytest.raises(ConfigError, match=r"^--resume: the data changed since the checkpoint \(now held-out 12 "
                                           r"examples, as many as the checkpoint's but not all the same images\)"):
         train(cfg, resume=True, verbose=False)

@@ -4,10 +4,10 @@
 
 The representation of every image is computed once and cached (in memory and in
 ``--feature-cache``), so any sweep over shots, seeds and regularisers reuses it.  The
-evaluation split is the run's validation split (or ``--val-split``, default 10%), or, for a
-run that validated on a set of its own (``data.val_data``) and without ``--data`` or
-``--val-split``, that set whole; the k shots and the held-out examples that choose the
-regulariser come from the rest (the run's training data).  The
+evaluation split is the run's validation split (a streamed run's held-out shards; or
+``--val-split``, default 10%), or, for a run that validated on a set of its own
+(``data.val_data``) and without ``--data`` or ``--val-split``, that set whole; the k shots and
+the held-out examples that choose the regulariser come from the rest (the run's training data).  The
 output is a table; with ``--json``, one JSON line instead.
 """
 from __future__ import annotations

@@ -30,13 +30,13 @@ __all__ = ["load_labelled", "HeldOutSet", "load_held_out", "match_run_classes", 
 
 
 def load_labelled(source: str, image_size, cache_dir: Optional[PathLike] = None, workers: Optional[int] = None,
-                  held_out: Optional[tuple[float, int]] = None) -> InMemoryDataset:
+                  held_out: Optional[tuple[float, int]] = None, training: bool = False) -> InMemoryDataset:
     """``source`` decoded at ``image_size`` (int or (H, W)); its ``key`` names the data and
     the size (what features computed from it can be cached under).
 
     held_out: (share, seed): only the whole units (shards) a streamed training run held out
         for validation with ``data.val_split=share`` and ``data.split_seed=seed``
-        (``vitlab.data.stream.hold_out``).
+        (``vitlab.data.stream.hold_out``); with ``training``, the units it trained on instead.
 
     Raises:
         DataError: nothing usable at ``source`` (see ``load_in_memory``).
@@ -47,8 +47,8 @@ def load_labelled(source: str, image_size, cache_dir: Optional[PathLike] = None,
         data.key = f"digits@{size[0]}" if size[0] == size[1] else f"digits@{size[0]}x{size[1]}"
         return data
     if held_out is not None:
-        _, part = hold_out(open_source(source, cache_dir), *held_out)
-        data = load_source_in_memory(part, size, cache_dir, workers)
+        trained, part = hold_out(open_source(source, cache_dir), *held_out)
+        data = load_source_in_memory(trained if training else part, size, cache_dir, workers)
     else:
         data = load_in_memory(source, image_size=size, cache_dir=cache_dir, workers=workers)
     data.key = f"{data.key}@{size[0]}x{size[1]}"
@@ -68,7 +68,7 @@ class HeldOutSet:
     held: torch.Tensor     # indices of the held-out examples
     split: float | int     # what was held out: a count, a fraction, or 0 (everything)
     seed: int              # the seed of the split
-    run_shards: bool = False  # only the shards a streamed run held out were decoded (``rest`` is empty)
+    run_shards: bool = False  # held out: the shards a streamed run held out (``rest``: its training shards, or empty)
     val_data: Optional[str] = None  # the held-out part is the run's validation set of its own (data.val_data)
     ids: Optional[torch.Tensor] = None  # (N,) each example's name, file size and class (``InMemoryDataset.ids``)
 
@@ -84,6 +84,8 @@ class HeldOutSet:
 
     def held_part(self) -> str:
         """What the held-out part is, in words (the few-shot summary's)."""
+        if self.run_shards:
+            return f"the run's held-out shards, val_split {self.split}, seed {self.seed}"
         return f"the run's data.val_data {self.val_data}" if self.val_data else f"split {self.split}, seed {self.seed}"
 
 
@@ -101,7 +103,8 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         a split of it is of the run's ``train_examples`` pool, as the run's was (the images
         are then the pool's).
     pool: whether the examples not held out are wanted; without, a streamed run's held-out
-        shards are decoded alone (``hold_out``), not the whole set.  The default for a run that
+        shards are decoded alone (``hold_out``), not the whole set; with, its training shards
+        are the pool (``_with_run_shards``).  The default for a run that
         validated on a set of its own (``val_data``) is that set, whole: with ``pool``, after
         the run's training examples (``_with_val_data``).
     workers: decoding processes (None: ``load_in_memory``'s default).
@@ -136,8 +139,9 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         _check_val_split(val_split)
     if cache_dir is not None:  # a file there was the OS's "Not a directory: '<it>/arrays'"
         need_output_folder("--cache-dir", cache_dir)
-    run_shards = (not pool and same_as_run and val_split is None and run.get("stream") == "stream"
-                  and bool(run.get("val_split")))
+    run_shards = same_as_run and val_split is None and run.get("stream") == "stream" and bool(run.get("val_split"))
+    if run_shards and pool:
+        return _with_run_shards(run, source, image_size, split_seed, cache_dir, workers, results, run_name)
     asked_split = val_split
     if val_split is None and not run_shards:
         val_split = float(run["val_split"]) if same_as_run and run.get("val_split") else default_split
@@ -226,6 +230,22 @@ def _with_val_data(run: Mapping[str, Any], image_size, split_seed: Optional[int]
                       f"{key}|val {held.key}", trained.skipped + held.skipped, torch.arange(n),
                       torch.arange(n, n + len(held.labels)), 0, held.seed, val_data=str(run["val_data"]),
                       ids=torch.cat([ids, held.ids]))
+
+
+def _with_run_shards(run: Mapping[str, Any], source: str, image_size, split_seed: int, cache_dir: Optional[PathLike],
+                     workers: Optional[int], results: Optional[Mapping[str, Any]], run_name: str) -> HeldOutSet:
+    """A streamed run's split with its pool: its held-out shards scored and its training shards the pool,
+    each drawn as the run drew them (``hold_out``).  A stratified split of the whole set, which is no split
+    the run made, held out images of its training shards, the model's own training images, and scored them."""
+    held = load_held_out(run, image_size, source, None, split_seed, cache_dir=cache_dir, pool=False, workers=workers,
+                         results=results, run_name=run_name)
+    trained = load_labelled(source, image_size, cache_dir=cache_dir, workers=workers,
+                            held_out=(run["val_split"], split_seed), training=True)
+    n = len(trained.labels)
+    return HeldOutSet(torch.cat([trained.images, held.images]), torch.cat([trained.labels, held.labels]), held.classes,
+                      f"{trained.key}|held out {held.key}", trained.skipped.images + held.skipped, torch.arange(n),
+                      torch.arange(n, n + len(held.labels)), held.split, held.seed, run_shards=True,
+                      ids=torch.cat([trained.ids, held.ids]))
 
 
 def _check_run_split(results: Optional[Mapping[str, Any]], run_name: str, data: str,

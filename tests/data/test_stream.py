@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from helpers.multi_label import multi_label_shard
 from vitlab.data.decode import SampleCrop
 from vitlab.data.shards import pack_shards
 from vitlab.data.sources import DataError
@@ -227,23 +228,6 @@ def test_multi_label_samples_give_multi_hot_targets(tmp_path):
         targets(mixup_alpha=0.2)
 
 
-
-def multi_label_shard(out, labels):
-    """A JFT-style shard set in ``out``: one 8x8 PNG per sample, its .cls the sample's labels of
-    classes a, b, c, d ("0,2": two labels)."""
-    out.mkdir()
-    (out / "classes.txt").write_text("a\nb\nc\nd\n")
-    with tarfile.open(out / "0000.tar", "w") as tar:
-        for i, label in enumerate(labels):
-            buf = io.BytesIO()
-            Image.new("RGB", (8, 8), (i, 0, 0)).save(buf, format="PNG")
-            for name, data in ((f"{i:04d}.png", buf.getvalue()), (f"{i:04d}.cls", label.encode())):
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return out
-
-
 def test_a_multi_label_set_whose_samples_have_one_label_or_several_streams(tmp_path):
     # JFT-style .cls labels: "0,2" is a tuple, "1" an int; the label check took every label of a part
     # holding both as a tuple and stopped the run with "TypeError: 'int' object is not iterable"
@@ -356,3 +340,8 @@ def test_a_multi_label_set_decoded_into_memory_to_train_on_is_refused_naming_how
     meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "several_labels"}))
     assert load_labelled(str(out), (8, 8), cache_dir=tmp_path / "cache").several_labels == 6
     assert json.loads(meta.read_text())["several_labels"] == 6
+    # and one cached before each sample's labels were kept (label_sets.npy): they are what its evaluation scores
+    (meta.parent / "label_sets.npy").unlink()
+    again = load_labelled(str(out), (8, 8), cache_dir=tmp_path / "cache")
+    assert again.label_sets[:4].tolist() == [[0, 2, -1], [1, -1, -1], [3, 1, 0], [2, -1, -1]]
+    assert (meta.parent / "label_sets.npy").is_file()

@@ -133,3 +133,29 @@ def test_a_validation_set_is_labelled_by_its_class_names(tmp_path):
     with pytest.raises(ConfigError, match=r"^data.val_data='.*extra': its classes are not the training set's, "
                                           r"it adds 'd'; each of its classes must be one of the training set's"):
         splits(extra)
+
+
+def test_a_multi_label_validation_set_keeps_every_label_of_each_image_by_name(tmp_path):
+    """A JFT-style data.val_data was labelled by each image's first label alone (scored so, a top-1 class
+    that was another of its labels counted as an error); its label sets are the training set's names'
+    labels, -1 filling a row, in training and in eval of the run."""
+    import pytest
+
+    from helpers.multi_label import multi_label_shard
+    from vitlab.config import ConfigError
+
+    train = _class_images(tmp_path / "train", ["a", "b", "c", "d"])
+    val = multi_label_shard(tmp_path / "val", ["0,2", "1", "3,1,0"])
+    (val / "classes.txt").write_text("d\nc\nb\na\n")  # its own order: its label 0 is the training set's 3
+    expected = [[3, 1, -1], [2, -1, -1], [0, 2, 3]]
+    data = DataConfig(source=str(train), val_data=str(val), cache_dir=str(tmp_path / "cache"), decode_workers=1)
+    assert build_splits(TrainConfig(data=data), (8, 8)).val_labels.tolist() == expected
+    held = load_held_out({"source": str(train), "val_data": str(val), "val_split": 0}, (8, 8),
+                         cache_dir=tmp_path / "cache", workers=1)
+    assert held.held_for_model(["a", "b", "c", "d"], 4)[0].tolist() == expected
+    assert held.label_sets[held.rest].tolist() == [[label, -1, -1] for label in held.labels[held.rest].tolist()]
+    # a class subset selects images by their one label: refused, not scored by the first
+    with pytest.raises(ConfigError, match=r"^data.val_data='.*val': 2 of its images have several labels, and "
+                                          r"data.class_subset=\('a', 'b'\) selects images by their one class"):
+        build_splits(TrainConfig(data=DataConfig(source=str(train), val_data=str(val), class_subset=("a", "b"),
+                                                 cache_dir=str(tmp_path / "cache"), decode_workers=1)), (8, 8))

@@ -277,3 +277,38 @@ def test_training_on_a_hugging_face_dataset_with_a_held_out_part(tiny, tmp_path)
     summary = train(tiny("run", data=str(tmp_path / "ds"), val_split=16, steps=2, crop="pad", crop_pad=2,
                          cache_dir=str(tmp_path / "cache")), verbose=False)
     assert summary["train_examples"] == 32 and summary["val_examples"] == 16 and summary["val_top1"] is not None
+
+
+def test_a_multi_label_validation_set_is_scored_by_precision_at_1_in_training_and_in_eval(tiny, tmp_path, capsys):
+    # JFT-style held-out shards were scored against each image's first label, as val_top1 (eval's top-1 too): a
+    # top-1 class that was another of the image's labels counted as an error, and val_loss took the first alone
+    from helpers.multi_label import multi_label_shard
+    from vitlab.cli import main
+    from vitlab.data.memory import load_source_in_memory
+    from vitlab.data.stream import hold_out, open_source
+    from vitlab.eval.features import predict_logits
+    from vitlab.train.metrics import read_jsonl
+    from vitlab.weights import load_model
+
+    labels = ["0,2", "1", "3,1,0", "2", "1,3", "0"]  # every shard's, in its order
+    shards = multi_label_shard(tmp_path / "jft", labels * 4, per_shard=6)
+    cfg = tiny("run", data=str(shards), val_split=6, steps=3, batch_size=6, loss="sigmoid_xent", tensorboard=False,
+               cache_dir=str(tmp_path / "cache"), **{"data.stream_workers": 1})
+    summary = train(cfg)
+    held = load_source_in_memory(hold_out(open_source(str(shards)), 6, 0)[1], (8, 8), tmp_path / "again", workers=1)
+    logits = torch.from_numpy(predict_logits(load_model(summary["weights"]).eval(), held.images)).double()
+    hot = torch.zeros(6, 4, dtype=torch.double)  # every label of each image
+    for row, ids in enumerate(labels):
+        hot[row, [int(i) for i in ids.split(",")]] = 1
+    assert summary["val_prec1"] == pytest.approx(hot.gather(1, logits.argmax(1, keepdim=True)).mean().item())
+    assert "val_top1" not in summary and "val_top5" not in summary  # no image has one label to count them against
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(logits, hot, reduction="none").sum(1).mean()
+    assert summary["val_loss"] == pytest.approx(expected.item(), rel=1e-5)
+    assert f"step 3: val prec@1 {summary['val_prec1']:.4f} loss " in capsys.readouterr().err
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["val_prec1"] == summary["val_prec1"]
+    # `vitlab eval` of the run scores its held-out shards the same way, and says so
+    assert main(["eval", "--checkpoint", summary["weights"], "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert f"prec@1 {100 * summary['val_prec1']:.2f}% (multi-label" in capsys.readouterr().out
+    assert main(["eval", "--checkpoint", summary["weights"], "--json", "--cache-dir", str(tmp_path / "cache")]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["prec1"] == pytest.approx(summary["val_prec1"]) and out["n"] == 6 and "top1" not in out

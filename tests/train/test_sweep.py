@@ -275,3 +275,17 @@ def test_a_sweep_removes_the_temporaries_of_its_report_that_a_kill_left_and_no_o
         run_sweep(cfg, grid=[0.01], verbose=False)
     assert sorted(n for n in os.listdir(folder) if n.endswith(".tmp")) == [left[1]]
     assert str(folder / left[0]) in caplog.text
+
+
+def test_a_sweep_on_a_multi_label_set_compares_its_rates_by_precision_at_1(tiny):
+    # a multi-label set's runs report val_prec1, not val_top1 (which the sweep read: a KeyError after the first run)
+    from helpers.multi_label import multi_label_shard
+
+    shards = multi_label_shard(Path(tiny().run.out).parent / "jft", ["0,2", "1", "3,1,0", "2", "1,3", "0"] * 4,
+                               per_shard=6)
+    cfg = tiny("sweep", data=str(shards), val_split=6, steps=1, batch_size=6, loss="sigmoid_xent", tensorboard=False,
+               **{"data.stream_workers": 1})
+    lines = []
+    report = run_sweep(cfg, grid=[0.01, 0.1], verbose=False, say=lines.append)
+    assert set(report["holdout_prec1"]) == {"0.01", "0.1"} and "holdout_top1" not in report
+    assert lines == [f"lr {lr}: held-out prec@1 {report['holdout_prec1'][lr]:.4f}" for lr in ("0.01", "0.1")]

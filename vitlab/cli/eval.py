@@ -12,7 +12,10 @@ evaluator the trainer runs.  The output is a few lines to read; with ``--json``,
 line of every metric instead.  ``--compile`` scores through ``vitlab.fast.compile_for_inference``.
 The data and its split come from ``vitlab.data.labelled.load_held_out``.  Each class of the data
 is scored as the output of its name where the checkpoint names its classes (``classes.json``,
-a Hugging Face ``id2label``): the data may hold them in another order, or some of them.
+a Hugging Face ``id2label``): the data may hold them in another order, or some of them.  A
+multi-label set (JFT-style shards) is scored by precision@1, big_vision's prec@1: the share of
+images whose top-1 class is one of their labels (not their first label's top-1), with no
+top-5, per-class accuracy or calibration.
 
 ``fewshot`` shares this command's data flags (``add_data_arguments``) and its note on unreadable images.
 """
@@ -130,9 +133,10 @@ def run(args: argparse.Namespace) -> int:
                          workers=resolved.decode_workers, results=meta.get("results"), run_name=args.checkpoint)
     # labels by name, as the model's outputs: a folder's classes in another order, or some of them
     labels, classes = data.held_for_model(meta.get("classes"), model.cfg.num_classes, read_class_names(args.checkpoint))
+    # a multi-label set's labels (N, L) are scored by precision@1, which has no per-class report
     evaluator = Evaluator(data.images[data.held], labels, batch_size=args.batch_size, device=device,
                           flip=args.flip, shift=args.shift, diagonal=args.diagonal, image_size=size,
-                          report_bins=args.bins)
+                          report_bins=None if labels.ndim == 2 else args.bins)
     # one batch shape (the last batch padded), compiled once; the views of test-time augmentation share it
     forward = fast.compile_for_inference(model, batch_size=args.batch_size, eager_on_failure=True) \
         if args.compile else None
@@ -170,6 +174,9 @@ def print_report(args: argparse.Namespace, report: dict[str, Any], data, classes
     the names of the model's outputs)."""
     import numpy as np
 
+    if "prec1" in report:  # a multi-label set (``vitlab.eval.Evaluator``)
+        print_multi_label_report(args, report, data, classes)
+        return
     if args.json:
         print(json.dumps({"top1": report["top1"], "top5": report["top5"], "n": report["n"], "flip": args.flip,
                           "shift": args.shift, "diagonal": args.diagonal, "top1_views": report.get("top1_views"),
@@ -187,3 +194,18 @@ def print_report(args: argparse.Namespace, report: dict[str, Any], data, classes
     print("weakest classes: " + ", ".join(
         f"{classes[i]} {100 * report['per_class_accuracy'][i]:.1f}%" for i in worst
         if report["per_class_accuracy"][i] is not None))
+
+
+def print_multi_label_report(args: argparse.Namespace, report: dict[str, Any], data, classes: list[str]) -> None:
+    """A multi-label set's metrics: precision@1, the share of images whose top-1 class is one of
+    their labels (big_vision's prec@1; no image has one label to count a top-1, a top-5, a
+    per-class accuracy or a calibration against)."""
+    if args.json:
+        print(json.dumps({"prec1": report["prec1"], "n": report["n"], "flip": args.flip, "shift": args.shift,
+                          "diagonal": args.diagonal, "prec1_views": report.get("prec1_views"), "classes": classes,
+                          "split": data.split, "split_seed": data.seed, "skipped_images": data.skipped}))
+        return
+    print(f"prec@1 {100 * report['prec1']:.2f}% (multi-label: the top-1 class is one of the image's labels)")
+    if "prec1_views" in report:
+        print("prec@1 by test-time views: " + ", ".join(
+            f"{count} {100 * prec1:.2f}%" for count, prec1 in report["prec1_views"].items()))

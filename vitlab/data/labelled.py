@@ -71,16 +71,19 @@ class HeldOutSet:
     run_shards: bool = False  # held out: the shards a streamed run held out (``rest``: its training shards, or empty)
     val_data: Optional[str] = None  # the held-out part is the run's validation set of its own (data.val_data)
     ids: Optional[torch.Tensor] = None  # (N,) each example's name, file size and class (``InMemoryDataset.ids``)
+    # a multi-label set's: (N, L) each example's labels, -1 filling a row (``InMemoryDataset.label_sets``)
+    label_sets: Optional[torch.Tensor] = None
 
     def held_for_model(self, run_classes: Any, num_outputs: int,
                        kept: Optional[list[str]] = None) -> tuple[torch.Tensor, list[str]]:
         """The held-out examples' labels as the outputs of a model that scores them
-        (``match_run_classes``), and the names of those outputs."""
+        (``match_run_classes``), and the names of those outputs: (N,), or of a multi-label set
+        (N, L), every label of each example (``label_sets``), as ``vitlab.eval.Evaluator`` scores them."""
         order = match_run_classes(self.classes, run_classes, num_outputs, kept)
-        labels = self.labels[self.held]
+        labels = (self.labels if self.label_sets is None else self.label_sets)[self.held]
         if order is None:
             return labels, self.classes
-        return order[labels], list(run_classes if isinstance(run_classes, list) else kept)
+        return renumbered(order, labels), list(run_classes if isinstance(run_classes, list) else kept)
 
     def held_part(self) -> str:
         """What the held-out part is, in words (the few-shot summary's)."""
@@ -179,8 +182,9 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
             _check_run_split(results, run_name, f"data.val_data {source}", None, part_key(ids[held]))
         elif same_as_run and asked_split is None and val_split and run.get("stream") in (None, "memory"):
             _check_run_split(results, run_name, f"data {source}", part_key(ids[rest]), part_key(ids[held]))
+    # a multi-label set trains streamed, so none has a class subset or a pool of train_examples to select
     return HeldOutSet(images, labels, classes, key, data.skipped.images, rest, held, split, split_seed, run_shards,
-                      ids=ids)
+                      ids=ids, label_sets=data.label_sets)
 
 
 def _run_cache_dir(run: Mapping[str, Any]) -> Optional[str]:
@@ -225,11 +229,14 @@ def _with_val_data(run: Mapping[str, Any], image_size, split_seed: Optional[int]
     if held_labels is None:  # the run refused such a val_data; a set changed since is named here
         raise ValueError(f"data.val_data={run['val_data']!r}: its classes ({', '.join(held.classes[:5])}, ...) are "
                          f"not the run's data's ({', '.join(trained.classes[:5])}, ...)")
+    # a multi-label val_data: the pool's one label each, -1 filling their rows
+    sets = None if held.label_sets is None else labels_by_name(held.label_sets, held.classes, trained.classes)
+    label_sets = joined_label_sets([(labels, None), (held_labels, sets)])
     n = len(labels)
     return HeldOutSet(torch.cat([images, held.images]), torch.cat([labels, held_labels]), trained.classes,
                       f"{key}|val {held.key}", trained.skipped + held.skipped, torch.arange(n),
                       torch.arange(n, n + len(held.labels)), 0, held.seed, val_data=str(run["val_data"]),
-                      ids=torch.cat([ids, held.ids]))
+                      ids=torch.cat([ids, held.ids]), label_sets=label_sets)
 
 
 def _with_run_shards(run: Mapping[str, Any], source: str, image_size, split_seed: int, cache_dir: Optional[PathLike],
@@ -245,7 +252,27 @@ def _with_run_shards(run: Mapping[str, Any], source: str, image_size, split_seed
     return HeldOutSet(torch.cat([trained.images, held.images]), torch.cat([trained.labels, held.labels]), held.classes,
                       f"{trained.key}|held out {held.key}", trained.skipped.images + held.skipped, torch.arange(n),
                       torch.arange(n, n + len(held.labels)), held.split, held.seed, run_shards=True,
-                      ids=torch.cat([trained.ids, held.ids]))
+                      ids=torch.cat([trained.ids, held.ids]),
+                      label_sets=joined_label_sets([(trained.labels, trained.label_sets),
+                                                    (held.labels, held.label_sets)]))
+
+
+def joined_label_sets(parts: list) -> Optional[torch.Tensor]:
+    """The (N, L) label sets of ``parts`` joined in order, each (labels (n,), label_sets (n, l) or None): a part
+    of one label per image gives its labels as the first column; -1 fills every row to the widest.  None
+    where no part has several labels per image."""
+    if all(sets is None for _, sets in parts):
+        return None
+    width = max(sets.shape[1] for _, sets in parts if sets is not None)
+    rows = []
+    for labels, sets in parts:
+        row = torch.full((len(labels), width), -1, dtype=torch.long)
+        if sets is None:
+            row[:, 0] = labels
+        else:
+            row[:, :sets.shape[1]] = sets
+        rows.append(row)
+    return torch.cat(rows)
 
 
 def _check_run_split(results: Optional[Mapping[str, Any]], run_name: str, data: str,
@@ -340,11 +367,18 @@ def labels_by_name(labels: torch.Tensor, classes: list[str], onto: list[str]) ->
     """``labels`` of a set whose classes are ``classes`` as the labels of the same names in ``onto``
     (a set of the same classes in another order, or of some of them: a parquet or Hub set keeps its
     own order where a folder sorts, and a folder may lack a class); None where a class of ``classes``
-    is not one of ``onto`` (its images have no label there)."""
+    is not one of ``onto`` (its images have no label there).  A multi-label set's (N, L) label sets
+    keep the -1 that fills their rows."""
     classes, onto = same_spelling(classes), same_spelling(onto)
     if any(c not in onto for c in classes):
         return None
-    return torch.tensor([onto.index(c) for c in classes], dtype=torch.long)[labels]
+    return renumbered(torch.tensor([onto.index(c) for c in classes], dtype=torch.long), labels)
+
+
+def renumbered(order: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``order[labels]``: each label's new number; the -1 that fills a multi-label set's rows stays
+    (indexed, it took the last class's number)."""
+    return torch.where(labels >= 0, order[labels.clamp(min=0)], labels)
 
 
 def same_spelling(names: list) -> list:

@@ -77,6 +77,8 @@ class InMemoryDataset:
     ids:     (N,) int64: each image's name in its set, the size of its file and its class (``image_ids``):
              what tells which images a part of the set holds without their pixels (``splits.part_key``);
              None: not named.
+    label_sets: where samples had several labels, (N, L) int64: each sample's labels, -1 filling
+             a row of fewer than L (what an evaluation scores it against); else None.
     """
 
     images: torch.Tensor
@@ -86,9 +88,15 @@ class InMemoryDataset:
     key: str = ""
     several_labels: int | None = 0
     ids: torch.Tensor | None = None
+    label_sets: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
+
+    def scored_labels(self) -> torch.Tensor:
+        """What an evaluation scores each sample against (``vitlab.eval.Evaluator``'s labels):
+        ``labels``, or a multi-label set's ``label_sets``, every label of each sample."""
+        return self.labels if self.label_sets is None else self.label_sets
 
 
 def _decode_chunk(
@@ -128,9 +136,9 @@ def _stack(
     decoded: list[tuple[Optional[np.ndarray], str]], paths: list[str], labels: np.ndarray, root: Path,
     skipped: Unread, ids: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(N, 3, H, W) images, (N,) labels and (N,) ``image_ids`` from per-image results (``labels``
-    and ``ids`` per path); the images that could not be decoded go to ``skipped`` (which may hold what
-    could not be read before)."""
+    """(N, 3, H, W) images, their rows of ``labels`` ((N,), or (N, L) label sets) and (N,) ``image_ids``
+    from per-image results (``labels`` and ``ids`` per path); the images that could not be decoded go to
+    ``skipped`` (which may hold what could not be read before)."""
     keep = [i for i, (arr, _) in enumerate(decoded) if arr is not None]
     for i, (arr, reason) in enumerate(decoded):
         if arr is None:
@@ -226,8 +234,12 @@ def _read_cache(folder: Path) -> Optional[InMemoryDataset]:
             several_labels=meta.get("several_labels"),
             ids=torch.from_numpy(np.load(folder / IDS_FILE)),
         )
+        if (folder / "label_sets.npy").is_file():
+            data.label_sets = torch.from_numpy(np.load(folder / "label_sets.npy"))
         if data.images.ndim != 4 or not len(data.images) == len(data.labels) == len(data.ids):
             raise ValueError(f"{len(data.images)} images, {len(data.labels)} labels and {len(data.ids)} names")
+        if data.label_sets is not None and (data.label_sets.ndim != 2 or len(data.label_sets) != len(data.labels)):
+            raise ValueError(f"{len(data.labels)} labels and label sets of shape {tuple(data.label_sets.shape)}")
     except (OSError, ValueError, EOFError, KeyError, TypeError) as err:  # json's and numpy's are ValueErrors
         log.warning("%s: the decoded copy cached there cannot be read (%s: %s); decoding the data again", folder,
                     type(err).__name__, err)
@@ -237,7 +249,8 @@ def _read_cache(folder: Path) -> Optional[InMemoryDataset]:
 
 
 def _write_cache(folder: Path, images: np.ndarray, labels: np.ndarray, classes: list[str], skipped: Unread,
-                 several_labels: int = 0, ids: Optional[np.ndarray] = None) -> None:
+                 several_labels: int = 0, ids: Optional[np.ndarray] = None,
+                 label_sets: Optional[np.ndarray] = None) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=folder.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
@@ -246,10 +259,12 @@ def _write_cache(folder: Path, images: np.ndarray, labels: np.ndarray, classes: 
         np.save(tmp / "labels.npy", labels)
         if ids is not None:
             np.save(tmp / IDS_FILE, ids)
+        if label_sets is not None:
+            np.save(tmp / "label_sets.npy", label_sets)
         (tmp / "meta.json").write_text(json.dumps({"classes": classes, "skipped": skipped.to_list(),
                                                    "shape": images.shape, "several_labels": several_labels}))
         try:
-            os.rename(tmp, folder)  # all three files appear together or not at all
+            os.rename(tmp, folder)  # all the files appear together or not at all
         except OSError:
             if not folder.is_dir():
                 raise
@@ -308,32 +323,40 @@ def load_source_in_memory(source: StreamSource, image_size: Size = None, cache_d
                           workers: Optional[int] = None) -> InMemoryDataset:
     """Decode every sample of a streamed source (or of a part of one, ``hold_out``) into
     RAM, cached under ``source.key`` (when it has one); each sample's bytes are read once.  A multi-label
-    sample keeps its first label.  Arguments and errors as ``load_in_memory``'s."""
+    sample's ``labels`` is its first label, its ``label_sets`` row all of them.  Arguments and errors as
+    ``load_in_memory``'s."""
     size = None if image_size is None else to_pair(image_size, "image_size")
     workers = usable_cores() if workers is None else workers
     folder = _cache_folder(source.key, size, cache_dir) if source.key else None
     data = _read_cache(folder) if folder is not None else None
-    if data is not None and data.several_labels is None:  # cached before they were counted: decoded again
+    # cached before the samples of several labels were counted, or before their labels were kept: decoded again
+    if data is not None and (data.several_labels is None or (data.several_labels and data.label_sets is None)):
         shutil.rmtree(folder, ignore_errors=True)
         data = None
     if data is None:
-        keys, payloads, labels, skipped, several = [], [], [], Unread(), 0
+        keys, payloads, rows, skipped, several = [], [], [], Unread(), 0
         for key, payload, label in source.samples(skipped):
-            check_label_ids(label if isinstance(label, tuple) else (label,), source.classes, source.name, key)
+            label = label if isinstance(label, tuple) else (label,)
+            check_label_ids(label, source.classes, source.name, key)
             keys.append(key)
             payloads.append(payload)
-            labels.append(label[0] if isinstance(label, tuple) else label)
-            several += isinstance(label, tuple) and len(label) > 1
+            rows.append(label)
+            several += len(label) > 1
         ids = image_ids(_below(keys, source.root) if source.root else keys,
                         [len(p) if isinstance(p, bytes) else _file_size(p) for p in payloads],
-                        [source.classes[i] for i in labels])
+                        [source.classes[row[0]] for row in rows])
         decoded = _decode_all(payloads, size, workers)
         del payloads
-        images, labels, ids = _stack(decoded, keys, np.asarray(labels, dtype=np.int64), source.name, skipped, ids)
+        label_sets = np.full((len(rows), max(map(len, rows), default=1)), -1, dtype=np.int64)
+        for i, row in enumerate(rows):
+            label_sets[i, :len(row)] = row
+        images, label_sets, ids = _stack(decoded, keys, label_sets, source.name, skipped, ids)
+        labels, label_sets = np.ascontiguousarray(label_sets[:, 0]), label_sets if several else None
         if folder is not None:
-            _write_cache(folder, images, labels, source.classes, skipped, several, ids)
+            _write_cache(folder, images, labels, source.classes, skipped, several, ids, label_sets)
         data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), list(source.classes), skipped,
-                               several_labels=several, ids=torch.from_numpy(ids))
+                               several_labels=several, ids=torch.from_numpy(ids),
+                               label_sets=None if label_sets is None else torch.from_numpy(label_sets))
     data.key = _data_key(source.key)
     _warn_skipped(source.name, data)
     return data

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Splits:
     """Training and validation images (N, 3, H, W) uint8 with int64 labels (a streamed
-    training set: its source and size instead)."""
+    training set: its source and size instead); a multi-label validation set's labels are (N, L),
+    every label of each image, -1 filling a row (``vitlab.eval.Evaluator`` scores them by prec@1)."""
 
     train_images: torch.Tensor
     train_labels: torch.Tensor
@@ -188,7 +189,8 @@ def stream_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
                  len(held.units) + len(source.units), held.num_samples)
         val = decoded_once(lambda: load_source_in_memory(held, image_size, data.cache_dir, data.decode_workers),
                            world)
-        val_images, val_labels, skipped, val_key = val.images, val.labels, val.skipped.images, part_key(val.ids)
+        val_images, val_labels, skipped, val_key = (val.images, val.scored_labels(), val.skipped.images,
+                                                    part_key(val.ids))
     if data.val_data:
         val_images, val_labels, skipped, val_key = load_val_data(cfg, image_size, list(source.classes), world)
     # the training shards are named by none: listing their images would read every shard (the held-out part
@@ -199,16 +201,21 @@ def stream_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
 
 def load_val_data(cfg: TrainConfig, image_size: Pair, classes: list[str], world=None) -> tuple:
     """(images, labels, images left out as unreadable, its images' ``part_key``) of ``data.val_data``
-    decoded into memory at ``image_size``; its class names must be the training set's."""
+    decoded into memory at ``image_size``; its class names must be the training set's.  A multi-label
+    set's labels are (N, L), every label of each image (``InMemoryDataset.scored_labels``)."""
     data = cfg.data
     val = decoded_once(lambda: load_labelled(data.val_data, image_size, data.cache_dir, data.decode_workers), world)
     if data.class_subset and set(data.class_subset) <= set(val.classes):
+        if val.label_sets is not None:  # an image may hold classes of the subset and others
+            raise ConfigError(f"data.val_data={data.val_data!r}: {val.several_labels} of its images have several "
+                              f"labels, and data.class_subset={data.class_subset!r} selects images by their one "
+                              "class; validate on a set of one label per image, or leave the class subset out")
         subset = tuple(data.class_subset)
         return (*select_classes(val.images, val.labels, list(val.classes), subset)[:2], val.skipped.images,
                 part_key(select_classes(val.ids, val.labels, list(val.classes), subset)[0]))
     # matched by name: a label is a class's place in its own set's list, which may hold the same classes in
     # another order (a parquet or Hub set's own, a folder's sorted) or some of them (eval scores such a set so)
-    labels = labels_by_name(val.labels, list(val.classes), list(classes))
+    labels = labels_by_name(val.scored_labels(), list(val.classes), list(classes))
     if labels is None:
         raise ConfigError(f"data.val_data={data.val_data!r}: its classes are not the training set's, "
                           f"{class_difference(list(val.classes), list(classes))}; each of its classes must be one "

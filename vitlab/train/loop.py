@@ -267,8 +267,7 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
                 if writer is not None:
                     writer.log(record)
                 if do_eval:
-                    progress.message(f"step {step}: val top-1 {last_val['val_top1']:.4f} "
-                                     f"top-5 {last_val['val_top5']:.4f} loss {last_val['val_loss']:.4f}")
+                    progress.message(f"step {step}: {validation_line(last_val)}")
             rate, shown_loss = window.shown(setup.world.size)
             eta = (total_steps - step) * cfg.optim.batch_size / rate if rate else 0.0
             progress.update(step, total_steps if budget.planned else None, shown_loss, rate, eta)
@@ -308,6 +307,14 @@ def evaluate(setup: Setup, budget: TimeBudget, final: bool = False) -> dict:
     if not final:
         budget.evaluated(clock() - t_eval)
     return {f"val_{k}": v for k, v in result.items() if k != "n"}
+
+
+def validation_line(val: dict) -> str:
+    """An evaluation's metrics (``evaluate``'s) in words: top-1 and top-5, or a multi-label set's
+    precision@1 (the top-1 class is one of the image's labels), and the loss."""
+    if "val_prec1" in val:
+        return f"val prec@1 {val['val_prec1']:.4f} loss {val['val_loss']:.4f}"
+    return f"val top-1 {val['val_top1']:.4f} top-5 {val['val_top5']:.4f} loss {val['val_loss']:.4f}"
 
 
 def resume_point(world: World, ckpt_dir: Path, restarts: int) -> tuple[Path | None, dict | None]:
@@ -554,10 +561,11 @@ def finish(setup: Setup, step: int, planned_steps: int, last_val: dict, wall: fl
         "model": getattr(setup.model.cfg, "name", None) or cfg.model.name,
         "steps": step,
         "planned_steps": planned_steps,
-        "val_top1": last_val.get("val_top1"),
-        "val_top5": last_val.get("val_top5"),
+        # a multi-label validation set's precision@1 (``vitlab.eval.Evaluator``) under its own name: no top-1 or top-5
+        **({"val_prec1": last_val["val_prec1"]} if "val_prec1" in last_val
+           else {"val_top1": last_val.get("val_top1"), "val_top5": last_val.get("val_top5")}),
         "val_loss": last_val.get("val_loss"),
-        **{k: last_val[k] for k in ("val_top1_flip", "val_top1_single", "val_top1_views") if k in last_val},
+        **{k: last_val[k] for k in VIEW_SCORES if k in last_val},
         "train_loss": train_rows[-1]["loss"] if train_rows else None,
         "train_examples": int(setup.splits.train_count()),
         "val_examples": int(len(setup.splits.val_labels)) if setup.splits.val_labels is not None else 0,
@@ -588,6 +596,19 @@ def finish(setup: Setup, step: int, planned_steps: int, last_val: dict, wall: fl
             summary["curves"] = str(Path(plot).absolute()) if plot else None
         atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+# the summary's scores of test-time views (``Evaluator``'s, a multi-label set's under prec1)
+VIEW_SCORES = tuple(f"val_{score}_{views}" for score in ("top1", "prec1") for views in ("flip", "single", "views"))
+
+
+SCORE_NAMES = {"top1": "top-1", "prec1": "prec@1"}  # a validation score's field (val_<it>) and its name in words
+
+
+def val_score(summary: dict) -> tuple[str, float | None]:
+    """("top1", its top-1), or a multi-label validation set's ("prec1", its precision@1): what a run's
+    summary reports of its validation set (None without one)."""
+    return ("prec1", summary["val_prec1"]) if "val_prec1" in summary else ("top1", summary.get("val_top1"))
 
 
 # a summary's fields that name a file of its run's folder

@@ -17,8 +17,8 @@ from pathlib import Path
 from vitlab.files import atomic_write_text
 
 COLUMNS = ("step", "epoch", "lr", "loss", "train_top1", "grad_norm", "val_loss", "val_top1", "val_top5",
-           "val_top1_single", "val_top1_flip", "img_per_s", "data_wait", "elapsed_s", "skipped_steps", "overflow_steps",
-           "loss_scale")
+           "val_top1_single", "val_top1_flip", "val_prec1", "val_prec1_single", "val_prec1_flip", "img_per_s",
+           "data_wait", "elapsed_s", "skipped_steps", "overflow_steps", "loss_scale")
 
 
 class MetricsWriter:
@@ -77,7 +77,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def plot_curves(records: list[dict], path: str | Path) -> Path | None:
-    """Loss (train, val) and accuracy (train, val top-1/top-5) against step, as a PNG."""
+    """Loss (train, val) and accuracy (train, val top-1/top-5, or a multi-label set's prec@1) against step, as a PNG."""
     # a Figure of its own, not pyplot: matplotlib.use("Agg") and pyplot's figures are the process's,
     # and a caller's notebook or GUI backend would be switched to Agg by a training run
     try:
@@ -96,7 +96,8 @@ def plot_curves(records: list[dict], path: str | Path) -> Path | None:
         if xs:
             ax_loss.plot(xs, ys, label=label, marker="o" if key.startswith("val") else None)
     ax_loss.set(xlabel="step", ylabel="cross-entropy", title="loss")
-    for key, label in (("train_top1", "train top-1"), ("val_top1", "val top-1"), ("val_top5", "val top-5")):
+    for key, label in (("train_top1", "train top-1"), ("val_top1", "val top-1"), ("val_top5", "val top-5"),
+                       ("val_prec1", "val prec@1")):
         xs, ys = series(key)
         if xs:
             ax_acc.plot(xs, ys, label=label, marker="o" if key.startswith("val") else None)

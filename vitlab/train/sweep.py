@@ -43,7 +43,7 @@ from .build import check_can_run
 from .config import TrainConfig, check_lr_grid
 from .distributed import env_world_size
 from .diverged import finished_unless_diverged, unless_diverged
-from .loop import check_nothing_held, check_resume_or_overwrite, held_by_earlier_run, train
+from .loop import SCORE_NAMES, check_nothing_held, check_resume_or_overwrite, held_by_earlier_run, train, val_score
 from .metrics import Progress
 from .numerics import NonFiniteError
 from .overrides import with_changes
@@ -172,7 +172,8 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
     final run at the best rate, holding ``final_val_split`` out (default none).
 
     Returns the report, also written to ``run.out/sweep.json`` (by rank 0 of a distributed
-    launch): ``holdout``, ``holdout_top1`` ({rate: top-1}), ``best_lr``, ``diverged`` and ``final``
+    launch): ``holdout``, ``holdout_top1`` ({rate: top-1}; a multi-label set's ``holdout_prec1``, its
+    precision@1), ``best_lr``, ``diverged`` and ``final``
     (the final run's summary).  A rate whose run stops on a loss or gradients that are not finite
     (``run.on_nonfinite``) loses: its top-1 is None, ``diverged`` holds its error, and the other
     rates go on; ``NonFiniteError`` if every rate diverges.  Of rates that score alike, the
@@ -199,7 +200,7 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
         for partial in remove_temporaries(Path(final_cfg.run.out).parent, ("sweep.json",)):
             log.warning("removed %s, left by a write of the sweep's report that was killed", partial)
 
-    scores, diverged = {}, {}
+    scores, diverged, score = {}, {}, "top1"
     for r in runs:
         lr = f"{r.optim.lr:g}"
         # a rate that diverges loses (the sweep stopped on it, the other rates unrun)
@@ -208,13 +209,13 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
         if summary is None:
             scores[lr], diverged[lr] = None, error
             continue
-        scores[lr] = summary["val_top1"]
-        say(f"lr {lr}: held-out top-1 {summary['val_top1']:.4f}")
+        score, scores[lr] = val_score(summary)  # a multi-label set's precision@1, under its own name
+        say(f"lr {lr}: held-out {SCORE_NAMES[score]} {scores[lr]:.4f}")
     best = best_lr(grid, scores)
     if resume:
         check_final_lr(final_cfg, best)
     final = final_run(with_changes(final_cfg, {"optim.lr": best}), resume, overwrite, verbose, say)
-    report = {"holdout": holdout, "holdout_top1": scores, "best_lr": best, "diverged": diverged, "final": final}
+    report = {"holdout": holdout, f"holdout_{score}": scores, "best_lr": best, "diverged": diverged, "final": final}
     if final.get("weights") is not None:
         # beside the runs' folders, in the folder the command was given; written beside its place, then
         # renamed: written in place, a failure (a full disk) left an earlier sweep's report truncated

@@ -94,3 +94,39 @@ def test_sincos_posemb_init_is_refused_where_it_cannot_apply(tiny):
     # refused as the config is built (the name model.overrides.posemb had been refused as an unknown field)
     with pytest.raises(ConfigError, match=r"^model.posemb_init='sincos': needs one learned 1D position embedding"):
         with_changes(tiny(), {"model.posemb_init": "sincos", "model.posemb": "learned_2d"})
+
+
+def test_a_sigmoid_run_from_scratch_starts_its_head_bias_at_minus_ln_k_as_big_vision_does(tiny, tmp_path):
+    # the head started at zero whatever the loss: under sigmoid_xent every class at p = 0.5, an initial loss of
+    # K ln 2 (15,140 on ImageNet-21k's 21,843 classes), where big_vision's vit_i21k.py starts its bias at -10.0
+    from vitlab.train.build import build
+    from vitlab.train.config import from_dict, to_dict
+    from vitlab.train.state import check_same_run
+    from vitlab.weights import save_model
+
+    sigmoid = build(tiny("sigmoid", loss="sigmoid_xent")).model  # the digits: 10 classes
+    assert torch.equal(sigmoid.head.bias, torch.full((10,), -math.log(10))) and not sigmoid.head.weight.any()
+    assert not build(tiny("softmax")).model.head.bias.any()  # a softmax run's is as it was
+    chosen = with_changes(tiny("chosen", loss="sigmoid_xent"), {"model.head_bias_init": -3})
+    assert torch.equal(build(chosen).model.head.bias, torch.full((10,), -3.0))
+    # a fine-tune's head starts at zero (Sec. 3.2; big_vision's transfer configs set no bias), unless set
+    save_model(sigmoid, tmp_path / "init.safetensors")
+    tune = with_changes(tiny("tune", loss="sigmoid_xent"), {"model.init": str(tmp_path / "init.safetensors"),
+                                                            "model.overrides": {}})
+    assert not build(tune).model.head.bias.any()
+    assert torch.equal(build(with_changes(tune, {"model.head_bias_init": -2.5})).model.head.bias,
+                       torch.full((10,), -2.5))
+    # refused where it would do nothing: softmax is the same with any bias added to every class; MPP has no classifier
+    with pytest.raises(ConfigError, match=r"^model.head_bias_init=-3: starts the head's sigmoid probabilities "
+                                          r"\(optim.loss='sigmoid_xent'\), and under optim.loss='softmax_xent'"):
+        with_changes(tiny(), {"model.head_bias_init": -3})
+    with pytest.raises(ConfigError, match=r"^model.head_bias_init=-3: the classifier head's bias at the start, and "
+                                          r"masked patch prediction"):
+        with_changes(tiny(), {"model.head_bias_init": -3, "model.mpp": "color"})
+    with pytest.raises(ConfigError, match=r"^model.head_bias_init='low': expected a number"):
+        with_changes(tiny(), {"model.head_bias_init": "low"})
+    # a run recorded before the field (its config.json, its checkpoint's config) reads as None and resumes
+    recorded = to_dict(tiny("sigmoid", loss="sigmoid_xent"))
+    del recorded["model"]["head_bias_init"]
+    assert from_dict(recorded).model.head_bias_init is None
+    check_same_run(tiny("sigmoid", loss="sigmoid_xent"), recorded)

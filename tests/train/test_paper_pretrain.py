@@ -41,10 +41,12 @@ def test_paper_pretrain_end_to_end_on_shards(tmp_path, capsys):
     assert json.loads((out / "classes.json").read_text()) == WNIDS  # the label map: class id -> WordNet id
     config = json.loads((out / "config.json").read_text())
     assert config["optim"]["loss"] == "sigmoid_xent" and config["optim"]["batch_size"] == 16
+    assert config["model"]["head_bias_init"] is None  # the default: -ln K from scratch
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    # the head starts at zero: every class's sigmoid cross-entropy is ln 2, summed over the 4 classes
-    # (a softmax cross-entropy would start at ln 4 = half of that)
-    assert first["step"] == 1 and math.isclose(first["loss"], 4 * math.log(2), rel_tol=1e-3)
+    # the head's weights start at zero and its bias at -ln 4, as big_vision starts sigmoid pre-training: each class at
+    # p = 1/5, the label's loss ln 5 and each of the 3 others' ln(5/4) (a zero bias started every class at p = 1/2,
+    # 4 ln 2, a loss growing with the classes: 15,140 on ImageNet-21k's 21,843)
+    assert first["step"] == 1 and math.isclose(first["loss"], math.log(5) + 3 * math.log(5 / 4), rel_tol=1e-3)
 
 
 def test_paper_batch_4096_must_divide(capsys):

@@ -32,7 +32,9 @@ the caption of Table 3 states it for ImageNet; the official configs use it throu
 Steps: epochs x images / 4096, rounded down to thousands: 7 epochs of JFT-300M's ~303M
 images = ~517k steps; 90 epochs of ImageNet-21k's ~14.2M = ~312k steps (Sec. 4.1's
 counts).  The official code trains with sigmoid cross-entropy on these multi-label sets
-(big_vision configs); ``loss`` chooses.
+(big_vision configs); ``loss`` chooses.  Under it the head's bias starts at -ln K, as big_vision's
+ImageNet-21k config starts it (``model.head_bias_init``; docs/training.md), and a multi-label
+validation set is scored by precision@1 (``val_prec1``).
 """
 from __future__ import annotations
 

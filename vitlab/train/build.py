@@ -2,6 +2,7 @@
 settings come to is decided before, once, by ``resolve.resolve``."""
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,7 +226,8 @@ def check_class_count(cfg: TrainConfig, classes: list[str]) -> None:
 
 def make_model(cfg: TrainConfig, num_classes: int, img_size: tuple) -> nn.Module:
     """A fresh model, or ``model.init`` adapted for fine-tuning (paper Sec. 3.2): position
-    embeddings interpolated to ``model.img_size`` and a new zero-initialised head."""
+    embeddings interpolated to ``model.img_size`` and a new zero-initialised head; its head's
+    bias starts at ``head_bias``."""
     from vitlab.models.registry import build_model
 
     if cfg.model.mpp is not None:  # self-supervised: the ViT inside a masked-patch-prediction wrapper
@@ -234,9 +236,23 @@ def make_model(cfg: TrainConfig, num_classes: int, img_size: tuple) -> nn.Module
         vit = (build_model(architecture(cfg, num_classes)) if cfg.model.init is None
                else _fine_tuned(cfg, num_classes, img_size))
         return MaskedPatchPrediction(vit, target=cfg.model.mpp, rate=cfg.model.mpp_rate).train()
-    if cfg.model.init is None:
-        return build_model(architecture(cfg, num_classes))
-    return _fine_tuned(cfg, num_classes, img_size)
+    model = build_model(architecture(cfg, num_classes)) if cfg.model.init is None else \
+        _fine_tuned(cfg, num_classes, img_size)
+    with torch.no_grad():
+        model.head.bias.fill_(head_bias(cfg, num_classes))
+    return model
+
+
+def head_bias(cfg: TrainConfig, num_classes: int) -> float:
+    """The head's bias at the start of a run: ``model.head_bias_init``, by default -ln K for sigmoid
+    cross-entropy from scratch and 0 otherwise.  big_vision starts its sigmoid pre-training there
+    (configs/vit_i21k.py's init_head_bias=-10.0 for ImageNet-21k's 21,843 classes, mlp_mixer_i1k.py's
+    -6.9 for ImageNet's 1,000): each class's probability is 1/(K+1), where a zero head put every
+    one of thousands at 0.5, an initial loss of K ln 2.  Softmax is the same with any bias added to
+    every class, and a fine-tune's head starts at zero (Sec. 3.2; big_vision's transfer sets none)."""
+    if cfg.model.head_bias_init is not None:
+        return float(cfg.model.head_bias_init)
+    return -math.log(num_classes) if cfg.optim.loss == "sigmoid_xent" and cfg.model.init is None else 0.0
 
 
 def _fine_tuned(cfg: TrainConfig, num_classes: int, img_size: tuple) -> nn.Module:

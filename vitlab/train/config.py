@@ -120,6 +120,8 @@ class ModelConfig(Section):
     patch_init: str = "lecun"               # "lecun" (official) or "whiten" (the data's patches; not in the paper)
     attn_init: str = "xavier"               # "xavier" (official) or "mimetic" (not in the paper)
     posemb_init: str = "normal"             # "normal" (official) or "sincos" (big_vision's table; not in the paper)
+    head_bias_init: Optional[float] = None  # the head's bias at the start, under optim.loss="sigmoid_xent"; None:
+                                            # -ln K from scratch (big_vision's init_head_bias), 0 for a fine-tune
 
     def __post_init__(self) -> None:
         self.check_bools()
@@ -138,6 +140,10 @@ class ModelConfig(Section):
             need(value in allowed, f"model.{name}", value, f"expected one of {', '.join(allowed)}")
             need(value == allowed[0] or self.init is None, f"model.{name}", value,
                  f"{value!r} initialises a model trained from scratch; with model.init the weights are loaded")
+        need(self.head_bias_init is None or is_number(self.head_bias_init), "model.head_bias_init",
+             self.head_bias_init, "expected a number, or None (-ln K from scratch under optim.loss='sigmoid_xent')")
+        self.need_default_unless("head_bias_init", self.mpp is None, "the classifier head's bias at the start, and "
+                                 f"masked patch prediction (model.mpp={self.mpp!r}) trains no classifier")
         # only loading model.init reads it: from scratch keep_pre_logits=true was accepted and did nothing
         need(not self.keep_pre_logits or self.init is not None, "model.keep_pre_logits", self.keep_pre_logits,
              "keeps model.init's pre-logits layer, and this model is trained from scratch (model.init=None); "
@@ -439,6 +445,11 @@ class TrainConfig:
                 need(value == default, name, value, f"a classifier's loss setting, and masked patch prediction "
                      f"(model.mpp={self.model.mpp!r}) trains no classifier: its loss is its own; leave it at "
                      f"{default!r}")
+        # softmax's probabilities are the same with any bias added to every class (and so are its gradients)
+        need(self.model.head_bias_init is None or self.optim.loss == "sigmoid_xent", "model.head_bias_init",
+             self.model.head_bias_init, "starts the head's sigmoid probabilities (optim.loss='sigmoid_xent'), and "
+             f"under optim.loss={self.optim.loss!r} the softmax is the same with any bias added to every class; "
+             "leave it None")
         if self.run.fsdp and self.run.precision == "fp16":
             raise ConfigError("run.precision='fp16' with run.fsdp=True: the gradient scaler of a sharded model is not "
                               "implemented; use 'bf16'")

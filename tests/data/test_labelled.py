@@ -312,3 +312,15 @@ def test_a_runs_validation_set_changed_since_it_trained_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"and data.val_data .*val changed since it trained \(now held-out 7"):
         load_held_out(run, 8, cache_dir=cache, results=results)
     assert len(load_held_out(run, 8, val_split=0, pool=False, cache_dir=cache, results=results).held) == 7
+
+
+def test_joined_label_sets_pad_each_part_to_the_widest_and_keep_one_label_parts_as_their_first_column():
+    import torch
+
+    from vitlab.data.labelled import joined_label_sets
+
+    one = torch.tensor([2, 0])
+    several = torch.tensor([[1, 3, -1], [0, -1, -1]])
+    assert joined_label_sets([(one, None), (torch.tensor([5]), None)]) is None
+    joined = joined_label_sets([(one, None), (several[:, 0], several)])
+    assert joined.tolist() == [[2, -1, -1], [0, -1, -1], [1, 3, -1], [0, -1, -1]]

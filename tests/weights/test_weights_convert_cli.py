@@ -133,8 +133,14 @@ def test_convert_to_official_at_a_non_square_size_reads_back_at_that_size(size, 
     # an .npz records no resolution: read back without it, a 4x6 grid was refused after the file was written
     # ("not a square grid"), and the 2x8 grid of 8x32, 16 positions, was taken for a 4x4 grid
     np.savez(tmp_path / "c.npz", **random_checkpoint(0))  # 16x16, 4x4 patches
-    assert main(["convert", str(tmp_path / "c.npz"), str(tmp_path / "o.npz"), "--to", "official",
-                 "--img-size", size]) == 0
+    # 8x32's 2x8 grid holds the 16 patches of c.npz's 4x4 one: which one c.npz holds is asked (it was read
+    # as 4x4, as it is here, and a 2x8 one read so was resampled as 4x4 to 2x8 in silence)
+    trained_at = ["--weights-img-size", "16"] if size == "8x32" else []
+    convert = ["convert", str(tmp_path / "c.npz"), str(tmp_path / "o.npz"), "--to", "official", "--img-size", size]
+    if trained_at:
+        assert main(convert) == 2
+        assert "or the 2x8 grid of img_size=(8, 32)" in capsys.readouterr().err
+    assert main(convert + trained_at) == 0
     out = capsys.readouterr().out.strip().splitlines()
     h, w = map(int, size.split("x"))
     assert out[-2] == (f"an official .npz records no image size: load {tmp_path / 'o.npz'} with "

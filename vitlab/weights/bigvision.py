@@ -113,7 +113,8 @@ def to_official_layout(arrays: Mapping[str, Any], pool_type: str | None = None,
         if img_size is None:
             raise WeightsError(
                 "this big_vision checkpoint has no 'pos_embedding' (posemb='sincos2d', computed, not stored): "
-                "pass img_size= (or weights_img_size=) to compute it for that resolution"
+                "pass img_size= (or weights_img_size=) to compute it for that resolution (--img-size, "
+                "--weights-img-size)"
             )
         (h, w), (ph, pw) = to_pair(img_size, "img_size"), params["embedding/kernel"].shape[:2]
         out[posemb_key] = posemb_sincos_2d((h // ph, w // pw), width).numpy()

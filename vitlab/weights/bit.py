@@ -145,6 +145,10 @@ def load_bit(source: str | os.PathLike | Mapping[str, Any], img_size: Pair | int
     named as big_transfer names its files (``BiT-M-R50x1.npz``) must hold that model, and so
     must ``name`` (a registry name, ``BiT-R50x1``).
     """
+    trained_at = overrides.pop("weights_img_size", None)
+    if trained_at is not None:  # else refused as no ResNetConfig field, a list of the fields that are
+        raise WeightsError(f"weights_img_size={trained_at}: a BiT ResNet has no position embeddings, and its weights "
+                           "read the same whatever resolution they were trained at; leave it out")
     arrays = read_npz(source) if isinstance(source, (str, os.PathLike)) else source
     file_name = source if isinstance(source, (str, os.PathLike)) else file_name
     named = named_model(file_name) if file_name is not None else None

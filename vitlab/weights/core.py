@@ -216,13 +216,21 @@ def infer_resnet(state_dict: Mapping[str, torch.Tensor], **fields: Any) -> ResNe
                            f"stages {layers}) is not valid: {e}") from e
 
 
+# what a loader asks for where the weights do not record the resolution they were trained at,
+# with the flag of the commands that read weights
+TRAINED_AT = ("pass weights_img_size=(height, width), the resolution the weights were trained at "
+              "(--weights-img-size HxW)")
+
+
 def patch_grid(positions: int, patch_size: Pair, reduction: int, weights_img_size: Pair | int | None,
                img_size_hint: Pair | int | None, what: str) -> Pair:
     """The (h, w) patch grid of a position table holding ``positions`` patch positions.
 
     ``weights_img_size`` (the checkpoint's own resolution, when known: an AugReg file name,
-    a timm model's img_size) decides; else a square grid; else the requested ``img_size``
-    if its grid has exactly that many positions (non-square checkpoints loaded at their size).
+    a timm model's img_size) decides; else the requested ``img_size`` if its grid has exactly
+    that many positions (non-square checkpoints loaded at their size); else a square grid.  A
+    square count that the requested non-square grid holds too (16: 4x4, or 2x8 at 32x128) is
+    refused: read as a square, the 2x8 table was resampled as a 4x4 one, its rows scrambled.
     """
     def grid_of(size: Pair | int, name: str) -> Pair:
         h, w = to_pair(size, name)
@@ -235,14 +243,17 @@ def patch_grid(positions: int, patch_size: Pair, reduction: int, weights_img_siz
                                f"means a {grid[0]}x{grid[1]} grid of {patch_size} patches")
         return grid
     side = int(round(positions ** 0.5))
+    asked = grid_of(img_size_hint, "img_size") if img_size_hint is not None else None
+    if asked is not None and asked[0] * asked[1] == positions:
+        if side * side == positions and asked != (side, side):
+            raise WeightsError(
+                f"{what} holds {positions} patch positions: a {side}x{side} grid, or the {asked[0]}x{asked[1]} grid "
+                f"of img_size={img_size_hint}, which the weights record nowhere; {TRAINED_AT}")
+        return asked
     if side * side == positions:
         return (side, side)
-    if img_size_hint is not None and np.prod(grid_of(img_size_hint, "img_size")) == positions:
-        return grid_of(img_size_hint, "img_size")
-    raise WeightsError(
-        f"{what} holds {positions} patch positions, not a square grid: pass weights_img_size=(height, width) "
-        "(the resolution the weights were trained at), or img_size= that size"
-    )
+    raise WeightsError(f"{what} holds {positions} patch positions, not a square grid; {TRAINED_AT}, or img_size= "
+                       "that size")
 
 
 def infer_config(state_dict: Mapping[str, torch.Tensor], *, name: str | None = None,
@@ -277,10 +288,15 @@ def infer_config(state_dict: Mapping[str, torch.Tensor], *, name: str | None = N
                           f"pos_embed (after {prefix} [class] position)")
     elif "pos_embed.x" in state_dict:
         posemb, grid = "learned_2d", (state_dict["pos_embed.y"].shape[0], state_dict["pos_embed.x"].shape[0])
+        # the tables give the grid: a size of another one was accepted unread
+        if weights_img_size is not None and patch_grid(grid[0] * grid[1], patch_size, reduction, weights_img_size,
+                                                       None, "pos_embed.y and .x") != grid:
+            raise WeightsError(f"weights_img_size={weights_img_size}: the 2D position tables (pos_embed.y and "
+                               f".x) are of a {grid[0]}x{grid[1]} grid of {patch_size} patches")
     else:
         raise WeightsError("cannot tell the image size: the weights have no position embedding 'pos_embed.weight'")
     img_size = (grid[0] * patch_size[0] * reduction, grid[1] * patch_size[1] * reduction)
-    if weights_img_size is not None and posemb == "learned_1d":  # checked against the table by patch_grid
+    if weights_img_size is not None:  # checked against the tables by patch_grid
         img_size = to_pair(weights_img_size, "weights_img_size")
 
     asked = fields.pop("num_heads", None)
@@ -298,7 +314,7 @@ def infer_config(state_dict: Mapping[str, torch.Tensor], *, name: str | None = N
     if heads is None:
         raise HeadsUnknownError(
             "the number of attention heads cannot be read from these weights: pass name= (a registry name "
-            "such as 'ViT-B/16') or num_heads="
+            "such as 'ViT-B/16') or num_heads= (--name, --num-heads)"
         )
     if resnet is not None:
         resnet = dataclasses.replace(resnet, img_size=img_size)

@@ -45,8 +45,8 @@ from .bit import is_bit, load_bit
 from .hub import not_looked_up, resolve_hub_name
 from .huggingface import PROCESSOR_NAME, is_huggingface, load_huggingface, processor_scaling
 from .labels import CLASSES_KEY, CLASSES_NAME, names_from_id2label, names_from_json
-from .native import (CONFIG_KEY, CONFIG_NAME, WEIGHTS_NAME, is_native, load_native, read_native_config,
-                     read_safetensors, read_safetensors_metadata)
+from .native import (CONFIG_KEY, CONFIG_NAME, WEIGHTS_NAME, check_recorded, is_native, load_native,
+                     read_native_config, read_safetensors, read_safetensors_metadata)
 from .official import KNOWN_PREFIXES, load_official_npz, read_npz
 from .timm import is_timm, load_timm, pretrained_cfg_scaling
 from .timm import sidecar_path as timm_sidecar
@@ -164,7 +164,7 @@ def _load_state_dict(sd: Mapping[str, Any], hf_config: Mapping[str, Any] | None,
     # a bare vitlab state dict: no config, so vitlab's defaults (the official conventions) apply
     img_size, num_classes, keep = kw.pop("img_size"), kw.pop("num_classes"), kw.pop("keep_pre_logits")
     sd = {k: to_tensor(v) for k, v in sd.items()}
-    cfg = infer_config(sd, **kw)
+    cfg = infer_config(sd, img_size_hint=img_size, **kw)  # the size asked for tells a non-square grid, as timm's
     return build_loaded(sd, cfg, img_size=img_size, num_classes=num_classes, keep_pre_logits=keep)
 
 
@@ -217,7 +217,8 @@ def _load_file(path: Path, hf_config: Mapping[str, Any] | None = None,
 
 def load_model(source: str | os.PathLike | Mapping[str, Any], name: str | None = None,
                img_size: Pair | int | None = None, num_classes: int | None = None,
-               keep_pre_logits: bool = False, **overrides: Any) -> nn.Module:
+               keep_pre_logits: bool = False, weights_img_size: Pair | int | None = None,
+               **overrides: Any) -> nn.Module:
     """Load weights of any supported format into a vitlab model, returned in eval mode.
 
     source: a path (see the module docstring), a Hugging Face Hub name ("google/vit-base-patch16-224",
@@ -229,9 +230,17 @@ def load_model(source: str | os.PathLike | Mapping[str, Any], name: str | None =
         the weights' source (official: bilinear zoom; Hugging Face and timm: bicubic).
     num_classes: a different value gives a zero-initialised head; the pre-logits layer is
         dropped too unless ``keep_pre_logits`` (vit_jax's fine-tuning default).
+    weights_img_size: the resolution the weights were trained at, where they do not record it (an official
+        .npz not named as AugReg names its files, a state dict without its config, a timm file without its
+        .timm.json) and their patch count does not tell the grid.  None: the size the weights record, else the
+        grid of ``img_size`` where it has their patch count, else a square grid: a square count that the
+        non-square grid of ``img_size`` has too (16: 4x4, or 2x8 at 32x128) is refused, and without
+        ``img_size`` a non-square grid of a square count (2x8) is read as a square one (4x4), unseen.
     overrides: ViTConfig fields, e.g. dropout=0.1, dynamic_img_size=True, ln_eps=1e-12.
     """
     kw = dict(name=name, img_size=img_size, num_classes=num_classes, keep_pre_logits=keep_pre_logits, **overrides)
+    if weights_img_size is not None:  # passed on as None, it stood before the size a file records (an AugReg name)
+        kw["weights_img_size"] = weights_img_size
     if isinstance(source, np.lib.npyio.NpzFile):
         source = {k: source[k] for k in source.files}
     if isinstance(source, Mapping):
@@ -300,9 +309,10 @@ def read_class_names(source: str | os.PathLike) -> list[str] | None:
     return None
 
 
-def load_config(source: str | os.PathLike, name: str | None = None) -> Architecture:
-    """The architecture ``load_model(source, name=name)`` builds, at the weights' own size and
-    head: read from the config alone where vitlab's format stores one (no tensor is read),
+def load_config(source: str | os.PathLike, name: str | None = None,
+                weights_img_size: Pair | int | None = None) -> Architecture:
+    """The architecture ``load_model(source, name=name, weights_img_size=...)`` builds, at the weights'
+    own size and head: read from the config alone where vitlab's format stores one (no tensor is read),
     else from the loaded weights."""
     path = Path(source)
     weights = path / WEIGHTS_NAME if path.is_dir() else path
@@ -310,5 +320,6 @@ def load_config(source: str | os.PathLike, name: str | None = None) -> Architect
         cfg = read_native_config(weights)
         if cfg is not None:
             check_named(name, cfg)
+            check_recorded(cfg, {"weights_img_size": weights_img_size}, path)
             return cfg
-    return load_model(source, name=name).cfg
+    return load_model(source, name=name, weights_img_size=weights_img_size).cfg

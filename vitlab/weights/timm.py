@@ -65,8 +65,9 @@ from torch import nn
 
 from ..config import Pair, ViTConfig, to_pair
 from ..models.registry import VIT_SIZES
-from .core import (InputScaling, StateDict, WeightsError, atomic_write_set, build_loaded, convention_differences,
-                   infer_config, infer_resnet, input_preprocessing, require_plain_vit, to_tensor, warn_conventions)
+from .core import (TRAINED_AT, InputScaling, StateDict, WeightsError, atomic_write_set, build_loaded,
+                   convention_differences, infer_config, infer_resnet, input_preprocessing, require_plain_vit,
+                   to_tensor, warn_conventions)
 from .labels import CLASSES_NAME, check_class_names, distinct_names
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-6, "posemb_resample": "bicubic"}
@@ -160,7 +161,7 @@ def embed_class_position(sd: StateDict, weights_img_size: Pair | int | None = No
             raise WeightsError(
                 f"pos_embed holds {n} positions: a {side}x{side} grid without a [class] position (timm's "
                 f"no_embed_class), or a [class] position and the {n - 1} patches of img_size={img_size_hint}; "
-                "pass weights_img_size=(height, width), the resolution the weights were trained at")
+                f"{TRAINED_AT}")
     if no_embed_class:
         sd = {**sd, "pos_embed.weight": torch.cat([table.new_zeros(1, 1, table.shape[2]), table], dim=1)}
     return sd

@@ -178,7 +178,8 @@ def test_under_torchrun_a_refusal_is_printed_once_and_every_process_exits_with_i
 
 # every command whose whole path takes a non-square input (the training loop, the data, the evaluators,
 # the weights' resampling, the cost figures, the exports): each takes --img-size as N or HxW
-IMG_SIZE_COMMANDS = {"train", "finetune", "sweep", "vtab", "flops", "inspect", "eval", "fewshot", "export", "convert"}
+IMG_SIZE_COMMANDS = {"train", "finetune", "sweep", "vtab", "flops", "inspect", "eval", "fewshot", "export", "convert",
+                     "predict"}
 
 
 def img_size_actions():

@@ -143,8 +143,8 @@ def test_convert_to_official_at_a_non_square_size_reads_back_at_that_size(size, 
     assert main(convert + trained_at) == 0
     out = capsys.readouterr().out.strip().splitlines()
     h, w = map(int, size.split("x"))
-    assert out[-2] == (f"an official .npz records no image size: load {tmp_path / 'o.npz'} with "
-                       f"weights_img_size=({h}, {w})")
+    assert out[-2] == (f"an official .npz records no image size: read {tmp_path / 'o.npz'} with --weights-img-size "
+                       f"{h}x{w} (load_model's weights_img_size=({h}, {w}))")
     assert json.loads(out[-1])["max_abs_logit_diff"] < 1e-5
     again = load_model(tmp_path / "o.npz", weights_img_size=(h, w))
     assert again.cfg.img_size == (h, w)

@@ -55,6 +55,56 @@ def add_img_size_argument(p: argparse.ArgumentParser, what: str, default: str = 
                    help=f"N (square) or HxW pixels, e.g. 384 or 384x512: {what} (default: {default})")
 
 
+def positive_count(text: str) -> int:
+    """An argparse type: an integer >= 1, refused as the arguments are read (0 was refused by the
+    batching once the data set had been decoded, by its library name batch_size)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return value
+
+
+def add_weights_arguments(p: argparse.ArgumentParser, whose: str = "the weights") -> None:
+    """How weights that do not record all of their model are read, one set of flags with one meaning for
+    every command that reads weights (``load_weights``): the heads (``--name``, ``--num-heads``) and the
+    training resolution (``--weights-img-size``).  Without them eval, predict, inspect and fewshot could
+    not read a state dict or a timm file that `convert` reads, nor read a 2x8 grid as anything but 4x4."""
+    p.add_argument("--name", default=None,
+                   help=f"registry name, e.g. ViT-B/16: the heads of {whose} where their shapes do not give them (a "
+                        "state dict, a timm file without its .timm.json); weights that record their model must be "
+                        "that one")
+    p.add_argument("--num-heads", type=positive_count, default=None, help="attention heads, instead of --name")
+    add_weights_img_size_argument(p, whose)
+
+
+def add_weights_img_size_argument(p: argparse.ArgumentParser, whose: str = "the weights") -> None:
+    """``--weights-img-size``, one form and one meaning wherever weights are read (``add_weights_arguments``;
+    a fine-tune's init: ``model.weights_img_size``): where weights do not record the resolution they were
+    trained at, their patch count alone gave the grid, and a 2x8 one of 16 patches was read as 4x4."""
+    p.add_argument("--weights-img-size", type=image_size, default=None, metavar="N|HxW",
+                   help=f"the resolution {whose} were trained at, N or HxW pixels, where they do not record it (an "
+                        "official or big_vision .npz, a state dict, a timm file without its .timm.json): their "
+                        "patch count alone gives a square grid, so a 2x8 one (16 patches) needs it (default: the "
+                        "size the weights record, else a square grid)")
+
+
+def weights_read(args: argparse.Namespace) -> dict:
+    """How a command's ``add_weights_arguments`` read its weights: ``load_model``'s keywords, those given."""
+    read = {"name": args.name, "num_heads": args.num_heads, "weights_img_size": args.weights_img_size}
+    return {key: value for key, value in read.items() if value is not None}
+
+
+def load_weights(args: argparse.Namespace, source, **kw):
+    """``vitlab.weights.load_model`` of the weights a command was given, at its ``--img-size`` (None: their
+    own) and read by its ``add_weights_arguments``: the one place those flags reach the library."""
+    from vitlab.weights import load_model
+
+    return load_model(source, img_size=args.img_size, **weights_read(args), **kw)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse's refusals in one line, as every other refusal of the command: argparse prints the
     usage block first (ten lines for `train`), and ``--help`` is where that belongs."""

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vitlab.cli import add_img_size_argument, image_size
+from vitlab.cli import add_img_size_argument, add_weights_arguments, load_weights
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,12 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output: a directory (vitlab, hf), an .npz (official) or a .safetensors/.pth file (timm)")
     p.add_argument("--to", dest="format", choices=("vitlab", "official", "hf", "timm"), default="vitlab",
                    help="layout to write (default: vitlab)")
-    p.add_argument("--name", default=None, help="registry name: the heads of weights whose shapes do not give them; "
-                                                "other weights must be that model")
-    p.add_argument("--num-heads", type=int, default=None, help="attention heads, instead of --name")
     add_img_size_argument(p, "resize the position embeddings to this input resolution", "the weights' own")
-    p.add_argument("--weights-img-size", type=image_size, default=None,
-                   help="the resolution the weights were trained at (non-square grids, sincos2d big_vision)")
+    add_weights_arguments(p)
     p.add_argument("--num-classes", type=int, default=None, help="a new zero-initialised head with this many classes")
     p.add_argument("--no-check", action="store_true",
                    help="skip reading the written file back and comparing logits on random images")
@@ -56,20 +52,14 @@ def check_out(out: str, layout: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.config import need_output_file, need_output_folder
-    from vitlab.weights import WeightsError, load_model, read_class_names, save_model
+    from vitlab.weights import WeightsError, read_class_names, save_model
 
     check_out(args.out, args.format)  # before the source is read, which can take a while
     if Path(args.out).suffix.lower() in WEIGHT_FILE_SUFFIXES:
         need_output_file("out", args.out)
     else:
         need_output_folder("out", args.out)
-    overrides = {}
-    if args.num_heads is not None:
-        overrides["num_heads"] = args.num_heads
-    if args.weights_img_size is not None:
-        overrides["weights_img_size"] = args.weights_img_size
-    model = load_model(args.source, name=args.name, img_size=args.img_size, num_classes=args.num_classes,
-                       **overrides)
+    model = load_weights(args, args.source, num_classes=args.num_classes)
     cfg = model.cfg
     names = read_class_names(args.source)
     if names is not None and len(names) != cfg.num_classes:
@@ -83,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"the {len(names)} class names are not written: an official .npz (vit_jax, big_transfer) holds "
               "arrays only")
     if npz_size(cfg, args.format) is not None:
-        print(f"an official .npz records no image size: load {written} with weights_img_size={cfg.img_size}")
+        h, w = cfg.img_size
+        print(f"an official .npz records no image size: read {written} with --weights-img-size {h}x{w} "
+              f"(load_model's weights_img_size={cfg.img_size})")
     if not args.no_check:
         print(json.dumps({"check": "read back by vitlab", "max_abs_logit_diff": read_back(model, written, args)}))
     return 0

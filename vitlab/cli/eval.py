@@ -26,13 +26,14 @@ import json
 import sys
 from typing import Any
 
-from vitlab.cli import add_img_size_argument
+from vitlab.cli import add_img_size_argument, add_weights_arguments, load_weights, positive_count
 
 from .train import add_fast_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="weights: vitlab .safetensors/dir, official .npz, timm, HF")
+    add_weights_arguments(p)
     add_data_arguments(p, default_split="the training run's, else 0 (the whole set)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON line of every metric (per class, confusion, ECE) instead of the summary")
@@ -61,18 +62,6 @@ def shift_pixels(text: str) -> int | tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected pixels, e.g. 2, or sizes such as 2,1") from None
     return sizes[0] if len(sizes) == 1 else sizes
-
-
-def positive_count(text: str) -> int:
-    """An argparse type: an integer >= 1, refused as the arguments are read (0 was refused by the
-    batching once the data set had been decoded, by its library name batch_size)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
-    return value
 
 
 def check_diagonal(args: argparse.Namespace) -> None:
@@ -115,14 +104,14 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.eval.metrics import check_num_bins
     from vitlab.train.legacy import recorded_section
     from vitlab.train.resolve import resolve_scoring, resolved_threads
-    from vitlab.weights import load_model, read_class_names
+    from vitlab.weights import read_class_names
 
     check_num_bins(args.bins, "--bins")  # before the checkpoint and the data are read
     check_diagonal(args)
     meta = trained_run_meta(args.checkpoint)
     resolved = resolve_scoring(args.device, fast_path=args.fast is not False)
     device = resolved.device
-    model = load_model(args.checkpoint, img_size=args.img_size).to(device).eval()
+    model = load_weights(args, args.checkpoint).to(device).eval()
     if resolved.kernels is not None:
         fast.optimize(model, resolved.kernels)  # bf16 weights cast in each call: no copy held beside the model
     size = tuple(model.cfg.img_size)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vitlab.cli import add_img_size_argument
+from vitlab.cli import add_img_size_argument, add_weights_arguments, load_weights, weights_read
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,8 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_img_size_argument(p, "input resolution the export takes")
     p.add_argument("--batch", default="dynamic",
                    help="'dynamic' (any batch, the default) or a fixed batch size")
-    p.add_argument("--name", default=None,
-                   help="registry name for weights whose shapes do not determine the model (timm, HF)")
+    add_weights_arguments(p, "weights given as the source")
     p.add_argument("--check", action="store_true",
                    help="run the exported model on random images and compare with PyTorch")
 
@@ -66,18 +65,21 @@ def format_and_out(fmt: str | None, out: str | None, source: str) -> tuple[str, 
     return fmt, Path(out) if out else default_out(source, fmt)
 
 
-def _load(source: str, name: str | None, img_size: int | tuple[int, int] | None):
+def _load(args: argparse.Namespace):
     from vitlab.models.registry import canonical_name, create_model, list_models, unknown_model
 
+    source, name, img_size = args.source, args.name, args.img_size
     if _is_weights(source):
-        from vitlab.weights.load import load_model
-
-        return load_model(source, name=name, img_size=img_size)
+        return load_weights(args, source)
     if name is not None:  # it was ignored: the registry name given as the source is the model
         raise ValueError(f"--name={name!r}: names the model of weights whose shapes do not give it; {source!r} "
                          "is a registry name already")
     if canonical_name(source) not in list_models():  # a folder mistyped (runs/dem) was "unknown model" alone
         raise ValueError(f"{source}: no such file or folder, and {unknown_model(source)}")
+    read = [f"--{key.replace('_', '-')}" for key in weights_read(args)]  # --num-heads, --weights-img-size
+    if read:  # as --name: ignored, the model a registry name builds at --img-size
+        raise ValueError(f"{', '.join(read)}: how weights that do not record their model are read; {source!r} "
+                         "is a registry name, whose random weights are built at --img-size")
     return create_model(source, **({"img_size": img_size} if img_size else {}))
 
 
@@ -118,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         require_onnx_packages()
         if args.check:
             require("onnxruntime", "--check of an ONNX export")
-    model = _load(args.source, args.name, args.img_size).eval()
+    model = _load(args).eval()
     size = model_img_size(model, args.img_size)
     batch = 2 if dynamic else int(args.batch)
     names = _class_names(args.source, model.cfg.num_classes)

@@ -17,11 +17,13 @@ import json
 import sys
 from pathlib import Path
 
+from vitlab.cli import add_weights_arguments, load_weights, weights_read
 from vitlab.cli.eval import add_data_arguments, unread_note
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="weights: vitlab .safetensors/dir, official .npz, timm, HF")
+    add_weights_arguments(p)
     add_data_arguments(p, default_split="the training run's, else 0.1")
     p.add_argument("--shots", type=int, nargs="+", default=[1, 5, 10, 25], help="examples per class")
     p.add_argument("--seeds", type=int, default=3, help="random draws of the shots per shot count")
@@ -43,12 +45,11 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.eval.fewshot import check_shots, fewshot_evaluate
     from vitlab.train.legacy import recorded_section
     from vitlab.train.resolve import resolve_scoring, resolved_threads
-    from vitlab.weights import load_model
 
     check_flags(args)
     resolved = resolve_scoring(args.device, fast_path=False)  # features of the plain model
     device = resolved.device
-    model = load_model(args.checkpoint, img_size=args.img_size).to(device).eval()
+    model = load_weights(args, args.checkpoint).to(device).eval()
     size = tuple(model.cfg.img_size)
     meta = read_run_meta(args.checkpoint)
     data = load_held_out(recorded_section(meta.get("recipe"), "data"), size, args.data, args.val_split,
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     check_shots(y[rest], args.shots, args.holdout_per_class, ("--shots", "--holdout-per-class"), y[held])
 
     cache = feature_cache(args)
-    key = ("representation", FEATURES_VERSION, weights_key(args.checkpoint), size, data.key)
+    key = ("representation", FEATURES_VERSION, weights_key(args.checkpoint, weights_read(args)), size, data.key)
     with resolved_threads(resolved):
         feats = cache.get(key, lambda: extract_features(model, data.images, args.batch_size, device=device))
     source = "cache" if cache.hits else f"{len(data.images)} images"
@@ -94,15 +95,19 @@ def check_flags(args: argparse.Namespace) -> None:
 FEATURES_VERSION = 2
 
 
-def weights_key(checkpoint: str) -> str:
+def weights_key(checkpoint: str, read: dict | None = None) -> str:
     """What the features of ``checkpoint`` are cached under: its file's or folder's ``file_key``; a
     Hub name's, that of the snapshot it names now (one folder per revision): the name alone stays
-    the same when the cache holds a newer revision, and the earlier one's features were read back."""
+    the same when the cache holds a newer revision, and the earlier one's features were read back.
+    With how they are read where that is given (``read``: ``--weights-img-size``, ``--num-heads``, ``--name``):
+    a table of 16 positions read as 2x8 or as 4x4 gives other features at the same image size, and so do
+    other heads."""
     from vitlab.eval.features import file_key
     from vitlab.weights.hub import resolve_hub_name
 
     path = Path(checkpoint)
-    return file_key(path if path.exists() else resolve_hub_name(checkpoint) or checkpoint)
+    key = file_key(path if path.exists() else resolve_hub_name(checkpoint) or checkpoint)
+    return f"{key} read with {sorted(read.items())}" if read else key
 
 
 def feature_cache(args: argparse.Namespace):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vitlab.cli import add_img_size_argument
+from vitlab.cli import add_img_size_argument, add_weights_arguments, load_weights
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,6 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="training run folder with metrics.jsonl (default: the checkpoint's folder, if it has one)")
     p.add_argument("--out", default="report.html", help="the HTML file to write")
     add_img_size_argument(p, "input resolution; position embeddings are resampled")
+    add_weights_arguments(p)
 
 
 def check_run_dir(run_dir: str | None) -> None:
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.cli.predict import check_image_files
     from vitlab.config import need_output_file
     from vitlab.extras import require
-    from vitlab.weights import load_model, read_class_names
+    from vitlab.weights import read_class_names
 
     require("matplotlib", "the inspection report")  # before the model is loaded and analysed
     check_run_dir(args.run_dir)
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     need_report_out(args.out, "--out")  # not over the images or weights named by mistake
     check_image_files(args.images)  # a mistyped name stopped the report after the model had loaded
 
-    model = load_model(args.checkpoint, img_size=args.img_size).eval()
+    model = load_weights(args, args.checkpoint).eval()
     meta = read_run_meta(args.checkpoint)
     names = read_class_names(args.checkpoint)  # predict's: the weights' own, classes.json, an id2label
     if names is not None:

@@ -6,13 +6,15 @@
 Class names come from the weights file itself (a vitlab file's metadata, a timm export's
 ``label_names``), else ``classes.json`` beside the weights (written by `train`), else the
 ``id2label`` of a Hugging Face ``config.json``; without any the classes are printed as numbers.  Images are resized to the model's resolution
-and scaled to [-1, 1] as in training.
+(``--img-size``: another, its position embeddings resampled) and scaled to [-1, 1] as in training.
 """
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+
+from vitlab.cli import add_img_size_argument, add_weights_arguments, load_weights
 
 from .eval import trained_run_meta
 from .train import add_fast_argument
@@ -25,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--classes", help="JSON list of class names (default: classes.json beside the weights)")
     p.add_argument("--top", type=int, default=5, help="how many classes to show")
     p.add_argument("--json", action="store_true", help="one JSON line per image")
+    add_img_size_argument(p, "input resolution; position embeddings are resampled")
+    add_weights_arguments(p)
     p.add_argument("images", nargs="+", help="image files")
     add_fast_argument(p)
 
@@ -63,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.data.memory import decode_image
     from vitlab.data.transforms import to_float
     from vitlab.train.resolve import resolve_scoring, resolved_threads
-    from vitlab.weights import load_model
     from vitlab.weights.hub import resolve_hub_name
 
     if args.top < 1:
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if not checkpoint.exists():  # a Hub name: its snapshot folder, which holds config.json
         checkpoint = resolve_hub_name(args.checkpoint) or checkpoint
     trained_run_meta(checkpoint)  # a run that trained no classifier is refused before its model is read
-    model = load_model(checkpoint).eval()
+    model = load_weights(args, checkpoint).eval()
     if not model.cfg.num_classes:  # its features were shown as the probabilities of as many classes
         raise ValueError(f"{args.checkpoint}: the model has no head (num_classes=0): it gives features, not class "
                          "scores; fine-tune it (vitlab finetune) for a classifier")

@@ -209,7 +209,8 @@ def test_convert_refuses_the_ambiguous_size_and_reads_the_given_one(layout, save
                                rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("command", ["eval", "predict", "inspect", "fewshot", "export", "convert"])
+@pytest.mark.parametrize("command", ["eval", "predict", "inspect", "fewshot", "export", "convert", "train",
+                                     "finetune", "sweep", "vtab"])
 def test_every_command_that_reads_weights_takes_the_flag_in_one_form(command, capsys):
     from vitlab.cli import build_parser
 

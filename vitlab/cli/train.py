@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from vitlab.cli import add_img_size_argument
+from vitlab.cli import add_img_size_argument, add_weights_img_size_argument
 from vitlab.config import PRECISIONS
 from vitlab.fast import FP8_SCALINGS
 
@@ -29,6 +29,7 @@ SHORTCUTS = {
     "precision": "run.precision", "accum_steps": "optim.accum_steps", "seed": "run.seed", "img_size": "model.img_size",
     "fsdp": "run.fsdp", "compile": "run.compile", "fast": "run.fast", "retain_freed_memory": "run.retain_freed_memory",
     "stream": "data.stream", "val_data": "data.val_data", "fp8": "run.fp8",
+    "weights_img_size": "model.weights_img_size",
 }
 
 
@@ -61,6 +62,7 @@ def add_common_arguments(p: argparse.ArgumentParser, default_recipe: str | None,
                         "memory: measured on a GPU, estimated on a CPU; the run's config.json records the number)")
     p.add_argument("--lr", type=float, help=helps.get("lr", "base learning rate"))
     add_img_size_argument(p, helps.get("img_size", "training resolution"), "the recipe's, else the model's")
+    add_weights_img_size_argument(p, "the init's weights (model.init)")
     p.add_argument("--precision", choices=("auto", *PRECISIONS),
                    help="auto: bf16 autocast where it is faster than fp32 (GPUs; CPUs whose bf16 matmul kernel beats the fp32 GEMM), else fp32; fp16: autocast with a gradient scaler (run.loss_scale); fp8 matmuls: --fp8")
     p.add_argument("--fp8", choices=("off", *FP8_SCALINGS),

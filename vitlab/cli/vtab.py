@@ -31,7 +31,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vitlab.cli import add_img_size_argument
+from vitlab.cli import add_img_size_argument, add_weights_img_size_argument
 
 from .sweep import parse_grid
 from .train import add_fast_argument, count_or_auto
@@ -57,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accum-steps", type=count_or_auto, default="auto",
                    help="micro-batches per step: a number, or auto (the fewest that fit in memory)")
     add_img_size_argument(p, "fine-tuning resolution", "the recipe's, 384 for a 224-px init")
+    add_weights_img_size_argument(p, "the --init weights")
     p.add_argument("--out", default="runs/vtab", help="output folder (default runs/vtab)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a field of the recipe, SECTION.FIELD=VALUE (repeatable); not one the protocol sets "
@@ -91,7 +92,7 @@ def base_config(args: argparse.Namespace):
     # the recipe's (or --set's) run.ckpt_every: a run that stops goes on from its checkpoint with --resume
     changes.update({"model.init": args.init, "run.eval_every": 0})
     for flag, name in (("steps", "optim.steps"), ("batch_size", "optim.batch_size"), ("img_size", "model.img_size"),
-                       ("fast", "run.fast")):
+                       ("weights_img_size", "model.weights_img_size"), ("fast", "run.fast")):
         if getattr(args, flag) is not None:
             changes[name] = getattr(args, flag)
     return with_changes(cfg, changes)

@@ -263,7 +263,8 @@ def _fine_tuned(cfg: TrainConfig, num_classes: int, img_size: tuple) -> nn.Modul
     if cfg.data.progressive_sizes:
         regularisation["dynamic_img_size"] = True
     model = load_init(load_model, cfg.model.init, cfg.model.name, img_size=img_size, num_classes=num_classes,
-                      keep_pre_logits=cfg.model.keep_pre_logits, **regularisation)
+                      keep_pre_logits=cfg.model.keep_pre_logits, weights_img_size=cfg.model.weights_img_size,
+                      **regularisation)
     # always a fresh zero-initialised head (Sec. 3.2), and no pre-logits unless kept: load_model drops them with a
     # head of another class count only, and an init of the data's count kept them
     if getattr(model, "pre_logits", None) is not None and not cfg.model.keep_pre_logits:

@@ -91,13 +91,14 @@ def check_lr_grid(grid: Any, name: str = "optim.lr_grid") -> None:
     need(not twice, name, grid, f"{', '.join(twice)} given more than once; each rate is one run")
 
 
-def image_size_field(value: Any) -> int | tuple[int, int]:
-    """``model.img_size`` as the config holds it: N, or (H, W) where the sides differ; given as an
-    int, a pair (a recipe's tuple, a config file's list) or text, as --img-size takes it ("16x24")."""
+def image_size_field(value: Any, name: str = "model.img_size") -> int | tuple[int, int]:
+    """``model.img_size`` (or ``model.weights_img_size``, ``name``) as the config holds it: N, or (H, W) where
+    the sides differ; given as an int, a pair (a recipe's tuple, a config file's list) or text, as --img-size
+    takes it ("16x24")."""
     size = parse_size(value) if isinstance(value, str) else value
     pair = isinstance(size, (tuple, list)) and len(size) == 2 and all(is_int(v) and v >= 1 for v in size)
-    need(pair or (is_int(size) and size >= 1), "model.img_size", value,
-         f'expected {SIZE_FORMS}, "auto" (a fine-tune: scaled from its init) or None')
+    auto = ', "auto" (a fine-tune: scaled from its init)' if name == "model.img_size" else ""
+    need(pair or (is_int(size) and size >= 1), name, value, f"expected {SIZE_FORMS}{auto} or None")
     return size if is_int(size) else (size[0] if size[0] == size[1] else (size[0], size[1]))
 
 
@@ -110,6 +111,8 @@ class ModelConfig(Section):
                                             # None where that has no name
     overrides: dict = field(default_factory=dict)  # ViTConfig/ResNetConfig fields to change; "name" renames
     init: Optional[str] = None              # weights to fine-tune from (a file, folder or Hub name); None: scratch
+    weights_img_size: Optional[int | tuple] = None  # with init: the resolution it was trained at, N or (H, W), where
+                                            # its weights do not record it (None: theirs, else a square grid)
     keep_pre_logits: bool = False           # with init: keep its pre-logits layer (the paper removes it, Sec. 3.2)
     pre_logits: bool = False                # from scratch: a pre-logits layer in the head (Sec. 3.1)
     img_size: Optional[int | tuple | str] = None  # training resolution, N or (H, W) (None: the model's or init's;
@@ -163,6 +166,12 @@ class ModelConfig(Section):
              "expected a path or None; an empty one would be the working folder")
         if self.img_size not in (None, "auto"):
             object.__setattr__(self, "img_size", image_size_field(self.img_size))
+        if self.weights_img_size is not None:
+            object.__setattr__(self, "weights_img_size",
+                               image_size_field(self.weights_img_size, "model.weights_img_size"))
+        # only loading model.init reads it: from scratch it was accepted and did nothing
+        self.need_default_unless("weights_img_size", self.init is not None, "the resolution model.init's weights were "
+                                 "trained at, and this model is trained from scratch (model.init=None)")
         if self.init is None:  # with init the checkpoint's own config is checked when it is loaded
             try:  # unknown model, bad model field, img_size not divisible by the patch size
                 arch = model_architecture(self)

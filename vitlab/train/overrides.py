@@ -45,7 +45,7 @@ AUTO_OR_COUNT = {path for path, kind in FIELD_TYPES.items() if set(members(kind)
 # the fields that take "auto" or a bool (``bool | str``): any word but "auto" is read as a bool
 AUTO_OR_BOOL = {path for path, kind in FIELD_TYPES.items() if set(members(kind)) == {bool, str}}
 # the fields of a size in pixels: N or HxW, as every command's --img-size takes it
-SIZE_FIELDS = {"model.img_size"}
+SIZE_FIELDS = {"model.img_size", "model.weights_img_size"}
 # the architecture's fields, ``--set model.<field>=value``: a ViT's or a BiT ResNet's (their defaults give the type)
 ARCHITECTURE_FIELDS = {f.name: f.default for cls in (ResNetConfig, ViTConfig) for f in dataclasses.fields(cls)}
 # What a ViT recipe sets that a BiT ResNet has not: the value that leaves it out
@@ -329,8 +329,9 @@ def parse_overrides(cfg: TrainConfig, assignments: list[str] | tuple[str, ...]) 
             if text.strip().lower() in ("none", "null"):
                 changes[path] = None
                 continue
-            if path in SIZE_FIELDS:  # N or HxW, as --img-size reads it; or "auto"
-                changes[path] = "auto" if text.strip().lower() == "auto" else image_size_field(text)
+            if path in SIZE_FIELDS:  # N or HxW, as --img-size reads it; model.img_size "auto" too
+                auto = path == "model.img_size" and text.strip().lower() == "auto"
+                changes[path] = "auto" if auto else image_size_field(text, path)
                 continue
             default = example_of(path)
         if path in AUTO_OR_COUNT and text.strip().isdigit():

@@ -499,21 +499,22 @@ def load_init(load: Callable[..., Any], init: str, name: str, **kw: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=4)
-def _init_architecture(init: str, name: str, identity: str) -> Architecture:
+def _init_architecture(init: str, name: str, identity: str, weights_img_size: Pair | int | None) -> Architecture:
     from vitlab.weights import load_config
 
-    return load_init(load_config, init, name)
+    return load_init(load_config, init, name, weights_img_size=weights_img_size)
 
 
 def init_architecture(cfg: TrainConfig) -> Architecture:
     """The architecture of ``model.init`` (at its own size, with its own head), read once per process
     and file: by the path a run records (``recorded_init``) and the file's size and time, so that
     weights written since at that path are read again (cached by path alone, a fine-tune from new
-    weights at 16 px trained at the 8 px of the earlier ones, its model built for them)."""
+    weights at 16 px trained at the 8 px of the earlier ones, its model built for them).  Read at
+    ``model.weights_img_size`` where given, as the run loads it."""
     from vitlab.eval.features import file_key
 
     init = recorded_init(cfg.model.init)
-    return _init_architecture(init, cfg.model.name, file_key(init))
+    return _init_architecture(init, cfg.model.name, file_key(init), cfg.model.weights_img_size)
 
 
 def init_model_name(cfg: TrainConfig) -> str | None:

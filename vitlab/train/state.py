@@ -29,9 +29,10 @@ from .overrides import field_value, with_changes
 
 # fields that fix the data order, the model or the optimiser state, and the validation set (another
 # data.val_data scored the rest of the run's curves on other images): a resumed run must keep them
-# (model.pre_logits, model.keep_pre_logits and model.mpp build another model, whose checkpoint did not load)
-RESUME_INVARIANTS = ("model.name", "model.overrides", "model.img_size", "model.init", "model.pre_logits",
-                     "model.keep_pre_logits", "model.mpp", "data.source",
+# (model.pre_logits, model.keep_pre_logits and model.mpp build another model, whose checkpoint did not load;
+# model.weights_img_size reads the init as another grid, and a run at the init's size trains at another)
+RESUME_INVARIANTS = ("model.name", "model.overrides", "model.img_size", "model.init", "model.weights_img_size",
+                     "model.pre_logits", "model.keep_pre_logits", "model.mpp", "data.source",
                      "data.val_split", "data.val_data", "data.split_seed", "data.train_examples", "data.class_subset",
                      "optim.batch_size", "optim.accum_steps", "optim.optimizer", "run.seed")
 # fields whose values the checkpoint's optimiser state (torch's param_groups) and weight average bring

@@ -275,12 +275,13 @@ def test_max_pool_same_returns_its_inputs_layout():
     assert torch.equal(nchw, channels_last)
 
 
-def test_torch_fx_symbolic_trace_of_a_bit_resnet_gives_its_values():
+@pytest.mark.parametrize("padding", ["symmetric", "same"])
+def test_torch_fx_symbolic_trace_of_a_bit_resnet_gives_its_values(padding):
     """Tracing ended in the input check ('symbolically traced variables cannot be used as inputs to
-    control flow'): a Proxy's shape cannot be compared.  BiT's own symmetric padding has no other
-    branch on a size (SAME padding, computed from the input's, still cannot be traced)."""
+    control flow'): a Proxy's shape cannot be compared.  SAME padding, computed from the input's size,
+    stopped it at its branches on that size: each of its convolutions is one call in the graph."""
     torch.manual_seed(0)
-    model = BiTResNet(ResNetConfig(layers=(1, 1), num_classes=4, img_size=32, padding="symmetric")).eval()
+    model = BiTResNet(ResNetConfig(layers=(1, 1), num_classes=4, img_size=32, padding=padding)).eval()
     _randomise_norms(model)
     with torch.no_grad():
         model.head.conv.weight.normal_()

@@ -57,6 +57,9 @@ def pad_same(x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int], 
     return F.pad(x, (left, right, top, bottom), value=value)
 
 
+# @torch.fx.wrap: torch.fx.symbolic_trace records a call of this function as one node of its graph; traced
+# through, its padding's branches on the input's size stopped it (a Proxy's size is a symbol, not a number)
+@torch.fx.wrap
 def max_pool_same(x: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
     """flax's ``nn.max_pool(padding="SAME")``: padding is -inf, so it never wins the max.
 
@@ -75,6 +78,7 @@ def max_pool_same(x: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
     return out.contiguous() if nchw else out
 
 
+@torch.fx.wrap  # as max_pool_same: its padding branches on the input's size
 def conv2d_same(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 stride: tuple[int, int]) -> torch.Tensor:
     """``F.conv2d`` with TensorFlow SAME padding, by the cheapest route that gives the same sums.

@@ -32,6 +32,9 @@ MASKED, SWAPPED, KEPT = 1, 2, 3
 SPLIT = (0.8, 0.1, 0.1)
 
 
+# @torch.fx.wrap: torch.fx.symbolic_trace records a call of this function as one node of its graph; traced
+# through, its counts of patches and of the batch's (Python numbers of the sizes) stopped it at a Proxy's size
+@torch.fx.wrap
 def corrupt_patches(patches: torch.Tensor, mask_token: torch.Tensor, rate: float,
                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Corrupt ``round(rate * N)`` patches of each image, at least one (module text).
@@ -155,6 +158,6 @@ class MaskedPatchPrediction(nn.Module):
         if self.target == "pixels":
             loss = F.mse_loss(predictions.float(), targets)
         else:
-            predictions = predictions.reshape(*targets.shape, NUM_COLORS)
+            predictions = predictions.reshape(targets.shape + (NUM_COLORS,))  # a Proxy's shape is no sequence to unpack
             loss = F.cross_entropy(predictions.float().reshape(-1, NUM_COLORS), targets.reshape(-1))
         return MppOutput(loss, predictions, targets, fate)

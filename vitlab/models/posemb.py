@@ -122,11 +122,13 @@ class RelativePosBias(nn.Module):
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         """q: (B, H, L, hd), already scaled -> additive bias (B, H, L, L)."""
-        L = q.shape[2]
+        # under torch.fx.symbolic_trace q's length is a Proxy, which the table's choice cannot branch on: the
+        # traced graph is the model's at its img_size (VisionTransformer.patchify), so its length is the table's
+        L = self.seq_len if isinstance(q, torch.fx.Proxy) else q.shape[2]
         logits = torch.einsum("bhqd,rhd->bhqr", q, self.table(L))  # (B, H, L, 2L-1)
         pos = torch.arange(L, device=q.device)
         offset = pos[:, None] - pos[None, :] + (L - 1)  # (L, L) index of q - k
-        return logits.gather(-1, offset.expand(*logits.shape[:2], L, L))
+        return logits.gather(-1, offset.expand(q.shape[0], q.shape[1], L, L))
 
 
 class DistanceBias(nn.Module):
@@ -214,7 +216,9 @@ class DistanceBias(nn.Module):
         not the whole grid in raster order (patch dropout): the bias of those tokens, (B, H, L, L)."""
         if positions is not None:
             return self.between(positions).to(q.dtype)  # the table in float32, as the offsets' gradient sums
-        grid = self.grid_of(q.shape[2])
+        # under torch.fx.symbolic_trace q's length is a Proxy, which grid_of cannot branch on: the traced graph
+        # is the model's at its img_size (VisionTransformer.patchify), on the model's grid
+        grid = self.grid if isinstance(q, torch.fx.Proxy) else self.grid_of(q.shape[2])
         distance = self.grid_distance if grid == self.grid else self.distance(grid, q.device)
         bias = -self.log_slope.exp()[:, None, None] * distance
         if self.offset_bias is not None:

@@ -182,8 +182,10 @@ class VisionTransformer(nn.Module):
                              f"input is larger than the model's {self.cfg.grid_size}; train at img_size or below")
         prefix, patches = x[:, :self.cfg.num_prefix_tokens], x[:, self.cfg.num_prefix_tokens:]
         B, N, D = patches.shape
-        keep = self.cfg.kept_patches(N)
-        index = torch.rand(B, N, device=x.device).argsort(dim=1)[:, :keep]
+        # Under torch.fx.symbolic_trace B and N are Proxies: the count is the grid's, which kept_patches can round,
+        # and torch.rand(B, N)'s draws are made by a method of the patches, which fx records (a factory it cannot)
+        keep = self.cfg.kept_patches(grid[0] * grid[1])
+        index = patches.new_empty((B, N), dtype=torch.float32).uniform_().argsort(dim=1)[:, :keep]
         patches = torch.gather(patches, 1, index.unsqueeze(-1).expand(B, keep, D))
         positions = torch.stack([index.div(grid[1], rounding_mode="floor"), index.remainder(grid[1])], dim=-1)
         return torch.cat([prefix, patches], dim=1), positions

@@ -184,6 +184,35 @@ def test_muon_adamw_lr_must_be_positive_and_with_muon():
         OptimConfig(optimizer="adam", muon_adamw_lr=1e-3)
 
 
+# a BiT ResNet small enough to build in milliseconds, at the digits' 8 px
+TINY_BIT = {"layers": (1,), "width_factor": 0.5, "img_size": 8, "root_kernel": 3, "root_stride": 1, "name": "BiT-tiny"}
+
+
+def test_muon_is_refused_for_a_bit_resnet_trained_or_fine_tuned_before_its_data_is_read(tiny, tmp_path, monkeypatch):
+    """Muon orthogonalises the dense layers of a ViT's blocks: a BiT ResNet has none, and its run under
+    optim.optimizer='muon' trained every parameter with AdamW (the very losses of the AdamW run), recorded as Muon."""
+    import re
+
+    import vitlab
+    import vitlab.train.inputs as inputs
+    from vitlab.config import ConfigError
+    from vitlab.train import train
+    from vitlab.train.overrides import with_changes
+
+    monkeypatch.setattr(inputs, "load_labelled", lambda *a, **k: pytest.fail("the data was read"))
+    bit = {"model.name": "BiT-R50x1", "model.overrides": TINY_BIT, "optim.optimizer": "muon"}
+    with pytest.raises(ConfigError, match=r"^optim.optimizer='muon': Muon orthogonalises the dense layers of a ViT's "
+                                          r"Transformer blocks, and BiT-tiny is a BiT ResNet, which has none \(every "
+                                          r"parameter would train with AdamW\); use 'adam' or 'sgd'$"):
+        train(with_changes(tiny("scratch"), bit), verbose=False)
+    init = tmp_path / "bit.safetensors"
+    vitlab.save_model(vitlab.create_model("BiT-R50x1", num_classes=10, **{k: v for k, v in TINY_BIT.items()
+                                                                          if k != "name"}), init)
+    with pytest.raises(ConfigError, match=re.escape("and BiT-R50x1 is a BiT ResNet, which has none")):
+        train(with_changes(tiny("fine"), {"model.init": str(init), "model.overrides": {}, "optim.optimizer": "muon"}),
+              verbose=False)
+
+
 def test_orthogonalise_flops_match_torch_flop_counter():
     """The FLOPs the compute experiment charges Muon, against torch's own count of the matmuls."""
     from torch.utils.flop_counter import FlopCounterMode

@@ -168,6 +168,7 @@ def resolve_together(cfg: TrainConfig, world: World, machine: Machine, saved: di
         return Resolved(cfg, kernels, bf16_matmuls, threads, "off", machine.cpu_line(), notes=notes)
 
     cfg = with_changes(cfg, model_changes(cfg))
+    check_optimizer_fits_model(cfg)
     img_size = training_size(cfg)
     if cfg.optim.accum_steps == "auto" and "accum_steps" in saved:  # before the workers its micro-batch bounds
         cfg = with_changes(cfg, {"optim.accum_steps": saved["accum_steps"]})
@@ -532,6 +533,17 @@ def init_model_name(cfg: TrainConfig) -> str | None:
         return name
     except (ConfigError, WeightsError):
         return None
+
+
+def check_optimizer_fits_model(cfg: TrainConfig) -> None:
+    """Refuse Muon (``optim.optimizer="muon"``) for a model without Transformer blocks: it orthogonalises the
+    blocks' dense layers (``optim.block_matrices``) and leaves the rest to AdamW, and a BiT ResNet has no
+    blocks, so its run was AdamW's throughout, recorded as Muon's (ConfigError)."""
+    arch = trained_architecture(cfg)
+    if cfg.optim.optimizer == "muon" and isinstance(arch, ResNetConfig):
+        raise ConfigError(f"optim.optimizer='muon': Muon orthogonalises the dense layers of a ViT's Transformer "
+                          f"blocks, and {arch.name or cfg.model.name} is a BiT ResNet, which has none (every "
+                          "parameter would train with AdamW); use 'adam' or 'sgd'")
 
 
 def check_named_init(cfg: TrainConfig, name: str) -> None:

@@ -128,6 +128,28 @@ def test_the_steps_timed_for_a_time_limit_are_refused_without_one():
         load_recipe(name)
 
 
+def test_the_loss_scale_and_the_fp8_settings_are_refused_where_the_run_does_not_read_them():
+    # run.loss_scale is the fp16 gradient scaler's, run.fp8_layers and run.fp8_backend the fp8 matmuls': a bf16 run
+    # given --set run.loss_scale=1024, or a run without --fp8 given the layers or torchao, trained as without them
+    with pytest.raises(ConfigError, match=r"^run.loss_scale=1024: the first loss scale of an fp16 run's gradient "
+                                          r"scaler, and run.precision='bf16' scales no loss; set run.precision to "
+                                          r"'fp16', or leave it at 65536.0$"):
+        RunConfig(precision="bf16", loss_scale=1024)
+    assert RunConfig(precision="fp16", loss_scale=1024).loss_scale == 1024
+    with pytest.raises(ConfigError, match=r"^run.fp8_layers=\('mlp.fc1',\): which dense layers of each block run.fp8 "
+                                          r"puts in fp8, and this run has no fp8 matmuls \(run.fp8='off'\); set "
+                                          r"run.fp8 \(--fp8\), or leave it at"):
+        RunConfig(fp8_layers=("mlp.fc1",))
+    with pytest.raises(ConfigError, match=r"^run.fp8_backend='torchao': whose arithmetic computes run.fp8's matmuls, "
+                                          r"and this run has no fp8 matmuls"):
+        with_changes(OK, {"run.fp8_backend": "torchao"})
+    assert RunConfig(precision="bf16", fp8="rowwise", fp8_layers=("mlp.fc1",), fp8_backend="torchao").fp8_layers
+    # a device's form of the run that turns fp8 on reads them
+    assert RunConfig(precision="bf16", fp8_backend="torchao", on_device={"cuda": {"run.fp8": "rowwise"}}).fp8_backend
+    for name in list_recipes():  # no recipe sets them where they are not read
+        load_recipe(name)
+
+
 def test_a_masked_patch_prediction_setting_is_refused_without_it():
     # model.mpp_rate is read by masked patch prediction only: on a classifier it was accepted and did nothing
     with pytest.raises(ConfigError, match=r"^model.mpp_rate=0.25: the fraction of patches masked patch prediction "

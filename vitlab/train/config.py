@@ -420,6 +420,17 @@ class RunConfig(Section):
             need(not early, "run.on_device", self.on_device,
                  f"{', '.join(early)} for {kind}: decided before a device's settings apply (the device "
                  "chooses them), so a run kept its own; set them for every device, or with --set")
+        # read by an fp16 run's gradient scaler alone: under another precision a changed scale was accepted and
+        # did nothing (no recipe's device form changes the precision: BEFORE_ON_DEVICE)
+        self.need_default_unless("loss_scale", self.precision == "fp16", "the first loss scale of an fp16 run's "
+                                 f"gradient scaler, and run.precision={self.precision!r} scales no loss",
+                                 instead="set run.precision to 'fp16'")
+        # and these by fp8 matmuls alone (run.fp8 here, or in a device's form of the run): else they did nothing
+        fp8 = self.fp8 != "off" or any(changes.get("run.fp8", "off") != "off" for changes in self.on_device.values())
+        for name, what in (("fp8_layers", "which dense layers of each block run.fp8 puts in fp8"),
+                           ("fp8_backend", "whose arithmetic computes run.fp8's matmuls")):
+            self.need_default_unless(name, fp8, f"{what}, and this run has no fp8 matmuls (run.fp8='off')",
+                                     instead="set run.fp8 (--fp8)")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "augment": AugmentConfig, "optim": OptimConfig,

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vitlab.fast.kernels import PLAIN, RULES, why_unavailable
 from vitlab.train import train
 from vitlab.train.checkpoint import list_checkpoints, load_checkpoint
 from vitlab.train.metrics import read_jsonl
@@ -148,6 +149,25 @@ def test_the_fast_path_trains_as_the_plain_model(tiny, name):
     curves = {fast: losses(train(tiny(f"fast_{fast}", steps=STEPS, **SAME_ARITHMETIC[name], **{"run.fast": fast}),
                                  verbose=False)) for fast in (True, False)}
     assert curves[True] == pytest.approx(curves[False], abs=0.02)
+
+
+def rule_name(cls: str, vendor: str, family: int | None) -> str:
+    return " ".join(map(str, (cls, vendor or "any vendor", family or "any family")))
+
+
+@pytest.mark.parametrize("rule", ["plain", *(rule_name(*key) for key in RULES)])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_every_cpu_classs_kernels_train_as_the_plain_model(tiny, monkeypatch, rule, precision):
+    """The fast path's kernels of every CPU class (a run takes its own CPU's), here where they can run."""
+    import vitlab.fast as fast
+
+    kernels = PLAIN.kernels if rule == "plain" else next(r.kernels for key, r in RULES.items() if rule_name(*key) == rule)
+    if why_unavailable(kernels) is not None:
+        pytest.skip(why_unavailable(kernels))
+    plain = losses(train(tiny("plain", steps=STEPS, precision=precision, **{"run.fast": False}), verbose=False))
+    monkeypatch.setattr(fast, "choose", lambda *args, **kwargs: kernels)
+    summary = train(tiny("fast", steps=STEPS, precision=precision), verbose=False)
+    assert summary["val_top1"] > 0.3 and losses(summary) == pytest.approx(plain, abs=0.02)
 
 
 @pytest.mark.parametrize("name", [*SAME_ARITHMETIC, "ema", "sgd", "mixup", "dropout"])

@@ -539,8 +539,10 @@ def check_optimizer_fits_model(cfg: TrainConfig) -> None:
     """Refuse Muon (``optim.optimizer="muon"``) for a model without Transformer blocks: it orthogonalises the
     blocks' dense layers (``optim.block_matrices``) and leaves the rest to AdamW, and a BiT ResNet has no
     blocks, so its run was AdamW's throughout, recorded as Muon's (ConfigError)."""
+    if cfg.optim.optimizer != "muon":
+        return  # no init read for any other optimiser
     arch = trained_architecture(cfg)
-    if cfg.optim.optimizer == "muon" and isinstance(arch, ResNetConfig):
+    if isinstance(arch, ResNetConfig):
         raise ConfigError(f"optim.optimizer='muon': Muon orthogonalises the dense layers of a ViT's Transformer "
                           f"blocks, and {arch.name or cfg.model.name} is a BiT ResNet, which has none (every "
                           "parameter would train with AdamW); use 'adam' or 'sgd'")

@@ -238,8 +238,10 @@ def make_model(cfg: TrainConfig, num_classes: int, img_size: tuple) -> nn.Module
         return MaskedPatchPrediction(vit, target=cfg.model.mpp, rate=cfg.model.mpp_rate).train()
     model = build_model(architecture(cfg, num_classes)) if cfg.model.init is None else \
         _fine_tuned(cfg, num_classes, img_size)
-    with torch.no_grad():
-        model.head.bias.fill_(head_bias(cfg, num_classes))
+    bias = head_bias(cfg, num_classes)
+    if bias:  # every model's head starts at zero: only another bias is set (a ResNet's head is a 1x1 convolution)
+        with torch.no_grad():
+            [m for m in model.head.modules() if getattr(m, "bias", None) is not None][-1].bias.fill_(bias)
     return model
 
 

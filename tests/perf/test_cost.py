@@ -252,3 +252,18 @@ def test_counting_a_training_step_leaves_the_models_statistics_and_the_random_st
     for name, b in model.named_buffers():
         assert torch.equal(b, before[name]), name
     assert model.training
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_counting_under_a_callers_inference_mode_counts_as_outside_it_and_leaves_the_mode(backward):
+    # under torch.inference_mode the counter's module hooks met the forward's tensors without an autograd
+    # history and the count ended in an AttributeError from torch's module tracker
+    model = build_model(CASES["token"]).train()
+    x = _images(CASES["token"])
+    expected = count_flops(model, x, backward=backward)
+    with torch.inference_mode():
+        made_here = _images(CASES["token"])  # an inference tensor, which no backward can save
+        assert count_flops(model, x, backward=backward) == expected
+        assert count_flops(model, made_here, backward=backward) == expected
+        assert torch.is_inference_mode_enabled() and not torch.is_grad_enabled()
+    assert all(p.grad is None for p in model.parameters()) and model.training

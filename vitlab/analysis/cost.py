@@ -201,7 +201,9 @@ def count_flops(model: nn.Module, *inputs: Any, backward: bool = False) -> int:
     for it here.  With ``backward`` the sum of the output is back-propagated too (with
     gradients on, under a caller's ``torch.no_grad`` as well); the gradients of the
     parameters and of the inputs are given back as they were (none, or the caller's), and so
-    are the model's buffers (BatchNorm's running statistics) and the random streams.
+    are the model's buffers (BatchNorm's running statistics) and the random streams.  It counts
+    under a caller's ``torch.inference_mode`` too (the counter's module hooks met its tensors
+    without an autograd history in an AttributeError), inputs made there read as copies.
     """
     aten = torch.ops.aten
     mapping = {}
@@ -216,13 +218,15 @@ def count_flops(model: nn.Module, *inputs: Any, backward: bool = False) -> int:
     buffers = [(b, b.clone()) for b in model.buffers()]
     cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *inputs)
                    if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    grad_mode = backward or torch.is_grad_enabled()  # read before inference mode is left, which turns it on
     try:
         for p, _ in caller_grads:
             p.grad = None
-        # a backward needs gradients on, under a caller's no_grad too; the mode is restored after
-        with torch.random.fork_rng(devices=cuda), torch.set_grad_enabled(backward or torch.is_grad_enabled()), \
+        # a backward needs gradients on, under a caller's no_grad too; the modes are restored after
+        with torch.inference_mode(False), torch.random.fork_rng(devices=cuda), torch.set_grad_enabled(grad_mode), \
                 FlopCounterMode(display=False, custom_mapping=mapping) as counter:
-            out = model(*inputs)
+            # a tensor made in inference mode cannot be saved for a backward: a normal copy is
+            out = model(*(t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in inputs))
             if backward:
                 out.float().sum().backward()
     finally:

@@ -159,3 +159,30 @@ def test_a_multi_label_validation_set_keeps_every_label_of_each_image_by_name(tm
                                           r"data.class_subset=\('a', 'b'\) selects images by their one class"):
         build_splits(TrainConfig(data=DataConfig(source=str(train), val_data=str(val), class_subset=("a", "b"),
                                                  cache_dir=str(tmp_path / "cache"), decode_workers=1)), (8, 8))
+
+
+def test_a_class_subset_names_its_classes_in_either_unicode_spelling(tmp_path):
+    """A data folder copied from a Mac names its classes decomposed (NFD: macOS's file systems, zip and
+    tar write them so), a class subset typed (and recorded by the run) composed: the same names, as class
+    names are compared everywhere else (``same_spelling``), but the training run refused them as no
+    such classes, a validation set of the same folders was matched class by class instead (refused for
+    its classes outside the subset), and eval of a run that recorded the subset refused its data."""
+    import unicodedata
+
+    cafe = "caf\u00e9"
+    folders = [unicodedata.normalize("NFD", cafe), "tea", "water"]  # sorted: 'cafe\u0301' < 'tea'
+    train, val = _class_images(tmp_path / "train", folders), _class_images(tmp_path / "val", folders)
+    subset = ("tea", cafe)
+    common = dict(source=str(train), class_subset=subset, cache_dir=str(tmp_path / "cache"), decode_workers=1)
+    s = build_splits(TrainConfig(data=DataConfig(**common, val_split=0)), (8, 8))
+    assert s.classes == ["tea", cafe]
+    # the red channel is 40 x the class's place among the folders: 'cafe\u0301' 0, 'tea' 40
+    red = {0: 40, 1: 0}
+    assert [int(image[0, 0, 0]) for image in s.train_images] == [red[int(y)] for y in s.train_labels]
+    assert sorted(s.train_labels.tolist()) == [0, 0, 0, 1, 1, 1]
+    s = build_splits(TrainConfig(data=DataConfig(**common, val_split=0, val_data=str(val))), (8, 8))
+    assert [int(image[0, 0, 0]) for image in s.val_images] == [red[int(y)] for y in s.val_labels]
+    assert sorted(s.val_labels.tolist()) == [0, 0, 0, 1, 1, 1]
+    held = load_held_out({"source": str(train), "val_split": 0, "class_subset": list(subset)}, (8, 8),
+                         cache_dir=tmp_path / "cache", workers=1)
+    assert sorted(held.labels[held.held].tolist()) == [0, 0, 0, 1, 1, 1]

@@ -11,7 +11,6 @@ split it, from the data section that run recorded.
 from __future__ import annotations
 
 import os
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -22,7 +21,7 @@ from vitlab.config import ConfigError, need_count_or_fraction, need_output_folde
 from vitlab.data.digits import load_digits_dataset
 from vitlab.data.memory import InMemoryDataset, load_in_memory, load_source_in_memory
 from vitlab.data.sources import PathLike
-from vitlab.data.splits import (check_seed, part_key, select_classes, split_changes, split_key, stratified_split,
+from vitlab.data.splits import (check_seed, part_key, same_spelling, select_classes, split_changes, split_key, stratified_split,
                                  training_pool)
 from vitlab.data.stream import hold_out, open_source
 
@@ -379,10 +378,3 @@ def renumbered(order: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """``order[labels]``: each label's new number; the -1 that fills a multi-label set's rows stays
     (indexed, it took the last class's number)."""
     return torch.where(labels >= 0, order[labels.clamp(min=0)], labels)
-
-
-def same_spelling(names: list) -> list:
-    """Class names as they are compared: composed (NFC).  A folder's name copied from a Mac is
-    decomposed (NFD: macOS's file systems, zip and tar write it so), the same name written
-    elsewhere composed, and the two spellings of one name differ as strings."""
-    return [unicodedata.normalize("NFC", n) if isinstance(n, str) else n for n in names]

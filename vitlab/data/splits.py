@@ -12,6 +12,7 @@ platforms and versions, so a split can be named by its seed in a paper.
 from __future__ import annotations
 
 import hashlib
+import unicodedata
 from typing import Mapping, Optional, Union
 
 import numpy as np
@@ -20,8 +21,8 @@ import torch
 from vitlab.config import ConfigError
 from vitlab.data.sources import DataError
 
-__all__ = ["stratified_split", "stratified_sample", "training_pool", "few_per_class", "select_classes", "check_seed",
-           "part_key", "split_key", "split_changes"]
+__all__ = ["stratified_split", "stratified_sample", "training_pool", "few_per_class", "select_classes", "same_spelling",
+           "check_seed", "part_key", "split_key", "split_changes"]
 
 Labels = Union[torch.Tensor, np.ndarray, list]
 
@@ -154,12 +155,15 @@ def few_per_class(labels: Labels, k: int, seed: int) -> torch.Tensor:
 
 
 def select_classes(images: torch.Tensor, labels: torch.Tensor, classes: list[str], keep: tuple[str, ...]):
-    """Only the classes named in ``keep``, relabelled 0..len(keep)-1 in that order."""
-    missing = [c for c in keep if c not in classes]
+    """Only the classes named in ``keep``, relabelled 0..len(keep)-1 in that order.  Names are
+    matched as spelt alike (``same_spelling``): a subset typed composed names a folder copied from a
+    Mac, decomposed, and was refused as no such class."""
+    spelt, wanted = same_spelling(list(classes)), same_spelling(list(keep))
+    missing = [c for c, s in zip(keep, wanted) if s not in spelt]
     if missing:
         raise ConfigError(f"data.class_subset={keep!r}: no class(es) {', '.join(map(repr, missing))}; "
                           f"the data has {', '.join(classes)}")
-    old_ids = torch.tensor([classes.index(c) for c in keep])
+    old_ids = torch.tensor([spelt.index(c) for c in wanted])
     mask = torch.isin(labels, old_ids)
     remap = torch.full((len(classes),), -1, dtype=torch.long)
     remap[old_ids] = torch.arange(len(keep))
@@ -196,3 +200,10 @@ def split_changes(now: Mapping, recorded: Mapping, whose: str = "the run's") -> 
         changes.append(f"{words} {count} examples, {whose} {then}" if count != then else
                        f"{words} {count} examples, as many as {whose} but not all the same images")
     return changes
+
+
+def same_spelling(names: list) -> list:
+    """Class names as they are compared: composed (NFC).  A folder's name copied from a Mac is
+    decomposed (NFD: macOS's file systems, zip and tar write it so), the same name written
+    elsewhere composed, and the two spellings of one name differ as strings."""
+    return [unicodedata.normalize("NFC", n) if isinstance(n, str) else n for n in names]

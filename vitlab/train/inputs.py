@@ -23,7 +23,7 @@ from vitlab.config import ConfigError, Pair
 from vitlab.data.labelled import labels_by_name, load_labelled
 from vitlab.data.memory import load_source_in_memory
 from vitlab.data.sources import DataError
-from vitlab.data.splits import part_key, select_classes, split_key, stratified_split, training_pool
+from vitlab.data.splits import part_key, same_spelling, select_classes, split_key, stratified_split, training_pool
 from vitlab.data.stream import hold_out, open_source, source_state
 
 from .config import TrainConfig
@@ -73,7 +73,7 @@ def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
     images, labels, classes = dataset.images, dataset.labels, list(dataset.classes)
     ids = torch.arange(len(labels))
     if data.class_subset:
-        ids = ids[torch.isin(labels, torch.tensor([classes.index(c) for c in data.class_subset if c in classes]))]
+        ids = select_classes(ids, labels, classes, tuple(data.class_subset))[0]
         images, labels, classes = select_classes(images, labels, classes, tuple(data.class_subset))
     if data.train_examples and data.train_examples < len(labels):
         # the training pool: a class-stratified sample (the held-out part of a stratified split)
@@ -205,7 +205,7 @@ def load_val_data(cfg: TrainConfig, image_size: Pair, classes: list[str], world=
     set's labels are (N, L), every label of each image (``InMemoryDataset.scored_labels``)."""
     data = cfg.data
     val = decoded_once(lambda: load_labelled(data.val_data, image_size, data.cache_dir, data.decode_workers), world)
-    if data.class_subset and set(data.class_subset) <= set(val.classes):
+    if data.class_subset and set(same_spelling(list(data.class_subset))) <= set(same_spelling(list(val.classes))):
         if val.label_sets is not None:  # an image may hold classes of the subset and others
             raise ConfigError(f"data.val_data={data.val_data!r}: {val.several_labels} of its images have several "
                               f"labels, and data.class_subset={data.class_subset!r} selects images by their one "

@@ -526,8 +526,8 @@ def test_calibrate_prints_the_chosen_kernels_the_auto_precision_and_the_file(tmp
     assert calls == [2, 3]  # neither refusal timed anything
 
 
-def test_show_config_needs_no_data(capsys):
-    for command in (["train", "--recipe", "paper_pretrain"], ["finetune", "--init", "missing.npz"],
+def test_show_config_needs_no_data(tiny_checkpoint, capsys):
+    for command in (["train", "--recipe", "paper_pretrain"], ["finetune", "--init", tiny_checkpoint],
                     ["sweep", "--recipe", "paper_finetune"]):
         assert main([*command, "--show-config"]) == 0, capsys.readouterr().err
         shown = json.loads(capsys.readouterr().out)
@@ -546,6 +546,21 @@ def test_show_config_refuses_an_init_here_that_is_no_weights(tmp_path, capsys):
         (line,) = err.splitlines()
         assert out == "" and line.startswith("vitlab finetune: error: ") and \
             f"{init} is not a readable safetensors file" in line, model
+
+
+def test_show_config_refuses_an_init_that_is_not_here_as_the_run_does(tmp_path, capsys):
+    """A local init that is not there (a mistyped path) is refused by the run in one line; --show-config
+    printed its config, the estimate alone 'not_estimated', and exited 0.  A Hub name is read as the run
+    starts, and still shown."""
+    missing = str(tmp_path / "no" / "x.safetensors")
+    for command in (["finetune", "--init", missing], ["train", "--set", f"model.init={missing}"]):
+        assert main([*command, "--recipe", "demo", "--data", "digits", "--show-config"]) == 2, command
+        out, err = capsys.readouterr()
+        assert out == "" and err.splitlines() == [
+            f"vitlab {command[0]}: error: model.init={missing!r}: no such file or folder"], command
+        assert main([*command, "--recipe", "demo", "--data", "digits", "--steps", "1",
+                     "--out", str(tmp_path / "run")]) == 2
+        assert capsys.readouterr().err.splitlines() == err.splitlines()  # the run's line
 
 
 @pytest.mark.parametrize("dataset, share", [("pets", 0.1), ("flowers", 0.1), ("cifar10", 0.02), ("cifar100", 0.02),

@@ -603,10 +603,10 @@ def test_a_shorter_run_scales_a_count_warmup():
     assert warmup_steps(finetune.optim, 10_000) == 500 and warmup_steps(finetune.optim, 200) == 10
 
 
-def test_finetune_with_a_few_steps_from_the_command_line(capsys):
+def test_finetune_with_a_few_steps_from_the_command_line(tiny_checkpoint, capsys):
     from vitlab.cli import main
 
-    assert main(["finetune", "--init", "W", "--data", "D", "--steps", "10", "--show-config"]) == 0
+    assert main(["finetune", "--init", tiny_checkpoint, "--data", "D", "--steps", "10", "--show-config"]) == 0
     optim = json.loads(capsys.readouterr().out)["optim"]
     assert (optim["steps"], optim["warmup"]) == (10, 1)
 

@@ -28,7 +28,8 @@ from .ema import EMA
 from .inputs import Splits, build_splits, stream_splits, whitening_sample
 from .numerics import make_scaler
 from .optim import build_optimizer
-from .resolve import Resolved, init_architecture, load_init, resolve, resolve_device, this_machine
+from .resolve import (Resolved, check_init_named, init_architecture, load_init, resolve, resolve_device,
+                      this_machine)
 from .state import process_state, rank_seed, rng_state, set_process_state
 from .step import HeldGradients, Update
 
@@ -117,33 +118,6 @@ def check_init_kept(cfg: TrainConfig) -> None:
     if init in (out, out / WEIGHTS_NAME):
         raise ConfigError(f"model.init={cfg.model.init!r}: the weights run.out={cfg.run.out!r} holds, which this run "
                           "writes its own over; fine-tune them into another --out")
-
-
-def check_init_named(init: str, held_checkpoints: bool = False) -> None:
-    """Refuse an init that is no file or folder: a name of the registry's form is a model, not weights
-    (ViT-B/17, mistyped, was "no such file or folder" where load_model and export name the model it
-    resembles; ViT-B/16 the same, with no word that a model name trains no pre-trained weights); a
-    Hugging Face Hub name (org/name) is looked up when the weights are loaded.  ``held_checkpoints``: the
-    run's folder holds a run's checkpoints, whose --resume needs the init all the same (said so: the
-    checkpoint holds the weights, and the refusal read as a mistake)."""
-    from vitlab.models.registry import canonical_name, has_name_form, list_models, unknown_model
-    from vitlab.weights.hub import not_looked_up, parse_hub_name
-
-    if has_name_form(init):
-        if canonical_name(init) not in list_models():
-            raise ConfigError(f"model.init={init!r}: no such file or folder, and {unknown_model(init)}")
-        raise ConfigError(f"model.init={init!r}: names a model of the registry, not weights, and is no file or "
-                          "folder; a fine-tune starts from weights (a file or folder, such as a run's "
-                          "model.safetensors, or a Hugging Face Hub name org/name); to train "
-                          f"{canonical_name(init)} from scratch, name it as the model, without an init "
-                          f"(vitlab train --model {canonical_name(init)})")
-    if parse_hub_name(init) is None:
-        # the model is built as the init's (its architecture, resolution and head resolved from it, its weights
-        # adapted) before a checkpoint's weights are loaded into it
-        resuming = ("; --resume of the run whose checkpoints run.out holds needs its init all the same: the model "
-                    "is built from the init (its architecture, resolution and head) before the checkpoint's weights "
-                    "are loaded into it; put the init back at this path") if held_checkpoints else ""
-        raise ConfigError(f"model.init={init!r}: no such file or folder{not_looked_up(init)}{resuming}")
 
 
 def check_mixing(cfg: TrainConfig, micro_batch: int, world_size: int) -> None:

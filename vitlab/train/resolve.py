@@ -57,6 +57,7 @@ from vitlab.machine import Machine
 from vitlab.models.registry import get_config
 
 from .architecture import architecture
+from .checkpoint import latest_checkpoint
 from .config import FINETUNE_MODEL_FIELDS, DataConfig, RunConfig, TrainConfig, to_dict
 from .distributed import Agreement, World, local_rank, local_world
 from .inputs import HeldImages, count_images, held_images, opened_source
@@ -236,9 +237,13 @@ def preview(cfg: TrainConfig, machine: Machine | None = None) -> dict:
     no process group joined, no data decoded, no model built.  An init that is not here yet (a Hub
     name, read as the run starts) leaves the config as given and the estimate out; weights here that
     cannot be read are refused, as the run refuses them (a text file named x.safetensors had been
-    left out of the estimate alone, and the config shown as one that would run)."""
+    left out of the estimate alone, and the config shown as one that would run), and so is an init that is
+    no file or folder here nor a Hub name (a mistyped path had been shown as a config that would run)."""
     if cfg.model.init is not None and Path(cfg.model.init).expanduser().exists():
         init_architecture(cfg)  # WeightsError: the run's line, not left out of the estimate below
+    elif cfg.model.init is not None:  # the run's line (check_can_run's)
+        check_init_named(cfg.model.init, held_checkpoints=latest_checkpoint(Path(cfg.run.out) / "checkpoints")
+                         is not None)
     machine = machine or this_machine()
     world = local_world(resolve_device(cfg.run.device, machine, local_rank()))
     check_device_options(cfg, world.device, machine)  # refused as the run would be, not left out of the estimate below
@@ -546,6 +551,33 @@ def check_optimizer_fits_model(cfg: TrainConfig) -> None:
         raise ConfigError(f"optim.optimizer='muon': Muon orthogonalises the dense layers of a ViT's Transformer "
                           f"blocks, and {arch.name or cfg.model.name} is a BiT ResNet, which has none (every "
                           "parameter would train with AdamW); use 'adam' or 'sgd'")
+
+
+def check_init_named(init: str, held_checkpoints: bool = False) -> None:
+    """Refuse an init that is no file or folder: a name of the registry's form is a model, not weights
+    (ViT-B/17, mistyped, was "no such file or folder" where load_model and export name the model it
+    resembles; ViT-B/16 the same, with no word that a model name trains no pre-trained weights); a
+    Hugging Face Hub name (org/name) is looked up when the weights are loaded.  ``held_checkpoints``: the
+    run's folder holds a run's checkpoints, whose --resume needs the init all the same (said so: the
+    checkpoint holds the weights, and the refusal read as a mistake)."""
+    from vitlab.models.registry import canonical_name, has_name_form, list_models, unknown_model
+    from vitlab.weights.hub import not_looked_up, parse_hub_name
+
+    if has_name_form(init):
+        if canonical_name(init) not in list_models():
+            raise ConfigError(f"model.init={init!r}: no such file or folder, and {unknown_model(init)}")
+        raise ConfigError(f"model.init={init!r}: names a model of the registry, not weights, and is no file or "
+                          "folder; a fine-tune starts from weights (a file or folder, such as a run's "
+                          "model.safetensors, or a Hugging Face Hub name org/name); to train "
+                          f"{canonical_name(init)} from scratch, name it as the model, without an init "
+                          f"(vitlab train --model {canonical_name(init)})")
+    if parse_hub_name(init) is None:
+        # the model is built as the init's (its architecture, resolution and head resolved from it, its weights
+        # adapted) before a checkpoint's weights are loaded into it
+        resuming = ("; --resume of the run whose checkpoints run.out holds needs its init all the same: the model "
+                    "is built from the init (its architecture, resolution and head) before the checkpoint's weights "
+                    "are loaded into it; put the init back at this path") if held_checkpoints else ""
+        raise ConfigError(f"model.init={init!r}: no such file or folder{not_looked_up(init)}{resuming}")
 
 
 def check_named_init(cfg: TrainConfig, name: str) -> None:

@@ -593,3 +593,26 @@ def test_eval_and_fewshot_refuse_the_runs_split_of_data_with_an_image_swapped_si
     assert main(["fewshot", str(run), "--shots", "1", "--feature-cache", "none"]) == 2
     assert "as many as the run's but not all the same images" in capsys.readouterr().err
     assert main([*evaluate, "--data", str(data), "--val-split", "6"]) == 0  # the user's own split
+
+
+def test_eval_of_a_sigmoid_run_averages_and_calibrates_its_per_class_probabilities(run_dir, tmp_path, capsys):
+    """A run trained with sigmoid_xent (paper_pretrain's loss) gives each class a probability of its
+    own: eval averaged its views by their mean softmax probability and binned the softmax's
+    confidence in its ECE, probabilities the model was not trained to give."""
+    import shutil
+
+    from vitlab.data.digits import load_digits_dataset
+    from vitlab.eval import Evaluator
+
+    run = tmp_path / "sigmoid"
+    shutil.copytree(run_dir, run)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "loss": "sigmoid_xent"}))  # the run's optim.loss
+    assert main(["eval", "--checkpoint", str(run / "model.safetensors"), "--data", "digits", "--val-split", "0",
+                 "--flip", "--json"]) == 0
+    out = last_json(capsys)
+    model, data = weights.load_model(run / "model.safetensors"), load_digits_dataset(16)
+    scored = {loss: Evaluator(data.images, data.labels, flip=True, loss=loss, report_bins=15).run(model)
+              for loss in ("sigmoid_xent", "softmax_xent")}
+    assert (out["top1"], out["ece"]) == pytest.approx((scored["sigmoid_xent"]["top1"], scored["sigmoid_xent"]["ece"]))
+    assert out["ece"] != pytest.approx(scored["softmax_xent"]["ece"])

@@ -257,6 +257,40 @@ def test_a_multi_label_set_is_scored_by_precision_at_1_against_every_label(loss)
         Evaluator(images, labels, report_bins=15)
 
 
+def test_a_sigmoid_runs_views_and_calibration_take_its_per_class_sigmoid_probabilities():
+    """A sigmoid_xent run (paper_pretrain's) gives each class a probability of its own, sigmoid(z_k): its
+    test-time views were ensembled by their mean softmax probability, which ranks the first image's
+    classes the other way (top-1 0.5 here, 1.0 by the mean of the sigmoid probabilities), and the
+    calibration error was of softmax probabilities, not those the model was trained to give.  A softmax
+    run's, and a sigmoid run's single-view top-1, are as they were."""
+    import torch
+
+    from vitlab.config import ViTConfig
+    from vitlab.eval import Evaluator
+    from vitlab.models import create_model
+
+    model = create_model(ViTConfig(img_size=8, patch_size=4, width=16, depth=1, mlp_dim=32, num_heads=2, num_classes=3))
+    images, labels = torch.zeros(2, 3, 8, 8, dtype=torch.uint8), torch.tensor([1, 0])
+    image = torch.tensor([[8.0, 0.0, -9.0], [2.0, -1.0, -9.0]])
+    mirror = torch.tensor([[-1.0, 6.0, -9.0], [1.0, -3.0, -9.0]])
+
+    def views(*logits):  # what the model gives each view of the batch in turn: the image, then its mirror image
+        calls = iter(logits)
+        return lambda x: next(calls)
+
+    probabilities = {"sigmoid_xent": torch.sigmoid, "softmax_xent": lambda z: z.softmax(-1)}
+    for loss, top1 in (("sigmoid_xent", 1.0), ("softmax_xent", 0.5)):
+        p = probabilities[loss]
+        flipped = Evaluator(images, labels, flip=True, loss=loss, report_bins=4).run(model, forward=views(image, mirror))
+        assert (flipped["top1"], flipped["top1_single"]) == (top1, 0.5), loss
+        mean = ((p(image) + p(mirror)) / 2).double().numpy()
+        assert flipped["ece"] == pytest.approx(expected_calibration_error(mean, labels.numpy(), 4), abs=1e-6), loss
+        single = Evaluator(images, labels, loss=loss, report_bins=4).run(model, forward=views(image))
+        assert single["top1"] == 0.5
+        assert single["ece"] == pytest.approx(expected_calibration_error(p(image).double().numpy(), labels.numpy(), 4),
+                                              abs=1e-6), loss
+
+
 def test_evaluator_refuses_a_loss_it_cannot_report_before_any_work():
     import torch
 

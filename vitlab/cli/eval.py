@@ -122,9 +122,11 @@ def run(args: argparse.Namespace) -> int:
                          workers=resolved.decode_workers, results=meta.get("results"), run_name=args.checkpoint)
     # labels by name, as the model's outputs: a folder's classes in another order, or some of them
     labels, classes = data.held_for_model(meta.get("classes"), model.cfg.num_classes, read_class_names(args.checkpoint))
-    # a multi-label set's labels (N, L) are scored by precision@1, which has no per-class report
+    # a multi-label set's labels (N, L) are scored by precision@1, which has no per-class report; the views
+    # are averaged and ECE binned in the probabilities the run trained (a sigmoid_xent run's, class by class)
     evaluator = Evaluator(data.images[data.held], labels, batch_size=args.batch_size, device=device,
                           flip=args.flip, shift=args.shift, diagonal=args.diagonal, image_size=size,
+                          loss=recorded_section(meta.get("recipe"), "optim").get("loss", "softmax_xent"),
                           report_bins=None if labels.ndim == 2 else args.bins)
     # one batch shape (the last batch padded), compiled once; the views of test-time augmentation share it
     forward = fast.compile_for_inference(model, batch_size=args.batch_size, eager_on_failure=True) \

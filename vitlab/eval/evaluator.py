@@ -16,7 +16,6 @@ scaled to [-1, 1] (``vitlab.data.transforms``), as training and ``predict_logits
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
@@ -28,7 +27,7 @@ from vitlab.data.transforms import resize, to_float
 from vitlab.fast.kernels import autocast
 from vitlab.modes import evaluating
 
-from .features import Shift, check_tta_shift, mean_probability, tta_view_prefixes, tta_views
+from .features import Shift, check_tta_shift, mean_probability, mean_sigmoid, tta_view_prefixes, tta_views
 from .metrics import check_num_bins, classification_report, label_rank
 
 LOSSES = ("softmax_xent", "sigmoid_xent")  # a training run's optim.loss, which its evaluations report
@@ -45,15 +44,18 @@ class Evaluator:
     flip, shift, diagonal: score the mean of the predicted probabilities of each image's
         test-time views (``vitlab.eval.features.tta_views``: its mirror image; its
         translations by ``shift`` pixels, one size or several, along the axes and with
-        ``diagonal`` along both at once).  With more than one view ``top1_single`` keeps the
+        ``diagonal`` along both at once), the probabilities ``loss`` trained (``mean_probability``:
+        the softmax, or under sigmoid_xent each class's own sigmoid).  With more than one view ``top1_single`` keeps the
         top-1 of the image alone, with both ``top1_flip`` that of image + mirror, and
         ``top1_views`` the top-1 of every smaller set the views nest
         (``tta_view_prefixes``: {1: ..., 2: ..., 10: ..., 18: ...}), scored in the same pass.
     report_bins: also the full ``classification_report`` (per-class accuracy, confusion
-        matrix, ECE with this many bins), as `vitlab eval` prints it; one process only.
+        matrix, ECE with this many bins, of the probabilities ``loss`` gives), as `vitlab eval`
+        prints it; one process only.
     precision: "fp32", "bf16" or "fp16" (autocast), as the caller resolved it.
     loss: the ``loss`` reported: "softmax_xent", or "sigmoid_xent" (per-class binary
-        cross-entropy summed over classes, ``sigmoid_losses``), a run's ``optim.loss``.
+        cross-entropy summed over classes, ``sigmoid_losses``), a run's ``optim.loss``; it
+        also says what the model's probabilities are, which views average and ECE bins.
     world: the processes sharing the evaluation (rank, size, and ``all_reduce_sum(values)``,
         as ``vitlab.train.distributed.World`` has them); rank r takes examples r, r + W, ...;
         all ranks run the same number of batches (the short ones padded and masked), so a
@@ -148,7 +150,7 @@ class Evaluator:
                             else None)
                 several = positive if self.multi_label else None
                 # each nested set's ensemble; the last set is all the views
-                ensembles = [mean_probability(*views[:k]) for k in self.view_sets]
+                ensembles = [mean_probability(*views[:k], loss=self.loss) for k in self.view_sets]
                 nested = [(top1_hits(ensemble, y, several) & ok).sum() for ensemble in ensembles]
                 if len(views) > 1:
                     single = nested[0]
@@ -185,7 +187,8 @@ class Evaluator:
         if len(self.view_sets) > 2:  # sets beyond the image and its mirror
             result[f"{score}_views"] = {k: sums[f"views_{k}"] / n for k in self.view_sets}
         if self.report_bins is not None:
-            report = classification_report(np.concatenate(all_logits), self.labels.numpy(), num_bins=self.report_bins)
+            report = classification_report(np.concatenate(all_logits), self.labels.numpy(), num_bins=self.report_bins,
+                                           loss=self.loss)
             result.update({k: report[k] for k in ("ece", "per_class_accuracy", "confusion_matrix")})
         return result
 
@@ -223,8 +226,5 @@ def sigmoid_losses(views: list[torch.Tensor], positive: torch.Tensor) -> torch.T
     logits against its (B, K) ``positive`` classes (``label_targets``: a one-hot label, or a
     multi-label image's labels): of the views' mean probability of each class (one view: its
     own logits', as the training loss has it), in log space."""
-    z = torch.stack(views).float()
-    log_views = math.log(len(views))
-    log_p = torch.logsumexp(F.logsigmoid(z), dim=0) - log_views
-    log_not_p = torch.logsumexp(F.logsigmoid(-z), dim=0) - log_views
+    log_p, log_not_p = mean_sigmoid(torch.stack(views))
     return -torch.where(positive, log_p, log_not_p).sum(-1)

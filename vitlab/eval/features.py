@@ -154,10 +154,29 @@ def tta_averaged(fn: Callable[[torch.Tensor], torch.Tensor], flip: bool = False,
     return averaged
 
 
-def mean_probability(*logits: torch.Tensor) -> torch.Tensor:
-    """log(mean_i softmax(logits_i)): the log-probabilities of an ensemble of views."""
+def mean_probability(*logits: torch.Tensor, loss: str = "softmax_xent") -> torch.Tensor:
+    """The scores of an ensemble of views whose probabilities are the views' mean probabilities, as
+    the model was trained to give them (``loss``, a run's ``optim.loss``): of "softmax_xent",
+    log(mean_i softmax(logits_i)), the ensemble's log-probabilities; of "sigmoid_xent", each
+    class's own probability, sigmoid(z_k), averaged: the logit of the mean, log(p / (1 - p))
+    (one view: its logits), whose sigmoid is that mean.  Either ranks the classes by it."""
+    if loss == "sigmoid_xent":
+        if len(logits) == 1:
+            return logits[0].float()
+        log_p, log_not_p = mean_sigmoid(torch.stack(logits))
+        return log_p - log_not_p
+    if loss != "softmax_xent":
+        raise ValueError(f"loss={loss!r}: allowed values are 'softmax_xent', 'sigmoid_xent'")
     views = torch.stack([z.float().log_softmax(-1) for z in logits])
     return torch.logsumexp(views, dim=0) - math.log(len(logits))
+
+
+def mean_sigmoid(views: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p, log(1 - p)) of p, the mean over ``views``' first dimension (V, ..., K) of each
+    class's sigmoid probability, in log space."""
+    z, log_views = views.float(), math.log(len(views))
+    return (torch.logsumexp(F.logsigmoid(z), dim=0) - log_views,
+            torch.logsumexp(F.logsigmoid(-z), dim=0) - log_views)
 
 
 def predict_logits(model: nn.Module, images: torch.Tensor, batch_size: int = 128,

@@ -1,7 +1,8 @@
 """Classification metrics as pure functions of arrays: scores (N, K) and labels (N,).
 
 ``scores`` may be logits or probabilities wherever only their ranking matters (top-k,
-confusion); calibration needs probabilities, which ``softmax`` gives.  Everything is
+confusion); calibration needs probabilities, which ``softmax`` gives, or ``sigmoid`` of a model
+trained with a per-class sigmoid loss (sigmoid_xent).  Everything is
 numpy so that the functions are easy to check by hand and run anywhere.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 __all__ = [
     "softmax",
+    "sigmoid",
     "topk_accuracy",
     "confusion_matrix",
     "per_class_accuracy",
@@ -38,6 +40,11 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     z = z - z.max(axis=1, keepdims=True)
     e = np.exp(z)
     return e / e.sum(axis=1, keepdims=True)
+
+
+def sigmoid(logits: np.ndarray) -> np.ndarray:
+    """(N, K) logits -> (N, K) each class's own probability, 1 / (1 + exp(-z)), stably in float64."""
+    return np.exp(-np.logaddexp(0.0, -np.asarray(logits, dtype=np.float64)))
 
 
 def topk_accuracy(scores: np.ndarray, labels: np.ndarray, ks: Sequence[int] = (1, 5)) -> dict[int, float]:
@@ -102,12 +109,16 @@ def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, num_bins: 
 
 
 def classification_report(logits: np.ndarray, labels: np.ndarray, num_classes: int | None = None,
-                          num_bins: int = 15) -> dict:
+                          num_bins: int = 15, loss: str = "softmax_xent") -> dict:
     """All metrics of ``vitlab eval`` from logits (N, K) and labels (N,).
 
     Returns a JSON-ready dict: ``top1``, ``top5`` (fractions), ``per_class_accuracy`` (K,),
-    ``confusion_matrix`` (K, K), ``ece`` (softmax probabilities, ``num_bins`` bins), ``n``.
+    ``confusion_matrix`` (K, K), ``ece`` (``num_bins`` bins), ``n``.  ``loss``: the probabilities
+    whose calibration ECE measures, those the model was trained to give: "softmax_xent" the
+    logits' softmax, "sigmoid_xent" each class's sigmoid (a run's ``optim.loss``).
     """
+    if loss not in ("softmax_xent", "sigmoid_xent"):
+        raise ValueError(f"loss={loss!r}: allowed values are 'softmax_xent', 'sigmoid_xent'")
     logits, labels = _check(logits, labels)
     k = num_classes or logits.shape[1]
     top = topk_accuracy(logits, labels, (1, 5))
@@ -116,7 +127,7 @@ def classification_report(logits: np.ndarray, labels: np.ndarray, num_classes: i
         "n": int(len(labels)),
         "top1": top[1],
         "top5": top[5],
-        "ece": expected_calibration_error(softmax(logits), labels, num_bins),
+        "ece": expected_calibration_error((sigmoid if loss == "sigmoid_xent" else softmax)(logits), labels, num_bins),
         "per_class_accuracy": [None if np.isnan(a) else float(a) for a in per_class_accuracy(confusion)],
         "confusion_matrix": confusion.tolist(),
     }

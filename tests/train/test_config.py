@@ -724,6 +724,32 @@ def test_a_recipe_with_per_model_rates_takes_its_inits_row_unnamed(tmp_path, cap
         "model is 'ViT-L/32' (--model, or a fine-tune's init); name the model once")
 
 
+def test_the_library_takes_a_recipes_row_by_its_inits_model_as_the_commands_do(tmp_path):
+    """load_recipe (the Python API) gave paper_pretrain with a ViT-L/32 init Table 3's ViT-B/16 row, 8e-4 (its
+    own 6e-4), recorded as model_name=ViT-B/16 beside the model ViT-L/32: only the command line took the init's
+    row.  load_recipe's changes name the init, and it takes the row the commands take, by the one rule."""
+    import vitlab
+
+    vitlab.save_model(vitlab.create_model("ViT-L/32", img_size=16, patch_size=8, width=16, depth=1, num_heads=2,
+                                          mlp_dim=32, num_classes=10), tmp_path / "l32")
+    nameless = vitlab.models.vit.ViTConfig(img_size=16, patch_size=8, width=16, depth=1, num_heads=2, mlp_dim=32)
+    vitlab.save_model(vitlab.create_model(nameless), tmp_path / "nameless")
+    tune = {"model.pre_logits": False, "optim.steps": 10}
+    for init, lr, recipe in (("l32", 6e-4, "model_name=ViT-L/32"), ("nameless", 8e-4, "model_name=ViT-B/16")):
+        cfg = load_recipe("paper_pretrain", changes={**tune, "model.init": str(tmp_path / init)})
+        assert (cfg.optim.lr, cfg.recipe) == (lr, f"paper_pretrain:dataset=jft,{recipe},epochs=7"), init
+        assert cfg.optim.steps == 10 and cfg.model.pre_logits is False  # the changes made, over the row's
+    l32 = {**tune, "model.init": str(tmp_path / "l32")}
+    assert load_recipe("paper_pretrain", changes={**l32, "optim.lr": 1e-4}).optim.lr == 1e-4
+    assert load_recipe("paper_pretrain", "ViT-L/32", changes=l32).optim.lr == 6e-4
+    with pytest.raises(ConfigError, match=r"^model.name='ViT-B/16': model.init=.* holds 'ViT-L/32'; a fine-tune "):
+        load_recipe("paper_pretrain", changes={**l32, "model.name": "ViT-B/16"})
+    with pytest.raises(ConfigError, match=r"^recipe 'paper_pretrain:model_name=ViT-B/16': model_name='ViT-B/16', "
+                                          r"and the run's model is 'ViT-L/32'"):
+        load_recipe("paper_pretrain:model_name=ViT-B/16", changes=l32)
+    assert load_recipe("demo", changes={"optim.steps": 3}).optim.steps == 3  # a recipe of one row
+
+
 def test_a_name_given_with_a_hybrid_or_bit_init_is_checked_as_a_load_checks_it(tmp_path, capsys):
     """--model with an init was compared field by field: a hybrid's stem with its img_size, so R50+ViT-B/16 was
     refused for its own model at 384 px; a BiT's by ViT fields it has none of, so any BiT name passed."""

@@ -137,13 +137,12 @@ def process_started_at() -> float:
 
 
 def resolve_config(args: argparse.Namespace, extra: dict | None = None):
-    """Recipe -> --set overrides -> dedicated flags (the most specific wins)."""
+    """Recipe -> --set overrides -> dedicated flags (the most specific wins); a recipe whose rates are
+    per model (Table 3) takes the named model's, else the init's (``load_recipe``'s changes)."""
     from vitlab.configs import load_recipe
-    from vitlab.train.overrides import parse_overrides, with_changes
-    from vitlab.train.resolve import check_named_init, init_model_name
+    from vitlab.train.overrides import parse_overrides
 
-    model = getattr(args, "model", None)
-    cfg = load_recipe(args.recipe, model_name=model)  # a recipe whose rates are per model (Table 3): this one's
+    cfg = load_recipe(args.recipe, model_name=getattr(args, "model", None))  # what --set's values are read against
     changes = parse_overrides(cfg, args.overrides)  # checked together with the flags' changes, below
     changes.update({field: getattr(args, flag) for flag, field in SHORTCUTS.items()
                     if getattr(args, flag, None) is not None})
@@ -151,14 +150,7 @@ def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     if isinstance(split, float) and split.is_integer() and split >= 1:  # other types: the config names them
         changes["data.val_split"] = int(split)
     changes.update(extra or {})
-    if changes.get("model.name") and changes["model.name"] != model:  # named by --set model.name=
-        cfg = load_recipe(args.recipe, model_name=changes["model.name"])
-    cfg = with_changes(cfg, changes)
-    if cfg.model.init is not None and (model or "model.name" in changes):  # named, not the recipe's default
-        check_named_init(cfg, cfg.model.name)
-    elif name := init_model_name(cfg):  # not named: a recipe whose rates are per model takes the init's row
-        cfg = with_changes(load_recipe(args.recipe, model_name=name), changes)
-    return cfg
+    return load_recipe(args.recipe, changes=changes)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

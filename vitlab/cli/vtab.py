@@ -79,7 +79,7 @@ def base_config(args: argparse.Namespace):
     """The recipe with the command's flags: every run of the protocol starts from it."""
     from vitlab.config import ConfigError
     from vitlab.configs import load_recipe
-    from vitlab.train.overrides import parse_overrides, with_changes
+    from vitlab.train.overrides import parse_overrides
     from vitlab.train.vtab import PER_RUN_FIELDS
 
     cfg = load_recipe(args.recipe)
@@ -95,7 +95,7 @@ def base_config(args: argparse.Namespace):
                        ("weights_img_size", "model.weights_img_size"), ("fast", "run.fast")):
         if getattr(args, flag) is not None:
             changes[name] = getattr(args, flag)
-    return with_changes(cfg, changes)
+    return load_recipe(args.recipe, changes=changes)  # a recipe whose rates are per model: the init's
 
 
 def task_groups(items: list[str]) -> dict[str, str]:

@@ -4,9 +4,13 @@
     load_recipe("paper_finetune:dataset=cifar100")   # a recipe of this package, with its options
     load_recipe("my/recipe.py:lr=0.01")              # a recipe file of one's own
     load_recipe("paper_pretrain", model_name="ViT-L/16")   # Table 3's row of that model
+    load_recipe("paper_pretrain", changes={"model.init": "vit_l32.safetensors", ...})  # the init's row
 
 A recipe whose settings depend on the model (the paper's pre-training, Table 3: a rate and
-epochs per model) takes a ``model_name`` option; ``--model`` passes it.
+epochs per model) takes a ``model_name`` option; ``--model`` passes it.  With ``changes`` the
+recipe is the run's config: a fine-tune's init named there, without a model, picks its own
+model's row as the commands' ``--init`` does (changed afterwards by ``with_changes``, the
+recipe's default model's row stays).
 
 The recipes ship inside the package, so every install has them; ``vitlab train --recipe``
 reads its argument with ``load_recipe``.
@@ -50,10 +54,19 @@ def recipe_module(name: str) -> ModuleType:
     return module
 
 
-def load_recipe(spec: str, model_name: str | None = None) -> TrainConfig:
+def load_recipe(spec: str, model_name: str | None = None, changes: dict | None = None) -> TrainConfig:
     """``NAME`` or ``path/to/file.py``, optionally ``:key=value,key=value`` passed to its
     ``get_config`` as strings (e.g. ``paper_finetune:dataset=cifar100``).  ``model_name``
-    (the run's ``--model``, or its init's model) goes to a ``get_config`` that takes it, ahead of the spec's."""
+    (the run's ``--model``, or its init's model) goes to a ``get_config`` that takes it, ahead of the spec's.
+
+    changes: ``{"section.field": value}`` made to the recipe's config (``with_changes``), as the
+        commands make their flags' and ``--set``'s; the model they name (``model.name``, else
+        ``model_name``) picks a per-model recipe's row, and with a fine-tune's ``model.init`` must
+        be the init's (``check_named_init``); naming none, the init's model does (its registry
+        name, read from the file: ``resolve.init_model_name``), which ``train`` and ``finetune``
+        take the same way."""
+    if changes is not None:
+        return recipe_with_changes(spec, model_name, changes)
     if isinstance(spec, os.PathLike):  # a recipe file's Path
         spec = os.fspath(spec)
     if not isinstance(spec, str):  # its .partition failed as an AttributeError
@@ -92,4 +105,18 @@ def load_recipe(spec: str, model_name: str | None = None) -> TrainConfig:
         raise ConfigError(f"recipe {spec!r}: {err}") from None
     if not isinstance(cfg, TrainConfig):
         raise ConfigError(f"recipe {spec!r}: get_config() returned {type(cfg).__name__}, not TrainConfig")
+    return cfg
+
+
+def recipe_with_changes(spec: str, model_name: str | None, changes: dict) -> TrainConfig:
+    """``load_recipe(spec, model_name, changes)``: the recipe of the model named, else of the init's."""
+    from vitlab.train.overrides import with_changes
+    from vitlab.train.resolve import check_named_init, init_model_name
+
+    named = changes.get("model.name") if isinstance(changes, dict) and changes.get("model.name") else model_name
+    cfg = with_changes(load_recipe(spec, model_name=named), changes)  # with_changes refuses changes of another form
+    if cfg.model.init is not None and named:  # named, not the recipe's default
+        check_named_init(cfg, cfg.model.name)
+    elif name := init_model_name(cfg):  # not named: a recipe whose rates are per model takes the init's row
+        cfg = with_changes(load_recipe(spec, model_name=name), changes)
     return cfg

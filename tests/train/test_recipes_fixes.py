@@ -166,7 +166,8 @@ def test_sweep_json_is_the_old_or_the_new_report_when_the_disk_fills_up(tmp_path
     monkeypatch.undo()
     capsys.readouterr()
     assert (out / "sweep.json").read_text() == report
-    assert sorted(p.name for p in out.iterdir()) == ["final", "lr_0.01", "sweep.json"]  # no temporary file left
+    # no temporary file left
+    assert sorted(p.name for p in out.iterdir()) == ["final", "lr_0.01", "settings.json", "sweep.json"]
 
 
 def test_sweep_compares_on_its_hold_out_and_scores_the_final_run_on_val_data(tmp_path, capsys):

@@ -149,6 +149,35 @@ def test_a_final_run_that_diverged_is_not_trained_again_on_resume(tiny, tmp_path
     assert trained == ["lr_0.01", "final"] and not record.exists()
 
 
+def test_resume_refuses_runs_trained_with_other_settings(tiny, tmp_path):
+    """sweep --resume with the clipping, schedule or augmentation changed (train --resume takes them as
+    changed on purpose) read a finished rate's run back, scored it as the new settings' and rewrote its
+    config.json to say so; an init written again at its path likewise.  Refused before any run, the runs
+    as they were; the same settings, or a change of how the runs are carried out, resume."""
+    from vitlab.train import train
+    from vitlab.train.overrides import with_changes
+
+    pre = tiny("pre", steps=1, batch_size=16, tensorboard=False)
+    train(pre, verbose=False)
+    cfg = tiny("sweep", steps=2, batch_size=16, tensorboard=False, init=str(tmp_path / "pre"))
+    first = run_sweep(cfg, grid=(0.01, 0.03), verbose=False)
+    records = {p: p.read_bytes() for p in (tmp_path / "sweep").rglob("*.json")}
+    changed = with_changes(cfg, {"optim.clip_norm": 0.5, "augment.label_smoothing": 0.1})
+    with pytest.raises(ConfigError, match=r"^--resume: the runs in '.*sweep' were trained with other settings: "
+                                          r"augment.label_smoothing=0.1 \(its runs: 0.0\), optim.clip_norm=0.5 "
+                                          r"\(its runs: 1.0\); resume with the same ones, or train again with "
+                                          r"--overwrite or into another --out$"):
+        run_sweep(changed, grid=(0.01, 0.03), resume=True, verbose=False)
+    assert {p: p.read_bytes() for p in (tmp_path / "sweep").rglob("*.json")} == records
+    carried_out = with_changes(cfg, {"run.log_every": 1})
+    again = run_sweep(carried_out, grid=(0.01, 0.03), resume=True, verbose=False)
+    assert again["holdout_top1"] == first["holdout_top1"]
+    train(pre, verbose=False, overwrite=True)  # the init's weights written again
+    with pytest.raises(ConfigError, match=r"^--resume: the runs in .* other settings: model.init="):
+        run_sweep(cfg, grid=(0.01, 0.03), resume=True, verbose=False)
+    assert run_sweep(changed, grid=(0.01, 0.03), overwrite=True, verbose=False)["final"]["steps"] == 2
+
+
 def test_of_rates_scoring_alike_the_lowest_is_chosen_whatever_the_grids_order(tiny, monkeypatch):
     """Ties went to the first rate in the grid's order: 0.03,0.01 and 0.01,0.03 chose differently on
     the same scores (a few hundred held-out examples tie often)."""
@@ -251,7 +280,8 @@ def test_an_earlier_sweeps_runs_are_refused_before_any_run(tiny, tmp_path):
                                           r"with --resume, start afresh there with --overwrite, or choose another"):
         run_sweep(tiny("sweep", steps=1, batch_size=16), grid=(0.003, 0.03), verbose=False)
     assert held_by_earlier_run(tmp_path / "sweep" / "lr_0.003") is None
-    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["final", "lr_0.01", "sweep.json"]
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["final", "lr_0.01", "settings.json",
+                                                                       "sweep.json"]
 
 
 def test_a_sweep_removes_the_temporaries_of_its_report_that_a_kill_left_and_no_other_file(tiny, tmp_path, caplog):

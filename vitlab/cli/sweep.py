@@ -41,10 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "time_limit": "fit each run's warm-up, decay and final evaluation into this wall-clock budget, the final "
                       "run's too: the sweep takes about (rates + 1) x MINUTES (every rate trains for the same time, "
                       "which comparing them needs)",
-        "out": "output folder: a run per rate (lr_RATE), the final run (final) and sweep.json",
-        "resume": "continue every run of the sweep (OUT/lr_RATE, OUT/final) as train --resume does; a rate whose "
-                  "run diverged is counted lost again, and a final run that diverged stops the sweep again, not "
-                  "trained (its folder's diverged.json), unless a setting changed",
+        "out": "output folder: a run per rate (lr_RATE), the final run (final), sweep.json and settings.json",
+        "resume": "continue every run of the sweep (OUT/lr_RATE, OUT/final) as train --resume does, refused if "
+                  "they were made with another init, optimiser, schedule, augmentation or arithmetic "
+                  "(OUT/settings.json); a rate whose run diverged is counted lost again, and a final run that "
+                  "diverged stops the sweep again, not trained (its folder's diverged.json), unless a setting "
+                  "changed",
         "overwrite": "start every run of the sweep afresh (OUT/lr_RATE, OUT/final), their checkpoints deleted",
         "show_config": "print the plan as JSON (the grid, its hold-out, the final run's config) and exit"})
 

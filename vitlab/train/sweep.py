@@ -19,6 +19,9 @@
    holds out none; the config's ``data.val_data`` scores the final run, and only it).  A final run
    that diverges stops the sweep (``NonFiniteError``), its record kept as a rate's is: ``resume``
    stops on it again rather than training it to the same end.
+   ``resume`` refuses, before any run, runs of the folder trained with other settings than ``cfg``'s
+   (``SETTINGS_NAME`` records them): a finished rate's run was read back as this sweep's and compared
+   with rates trained on the new settings.
 3. The report: every grid point's held-out top-1, the chosen rate and the final run's
    summary (its weights' path included), also written to ``run.out/sweep.json``.
 Any config sweeps; one with ``model.init`` is a fine-tuning sweep.
@@ -42,17 +45,20 @@ from vitlab.files import atomic_write, remove_temporaries
 from .build import check_can_run
 from .config import TrainConfig, check_lr_grid
 from .distributed import env_world_size
-from .diverged import finished_unless_diverged, unless_diverged
+from .diverged import DIVERGED_NAME, finished_unless_diverged, unless_diverged
 from .loop import SCORE_NAMES, check_nothing_held, check_resume_or_overwrite, held_by_earlier_run, train, val_score
 from .metrics import Progress
 from .numerics import NonFiniteError
-from .overrides import with_changes
+from .overrides import field_value, with_changes
+from .state import RESUME_INVARIANTS
 
 log = logging.getLogger(__name__)
 
 __all__ = ["run_sweep", "sweep_plan", "best_lr", "DEFAULT_HOLDOUT"]
 
 DEFAULT_HOLDOUT = 0.1
+# beside the runs' folders: what every run of the sweep trains with, which a later resume compares
+SETTINGS_NAME = "settings.json"
 
 
 def sweep_holdout(explicit: float | None, recipe_split: float | int) -> float | int:
@@ -142,6 +148,47 @@ def check_final_lr(final_cfg: TrainConfig, best: float) -> None:
                           f"{best:g}; move that folder away to retrain it, or choose another --out")
 
 
+def trained_settings(cfg: TrainConfig) -> dict:
+    """What every run of the sweep of ``cfg`` trains with beyond its rate, its data's split and what
+    ``train --resume`` holds fixed itself (``state.RESUME_INVARIANTS``): the model's other fields, the
+    augmentation, the optimiser and its schedule, the arithmetic, and the init as it is now (``file_key``:
+    weights written again at its path).  ``train --resume`` takes these as changed on purpose, and a
+    finished run, resumed at its end, is trained no further under them."""
+    from vitlab.eval.features import file_key
+
+    from .config import to_dict
+
+    sections = to_dict(cfg)
+    fields = [f"{section}.{name}" for section in ("model", "augment", "optim") for name in sections[section]]
+    # its rate is the folder's; a time limit fits the schedule to it again, so steps is only its ceiling
+    fields = [name for name in fields if name not in (*RESUME_INVARIANTS, "optim.lr", "optim.lr_grid", "optim.steps")]
+    values = {name: field_value(cfg, name) for name in fields + ["data.progressive_sizes", "run.precision",
+                                                                   "run.loss_scale", "run.fp8"]}
+    values["model.init"] = file_key(cfg.model.init) if cfg.model.init else None
+    return json.loads(json.dumps(values))  # as the file holds them: tuples as lists
+
+
+def check_same_settings(base_out: Path, runs: Sequence[TrainConfig], settings: dict, resume: bool) -> None:
+    """With ``resume``, refuse a folder whose runs were trained with other ``settings``
+    (``trained_settings``) than this sweep's, as its ``SETTINGS_NAME`` records them: a changed
+    clipping, schedule or augmentation was accepted, a finished rate's run read back as trained with it
+    (its config.json rewritten to say so) and compared with rates that were."""
+    held = [r for r in runs if held_by_earlier_run(Path(r.run.out)) or (Path(r.run.out) / DIVERGED_NAME).exists()]
+    record = base_out / SETTINGS_NAME
+    if not resume or not held or not record.is_file():  # a sweep of an earlier version recorded none
+        return
+    try:
+        before = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return
+    changed = [f"{k}={settings[k]!r} (its runs: {before[k]!r})" for k in settings
+               if isinstance(before, dict) and k in before and before[k] != settings[k]]
+    if changed:
+        raise ConfigError(f"--resume: the runs in {str(base_out)!r} were trained with other settings: "
+                          f"{', '.join(changed)}; resume with the same ones, or train again with --overwrite or "
+                          "into another --out")
+
+
 def best_lr(grid: Sequence[float], scores: dict[str, float | None]) -> float:
     """The rate of ``grid`` whose score (``scores``, by rate as ``f"{lr:g}"``) is highest, of rates
     scoring alike the lowest (the choice is the grid's, whatever its order, and the lower rate is the
@@ -196,9 +243,14 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
     if not resume and not overwrite:  # refused by the run it was in, after the runs before it had trained
         for r in runs + [final_cfg]:
             check_nothing_held(Path(r.run.out))
+    base_out, settings = Path(final_cfg.run.out).parent, trained_settings(final_cfg)
+    check_same_settings(base_out, runs + [final_cfg], settings, resume)
     if int(os.environ.get("RANK", "0")) == 0:  # the report's one writer, as a run's rank 0 is of its records
-        for partial in remove_temporaries(Path(final_cfg.run.out).parent, ("sweep.json",)):
-            log.warning("removed %s, left by a write of the sweep's report that was killed", partial)
+        for partial in remove_temporaries(base_out, ("sweep.json", SETTINGS_NAME)):
+            log.warning("removed %s, left by a write of the sweep's records that was killed", partial)
+        base_out.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(settings, indent=2).encode()  # what a later resume compares, before the first run
+        atomic_write(base_out / SETTINGS_NAME, lambda f: f.write(text))
 
     scores, diverged, score = {}, {}, "top1"
     for r in runs:

@@ -228,6 +228,33 @@ def test_vtab_end_to_end(tasks, tiny_checkpoint, tmp_path, capsys):
     assert {r["lr"] for r in shared["tasks"].values()} == {float(best)}
 
 
+def test_tasks_whose_labels_a_flip_or_a_crop_changes_train_without_it(tasks, tiny_checkpoint, tmp_path, capsys):
+    """Every task trained with the recipe's inception crop and flip: a flipped dSprites image kept the
+    location label of the unflipped one (and a crop moved it), a flipped sNORB azimuth or dSprites orientation
+    was mirrored, a crop dropped Clevr's counted objects.  BiT's Supplementary F (the pre-processing the
+    paper follows) trains those without them; the report says how each task trained."""
+    out = tmp_path / "vtab"
+    assert main(tiny_vtab(tiny_checkpoint, tasks, out, steps=1)) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    trained = {"cifar100": ("inception", True), "eurosat": ("inception", True), "dsprites_loc": ("none", False)}
+    for name, (crop, flip) in trained.items():
+        runs = sorted((out / name).glob("*lr_*/config.json"))
+        assert len(runs) == 3  # the grid's two rates and the final run
+        for run in runs:
+            augment = json.loads(run.read_text())["augment"]
+            assert (augment["crop"], augment["flip"]) == (crop, flip), run
+    assert {name: r["augment"] for name, r in report["tasks"].items()} == {
+        name: {"crop": crop, "flip": flip} for name, (crop, flip) in trained.items()}
+    from vitlab.eval.vtab import task_augment
+
+    assert {name: task_augment(name) for name in TASK_GROUPS if task_augment(name)} == {
+        "dsprites_ori": {"augment.flip": False, "augment.alternate_flip": False},
+        "smallnorb_azi": {"augment.flip": False, "augment.alternate_flip": False},
+        "dsprites_loc": {"augment.flip": False, "augment.alternate_flip": False, "augment.crop": "none"},
+        "clevr_count": {"augment.crop": "none"}, "clevr_dist": {"augment.crop": "none"},
+        "dmlab": {"augment.crop": "none"}, "kitti_dist": {"augment.crop": "none"}}
+
+
 def test_a_view_is_scored_with_the_configs_own_decode_workers(tasks, tiny_checkpoint, tmp_path):
     """``evaluate_on`` with a resolved config's decoding processes (``run_vtab`` passes its
     resolution's; the e2e test sets 0)."""

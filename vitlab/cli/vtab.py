@@ -16,7 +16,9 @@ test/, or VTAB-1k's own train800/ and val200/ with test/):
 Every run is the ``vtab1k`` recipe's: SGD with momentum 0.9, 2500 steps (``--steps``),
 batch 512, cosine decay, no weight decay, clipping at norm 1, resolution 384 for a 224-px
 init (scaled from another init's as ``vitlab/configs/paper_finetune.py`` says;
-``--img-size``).  The batch of 512 is accumulated over ``--accum-steps`` micro-batches,
+``--img-size``), inception crop and flip, but not where they change the task's labels: no flip for
+dSprites location and orientation and sNORB azimuth, no crop for dSprites location, Clevr count and
+distance, DMLab and KITTI distance (BiT's Supplementary F, whose pre-processing the paper follows).  The batch of 512 is accumulated over ``--accum-steps`` micro-batches,
 by default as many as the memory of the device needs (``auto``: measured on the model).
 The output: a table of each task's accuracy, its group's mean (Natural, Specialized,
 Structured) and the mean over tasks, in ``OUT/vtab.json`` and as the last line of JSON.

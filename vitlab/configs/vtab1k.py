@@ -8,8 +8,11 @@ mean over the 19 tasks.  For one task on its own, ``vtab1k`` (a class-stratified
 of a seeded 1000) and ``vtab1k:final=true`` (all 1000) train as any recipe.  The paper
 uses one setting for all 19 tasks: SGD momentum 0.9, lr 0.01, 2500 steps, batch 512,
 cosine decay, no weight decay, clipping at norm 1, resolution 384 (for the paper's
-224-px inits; an init at another resolution is scaled as paper_finetune.py says).  It
-chose lr 0.01 "by running a small sweep" on the 200-example validation sets; ``lr_grid``
+224-px inits; an init at another resolution is scaled as paper_finetune.py says).
+Augmentation: inception crop and flip, which `vitlab vtab` leaves out for the tasks whose labels
+they change (``vitlab.eval.vtab.task_augment``, BiT's Supplementary F); this recipe trained on one
+such task alone needs ``--set augment.flip=false`` or ``--set augment.crop=none`` as that says.  The
+paper chose lr 0.01 "by running a small sweep" on the 200-example validation sets; ``lr_grid``
 is the paper's fine-tuning grid (Table 4: 0.001, 0.003, 0.01, 0.03), which `vitlab
 sweep` tries.
 Warm-up: 200 linear steps.  The paper states none for VTAB (Table 4 and Appendix B.1.1 give

@@ -73,6 +73,23 @@ TASK_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 GROUPS = ("natural", "specialized", "structured")
 SWEEP_SHARE = 0.8  # train800 of 1000
+# the tasks whose labels a random horizontal flip or a random crop changes (an angle, a location, a count, a
+# distance): their runs train without it.  Kolesnikov et al. 2020 (BiT), Supplementary F, whose pre-processing
+# the paper follows for VTAB (Appendix B.1.1): flipping off for dSprites-orientation, SmallNORB-azimuth and
+# dSprites-location, cropping off for Clevr-count, Clevr-distance, DMLab, KITTI-distance and dSprites-location
+NO_FLIP = ("dsprites_ori", "smallnorb_azi", "dsprites_loc")
+NO_CROP = ("clevr_count", "clevr_dist", "dmlab", "kitti_dist", "dsprites_loc")
+
+
+def task_augment(name: str) -> dict[str, object]:
+    """The augmentation fields a run of task ``name`` (its VTAB name) trains with whatever its recipe's
+    (``NO_FLIP``, ``NO_CROP``): {} for a task whose labels survive both."""
+    changes: dict[str, object] = {}
+    if name in NO_FLIP:
+        changes.update({"augment.flip": False, "augment.alternate_flip": False})
+    if name in NO_CROP:
+        changes["augment.crop"] = "none"
+    return changes
 
 
 def _spelling_key(name: str) -> str:

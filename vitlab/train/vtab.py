@@ -14,8 +14,9 @@ For each task (``vitlab.eval.vtab``: its folders, its fixed splits, the group me
 3. score the final model on the task's test set.
 
 Every run is ``cfg`` with the task's data, the learning rate and its own folder under
-``out``.  The batch is accumulated over ``accum_steps`` micro-batches, by default
-(``"auto"``) the fewest that fit in the memory available, by the run's memory estimate
+``out``, without the random flip or crop that changes its task's labels (``vitlab.eval.vtab.task_augment``:
+BiT's Supplementary F, whose pre-processing the paper follows).  The batch is accumulated over
+``accum_steps`` micro-batches, by default (``"auto"``) the fewest that fit in the memory available, by the run's memory estimate
 (``resolve``), decided once for all the runs.  The protocol trains, so it lives in ``train`` (above ``eval``, which
 holds what does not train: docs/layout.md).
 """
@@ -35,7 +36,7 @@ from vitlab.config import ConfigError, is_int, need, need_bool
 from vitlab.data.memory import load_in_memory
 from vitlab.data.sources import source_key
 from vitlab.eval.evaluator import Evaluator
-from vitlab.eval.vtab import Task, TaskSplits, split_tasks, summarize
+from vitlab.eval.vtab import Task, TaskSplits, split_tasks, summarize, task_augment
 from vitlab.files import atomic_write, remove_temporaries
 from vitlab.weights import load_model
 
@@ -92,9 +93,11 @@ class Runs:
     resume: bool = False   # a run that finished (its summary.json) is read back, one that stopped goes on
     verbose: bool = True
 
-    def config(self, source: Path, lr: float, folder: str) -> TrainConfig:
-        """``cfg`` trained on ``source`` at ``lr`` into ``out/folder``."""
-        return with_changes(self.cfg, {"data.source": str(source), "optim.lr": lr, "run.out": str(self.out / folder)})
+    def config(self, task: Task, source: Path, lr: float, folder: str) -> TrainConfig:
+        """``cfg`` trained on ``source`` at ``lr`` into ``out/folder``, without the flips or crops that change
+        ``task``'s labels (``task_augment``: a flipped dSprites image was trained on its unflipped location)."""
+        return with_changes(self.cfg, {**task_augment(task.name), "data.source": str(source), "optim.lr": lr,
+                                       "run.out": str(self.out / folder)})
 
     def fine_tune(self, run_cfg: TrainConfig) -> dict:
         """The summary of ``run_cfg`` (``config``) trained; with ``resume``, a run in its folder that
@@ -128,6 +131,7 @@ def task_settings(cfg: TrainConfig, task: Task, examples: int, split_seed: int) 
     so a run made with others would be scored on images it may have trained on."""
     from vitlab.eval.features import file_key
 
+    cfg = with_changes(cfg, task_augment(task.name))  # as the task's runs train
     # and how they trained: a finished run is read back whole, so a change to the schedule, the optimiser, the
     # augmentation or the precision (--set optim.weight_decay=0.1) was reported as these runs' without a word
     trained = [f"{section}.{name}" for section in ("model", "augment", "optim") for name in to_dict(cfg)[section]
@@ -202,7 +206,7 @@ def sweep_scores(runs: Runs, task: Task, views: TaskSplits, grid: Sequence[float
     the same config diverged is counted lost again, untrained (``diverged.diverged_before``)."""
     scores: dict[str, float | None] = {}
     for lr in grid if len(grid) > 1 else ():
-        run_cfg = runs.config(views.sweep_train, lr, f"{task.name}/lr_{lr:g}")
+        run_cfg = runs.config(task, views.sweep_train, lr, f"{task.name}/lr_{lr:g}")
         # a rate that diverges loses (it stopped the whole protocol)
         summary, _ = unless_diverged(run_cfg, lambda: runs.fine_tune(run_cfg), runs.resume, say,
                                      f"{task.name}: lr {lr:g}")
@@ -240,7 +244,7 @@ def final_result(runs: Runs, task: Task, views: TaskSplits, lr: float, val: dict
     """One task's final run on all its training examples at ``lr``, scored on its test set;
     ``NonFiniteError`` naming the task where it diverges, or where, resumed, its run of this config diverged
     before: kept on record as a rate's is (``unless_diverged``), it is not trained again (it was, to the same end)."""
-    run_cfg = runs.config(views.train, lr, f"{task.name}/final_lr_{lr:g}")
+    run_cfg = runs.config(task, views.train, lr, f"{task.name}/final_lr_{lr:g}")
     final = finished_unless_diverged(run_cfg, lambda: runs.fine_tune(run_cfg), runs.resume, say,
                                      f"{task.name}: final run at lr {lr:g}",
                                      f"{task.name}: the final run at lr {lr:g} diverged, so the task has no test score")
@@ -250,7 +254,8 @@ def final_result(runs: Runs, task: Task, views: TaskSplits, lr: float, val: dict
         + (f"; {skipped} unreadable image(s) left out" if skipped else ""))
     return {"group": task.group, "lr": lr, "val_top1": val, "test_top1": top1, "test_examples": n,
             "test_split": views.test_split, "skipped_images": skipped, "train_examples": views.counts["train1000"],
-            "classes": len(views.classes), "weights": final["weights"]}
+            "classes": len(views.classes), "weights": final["weights"],
+            "augment": {"crop": run_cfg.augment.crop, "flip": run_cfg.augment.flip}}
 
 
 def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, examples: int = 1000,
@@ -261,7 +266,8 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
 
     Returns the report, also written to ``out/vtab.json``: ``protocol`` (the settings),
     ``tasks`` (per task: its group, the validation top-1 of each learning rate, the one
-    chosen, the test top-1 and its images) and ``summarize``'s group means and mean.
+    chosen, the test top-1 and its images, the crop and flip its runs trained with) and
+    ``summarize``'s group means and mean.
     ``resume``: the runs that finished in ``out`` are read back, not run again, and a run that
     stopped goes on from its newest checkpoint (every ``run.ckpt_every`` steps; refused if they
     were made with other settings), and a rate whose run of the same config diverged is counted lost

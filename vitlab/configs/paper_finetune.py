@@ -28,7 +28,7 @@ trained on the whole training set (Appendix B.1.1): `vitlab sweep`, which holds 
 recipe's ``data.val_split``: 10% for Pets and Flowers, 2% for CIFAR, 1% for ImageNet, as
 the appendix says (``--holdout`` overrides it).
 Polyak averaging (factor 0.9999, used for the ImageNet fine-tuning of the largest models,
-Appendix B.1.1) is ``--set optim.ema_decay=0.9999``.
+Table 2, Sec. 4.1) is ``--set optim.ema_decay=0.9999``.
 """
 from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 

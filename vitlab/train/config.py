@@ -286,7 +286,7 @@ class OptimConfig(Section):
     min_lr: float = 0.0                     # where the decay ends
     clip_norm: float = 1.0                  # clip the global gradient norm to this (0: off)
     loss: str = "softmax_xent"              # or "sigmoid_xent" (the official multi-label pre-training loss)
-    ema_decay: float = 0.0                  # Polyak averaging of the weights (B.1.1: 0.9999); 0: off
+    ema_decay: float = 0.0                  # Polyak averaging of the weights (Sec. 4.1: 0.9999); 0: off
 
     def __post_init__(self) -> None:
         self.check_bools()

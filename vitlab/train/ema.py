@@ -1,7 +1,7 @@
 """An exponential moving average of the weights (Polyak averaging).
 
-The paper fine-tunes its largest models with "Polyak & Juditsky (1992) averaging with a
-factor of 0.9999" (Appendix B.1.1): after every optimiser step
+The paper fine-tunes its largest models on ImageNet (Table 2) with "Polyak & Juditsky (1992)
+averaging with a factor of 0.9999" (Sec. 4.1): after every optimiser step
 
     avg <- decay * avg + (1 - decay) * w
 

@@ -311,6 +311,42 @@ def _run_cli(args, env_extra=None, torchrun=None):
     return last_json_line(done.stdout)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch, said", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 (environment) without RANK: each of the 2 processes needs its own rank"),
+    ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2 (environment): a rank of WORLD_SIZE=2 process(es) is 0 to 1"),
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' (environment): expected an integer >= 1"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0' (environment): expected an integer >= 1"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "port"}, "MASTER_PORT='port' (environment): expected an integer"),
+    ({"LOCAL_RANK": "first"}, "LOCAL_RANK='first' (environment): expected an integer >= 0"),
+])
+def test_a_launch_by_hand_of_wrong_variables_is_refused_in_one_line_before_any_group_is_joined(tmp_path, launch, said):
+    """A process started with WORLD_SIZE=2 and no RANK took rank 0, as its peer did, and one of RANK=2 was never
+    met: each waited in the rendezvous for the backend's half hour; WORLD_SIZE='two' failed with a traceback in
+    the error's own printing, WORLD_SIZE=0 as a division by zero, and a port or local rank of another form as
+    "invalid literal for int()", naming no variable."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env |= {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()), **launch}
+    try:
+        done = subprocess.run([sys.executable, "-m", "vitlab", "train", "--recipe", "demo", "--data", "digits",
+                               "--steps", "1", "--batch-size", "16", "--out", str(tmp_path / "run"), *TINY],
+                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{launch}: the process waited for ranks that never came")
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"vitlab train: error: {said}"), lines
+    assert "torchrun" in lines[0] and not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_two_processes_equal_one(tmp_path, capsys):
     # SGD, no dropout, no augmentation: DDP's averaged gradients of two halves of the batch

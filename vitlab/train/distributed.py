@@ -46,18 +46,68 @@ class World:
         return all_reduce_sum(values, self)
 
 
+LAUNCH = "launch the processes with torchrun (torchrun --nproc_per_node=N -m vitlab ...), which sets it"
+
+
+def env_number(name: str, default: int, least: int = 0) -> int:
+    """The launch's environment variable ``name``, an integer >= ``least``; ``default`` where unset.
+    Another value is refused naming the variable: int() said "invalid literal for int() with base 10:
+    'x'", and WORLD_SIZE=0 failed as a division by zero, with a traceback."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise ConfigError(f"{name}={text!r} (environment): expected an integer >= {least}; {LAUNCH}")
+    return value
+
+
 def env_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """The processes of the launch (``WORLD_SIZE``; 1 unset), with this process's ``RANK`` held to it
+    before any group is joined: without one every process of a launch by hand took rank 0, and one of
+    ``RANK`` >= ``WORLD_SIZE`` was never met, each waiting in the rendezvous for ranks that never came
+    (the backend's timeout, half an hour)."""
+    size = env_number("WORLD_SIZE", 1, least=1)
+    if size > 1 and "RANK" not in os.environ:
+        raise ConfigError(f"WORLD_SIZE={size} (environment) without RANK: each of the {size} processes needs its "
+                          f"own rank, 0 to {size - 1}; {LAUNCH}")
+    rank = env_number("RANK", 0)
+    if rank >= size:
+        raise ConfigError(f"RANK={rank} (environment): a rank of WORLD_SIZE={size} process(es) is 0 to {size - 1}; "
+                          f"{LAUNCH}")
+    return size
+
+
+def env_rank() -> int:
+    """This process's rank in the launch (``RANK``; 0 unset), held to ``WORLD_SIZE``."""
+    env_world_size()
+    return env_number("RANK", 0)
 
 
 def local_rank() -> int:
     """This process's rank on its host (which of the host's GPUs it takes)."""
-    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    return env_number("LOCAL_RANK", env_rank())
 
 
 def processes_here() -> int:
     """The processes torchrun started on this host (``LOCAL_WORLD_SIZE``): they share its cores and memory."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return env_number("LOCAL_WORLD_SIZE", 1, least=1)
+
+
+def check_rendezvous() -> None:
+    """The address of the launch's rendezvous (``MASTER_ADDR``, ``MASTER_PORT``), which a process joining
+    its group needs: a port of another form failed as "invalid literal for int()"."""
+    if not os.environ.get("MASTER_ADDR"):
+        raise ConfigError(f"MASTER_ADDR (environment) is not set: the processes of WORLD_SIZE={env_world_size()} "
+                          f"meet at rank 0's host, named by it; {LAUNCH}")
+    if "MASTER_PORT" not in os.environ:
+        raise ConfigError(f"MASTER_PORT (environment) is not set: the port of rank 0's host at which the processes "
+                          f"meet; {LAUNCH}")
+    if not 1 <= env_number("MASTER_PORT", 0, least=1) <= 65535:
+        raise ConfigError(f"MASTER_PORT={os.environ['MASTER_PORT']!r} (environment): a port is 1 to 65535; {LAUNCH}")
 
 
 def local_world(device: torch.device) -> World:
@@ -71,11 +121,11 @@ def init_world(device: torch.device) -> World:
     set the environment; else 1 process.  The group joined here is the returned world's to end
     (``shutdown``); when one exists already, this process's place in it, which ``shutdown``
     leaves alone."""
-    size = env_world_size()
-    rank = int(os.environ.get("RANK", "0"))
+    size, rank = env_world_size(), env_rank()
     device = torch.device(device)
     joined = size > 1 and not dist.is_initialized()
     if joined:
+        check_rendezvous()
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -255,7 +305,7 @@ def post_error(line: str) -> None:
     """Rank 0 of a torchrun launch, having printed ``line`` (its error): post it in torchrun's store,
     where the other ranks look for it (``rank_0_said``).  Nothing outside torchrun or on failure."""
     try:
-        if env_world_size() > 1 and os.environ.get("RANK", "0") == "0" and (store := _agent_store(5.0)):
+        if launched_rank() == 0 and (store := _agent_store(5.0)):
             store.set(_error_key(), line)
     except Exception:  # noqa: BLE001 - the store unreachable: the other ranks print their own
         pass
@@ -266,7 +316,7 @@ def rank_0_said(line: str, timeout_s: float = 10.0) -> bool:
     for up to ``timeout_s``: then it printed it, and another rank that met the same need not.  False
     on rank 0, outside torchrun, and where rank 0 posts nothing in time or another line (its error
     is another, or it has none: this rank's is its own)."""
-    if env_world_size() == 1 or os.environ.get("RANK", "0") == "0":
+    if launched_rank() in (None, 0):
         return False
     from datetime import timedelta
 
@@ -278,6 +328,15 @@ def rank_0_said(line: str, timeout_s: float = 10.0) -> bool:
         return store.get(_error_key()).decode() == line
     except Exception:  # noqa: BLE001 - no line in time, or the store unreachable
         return False
+
+
+def launched_rank() -> int | None:
+    """This process's rank in a launch of several processes; None outside one, and where the launch's
+    variables are refused (``env_world_size``): that refusal is this process's own to print."""
+    try:
+        return env_rank() if env_world_size() > 1 else None
+    except ConfigError:
+        return None
 
 
 def _agent_store(timeout_s: float):

@@ -143,10 +143,78 @@ def init_world(device: torch.device) -> World:
                  processes_here=processes_here())
 
 
+class SyncedBatchNorm(nn.BatchNorm2d):
+    """A BatchNorm2d whose training forward, in a process group of several, normalises with the
+    statistics of every process's micro-batch together, as one process normalises a micro-batch of
+    their size, and moves the running statistics by them on every process alike.  Each process had
+    normalised with its own share's: two processes of a CIFAR hybrid (BatchNorm stem) at batch B
+    trained another model than one process at B.  torch's SyncBatchNorm takes GPUs only; this
+    one all-reduces (``SumOverProcesses``) on any backend.  Evaluation, and a process alone, are
+    BatchNorm2d's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(x)
+        statistics = self.statistics
+        if torch.compiler.is_compiling():  # the collectives run eagerly, between the compiled graphs
+            statistics = torch.compiler.disable(statistics)  # (imported so: an eager run loads no compiler)
+        mean, var, count = statistics(x)
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), momentum)
+                unbiased = var.detach() * count / (count - 1).clamp(min=1)  # as BatchNorm keeps it
+                self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
+        y = (x.float() - mean[:, None, None]) * torch.rsqrt(var + self.eps)[:, None, None]
+        if self.affine:
+            y = y * self.weight[:, None, None] + self.bias[:, None, None]
+        return y.to(x.dtype)
+
+    def statistics(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(C,) mean and (C,) biased variance of every process's ``x`` together, in float32 (two passes:
+        the variance about the common mean), and () the count of values per channel (on the device:
+        nothing is read back)."""
+        x = x.float()
+        local = x.new_full((1,), x.numel() // x.shape[1])  # a fill on the device: no copy from the host to wait on
+        sums = SumOverProcesses.apply(torch.cat([x.sum((0, 2, 3)), local]))
+        count = sums[-1]
+        mean = sums[:-1] / count
+        var = SumOverProcesses.apply(((x - mean[:, None, None]) ** 2).sum((0, 2, 3))) / count
+        return mean, var, count
+
+
+class SumOverProcesses(torch.autograd.Function):
+    """A tensor summed over the processes, whose gradient is summed over them too: each process's
+    statistics feed every process's loss.  (torch.distributed.nn's all_reduce does so, deprecated.)"""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+def sync_batch_norm(model: nn.Module) -> None:
+    """Every BatchNorm2d of ``model`` made a ``SyncedBatchNorm`` in place: the same parameters, buffers and
+    state-dict keys (the saved weights read as ever), the optimiser's and the weight average's as they were."""
+    for module in model.modules():
+        if type(module) is nn.BatchNorm2d:
+            module.__class__ = SyncedBatchNorm
+
+
 def wrap_model(model: nn.Module, world: World, fsdp: bool) -> nn.Module:
-    """DDP or FSDP around ``model`` for a multi-process run; the model itself otherwise."""
+    """DDP or FSDP around ``model`` for a multi-process run, its BatchNorm layers synchronised
+    (``SyncedBatchNorm``); the model itself otherwise."""
     if world.size == 1:
         return model
+    sync_batch_norm(model)
     if fsdp:
         # FSDP2 (fully_shard): every Transformer block is one unit whose parameters are
         # gathered for its forward and backward and sharded again after; it runs on

@@ -222,6 +222,19 @@ def test_a_resumed_run_keeps_the_arithmetic_and_layout_it_started_with(tmp_path)
         resolve(cfg, world(), described(), saved=dict(saved, precision="fp16"))
 
 
+def test_a_resumed_run_on_processes_its_accumulation_does_not_divide_is_refused(tmp_path):
+    """optim.accum_steps=auto on --resume keeps the checkpoint's count: a run of batch 36 in 4 micro-batches of
+    9, resumed on 2 processes, took micro-batches of 36 // 8 = 4, a batch of 32, without a word."""
+    cfg = auto_config(tmp_path, batch_size=36)
+    saved = json.loads(json.dumps(dict(resolve(cfg, world(), described()).record(), accum_steps=4)))
+    assert resolve(cfg, world(), described(), saved=saved).micro_batch == 9
+    with pytest.raises(ConfigError, match=r"^--resume: optim.accum_steps=auto keeps the checkpoint's 4 micro-batches "
+                                          r"a step, and optim.batch_size=36 does not divide into 4 x world_size=2 = 8 "
+                                          r"equal micro-batches; resume on 1, 3 or 9 process\(es\)$"):
+        resolve(cfg, world(size=2), described(), saved=saved)
+    assert resolve(cfg, world(size=3), described(), saved=saved).micro_batch == 3
+
+
 def test_a_resumed_run_refuses_another_precision_asked_by_name(tmp_path):
     cfg = auto_config(tmp_path)
     saved = json.loads(json.dumps(dict(resolve(cfg, world(), described()).record(), precision="fp32")))

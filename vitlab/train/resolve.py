@@ -149,6 +149,19 @@ def resolve(cfg: TrainConfig, world: World, machine: Machine, saved: dict | None
         return resolve_together(cfg, world, machine, saved or {}, preview, agreement)
 
 
+def check_saved_accum(batch_size: int, accum: int, world_size: int) -> None:
+    """A resumed run's accumulation ("auto", the checkpoint's count kept) slices its batch into whole
+    micro-batches on this launch's processes: a run of batch 36 in 4 micro-batches of 9, resumed on 2
+    processes, took micro-batches of 36 // 8 = 4 and went on at batch 32 without a word, its positions
+    in the data those of another batch."""
+    if batch_size % (accum * world_size):
+        divisors = [n for n in range(1, batch_size // accum + 1) if (batch_size // accum) % n == 0]
+        raise ConfigError(f"--resume: optim.accum_steps=auto keeps the checkpoint's {accum} micro-batches a step, and "
+                          f"optim.batch_size={batch_size} does not divide into {accum} x world_size={world_size} = "
+                          f"{accum * world_size} equal micro-batches; resume on {', '.join(map(str, divisors[:-1]))}"
+                          f"{' or ' if len(divisors) > 1 else ''}{divisors[-1]} process(es)")
+
+
 def resolve_together(cfg: TrainConfig, world: World, machine: Machine, saved: dict, preview: bool,
                      agreement: Agreement) -> Resolved:
     """``resolve``'s work, its collective calls made through ``agreement``."""
@@ -172,6 +185,7 @@ def resolve_together(cfg: TrainConfig, world: World, machine: Machine, saved: di
     check_optimizer_fits_model(cfg)
     img_size = training_size(cfg)
     if cfg.optim.accum_steps == "auto" and "accum_steps" in saved:  # before the workers its micro-batch bounds
+        check_saved_accum(cfg.optim.batch_size, saved["accum_steps"], world.size)
         cfg = with_changes(cfg, {"optim.accum_steps": saved["accum_steps"]})
     cfg, held, uncounted = data_decisions(cfg, world, cores, img_size, saved, preview, agreement)
     mode = compile_mode(cfg, world)

@@ -61,6 +61,17 @@ def test_a_device_the_machine_does_not_have_is_refused_by_name(name, machine_gpu
         resolve_device(name, described(gpus=machine_gpus))
 
 
+@pytest.mark.parametrize("name", ["auto", "cuda"])
+def test_a_process_whose_gpu_the_machine_lacks_is_refused_naming_its_local_rank(name):
+    """torchrun's second process of two on a host of one GPU took cuda:1 under "auto" (and failed with CUDA's
+    "invalid device ordinal" traceback); "cuda" was refused suggesting auto, which took the same card."""
+    with pytest.raises(ConfigError, match=rf"^run.device='{name}': this process's GPU is cuda:1 \(LOCAL_RANK=1\), "
+                                          r"and this machine has 1 GPU\(s\); launch at most 1 process\(es\) on it "
+                                          r"\(torchrun --nproc_per_node=1\), or use cpu$"):
+        resolve_device(name, described(gpus=(H100,)), local_rank=1)
+    assert resolve_device(name, described(gpus=(H100, H100)), local_rank=1) == torch.device("cuda:1")
+
+
 def test_every_auto_is_stated_and_the_asked_config_is_left_as_it_was(tmp_path):
     cfg = auto_config(tmp_path)
     asked = to_dict(cfg)

@@ -317,17 +317,24 @@ def this_machine() -> Machine:
 def resolve_device(name: str, machine: Machine, local_rank: int = 0, field: str = "run.device") -> torch.device:
     """``run.device`` (or ``--device``, named ``field`` in errors) as a device: "auto" is this
     process's GPU (``local_rank``) where the machine has one, else the CPU; "cuda" is this
-    process's GPU.  A device the machine does not have is refused (ConfigError)."""
-    if name == "auto":
-        return torch.device(f"cuda:{local_rank}") if machine.gpus else torch.device("cpu")
+    process's GPU.  A device the machine does not have is refused (ConfigError), and so is a process
+    whose GPU it lacks: torchrun's second process of two on a host of one GPU took cuda:1 under
+    "auto", and failed with CUDA's traceback ("invalid device ordinal")."""
+    if name == "auto" and not machine.gpus:
+        return torch.device("cpu")
     try:
-        device = torch.device(name)
+        device = torch.device("cuda" if name == "auto" else name)
     except (RuntimeError, TypeError):
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
         raise ConfigError(f"{field}={name!r}: expected auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and device.index is None:
         device = torch.device(f"cuda:{local_rank}")
+        if machine.gpus and local_rank >= len(machine.gpus):
+            count = len(machine.gpus)
+            raise ConfigError(f"{field}={name!r}: this process's GPU is cuda:{local_rank} (LOCAL_RANK={local_rank}), "
+                              f"and this machine has {count} GPU(s); launch at most {count} process(es) on it "
+                              f"(torchrun --nproc_per_node={count}), or use cpu")
     if device.type == "cuda" and device.index >= len(machine.gpus):
         if machine.gpus:
             why = f"this machine has {len(machine.gpus)} GPU(s): cuda:0 to cuda:{len(machine.gpus) - 1}"

@@ -297,9 +297,9 @@ def evaluate(setup: Setup, budget: TimeBudget, final: bool = False) -> dict:
     if evaluator is None:
         return {}
     t_eval = clock()
-    # BatchNorm's running statistics are each process's own, moved by its own micro-batches (neither DDP's
-    # buffers, broadcast at a training forward, nor FSDP's are shared after it): every process scores its
-    # share of the examples with rank 0's, which the saved weights hold
+    # BatchNorm's running statistics move by every process's micro-batches together (distributed.SyncedBatchNorm),
+    # alike on each process up to rounding; every process scores its share of the examples with rank 0's, which
+    # the saved weights hold
     broadcast_from_main(running_statistics(setup.evaluated), setup.world)
     result = evaluator.run(setup.evaluated)
     if sharded(setup):  # a forward without backward leaves FSDP's root parameters gathered

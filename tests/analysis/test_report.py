@@ -93,6 +93,35 @@ def test_a_head_never_trained_shows_no_predictions():
     assert "is all zeros, never trained" in build_report(create_model(TINY), images())
 
 
+def test_a_sigmoid_runs_predictions_are_its_per_class_sigmoid_probabilities():
+    """A run trained with sigmoid_xent (its config.json's optim.loss, either layout) gives each class a
+    probability of its own: the page showed the softmax of its logits, captioned as such, probabilities
+    the model was not trained to give.  A run of softmax_xent, or weights without a run, as before."""
+    from vitlab.analysis.report import _section_predictions, build_report, recorded_loss
+
+    torch.manual_seed(0)
+    model = create_model(TINY).eval()
+    torch.nn.init.normal_(model.head.weight)
+    x = torch.rand(2, 3, 16, 16) * 2 - 1
+    with torch.no_grad():
+        logits = model(x)
+    shown = lambda page: [float(v) for v in re.findall(r"float:right'>([0-9.]+)%</span>", page)]
+    for meta, loss in (({"recipe": {"optim": {"loss": "sigmoid_xent"}}}, "sigmoid_xent"),
+                       ({"recipe": {"loss": "sigmoid_xent", "steps": 3}}, "sigmoid_xent"),  # a flat, older config
+                       ({"recipe": {"optim": {"loss": "softmax_xent"}}}, "softmax_xent"), ({}, "softmax_xent")):
+        assert recorded_loss(meta) == loss
+        probs = logits.sigmoid() if loss == "sigmoid_xent" else logits.softmax(-1)
+        page = _section_predictions(model, x, images(), None, recorded_loss(meta))
+        expected = [round(100 * p, 1) for row in probs.sort(-1, descending=True).values.tolist() for p in row]
+        assert shown(page) == pytest.approx(expected, abs=0.051), meta
+        assert ("per-class sigmoid probabilities" in page and "need not sum to 1" in page) == (loss == "sigmoid_xent")
+    assert not torch.allclose(logits.sigmoid(), logits.softmax(-1), atol=1e-2)
+    page = build_report(model, images(), meta={"recipe": {"optim": {"loss": "sigmoid_xent"}}})
+    assert "per-class sigmoid probabilities" in page
+    with pytest.raises(ValueError, match=r"^run/config.json: optim.loss='focal': allowed values are 'softmax_xent', "):
+        recorded_loss({"recipe": {"optim": {"loss": "focal"}}, "run_dir": "run"})  # a file edited by hand
+
+
 def test_the_position_figure_of_a_model_with_a_table_per_block_says_whose_it_is():
     # posemb_place=every_layer: the figure showed the first block's table with a caption of the stem's
     from vitlab.analysis.report import _section_embeddings

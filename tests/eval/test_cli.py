@@ -616,3 +616,50 @@ def test_eval_of_a_sigmoid_run_averages_and_calibrates_its_per_class_probabiliti
               for loss in ("sigmoid_xent", "softmax_xent")}
     assert (out["top1"], out["ece"]) == pytest.approx((scored["sigmoid_xent"]["top1"], scored["sigmoid_xent"]["ece"]))
     assert out["ece"] != pytest.approx(scored["softmax_xent"]["ece"])
+
+
+def test_predict_of_a_sigmoid_run_prints_its_per_class_sigmoid_probabilities(tmp_path, capsys):
+    """A run trained with sigmoid_xent (paper_pretrain's loss) gives each class a probability of its own:
+    predict printed the softmax of its logits, probabilities the model was not trained to give, as if
+    they were.  Now its sigmoid probabilities, named so (they need not sum to 1); the same weights
+    without their run's config.json say nothing of their loss and get the softmax, as before."""
+    import shutil
+
+    import numpy as np
+    from PIL import Image
+
+    from vitlab.data.memory import decode_image
+    from vitlab.data.transforms import to_float
+    from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+    from vitlab.train.loop import train
+
+    cfg = TrainConfig(recipe="test", model=ModelConfig(name="ViT-Ti/16", overrides=dict(
+                          img_size=8, patch_size=4, width=16, depth=1, num_heads=2, mlp_dim=32, name="ViT-tiny/4")),
+                      data=DataConfig(source="digits", val_split=100), augment=AugmentConfig(crop="none", flip=False),
+                      optim=OptimConfig(optimizer="adam", lr=3e-3, batch_size=32, steps=3, warmup=1,
+                                        loss="sigmoid_xent"),
+                      run=RunConfig(precision="fp32", eval_every=0, ckpt_every=0, threads=1, tensorboard=False,
+                                    out=str(tmp_path / "run")))
+    checkpoint = train(cfg, verbose=False)["weights"]
+    image = tmp_path / "x.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(image)
+    model = weights.load_model(checkpoint).eval()
+    with torch.no_grad():
+        logits = model(to_float(torch.from_numpy(decode_image(str(image), (8, 8))).permute(2, 0, 1)[None]))[0]
+    assert not torch.allclose(logits.sigmoid(), logits.softmax(-1), atol=1e-3)  # the two do differ
+    bare = tmp_path / "bare" / "model.safetensors"
+    bare.parent.mkdir()
+    shutil.copy(checkpoint, bare)
+    for path, key, expected in ((checkpoint, "sigmoid_prob", logits.sigmoid()), (bare, "prob", logits.softmax(-1))):
+        assert main(["predict", "--checkpoint", str(path), "--json", "--top", "10", "--no-fast", str(image)]) == 0
+        top = json.loads(capsys.readouterr().out)["top"]
+        assert [set(t) for t in top] == [{"class", key}] * 10, path
+        assert [t[key] for t in top] == pytest.approx(expected.sort(descending=True).values.tolist(), abs=1e-6)
+    assert sum(t["prob"] for t in top) == pytest.approx(1, abs=1e-4)
+    assert main(["predict", "--checkpoint", str(checkpoint), "--no-fast", str(image)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"{image}  (sigmoid probabilities, each class its own: they need not sum to 1)")
+    (bare.parent / "config.json").write_text(json.dumps({"optim": {"loss": "focal"}}))  # a config edited by hand
+    assert main(["predict", "--checkpoint", str(bare), "--no-fast", str(image)]) == 2
+    assert capsys.readouterr().err == (f"vitlab predict: error: {bare.parent / 'config.json'}: optim.loss='focal': "
+                                       "allowed values are 'softmax_xent', 'sigmoid_xent'\n")

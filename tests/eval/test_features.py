@@ -125,6 +125,49 @@ def test_flip_averaging_is_the_mean_of_the_two_views_probabilities():
                                softmax(predict_logits(model, symmetric)), atol=1e-6)
 
 
+def test_the_public_view_averages_take_a_sigmoid_runs_per_class_probabilities():
+    """A sigmoid_xent run (paper_pretrain's) gives each class a probability of its own: tta_averaged and
+    predict_logits averaged its views by their mean softmax whatever the run's loss, which ranks the
+    first image's classes the other way (class 0 by the mean softmax, 1 by the mean sigmoid, as the
+    Evaluator scores it); loss= says what the views average, the softmax by default as before."""
+    from vitlab.eval.features import class_probabilities, mean_probability, tta_averaged
+
+    image = torch.tensor([[8.0, 0.0, -9.0], [2.0, -1.0, -9.0]])
+    mirror = torch.tensor([[-1.0, 6.0, -9.0], [1.0, -3.0, -9.0]])
+
+    x = torch.zeros(2, 3, 4, 4)
+    x[..., -1] = 1  # a mirror image that differs from the image
+
+    def model_of(view):  # what the model gives the image, and its mirror image
+        return image if torch.equal(view, x) else mirror
+
+    for loss, p, top in (("sigmoid_xent", torch.sigmoid, [1, 0]), ("softmax_xent", lambda z: z.softmax(-1), [0, 0])):
+        scores = tta_averaged(model_of, flip=True, loss=loss)(x)
+        assert scores.argmax(-1).tolist() == top, loss
+        assert torch.allclose(class_probabilities(scores, loss=loss), (p(image) + p(mirror)) / 2, atol=1e-6), loss
+        assert torch.allclose(class_probabilities(image, mirror, loss=loss), (p(image) + p(mirror)) / 2, atol=1e-6)
+        assert torch.equal(scores, mean_probability(image, mirror, loss=loss))  # the Evaluator's rule, not another
+    assert torch.equal(tta_averaged(model_of, flip=True)(x), mean_probability(image, mirror))  # softmax by default
+    # the sigmoid's need not sum to 1; a single view's are its own sigmoid (softmax) probabilities
+    assert not torch.allclose(class_probabilities(image, loss="sigmoid_xent").sum(-1), torch.ones(2))
+    assert torch.allclose(class_probabilities(image, loss="sigmoid_xent"), image.sigmoid())
+    assert torch.allclose(class_probabilities(image), image.softmax(-1))
+
+    torch.manual_seed(0)
+    model = create_model(TINY).eval()
+    torch.nn.init.normal_(model.head.weight, std=2.0)
+    pixels = images(6)
+    floats = pixels.float() / 127.5 - 1  # the [-1, 1] scaling predict_logits applies
+    with torch.no_grad():
+        mean = torch.stack([model(v).sigmoid() for v in tta_views(floats, flip=True, shift=2)]).mean(0)
+    scores = torch.from_numpy(predict_logits(model, pixels, flip=True, shift=2, loss="sigmoid_xent"))
+    assert torch.allclose(class_probabilities(scores, loss="sigmoid_xent"), mean, atol=1e-5)
+    with pytest.raises(ValueError, match=r"^loss='xent': allowed values are 'softmax_xent', 'sigmoid_xent'$"):
+        predict_logits(model, pixels, loss="xent")  # refused by name, with one view as with several
+    with pytest.raises(ValueError, match=r"^loss='xent'"):
+        tta_averaged(model, flip=True, loss="xent")
+
+
 def test_tta_views_are_reflect_filled_translations_and_mirrors():
     x = torch.randn(2, 3, 7, 9)
     views = tta_views(x, flip=True, shift=2)

@@ -27,6 +27,7 @@ from vitlab.analysis.cost import model_flops
 from vitlab.config import Pair
 from vitlab.data.memory import decode_image
 from vitlab.data.transforms import resize, to_float
+from vitlab.eval.features import check_loss, class_probabilities
 from vitlab.files import atomic_write_text
 from vitlab.modes import evaluating
 
@@ -34,7 +35,7 @@ from . import attention as att
 from . import embeddings as emb
 from . import plots  # matplotlib itself is imported where a figure is drawn: reading run metadata stays light
 
-__all__ = ["read_run_log", "read_run_meta", "model_card", "build_report", "need_report_out", "write_report"]
+__all__ = ["read_run_log", "read_run_meta", "recorded_loss", "model_card", "build_report", "need_report_out", "write_report"]
 
 Images = torch.Tensor | np.ndarray | Sequence[str | os.PathLike]
 
@@ -105,6 +106,18 @@ def read_run_meta(checkpoint: str | os.PathLike) -> dict:
     if (run_dir / "metrics.jsonl").is_file() or meta:
         meta["run_dir"] = str(run_dir)
     return meta
+
+
+def recorded_loss(meta: Mapping[str, Any]) -> str:
+    """The loss a checkpoint's run trained with, ``read_run_meta``'s ``recipe``'s ``optim.loss``
+    (either layout): what the model's outputs are probabilities of, "sigmoid_xent" each class's own
+    sigmoid, "softmax_xent" a softmax.  Weights with no recorded run (a bare file, another
+    library's) carry nothing that says, and their head's numbers cannot tell: "softmax_xent"."""
+    recipe = meta.get("recipe")
+    recipe = _dotted(recipe) if isinstance(recipe, Mapping) else {}
+    loss = recipe.get("optim.loss", recipe.get("loss")) or "softmax_xent"
+    check_loss(loss, f"{Path(meta.get('run_dir', '.')) / 'config.json'}: optim.loss")  # a file edited by hand
+    return loss
 
 
 def _load_images(images: Images, size: Pair) -> torch.Tensor:
@@ -310,7 +323,8 @@ def _head_is_untrained(model: nn.Module) -> bool:
     return bool(params) and all(not p.detach().any() for p in params)
 
 
-def _section_predictions(model: nn.Module, x: torch.Tensor, images: torch.Tensor, classes: Sequence[str] | None) -> str:
+def _section_predictions(model: nn.Module, x: torch.Tensor, images: torch.Tensor, classes: Sequence[str] | None,
+                         loss: str) -> str:
     # the images are shown in any case: the figures below refer to them
     why_none = ("the model has no classification head (num_classes 0)" if not model.cfg.num_classes else
                 f"its classification head ({model.cfg.num_classes} classes) is all zeros, never trained (as after "
@@ -319,7 +333,7 @@ def _section_predictions(model: nn.Module, x: torch.Tensor, images: torch.Tensor
     probs = None
     if why_none is None:
         with torch.inference_mode():
-            probs = model(x).float().softmax(-1).cpu().numpy()
+            probs = class_probabilities(model(x).float(), loss=loss).cpu().numpy()  # as the run trained them
     items = []
     for b in range(len(x)):
         top = [] if probs is None else np.argsort(-probs[b])[:min(3, probs.shape[1])]
@@ -329,7 +343,9 @@ def _section_predictions(model: nn.Module, x: torch.Tensor, images: torch.Tensor
             f"<div class='bar' style='width:{max(2, 100 * probs[b, c]):.0f}%'></div>" for c in top)
         items.append(f"<div class='pred'>{_png_tag(_image_png(images[b]), f'image {b + 1}')}"
                      f"<div><b>image {b + 1}</b></div>{lines}</div>")
-    said = (" with its top predictions (softmax probabilities)." if why_none is None
+    kind = ("per-class sigmoid probabilities, as the run trained them: each class's own, they need not sum to 1"
+            if loss == "sigmoid_xent" else "softmax probabilities")
+    said = (f" with its top predictions ({kind})." if why_none is None
             else f". No predictions: {why_none}.")
     return _card("predictions", "Inputs and predictions", "",
                  f"<div class='preds'>{''.join(items)}</div>"
@@ -445,7 +461,8 @@ def build_report(model: nn.Module, images: Images, run_dir: str | os.PathLike | 
     # a model inspected between training steps goes on training, its frozen parts still frozen
     with evaluating(model):
         sections = [_section_card(model, meta), _section_curves(run_dir)]
-        sections.append(_guarded(lambda: _section_predictions(model, x, shown, classes), "predictions",
+        sections.append(_guarded(lambda: _section_predictions(model, x, shown, classes, recorded_loss(meta)),
+                                 "predictions",
                                  "Predictions"))
         if is_vit:
             try:

@@ -98,6 +98,7 @@ def unread_note(skipped: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab import fast
+    from vitlab.analysis.report import recorded_loss
     from vitlab.data.labelled import load_held_out
     from vitlab.eval import Evaluator
     from vitlab.eval.features import check_tta_shift
@@ -126,8 +127,7 @@ def run(args: argparse.Namespace) -> int:
     # are averaged and ECE binned in the probabilities the run trained (a sigmoid_xent run's, class by class)
     evaluator = Evaluator(data.images[data.held], labels, batch_size=args.batch_size, device=device,
                           flip=args.flip, shift=args.shift, diagonal=args.diagonal, image_size=size,
-                          loss=recorded_section(meta.get("recipe"), "optim").get("loss", "softmax_xent"),
-                          report_bins=None if labels.ndim == 2 else args.bins)
+                          loss=recorded_loss(meta), report_bins=None if labels.ndim == 2 else args.bins)
     # one batch shape (the last batch padded), compiled once; the views of test-time augmentation share it
     forward = fast.compile_for_inference(model, batch_size=args.batch_size, eager_on_failure=True) \
         if args.compile else None

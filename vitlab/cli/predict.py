@@ -7,6 +7,12 @@ Class names come from the weights file itself (a vitlab file's metadata, a timm 
 ``label_names``), else ``classes.json`` beside the weights (written by `train`), else the
 ``id2label`` of a Hugging Face ``config.json``; without any the classes are printed as numbers.  Images are resized to the model's resolution
 (``--img-size``: another, its position embeddings resampled) and scaled to [-1, 1] as in training.
+
+The probabilities are those the run was trained to give (``vitlab.eval.features.class_probabilities``,
+as the evaluator scores them): a run folder's ``config.json`` (beside the weights) records its
+``optim.loss``, and a ``sigmoid_xent`` run's are each class's own sigmoid, which need not sum to 1
+(said in the output: a header, and ``sigmoid_prob`` in place of ``prob`` in JSON); weights without
+a recorded run carry nothing that says, and get the softmax.
 """
 from __future__ import annotations
 
@@ -64,8 +70,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from vitlab import fast
+    from vitlab.analysis.report import recorded_loss
     from vitlab.data.memory import decode_image
     from vitlab.data.transforms import to_float
+    from vitlab.eval.features import class_probabilities
     from vitlab.train.resolve import resolve_scoring, resolved_threads
     from vitlab.weights.hub import resolve_hub_name
 
@@ -75,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = Path(args.checkpoint)
     if not checkpoint.exists():  # a Hub name: its snapshot folder, which holds config.json
         checkpoint = resolve_hub_name(args.checkpoint) or checkpoint
-    trained_run_meta(checkpoint)  # a run that trained no classifier is refused before its model is read
+    # a run that trained no classifier is refused before its model is read; its loss: what the probabilities are
+    loss = recorded_loss(trained_run_meta(checkpoint))
     model = load_weights(args, checkpoint).eval()
     if not model.cfg.num_classes:  # its features were shown as the probabilities of as many classes
         raise ValueError(f"{args.checkpoint}: the model has no head (num_classes=0): it gives features, not class "
@@ -91,19 +100,24 @@ def run(args: argparse.Namespace) -> int:
     with torch.no_grad(), resolved_threads(resolved):
         for path, array in zip(args.images, arrays):
             x = to_float(torch.from_numpy(array.copy()).permute(2, 0, 1).unsqueeze(0).contiguous())
-            print_top(args, path, model(x).float().softmax(-1)[0], classes)
+            print_top(args, path, class_probabilities(model(x).float(), loss=loss)[0], classes, loss)
     return 0
 
 
-def print_top(args: argparse.Namespace, path: str, probs, classes: list[str] | None) -> None:
+def print_top(args: argparse.Namespace, path: str, probs, classes: list[str] | None,
+              loss: str = "softmax_xent") -> None:
     """The ``--top`` classes of one image's probabilities (K,), best first, equal ones the lower class
-    first (as eval counts them; topk's order among equals is its own): a JSON line or a few to read."""
+    first (as eval counts them; topk's order among equals is its own): a JSON line or a few to read.
+    A sigmoid_xent run's, each class's own, are named so (``sigmoid_prob``; a header): they need not
+    sum to 1, and a softmax's reader would take them for shares of one."""
     top = probs.sort(descending=True, stable=True)
     names = [classes[i] if classes else str(i) for i in top.indices[:args.top].tolist()]
     values = top.values[:args.top].tolist()
+    key = "sigmoid_prob" if loss == "sigmoid_xent" else "prob"
     if args.json:
-        print(json.dumps({"image": path, "top": [{"class": n, "prob": round(p, 6)} for n, p in zip(names, values)]}))
+        print(json.dumps({"image": path, "top": [{"class": n, key: round(p, 6)} for n, p in zip(names, values)]}))
         return
-    print(path)
+    print(path + ("  (sigmoid probabilities, each class its own: they need not sum to 1)"
+                  if loss == "sigmoid_xent" else ""))
     for name, prob in zip(names, values):
         print(f"  {prob:7.2%}  {name}")

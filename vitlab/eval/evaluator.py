@@ -27,10 +27,8 @@ from vitlab.data.transforms import resize, to_float
 from vitlab.fast.kernels import autocast
 from vitlab.modes import evaluating
 
-from .features import Shift, check_tta_shift, mean_probability, mean_sigmoid, tta_view_prefixes, tta_views
+from .features import Shift, check_loss, check_tta_shift, mean_probability, mean_sigmoid, tta_view_prefixes, tta_views
 from .metrics import check_num_bins, classification_report, label_rank
-
-LOSSES = ("softmax_xent", "sigmoid_xent")  # a training run's optim.loss, which its evaluations report
 
 
 class Evaluator:
@@ -89,8 +87,7 @@ class Evaluator:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
-        if loss not in LOSSES:
-            raise ValueError(f"loss={loss!r}: allowed values are {', '.join(map(repr, LOSSES))}")
+        check_loss(loss)
         if report_bins is not None:
             check_num_bins(report_bins, "report_bins")  # before the model is scored, not after
         if report_bins is not None and world is not None and world.size > 1:

@@ -30,7 +30,16 @@ from vitlab.files import atomic_write
 from vitlab.modes import evaluating
 
 __all__ = ["extract_features", "predict_logits", "tta_views", "tta_view_count", "tta_view_prefixes", "check_tta_shift",
-           "shift_sizes", "tta_averaged", "mean_probability", "FeatureCache", "file_key"]
+           "shift_sizes", "tta_averaged", "mean_probability", "class_probabilities", "LOSSES", "check_loss",
+           "FeatureCache", "file_key"]
+
+LOSSES = ("softmax_xent", "sigmoid_xent")  # a training run's optim.loss: what its outputs' probabilities are
+
+
+def check_loss(loss: str, name: str = "loss") -> None:
+    """ValueError naming ``name`` unless ``loss`` is one of ``LOSSES``."""
+    if loss not in LOSSES:
+        raise ValueError(f"{name}={loss!r}: allowed values are {', '.join(map(repr, LOSSES))}")
 
 
 def _input_size(model: nn.Module, image_size: int | Pair | None) -> Pair:
@@ -138,18 +147,21 @@ def tta_views(x: torch.Tensor, flip: bool = False, shift: Shift = 0, diagonal: b
     return views
 
 
-def tta_averaged(fn: Callable[[torch.Tensor], torch.Tensor], flip: bool = False,
-                 shift: Shift = 0, diagonal: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> log of the mean of softmax(fn(view)) over ``tta_views(x, flip, shift, diagonal)``.
-
-    The result is a log-probability, so its argmax, top-k and cross-entropy are those of
-    the ensemble.  One forward pass per view; with a single view, ``fn`` itself.
+def tta_averaged(fn: Callable[[torch.Tensor], torch.Tensor], flip: bool = False, shift: Shift = 0,
+                 diagonal: bool = False, loss: str = "softmax_xent") -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> the scores of the mean probability of fn(view) over ``tta_views(x, flip, shift, diagonal)``,
+    the probabilities ``loss`` trained (``mean_probability``, as the Evaluator averages its views):
+    "softmax_xent" (the default) the log of the mean softmax, a log-probability, so its argmax,
+    top-k and cross-entropy are those of the ensemble; "sigmoid_xent" (a run's ``optim.loss``) the
+    logit of each class's mean sigmoid, whose sigmoid is that mean (the mean softmax can rank the
+    classes otherwise).  One forward pass per view; with a single view, ``fn`` itself.
     """
+    check_loss(loss)
     if not flip and not shift:
         return fn
 
     def averaged(x: torch.Tensor) -> torch.Tensor:
-        return mean_probability(*(fn(view) for view in tta_views(x, flip, shift, diagonal)))
+        return mean_probability(*(fn(view) for view in tta_views(x, flip, shift, diagonal)), loss=loss)
 
     return averaged
 
@@ -160,15 +172,22 @@ def mean_probability(*logits: torch.Tensor, loss: str = "softmax_xent") -> torch
     log(mean_i softmax(logits_i)), the ensemble's log-probabilities; of "sigmoid_xent", each
     class's own probability, sigmoid(z_k), averaged: the logit of the mean, log(p / (1 - p))
     (one view: its logits), whose sigmoid is that mean.  Either ranks the classes by it."""
+    check_loss(loss)
     if loss == "sigmoid_xent":
         if len(logits) == 1:
             return logits[0].float()
         log_p, log_not_p = mean_sigmoid(torch.stack(logits))
         return log_p - log_not_p
-    if loss != "softmax_xent":
-        raise ValueError(f"loss={loss!r}: allowed values are 'softmax_xent', 'sigmoid_xent'")
     views = torch.stack([z.float().log_softmax(-1) for z in logits])
     return torch.logsumexp(views, dim=0) - math.log(len(logits))
+
+
+def class_probabilities(*logits: torch.Tensor, loss: str = "softmax_xent") -> torch.Tensor:
+    """Each class's probability from the logits (..., K) of one view or several, averaged as
+    ``mean_probability`` averages them: under "softmax_xent" the (mean) softmax, which sums to 1;
+    under "sigmoid_xent" each class's own (mean) sigmoid, which need not."""
+    scores = mean_probability(*logits, loss=loss)
+    return scores.sigmoid() if loss == "sigmoid_xent" else scores.softmax(-1)
 
 
 def mean_sigmoid(views: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,14 +200,19 @@ def mean_sigmoid(views: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def predict_logits(model: nn.Module, images: torch.Tensor, batch_size: int = 128,
                    image_size: int | Pair | None = None, device: str | torch.device | None = None,
-                   flip: bool = False, shift: Shift = 0, diagonal: bool = False) -> np.ndarray:
+                   flip: bool = False, shift: Shift = 0, diagonal: bool = False,
+                   loss: str = "softmax_xent") -> np.ndarray:
     """uint8 images (N, C, H, W) -> float32 logits (N, K), preprocessed as ``extract_features``.
 
     flip, shift, diagonal: average the predictions of each image's test-time views
           (``tta_averaged``: its mirror image; its translations by ``shift`` pixels); the
-          result is then log-probabilities rather than raw logits.
+          result is then the ensemble's scores rather than raw logits.
+    loss: the probabilities the views average, those the model was trained to give (a run's
+          ``optim.loss``): "softmax_xent" (the default; the scores are log-probabilities) or
+          "sigmoid_xent" (each class's own sigmoid; the scores are the logits of its mean).
+          ``class_probabilities(torch.from_numpy(scores), loss=loss)`` gives the probabilities.
     """
-    return _batched(model, images, tta_averaged(model, flip, shift, diagonal), batch_size, image_size, device)
+    return _batched(model, images, tta_averaged(model, flip, shift, diagonal, loss), batch_size, image_size, device)
 
 
 def file_key(path: str | os.PathLike) -> str:

@@ -12,6 +12,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .features import check_loss
+
 __all__ = [
     "softmax",
     "sigmoid",
@@ -117,8 +119,7 @@ def classification_report(logits: np.ndarray, labels: np.ndarray, num_classes: i
     whose calibration ECE measures, those the model was trained to give: "softmax_xent" the
     logits' softmax, "sigmoid_xent" each class's sigmoid (a run's ``optim.loss``).
     """
-    if loss not in ("softmax_xent", "sigmoid_xent"):
-        raise ValueError(f"loss={loss!r}: allowed values are 'softmax_xent', 'sigmoid_xent'")
+    check_loss(loss)
     logits, labels = _check(logits, labels)
     k = num_classes or logits.shape[1]
     top = topk_accuracy(logits, labels, (1, 5))

@@ -518,6 +518,28 @@ def test_a_masked_patch_prediction_run_is_refused_a_score_of_its_untrained_head(
     assert weights.exists()
 
 
+def three_class_run(tmp_path):
+    """A folder of 3 classes x 6 images and a run of a tiny ViT on it (its config, classes and weights; no summary):
+    (the data, the run's folder, its data section)."""
+    from PIL import Image
+
+    data = tmp_path / "data"
+    for c in range(3):
+        (data / f"c{c}").mkdir(parents=True)
+        for i in range(6):
+            Image.new("RGB", (8, 8), (40 * i, 60 * c, 0)).save(data / f"c{c}" / f"{i}.png")
+    torch.manual_seed(0)
+    model = create_model(ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2,
+                                   num_classes=3, name="ViT-tiny"))
+    run = tmp_path / "run"
+    run.mkdir()
+    weights.save_model(model, run / "model.safetensors")
+    section = {"source": str(data), "val_split": 6, "stream": "memory", "cache_dir": str(tmp_path / "cache")}
+    (run / "config.json").write_text(json.dumps({"recipe": "test", "data": section}))
+    (run / "classes.json").write_text(json.dumps(["c0", "c1", "c2"]))
+    return data, run, section
+
+
 def test_eval_and_fewshot_refuse_the_runs_split_of_data_changed_since_it_trained(tmp_path, capsys):
     """A class folder deleted since the run trained: eval reported "held-out split (6 of 12 examples)"
     of a run that split 18, a split whose held-out part held images the run trained on, as its
@@ -525,21 +547,7 @@ def test_eval_and_fewshot_refuse_the_runs_split_of_data_changed_since_it_trained
     --data with --val-split scores a split of the user's choosing."""
     import shutil
 
-    from PIL import Image
-
-    for c in range(3):
-        (tmp_path / "data" / f"c{c}").mkdir(parents=True)
-        for i in range(6):
-            Image.new("RGB", (8, 8), (40 * i, 60 * c, 0)).save(tmp_path / "data" / f"c{c}" / f"{i}.png")
-    torch.manual_seed(0)
-    model = create_model(ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2,
-                                   num_classes=3, name="ViT-tiny"))
-    run = tmp_path / "run"
-    run.mkdir()
-    weights.save_model(model, run / "model.safetensors")
-    (run / "config.json").write_text(json.dumps({"recipe": "test", "data": {
-        "source": str(tmp_path / "data"), "val_split": 6, "stream": "memory", "cache_dir": str(tmp_path / "cache")}}))
-    (run / "classes.json").write_text(json.dumps(["c0", "c1", "c2"]))
+    _, run, _ = three_class_run(tmp_path)
     (run / "summary.json").write_text(json.dumps({"steps": 2, "train_examples": 12, "val_examples": 6}))
     evaluate = ["eval", "--checkpoint", str(run), "--json"]
     assert main(evaluate) == 0 and last_json(capsys)["n"] == 6
@@ -563,20 +571,7 @@ def test_eval_and_fewshot_refuse_the_runs_split_of_data_with_an_image_swapped_si
     from vitlab.train.config import DataConfig, TrainConfig
     from vitlab.train.inputs import build_splits
 
-    data = tmp_path / "data"
-    for c in range(3):
-        (data / f"c{c}").mkdir(parents=True)
-        for i in range(6):
-            Image.new("RGB", (8, 8), (40 * i, 60 * c, 0)).save(data / f"c{c}" / f"{i}.png")
-    torch.manual_seed(0)
-    model = create_model(ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=2,
-                                   num_classes=3, name="ViT-tiny"))
-    run = tmp_path / "run"
-    run.mkdir()
-    weights.save_model(model, run / "model.safetensors")
-    section = {"source": str(data), "val_split": 6, "stream": "memory", "cache_dir": str(tmp_path / "cache")}
-    (run / "config.json").write_text(json.dumps({"recipe": "test", "data": section}))
-    (run / "classes.json").write_text(json.dumps(["c0", "c1", "c2"]))
+    data, run, section = three_class_run(tmp_path)
     splits = build_splits(TrainConfig(data=DataConfig(source=str(data), val_split=6, cache_dir=section["cache_dir"],
                                                       decode_workers=1)),
                           (16, 16))

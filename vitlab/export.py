@@ -17,7 +17,11 @@ one metadata_props entry each (lists and numbers as JSON); a .pt2 archive: the e
 Class names, when given, travel with the file in Hugging Face's terms: ONNX metadata_props
 ``id2label`` and ``label2id`` (JSON), and the extra files ``id2label.json`` and ``label2id.json``
 of a .pt2 archive (``program_class_names`` reads them back); a name that more than one class
-bears is written with its class id (``labels.distinct_names``).
+bears is written with its class id (``labels.distinct_names``).  So does the loss the model was
+trained with, when given, as Hugging Face's ``problem_type`` (``labels.PROBLEM_TYPES``): ONNX
+metadata_props ``problem_type``, the extra file ``problem_type.json`` of a .pt2 (a JSON string);
+"multi_label_classification" (a ``sigmoid_xent`` run's): each class's probability is the sigmoid
+of its logit, not the softmax of them all.
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ from torch import nn
 from .config import Pair, ViTConfig, to_pair
 from .modes import evaluating
 from .weights.core import input_preprocessing
-from .weights.labels import check_class_names, distinct_names, id2label, label2id, names_from_id2label
+from .weights.labels import (PROBLEM_TYPES, check_class_names, check_loss, distinct_names, id2label, label2id,
+                             names_from_id2label)
 
 __all__ = ["export_onnx", "export_program", "load_program", "model_img_size", "program_class_names",
            "read_preprocessing"]
@@ -100,6 +105,11 @@ def _label_maps(model: nn.Module, class_names: Sequence[str] | None) -> dict[str
     return {"id2label": json.dumps(id2label(names)), "label2id": json.dumps(label2id(names))}
 
 
+def _problem_type(loss: str | None) -> dict[str, str]:
+    """{"problem_type": Hugging Face's name of what ``loss`` trained the outputs to be}, or {} for None."""
+    return {} if loss is None else {"problem_type": PROBLEM_TYPES[check_loss(loss, "loss")]}
+
+
 def _preprocessing(model: nn.Module, img_size: Pair) -> dict[str, object]:
     """The input the model reads at ``img_size`` (``input_preprocessing``), or {} for a model without a config."""
     cfg = getattr(model, "cfg", None)
@@ -112,20 +122,22 @@ def _as_metadata(record: dict[str, object]) -> dict[str, str]:
 
 
 def export_program(model: nn.Module, path: str | os.PathLike, img_size: int | Pair | None = None,
-                   dynamic_batch: bool = True, batch: int = 2,
-                   class_names: Sequence[str] | None = None) -> torch.export.ExportedProgram:
+                   dynamic_batch: bool = True, batch: int = 2, class_names: Sequence[str] | None = None,
+                   loss: str | None = None) -> torch.export.ExportedProgram:
     """Trace ``model`` with ``torch.export`` and save it with ``torch.export.save`` (a .pt2 file).
 
     Reload with ``load_program(path)``, which gives a callable module: images (B, C, H, W)
     -> logits (B, K).  ``batch`` is the batch of the traced example, and the only one
-    accepted when ``dynamic_batch`` is False.  ``class_names`` are stored beside the program.
+    accepted when ``dynamic_batch`` is False.  ``class_names`` are stored beside the program,
+    and ``loss`` (the ``optim.loss`` it was trained with) as its ``problem_type``.
     """
     labels = _label_maps(model, class_names)
+    problem = _problem_type(loss)
     size = model_img_size(model, img_size)
     x = _example(model, size, batch, dynamic_batch)
     with torch.no_grad(), evaluating(model):
         program = torch.export.export(model, (x,), dynamic_shapes=_batch_shapes(dynamic_batch))
-    extra = {f"{k}.json": v for k, v in labels.items()}
+    extra = {f"{k}.json": v for k, v in labels.items()} | {f"{k}.json": json.dumps(v) for k, v in problem.items()}
     preprocessing = _preprocessing(model, size)
     if preprocessing:
         extra[PREPROCESSING_FILE] = json.dumps(preprocessing)
@@ -183,19 +195,20 @@ def read_preprocessing(path: str | os.PathLike) -> dict[str, object] | None:
 
 def export_onnx(model: nn.Module, path: str | os.PathLike, img_size: int | Pair | None = None,
                 dynamic_batch: bool = True, opset: int = 18, batch: int = 2,
-                class_names: Sequence[str] | None = None) -> Path:
+                class_names: Sequence[str] | None = None, loss: str | None = None) -> Path:
     """Write ``model`` as ONNX with input "images" (B, C, H, W) and output "logits" (B, K).
 
     Uses the torch.export-based exporter (``dynamo=True``), which keeps
     ``scaled_dot_product_attention`` as a few matmuls and a softmax.  Weights are stored
     inside the one file (no external data) when they fit under ONNX's 2 GB limit.  ``batch``
     is the batch of the traced example, fixed in the graph when ``dynamic_batch`` is False.
-    ``class_names`` go into the model's metadata (ONNX Runtime: ``custom_metadata_map``).
+    ``class_names`` go into the model's metadata (ONNX Runtime: ``custom_metadata_map``), and
+    ``loss`` (the ``optim.loss`` it was trained with) as its ``problem_type``.
     """
     if isinstance(opset, bool) or not isinstance(opset, int):
         raise TypeError(f"opset={opset!r}: expected an ONNX opset version (an integer, e.g. 18)")
     require_onnx_packages()
-    labels = _label_maps(model, class_names)
+    labels = _label_maps(model, class_names) | _problem_type(loss)
     size = model_img_size(model, img_size)
     x = _example(model, size, batch, dynamic_batch)
     path = Path(path)

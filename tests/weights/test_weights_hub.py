@@ -88,6 +88,26 @@ def test_predict_by_hub_name_prints_the_hub_labels(hf_model, hub_env, tmp_path, 
     assert (snapshot / "config.json").is_file()
 
 
+def test_a_hub_model_of_problem_type_multi_label_gives_its_sigmoid_probabilities(hf_model, hub_env, tmp_path, capsys):
+    """A Hub model whose config says problem_type multi_label_classification gives each class its own
+    sigmoid in transformers' pipelines: predict by its name printed the softmax of its logits."""
+    multi = copy.deepcopy(hf_model)
+    multi.config.problem_type = "multi_label_classification"
+    write_snapshot(multi, tmp_path / "cache")
+    hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    hub_env.setenv("HF_HUB_OFFLINE", "1")
+    image = tmp_path / "x.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(image)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no image processor's config in this cache
+        assert main(["predict", "--checkpoint", REPO, str(image), "--json", "--top", "3", "--no-fast"]) == 0
+    top = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["top"]
+    x = torch.from_numpy(np.array(Image.open(image).convert("RGB"))).permute(2, 0, 1)[None].float() / 127.5 - 1
+    with torch.no_grad():
+        expected = hf_model(pixel_values=x).logits[0].sigmoid().sort(descending=True).values
+    assert [t["sigmoid_prob"] for t in top] == pytest.approx(expected.tolist(), abs=1e-5)
+
+
 def an_image(folder) -> str:
     """An image to predict on: predict refuses a missing one before it looks for the weights."""
     path = folder / "x.png"

@@ -29,6 +29,7 @@ from vitlab.data.memory import decode_image
 from vitlab.data.transforms import resize, to_float
 from vitlab.eval.features import check_loss, class_probabilities
 from vitlab.files import atomic_write_text
+from vitlab.weights.load import read_loss
 from vitlab.modes import evaluating
 
 from . import attention as att
@@ -75,7 +76,8 @@ def read_run_meta(checkpoint: str | os.PathLike) -> dict:
 
     Keys, when found: ``recipe`` (the training config dict, ``config.json`` of the run),
     ``results`` (``summary.json``), ``classes`` (``classes.json``), ``metadata`` (extra
-    safetensors metadata besides the model config), ``run_dir``.
+    safetensors metadata besides the model config), ``run_dir``, ``loss`` (the loss the weights
+    record, ``vitlab.weights.read_loss``: a vitlab file's metadata, a Hugging Face ``problem_type``).
     """
     path = Path(checkpoint)
     meta: dict[str, Any] = {}
@@ -105,19 +107,26 @@ def read_run_meta(checkpoint: str | os.PathLike) -> dict:
             meta[key] = meta["metadata"][key]
     if (run_dir / "metrics.jsonl").is_file() or meta:
         meta["run_dir"] = str(run_dir)
+    loss = read_loss(checkpoint)  # as the weights record it: converted ones have no run beside them
+    if loss is not None:
+        meta["loss"] = loss
     return meta
 
 
-def recorded_loss(meta: Mapping[str, Any]) -> str:
+def recorded_loss(meta: Mapping[str, Any], default: str | None = "softmax_xent") -> str | None:
     """The loss a checkpoint's run trained with, ``read_run_meta``'s ``recipe``'s ``optim.loss``
-    (either layout): what the model's outputs are probabilities of, "sigmoid_xent" each class's own
-    sigmoid, "softmax_xent" a softmax.  Weights with no recorded run (a bare file, another
-    library's) carry nothing that says, and their head's numbers cannot tell: "softmax_xent"."""
+    (either layout), else the one its weights record (``loss``: weights converted from such a run, a
+    Hugging Face model's ``problem_type``): what the model's outputs are probabilities of,
+    "sigmoid_xent" each class's own sigmoid, "softmax_xent" a softmax.  Weights that record none (a
+    bare file, another library's) carry nothing that says, and their head's numbers cannot tell:
+    ``default``."""
     recipe = meta.get("recipe")
     recipe = _dotted(recipe) if isinstance(recipe, Mapping) else {}
-    loss = recipe.get("optim.loss", recipe.get("loss")) or "softmax_xent"
-    check_loss(loss, f"{Path(meta.get('run_dir', '.')) / 'config.json'}: optim.loss")  # a file edited by hand
-    return loss
+    loss = recipe.get("optim.loss", recipe.get("loss"))
+    if loss is not None:
+        check_loss(loss, f"{Path(meta.get('run_dir', '.')) / 'config.json'}: optim.loss")  # a file edited by hand
+        return loss
+    return meta.get("loss") or default
 
 
 def _load_images(images: Images, size: Pair) -> torch.Tensor:

@@ -3,7 +3,9 @@ Hugging Face's or timm's (``vitlab.weights.save_model``), with a check that the 
 
 The source's class names (a run's ``classes.json``, an export's ``id2label``) go wherever
 the layout has a place for them (``vitlab.weights.labels``), unless ``--num-classes``
-gives the model a new head."""
+gives the model a new head; so does the loss it was trained with (a run's ``optim.loss``, the
+weights' own record), which says what its outputs are probabilities of: a ``sigmoid_xent`` run's
+are each class's own sigmoid, Hugging Face's ``problem_type`` "multi_label_classification"."""
 from __future__ import annotations
 
 import argparse
@@ -51,6 +53,7 @@ def check_out(out: str, layout: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vitlab.analysis.report import read_run_meta, recorded_loss
     from vitlab.config import need_output_file, need_output_folder
     from vitlab.weights import WeightsError, read_class_names, save_model
 
@@ -67,11 +70,16 @@ def run(args: argparse.Namespace) -> int:
             raise WeightsError(f"{args.source}: its {len(names)} class names do not match the {cfg.num_classes} "
                                "classes of its head (a classes.json from another run?)")
         names = None  # --num-classes gave a new head: the source's names are not its classes
-    written = save_model(model, args.out, format=args.format, class_names=names)
+    # a new head is untrained: what its outputs are probabilities of is the fine-tuning's to say
+    loss = recorded_loss(read_run_meta(args.source), default=None) if args.num_classes is None else None
+    written = save_model(model, args.out, format=args.format, class_names=names, loss=loss)
     print(f"wrote {written} ({args.format}) from {args.source}: {cfg.name or type(model).__name__}")
     if names and args.format == "official":
         print(f"the {len(names)} class names are not written: an official .npz (vit_jax, big_transfer) holds "
               "arrays only")
+    if loss == "sigmoid_xent" and args.format in ("official", "timm"):
+        print(f"its loss, sigmoid_xent, is not written: {args.format}'s files have no place for it; its outputs "
+              "are each class's own sigmoid probability, where a reader takes a softmax")
     if npz_size(cfg, args.format) is not None:
         h, w = cfg.img_size
         print(f"an official .npz records no image size: read {written} with --weights-img-size {h}x{w} "

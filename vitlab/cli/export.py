@@ -6,7 +6,9 @@
 The class names kept with the weights (a run's ``classes.json``, an export's ``id2label``)
 travel into the file: ONNX metadata ``id2label``/``label2id``, or the .pt2's extra files; so
 does the input the model reads (``vitlab.export.read_preprocessing``: its size, RGB, NCHW,
-``(p / 255 - 0.5) / 0.5`` after a bilinear resize of the whole image, as ``vitlab predict`` does).
+``(p / 255 - 0.5) / 0.5`` after a bilinear resize of the whole image, as ``vitlab predict`` does),
+and the loss the weights were trained with (a run's ``optim.loss``, the weights' own record), as
+Hugging Face's ``problem_type``: a ``sigmoid_xent`` run's outputs are each class's own sigmoid.
 """
 from __future__ import annotations
 
@@ -96,6 +98,14 @@ def _class_names(source: str, num_classes: int) -> list[str] | None:
     return names
 
 
+def _loss(source: str) -> str | None:
+    """The loss the weights were trained with, as their run or they themselves record it (None for a
+    registry name's random model, and for weights that record none)."""
+    from vitlab.analysis.report import read_run_meta, recorded_loss
+
+    return recorded_loss(read_run_meta(source), default=None) if _is_weights(source) else None
+
+
 def _is_weights(source: str) -> bool:
     """Whether ``source`` names weights (a path, a Hugging Face name, a weights file or a path in a folder here
     that is not there: no such file, not an unknown registry name) rather than a registry name."""
@@ -123,11 +133,9 @@ def run(args: argparse.Namespace) -> int:
     model = _load(args).eval()
     size = model_img_size(model, args.img_size)
     batch = 2 if dynamic else int(args.batch)
-    names = _class_names(args.source, model.cfg.num_classes)
-    if fmt == "onnx":
-        export_onnx(model, out, size, dynamic_batch=dynamic, batch=batch, class_names=names)
-    else:
-        export_program(model, out, size, dynamic_batch=dynamic, batch=batch, class_names=names)
+    names, loss = _class_names(args.source, model.cfg.num_classes), _loss(args.source)
+    export = export_onnx if fmt == "onnx" else export_program
+    export(model, out, size, dynamic_batch=dynamic, batch=batch, class_names=names, loss=loss)
     mb = out.stat().st_size / 2**20
     print(f"wrote {out} ({fmt}, {mb:.1f} MiB, input (B, C, {size[0]}, {size[1]}), "
           f"batch {'dynamic' if dynamic else args.batch})")

@@ -11,8 +11,9 @@ Class names come from the weights file itself (a vitlab file's metadata, a timm 
 The probabilities are those the run was trained to give (``vitlab.eval.features.class_probabilities``,
 as the evaluator scores them): a run folder's ``config.json`` (beside the weights) records its
 ``optim.loss``, and a ``sigmoid_xent`` run's are each class's own sigmoid, which need not sum to 1
-(said in the output: a header, and ``sigmoid_prob`` in place of ``prob`` in JSON); weights without
-a recorded run carry nothing that says, and get the softmax.
+(said in the output: a header, and ``sigmoid_prob`` in place of ``prob`` in JSON); weights converted
+from such a run record it themselves (``vitlab.weights.read_loss``: a vitlab file's metadata, a Hugging
+Face ``problem_type``, of a Hub model too); weights that record none get the softmax.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@
     save_model(model, "hf/b16", format="hf")                            # ViTForImageClassification dir
     save_model(model, "b16.safetensors", format="timm")                 # timm state dict + .timm.json
     save_model(model, "hf/b16", format="hf", class_names=read_class_names("runs/b16"))  # id2label too
+    save_model(model, "hf/b16", format="hf", loss="sigmoid_xent")       # problem_type: a sigmoid per class
     model = load_model("runs/b16")
     save_official_npz(model, "b16.npz")                                 # back to vit_jax's layout
 
@@ -16,7 +17,7 @@ from .bigvision import load_big_vision
 from .bit import load_bit, save_bit_npz
 from .core import ConventionWarning, HeadsUnknownError, WeightsError, adapt_state_dict, infer_config, load_checked
 from .huggingface import load_huggingface, save_huggingface
-from .load import detect_format, load_config, load_model, read_class_names
+from .load import detect_format, load_config, load_model, read_class_names, read_loss
 from .native import load_native, save_model
 from .official import load_official_npz, save_official_npz
 from .timm import load_timm, save_timm
@@ -38,6 +39,7 @@ __all__ = [
     "load_official_npz",
     "load_timm",
     "read_class_names",
+    "read_loss",
     "save_bit_npz",
     "save_huggingface",
     "save_model",

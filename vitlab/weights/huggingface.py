@@ -53,7 +53,8 @@ from torch import nn
 from ..config import Pair, ViTConfig
 from .core import (InputScaling, StateDict, WeightsError, atomic_write_set, build_loaded, infer_config,
                    input_preprocessing, require_plain_vit, to_tensor, warn_conventions)
-from .labels import CLASSES_NAME, check_class_names, distinct_names, id2label, label2id
+from .labels import (CLASSES_NAME, PROBLEM_TYPES, check_class_names, check_loss, distinct_names, id2label,
+                     label2id)
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-12, "posemb_resample": "bicubic"}
 
@@ -188,12 +189,14 @@ def _pair_or_int(pair: tuple[int, int]) -> int | list[int]:
     return pair[0] if pair[0] == pair[1] else list(pair)
 
 
-def to_huggingface(model: nn.Module, class_names: Sequence[str] | None = None
+def to_huggingface(model: nn.Module, class_names: Sequence[str] | None = None, loss: str | None = None
                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(state dict with HF hub names, config.json dict) of a vitlab ViT for ViTForImageClassification.
 
     ``class_names`` become ``id2label`` and ``label2id``; without them, Hugging Face's
-    placeholders ``LABEL_0``, ``LABEL_1``, ...
+    placeholders ``LABEL_0``, ``LABEL_1``, ...  ``loss`` (the ``optim.loss`` it was trained with)
+    becomes ``problem_type`` (``labels.PROBLEM_TYPES``): transformers' pipelines give a
+    "multi_label_classification" model's classes each their own sigmoid, as it was trained.
     """
     cfg = require_plain_vit(model.cfg, "Hugging Face ViTForImageClassification", hybrid=False)
     reasons = []
@@ -234,6 +237,8 @@ def to_huggingface(model: nn.Module, class_names: Sequence[str] | None = None
         "hidden_dropout_prob": cfg.dropout, "attention_probs_dropout_prob": cfg.attention_dropout,
         "initializer_range": 0.02, "id2label": id2label(names), "label2id": label2id(names),
     }
+    if loss is not None:
+        config["problem_type"] = PROBLEM_TYPES[check_loss(loss, "loss")]
     if cfg.posemb_resample != "bicubic":
         warn_conventions([f"posemb_resample: the model resamples position embeddings {cfg.posemb_resample!r}, "
                           "Hugging Face's interpolate_pos_encoding=True bicubically (equal logits at the saved "
@@ -256,10 +261,11 @@ def image_processor(cfg: ViTConfig) -> dict[str, Any]:
 PIL_FILTERS = {"bilinear": 2, "bicubic": 3}  # ViTImageProcessor's resample: PIL's filter numbers
 
 
-def save_huggingface(model: nn.Module, path: str | os.PathLike, class_names: Sequence[str] | None = None) -> Path:
+def save_huggingface(model: nn.Module, path: str | os.PathLike, class_names: Sequence[str] | None = None,
+                     loss: str | None = None) -> Path:
     """Write ``path/config.json``, ``path/preprocessor_config.json`` (``image_processor``) and
     ``path/model.safetensors`` for ``ViTForImageClassification.from_pretrained`` and ``AutoImageProcessor``."""
-    tensors, config = to_huggingface(model, class_names)
+    tensors, config = to_huggingface(model, class_names, loss)
     path = Path(path)
     data = safetensors.torch.save(tensors, metadata={"format": "pt"})
     # as a set, the weights last: a failure between them left new weights beside the old config.json; a

@@ -15,6 +15,21 @@ target's own tools (and ``vitlab predict``) print names, not ids:
 
 ``load.read_class_names`` reads them back from a file or folder of weights.  A name that more
 than one class bears is written with its class id in every export but vitlab's own (``distinct_names``).
+
+The loss the weights were trained with says what their outputs are probabilities of: a run of
+``optim.loss="sigmoid_xent"`` gives each class's own sigmoid, which need not sum to 1, where a
+softmax would rank and score them otherwise.  It travels where the format has a place for it:
+
+    format                                  place
+    vitlab file or directory (save_model)   the weights file's metadata "vitlab_loss"
+    Hugging Face (format="hf")              config.json's problem_type: "multi_label_classification" for
+                                            sigmoid_xent (what transformers' pipelines read as a sigmoid),
+                                            "single_label_classification" for softmax_xent
+    ONNX (vitlab.export.export_onnx)        the model's metadata_props problem_type, as Hugging Face's
+    torch.export (export_program)           problem_type.json, an extra file of the .pt2 (a JSON string)
+    timm (format="timm"), vit_jax .npz      none: timm's pretrained_cfg has no field for it
+
+``load.read_loss`` reads it back (Hugging Face's problem_type of any folder or Hub model too).
 """
 from __future__ import annotations
 
@@ -26,6 +41,9 @@ from .core import WeightsError
 
 CLASSES_NAME = "classes.json"
 CLASSES_KEY = "vitlab_classes"
+LOSS_KEY = "vitlab_loss"
+# a training run's optim.loss -> Hugging Face's problem_type of a model trained with it
+PROBLEM_TYPES = {"softmax_xent": "single_label_classification", "sigmoid_xent": "multi_label_classification"}
 
 
 def check_class_names(names: Any, num_classes: int, where: str) -> list[str]:
@@ -87,3 +105,24 @@ def names_from_json(text: str, where: str) -> list[str]:
     if not isinstance(names, list) or not all(isinstance(n, (str, int, float)) for n in names):
         raise WeightsError(f"{where}: expected a JSON list of class names")
     return [str(n) for n in names]
+
+
+def check_loss(loss: Any, where: str) -> str:
+    """``loss`` (a run's ``optim.loss``), else a one-line ``WeightsError`` naming ``where``."""
+    if loss not in PROBLEM_TYPES:
+        raise WeightsError(f"{where}={loss!r}: allowed values are {', '.join(map(repr, PROBLEM_TYPES))}")
+    return loss
+
+
+def loss_of_problem_type(problem_type: Any, where: str) -> str | None:
+    """The loss of a Hugging Face ``problem_type``: "multi_label_classification" is a sigmoid per class
+    (transformers' pipelines apply one), "single_label_classification" a softmax; None where it says
+    neither (absent, or "regression", whose outputs are no class probabilities).  Another value, which
+    transformers refuses too, is a one-line ``WeightsError`` naming ``where``."""
+    if problem_type is None or problem_type == "regression":
+        return None
+    for loss, kind in PROBLEM_TYPES.items():
+        if kind == problem_type:
+            return loss
+    allowed = ", ".join(map(repr, ["regression", *PROBLEM_TYPES.values()]))
+    raise WeightsError(f"{where}={problem_type!r}: allowed values are {allowed}, or none")

@@ -44,7 +44,8 @@ from .bigvision import is_big_vision, load_big_vision
 from .bit import is_bit, load_bit
 from .hub import not_looked_up, resolve_hub_name
 from .huggingface import PROCESSOR_NAME, is_huggingface, load_huggingface, processor_scaling
-from .labels import CLASSES_KEY, CLASSES_NAME, names_from_id2label, names_from_json
+from .labels import (CLASSES_KEY, CLASSES_NAME, LOSS_KEY, check_loss, loss_of_problem_type, names_from_id2label,
+                     names_from_json)
 from .native import (CONFIG_KEY, CONFIG_NAME, WEIGHTS_NAME, check_recorded, is_native, load_native,
                      read_native_config, read_safetensors, read_safetensors_metadata)
 from .official import KNOWN_PREFIXES, load_official_npz, read_npz
@@ -307,6 +308,32 @@ def read_class_names(source: str | os.PathLike) -> list[str] | None:
     if path.is_dir() and (path / HF_WEIGHTS[0]).is_file():
         return _names_in_file(path / HF_WEIGHTS[0])
     return None
+
+
+def read_loss(source: str | os.PathLike) -> str | None:
+    """The loss the weights at ``source`` (a file, a folder, or a Hugging Face Hub name) record they were
+    trained with, "softmax_xent" or "sigmoid_xent" (what their outputs are probabilities of), or None where
+    they record none (see ``labels``): a vitlab file's metadata (a folder's ``model.safetensors``), else the
+    ``problem_type`` of a Hugging Face ``config.json`` beside it.  A training run records its own in its
+    ``config.json`` (``optim.loss``), which ``vitlab.analysis.report.recorded_loss`` reads first."""
+    path = Path(source)
+    if not path.exists():
+        path = resolve_hub_name(str(source)) or path  # a Hub name: its snapshot folder
+        if not path.exists():
+            return None
+    weights = path / HF_WEIGHTS[0] if path.is_dir() else path
+    if weights.suffix.lower() == ".safetensors" and weights.is_file():
+        loss = read_safetensors_metadata(weights).get(LOSS_KEY)
+        if loss is not None:
+            return check_loss(loss, f"{weights}: metadata {LOSS_KEY}")  # a file edited by hand
+    config = (path if path.is_dir() else path.parent) / CONFIG_NAME
+    try:  # a training run's config.json beside its weights is no model's (and a broken one is the run's affair)
+        folder_config = json.loads(config.read_text()) if config.is_file() else {}
+    except (OSError, ValueError):
+        return None
+    if not isinstance(folder_config, dict) or "model_type" not in folder_config:
+        return None
+    return loss_of_problem_type(folder_config.get("problem_type"), f"{config}: problem_type")
 
 
 def load_config(source: str | os.PathLike, name: str | None = None,

@@ -26,7 +26,7 @@ from ..files import atomic_write
 from .bit import save_bit_npz
 from .core import WeightsError, atomic_write_set, build_loaded, check_named, check_state_dict, meta_shapes
 from .huggingface import save_huggingface
-from .labels import CLASSES_KEY, CLASSES_NAME, check_class_names
+from .labels import CLASSES_KEY, CLASSES_NAME, LOSS_KEY, check_class_names, check_loss
 from .official import save_official_npz
 from .timm import save_timm
 
@@ -64,7 +64,7 @@ def need_model_folder(path: str | os.PathLike, format: str) -> None:
 
 
 def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab",
-               class_names: Sequence[str] | None = None) -> Path:
+               class_names: Sequence[str] | None = None, loss: str | None = None) -> Path:
     """Save ``model`` (any vitlab model, which carries ``.cfg``) and return the weights file.
 
     format="vitlab": ``path`` ending in ``.safetensors`` is the file; any other path is a
@@ -79,6 +79,10 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
     ``id2label``, timm's ``label_names``; a vit_jax ``.npz`` has none.  A directory saved without
     them in vitlab's layout, or in another, loses the ``classes.json`` of the weights it replaces
     (and in timm's, their ``config.json``).
+    ``loss``, the ``optim.loss`` the model was trained with ("softmax_xent", "sigmoid_xent"), which says
+    what its outputs are probabilities of, goes where the format has a place for it (``labels``): the
+    vitlab file's metadata, Hugging Face's ``problem_type``; timm's and vit_jax's have none.  None: unknown,
+    nothing is written (readers take a softmax).
     """
     cfg = getattr(model, "cfg", None)
     if cfg is None:
@@ -87,6 +91,8 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
         raise WeightsError(f"format={format!r}: allowed values are {', '.join(map(repr, FORMATS))}")
     if class_names is not None:
         class_names = check_class_names(class_names, cfg.num_classes, "class_names")
+    if loss is not None:
+        check_loss(loss, "loss")
     check_saved_model(model, cfg)
     need_model_folder(path, format)
     if format == "official":
@@ -94,13 +100,14 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
             return save_bit_npz(model, path)
         return save_official_npz(model, path)
     if format == "hf":
-        return save_huggingface(model, path, class_names)
+        return save_huggingface(model, path, class_names, loss)
     if format == "timm":
         return save_timm(model, path, class_names)
     text = config_to_json(cfg)
     # clone: safetensors refuses tensors that share memory, and must not see views
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    data = _with_checksum(tensors, text, {CLASSES_KEY: json.dumps(class_names)} if class_names else {})
+    extra = {CLASSES_KEY: json.dumps(class_names)} if class_names else {}
+    data = _with_checksum(tensors, text, extra | ({LOSS_KEY: loss} if loss else {}))
     path = Path(path)
     if path.suffix == ".safetensors":
         return atomic_write(path, lambda f: f.write(data))

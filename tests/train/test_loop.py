@@ -592,6 +592,26 @@ def test_resume_refuses_optimiser_settings_its_checkpoint_restores(tiny):
     assert train(tiny("run", steps=2, ema_decay=0.9), resume=True, verbose=False)["steps"] == 2
 
 
+def test_a_finished_run_resumed_with_other_settings_is_refused_and_its_records_kept(tiny):
+    from vitlab.config import ConfigError
+
+    first = train(tiny("run", steps=2, ckpt_every=1), verbose=False)
+    config = Path(first["weights"]).with_name("config.json")
+    recorded = config.read_text()
+    # nothing trains after a finished run's last step: its config.json, written again, claimed the new settings
+    for changes, named in (({"clip_norm": 0.01}, r"optim.clip_norm=0.01 \(its run: 1.0\)"),
+                           ({"flip": True}, r"augment.flip=True \(its run: False\)"),
+                           ({"lr": 0.5}, r"optim.lr=0.5 \(its run: 0.003\)")):
+        with pytest.raises(ConfigError, match=rf"^--resume: .* had finished at step 2; {named} would train nothing"):
+            train(tiny("run", steps=2, ckpt_every=1, **changes), resume=True, verbose=False)
+        assert config.read_text() == recorded
+    assert train(tiny("run", steps=2, ckpt_every=1), resume=True, verbose=False)["steps"] == 2
+    # an unfinished run takes them from its resumption on, and its records say so
+    (Path(first["weights"]).parent / "checkpoints" / "ckpt-00000002.pt").unlink()
+    assert train(tiny("run", steps=2, ckpt_every=1, clip_norm=0.01), resume=True, verbose=False)["steps"] == 2
+    assert json.loads(config.read_text())["optim"]["clip_norm"] == 0.01
+
+
 def fitted_total(minutes: float, eval_s: float = EVAL_S) -> int:
     """The total a time-limited run of ``STEP_S`` steps fits after its 2 + 3 timed steps and one
     timed evaluation of ``eval_s``: the steps left until the deadline less the final

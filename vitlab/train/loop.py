@@ -42,8 +42,8 @@ from .numerics import NonFinite
 from .schedules import input_size_at, lr_at, warmup_steps
 from .memory import retain_freed_memory
 from .resolve import run_memory_record, resolve_device, this_machine
-from .state import (check_same_classes, check_same_run, check_same_split, final_model, process_state, restore_state,
-                    set_process_state, set_rng_state, sharded, training_state)
+from .state import (check_finished_run_unchanged, check_same_classes, check_same_run, check_same_split, final_model,
+                    process_state, restore_state, set_process_state, set_rng_state, sharded, training_state)
 from .step import StepResult, endless, running_statistics, train_step
 from .time_budget import TimeBudget
 
@@ -196,6 +196,7 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
         progress.message(setup.fp8.line())
     if state is not None:  # before the run's folder is written: a refused resume wrote over its config and classes
         check_same_run(setup.cfg, state.get("config", {}))  # as resolved: the init's model, "auto"s decided
+        check_finished_run_unchanged(setup.cfg, state.get("config", {}), int(state["step"]), int(state["total_steps"]))
         check_same_classes(setup.splits.classes, state.get("classes"))
         check_same_split(setup.splits.split_key, state.get("split_key"))
     start_output_folder(setup, out, afresh=held is not None and not resume)

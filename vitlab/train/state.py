@@ -125,6 +125,33 @@ def check_same_run(cfg: TrainConfig, saved: dict) -> None:
                           "that number, or train on from its weights as a new run (--init, another --out)")
 
 
+def training_fields(cfg: TrainConfig) -> list[str]:
+    """The fields besides ``RESUME_INVARIANTS`` that decide how ``cfg``'s run trains: the model's other fields,
+    the augmentation, the optimiser and its schedule, the input sizes and the arithmetic.  A resumed run may
+    change them, from its resumption on (its config.json then records them)."""
+    sections = to_dict(cfg)
+    fields = [f"{section}.{name}" for section in ("model", "augment", "optim") for name in sections[section]]
+    return [name for name in fields if name not in RESUME_INVARIANTS] + [
+        "data.progressive_sizes", "run.precision", "run.loss_scale", "run.fp8"]
+
+
+def check_finished_run_unchanged(cfg: TrainConfig, saved: dict, step: int, total_steps: int) -> None:
+    """Refuse to resume a finished run (its checkpoint at step ``total_steps``) with other ``training_fields``
+    than it trained with (``saved``: its config dict): nothing trains after its last step, and its config.json,
+    written again, claimed the new settings for the weights it had trained.  Its length is ``check_same_run``'s
+    (a ceiling under a time limit), a grid of rates ``vitlab sweep``'s alone."""
+    if not saved or step < total_steps:
+        return
+    names = [name for name in training_fields(cfg) if name not in ("optim.steps", "optim.lr_grid")]
+    before = from_dict(saved)
+    changed = ", ".join(f"{k}={field_value(cfg, k)!r} (its run: {field_value(before, k)!r})"
+                        for k in names if field_value(before, k) != field_value(cfg, k))
+    if changed:
+        raise ConfigError(f"--resume: the run in {cfg.run.out!r} had finished at step {step}; {changed} would train "
+                          "nothing, and its records keep what trained it: resume with its settings, or train on from "
+                          "its weights as a new run (--init, another --out)")
+
+
 def check_same_classes(classes: list[str], saved) -> None:
     """Refuse to continue a checkpoint whose run trained on other classes than the data's now
     (``saved``: its class names; None in a checkpoint without them): a label is a class's place in

@@ -50,7 +50,7 @@ from .loop import SCORE_NAMES, check_nothing_held, check_resume_or_overwrite, he
 from .metrics import Progress
 from .numerics import NonFiniteError
 from .overrides import field_value, with_changes
-from .state import RESUME_INVARIANTS
+from .state import training_fields
 
 log = logging.getLogger(__name__)
 
@@ -156,14 +156,9 @@ def trained_settings(cfg: TrainConfig) -> dict:
     finished run, resumed at its end, is trained no further under them."""
     from vitlab.eval.features import file_key
 
-    from .config import to_dict
-
-    sections = to_dict(cfg)
-    fields = [f"{section}.{name}" for section in ("model", "augment", "optim") for name in sections[section]]
     # its rate is the folder's; a time limit fits the schedule to it again, so steps is only its ceiling
-    fields = [name for name in fields if name not in (*RESUME_INVARIANTS, "optim.lr", "optim.lr_grid", "optim.steps")]
-    values = {name: field_value(cfg, name) for name in fields + ["data.progressive_sizes", "run.precision",
-                                                                   "run.loss_scale", "run.fp8"]}
+    fields = [name for name in training_fields(cfg) if name not in ("optim.lr", "optim.lr_grid", "optim.steps")]
+    values = {name: field_value(cfg, name) for name in fields}
     values["model.init"] = file_key(cfg.model.init) if cfg.model.init else None
     return json.loads(json.dumps(values))  # as the file holds them: tuples as lists
 

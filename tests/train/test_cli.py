@@ -599,13 +599,13 @@ def test_show_config_refuses_an_init_here_that_is_no_weights(tmp_path, capsys):
     --show-config printed its config all the same, the estimate alone 'not_estimated', and exited 0."""
     init = tmp_path / "x.safetensors"
     init.write_text("not weights\n")
-    for model in ([], ["--model", "ViT-Ti/16"]):
-        command = ["finetune", "--init", str(init), "--recipe", "demo", "--data", "digits", *model, "--show-config"]
-        assert main(command) == 2, model
+    for name, model in (("finetune", []), ("finetune", ["--model", "ViT-Ti/16"]), ("sweep", ["--grid", "0.01"])):
+        command = [name, "--init", str(init), "--recipe", "demo", "--data", "digits", *model, "--show-config"]
+        assert main(command) == 2, command
         out, err = capsys.readouterr()
         (line,) = err.splitlines()
-        assert out == "" and line.startswith("vitlab finetune: error: ") and \
-            f"{init} is not a readable safetensors file" in line, model
+        assert out == "" and line.startswith(f"vitlab {name}: error: ") and \
+            f"{init} is not a readable safetensors file" in line, command
 
 
 def test_show_config_refuses_an_init_that_is_not_here_as_the_run_does(tmp_path, capsys):
@@ -613,7 +613,8 @@ def test_show_config_refuses_an_init_that_is_not_here_as_the_run_does(tmp_path, 
     printed its config, the estimate alone 'not_estimated', and exited 0.  A Hub name is read as the run
     starts, and still shown."""
     missing = str(tmp_path / "no" / "x.safetensors")
-    for command in (["finetune", "--init", missing], ["train", "--set", f"model.init={missing}"]):
+    for command in (["finetune", "--init", missing], ["train", "--set", f"model.init={missing}"],
+                    ["sweep", "--init", missing, "--grid", "0.01"]):
         assert main([*command, "--recipe", "demo", "--data", "digits", "--show-config"]) == 2, command
         out, err = capsys.readouterr()
         assert out == "" and err.splitlines() == [
@@ -625,21 +626,21 @@ def test_show_config_refuses_an_init_that_is_not_here_as_the_run_does(tmp_path, 
 
 @pytest.mark.parametrize("dataset, share", [("pets", 0.1), ("flowers", 0.1), ("cifar10", 0.02), ("cifar100", 0.02),
                                             ("imagenet", 0.01)])
-def test_sweep_holds_out_the_papers_share_per_dataset(dataset, share, capsys):
+def test_sweep_holds_out_the_papers_share_per_dataset(dataset, share, capsys, tiny_checkpoint):
     """Appendix B.1.1: 10% of the training set for Pets and Flowers, 2% for CIFAR, 1% for ImageNet."""
-    recipe = f"paper_finetune:dataset={dataset}"
-    assert main(["sweep", "--recipe", recipe, "--init", "W", "--show-config"]) == 0
+    recipe = ["sweep", "--recipe", f"paper_finetune:dataset={dataset}", "--init", tiny_checkpoint]
+    assert main([*recipe, "--show-config"]) == 0
     assert json.loads(capsys.readouterr().out)["holdout"] == share
-    assert main(["sweep", "--recipe", recipe, "--init", "W", "--holdout", "0.25", "--show-config"]) == 0
+    assert main([*recipe, "--holdout", "0.25", "--show-config"]) == 0
     assert json.loads(capsys.readouterr().out)["holdout"] == 0.25
-    assert main(["sweep", "--recipe", recipe, "--init", "W", "--holdout", "500", "--show-config"]) == 0
+    assert main([*recipe, "--holdout", "500", "--show-config"]) == 0
     assert json.loads(capsys.readouterr().out)["holdout"] == 500
 
 
-def test_sweep_holds_out_the_split_set_on_its_recipe(capsys):
+def test_sweep_holds_out_the_split_set_on_its_recipe(capsys, tiny_checkpoint):
     """--set data.val_split changes the recipe's split the grid is compared on (--holdout still wins, and
     --val-split is the final run's): it was accepted, and the grid was compared on the recipe's 10%."""
-    recipe = ["sweep", "--recipe", "paper_finetune:dataset=pets", "--init", "W", "--show-config"]
+    recipe = ["sweep", "--recipe", "paper_finetune:dataset=pets", "--init", tiny_checkpoint, "--show-config"]
     for extra, holdout, final in ((["--set", "data.val_split=0.2"], 0.2, 0), (["--set", "val_split=300"], 300, 0),
                                   (["--set", "data.val_split=0.2", "--holdout", "0.05"], 0.05, 0),
                                   (["--set", "data.val_split=0.2", "--val-split", "0.3"], 0.2, 0.3)):

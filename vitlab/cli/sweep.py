@@ -86,12 +86,14 @@ def sweep_settings(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.train.config import to_dict
+    from vitlab.train.resolve import check_init_shown
     from vitlab.train.sweep import run_sweep, sweep_plan
 
     cfg, holdout = sweep_settings(args)
     grid = parse_grid(args.grid) if args.grid else ()
     if args.show_config:  # the plan: the grid, its hold-out, and the final run's config
         grid, _, final_cfg, holdout = sweep_plan(cfg, grid, holdout, args.val_split)
+        check_init_shown(final_cfg)  # the init the runs refuse, as train's and finetune's --show-config refuse it
         print(json.dumps({"grid": grid, "holdout": holdout, "final": to_dict(final_cfg)}, indent=2))
         return 0
     report = run_sweep(cfg, grid, holdout, args.val_split, resume=args.resume, overwrite=args.overwrite,

@@ -253,11 +253,7 @@ def preview(cfg: TrainConfig, machine: Machine | None = None) -> dict:
     cannot be read are refused, as the run refuses them (a text file named x.safetensors had been
     left out of the estimate alone, and the config shown as one that would run), and so is an init that is
     no file or folder here nor a Hub name (a mistyped path had been shown as a config that would run)."""
-    if cfg.model.init is not None and Path(cfg.model.init).expanduser().exists():
-        init_architecture(cfg)  # WeightsError: the run's line, not left out of the estimate below
-    elif cfg.model.init is not None:  # the run's line (check_can_run's)
-        check_init_named(cfg.model.init, held_checkpoints=latest_checkpoint(Path(cfg.run.out) / "checkpoints")
-                         is not None)
+    check_init_shown(cfg)
     machine = machine or this_machine()
     world = local_world(resolve_device(cfg.run.device, machine, local_rank()))
     check_device_options(cfg, world.device, machine)  # refused as the run would be, not left out of the estimate below
@@ -267,6 +263,17 @@ def preview(cfg: TrainConfig, machine: Machine | None = None) -> dict:
         return to_dict(cfg) | {"memory_estimate": {"not_estimated": str(err)}}
     return to_dict(resolved.config) | {"resolved": resolved.record(),
                                        "memory_estimate": memory_record(resolved, machine, world)}
+
+
+def check_init_shown(cfg: TrainConfig) -> None:
+    """Refuse, for a --show-config (train's, finetune's, sweep's), the ``model.init`` its run refuses: weights here
+    that cannot be read (``WeightsError``) and an init that is no file or folder here nor a Hub name (the run's
+    line, ``check_init_named``); a Hub name is read as the run starts."""
+    if cfg.model.init is not None and Path(cfg.model.init).expanduser().exists():
+        init_architecture(cfg)
+    elif cfg.model.init is not None:
+        check_init_named(cfg.model.init, held_checkpoints=latest_checkpoint(Path(cfg.run.out) / "checkpoints")
+                         is not None)
 
 
 def resolve_scoring(device: str = "auto", fast_path: bool = True, machine: Machine | None = None) -> Resolved:

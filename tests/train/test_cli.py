@@ -452,6 +452,40 @@ def test_masked_patch_prediction_trains_in_two_processes(tmp_path):
     assert load_model(summary["weights"]).cfg.width == 16
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["sweep", "vtab", "experiment"])
+def test_a_protocol_of_runs_launched_on_two_processes_is_refused_in_one_line_before_any_work(tmp_path, command,
+                                                                                              tiny_checkpoint):
+    """A sweep, vtab or an experiment trains its runs one after another: under torchrun every process ran it
+    whole, writing its records and reports; a sweep's second run waited for the other process for ever, vtab's
+    second process ended in a traceback on the weights rank 0 alone saves."""
+    out = tmp_path / "out"
+    args = {"sweep": ["sweep", "--recipe", "demo", "--data", "digits", "--grid", "0.01,0.03", "--steps", "2",
+                      "--batch-size", "16", *TINY],
+            "vtab": ["vtab", "--init", tiny_checkpoint, "--tasks",
+                     str(make_image_folder(tmp_path / "tasks" / "cifar100" / "train").parents[1]), "--examples",
+                     "20", "--steps", "1", "--batch-size", "8", "--grid", "0.01", "--quiet"],
+            "experiment": ["experiment", "head", "--quick", "--seeds", "1"]}[command]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env |= {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               "-m", "vitlab", *args, "--out", str(out)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        stdout, stderr = launch.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        launch.terminate()  # torchrun ends its workers on SIGTERM (killed, it left them waiting)
+        launch.communicate(timeout=60)
+        pytest.fail(f"vitlab {command} on 2 processes: waited for ever")
+    said = [line for line in stderr.splitlines() if line.startswith(f"vitlab {command}: ")]
+    what = "an experiment" if command == "experiment" else command
+    assert launch.returncode != 0 and said == [
+        f"vitlab {command}: error: WORLD_SIZE=2 (environment): {what} runs its runs one after another in one process, and under torchrun every process ran it whole; run it "
+        "without torchrun, or train one run on several processes: torchrun --nproc_per_node=N -m vitlab train (or "
+        "finetune)"], stderr[-3000:]
+    assert not out.exists() and stdout == ""
+
+
 def test_finetune_and_sweep(tmp_path, capsys):
     base = ["--recipe", "demo", "--data", "digits", "--batch-size", "16", "--val-split", "100", *TINY]
     assert main(["train", *base, "--steps", "3", "--out", str(tmp_path / "pre")]) == 0

@@ -98,6 +98,5 @@ def run(args: argparse.Namespace) -> int:
         return 0
     report = run_sweep(cfg, grid, holdout, args.val_split, resume=args.resume, overwrite=args.overwrite,
                        verbose=not args.quiet, say=lambda line: print(line, flush=True))
-    if report["final"].get("weights") is not None:  # rank 0 of a distributed run
-        print(json.dumps(report), flush=True)
+    print(json.dumps(report), flush=True)
     return 0

@@ -167,6 +167,9 @@ def settings(name: str, quick: bool = False, **changes) -> Settings:
 def run_experiment(name: str, out: str | Path, quick: bool = False, command: str | None = None,
                    verbose: bool = True, **changes) -> dict:
     """Run experiment ``name`` into ``out``; returns {"rows", "table", "wall_s", "files"}."""
+    from vitlab.train.distributed import check_one_process
+
+    check_one_process("an experiment")
     mod = get(name)
     s = settings(name, quick, **changes)
     need_output_folder("out", out)

@@ -65,6 +65,18 @@ def env_number(name: str, default: int, least: int = 0) -> int:
     return value
 
 
+def check_one_process(what: str) -> None:
+    """Refuse a launch of several processes (torchrun's) for ``what``, a protocol that trains its runs one after
+    another (a sweep, vtab, an experiment), before any work: every process ran it whole, writing its records
+    and reports; a sweep's second run waited for the other processes without end, and vtab's other processes
+    ended in a traceback on the weights rank 0 alone saves.  One run trains on several processes."""
+    size = env_world_size()
+    if size > 1:
+        raise ConfigError(f"WORLD_SIZE={size} (environment): {what} runs its runs one after another in one process, "
+                          "and under torchrun every process ran it whole; run it without torchrun, or train one run "
+                          "on several processes: torchrun --nproc_per_node=N -m vitlab train (or finetune)")
+
+
 def env_world_size() -> int:
     """The processes of the launch (``WORLD_SIZE``; 1 unset), with this process's ``RANK`` held to it
     before any group is joined: without one every process of a launch by hand took rank 0, and one of

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -44,7 +43,7 @@ from vitlab.files import atomic_write, remove_temporaries
 
 from .build import check_can_run
 from .config import TrainConfig, check_lr_grid
-from .distributed import env_world_size
+from .distributed import check_one_process
 from .diverged import DIVERGED_NAME, finished_unless_diverged, unless_diverged
 from .loop import SCORE_NAMES, check_nothing_held, check_resume_or_overwrite, held_by_earlier_run, train, val_score
 from .metrics import Progress
@@ -213,9 +212,8 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
     ``optim.lr_grid``) compared on ``holdout`` (default its ``data.val_split``, else 10%), then the
     final run at the best rate, holding ``final_val_split`` out (default none).
 
-    Returns the report, also written to ``run.out/sweep.json`` (by rank 0 of a distributed
-    launch): ``holdout``, ``holdout_top1`` ({rate: top-1}; a multi-label set's ``holdout_prec1``, its
-    precision@1), ``best_lr``, ``diverged`` and ``final``
+    Returns the report, also written to ``run.out/sweep.json``: ``holdout``, ``holdout_top1``
+    ({rate: top-1}; a multi-label set's ``holdout_prec1``, its precision@1), ``best_lr``, ``diverged`` and ``final``
     (the final run's summary).  A rate whose run stops on a loss or gradients that are not finite
     (``run.on_nonfinite``) loses: its top-1 is None, ``diverged`` holds its error, and the other
     rates go on; ``NonFiniteError`` if every rate diverges.  Of rates that score alike, the
@@ -225,27 +223,28 @@ def run_sweep(cfg: TrainConfig, grid: Sequence[float] = (), holdout: float | Non
     whose run of the same config diverged is counted lost again, untrained (``diverged_before``); a final
     run that diverges (now, or resumed, before) is ``NonFiniteError``.
     ``verbose``: the runs' progress; ``say``: called with a line per grid point as it is scored
-    (default: on stderr when ``verbose``).
+    (default: on stderr when ``verbose``).  One process runs the sweep: a launch of several is refused
+    (``distributed.check_one_process``); each run trains on one.
     """
+    check_one_process("sweep")
     check_resume_or_overwrite(resume, overwrite)
     need_bool("verbose", verbose)
     need(say is None or callable(say), "say", say, "expected None or a function of one line of text")
     grid, runs, final_cfg, holdout = sweep_plan(cfg, grid, holdout, final_val_split)
     say = say or Progress(enabled=verbose).message
     for r in runs + [final_cfg]:  # every run is checked before the first one starts
-        check_can_run(r, env_world_size())
+        check_can_run(r)
     check_counts_fit(runs, final_cfg)
     if not resume and not overwrite:  # refused by the run it was in, after the runs before it had trained
         for r in runs + [final_cfg]:
             check_nothing_held(Path(r.run.out))
     base_out, settings = Path(final_cfg.run.out).parent, trained_settings(final_cfg)
     check_same_settings(base_out, runs + [final_cfg], settings, resume)
-    if int(os.environ.get("RANK", "0")) == 0:  # the report's one writer, as a run's rank 0 is of its records
-        for partial in remove_temporaries(base_out, ("sweep.json", SETTINGS_NAME)):
-            log.warning("removed %s, left by a write of the sweep's records that was killed", partial)
-        base_out.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(settings, indent=2).encode()  # what a later resume compares, before the first run
-        atomic_write(base_out / SETTINGS_NAME, lambda f: f.write(text))
+    for partial in remove_temporaries(base_out, ("sweep.json", SETTINGS_NAME)):
+        log.warning("removed %s, left by a write of the sweep's records that was killed", partial)
+    base_out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(settings, indent=2).encode()  # what a later resume compares, before the first run
+    atomic_write(base_out / SETTINGS_NAME, lambda f: f.write(text))
 
     scores, diverged, score = {}, {}, "top1"
     for r in runs:

@@ -42,7 +42,7 @@ from vitlab.weights import load_model
 
 from .build import check_can_run
 from .config import TrainConfig, check_lr_grid, to_dict
-from .distributed import local_rank, local_world
+from .distributed import check_one_process, local_rank, local_world
 from .diverged import finished_unless_diverged, unless_diverged
 from .legacy import recorded_section
 from .loop import held_by_earlier_run, read_summary, train
@@ -276,6 +276,7 @@ def run_vtab(cfg: TrainConfig, tasks: Sequence[Task], out: str | os.PathLike, ex
     folder holding finished or stopped runs of ``tasks`` is refused.  ``verbose``: a line per run on stderr,
     and the training runs' progress.
     """
+    check_one_process("vtab")
     if not isinstance(cfg, TrainConfig):  # a recipe's name, say: its cfg.recipe failed as an AttributeError
         raise ConfigError(f"cfg={cfg!r:.80}: expected a TrainConfig (vitlab.configs.load_recipe('vtab1k') gives "
                           f"one), got a {type(cfg).__name__}")

@@ -1213,3 +1213,12 @@ def test_a_bf16_run_trains_as_the_fp32_run_does(tiny, fast):
         losses[precision] = [r["loss"] for r in read_jsonl(Path(summary["weights"]).parent / "metrics.jsonl")]
     assert losses["fp32"][-1] < math.log(10) - 0.2  # the run learns: what bf16 is held to
     assert losses["bf16"] == pytest.approx(losses["fp32"], abs=0.02)
+
+
+def test_a_runs_weights_file_carries_its_loss(tiny):
+    """The run's model.safetensors records optim.loss in its metadata: copied alone, without the run's
+    config.json, a sigmoid run's weights were scored as a softmax model's (predict, eval's views and ECE)."""
+    from vitlab.weights import read_loss
+
+    summary = train(tiny(steps=1, loss="sigmoid_xent"), verbose=False)
+    assert read_loss(summary["weights"]) == "sigmoid_xent"

@@ -582,7 +582,8 @@ def finish(setup: Setup, step: int, planned_steps: int, last_val: dict, wall: fl
         "weights": None,
     }
     if setup.world.is_main:
-        weights = save_model(model, out / WEIGHTS_NAME)
+        # the loss goes with the weights (their metadata): a copy of the file alone is scored as the run trained it
+        weights = save_model(model, out / WEIGHTS_NAME, loss=cfg.optim.loss)
         # absolute, as the config records the data and the init: as typed, they named the files from the folder
         # the command ran in, and from another an experiment took its finished run for none (read back:
         # ``read_summary``)

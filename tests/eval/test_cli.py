@@ -616,8 +616,8 @@ def test_eval_of_a_sigmoid_run_averages_and_calibrates_its_per_class_probabiliti
 def test_predict_of_a_sigmoid_run_prints_its_per_class_sigmoid_probabilities(tmp_path, capsys):
     """A run trained with sigmoid_xent (paper_pretrain's loss) gives each class a probability of its own:
     predict printed the softmax of its logits, probabilities the model was not trained to give, as if
-    they were.  Now its sigmoid probabilities, named so (they need not sum to 1); the same weights
-    without their run's config.json say nothing of their loss and get the softmax, as before."""
+    they were.  Now its sigmoid probabilities, named so (they need not sum to 1), also of its weights file copied
+    alone (its metadata records the loss); weights saved with no loss say nothing of it and get the softmax."""
     import shutil
 
     import numpy as np
@@ -645,7 +645,10 @@ def test_predict_of_a_sigmoid_run_prints_its_per_class_sigmoid_probabilities(tmp
     bare = tmp_path / "bare" / "model.safetensors"
     bare.parent.mkdir()
     shutil.copy(checkpoint, bare)
-    for path, key, expected in ((checkpoint, "sigmoid_prob", logits.sigmoid()), (bare, "prob", logits.softmax(-1))):
+    plain = weights.save_model(model, tmp_path / "plain" / "model.safetensors")  # no loss recorded
+    sigmoid, softmax = logits.sigmoid(), logits.softmax(-1)
+    for path, key, expected in ((checkpoint, "sigmoid_prob", sigmoid), (bare, "sigmoid_prob", sigmoid),
+                                (plain, "prob", softmax)):
         assert main(["predict", "--checkpoint", str(path), "--json", "--top", "10", "--no-fast", str(image)]) == 0
         top = json.loads(capsys.readouterr().out)["top"]
         assert [set(t) for t in top] == [{"class", key}] * 10, path

@@ -27,6 +27,17 @@ Pair = tuple[int, int]
 # ``run.precision`` also takes "auto", which a run resolves to one of these when it is built.
 PRECISIONS = ("fp32", "bf16", "fp16")
 
+# A run's ``optim.loss``, and so what its outputs' probabilities are: a softmax over the classes, or each
+# class's own sigmoid.  Training, evaluation and the weights' records all take these.
+LOSSES = ("softmax_xent", "sigmoid_xent")
+
+
+def check_loss(loss, name: str = "loss", error: type[ValueError] = ValueError) -> str:
+    """``loss`` where it is one of ``LOSSES``, else ``error`` (a ValueError) naming ``name``."""
+    if loss not in LOSSES:
+        raise error(f"{name}={loss!r}: allowed values are {', '.join(map(repr, LOSSES))}")
+    return loss
+
 
 class ConfigError(ValueError):
     """A configuration field holds a value that cannot work."""

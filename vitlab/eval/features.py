@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitlab.config import ConfigError, Pair, is_shift, to_pair
+from vitlab.config import LOSSES, ConfigError, Pair, check_loss, is_shift, to_pair
 from vitlab.data.transforms import resize, to_float
 from vitlab.files import atomic_write
 from vitlab.modes import evaluating
@@ -32,15 +32,6 @@ from vitlab.modes import evaluating
 __all__ = ["extract_features", "predict_logits", "tta_views", "tta_view_count", "tta_view_prefixes", "check_tta_shift",
            "shift_sizes", "tta_averaged", "mean_probability", "class_probabilities", "LOSSES", "check_loss",
            "FeatureCache", "file_key"]
-
-LOSSES = ("softmax_xent", "sigmoid_xent")  # a training run's optim.loss: what its outputs' probabilities are
-
-
-def check_loss(loss: str, name: str = "loss") -> None:
-    """ValueError naming ``name`` unless ``loss`` is one of ``LOSSES``."""
-    if loss not in LOSSES:
-        raise ValueError(f"{name}={loss!r}: allowed values are {', '.join(map(repr, LOSSES))}")
-
 
 def _input_size(model: nn.Module, image_size: int | Pair | None) -> Pair:
     if image_size is not None:

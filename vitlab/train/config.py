@@ -21,8 +21,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from vitlab.config import (PRECISIONS, SIZE_FORMS, ConfigError, ViTConfig, is_int, is_number, is_shift, need,
-                           need_bool, need_choice, need_count_or_fraction, need_int, need_number, parse_size)
+from vitlab.config import (LOSSES, PRECISIONS, SIZE_FORMS, ConfigError, ViTConfig, is_int, is_number, is_shift,
+                           need, need_bool, need_choice, need_count_or_fraction, need_int, need_number, parse_size)
 from vitlab.data.transforms import Augmentation, TrainTransform
 from vitlab.fast.fp8 import BLOCK_DENSE, FP8_BACKENDS, FP8_SCALINGS, check_fp8_layers
 from vitlab.fast.kernels import GPU_ATTENTION
@@ -37,7 +37,6 @@ from .legacy import LEGACY_NAMES, nested_dict
 OPTIMIZERS = ("adam", "sgd", "muon")
 DECAYS = ("cosine", "linear", "constant")
 ON_NONFINITE = ("stop", "skip")
-LOSSES = ("softmax_xent", "sigmoid_xent")
 WD_SCOPES = ("kernels", "all")
 STREAM_MODES = ("auto", "memory", "stream")
 DEVICE_TYPES = ("cpu", "cuda")

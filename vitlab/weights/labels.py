@@ -37,6 +37,8 @@ import json
 import warnings
 from typing import Any, Sequence
 
+from vitlab.config import check_loss as config_check_loss
+
 from .core import WeightsError
 
 CLASSES_NAME = "classes.json"
@@ -108,10 +110,9 @@ def names_from_json(text: str, where: str) -> list[str]:
 
 
 def check_loss(loss: Any, where: str) -> str:
-    """``loss`` (a run's ``optim.loss``), else a one-line ``WeightsError`` naming ``where``."""
-    if loss not in PROBLEM_TYPES:
-        raise WeightsError(f"{where}={loss!r}: allowed values are {', '.join(map(repr, PROBLEM_TYPES))}")
-    return loss
+    """``loss`` (a run's ``optim.loss``, ``vitlab.config.LOSSES``), else a one-line ``WeightsError`` naming
+    ``where``."""
+    return config_check_loss(loss, where, WeightsError)
 
 
 def loss_of_problem_type(problem_type: Any, where: str) -> str | None:

@@ -144,8 +144,7 @@ def check_finished_run_unchanged(cfg: TrainConfig, saved: dict, step: int, total
         return
     names = [name for name in training_fields(cfg) if name not in ("optim.steps", "optim.lr_grid")]
     before = from_dict(saved)
-    changed = ", ".join(f"{k}={field_value(cfg, k)!r} (its run: {field_value(before, k)!r})"
-                        for k in names if field_value(before, k) != field_value(cfg, k))
+    changed = _differences(cfg, before, names, whose="its run")
     if changed:
         raise ConfigError(f"--resume: the run in {cfg.run.out!r} had finished at step {step}; {changed} would train "
                           "nothing, and its records keep what trained it: resume with its settings, or train on from "
@@ -177,9 +176,9 @@ def check_same_split(key, saved) -> None:
                           "another --out)")
 
 
-def _differences(cfg: TrainConfig, before: TrainConfig, names) -> str:
-    """The fields of ``names`` whose values differ, each with the checkpoint's: "" where none does."""
-    return ", ".join(f"{k}={field_value(cfg, k)!r} (checkpoint: {field_value(before, k)!r})"
+def _differences(cfg: TrainConfig, before: TrainConfig, names, whose: str = "checkpoint") -> str:
+    """The fields of ``names`` whose values differ, each with ``before``'s (``whose``): "" where none does."""
+    return ", ".join(f"{k}={field_value(cfg, k)!r} ({whose}: {field_value(before, k)!r})"
                      for k in names if field_value(before, k) != field_value(cfg, k))
 
 

@@ -124,3 +124,21 @@ def test_eval_and_fewshot_name_and_count_a_cut_shard(data, tmp_path, capsys, cap
                  "--holdout-per-class", "2", "--feature-cache", "none", "--cache-dir", str(tmp_path / "cache")]) == 0
     assert f"{cut}: {lost} of its 6 images could not be read" in caplog.text  # from the cache: named all the same
     assert f"{lost} unreadable image(s) left out" in capsys.readouterr().err
+
+
+def test_fewshot_of_a_multi_label_set_is_refused_not_probed_by_each_images_first_label(data, tmp_path, capsys):
+    """JFT-style shards of several labels an image were probed by each image's first label: drawn, fitted and
+    scored as if the others were not there, and the table printed as any set's."""
+    from helpers.multi_label import multi_label_shard
+
+    _, _, run = data
+    shards = multi_label_shard(tmp_path / "jft", ["0,2", "1", "2,1,0", "2", "1"] * 6, per_shard=10)
+    assert main(["fewshot", str(run / "model.safetensors"), "--data", str(shards), "--val-split", "6", "--shots", "1",
+                 "--seeds", "1", "--holdout-per-class", "1", "--feature-cache", "none",
+                 "--cache-dir", str(tmp_path / "cache")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("vitlab fewshot: error: the training pool: labels of shape (24, 3), a "
+                                                "multi-label set's")
+    assert "the few-shot probe is single-label" in err[0]

@@ -6,6 +6,7 @@ from sklearn.linear_model import Ridge
 from vitlab.eval.fewshot import (
     DEFAULT_L2_GRID,
     RidgeSolver,
+    check_shots,
     fewshot_evaluate,
     fit_ridge,
     select_l2,
@@ -102,6 +103,25 @@ def test_features_and_labels_that_do_not_pair_up_are_refused_by_name():
                  (pool_x, pool_y, eval_x, eval_y[:3]), (pool_x[:, :, None], pool_y, eval_x, eval_y)):
         with pytest.raises(ValueError, match=r"^expected pool_x \(P, d\), pool_y \(P,\), eval_x \(E, d\), eval_y \(E,\); got"):
             fewshot_evaluate(*args, shots=(1,), holdout_per_class=2)
+
+
+def test_a_multi_label_sets_labels_are_refused_not_probed_by_their_first():
+    """The (N, L) labels of a multi-label set (-1 filling a row): the probe is single-label, and its
+    -1 was refused as a class id >= 0, not as what it is."""
+    x, y = blobs(6, 2, 4, seed=0)
+    sets = np.stack([y, np.where(np.arange(len(y)) % 3 == 0, 1 - y, -1)], axis=1)  # every third image: both classes
+    fit = dict(shots=(2,), seeds=(0,), holdout_per_class=1)
+    for pool_y, eval_y, name in ((sets, y, "pool_y"), (y, sets, "eval_y")):
+        with pytest.raises(ValueError, match=rf"^{name}: labels of shape \(12, 2\), a multi-label set's \(4 of these 12 "
+                                             r"images have several\); the few-shot probe is single-label"):
+            fewshot_evaluate(x, pool_y, x, eval_y, **fit)
+    with pytest.raises(ValueError, match=r"^the evaluation split: labels of shape \(12, 2\)"):
+        check_shots(y, (2,), 1, eval_y=sets)
+    # a single-label pool beside a multi-label evaluation set, both (N, L) as a run's data and its val_data join:
+    # named is the part whose images have several labels
+    single = np.stack([y, np.full_like(y, -1)], axis=1)
+    with pytest.raises(ValueError, match=r"^the evaluation split: .* \(4 of these 12 images have several\)"):
+        check_shots(single, (2,), 1, eval_y=sets)
 
 
 def test_labels_seeds_and_regularisers_that_cannot_be_are_refused_by_name():

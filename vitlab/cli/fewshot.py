@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     rest, held = data.rest.numpy(), data.held.numpy()
     if len(rest) == 0:
         raise ValueError("--val-split=0 leaves no training pool; few-shot needs a held-out evaluation split")
-    y = data.labels.numpy()
+    y = (data.labels if data.label_sets is None else data.label_sets).numpy()  # a multi-label set's: refused
     check_shots(y[rest], args.shots, args.holdout_per_class, ("--shots", "--holdout-per-class"), y[held])
 
     cache = feature_cache(args)

@@ -51,6 +51,7 @@ __all__ = [
     "RidgeSolver",
     "fit_ridge",
     "signed_targets",
+    "check_one_label",
     "select_l2",
     "FewShotResult",
     "fewshot_evaluate",
@@ -167,13 +168,40 @@ class FewShotResult:
         }
 
 
+def several_labels(labels: np.ndarray) -> int:
+    """How many rows of (N, L) labels (-1 filling a row) hold more than one label; 0 for (N,) labels."""
+    labels = np.asarray(labels)
+    return int(((labels >= 0).sum(axis=1) > 1).sum()) if labels.ndim == 2 else 0
+
+
+def check_one_label(labels: np.ndarray, name: str) -> None:
+    """Refuse the (N, L) labels of a multi-label set (each image's labels, -1 filling a row, as
+    ``vitlab.data`` reads JFT-style shards): the probe is single-label, as the paper's (Sec. 4.1),
+    each image's target the {-1, 1}^K row of its one class, k images drawn of every class and
+    scored by top-1.  Taking each image's first label (the set's ``labels``) drew and scored a
+    probe of the set that no image's other labels counted in, without a word."""
+    labels = np.asarray(labels)
+    if labels.ndim != 2:
+        return
+    raise ValueError(f"{name}: labels of shape {tuple(labels.shape)}, a multi-label set's ({several_labels(labels)} "
+                     f"of these {len(labels)} images have several); the few-shot probe is single-label (paper Sec. "
+                     "4.1: each image's target is one class's row of {-1, 1}^K, k images drawn of every class, scored "
+                     "by top-1): give a set of one label per image (`vitlab eval` scores a multi-label set by "
+                     "precision@1)")
+
+
 def check_shots(pool_y: np.ndarray, shots: Sequence[int], holdout_per_class: int,
                 names: tuple[str, str] = ("shots", "holdout_per_class"), eval_y: np.ndarray | None = None) -> None:
     """Refuse, before any work, shot counts that are not positive integers and a pool in which some
     class has fewer than the largest k plus ``holdout_per_class`` examples (each draw takes both
     from it); ``names`` are the two settings' names for the message.  A class of ``eval_y`` that
-    the pool lacks counts as having none (it was never predicted, its examples scored wrong)."""
+    the pool lacks counts as having none (it was never predicted, its examples scored wrong).  Labels
+    (N, L) of a multi-label set are refused (``check_one_label``)."""
     shots_name, holdout_name = names
+    parts = [(name, y) for name, y in (("the training pool", pool_y), ("the evaluation split", eval_y)) if y is not None]
+    # the part with images of several labels named first: a run's multi-label data.val_data beside its training set
+    for name, labels in sorted(parts, key=lambda part: -several_labels(part[1])):
+        check_one_label(labels, name)
     bad = [k for k in shots if not isinstance(k, (int, np.integer)) or k < 1]
     if not shots or bad:
         raise ValueError(f"{shots_name} {' '.join(map(str, shots)) or '(none)'}: each must be a positive integer")
@@ -212,6 +240,7 @@ def fewshot_evaluate(
         raise TypeError(f"standardize={standardize!r}: expected True or False")
     pool_x, eval_x = np.asarray(pool_x, np.float64), np.asarray(eval_x, np.float64)
     for name, labels in (("pool_y", pool_y), ("eval_y", eval_y)):
+        check_one_label(labels, name)  # a multi-label set's -1 fill was refused as a class id, not as what it is
         # checked before the cast: an evaluation label -1 was scored as a class nothing predicts, 1.5 cut to 1
         labels = np.asarray(labels)
         if labels.size and (not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0):

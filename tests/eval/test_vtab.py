@@ -197,6 +197,24 @@ def test_means_are_per_group_and_over_tasks():
     assert len(s["missing"]) == 16 and "dtd" not in s["missing"]
 
 
+def test_the_table_says_how_the_learning_rates_were_chosen():
+    """The table printed each task's rate alone: a mean of rates chosen per task (the default) read as the paper's,
+    whose one setting is chosen for all tasks by their mean on the 200-example validation sets."""
+    from vitlab.eval.vtab import format_table
+
+    results = {"cifar100": {"group": "natural", "lr": 0.01, "val_top1": {"0.01": 0.5, "0.03": 0.4},
+                            "test_top1": 0.5, "test_examples": 9, "test_split": "test/"}}
+    lines = {select: format_table(results, {**summarize(results), "protocol": {"grid": grid, "select": select}})
+             .splitlines()[-1] for select, grid in (("per-task", [0.01, 0.03]), ("shared", [0.01, 0.03]))}
+    assert lines["per-task"] == ("Learning rate: each task's own, of 0.01, 0.03 the one best on its validation "
+                                 "examples (--select per-task; the paper chose one setting for all tasks: --select "
+                                 "shared)")
+    assert lines["shared"].endswith("for every task (--select shared: the paper's one setting for all tasks)")
+    one = format_table(results, {**summarize(results), "protocol": {"grid": [0.01], "select": "per-task"}})
+    assert one.splitlines()[-1] == "Learning rate 0.01 for every task (a grid of one: none chosen)"
+    assert format_table(results, summarize(results)).splitlines()[-1].startswith("Mean over tasks")  # none said
+
+
 def test_vtab_end_to_end(tasks, tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "vtab"
     args = tiny_vtab(tiny_checkpoint, tasks, out, steps=3)
@@ -217,12 +235,15 @@ def test_vtab_end_to_end(tasks, tiny_checkpoint, tmp_path, capsys):
     for group, name in (("natural", "cifar100"), ("specialized", "eurosat"), ("structured", "dsprites_loc")):
         assert report["groups"][group]["mean"] == pytest.approx(tasks_[name]["test_top1"])
     assert report["mean"] == pytest.approx(np.mean([r["test_top1"] for r in tasks_.values()]))
-    for line in ("Natural mean", "Specialized mean", "Structured mean", "Mean over tasks", "(3 of 19 tasks"):
+    for line in ("Natural mean", "Specialized mean", "Structured mean", "Mean over tasks", "(3 of 19 tasks",
+                 "Learning rate: each task's own, of 0.003, 0.03 the one best on its validation examples"):
         assert line in printed
     # the paper's one setting for all tasks, from the same runs (--resume reruns nothing)
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("summary.json")}
     assert main([*args, "--select", "shared", "--resume"]) == 0
-    shared = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    printed = capsys.readouterr().out
+    shared = json.loads(printed.strip().splitlines()[-1])
+    assert "for every task (--select shared: the paper's one setting for all tasks)" in printed
     assert all(p.stat().st_mtime_ns == stamp for p, stamp in stamps.items())
     best = max(("0.003", "0.03"), key=lambda lr: sum(r["val_top1"][lr] for r in tasks_.values()))
     assert {r["lr"] for r in shared["tasks"].values()} == {float(best)}

@@ -13,8 +13,8 @@ Augmentation: inception crop and flip, which `vitlab vtab` leaves out for the ta
 they change (``vitlab.eval.vtab.task_augment``, BiT's Supplementary F); this recipe trained on one
 such task alone needs ``--set augment.flip=false`` or ``--set augment.crop=none`` as that says.  The
 paper chose lr 0.01 "by running a small sweep" on the 200-example validation sets; ``lr_grid``
-is the paper's fine-tuning grid (Table 4: 0.001, 0.003, 0.01, 0.03), which `vitlab
-sweep` tries.
+is the paper's fine-tuning grid of the other sets (Table 4: 0.001, 0.003, 0.01, 0.03; its VTAB row
+is 0.01 alone), which `vitlab sweep` and `vitlab vtab` try.
 Warm-up: 200 linear steps.  The paper states none for VTAB (Table 4 and Appendix B.1.1 give
 the rate, steps, batch, decay and clipping); 200 is what the VTAB config of the same setting
 in Google's Scenic gives (scenic/projects/baselines/plainvit/configs/vtab_plainvit_config.py,

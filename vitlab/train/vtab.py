@@ -1,5 +1,6 @@
 """The VTAB-1k protocol (paper Sec. 4.2, Appendix B.1.1): fine-tune on each task, choose the
-learning rate on its fixed 200 validation examples, fine-tune again on all 1000, score on test.
+learning rate on the fixed 200 validation examples (each task's own by default; one for all tasks, by
+their mean, is the paper's), fine-tune again on all 1000, score on test.
 
     cfg = with_changes(load_recipe("vtab1k"), {"model.init": "ViT-B_16.npz", "run.out": "runs/vtab"})
     report = run_vtab(cfg, find_tasks("vtab/"), "runs/vtab")   # also in runs/vtab/vtab.json

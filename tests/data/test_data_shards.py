@@ -1,5 +1,6 @@
 """Tar shards: packing them (as stored, or shrunk and re-encoded), and reading them through
 the one streaming stack in DataLoader workers."""
+import hashlib
 import io
 import json
 import logging
@@ -38,6 +39,8 @@ def test_pack_writes_named_shards_and_index(packed):
     assert [s["num_samples"] for s in meta["shards"]] == [4] * 7 + [2]
     assert [sum(c) for c in zip(*[s["class_counts"] for s in meta["shards"]])] == [10, 10, 10]
     assert meta["max_side"] is None and meta["quality"] is None and meta["skipped"] == []
+    # each shard's sha256 as sha256sum gives it: what a streamed run names its training shards by (units_key)
+    assert [s["sha256"] for s in meta["shards"]] == [hashlib.sha256(p.read_bytes()).hexdigest() for p in shards]
     with tarfile.open(shards[0]) as tar:
         names = tar.getnames()
     assert names == ["000000000.png", "000000000.cls", "000000001.png", "000000001.cls",

@@ -62,26 +62,71 @@ def test_a_streamed_runs_shards_packed_again_since_are_refused_by_eval_and_resum
     (which compared nothing for a streamed run) scored held-out shards holding images the run had trained on
     as its held-out ones, and --resume (which compared the counts of units and samples) went on over other
     shards with the checkpoint's positions.  The held-out shards' images are named (the training shards',
-    never decoded, are not listed)."""
+    never decoded, by ``units_key``)."""
     from vitlab.data.labelled import load_held_out
     from vitlab.train.legacy import recorded_section
 
     cfg = tiny("run", data=str(shard_set), val_split=12, steps=2, batch_size=8, cache_dir=str(tmp_path / "cache"),
                **{"data.stream_workers": 0})
     summary = train(cfg, verbose=False)
-    assert summary["split_key"]["train"] is None and summary["split_key"]["held_out"].startswith("12-")
+    assert summary["split_key"]["train"].startswith("36-") and summary["split_key"]["held_out"].startswith("12-")
     run = recorded_section(json.loads((tmp_path / "run" / "config.json").read_text()), "data")
     assert len(load_held_out(run, 8, pool=False, results=summary, run_name="R").held) == 12
     pack_shards(tmp_path / "folder", tmp_path / "again", samples_per_shard=6, seed=1)
     for packed in (tmp_path / "again").iterdir():
         shutil.copyfile(packed, shard_set / packed.name)
     for pool in (False, True):  # eval's, fewshot's
-        with pytest.raises(ValueError, match=r"R: its data .*shards changed since it trained \(now held-out 12 "
-                                             r"examples, as many as the run's but not all the same images\)"):
+        with pytest.raises(ValueError, match=r"R: its data .*shards changed since it trained \(now training 36 "
+                                             r"examples, .*; held-out 12 examples, as many as the run's but not all "
+                                             r"the same images\)"):
             load_held_out(run, 8, pool=pool, results=summary, run_name="R")
-    with pytest.raises(ConfigError, match=r"^--resume: the data changed since the checkpoint \(now held-out 12 "
+    with pytest.raises(ConfigError, match=r"^--resume: the data changed since the checkpoint \(now training 36 "
+                                          r"examples, .*; held-out 12 examples, as many as the checkpoint's but not "
+                                          r"all the same images\)"):
+        train(cfg, resume=True, verbose=False)
+
+
+def test_a_streamed_runs_training_shards_packed_again_are_refused_by_resume_and_eval(tiny, shard_set, tmp_path):
+    """A streamed run's training shards are keyed too (``units_key``: each shard's name, byte size and what
+    its index records of it, sha256 included; nothing read): shards packed again with another seed under the
+    same names, of a run that held none out, were resumed without a word, the checkpoint's positions going on
+    over other images; an image of a training shard swapped and the set packed again, the held-out shards
+    the same, was resumed and evaluated as the run's data."""
+    cfg = tiny("run", data=str(shard_set), val_split=0, steps=2, batch_size=8, cache_dir=str(tmp_path / "cache"),
+               **{"data.stream_workers": 0})
+    summary = train(cfg, verbose=False)
+    assert summary["split_key"]["train"].startswith("48-") and summary["split_key"]["held_out"] is None
+    pack_shards(tmp_path / "folder", tmp_path / "again", samples_per_shard=6, seed=1)
+    for packed in (tmp_path / "again").iterdir():
+        shutil.copyfile(packed, shard_set / packed.name)
+    with pytest.raises(ConfigError, match=r"^--resume: the data changed since the checkpoint \(now training 48 "
                                           r"examples, as many as the checkpoint's but not all the same images\)"):
         train(cfg, resume=True, verbose=False)
+
+    held = tiny("held", data=str(shard_set), val_split=12, steps=2, batch_size=8, cache_dir=str(tmp_path / "cache"),
+                **{"data.stream_workers": 0})
+    summary = train(held, verbose=False)
+    assert summary["split_key"]["train"].startswith("36-")
+    from vitlab.data.labelled import load_held_out
+    from vitlab.data.sources import scan_image_folder
+    from vitlab.data.stream import hold_out, open_source
+    from vitlab.train.legacy import recorded_section
+
+    # an image of a training shard swapped for another, the set packed again as it was (seed 1), index and all
+    trained = {Path(p).name for p in hold_out(open_source(str(shard_set)), 12, 0)[0].units}
+    index = scan_image_folder(tmp_path / "folder")
+    order = np.random.Generator(np.random.PCG64(1)).permutation(len(index))
+    swapped = next(index.paths[i] for place, i in enumerate(order) if f"shard-{place // 6:06d}.tar" in trained)
+    Image.fromarray(np.full((8, 8, 3), 7, np.uint8)).save(swapped)
+    shutil.rmtree(tmp_path / "again")
+    pack_shards(tmp_path / "folder", tmp_path / "again", samples_per_shard=6, seed=1)
+    for packed in (tmp_path / "again").iterdir():
+        shutil.copyfile(packed, shard_set / packed.name)
+    with pytest.raises(ConfigError, match=r"now training 36 examples, as many as the checkpoint's but not all"):
+        train(held, resume=True, verbose=False)
+    run = recorded_section(json.loads((tmp_path / "held" / "config.json").read_text()), "data")
+    with pytest.raises(ValueError, match=r"now training 36 examples, as many as the run's but not all"):
+        load_held_out(run, 8, pool=False, results=summary, run_name="R")  # its held-out shards are as they were
 
 
 def test_stream_choice_and_refusals(tiny, shard_set, tmp_path):

@@ -23,7 +23,7 @@ from vitlab.data.memory import InMemoryDataset, load_in_memory, load_source_in_m
 from vitlab.data.sources import PathLike
 from vitlab.data.splits import (check_seed, part_key, same_spelling, select_classes, split_changes, split_key, stratified_split,
                                  training_pool)
-from vitlab.data.stream import hold_out, open_source
+from vitlab.data.stream import hold_out, open_source, units_key
 
 __all__ = ["load_labelled", "HeldOutSet", "load_held_out", "match_run_classes", "labels_by_name"]
 
@@ -171,8 +171,9 @@ def load_held_out(run: Mapping[str, Any], image_size, source: Optional[str] = No
         key += f"|pool of {taken}, split seed {seed}"
     if run_shards:
         rest, held, split = torch.arange(0), torch.arange(len(labels)), run["val_split"]
-        # the run's held-out shards, as it decoded them (its training shards it never listed)
-        _check_run_split(results, run_name, f"data {source}", None, part_key(ids))
+        # the run's held-out shards, as it decoded them; its training shards as it named them, unread (units_key)
+        trained = hold_out(open_source(source, cache_dir), run["val_split"], split_seed)[0]
+        _check_run_split(results, run_name, f"data {source}", units_key(trained), part_key(ids))
     else:
         # named as the user knows it: the split's own name for it is val_size
         name = "--val-split" if asked_split is not None or not same_as_run else "data.val_split (the run's)"

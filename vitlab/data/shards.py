@@ -16,6 +16,7 @@ ImageNet pipelines hold it.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -63,6 +64,20 @@ def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info.mode = 0o644
     info.mtime = 0  # fixed metadata: packing the same data twice gives identical bytes
     tar.addfile(info, io.BytesIO(data))
+
+
+class _Hashed:
+    """A file being written, and the sha256 of what was written to it (what ``sha256sum`` gives of the file)."""
+
+    def __init__(self, file) -> None:
+        self.file, self.hash = file, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.hash.update(data)
+        return self.file.write(data)
+
+    def tell(self) -> int:
+        return self.file.tell()
 
 
 def shrunk_jpeg(data: bytes, max_side: Optional[int], quality: int) -> tuple[Optional[bytes], str]:
@@ -154,7 +169,8 @@ def pack_shards(
     workers:  processes that re-encode.
 
     ``out_dir/index.json`` records the classes, the seed, the size and quality options,
-    each shard's name, sample count and class counts, and the images left out because
+    each shard's name, sample count, class counts and sha256 (what a streamed run's
+    ``split_key`` names its training shards by: ``shard_marks``), and the images left out because
     they could not be read, or decoded for re-encoding.  Returns the shard paths,
     ``out_dir/shard-000000.tar`` onwards.
 
@@ -192,7 +208,7 @@ def pack_shards(
         partial = path.with_name(f".{path.name}.partial")
         chunk = order[start : start + samples_per_shard]
         kept = []
-        with tarfile.open(partial, "w") as tar:
+        with open(partial, "wb") as file, tarfile.open(fileobj=(hashed := _Hashed(file)), mode="w") as tar:
             for offset, position in enumerate(chunk):
                 data, ext, reason = next(encoded)
                 if data is None:
@@ -204,7 +220,8 @@ def pack_shards(
                 kept.append(position)
         os.replace(partial, path)  # a shard that exists is complete
         counts = np.bincount(index.labels[kept], minlength=len(index.classes))
-        entries.append({"name": path.name, "num_samples": len(kept), "class_counts": counts.tolist()})
+        entries.append({"name": path.name, "num_samples": len(kept), "class_counts": counts.tolist(),
+                        "sha256": hashed.hash.hexdigest()})
         shards.append(path)
     if skipped:
         log.warning("%s: left out %d image(s) that could not be read or decoded (first: %s: %s)", image_folder,
@@ -355,6 +372,22 @@ def _described(source: str, folder: Path) -> tuple[list[str], Optional[dict]]:
         raise DataError(f"{index}: not an index written by pack_shards (needs 'classes' and 'num_samples'): "
                         f"{type(e).__name__}: {e}") from e
     return classes, counts or None
+
+
+def shard_marks(paths: Sequence[Path]) -> list[str]:
+    """What names each shard's contents without reading it: its name, byte size and what its folder's
+    ``index.json`` records of it (sample and class counts, the sha256 ``pack_shards`` wrote; packed again,
+    with another seed or an image swapped, a shard has others); a shard of no index, its name and size."""
+    entries = {}
+    for folder in dict.fromkeys(Path(p).parent for p in paths):
+        try:
+            meta = json.loads((folder / "index.json").read_text())
+            entries[folder] = {e["name"]: e for e in meta.get("shards", []) if isinstance(e, dict) and "name" in e}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):  # no index (classes.txt), or none usable
+            entries[folder] = {}
+    recorded = ("num_samples", "class_counts", "sha256")
+    return [f"{Path(p).name}|{os.stat(p).st_size}|"
+            + json.dumps([entries[Path(p).parent].get(Path(p).name, {}).get(k) for k in recorded]) for p in paths]
 
 
 def _listed(classes: list[str]) -> str:

@@ -48,9 +48,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
+import hashlib
 import itertools
+import os
 import logging
 import re
+import unicodedata
 import zlib
 from pathlib import Path
 from typing import Iterator, Optional, Union
@@ -65,13 +68,13 @@ from vitlab.data.decode import SampleCrop, decode_crops
 from vitlab.data.draws import PartGenerators
 from vitlab.data.hub import arrow_source, is_hf_dataset, parquet_source
 from vitlab.data.loader import DeviceStage, copy_without_a_wait, derive_seed, one_ahead
-from vitlab.data.shards import shard_source
+from vitlab.data.shards import shard_marks, shard_source
 from vitlab.data.sources import (DataError, StreamSource, Unread, check_label_ids, describe_unread, listing_state,
                                  not_data_path, resolve_data_path, scan_image_folder)
 from vitlab.data.transforms import TrainTransform, build_transform
 
 __all__ = ["expand_braces", "fitting_workers", "hold_out", "is_stream_source", "open_source", "StreamSource", "StreamDataset",
-           "StreamLoader"]
+           "StreamLoader", "units_key"]
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +236,31 @@ def hold_out(source: StreamSource, share: float, seed: int) -> tuple[StreamSourc
                         "whole shards: pack smaller ones, or name a validation set with --val-data)")
     kept = sorted(set(range(len(source.units))) - set(taken))
     return source.subset(kept, "training"), source.subset(sorted(taken), f"held out, seed {seed}")
+
+
+def units_key(source: StreamSource) -> str:
+    """``"<samples>-<hash>"`` (as ``splits.part_key``) of what the units of ``source`` hold, named without
+    reading an image: a shard by its name, byte size and its index's record of it (``shards.shard_marks``),
+    a row group or record batch by its file's name and size and its place and rows, a folder's chunk by its
+    images' names and classes.  What a streamed run's ``split_key`` names its training part by, never
+    decoded: shards packed again (another seed, an image swapped) give another key.  A folder's image
+    written over in place under its name, and a shard's of as many bytes in a folder of no index, are
+    not told apart."""
+    units = source.units
+    if units and isinstance(units[0], Path):
+        marks = shard_marks(units)
+    elif units and isinstance(units[0][0], str):  # (file, row group or record batch)
+        marks = [f"{Path(file).name}:{i}|{os.stat(file).st_size}|{rows}"
+                 for (file, i), rows in zip(units, source.unit_sizes)]
+    else:  # a folder's chunks: the paths they hold, nothing read
+        head = os.path.join(source.root, "") if source.root else ""
+        marks = ["\n".join(f"{key[len(head):] if key.startswith(head) else key}|{source.classes[label]}"
+                           for key, _, label in source.read(unit)) for unit in units]
+    digest = hashlib.sha256()
+    # in any order, as part_key's; names composed (NFC), as a Mac's decomposed ones are another spelling
+    for mark in sorted(unicodedata.normalize("NFC", m) for m in marks):
+        digest.update(mark.encode("utf-8", "surrogateescape") + b"\0")
+    return f"{source.num_samples}-{digest.hexdigest()[:16]}"
 
 
 # ----------------------------------------------------------------------------- the reader

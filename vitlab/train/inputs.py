@@ -24,7 +24,7 @@ from vitlab.data.labelled import labels_by_name, load_labelled
 from vitlab.data.memory import load_source_in_memory
 from vitlab.data.sources import DataError
 from vitlab.data.splits import part_key, same_spelling, select_classes, split_key, stratified_split, training_pool
-from vitlab.data.stream import hold_out, open_source, source_state
+from vitlab.data.stream import hold_out, open_source, source_state, units_key
 
 from .config import TrainConfig
 from .distributed import barrier
@@ -193,10 +193,10 @@ def stream_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
                                                     part_key(val.ids))
     if data.val_data:
         val_images, val_labels, skipped, val_key = load_val_data(cfg, image_size, list(source.classes), world)
-    # the training shards are named by none: listing their images would read every shard (the held-out part
-    # is decoded, and names its images for free)
+    # the training shards are named by what names them without a read (``units_key``: listing their images
+    # would read every shard; the held-out part is decoded, and names its images for free)
     return Splits(None, None, val_images, val_labels, list(source.classes), skipped, num_train=source.num_samples,
-                  source=source, split_key=split_key(None, val_key))
+                  source=source, split_key=split_key(units_key(source), val_key))
 
 
 def load_val_data(cfg: TrainConfig, image_size: Pair, classes: list[str], world=None) -> tuple:

@@ -244,3 +244,20 @@ def test_a_killed_extraction_is_detected_and_redone(sandbox, caplog):
     assert "half-extracted folder left by a killed run" in caplog.text
     assert not stale.exists() and live.exists()
     assert folder.name == key and (folder / "train" / "cat" / "0.png").read_bytes() == png_bytes(0)
+
+
+def test_an_archive_packed_inside_the_archive_is_named_in_the_refusal(sandbox):
+    """A .tar.gz holding the .tar of an ImageFolder (packed twice): refused as holding no class folders, without a
+    word of the archive inside, which is not opened; the line names it and what to do (read and counted alike)."""
+    from vitlab.data.sources import count_archive_images
+
+    inner = make_archive(sandbox / "inner.tar")
+    outer = sandbox / "outer.tar.gz"
+    with tarfile.open(outer, "w:gz") as tar:
+        tar.add(inner, arcname="inner.tar")
+    said = (r"outer\.tar\.gz: no class folders found \(expected <root>/<class>/<image>\); it holds an archive, "
+            r"inner\.tar, which is not opened: give that archive itself as the data \(a \.zip extracted first\)$")
+    with pytest.raises(DataError, match=said):
+        load_in_memory(str(outer), image_size=(4, 4), cache_dir=sandbox / "cache")
+    with pytest.raises(DataError, match=said):
+        count_archive_images(outer)

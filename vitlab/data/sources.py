@@ -360,6 +360,11 @@ def _is_image(name: str) -> bool:
     return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
+def _is_packed(name: str) -> bool:
+    """Whether a file named ``name`` is an archive (.tar, .tar.gz, .tgz or .zip): one inside a tree is not opened."""
+    return is_archive(name) or name.lower().endswith(".zip")
+
+
 def _not_data(name: str) -> bool:
     """Whether a file or folder named ``name`` is never data: hidden ones (.DS_Store,
     .ipynb_checkpoints) and the folder of resource forks macOS puts into a zip, which unzipped
@@ -399,12 +404,13 @@ def _walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
 
 
 def _index_tree(where: str, files: list[str], dirs: list[str],
-                meant_empty: Sequence[str] = ()) -> tuple[str, list[str], np.ndarray, list[str]]:
+                meant_empty: Sequence[str] = (), packed: Sequence[str] = ()) -> tuple[str, list[str], np.ndarray, list[str]]:
     """Apply the ImageFolder rules to relative POSIX paths of image files and folders.
 
     Files directly in the root are ignored; if the root holds exactly one folder, with
     no images directly in it but with sub-folders, that folder is the class root.  A class
     folder without an image is warned of, unless it is one of ``meant_empty`` (folders).
+    ``packed``: archives the tree holds (never opened), which a tree of no class folders names.
 
     Returns (prefix of the class root, image paths sorted by class then path, labels,
     classes).  ``where`` names the tree in error messages.
@@ -422,7 +428,10 @@ def _index_tree(where: str, files: list[str], dirs: list[str],
     class_dirs, class_files = strip(dirs), [f for f in strip(files) if "/" in f]
     classes = sorted({first(d) for d in class_dirs} | {first(f) for f in class_files})
     if not classes:
-        raise DataError(f"{where}: no class folders found (expected <root>/<class>/<image>)")
+        # a .tar of the tree packed again into a .tar.gz: refused without a word of the archive inside
+        held = (f"; it holds an archive, {packed[0]}, which is not opened: give that archive itself as the data "
+                "(a .zip extracted first)") if packed else ""
+        raise DataError(f"{where}: no class folders found (expected <root>/<class>/<image>){held}")
     label_of = {c: i for i, c in enumerate(classes)}
     ordered = sorted(class_files, key=lambda f: (label_of[first(f)], f))
     if not ordered:
@@ -541,16 +550,17 @@ def scan_image_folder(root: PathLike) -> ImageFolderIndex:
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"{root}: not a folder (expected an ImageFolder tree or a .tar/.tar.gz/.tgz archive)")
-    files, dirs, ignored, meant_empty = [], [], [], []
+    files, dirs, ignored, meant_empty, packed = [], [], [], [], []
     for dirpath, dirnames, filenames in _walk(str(root)):
         rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
         rel = "" if rel == "." else rel + "/"
         dirs.extend(rel + d for d in dirnames)
         files.extend(rel + f for f in filenames if not f.startswith(".") and _is_image(f))
         ignored.extend(rel + f for f in filenames if not f.startswith(".") and not _is_image(f) and rel)
+        packed.extend(rel + f for f in filenames if not f.startswith(".") and _is_packed(f))
         if EMPTY_CLASS_MARK in filenames:
             meant_empty.append(rel.rstrip("/"))
-    prefix, relpaths, labels, classes = _index_tree(str(root), files, dirs, meant_empty)
+    prefix, relpaths, labels, classes = _index_tree(str(root), files, dirs, meant_empty, packed)
     _record_below(str(root), dirs)
     if ignored:
         exts = ", ".join(sorted(IMAGE_EXTENSIONS))
@@ -578,11 +588,11 @@ def read_image_archive(path: PathLike, limits: ArchiveLimits | None = None) -> t
     raises ``DataError``.
     """
     path = Path(path)
-    blobs, dirs, special = _archive_members(path, limits or ArchiveLimits.from_env(), read=True)
+    blobs, dirs, special, packed = _archive_members(path, limits or ArchiveLimits.from_env(), read=True)
     if special:
         log.warning("%s: skipped %d link/device member(s) (first: %s); only regular files and links to the "
                     "archive's images are read", path, len(special), special[0])
-    prefix, relpaths, labels, classes = _index_tree(str(path), list(blobs), dirs)
+    prefix, relpaths, labels, classes = _index_tree(str(path), list(blobs), dirs, packed=packed)
     index = ImageFolderIndex(
         root=path / prefix if prefix else path,
         paths=[f"{path}/{p}" for p in relpaths],
@@ -593,10 +603,10 @@ def read_image_archive(path: PathLike, limits: ArchiveLimits | None = None) -> t
 
 
 def _archive_members(path: Path, limits: ArchiveLimits, read: bool
-                     ) -> tuple[dict[str, bytes | None], list[str], list[str]]:
+                     ) -> tuple[dict[str, bytes | None], list[str], list[str], list[str]]:
     """One pass over the archive at ``path``: its images by member name, with their bytes where ``read``
     (else None), a link inside the archive to an image being that image; its folders; the members
-    skipped (links to no image, devices).  The one rule of which members are images, the reader's
+    skipped (links to no image, devices); the archives it holds (a .tar, .tar.gz, .tgz or .zip: not opened).  The one rule of which members are images, the reader's
     (``read_image_archive``) and the count's (``count_archive_images``): each restating it, the count
     took a link to no image (dangling, or to a text file) for one the reader skipped."""
     blobs: dict[str, bytes | None] = {}
@@ -604,6 +614,7 @@ def _archive_members(path: Path, limits: ArchiveLimits, read: bool
     dirs: list[str] = []
     budget = _Budget(path, limits)
     special: list[str] = []
+    packed: list[str] = []
     try:
         with tarfile.open(path, "r:*") as tar:
             for member in tar:
@@ -620,6 +631,8 @@ def _archive_members(path: Path, limits: ArchiveLimits, read: bool
                                             f"{budget.limits.member_bytes} for one image (a tar bomb?)")
                         blobs[name] = tar.extractfile(member).read() if read else None
                         links.pop(name, None)  # a later member of a name replaces an earlier one
+                    elif _is_packed(name):
+                        packed.append(name)
                 elif (member.issym() or member.islnk()) and _is_image(name) and _link_inside(member):
                     # a hard link names its target from the archive's root, a symbolic one from its folder
                     target = member.linkname if member.islnk() else posixpath.join(posixpath.dirname(name),
@@ -641,15 +654,15 @@ def _archive_members(path: Path, limits: ArchiveLimits, read: bool
             blobs[name] = blobs[target]
         else:
             special.append(name)
-    return blobs, dirs, special
+    return blobs, dirs, special, packed
 
 
 def count_archive_images(path: PathLike) -> int:
     """The images of the archive at ``path`` as ``read_image_archive`` lists them, none read: its
     members by the reader's rule (``_archive_members``) under its tree's (``_index_tree``), so the
     count is the number of samples the reader gives.  Raises ``DataError`` as the reader does."""
-    images, dirs, _ = _archive_members(Path(path), ArchiveLimits.from_env(), read=False)
-    return len(_index_tree(str(path), list(images), dirs)[1])
+    images, dirs, _, packed = _archive_members(Path(path), ArchiveLimits.from_env(), read=False)
+    return len(_index_tree(str(path), list(images), dirs, packed=packed)[1])
 
 
 def _member_name(member: tarfile.TarInfo) -> str:

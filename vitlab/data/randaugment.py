@@ -10,8 +10,11 @@ CPU ``host_generator`` for the choices, a batch on a GPU is augmented without th
 waiting for the device.
 
 Magnitude is on the paper's 0-10 scale (M=9 for ImageNet in the paper) and maps to
-operation strengths as timm's "increasing" variant does (DeiT's ``rand-m9-n2-inc1``),
-but for posterize: a larger magnitude is always a stronger distortion.  With ``m = magnitude / 10``:
+operation strengths as timm's "increasing" variant does (the ``inc1`` of DeiT's
+``rand-m9-mstd0.5-inc1``), but for posterize: a larger magnitude is always a stronger
+distortion.  As in the paper's RandAugment, and unlike timm's, every drawn operation is applied
+(timm's each with probability 0.5) at the one magnitude (timm's ``mstd0.5`` draws it per
+operation from N(M, 0.5)).  With ``m = magnitude / 10``:
 
     rotate                 +-30*m degrees        shear_x/y    +-0.3*m
     translate_x/y          +-0.45*m of the size  solarize     invert pixels >= 256 - 256*m

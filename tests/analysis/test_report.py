@@ -350,3 +350,12 @@ def test_a_failed_write_leaves_the_earlier_report_and_no_temporary_file(tmp_path
         write_report(create_model(TINY), images(1), out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]
     assert out.read_text() == "<!DOCTYPE html><p>earlier</p>"
+
+
+def test_an_empty_batch_of_images_is_refused_as_an_empty_list_is():
+    # a tensor of no images gave a page whose attention section said "need at least one array to stack"
+    from vitlab.analysis.report import build_report
+
+    for none in ([], torch.zeros(0, 3, 16, 16, dtype=torch.uint8), np.zeros((0, 3, 16, 16), np.uint8)):
+        with pytest.raises(ValueError, match="^no images given: the attention figures need at least one$"):
+            build_report(create_model(TINY), none)

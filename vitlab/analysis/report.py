@@ -140,6 +140,8 @@ def _load_images(images: Images, size: Pair) -> torch.Tensor:
             x = x[None]
         if x.dtype != torch.uint8 or x.ndim != 4 or x.shape[1] != 3:
             raise ValueError(f"expected uint8 images (B, 3, H, W), got {x.dtype} {tuple(x.shape)}")
+        if len(x) == 0:  # as an empty list: the attention section said "need at least one array to stack"
+            raise ValueError("no images given: the attention figures need at least one")
         return resize(x, size)
     decoded = [torch.from_numpy(decode_image(p, size)).permute(2, 0, 1) for p in images]
     if not decoded:

@@ -352,6 +352,35 @@ def test_a_failed_write_leaves_the_earlier_report_and_no_temporary_file(tmp_path
     assert out.read_text() == "<!DOCTYPE html><p>earlier</p>"
 
 
+def test_class_names_not_one_per_class_of_the_model_are_refused(tmp_path, capsys):
+    # a classes.json of other classes beside the weights (2 names for a model of 3 classes) labelled the
+    # report's predictions, the first two classes by its names, where predict refuses it as not the model's
+    from PIL import Image
+
+    from vitlab.analysis.report import build_report
+    from vitlab.cli import main
+    from vitlab.weights import save_model
+
+    model = create_model(TINY)
+    torch.nn.init.normal_(model.head.weight)
+    save_model(model, tmp_path / "model.safetensors")
+    (tmp_path / "classes.json").write_text(json.dumps(["cat", "dog"]))
+    Image.fromarray(images(1)[0].permute(1, 2, 0).numpy()).save(tmp_path / "x.png")
+    assert main(["inspect", str(tmp_path / "model.safetensors"), "--images", str(tmp_path / "x.png"),
+                 "--out", str(tmp_path / "r.html")]) == 2
+    assert capsys.readouterr().err.strip() == (f"vitlab inspect: error: the class names kept with "
+                                               f"{tmp_path / 'model.safetensors'}: 2 class names for a model of 3 classes")
+    assert not (tmp_path / "r.html").exists()
+    with pytest.raises(ValueError, match=r"^meta\['classes'\]: 4 class names for a model of 3 classes"):
+        build_report(model, images(1), meta={"classes": ["cat", "dog", "emu", "gnu"]})
+    # a model without a head names no classes: the names beside it are not read
+    page = build_report(create_model(TINY, num_classes=0), images(1), meta={"classes": ["cat", "dog"]})
+    assert "No predictions: the model has no classification head" in page
+    save_model(create_model(TINY, num_classes=0), tmp_path / "model.safetensors")
+    assert main(["inspect", str(tmp_path / "model.safetensors"), "--images", str(tmp_path / "x.png"),
+                 "--out", str(tmp_path / "r.html")]) == 0
+
+
 def test_an_empty_batch_of_images_is_refused_as_an_empty_list_is():
     # a tensor of no images gave a page whose attention section said "need at least one array to stack"
     from vitlab.analysis.report import build_report

@@ -456,6 +456,11 @@ def build_report(model: nn.Module, images: Images, run_dir: str | os.PathLike | 
                  meta: Mapping[str, Any] | None = None, title: str | None = None) -> str:
     """The HTML page (a string) for ``model`` and ``images`` (uint8 (B, 3, H, W) or image paths)."""
     meta = dict(meta or {})
+    classes = meta.get("classes") if isinstance(meta.get("classes"), list) else None
+    if classes is not None and model.cfg.num_classes and len(classes) != model.cfg.num_classes:
+        # names of other classes (a classes.json of another run beside the weights) labelled these outputs
+        raise ValueError(f"meta['classes']: {len(classes)} class names for a model of {model.cfg.num_classes} "
+                         "classes; expected one name per class")
     if run_dir is None and meta.get("run_dir") and (Path(meta["run_dir"]) / "metrics.jsonl").is_file():
         run_dir = meta["run_dir"]
     size = tuple(model.cfg.img_size)
@@ -466,7 +471,6 @@ def build_report(model: nn.Module, images: Images, run_dir: str | os.PathLike | 
     x = to_float(shown.clone())
     x = x if weight is None else x.to(weight.device, weight.dtype)
     name = getattr(model.cfg, "name", None) or type(model).__name__
-    classes = meta.get("classes") if isinstance(meta.get("classes"), list) else None
     is_vit = hasattr(model.cfg, "patch_size")
     # inspected in eval mode (no dropout); given back in the modes it came in, as the evaluators do:
     # a model inspected between training steps goes on training, its frozen parts still frozen

@@ -35,10 +35,9 @@ def check_run_dir(run_dir: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.report import need_report_out, read_run_meta, write_report
-    from vitlab.cli.predict import check_image_files
+    from vitlab.cli.predict import check_image_files, find_classes
     from vitlab.config import need_output_file
     from vitlab.extras import require
-    from vitlab.weights import read_class_names
 
     require("matplotlib", "the inspection report")  # before the model is loaded and analysed
     check_run_dir(args.run_dir)
@@ -48,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
 
     model = load_weights(args, args.checkpoint).eval()
     meta = read_run_meta(args.checkpoint)
-    names = read_class_names(args.checkpoint)  # predict's: the weights' own, classes.json, an id2label
+    # predict's names (the weights' own, classes.json, an id2label), one per output of the model: another
+    # model's labelled these outputs; a model without a head names none
+    names = find_classes(Path(args.checkpoint), None, model.cfg.num_classes) if model.cfg.num_classes else None
     if names is not None:
         meta["classes"] = names
     meta.setdefault("checkpoint", args.checkpoint)

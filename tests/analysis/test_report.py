@@ -229,9 +229,9 @@ def test_the_report_replaces_an_earlier_report_only(tmp_path, capsys):
         assert main(["inspect", str(tmp_path / "model.safetensors"), "--images", str(tmp_path / "x.png"),
                      "--out", str(out)]) == 2
         assert capsys.readouterr().err.strip() == (
-            f"vitlab inspect: error: --out={str(out)!r} is a file that is not an HTML page (an earlier report); "
-            "the report replaces nothing else: name another file")
-        with pytest.raises(ValueError, match="out_path=.* is a file that is not an HTML page"):
+            f"vitlab inspect: error: --out={str(out)!r} is a file that is not an earlier report (a page vitlab "
+            "inspect wrote); the report replaces nothing else: name another file")
+        with pytest.raises(ValueError, match="out_path=.* is a file that is not an earlier report"):
             write_report(create_model(TINY), images(1), out)
     assert {name: (tmp_path / name).read_bytes() for name in kept} == kept
     # an earlier report is replaced, as a second run of the same command expects
@@ -344,12 +344,12 @@ def test_a_failed_write_leaves_the_earlier_report_and_no_temporary_file(tmp_path
     from vitlab.analysis import report as report_module
 
     out = tmp_path / "report.html"
-    out.write_text("<!DOCTYPE html><p>earlier</p>")
+    out.write_text("<!DOCTYPE html><p>earlier</p><footer>Written by vitlab on 2026-11-29 12:00 UTC.</footer>")
     monkeypatch.setattr(report_module, "build_report", lambda *a, **k: "<!DOCTYPE html>\ud800")  # fails to encode
     with pytest.raises(UnicodeEncodeError):
         write_report(create_model(TINY), images(1), out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]
-    assert out.read_text() == "<!DOCTYPE html><p>earlier</p>"
+    assert out.read_text() == "<!DOCTYPE html><p>earlier</p><footer>Written by vitlab on 2026-11-29 12:00 UTC.</footer>"
 
 
 def test_class_names_not_one_per_class_of_the_model_are_refused(tmp_path, capsys):
@@ -388,3 +388,25 @@ def test_an_empty_batch_of_images_is_refused_as_an_empty_list_is():
     for none in ([], torch.zeros(0, 3, 16, 16, dtype=torch.uint8), np.zeros((0, 3, 16, 16), np.uint8)):
         with pytest.raises(ValueError, match="^no images given: the attention figures need at least one$"):
             build_report(create_model(TINY), none)
+
+
+def test_an_html_page_the_report_did_not_write_is_kept(tmp_path, capsys):
+    # any file that began as HTML was taken for an earlier report and replaced: a page of one's own
+    # (a site's index.html) named as --out was lost
+    from PIL import Image
+
+    from vitlab.cli import main
+    from vitlab.weights import save_model
+
+    save_model(create_model(TINY), tmp_path / "model.safetensors")
+    Image.fromarray(images(1)[0].permute(1, 2, 0).numpy()).save(tmp_path / "x.png")
+    page = tmp_path / "index.html"
+    page.write_text("<!DOCTYPE html>\n<html><body><p>my notes</p></body></html>\n")
+    assert main(["inspect", str(tmp_path / "model.safetensors"), "--images", str(tmp_path / "x.png"),
+                 "--out", str(page)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vitlab inspect: error: --out={str(page)!r} is a file that is not an earlier report (a page vitlab "
+        "inspect wrote); the report replaces nothing else: name another file")
+    with pytest.raises(ValueError, match="out_path=.* is a file that is not an earlier report"):
+        write_report(create_model(TINY), images(1), page)
+    assert page.read_text() == "<!DOCTYPE html>\n<html><body><p>my notes</p></body></html>\n"

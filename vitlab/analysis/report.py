@@ -452,6 +452,10 @@ def _guarded(fn: Callable[[], str], anchor: str, title: str) -> str:
 # ----------------------------------------------------------------------------- the page
 
 
+# the footer of every page build_report writes: what need_report_out knows an earlier report by
+SIGNATURE = "Written by vitlab on"
+
+
 def build_report(model: nn.Module, images: Images, run_dir: str | os.PathLike | None = None,
                  meta: Mapping[str, Any] | None = None, title: str | None = None) -> str:
     """The HTML page (a string) for ``model`` and ``images`` (uint8 (B, 3, H, W) or image paths)."""
@@ -505,16 +509,17 @@ def build_report(model: nn.Module, images: Images, run_dir: str | os.PathLike | 
 <p>Vision Transformer inspection after Dosovitskiy et al., <i>An Image is Worth 16x16 Words</i>
 (ICLR 2021), on {len(shown)} image(s) at {size[0]}x{size[1]} px.</p><nav>{nav}</nav></div></header>
 <main class="wrap">{body}</main>
-<footer>Written by vitlab on {stamp}. Self-contained: every figure is embedded in this file.</footer>
+<footer>{SIGNATURE} {stamp}. Self-contained: every figure is embedded in this file.</footer>
 </body></html>
 """
 
 
 def need_report_out(out_path: str | os.PathLike, name: str = "out_path") -> None:
-    """That writing the report at ``out_path`` loses nothing: no file there, or an HTML page (an
-    earlier report, which a second run replaces).  Anything else is refused, naming ``name``: the
-    page was written over one of the images, the weights or any other file named by mistake.
-    A pipe, a device or a link (/dev/null, /dev/stdout) is written into, not replaced."""
+    """That writing the report at ``out_path`` loses nothing: no file there, or an earlier report
+    (an HTML page that ends in the report's footer, which a second run replaces).  Anything else is
+    refused, naming ``name``: the page was written over one of the images, the weights, an HTML page
+    of one's own or any other file named by mistake.  A pipe, a device or a link (/dev/null,
+    /dev/stdout) is written into, not replaced."""
     path = Path(out_path)
     if path.is_dir():
         raise ValueError(f"{name}={str(path)!r} is a folder; expected a file to write")
@@ -522,15 +527,18 @@ def need_report_out(out_path: str | os.PathLike, name: str = "out_path") -> None
         return
     with open(path, "rb") as f:
         head = f.read(64).lstrip(b"\xef\xbb\xbf \t\r\n").lower()
-    if head and not head.startswith((b"<!doctype html", b"<html")):  # an empty file holds nothing to lose
-        raise ValueError(f"{name}={str(path)!r} is a file that is not an HTML page (an earlier report); "
-                         "the report replaces nothing else: name another file")
+        f.seek(max(0, path.stat().st_size - 1024))
+        tail = f.read()
+    report = head.startswith((b"<!doctype html", b"<html")) and SIGNATURE.encode() in tail
+    if head and not report:  # an empty file holds nothing to lose
+        raise ValueError(f"{name}={str(path)!r} is a file that is not an earlier report (a page vitlab inspect "
+                         "wrote); the report replaces nothing else: name another file")
 
 
 def write_report(model: nn.Module, images: Images, out_path: str | os.PathLike,
                  run_dir: str | os.PathLike | None = None, meta: Mapping[str, Any] | None = None) -> Path:
     """Write ``build_report``'s page to ``out_path`` (parent folders created); returns the path.
-    A file already there is replaced only if it is an HTML page (``need_report_out``)."""
+    A file already there is replaced only if it is an earlier report (``need_report_out``)."""
     need_report_out(out_path)
     out = Path(out_path)
     page = build_report(model, images, run_dir=run_dir, meta=meta)

@@ -267,3 +267,14 @@ def test_counting_under_a_callers_inference_mode_counts_as_outside_it_and_leaves
         assert count_flops(model, made_here, backward=backward) == expected
         assert torch.is_inference_mode_enabled() and not torch.is_grad_enabled()
     assert all(p.grad is None for p in model.parameters()) and model.training
+
+
+def test_counting_the_backward_of_a_frozen_model_is_refused_by_name():
+    # with no parameter nor input requiring a gradient, torch's "element 0 of tensors does not require
+    # grad" came after the forward had run; an input that requires one has a backward to count
+    model = build_model(CASES["token"]).requires_grad_(False)
+    x = _images(CASES["token"])
+    with pytest.raises(ValueError, match=r"^backward=True: nothing requires a gradient \(every parameter"):
+        count_flops(model, x, backward=True)
+    assert count_flops(model, x.clone().requires_grad_(), backward=True) > count_flops(model, x)
+    assert not any(p.requires_grad for p in model.parameters())

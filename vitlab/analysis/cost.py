@@ -212,6 +212,9 @@ def count_flops(model: nn.Module, *inputs: Any, backward: bool = False) -> int:
         mapping[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _sdpa_cpu_backward_flops
     # set aside, not only put back after: the backward would add into an existing gradient in place
     leaves = [*model.parameters(), *(t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad)]
+    if backward and not any(t.requires_grad for t in leaves):  # torch's own error came after the forward
+        raise ValueError("backward=True: nothing requires a gradient (every parameter of the model is frozen and no "
+                         "input requires grad), so there is no backward to count")
     caller_grads = [(t, t.grad) for t in leaves]
     # a forward in training mode takes the batch into BatchNorm's running statistics and draws
     # dropout from the caller's random streams: the statistics are put back, the streams forked

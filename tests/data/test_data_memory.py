@@ -54,6 +54,33 @@ def test_second_call_reads_the_cache(make_folder, tmp_path, monkeypatch):
         load_in_memory(root, image_size=4, cache_dir=tmp_path / "cache", workers=1)
 
 
+@pytest.mark.parametrize("form", ["folder", "archive", "shards"])
+def test_each_image_s_stored_size_is_kept_cached_and_decoded_again_where_a_copy_lacks_it(make_folder, fakes, tmp_path,
+                                                                                      form):
+    """Each image's stored (height, width), which a training crop's geometry is of (the images are held
+    stretched): recorded by the decoding, read back from the cache, and a copy cached without them (an
+    earlier version's) is decoded again, not read as if the stretched size were the stored one."""
+    from vitlab.data.shards import pack_shards
+
+    root = make_folder(classes=2, per_class=3, size=(6, 10))
+    source = {"folder": root, "archive": fakes.make_tar(root, tmp_path / "set.tar"),
+              "shards": tmp_path / "shards"}[form]
+    if form == "shards":
+        pack_shards(root, source, samples_per_shard=4)
+    cache = tmp_path / "cache"
+    first = load_in_memory(source, 4, cache_dir=cache, workers=1)
+    assert first.images.shape[-2:] == (4, 4) and first.sizes.dtype == torch.int64
+    assert first.sizes.tolist() == [[6, 10]] * 6
+    assert memory.is_decoded(source, 4, cache) and not memory.is_decoded(source, 5, cache)
+    [folder] = (cache / "arrays").iterdir()
+    assert torch.equal(load_in_memory(source, 4, cache_dir=cache, workers=1).sizes, first.sizes)  # the cache's
+    (folder / memory.SIZES_FILE).unlink()
+    assert not memory.is_decoded(source, 4, cache)  # decoded again, as a memory estimate counts it
+    again = load_in_memory(source, 4, cache_dir=cache, workers=1)
+    assert torch.equal(again.sizes, first.sizes) and torch.equal(again.images, first.images)
+    assert (folder / memory.SIZES_FILE).is_file()
+
+
 @pytest.mark.parametrize("damage", ["truncated", "empty", "no meta", "meta not json"])
 def test_a_damaged_cached_copy_is_decoded_again_with_a_warning_naming_it(make_folder, tmp_path, caplog, damage):
     """A cached copy cut short (the machine stopped before its renamed files were on disk; one removed by

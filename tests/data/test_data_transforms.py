@@ -6,7 +6,10 @@ import torch.nn.functional as F
 from PIL import Image, ImageEnhance, ImageOps
 
 from vitlab.config import ConfigError
-from vitlab.data import randaugment
+from vitlab.data import randaugment, transforms
+from vitlab.data.digits import load_digits_dataset
+from vitlab.data.loader import BatchStream
+from vitlab.data.memory import load_in_memory
 from vitlab.data.transforms import (
     EvalTransform,
     TrainTransform,
@@ -20,6 +23,7 @@ from vitlab.data.transforms import (
     random_flip,
     random_resized_crop,
     resize,
+    sample_boxes,
     to_float,
 )
 
@@ -87,6 +91,68 @@ def test_inception_crop_is_reproducible_and_varies_per_image():
     assert torch.equal(a, random_resized_crop(x, 16, generator=gen(3)))
     assert not torch.equal(a, random_resized_crop(x, 16, generator=gen(4)))
     assert a.shape == (16, 3, 16, 16) and a.dtype == torch.uint8
+
+
+def recorded_boxes(monkeypatch) -> list:
+    """The (x0, y0, w, h, found) of every ``sample_boxes`` call of the inception crop, as it draws them."""
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(sample_boxes(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(transforms, "sample_boxes", recording)
+    return calls
+
+
+def in_memory_crops(data, monkeypatch, batches: int = 40, stored_sizes=True, scale=(0.05, 1.0)):
+    """The crops of ``batches`` batches of 16 of an in-memory set, as training makes them, and their boxes."""
+    calls = recorded_boxes(monkeypatch)
+    stream = BatchStream(data.images, data.labels, 16, seed=3, stored_sizes=data.sizes if stored_sizes else None,
+                         transform=build_transform(TrainTransform(num_classes=len(data.classes), image_size=16,
+                                                                  crop_scale=scale, flip=False)))
+    crops = []
+    for _ in range(-(-batches // len(stream))):
+        crops += [x for x, _ in stream]
+    boxes = [torch.cat(parts) for parts in zip(*calls)]
+    return torch.cat(crops), boxes
+
+
+@pytest.mark.parametrize("stored", [(60, 80), (40, 80)])  # 4:3 and 2:1 landscape photos, held at 64x64
+def test_an_in_memory_crop_draws_its_box_in_the_stored_image_s_geometry(make_folder, tmp_path, monkeypatch, stored):
+    """Held in memory, the images are stretched to the training size; the box was drawn in that copy, so a 4:3
+    photo's boxes spanned 1 to 16/9 of its own pixels (2:1's: 1.5 to 8/3), not the paper's 3/4 to 4/3 (as the
+    streamed path, which crops the stored image, draws them)."""
+    data = load_in_memory(make_folder(classes=2, per_class=8, size=stored), 64, cache_dir=tmp_path / "c", workers=1)
+    assert data.images.shape[-2:] == (64, 64) and data.sizes.tolist() == [list(stored)] * 16
+    _, (x0, y0, w, h, found) = in_memory_crops(data, monkeypatch)
+    assert found.float().mean() > 0.9
+    w, h = w[found], h[found]
+    to_stored = (stored[1] / 64) / (stored[0] / 64)  # a box's aspect in the stored pixels over the copy's
+    # rounded to the copy's pixels: the box drawn lies within half a pixel of each side
+    assert ((w - 0.5) / (h + 0.5) * to_stored <= 4 / 3 + 1e-6).all()
+    assert ((w + 0.5) / (h - 0.5) * to_stored >= 3 / 4 - 1e-6).all()
+    aspect = w / h * to_stored
+    assert (aspect < 0.85).any() and (aspect > 1.2).any()  # the whole range drawn
+    assert ((w + 0.5) * (h + 0.5) >= 0.05 * 64 * 64).all() and ((w - 0.5) * (h - 0.5) <= 64 * 64).all()
+
+
+@pytest.mark.parametrize("stored, held", [((32, 32), 32), ((32, 32), 48), ((8, 8), 24)])
+def test_square_stored_images_crop_as_before_to_the_bit(make_folder, tmp_path, monkeypatch, stored, held):
+    """CIFAR's 32x32 held at 32 or stretched to 48, and the digits' 8x8 at 24: their boxes' geometry is the
+    same in the copy, which crops as it did without the stored sizes (the same draws, the same pixels)."""
+    if stored == (8, 8):
+        data = load_digits_dataset(held)
+        data.images, data.labels, data.sizes = data.images[:64], data.labels[:64], data.sizes[:64]
+    else:
+        data = load_in_memory(make_folder(classes=2, per_class=32, size=stored), held, cache_dir=tmp_path / "c",
+                              workers=1)
+    assert data.sizes.tolist() == [list(stored)] * len(data)
+    sized, sized_boxes = in_memory_crops(data, monkeypatch, batches=8)
+    monkeypatch.undo()
+    plain, plain_boxes = in_memory_crops(data, monkeypatch, batches=8, stored_sizes=False)
+    assert torch.equal(sized, plain)
+    assert all(torch.equal(a, b) for a, b in zip(sized_boxes, plain_boxes))
 
 
 def test_crop_with_padding_is_a_crop_of_the_reflect_padded_image():

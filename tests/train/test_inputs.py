@@ -5,6 +5,7 @@ import torch
 from vitlab.data.labelled import load_held_out
 from vitlab.train.config import DataConfig, TrainConfig
 from vitlab.train.inputs import build_splits
+from vitlab.train.overrides import with_changes
 
 
 def test_vtab_style_pool_then_split():
@@ -186,3 +187,29 @@ def test_a_class_subset_names_its_classes_in_either_unicode_spelling(tmp_path):
     held = load_held_out({"source": str(train), "val_split": 0, "class_subset": list(subset)}, (8, 8),
                          cache_dir=tmp_path / "cache", workers=1)
     assert sorted(held.labels[held.held].tolist()) == [0, 0, 0, 1, 1, 1]
+
+
+def test_each_training_image_keeps_its_stored_size_for_the_crop(tmp_path, tiny):
+    """The training set held in memory is stretched to the training size; each image's stored size goes with
+    it through the class subset, the training pool and the held-out split to the batches' crop (the
+    loader's ``stored_sizes``), which draws its boxes in that image's geometry."""
+    from PIL import Image
+
+    from vitlab.train.build import build
+
+    sizes = {}  # each image, a solid colour (exact once resized), by its stored (height, width)
+    for c, name in enumerate(["a", "b", "c"]):
+        (tmp_path / "set" / name).mkdir(parents=True)
+        for i in range(12):
+            colour = 12 * c + i
+            sizes[colour] = (9 + i, 30 - i + c)
+            Image.new("RGB", sizes[colour][::-1], (colour, 0, 0)).save(tmp_path / "set" / name / f"{i}.png")
+    data = DataConfig(source=str(tmp_path / "set"), class_subset=("c", "a"), train_examples=20, val_split=6,
+                      cache_dir=str(tmp_path / "cache"), decode_workers=1)
+    s = build_splits(TrainConfig(data=data), (8, 8))
+    assert len(s.train_labels) == 14
+    assert s.train_sizes.tolist() == [list(sizes[int(red)]) for red in s.train_images[:, 0, 0, 0]]
+    setup = build(with_changes(tiny(), {"data.source": str(tmp_path / "set"), "data.val_split": 6,
+                                        "data.cache_dir": str(tmp_path / "cache"), "augment.crop": "inception",
+                                        "optim.batch_size": 10}))
+    assert setup.stream.stored_sizes.tolist() == [list(sizes[int(red)]) for red in setup.stream.images[:, 0, 0, 0]]

@@ -31,7 +31,7 @@ from vitlab.data.sources import DataError
 from vitlab.data.transforms import sample_boxes
 
 __all__ = ["DECODE_ERRORS", "SampleCrop", "decode_crop", "decode_crops", "decode_errors", "decode_image",
-           "draft_reduction", "opened", "to_rgb"]
+           "decode_sized", "draft_reduction", "opened", "to_rgb"]
 
 # What PIL (and its plugins) raise for bad data: truncated, corrupt, unknown or unsupported.
 DECODE_ERRORS = (OSError, SyntaxError, ValueError, TypeError, IndexError, KeyError, EOFError, struct.error,
@@ -99,12 +99,19 @@ def decode_image(source, size: Optional[tuple[int, int]] = None) -> np.ndarray:
     Raises:
         DataError: the data is not a decodable image (see ``opened``).
     """
+    return decode_sized(source, size)[0]
+
+
+def decode_sized(source, size: Optional[tuple[int, int]] = None) -> tuple[np.ndarray, tuple[int, int]]:
+    """``decode_image``'s array and the (height, width) the image is stored at: what a crop of the
+    resized copy takes its geometry from (``transforms.sample_boxes``'s ``source``)."""
     with opened(source) as img:
         img.load()  # the full decode, so truncated files fail here
-        if size is not None and (img.height, img.width) != tuple(size):
+        stored = (img.height, img.width)
+        if size is not None and stored != tuple(size):
             array = to_rgb(img)
-            return np.array(Image.fromarray(array).resize((size[1], size[0]), Image.BILINEAR))
-        return to_rgb(img)
+            return np.array(Image.fromarray(array).resize((size[1], size[0]), Image.BILINEAR)), stored
+        return to_rgb(img), stored
 
 
 CROP_KINDS = ("inception", "resize")

@@ -24,9 +24,9 @@ def load_digits_dataset(image_size: int | tuple[int, int] = 24) -> InMemoryDatas
     labels 0-9 with classes "0".."9".
     """
     images, labels = _digits(to_pair(image_size, "image_size"))
-    # named by their place: the set never changes
+    # named by their place: the set never changes; each is stored at 8x8 (what a crop's geometry is of)
     return InMemoryDataset(images=images.clone(), labels=labels.clone(), classes=[str(i) for i in range(10)],
-                           ids=torch.arange(len(labels)))
+                           ids=torch.arange(len(labels)), sizes=torch.full((len(labels), 2), 8, dtype=torch.int64))
 
 
 @functools.lru_cache(maxsize=4)

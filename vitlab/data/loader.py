@@ -85,6 +85,10 @@ class BatchStream:
                 where it stopped.  The transform is told the group's batch sizes
                 (``batch_sizes``), so that what works on a batch as a whole (mixup, CutMix)
                 mixes each batch within itself, on draws of its own.
+    stored_sizes: (N, 2) int64 each image's (height, width) as stored, before it was resized to
+                H x W (``InMemoryDataset.sizes``), handed to ``transform`` with each batch as
+                ``source_sizes``: an inception crop draws its boxes in the stored image's geometry,
+                not the stretched copy's.  None: the images are as stored (nothing handed over).
 
     Iterating yields the rest of the current epoch and then advances to the next
     epoch, so ``for epoch ...: for x, y in stream: ...`` walks the epochs in turn.
@@ -105,9 +109,13 @@ class BatchStream:
         world_size: int = 1,
         prefetch: int = 0,
         augment_batches: int = 1,
+        stored_sizes: Optional[torch.Tensor] = None,
     ) -> None:
         if images.shape[0] != labels.shape[0]:
             raise ValueError(f"images ({images.shape[0]}) and labels ({labels.shape[0]}) differ in length")
+        if stored_sizes is not None and tuple(stored_sizes.shape) != (images.shape[0], 2):
+            raise ValueError(f"stored_sizes: expected ({images.shape[0]}, 2), each image's stored (height, width); "
+                             f"got {tuple(stored_sizes.shape)}")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
         if not 0 <= rank < world_size:
@@ -134,6 +142,7 @@ class BatchStream:
         self.world_size = world_size
         self.prefetch = prefetch
         self.augment_batches = augment_batches
+        self.stored_sizes = stored_sizes
         self.epoch = 0
         self.position = 0  # batches of ``epoch`` already handed out
 
@@ -180,7 +189,8 @@ class BatchStream:
         """Batches ``position .. position + count - 1``, gathered and augmented in one go."""
         slices = [self._slice(order, p) for p in range(position, position + count)]
         sizes = [len(one) for one in slices]
-        idx = copy_without_a_wait(torch.cat(slices), self.images.device)
+        chosen = torch.cat(slices)
+        idx = copy_without_a_wait(chosen, self.images.device)
         if self.device.type == "cuda" and self.images.device.type == "cpu":
             # gathered straight into pinned memory (one copy of the batch on the host, not two),
             # whose copy to the device does not block
@@ -196,6 +206,8 @@ class BatchStream:
             generator = torch.Generator(device=self.device).manual_seed(batch_seed)
             # a group's batch sizes, for what works on a batch as a whole (mixup, CutMix)
             group = {"batch_sizes": sizes} if count > 1 else {}
+            if self.stored_sizes is not None:  # for the crop's geometry
+                group["source_sizes"] = copy_without_a_wait(self.stored_sizes[chosen], self.device)
             x, y = self.transform(x, y, generator, example_ids=idx, epoch=epoch, seed=self.seed,
                                   **host_generator(self.device, batch_seed), **group)
         return list(zip(x.split(sizes), y.split(sizes)))

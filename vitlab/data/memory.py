@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from vitlab.config import to_pair
-from vitlab.data.decode import decode_image, to_rgb  # noqa: F401 - to_rgb: also this module's name
+from vitlab.data.decode import decode_image, decode_sized, to_rgb  # noqa: F401 - to_rgb: also this module's name
 from vitlab.data.sources import (
     DataError,
     PathLike,
@@ -59,6 +59,7 @@ CACHE_VERSION = 4  # bump when the layout of the cached arrays changes, or what 
 #                   set's key carries it (_data_key), so features computed from the earlier decoding are not reused
 IDS_FILE = "ids.npy"  # its images' names (image_ids): a copy cached before they were kept lacks it, and is decoded
 #                       again, under the same key (its pixels are the same)
+SIZES_FILE = "sizes.npy"  # each image's stored (height, width), which its crop's geometry is of: likewise
 
 
 @dataclass
@@ -79,6 +80,9 @@ class InMemoryDataset:
              None: not named.
     label_sets: where samples had several labels, (N, L) int64: each sample's labels, -1 filling
              a row of fewer than L (what an evaluation scores it against); else None.
+    sizes:   (N, 2) int64: each image's (height, width) as stored, before it was resized to H x W:
+             what a training crop draws its box's area fraction and aspect in (the images are
+             stretched to H x W); None: unknown, taken as H x W.
     """
 
     images: torch.Tensor
@@ -89,6 +93,7 @@ class InMemoryDataset:
     several_labels: int | None = 0
     ids: torch.Tensor | None = None
     label_sets: torch.Tensor | None = None
+    sizes: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -99,24 +104,27 @@ class InMemoryDataset:
         return self.labels if self.label_sets is None else self.label_sets
 
 
-def _decode_chunk(
-    job: tuple[Sequence[Union[str, bytes]], Optional[tuple[int, int]]]
-) -> list[tuple[Optional[np.ndarray], str]]:
-    """Worker: decode a chunk of paths or encoded bytes; a bad image gives (None, reason)."""
+Decoded = tuple[Optional[np.ndarray], str, tuple[int, int]]  # (pixels or None, why not, the stored (height, width))
+
+
+def _decode_chunk(job: tuple[Sequence[Union[str, bytes]], Optional[tuple[int, int]]]) -> list[Decoded]:
+    """Worker: decode a chunk of paths or encoded bytes; a bad image gives (None, reason, (0, 0))."""
     sources, size = job
-    out: list[tuple[Optional[np.ndarray], str]] = []
+    out: list[Decoded] = []
     for source in sources:
         try:
-            out.append((decode_image(io.BytesIO(source) if isinstance(source, bytes) else source, size), ""))
+            pixels, stored = decode_sized(io.BytesIO(source) if isinstance(source, bytes) else source, size)
+            out.append((pixels, "", stored))
         except DataError as e:  # the path is kept beside the reason, so drop it from the message
             reason = str(e)
-            out.append((None, reason[len(source) + 2:] if isinstance(source, str) and reason.startswith(source) else reason))
+            out.append((None, reason[len(source) + 2:] if isinstance(source, str) and reason.startswith(source)
+                        else reason, (0, 0)))
     return out
 
 
 def _decode_all(
     sources: Sequence[Union[str, bytes]], size: Optional[tuple[int, int]], workers: int
-) -> list[tuple[Optional[np.ndarray], str]]:
+) -> list[Decoded]:
     """Decode in ``workers`` processes, results in input order."""
     # ~8 chunks per worker balance the load without much pickling overhead per chunk.
     chunk = max(64, min(2048, -(-len(sources) // max(1, workers * 8))))
@@ -133,14 +141,13 @@ def _decode_all(
 
 
 def _stack(
-    decoded: list[tuple[Optional[np.ndarray], str]], paths: list[str], labels: np.ndarray, root: Path,
-    skipped: Unread, ids: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(N, 3, H, W) images, their rows of ``labels`` ((N,), or (N, L) label sets) and (N,) ``image_ids``
-    from per-image results (``labels`` and ``ids`` per path); the images that could not be decoded go to
-    ``skipped`` (which may hold what could not be read before)."""
-    keep = [i for i, (arr, _) in enumerate(decoded) if arr is not None]
-    for i, (arr, reason) in enumerate(decoded):
+    decoded: list[Decoded], paths: list[str], labels: np.ndarray, root: Path, skipped: Unread, ids: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(N, 3, H, W) images, their rows of ``labels`` ((N,), or (N, L) label sets), (N,) ``image_ids`` and
+    (N, 2) stored sizes from per-image results (``labels`` and ``ids`` per path); the images that could not
+    be decoded go to ``skipped`` (which may hold what could not be read before)."""
+    keep = [i for i, (arr, _, _) in enumerate(decoded) if arr is not None]
+    for i, (arr, reason, _) in enumerate(decoded):
         if arr is None:
             skipped.add(paths[i], 1, reason)
     if not keep:
@@ -157,7 +164,8 @@ def _stack(
     images = np.empty((len(keep), 3, shape[0], shape[1]), dtype=np.uint8)
     for row, i in enumerate(keep):
         images[row] = decoded[i][0].transpose(2, 0, 1)
-    return images, labels[keep], ids[keep]
+    sizes = np.array([decoded[i][2] for i in keep], dtype=np.int64).reshape(-1, 2)
+    return images, labels[keep], ids[keep], sizes
 
 
 def image_ids(names: Sequence[str], sizes: Sequence[int], classes: Sequence[str]) -> np.ndarray:
@@ -209,7 +217,8 @@ def is_decoded(path: PathLike, image_size: Size, cache_dir: Optional[PathLike] =
     from vitlab.data.stream import is_stream_source, open_source
 
     key = open_source(str(path), cache_dir).key if is_stream_source(str(path)) else source_key(path)
-    return bool(key) and (_cache_folder(key, to_pair(image_size, "image_size"), cache_dir) / IDS_FILE).is_file()
+    folder = _cache_folder(key, to_pair(image_size, "image_size"), cache_dir)
+    return bool(key) and (folder / IDS_FILE).is_file() and (folder / SIZES_FILE).is_file()
 
 
 def _read_cache(folder: Path) -> Optional[InMemoryDataset]:
@@ -219,9 +228,11 @@ def _read_cache(folder: Path) -> Optional[InMemoryDataset]:
     run on the data with numpy's error, which names no file."""
     if not folder.is_dir():
         return None
-    if not (folder / IDS_FILE).exists() and (folder / "images.npy").exists():
-        # cached by an earlier version, whose images are not named: decoded again as they were (without a
-        # warning), and cached with their names; a run's split is recorded by them
+    if not ((folder / IDS_FILE).exists() and (folder / SIZES_FILE).exists()) and (folder / "images.npy").exists():
+        # cached by an earlier version, whose images are not named, or their stored sizes not kept: decoded again
+        # as they were (without a warning), and cached with both; a run's split is recorded by the names, and
+        # a training crop's box is drawn in the stored image's geometry (a copy read with its stretched sizes
+        # would crop as if none was stretched)
         shutil.rmtree(folder, ignore_errors=True)
         return None
     try:
@@ -233,11 +244,15 @@ def _read_cache(folder: Path) -> Optional[InMemoryDataset]:
             skipped=Unread(meta["skipped"]),
             several_labels=meta.get("several_labels"),
             ids=torch.from_numpy(np.load(folder / IDS_FILE)),
+            sizes=torch.from_numpy(np.load(folder / SIZES_FILE)),
         )
         if (folder / "label_sets.npy").is_file():
             data.label_sets = torch.from_numpy(np.load(folder / "label_sets.npy"))
-        if data.images.ndim != 4 or not len(data.images) == len(data.labels) == len(data.ids):
-            raise ValueError(f"{len(data.images)} images, {len(data.labels)} labels and {len(data.ids)} names")
+        if data.images.ndim != 4 or not len(data.images) == len(data.labels) == len(data.ids) == len(data.sizes):
+            raise ValueError(f"{len(data.images)} images, {len(data.labels)} labels, {len(data.ids)} names and "
+                             f"{len(data.sizes)} sizes")
+        if data.sizes.shape != (len(data.images), 2) or data.sizes.dtype != torch.int64 or (data.sizes < 1).any():
+            raise ValueError(f"sizes of shape {tuple(data.sizes.shape)} and type {data.sizes.dtype}, or not >= 1")
         if data.label_sets is not None and (data.label_sets.ndim != 2 or len(data.label_sets) != len(data.labels)):
             raise ValueError(f"{len(data.labels)} labels and label sets of shape {tuple(data.label_sets.shape)}")
     except (OSError, ValueError, EOFError, KeyError, TypeError) as err:  # json's and numpy's are ValueErrors
@@ -250,7 +265,7 @@ def _read_cache(folder: Path) -> Optional[InMemoryDataset]:
 
 def _write_cache(folder: Path, images: np.ndarray, labels: np.ndarray, classes: list[str], skipped: Unread,
                  several_labels: int = 0, ids: Optional[np.ndarray] = None,
-                 label_sets: Optional[np.ndarray] = None) -> None:
+                 label_sets: Optional[np.ndarray] = None, sizes: Optional[np.ndarray] = None) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=folder.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
@@ -259,6 +274,8 @@ def _write_cache(folder: Path, images: np.ndarray, labels: np.ndarray, classes: 
         np.save(tmp / "labels.npy", labels)
         if ids is not None:
             np.save(tmp / IDS_FILE, ids)
+        if sizes is not None:
+            np.save(tmp / SIZES_FILE, sizes)
         if label_sets is not None:
             np.save(tmp / "label_sets.npy", label_sets)
         (tmp / "meta.json").write_text(json.dumps({"classes": classes, "skipped": skipped.to_list(),
@@ -310,10 +327,10 @@ def load_in_memory(
         ids = image_ids(_below(index.paths, index.root), sizes, [index.classes[i] for i in index.labels])
         decoded = _decode_all(sources, size, workers)
         skipped = Unread()
-        images, labels, ids = _stack(decoded, index.paths, index.labels, index.root, skipped, ids)
-        _write_cache(folder, images, labels, index.classes, skipped, ids=ids)
+        images, labels, ids, sizes = _stack(decoded, index.paths, index.labels, index.root, skipped, ids)
+        _write_cache(folder, images, labels, index.classes, skipped, ids=ids, sizes=sizes)
         data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), index.classes, skipped,
-                               ids=torch.from_numpy(ids))
+                               ids=torch.from_numpy(ids), sizes=torch.from_numpy(sizes))
     data.key = _data_key(key)
     _warn_skipped(path, data)
     return data
@@ -350,13 +367,14 @@ def load_source_in_memory(source: StreamSource, image_size: Size = None, cache_d
         label_sets = np.full((len(rows), max(map(len, rows), default=1)), -1, dtype=np.int64)
         for i, row in enumerate(rows):
             label_sets[i, :len(row)] = row
-        images, label_sets, ids = _stack(decoded, keys, label_sets, source.name, skipped, ids)
+        images, label_sets, ids, sizes = _stack(decoded, keys, label_sets, source.name, skipped, ids)
         labels, label_sets = np.ascontiguousarray(label_sets[:, 0]), label_sets if several else None
         if folder is not None:
-            _write_cache(folder, images, labels, source.classes, skipped, several, ids, label_sets)
+            _write_cache(folder, images, labels, source.classes, skipped, several, ids, label_sets, sizes)
         data = InMemoryDataset(torch.from_numpy(images), torch.from_numpy(labels), list(source.classes), skipped,
                                several_labels=several, ids=torch.from_numpy(ids),
-                               label_sets=None if label_sets is None else torch.from_numpy(label_sets))
+                               label_sets=None if label_sets is None else torch.from_numpy(label_sets),
+                               sizes=torch.from_numpy(sizes))
     data.key = _data_key(source.key)
     _warn_skipped(source.name, data)
     return data

@@ -52,7 +52,8 @@ __all__ = [
 Size = Union[int, tuple[int, int]]
 # (uint8 images, labels, generator, *, example_ids=None, epoch=0, seed=0) -> (inputs, targets);
 # the keywords locate the batch in the data set and the stream's seed, for augmentations
-# that follow an example across epochs (alternating flip)
+# that follow an example across epochs (alternating flip); an in-memory set's batches also
+# carry source_sizes, each image's stored (height, width), the inception crop's geometry
 BatchTransform = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -96,7 +97,7 @@ def resize(images: torch.Tensor, size: Size, antialias: bool = False) -> torch.T
 
 def sample_boxes(
     batch: int, height, width, scale: tuple[float, float], ratio: tuple[float, float],
-    generator: torch.Generator, attempts: int = 10,
+    generator: torch.Generator, attempts: int = 10, source: Optional[tuple[Any, Any]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-image boxes covering ``scale`` of the area with aspect ``ratio`` (w / h).
 
@@ -104,6 +105,13 @@ def sample_boxes(
     log-aspect uniform, the first attempt that fits inside the image wins.  ``height`` and
     ``width`` are ints (one size for the batch) or (B,) tensors (a size per image: the
     streamed path samples each stored image's box in its own pixels).
+
+    source: (height, width), ints or (B,) tensors, of the images that ``height`` x ``width``
+        ones were resized from (stretched: the in-memory sets), or None (the same).  The
+        boxes are then the source image's boxes (their area fraction and aspect in its
+        pixels) drawn in the resized one's pixels: a box's aspect there is the source's
+        times the stretch (W / W0) / (H / H0), which is 1 for an image not stretched, whose
+        boxes are the same as without ``source``, to the bit.
 
     Returns (x0, y0, w, h, found), each (B,) float on the generator's device; ``found`` is
     False where no attempt fitted (those boxes are the whole image).
@@ -118,6 +126,8 @@ def sample_boxes(
     height, width = per_image(height), per_image(width)
     area = _uniform((batch, attempts), generator, dev, scale[0], scale[1]) * (height * width)[:, None]
     aspect = torch.exp(_uniform((batch, attempts), generator, dev, math.log(ratio[0]), math.log(ratio[1])))
+    if source is not None:  # the source's aspect drawn; in the resized pixels it is stretched
+        aspect = aspect * ((width * per_image(source[0])) / (height * per_image(source[1])))[:, None]
     w = torch.sqrt(area * aspect).round()
     h = torch.sqrt(area / aspect).round()
     fits = (w >= 1) & (h >= 1) & (w <= width[:, None]) & (h <= height[:, None])
@@ -137,6 +147,7 @@ def random_resized_crop(
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
     *,
     generator: torch.Generator,
+    source_sizes: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The "inception crop" of the official input pipeline, batched.
 
@@ -146,10 +157,15 @@ def random_resized_crop(
     does.  Like ``tf.image.resize`` (no antialiasing) small boxes of large images alias.
 
     images: (B, C, H, W) uint8 or float.  Returns (B, C, *out_size), same dtype.
+    source_sizes: (B, 2) each image's (height, width) before it was resized to H x W (the
+        in-memory sets': ``InMemoryDataset.sizes``): the boxes' area fraction and aspect
+        are then of that image (``sample_boxes``'s ``source``), not of the stretched copy.
+        None: the images are as they were stored.
     """
     out_h, out_w = to_pair(out_size, "out_size")
     b, c, height, width = images.shape
-    x0, y0, w, h, _ = sample_boxes(b, height, width, scale, ratio, generator)
+    source = None if source_sizes is None else (source_sizes[:, 0], source_sizes[:, 1])
+    x0, y0, w, h, _ = sample_boxes(b, height, width, scale, ratio, generator, source=source)
     # Normalised coordinates (align_corners=False) run from -1 at the left edge of pixel 0
     # to +1 at the right edge of pixel W-1; the box [x0, x0 + w) maps onto [-1, 1].
     theta = torch.zeros(b, 2, 3, device=generator.device)
@@ -482,10 +498,12 @@ def _check_pixels(images: torch.Tensor) -> None:
 def _train(cfg: TrainTransform, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator, *,
            example_ids: Optional[torch.Tensor] = None, epoch: int = 0, seed: int = 0,
            host_generator: Optional[torch.Generator] = None,
-           batch_sizes: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+           batch_sizes: Optional[Sequence[int]] = None,
+           source_sizes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     _check_pixels(images)
-    if cfg.crop == "inception":
-        images = random_resized_crop(images, cfg.image_size, cfg.crop_scale, cfg.crop_ratio, generator=generator)
+    if cfg.crop == "inception":  # boxes of the images as stored, where memory holds them stretched (source_sizes)
+        images = random_resized_crop(images, cfg.image_size, cfg.crop_scale, cfg.crop_ratio, generator=generator,
+                                     source_sizes=source_sizes)
     else:
         if cfg.image_size is not None:
             images = resize(images, cfg.image_size)

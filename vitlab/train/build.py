@@ -357,7 +357,7 @@ def build(cfg: TrainConfig, world: World | None = None, machine: Machine | None 
         stream = BatchStream(
             splits.train_images, splits.train_labels, micro_batch, shuffle=True, seed=cfg.run.seed, drop_last=True,
             transform=build_transform(augment), device=world.device, rank=world.rank, world_size=world.size,
-            augment_batches=cfg.data.augment_batches,
+            augment_batches=cfg.data.augment_batches, stored_sizes=splits.train_sizes,
         )
     evaluator = final_evaluator = None
     if splits.val_labels is not None and cfg.model.mpp is None:  # MPP has no classifier to score

@@ -52,6 +52,9 @@ class Splits:
     # which images each part holds (``vitlab.data.splits.split_key``): what the summary and the checkpoints
     # record, and eval, fewshot and --resume hold the data to
     split_key: dict | None = None
+    # (N, 2) each training image's (height, width) as stored, before it was resized into memory
+    # (``InMemoryDataset.sizes``): what its inception crop's geometry is of; None: unknown, or streamed
+    train_sizes: torch.Tensor | None = None
 
     def train_count(self) -> int:
         return self.num_train if self.num_train is not None else len(self.train_labels)
@@ -90,7 +93,8 @@ def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
         val_images, val_labels, val_skipped, val_key = load_val_data(cfg, image_size, classes, world)
         skipped += val_skipped
     return Splits(images, labels, val_images, val_labels, classes, skipped, train_ids=ids,
-                  split_key=split_key(part_key(dataset.ids[ids]), val_key))
+                  split_key=split_key(part_key(dataset.ids[ids]), val_key),
+                  train_sizes=None if dataset.sizes is None else dataset.sizes[ids])
 
 
 def opened_source(source: str, cache_dir=None):

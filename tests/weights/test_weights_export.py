@@ -45,7 +45,8 @@ transformers = pytest.importorskip("transformers")
     dict(),                                                        # vit_jax conventions: tanh GELU, eps 1e-6
     dict(gelu="exact", ln_eps=1e-12, posemb_resample="bicubic"),   # HF's own
     dict(img_size=(16, 24), patch_size=(4, 8), qkv_bias=False),    # non-square, no qkv bias
-], ids=["official-conventions", "hf-conventions", "non-square"])
+    dict(img_size=16, patch_size=(4, 8)),                          # a square image of non-square patches: 4x2
+], ids=["official-conventions", "hf-conventions", "non-square", "non-square-patches"])
 def test_hf_export_loads_strictly_with_equal_logits(tmp_path, fields):
     model = random_model(replace(TINY, **fields))
     with warnings.catch_warnings(record=True) as caught:

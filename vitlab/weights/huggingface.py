@@ -156,9 +156,11 @@ def load_huggingface(state_dict: Mapping[str, Any], hf_config: Mapping[str, Any]
     """
     sd = from_huggingface(state_dict)
     fields = {**CONVENTIONS, **(config_overrides(hf_config) if hf_config else {}), **overrides}
-    size = (hf_config or {}).get("image_size")
-    if isinstance(size, (list, tuple)) and size[0] != size[1]:  # a non-square grid: the config says which
-        fields.setdefault("weights_img_size", (int(size[0]), int(size[1])))
+    size, patch = (hf_config or {}).get("image_size"), (hf_config or {}).get("patch_size")
+    non_square = lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and v[0] != v[1]  # noqa: E731
+    if non_square(size) or non_square(patch):  # a non-square grid (of a square image too): the config says which
+        height, width = size if isinstance(size, (list, tuple)) else (size, size)
+        fields.setdefault("weights_img_size", (int(height), int(width)))
     cfg: ViTConfig = infer_config(sd, name=name, img_size_hint=img_size, **fields)
     return build_loaded(sd, cfg, img_size=img_size, num_classes=num_classes, keep_pre_logits=keep_pre_logits,
                         source="the Hugging Face weights")

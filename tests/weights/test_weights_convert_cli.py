@@ -148,3 +148,17 @@ def test_convert_to_official_at_a_non_square_size_reads_back_at_that_size(size, 
     assert json.loads(out[-1])["max_abs_logit_diff"] < 1e-5
     again = load_model(tmp_path / "o.npz", weights_img_size=(h, w))
     assert again.cfg.img_size == (h, w)
+
+
+def test_convert_to_official_of_non_square_patches_reads_back_at_its_size(tmp_path, capsys):
+    """A square 16-px image of 4x8 patches is a 4x2 grid of 8 positions, which an .npz holds without its size:
+    the read-back took no size for a square image, was refused ('not a square grid') after the file was
+    written, and the line saying which --weights-img-size reads it was not printed."""
+    model = build_model(ViTConfig(img_size=16, patch_size=(4, 8), width=32, depth=1, mlp_dim=48, num_heads=2,
+                                  num_classes=5))
+    save_model(model, tmp_path / "run")
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "o.npz"), "--to", "official"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-2] == (f"an official .npz records no image size: read {tmp_path / 'o.npz'} with --weights-img-size "
+                       "16x16 (load_model's weights_img_size=(16, 16))")
+    assert json.loads(out[-1])["max_abs_logit_diff"] < 1e-5

@@ -105,9 +105,10 @@ def read_back(model, written: Path, args: argparse.Namespace) -> float:
 
 def npz_size(cfg, layout: str) -> tuple[int, int] | None:
     """The resolution a ViT written as an official .npz must be read at, where the arrays do not give it: a
-    non-square grid (the loader takes a square one, or refuses; 8x32's 2x8 patches counted a 4x4 grid)."""
+    non-square grid (the loader takes a square one, or refuses; 8x32's 2x8 patches counted a 4x4 grid), of a
+    non-square image or of non-square patches (16 px of 4x8 patches: 4x2)."""
     from vitlab.config import ViTConfig
 
-    if layout != "official" or not isinstance(cfg, ViTConfig) or cfg.img_size[0] == cfg.img_size[1]:
+    if layout != "official" or not isinstance(cfg, ViTConfig) or cfg.grid_size[0] == cfg.grid_size[1]:
         return None
     return cfg.img_size

@@ -171,3 +171,24 @@ def test_a_file_named_for_a_model_must_hold_it(tmp_path):
 
     assert [named_model(n) for n in ("BiT-M-R50x1.npz", "BiT-S-R152x4.npz", "BiT-M-R101x3-ILSVRC2012.npz",
                                      "bit.npz", "BiT-M-R7x1.npz")] == ["R50x1", "R152x4", "R101x3", None, None]
+
+
+def test_a_bit_of_another_root_or_conventions_is_not_written_as_big_transfer_s(tmp_path):
+    """big_transfer's .npz holds arrays only, read back with BiT's 7x7/2 root and max-pool and its conventions:
+    a BiT of a gentler root (root_stride=1 or no pool, for small images) was written and read back as
+    another model, other logits without a word, and its other conventions were dropped unsaid (a ViT's
+    .npz warns of them)."""
+    from vitlab.config import ResNetConfig
+    from vitlab.models.registry import build_model
+    from vitlab.weights import ConventionWarning
+
+    bit = dict(layers=(1, 1), num_classes=3, img_size=32, padding="symmetric", ws_eps=1e-10, ws_eps_inside_sqrt=True,
+               gn_eps=1e-5)
+    for fields, reason in ((dict(root_stride=1), "root_stride=1"), (dict(root_pool=False), "root_pool=False"),
+                           (dict(root_kernel=3), "root_kernel=3")):
+        with pytest.raises(WeightsError, match=rf"^big_transfer's \.npz cannot hold this model: {reason} \("):
+            save_bit_npz(build_model(ResNetConfig(**bit, **fields)), tmp_path / "b.npz")
+        assert not (tmp_path / "b.npz").exists()
+    with pytest.warns(ConventionWarning, match=r"padding: the model uses 'same', big_transfer computes with "
+                                               r"'symmetric'; gn_eps: the model uses 1e-06"):
+        save_bit_npz(build_model(ResNetConfig(**{**bit, "padding": "same", "gn_eps": 1e-6})), tmp_path / "b.npz")

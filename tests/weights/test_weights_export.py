@@ -246,3 +246,17 @@ def test_timm_hybrid_export_at_a_non_square_size_reads_back(tmp_path, img_size):
     again = load_model(path)
     assert again.cfg.img_size == img_size and again.pos_embed.weight.shape == (1, 25, 32)
     assert torch.equal(again.pos_embed.weight, model.pos_embed.weight)
+
+
+def test_an_official_hybrid_of_another_root_is_refused(tmp_path):
+    """vit_jax's .npz has no place for a hybrid's root stride or pool, and is read back with its 7x7/2 root
+    and max-pool: a stem of root_stride=1 or no pool (small images) was written and read back as another
+    model, other logits without a word."""
+    from vitlab.config import ResNetConfig
+
+    for fields, reason in ((dict(root_stride=1), "root_stride=1"), (dict(root_pool=False), "root_pool=False")):
+        stem = ResNetConfig(layers=(1,), width_factor=0.5, img_size=32, **fields)
+        model = build_model(replace(TINY, img_size=32, patch_size=1, resnet=stem))
+        with pytest.raises(WeightsError, match=rf"^vit_jax's \.npz cannot hold this model: the hybrid stem's {reason} \("):
+            save_model(model, tmp_path / "h.npz", format="official")
+        assert not (tmp_path / "h.npz").exists()

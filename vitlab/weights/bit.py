@@ -36,9 +36,12 @@ from torch import nn
 from ..config import ConfigError, Pair, ResNetConfig, replace
 from ..files import atomic_write
 from ..models.registry import RESNET_DEPTHS, bit_config
-from .core import StateDict, WeightsError, build_loaded, check_named, to_tensor, width_factor_of
+from .core import (StateDict, WeightsError, build_loaded, check_named, convention_differences, other_root, to_tensor,
+                   warn_conventions, width_factor_of)
 from .official import read_npz
 
+# bit_pytorch's numerical conventions (``registry.bit_config``), with which a big_transfer .npz is read
+CONVENTIONS: dict[str, Any] = {"padding": "symmetric", "ws_eps": 1e-10, "ws_eps_inside_sqrt": True, "gn_eps": 1e-5}
 PREFIX = "resnet/"
 ROOT = PREFIX + "root_block/standardized_conv2d/kernel"
 # big_transfer's released files: BiT-M-R50x1.npz, BiT-S-R152x4.npz, BiT-M-R50x1-ILSVRC2012.npz
@@ -166,6 +169,10 @@ def to_bit(model: nn.Module) -> dict[str, np.ndarray]:
     if not isinstance(cfg, ResNetConfig) or cfg.norm != "group":
         raise WeightsError("only a BiT ResNet with GroupNorm (a ResNetConfig model, norm='group') has a "
                            "big_transfer layout")
+    other = other_root(cfg)
+    if other:  # read back with BiT's root, the file was another model
+        raise WeightsError(f"big_transfer's .npz cannot hold this model: {', '.join(other)} (the file records no "
+                           "root, and is read back with BiT's 7x7/2 root and max-pool)")
     sd = {k: v.detach().cpu().float().numpy() for k, v in model.state_dict().items()}
     out, used = {}, set()
     for theirs, ours, (_, to_tf) in key_map(cfg.layers):
@@ -179,6 +186,8 @@ def to_bit(model: nn.Module) -> dict[str, np.ndarray]:
 
 
 def save_bit_npz(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Write a vitlab BiT ResNet as a big_transfer .npz (float32), atomically."""
+    """Write a vitlab BiT ResNet as a big_transfer .npz (float32), atomically; conventions other than
+    big_transfer's (``CONVENTIONS``), which the file is read back with, are warned about."""
     arrays = to_bit(model)
+    warn_conventions(convention_differences(model.cfg, CONVENTIONS, "big_transfer"), "big_transfer")
     return atomic_write(path, lambda f: np.savez(f, **arrays))

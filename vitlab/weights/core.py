@@ -582,6 +582,16 @@ def warn_conventions(lines: list[str], library: str) -> None:
                       ConventionWarning, stacklevel=3)
 
 
+# The root of every vit_jax and big_transfer ResNet, which their .npz files record nothing of (a hybrid's
+# kernel size aside, which its array shows): a file is read back with it, whatever root wrote it
+NPZ_ROOT: dict[str, Any] = {"root_kernel": 7, "root_stride": 2, "root_pool": True}
+
+
+def other_root(resnet: ResNetConfig, fields: Sequence[str] = tuple(NPZ_ROOT)) -> list[str]:
+    """``field=value`` for each of ``fields`` where ``resnet``'s root is not the one an .npz is read back with."""
+    return [f"{k}={getattr(resnet, k)}" for k in fields if getattr(resnet, k) != NPZ_ROOT[k]]
+
+
 def require_plain_vit(cfg: Architecture, library: str, *, hybrid: bool = True) -> ViTConfig:
     """Refuse what ``library``'s ViT cannot hold, naming every reason at once."""
     if not isinstance(cfg, ViTConfig):

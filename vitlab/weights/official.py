@@ -50,8 +50,8 @@ from torch import nn
 from ..config import Pair, ViTConfig
 from ..files import atomic_write
 from ..models.registry import VIT_SIZES
-from .core import (StateDict, WeightsError, build_loaded, convention_differences, infer_config, to_tensor,
-                   warn_conventions)
+from .core import (StateDict, WeightsError, build_loaded, convention_differences, infer_config, other_root,
+                   to_tensor, warn_conventions)
 
 # Conventions of vit_jax, applied to every config read from an official checkpoint.
 CONVENTIONS: dict[str, Any] = {"gelu": "tanh", "ln_eps": 1e-6, "posemb_resample": "bilinear"}
@@ -303,6 +303,11 @@ def to_official(model: nn.Module) -> dict[str, np.ndarray]:
             f"has an official layout; this model has posemb={cfg.posemb!r}, posemb_place={cfg.posemb_place!r}, "
             f"qkv_bias={cfg.qkv_bias}, axial={cfg.axial}"
         )
+    # the kernel's size is in its array; a root of another stride or without its pool read back as vit_jax's
+    other = other_root(cfg.resnet, ("root_stride", "root_pool")) if cfg.resnet is not None else []
+    if other:
+        raise WeightsError(f"vit_jax's .npz cannot hold this model: the hybrid stem's {', '.join(other)} (the file "
+                           "records no root stride or pool, and is read back with vit_jax's 7x7/2 root and max-pool)")
     sd = {k: v.detach().cpu().float().numpy() for k, v in model.state_dict().items()}
     stem_units = list(cfg.resnet.layers) if cfg.resnet else []
     out: dict[str, np.ndarray] = {}

@@ -122,6 +122,18 @@ def test_a_new_head_or_a_run_of_softmax_writes_no_sigmoid(sigmoid_run, tmp_path,
     assert not (tmp_path / "x").exists()
 
 
+def test_num_classes_of_the_heads_own_count_keeps_its_loss(sigmoid_run, tmp_path, capsys):
+    """--num-classes of the count the head has keeps the trained head (a new one comes only for another count,
+    as load_model gives it) and its class names, but dropped its loss as a new head's: the Hugging Face
+    folder said no problem_type, and predict gave the softmax of logits trained as per-class sigmoids."""
+    assert main(["convert", str(sigmoid_run), str(tmp_path / "hf"), "--to", "hf", "--num-classes", "10"]) == 0
+    capsys.readouterr()
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["problem_type"], config["id2label"]["3"]) == ("multi_label_classification", "3")
+    image = tmp_path / "x.png"
+    assert predicted(tmp_path / "hf", image, capsys) == predicted(sigmoid_run, image, capsys)
+
+
 def test_export_records_the_problem_type(sigmoid_run, tmp_path, capsys):
     assert main(["export", str(sigmoid_run), "--format", "torch-export", "--out", str(tmp_path / "m.pt2")]) == 0
     extra = {"problem_type.json": ""}

@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="layout to write (default: vitlab)")
     add_img_size_argument(p, "resize the position embeddings to this input resolution", "the weights' own")
     add_weights_arguments(p)
-    p.add_argument("--num-classes", type=int, default=None, help="a new zero-initialised head with this many classes")
+    p.add_argument("--num-classes", type=int, default=None, help="a new zero-initialised head with this many classes, where the head has another count "
+                        "(the same count keeps the trained head, its class names and loss)")
     p.add_argument("--no-check", action="store_true",
                    help="skip reading the written file back and comparing logits on random images")
 
@@ -56,22 +57,27 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.report import read_run_meta, recorded_loss
     from vitlab.config import need_output_file, need_output_folder
     from vitlab.weights import WeightsError, read_class_names, save_model
+    from vitlab.weights.core import with_new_head
 
     check_out(args.out, args.format)  # before the source is read, which can take a while
     if Path(args.out).suffix.lower() in WEIGHT_FILE_SUFFIXES:
         need_output_file("out", args.out)
     else:
         need_output_folder("out", args.out)
-    model = load_weights(args, args.source, num_classes=args.num_classes)
+    model = load_weights(args, args.source)
+    # a new head only for another count, as load_model(num_classes=) gives it; the same count keeps the trained
+    # head, and with it its names and loss (they were dropped as a new head's, a sigmoid_xent run's taken for
+    # a softmax's)
+    new_head = args.num_classes is not None and args.num_classes != model.cfg.num_classes
+    if new_head:
+        model = with_new_head(model, args.num_classes)
     cfg = model.cfg
-    names = read_class_names(args.source)
+    names = None if new_head else read_class_names(args.source)  # a new head's classes are not the source's
     if names is not None and len(names) != cfg.num_classes:
-        if args.num_classes is None:
-            raise WeightsError(f"{args.source}: its {len(names)} class names do not match the {cfg.num_classes} "
-                               "classes of its head (a classes.json from another run?)")
-        names = None  # --num-classes gave a new head: the source's names are not its classes
+        raise WeightsError(f"{args.source}: its {len(names)} class names do not match the {cfg.num_classes} "
+                           "classes of its head (a classes.json from another run?)")
     # a new head is untrained: what its outputs are probabilities of is the fine-tuning's to say
-    loss = recorded_loss(read_run_meta(args.source), default=None) if args.num_classes is None else None
+    loss = None if new_head else recorded_loss(read_run_meta(args.source), default=None)
     written = save_model(model, args.out, format=args.format, class_names=names, loss=loss)
     print(f"wrote {written} ({args.format}) from {args.source}: {cfg.name or type(model).__name__}")
     if names and args.format == "official":

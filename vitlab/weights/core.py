@@ -472,6 +472,12 @@ def build_loaded(state_dict: StateDict, cfg: Architecture, *, img_size: Pair | i
     return load_checked(model, {**state_dict, **fresh}, source).eval()
 
 
+def with_new_head(model: nn.Module, num_classes: int, keep_pre_logits: bool = False) -> nn.Module:
+    """``model``'s weights with a new zero-initialised head of ``num_classes`` (and no pre-logits layer unless
+    ``keep_pre_logits``), as ``load_model(..., num_classes=)`` gives them: a new model, in eval mode."""
+    return build_loaded(dict(model.state_dict()), model.cfg, num_classes=num_classes, keep_pre_logits=keep_pre_logits)
+
+
 @dataclasses.dataclass(frozen=True)
 class InputScaling:
     """How a source's models read uint8 pixels p: (p * rescale - mean) / std, per channel (a

@@ -206,6 +206,17 @@ def test_timm_export_says_what_timm_cannot_take(tmp_path):
         save_model(random_model(replace(TINY, representation_size=7)), tmp_path / "r.safetensors", format="timm")
 
 
+@pytest.mark.parametrize("fields", [dict(attn_bias="distance"), dict(attn_bias="distance_no_self", attn_offsets=True)])
+def test_timm_export_refuses_a_distance_prior_before_writing(tmp_path, fields):
+    """timm's attention has no distance prior: its parameters were written under their vitlab names into a timm
+    file that neither timm (unexpected keys) nor vitlab's read-back could load, vitlab convert failing after
+    writing it (and with --no-check, succeeding)."""
+    with pytest.raises(WeightsError, match=rf"^timm's VisionTransformer cannot hold this model: "
+                                           rf"attn_bias='{fields['attn_bias']}' \("):
+        save_model(random_model(replace(TINY, **fields)), tmp_path / "d.safetensors", format="timm")
+    assert not (tmp_path / "d.safetensors").exists() and not (tmp_path / "d.timm.json").exists()
+
+
 # ------------------------------------------------------------------------------ official
 
 

@@ -609,6 +609,8 @@ def require_plain_vit(cfg: Architecture, library: str, *, hybrid: bool = True) -
         reasons.append(f"posemb={cfg.posemb!r} (only learned 1D position embeddings)")
     if cfg.posemb_place != "stem":
         reasons.append(f"posemb_place={cfg.posemb_place!r} (only 'stem')")
+    if cfg.attn_bias != "none":  # timm kept its parameters under vitlab's names: a file no reader could load
+        reasons.append(f"attn_bias={cfg.attn_bias!r} (a learned distance prior in attention, which it has not)")
     if not hybrid and cfg.resnet is not None:
         reasons.append("a ResNet stem (hybrid)")
     if reasons:

@@ -239,6 +239,26 @@ def test_npz_matches_official_forward(tmp_path, classifier, rep):
     np.testing.assert_allclose(vitlab_logits(model, x), official_forward(ckpt, x, classifier), atol=TOL, rtol=0)
 
 
+def test_a_bfloat16_npz_is_read_as_its_numbers(tmp_path, capsys):
+    """JAX writes bfloat16 parameters into an .npz as 2-byte void arrays (ml_dtypes' bfloat16 has no numpy
+    code), the form of big_vision's bf16 files: reading one ended in torch.from_numpy's TypeError, a traceback
+    of `vitlab predict`.  They are bfloat16's bits: the model computes with those numbers in float32."""
+    from vitlab.cli import main
+
+    ckpt = random_checkpoint(0)
+    bits = {k: (v.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16) for k, v in ckpt.items()}
+    np.savez(tmp_path / "bf16.npz", **{k: b.view("V2") for k, b in bits.items()})  # as np.savez writes bfloat16
+    rounded = {k: (b.astype(np.uint32) << 16).view(np.float32) for k, b in bits.items()}
+    x = images(1, 16)
+    np.testing.assert_allclose(vitlab_logits(load_official_npz(tmp_path / "bf16.npz"), x),
+                               official_forward(rounded, x, "token"), atol=TOL, rtol=0)
+    np.savez(tmp_path / "f8.npz", **{**ckpt, "embedding/kernel": np.zeros((4, 4, 3, 32), np.uint8).view("V1")})
+    assert main(["convert", str(tmp_path / "f8.npz"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == ("vitlab convert: error: embedding/kernel: an array of 1-byte items of no numeric "
+                                       "type (|V1); vitlab reads float and integer arrays, and 2-byte ones as "
+                                       "bfloat16 (as JAX writes them)\n")
+
+
 def test_hybrid_npz_matches_official_forward(tmp_path):
     # 30 px: odd feature maps and asymmetric SAME padding in the root conv (2, 3), the
     # max-pool (1, 1) and the strided 3x3 (0, 1); the checkpoint's own size is 32

@@ -44,7 +44,20 @@ def to_tensor(array: Any) -> torch.Tensor:
     """A numpy array or tensor as a CPU tensor (numpy arrays are copied, never shared)."""
     if isinstance(array, torch.Tensor):
         return array.detach().cpu()
-    return torch.from_numpy(np.array(array, copy=True))
+    return torch.from_numpy(np.array(numeric_array(np.asarray(array)), copy=True))
+
+
+def numeric_array(array: np.ndarray, name: str = "an array") -> np.ndarray:
+    """``array`` in a numeric type torch takes.  JAX writes bfloat16 parameters into an .npz as 2-byte void
+    items (ml_dtypes' bfloat16 has no numpy type code; big_vision's bf16 files): their bits are read as
+    bfloat16, widened to float32 exactly.  Items of another size and no numeric type are refused naming
+    ``name`` (torch.from_numpy failed on them with a TypeError)."""
+    if array.dtype.kind != "V":
+        return array
+    if array.dtype.itemsize == 2:
+        return (array.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    raise WeightsError(f"{name}: an array of {array.dtype.itemsize}-byte items of no numeric type ({array.dtype.str}); "
+                       "vitlab reads float and integer arrays, and 2-byte ones as bfloat16 (as JAX writes them)")
 
 
 def atomic_write_set(files: Sequence[tuple[str | os.PathLike, Callable[[BinaryIO], Any]]],

@@ -50,8 +50,8 @@ from torch import nn
 from ..config import Pair, ViTConfig
 from ..files import atomic_write
 from ..models.registry import VIT_SIZES
-from .core import (StateDict, WeightsError, build_loaded, convention_differences, infer_config, other_root,
-                   to_tensor, warn_conventions)
+from .core import (StateDict, WeightsError, build_loaded, convention_differences, infer_config, numeric_array,
+                   other_root, to_tensor, warn_conventions)
 
 # Conventions of vit_jax, applied to every config read from an official checkpoint.
 CONVENTIONS: dict[str, Any] = {"gelu": "tanh", "ln_eps": 1e-6, "posemb_resample": "bilinear"}
@@ -189,10 +189,11 @@ def from_official(arrays: Mapping[str, Any]) -> tuple[StateDict, int]:
 
 
 def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All arrays of an .npz file, never unpickling anything."""
+    """All arrays of an .npz file, never unpickling anything, in numeric types (``core.numeric_array``:
+    JAX's bfloat16 as float32)."""
     try:
         with np.load(path, allow_pickle=False) as npz:
-            return {k: npz[k] for k in npz.files}
+            arrays = {k: npz[k] for k in npz.files}
     except FileNotFoundError:
         raise
     except Exception as e:  # zipfile.BadZipFile, ValueError (pickled object arrays), EOFError ...
@@ -203,6 +204,7 @@ def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
         elif "pickle" in reason:
             reason = "not a zip archive of arrays (and pickled data is never loaded)"
         raise WeightsError(f"{path} is not a readable .npz file (truncated or corrupt?): {reason}") from e
+    return {k: numeric_array(a, k) for k, a in arrays.items()}
 
 
 def official_config(state_dict: StateDict, heads: int, **overrides: Any) -> ViTConfig:

@@ -108,6 +108,20 @@ def test_an_hf_or_timm_save_into_a_vitlab_folder_keeps_none_of_its_files(run, tm
         assert vitlab.load_model(folder).cfg.num_classes == 3
 
 
+def test_a_vitlab_or_hf_save_over_a_timm_export_keeps_none_of_its_files(run, tmp_path, capsys):
+    """timm's .timm.json beside the weights it described stayed when a vitlab or Hugging Face save replaced
+    them: its label_names, read as the weights file's own, named the new model's classes by the earlier ones
+    (`vitlab predict` printed them), for a folder and for a .safetensors file alike."""
+    other = vitlab.load_model(run, num_classes=5)
+    other.reset_classifier(3)  # another model of 3 classes, saved without names
+    for fmt, target in (("vitlab", tmp_path / "v"), ("vitlab", tmp_path / "v.safetensors"), ("hf", tmp_path / "h")):
+        written = save_model(vitlab.load_model(run), target, format="timm", class_names=NAMES)
+        assert read_class_names(written) == NAMES
+        written = save_model(other, target, format=fmt)
+        assert read_class_names(written) != NAMES and read_class_names(target) != NAMES, (fmt, target)
+        assert not written.with_name(written.stem + ".timm.json").exists()
+
+
 def test_export_onnx_and_torch_export_carry_the_names(run, tmp_path, capsys):
     from vitlab.export import program_class_names
 

@@ -53,6 +53,7 @@ from torch import nn
 from ..config import Pair, ViTConfig
 from .core import (InputScaling, StateDict, WeightsError, atomic_write_set, build_loaded, infer_config,
                    input_preprocessing, require_plain_vit, to_tensor, warn_conventions)
+from .timm import sidecar_path
 from .labels import (CLASSES_NAME, PROBLEM_TYPES, check_class_names, check_loss, distinct_names, id2label,
                      label2id)
 
@@ -273,9 +274,11 @@ def save_huggingface(model: nn.Module, path: str | os.PathLike, class_names: Seq
     # as a set, the weights last: a failure between them left new weights beside the old config.json; a
     # vitlab save's classes.json goes, which described the weights replaced: read before id2label, it named
     # these classes by the earlier ones; and a folder's image processor is replaced, which described the
-    # inputs of the weights replaced (load_model takes its scaling into the weights it reads)
+    # inputs of the weights replaced (load_model takes its scaling into the weights it reads); a timm export's
+    # .timm.json goes too, whose label_names were read as the weights file's own
     text = json.dumps(config, indent=2, sort_keys=True)
     processor = json.dumps(image_processor(model.cfg), indent=2, sort_keys=True)
     return atomic_write_set([(path / "config.json", lambda f: f.write(text.encode())),
                              (path / PROCESSOR_NAME, lambda f: f.write(processor.encode())),
-                             (path / "model.safetensors", lambda f: f.write(data))], remove=[path / CLASSES_NAME])[-1]
+                             (path / "model.safetensors", lambda f: f.write(data))],
+                            remove=[path / CLASSES_NAME, sidecar_path(path / "model.safetensors")])[-1]

@@ -22,13 +22,12 @@ from torch import nn
 
 from ..config import (Architecture, ConfigError, Pair, ResNetConfig, config_from_json, config_to_json, replace,
                       to_pair)
-from ..files import atomic_write
 from .bit import save_bit_npz
 from .core import WeightsError, atomic_write_set, build_loaded, check_named, check_state_dict, meta_shapes
 from .huggingface import save_huggingface
 from .labels import CLASSES_KEY, CLASSES_NAME, LOSS_KEY, check_class_names, check_loss
 from .official import save_official_npz
-from .timm import save_timm
+from .timm import save_timm, sidecar_path
 
 CONFIG_KEY = "vitlab_config"
 # sha256 of the config text and every tensor byte: safetensors itself has no checksum, so
@@ -110,14 +109,17 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab"
     data = _with_checksum(tensors, text, extra | ({LOSS_KEY: loss} if loss else {}))
     path = Path(path)
     if path.suffix == ".safetensors":
-        return atomic_write(path, lambda f: f.write(data))
+        # a timm export's .timm.json goes with the weights it described: its label_names, read as the file's
+        # own, named these classes by the earlier ones
+        return atomic_write_set([(path, lambda f: f.write(data))], remove=[sidecar_path(path)])[-1]
     files = [(path / CONFIG_NAME, lambda f: f.write(text.encode()))]
     if class_names:  # where a training run keeps them, and `vitlab predict` looks
         files.append((path / CLASSES_NAME, lambda f: f.write(json.dumps(class_names).encode())))
     # replaced as a set, the weights last; without names, an earlier save's classes.json goes: it
-    # described the weights replaced, and read first it misnamed these classes
+    # described the weights replaced, and read first it misnamed these classes (and so a timm export's sidecar)
     files.append((path / WEIGHTS_NAME, lambda f: f.write(data)))
-    return atomic_write_set(files, remove=() if class_names else [path / CLASSES_NAME])[-1]
+    stale = [sidecar_path(path / WEIGHTS_NAME)] + ([] if class_names else [path / CLASSES_NAME])
+    return atomic_write_set(files, remove=stale)[-1]
 
 
 def check_saved_model(model: nn.Module, cfg: Architecture) -> None:

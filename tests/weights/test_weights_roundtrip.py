@@ -419,3 +419,23 @@ def test_saved_weights_take_the_mode_the_umask_gives_a_new_file(tmp_path, umask,
         os.umask(before)
     for file in (tmp_path / "m").iterdir():
         assert file.stat().st_mode & 0o777 == mode, file.name
+
+
+def test_a_timm_sidecar_of_another_file_of_the_same_stem_is_not_read(tmp_path):
+    """x.pth and x.safetensors share x.timm.json, which the later timm export wrote: read for x.pth, its
+    4 heads made the 2-head weights another model (other logits without a word).  The sidecar names the
+    file it was written with; for another file it is not read, and the heads are asked for."""
+    from vitlab.weights import HeadsUnknownError
+
+    two, four = random_model(TINY), random_model(ViTConfig(**{**TINY.__dict__, "num_heads": 4}))
+    save_model(two, tmp_path / "x.pth", format="timm", class_names=["a", "b", "c", "d", "e"])
+    save_model(four, tmp_path / "x.safetensors", format="timm")
+    with pytest.raises(HeadsUnknownError):
+        load_model(tmp_path / "x.pth")
+    # read as a bare timm file: its heads given, and vit_jax's GELU (timm's is exact), which the sidecar recorded
+    assert torch.equal(logits(load_model(tmp_path / "x.pth", num_heads=2, gelu="tanh"), 16), logits(two, 16))
+    assert torch.equal(logits(load_model(tmp_path / "x.safetensors"), 16), logits(four, 16))
+    # a pair renamed together names a file that is not there: its sidecar is still its own
+    (tmp_path / "x.safetensors").rename(tmp_path / "y.safetensors")
+    (tmp_path / "x.timm.json").rename(tmp_path / "y.timm.json")
+    assert torch.equal(logits(load_model(tmp_path / "y.safetensors"), 16), logits(four, 16))

@@ -200,8 +200,7 @@ def _load_file(path: Path, hf_config: Mapping[str, Any] | None = None,
     if suffix == ".npz":
         return _load_state_dict(read_npz(path), hf_config, file=path, **kw)
     # timm exports carry their create_model arguments and input scaling beside the weights (timm.save_timm)
-    sidecar = timm_sidecar(path)
-    spec = _read_json(sidecar) if sidecar.is_file() else {}
+    sidecar, spec = timm_sidecar(path), _timm_spec(path)
     timm_kwargs = spec.get("kwargs")
     overlay = pretrained_cfg_scaling(spec.get("pretrained_cfg_overlay"), f"pretrained_cfg_overlay in {sidecar}")
     if overlay is not None:
@@ -271,12 +270,27 @@ def _names_in_file(path: Path) -> list[str] | None:
         metadata = read_safetensors_metadata(path)
         if CLASSES_KEY in metadata:
             return names_from_json(metadata[CLASSES_KEY], f"the {CLASSES_KEY} metadata of {path}")
-    sidecar = timm_sidecar(path)
-    if sidecar.is_file():
-        names = (_read_json(sidecar).get("pretrained_cfg_overlay") or {}).get("label_names")
-        if names is not None:
-            return names_from_json(json.dumps(names), f"label_names in {sidecar}")
+    overlay = _timm_spec(path).get("pretrained_cfg_overlay")
+    names = overlay.get("label_names") if isinstance(overlay, Mapping) else None
+    if names is not None:
+        return names_from_json(json.dumps(names), f"label_names in {timm_sidecar(path)}")
     return None
+
+
+def _timm_spec(path: Path) -> dict[str, Any]:
+    """What ``timm.save_timm`` wrote beside the weights file ``path`` (``<stem>.timm.json``), or {} where there
+    is none or it describes another file there: its ``pretrained_cfg_overlay`` names the weights it was written
+    with, and x.pth and x.safetensors share x.timm.json, the later export's; read for the other file, its
+    heads, size and names made those weights another model, other logits without a word.  (A pair renamed
+    together names a file that is not there, and is read.)"""
+    sidecar = timm_sidecar(path)
+    if not sidecar.is_file():
+        return {}
+    spec = _read_json(sidecar)
+    overlay = spec.get("pretrained_cfg_overlay")
+    file = overlay.get("file") if isinstance(overlay, Mapping) else None
+    other = isinstance(file, str) and file != path.name and (path.parent / file).is_file()
+    return {} if other else spec
 
 
 def read_class_names(source: str | os.PathLike) -> list[str] | None:

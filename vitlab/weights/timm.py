@@ -49,7 +49,8 @@ with the named model's and drops when they differ, and the input vitlab's predic
 in the fields timm's eval transform is built from: ``data_config``).
 Conventions timm's constructors cannot take (a LayerNorm eps other than 1e-6, the hybrid
 stem's weight-standardisation and GroupNorm eps) are listed in the file's "notes" and
-warned about (``ConventionWarning``).  vitlab's loader reads the JSON back when present.
+warned about (``ConventionWarning``).  vitlab's loader reads the JSON back when present, unless it names another
+file there (its overlay's ``file``: x.pth and x.safetensors share x.timm.json).
 """
 from __future__ import annotations
 

@@ -268,6 +268,7 @@ def test_an_official_hybrid_of_another_root_is_refused(tmp_path):
     for fields, reason in ((dict(root_stride=1), "root_stride=1"), (dict(root_pool=False), "root_pool=False")):
         stem = ResNetConfig(layers=(1,), width_factor=0.5, img_size=32, **fields)
         model = build_model(replace(TINY, img_size=32, patch_size=1, resnet=stem))
-        with pytest.raises(WeightsError, match=rf"^vit_jax's \.npz cannot hold this model: the hybrid stem's {reason} \("):
+        expected = rf"^vit_jax's \.npz cannot hold this model: the hybrid stem's {reason} \("
+        with pytest.raises(WeightsError, match=expected):
             save_model(model, tmp_path / "h.npz", format="official")
         assert not (tmp_path / "h.npz").exists()

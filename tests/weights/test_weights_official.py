@@ -254,9 +254,9 @@ def test_a_bfloat16_npz_is_read_as_its_numbers(tmp_path, capsys):
                                official_forward(rounded, x, "token"), atol=TOL, rtol=0)
     np.savez(tmp_path / "f8.npz", **{**ckpt, "embedding/kernel": np.zeros((4, 4, 3, 32), np.uint8).view("V1")})
     assert main(["convert", str(tmp_path / "f8.npz"), str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err == ("vitlab convert: error: embedding/kernel: an array of 1-byte items of no numeric "
-                                       "type (|V1); vitlab reads float and integer arrays, and 2-byte ones as "
-                                       "bfloat16 (as JAX writes them)\n")
+    assert capsys.readouterr().err == ("vitlab convert: error: embedding/kernel: an array of 1-byte items of no "
+                                       "numeric type (|V1); vitlab reads float and integer arrays, and 2-byte ones "
+                                       "as bfloat16 (as JAX writes them)\n")
 
 
 def test_hybrid_npz_matches_official_forward(tmp_path):

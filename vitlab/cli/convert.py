@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="layout to write (default: vitlab)")
     add_img_size_argument(p, "resize the position embeddings to this input resolution", "the weights' own")
     add_weights_arguments(p)
-    p.add_argument("--num-classes", type=int, default=None, help="a new zero-initialised head with this many classes, where the head has another count "
+    p.add_argument("--num-classes", type=int, default=None,
+                   help="a new zero-initialised head with this many classes, where the head has another count "
                         "(the same count keeps the trained head, its class names and loss)")
     p.add_argument("--no-check", action="store_true",
                    help="skip reading the written file back and comparing logits on random images")

@@ -53,9 +53,9 @@ from torch import nn
 from ..config import Pair, ViTConfig
 from .core import (InputScaling, StateDict, WeightsError, atomic_write_set, build_loaded, infer_config,
                    input_preprocessing, require_plain_vit, to_tensor, warn_conventions)
-from .timm import sidecar_path
 from .labels import (CLASSES_NAME, PROBLEM_TYPES, check_class_names, check_loss, distinct_names, id2label,
                      label2id)
+from .timm import sidecar_path
 
 CONVENTIONS: dict[str, Any] = {"gelu": "exact", "ln_eps": 1e-12, "posemb_resample": "bicubic"}
 

@@ -836,3 +836,26 @@ def test_a_padding_or_a_magnitude_the_user_sets_where_nothing_reads_it_is_refuse
         with_changes(cifar, {"augment.randaug_magnitude": 7, "augment.randaug_ops": 0})
     with pytest.raises(ConfigError, match=r"^augment\.crop_pad=2: pads the pad-and-crop, and crop='inception'"):
         with_changes(cifar, {"augment.crop": "inception", "augment.crop_pad": 2})
+
+
+def test_an_evaluation_setting_the_user_sets_on_a_run_that_scores_nothing_is_refused():
+    """run.eval_every, eval_flip, final_eval_shift... on a run that holds no images out (data.val_split=0, no
+    data.val_data), or trains by masked patch prediction, were accepted and did nothing.  Refused where the
+    value is the user's, not where it is the recipe's (vtab1k's final run keeps its eval_every) or the default."""
+    demo = with_changes(load_recipe("demo"), {"data.val_split": 0})
+    for name, value in (("eval_flip", True), ("eval_every", 10), ("final_eval_shift", 2), ("eval_batch_size", 64)):
+        with pytest.raises(ConfigError, match=rf"^run\.{name}={value!r}: read by the evaluations of the held-out "
+                                              r"images, and this run holds no images out to score \(data\.val_split=0, "
+                                              r"data\.val_data=None\); set data\.val_split \(--val-split\) or "
+                                              r"data\.val_data \(--val-data\), or leave it at"):
+            with_changes(demo, {f"run.{name}": value})
+        with pytest.raises(ConfigError, match=rf"^run\.{name}="):  # the split and the setting changed together
+            with_changes(load_recipe("demo"), {"data.val_split": 0, f"run.{name}": value})
+        assert getattr(with_changes(load_recipe("demo"), {f"run.{name}": value}).run, name) == value  # scored
+        assert getattr(with_changes(demo, {"data.val_data": "digits", f"run.{name}": value}).run, name) == value
+    assert with_changes(demo, {"run.eval_every": 0}).run.eval_every == 0  # the default: at the end, of nothing
+    assert with_changes(demo, {"run.eval_every": 200}).run.eval_every == 200  # the recipe's own
+    assert load_recipe("vtab1k:final=true").run.eval_every == 500
+    with pytest.raises(ConfigError, match=r"^run\.eval_flip=True: .* masked patch prediction \(model\.mpp='pixels'\) "
+                                          r"trains no classifier to score; leave it at False$"):
+        with_changes(load_recipe("mpp:target=pixels"), {"run.eval_flip": True})

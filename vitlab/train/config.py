@@ -432,6 +432,8 @@ class RunConfig(Section):
                                      instead="set run.fp8 (--fp8)")
 
 
+# the run fields only the evaluations of held-out images read (build's Evaluator; check_eval_changes_read)
+EVAL_FIELDS = ("eval_every", "eval_batch_size", "eval_flip", "final_eval_shift", "final_eval_diagonal")
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "augment": AugmentConfig, "optim": OptimConfig,
             "run": RunConfig}
 
@@ -490,6 +492,27 @@ class TrainConfig:
             unread = {name: why for name, why in unread.items() if name in form.unread_settings()}
         for name, why in unread.items():
             need(False, f"augment.{name}", getattr(self.augment, name), why)
+
+    def check_eval_changes_read(self, recipe: TrainConfig, named: set[str] | dict) -> None:
+        """Refuse an evaluation setting (``EVAL_FIELDS``; ``named``: the run fields changed) set to a value
+        neither ``recipe`` (a device's form of it too) nor the field's default has, on a run that scores
+        nothing: without held-out images (data.val_split=0, no data.val_data), or under masked patch
+        prediction, it was accepted and did nothing.  The recipe's own values are not refused: vtab1k's
+        final run holds nothing out and keeps the eval_every of its other runs."""
+        if self.model.mpp is not None:
+            why, instead = f"masked patch prediction (model.mpp={self.model.mpp!r}) trains no classifier to score", ""
+        elif not (self.data.val_split or self.data.val_data):
+            why = "this run holds no images out to score (data.val_split=0, data.val_data=None)"
+            instead = "set data.val_split (--val-split) or data.val_data (--val-data), or "
+        else:
+            return
+        for name in EVAL_FIELDS:
+            value, default = getattr(self.run, name), RunConfig.__dataclass_fields__[name].default
+            allowed = [default, getattr(recipe.run, name)] + [changes[f"run.{name}"] for changes in
+                                                              recipe.run.on_device.values() if f"run.{name}" in changes]
+            if name in named and value not in allowed:
+                need(False, f"run.{name}", value, f"read by the evaluations of the held-out images, and {why}; "
+                     f"{instead}leave it at {getattr(recipe.run, name)!r}")
 
     def check_augment_changes_read(self, recipe: TrainConfig, named: set[str] | dict) -> None:
         """Refuse ``augment.crop_pad`` or ``augment.randaug_magnitude`` (``named``: the augment fields

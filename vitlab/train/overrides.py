@@ -152,6 +152,7 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
     sections = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in by_section.items()}
     changed = dataclasses.replace(cfg, recipe=recipe, **sections)
     changed.check_augment_changes_read(cfg, by_section.get("augment", {}))
+    changed.check_eval_changes_read(cfg, by_section.get("run", {}))
     if not overridden:
         check_named_model(cfg.model, changed.model)
     return changed

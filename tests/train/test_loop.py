@@ -612,6 +612,32 @@ def test_a_finished_run_resumed_with_other_settings_is_refused_and_its_records_k
     assert json.loads(config.read_text())["optim"]["clip_norm"] == 0.01
 
 
+def test_a_finished_run_resumed_with_another_length_or_time_limit_is_refused_and_its_records_kept(tiny, run_clock):
+    from vitlab.config import ConfigError
+
+    # a time limit makes optim.steps a ceiling: resumed at its end with another ceiling or limit (or a limit
+    # given to a run that had none), it trained no step more and its config.json claimed the new length
+    first = train(tiny("run", steps=4), verbose=False)
+    config = Path(first["weights"]).with_name("config.json")
+    recorded = config.read_text()
+    for changes, named in (({"time_limit": 5.0}, r"run.time_limit=5.0 \(its run: 0.0\)"),
+                           ({"time_limit": 5.0, "steps": 8, "warmup": 1}, r"optim.steps=8 \(its run: 4\)")):
+        with pytest.raises(ConfigError, match=rf"^--resume: .* had finished at step 4; {named}.* would train nothing"):
+            train(tiny("run", **({"steps": 4} | changes)), resume=True, verbose=False)
+        assert config.read_text() == recorded
+    run_clock(step_s=STEP_S, eval_s=EVAL_S)
+    timed = dict(steps=1_000_000, time_limit=0.1, time_measure_steps=3, warmup=0.1, tensorboard=False)
+    summary = train(tiny("timed", **timed), verbose=False)
+    config = Path(summary["weights"]).with_name("config.json")
+    recorded = config.read_text()
+    for changes, named in (({"steps": 2_000_000}, r"optim.steps=2000000 \(its run: 1000000\)"),
+                           ({"time_limit": 0.2}, r"run.time_limit=0.2 \(its run: 0.1\)")):
+        with pytest.raises(ConfigError, match=rf"^--resume: .* had finished at step {summary['steps']}; {named} would"):
+            train(tiny("timed", **(timed | changes)), resume=True, verbose=False)
+        assert config.read_text() == recorded
+    assert train(tiny("timed", **timed), resume=True, verbose=False)["steps"] == summary["steps"]
+
+
 def fitted_total(minutes: float, eval_s: float = EVAL_S) -> int:
     """The total a time-limited run of ``STEP_S`` steps fits after its 2 + 3 timed steps and one
     timed evaluation of ``eval_s``: the steps left until the deadline less the final

@@ -138,11 +138,14 @@ def training_fields(cfg: TrainConfig) -> list[str]:
 def check_finished_run_unchanged(cfg: TrainConfig, saved: dict, step: int, total_steps: int) -> None:
     """Refuse to resume a finished run (its checkpoint at step ``total_steps``) with other ``training_fields``
     than it trained with (``saved``: its config dict): nothing trains after its last step, and its config.json,
-    written again, claimed the new settings for the weights it had trained.  Its length is ``check_same_run``'s
-    (a ceiling under a time limit), a grid of rates ``vitlab sweep``'s alone."""
+    written again, claimed the new settings for the weights it had trained.  Its length too: under a time limit
+    (now or then) ``check_same_run`` takes optim.steps as a ceiling, and another one, or another time limit, trained
+    no step more (the total is the checkpoint's), the records claiming it all the same.  A grid of rates is
+    ``vitlab sweep``'s alone."""
     if not saved or step < total_steps:
         return
-    names = [name for name in training_fields(cfg) if name not in ("optim.steps", "optim.lr_grid")]
+    names = [name for name in training_fields(cfg) if name != "optim.lr_grid"] + ["run.time_limit",
+                                                                                  "run.time_measure_steps"]
     before = from_dict(saved)
     changed = _differences(cfg, before, names, whose="its run")
     if changed:

@@ -620,6 +620,21 @@ def test_calibrate_prints_the_chosen_kernels_the_auto_precision_and_the_file(tmp
     assert calls == [2, 3]  # neither refusal timed anything
 
 
+def test_show_config_under_torchrun_is_printed_by_rank_0_alone(tiny_checkpoint, capsys, monkeypatch):
+    # every process of the launch printed the whole config: as many copies, interleaved, as processes
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for command in (["train", "--recipe", "demo", "--data", "digits"], ["finetune", "--init", tiny_checkpoint]):
+        monkeypatch.setenv("RANK", "1")
+        assert main([*command, "--show-config"]) == 0, capsys.readouterr().err
+        assert capsys.readouterr().out == ""
+        monkeypatch.setenv("RANK", "0")
+        assert main([*command, "--show-config"]) == 0, capsys.readouterr().err
+        assert "recipe" in json.loads(capsys.readouterr().out)
+    monkeypatch.setenv("RANK", "1")  # every process checks it: a refusal is each one's
+    assert main(["train", "--recipe", "demo", "--data", "digits", "--set", "optim.lr=-1", "--show-config"]) == 2
+    assert "optim.lr=-1" in capsys.readouterr().err
+
+
 def test_show_config_needs_no_data(tiny_checkpoint, capsys):
     for command in (["train", "--recipe", "paper_pretrain"], ["finetune", "--init", tiny_checkpoint],
                     ["sweep", "--recipe", "paper_finetune"]):

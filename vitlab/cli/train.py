@@ -107,10 +107,14 @@ def count_or_auto(text: str) -> int | str:
 
 def show_config(cfg) -> None:
     """--show-config: the config as the run would state it, how its "auto" settings resolve
-    on this machine and its memory estimate, as one JSON object (``vitlab.train.resolve.preview``)."""
+    on this machine and its memory estimate, as one JSON object (``vitlab.train.resolve.preview``).  Under
+    torchrun every process checks it (a refusal is each one's) and rank 0 alone prints it: each printed it."""
+    from vitlab.train.distributed import env_rank
     from vitlab.train.resolve import preview
 
-    print(json.dumps(preview(cfg), indent=2))
+    shown = preview(cfg)
+    if env_rank() == 0:
+        print(json.dumps(shown, indent=2))
 
 
 def add_fast_argument(p: argparse.ArgumentParser) -> None:

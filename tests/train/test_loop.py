@@ -638,6 +638,19 @@ def test_a_finished_run_resumed_with_another_length_or_time_limit_is_refused_and
     assert train(tiny("timed", **timed), resume=True, verbose=False)["steps"] == summary["steps"]
 
 
+def test_a_finished_run_resumed_at_its_end_keeps_its_summarys_measures_of_the_steps(tiny):
+    # it takes no step: its summary, written again, gave data_wait (and a GPU run's MFU fields) as None
+    first = train(tiny("run", steps=4), verbose=False)
+    assert first["data_wait"] is not None
+    path = Path(first["weights"]).with_name("summary.json")
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"mfu": 0.25, "step_images_per_s": 900.0}))
+    again = train(tiny("run", steps=4), resume=True, verbose=False)
+    assert again["data_wait"] == first["data_wait"]
+    assert (again.get("mfu"), again.get("step_images_per_s")) == (0.25, 900.0)
+    assert json.loads(path.read_text())["data_wait"] == first["data_wait"]
+    assert (again["val_top1"], again["steps"]) == (first["val_top1"], 4)
+
+
 def fitted_total(minutes: float, eval_s: float = EVAL_S) -> int:
     """The total a time-limited run of ``STEP_S`` steps fits after its 2 + 3 timed steps and one
     timed evaluation of ``eval_s``: the steps left until the deadline less the final

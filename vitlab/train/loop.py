@@ -285,7 +285,7 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
         last_val = evaluate(setup, budget, final=True)
     progress.close()
     return finish(setup, step, planned, last_val, budget.elapsed(), writer, nonfinite, window.data_wait(),
-                  full_size_rate)
+                  full_size_rate, kept=steps_measured(out) if window.total_step_s == 0 else None)
 
 
 # ----------------------------------------------------------------------------- the loop's helpers
@@ -542,12 +542,27 @@ class Window:
         return self.rate, self.loss_shown
 
 
+# the summary's measurements of the steps themselves (``finish``'s data_wait, ``utilization_summary``'s)
+STEP_MEASURES = ("data_wait", "train_flops_per_image", "step_images_per_s", "achieved_tflops", "peak_bf16_tflops", "mfu")
+
+
+def steps_measured(out: Path) -> dict:
+    """The ``STEP_MEASURES`` of the summary in ``out`` ({} for none): a finished run resumed at its end
+    takes no step to measure, and its summary, written again, gave them as None."""
+    try:
+        earlier = json.loads((out / "summary.json").read_text())
+        return {k: earlier[k] for k in STEP_MEASURES if k in earlier} if isinstance(earlier, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def finish(setup: Setup, step: int, planned_steps: int, last_val: dict, wall: float, writer, nonfinite: NonFinite,
-           data_wait: float | None = None, full_size_rate: StepRate | None = None) -> dict:
+           data_wait: float | None = None, full_size_rate: StepRate | None = None, kept: dict | None = None) -> dict:
     """Save the final weights and the summary (rank 0); every rank returns the summary, on a
     GPU with the steps' model-FLOPs utilisation (``utilization``), measured once the weights
     are saved.  ``planned_steps``: the schedule's length (more than ``step`` where the time
-    limit stopped the run before it)."""
+    limit stopped the run before it).  ``kept``: the earlier summary's ``STEP_MEASURES`` of a run
+    that took no step here (a finished run resumed), which it keeps (None: it measured its own)."""
     from vitlab.weights import save_model
 
     cfg, out = setup.cfg, Path(setup.cfg.run.out)
@@ -589,8 +604,9 @@ def finish(setup: Setup, step: int, planned_steps: int, last_val: dict, wall: fl
         # ``read_summary``)
         summary["weights"] = str(Path(weights).absolute())
         summary["classes"] = str((out / "classes.json").absolute())
-    if full_size_rate is not None:
+    if full_size_rate is not None and kept is None:
         summary |= utilization(setup, full_size_rate)
+    summary |= kept or {}
     if setup.world.is_main:
         if writer is not None:
             writer.close()

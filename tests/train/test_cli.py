@@ -620,6 +620,31 @@ def test_calibrate_prints_the_chosen_kernels_the_auto_precision_and_the_file(tmp
     assert calls == [2, 3]  # neither refusal timed anything
 
 
+def test_an_interrupted_run_says_what_its_resume_goes_on_from(tmp_path, capsys, monkeypatch):
+    """Ctrl-C said "run it again with --resume to go on from where it stopped" of a run that had written no
+    checkpoint (the demo's run.ckpt_every=0), whose --resume trained it again from step 0."""
+    from vitlab.train import loop
+
+    real_step, calls = loop.train_step, []
+
+    def interrupted_at_step_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", interrupted_at_step_3)
+    command = ["train", "--recipe", "demo", "--data", "digits", "--steps", "4", "--out", str(tmp_path / "run"),
+               "--quiet", "--set", "run.threads=1", "--set", "run.tensorboard=false"]
+    assert main(command) == 130
+    assert capsys.readouterr().err == ("vitlab train: interrupted; no checkpoint of it was written (run.ckpt_every=0: "
+                                       "the last step alone), so --resume would train it again from step 0\n")
+    calls.clear()
+    assert main([*command, "--set", "run.ckpt_every=2", "--resume"]) == 130
+    assert capsys.readouterr().err == ("vitlab train: interrupted; run it again with --resume to go on from its newest "
+                                       f"checkpoint, {tmp_path / 'run' / 'checkpoints' / 'ckpt-00000002.pt'}\n")
+
+
 def test_show_config_under_torchrun_is_printed_by_rank_0_alone(tiny_checkpoint, capsys, monkeypatch):
     # every process of the launch printed the whole config: as many copies, interleaved, as processes
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -169,9 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with one_line_warnings(args.command):
             return int(args._run(args) or 0)
-    except KeyboardInterrupt:  # Ctrl-C: named as every other ending of a command is
-        # the commands that can go on from where they stopped say how (checkpoints, finished runs)
+    except KeyboardInterrupt as err:  # Ctrl-C: named as every other ending of a command is
+        # the commands that can go on from where they stopped say how (checkpoints, finished runs); train's and
+        # finetune's what their run's --resume goes on from
         again = "; run it again with --resume to go on from where it stopped" if hasattr(args, "resume") else ""
+        again = f"; {err}" if str(err) else again
         print(f"vitlab {args.command}: interrupted{again}", file=sys.stderr)
         return 130
     # configuration and input errors (a file that is no image: PIL's UnidentifiedImageError is an

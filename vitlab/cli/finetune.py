@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .train import add_common_arguments, process_started_at, resolve_config, show_config
+from .train import add_common_arguments, resolve_config, run_training, show_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,7 +26,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vitlab.train import train
     from vitlab.train.build import check_can_run
     from vitlab.train.distributed import env_world_size
 
@@ -35,8 +34,7 @@ def run(args: argparse.Namespace) -> int:
         show_config(cfg)
         return 0
     check_can_run(cfg, env_world_size())
-    summary = train(cfg, resume=args.resume, overwrite=args.overwrite, verbose=not args.quiet,
-                    started_at=process_started_at())
+    summary = run_training(cfg, args)
     if summary.get("weights") is not None:
         print(json.dumps(summary), flush=True)
     return 0

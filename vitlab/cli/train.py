@@ -162,7 +162,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vitlab.train import train
     from vitlab.train.build import check_can_run
     from vitlab.train.distributed import env_world_size
 
@@ -171,8 +170,21 @@ def run(args: argparse.Namespace) -> int:
         show_config(cfg)
         return 0
     check_can_run(cfg, env_world_size())  # the machine's side, before any data is read
-    summary = train(cfg, resume=args.resume, overwrite=args.overwrite, verbose=not args.quiet,
-                    started_at=process_started_at())
+    summary = run_training(cfg, args)
     if summary.get("weights") is not None:  # rank 0 of a distributed run
         print(json.dumps(summary), flush=True)
     return 0
+
+
+def run_training(cfg, args: argparse.Namespace) -> dict:
+    """train's and finetune's run of ``cfg``; Ctrl-C says what --resume goes on from (``resume_advice``):
+    "go on from where it stopped" was said of a run that had written no checkpoint (the demo's
+    run.ckpt_every=0), whose --resume trained it again from step 0."""
+    from vitlab.train import train
+    from vitlab.train.loop import resume_advice
+
+    try:
+        return train(cfg, resume=args.resume, overwrite=args.overwrite, verbose=not args.quiet,
+                     started_at=process_started_at())
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(resume_advice(cfg)) from None

@@ -117,6 +117,17 @@ def check_resume_or_overwrite(resume: bool, overwrite: bool) -> None:
                           "run.out, the other deletes its checkpoints and starts afresh; give one of them")
 
 
+def resume_advice(cfg: TrainConfig) -> str:
+    """What ``--resume`` of ``cfg``'s run goes on from, said as Ctrl-C ends it: its newest checkpoint, or
+    step 0 where it wrote none (run.ckpt_every=0 saves the last step's alone)."""
+    newest = ckpt.latest_checkpoint(Path(cfg.run.out) / "checkpoints")
+    if newest is not None:
+        return f"run it again with --resume to go on from its newest checkpoint, {newest}"
+    every = cfg.run.ckpt_every
+    return (f"no checkpoint of it was written (run.ckpt_every={every}{': the last step alone' if not every else ''}), "
+            "so --resume would train it again from step 0")
+
+
 def held_by_earlier_run(out: Path) -> str | None:
     """What a fresh run in ``out`` would lose of an earlier one: "checkpoints" (it would rotate them
     away and write over its weights), "weights" (a run whose checkpoints are gone: a finished vtab run's,

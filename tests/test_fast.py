@@ -1401,15 +1401,19 @@ def test_the_cudnn_attention_preference_reorders_torchs_backends_and_restores_th
         assert [b for b in order[1:] if b in rest] == rest  # the others keep PyTorch's order after it
         assert torch.backends.cuda.cudnn_sdp_enabled()
     assert torch._C._get_sdp_priority_order() == before
-    # a backend the caller turned off stays off inside, and the caller's state is back after
+    # a backend the caller turned off stays off inside, and the caller's state is back after: its order too
+    # (torch's sdpa_kernel put back the enabled backends' order, the disabled ones last: flash turned off and on
+    # again after a run's steps came after the math kernel)
     flash = torch.backends.cuda.flash_sdp_enabled()
     torch.backends.cuda.enable_flash_sdp(False)
     try:
         with attention_backends("cudnn"):
             assert not torch.backends.cuda.flash_sdp_enabled()
         assert not torch.backends.cuda.flash_sdp_enabled()
+        assert torch._C._get_sdp_priority_order() == before
     finally:
         torch.backends.cuda.enable_flash_sdp(flash)
+        torch._C._set_sdp_priority_order(before)
     with pytest.raises(ValueError, match="gpu_attention='flash': expected one of torch, cudnn"):
         attention_backends("flash")
 

@@ -314,6 +314,18 @@ def attention_backends(choice: str):
     enabled = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled(),
                SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled(),
                SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled()}
-    order = [SDPBackend(value) for value in torch._C._get_sdp_priority_order()]
-    others = [backend for backend in order if enabled.get(backend, False)]  # the caller's disabled ones stay off
-    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, *others], set_priority=True)
+    order = torch._C._get_sdp_priority_order()
+    others = [SDPBackend(value) for value in order if enabled.get(SDPBackend(value), False)]  # disabled ones stay off
+    return _priority_kept(sdpa_kernel([SDPBackend.CUDNN_ATTENTION, *others], set_priority=True), order)
+
+
+@contextmanager
+def _priority_kept(context, order: list[int]):
+    """``context``, after which PyTorch's order of attention backends is ``order`` again: torch's
+    ``sdpa_kernel`` puts back the order of the backends enabled before it and appends the disabled
+    ones, so that one the caller had turned off (flash, say) came after the math kernel once turned on."""
+    try:
+        with context:
+            yield
+    finally:
+        torch._C._set_sdp_priority_order(order)

@@ -383,6 +383,23 @@ def test_fp8_goes_under_the_fast_layer_which_leaves_its_blocks_to_the_plain_forw
         fast.install_fp8(model_of(tiny()), "blockwise")
 
 
+def test_a_refused_install_leaves_the_model_as_it_was():
+    # the refusal met a fast layer after the swapped layers before it had taken the new scaling: block 0's
+    # qkv in rowwise, block 1's in tensorwise, fp8_scaling saying rowwise
+    model = model_of(tiny())
+    fast.install_fp8(model, "tensorwise", layers=("attn.qkv",))
+    fast.optimize(model)  # the other dense layers are the fast layer's
+    modules = dict(model.named_modules())
+    with pytest.raises(ValueError, match="blocks.0.attn.proj is vitlab.fast's"):
+        fast.install_fp8(model, "rowwise")
+    assert dict(model.named_modules()) == modules
+    assert [m.fp8_scaling for m in model.modules() if isinstance(m, Float8Linear)] == ["tensorwise"] * 2
+    with pytest.raises(TypeError, match="install_fp8: model='ViT-B/16': expected a torch.nn.Module"):
+        fast.install_fp8("ViT-B/16")
+    with pytest.raises(TypeError, match="uninstall_fp8: model=None: expected a torch.nn.Module"):
+        fast.uninstall_fp8(None)
+
+
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_a_tiny_vit_trains_with_fp8_matmuls(scaling):
     """A few steps of AdamW under bf16 autocast on one batch: the loss falls, every swapped

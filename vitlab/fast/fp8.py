@@ -68,7 +68,7 @@ from torch.autograd.function import once_differentiable
 from ..config import ConfigError
 from ..extras import require
 from ..models.layers import Block
-from .modules import FastLinear, _replace, _restored, _stand_in
+from .modules import FastLinear, _replace, _restored, _stand_in, need_module
 
 FP8_SCALINGS = ("tensorwise", "rowwise")
 FP8_BACKENDS = ("vitlab", "torchao")  # whose arithmetic computes the swapped layers' products (module text)
@@ -275,17 +275,18 @@ def install_fp8(model: nn.Module, scaling: str = "tensorwise", layers: tuple[str
     arithmetic (``FP8_BACKENDS``); layers swapped already take ``scaling`` and ``backend``, and
     those no longer named get their plain layer back.  Returns what was swapped and what was
     not.  Raises ValueError for an unknown scaling, backend or layer, or a model
-    ``vitlab.fast.optimize`` has installed itself on (install fp8 first); MissingPackage for
-    ``backend="torchao"`` without torchao (before the model is touched)."""
+    ``vitlab.fast.optimize`` has installed itself on (install fp8 first), TypeError for what is
+    no module; MissingPackage for ``backend="torchao"`` without torchao: each before the model is touched."""
     if scaling not in FP8_SCALINGS:
         raise ValueError(f"install_fp8: scaling={scaling!r}: expected one of {', '.join(FP8_SCALINGS)}")
     if backend not in FP8_BACKENDS:
         raise ValueError(f"install_fp8: backend={backend!r}: expected one of {', '.join(FP8_BACKENDS)}")
     if backend == "torchao":
         torchao_float8()
+    need_module(model, "install_fp8")
     layers = check_fp8_layers(layers)
     stand_ins: dict[int, nn.Module] = {}  # one per plain layer, wherever the model holds it
-    swapped, kept = [], []
+    swapped, kept, again = [], [], []
     for name, block in model.named_modules():
         if not isinstance(block, Block):
             continue
@@ -299,7 +300,7 @@ def install_fp8(model: nn.Module, scaling: str = "tensorwise", layers: tuple[str
                     stand_ins.setdefault(id(layer), _restored(layer, _OWN_ATTRIBUTES))
                 continue
             if isinstance(layer, Float8Linear):
-                layer.configure(scaling, backend)
+                again.append(layer)  # configured once nothing is refused: a refusal leaves the model as it was
             elif type(layer) is not nn.Linear:  # an adapter or a quantised layer computes something else
                 kept.append((full, f"a {type(layer).__name__}, not an nn.Linear"))
                 continue
@@ -309,6 +310,8 @@ def install_fp8(model: nn.Module, scaling: str = "tensorwise", layers: tuple[str
             else:
                 stand_ins.setdefault(id(layer), Float8Linear(layer, scaling, backend))
             swapped.append(full)
+    for layer in again:
+        layer.configure(scaling, backend)
     _replace(model, lambda module: stand_ins.get(id(module), module))
     return Fp8Swap(scaling, tuple(swapped), tuple(kept), layers, backend)
 
@@ -325,12 +328,14 @@ def check_fp8_layers(layers, name: str = "layers") -> tuple[str, ...]:
 def uninstall_fp8(model: nn.Module) -> nn.Module:
     """Put the plain ``nn.Linear`` back in the place of every ``Float8Linear`` of ``model`` (the
     same objects, parameters and hooks); returns the model."""
+    need_module(model, "uninstall_fp8")
     _replace(model, lambda module: _restored(module, _OWN_ATTRIBUTES) if isinstance(module, Float8Linear) else module)
     return model
 
 
 def fp8_scaling(model: nn.Module) -> str | None:
     """The scaling of ``model``'s fp8 layers, or None where ``install_fp8`` swapped none."""
+    need_module(model, "fp8_scaling")
     for module in model.modules():
         if isinstance(module, Float8Linear):
             return module.fp8_scaling

@@ -706,6 +706,11 @@ def test_what_is_not_a_model_or_a_flag_is_refused_by_name_before_anything_is_ins
     for call in (fast.optimize, fast.restore):
         with pytest.raises(TypeError, match=rf"^{call.__name__}: model='ViT-B/16': expected a torch.nn.Module"):
             call("ViT-B/16")
+    # the others of the layer's public calls too (each failed on the string's missing modules() or parameters())
+    for call in (fast.is_optimized, fast.installed_options, fast.compile_for_inference,
+                 lambda model: fast.optimized(model).__enter__()):
+        with pytest.raises(TypeError, match=r": model='ViT-B/16': expected a torch.nn.Module"):
+            call("ViT-B/16")
 
 
 @pytest.mark.parametrize("kernels", CHOICES)

@@ -164,6 +164,16 @@ def test_the_image_check_the_models_share_lives_in_a_module_of_its_own():
         inputs.check_images(torch.zeros(3, 8, 8), 3, torch.float32)
 
 
+def test_images_that_are_no_tensor_and_a_model_that_is_no_module_are_refused_by_type():
+    # a list of images failed on its missing .ndim, an array on .is_floating_point, a name on .modules()
+    model = vitlab.create_model(tiny())
+    for images in ([torch.zeros(1, 3, 16, 16)], np.zeros((1, 3, 16, 16), np.float32)):
+        with pytest.raises(TypeError, match=r"^expected images as a torch.Tensor \(B, 3, H, W\), got a (list|ndarray)$"):
+            model(images)
+    with pytest.raises(TypeError, match="^capture_attention: model='ViT-B/16': expected a torch.nn.Module"):
+        vitlab.capture_attention("ViT-B/16").__enter__()
+
+
 def test_non_square_images_and_patches():
     model = vitlab.create_model(tiny(img_size=(16, 24), patch_size=(4, 8)))
     assert model.cfg.grid_size == (4, 3)

@@ -31,7 +31,7 @@ from torch import nn
 from .compiled import CompiledInference, compile_for_inference
 from .fp8 import FP8_BACKENDS, FP8_SCALINGS, Float8Linear, Fp8Swap, fp8_scaling, install_fp8, uninstall_fp8
 from .kernels import KernelChoice, KernelUnavailable, check_runnable, choose, cpu_precision, rule_choice
-from .modules import INFERENCE_WEIGHTS, FastBlock, FastLinear, FastOptions, install, installed, uninstall
+from .modules import INFERENCE_WEIGHTS, FastBlock, FastLinear, FastOptions, install, installed, need_module, uninstall
 
 
 def optimize(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True,
@@ -61,11 +61,13 @@ def restore(model: nn.Module) -> nn.Module:
 
 def installed_options(model: nn.Module) -> FastOptions | None:
     """The options ``optimize`` installed on ``model``, or None."""
+    need_module(model, "installed_options")
     return installed(model)
 
 
 def is_optimized(model: nn.Module) -> bool:
     """Whether ``optimize`` has installed anything on ``model``."""
+    need_module(model, "is_optimized")
     return installed(model) is not None
 
 
@@ -74,6 +76,7 @@ def optimized(model: nn.Module, kernels: KernelChoice | None = None, recompute: 
               inference_weights: str = "cast") -> Iterator[nn.Module]:
     """``optimize`` for the ``with`` block, which gets the optimised model; on exit the model is as
     it was (options included)."""
+    need_module(model, "optimized")
     before = installed(model)
     model = optimize(model, kernels, recompute, inference_weights)
     try:

@@ -41,6 +41,7 @@ from torch import nn
 from ..config import PRECISIONS
 from ..modes import evaluating
 from .kernels import autocast
+from .modules import need_module
 
 
 class CompiledInference:
@@ -49,6 +50,7 @@ class CompiledInference:
 
     def __init__(self, model: nn.Module, precision: str = "fp32", batch_size: int | None = None,
                  eager_on_failure: bool = False, autotune: bool = False) -> None:
+        need_module(model, "compile_for_inference")
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)

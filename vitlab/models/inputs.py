@@ -13,6 +13,8 @@ def check_images(x: torch.Tensor, in_chans: int, weights: torch.dtype) -> None:
     ``torch.fx.symbolic_trace`` there is nothing to check: its Proxy's shape is a symbol Python cannot compare."""
     if isinstance(x, torch.fx.Proxy):
         return
+    if not isinstance(x, torch.Tensor):  # a list or an array failed on its missing .ndim
+        raise TypeError(f"expected images as a torch.Tensor (B, {in_chans}, H, W), got a {type(x).__name__}")
     if x.ndim != 4 or x.shape[1] != in_chans:
         raise ValueError(f"expected images of shape (B, {in_chans}, H, W), got {tuple(x.shape)}")
     if not x.is_floating_point():

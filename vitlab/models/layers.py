@@ -156,6 +156,8 @@ def capture_attention(model: nn.Module) -> Iterator[list[torch.Tensor]]:
             model(images)
         rollout = attention_rollout(maps)
     """
+    if not isinstance(model, nn.Module):  # a string or None failed on its missing modules()
+        raise TypeError(f"capture_attention: model={model!r:.80}: expected a torch.nn.Module")
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attention layers to capture")

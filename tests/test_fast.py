@@ -1237,6 +1237,24 @@ def test_a_calibration_times_whole_steps_stores_what_wins_and_is_preferred_to_th
         assert kernels_mod.choose(path) == KernelChoice("onednn", "aten", training=("bf16",))
 
 
+def test_a_calibration_path_may_be_a_string(tmp_path, monkeypatch):
+    # calibrate timed every step, minutes of them, and then failed on the string's missing .parent; choose and
+    # cpu_precision failed on its missing .read_text
+    from vitlab.fast import calibration
+
+    times = {"fp32": {"training": fake_steps(1.0, {"aten/fused": 0.9, "aten/explicit": 1.1, "onednn/fused": 1.2,
+                                                   "onednn/explicit": 1.3}),
+                      "inference": fake_steps(1.0, {"aten/fused": 0.9, "aten/explicit": 1.1, "onednn/fused": 1.2,
+                                                    "onednn/explicit": 1.3})}}
+    monkeypatch.setattr(calibration, "measure", lambda rounds=3, say=None: times)
+    as_if_this_machine_were(monkeypatch, AMD_ZEN4, FULL_ONEDNN)
+    path = str(tmp_path / "cache" / "kernels.json")
+    choice, precision, _ = calibration.calibrate(path)
+    assert choice.fp32 == "aten" and choice.attention == "fused"
+    assert kernels_mod.stored_choice(path) == kernels_mod.choose(path) == choice
+    assert kernels_mod.cpu_precision(path=path) == precision
+
+
 @pytest.mark.parametrize("text, why", [("{ not json", "JSONDecodeError"), ("[1, 2]", "a JSON list"),
                                        (b"\xff\xfe", "UnicodeDecodeError"), ("THIS_CPU: 3", "entry is not an object"),
                                        ('THIS_CPU: {"kernels": {"fp32": "mkl"}}', "fp32='mkl'"),

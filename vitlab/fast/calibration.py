@@ -38,7 +38,7 @@ from vitlab.files import atomic_write_text
 from vitlab.machine import cpu_info
 from vitlab.models.registry import build_model, get_config
 
-from .kernels import (BF16_KERNELS, FP32_KERNELS, KERNEL_PRECISIONS, KernelChoice, calibration_key, calibration_path,
+from .kernels import (BF16_KERNELS, FP32_KERNELS, KERNEL_PRECISIONS, KernelChoice, calibration_file, calibration_key,
                       onednn_report, why_unavailable)
 from .modules import FastOptions, install
 
@@ -157,12 +157,12 @@ def decide(results: dict[str, dict[str, dict[str, float]]]) -> tuple[KernelChoic
     return KernelChoice(**fields), "bf16" if bf16_faster else "fp32"
 
 
-def calibrate(path: Path | None = None, rounds: int = 3,
+def calibrate(path: str | os.PathLike | None = None, rounds: int = 3,
               say: Callable[[str], None] = lambda line: None) -> tuple[KernelChoice, str, dict]:
     """Measure, decide, store for this CPU and torch version; returns (choice, auto precision, times)."""
+    path = calibration_file(path)  # before the minutes of timing: a string failed after them, on its missing .parent
     results = measure(rounds, say=say)
     choice, precision = decide(results)
-    path = path or calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):  # read, updated and written by one calibrate at a time: the others' entries are kept
         try:

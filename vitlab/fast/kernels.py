@@ -212,15 +212,20 @@ def calibration_path() -> Path:
 CALIBRATION_FORMAT = 3  # entries of other formats are ignored
 
 
+def calibration_file(path: str | os.PathLike | None = None) -> Path:
+    """``path`` as a ``Path`` (a string too: it failed on its missing ``read_text``), or ``calibration_path()``."""
+    return Path(path) if path else calibration_path()
+
+
 def calibration_key(info: CpuInfo) -> str:
     return f"v{CALIBRATION_FORMAT} | {info.vendor} | {info.model} | {info.generation} | torch {torch.__version__}"
 
 
-def stored_entry(path: Path | None = None, info: CpuInfo | None = None) -> dict | None:
+def stored_entry(path: str | os.PathLike | None = None, info: CpuInfo | None = None) -> dict | None:
     """The calibration stored for this CPU and torch version, or None: none, another's, or
     damaged (said in a warning: the rule decides in its place, and ``vitlab calibrate`` stores
     it again)."""
-    path = path or calibration_path()
+    path = calibration_file(path)
     try:
         stored = json.loads(path.read_text())
     except FileNotFoundError:
@@ -239,24 +244,24 @@ def _damaged(path: Path, why: str) -> None:
     return None
 
 
-def stored_choice(path: Path | None = None, info: CpuInfo | None = None) -> KernelChoice | None:
+def stored_choice(path: str | os.PathLike | None = None, info: CpuInfo | None = None) -> KernelChoice | None:
     """The kernels stored for this CPU, if any and if this machine can still run them."""
     entry = stored_entry(path, info)
     try:
         choice = KernelChoice(**entry["kernels"]) if entry is not None else None
     except (KeyError, TypeError, ValueError) as err:
-        return _damaged(path or calibration_path(), f"this CPU's entry: {type(err).__name__}: {err}")
+        return _damaged(calibration_file(path), f"this CPU's entry: {type(err).__name__}: {err}")
     return choice if choice is not None and why_unavailable(choice, info) is None else None
 
 
-def choose(path: Path | None = None, info: CpuInfo | None = None) -> KernelChoice:
+def choose(path: str | os.PathLike | None = None, info: CpuInfo | None = None) -> KernelChoice:
     """The kernels of this CPU (``info``, default ``cpu_info()``): its stored calibration where
     there is one, else the rule."""
     info = info or cpu_info()
     return stored_choice(path, info) or rule_choice(info)
 
 
-def cpu_precision(info: CpuInfo | None = None, path: Path | None = None) -> str:
+def cpu_precision(info: CpuInfo | None = None, path: str | os.PathLike | None = None) -> str:
     """What ``precision="auto"`` means on this CPU (``info``, default ``cpu_info()``): the stored
     calibration's measured answer, else the rule's ("bf16" only on the classes where bf16 steps
     were measured faster), and never "bf16" where oneDNN has no bf16 kernel.  (A GPU's answer

@@ -919,6 +919,20 @@ def test_restore_gives_back_the_plain_modules_with_the_same_parameters_and_hooks
     assert not fast.is_optimized(model)
 
 
+def test_optimized_gives_back_a_partly_optimized_model_as_it_was():
+    # it gave every installed module the options of the first and left installed what it had added: the encoder
+    # alone optimised came out of the block with its head a FastLinear, and block 0's own kernels were block 1's
+    model = with_random_head(tiny())
+    model.blocks[0] = fast.optimize(model.blocks[0], KernelChoice(attention="explicit"))
+    fast.optimize(model.blocks[1], KernelChoice())
+    before = {name: (type(m), getattr(m, "fast_options", None)) for name, m in model.named_modules()}
+    with fast.optimized(model, KernelChoice(fp32="onednn")) as optimized:
+        assert optimized is model and type(model.head) is fast.FastLinear
+        assert {m.fast_options.kernels.fp32 for m in model.modules() if hasattr(m, "fast_options")} == {"onednn"}
+    assert {name: (type(m), getattr(m, "fast_options", None)) for name, m in model.named_modules()} == before
+    assert model.blocks[0].fast_options.kernels.attention == "explicit"
+
+
 def test_optimize_puts_modules_in_place_of_the_plain_ones_and_restore_puts_those_back():
     model = with_random_head(tiny(dropout=0.0))
     block, qkv = model.blocks[0], model.blocks[0].attn.qkv

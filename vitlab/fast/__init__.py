@@ -31,7 +31,8 @@ from torch import nn
 from .compiled import CompiledInference, compile_for_inference
 from .fp8 import FP8_BACKENDS, FP8_SCALINGS, Float8Linear, Fp8Swap, fp8_scaling, install_fp8, uninstall_fp8
 from .kernels import KernelChoice, KernelUnavailable, check_runnable, choose, cpu_precision, rule_choice
-from .modules import INFERENCE_WEIGHTS, FastBlock, FastLinear, FastOptions, install, installed, need_module, uninstall
+from .modules import (INFERENCE_WEIGHTS, FastBlock, FastLinear, FastOptions, install, installed, need_module,
+                      options_by_module, reinstate, uninstall)
 
 
 def optimize(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True,
@@ -75,17 +76,15 @@ def is_optimized(model: nn.Module) -> bool:
 def optimized(model: nn.Module, kernels: KernelChoice | None = None, recompute: bool = True,
               inference_weights: str = "cast") -> Iterator[nn.Module]:
     """``optimize`` for the ``with`` block, which gets the optimised model; on exit the model is as
-    it was (options included)."""
+    it was: what was installed before with its options, the rest plain (a model optimised in part,
+    its encoder alone, say, is so again)."""
     need_module(model, "optimized")
-    before = installed(model)
+    before = options_by_module(model)
     model = optimize(model, kernels, recompute, inference_weights)
     try:
         yield model
     finally:
-        if before is None:
-            restore(model)
-        else:
-            install(model, before)
+        reinstate(model, before)
 
 
 __all__ = ["CompiledInference", "FP8_BACKENDS", "FP8_SCALINGS", "INFERENCE_WEIGHTS", "FastBlock", "FastLinear", "FastOptions",

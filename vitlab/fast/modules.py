@@ -504,6 +504,26 @@ def uninstall(model: nn.Module) -> nn.Module:
     return plain(model)
 
 
+def options_by_module(model: nn.Module) -> dict[int, FastOptions]:
+    """The options of every installed module of ``model``, by the module's ``id``."""
+    return {id(module): module.fast_options for module in model.modules() if isinstance(module, _INSTALLED)}
+
+
+def reinstate(model: nn.Module, before: dict[int, FastOptions]) -> nn.Module:
+    """``model`` as ``options_by_module`` saw it: the installed modules it names with their options
+    again, the others plain; returns the model (the plain module when ``model`` itself was not installed)."""
+    def back(module: nn.Module) -> nn.Module:
+        if not isinstance(module, _INSTALLED):
+            return module
+        if id(module) not in before:
+            return _restored(module)
+        module.configure(before[id(module)])
+        return module
+
+    _replace(model, back)
+    return back(model)
+
+
 def need_module(model, call: str) -> None:
     """Refuse what is not a module, by name (a string or None failed on its missing ``named_modules``)."""
     if not isinstance(model, nn.Module):

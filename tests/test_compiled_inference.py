@@ -86,6 +86,9 @@ def test_bf16_matches_the_eager_model_under_autocast_and_keeps_the_weights_bf16_
     (dict(precision="int8"), "precision='int8': expected one of fp32, bf16, fp16"),
     (dict(batch_size=0), "batch_size=0: expected a positive integer"),
     (dict(batch_size=2.5), "batch_size=2.5: expected a positive integer"),
+    # a string was taken by its truth: "no" gave up a failed compilation for eager, and refused autotuning on a CPU
+    (dict(eager_on_failure="no"), "eager_on_failure='no': must be True or False"),
+    (dict(autotune="no"), "autotune='no': must be True or False"),
 ])
 def test_refuses_an_unknown_precision_or_batch(kwargs, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..config import PRECISIONS
+from ..config import PRECISIONS, need_bool
 from ..modes import evaluating
 from .kernels import autocast
 from .modules import need_module
@@ -56,6 +56,8 @@ class CompiledInference:
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                        or batch_size < 1):
             raise ValueError(f"batch_size={batch_size!r}: expected a positive integer, or None for each call's own")
+        need_bool("eager_on_failure", eager_on_failure)  # a string ("no") was taken by its truth
+        need_bool("autotune", autotune)
         self.model, self.precision, self.batch_size = model, precision, batch_size
         self.eager_on_failure = eager_on_failure
         # imported here: torch's compiler stack costs an importer of vitlab.fast tens of MB it may never use

@@ -160,6 +160,35 @@ def test_a_hook_inside_a_block_sees_the_whole_batch_as_the_plain_model_passes_it
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("family", ["token", "axial"])
+def test_captured_attention_is_one_map_per_layer_for_the_whole_batch_as_the_plain_model_records_it(family, bf16,
+                                                                                                    monkeypatch):
+    """An optimised block ran its inference in chunks of images and recorded one map per chunk: 6 maps of
+    3, 3 and 1 images for 2 layers of 7 images, which analysis.collect_attention stacked as 6 layers where
+    the chunks were of one size (and failed where not): the attention distance and rollout of chunks taken
+    for layers."""
+    from vitlab.fast import modules
+
+    monkeypatch.setattr(modules, "CHUNK_ROWS", 40)  # a few images of 17 tokens per chunk
+    cfg = FAMILIES[family]
+    x = torch.randn(7, 3, *cfg.img_size)
+
+    def maps(optimized: bool) -> list[torch.Tensor]:
+        model = with_random_head(cfg).eval()
+        if optimized:
+            fast.optimize(model)
+        with vitlab.capture_attention(model) as recorded, torch.no_grad(), \
+                torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            model(x)
+        return recorded
+
+    expected, got = maps(False), maps(True)
+    assert [m.shape for m in got] == [m.shape for m in expected]
+    for m, e in zip(got, expected):
+        torch.testing.assert_close(m.float(), e.float(), rtol=2e-2 if bf16 else 1e-5, atol=1e-2 if bf16 else 1e-6)
+
+
 @pytest.mark.parametrize("mode", ["train", "inference"])
 @pytest.mark.parametrize("where", ["norm1", "attn", "attn.qkv", "mlp"])
 def test_a_forward_set_on_a_blocks_part_itself_is_called_as_the_plain_model_calls_it(where, mode):

@@ -28,7 +28,8 @@ layer, ``held_casts`` (with ``inference_weights="hold"``).  Nothing writes into 
   part of a block acts on each image alone, so the values are the same), each written into
   its rows of the output: its activations stay a few MB, where the allocator reuses memory
   instead of mapping fresh pages (each faulting on first touch) for every wide activation
-  of a large batch, and keeps little of it.
+  of a large batch, and keeps little of it.  Not while ``capture_attention`` records: its maps
+  are one per layer, of the whole batch.
 
 A block takes its fused path only while its parts are the plain modules it was built
 with (and the installed dense layers) and no module inside it carries a hook: a user who
@@ -358,7 +359,9 @@ class FastBlock(Block):
             return super().forward(x, positions)
         if positions is not None:  # patch dropout: a training step, in one piece
             return self.fused(x, positions=positions)
-        chunks = _inference_chunks(x)
+        # recording attention (capture_attention): one map of the whole batch per layer, as the plain model records
+        # it, not one per chunk, which a reader of the maps took for layers
+        chunks = _inference_chunks(x) if self.attn.recorded is None else 1
         if chunks == 1:
             return self.fused(x)
         # Without autograd on a CPU (the allocator's fresh pages are a CPU cost; a GPU wants the

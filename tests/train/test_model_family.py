@@ -67,11 +67,31 @@ def test_a_vit_named_where_the_recipes_overrides_leave_it_nothing_is_refused():
     # the name is the base of overrides given whole, and of a recipe's that leave it its shape
     assert architecture(apply_overrides(load_recipe("demo"), ["model.name=ViT-B/16", "model.overrides={}"])).width == 768
     assert architecture(with_changes(load_recipe("paper_pretrain"), {"model.name": "ViT-L/16"})).width == 1024
-    assert with_changes(load_recipe("demo"), {"model.name": "ViT-Ti_16"}).model.name == "ViT-Ti_16"  # its own
     # fields set by name with it are the caller's choice, not the recipe's shadowing (vtab1k has no overrides)
     tiny = ["model.name=ViT-Ti/16", "model.patch_size=8", "model.width=16", "model.depth=1", "model.num_heads=2",
             "model.mlp_dim=32"]
     assert apply_overrides(load_recipe("vtab1k"), tiny).model.name == "ViT-Ti/16"
+
+
+def test_the_recipes_own_model_named_where_its_overrides_make_another_is_refused(capsys):
+    """The demo's base model is ViT-Ti/16 and its overrides make it ViT-demo/4: --model ViT-Ti/16 returned before any
+    check (the recipe's name) and trained ViT-demo/4, width 64, as --model ViT-B/16 had; cifar10_scratch likewise.
+    Overrides that leave the named model (paper_pretrain's dropout) and a name given with its overrides pass."""
+    for recipe, own in (("demo", "'ViT-demo/4', width 64, depth 4"), ("cifar10_scratch", "'ViT-CIFAR/4', width 192")):
+        for name in ("ViT-Ti/16", "ViT-Ti_16"):
+            with pytest.raises(ConfigError, match=rf"^model.name='{name}': the recipe's model.overrides \(.*\) make "
+                                                  rf"another model of it, so the run would train the recipe's model "
+                                                  rf"\({own}"):
+                with_changes(load_recipe(recipe), {"model.name": name})
+    with pytest.raises(ConfigError, match=r"^model.name='ViT-Ti/16'"):  # a field changed too: still the demo's model
+        apply_overrides(load_recipe("demo"), ["model.name=ViT-Ti/16", "model.width=128"])
+    assert main(["train", "--recipe", "demo", "--model", "ViT-Ti/16", "--show-config"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "not ViT-Ti/16; --set 'model.overrides={}' trains ViT-Ti/16 as registered; leave model.name out for the "
+        "recipe's")
+    assert architecture(apply_overrides(load_recipe("demo"), ["model.name=ViT-Ti/16", "model.overrides={}"])).width == 192
+    assert architecture(with_changes(load_recipe("paper_pretrain"), {"model.name": "ViT-B/16"})).width == 768
+    assert architecture(with_changes(load_recipe("demo"), {"optim.steps": 5})).name == "ViT-demo/4"  # not named
 
 
 @pytest.mark.parametrize("recipe", ["paper_pretrain", "cifar10_scratch"])

@@ -128,6 +128,7 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
         section, key = path.split(".", 1)
         by_section.setdefault(section, {})[key] = value
     overridden = "overrides" in by_section.get("model", {})  # the whole dict given: the name is the base of those
+    named = "name" in by_section.get("model", {})
     by_section = fit_model_family(cfg, by_section)
     if architecture and by_section.get("model", {}).get("init", cfg.model.init) is not None:
         # a fine-tune builds its init's architecture with only the regularisation changed (build._fine_tuned):
@@ -154,17 +155,22 @@ def with_changes(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
     changed.check_augment_changes_read(cfg, by_section.get("augment", {}))
     changed.check_eval_changes_read(cfg, by_section.get("run", {}))
     if not overridden:
-        check_named_model(cfg.model, changed.model)
+        check_named_model(cfg.model, changed.model, named)
     return changed
 
 
-def check_named_model(before: ModelConfig, after: ModelConfig) -> None:
+def check_named_model(before: ModelConfig, after: ModelConfig, named: bool = False) -> None:
     """Refuse a ``model.name`` that changes nothing: a recipe whose ``model.overrides`` set every
     field of its model that the named one differs in (the demo's and cifar10_scratch's set the
     whole shape) trained the recipe's model under the new name (--model ViT-B/16 trained the
     demo's ViT-demo/4, width 64, and recorded ViT-B/16).  Fields changed by name with it are the
-    caller's own choice of model and are not compared: the recipe's overrides are."""
-    if after.init is not None or canonical_name(after.name) == canonical_name(before.name):
+    caller's own choice of model and are not compared: the recipe's overrides are.  ``named``: the
+    name was given, and where it is the recipe's own, refused as ``check_own_name`` says."""
+    if after.init is not None:
+        return
+    if canonical_name(after.name) == canonical_name(before.name):
+        if named:
+            check_own_name(before, after)
         return
     try:
         recipes = dataclasses.replace(after, overrides=before.overrides)
@@ -178,6 +184,28 @@ def check_named_model(before: ModelConfig, after: ModelConfig) -> None:
                           f"model ({shown}width {getattr(own, 'width', '-')}, depth {getattr(own, 'depth', '-')}) "
                           f"under this name; --set 'model.overrides={{}}' trains {after.name} as registered, --set "
                           f"model.<field>=value changes the recipe's")
+
+
+def check_own_name(before: ModelConfig, after: ModelConfig) -> None:
+    """Refuse a ``model.name`` given as the recipe's own where the recipe's ``model.overrides`` make another model
+    of it: the demo's base is ViT-Ti/16 and its overrides ViT-demo/4, so --model ViT-Ti/16 trained ViT-demo/4
+    (width 64) as --model ViT-B/16 did before ``check_named_model``.  The overrides that leave it the named model
+    (a regularisation, the resolution) and the fields changed by name with it (the caller's) are not compared."""
+    caller = {key for key in after.overrides if after.overrides[key] != before.overrides.get(key)}
+    try:
+        registered = get_config(after.name)
+        own = model_architecture(after)
+    except ConfigError:  # the run's resolution names what is wrong with it
+        return
+    shadowing = [key for key, value in before.overrides.items() if key not in caller
+                 and key not in (*FINETUNE_MODEL_FIELDS, "img_size") and getattr(registered, key, value) != value]
+    if shadowing:
+        shown = f"{own.name!r}, " if own.name else ""
+        raise ConfigError(f"model.name={after.name!r}: the recipe's model.overrides ({', '.join(shadowing)}) make "
+                          f"another model of it, so the run would train the recipe's model ({shown}width "
+                          f"{getattr(own, 'width', '-')}, depth {getattr(own, 'depth', '-')}), not {after.name}; --set "
+                          f"'model.overrides={{}}' trains {after.name} as registered; leave model.name out for the "
+                          "recipe's")
 
 
 def explicit_over_device(on_device: dict, by_section: dict[str, dict], architecture: dict) -> dict:

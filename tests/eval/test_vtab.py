@@ -197,6 +197,37 @@ def test_means_are_per_group_and_over_tasks():
     assert len(s["missing"]) == 16 and "dtd" not in s["missing"]
 
 
+def test_a_task_of_ones_own_is_kept_out_of_vtabs_means():
+    """A folder given its group (--group mine=natural) entered VTAB's means: the table printed "(20 of 19 tasks)" and
+    "(8 of 7 tasks)", and the mean over tasks, the paper's over its 19, held it.  VTAB's means are its own tasks';
+    one's own task is in its row, marked, and in means apart, labelled as not VTAB's."""
+    from vitlab.eval.vtab import format_table
+
+    results = {name: {"group": group, "lr": 0.01, "test_top1": 0.5, "test_examples": 9, "test_split": "test/"}
+               for name, (group, _) in TASK_GROUPS.items()}
+    results["mine"] = {"group": "natural", "lr": 0.01, "test_top1": 1.0, "test_examples": 9, "test_split": "test/"}
+    s = summarize(results)
+    assert (s["mean"], s["scored"], s["of"], s["missing"]) == (0.5, 19, 19, [])
+    assert s["groups"]["natural"] == {"mean": 0.5, "tasks": 7, "of": 7}
+    assert s["own_tasks"] == {"tasks": ["mine"], "mean": pytest.approx(10.5 / 20), "scored": 20,
+                              "groups": {"natural": {"mean": pytest.approx(4.5 / 8), "tasks": 8, "own": ["mine"]}}}
+    table = format_table(results, s)
+    assert "(20 of 19" not in table and "(8 of 7" not in table
+    lines = table.splitlines()
+    assert lines[-6:] == ["Natural mean             50.00%  (7 of VTAB's 7 tasks)",
+                          "Specialized mean         50.00%  (4 of VTAB's 4 tasks)",
+                          "Structured mean          50.00%  (8 of VTAB's 8 tasks)",
+                          "Mean over tasks          50.00%  (19 of VTAB's 19 tasks)",
+                          "Natural mean + own       56.25%  (8 tasks: 7 of VTAB's and mine, not VTAB's)",
+                          "Mean over tasks + own    52.50%  (20 tasks: 19 of VTAB's and mine, not VTAB's)"]
+    assert any(line.startswith("mine (own) ") for line in lines)
+    assert "own_tasks" not in summarize({k: v for k, v in results.items() if k != "mine"})
+    alone = summarize({"mine": results["mine"]})  # no VTAB task: no VTAB mean
+    assert (alone["mean"], alone["scored"], alone["own_tasks"]["mean"]) == (None, 0, 1.0)
+    assert f"Mean over tasks{' ' * 15}-  (0 of VTAB's 19 tasks; missing: " in format_table({"mine": results["mine"]},
+                                                                                         alone)
+
+
 def test_the_table_says_how_the_learning_rates_were_chosen():
     """The table printed each task's rate alone: a mean of rates chosen per task (the default) read as the paper's,
     whose one setting is chosen for all tasks by their mean on the 200-example validation sets."""
@@ -235,7 +266,7 @@ def test_vtab_end_to_end(tasks, tiny_checkpoint, tmp_path, capsys):
     for group, name in (("natural", "cifar100"), ("specialized", "eurosat"), ("structured", "dsprites_loc")):
         assert report["groups"][group]["mean"] == pytest.approx(tasks_[name]["test_top1"])
     assert report["mean"] == pytest.approx(np.mean([r["test_top1"] for r in tasks_.values()]))
-    for line in ("Natural mean", "Specialized mean", "Structured mean", "Mean over tasks", "(3 of 19 tasks",
+    for line in ("Natural mean", "Specialized mean", "Structured mean", "Mean over tasks", "(3 of VTAB's 19 tasks",
                  "Learning rate: each task's own, of 0.003, 0.03 the one best on its validation examples"):
         assert line in printed
     # the paper's one setting for all tasks, from the same runs (--resume reruns nothing)

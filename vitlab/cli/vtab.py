@@ -21,7 +21,8 @@ dSprites location and orientation and sNORB azimuth, no crop for dSprites locati
 distance, DMLab and KITTI distance (BiT's Supplementary F, whose pre-processing the paper follows).  The batch of 512 is accumulated over ``--accum-steps`` micro-batches,
 by default as many as the memory of the device needs (``auto``: measured on the model).
 The output: a table of each task's accuracy, its group's mean (Natural, Specialized,
-Structured) and the mean over tasks, in ``OUT/vtab.json`` and as the last line of JSON.
+Structured) and the mean over tasks, VTAB's alone (a ``--group`` task's means are apart), in ``OUT/vtab.json``
+and as the last line of JSON.
 With ``--resume`` the runs already finished (their ``summary.json``) are not run again, and a
 run that was stopped goes on from its newest checkpoint (``run.ckpt_every``: the recipe's 500 steps);
 a rate whose run diverged (its folder's ``diverged.json``, with the same config) is counted lost again, untrained,
@@ -50,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or the one best on average over the tasks (the paper's one setting for all)")
     p.add_argument("--only", help="comma-separated task names: run these tasks only")
     p.add_argument("--group", action="append", default=[], metavar="FOLDER=GROUP",
-                   help="the group of a task folder whose name is not a VTAB task (repeatable)")
+                   help="the group of a task folder whose name is not a VTAB task (repeatable; its means are "
+                        "apart from VTAB's)")
     p.add_argument("--examples", type=int, default=1000,
                    help="training examples per task (VTAB-1k: 1000, split 800/200 to choose the lr)")
     p.add_argument("--split-seed", type=int, default=0, help="seed of the fixed order the splits are cut from")

@@ -228,6 +228,17 @@ def test_a_task_of_ones_own_is_kept_out_of_vtabs_means():
                                                                                          alone)
 
 
+def test_the_table_says_where_a_tasks_own_splits_differ_from_the_examples():
+    from vitlab.eval.vtab import format_table
+
+    row = {"group": "natural", "lr": 0.01, "test_top1": 0.5, "test_examples": 9, "test_split": "test/",
+           "train_split": "train800/ + val200/", "train_examples": 1000, "val_examples": 200}
+    as_given = {"dtd": row, "svhn": {**row, "train_examples": 500, "val_examples": 100}}
+    notes = [line for line in format_table(as_given, {**summarize(as_given), "protocol": {"examples": 1000}})
+             .splitlines() if "as given" in line]
+    assert notes == ["svhn: its own train800/ and val200/ as given (400 + 100 images), not --examples 1000"]
+
+
 def test_the_table_says_how_the_learning_rates_were_chosen():
     """The table printed each task's rate alone: a mean of rates chosen per task (the default) read as the paper's,
     whose one setting is chosen for all tasks by their mean on the 200-example validation sets."""
@@ -263,6 +274,11 @@ def test_vtab_end_to_end(tasks, tiny_checkpoint, tmp_path, capsys):
     assert (tasks_["cifar100"]["test_split"], tasks_["cifar100"]["test_examples"]) == ("test/", 9)
     assert (tasks_["eurosat"]["test_split"], tasks_["eurosat"]["test_examples"]) == ("train[20:]", 10)
     assert tasks_["dsprites_loc"]["train_examples"] == 3 * (5 + 2)  # train800/ + val200/ as given
+    # and said so: the protocol's --examples 20 alone was recorded for every task
+    assert [(r["train_split"], r["val_examples"]) for r in tasks_.values()] == [
+        ("train[:16] + train[16:20]", 4), ("train[:16] + train[16:20]", 4), ("train800/ + val200/", 6)]
+    notes = [line for line in printed.splitlines() if "not --examples" in line]
+    assert notes == ["dsprites_loc: its own train800/ and val200/ as given (15 + 6 images), not --examples 20"]
     for group, name in (("natural", "cifar100"), ("specialized", "eurosat"), ("structured", "dsprites_loc")):
         assert report["groups"][group]["mean"] == pytest.approx(tasks_[name]["test_top1"])
     assert report["mean"] == pytest.approx(np.mean([r["test_top1"] for r in tasks_.values()]))

@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the group of a task folder whose name is not a VTAB task (repeatable; its means are "
                         "apart from VTAB's)")
     p.add_argument("--examples", type=int, default=1000,
-                   help="training examples per task (VTAB-1k: 1000, split 800/200 to choose the lr)")
+                   help="training examples per task (VTAB-1k: 1000, split 800/200 to choose the lr); a task's own "
+                        "train800/ and val200/ are used as given")
     p.add_argument("--split-seed", type=int, default=0, help="seed of the fixed order the splits are cut from")
     p.add_argument("--steps", type=int, help="optimiser steps of every run (default: the recipe's 2500)")
     p.add_argument("--batch-size", type=int, help="global batch (default: the recipe's 512)")

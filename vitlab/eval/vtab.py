@@ -19,7 +19,8 @@ punctuation, are accepted), holding ImageFolder trees::
     TASK/train/<class>/<image>   the training images (the first --examples, 1000, are used)
     TASK/test/<class>/<image>    the test images (optional)
   or
-    TASK/train800/, TASK/val200/ VTAB-1k's own two splits, as exported, and TASK/test/
+    TASK/train800/, TASK/val200/ VTAB-1k's own two splits, as exported, and TASK/test/ (trained as given,
+                                 whatever --examples: each result's ``train_split`` says which)
 
 From ``train/`` the split is fixed: the images in the ImageFolder order (classes, then
 paths, sorted), permuted by numpy's PCG64 generator seeded with ``seed``, then
@@ -187,6 +188,9 @@ class TaskSplits:
     classes: list[str]
     test_split: str     # where the test images come from, as the results state it
     counts: dict[str, int] = field(default_factory=dict)
+    # where the training examples come from, as the results state it: a task's own train800/ and val200/ are
+    # trained as given, whatever --examples (which the report's protocol alone had claimed for every task)
+    train_split: str = ""
 
 
 def _link(source: str, target: Path) -> None:
@@ -228,7 +232,7 @@ def split_task(task: Task, work: str | os.PathLike, examples: int = 1000, seed: 
     test_items = _items(parts["test"], classes) if "test" in parts else None
     if task.train800 is not None and task.val200 is not None:
         sweep_train, sweep_val = _items(parts["train800"], classes), _items(parts["val200"], classes)
-        test_split = "test/"
+        test_split, train_split = "test/", "train800/ + val200/"
     else:
         pool = _items(parts["train"], classes)
         if len(pool) < examples:
@@ -237,7 +241,7 @@ def split_task(task: Task, work: str | os.PathLike, examples: int = 1000, seed: 
         shuffled = [pool[i] for i in order]
         cut = int(round(SWEEP_SHARE * examples))
         sweep_train, sweep_val = shuffled[:cut], shuffled[cut:examples]
-        test_split = "test/"
+        test_split, train_split = "test/", f"train[:{cut}] + train[{cut}:{examples}]"
         if test_items is None:
             test_items = shuffled[examples:]
             test_split = f"train[{examples}:]"
@@ -246,7 +250,8 @@ def split_task(task: Task, work: str | os.PathLike, examples: int = 1000, seed: 
                                 f"{examples} used: nothing to test on")
     if test_items is None:
         raise DataError(f"{task.folder}: train800/ and val200/ need a test/ folder beside them")
-    views = TaskSplits(work / "train800", work / "val200", work / "train1000", work / "test", classes, test_split)
+    views = TaskSplits(work / "train800", work / "val200", work / "train1000", work / "test", classes, test_split,
+                       train_split=train_split)
     views.counts = {
         "train800": _write_view(views.sweep_train, classes, sweep_train),
         "val200": _write_view(views.sweep_val, classes, sweep_val),
@@ -333,6 +338,12 @@ def format_table(results: Mapping[str, Mapping[str, object]], summary: Mapping[s
         shown = name if name in TASK_GROUPS else f"{name} (own)"
         rows.append(f"{shown:<22} {r['group']:<12} {r['lr']:>7g}  {val:<34} {100 * float(r['test_top1']):>9.2f}%  "
                     f"{r['test_examples']} ({r['test_split']})")
+    examples = (summary.get("protocol") or {}).get("examples")
+    for name, r in results.items() if examples else ():  # trained as given: not the --examples of the protocol
+        val, cut = r.get("val_examples"), int(round(SWEEP_SHARE * examples))
+        if r.get("train_split") == "train800/ + val200/" and (r["train_examples"] - val, val) != (cut, examples - cut):
+            rows.append(f"{name}: its own train800/ and val200/ as given ({r['train_examples'] - val} + {val} images), "
+                        f"not --examples {examples}")
     rows.append("")
     for group, g in summary["groups"].items():
         rows.append(f"{group.capitalize() + ' mean':<22} {percent(g['mean'], 8)}  ({g['tasks']} of VTAB's {g['of']} "

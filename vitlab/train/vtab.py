@@ -255,6 +255,7 @@ def final_result(runs: Runs, task: Task, views: TaskSplits, lr: float, val: dict
         + (f"; {skipped} unreadable image(s) left out" if skipped else ""))
     return {"group": task.group, "lr": lr, "val_top1": val, "test_top1": top1, "test_examples": n,
             "test_split": views.test_split, "skipped_images": skipped, "train_examples": views.counts["train1000"],
+            "val_examples": views.counts["val200"], "train_split": views.train_split,
             "classes": len(views.classes), "weights": final["weights"],
             "augment": {"crop": run_cfg.augment.crop, "flip": run_cfg.augment.flip}}
 

@@ -24,17 +24,23 @@ then (M + lam I)^-1 = V diag(1 / (s + lam)) V^T for every lam.  This is exactly 
 scikit-learn's Ridge(alpha=lam, fit_intercept=True) computes, which the tests use as an
 independent oracle.  A test example is classified as argmax_c (x^T W + b)_c.
 
-The regulariser is chosen on held-out *training* examples (disjoint from the k shots),
-never on the evaluation split; ties go to the largest lam, the most regularised model.
+The regulariser is vitlab's own choice: swept over 2^-10 .. 2^19 (``DEFAULT_L2_GRID``) and chosen
+on held-out *training* examples (disjoint from the k shots), never on the evaluation split; ties
+go to the largest lam, the most regularised model.  The paper does not say how its regulariser
+was set.
 
-Where big_vision's evaluator differs.  It first scales each feature to unit variance over the
+Where big_vision's evaluator differs (big_vision/evaluators/fewshot_lsr.py, with the setting of
+big_vision/configs/common_fewshot.py).  It fits one fixed regulariser, l2_reg = 2^10, chosen
+neither per set nor per shot count.  It first scales each feature to unit variance over the
 shots (x -> (x - mean) / (std + 1e-5)), so that one lam weighs every feature alike whatever its
-scale; ``standardize=True`` does the same.  Scaling the columns of X by S turns the problem
-into one in X S^-1, whose solution W' maps back to W = S^-1 W' on the features as they are:
-the fit stays an affine map of the unscaled features.  It is off by default (the figures in
-docs/ were measured without it).  big_vision's bias is a constant feature of 100, almost
-unpenalised; here it is exactly unpenalised.  And big_vision reports its regulariser grid on
-the evaluation split; here it is chosen on training examples.
+scale; ``standardize=True`` does the same (its 2^10 is a lam for features so scaled).  Scaling
+the columns of X by S turns the problem into one in X S^-1, whose solution W' maps back to
+W = S^-1 W' on the features as they are: the fit stays an affine map of the unscaled features.
+It is off by default (the figures in docs/ were measured without it).  big_vision's bias is a
+constant feature of 100, almost unpenalised; here it is exactly unpenalised.  The sweep of
+2^-10 .. 2^19 is that of Scenic's few-shot evaluator (adapted from big_vision's), which scores
+every rate on the evaluation split and reports the one best ranked over its sets; vitlab's
+chooses on training examples instead.
 """
 from __future__ import annotations
 
@@ -57,7 +63,8 @@ __all__ = [
     "fewshot_evaluate",
 ]
 
-# big_vision sweeps 2^-10 .. 2^19; with few shots and wide features the best value is often large
+# vitlab's sweep (big_vision fits 2^10 alone; module text); with few shots and wide features the best value is
+# often large
 DEFAULT_L2_GRID: tuple[float, ...] = tuple(2.0**p for p in range(-10, 20))
 
 

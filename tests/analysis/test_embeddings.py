@@ -59,10 +59,13 @@ def test_2d_embeddings_share_rows_and_columns():
     np.testing.assert_allclose(table[0, :, :16], table[2, :, :16])
 
 
-@pytest.mark.parametrize("posemb", ["none", "relative"])
-def test_models_without_absolute_embeddings_are_refused(posemb):
-    with pytest.raises(ValueError, match="no absolute position embeddings"):
+@pytest.mark.parametrize("posemb, says", [("none", "no position embeddings to compare, absolute or relative$"),
+                                          ("relative", "no absolute position embeddings.*relative embeddings live")])
+def test_models_without_absolute_embeddings_are_refused(posemb, says):
+    """A model of none was told its relative embeddings live inside the attention: it has none."""
+    with pytest.raises(ValueError, match=says) as err:
         position_similarity(create_model(TINY, posemb=posemb))
+    assert posemb == "relative" or "relative embeddings live" not in str(err.value)
 
 
 def test_a_bit_resnet_and_a_bad_k_are_refused_by_name():

@@ -82,7 +82,9 @@ def position_embedding_table(model: nn.Module) -> np.ndarray:
     X and Y tables per patch); with one table per layer, the first layer's."""
     need_vit(model, ": it has no patch or position embeddings to analyse")
     cfg = model.cfg
-    if cfg.posemb in ("none", "relative"):
+    if cfg.posemb == "none":  # it was told of relative embeddings, which it has no more than absolute ones
+        raise ValueError("posemb='none': the model has no position embeddings to compare, absolute or relative")
+    if cfg.posemb == "relative":
         raise ValueError(
             f"posemb={cfg.posemb!r}: the model has no absolute position embeddings to compare "
             "(relative embeddings live inside the attention as offsets, not per patch)"

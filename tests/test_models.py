@@ -172,6 +172,8 @@ def test_images_that_are_no_tensor_and_a_model_that_is_no_module_are_refused_by_
             model(images)
     with pytest.raises(TypeError, match="^capture_attention: model='ViT-B/16': expected a torch.nn.Module"):
         vitlab.capture_attention("ViT-B/16").__enter__()
+    with pytest.raises(TypeError, match="^capture_attention: each=3: expected a function of one layer's map, or None"):
+        vitlab.capture_attention(model, each=3).__enter__()
 
 
 def test_non_square_images_and_patches():

@@ -1,9 +1,16 @@
 """Attention analysis: known answers on hand-built matrices, then smoke runs on tiny models."""
+import dataclasses
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+import vitlab
 
 from vitlab.analysis.attention import (
     attention_rollout,
@@ -197,7 +204,8 @@ def test_raw_attention_refuses_a_layer_or_head_by_name_before_running_the_model(
 
     cfg = ViTConfig(img_size=16, patch_size=4, width=32, depth=2, mlp_dim=64, num_heads=2, num_classes=2)
     model, images = create_model(cfg), torch.randn(1, 3, 16, 16)
-    monkeypatch.setattr(attention, "collect_attention", lambda *a: pytest.fail("the model ran"))
+    for runs in ("collect_attention", "reduce_attention"):
+        monkeypatch.setattr(attention, runs, lambda *a: pytest.fail("the model ran"))
     for layer, head, message in ((1.5, None, "layer=1.5: must be an integer from -2 to 1"),
                                  (True, None, "layer=True: must be an integer from -2 to 1"),
                                  (2, None, "layer=2: must be an integer from -2 to 1"),
@@ -205,3 +213,114 @@ def test_raw_attention_refuses_a_layer_or_head_by_name_before_running_the_model(
                                  (0, 0.0, "head=0.0: must be an integer from 0 to 1, or None")):
         with pytest.raises(ValueError, match=rf"^{re.escape(message)} \(the model has 2 layers of 2 heads\)$"):
             attention.model_raw_attention(model, images, layer, head)
+
+
+def _analyses_as_they_were(model, x, batch_size, layer, head):
+    """The analyses before they reduced layer by layer, kept as the reference: every layer's maps
+    stacked, the whole of them in float64."""
+    grid, patch = model.patch_grid(tuple(x.shape[-2:])), effective_patch_size(model)
+    prefix = model.cfg.num_prefix_tokens
+
+    def collect(images):
+        with torch.no_grad(), vitlab.capture_attention(model.eval()) as maps:
+            model.forward_features(images)
+        return torch.stack(list(maps)).float().numpy()
+
+    def distance(attn):
+        a = attn.astype(np.float64)[..., prefix:, prefix:]
+        a = a / np.clip(a.sum(axis=-1, keepdims=True), 1e-12, None)
+        return (a * patch_distances(grid, patch)).sum(axis=-1).mean(axis=(1, 3))
+
+    attn = collect(x)
+    batches = [x[start:start + batch_size] for start in range(0, len(x), batch_size)]
+    total = sum(distance(collect(batch)) * len(batch) for batch in batches)
+    L = attn.shape[-1]
+    rollout = np.broadcast_to(np.eye(L), (len(x), L, L)).copy()
+    for maps in attn.astype(np.float64):
+        a = maps.mean(axis=1) + np.eye(L)
+        rollout = a / a.sum(axis=-1, keepdims=True) @ rollout
+    raw = attn[layer].mean(axis=1) if head is None else attn[layer][:, head]
+    return (total / len(x), token_to_grid(rollout, grid, prefix), token_to_grid(raw, grid, prefix),
+            distance(attn), attn)
+
+
+@pytest.mark.parametrize("case", ["vit", "gap, non-square", "hybrid", "distance_no_self, non-square patches"])
+def test_the_layer_by_layer_analyses_give_what_the_stacked_maps_gave(case):
+    """The model functions reduce each layer as it runs (a layer's maps at a time); their results are
+    the float64 computation over every layer's stacked maps, to rounding."""
+    torch.manual_seed(0)
+    cfg = {"vit": TINY,
+           "gap, non-square": dataclasses.replace(TINY, classifier="gap"),
+           "hybrid": ViTConfig(img_size=32, patch_size=1, width=32, depth=2, mlp_dim=64, num_heads=2, num_classes=3,
+                               resnet=ResNetConfig(layers=(1, 1), width_factor=0.5)),
+           "distance_no_self, non-square patches": ViTConfig(img_size=(16, 40), patch_size=(8, 4), width=32, depth=3,
+                                                             mlp_dim=64, num_heads=4, num_classes=3,
+                                                             attn_bias="distance_no_self")}[case]
+    model = create_model(cfg)
+    x = torch.rand(5, 3, *cfg.img_size) * 2 - 1
+    for layer, head in ((-1, None), (1, 0)):
+        distance, rollout, raw, distance_of_all, attn = _analyses_as_they_were(model, x, 2, layer, head)
+        np.testing.assert_allclose(model_attention_distance(model, x, batch_size=2), distance, rtol=1e-9)
+        np.testing.assert_allclose(model_rollout(model, x), rollout, rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(model_raw_attention(model, x, layer, head), raw, rtol=1e-6)
+    # the array functions on the stacked maps, as before
+    grid, prefix = model.patch_grid(cfg.img_size), cfg.num_prefix_tokens
+    np.testing.assert_allclose(mean_attention_distance(attn, grid, effective_patch_size(model), prefix),
+                               distance_of_all, rtol=1e-9)
+    np.testing.assert_allclose(token_to_grid(attention_rollout(list(torch.from_numpy(attn))), grid, prefix), rollout,
+                               rtol=1e-6, atol=1e-12)
+
+
+def test_a_reduction_that_raises_leaves_the_model_as_it_was():
+    from vitlab.analysis.attention import reduce_attention
+    from vitlab.models.layers import Attention
+
+    model = create_model(TINY).train()
+    model.blocks[0].eval()  # a caller's frozen part stays frozen, the rest training
+
+    def fails(index, layer):
+        assert layer.shape == (2, 2, 7, 7) and layer.dtype == np.float32
+        if index == 1:
+            raise RuntimeError("reduction failed")
+        return index
+
+    with pytest.raises(RuntimeError, match="reduction failed"):
+        reduce_attention(model, torch.randn(2, 3, 16, 24), fails)
+    assert model.training and not model.blocks[0].training and model.blocks[1].training
+    assert all(m.recorded is None for m in model.modules() if isinstance(m, Attention))
+    # what each layer's reduction gives, in the order of the layers: rows of every map sum to 1
+    sums = reduce_attention(model, torch.randn(2, 3, 16, 24), lambda index, layer: (index, layer.sum(-1)))
+    assert [i for i, _ in sums] == [0, 1, 2] and np.allclose([s for _, s in sums], 1.0, atol=1e-5)
+    with pytest.raises(TypeError, match=r"^reduce=None: expected a function of \(index, layer's maps\)$"):
+        reduce_attention(model, torch.randn(2, 3, 16, 24), None)
+
+
+_PEAK = """
+import resource, sys, torch
+from vitlab.analysis import attention
+from vitlab.config import ViTConfig
+from vitlab.models import create_model
+torch.set_num_threads(1)
+torch.manual_seed(0)
+cfg = ViTConfig(img_size=384, patch_size=16, width=64, depth=int(sys.argv[2]), mlp_dim=64, num_heads=8, num_classes=2)
+model, x = create_model(cfg), torch.rand(4, 3, 384, 384) * 2 - 1
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+{"distance": lambda: attention.model_attention_distance(model, x),
+ "rollout": lambda: attention.model_rollout(model, x),
+ "raw": lambda: attention.model_raw_attention(model, x, layer=-1)}[sys.argv[1]]()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in kB as Linux gives it")
+@pytest.mark.parametrize("analysis", ["distance", "rollout", "raw"])
+def test_the_model_analyses_hold_one_layer_of_maps_not_every_layer(analysis):
+    """Memory for one layer's maps, whatever the depth: they stacked every layer's (B, heads, L, L) maps and
+    copied them to float64 (ViT-L/16 at 384 px: about 0.5 GB of float32 maps per image, and 8 GB more of
+    float64 for the 16 images of a batch), so a 24 GB machine was killed.  The peak's growth during the
+    call (one layer's maps are 4 images x 8 heads x 577^2 tokens, 43 MB) at depth 8 is that at depth 2."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    grown = {depth: int(subprocess.run([sys.executable, "-c", _PEAK, analysis, str(depth)], env=env, check=True,
+                                       capture_output=True, text=True).stdout) for depth in (2, 8)}
+    assert grown[8] < 1.5 * grown[2] + 20_000, grown  # kB; 8 layers' maps alone were 340 MB

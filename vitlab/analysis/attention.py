@@ -6,15 +6,18 @@ Two layers of functions:
 * array functions take attention probabilities ``attn`` of shape (layers, B, heads, L, L)
   (L = prefix tokens + patches, rows are queries) and return arrays;
 * model functions take a ViT and preprocessed images (B, C, H, W) (float, [-1, 1], the
-  model's input size), record the attention with ``capture_attention`` inside a context
-  manager, and call the array functions.
+  model's input size) and reduce each layer's attention as that layer runs
+  (``reduce_attention``): they hold one layer's maps of a batch at a time, never every
+  layer's (ViT-L/16 at 384 px records about 0.5 GB of maps per image, ViT-H/14 at 518 px
+  about 4 GB).  ``collect_attention`` keeps every layer's maps, for those who want them.
 
 Axial-ViT attends within rows and columns, so its maps are not (L, L) matrices over the
 whole grid; its model functions raise a clear error.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import itertools
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -29,9 +32,12 @@ from vitlab.modes import evaluating
 __all__ = [
     "effective_patch_size",
     "collect_attention",
+    "reduce_attention",
     "patch_distances",
     "mean_attention_distance",
+    "layer_attention_distance",
     "attention_rollout",
+    "rollout_layer",
     "token_to_grid",
     "upsample_maps",
     "model_attention_distance",
@@ -62,13 +68,38 @@ def collect_attention(model: nn.Module, images: torch.Tensor) -> np.ndarray:
     """Attention probabilities of every layer: (layers, B, heads, L, L) float32.
 
     images: (B, C, H, W) float, preprocessed for the model.  The model runs in eval mode
-    (no dropout) and is given back in its previous modes, module by module.
+    (no dropout) and is given back in its previous modes, module by module.  Every layer's
+    maps are held at once: layers * B * heads * L^2 * 4 bytes (ViT-L/16 at 384 px: about
+    0.5 GB per image); the model functions below reduce layer by layer instead.
     """
     _check_vit(model)
     with evaluating(model), capture_attention(model) as maps:
         model.forward_features(images)
         attn = torch.stack(list(maps)).float().cpu().numpy()
     return attn
+
+
+def reduce_attention(model: nn.Module, images: torch.Tensor,
+                     reduce: Callable[[int, np.ndarray], Any]) -> list:
+    """Run ``model`` on ``images`` and call ``reduce(index, layer)`` with each layer's attention
+    probabilities (B, heads, L, L), float32, as that layer runs; the list of what it returns,
+    in the order of the layers.  Only one layer's maps of the batch are held at a time (the
+    array is the model's own, alive until ``reduce`` returns: keep a reduction or a copy).
+
+    The model runs in eval mode without gradients, and is given back in its previous modes
+    and with its recording as it was, also when ``reduce`` raises.
+    """
+    _check_vit(model)
+    if not callable(reduce):
+        raise TypeError(f"reduce={reduce!r:.80}: expected a function of (index, layer's maps)")
+    index = itertools.count()
+
+    def each(probs: torch.Tensor) -> Any:
+        return reduce(next(index), probs.float().cpu().numpy())
+
+    with torch.inference_mode(), evaluating(model), capture_attention(model, each=each) as reduced:
+        model.forward_features(images)
+    return list(reduced)
 
 
 def patch_distances(grid: Pair, patch_px: Pair) -> np.ndarray:
@@ -80,10 +111,34 @@ def patch_distances(grid: Pair, patch_px: Pair) -> np.ndarray:
 
 
 def _as_layers(attn: np.ndarray | Sequence) -> np.ndarray:
-    attn = np.asarray(attn, dtype=np.float64)
+    # not as float64 here: a copy of every layer at twice the size; each layer's reduction
+    # takes one image at a time in float64
+    attn = np.asarray(attn)
     if attn.ndim != 5 or attn.shape[-1] != attn.shape[-2]:
         raise ValueError(f"expected attention of shape (layers, B, heads, L, L), got {attn.shape}")
     return attn
+
+
+def _check_tokens(L: int, grid: Pair, num_prefix: int) -> None:
+    if L != num_prefix + grid[0] * grid[1]:
+        raise ValueError(f"attention over {L} tokens does not match {num_prefix} prefix + {grid} grid")
+
+
+def layer_attention_distance(layer: np.ndarray, grid: Pair, patch_px: Pair, num_prefix: int) -> np.ndarray:
+    """Mean attention distance of one layer's attention (B, heads, L, L), per image and head:
+    (B, heads) in pixels, averaged over query patches (see ``mean_attention_distance``).
+    Computed an image at a time in float64."""
+    layer = np.asarray(layer)
+    if layer.ndim != 4 or layer.shape[-1] != layer.shape[-2]:
+        raise ValueError(f"expected one layer's attention of shape (B, heads, L, L), got {layer.shape}")
+    _check_tokens(layer.shape[-1], grid, num_prefix)
+    distances = patch_distances(grid, patch_px)
+    out = np.empty(layer.shape[:2])
+    for b, image in enumerate(layer):
+        a = np.asarray(image[:, num_prefix:, num_prefix:], dtype=np.float64)  # patch queries -> patch keys
+        a = a / np.clip(a.sum(axis=-1, keepdims=True), 1e-12, None)
+        out[b] = (a * distances).sum(axis=-1).mean(axis=-1)
+    return out
 
 
 def mean_attention_distance(attn: np.ndarray, grid: Pair, patch_px: Pair, num_prefix: int) -> np.ndarray:
@@ -95,13 +150,11 @@ def mean_attention_distance(attn: np.ndarray, grid: Pair, patch_px: Pair, num_pr
     this is the "attention distance" of paper Sec. 4.5 (Fig. 7 right).
     """
     attn = _as_layers(attn)
-    n = grid[0] * grid[1]
-    if attn.shape[-1] != num_prefix + n:
-        raise ValueError(f"attention over {attn.shape[-1]} tokens does not match {num_prefix} prefix + {grid} grid")
-    a = attn[..., num_prefix:, num_prefix:]  # (layers, B, heads, N, N): patch queries -> patch keys
-    a = a / np.clip(a.sum(axis=-1, keepdims=True), 1e-12, None)
-    per_query = (a * patch_distances(grid, patch_px)).sum(axis=-1)  # (layers, B, heads, N)
-    return per_query.mean(axis=(1, 3))
+    _check_tokens(attn.shape[-1], grid, num_prefix)
+    out = np.empty((len(attn), attn.shape[2]))
+    for i, layer in enumerate(attn):
+        out[i] = layer_attention_distance(layer, grid, patch_px, num_prefix).mean(axis=0)
+    return out
 
 
 def attention_rollout(attn: np.ndarray) -> np.ndarray:
@@ -113,13 +166,21 @@ def attention_rollout(attn: np.ndarray) -> np.ndarray:
     comes from each input token.
     """
     attn = _as_layers(attn)
-    L = attn.shape[-1]
-    eye = np.eye(L)
-    rollout = np.broadcast_to(eye, (attn.shape[1], L, L)).copy()
+    rollout = np.broadcast_to(np.eye(attn.shape[-1]), (attn.shape[1],) + attn.shape[-2:]).copy()
     for layer in attn:
-        a = layer.mean(axis=1) + eye  # (B, L, L)
+        rollout_layer(rollout, layer)
+    return rollout
+
+
+def rollout_layer(rollout: np.ndarray, layer: np.ndarray) -> np.ndarray:
+    """One step of ``attention_rollout``: multiply the running product ``rollout`` (B, L, L)
+    float64, the identity before the first layer, by one layer's attention (B, heads, L, L),
+    in place, an image at a time in float64; gives ``rollout`` back."""
+    eye = np.eye(layer.shape[-1])
+    for b, image in enumerate(layer):
+        a = np.asarray(image, dtype=np.float64).mean(axis=0) + eye  # (L, L)
         a = a / a.sum(axis=-1, keepdims=True)
-        rollout = a @ rollout
+        rollout[b] = a @ rollout[b]
     return rollout
 
 
@@ -155,21 +216,29 @@ def model_attention_distance(model: nn.Module, images: torch.Tensor, batch_size:
         raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
     if len(images) == 0:
         raise ValueError("images: none given; the attention distance is a mean over at least one image")
-    grid, patch = _grid_of(model, images), effective_patch_size(model)
-    total, count = None, 0
-    for start in range(0, images.shape[0], batch_size):
-        batch = images[start:start + batch_size]
-        d = mean_attention_distance(collect_attention(model, batch), grid, patch, model.cfg.num_prefix_tokens)
-        total = d * len(batch) if total is None else total + d * len(batch)
-        count += len(batch)
-    return total / count
+    grid, patch, prefix = _grid_of(model, images), effective_patch_size(model), model.cfg.num_prefix_tokens
+
+    def distance(index: int, layer: np.ndarray) -> np.ndarray:
+        return layer_attention_distance(layer, grid, patch, prefix).sum(axis=0)  # over the batch's images
+
+    total = sum(np.stack(reduce_attention(model, images[start:start + batch_size], distance))
+                for start in range(0, len(images), batch_size))
+    return total / len(images)
 
 
 def model_rollout(model: nn.Module, images: torch.Tensor) -> np.ndarray:
     """Attention rollout from the output token to the patches: (B, gh, gw), rows sum over
     the grid to at most 1 (the rest stays on the [class] token)."""
-    attn = collect_attention(model, images)
-    return token_to_grid(attention_rollout(attn), _grid_of(model, images), model.cfg.num_prefix_tokens)
+    rollout = None
+
+    def multiply(index: int, layer: np.ndarray) -> None:  # into the product, keeping none of the maps
+        nonlocal rollout
+        if rollout is None:
+            rollout = np.broadcast_to(np.eye(layer.shape[-1]), (len(layer),) + layer.shape[-2:]).copy()
+        rollout_layer(rollout, layer)
+
+    reduce_attention(model, images, multiply)
+    return token_to_grid(rollout, _grid_of(model, images), model.cfg.num_prefix_tokens)
 
 
 def model_raw_attention(model: nn.Module, images: torch.Tensor, layer: int, head: int | None = None) -> np.ndarray:
@@ -183,6 +252,12 @@ def model_raw_attention(model: nn.Module, images: torch.Tensor, layer: int, head
         raise ValueError(f"layer={layer!r}: must be an integer from {-depth} to {depth - 1}{has}")
     if head is not None and (not is_int(head) or not 0 <= head < heads):
         raise ValueError(f"head={head!r}: must be an integer from 0 to {heads - 1}, or None{has}")
-    attn = collect_attention(model, images)  # (layers, B, heads, L, L)
-    a = attn[layer].mean(axis=1) if head is None else attn[layer][:, head]
+    keep = layer % depth
+
+    def one(index: int, maps: np.ndarray) -> np.ndarray | None:  # (B, heads, L, L) -> (B, L, L)
+        if index != keep:
+            return None
+        return maps.mean(axis=1) if head is None else maps[:, head].copy()
+
+    a = reduce_attention(model, images, one)[keep]
     return token_to_grid(a, _grid_of(model, images), model.cfg.num_prefix_tokens)

@@ -365,18 +365,30 @@ def _section_predictions(model: nn.Module, x: torch.Tensor, images: torch.Tensor
 
 
 def _attention_arrays(model: nn.Module, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One forward per image (attention of big models is large): rollout maps (B, gh, gw),
-    mean attention distance (layers, heads) over the images, and the raw attention of the
-    output token of image 1 per layer and head (layers, heads, gh, gw)."""
+    """One forward per image, each layer reduced as it runs (attention of big models is
+    large): rollout maps (B, gh, gw), mean attention distance (layers, heads) over the
+    images, and the raw attention of the output token of image 1 per layer and head
+    (layers, heads, gh, gw)."""
     grid = tuple(model.patch_grid(tuple(x.shape[-2:])))
     prefix, patch = model.cfg.num_prefix_tokens, att.effective_patch_size(model)
     rollout, distance, heads = [], 0.0, None
     for b in range(len(x)):
-        attn = att.collect_attention(model, x[b:b + 1])  # (layers, 1, heads, L, L)
-        rollout.append(att.token_to_grid(att.attention_rollout(attn), grid, prefix)[0])
-        distance = distance + att.mean_attention_distance(attn, grid, patch, prefix) / len(x)
+        product = None
+
+        def reduce(index: int, layer: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+            nonlocal product
+            if product is None:
+                product = np.broadcast_to(np.eye(layer.shape[-1]), layer.shape[:1] + layer.shape[2:]).copy()
+            att.rollout_layer(product, layer)
+            # a copy: a view would keep the layer's maps alive
+            first = att.token_to_grid(layer[0], grid, prefix).copy() if b == 0 else None  # (heads, gh, gw)
+            return att.layer_attention_distance(layer, grid, patch, prefix)[0], first
+
+        per_layer = att.reduce_attention(model, x[b:b + 1], reduce)
+        rollout.append(att.token_to_grid(product, grid, prefix)[0])
+        distance = distance + np.stack([d for d, _ in per_layer]) / len(x)
         if heads is None:
-            heads = att.token_to_grid(attn[:, 0], grid, prefix)
+            heads = np.stack([h for _, h in per_layer])
     return np.stack(rollout), distance, heads
 
 

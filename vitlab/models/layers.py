@@ -11,7 +11,7 @@ switches every layer to an explicit softmax that records the attention probabili
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -144,8 +144,20 @@ class Block(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
+class _Reducing(list):
+    """A recording that keeps ``each(map)`` of every map instead of the map itself."""
+
+    def __init__(self, each: Callable[[torch.Tensor], Any]) -> None:
+        super().__init__()
+        self.each = each
+
+    def append(self, probs: torch.Tensor) -> None:
+        super().append(self.each(probs))
+
+
 @contextlib.contextmanager
-def capture_attention(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+def capture_attention(model: nn.Module, each: Callable[[torch.Tensor], Any] | None = None
+                      ) -> Iterator[list[torch.Tensor]]:
     """Record the attention probabilities of every attention layer of ``model``.
 
     Inside the ``with`` block each forward appends one (B, H, L, L) tensor per layer,
@@ -155,13 +167,20 @@ def capture_attention(model: nn.Module) -> Iterator[list[torch.Tensor]]:
         with capture_attention(model) as maps:
             model(images)
         rollout = attention_rollout(maps)
+
+    The maps of every layer are kept at once (a forward of ViT-L/16 at 384 px records about
+    0.5 GB per image).  ``each``, a function of one layer's map, is called as that layer
+    runs, and the list keeps what it returns instead of the map: memory for one layer's
+    maps, reduced on the way (``vitlab.analysis.attention`` reduces so).
     """
     if not isinstance(model, nn.Module):  # a string or None failed on its missing modules()
         raise TypeError(f"capture_attention: model={model!r:.80}: expected a torch.nn.Module")
+    if each is not None and not callable(each):
+        raise TypeError(f"capture_attention: each={each!r:.80}: expected a function of one layer's map, or None")
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attention layers to capture")
-    recorded: list[torch.Tensor] = []
+    recorded: list[torch.Tensor] = [] if each is None else _Reducing(each)
     # given back at the end, not cleared: a capture around this one (a caller's, around an
     # analysis call) records on after it
     outer = [layer.recorded for layer in layers]

@@ -184,6 +184,28 @@ def test_export_cli_refuses_an_out_named_as_weights_and_leaves_them_as_they_were
     assert not (tmp_path / "m.pth").exists()
 
 
+def test_export_cli_refuses_an_out_over_a_training_run_s_files(tmp_path, capsys):
+    """`vitlab export runs/b16 --out runs/b16/config.json` (a suffix of neither format: ONNX) wrote the ONNX
+    model over the run's config; in a run's folder an export is an .onnx or .pt2 file, which no run writes."""
+    from vitlab.cli import main
+    from vitlab.weights import save_model
+
+    pytest.importorskip("onnxscript")
+    run = tmp_path / "run"
+    save_model(_random_model(TINY), run / "model.safetensors")
+    config = json.dumps({"recipe": "demo", "optim": {"lr": 0.002}})
+    for name in ("config.json", "summary.json", "curves.png"):
+        (run / name).write_text(config)
+        assert main(["export", str(run), "--out", str(run / name)]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"vitlab export: error: --out={str(run / name)!r} lies in {run}, a training run's folder, whose files "
+            "(its model.safetensors, checkpoints and records) it could replace; name it .onnx or .pt2, or write it "
+            "outside the run's folder")
+        assert (run / name).read_text() == config
+    assert main(["export", str(run)]) == 0  # the default, beside the run's weights
+    assert (run / "model.onnx").is_file()
+
+
 def test_export_cli_says_a_missing_weights_file_is_missing(tmp_path, capsys):
     """A weights file that is not there was taken for a registry name: "unknown model '.../x.safetensors'"."""
     from vitlab.cli import main

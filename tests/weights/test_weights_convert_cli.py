@@ -63,6 +63,23 @@ def test_convert_into_a_training_runs_folder_is_refused_before_reading(layout, t
     assert (run / "model.safetensors").read_bytes() == b"the run's weights"
 
 
+@pytest.mark.parametrize("layout, name", [("vitlab", "model.safetensors"), ("timm", "checkpoints/ckpt-00000003.pt"),
+                                          ("official", "r.npz")])
+def test_convert_to_a_file_in_a_training_runs_folder_is_refused_before_reading(layout, name, tmp_path, capsys):
+    # `vitlab convert X runs/b16/model.safetensors` replaced the run's trained weights and said "wrote", where a
+    # save into the folder itself was refused
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"recipe": "demo", "optim": {"lr": 0.002}}))
+    (run / name).write_bytes(b"the run's weights")
+    assert main(["convert", str(tmp_path / "absent.npz"), str(run / name), "--to", layout]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vitlab convert: error: out={str(run / name)!r} lies in {run}, a training run's folder, whose files (its "
+        "model.safetensors, checkpoints and records) it could replace; write it outside the run's folder")
+    assert (run / name).read_bytes() == b"the run's weights"
+    assert sorted(p.name for p in run.rglob("*")) == sorted(["checkpoints", "config.json", *name.split("/")[-1:]])
+
+
 def test_convert_of_vitlab_weights_takes_their_recorded_resolution_only(tmp_path, capsys):
     # a vitlab file records the size it was trained at: --weights-img-size may repeat it, not contradict it
     save_model(build_model(ViTConfig(img_size=16, patch_size=4, width=32, depth=2, mlp_dim=48, num_heads=2,

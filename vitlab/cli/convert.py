@@ -39,13 +39,16 @@ WEIGHT_FILE_SUFFIXES = (".npz", ".safetensors", ".pth", ".bin", ".pt")
 
 def check_out(out: str, layout: str) -> None:
     """Refuse an output path whose suffix names a file of another layout (``--to timm`` into ``x.npz``),
-    and a folder that holds a training run (``save_model`` refuses it too, after the source is read)."""
-    from vitlab.weights.native import need_model_folder
+    a folder that holds a training run (``save_model`` refuses it too, after the source is read), and a file
+    in one (its model.safetensors: the run saves its own weights there through ``save_model``)."""
+    from vitlab.weights.native import need_model_folder, need_outside_run
 
     suffix = Path(out).suffix.lower()
     allowed = OUT_SUFFIXES[layout]
     if suffix in allowed or (suffix not in WEIGHT_FILE_SUFFIXES and "" in allowed):
         need_model_folder(out, layout)
+        if suffix in WEIGHT_FILE_SUFFIXES:
+            need_outside_run("out", out)
         return
     files = [s for s in allowed if s]
     parts = ["a folder"] if "" in allowed else []

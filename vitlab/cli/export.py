@@ -120,12 +120,14 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.config import need_output_file
     from vitlab.export import export_onnx, export_program, model_img_size, require_onnx_packages
     from vitlab.extras import require
+    from vitlab.weights.native import need_outside_run
 
     if args.batch != "dynamic" and not (args.batch.isdigit() and int(args.batch) > 0):
         raise ValueError(f"--batch={args.batch!r}: expected 'dynamic' or a positive integer")
     dynamic = args.batch == "dynamic"
     fmt, out = format_and_out(args.format, args.out, args.source)
     need_output_file("--out", out)  # before the model is loaded and traced
+    need_outside_run("--out", out, beside=tuple(SUFFIXES.values()))  # not over a run's config.json
     if fmt == "onnx":  # before the model is loaded (downloaded, maybe) and the file written, which stayed
         require_onnx_packages()
         if args.check:

@@ -57,9 +57,34 @@ def need_model_folder(path: str | os.PathLike, format: str) -> None:
         text = None
     if isinstance(text, dict) and (text.get("type") in ("ViTConfig", "ResNetConfig") or "model_type" in text):
         return
-    what = "a training run's config" if isinstance(text, dict) and "recipe" in text else "not a model's config"
+    what = "a training run's config" if _is_run_config(text) else "not a model's config"
     raise WeightsError(f"{path}: its {CONFIG_NAME} is {what}, which saving a model there would replace, and "
                        f"the folder's {WEIGHTS_NAME} with it; save into another folder")
+
+
+def _is_run_config(text: Any) -> bool:
+    return isinstance(text, dict) and "recipe" in text
+
+
+def need_outside_run(name: str, path: str | os.PathLike, beside: Sequence[str] = ()) -> None:
+    """Refuse a file to write in a training run's folder (its ``config.json`` a run's, with its recipe), or in a
+    folder of it (``checkpoints/``): ``vitlab convert X runs/b16/model.safetensors`` replaced the run's trained
+    weights, where a save into the folder itself is refused (``need_model_folder``), and ``vitlab export X --out
+    runs/b16/config.json`` its config.  ``beside``: the suffixes of files no run writes, which may go there
+    (an export's ``model.onnx`` beside the weights it was made from, ``vitlab export``'s default)."""
+    path = Path(path)
+    if path.suffix.lower() in beside:
+        return
+    for folder in (path.parent, path.parent.parent):
+        try:
+            text = json.loads((folder / CONFIG_NAME).read_text())
+        except (OSError, ValueError):
+            continue
+        if _is_run_config(text):
+            allowed = f"name it {' or '.join(beside)}, or " if beside else ""
+            raise WeightsError(f"{name}={str(path)!r} lies in {folder}, a training run's folder, whose files (its "
+                               f"{WEIGHTS_NAME}, checkpoints and records) it could replace; {allowed}write it "
+                               "outside the run's folder")
 
 
 def save_model(model: nn.Module, path: str | os.PathLike, format: str = "vitlab",

@@ -612,6 +612,26 @@ def test_a_finished_run_resumed_with_other_settings_is_refused_and_its_records_k
     assert json.loads(config.read_text())["optim"]["clip_norm"] == 0.01
 
 
+def test_a_resumed_run_that_stops_before_saving_a_step_under_new_settings_keeps_its_config(tiny):
+    from vitlab.train.numerics import NonFiniteError
+
+    cfg = tiny("run", steps=6, ckpt_every=3, log_every=1)
+    train(cfg, verbose=False)
+    out = Path(cfg.run.out)
+    for name in ("ckpt-00000006.pt", "../summary.json", "../model.safetensors"):  # as if it died after step 3
+        (out / "checkpoints" / name).unlink()
+    recorded = (out / "config.json").read_text()
+    # step 4 takes the new rate and step 5 is not finite, before the checkpoint of step 6: the config.json
+    # claimed a rate nothing the folder holds was trained with
+    with pytest.raises(NonFiniteError, match=r"^step 5: .* the last good checkpoint is .*ckpt-00000003.pt"):
+        train(tiny("run", steps=6, ckpt_every=3, log_every=1, lr=1e30), resume=True, verbose=False)
+    assert (out / "config.json").read_text() == recorded
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["ckpt-00000003.pt"]
+    # once a checkpoint holds steps under them, it states them
+    assert train(tiny("run", steps=6, ckpt_every=3, log_every=1, lr=1e-3), resume=True, verbose=False)["steps"] == 6
+    assert json.loads((out / "config.json").read_text())["optim"]["lr"] == 1e-3
+
+
 def test_a_finished_run_resumed_with_another_length_or_time_limit_is_refused_and_its_records_kept(tiny, run_clock):
     from vitlab.config import ConfigError
 

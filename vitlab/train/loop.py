@@ -210,7 +210,11 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
         check_finished_run_unchanged(setup.cfg, state.get("config", {}), int(state["step"]), int(state["total_steps"]))
         check_same_classes(setup.splits.classes, state.get("classes"))
         check_same_split(setup.splits.split_key, state.get("split_key"))
-    start_output_folder(setup, out, afresh=held is not None and not resume)
+    # a resumed run's config.json states its settings once it has saved a step taken under them: a launch that
+    # stopped before (a step not finite, --set optim.lr=1e9) left it claiming settings nothing the folder holds
+    # was trained with
+    start_output_folder(setup, out, afresh=held is not None and not resume, config=state is None)
+    config_due = state is not None and main
     budget = time_budget(setup, t_start, progress)
     nonfinite = NonFinite(cfg.run.on_nonfinite, cfg.run.max_skipped_steps)
 
@@ -288,12 +292,17 @@ def _train(cfg: TrainConfig, world: World, machine: Machine, resume: bool, verbo
                     state = training_state(setup, step, total_steps, writer.records if writer else [],
                                            budget.state(), nonfinite.state_dict(), window, planned)
                     last_saved = save_checkpoint(setup, state, ckpt_dir, step)
+                    if config_due:
+                        write_config(setup, out)
+                        config_due = False
                     # under FSDP rank 0's is a gathered copy of the whole model and optimiser state: kept, it
                     # stayed beside the next steps and the final weights' copies (the memory estimate's rank 0)
                     del state
 
     if not last_val and setup.evaluator is not None:  # resumed a finished run: its summary still reports the metrics
         last_val = evaluate(setup, budget, final=True)
+    if config_due:  # a finished run resumed at its end, which takes no step
+        write_config(setup, out)
     progress.close()
     return finish(setup, step, planned, last_val, budget.elapsed(), writer, nonfinite, window.data_wait(),
                   full_size_rate, kept=steps_measured(out) if window.total_step_s == 0 else None)
@@ -388,9 +397,9 @@ RUN_RECORDS = ("config.json", "classes.json", "metrics.jsonl", "metrics.csv", "s
                DIVERGED_NAME)
 
 
-def start_output_folder(setup: Setup, out: Path, afresh: bool) -> None:
-    """The run's folder with its config and class names (rank 0); an earlier run's checkpoints
-    and results removed when ``afresh`` (``--overwrite``), and the temporary files of writes of its
+def start_output_folder(setup: Setup, out: Path, afresh: bool, config: bool = True) -> None:
+    """The run's folder with its config (unless not ``config``) and class names (rank 0); an earlier run's
+    checkpoints and results removed when ``afresh`` (``--overwrite``), and the temporary files of writes of its
     checkpoints and records (``RUN_RECORDS``) that were killed removed in any case.  Left until the
     new run's end, an earlier run's summary and weights beside the new config.json passed for the new
     run's: an experiment interrupted in it reported the earlier run's numbers as its finished run
@@ -410,7 +419,8 @@ def start_output_folder(setup: Setup, out: Path, afresh: bool) -> None:
     barrier(setup.world)
     if setup.world.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        write_config(setup, out)
+        if config:
+            write_config(setup, out)
         atomic_write_text(out / "classes.json", json.dumps(setup.splits.classes))
 
 

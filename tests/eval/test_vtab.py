@@ -413,6 +413,28 @@ def test_a_second_run_into_the_same_out_keeps_or_refuses_the_finished_runs(tasks
     assert main([*args, "--steps", "2", "--resume"]) == 0  # the record follows the runs trained again
 
 
+def test_resume_takes_another_examples_for_a_task_of_its_own_train800_and_val200(tasks, tiny_checkpoint, tmp_path,
+                                                                                 capsys):
+    """A task's own train800/ and val200/ are trained as given whatever --examples: its runs, made as they would be
+    now, were refused a --resume with another --examples (or --split-seed); a task cut from train/ still is."""
+    out = tmp_path / "vtab"
+    args = [*tiny_vtab(tiny_checkpoint, tasks, out, steps=1), "--only", "dsprites_loc", "--grid", "0.01"]
+    assert main(args) == 0
+    summary = out / "dsprites_loc" / "final_lr_0.01" / "summary.json"
+    stamp = summary.stat().st_mtime_ns
+    capsys.readouterr()
+    assert main([*args, "--examples", "15", "--split-seed", "1", "--resume"]) == 0
+    assert summary.stat().st_mtime_ns == stamp  # read back, not trained again
+    capsys.readouterr()
+    eurosat = [*args[:args.index("--only") + 1], "eurosat", "--grid", "0.01"]
+    assert main(eurosat) == 0
+    capsys.readouterr()
+    assert main([*eurosat, "--examples", "15", "--resume"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vitlab vtab: error: --resume: the runs of eurosat in {out} were made with other settings: examples=15 (its "
+        "runs: 20); resume with the same ones, or train again with --overwrite or into another --out")
+
+
 def test_resume_from_another_folder_scores_the_runs_own_weights(tasks, tiny_checkpoint, tmp_path, capsys,
                                                                  monkeypatch):
     """A finished run's summary named its weights relative to the folder vtab ran in: --resume from another

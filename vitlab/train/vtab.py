@@ -140,8 +140,12 @@ def task_settings(cfg: TrainConfig, task: Task, examples: int, split_seed: int) 
     fields = [n for n in RESUME_INVARIANTS if n != "data.source"] + trained + [
         "data.progressive_sizes", "run.precision", "run.loss_scale"]
     values = {name: field_value(cfg, name) for name in dict.fromkeys(fields)}
-    values.update({"model.init": file_key(cfg.model.init) if cfg.model.init else None, "examples": examples,
-                   "split_seed": split_seed, "task folder": str(Path(task.folder).resolve()),
+    # --examples and --split-seed cut train/; a task's own train800/ and val200/ are trained as given whatever
+    # they are (``split_task``): its runs, refused a resume with another --examples, were the runs it would make
+    if task.train800 is None or task.val200 is None:
+        values.update({"examples": examples, "split_seed": split_seed})
+    values.update({"model.init": file_key(cfg.model.init) if cfg.model.init else None,
+                   "task folder": str(Path(task.folder).resolve()),
                    # its images as they are now (each one's path, size and time): the split is drawn from them, so
                    # images added to train/ re-cut it under runs made on the earlier cut
                    "task images": "-".join(source_key(p) for p in (task.train, task.train800, task.val200, task.test)

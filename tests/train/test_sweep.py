@@ -245,6 +245,23 @@ def test_a_learning_rate_given_to_a_sweep_is_refused(capsys):
     assert main(base) == 0 and json.loads(capsys.readouterr().out)["grid"] == [0.01, 0.02]
 
 
+def test_an_evaluation_setting_of_a_recipe_that_holds_nothing_out_is_read_by_the_grids_runs(capsys):
+    """The grid's runs score their hold-out (10%, or --holdout) with run.eval_flip: a sweep of a recipe with
+    data.val_split=0 was refused it, as a run that holds nothing out to score is (which train still is)."""
+    from vitlab.cli import main
+
+    base = ["--recipe", "demo", "--data", "digits", "--set", "data.val_split=0", "--set", "run.eval_flip=true",
+            "--show-config"]
+    for holdout, given in ((0.1, []), (100, ["--holdout", "100"])):
+        assert main(["sweep", "--grid", "0.01,0.02", *base, *given]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["holdout"] == holdout and plan["final"]["run"]["eval_flip"] is True
+        assert plan["final"]["data"]["val_split"] == 0  # the final run holds none out, as before
+    assert main(["train", *base]) == 2
+    assert capsys.readouterr().err.startswith("vitlab train: error: run.eval_flip=True: read by the evaluations of "
+                                              "the held-out images, and this run holds no images out to score")
+
+
 def test_a_hold_out_beyond_the_data_is_refused_before_any_run(tiny, tmp_path, capsys):
     """--val-split 5000 on the 1,797 digits was found by the final run, once every rate of the grid had
     trained; --holdout's refusals named data.val_split, a field the command line had not given."""

@@ -64,13 +64,18 @@ def parse_grid(text: str) -> tuple[float, ...]:
 
 
 def sweep_settings(args: argparse.Namespace):
-    """(the config, the grid's hold-out or None for the config's default) from the command's flags.
-    ``--val-split`` and ``--val-data`` are the final run's alone: the config goes to ``run_sweep``
-    without the first (its ``final_val_split``), and the hold-out is the ``data.val_split`` of the
-    config resolved without either (the recipe's, as --set changes it: a named validation set
-    holds nothing out of the config it is set in)."""
+    """(the config, the grid's hold-out) from the command's flags.  ``--val-split`` and ``--val-data`` are
+    the final run's alone: the config goes to ``run_sweep`` without the first (its ``final_val_split``),
+    and the hold-out is ``--holdout``, else the ``data.val_split`` of the recipe as --set changes it
+    (a named validation set holds nothing out of the config it is set in), else 10%.  The config is
+    resolved holding that out, as the grid's runs do, unless a validation set is named: an evaluation
+    setting (--set run.eval_flip=true), which they read, was refused on a recipe that holds nothing out
+    (``check_eval_changes_read``)."""
     from vitlab.config import ConfigError
     from vitlab.train.overrides import named_fields
+    from vitlab.train.sweep import sweep_holdout
+
+    from .train import config_changes
 
     # every run's rate is the grid's: --lr 0.5 was accepted, shown as the final run's by --show-config, and unused
     if args.lr is not None or "optim.lr" in named_fields(args.overrides):
@@ -78,10 +83,10 @@ def sweep_settings(args: argparse.Namespace):
         raise ConfigError(f"{given}: a sweep trains every rate of its grid and retrains at the best; give the rates "
                           "with --grid")
     init = {"model.init": args.init} if args.init else {}
-    cfg = resolve_config(argparse.Namespace(**{**vars(args), "val_split": None}), extra=init)
-    grid_side = resolve_config(argparse.Namespace(**{**vars(args), "val_split": None, "val_data": None}),
-                               extra={**init, "data.val_data": None})
-    return cfg, args.holdout if args.holdout is not None else (grid_side.data.val_split or None)
+    recipe, changes = config_changes(argparse.Namespace(**{**vars(args), "val_split": None}), extra=init)
+    holdout = sweep_holdout(args.holdout, changes.get("data.val_split", recipe.data.val_split))
+    held = {} if changes.get("data.val_data", recipe.data.val_data) else {"data.val_split": holdout}  # one of them
+    return resolve_config(argparse.Namespace(**{**vars(args), "val_split": None}), extra={**init, **held}), holdout
 
 
 def run(args: argparse.Namespace) -> int:

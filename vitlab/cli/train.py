@@ -144,6 +144,13 @@ def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     """Recipe -> --set overrides -> dedicated flags (the most specific wins); a recipe whose rates are
     per model (Table 3) takes the named model's, else the init's (``load_recipe``'s changes)."""
     from vitlab.configs import load_recipe
+
+    return load_recipe(args.recipe, changes=config_changes(args, extra)[1])
+
+
+def config_changes(args: argparse.Namespace, extra: dict | None = None):
+    """(the recipe, the changes ``resolve_config`` makes to it: --set's, the flags' and ``extra``)."""
+    from vitlab.configs import load_recipe
     from vitlab.train.overrides import parse_overrides
 
     cfg = load_recipe(args.recipe, model_name=getattr(args, "model", None))  # what --set's values are read against
@@ -154,7 +161,7 @@ def resolve_config(args: argparse.Namespace, extra: dict | None = None):
     if isinstance(split, float) and split.is_integer() and split >= 1:  # other types: the config names them
         changes["data.val_split"] = int(split)
     changes.update(extra or {})
-    return load_recipe(args.recipe, changes=changes)
+    return cfg, changes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -15,7 +15,9 @@ interpolation of position embeddings).  For ViT-B/16 these add under 1%.
 Training cost (paper Table 6 "exaFLOPs"): forward + backward is taken as 3x the
 forward, times the images seen.  This reproduces the paper's figures: ViT-B/16 for 7
 epochs of JFT-300M (303M images) at 224 px is 3 * 35.1e9 * 7 * 303e6 = 224 exaFLOPs,
-as printed in Table 6.
+as printed in Table 6.  Its BiT ResNets' figures are 3-4% below this count (R50x1: 50 against
+52.0), which takes in the multiply-adds on the convolutions' zero padding, and the paper's not
+(docs/models.md).
 """
 from __future__ import annotations
 

@@ -606,9 +606,10 @@ def _archive_members(path: Path, limits: ArchiveLimits, read: bool
                      ) -> tuple[dict[str, bytes | None], list[str], list[str], list[str]]:
     """One pass over the archive at ``path``: its images by member name, with their bytes where ``read``
     (else None), a link inside the archive to an image being that image; its folders; the members
-    skipped (links to no image, devices); the archives it holds (a .tar, .tar.gz, .tgz or .zip: not opened).  The one rule of which members are images, the reader's
-    (``read_image_archive``) and the count's (``count_archive_images``): each restating it, the count
-    took a link to no image (dangling, or to a text file) for one the reader skipped."""
+    skipped (links to no image, devices); the archives it holds (a .tar, .tar.gz, .tgz or .zip: not
+    opened).  The one rule of which members are images, the reader's (``read_image_archive``) and the
+    count's (``count_archive_images``): each restating it, the count took a link to no image (dangling,
+    or to a text file) for one the reader skipped."""
     blobs: dict[str, bytes | None] = {}
     links: dict[str, str] = {}  # an image's name -> the member it links to, resolved after the pass
     dirs: list[str] = []

@@ -231,6 +231,17 @@ def test_masked_patch_prediction_trains_its_vit_but_the_head_it_does_not_read(ti
     assert all(torch.equal(v, trained[f"vit.{k}"]) for k, v in saved.items())
 
 
+@pytest.mark.parametrize("target", ["pixels", "color"])
+def test_masked_patch_prediction_logs_a_training_accuracy_of_colour_classes_only(tiny, target):
+    # a regression of the pixels has no right or wrong prediction: its steps counted none right, and the run
+    # logged (and drew) a training top-1 of 0.0; the colour targets log the share of corrupted patches right
+    summary = train(with_changes(tiny("mpp", steps=2, log_every=1), {"model.mpp": target}), verbose=False)
+    records = read_jsonl(Path(summary["weights"]).parent / "metrics.jsonl")
+    assert len(records) == 2 and all(r["loss"] > 0 for r in records)
+    tops = [r["train_top1"] for r in records]
+    assert tops == [None, None] if target == "pixels" else all(0 <= t <= 1 for t in tops), tops
+
+
 @pytest.fixture
 def fresh_dynamo():
     torch._dynamo.reset()

@@ -541,7 +541,8 @@ class Window:
         record = {
             "step": step, "epoch": round(step * setup.cfg.optim.batch_size / setup.splits.train_count(), 3),
             "lr": lr, "loss": loss / steps if steps else float("nan"),
-            "train_top1": correct / max(seen, 1), "grad_norm": grad_norm,
+            # masked patch prediction's regression of the pixels predicts nothing right or wrong: no top-1 (not 0)
+            "train_top1": None if setup.cfg.model.mpp == "pixels" else correct / max(seen, 1), "grad_norm": grad_norm,
             "img_per_s": examples / max(dt, 1e-9), "elapsed_s": elapsed_s,
             "data_wait": round(wait_s / step_s, 4) if step_s else None,
         }

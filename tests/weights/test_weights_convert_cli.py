@@ -179,3 +179,28 @@ def test_convert_to_official_of_non_square_patches_reads_back_at_its_size(tmp_pa
     assert out[-2] == (f"an official .npz records no image size: read {tmp_path / 'o.npz'} with --weights-img-size "
                        "16x16 (load_model's weights_img_size=(16, 16))")
     assert json.loads(out[-1])["max_abs_logit_diff"] < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore::vitlab.weights.ConventionWarning")
+@pytest.mark.parametrize("layout, out", [("vitlab", "v"), ("hf", "hf"), ("timm", "t.safetensors")])
+def test_convert_of_a_masked_patch_prediction_run_writes_no_untrained_head(layout, out, tmp_path, capsys):
+    # MPP trains no classifier and saves its ViT with the zero head it was built with: predict and eval refuse
+    # the run, but its conversion wrote that head with the run's class names, and predict of the converted
+    # weights gave every image 10% of each class ("2", "3", "4" first); now a backbone, as --num-classes 0 writes
+    run = tmp_path / "mpp"
+    save_model(create_model(ViTConfig(img_size=16, patch_size=4, width=32, depth=1, mlp_dim=64, num_heads=4,
+                                      num_classes=10)), run / "model.safetensors")
+    (run / "config.json").write_text(json.dumps({"recipe": "mpp:target=color", "model": {"mpp": "color"}}))
+    (run / "classes.json").write_text(json.dumps([str(i) for i in range(10)]))
+    assert main(["convert", str(run), str(tmp_path / out), "--to", layout]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (f"{run}: pre-trained by masked patch prediction (model.mpp='color'), which trains no "
+                        "classifier: written without its untrained head (num_classes=0); --num-classes N gives it "
+                        "a new one")
+    assert json.loads(lines[-1])["max_abs_logit_diff"] < 1e-5
+    converted = load_model(str(tmp_path / out))
+    assert converted.cfg.num_classes == 0 and not (tmp_path / out / "classes.json").exists()
+    # a new head asked for is written, zero, without the run's class names, at any count (its own too)
+    assert main(["convert", str(run), str(tmp_path / "new"), "--num-classes", "10"]) == 0
+    assert "written with a new zero head of 10 classes" in capsys.readouterr().out
+    assert load_model(str(tmp_path / "new")).cfg.num_classes == 10 and not (tmp_path / "new" / "classes.json").exists()

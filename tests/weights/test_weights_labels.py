@@ -136,6 +136,20 @@ def test_export_onnx_and_torch_export_carry_the_names(run, tmp_path, capsys):
     assert json.loads(meta.custom_metadata_map["label2id"])["goldfish"] == 2
 
 
+def test_export_of_a_masked_patch_prediction_run_writes_its_features_without_names(run, tmp_path, capsys):
+    # MPP trains no classifier: its ViT is saved with the head it was built with, which predict and eval refuse;
+    # the export wrote that head with the run's class names, a program giving every image the same scores
+    from vitlab.export import load_program, program_class_names
+
+    (run / "config.json").write_text(json.dumps({"recipe": "mpp:target=color", "model": {"mpp": "color"}}))
+    assert main(["export", str(run), "--format", "torch-export", "--out", str(tmp_path / "m.pt2"), "--check"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (f"{run}: pre-trained by masked patch prediction (model.mpp='color'), which trains no "
+                        "classifier: written without its untrained head (num_classes=0)")
+    assert program_class_names(tmp_path / "m.pt2") is None
+    assert load_program(tmp_path / "m.pt2")(torch.rand(2, 3, 16, 16) * 2 - 1).shape == (2, 16)  # the features
+
+
 def test_predict_refuses_class_names_that_do_not_match_the_heads_outputs(run, tmp_path, capsys):
     # a list shorter than the head failed on the first image with an IndexError traceback
     (tmp_path / "two.json").write_text(json.dumps(NAMES[:2]))

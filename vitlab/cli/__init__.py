@@ -105,6 +105,25 @@ def load_weights(args: argparse.Namespace, source, **kw):
     return load_model(source, img_size=args.img_size, **weights_read(args), **kw)
 
 
+def without_untrained_head(source, model, num_classes: int | None = None):
+    """``model`` and None; or, where ``source`` is a run of masked patch prediction (``model.mpp`` of its recorded
+    config), which trains no classifier and saves its ViT with the head it was built with (zero), ``model``
+    with a new zero head of ``num_classes`` (None or 0: none, the encoder's features) and the line that says
+    so.  Written out as it was (convert, export), that head gave every image the same scores under the run's
+    class names, where predict and eval refuse the run itself."""
+    from vitlab.analysis.report import read_run_meta
+    from vitlab.train.legacy import recorded_section
+    from vitlab.weights.core import with_new_head
+
+    mpp = recorded_section(read_run_meta(source).get("recipe"), "model").get("mpp")
+    if mpp is None:
+        return model, None
+    written = f"with a new zero head of {num_classes} classes" if num_classes else \
+        "without its untrained head (num_classes=0)"
+    note = f"{source}: pre-trained by masked patch prediction (model.mpp={mpp!r}), which trains no classifier: written"
+    return with_new_head(model, num_classes or 0), f"{note} {written}"
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse's refusals in one line, as every other refusal of the command: argparse prints the
     usage block first (ten lines for `train`), and ``--help`` is where that belongs."""

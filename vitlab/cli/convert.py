@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vitlab.cli import add_img_size_argument, add_weights_arguments, load_weights
+from vitlab.cli import add_img_size_argument, add_weights_arguments, load_weights, without_untrained_head
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,20 +61,13 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.report import read_run_meta, recorded_loss
     from vitlab.config import need_output_file, need_output_folder
     from vitlab.weights import WeightsError, read_class_names, save_model
-    from vitlab.weights.core import with_new_head
 
     check_out(args.out, args.format)  # before the source is read, which can take a while
     if Path(args.out).suffix.lower() in WEIGHT_FILE_SUFFIXES:
         need_output_file("out", args.out)
     else:
         need_output_folder("out", args.out)
-    model = load_weights(args, args.source)
-    # a new head only for another count, as load_model(num_classes=) gives it; the same count keeps the trained
-    # head, and with it its names and loss (they were dropped as a new head's, a sigmoid_xent run's taken for
-    # a softmax's)
-    new_head = args.num_classes is not None and args.num_classes != model.cfg.num_classes
-    if new_head:
-        model = with_new_head(model, args.num_classes)
+    model, new_head = with_head_to_write(args, load_weights(args, args.source))
     cfg = model.cfg
     names = None if new_head else read_class_names(args.source)  # a new head's classes are not the source's
     if names is not None and len(names) != cfg.num_classes:
@@ -97,6 +90,23 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_check:
         print(json.dumps({"check": "read back by vitlab", "max_abs_logit_diff": read_back(model, written, args)}))
     return 0
+
+
+def with_head_to_write(args: argparse.Namespace, model):
+    """``model`` with the head to write, and whether that head is new (untrained: the source's class names and
+    loss are not its).  A new zero head only for another count, as load_model(num_classes=) gives it; the same
+    count keeps the trained head, and with it its names and loss (they were dropped as a new head's, a
+    sigmoid_xent run's taken for a softmax's).  A run of masked patch prediction trained no classifier: it is
+    written without a head, or with the new one --num-classes asks for (``without_untrained_head``)."""
+    from vitlab.weights.core import with_new_head
+
+    model, note = without_untrained_head(args.source, model, args.num_classes)
+    if note is not None:
+        print(note if args.num_classes else f"{note}; --num-classes N gives it a new one")
+        return model, True
+    if args.num_classes is not None and args.num_classes != model.cfg.num_classes:
+        return with_new_head(model, args.num_classes), True
+    return model, False
 
 
 def read_back(model, written: Path, args: argparse.Namespace) -> float:

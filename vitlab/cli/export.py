@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vitlab.cli import add_img_size_argument, add_weights_arguments, load_weights, weights_read
+from vitlab.cli import add_img_size_argument, add_weights_arguments, load_weights, weights_read, without_untrained_head
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,8 +71,11 @@ def _load(args: argparse.Namespace):
     from vitlab.models.registry import canonical_name, create_model, list_models, unknown_model
 
     source, name, img_size = args.source, args.name, args.img_size
-    if _is_weights(source):
-        return load_weights(args, source)
+    if _is_weights(source):  # a run of masked patch prediction: its encoder's features, without its untrained head
+        model, note = without_untrained_head(source, load_weights(args, source))
+        if note is not None:
+            print(note)
+        return model
     if name is not None:  # it was ignored: the registry name given as the source is the model
         raise ValueError(f"--name={name!r}: names the model of weights whose shapes do not give it; {source!r} "
                          "is a registry name already")
@@ -91,19 +94,19 @@ def _class_names(source: str, num_classes: int) -> list[str] | None:
     from vitlab.weights import WeightsError
     from vitlab.weights.load import read_class_names
 
-    names = read_class_names(source) if _is_weights(source) else None
+    names = read_class_names(source) if _is_weights(source) and num_classes else None  # a model without a head: none
     if names is not None and len(names) != num_classes:
         raise WeightsError(f"{source}: its {len(names)} class names do not match the {num_classes} classes of its "
                            "head (a classes.json from another run?)")
     return names
 
 
-def _loss(source: str) -> str | None:
+def _loss(source: str, num_classes: int) -> str | None:
     """The loss the weights were trained with, as their run or they themselves record it (None for a
-    registry name's random model, and for weights that record none)."""
+    registry name's random model, for weights that record none, and for a model without a head)."""
     from vitlab.analysis.report import read_run_meta, recorded_loss
 
-    return recorded_loss(read_run_meta(source), default=None) if _is_weights(source) else None
+    return recorded_loss(read_run_meta(source), default=None) if _is_weights(source) and num_classes else None
 
 
 def _is_weights(source: str) -> bool:
@@ -135,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     model = _load(args).eval()
     size = model_img_size(model, args.img_size)
     batch = 2 if dynamic else int(args.batch)
-    names, loss = _class_names(args.source, model.cfg.num_classes), _loss(args.source)
+    names, loss = _class_names(args.source, model.cfg.num_classes), _loss(args.source, model.cfg.num_classes)
     export = export_onnx if fmt == "onnx" else export_program
     export(model, out, size, dynamic_batch=dynamic, batch=batch, class_names=names, loss=loss)
     mb = out.stat().st_size / 2**20

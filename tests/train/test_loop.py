@@ -285,6 +285,31 @@ def test_a_fine_tune_removes_the_init_s_pre_logits_whatever_its_class_count(tiny
     assert torch.equal(kept.pre_logits.fc.weight, load_model(init).pre_logits.fc.weight)
 
 
+def test_a_fine_tune_that_holds_out_images_its_init_trained_on_says_so(tiny):
+    """A fine-tune on the data its init's run trained on (masked patch prediction's pre-training, then the labels)
+    scored its held-out images without a word where its init had trained on them: the mpp recipe holds out 1%,
+    and vitlab finetune's own recipe 2% of CIFAR, half of it images MPP trained on.  It warns, naming how many."""
+    import warnings
+
+    from vitlab.train.overrides import with_changes
+
+    pre = train(with_changes(tiny("mpp", steps=1), {"model.mpp": "color"}), verbose=False)  # holds out 100
+    for held, trained_on in ((150, 50), (100, 0), (60, 0)):  # a smaller hold-out of the same seed is part of it
+        cfg = with_changes(tiny(f"ft{held}", steps=1), {"model.init": pre["weights"], "model.overrides": {},
+                                                         "data.val_split": held})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(cfg, verbose=False)
+        said = [str(w.message) for w in caught if "never saw" in str(w.message)]
+        assert said == ([f"model.init={pre['weights']!r}: its run trained on {trained_on} of the {held} images this "
+                         "run holds out (data.val_split), so they are not images it never saw; its run held out "
+                         "data.val_split=100 of data.split_seed=0"] if trained_on else []), (held, said)
+    # another seed's split of the same data
+    with pytest.warns(UserWarning, match=r"its run trained on \d+ of the 100 images this run holds out"):
+        train(with_changes(tiny("seed1", steps=1), {"model.init": pre["weights"], "model.overrides": {},
+                                                    "data.split_seed": 1}), verbose=False)
+
+
 def test_keep_pre_logits_is_refused_for_an_init_without_them(tiny, tmp_path):
     """model.keep_pre_logits=true with weights that have no pre-logits layer was accepted, and the run trained a
     one-layer head as without it, saying nothing."""

@@ -13,7 +13,7 @@ labels are not used; the validation split (1%) is held out all the same, so that
 on the same data can score on images pre-training never saw: one that holds out the same
 (``vitlab finetune --init RUN --data DATA --val-split 0.01``, the same ``data.split_seed``).
 The fine-tune's own hold-out is another (2% for CIFAR: 1,000 images, 500 of them this run
-trained on).  Weight decay is not stated for MPP: the paper's pre-training value (0.1,
+trained on), and it warns so.  Weight decay is not stated for MPP: the paper's pre-training value (0.1,
 Table 3) is used.
 """
 from vitlab.train.config import AugmentConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig

@@ -11,8 +11,10 @@ in DataLoader workers.  Validation sets are decoded into memory.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -28,6 +30,7 @@ from vitlab.data.stream import hold_out, open_source, source_state, units_key
 
 from .config import TrainConfig
 from .distributed import barrier
+from .legacy import recorded_section
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +91,7 @@ def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
         val_size = int(data.val_split) if data.val_split >= 1 else float(data.val_split)
         train_idx, val_idx = stratified_split(labels, val_size, data.split_seed, "data.val_split")
         val_images, val_labels, val_key = images[val_idx], labels[val_idx], part_key(dataset.ids[ids[val_idx]])
+        check_init_held_out(cfg, dataset, ids[val_idx])
         images, labels, ids = images[train_idx], labels[train_idx], ids[train_idx]
     if data.val_data:
         val_images, val_labels, val_skipped, val_key = load_val_data(cfg, image_size, classes, world)
@@ -95,6 +99,49 @@ def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
     return Splits(images, labels, val_images, val_labels, classes, skipped, train_ids=ids,
                   split_key=split_key(part_key(dataset.ids[ids]), val_key),
                   train_sizes=None if dataset.sizes is None else dataset.sizes[ids])
+
+
+def check_init_held_out(cfg: TrainConfig, dataset, held_out: torch.Tensor) -> None:
+    """Warn where ``model.init`` is a run that trained on some of the images this run holds out (``held_out``:
+    their indices in ``dataset``): a fine-tune on the data of its pre-training (masked patch prediction's, then
+    the labels) scored images its init had seen.  The init's training images are its recorded split of
+    ``dataset`` drawn again, and counted only where they are its run's (its summary's ``split_key``)."""
+    if cfg.model.init is None or not Path(cfg.model.init).expanduser().exists():
+        return
+    init = Path(cfg.model.init).expanduser()
+    folder = init if init.is_dir() else init.parent
+    try:
+        data = recorded_section(json.loads((folder / "config.json").read_text()), "data")
+        key = json.loads((folder / "summary.json").read_text())["split_key"]["train"]
+        trained = recorded_training_part(dataset, data)
+    except (OSError, ValueError, KeyError, TypeError, ConfigError, DataError):  # no run's records, or not of this data
+        return
+    if trained is None or part_key(dataset.ids[trained]) != key:
+        return
+    seen = int(torch.isin(held_out, trained).sum())
+    if seen:
+        warnings.warn(f"model.init={cfg.model.init!r}: its run trained on {seen} of the {len(held_out)} images this "
+                      "run holds out (data.val_split), so they are not images it never saw; its run held out "
+                      f"data.val_split={data.get('val_split')!r} of data.split_seed={data.get('split_seed', 0)!r}",
+                      UserWarning, stacklevel=2)
+
+
+def recorded_training_part(dataset, data: dict) -> torch.Tensor | None:
+    """The indices in ``dataset`` of the images a run of the recorded ``data`` section trained on, drawn as
+    ``build_splits`` draws them (None: a streamed run's, whose draw is another)."""
+    if data.get("stream") == "stream":
+        return None
+    ids, labels, seed = torch.arange(len(dataset.labels)), dataset.labels, data.get("split_seed", 0)
+    if data.get("class_subset"):
+        ids, labels, _ = select_classes(ids, labels, list(dataset.classes), tuple(data["class_subset"]))
+    examples = data.get("train_examples") or 0
+    if examples and examples < len(labels):
+        keep = training_pool(labels, examples, seed)
+        ids, labels = ids[keep], labels[keep]
+    split = data.get("val_split") or 0
+    if split:
+        ids = ids[stratified_split(labels, int(split) if split >= 1 else float(split), seed)[0]]
+    return ids
 
 
 def opened_source(source: str, cache_dir=None):

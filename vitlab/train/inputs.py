@@ -76,23 +76,15 @@ def build_splits(cfg: TrainConfig, image_size: Pair, world=None) -> Splits:
         raise ConfigError(f"data.stream='memory': {data.source}: {dataset.several_labels} sample(s) have several "
                           "labels, of which a set decoded into memory keeps the first; stream it "
                           "(data.stream='stream') to train on every label")
-    images, labels, classes = dataset.images, dataset.labels, list(dataset.classes)
-    ids = torch.arange(len(labels))
-    if data.class_subset:
-        ids = select_classes(ids, labels, classes, tuple(data.class_subset))[0]
-        images, labels, classes = select_classes(images, labels, classes, tuple(data.class_subset))
-    if data.train_examples and data.train_examples < len(labels):
-        # the training pool: a class-stratified sample (the held-out part of a stratified split)
-        keep = training_pool(labels, data.train_examples, data.split_seed)
-        images, labels, ids = images[keep], labels[keep], ids[keep]
-    val_images = val_labels = val_key = None
+    ids, labels, classes, val_ids, val_labels = drawn_parts(dataset, data.class_subset, data.train_examples,
+                                                            data.val_split, data.split_seed)
+    # the whole set where the run trains on all of it: an index would copy every image
+    images = dataset.images if len(ids) == len(dataset.labels) else dataset.images[ids]
+    val_images = val_key = None
     skipped = dataset.skipped.images
-    if data.val_split:  # held out of the pool: VTAB-1k's 800 + 200 of 1000
-        val_size = int(data.val_split) if data.val_split >= 1 else float(data.val_split)
-        train_idx, val_idx = stratified_split(labels, val_size, data.split_seed, "data.val_split")
-        val_images, val_labels, val_key = images[val_idx], labels[val_idx], part_key(dataset.ids[ids[val_idx]])
-        check_init_held_out(cfg, dataset, ids[val_idx])
-        images, labels, ids = images[train_idx], labels[train_idx], ids[train_idx]
+    if val_ids is not None:
+        val_images, val_key = dataset.images[val_ids], part_key(dataset.ids[val_ids])
+        check_init_held_out(cfg, dataset, val_ids)
     if data.val_data:
         val_images, val_labels, val_skipped, val_key = load_val_data(cfg, image_size, classes, world)
         skipped += val_skipped
@@ -131,17 +123,27 @@ def recorded_training_part(dataset, data: dict) -> torch.Tensor | None:
     ``build_splits`` draws them (None: a streamed run's, whose draw is another)."""
     if data.get("stream") == "stream":
         return None
-    ids, labels, seed = torch.arange(len(dataset.labels)), dataset.labels, data.get("split_seed", 0)
-    if data.get("class_subset"):
-        ids, labels, _ = select_classes(ids, labels, list(dataset.classes), tuple(data["class_subset"]))
-    examples = data.get("train_examples") or 0
-    if examples and examples < len(labels):
-        keep = training_pool(labels, examples, seed)
+    return drawn_parts(dataset, data.get("class_subset"), data.get("train_examples"), data.get("val_split"),
+                       data.get("split_seed", 0))[0]
+
+
+def drawn_parts(dataset, class_subset, train_examples, val_split, seed: int) -> tuple:
+    """A run's parts of the set decoded into memory, as indices into ``dataset``: (training ids, their labels,
+    the classes, held-out ids, their labels), the held-out ones None where ``val_split`` holds none out.  The
+    classes of ``class_subset`` (relabelled in its order), a class-stratified pool of ``train_examples``, then
+    a stratified split of ``val_split`` of it (VTAB-1k's 800 + 200 of 1000), each drawn with ``seed``."""
+    ids, labels, classes = torch.arange(len(dataset.labels)), dataset.labels, list(dataset.classes)
+    if class_subset:
+        ids, labels, classes = select_classes(ids, labels, classes, tuple(class_subset))
+    if train_examples and train_examples < len(labels):
+        # the training pool: a class-stratified sample (the held-out part of a stratified split)
+        keep = training_pool(labels, train_examples, seed)
         ids, labels = ids[keep], labels[keep]
-    split = data.get("val_split") or 0
-    if split:
-        ids = ids[stratified_split(labels, int(split) if split >= 1 else float(split), seed)[0]]
-    return ids
+    if not val_split:
+        return ids, labels, classes, None, None
+    size = int(val_split) if val_split >= 1 else float(val_split)
+    train_idx, val_idx = stratified_split(labels, size, seed, "data.val_split")
+    return ids[train_idx], labels[train_idx], classes, ids[val_idx], labels[val_idx]
 
 
 def opened_source(source: str, cache_dir=None):

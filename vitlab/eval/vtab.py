@@ -78,6 +78,8 @@ TASK_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 GROUPS = ("natural", "specialized", "structured")
 SWEEP_SHARE = 0.8  # train800 of 1000
+# a result's train_split where the task brought its own two splits, trained as given (whatever --examples)
+OWN_SPLITS = "train800/ + val200/"
 # the tasks whose labels a random horizontal flip or a random crop changes (an angle, a location, a count, a
 # distance): their runs train without it.  Kolesnikov et al. 2020 (BiT), Supplementary F, whose pre-processing
 # the paper follows for VTAB (Appendix B.1.1): flipping off for dSprites-orientation, SmallNORB-azimuth and
@@ -232,7 +234,7 @@ def split_task(task: Task, work: str | os.PathLike, examples: int = 1000, seed: 
     test_items = _items(parts["test"], classes) if "test" in parts else None
     if task.train800 is not None and task.val200 is not None:
         sweep_train, sweep_val = _items(parts["train800"], classes), _items(parts["val200"], classes)
-        test_split, train_split = "test/", "train800/ + val200/"
+        test_split, train_split = "test/", OWN_SPLITS
     else:
         pool = _items(parts["train"], classes)
         if len(pool) < examples:
@@ -341,7 +343,7 @@ def format_table(results: Mapping[str, Mapping[str, object]], summary: Mapping[s
     examples = (summary.get("protocol") or {}).get("examples")
     for name, r in results.items() if examples else ():  # trained as given: not the --examples of the protocol
         val, cut = r.get("val_examples"), int(round(SWEEP_SHARE * examples))
-        if r.get("train_split") == "train800/ + val200/" and (r["train_examples"] - val, val) != (cut, examples - cut):
+        if r.get("train_split") == OWN_SPLITS and (r["train_examples"] - val, val) != (cut, examples - cut):
             rows.append(f"{name}: its own train800/ and val200/ as given ({r['train_examples'] - val} + {val} images), "
                         f"not --examples {examples}")
     rows.append("")
